@@ -1,0 +1,93 @@
+//! Byte and allocation counters at one layer (RMM's `statistics_resource_adaptor`): current,
+//! peak and total, independent of the allocator's own statistics.
+
+use std::sync::Mutex;
+
+use crate::error::Result;
+use crate::resource::{AllocRequest, MemoryResource, RawBlock};
+
+/// Counters kept by [`Statistics`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Counters {
+    /// Bytes outstanding (requested sizes).
+    pub bytes_current: usize,
+    /// Highest `bytes_current`.
+    pub bytes_peak: usize,
+    /// Bytes ever allocated.
+    pub bytes_total: usize,
+    /// Allocations outstanding.
+    pub count_current: usize,
+    /// Highest `count_current`.
+    pub count_peak: usize,
+    /// Allocations ever made.
+    pub count_total: usize,
+    /// Failed allocation requests.
+    pub failures: usize,
+}
+
+/// Counts what passes through it.
+#[derive(Debug)]
+pub struct Statistics<R: MemoryResource> {
+    upstream: R,
+    counters: Mutex<Counters>,
+}
+
+impl<R: MemoryResource> Statistics<R> {
+    /// Wraps `upstream`.
+    pub fn new(upstream: R) -> Self {
+        Statistics { upstream, counters: Mutex::new(Counters::default()) }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Counters> {
+        self.counters.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The counters now.
+    pub fn counters(&self) -> Counters {
+        *self.lock()
+    }
+
+    /// Sets the peaks to the current values.
+    pub fn reset_peaks(&self) {
+        let mut c = self.lock();
+        c.bytes_peak = c.bytes_current;
+        c.count_peak = c.count_current;
+    }
+
+    /// The wrapped resource.
+    pub fn inner(&self) -> &R {
+        &self.upstream
+    }
+}
+
+impl<R: MemoryResource> MemoryResource for Statistics<R> {
+    fn allocate_raw(&self, request: AllocRequest) -> Result<RawBlock> {
+        let result = self.upstream.allocate_raw(request);
+        let mut c = self.lock();
+        match &result {
+            Ok(block) => {
+                c.bytes_current += block.size();
+                c.bytes_total += block.size();
+                c.bytes_peak = c.bytes_peak.max(c.bytes_current);
+                c.count_current += 1;
+                c.count_total += 1;
+                c.count_peak = c.count_peak.max(c.count_current);
+            }
+            Err(_) => c.failures += 1,
+        }
+        result
+    }
+
+    fn deallocate_raw(&self, block: RawBlock) -> Result<()> {
+        let size = block.size();
+        self.upstream.deallocate_raw(block)?;
+        let mut c = self.lock();
+        c.bytes_current -= size;
+        c.count_current -= 1;
+        Ok(())
+    }
+
+    fn upstream(&self) -> Option<&dyn MemoryResource> {
+        Some(&self.upstream)
+    }
+}

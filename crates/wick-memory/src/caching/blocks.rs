@@ -1,0 +1,244 @@
+//! Blocks, segments and the two free pools. A segment is one backend allocation; it is tiled
+//! by blocks linked in address order. Free blocks sit in a pool ordered by (tag, size, address),
+//! so a best fit for a stream is one ordered-set lookup.
+
+use std::collections::BTreeSet;
+
+use crate::stats::{MemoryStats, PoolKind};
+use crate::stream::{EventId, StreamId};
+
+/// Pool tag of free blocks that are safe to hand to any stream (their last stream is done).
+pub(crate) const SHARED: u64 = u64::MAX;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum BlockState {
+    /// In a free pool.
+    Free,
+    /// Handed out.
+    Allocated,
+    /// Returned by the user but still awaiting these events (record_stream) before reuse.
+    PendingFree(Vec<EventId>),
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    pub segment: u32,
+    pub addr: u64,
+    pub size: usize,
+    pub requested: usize,
+    /// The stream that last used the block.
+    pub stream: StreamId,
+    /// Pool tag while free: the last stream's id, or `SHARED`.
+    pub tag: u64,
+    pub state: BlockState,
+    pub prev: Option<u32>,
+    pub next: Option<u32>,
+    /// Bumped each time the slot is reused, so stale handles are detected.
+    pub generation: u32,
+    /// Value of the free counter when the block was last freed (cross-stream harvesting).
+    pub free_epoch: u64,
+    /// Value of the allocation counter when the block was last freed (garbage-collection age).
+    pub freed_at: u64,
+    /// Other streams the block was used on (record_stream).
+    pub extra_streams: Vec<StreamId>,
+}
+
+impl Block {
+    pub fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Segment {
+    pub addr: u64,
+    pub size: usize,
+    pub stream: StreamId,
+    pub pool: PoolKind,
+    pub first_block: u32,
+}
+
+/// Key of a free block in its pool.
+pub(crate) type PoolKey = (u64, usize, u64, u32);
+
+/// A vector with reusable slots; indices stay valid while the entry lives.
+#[derive(Debug)]
+pub(crate) struct Slab<T> {
+    entries: Vec<Option<T>>,
+    vacant: Vec<u32>,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Slab { entries: Vec::new(), vacant: Vec::new() }
+    }
+}
+
+impl<T> Slab<T> {
+    pub fn insert(&mut self, value: T) -> u32 {
+        match self.vacant.pop() {
+            Some(i) => {
+                self.entries[i as usize] = Some(value);
+                i
+            }
+            None => {
+                self.entries.push(Some(value));
+                (self.entries.len() - 1) as u32
+            }
+        }
+    }
+
+    pub fn remove(&mut self, index: u32) -> Option<T> {
+        let value = self.entries.get_mut(index as usize)?.take();
+        if value.is_some() {
+            self.vacant.push(index);
+        }
+        value
+    }
+
+    pub fn get(&self, index: u32) -> Option<&T> {
+        self.entries.get(index as usize)?.as_ref()
+    }
+
+    pub fn get_mut(&mut self, index: u32) -> Option<&mut T> {
+        self.entries.get_mut(index as usize)?.as_mut()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
+        self.entries.iter().enumerate().filter_map(|(i, e)| e.as_ref().map(|v| (i as u32, v)))
+    }
+}
+
+/// Blocks, segments and free pools, with the statistics that depend only on them.
+#[derive(Debug, Default)]
+pub(crate) struct BlockTable {
+    pub blocks: Slab<Block>,
+    pub segments: Slab<Segment>,
+    pub small: BTreeSet<PoolKey>,
+    pub large: BTreeSet<PoolKey>,
+    /// Generation counters survive slot reuse.
+    generations: Vec<u32>,
+}
+
+impl BlockTable {
+    pub fn block(&self, slot: u32) -> &Block {
+        // Slots come from the table's own links and pools, which only name live blocks.
+        self.blocks.get(slot).unwrap_or_else(|| unreachable!("dangling block slot {slot}"))
+    }
+
+    pub fn block_mut(&mut self, slot: u32) -> &mut Block {
+        self.blocks.get_mut(slot).unwrap_or_else(|| unreachable!("dangling block slot {slot}"))
+    }
+
+    pub fn segment_pool(&self, slot: u32) -> PoolKind {
+        let seg = self.block(slot).segment;
+        self.segments.get(seg).map_or(PoolKind::Large, |s| s.pool)
+    }
+
+    pub fn insert_block(&mut self, block: Block) -> u32 {
+        let slot = self.blocks.insert(block);
+        if self.generations.len() <= slot as usize {
+            self.generations.resize(slot as usize + 1, 0);
+        }
+        let generation = self.generations[slot as usize].wrapping_add(1);
+        self.generations[slot as usize] = generation;
+        self.block_mut(slot).generation = generation;
+        slot
+    }
+
+    pub fn remove_block(&mut self, slot: u32) -> Option<Block> {
+        self.blocks.remove(slot)
+    }
+
+    pub fn pool_set(&mut self, pool: PoolKind) -> &mut BTreeSet<PoolKey> {
+        match pool {
+            PoolKind::Small => &mut self.small,
+            PoolKind::Large => &mut self.large,
+        }
+    }
+
+    fn key(&self, slot: u32) -> PoolKey {
+        let b = self.block(slot);
+        (b.tag, b.size, b.addr, slot)
+    }
+
+    /// Puts a free block into its pool, counting it as inactive-split when its segment is split.
+    pub fn pool_insert(&mut self, slot: u32, stats: &mut MemoryStats) {
+        let pool = self.segment_pool(slot);
+        let key = self.key(slot);
+        let block = self.block(slot);
+        if block.is_split() {
+            stats.inactive_split.update(pool, 1);
+            stats.inactive_split_bytes.update(pool, block.size as i64);
+        }
+        self.pool_set(pool).insert(key);
+    }
+
+    /// Takes a free block out of its pool (the inverse of `pool_insert`).
+    pub fn pool_remove(&mut self, slot: u32, stats: &mut MemoryStats) {
+        let pool = self.segment_pool(slot);
+        let key = self.key(slot);
+        let block = self.block(slot);
+        if block.is_split() {
+            stats.inactive_split.update(pool, -1);
+            stats.inactive_split_bytes.update(pool, -(block.size as i64));
+        }
+        self.pool_set(pool).remove(&key);
+    }
+
+    /// The smallest free block of `pool` tagged `tag` with at least `size` bytes.
+    pub fn best_fit(&self, pool: PoolKind, tag: u64, size: usize) -> Option<PoolKey> {
+        let set = match pool {
+            PoolKind::Small => &self.small,
+            PoolKind::Large => &self.large,
+        };
+        set.range((tag, size, 0, 0)..=(tag, usize::MAX, u64::MAX, u32::MAX)).next().copied()
+    }
+
+    /// All free blocks tagged `tag`, in both pools.
+    pub fn free_with_tag(&self, tag: u64) -> Vec<u32> {
+        let range = (tag, 0, 0, 0)..=(tag, usize::MAX, u64::MAX, u32::MAX);
+        self.small.range(range.clone()).chain(self.large.range(range)).map(|k| k.3).collect()
+    }
+
+    /// True when any free block carries `tag`.
+    pub fn has_free_with_tag(&self, tag: u64) -> bool {
+        let range = (tag, 0, 0, 0)..=(tag, usize::MAX, u64::MAX, u32::MAX);
+        self.small.range(range.clone()).next().is_some() || self.large.range(range).next().is_some()
+    }
+
+    /// Moves a free block to another tag without changing its statistics.
+    pub fn retag(&mut self, slot: u32, tag: u64) {
+        let pool = self.segment_pool(slot);
+        let old = self.key(slot);
+        self.pool_set(pool).remove(&old);
+        self.block_mut(slot).tag = tag;
+        let new = self.key(slot);
+        self.pool_set(pool).insert(new);
+    }
+
+    /// Free blocks that fill a whole segment (releasable to the backend).
+    pub fn unsplit_free(&self, pool: PoolKind) -> Vec<u32> {
+        let set = match pool {
+            PoolKind::Small => &self.small,
+            PoolKind::Large => &self.large,
+        };
+        set.iter().map(|k| k.3).filter(|&s| !self.block(s).is_split()).collect()
+    }
+
+    /// Size of the largest free block in either pool.
+    pub fn largest_free(&self) -> usize {
+        self.small.iter().chain(self.large.iter()).map(|k| k.1).max().unwrap_or(0)
+    }
+
+    /// Blocks of a segment in address order.
+    pub fn segment_blocks(&self, segment: &Segment) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut cursor = Some(segment.first_block);
+        while let Some(slot) = cursor {
+            out.push(slot);
+            cursor = self.block(slot).next;
+        }
+        out
+    }
+}

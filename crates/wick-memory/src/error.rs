@@ -1,0 +1,214 @@
+//! Typed errors. Out-of-memory is a value the caller can match on and recover from, never a panic.
+
+use crate::format::format_bytes;
+use crate::stream::StreamId;
+
+/// Why the allocator refused a request, or why an operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    /// Transient: the request may succeed after memory is freed. Carries the numbers and advice.
+    #[error("{0}")]
+    OutOfMemory(Box<OutOfMemory>),
+    /// Permanent: the request exceeds the device's whole capacity and can never succeed
+    /// (CubeCL's `BufferTooBig` as opposed to its transient `OutOfMemory`).
+    #[error(
+        "a request of {} can never succeed on {device}: it exceeds the device's total capacity of {}",
+        format_bytes(*requested as u64),
+        format_bytes(*capacity as u64)
+    )]
+    TooLarge {
+        /// Bytes asked for.
+        requested: usize,
+        /// Total bytes of the device.
+        capacity: usize,
+        /// The device the request was made on.
+        device: String,
+    },
+    /// A zero-byte request: there is no block to hand out.
+    #[error("zero-size allocation requested; ask for at least one byte")]
+    ZeroSize,
+    /// The alignment is not a power of two.
+    #[error("alignment {0} is not a power of two")]
+    InvalidAlignment(usize),
+    /// The alignment is a power of two but larger than the allocator guarantees.
+    #[error("alignment {requested} is larger than the {supported}-byte alignment this allocator guarantees")]
+    UnsupportedAlignment {
+        /// Alignment asked for.
+        requested: usize,
+        /// Largest alignment every block has.
+        supported: usize,
+    },
+    /// The block was not allocated by this resource (or was already returned).
+    #[error("block at {addr:#x} does not belong to this allocator (foreign or already freed)")]
+    ForeignBlock {
+        /// Address of the offending block.
+        addr: u64,
+    },
+    /// The stream is not known to the backend.
+    #[error("stream {0} is not known to this backend")]
+    UnknownStream(StreamId),
+    /// A configuration value is malformed or out of range.
+    #[error("invalid allocator configuration: {0}")]
+    InvalidConfig(String),
+    /// The backend (driver) failed in a way that is not out-of-memory.
+    #[error("backend error: {0}")]
+    Backend(String),
+    /// The device or driver is missing or too old.
+    #[error("device unavailable: {0}")]
+    Unavailable(String),
+    /// A trace or snapshot file could not be read or is malformed.
+    #[error("invalid trace: {0}")]
+    InvalidTrace(String),
+    /// The operation is not supported by this resource.
+    #[error("unsupported operation: {0}")]
+    Unsupported(String),
+}
+
+impl MemoryError {
+    /// True for the transient out-of-memory condition (freeing memory may help).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, MemoryError::OutOfMemory(_))
+    }
+
+    /// The out-of-memory details, when this is one.
+    pub fn as_out_of_memory(&self) -> Option<&OutOfMemory> {
+        match self {
+            MemoryError::OutOfMemory(oom) => Some(oom),
+            _ => None,
+        }
+    }
+}
+
+/// Everything known at the moment an allocation failed. `Display` reads like PyTorch's message
+/// and ends with advice chosen from the numbers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// Device description, e.g. `host:0` or `cuda:0`.
+    pub device: String,
+    /// Bytes the caller asked for.
+    pub requested: usize,
+    /// Bytes the allocator would have had to reserve from the backend for it.
+    pub segment_size: usize,
+    /// Total capacity of the device.
+    pub capacity: usize,
+    /// Free bytes on the device as the backend reports them.
+    pub device_free: usize,
+    /// Bytes handed out to live allocations.
+    pub allocated: usize,
+    /// Bytes reserved from the backend (allocated plus cached).
+    pub reserved: usize,
+    /// The hard cap on reserved bytes, if one is set.
+    pub limit: Option<usize>,
+    /// True when the cap, not the device, refused the memory.
+    pub limited_by_cap: bool,
+    /// Largest cached free block at the time of failure (fragmentation indicator).
+    pub largest_free_block: usize,
+}
+
+impl OutOfMemory {
+    /// Reserved but not allocated bytes (the cache).
+    pub fn reserved_unallocated(&self) -> usize {
+        self.reserved.saturating_sub(self.allocated)
+    }
+
+    /// Concrete advice chosen from the numbers.
+    pub fn advice(&self) -> String {
+        let cached = self.reserved_unallocated();
+        if self.limited_by_cap && self.device_free >= self.segment_size {
+            return format!(
+                "the memory limit refused it while the device still has {} free: raise the limit \
+                 (set_memory_limit) if other work can spare it, or reduce the batch size",
+                format_bytes(self.device_free as u64)
+            );
+        }
+        if cached >= self.requested && self.largest_free_block < self.requested {
+            return format!(
+                "{} is cached but fragmented (largest free block {}): set max_split_size_mb \
+                 (e.g. WICK_ALLOC_CONF=max_split_size_mb:128) to limit splitting of large blocks, \
+                 or allocate long-lived tensors first",
+                format_bytes(cached as u64),
+                format_bytes(self.largest_free_block as u64)
+            );
+        }
+        "reduce the batch size (halve it and use gradient accumulation to keep the effective \
+         batch), drop tensors you no longer need before the step, or use activation checkpointing \
+         or mixed precision to shrink activations"
+            .to_string()
+    }
+}
+
+impl std::fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "out of memory on {}: tried to allocate {}. The device has a total capacity of {} of \
+             which {} is free. Of the memory in use, {} is allocated by wick and {} is reserved by \
+             wick but unallocated",
+            self.device,
+            format_bytes(self.requested as u64),
+            format_bytes(self.capacity as u64),
+            format_bytes(self.device_free as u64),
+            format_bytes(self.allocated as u64),
+            format_bytes(self.reserved_unallocated() as u64),
+        )?;
+        if let Some(limit) = self.limit {
+            write!(
+                f,
+                "; the memory limit is {} ({} allowed beyond what is reserved)",
+                format_bytes(limit as u64),
+                format_bytes(limit.saturating_sub(self.reserved) as u64)
+            )?;
+        }
+        write!(f, ". Advice: {}.", self.advice())
+    }
+}
+
+/// Result type of this crate.
+pub type Result<T, E = MemoryError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn oom() -> OutOfMemory {
+        OutOfMemory {
+            device: "sim:0".into(),
+            requested: 2 << 30,
+            segment_size: 2 << 30,
+            capacity: 80 << 30,
+            device_free: 1 << 30,
+            allocated: 70 << 30,
+            reserved: 75 << 30,
+            limit: None,
+            limited_by_cap: false,
+            largest_free_block: 1 << 30,
+        }
+    }
+
+    #[test]
+    fn message_reads_like_pytorch_and_ends_with_advice() {
+        let text = oom().to_string();
+        assert!(text.contains("tried to allocate 2.00 GiB"), "{text}");
+        assert!(text.contains("total capacity of 80.00 GiB of which 1.00 GiB is free"), "{text}");
+        assert!(text.contains("70.00 GiB is allocated by wick and 5.00 GiB is reserved"), "{text}");
+        assert!(text.contains("Advice: "), "{text}");
+        assert!(text.contains("fragmented"), "fragmentation advice expected: {text}");
+    }
+
+    #[test]
+    fn cap_advice_when_device_has_room() {
+        let mut o = oom();
+        o.limit = Some(75 << 30);
+        o.limited_by_cap = true;
+        o.device_free = 4 << 30;
+        assert!(o.advice().contains("raise the limit"));
+        assert!(o.to_string().contains("memory limit is 75.00 GiB"));
+    }
+
+    #[test]
+    fn batch_advice_otherwise() {
+        let mut o = oom();
+        o.reserved = o.allocated;
+        assert!(o.advice().contains("reduce the batch size"));
+    }
+}
