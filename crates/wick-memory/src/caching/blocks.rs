@@ -207,16 +207,6 @@ impl BlockTable {
         self.small.range(range.clone()).next().is_some() || self.large.range(range).next().is_some()
     }
 
-    /// Moves a free block to another tag without changing its statistics.
-    pub fn retag(&mut self, slot: u32, tag: u64) {
-        let pool = self.segment_pool(slot);
-        let old = self.key(slot);
-        self.pool_set(pool).remove(&old);
-        self.block_mut(slot).tag = tag;
-        let new = self.key(slot);
-        self.pool_set(pool).insert(new);
-    }
-
     /// Free blocks that fill a whole segment (releasable to the backend).
     pub fn unsplit_free(&self, pool: PoolKind) -> Vec<u32> {
         let set = match pool {

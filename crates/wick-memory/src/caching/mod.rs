@@ -293,3 +293,6 @@ impl<B: Backend> std::fmt::Debug for CachingAllocator<B> {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests;

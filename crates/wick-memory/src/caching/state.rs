@@ -310,6 +310,13 @@ impl State {
         };
         self.stats.active.update(pool, -1);
         self.stats.active_bytes.update(pool, -(size as i64));
+        self.merge_neighbours(slot);
+        self.table.pool_insert(slot, &mut self.stats);
+        self.record(Action::FreeCompleted, addr, size, stream);
+    }
+
+    /// Merges a free block (not in a pool) with free neighbours whose stream tags allow it.
+    fn merge_neighbours(&mut self, slot: u32) {
         for forward in [false, true] {
             let block = self.table.block(slot);
             let Some(neighbour) = (if forward { block.next } else { block.prev }) else { continue };
@@ -345,8 +352,18 @@ impl State {
                 }
             }
         }
+    }
+
+    /// Makes a cached block usable on any stream, coalescing it with free neighbours that the
+    /// old tag kept apart.
+    fn share(&mut self, slot: u32) {
+        if self.table.blocks.get(slot).is_none_or(|b| b.state != BlockState::Free) {
+            return;
+        }
+        self.table.pool_remove(slot, &mut self.stats);
+        self.table.block_mut(slot).tag = SHARED;
+        self.merge_neighbours(slot);
         self.table.pool_insert(slot, &mut self.stats);
-        self.record(Action::FreeCompleted, addr, size, stream);
     }
 
     /// Moves blocks whose record_stream events have completed into the free pools.
@@ -385,8 +402,9 @@ impl State {
                 backend.destroy_event(event);
                 self.harvest.remove(&other);
                 for slot in self.table.free_with_tag(other) {
-                    if self.table.block(slot).free_epoch <= epoch {
-                        self.table.retag(slot, SHARED);
+                    // Earlier iterations may have merged this block into a neighbour.
+                    if self.table.blocks.get(slot).is_some_and(|b| b.free_epoch <= epoch && b.tag == other) {
+                        self.share(slot);
                         moved = true;
                     }
                 }
@@ -446,7 +464,7 @@ impl State {
         }
         for stream in self.streams_seen.clone() {
             for slot in self.table.free_with_tag(stream) {
-                self.table.retag(slot, SHARED);
+                self.share(slot);
             }
         }
         let mut released = (0, 0);

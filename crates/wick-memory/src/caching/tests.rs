@@ -1,0 +1,286 @@
+//! Policy tests: each checks one rule of PyTorch's allocator against numbers worked out by hand.
+
+use crate::backend::{HostBackend, SimulatedBackend};
+use crate::caching::CachingAllocator;
+use crate::config::{AllocatorConfig, MemoryLimit};
+use crate::error::MemoryError;
+use crate::resource::{AllocRequest, AllocateExt, MemoryResource};
+use crate::snapshot::BlockStateName;
+use crate::stream::StreamId;
+
+const MIB: usize = 1 << 20;
+
+fn sim(capacity: usize) -> CachingAllocator<SimulatedBackend> {
+    CachingAllocator::new(SimulatedBackend::new(capacity))
+}
+
+#[test]
+fn small_requests_share_a_2mib_segment_and_are_reused() {
+    let a = sim(1 << 30);
+    let x = a.allocate(100).unwrap();
+    let y = a.allocate(1000).unwrap();
+    assert_eq!(x.block_size(), 512);
+    assert_eq!(y.block_size(), 1024);
+    assert_eq!(y.addr(), x.addr() + 512, "split from the same segment");
+    let stats = a.memory_stats();
+    assert_eq!(stats.reserved_bytes.small_pool.current, 2 * MIB as i64);
+    assert_eq!(stats.allocated_bytes.all.current, 1536);
+    assert_eq!(stats.requested_bytes.all.current, 1100);
+    let addr = x.addr();
+    drop(x);
+    let z = a.allocate(300).unwrap();
+    assert_eq!(z.addr(), addr, "best fit reuses the freed 512 B block");
+    assert_eq!(a.memory_stats().num_device_alloc, 1);
+}
+
+#[test]
+fn medium_requests_get_20mib_segments_large_ones_their_own() {
+    let a = sim(1 << 30);
+    let m = a.allocate(3 * MIB).unwrap();
+    assert_eq!(a.memory_stats().reserved_bytes.large_pool.current, 20 * MIB as i64);
+    // 11 MiB fits in the 17 MiB left of that segment (best fit), so no new segment.
+    let fits = a.allocate(11 * MIB + 1).unwrap();
+    assert_eq!(fits.block_size(), 11 * MIB + 512);
+    assert_eq!(a.memory_stats().segment.all.current, 1);
+    // 21 MiB does not: rounded to 21 MiB + 512 in a 22 MiB segment, the < 1 MiB tail not split.
+    let l = a.allocate(21 * MIB + 1).unwrap();
+    assert_eq!(l.block_size(), 22 * MIB);
+    assert_eq!(a.memory_stats().reserved_bytes.large_pool.current, (20 + 22) as i64 * MIB as i64);
+    drop((m, fits, l));
+}
+
+#[test]
+fn freeing_coalesces_neighbours_and_empty_cache_releases() {
+    let a = sim(1 << 30);
+    let blocks: Vec<_> = (0..3).map(|_| a.allocate(4 * MIB).unwrap()).collect();
+    // 3 × 4 MiB from one 20 MiB segment, 8 MiB remainder free (> 1 MiB, so it was split).
+    let stats = a.memory_stats();
+    assert_eq!(stats.segment.all.current, 1);
+    assert_eq!(stats.inactive_split_bytes.all.current, 8 * MIB as i64);
+    assert_eq!(a.empty_cache().unwrap().bytes, 0, "a segment with live blocks stays");
+    drop(blocks);
+    let snap = a.snapshot();
+    assert_eq!(snap.segments.len(), 1);
+    assert_eq!(snap.segments[0].blocks.len(), 1, "all four blocks merged back into one");
+    assert_eq!(a.memory_stats().inactive_split_bytes.all.current, 0);
+    let released = a.empty_cache().unwrap();
+    assert_eq!((released.segments, released.bytes), (1, 20 * MIB));
+    assert_eq!(a.memory_stats().reserved_bytes.all.current, 0);
+    assert_eq!(a.backend().bytes_in_segments(), 0, "the backend got it back");
+}
+
+#[test]
+fn large_pool_does_not_split_small_remainders() {
+    let a = sim(1 << 30);
+    // 19.5 MiB from a 20 MiB segment leaves 0.5 MiB: not > 1 MiB, so no split (PyTorch rule).
+    let x = a.allocate(19 * MIB + 512 * 1024).unwrap();
+    assert_eq!(x.block_size(), 20 * MIB);
+    assert_eq!(x.size(), 19 * MIB + 512 * 1024);
+    let snap = a.snapshot();
+    assert_eq!(snap.segments[0].blocks.len(), 1);
+    assert_eq!(snap.segments[0].blocks[0].size, 20 * MIB);
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 20 * MIB as i64, "whole block is allocated");
+}
+
+#[test]
+fn max_split_size_keeps_oversize_blocks_for_large_requests() {
+    let config = AllocatorConfig::parse("max_split_size_mb:64").unwrap();
+    let a = CachingAllocator::with_config(SimulatedBackend::new(1 << 30), config).unwrap();
+    let big = a.allocate(100 * MIB).unwrap();
+    assert_eq!(a.memory_stats().oversize_allocations.current, 1);
+    drop(big);
+    // A small request must not carve up the 100 MiB oversize block.
+    let small = a.allocate(2 * MIB).unwrap();
+    assert_eq!(a.memory_stats().segment.all.current, 2);
+    // A request within 20 MiB of it reuses it whole; a much smaller large one does not.
+    let near = a.allocate(90 * MIB).unwrap();
+    assert_eq!(near.block_size(), 100 * MIB, "oversize blocks are handed out whole");
+    assert_eq!(a.memory_stats().segment.all.current, 2);
+    let snap = a.snapshot();
+    assert!(snap.segments.iter().any(|s| s.total_size == 100 * MIB && s.blocks.len() == 1));
+    drop((small, near));
+}
+
+#[test]
+fn oom_flushes_the_cache_retries_then_errs_and_stays_usable() {
+    let a = sim(64 * MIB);
+    let x = a.allocate(30 * MIB).unwrap();
+    drop(x); // cached, 30 MiB reserved
+    // 40 MiB does not fit beside the cached 30 MiB: the cache is released and the request retried.
+    let y = a.allocate(40 * MIB).unwrap();
+    let stats = a.memory_stats();
+    assert_eq!(stats.num_alloc_retries, 1);
+    assert_eq!(stats.num_ooms, 0);
+    assert_eq!(stats.reserved_bytes.all.current, 40 * MIB as i64);
+    let err = a.allocate(30 * MIB).unwrap_err();
+    let oom = err.as_out_of_memory().expect("typed OOM");
+    assert_eq!(oom.requested, 30 * MIB);
+    assert_eq!(oom.allocated, 40 * MIB);
+    assert_eq!(oom.capacity, 64 * MIB);
+    assert_eq!(oom.device_free, 24 * MIB);
+    assert!(err.to_string().contains("Advice:"));
+    assert_eq!(a.memory_stats().num_ooms, 1);
+    // Still usable: a smaller request succeeds.
+    let z = a.allocate(20 * MIB).unwrap();
+    drop((y, z));
+}
+
+#[test]
+fn hard_cap_is_enforced_before_any_segment() {
+    let config = AllocatorConfig { limit: Some(MemoryLimit::Bytes(32 * MIB)), ..AllocatorConfig::default() };
+    let a = CachingAllocator::with_config(SimulatedBackend::new(1 << 30), config).unwrap();
+    let x = a.allocate(20 * MIB).unwrap();
+    let err = a.allocate(20 * MIB).unwrap_err();
+    let oom = err.as_out_of_memory().unwrap();
+    assert!(oom.limited_by_cap);
+    assert!(err.to_string().contains("raise the limit"), "{err}");
+    assert_eq!(a.backend().bytes_in_segments(), 20 * MIB, "the device was never asked");
+    drop(x);
+    a.set_memory_limit(Some(MemoryLimit::Fraction(0.5))).unwrap();
+    assert_eq!(a.memory_limit(), Some(512 * MIB));
+    assert!(a.set_memory_limit(Some(MemoryLimit::Fraction(1.5))).is_err());
+}
+
+#[test]
+fn lowering_the_cap_releases_cache() {
+    let a = sim(1 << 30);
+    drop(a.allocate(100 * MIB).unwrap());
+    assert_eq!(a.memory_stats().reserved_bytes.all.current, 100 * MIB as i64);
+    a.set_memory_limit(Some(MemoryLimit::Bytes(50 * MIB))).unwrap();
+    assert_eq!(a.memory_stats().reserved_bytes.all.current, 0);
+}
+
+#[test]
+fn bad_requests_are_clear_errors() {
+    let a = sim(1 << 30);
+    assert!(matches!(a.allocate(0), Err(MemoryError::ZeroSize)));
+    assert!(matches!(a.allocate(usize::MAX), Err(MemoryError::TooLarge { .. })));
+    assert!(matches!(a.allocate((1 << 30) + 1), Err(MemoryError::TooLarge { .. })));
+    // Rounding must not overflow just below usize::MAX either.
+    let huge = CachingAllocator::new(SimulatedBackend::new(usize::MAX));
+    assert!(matches!(huge.allocate(usize::MAX - 3), Err(MemoryError::TooLarge { .. })));
+    assert!(matches!(a.allocate_with(AllocRequest::new(64).aligned(3)), Err(MemoryError::InvalidAlignment(3))));
+    assert!(matches!(
+        a.allocate_with(AllocRequest::new(64).aligned(4096)),
+        Err(MemoryError::UnsupportedAlignment { requested: 4096, supported: 512 })
+    ));
+    let ok = a.allocate_with(AllocRequest::new(64).aligned(256)).unwrap();
+    assert_eq!(ok.addr() % 256, 0);
+    assert!(matches!(a.allocate_with(AllocRequest::new(64).on_stream(StreamId(9))), Err(MemoryError::Backend(_))));
+    let stats = a.memory_stats();
+    assert_eq!(stats.allocation.all.current, 1, "failed requests leave no trace");
+}
+
+#[test]
+fn foreign_and_stale_blocks_are_refused() {
+    let a = sim(1 << 30);
+    let b = sim(1 << 30);
+    let raw = a.allocate(4096).unwrap().into_raw();
+    let err = b.deallocate_raw(raw).unwrap_err();
+    assert!(matches!(err, MemoryError::ForeignBlock { .. }), "{err}");
+    assert_eq!(a.memory_stats().allocation.all.current, 1, "still accounted where it came from");
+}
+
+#[test]
+fn stream_ordered_reuse_waits_for_the_freeing_stream() {
+    let backend = SimulatedBackend::new(1 << 30);
+    let s1 = backend.streams().create_stream();
+    let a = CachingAllocator::new(backend);
+    let x = a.allocate_with(AllocRequest::new(4 * MIB)).unwrap();
+    let x_addr = x.addr();
+    a.backend().streams().launch(StreamId::DEFAULT).unwrap(); // a kernel still uses x
+    drop(x);
+    // Same stream: reused at once.
+    let again = a.allocate(4 * MIB).unwrap();
+    assert_eq!(again.addr(), x_addr);
+    drop(again);
+    // Another stream: not before stream 0's work is done.
+    let other = a.allocate_with(AllocRequest::new(4 * MIB).on_stream(s1)).unwrap();
+    assert!(other.addr() < x_addr || other.addr() >= x_addr + 20 * MIB as u64, "must not overlap the cached segment");
+    drop(other);
+    a.backend().streams().finish(StreamId::DEFAULT).unwrap();
+    let third = a.allocate_with(AllocRequest::new(16 * MIB).on_stream(s1)).unwrap();
+    let segs = a.memory_stats().segment.all.current;
+    // Once the event completed, stream 1 reuses stream 0's cached 20 MiB segment or its own.
+    assert_eq!(segs, 2, "no new segment needed");
+    drop(third);
+}
+
+#[test]
+fn record_stream_delays_reuse_until_that_stream_finishes() {
+    let backend = SimulatedBackend::new(1 << 30);
+    let s1 = backend.streams().create_stream();
+    let a = CachingAllocator::new(backend);
+    let x = a.allocate(1000).unwrap();
+    let addr = x.addr();
+    a.backend().streams().launch(s1).unwrap();
+    x.record_stream(s1).unwrap();
+    drop(x);
+    let snap = a.snapshot();
+    assert!(snap.blocks().any(|b| b.address == addr && b.state == BlockStateName::ActivePendingFree));
+    assert_eq!(a.memory_stats().active.all.current, 1);
+    let y = a.allocate(1000).unwrap();
+    assert_ne!(y.addr(), addr, "not reused while stream 1 may still read it");
+    a.backend().streams().finish(s1).unwrap();
+    drop(y);
+    let z = a.allocate(1000).unwrap();
+    assert_eq!(a.memory_stats().active.all.current, 1);
+    assert!(z.addr() == addr || a.snapshot().blocks().all(|b| b.state != BlockStateName::ActivePendingFree));
+    drop(z);
+    assert_eq!(a.backend().streams().live_events(), 0, "events are destroyed");
+}
+
+#[test]
+fn garbage_collection_frees_old_cached_blocks_above_threshold() {
+    let config = AllocatorConfig::parse("garbage_collection_threshold:0.5,memory_limit_mb:100").unwrap();
+    let a = CachingAllocator::with_config(SimulatedBackend::new(1 << 30), config).unwrap();
+    let old = a.allocate(30 * MIB).unwrap();
+    let young = a.allocate(30 * MIB).unwrap();
+    drop(old);
+    drop(young);
+    // Reserved 60 MiB > 50 MiB threshold: the next miss reclaims the oldest cached block first.
+    let x = a.allocate(40 * MIB).unwrap();
+    let stats = a.memory_stats();
+    assert_eq!(stats.num_alloc_retries, 0, "GC, not the OOM path, made room");
+    assert!(stats.reserved_bytes.all.current <= 100 * MIB as i64);
+    assert_eq!(stats.num_device_free, 1);
+    drop(x);
+}
+
+#[test]
+fn history_records_timeline() {
+    let a = sim(1 << 30);
+    a.record_history(100);
+    drop(a.allocate(5 * MIB).unwrap());
+    let h = a.history();
+    use crate::caching::Action::*;
+    let actions: Vec<_> = h.iter().map(|e| e.action).collect();
+    assert_eq!(actions, vec![SegmentAlloc, Alloc, FreeRequested, FreeCompleted]);
+    assert_eq!(h[1].allocated, 5 * MIB as i64);
+    assert_eq!(h[1].reserved, 20 * MIB as i64);
+    assert_eq!(h[3].allocated, 0);
+}
+
+#[test]
+fn host_memory_is_real_and_writable() {
+    let a = CachingAllocator::new(HostBackend::with_capacity(1 << 30));
+    let mut x = a.allocate(1 << 16).unwrap();
+    x.as_mut_slice().unwrap().fill(7);
+    assert!(x.as_mut_slice().unwrap().iter().all(|&b| b == 7));
+    let s = sim(1 << 30);
+    let mut y = s.allocate(10).unwrap();
+    assert!(matches!(y.as_mut_slice(), Err(MemoryError::Unsupported(_))));
+}
+
+#[test]
+fn summary_and_snapshot_agree_with_stats() {
+    let a = sim(1 << 30);
+    let _x = a.allocate(3 * MIB).unwrap();
+    let text = a.memory_summary();
+    assert!(text.contains("3.00 MiB") && text.contains("20.00 MiB"), "{text}");
+    let snap = a.snapshot();
+    assert_eq!(snap.reserved_bytes(), 20 * MIB);
+    assert_eq!(snap.allocated_bytes(), 3 * MIB);
+    let round = crate::snapshot::Snapshot::from_json(&snap.to_json()).unwrap();
+    assert_eq!(round, snap);
+}

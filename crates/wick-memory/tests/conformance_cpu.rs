@@ -1,0 +1,80 @@
+//! The conformance suite against the CPU backends and a stack of adaptors.
+
+mod conformance;
+
+use conformance::{run_sequence, run_suite, Harness, MIB};
+use wick_memory::{
+    AllocatorConfig, CachingAllocator, EventLog, HostBackend, Limiting, MemoryLimit, SimulatedBackend, Statistics,
+    StreamId, Tracking,
+};
+
+#[test]
+fn host_backend_conforms() {
+    run_suite("host", 2, |ops| {
+        let backend = HostBackend::with_capacity(160 * MIB);
+        let s1 = backend.streams().create_stream();
+        let a = CachingAllocator::new(backend);
+        let h = Harness {
+            resource: &a,
+            backend_bytes: Box::new(|| a.backend().bytes_in_segments()),
+            streams: vec![StreamId::DEFAULT, s1],
+            launch: Box::new(|s| a.backend().streams().launch(s).unwrap_or(())),
+            finish_all: Box::new(|| a.backend().streams().finish_all()),
+            limit: None,
+        };
+        run_sequence(&h, ops)
+    });
+}
+
+#[test]
+fn simulated_backend_with_cap_and_policy_options_conforms() {
+    run_suite("simulated+cap", 3, |ops| {
+        let backend = SimulatedBackend::new(512 * MIB);
+        let s1 = backend.streams().create_stream();
+        let s2 = backend.streams().create_stream();
+        let config = AllocatorConfig {
+            limit: Some(MemoryLimit::Bytes(96 * MIB)),
+            ..AllocatorConfig::parse("max_split_size_mb:24,roundup_power2_divisions:4,garbage_collection_threshold:0.7")
+                .map_err(|e| e.to_string())?
+        };
+        let a = CachingAllocator::with_config(backend, config).map_err(|e| e.to_string())?;
+        let h = Harness {
+            resource: &a,
+            backend_bytes: Box::new(|| a.backend().bytes_in_segments()),
+            streams: vec![StreamId::DEFAULT, s1, s2],
+            launch: Box::new(|s| a.backend().streams().launch(s).unwrap_or(())),
+            finish_all: Box::new(|| a.backend().streams().finish_all()),
+            limit: Some(96 * MIB),
+        };
+        run_sequence(&h, ops)
+    });
+}
+
+#[test]
+fn adaptor_stack_conforms() {
+    run_suite("statistics(limiting(tracking(event_log(caching(sim)))))", 2, |ops| {
+        let backend = SimulatedBackend::new(256 * MIB);
+        let s1 = backend.streams().create_stream();
+        let stack =
+            Statistics::new(Limiting::new(Tracking::new(EventLog::new(CachingAllocator::new(backend)), false), 120 * MIB));
+        let caching = stack.inner().inner().inner().inner();
+        let h = Harness {
+            resource: &stack,
+            backend_bytes: Box::new(|| caching.backend().bytes_in_segments()),
+            streams: vec![StreamId::DEFAULT, s1],
+            launch: Box::new(|s| caching.backend().streams().launch(s).unwrap_or(())),
+            finish_all: Box::new(|| caching.backend().streams().finish_all()),
+            limit: None,
+        };
+        run_sequence(&h, ops)?;
+        // The adaptors agree with the allocator: nothing live, everything logged is balanced.
+        let counters = stack.counters();
+        if counters.bytes_current != 0 || counters.count_current != 0 {
+            return Err(format!("statistics adaptor left {counters:?}"));
+        }
+        if stack.inner().used() != 0 || !stack.inner().inner().live().is_empty() {
+            return Err("limiting/tracking adaptors still count live bytes".into());
+        }
+        stack.inner().inner().inner().trace("log").validate().map_err(|e| e.to_string())
+    });
+}
