@@ -158,7 +158,7 @@ impl AllocatorConfig {
         if self.small_size > self.small_buffer || self.min_large_alloc > self.large_buffer {
             return Err(MemoryError::InvalidConfig("segment sizes must cover their request classes".into()));
         }
-        if self.round_large == 0 || self.round_large % self.min_block_size != 0 {
+        if self.round_large == 0 || !self.round_large.is_multiple_of(self.min_block_size) {
             return Err(MemoryError::InvalidConfig("round_large must be a multiple of min_block_size".into()));
         }
         if let Some(limit) = self.limit {
@@ -226,9 +226,7 @@ fn too_big(key: &str) -> MemoryError {
 }
 
 fn parse_number<T: std::str::FromStr>(key: &str, value: &str) -> Result<T> {
-    value
-        .parse::<T>()
-        .map_err(|_| MemoryError::InvalidConfig(format!("{key}: `{value}` is not a valid number")))
+    value.parse::<T>().map_err(|_| MemoryError::InvalidConfig(format!("{key}: `{value}` is not a valid number")))
 }
 
 /// Splits on commas that are not inside brackets.

@@ -131,9 +131,7 @@ pub trait MemoryResource: Send + Sync {
 
     /// Capacity, free memory and cap.
     fn memory_info(&self) -> MemoryInfo {
-        self.upstream()
-            .map(|up| up.memory_info())
-            .unwrap_or(MemoryInfo { capacity: 0, device_free: 0, limit: None })
+        self.upstream().map(|up| up.memory_info()).unwrap_or(MemoryInfo { capacity: 0, device_free: 0, limit: None })
     }
 
     /// Segments and blocks with their states.

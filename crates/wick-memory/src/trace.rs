@@ -61,15 +61,14 @@ impl Trace {
 
     /// Reads and validates a trace file; errors name the file.
     pub fn from_file(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| MemoryError::InvalidTrace(format!("{}: {e}", path.display())))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| MemoryError::InvalidTrace(format!("{}: {e}", path.display())))?;
         Self::from_json(&text).map_err(|e| MemoryError::InvalidTrace(format!("{}: {e}", path.display())))
     }
 
     /// Pretty JSON, one op per line.
     pub fn to_json(&self) -> String {
-        let ops: Vec<String> =
-            self.ops.iter().map(|op| serde_json::to_string(op).unwrap_or_default()).collect();
+        let ops: Vec<String> = self.ops.iter().map(|op| serde_json::to_string(op).unwrap_or_default()).collect();
         format!(
             "{{\n  \"name\": {},\n  \"description\": {},\n  \"ops\": [\n    {}\n  ]\n}}\n",
             serde_json::Value::String(self.name.clone()),
@@ -99,6 +98,17 @@ impl Trace {
             }
         }
         Ok(())
+    }
+
+    /// The streams the trace uses.
+    pub fn streams(&self) -> std::collections::BTreeSet<StreamId> {
+        self.ops
+            .iter()
+            .filter_map(|op| match op {
+                TraceOp::Alloc { stream, .. } => Some(StreamId(*stream)),
+                TraceOp::Free { .. } => None,
+            })
+            .collect()
     }
 
     /// Largest number of bytes live at once (requested sizes): a lower bound on any allocator.

@@ -75,7 +75,16 @@ pub struct TransformerShape {
 impl Default for TransformerShape {
     /// A GPT-2-medium-sized model (24 layers, 1024 wide) at batch 8, sequence 1024, bf16.
     fn default() -> Self {
-        TransformerShape { layers: 24, hidden: 1024, heads: 16, vocab: 50_257, seq: 1024, batch: 8, act_bytes: 2, steps: 3 }
+        TransformerShape {
+            layers: 24,
+            hidden: 1024,
+            heads: 16,
+            vocab: 50_257,
+            seq: 1024,
+            batch: 8,
+            act_bytes: 2,
+            steps: 3,
+        }
     }
 }
 

@@ -55,8 +55,10 @@ fn adaptor_stack_conforms() {
     run_suite("statistics(limiting(tracking(event_log(caching(sim)))))", 2, |ops| {
         let backend = SimulatedBackend::new(256 * MIB);
         let s1 = backend.streams().create_stream();
-        let stack =
-            Statistics::new(Limiting::new(Tracking::new(EventLog::new(CachingAllocator::new(backend)), false), 120 * MIB));
+        let stack = Statistics::new(Limiting::new(
+            Tracking::new(EventLog::new(CachingAllocator::new(backend)), false),
+            120 * MIB,
+        ));
         let caching = stack.inner().inner().inner().inner();
         let h = Harness {
             resource: &stack,

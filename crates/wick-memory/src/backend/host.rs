@@ -50,9 +50,7 @@ impl Default for HostBackend {
 
 /// The memory this process may use: the cgroup v2 `memory.max` when set, else `MemTotal`.
 pub fn host_memory_budget() -> usize {
-    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok());
+    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max").ok().and_then(|s| s.trim().parse::<usize>().ok());
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
         s.lines()
             .find(|l| l.starts_with("MemTotal:"))
@@ -124,6 +122,10 @@ impl Backend for HostBackend {
         unsafe { dealloc(addr as *mut u8, layout) };
         self.used.fetch_sub(size, Ordering::SeqCst);
         Ok(())
+    }
+
+    fn check_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        self.streams.check(stream)
     }
 
     fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {

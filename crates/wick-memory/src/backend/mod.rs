@@ -58,6 +58,8 @@ pub trait Backend: Send + Sync {
     /// `addr` and `size` must come from one earlier `allocate_segment` of this backend, the
     /// segment must not have been freed already, and no pending device work may still use it.
     unsafe fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError>;
+    /// Fails with `UnknownStream` when `stream` does not exist on this device.
+    fn check_stream(&self, stream: StreamId) -> Result<(), BackendError>;
     /// Records an event at the current end of `stream`.
     fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError>;
     /// True once all work recorded before `event` has finished.
@@ -90,6 +92,9 @@ impl<B: Backend + ?Sized> Backend for std::sync::Arc<B> {
     unsafe fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError> {
         // SAFETY: the caller upholds the contract of the inner backend.
         unsafe { (**self).free_segment(addr, size) }
+    }
+    fn check_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        (**self).check_stream(stream)
     }
     fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
         (**self).record_event(stream)

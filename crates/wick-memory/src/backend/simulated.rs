@@ -98,11 +98,13 @@ impl Backend for SimulatedBackend {
 
     unsafe fn free_segment(&self, _addr: u64, size: usize) -> Result<(), BackendError> {
         let mut state = self.lock();
-        state.used = state
-            .used
-            .checked_sub(size)
-            .ok_or_else(|| BackendError::Other("freed more than was allocated".into()))?;
+        state.used =
+            state.used.checked_sub(size).ok_or_else(|| BackendError::Other("freed more than was allocated".into()))?;
         Ok(())
+    }
+
+    fn check_stream(&self, stream: StreamId) -> Result<(), BackendError> {
+        self.streams.check(stream)
     }
 
     fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {

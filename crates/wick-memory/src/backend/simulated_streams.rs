@@ -43,6 +43,11 @@ impl SimulatedStreams {
         id
     }
 
+    /// Makes sure stream `id` exists (replays name their streams by number).
+    pub fn ensure_stream(&self, id: StreamId) {
+        self.lock().streams.entry(id).or_insert((0, 0));
+    }
+
     /// Enqueues one unit of (pretend) device work on `stream`; it stays pending until finished.
     pub fn launch(&self, stream: StreamId) -> Result<(), BackendError> {
         let mut state = self.lock();

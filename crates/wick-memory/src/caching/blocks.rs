@@ -18,11 +18,15 @@ pub(crate) enum BlockState {
     Allocated,
     /// Returned by the user but still awaiting these events (record_stream) before reuse.
     PendingFree(Vec<EventId>),
+    /// Free, kept unmerged in the allocator's small exact-size cache for O(1) reuse.
+    Parked,
 }
 
 #[derive(Debug, Clone)]
 pub(crate) struct Block {
     pub segment: u32,
+    /// The pool of its segment (kept here so the hot path needs no segment lookup).
+    pub pool: PoolKind,
     pub addr: u64,
     pub size: usize,
     pub requested: usize,
@@ -131,8 +135,7 @@ impl BlockTable {
     }
 
     pub fn segment_pool(&self, slot: u32) -> PoolKind {
-        let seg = self.block(slot).segment;
-        self.segments.get(seg).map_or(PoolKind::Large, |s| s.pool)
+        self.block(slot).pool
     }
 
     pub fn insert_block(&mut self, block: Block) -> u32 {

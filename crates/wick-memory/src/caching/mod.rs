@@ -6,7 +6,10 @@
 
 mod blocks;
 mod history;
+mod parking;
+mod release;
 mod state;
+mod streams;
 
 pub use history::{Action, HistoryEntry};
 
@@ -227,7 +230,7 @@ impl<B: Backend> MemoryResource for CachingAllocator<B> {
                         let (state_name, requested) = match b.state {
                             BlockState::Allocated => (BlockStateName::ActiveAllocated, b.requested),
                             BlockState::PendingFree(_) => (BlockStateName::ActivePendingFree, b.requested),
-                            BlockState::Free => (BlockStateName::Inactive, 0),
+                            BlockState::Free | BlockState::Parked => (BlockStateName::Inactive, 0),
                         };
                         BlockSnapshot {
                             address: b.addr,

@@ -1,7 +1,7 @@
 //! The caching policy: best-fit reuse, splitting and coalescing, stream-ordered reuse, the
 //! release path and garbage collection. Mirrors PyTorch's `DeviceCachingAllocator::malloc/free`.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 
 use super::blocks::{Block, BlockState, BlockTable, Segment, SHARED};
 use super::history::{Action, History};
@@ -10,6 +10,9 @@ use crate::config::AllocatorConfig;
 use crate::error::{MemoryError, OutOfMemory, Result};
 use crate::stats::{MemoryStats, PoolKind};
 use crate::stream::{EventId, StreamId};
+
+/// How many freed small blocks are kept unmerged for exact-size reuse.
+pub(super) const PARK_CAPACITY: usize = 32;
 
 /// Mutable allocator state, guarded by the allocator's mutex.
 #[derive(Debug)]
@@ -21,17 +24,21 @@ pub(crate) struct State {
     /// Hard cap on reserved bytes.
     pub limit: Option<usize>,
     /// Blocks returned by the user that await events (record_stream).
-    pending: Vec<u32>,
+    pub(super) pending: Vec<u32>,
     /// Per stream with cached blocks: an event recorded on it and the free counter at that time.
     /// Once the event completes, blocks freed on that stream before it are safe on any stream.
-    harvest: HashMap<u64, (EventId, u64)>,
-    streams_seen: BTreeSet<u64>,
-    free_counter: u64,
-    alloc_counter: u64,
+    pub(super) harvest: HashMap<u64, (EventId, u64)>,
+    /// Streams that have allocated (a handful; a vector beats a set here).
+    pub(super) streams_seen: Vec<u64>,
+    /// Recently freed small blocks, unmerged, for exact-size reuse without touching the pools
+    /// (the steady state of a training loop frees and re-requests the same sizes).
+    pub(super) parked: Vec<u32>,
+    pub(super) free_counter: u64,
+    pub(super) alloc_counter: u64,
 }
 
 /// Where a block for a request came from.
-enum Found {
+pub(super) enum Found {
     Cached(u32),
     NewSegment(u32),
 }
@@ -47,7 +54,8 @@ impl State {
             limit,
             pending: Vec::new(),
             harvest: HashMap::new(),
-            streams_seen: BTreeSet::from([StreamId::DEFAULT.0]),
+            streams_seen: vec![StreamId::DEFAULT.0],
+            parked: Vec::with_capacity(PARK_CAPACITY),
             free_counter: 0,
             alloc_counter: 0,
         };
@@ -55,14 +63,13 @@ impl State {
         state
     }
 
-    fn is_oversize(&self, size: usize) -> bool {
+    pub(super) fn is_oversize(&self, size: usize) -> bool {
         size >= self.config.max_split_size
     }
 
-    fn record(&mut self, action: Action, addr: u64, size: usize, stream: StreamId) {
+    pub(super) fn record(&mut self, action: Action, addr: u64, size: usize, stream: StreamId) {
         if self.history.enabled() {
-            let (allocated, reserved) =
-                (self.stats.allocated_bytes.all.current, self.stats.reserved_bytes.all.current);
+            let (allocated, reserved) = (self.stats.allocated_bytes.all.current, self.stats.reserved_bytes.all.current);
             self.history.push(action, addr, size, stream.0, allocated, reserved);
         }
     }
@@ -71,19 +78,32 @@ impl State {
     pub fn malloc(&mut self, backend: &dyn Backend, rounded: usize, requested: usize, stream: StreamId) -> Result<u32> {
         let pool = if self.config.is_small(rounded) { PoolKind::Small } else { PoolKind::Large };
         self.alloc_counter += 1;
-        self.streams_seen.insert(stream.0);
+        if !self.streams_seen.contains(&stream.0) {
+            backend.check_stream(stream).map_err(|e| MemoryError::Backend(e.to_string()))?;
+            self.streams_seen.push(stream.0);
+        }
         self.process_events(backend)?;
-
-        let found = match self.find_cached(pool, stream, rounded) {
-            Some(slot) => Found::Cached(slot),
-            None => {
-                if self.harvest_cross_stream(backend, stream)? {
-                    self.find_cached(pool, stream, rounded).map(Found::Cached)
-                } else {
-                    None
-                }
-                .map_or_else(|| self.allocate_with_release(backend, pool, stream, rounded, requested), Ok)?
+        if pool == PoolKind::Small {
+            if let Some(slot) = self.take_parked(stream, rounded) {
+                self.split_and_activate(slot, pool, rounded, requested, stream);
+                return Ok(slot);
             }
+        }
+
+        let mut cached = self.find_cached(pool, stream, rounded);
+        if cached.is_none() && pool == PoolKind::Small && !self.parked.is_empty() {
+            // Merge the parked blocks back before deciding that a new segment is needed.
+            self.flush_parked();
+            cached = self.find_cached(pool, stream, rounded);
+        }
+        let found = match cached {
+            Some(slot) => Found::Cached(slot),
+            None => if self.harvest_cross_stream(backend, stream)? {
+                self.find_cached(pool, stream, rounded).map(Found::Cached)
+            } else {
+                None
+            }
+            .map_or_else(|| self.allocate_with_release(backend, pool, stream, rounded, requested), Ok)?,
         };
         let slot = match found {
             Found::Cached(slot) => {
@@ -127,10 +147,7 @@ impl State {
         if self.config.garbage_collection_threshold.is_some() {
             self.garbage_collect(backend)?;
         }
-        let segment_size = self
-            .config
-            .segment_size(rounded)
-            .ok_or_else(|| too_large(backend, requested))?;
+        let segment_size = self.config.segment_size(rounded).ok_or_else(|| too_large(backend, requested))?;
         let transient = |o: &std::result::Result<u32, NewSegmentError>| {
             matches!(o, Err(NewSegmentError::Capped | NewSegmentError::DeviceFull))
         };
@@ -191,6 +208,7 @@ impl State {
         let segment = self.table.segments.insert(Segment { addr, size, stream, pool, first_block: u32::MAX });
         let slot = self.table.insert_block(Block {
             segment,
+            pool,
             addr,
             size,
             requested: 0,
@@ -229,15 +247,24 @@ impl State {
             PoolKind::Large => rounded < self.config.max_split_size && remaining > self.config.small_size,
         };
         if split {
-            let original = self.table.block(slot).clone();
-            let rest = self.table.insert_block(Block {
+            let o = self.table.block(slot);
+            let rest_block = Block {
+                segment: o.segment,
+                pool: o.pool,
                 addr: addr + rounded as u64,
                 size: remaining,
-                prev: Some(slot),
+                requested: 0,
+                stream: o.stream,
+                tag: o.tag,
                 state: BlockState::Free,
+                prev: Some(slot),
+                next: o.next,
+                generation: 0,
+                free_epoch: o.free_epoch,
+                freed_at: o.freed_at,
                 extra_streams: Vec::new(),
-                ..original
-            });
+            };
+            let rest = self.table.insert_block(rest_block);
             if let Some(next) = self.table.block(rest).next {
                 self.table.block_mut(next).prev = Some(rest);
             }
@@ -278,8 +305,7 @@ impl State {
         }
         self.record(Action::FreeRequested, addr, size, stream);
         if !extra.is_empty() {
-            let events: std::result::Result<Vec<EventId>, _> =
-                extra.iter().map(|s| backend.record_event(*s)).collect();
+            let events: std::result::Result<Vec<EventId>, _> = extra.iter().map(|s| backend.record_event(*s)).collect();
             match events {
                 Ok(events) => {
                     self.table.block_mut(slot).state = BlockState::PendingFree(events);
@@ -293,11 +319,15 @@ impl State {
                 }
             }
         }
-        self.free_block(slot, pool);
+        if pool == PoolKind::Small {
+            self.park(slot);
+        } else {
+            self.free_block(slot, pool);
+        }
     }
 
     /// Puts a block into its pool, merging it with free neighbours.
-    fn free_block(&mut self, slot: u32, pool: PoolKind) {
+    pub(super) fn free_block(&mut self, slot: u32, pool: PoolKind) {
         self.free_counter += 1;
         let (size, addr, stream) = {
             let counter = (self.free_counter, self.alloc_counter);
@@ -310,13 +340,17 @@ impl State {
         };
         self.stats.active.update(pool, -1);
         self.stats.active_bytes.update(pool, -(size as i64));
-        self.merge_neighbours(slot);
-        self.table.pool_insert(slot, &mut self.stats);
+        self.merge_into_pool(slot);
         self.record(Action::FreeCompleted, addr, size, stream);
     }
 
+    pub(super) fn merge_into_pool(&mut self, slot: u32) {
+        self.merge_neighbours(slot);
+        self.table.pool_insert(slot, &mut self.stats);
+    }
+
     /// Merges a free block (not in a pool) with free neighbours whose stream tags allow it.
-    fn merge_neighbours(&mut self, slot: u32) {
+    pub(super) fn merge_neighbours(&mut self, slot: u32) {
         for forward in [false, true] {
             let block = self.table.block(slot);
             let Some(neighbour) = (if forward { block.next } else { block.prev }) else { continue };
@@ -353,207 +387,9 @@ impl State {
             }
         }
     }
-
-    /// Makes a cached block usable on any stream, coalescing it with free neighbours that the
-    /// old tag kept apart.
-    fn share(&mut self, slot: u32) {
-        if self.table.blocks.get(slot).is_none_or(|b| b.state != BlockState::Free) {
-            return;
-        }
-        self.table.pool_remove(slot, &mut self.stats);
-        self.table.block_mut(slot).tag = SHARED;
-        self.merge_neighbours(slot);
-        self.table.pool_insert(slot, &mut self.stats);
-    }
-
-    /// Moves blocks whose record_stream events have completed into the free pools.
-    fn process_events(&mut self, backend: &dyn Backend) -> Result<()> {
-        if self.pending.is_empty() {
-            return Ok(());
-        }
-        let mut still_pending = Vec::new();
-        for slot in std::mem::take(&mut self.pending) {
-            let BlockState::PendingFree(events) = &self.table.block(slot).state else { continue };
-            let mut done = true;
-            for event in events {
-                done &= backend.event_completed(*event).map_err(|e| MemoryError::Backend(e.to_string()))?;
-            }
-            if done {
-                for event in events.clone() {
-                    backend.destroy_event(event);
-                }
-                let pool = self.table.segment_pool(slot);
-                self.free_block(slot, pool);
-            } else {
-                still_pending.push(slot);
-            }
-        }
-        self.pending = still_pending;
-        Ok(())
-    }
-
-    /// Makes blocks cached on other streams available to `stream` once an event shows the
-    /// stream that freed them has finished. Records such events on a miss. True if any moved.
-    fn harvest_cross_stream(&mut self, backend: &dyn Backend, stream: StreamId) -> Result<bool> {
-        let mut moved = false;
-        let recorded: Vec<(u64, EventId, u64)> = self.harvest.iter().map(|(s, (e, n))| (*s, *e, *n)).collect();
-        for (other, event, epoch) in recorded {
-            if backend.event_completed(event).map_err(|e| MemoryError::Backend(e.to_string()))? {
-                backend.destroy_event(event);
-                self.harvest.remove(&other);
-                for slot in self.table.free_with_tag(other) {
-                    // Earlier iterations may have merged this block into a neighbour.
-                    if self.table.blocks.get(slot).is_some_and(|b| b.free_epoch <= epoch && b.tag == other) {
-                        self.share(slot);
-                        moved = true;
-                    }
-                }
-            }
-        }
-        let others: Vec<u64> = self.streams_seen.iter().copied().filter(|s| *s != stream.0).collect();
-        for other in others {
-            if !self.harvest.contains_key(&other) && self.table.has_free_with_tag(other) {
-                if let Ok(event) = backend.record_event(StreamId(other)) {
-                    self.harvest.insert(other, (event, self.free_counter));
-                }
-            }
-        }
-        Ok(moved)
-    }
-
-    /// Frees cached oversize blocks (≥ `max_split_size`) that could make room for `rounded`.
-    fn release_oversize(&mut self, backend: &dyn Backend, rounded: usize, stream: StreamId) -> Result<bool> {
-        if self.config.max_split_size == usize::MAX {
-            return Ok(false);
-        }
-        let key = rounded.max(self.config.max_split_size);
-        let mut candidates: Vec<(usize, u32)> = self
-            .table
-            .unsplit_free(PoolKind::Large)
-            .into_iter()
-            .map(|s| (self.table.block(s).size, s))
-            .filter(|(size, s)| {
-                let tag = self.table.block(*s).tag;
-                *size >= self.config.max_split_size && (tag == stream.0 || tag == SHARED)
-            })
-            .collect();
-        candidates.sort_unstable();
-        if let Some(&(_, slot)) = candidates.iter().find(|(size, _)| *size >= key) {
-            self.release_segment_of(backend, slot)?;
-            return Ok(true);
-        }
-        let mut released = 0;
-        for &(size, slot) in candidates.iter().rev() {
-            if released >= rounded {
-                break;
-            }
-            self.release_segment_of(backend, slot)?;
-            released += size;
-        }
-        Ok(released > 0)
-    }
-
-    /// Synchronises all streams, then returns every segment that holds no live block.
-    pub fn release_cached(&mut self, backend: &dyn Backend) -> Result<(usize, usize)> {
-        backend.synchronize().map_err(|e| MemoryError::Backend(e.to_string()))?;
-        self.stats.num_sync_all_streams += 1;
-        self.process_events(backend)?;
-        // After a full synchronisation every cached block is safe on any stream.
-        for (_, (event, _)) in self.harvest.drain() {
-            backend.destroy_event(event);
-        }
-        for stream in self.streams_seen.clone() {
-            for slot in self.table.free_with_tag(stream) {
-                self.share(slot);
-            }
-        }
-        let mut released = (0, 0);
-        for pool in [PoolKind::Small, PoolKind::Large] {
-            for slot in self.table.unsplit_free(pool) {
-                released.0 += 1;
-                released.1 += self.release_segment_of(backend, slot)?;
-            }
-        }
-        Ok(released)
-    }
-
-    /// Returns the segment of a free, unsplit block to the backend. Returns its size.
-    fn release_segment_of(&mut self, backend: &dyn Backend, slot: u32) -> Result<usize> {
-        let seg_index = self.table.block(slot).segment;
-        let Some(segment) = self.table.segments.get(seg_index).cloned() else { return Ok(0) };
-        // SAFETY: the segment came from this backend, its one block is free (no user holds it),
-        // and it is removed from the table right after, so it is freed exactly once.
-        unsafe { backend.free_segment(segment.addr, segment.size) }.map_err(|e| MemoryError::Backend(e.to_string()))?;
-        self.table.pool_remove(slot, &mut self.stats);
-        self.table.remove_block(slot);
-        self.table.segments.remove(seg_index);
-        self.stats.segment.update(segment.pool, -1);
-        self.stats.reserved_bytes.update(segment.pool, -(segment.size as i64));
-        self.stats.num_device_free += 1;
-        if self.is_oversize(segment.size) {
-            self.stats.oversize_segments.update(-1);
-        }
-        self.record(Action::SegmentFree, segment.addr, segment.size, segment.stream);
-        Ok(segment.size)
-    }
-
-    /// PyTorch's `garbage_collect_cached_blocks`: above the threshold fraction of the cap, free
-    /// unsplit cached large blocks, oldest (in allocation calls since their free) first.
-    fn garbage_collect(&mut self, backend: &dyn Backend) -> Result<()> {
-        let Some(threshold) = self.config.garbage_collection_threshold else { return Ok(()) };
-        let allowed = self.limit.unwrap_or_else(|| backend.capacity());
-        let gc_threshold = (allowed as f64 * threshold) as usize;
-        let reserved = self.stats.reserved_bytes.all.current as usize;
-        if reserved <= gc_threshold {
-            return Ok(());
-        }
-        let target = reserved - gc_threshold;
-        let mut freeable: Vec<(u64, u32)> = self
-            .table
-            .unsplit_free(PoolKind::Large)
-            .into_iter()
-            .map(|s| (self.alloc_counter - self.table.block(s).freed_at, s))
-            .collect();
-        let mut reclaimed = 0;
-        while reclaimed < target && !freeable.is_empty() {
-            let average = freeable.iter().map(|(age, _)| *age).sum::<u64>() / freeable.len() as u64;
-            let (old, young): (Vec<_>, Vec<_>) = freeable.into_iter().partition(|(age, _)| *age >= average);
-            freeable = young;
-            for (_, slot) in old {
-                if reclaimed >= target {
-                    break;
-                }
-                reclaimed += self.release_segment_of(backend, slot)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Marks a live block as used on another stream.
-    pub fn record_stream(&mut self, slot: u32, stream: StreamId) {
-        let block = self.table.block_mut(slot);
-        if block.stream != stream && !block.extra_streams.contains(&stream) {
-            block.extra_streams.push(stream);
-        }
-        self.streams_seen.insert(stream.0);
-    }
-
-    /// Frees everything that is left when the allocator is dropped: waits for the device, then
-    /// returns every segment (live blocks cannot exist then, their handles borrow the allocator).
-    pub fn release_all(&mut self, backend: &dyn Backend) {
-        let _ = backend.synchronize();
-        for (_, (event, _)) in self.harvest.drain() {
-            backend.destroy_event(event);
-        }
-        let segments: Vec<Segment> = self.table.segments.iter().map(|(_, s)| s.clone()).collect();
-        for segment in segments {
-            // SAFETY: each segment came from this backend and is freed once, at teardown.
-            let _ = unsafe { backend.free_segment(segment.addr, segment.size) };
-        }
-    }
 }
 
-enum NewSegmentError {
+pub(super) enum NewSegmentError {
     Capped,
     DeviceFull,
     Backend(String),

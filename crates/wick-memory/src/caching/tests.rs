@@ -106,7 +106,7 @@ fn oom_flushes_the_cache_retries_then_errs_and_stays_usable() {
     let a = sim(64 * MIB);
     let x = a.allocate(30 * MIB).unwrap();
     drop(x); // cached, 30 MiB reserved
-    // 40 MiB does not fit beside the cached 30 MiB: the cache is released and the request retried.
+             // 40 MiB does not fit beside the cached 30 MiB: the cache is released and the request retried.
     let y = a.allocate(40 * MIB).unwrap();
     let stats = a.memory_stats();
     assert_eq!(stats.num_alloc_retries, 1);

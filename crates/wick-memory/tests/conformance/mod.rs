@@ -13,12 +13,23 @@ pub const MIB: usize = 1 << 20;
 /// One step of a random sequence.
 #[derive(Debug, Clone)]
 pub enum Op {
-    Alloc { size: usize, align_log2: u8, stream: usize },
-    Free { index: usize },
-    RecordStream { index: usize, stream: usize },
+    Alloc {
+        size: usize,
+        align_log2: u8,
+        stream: usize,
+    },
+    Free {
+        index: usize,
+    },
+    RecordStream {
+        index: usize,
+        stream: usize,
+    },
     EmptyCache,
     /// Pretend device work runs on a stream (blocks used there are "in flight").
-    Launch { stream: usize },
+    Launch {
+        stream: usize,
+    },
     /// All device work completes.
     FinishAll,
 }
@@ -90,7 +101,8 @@ fn pattern_intact(resource: &impl MemoryResource, live: &Live) -> bool {
 fn verify<R: MemoryResource>(h: &Harness<'_, R>, live: &[Live]) -> Result<(), String> {
     let r = h.resource;
     // No two live blocks overlap; alignment holds; bytes written are intact.
-    let mut spans: Vec<(u64, u64)> = live.iter().map(|l| (l.block.addr(), l.block.addr() + l.block.block_size() as u64)).collect();
+    let mut spans: Vec<(u64, u64)> =
+        live.iter().map(|l| (l.block.addr(), l.block.addr() + l.block.block_size() as u64)).collect();
     spans.sort();
     for w in spans.windows(2) {
         if w[0].1 > w[1].0 {
@@ -133,7 +145,10 @@ fn verify<R: MemoryResource>(h: &Harness<'_, R>, live: &[Live]) -> Result<(), St
         let mut cursor = seg.address;
         for b in &seg.blocks {
             if b.address != cursor {
-                return Err(format!("segment {:#x}: blocks do not tile it (gap/overlap at {:#x})", seg.address, cursor));
+                return Err(format!(
+                    "segment {:#x}: blocks do not tile it (gap/overlap at {:#x})",
+                    seg.address, cursor
+                ));
             }
             cursor += b.size as u64;
             match b.state {
@@ -154,7 +169,12 @@ fn verify<R: MemoryResource>(h: &Harness<'_, R>, live: &[Live]) -> Result<(), St
             }
         }
         if cursor != seg.address + seg.total_size as u64 {
-            return Err(format!("segment {:#x}: blocks cover {} of {} bytes", seg.address, cursor - seg.address, seg.total_size));
+            return Err(format!(
+                "segment {:#x}: blocks cover {} of {} bytes",
+                seg.address,
+                cursor - seg.address,
+                seg.total_size
+            ));
         }
     }
     allocated_blocks.sort();
@@ -243,7 +263,11 @@ pub fn run_sequence<R: MemoryResource>(h: &Harness<'_, R>, ops: &[Op]) -> Result
     h.resource.empty_cache().map_err(|e| e.to_string())?;
     let stats = h.resource.memory_stats();
     if stats.reserved_bytes.all.current != 0 || (h.backend_bytes)() != 0 {
-        return Err(format!("empty_cache left {} reserved, backend holds {}", stats.reserved_bytes.all.current, (h.backend_bytes)()));
+        return Err(format!(
+            "empty_cache left {} reserved, backend holds {}",
+            stats.reserved_bytes.all.current,
+            (h.backend_bytes)()
+        ));
     }
     Ok(())
 }
@@ -261,9 +285,7 @@ pub fn run_suite(name: &str, streams: usize, check: impl Fn(&[Op]) -> Result<(),
         ..Default::default()
     });
     let strategy = proptest::collection::vec(op_strategy(streams), 1..48);
-    if let Err(e) = runner.run(&strategy, |ops| {
-        check(&ops).map_err(proptest::test_runner::TestCaseError::fail)
-    }) {
+    if let Err(e) = runner.run(&strategy, |ops| check(&ops).map_err(proptest::test_runner::TestCaseError::fail)) {
         panic!("{name}: conformance failed: {e}");
     }
     println!("{name}: {} random sequences passed", cases());

@@ -1,0 +1,127 @@
+//! `wick`: command-line tools around the allocator.
+//!
+//! - `wick replay TRACE.json…`: replays allocation traces through a policy and backend and prints
+//!   peak allocated, peak reserved, fragmentation, retries, OOMs and ops/s;
+//! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use wick_memory::format::format_bytes;
+use wick_memory::{
+    replay, workloads, AllocatorConfig, CachingAllocator, HostBackend, ReplayReport, SimulatedBackend, Trace,
+};
+
+#[derive(Parser)]
+#[command(name = "wick", about = "wick memory tools")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum BackendKind {
+    /// Address space only: any size, no memory used.
+    Sim,
+    /// Real host memory: only for traces that fit in RAM.
+    Host,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay traces through the caching allocator.
+    Replay {
+        /// Trace files (JSON).
+        #[arg(required = true)]
+        traces: Vec<PathBuf>,
+        /// Device capacity in GiB.
+        #[arg(long, default_value_t = 80.0)]
+        capacity_gib: f64,
+        /// Policy, in WICK_ALLOC_CONF syntax (e.g. `max_split_size_mb:128`).
+        #[arg(long, default_value = "")]
+        config: String,
+        /// Backend to replay on.
+        #[arg(long, value_enum, default_value = "sim")]
+        backend: BackendKind,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the standard trace suite to a directory.
+    Traces {
+        /// Output directory.
+        dir: PathBuf,
+    },
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Command::Replay { traces, capacity_gib, config, backend, json } => {
+            if !(capacity_gib > 0.0 && capacity_gib.is_finite()) {
+                bail!("--capacity-gib must be a positive number (got {capacity_gib})");
+            }
+            let capacity = (capacity_gib * (1u64 << 30) as f64) as usize;
+            let policy = AllocatorConfig::parse(&config).context("--config")?;
+            let mut reports = Vec::new();
+            for path in &traces {
+                let trace = Trace::from_file(path)?;
+                let report = match backend {
+                    BackendKind::Sim => {
+                        let backend = SimulatedBackend::new(capacity);
+                        trace.streams().into_iter().for_each(|s| backend.streams().ensure_stream(s));
+                        let a = CachingAllocator::with_config(backend, policy.clone())?;
+                        replay(&trace, &a)?
+                    }
+                    BackendKind::Host => {
+                        let backend = HostBackend::with_capacity(capacity);
+                        trace.streams().into_iter().for_each(|s| backend.streams().ensure_stream(s));
+                        let a = CachingAllocator::with_config(backend, policy.clone())?;
+                        replay(&trace, &a)?
+                    }
+                };
+                reports.push(report);
+            }
+            if json {
+                println!("{}", serde_json::to_string_pretty(&reports)?);
+            } else {
+                print_table(&reports);
+            }
+        }
+        Command::Traces { dir } => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            for trace in workloads::standard_suite() {
+                let path = dir.join(format!("{}.json", trace.name));
+                std::fs::write(&path, trace.to_json()).with_context(|| format!("writing {}", path.display()))?;
+                println!(
+                    "{} ({} ops, {} live at peak)",
+                    path.display(),
+                    trace.ops.len(),
+                    format_bytes(trace.peak_live_bytes() as u64)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_table(reports: &[ReplayReport]) {
+    println!(
+        "| {:<20} | {:>7} | {:>12} | {:>12} | {:>13} | {:>7} | {:>4} | {:>11} |",
+        "trace", "ops", "peak alloc", "peak reserv", "fragmentation", "retries", "OOMs", "ops/s"
+    );
+    println!("|{}|", "-".repeat(112));
+    for r in reports {
+        println!(
+            "| {:<20} | {:>7} | {:>12} | {:>12} | {:>13.4} | {:>7} | {:>4} | {:>11.0} |",
+            r.name,
+            r.ops,
+            format_bytes(r.peak_allocated as u64),
+            format_bytes(r.peak_reserved as u64),
+            r.fragmentation,
+            r.retries,
+            r.ooms,
+            r.ops_per_sec
+        );
+    }
+}
