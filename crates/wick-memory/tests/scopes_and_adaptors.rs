@@ -1,0 +1,137 @@
+//! Scopes release deterministically; each adaptor does its one job.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use wick_memory::{
+    replay, scoped, AllocateExt, CachingAllocator, EventLog, FailureCallback, Limiting, MemoryError, MemoryResource,
+    Scope, SimulatedBackend, Statistics, Tracking,
+};
+
+const MIB: usize = 1 << 20;
+
+fn sim() -> CachingAllocator<SimulatedBackend> {
+    CachingAllocator::new(SimulatedBackend::new(1 << 30))
+}
+
+#[test]
+fn scope_frees_everything_on_every_path_and_reports_it() {
+    let a = sim();
+    let kept = {
+        let scope = Scope::new(&a);
+        let x = scope.allocate(3 * MIB).unwrap();
+        scope.allocate(100).unwrap();
+        let before = a.memory_stats().allocated_bytes.all.current;
+        let kept = scope.keep(x).unwrap();
+        assert_eq!(scope.live_blocks(), 1);
+        let report = scope.end();
+        assert_eq!(report.blocks, 1);
+        assert_eq!(report.bytes, 512);
+        assert_eq!(report.requested_bytes, 100);
+        assert_eq!(report.kept, 1);
+        assert_eq!(a.memory_stats().allocated_bytes.all.current, before - 512);
+        kept
+    };
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 3 * MIB as i64, "the kept block lives on");
+    drop(kept);
+    // An error inside the scope (`?`) still frees what it allocated.
+    let (result, report) = scoped(&a, |s| {
+        s.allocate(5 * MIB)?;
+        s.allocate(0)?; // ZeroSize error
+        Ok(())
+    });
+    assert!(matches!(result, Err(MemoryError::ZeroSize)));
+    assert_eq!(report.bytes, 5 * MIB);
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+}
+
+#[test]
+fn training_steps_in_scopes_return_to_baseline_exactly() {
+    let a = sim();
+    let weights = a.allocate(40 * MIB).unwrap();
+    let baseline = a.memory_stats().allocated_bytes.all.current;
+    for step in 0..20usize {
+        let (result, report) = scoped(&a, |s| {
+            for layer in 0..8 {
+                s.allocate((layer + 1) * 300_000 + step)?;
+            }
+            Ok(())
+        });
+        result.unwrap();
+        assert_eq!(report.blocks, 8);
+        assert_eq!(a.memory_stats().allocated_bytes.all.current, baseline, "step {step}");
+    }
+    drop(weights);
+}
+
+#[test]
+fn limiting_refuses_before_upstream_and_stays_usable() {
+    let stack = Limiting::new(sim(), 10 * MIB);
+    let x = stack.allocate(6 * MIB).unwrap();
+    let err = stack.allocate(6 * MIB).unwrap_err();
+    let oom = err.as_out_of_memory().unwrap();
+    assert!(oom.limited_by_cap && oom.limit == Some(10 * MIB));
+    assert_eq!(stack.inner().memory_stats().num_ooms, 0, "the allocator was never asked");
+    assert_eq!(stack.memory_info().limit, Some(10 * MIB));
+    drop(x);
+    assert!(stack.allocate(9 * MIB).is_ok());
+}
+
+#[test]
+fn failure_callback_frees_and_retries() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let seen = calls.clone();
+    let a = FailureCallback::new(Limiting::new(sim(), 8 * MIB), move |_, _, attempt| {
+        seen.fetch_add(1, Ordering::SeqCst);
+        attempt < 3
+    });
+    assert!(a.allocate(9 * MIB).unwrap_err().is_out_of_memory());
+    assert_eq!(calls.load(Ordering::SeqCst), 3, "retried while the callback asked, then gave up");
+}
+
+#[test]
+fn failure_callback_can_make_room() {
+    // A cache the callback may drop: memory held outside the request's control.
+    let stash: Arc<std::sync::Mutex<Vec<wick_memory::RawBlock>>> = Arc::default();
+    let limited = Limiting::new(sim(), 8 * MIB);
+    stash.lock().unwrap().push(limited.allocate_raw(wick_memory::AllocRequest::new(6 * MIB)).unwrap());
+    let s2 = stash.clone();
+    let a = FailureCallback::new(limited, move |up, _, _| match s2.lock().unwrap().pop() {
+        Some(block) => up.deallocate_raw(block).is_ok(),
+        None => false,
+    });
+    let x = a.allocate(6 * MIB).unwrap();
+    assert_eq!(x.size(), 6 * MIB);
+}
+
+#[test]
+fn tracking_lists_live_allocations_with_backtraces() {
+    let t = Tracking::new(sim(), true);
+    let x = t.allocate(1234).unwrap();
+    let _y = t.allocate(99).unwrap();
+    assert_eq!(t.live_bytes(), 1333);
+    let report = t.report();
+    assert!(report.starts_with("2 live allocation(s), 1333 bytes"), "{report}");
+    assert!(t.live()[0].backtrace.is_some());
+    drop(x);
+    assert_eq!(t.live().len(), 1);
+}
+
+#[test]
+fn event_log_trace_replays_to_the_same_peaks() {
+    let logged = Statistics::new(EventLog::new(sim()));
+    {
+        let a = logged.allocate(5 * MIB).unwrap();
+        let b = logged.allocate(700).unwrap();
+        drop(a);
+        let _c = logged.allocate(2 * MIB).unwrap();
+        drop(b);
+    }
+    let trace = logged.inner().trace("session");
+    assert_eq!(trace.ops.len(), 6);
+    let original = logged.memory_stats();
+    let report = replay(&trace, &sim()).unwrap();
+    assert_eq!(report.peak_allocated as i64, original.allocated_bytes.all.peak);
+    assert_eq!(report.peak_reserved as i64, original.reserved_bytes.all.peak);
+    assert_eq!(logged.counters().bytes_peak, 5 * MIB + 700);
+}
