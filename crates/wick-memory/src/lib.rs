@@ -39,6 +39,8 @@ pub mod workloads;
 
 pub use adaptors::{EventLog, FailureCallback, Limiting, Statistics, Tracking};
 pub use backend::{Backend, BackendError, HostBackend, SimulatedBackend};
+#[cfg(feature = "cuda")]
+pub use backend::{CudaBackend, DriverPool};
 pub use caching::{CachingAllocator, BLOCK_ALIGNMENT};
 pub use config::{AllocatorConfig, MemoryLimit};
 pub use error::{MemoryError, OutOfMemory, Result};

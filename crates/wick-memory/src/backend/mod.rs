@@ -6,10 +6,18 @@
 //!   GPU-scale workloads on a laptop;
 //! - `CudaBackend` (feature `cuda`): device memory through the CUDA driver.
 
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_pool;
 mod host;
 mod simulated;
 mod simulated_streams;
 
+#[cfg(feature = "cuda")]
+pub use cuda::{open_device, CudaBackend};
+#[cfg(feature = "cuda")]
+pub use cuda_pool::DriverPool;
 pub use host::HostBackend;
 pub use simulated::SimulatedBackend;
 pub use simulated_streams::SimulatedStreams;

@@ -1,0 +1,188 @@
+//! Governance of allocations wick does not make itself. candle allocates every CUDA buffer with
+//! `cuMemAllocAsync` from the device's *current* memory pool and has no allocator hook, so wick
+//! creates its own `CUmemoryPool`, caps it (`maxSize`), keeps freed memory cached (release
+//! threshold at its maximum, where the default pool's 0 returns memory at every synchronise),
+//! installs it with `cuDeviceSetMemPool`, and reads its statistics back. Needs CUDA ≥ 12.2.
+
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext};
+
+use crate::error::{MemoryError, OutOfMemory};
+use crate::stats::MemoryStats;
+
+/// wick's memory pool, installed as the current pool of one device.
+pub struct DriverPool {
+    ctx: Arc<CudaContext>,
+    pool: sys::CUmemoryPool,
+    previous: sys::CUmemoryPool,
+    limit: Option<usize>,
+}
+
+// SAFETY: memory-pool handles may be used from any thread; the pool is only mutated through the
+// driver, which synchronises internally.
+unsafe impl Send for DriverPool {}
+// SAFETY: as above; every method takes the driver's own locks.
+unsafe impl Sync for DriverPool {}
+
+fn driver(e: cudarc::driver::DriverError) -> MemoryError {
+    MemoryError::Backend(e.to_string())
+}
+
+impl DriverPool {
+    /// Creates a pool on `ctx`'s device capped at `limit` bytes (none: the device's size) and makes
+    /// it the device's current pool. Fails with `Unsupported` on devices or drivers without pools.
+    pub fn install(ctx: Arc<CudaContext>, limit: Option<usize>) -> Result<Self, MemoryError> {
+        ctx.bind_to_thread().map_err(driver)?;
+        let supported =
+            ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED).map_err(driver)?;
+        if supported == 0 {
+            return Err(MemoryError::Unsupported(format!(
+                "cuda:{} or its driver does not support memory pools (cuMemAllocAsync); wick cannot govern candle's allocations there",
+                ctx.ordinal()
+            )));
+        }
+        // SAFETY: zero is a valid bit pattern for this plain C struct; the fields that matter are set.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = ctx.ordinal() as i32;
+        props.maxSize = limit.unwrap_or(0);
+        // SAFETY: props is fully initialised.
+        let pool = unsafe { result::mem_pool::create(&props) }.map_err(driver)?;
+        let mut threshold: u64 = u64::MAX;
+        // SAFETY: the attribute takes a u64.
+        unsafe {
+            result::mem_pool::set_attribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut _,
+            )
+        }
+        .map_err(driver)?;
+        let device = ctx.cu_device();
+        // SAFETY: valid device handle.
+        let previous = unsafe { result::device::get_mem_pool(device) }.map_err(driver)?;
+        // SAFETY: the pool belongs to this device.
+        unsafe { result::device::set_mem_pool(device, pool) }.map_err(driver)?;
+        Ok(DriverPool { ctx, pool, previous, limit })
+    }
+
+    fn attribute(&self, attr: sys::CUmemPool_attribute) -> u64 {
+        let mut value: u64 = 0;
+        // SAFETY: these attributes are u64.
+        let _ = unsafe { result::mem_pool::get_attribute(self.pool, attr, &mut value as *mut u64 as *mut _) };
+        value
+    }
+
+    /// Bytes of live allocations from the pool (`USED_MEM_CURRENT`).
+    pub fn used(&self) -> usize {
+        self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT) as usize
+    }
+
+    /// Bytes the pool holds from the device (`RESERVED_MEM_CURRENT`).
+    pub fn reserved(&self) -> usize {
+        self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) as usize
+    }
+
+    /// Peak of `used` since creation or `reset_peaks`.
+    pub fn used_peak(&self) -> usize {
+        self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH) as usize
+    }
+
+    /// Peak of `reserved`.
+    pub fn reserved_peak(&self) -> usize {
+        self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) as usize
+    }
+
+    /// Resets both peaks to the current values.
+    pub fn reset_peaks(&self) {
+        for attr in [
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,
+        ] {
+            let mut zero: u64 = 0;
+            // SAFETY: the high-water attributes are u64 and may be reset to 0.
+            let _ = unsafe { result::mem_pool::set_attribute(self.pool, attr, &mut zero as *mut u64 as *mut _) };
+        }
+    }
+
+    /// The cap in bytes, if any.
+    pub fn limit(&self) -> Option<usize> {
+        self.limit
+    }
+
+    /// Waits for the device, then returns every unused byte of the pool to the device
+    /// (`cuMemPoolTrimTo(pool, 0)`). Returns the bytes released.
+    pub fn empty_cache(&self) -> Result<usize, MemoryError> {
+        self.ctx.bind_to_thread().map_err(driver)?;
+        self.ctx.synchronize().map_err(driver)?;
+        let before = self.reserved();
+        // SAFETY: the pool is live.
+        unsafe { result::mem_pool::trim_to(self.pool, 0) }.map_err(driver)?;
+        Ok(before.saturating_sub(self.reserved()))
+    }
+
+    /// The pool's figures under PyTorch's statistic names (allocated = used, reserved = reserved).
+    pub fn memory_stats(&self) -> MemoryStats {
+        let mut stats = MemoryStats::default();
+        let (used, reserved) = (self.used() as i64, self.reserved() as i64);
+        for (array, current, peak) in [
+            (&mut stats.allocated_bytes, used, self.used_peak() as i64),
+            (&mut stats.reserved_bytes, reserved, self.reserved_peak() as i64),
+        ] {
+            array.all.current = current;
+            array.all.peak = peak;
+            array.large_pool.current = current;
+            array.large_pool.peak = peak;
+        }
+        stats.max_split_size = i64::MAX;
+        stats
+    }
+
+    /// A readable table of the pool's figures.
+    pub fn memory_summary(&self) -> String {
+        crate::summary::memory_summary(
+            &format!("cuda:{} (driver pool)", self.ctx.ordinal()),
+            &self.memory_stats(),
+            self.limit,
+        )
+    }
+
+    /// The typed error for a request of `requested` bytes that the pool or device refused, with
+    /// `cuMemGetInfo` numbers and the pool's used/reserved bytes.
+    pub fn out_of_memory(&self, requested: usize) -> MemoryError {
+        let _ = self.ctx.bind_to_thread();
+        let (free, total) = result::mem_get_info().unwrap_or((0, 0));
+        let reserved = self.reserved();
+        MemoryError::OutOfMemory(Box::new(OutOfMemory {
+            device: format!("cuda:{}", self.ctx.ordinal()),
+            requested,
+            segment_size: requested,
+            capacity: total,
+            device_free: free,
+            allocated: self.used(),
+            reserved,
+            limit: self.limit,
+            limited_by_cap: self.limit.is_some_and(|l| reserved.saturating_add(requested) > l && free >= requested),
+            largest_free_block: reserved.saturating_sub(self.used()),
+        }))
+    }
+}
+
+impl Drop for DriverPool {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let device = self.ctx.cu_device();
+        // SAFETY: restoring the device's previous pool; ours is destroyed only when nothing in it
+        // is in use (live candle tensors may outlive the governance object).
+        unsafe {
+            let _ = result::device::set_mem_pool(device, self.previous);
+            if self.used() == 0 {
+                let _ = self.ctx.synchronize();
+                let _ = result::mem_pool::destroy(self.pool);
+            }
+        }
+    }
+}

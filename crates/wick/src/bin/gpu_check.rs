@@ -1,0 +1,195 @@
+//! GPU checks for `scripts/gpu-check.sh` (feature `cuda`). Prints one table row per check; exits
+//! non-zero if any check fails. Every figure is measured in this run, side by side.
+
+use std::time::Instant;
+
+use candle_core::{CudaDevice, DType, Device, Tensor};
+use wick::cuda::GovernedCuda;
+use wick_memory::backend::open_device;
+use wick_memory::{
+    AllocRequest, Backend, CachingAllocator, CudaBackend, DriverPool, MemoryError, MemoryResource, RawBlock, StreamId,
+    Trace, TraceOp,
+};
+
+const MIB: usize = 1 << 20;
+
+fn row(name: &str, ok: bool, detail: String) -> bool {
+    // candle's errors carry a backtrace after the first line; the table keeps the message.
+    let detail = detail.lines().next().unwrap_or_default().to_string();
+    println!("| {name} | {} | {detail} |", if ok { "PASS" } else { "FAIL" });
+    ok
+}
+
+fn sync(device: &Device) -> candle_core::Result<()> {
+    device.synchronize()
+}
+
+/// Many candle temporaries per step, then a synchronise (the end of a training step).
+fn alloc_heavy_loop(device: &Device, steps: usize) -> candle_core::Result<f64> {
+    let sizes: Vec<usize> = (0..32).map(|i| (1 + (i * 7) % 32) * MIB / 4).collect();
+    let start = Instant::now();
+    for _ in 0..steps {
+        let mut temps = Vec::with_capacity(sizes.len());
+        for &n in &sizes {
+            temps.push(Tensor::zeros(n, DType::F32, device)?);
+        }
+        drop(temps);
+        sync(device)?;
+    }
+    Ok(start.elapsed().as_secs_f64() / steps as f64)
+}
+
+fn replay_wick(trace: &Trace) -> Result<(f64, usize, usize), MemoryError> {
+    let backend = CudaBackend::new(0)?;
+    let s1 = backend.create_stream()?;
+    let a = CachingAllocator::new(backend);
+    let stream = |s: u64| if s == 0 { StreamId::DEFAULT } else { s1 };
+    // Warm-up pass fills the cache, as a training loop's first step does.
+    let mut timed = 0.0;
+    for pass in 0..2 {
+        let mut live: std::collections::HashMap<u64, RawBlock> = std::collections::HashMap::new();
+        let start = Instant::now();
+        for op in &trace.ops {
+            match op {
+                TraceOp::Alloc { id, size, stream: s } => {
+                    live.insert(*id, a.allocate_raw(AllocRequest::new(*size).on_stream(stream(*s)))?);
+                }
+                TraceOp::Free { id } => {
+                    if let Some(b) = live.remove(id) {
+                        a.deallocate_raw(b)?;
+                    }
+                }
+            }
+        }
+        a.backend().synchronize().map_err(|e| MemoryError::Backend(e.to_string()))?;
+        if pass == 1 {
+            timed = start.elapsed().as_secs_f64();
+        }
+    }
+    let stats = a.memory_stats();
+    Ok((timed, stats.allocated_bytes.all.peak as usize, stats.reserved_bytes.all.peak as usize))
+}
+
+fn replay_raw_async(trace: &Trace) -> Result<f64, MemoryError> {
+    use cudarc::driver::result;
+    let ctx = open_device(0)?;
+    ctx.bind_to_thread().map_err(|e| MemoryError::Backend(e.to_string()))?;
+    let s0 = ctx.default_stream();
+    let s1 = ctx.new_stream().map_err(|e| MemoryError::Backend(e.to_string()))?;
+    let mut timed = 0.0;
+    for pass in 0..2 {
+        let mut live = std::collections::HashMap::new();
+        let start = Instant::now();
+        for op in &trace.ops {
+            match op {
+                TraceOp::Alloc { id, size, stream } => {
+                    let s = if *stream == 0 { s0.cu_stream() } else { s1.cu_stream() };
+                    // SAFETY: a device allocation on a live stream, freed below on the same stream.
+                    let ptr =
+                        unsafe { result::malloc_async(s, *size) }.map_err(|e| MemoryError::Backend(e.to_string()))?;
+                    live.insert(*id, (ptr, s));
+                }
+                TraceOp::Free { id } => {
+                    if let Some((ptr, s)) = live.remove(id) {
+                        // SAFETY: freeing an allocation made above, once.
+                        unsafe { result::free_async(ptr, s) }.map_err(|e| MemoryError::Backend(e.to_string()))?;
+                    }
+                }
+            }
+        }
+        ctx.synchronize().map_err(|e| MemoryError::Backend(e.to_string()))?;
+        if pass == 1 {
+            timed = start.elapsed().as_secs_f64();
+        }
+    }
+    Ok(timed)
+}
+
+fn main() {
+    let mut all_ok = true;
+    println!("| check | result | figures |");
+    println!("|---|---|---|");
+
+    // 1. candle allocations come from wick's pool, and the cap is enforced.
+    match GovernedCuda::new(0, Some(8 << 30)) {
+        Err(e) => all_ok &= row("open governed device", false, e.to_string()),
+        Ok(g) => {
+            let pool = g.pool();
+            let used0 = pool.used();
+            let t = g.run(256 * MIB, |d| Tensor::zeros((64, 1024, 1024), DType::F32, d));
+            let _ = sync(g.device());
+            let used1 = pool.used();
+            drop(t);
+            let _ = sync(g.device());
+            let used2 = pool.used();
+            all_ok &= row(
+                "candle tensor drawn from wick pool",
+                used1 >= used0 + 256 * MIB && used2 == used0,
+                format!("USED_MEM_CURRENT {used0} -> {used1} (tensor alive) -> {used2} (dropped)"),
+            );
+            let big = g.run(10 << 30, |d| Tensor::zeros(10usize << 28, DType::F32, d));
+            let refused = matches!(&big, Err(MemoryError::OutOfMemory(_)));
+            let message = big.err().map(|e| e.to_string()).unwrap_or_default();
+            let small = g.run(1 << 30, |d| Tensor::zeros(1usize << 28, DType::F32, d));
+            all_ok &= row(
+                "cap 8 GiB: 10 GiB candle op -> Err(OutOfMemory), then 1 GiB ok",
+                refused && small.is_ok(),
+                message.chars().take(300).collect(),
+            );
+            drop(small);
+            println!("\n{}\n", pool.memory_summary().lines().take(12).collect::<Vec<_>>().join("\n"));
+        }
+    }
+
+    // 2. Alloc-heavy loop: candle on the driver's default pool vs on wick's governed pool.
+    let loop_result = (|| -> Result<(f64, f64), String> {
+        let device = CudaDevice::new_with_stream(0).map(Device::Cuda).map_err(|e| e.to_string())?;
+        alloc_heavy_loop(&device, 5).map_err(|e| e.to_string())?;
+        let default_pool = alloc_heavy_loop(&device, 100).map_err(|e| e.to_string())?;
+        let ctx = open_device(0).map_err(|e| e.to_string())?;
+        let pool = DriverPool::install(ctx, None).map_err(|e| e.to_string())?;
+        alloc_heavy_loop(&device, 5).map_err(|e| e.to_string())?;
+        let governed = alloc_heavy_loop(&device, 100).map_err(|e| e.to_string())?;
+        drop(pool);
+        Ok((default_pool, governed))
+    })();
+    match loop_result {
+        Ok((d, g)) => {
+            all_ok &= row(
+                "alloc-heavy candle loop: default pool vs wick pool (target >= 5x)",
+                d / g >= 5.0,
+                format!("{:.1} us/step vs {:.1} us/step: {:.1}x", d * 1e6, g * 1e6, d / g),
+            )
+        }
+        Err(e) => all_ok &= row("alloc-heavy candle loop", false, e),
+    }
+
+    // 3. Trace replay: wick's CUDA caching allocator vs raw cuMemAllocAsync (PyTorch: gpu_check.py).
+    for path in ["crates/wick-memory/traces/transformer-train.json", "crates/wick-memory/traces/inference-server.json"]
+    {
+        let trace = match Trace::from_file(std::path::Path::new(path)) {
+            Ok(t) => t,
+            Err(e) => {
+                all_ok &= row("trace replay", false, e.to_string());
+                continue;
+            }
+        };
+        match (replay_wick(&trace), replay_raw_async(&trace)) {
+            (Ok((w, alloc, reserved)), Ok(raw)) => {
+                let ops = trace.ops.len() as f64;
+                println!(
+                    "| replay {} | INFO | wick {:.2} us/op, raw cuMemAllocAsync {:.2} us/op (raw/wick {:.2}x); wick peak reserved/allocated {:.3} |",
+                    trace.name,
+                    w / ops * 1e6,
+                    raw / ops * 1e6,
+                    raw / w,
+                    reserved as f64 / alloc.max(1) as f64
+                );
+            }
+            (a, b) => {
+                all_ok &= row("trace replay", false, format!("{:?} / {:?}", a.err(), b.err()));
+            }
+        }
+    }
+    std::process::exit(if all_ok { 0 } else { 1 });
+}

@@ -1,0 +1,63 @@
+//! Governance of candle's CUDA memory: a wick [`DriverPool`] installed as the device's current
+//! pool before candle allocates, so every candle buffer is drawn from it, capped by it and
+//! measured by it.
+
+use candle_core::{CudaDevice, Device};
+use wick_memory::{DriverPool, MemoryError};
+
+/// A candle CUDA device whose allocations come from a wick-owned, capped pool.
+pub struct GovernedCuda {
+    pool: DriverPool,
+    device: Device,
+}
+
+impl GovernedCuda {
+    /// Opens CUDA device `ordinal` with a cap of `limit` bytes on candle's memory. Errors (no
+    /// driver, no device, no memory-pool support) are `MemoryError`s, never panics.
+    pub fn new(ordinal: usize, limit: Option<usize>) -> Result<Self, MemoryError> {
+        let ctx = wick_memory::backend::open_device(ordinal)?;
+        // Installed before candle allocates anything on the device.
+        let pool = DriverPool::install(ctx, limit)?;
+        let device = CudaDevice::new_with_stream(ordinal)
+            .map(Device::Cuda)
+            .map_err(|e| MemoryError::Unavailable(format!("candle could not open cuda:{ordinal}: {e}")))?;
+        Ok(GovernedCuda { pool, device })
+    }
+
+    /// The candle device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The pool governing it.
+    pub fn pool(&self) -> &DriverPool {
+        &self.pool
+    }
+
+    /// Returns every cached byte of the pool to the device. Returns the bytes released.
+    pub fn empty_cache(&self) -> Result<usize, MemoryError> {
+        self.pool.empty_cache()
+    }
+
+    /// Runs a candle operation expected to need about `bytes`; on CUDA out-of-memory, empties the
+    /// cache and retries once, then returns wick's typed `OutOfMemory` with the pool's figures.
+    /// Other candle errors come back as `MemoryError::Backend` with candle's message.
+    pub fn run<T>(
+        &self,
+        bytes: usize,
+        mut op: impl FnMut(&Device) -> candle_core::Result<T>,
+    ) -> Result<T, MemoryError> {
+        match op(&self.device) {
+            Ok(value) => Ok(value),
+            Err(e) if crate::is_out_of_memory(&e) => {
+                self.pool.empty_cache()?;
+                match op(&self.device) {
+                    Ok(value) => Ok(value),
+                    Err(e) if crate::is_out_of_memory(&e) => Err(self.pool.out_of_memory(bytes)),
+                    Err(e) => Err(MemoryError::Backend(e.to_string())),
+                }
+            }
+            Err(e) => Err(MemoryError::Backend(e.to_string())),
+        }
+    }
+}

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# CUDA checks that need no GPU (run by .ci/run):
+#  1. type-check and lint every `cuda` code path with the fake nvcc from ../shared/tools;
+#  2. build the CUDA test binary, link it against stub CUDA libraries whose every call fails, run
+#     it, and check that the "no driver" path returns a clear error instead of panicking;
+#  3. compile kernels/*.cu with a real nvcc (PTX for sm_80 and sm_90) when there are any.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+shared=${WICK_SHARED:-../shared}
+if [ ! -x "$shared/tools/fake-nvcc" ]; then
+  echo "!! CUDA checks SKIPPED: $shared/tools/fake-nvcc not found (set WICK_SHARED)"; exit 1
+fi
+mkdir -p .cache/fake-nvcc
+ln -sf "$(realpath "$shared/tools/fake-nvcc")" .cache/fake-nvcc/nvcc
+export PATH="$PWD/.cache/fake-nvcc:$PATH" CUDA_COMPUTE_CAP=80
+
+echo "-- cargo check / clippy with --features cuda (fake nvcc)"
+cargo check --workspace --all-targets --features wick/cuda
+cargo clippy --workspace --all-targets --features wick/cuda -- -D warnings
+
+echo "-- no-driver path: test binary linked against failing stubs"
+bash scripts/cuda-link-stubs.sh target/cuda-stubs-empty
+LIBRARY_PATH="$PWD/target/cuda-stubs-empty" cargo rustc -p wick-memory --features cuda --test conformance_cuda \
+  -- -C link-arg=-Wl,--warn-unresolved-symbols
+binary=$(ls -t target/debug/deps/conformance_cuda-* | grep -v '\.d$' | head -1)
+stubs=target/cuda-stubs-failing
+sh "$shared/tools/cuda-stubs.sh" "$PWD/$binary" "$PWD/$stubs" >/dev/null
+# Relink against the failing stubs so the binary records them as needed libraries.
+touch crates/wick-memory/tests/conformance_cuda.rs
+LIBRARY_PATH="$PWD/$stubs" cargo rustc -p wick-memory --features cuda --test conformance_cuda \
+  -- -C link-arg=-Wl,--warn-unresolved-symbols
+binary=$(ls -t target/debug/deps/conformance_cuda-* | grep -v '\.d$' | head -1)
+readelf -d "$binary" | grep -q 'libcuda' || { echo "!! the test binary does not link libcuda"; exit 1; }
+LD_LIBRARY_PATH="$PWD/$stubs" WICK_EXPECT_NO_DRIVER=1 "$binary" --nocapture
+
+echo "-- kernels/*.cu with a real nvcc"
+shopt -s nullglob
+kernels=(kernels/*.cu)
+if [ ${#kernels[@]} -eq 0 ]; then
+  echo "no CUDA kernels in kernels/ yet: nothing to compile"
+else
+  cuda_home=$(sh "$shared/tools/cuda-toolkit-pypi.sh" "$PWD/.cache/cuda-toolkit" | tail -1)
+  mkdir -p target/ptx
+  for k in "${kernels[@]}"; do
+    for arch in 80 90; do
+      "$cuda_home/bin/nvcc" --ptx -arch=sm_$arch "$k" -o "target/ptx/$(basename "$k" .cu).sm_$arch.ptx"
+    done
+  done
+  ls target/ptx
+fi

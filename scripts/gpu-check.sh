@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark in one call (well under 8 minutes on one H200):
+#   - the allocator conformance suite on the CUDA backend;
+#   - candle allocations drawn from wick's pool, the cap enforced, candle OOM -> typed error;
+#   - an alloc-heavy candle loop on the default pool vs wick's pool;
+#   - allocation traces through wick's CUDA allocator vs raw cuMemAllocAsync vs PyTorch.
+# The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
+# .devbuild/ (this machine may have no Rust toolchain); the real driver and the CUDA 13 libraries
+# of PyTorch's wheels are found here and put on the loader path under the names the binaries need.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bin=${WICK_GPU_BIN:-.devbuild}
+out=${OUT:-/tmp}
+libs=$(mktemp -d)
+link() { # link NAME: find the real library NAME.* and expose it as NAME
+  local found
+  found=$( (ldconfig -p 2>/dev/null | awk -v n="$1" '$1 ~ "^"n {print $NF}'; \
+            find /usr/local/nvidia /usr/lib/x86_64-linux-gnu /usr/local/cuda* \
+                 "$(python3 -c 'import nvidia,os;print(os.path.dirname(nvidia.__path__[0]) + "/nvidia")' 2>/dev/null)" \
+                 -name "$1*" 2>/dev/null) | grep -v stub | head -1)
+  [ -n "$found" ] && ln -sf "$found" "$libs/$2" && echo "  $2 -> $found"
+}
+echo "== libraries"
+link libcuda.so libcuda.so.1
+link libcublas.so libcublas.so.13
+link libcublasLt.so libcublasLt.so.13
+link libcurand.so libcurand.so.10
+link libnvrtc.so libnvrtc.so.13
+link libcudart.so libcudart.so.13
+export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+date -u
+
+status=0
+echo "== candle governance, alloc-heavy loop, trace replay"
+"$bin/gpu-check" 2>&1 | tee "$out/gpu-check.txt" || status=1
+echo "== PyTorch side by side"
+python3 scripts/gpu_check_torch.py crates/wick-memory/traces/transformer-train.json \
+  crates/wick-memory/traces/inference-server.json 2>&1 | tee "$out/gpu-check-torch.txt" || status=1
+echo "== conformance suite on the CUDA backend"
+WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-2000} timeout 240 "$bin/conformance_cuda" --nocapture 2>&1 \
+  | tail -20 | tee "$out/gpu-conformance.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+exit $status
