@@ -38,7 +38,7 @@ echo "== PyTorch side by side"
 python3 scripts/gpu_check_torch.py crates/wick-memory/traces/transformer-train.json \
   crates/wick-memory/traces/inference-server.json 2>&1 | tee "$out/gpu-check-torch.txt" || status=1
 echo "== conformance suite on the CUDA backend"
-WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-2000} timeout 240 "$bin/conformance_cuda" --nocapture 2>&1 \
+WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-10000} timeout 240 "$bin/conformance_cuda" --nocapture 2>&1 \
   | tail -20 | tee "$out/gpu-conformance.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 exit $status
