@@ -37,6 +37,10 @@ echo "== candle governance, alloc-heavy loop, trace replay"
 echo "== PyTorch side by side"
 python3 scripts/gpu_check_torch.py crates/wick-memory/traces/transformer-train.json \
   crates/wick-memory/traces/inference-server.json 2>&1 | tee "$out/gpu-check-torch.txt" || status=1
+echo "   (PyTorch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/gpu_check_torch.py \
+  crates/wick-memory/traces/transformer-train.json crates/wick-memory/traces/inference-server.json 2>&1 \
+  | tee -a "$out/gpu-check-torch.txt" || status=1
 echo "== conformance suite on the CUDA backend"
 WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-10000} timeout 240 "$bin/conformance_cuda" --nocapture 2>&1 \
   | tail -20 | tee "$out/gpu-conformance.txt"

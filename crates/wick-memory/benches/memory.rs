@@ -8,7 +8,9 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use wick_memory::format::format_bytes;
-use wick_memory::{replay, workloads, AllocRequest, CachingAllocator, HostBackend, MemoryResource, SimulatedBackend};
+use wick_memory::{
+    replay, workloads, AllocRequest, AllocatorConfig, CachingAllocator, HostBackend, MemoryResource, SimulatedBackend,
+};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -96,25 +98,30 @@ fn main() {
     );
     println!();
 
-    // 3. Fragmentation on the trace suite (simulated 80 GiB device, default policy).
-    println!("| trace | ops | peak live (requested) | peak allocated | peak reserved | fragmentation (reserved/allocated) | retries | OOMs | replay ops/s |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    // 3. Fragmentation on the trace suite (simulated 80 GiB device), PyTorch's default policy and
+    //    with expandable segments.
+    println!("| trace | policy | ops | peak live (requested) | peak allocated | peak reserved | fragmentation (reserved/allocated) | retries | OOMs | replay ops/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for trace in workloads::standard_suite() {
-        let backend = SimulatedBackend::new(80 << 30);
-        trace.streams().into_iter().for_each(|s| backend.streams().ensure_stream(s));
-        let allocator = CachingAllocator::new(backend);
-        let r = replay(&trace, &allocator).expect("replay");
-        println!(
-            "| {} | {} | {} | {} | {} | {:.3} | {} | {} | {:.0} |",
-            r.name,
-            r.ops,
-            format_bytes(r.peak_requested as u64),
-            format_bytes(r.peak_allocated as u64),
-            format_bytes(r.peak_reserved as u64),
-            r.fragmentation,
-            r.retries,
-            r.ooms,
-            r.ops_per_sec
-        );
+        for policy in ["", "expandable_segments:True"] {
+            let backend = SimulatedBackend::new(80 << 30);
+            trace.streams().into_iter().for_each(|s| backend.streams().ensure_stream(s));
+            let config = AllocatorConfig::parse(policy).expect("policy");
+            let allocator = CachingAllocator::with_config(backend, config).expect("allocator");
+            let r = replay(&trace, &allocator).expect("replay");
+            println!(
+                "| {} | {} | {} | {} | {} | {} | {:.3} | {} | {} | {:.0} |",
+                r.name,
+                if policy.is_empty() { "default" } else { policy },
+                r.ops,
+                format_bytes(r.peak_requested as u64),
+                format_bytes(r.peak_allocated as u64),
+                format_bytes(r.peak_reserved as u64),
+                r.fragmentation,
+                r.retries,
+                r.ooms,
+                r.ops_per_sec
+            );
+        }
     }
 }

@@ -59,6 +59,9 @@ pub struct AllocatorConfig {
     pub garbage_collection_threshold: Option<f64>,
     /// Hard cap on reserved memory, checked before any new segment.
     pub limit: Option<MemoryLimit>,
+    /// One address-space reservation per stream and pool, mapped on demand in 2 MiB (small) or
+    /// 20 MiB (large) pages, instead of separate segments (PyTorch's `expandable_segments`).
+    pub expandable_segments: bool,
 }
 
 impl Default for AllocatorConfig {
@@ -75,6 +78,7 @@ impl Default for AllocatorConfig {
             roundup_power2_divisions: [0; POWER2_INTERVALS],
             garbage_collection_threshold: None,
             limit: None,
+            expandable_segments: false,
         }
     }
 }
@@ -122,6 +126,17 @@ impl AllocatorConfig {
                     }
                     config.garbage_collection_threshold = Some(t);
                 }
+                "expandable_segments" => {
+                    config.expandable_segments = match value {
+                        "True" | "true" | "1" => true,
+                        "False" | "false" | "0" => false,
+                        other => {
+                            return Err(MemoryError::InvalidConfig(format!(
+                                "expandable_segments: `{other}` is not True or False"
+                            )))
+                        }
+                    };
+                }
                 "memory_fraction" => {
                     let f = parse_number::<f64>(key, value)?;
                     MemoryLimit::Fraction(f).resolve(1)?;
@@ -134,7 +149,8 @@ impl AllocatorConfig {
                 other => {
                     return Err(MemoryError::InvalidConfig(format!(
                         "unknown key `{other}` (known: max_split_size_mb, max_non_split_rounding_mb, \
-                         roundup_power2_divisions, garbage_collection_threshold, memory_fraction, memory_limit_mb)"
+                         roundup_power2_divisions, garbage_collection_threshold, expandable_segments, memory_fraction, \
+                         memory_limit_mb)"
                     )))
                 }
             }
@@ -340,9 +356,11 @@ mod tests {
             "roundup_power2_divisions:[300:2]",
             "memory_fraction:0",
             "max_split_size_mb:99999999999999999999",
+            "expandable_segments:maybe",
         ] {
             assert!(AllocatorConfig::parse(bad).is_err(), "{bad} should be rejected");
         }
         assert!(AllocatorConfig::default().validate().is_ok());
+        assert!(AllocatorConfig::parse("expandable_segments:True").unwrap().expandable_segments);
     }
 }

@@ -80,3 +80,40 @@ fn adaptor_stack_conforms() {
         stack.inner().inner().inner().trace("log").validate().map_err(|e| e.to_string())
     });
 }
+
+#[test]
+fn expandable_segments_conform_on_both_cpu_backends() {
+    run_suite("simulated+expandable+cap", 2, |ops| {
+        let backend = SimulatedBackend::new(512 * MIB);
+        let s1 = backend.streams().create_stream();
+        let config = AllocatorConfig {
+            limit: Some(MemoryLimit::Bytes(100 * MIB)),
+            ..AllocatorConfig::parse("expandable_segments:True").map_err(|e| e.to_string())?
+        };
+        let a = CachingAllocator::with_config(backend, config).map_err(|e| e.to_string())?;
+        let h = Harness {
+            resource: &a,
+            backend_bytes: Box::new(|| a.backend().bytes_in_segments()),
+            streams: vec![StreamId::DEFAULT, s1],
+            launch: Box::new(|s| a.backend().streams().launch(s).unwrap_or(())),
+            finish_all: Box::new(|| a.backend().streams().finish_all()),
+            limit: Some(100 * MIB),
+        };
+        run_sequence(&h, ops)
+    });
+    run_suite("host+expandable", 2, |ops| {
+        let backend = HostBackend::with_capacity(160 * MIB);
+        let s1 = backend.streams().create_stream();
+        let config = AllocatorConfig::parse("expandable_segments:True").map_err(|e| e.to_string())?;
+        let a = CachingAllocator::with_config(backend, config).map_err(|e| e.to_string())?;
+        let h = Harness {
+            resource: &a,
+            backend_bytes: Box::new(|| a.backend().bytes_in_segments()),
+            streams: vec![StreamId::DEFAULT, s1],
+            launch: Box::new(|s| a.backend().streams().launch(s).unwrap_or(())),
+            finish_all: Box::new(|| a.backend().streams().finish_all()),
+            limit: None,
+        };
+        run_sequence(&h, ops)
+    });
+}

@@ -9,7 +9,7 @@
 mod conformance;
 
 use conformance::{run_sequence, run_suite, Harness};
-use wick_memory::{AllocateExt, CachingAllocator, CudaBackend, MemoryError, MemoryResource, StreamId};
+use wick_memory::{AllocateExt, AllocatorConfig, CachingAllocator, CudaBackend, MemoryError, MemoryResource, StreamId};
 
 #[test]
 fn cuda_backend_conforms_or_fails_cleanly() {
@@ -42,20 +42,23 @@ fn cuda_backend_conforms_or_fails_cleanly() {
     assert!(err.is_out_of_memory(), "near-capacity request: {err}");
     assert!(a.allocate(1 << 30).is_ok(), "usable after the OOM");
     drop(a);
-    run_suite("cuda", 2, |ops| {
-        let backend = CudaBackend::new(0).map_err(|e| e.to_string())?;
-        let s1 = backend.create_stream().map_err(|e| e.to_string())?;
-        let a = CachingAllocator::new(backend);
-        let h = Harness {
-            resource: &a,
-            backend_bytes: Box::new(|| a.backend().bytes_in_segments()),
-            streams: vec![StreamId::DEFAULT, s1],
-            launch: Box::new(|_| {}),
-            finish_all: Box::new(|| {
-                let _ = wick_memory::Backend::synchronize(a.backend());
-            }),
-            limit: None,
-        };
-        run_sequence(&h, ops)
-    });
+    for expandable in [false, true] {
+        run_suite(if expandable { "cuda+expandable" } else { "cuda" }, 2, |ops| {
+            let backend = CudaBackend::new(0).map_err(|e| e.to_string())?;
+            let s1 = backend.create_stream().map_err(|e| e.to_string())?;
+            let config = AllocatorConfig { expandable_segments: expandable, ..AllocatorConfig::default() };
+            let a = CachingAllocator::with_config(backend, config).map_err(|e| e.to_string())?;
+            let h = Harness {
+                resource: &a,
+                backend_bytes: Box::new(|| a.backend().bytes_in_segments()),
+                streams: vec![StreamId::DEFAULT, s1],
+                launch: Box::new(|_| {}),
+                finish_all: Box::new(|| {
+                    let _ = wick_memory::Backend::synchronize(a.backend());
+                }),
+                limit: None,
+            };
+            run_sequence(&h, ops)
+        });
+    }
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result, sys, CudaContext, CudaStream, DriverError};
 
-use super::{Backend, BackendError};
+use super::{Backend, BackendError, MAP_GRANULARITY};
 use crate::error::MemoryError;
 use crate::stream::{EventId, StreamId};
 
@@ -23,6 +23,8 @@ struct Tables {
     streams: HashMap<u64, Arc<CudaStream>>,
     events: HashMap<u64, RawEvent>,
     next_event: u64,
+    /// Physical memory mapped into expandable segments: one handle per 2 MiB granule.
+    granules: HashMap<u64, sys::CUmemGenericAllocationHandle>,
 }
 
 /// One CUDA device.
@@ -102,6 +104,32 @@ impl CudaBackend {
         self.in_segments.load(Ordering::SeqCst)
     }
 
+    fn allocation_prop(&self) -> sys::CUmemAllocationProp {
+        // SAFETY: zero is valid for this plain C struct; the fields that matter are set.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = self.ctx.ordinal() as i32;
+        prop
+    }
+
+    fn granularity(&self) -> Result<usize, BackendError> {
+        self.bind()?;
+        let prop = self.allocation_prop();
+        let mut granularity = 0usize;
+        // SAFETY: prop is initialised; the result is written to a local.
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        }
+        .result()
+        .map_err(backend_err)?;
+        Ok(granularity)
+    }
+
     fn bind(&self) -> Result<(), BackendError> {
         self.ctx.bind_to_thread().map_err(|e| BackendError::Other(e.to_string()))
     }
@@ -153,6 +181,91 @@ impl Backend for CudaBackend {
         unsafe { result::free_sync(addr) }.map_err(backend_err)?;
         self.in_segments.fetch_sub(size, Ordering::SeqCst);
         Ok(())
+    }
+
+    fn supports_expandable(&self) -> bool {
+        // Virtual memory management is on every device this crate's driver API targets; the
+        // granularity must divide the 2 MiB unit the allocator maps in.
+        self.granularity().is_ok_and(|g| g > 0 && MAP_GRANULARITY.is_multiple_of(g))
+    }
+
+    fn reserve_address_space(&self, size: usize) -> Result<u64, BackendError> {
+        self.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: reserves address space only.
+        unsafe { sys::cuMemAddressReserve(&mut ptr, size, MAP_GRANULARITY, 0, 0) }.result().map_err(backend_err)?;
+        Ok(ptr)
+    }
+
+    unsafe fn map_range(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+        self.bind()?;
+        let prop = self.allocation_prop();
+        let mut mapped = Vec::new();
+        let mut result = Ok(());
+        for offset in (0..size).step_by(MAP_GRANULARITY) {
+            let at = addr + offset as u64;
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            // SAFETY: creates physical memory, maps it into our reservation at an unmapped
+            // granule, and makes it readable and writable by this device.
+            let step = unsafe {
+                sys::cuMemCreate(&mut handle, MAP_GRANULARITY, &prop, 0).result().and_then(|()| {
+                    if let Err(e) = sys::cuMemMap(at, MAP_GRANULARITY, 0, handle, 0).result() {
+                        let _ = sys::cuMemRelease(handle);
+                        return Err(e);
+                    }
+                    mapped.push((at, handle));
+                    let access = sys::CUmemAccessDesc {
+                        location: prop.location,
+                        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                    };
+                    sys::cuMemSetAccess(at, MAP_GRANULARITY, &access, 1).result()
+                })
+            };
+            if let Err(e) = step {
+                result = Err(backend_err(e));
+                break;
+            }
+        }
+        if result.is_err() {
+            // Undo a partial mapping so the range is either wholly mapped or not at all.
+            for (at, handle) in mapped {
+                // SAFETY: unmapping and releasing what this call mapped.
+                unsafe {
+                    let _ = sys::cuMemUnmap(at, MAP_GRANULARITY);
+                    let _ = sys::cuMemRelease(handle);
+                }
+            }
+            return result;
+        }
+        let mut tables = self.lock();
+        tables.granules.extend(mapped);
+        self.in_segments.fetch_add(size, Ordering::SeqCst);
+        Ok(())
+    }
+
+    unsafe fn unmap_range(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+        self.bind()?;
+        // Pending work may still use the pages; the allocator only unmaps after synchronising.
+        let mut tables = self.lock();
+        for offset in (0..size).step_by(MAP_GRANULARITY) {
+            let at = addr + offset as u64;
+            let handle =
+                tables.granules.remove(&at).ok_or_else(|| BackendError::Other(format!("{at:#x} is not mapped")))?;
+            // SAFETY: the granule was mapped by map_range and is unused.
+            unsafe {
+                sys::cuMemUnmap(at, MAP_GRANULARITY).result().map_err(backend_err)?;
+                sys::cuMemRelease(handle).result().map_err(backend_err)?;
+            }
+            self.in_segments.fetch_sub(MAP_GRANULARITY, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    unsafe fn release_address_space(&self, addr: u64, size: usize) {
+        if self.bind().is_ok() {
+            // SAFETY: the caller guarantees the reservation is fully unmapped.
+            let _ = unsafe { sys::cuMemAddressFree(addr, size) };
+        }
     }
 
     fn check_stream(&self, stream: StreamId) -> Result<(), BackendError> {

@@ -124,6 +124,66 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    fn supports_expandable(&self) -> bool {
+        cfg!(unix)
+    }
+
+    #[cfg(unix)]
+    fn reserve_address_space(&self, size: usize) -> Result<u64, BackendError> {
+        // SAFETY: an anonymous, inaccessible, unbacked mapping; no existing memory is touched.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(BackendError::OutOfMemory);
+        }
+        Ok(ptr as u64)
+    }
+
+    #[cfg(unix)]
+    unsafe fn map_range(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+        let before = self.used.fetch_add(size, Ordering::SeqCst);
+        if before.checked_add(size).is_none_or(|total| total > self.capacity) {
+            self.used.fetch_sub(size, Ordering::SeqCst);
+            return Err(BackendError::OutOfMemory);
+        }
+        // SAFETY: the caller guarantees the range lies in one of our reservations. Pages of an
+        // anonymous mapping read as zero until written, so the bytes are initialised.
+        if unsafe { libc::mprotect(addr as *mut libc::c_void, size, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
+            self.used.fetch_sub(size, Ordering::SeqCst);
+            return Err(BackendError::Other(format!("mprotect: {}", std::io::Error::last_os_error())));
+        }
+        Ok(())
+    }
+
+    #[cfg(unix)]
+    unsafe fn unmap_range(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+        // SAFETY: the caller guarantees the range is mapped and unused. MADV_DONTNEED returns the
+        // pages to the system (they read as zero again if remapped).
+        unsafe {
+            if libc::madvise(addr as *mut libc::c_void, size, libc::MADV_DONTNEED) != 0
+                || libc::mprotect(addr as *mut libc::c_void, size, libc::PROT_NONE) != 0
+            {
+                return Err(BackendError::Other(format!("unmap: {}", std::io::Error::last_os_error())));
+            }
+        }
+        self.used.fetch_sub(size, Ordering::SeqCst);
+        Ok(())
+    }
+
+    #[cfg(unix)]
+    unsafe fn release_address_space(&self, addr: u64, size: usize) {
+        // SAFETY: the caller guarantees this is one whole reservation.
+        unsafe { libc::munmap(addr as *mut libc::c_void, size) };
+    }
+
     fn check_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         self.streams.check(stream)
     }

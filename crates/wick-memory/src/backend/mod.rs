@@ -24,6 +24,9 @@ pub use simulated_streams::SimulatedStreams;
 
 use crate::stream::{EventId, StreamId};
 
+/// Granularity in which expandable segments are mapped and unmapped.
+pub const MAP_GRANULARITY: usize = 2 << 20;
+
 /// Why a backend call failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BackendError {
@@ -66,6 +69,34 @@ pub trait Backend: Send + Sync {
     /// `addr` and `size` must come from one earlier `allocate_segment` of this backend, the
     /// segment must not have been freed already, and no pending device work may still use it.
     unsafe fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError>;
+    /// True when the backend can reserve address space and map memory into it on demand
+    /// (expandable segments). The three methods below are used only then.
+    fn supports_expandable(&self) -> bool {
+        false
+    }
+    /// Reserves `size` bytes of address space with no memory behind it.
+    fn reserve_address_space(&self, _size: usize) -> Result<u64, BackendError> {
+        Err(BackendError::Other(format!("{} cannot reserve address space", self.device_name())))
+    }
+    /// Maps memory at `[addr, addr + size)` inside a reservation; `size` is a multiple of 2 MiB.
+    ///
+    /// # Safety
+    /// The range must lie in a reservation of this backend and must not be mapped already.
+    unsafe fn map_range(&self, _addr: u64, _size: usize) -> Result<(), BackendError> {
+        Err(BackendError::Other("map_range is not supported".into()))
+    }
+    /// Unmaps `[addr, addr + size)`, returning its memory to the device.
+    ///
+    /// # Safety
+    /// The range must have been mapped by `map_range` in whole 2 MiB units and be unused.
+    unsafe fn unmap_range(&self, _addr: u64, _size: usize) -> Result<(), BackendError> {
+        Err(BackendError::Other("unmap_range is not supported".into()))
+    }
+    /// Gives a reservation back; nothing in it may be mapped.
+    ///
+    /// # Safety
+    /// `addr`/`size` must be one reservation of this backend, fully unmapped.
+    unsafe fn release_address_space(&self, _addr: u64, _size: usize) {}
     /// Fails with `UnknownStream` when `stream` does not exist on this device.
     fn check_stream(&self, stream: StreamId) -> Result<(), BackendError>;
     /// Records an event at the current end of `stream`.
@@ -103,6 +134,24 @@ impl<B: Backend + ?Sized> Backend for std::sync::Arc<B> {
     }
     fn check_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         (**self).check_stream(stream)
+    }
+    fn supports_expandable(&self) -> bool {
+        (**self).supports_expandable()
+    }
+    fn reserve_address_space(&self, size: usize) -> Result<u64, BackendError> {
+        (**self).reserve_address_space(size)
+    }
+    unsafe fn map_range(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+        // SAFETY: forwarded contract.
+        unsafe { (**self).map_range(addr, size) }
+    }
+    unsafe fn unmap_range(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+        // SAFETY: forwarded contract.
+        unsafe { (**self).unmap_range(addr, size) }
+    }
+    unsafe fn release_address_space(&self, addr: u64, size: usize) {
+        // SAFETY: forwarded contract.
+        unsafe { (**self).release_address_space(addr, size) }
     }
     fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
         (**self).record_event(stream)

@@ -103,6 +103,35 @@ impl Backend for SimulatedBackend {
         Ok(())
     }
 
+    fn supports_expandable(&self) -> bool {
+        true
+    }
+
+    fn reserve_address_space(&self, size: usize) -> Result<u64, BackendError> {
+        let mut state = self.lock();
+        let span = (size as u64).div_ceil(SIM_ALIGNMENT as u64) * SIM_ALIGNMENT as u64;
+        let addr = state.next_addr;
+        state.next_addr = addr.checked_add(span).ok_or(BackendError::OutOfMemory)?;
+        Ok(addr)
+    }
+
+    unsafe fn map_range(&self, _addr: u64, size: usize) -> Result<(), BackendError> {
+        let mut state = self.lock();
+        let total = state.used.checked_add(size).and_then(|t| t.checked_add(self.external));
+        if total.is_none_or(|t| t > self.capacity) {
+            return Err(BackendError::OutOfMemory);
+        }
+        state.used += size;
+        Ok(())
+    }
+
+    unsafe fn unmap_range(&self, _addr: u64, size: usize) -> Result<(), BackendError> {
+        let mut state = self.lock();
+        state.used =
+            state.used.checked_sub(size).ok_or_else(|| BackendError::Other("unmapped more than was mapped".into()))?;
+        Ok(())
+    }
+
     fn check_stream(&self, stream: StreamId) -> Result<(), BackendError> {
         self.streams.check(stream)
     }

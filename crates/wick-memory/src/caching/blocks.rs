@@ -27,6 +27,8 @@ pub(crate) struct Block {
     pub segment: u32,
     /// The pool of its segment (kept here so the hot path needs no segment lookup).
     pub pool: PoolKind,
+    /// True inside an expandable segment (split freely; released by unmapping pages).
+    pub expandable: bool,
     pub addr: u64,
     pub size: usize,
     pub requested: usize,
@@ -56,7 +58,10 @@ impl Block {
 #[derive(Debug, Clone)]
 pub(crate) struct Segment {
     pub addr: u64,
+    /// Bytes mapped (for an expandable segment, the mapped prefix of its reservation).
     pub size: usize,
+    /// Address space reserved, for expandable segments.
+    pub reservation: Option<usize>,
     pub stream: StreamId,
     pub pool: PoolKind,
     pub first_block: u32,
@@ -216,7 +221,7 @@ impl BlockTable {
             PoolKind::Small => &self.small,
             PoolKind::Large => &self.large,
         };
-        set.iter().map(|k| k.3).filter(|&s| !self.block(s).is_split()).collect()
+        set.iter().map(|k| k.3).filter(|&s| !self.block(s).is_split() && !self.block(s).expandable).collect()
     }
 
     /// Size of the largest free block in either pool.
@@ -224,10 +229,22 @@ impl BlockTable {
         self.small.iter().chain(self.large.iter()).map(|k| k.1).max().unwrap_or(0)
     }
 
+    /// The last block of a segment.
+    pub fn last_block(&self, segment: &Segment) -> Option<u32> {
+        if segment.first_block == u32::MAX {
+            return None;
+        }
+        let mut slot = segment.first_block;
+        while let Some(next) = self.block(slot).next {
+            slot = next;
+        }
+        Some(slot)
+    }
+
     /// Blocks of a segment in address order.
     pub fn segment_blocks(&self, segment: &Segment) -> Vec<u32> {
         let mut out = Vec::new();
-        let mut cursor = Some(segment.first_block);
+        let mut cursor = (segment.first_block != u32::MAX).then_some(segment.first_block);
         while let Some(slot) = cursor {
             out.push(slot);
             cursor = self.block(slot).next;

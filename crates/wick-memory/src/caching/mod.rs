@@ -5,6 +5,7 @@
 //! do not fit return `Err(OutOfMemory)` after the cache has been flushed and the request retried.
 
 mod blocks;
+mod expandable;
 mod history;
 mod parking;
 mod release;
@@ -52,6 +53,12 @@ impl<B: Backend> CachingAllocator<B> {
                 "backend {} aligns segments to {} bytes; the allocator needs a power of two ≥ {BLOCK_ALIGNMENT}",
                 backend.device_name(),
                 backend.segment_alignment()
+            )));
+        }
+        if config.expandable_segments && !backend.supports_expandable() {
+            return Err(MemoryError::InvalidConfig(format!(
+                "expandable_segments needs a backend that can reserve address space; {} cannot",
+                backend.device_name()
             )));
         }
         let limit = config.limit.map(|l| l.resolve(backend.capacity())).transpose()?;

@@ -56,7 +56,7 @@ impl State {
                 self.share(slot);
             }
         }
-        let mut released = (0, 0);
+        let mut released = self.trim_expandable(backend)?;
         for pool in [PoolKind::Small, PoolKind::Large] {
             for slot in self.table.unsplit_free(pool) {
                 released.0 += 1;
@@ -128,7 +128,19 @@ impl State {
         let segments: Vec<Segment> = self.table.segments.iter().map(|(_, s)| s.clone()).collect();
         for segment in segments {
             // SAFETY: each segment came from this backend and is freed once, at teardown.
-            let _ = unsafe { backend.free_segment(segment.addr, segment.size) };
+            unsafe {
+                match segment.reservation {
+                    Some(span) => {
+                        if segment.size > 0 {
+                            let _ = backend.unmap_range(segment.addr, segment.size);
+                        }
+                        backend.release_address_space(segment.addr, span);
+                    }
+                    None => {
+                        let _ = backend.free_segment(segment.addr, segment.size);
+                    }
+                }
+            }
         }
     }
 }

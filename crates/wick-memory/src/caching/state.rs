@@ -148,12 +148,20 @@ impl State {
             self.garbage_collect(backend)?;
         }
         let segment_size = self.config.segment_size(rounded).ok_or_else(|| too_large(backend, requested))?;
-        let transient = |o: &std::result::Result<u32, NewSegmentError>| {
+        let transient = |o: &std::result::Result<Found, NewSegmentError>| {
             matches!(o, Err(NewSegmentError::Capped | NewSegmentError::DeviceFull))
         };
-        let mut outcome = self.new_segment(backend, segment_size, pool, stream);
+        let expandable = self.config.expandable_segments;
+        let grow = |state: &mut Self| {
+            if expandable {
+                state.grow_expandable(backend, pool, stream, rounded).map(Found::Cached)
+            } else {
+                state.new_segment(backend, segment_size, pool, stream).map(Found::NewSegment)
+            }
+        };
+        let mut outcome = grow(self);
         if transient(&outcome) && self.release_oversize(backend, rounded, stream)? {
-            outcome = self.new_segment(backend, segment_size, pool, stream);
+            outcome = grow(self);
         }
         if transient(&outcome) {
             self.release_cached(backend)?;
@@ -162,10 +170,10 @@ impl State {
             if let Some(slot) = self.find_cached(pool, stream, rounded) {
                 return Ok(Found::Cached(slot));
             }
-            outcome = self.new_segment(backend, segment_size, pool, stream);
+            outcome = grow(self);
         }
         let capped = match outcome {
-            Ok(slot) => return Ok(Found::NewSegment(slot)),
+            Ok(found) => return Ok(found),
             Err(NewSegmentError::Backend(msg)) => return Err(MemoryError::Backend(msg)),
             Err(NewSegmentError::Capped) => true,
             Err(NewSegmentError::DeviceFull) => false,
@@ -186,7 +194,7 @@ impl State {
         })))
     }
 
-    fn new_segment(
+    pub(super) fn new_segment(
         &mut self,
         backend: &dyn Backend,
         size: usize,
@@ -205,10 +213,12 @@ impl State {
             Err(BackendError::OutOfMemory) => return Err(NewSegmentError::DeviceFull),
             Err(other) => return Err(NewSegmentError::Backend(other.to_string())),
         };
-        let segment = self.table.segments.insert(Segment { addr, size, stream, pool, first_block: u32::MAX });
+        let segment =
+            self.table.segments.insert(Segment { addr, size, reservation: None, stream, pool, first_block: u32::MAX });
         let slot = self.table.insert_block(Block {
             segment,
             pool,
+            expandable: false,
             addr,
             size,
             requested: 0,
@@ -242,15 +252,17 @@ impl State {
             (b.size, b.addr)
         };
         let remaining = size - rounded;
-        let split = match pool {
-            PoolKind::Small => remaining >= self.config.min_block_size,
-            PoolKind::Large => rounded < self.config.max_split_size && remaining > self.config.small_size,
+        let split = if pool == PoolKind::Small || self.table.block(slot).expandable {
+            remaining >= self.config.min_block_size
+        } else {
+            rounded < self.config.max_split_size && remaining > self.config.small_size
         };
         if split {
             let o = self.table.block(slot);
             let rest_block = Block {
                 segment: o.segment,
                 pool: o.pool,
+                expandable: o.expandable,
                 addr: addr + rounded as u64,
                 size: remaining,
                 requested: 0,

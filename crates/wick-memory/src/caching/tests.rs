@@ -284,3 +284,44 @@ fn summary_and_snapshot_agree_with_stats() {
     let round = crate::snapshot::Snapshot::from_json(&snap.to_json()).unwrap();
     assert_eq!(round, snap);
 }
+
+#[test]
+fn expandable_segments_grow_at_the_tail_and_trim_on_release() {
+    let config = AllocatorConfig::parse("expandable_segments:True").unwrap();
+    let a = CachingAllocator::with_config(SimulatedBackend::new(1 << 30), config).unwrap();
+    let x = a.allocate(30 * MIB).unwrap();
+    assert_eq!(a.memory_stats().reserved_bytes.all.current, 40 * MIB as i64, "two 20 MiB pages mapped");
+    let y = a.allocate(8 * MIB).unwrap();
+    assert_eq!(y.addr(), x.addr() + 30 * MIB as u64, "served from the mapped tail");
+    assert_eq!(y.block_size(), 8 * MIB, "split exactly: expandable blocks split like small ones");
+    // 15 MiB does not fit the 2 MiB tail: one more page is mapped and merged into it.
+    let z = a.allocate(15 * MIB).unwrap();
+    assert_eq!(z.addr(), y.addr() + 8 * MIB as u64, "contiguous with the old tail");
+    let stats = a.memory_stats();
+    assert_eq!(stats.reserved_bytes.all.current, 60 * MIB as i64);
+    assert_eq!(stats.segment.all.current, 1, "one reservation per stream and pool");
+    drop(z);
+    // Releasing unmaps the whole free pages at the end, keeping the page y still touches.
+    let released = a.empty_cache().unwrap();
+    assert_eq!(released.bytes, 20 * MIB);
+    assert_eq!(a.memory_stats().reserved_bytes.all.current, 40 * MIB as i64);
+    assert_eq!(a.backend().bytes_in_segments(), 40 * MIB);
+    drop((x, y));
+    a.empty_cache().unwrap();
+    let stats = a.memory_stats();
+    assert_eq!((stats.reserved_bytes.all.current, stats.segment.all.current), (0, 0));
+    assert_eq!(a.backend().bytes_in_segments(), 0);
+}
+
+#[test]
+fn expandable_segments_respect_the_cap() {
+    let config = AllocatorConfig::parse("expandable_segments:True,memory_limit_mb:50").unwrap();
+    let a = CachingAllocator::with_config(SimulatedBackend::new(1 << 30), config).unwrap();
+    let x = a.allocate(30 * MIB).unwrap();
+    let err = a.allocate(30 * MIB).unwrap_err();
+    assert!(err.as_out_of_memory().is_some_and(|o| o.limited_by_cap), "{err}");
+    assert!(a.memory_stats().reserved_bytes.all.peak <= 50 * MIB as i64);
+    drop(x);
+    assert!(a.allocate(45 * MIB).is_err(), "45 MiB needs 60 MiB of 20 MiB pages, over the cap");
+    assert!(a.allocate(39 * MIB).is_ok());
+}

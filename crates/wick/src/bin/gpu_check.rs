@@ -39,10 +39,11 @@ fn alloc_heavy_loop(device: &Device, steps: usize) -> candle_core::Result<f64> {
     Ok(start.elapsed().as_secs_f64() / steps as f64)
 }
 
-fn replay_wick(trace: &Trace) -> Result<(f64, usize, usize), MemoryError> {
+fn replay_wick(trace: &Trace, expandable: bool) -> Result<(f64, usize, usize), MemoryError> {
     let backend = CudaBackend::new(0)?;
     let s1 = backend.create_stream()?;
-    let a = CachingAllocator::new(backend);
+    let config = wick_memory::AllocatorConfig { expandable_segments: expandable, ..Default::default() };
+    let a = CachingAllocator::with_config(backend, config)?;
     let stream = |s: u64| if s == 0 { StreamId::DEFAULT } else { s1 };
     // Warm-up pass fills the cache, as a training loop's first step does.
     let mut timed = 0.0;
@@ -174,20 +175,22 @@ fn main() {
                 continue;
             }
         };
-        match (replay_wick(&trace), replay_raw_async(&trace)) {
-            (Ok((w, alloc, reserved)), Ok(raw)) => {
+        match (replay_wick(&trace, false), replay_wick(&trace, true), replay_raw_async(&trace)) {
+            (Ok((w, alloc, reserved)), Ok((we, alloc_e, reserved_e)), Ok(raw)) => {
                 let ops = trace.ops.len() as f64;
                 println!(
-                    "| replay {} | INFO | wick {:.2} us/op, raw cuMemAllocAsync {:.2} us/op (raw/wick {:.2}x); wick peak reserved/allocated {:.3} |",
+                    "| replay {} | INFO | wick {:.2} us/op (expandable {:.2}), raw cuMemAllocAsync {:.2} us/op (raw/wick {:.2}x); wick peak reserved/allocated {:.3} (expandable {:.3}) |",
                     trace.name,
                     w / ops * 1e6,
+                    we / ops * 1e6,
                     raw / ops * 1e6,
                     raw / w,
-                    reserved as f64 / alloc.max(1) as f64
+                    reserved as f64 / alloc.max(1) as f64,
+                    reserved_e as f64 / alloc_e.max(1) as f64
                 );
             }
-            (a, b) => {
-                all_ok &= row("trace replay", false, format!("{:?} / {:?}", a.err(), b.err()));
+            (a, b, c) => {
+                all_ok &= row("trace replay", false, format!("{:?} / {:?} / {:?}", a.err(), b.err(), c.err()));
             }
         }
     }

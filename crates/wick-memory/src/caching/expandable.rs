@@ -1,0 +1,198 @@
+//! Expandable segments (PyTorch's `expandable_segments:True`): one address-space reservation per
+//! stream and pool, into which memory is mapped page by page as the cache needs to grow, and from
+//! which whole free pages at the end are unmapped on release. A request that does not fit extends
+//! the free tail instead of reserving a new segment, so memory freed anywhere in the segment and
+//! the growth at its end combine, and fragmentation stays near the page rounding.
+
+use super::blocks::{Block, BlockState, Segment};
+use super::history::Action;
+use super::state::{NewSegmentError, State};
+use crate::backend::{Backend, BackendError};
+use crate::error::{MemoryError, Result};
+use crate::stats::PoolKind;
+use crate::stream::StreamId;
+
+impl State {
+    /// Changes a block's links while keeping the inactive-split statistics right: a cached block
+    /// counts as inactive-split only while it has a neighbour, so its count is taken out before the
+    /// change and put back after.
+    fn relink(&mut self, slot: u32, change: impl FnOnce(&mut Block)) {
+        let (state, size, pool) = {
+            let b = self.table.block(slot);
+            (b.state.clone(), b.size as i64, b.pool)
+        };
+        let cached = matches!(state, BlockState::Free | BlockState::Parked);
+        let count = |stats: &mut crate::stats::MemoryStats, split: bool, sign: i64| {
+            if cached && split {
+                stats.inactive_split.update(pool, sign);
+                stats.inactive_split_bytes.update(pool, sign * size);
+            }
+        };
+        let was_split = self.table.block(slot).is_split();
+        count(&mut self.stats, was_split, -1);
+        change(self.table.block_mut(slot));
+        let now_split = self.table.block(slot).is_split();
+        count(&mut self.stats, now_split, 1);
+    }
+
+    fn page_size(&self, pool: PoolKind) -> usize {
+        match pool {
+            PoolKind::Small => self.config.small_buffer,
+            PoolKind::Large => self.config.large_buffer,
+        }
+    }
+
+    fn expandable_segment(&self, pool: PoolKind, stream: StreamId) -> Option<u32> {
+        self.table
+            .segments
+            .iter()
+            .find(|(_, s)| s.reservation.is_some() && s.pool == pool && s.stream == stream)
+            .map(|(i, _)| i)
+    }
+
+    /// Maps enough pages at the end of the (stream, pool) segment for a free block of at least
+    /// `rounded` bytes at its tail, creating the reservation on first use. Returns the tail block,
+    /// which is in the free pool.
+    pub(super) fn grow_expandable(
+        &mut self,
+        backend: &dyn Backend,
+        pool: PoolKind,
+        stream: StreamId,
+        rounded: usize,
+    ) -> std::result::Result<u32, NewSegmentError> {
+        let page = self.page_size(pool);
+        let seg_index = match self.expandable_segment(pool, stream) {
+            Some(index) => index,
+            None => {
+                let span = backend.capacity().div_ceil(page).saturating_mul(page);
+                let addr = backend.reserve_address_space(span).map_err(|e| match e {
+                    BackendError::OutOfMemory => NewSegmentError::DeviceFull,
+                    other => NewSegmentError::Backend(other.to_string()),
+                })?;
+                let seg = Segment { addr, size: 0, reservation: Some(span), stream, pool, first_block: u32::MAX };
+                let index = self.table.segments.insert(seg);
+                self.stats.segment.update(pool, 1);
+                index
+            }
+        };
+        let segment = self.table.segments.get(seg_index).cloned().ok_or(NewSegmentError::DeviceFull)?;
+        let tail = self.table.last_block(&segment);
+        let free_tail = tail.filter(|&t| {
+            let b = self.table.block(t);
+            b.state == BlockState::Free && (b.tag == stream.0 || b.tag == super::blocks::SHARED)
+        });
+        let have = free_tail.map_or(0, |t| self.table.block(t).size);
+        let need = (rounded - have.min(rounded)).div_ceil(page).max(1) * page;
+        if segment.size + need > segment.reservation.unwrap_or(0) {
+            return Err(NewSegmentError::DeviceFull);
+        }
+        let reserved = self.stats.reserved_bytes.all.current as usize;
+        if self.limit.is_some_and(|limit| reserved + need > limit) {
+            return Err(NewSegmentError::Capped);
+        }
+        let at = segment.addr + segment.size as u64;
+        // SAFETY: [at, at + need) lies inside this segment's reservation, past its mapped prefix.
+        unsafe { backend.map_range(at, need) }.map_err(|e| match e {
+            BackendError::OutOfMemory => NewSegmentError::DeviceFull,
+            other => NewSegmentError::Backend(other.to_string()),
+        })?;
+        self.stats.reserved_bytes.update(pool, need as i64);
+        self.stats.num_device_alloc += 1;
+        if let Some(seg) = self.table.segments.get_mut(seg_index) {
+            seg.size += need;
+        }
+        self.record(Action::SegmentAlloc, at, need, stream);
+        let slot = match free_tail {
+            Some(t) => {
+                self.table.pool_remove(t, &mut self.stats);
+                self.table.block_mut(t).size += need;
+                t
+            }
+            None => {
+                let slot = self.table.insert_block(Block {
+                    segment: seg_index,
+                    pool,
+                    expandable: true,
+                    addr: at,
+                    size: need,
+                    requested: 0,
+                    stream,
+                    tag: stream.0,
+                    state: BlockState::Free,
+                    prev: tail,
+                    next: None,
+                    generation: 0,
+                    free_epoch: 0,
+                    freed_at: 0,
+                    extra_streams: Vec::new(),
+                });
+                match tail {
+                    Some(t) => self.relink(t, |b| b.next = Some(slot)),
+                    None => {
+                        if let Some(seg) = self.table.segments.get_mut(seg_index) {
+                            seg.first_block = slot;
+                        }
+                    }
+                }
+                slot
+            }
+        };
+        self.table.pool_insert(slot, &mut self.stats);
+        Ok(slot)
+    }
+
+    /// Unmaps the whole free pages at the end of every expandable segment; a segment left with
+    /// nothing mapped gives its reservation back. Returns (segments released, bytes unmapped).
+    pub(super) fn trim_expandable(&mut self, backend: &dyn Backend) -> Result<(usize, usize)> {
+        let segments: Vec<(u32, Segment)> =
+            self.table.segments.iter().filter(|(_, s)| s.reservation.is_some()).map(|(i, s)| (i, s.clone())).collect();
+        let mut released = (0, 0);
+        for (index, seg) in segments {
+            let page = self.page_size(seg.pool);
+            if let Some(tail) = self.table.last_block(&seg) {
+                let b = self.table.block(tail).clone();
+                if b.state == BlockState::Free {
+                    let offset = (b.addr - seg.addr) as usize;
+                    let keep = offset.div_ceil(page) * page;
+                    if keep < seg.size {
+                        let unmap = seg.size - keep;
+                        // SAFETY: whole pages at the end of the mapping, inside a free block.
+                        unsafe { backend.unmap_range(seg.addr + keep as u64, unmap) }
+                            .map_err(|e| MemoryError::Backend(e.to_string()))?;
+                        self.table.pool_remove(tail, &mut self.stats);
+                        if keep > offset {
+                            self.table.block_mut(tail).size = keep - offset;
+                            self.table.pool_insert(tail, &mut self.stats);
+                        } else {
+                            self.table.remove_block(tail);
+                            match b.prev {
+                                Some(p) => self.relink(p, |b| b.next = None),
+                                None => {
+                                    if let Some(s) = self.table.segments.get_mut(index) {
+                                        s.first_block = u32::MAX;
+                                    }
+                                }
+                            }
+                        }
+                        if let Some(s) = self.table.segments.get_mut(index) {
+                            s.size = keep;
+                        }
+                        self.stats.reserved_bytes.update(seg.pool, -(unmap as i64));
+                        self.stats.num_device_free += 1;
+                        released.1 += unmap;
+                        self.record(Action::SegmentFree, seg.addr + keep as u64, unmap, seg.stream);
+                    }
+                }
+            }
+            if self.table.segments.get(index).is_some_and(|s| s.size == 0) {
+                if let (Some(s), Some(span)) = (self.table.segments.remove(index), seg.reservation) {
+                    // SAFETY: nothing of the reservation is mapped any more.
+                    unsafe { backend.release_address_space(s.addr, span) };
+                    self.stats.segment.update(seg.pool, -1);
+                    released.0 += 1;
+                }
+            }
+        }
+        Ok(released)
+    }
+}
