@@ -1,14 +1,27 @@
 //! # wick — the engine
 //!
-//! candle devices whose memory wick governs. This first layer covers CUDA governance (feature
-//! `cuda`): candle's own allocations drawn from a wick-owned, capped driver pool, statistics,
-//! `empty_cache`, and candle's CUDA out-of-memory turned into wick's typed `OutOfMemory` with a
-//! free-cache-and-retry. The CPU device and step scopes over candle come with the engine issue.
+//! candle devices whose memory wick governs: figures with their sources ([`Engine`]), caps
+//! enforced by pre-flight checks before anything is allocated, step scopes that release a step's
+//! tensors and report it, out-of-memory recovery (retry, largest-batch finder), and reports
+//! (text, HTML, evcxr rich display). With feature `cuda`, candle's CUDA allocations are drawn from
+//! a capped wick pool ([`cuda::GovernedCuda`]).
 
 pub use wick_memory as memory;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod engine;
+pub mod host_memory;
+pub mod recovery;
+pub mod report;
+pub mod step;
+pub mod weights;
+
+pub use engine::{Engine, Figure};
+pub use host_memory::{FigureSource, TrackingAllocator};
+pub use recovery::BatchPlan;
+pub use report::{HistoryReport, MemoryReport};
+pub use step::{Error, StepReport};
 
 /// True when a candle error is (or wraps) CUDA's out-of-memory. candle reports it as
 /// `Error::Cuda(..)` holding cudarc's `DriverError(CUDA_ERROR_OUT_OF_MEMORY, ..)` (candle #1241)

@@ -18,7 +18,7 @@ mod simulated_streams;
 pub use cuda::{open_device, CudaBackend};
 #[cfg(feature = "cuda")]
 pub use cuda_pool::DriverPool;
-pub use host::HostBackend;
+pub use host::{host_memory_budget, HostBackend};
 pub use simulated::SimulatedBackend;
 pub use simulated_streams::SimulatedStreams;
 

@@ -1,0 +1,255 @@
+//! The engine: a candle device whose memory wick accounts for, caps, and reports.
+
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+use wick_memory::format::format_bytes;
+use wick_memory::{MemoryError, MemoryLimit, OutOfMemory};
+
+use crate::host_memory::{self, FigureSource};
+use crate::report::{Label, MemoryReport, Sample, Timeline};
+
+/// A figure with the source it was read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Figure {
+    /// Bytes.
+    pub bytes: usize,
+    /// Where the number comes from.
+    pub source: FigureSource,
+}
+
+impl std::fmt::Display for Figure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", format_bytes(self.bytes as u64), self.source)
+    }
+}
+
+enum Kind {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::GovernedCuda),
+}
+
+/// A candle device with governed memory. CPU by default; CUDA by ordinal with feature `cuda`.
+/// All state lives in this value (no process-wide registries: notebooks keep statics per cell).
+pub struct Engine {
+    kind: Kind,
+    device: Device,
+    limit: Option<usize>,
+    timeline: std::sync::Mutex<Timeline>,
+    start: Instant,
+}
+
+impl Engine {
+    /// The CPU device; its budget is what the container allows.
+    pub fn cpu() -> Self {
+        Engine {
+            kind: Kind::Cpu,
+            device: Device::Cpu,
+            limit: None,
+            timeline: std::sync::Mutex::new(Timeline::default()),
+            start: Instant::now(),
+        }
+    }
+
+    /// CUDA device `ordinal` with candle's allocations drawn from a wick pool capped at `limit`.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(ordinal: usize, limit: Option<usize>) -> Result<Self, MemoryError> {
+        let governed = crate::cuda::GovernedCuda::new(ordinal, limit)?;
+        let device = governed.device().clone();
+        Ok(Engine {
+            kind: Kind::Cuda(governed),
+            device,
+            limit,
+            timeline: std::sync::Mutex::new(Timeline::default()),
+            start: Instant::now(),
+        })
+    }
+
+    /// The candle device, for creating tensors.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Short description (`cpu`, `cuda:0`).
+    pub fn name(&self) -> String {
+        match &self.kind {
+            Kind::Cpu => "cpu".into(),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(_) => format!("{:?}", self.device.location()).to_lowercase(),
+        }
+    }
+
+    /// Bytes held by live tensors (and, on the CPU, everything else on the heap): exact with the
+    /// tracking allocator or on CUDA, the resident set otherwise.
+    pub fn allocated(&self) -> Figure {
+        match &self.kind {
+            Kind::Cpu => match host_memory::tracked_heap() {
+                Some(bytes) => Figure { bytes, source: FigureSource::TrackingAllocator },
+                None => Figure { bytes: host_memory::process_rss().unwrap_or(0), source: FigureSource::ProcessRss },
+            },
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(g) => Figure { bytes: g.pool().used(), source: FigureSource::CudaPool },
+        }
+    }
+
+    /// Bytes taken from the device: the resident set on the CPU, the pool's reservation on CUDA.
+    pub fn reserved(&self) -> Figure {
+        match &self.kind {
+            Kind::Cpu => Figure { bytes: host_memory::process_rss().unwrap_or(0), source: FigureSource::ProcessRss },
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(g) => Figure { bytes: g.pool().reserved(), source: FigureSource::CudaPool },
+        }
+    }
+
+    /// Peak of `allocated` since creation or `reset_peak` (exact sources only).
+    pub fn peak_allocated(&self) -> Option<Figure> {
+        match &self.kind {
+            Kind::Cpu => {
+                host_memory::tracked_peak().map(|bytes| Figure { bytes, source: FigureSource::TrackingAllocator })
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(g) => Some(Figure { bytes: g.pool().used_peak(), source: FigureSource::CudaPool }),
+        }
+    }
+
+    /// Resets the peak to the current value.
+    pub fn reset_peak(&self) {
+        match &self.kind {
+            Kind::Cpu => host_memory::reset_tracked_peak(),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(g) => g.pool().reset_peaks(),
+        }
+    }
+
+    /// Returns cached memory to the system: `malloc_trim` on the CPU, `cuMemPoolTrimTo` on CUDA.
+    /// Returns the bytes released as measured by the reserved figure.
+    pub fn empty_cache(&self) -> Result<usize, MemoryError> {
+        let before = self.reserved().bytes;
+        match &self.kind {
+            Kind::Cpu => {
+                host_memory::trim_heap();
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(g) => {
+                g.empty_cache()?;
+            }
+        }
+        Ok(before.saturating_sub(self.reserved().bytes))
+    }
+
+    /// The most this engine may use and where that number comes from: the user's limit if set and
+    /// lower, else the container's budget (CPU) or the device capacity (CUDA).
+    pub fn budget(&self) -> Figure {
+        let (device_budget, source) = match &self.kind {
+            Kind::Cpu => host_memory::host_budget(),
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(g) => (g.pool().reserved() + self.device_free(), FigureSource::CudaPool),
+        };
+        match self.limit {
+            Some(limit) if limit < device_budget => Figure { bytes: limit, source: FigureSource::UserLimit },
+            _ => Figure { bytes: device_budget, source },
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn device_free(&self) -> usize {
+        cudarc::driver::result::mem_get_info().map(|(free, _)| free).unwrap_or(0)
+    }
+
+    /// Sets the cap (bytes or a fraction of the budget the device would otherwise have). On the
+    /// CPU it is enforced by pre-flight checks; on CUDA the pool also refuses beyond it, but its
+    /// own cap is fixed when the pool is created.
+    pub fn set_memory_limit(&mut self, limit: Option<MemoryLimit>) -> Result<(), MemoryError> {
+        self.limit = None;
+        let base = self.budget().bytes;
+        self.limit = limit.map(|l| l.resolve(base)).transpose()?;
+        Ok(())
+    }
+
+    /// Bytes that can still be allocated under the budget. Under a user limit the engine's own
+    /// allocated figure counts; otherwise what the container charges (cgroup usage, else RSS).
+    pub fn available(&self) -> usize {
+        let used = match &self.kind {
+            Kind::Cpu if self.limit.is_some() => self.allocated().bytes,
+            Kind::Cpu => {
+                host_memory::cgroup_memory().map(|(current, _)| current).or_else(host_memory::process_rss).unwrap_or(0)
+            }
+            #[cfg(feature = "cuda")]
+            Kind::Cuda(g) => g.pool().reserved(),
+        };
+        self.budget().bytes.saturating_sub(used)
+    }
+
+    /// Pre-flight: refuses with `OutOfMemory` (and advice) a request of `bytes` for `what` that
+    /// would not fit under the budget, *before* anything is allocated.
+    pub fn preflight(&self, bytes: usize, what: &str) -> Result<(), MemoryError> {
+        let available = self.available();
+        if bytes <= available {
+            return Ok(());
+        }
+        let budget = self.budget();
+        let allocated = self.allocated().bytes;
+        self.mark("refused by pre-flight");
+        Err(MemoryError::OutOfMemory(Box::new(OutOfMemory {
+            device: format!("{} ({what})", self.name()),
+            requested: bytes,
+            segment_size: bytes,
+            capacity: budget.bytes,
+            device_free: available,
+            allocated,
+            reserved: self.reserved().bytes.max(allocated),
+            limit: self.limit,
+            limited_by_cap: budget.source == FigureSource::UserLimit,
+            largest_free_block: available,
+        })))
+    }
+
+    /// Pre-flight for a tensor of `shape` and `dtype`.
+    pub fn preflight_tensor(&self, shape: &[usize], dtype: DType, what: &str) -> Result<(), MemoryError> {
+        let elements = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+        let bytes = elements.and_then(|e| e.checked_mul(dtype.size_in_bytes())).unwrap_or(usize::MAX);
+        self.preflight(bytes, what)
+    }
+
+    /// Pre-flight for loading a safetensors file: the sum of its tensors, read from its header only.
+    pub fn preflight_safetensors(&self, path: &std::path::Path) -> Result<usize, MemoryError> {
+        let bytes = crate::weights::safetensors_payload_bytes(path)?;
+        self.preflight(bytes, &format!("weights {}", path.display()))?;
+        Ok(bytes)
+    }
+
+    /// Records a point of the memory timeline (shown in the HTML report).
+    pub fn mark(&self, label: &str) {
+        let sample = Sample {
+            t_ms: self.start.elapsed().as_secs_f64() * 1e3,
+            allocated: self.allocated().bytes,
+            reserved: self.reserved().bytes,
+            label: Label::new(label),
+        };
+        self.timeline.lock().unwrap_or_else(|p| p.into_inner()).push(sample);
+    }
+
+    /// The figures now, with their sources, and the timeline so far.
+    pub fn memory_report(&self) -> MemoryReport {
+        MemoryReport {
+            device: self.name(),
+            allocated: self.allocated(),
+            reserved: self.reserved(),
+            peak_allocated: self.peak_allocated(),
+            budget: self.budget(),
+            available: self.available(),
+            timeline: self.timeline.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        }
+    }
+
+    /// The memory summary as a text table.
+    pub fn memory_summary(&self) -> String {
+        self.memory_report().to_string()
+    }
+
+    /// The memory snapshot as JSON (figures, sources and timeline).
+    pub fn memory_snapshot(&self) -> String {
+        serde_json::to_string_pretty(&self.memory_report()).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+}

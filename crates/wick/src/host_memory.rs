@@ -1,0 +1,159 @@
+//! Honest host-memory figures. candle's CPU tensors are ordinary heap `Vec`s, so exact figures
+//! need a global allocator that counts ([`TrackingAllocator`], opt-in for binaries); everywhere
+//! else the process's resident set and the container's cgroup are read. Every figure says where it
+//! came from.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+/// Where a figure was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum FigureSource {
+    /// Counted by wick's tracking global allocator: exact heap bytes.
+    TrackingAllocator,
+    /// The process's resident set (`/proc/self/statm`): includes code, stacks and freed-but-kept heap.
+    ProcessRss,
+    /// The container's cgroup (`memory.current` / `memory.max`).
+    Cgroup,
+    /// Physical memory of the machine (`/proc/meminfo`).
+    MemTotal,
+    /// The CUDA memory pool wick installed (`USED/RESERVED_MEM_*`).
+    CudaPool,
+    /// A limit the user set.
+    UserLimit,
+}
+
+impl std::fmt::Display for FigureSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = match self {
+            FigureSource::TrackingAllocator => "tracking allocator (exact heap)",
+            FigureSource::ProcessRss => "process RSS",
+            FigureSource::Cgroup => "cgroup",
+            FigureSource::MemTotal => "MemTotal",
+            FigureSource::CudaPool => "CUDA pool",
+            FigureSource::UserLimit => "user limit",
+        };
+        f.write_str(text)
+    }
+}
+
+static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+static ACTIVE: AtomicBool = AtomicBool::new(false);
+
+/// A global allocator that counts live heap bytes and their peak. Install it in a binary:
+///
+/// ```ignore
+/// #[global_allocator]
+/// static ALLOC: wick::host_memory::TrackingAllocator = wick::host_memory::TrackingAllocator;
+/// ```
+///
+/// It never refuses memory itself (refusing would abort the process); caps on the CPU are
+/// enforced by the engine's pre-flight checks instead. In evcxr notebooks statics exist once per
+/// cell, so it is for binaries and tests, not notebooks.
+pub struct TrackingAllocator;
+
+fn add(bytes: usize) {
+    let now = ALLOCATED.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    PEAK.fetch_max(now, Ordering::Relaxed);
+}
+
+// SAFETY: every call is forwarded to the system allocator unchanged; only counters are updated.
+unsafe impl GlobalAlloc for TrackingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ACTIVE.store(true, Ordering::Relaxed);
+        // SAFETY: forwarded contract.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            add(layout.size());
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        ACTIVE.store(true, Ordering::Relaxed);
+        // SAFETY: forwarded contract.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            add(layout.size());
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded contract.
+        unsafe { System.dealloc(ptr, layout) };
+        ALLOCATED.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded contract.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            ALLOCATED.fetch_sub(layout.size(), Ordering::Relaxed);
+            add(new_size);
+        }
+        p
+    }
+}
+
+/// Exact heap bytes, when the tracking allocator is installed in this process.
+pub fn tracked_heap() -> Option<usize> {
+    ACTIVE.load(Ordering::Relaxed).then(|| ALLOCATED.load(Ordering::Relaxed))
+}
+
+/// Peak of `tracked_heap` since start or the last `reset_tracked_peak`.
+pub fn tracked_peak() -> Option<usize> {
+    ACTIVE.load(Ordering::Relaxed).then(|| PEAK.load(Ordering::Relaxed))
+}
+
+/// Sets the tracked peak to the current value.
+pub fn reset_tracked_peak() {
+    PEAK.store(ALLOCATED.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+/// The process's resident set in bytes.
+pub fn process_rss() -> Option<usize> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: usize = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages * usize::try_from(page).ok()?)
+}
+
+fn read_number(path: &str) -> Option<usize> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// The cgroup's (current usage, limit), v2 first, then v1. The limit is `None` when unlimited.
+pub fn cgroup_memory() -> Option<(usize, Option<usize>)> {
+    if let Some(current) = read_number("/sys/fs/cgroup/memory.current") {
+        return Some((current, read_number("/sys/fs/cgroup/memory.max")));
+    }
+    let current = read_number("/sys/fs/cgroup/memory/memory.usage_in_bytes")?;
+    // v1 reports "no limit" as a huge number.
+    let limit = read_number("/sys/fs/cgroup/memory/memory.limit_in_bytes").filter(|l| *l < (1usize << 60));
+    Some((current, limit))
+}
+
+/// The host memory budget and its source: the cgroup limit when set, else MemTotal.
+pub fn host_budget() -> (usize, FigureSource) {
+    let total = wick_memory::backend::host_memory_budget();
+    match cgroup_memory().and_then(|(_, limit)| limit) {
+        Some(limit) if limit <= total => (limit, FigureSource::Cgroup),
+        _ => (total, FigureSource::MemTotal),
+    }
+}
+
+/// Returns freed heap memory to the operating system (`malloc_trim(0)`); true if any was released.
+pub fn trim_heap() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: malloc_trim only returns free memory at the heap's top and in free chunks.
+        unsafe { libc::malloc_trim(0) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}

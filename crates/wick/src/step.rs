@@ -1,0 +1,82 @@
+//! Step scopes over candle tensors. Tensors made inside a step are owned by the step's closure,
+//! so they are released when it returns — on success, on `?`, on any error; only the value the
+//! closure returns leaves the step, which is how a value is kept on purpose. The engine measures
+//! what the step used and freed.
+
+use wick_memory::MemoryError;
+
+use crate::engine::Engine;
+
+/// What one step did to memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct StepReport {
+    /// Allocated bytes before the step.
+    pub before: usize,
+    /// Highest allocated bytes during the step (exact sources only; else the larger of before/after).
+    pub peak: usize,
+    /// Allocated bytes after the step's temporaries were released.
+    pub after: usize,
+}
+
+impl StepReport {
+    /// Bytes the step's end released (peak minus after).
+    pub fn freed(&self) -> usize {
+        self.peak.saturating_sub(self.after)
+    }
+    /// Bytes the step left allocated (what it returned, and anything it stored elsewhere).
+    pub fn retained(&self) -> isize {
+        self.after as isize - self.before as isize
+    }
+}
+
+impl Engine {
+    /// Runs one step. Whatever the closure returns, its temporaries are dropped before the
+    /// figures after the step are read.
+    pub fn step<T, E>(&self, label: &str, body: impl FnOnce(&Engine) -> Result<T, E>) -> (Result<T, E>, StepReport) {
+        self.reset_peak();
+        let before = self.allocated().bytes;
+        let result = body(self);
+        // The closure has returned: everything it created and did not return is gone now.
+        let after = self.allocated().bytes;
+        let peak = self.peak_allocated().map_or(before.max(after), |p| p.bytes.max(after));
+        self.mark(label);
+        (result, StepReport { before, peak, after })
+    }
+
+    /// Like [`Engine::step`], for steps whose errors are memory errors or candle errors.
+    pub fn try_step<T>(
+        &self,
+        label: &str,
+        body: impl FnOnce(&Engine) -> Result<T, crate::Error>,
+    ) -> Result<(T, StepReport), crate::Error> {
+        let (result, report) = self.step(label, body);
+        result.map(|value| (value, report))
+    }
+}
+
+/// Errors of engine operations: wick's memory errors and candle's own.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A memory error (out-of-memory included).
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// candle failed; CUDA out-of-memory from candle is turned into `Memory` by `Error::from_candle`.
+    #[error("candle: {0}")]
+    Candle(candle_core::Error),
+}
+
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        Error::Candle(e)
+    }
+}
+
+impl Error {
+    /// True for out-of-memory, whether wick's or candle's.
+    pub fn is_out_of_memory(&self) -> bool {
+        match self {
+            Error::Memory(e) => e.is_out_of_memory(),
+            Error::Candle(e) => crate::is_out_of_memory(e),
+        }
+    }
+}

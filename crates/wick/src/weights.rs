@@ -1,0 +1,59 @@
+//! Reading what weight files will cost before loading them.
+
+use std::io::Read;
+
+use wick_memory::MemoryError;
+
+/// Bytes of tensor data in a safetensors file, from its header alone (the format starts with a
+/// little-endian u64 header length and a JSON header of `data_offsets`; reading it directly avoids
+/// mapping the whole file just to size it). Errors name the file.
+pub fn safetensors_payload_bytes(path: &std::path::Path) -> Result<usize, MemoryError> {
+    let bad = |why: String| MemoryError::InvalidTrace(format!("{}: {why}", path.display()));
+    let mut file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|e| bad(format!("cannot read header length: {e}")))?;
+    let len = u64::from_le_bytes(len);
+    // The format caps headers at 100 MB.
+    if len > 100_000_000 {
+        return Err(bad(format!("header length {len} is implausible; not a safetensors file")));
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header).map_err(|e| bad(format!("truncated header: {e}")))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+    let map = json.as_object().ok_or_else(|| bad("header is not a JSON object".into()))?;
+    let mut end = 0usize;
+    for (name, entry) in map.iter().filter(|(k, _)| k.as_str() != "__metadata__") {
+        let offsets = entry
+            .get("data_offsets")
+            .and_then(|o| o.as_array())
+            .filter(|o| o.len() == 2)
+            .ok_or_else(|| bad(format!("tensor `{name}` has no data_offsets")))?;
+        let stop = offsets[1].as_u64().ok_or_else(|| bad(format!("tensor `{name}`: bad data_offsets")))?;
+        end = end.max(usize::try_from(stop).map_err(|_| bad(format!("tensor `{name}` is too large")))?);
+    }
+    Ok(end)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    #[test]
+    fn sizes_a_real_safetensors_file_and_rejects_garbage() {
+        let dir = std::env::temp_dir().join(format!("wick-weights-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("w.safetensors");
+        let a = Tensor::zeros((64, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let b = Tensor::zeros(10, candle_core::DType::F16, &Device::Cpu).unwrap();
+        candle_core::safetensors::save(&std::collections::HashMap::from([("a", a), ("b", b)]), &path).unwrap();
+        assert_eq!(safetensors_payload_bytes(&path).unwrap(), 64 * 32 * 4 + 10 * 2);
+        let garbage = dir.join("bad.safetensors");
+        std::fs::write(&garbage, b"definitely not safetensors").unwrap();
+        let err = safetensors_payload_bytes(&garbage).unwrap_err().to_string();
+        assert!(err.contains("bad.safetensors"), "{err}");
+        assert!(safetensors_payload_bytes(&dir.join("missing.safetensors")).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
