@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Executes every notebook in examples/notebooks headlessly with the evcxr Rust kernel and fails on
+# any error output. Installs evcxr_jupyter (cargo) and Jupyter (a venv under ~/.cache) if missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+venv=${WICK_NB_VENV:-$HOME/.cache/wick-nbvenv}
+if ! command -v evcxr_jupyter >/dev/null; then
+  echo "installing evcxr_jupyter (about 30 minutes on 2 cores)"
+  cargo install evcxr_jupyter --locked
+fi
+if [ ! -x "$venv/bin/jupyter" ]; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q jupyter nbconvert nbclient ipykernel
+fi
+export JUPYTER_PATH="$venv/share/jupyter" JUPYTER_DATA_DIR="$venv/share/jupyter"
+evcxr_jupyter --install >/dev/null
+# Per evcxr: statics are per cell and a panic must not pass silently; cache builds between runs.
+export EVCXR_CONFIG_DIR="$root/target/evcxr-config" XDG_CACHE_HOME="${XDG_CACHE_HOME:-$HOME/.cache}"
+mkdir -p "$EVCXR_CONFIG_DIR" target/notebooks
+printf ':preserve_vars_on_panic 0\n:cache 4000\n' > "$EVCXR_CONFIG_DIR/init.evcxr"
+status=0
+for nb in examples/notebooks/*.ipynb; do
+  name=$(basename "$nb")
+  echo "== $name"
+  # The kernel runs in the notebook's own folder, so its relative :dep paths hold; the executed
+  # copy is written under target/.
+  if ! "$venv/bin/jupyter" nbconvert --to notebook --execute --ExecutePreprocessor.kernel_name=rust \
+      --ExecutePreprocessor.timeout=1200 "$nb" --output "$root/target/notebooks/$name"; then
+    echo "!! $name failed to execute"; status=1; continue
+  fi
+  # Errors printed by a `?` or a panic do not fail nbconvert: look for them in the outputs.
+  if python3 - "target/notebooks/$name" <<'PY'
+import json, sys
+nb = json.load(open(sys.argv[1]))
+bad = []
+for i, cell in enumerate(nb["cells"]):
+    for out in cell.get("outputs", []):
+        text = "".join(out.get("text", "")) + json.dumps(out.get("data", {})) + "".join(out.get("traceback", []))
+        if out.get("output_type") == "error" or out.get("name") == "stderr" or "panicked at" in text:
+            bad.append((i, text[:300]))
+for i, t in bad:
+    print(f"cell {i}: {t}")
+sys.exit(1 if bad else 0)
+PY
+  then echo "ok: $name (executed copy in target/notebooks/)"; else echo "!! $name printed errors"; status=1; fi
+done
+exit $status
