@@ -142,7 +142,71 @@ fn main() {
         }
     }
 
-    // 2. Alloc-heavy loop: candle on the driver's default pool vs on wick's governed pool.
+    // 2. The engine on CUDA: exact step scopes, pre-flight refusal, and the batch finder driven by
+    //    real out-of-memory errors from the capped pool.
+    match wick::Engine::cuda(0, Some(4 << 30)) {
+        Err(e) => all_ok &= row("engine on cuda:0", false, e.to_string()),
+        Ok(engine) => {
+            let step = |e: &wick::Engine| -> Result<(), wick::Error> {
+                let a = Tensor::zeros((2048, 2048), DType::F32, e.device())?;
+                let b = a.matmul(&a)?; // cuBLAS: a temporary the scope must release
+                e.device().synchronize()?;
+                drop(b);
+                Ok(())
+            };
+            let _ = engine.try_step("warm-up", step);
+            let _ = engine.device().synchronize();
+            let baseline = engine.allocated().bytes;
+            let mut exact = true;
+            let mut freed = 0;
+            for _ in 0..10 {
+                match engine.try_step("step", step) {
+                    Ok(((), r)) => {
+                        let _ = engine.device().synchronize();
+                        exact &= engine.allocated().bytes == baseline;
+                        freed = r.freed().max(freed);
+                    }
+                    Err(e) => {
+                        exact = false;
+                        println!("step error: {}", e.to_string().lines().next().unwrap_or(""));
+                    }
+                }
+            }
+            all_ok &= row(
+                "engine step scopes on CUDA: allocated back to baseline after 10 steps",
+                exact,
+                format!("baseline {baseline} B (pool USED_MEM_CURRENT), peak-to-end freed {freed} B per step"),
+            );
+            let refused = engine.preflight_tensor(&[5 << 28], DType::F32, "5 GiB activations");
+            all_ok &= row(
+                "engine pre-flight refuses 5 GiB under a 4 GiB cap",
+                refused.as_ref().is_err_and(|e| e.is_out_of_memory()),
+                refused.err().map(|e| e.to_string()).unwrap_or_default().chars().take(200).collect(),
+            );
+            // 256 MiB per sample, no pre-flight: the pool's own cap produces the OOMs.
+            let plan = engine.find_executable_batch_size(64, |e, batch| {
+                let t = Tensor::zeros((batch, 64 << 20), DType::F32, e.device())?;
+                e.device().synchronize()?;
+                drop(t);
+                Ok(())
+            });
+            match plan {
+                Ok(p) => {
+                    all_ok &= row(
+                        "batch finder on real CUDA OOMs (256 MiB/sample, 4 GiB cap)",
+                        (14..=16).contains(&p.batch_size) && p.accumulation_steps == 64usize.div_ceil(p.batch_size),
+                        format!(
+                            "batch {} x {} accumulation steps; tried {:?}",
+                            p.batch_size, p.accumulation_steps, p.tried
+                        ),
+                    )
+                }
+                Err(e) => all_ok &= row("batch finder on CUDA", false, e.to_string()),
+            }
+        }
+    }
+
+    // 3. Alloc-heavy loop: candle on the driver's default pool vs on wick's governed pool.
     let loop_result = (|| -> Result<(f64, f64), String> {
         let device = CudaDevice::new_with_stream(0).map(Device::Cuda).map_err(|e| e.to_string())?;
         alloc_heavy_loop(&device, 5).map_err(|e| e.to_string())?;
@@ -165,7 +229,7 @@ fn main() {
         Err(e) => all_ok &= row("alloc-heavy candle loop", false, e),
     }
 
-    // 3. Trace replay: wick's CUDA caching allocator vs raw cuMemAllocAsync (PyTorch: gpu_check.py).
+    // 4. Trace replay: wick's CUDA caching allocator vs raw cuMemAllocAsync (PyTorch: gpu_check.py).
     for path in ["crates/wick-memory/traces/transformer-train.json", "crates/wick-memory/traces/inference-server.json"]
     {
         let trace = match Trace::from_file(std::path::Path::new(path)) {
