@@ -76,7 +76,10 @@ impl Engine {
         match &self.kind {
             Kind::Cpu => "cpu".into(),
             #[cfg(feature = "cuda")]
-            Kind::Cuda(_) => format!("{:?}", self.device.location()).to_lowercase(),
+            Kind::Cuda(_) => match self.device.location() {
+                candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+                other => format!("{other:?}"),
+            },
         }
     }
 
