@@ -43,9 +43,14 @@ static ACTIVE: AtomicBool = AtomicBool::new(false);
 
 /// A global allocator that counts live heap bytes and their peak. Install it in a binary:
 ///
-/// ```ignore
+/// ```no_run
 /// #[global_allocator]
 /// static ALLOC: wick::host_memory::TrackingAllocator = wick::host_memory::TrackingAllocator;
+///
+/// fn main() {
+///     let engine = wick::Engine::cpu();
+///     println!("{}", engine.allocated()); // "… (tracking allocator (exact heap))"
+/// }
 /// ```
 ///
 /// It never refuses memory itself (refusing would abort the process); caps on the CPU are

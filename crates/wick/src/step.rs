@@ -12,16 +12,18 @@ use crate::engine::Engine;
 pub struct StepReport {
     /// Allocated bytes before the step.
     pub before: usize,
-    /// Highest allocated bytes during the step (exact sources only; else the larger of before/after).
-    pub peak: usize,
+    /// Highest allocated bytes during the step, where an exact source exists (the tracking
+    /// allocator, a CUDA pool); `None` where only the resident set is known, which cannot see a
+    /// step's transient peak.
+    pub peak: Option<usize>,
     /// Allocated bytes after the step's temporaries were released.
     pub after: usize,
 }
 
 impl StepReport {
-    /// Bytes the step's end released (peak minus after).
-    pub fn freed(&self) -> usize {
-        self.peak.saturating_sub(self.after)
+    /// Bytes the step's end released (peak minus after), where the peak is known.
+    pub fn freed(&self) -> Option<usize> {
+        self.peak.map(|p| p.saturating_sub(self.after))
     }
     /// Bytes the step left allocated (what it returned, and anything it stored elsewhere).
     pub fn retained(&self) -> isize {
@@ -38,7 +40,7 @@ impl Engine {
         let result = body(self);
         // The closure has returned: everything it created and did not return is gone now.
         let after = self.allocated().bytes;
-        let peak = self.peak_allocated().map_or(before.max(after), |p| p.bytes.max(after));
+        let peak = self.peak_allocated().map(|p| p.bytes.max(after).max(before));
         self.mark(label);
         (result, StepReport { before, peak, after })
     }

@@ -164,7 +164,7 @@ fn main() {
                     Ok(((), r)) => {
                         let _ = engine.device().synchronize();
                         exact &= engine.allocated().bytes == baseline;
-                        freed = r.freed().max(freed);
+                        freed = r.freed().unwrap_or(0).max(freed);
                     }
                     Err(e) => {
                         exact = false;

@@ -1,0 +1,281 @@
+//! BERT encoders (MiniLM sentence embeddings with mean pooling), trainable end to end: built on
+//! [`crate::ops`], so every parameter gets its gradient (candle-transformers' `BertModel` trains
+//! 0 of its 101 parameters, and gives NaN in f16/bf16 from its `f32::MIN` mask).
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::error::ZooError;
+use crate::ops;
+use crate::params::{Init, Params};
+use crate::weights::WeightFile;
+
+/// The architecture, as in a Hugging Face `config.json`.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+pub struct BertConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// Encoder layers.
+    pub num_hidden_layers: usize,
+    /// Attention heads.
+    pub num_attention_heads: usize,
+    /// Feed-forward width.
+    pub intermediate_size: usize,
+    /// Longest sequence.
+    pub max_position_embeddings: usize,
+    /// Segment vocabulary.
+    pub type_vocab_size: usize,
+    /// LayerNorm epsilon.
+    pub layer_norm_eps: f64,
+}
+
+/// Keys of a Hugging Face BERT config that do not change the computation wick performs
+/// (metadata, training-only dropout and initialisation settings).
+const IGNORED_KEYS: &[&str] = &[
+    "_name_or_path",
+    "architectures",
+    "attention_probs_dropout_prob",
+    "gradient_checkpointing",
+    "hidden_dropout_prob",
+    "initializer_range",
+    "model_type",
+    "pad_token_id",
+    "transformers_version",
+    "use_cache",
+    "classifier_dropout",
+    "torch_dtype",
+];
+
+impl BertConfig {
+    /// Reads and checks a `config.json`: unknown keys, or values wick does not implement
+    /// (another activation, relative positions), are errors naming the file and key.
+    pub fn from_file(path: &Path) -> Result<Self, ZooError> {
+        let err = |message: String| ZooError::Config { path: path.to_path_buf(), message };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ZooError::File { path: path.to_path_buf(), message: e.to_string() })?;
+        let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("not JSON: {e}")))?;
+        let map = value.as_object().ok_or_else(|| err("not a JSON object".into()))?;
+        const USED: &[&str] = &[
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+            "layer_norm_eps",
+            "hidden_act",
+            "position_embedding_type",
+        ];
+        for key in map.keys() {
+            if !USED.contains(&key.as_str()) && !IGNORED_KEYS.contains(&key.as_str()) {
+                return Err(err(format!("unknown key `{key}`")));
+            }
+        }
+        if let Some(act) = map.get("hidden_act").and_then(|v| v.as_str()).filter(|a| *a != "gelu") {
+            return Err(err(format!("hidden_act `{act}` is not supported (only `gelu`)")));
+        }
+        if let Some(p) = map.get("position_embedding_type").and_then(|v| v.as_str()).filter(|p| *p != "absolute") {
+            return Err(err(format!("position_embedding_type `{p}` is not supported (only `absolute`)")));
+        }
+        let config: BertConfig = serde_json::from_value(value.clone()).map_err(|e| err(e.to_string()))?;
+        if config.num_attention_heads == 0 || config.hidden_size % config.num_attention_heads != 0 {
+            return Err(err(format!(
+                "hidden_size {} is not divisible by num_attention_heads {}",
+                config.hidden_size, config.num_attention_heads
+            )));
+        }
+        Ok(config)
+    }
+}
+
+/// A BERT encoder with trainable parameters.
+pub struct Bert {
+    /// Architecture.
+    pub config: BertConfig,
+    /// Every parameter, by its Hugging Face name (without a `bert.` prefix).
+    pub params: Params,
+    dtype: DType,
+}
+
+/// (name suffix, shape) of every parameter of one encoder layer.
+fn layer_shapes(c: &BertConfig) -> Vec<(&'static str, Vec<usize>, Init)> {
+    let (h, i) = (c.hidden_size, c.intermediate_size);
+    let w = Init::Normal(0.02);
+    vec![
+        ("attention.self.query.weight", vec![h, h], w),
+        ("attention.self.query.bias", vec![h], Init::Zeros),
+        ("attention.self.key.weight", vec![h, h], w),
+        ("attention.self.key.bias", vec![h], Init::Zeros),
+        ("attention.self.value.weight", vec![h, h], w),
+        ("attention.self.value.bias", vec![h], Init::Zeros),
+        ("attention.output.dense.weight", vec![h, h], w),
+        ("attention.output.dense.bias", vec![h], Init::Zeros),
+        ("attention.output.LayerNorm.weight", vec![h], Init::Ones),
+        ("attention.output.LayerNorm.bias", vec![h], Init::Zeros),
+        ("intermediate.dense.weight", vec![i, h], w),
+        ("intermediate.dense.bias", vec![i], Init::Zeros),
+        ("output.dense.weight", vec![h, i], w),
+        ("output.dense.bias", vec![h], Init::Zeros),
+        ("output.LayerNorm.weight", vec![h], Init::Ones),
+        ("output.LayerNorm.bias", vec![h], Init::Zeros),
+    ]
+}
+
+fn all_shapes(c: &BertConfig) -> Vec<(String, Vec<usize>, Init)> {
+    let h = c.hidden_size;
+    let mut out = vec![
+        ("embeddings.word_embeddings.weight".to_string(), vec![c.vocab_size, h], Init::Normal(0.02)),
+        ("embeddings.position_embeddings.weight".to_string(), vec![c.max_position_embeddings, h], Init::Normal(0.02)),
+        ("embeddings.token_type_embeddings.weight".to_string(), vec![c.type_vocab_size, h], Init::Normal(0.02)),
+        ("embeddings.LayerNorm.weight".to_string(), vec![h], Init::Ones),
+        ("embeddings.LayerNorm.bias".to_string(), vec![h], Init::Zeros),
+    ];
+    for l in 0..c.num_hidden_layers {
+        for (suffix, shape, init) in layer_shapes(c) {
+            out.push((format!("encoder.layer.{l}.{suffix}"), shape, init));
+        }
+    }
+    out
+}
+
+impl Bert {
+    /// A freshly initialised model (normal(0, 0.02) weights, as BERT's initialiser).
+    pub fn new(config: BertConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
+        let mut params = Params::default();
+        for (name, shape, init) in all_shapes(&config) {
+            params.create(&name, &shape, init, dtype, device)?;
+        }
+        Ok(Bert { config, params, dtype })
+    }
+
+    /// Loads every encoder tensor from `weights` (shapes checked; the pooler is not used).
+    pub fn load(config: BertConfig, weights: &WeightFile, dtype: DType) -> Result<Self, ZooError> {
+        let mut params = Params::default();
+        for (name, shape, _) in all_shapes(&config) {
+            params.insert(&name, weights.get(&name, &shape, dtype)?)?;
+        }
+        Ok(Bert { config, params, dtype })
+    }
+
+    fn p(&self, name: &str) -> Result<Tensor, ZooError> {
+        self.params
+            .get(name)
+            .map(|v| v.as_tensor().clone())
+            .ok_or_else(|| ZooError::Config { path: "<model>".into(), message: format!("no parameter `{name}`") })
+    }
+
+    fn linear(&self, x: &Tensor, prefix: &str) -> Result<Tensor, ZooError> {
+        let w = self.p(&format!("{prefix}.weight"))?;
+        let b = self.p(&format!("{prefix}.bias"))?;
+        Ok(x.broadcast_matmul(&w.t()?)?.broadcast_add(&b)?)
+    }
+
+    fn norm(&self, x: &Tensor, prefix: &str) -> Result<Tensor, ZooError> {
+        let (w, b) = (self.p(&format!("{prefix}.weight"))?, self.p(&format!("{prefix}.bias"))?);
+        Ok(ops::layer_norm(x, &w, &b, self.config.layer_norm_eps)?)
+    }
+
+    /// Hidden states (batch, seq, hidden) for `input_ids` (batch, seq) and `attention_mask`
+    /// (batch, seq; 1 for tokens, 0 for padding).
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor, ZooError> {
+        let c = &self.config;
+        let (batch, seq) = input_ids.dims2()?;
+        if seq > c.max_position_embeddings {
+            return Err(ZooError::Config {
+                path: "<input>".into(),
+                message: format!(
+                    "sequence of {seq} tokens exceeds max_position_embeddings {}",
+                    c.max_position_embeddings
+                ),
+            });
+        }
+        let device = input_ids.device();
+        let words = self.p("embeddings.word_embeddings.weight")?.embedding(&input_ids.flatten_all()?)?;
+        let positions = self.p("embeddings.position_embeddings.weight")?.narrow(0, 0, seq)?;
+        let types = self.p("embeddings.token_type_embeddings.weight")?.narrow(0, 0, 1)?;
+        let x = words.reshape((batch, seq, c.hidden_size))?.broadcast_add(&positions)?.broadcast_add(&types)?;
+        let mut x = self.norm(&x, "embeddings.LayerNorm")?;
+        // Additive mask: 0 for tokens, -1e4 for padding (finite, so no NaN in low precision).
+        let bias = ((attention_mask.to_dtype(self.dtype)?.ones_like()? - attention_mask.to_dtype(self.dtype)?)?
+            * -1e4)?
+            .reshape((batch, 1, 1, seq))?;
+        let (heads, hd) = (c.num_attention_heads, c.hidden_size / c.num_attention_heads);
+        let split = |t: Tensor| -> candle_core::Result<Tensor> {
+            t.reshape((batch, seq, heads, hd))?.transpose(1, 2)?.contiguous()
+        };
+        for l in 0..c.num_hidden_layers {
+            let p = format!("encoder.layer.{l}");
+            let q = split(self.linear(&x, &format!("{p}.attention.self.query"))?)?;
+            let k = split(self.linear(&x, &format!("{p}.attention.self.key"))?)?;
+            let v = split(self.linear(&x, &format!("{p}.attention.self.value"))?)?;
+            let ctx = ops::attention(&q, &k, &v, Some(&bias))?.transpose(1, 2)?.reshape((batch, seq, c.hidden_size))?;
+            let attn = self.linear(&ctx, &format!("{p}.attention.output.dense"))?;
+            x = self.norm(&(attn + &x)?, &format!("{p}.attention.output.LayerNorm"))?;
+            let inter = self.linear(&x, &format!("{p}.intermediate.dense"))?.gelu_erf()?;
+            let out = self.linear(&inter, &format!("{p}.output.dense"))?;
+            x = self.norm(&(out + &x)?, &format!("{p}.output.LayerNorm"))?;
+        }
+        let _ = device;
+        Ok(x)
+    }
+
+    /// Mean of the token states under the mask (sentence-transformers' mean pooling).
+    pub fn mean_pool(hidden: &Tensor, attention_mask: &Tensor) -> Result<Tensor, ZooError> {
+        let mask = attention_mask.to_dtype(hidden.dtype())?.unsqueeze(D::Minus1)?;
+        let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
+        Ok(summed.broadcast_div(&mask.sum(1)?.clamp(1e-9, f64::MAX)?)?)
+    }
+
+    /// L2 normalisation of each row.
+    pub fn normalize(x: &Tensor) -> Result<Tensor, ZooError> {
+        Ok(x.broadcast_div(&x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.clamp(1e-12, f64::MAX)?)?)
+    }
+}
+
+/// all-MiniLM-L6-v2 style sentence embeddings: tokenizer + BERT + mean pooling + normalisation.
+pub struct SentenceEmbedder {
+    /// The encoder.
+    pub bert: Bert,
+    tokenizer: tokenizers::Tokenizer,
+}
+
+impl SentenceEmbedder {
+    /// Loads `config.json`, `model.safetensors` and `tokenizer.json` from `dir`.
+    pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self, ZooError> {
+        let config = BertConfig::from_file(&dir.join("config.json"))?;
+        let weights = WeightFile::open(&dir.join("model.safetensors"), device)?;
+        let tokenizer_path = dir.join("tokenizer.json");
+        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+            .map_err(|e| ZooError::File { path: tokenizer_path.clone(), message: format!("not a tokenizer: {e}") })?;
+        Ok(SentenceEmbedder { bert: Bert::load(config, &weights, dtype)?, tokenizer })
+    }
+
+    /// Token ids of `text` (with `[CLS]`/`[SEP]`).
+    pub fn token_ids(&self, text: &str) -> Result<Vec<u32>, ZooError> {
+        let enc = self.tokenizer.encode(text, true).map_err(|e| ZooError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Normalised embeddings (batch, hidden) of `texts`, padded to the longest.
+    pub fn embed(&self, texts: &[&str]) -> Result<Tensor, ZooError> {
+        let device = self.bert.params.iter().next().map(|(_, v)| v.device().clone()).unwrap_or(Device::Cpu);
+        let ids: Vec<Vec<u32>> = texts.iter().map(|t| self.token_ids(t)).collect::<Result<_, _>>()?;
+        let len = ids.iter().map(|i| i.len()).max().unwrap_or(0);
+        let mut flat = Vec::with_capacity(ids.len() * len);
+        let mut mask = Vec::with_capacity(ids.len() * len);
+        for row in &ids {
+            for j in 0..len {
+                flat.push(row.get(j).copied().unwrap_or(0));
+                mask.push(u32::from(j < row.len()));
+            }
+        }
+        let input = Tensor::from_vec(flat, (ids.len(), len), &device)?;
+        let mask = Tensor::from_vec(mask, (ids.len(), len), &device)?;
+        let hidden = self.bert.forward(&input, &mask)?;
+        Bert::normalize(&Bert::mean_pool(&hidden, &mask)?)
+    }
+}

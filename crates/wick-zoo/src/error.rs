@@ -1,0 +1,40 @@
+//! Errors that name the file and tensor at fault.
+
+use std::path::PathBuf;
+
+/// What went wrong loading or running a zoo model.
+#[derive(Debug, thiserror::Error)]
+pub enum ZooError {
+    /// A file is missing or unreadable.
+    #[error("{path}: {message}")]
+    File {
+        /// The file.
+        path: PathBuf,
+        /// What happened.
+        message: String,
+    },
+    /// A configuration file has a key or value wick does not support.
+    #[error("{path}: {message}")]
+    Config {
+        /// The configuration file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A tensor in a weight file is missing or has the wrong shape or dtype.
+    #[error("{path}: tensor `{tensor}`: {message}")]
+    Tensor {
+        /// The weight file.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// candle failed while running the model.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// The tokenizer failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+}

@@ -1,0 +1,171 @@
+//! Differentiable building blocks. candle's fused `softmax_last_dim`, `layer_norm`, `rms_norm`,
+//! `rope` and `sdpa` compute the right values but drop gradients without an error, so the zoo
+//! composes these from primitive ops, each of which has a backward pass in candle. Every function
+//! here is checked against finite differences in its tests.
+
+use candle_core::{DType, Result, Tensor, D};
+
+/// Softmax over the last dimension, stabilised by subtracting the row maximum (which carries no
+/// gradient of its own: softmax is invariant to the shift).
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// Log-softmax over the last dimension.
+pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let shifted = x.broadcast_sub(&max)?;
+    shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)
+}
+
+/// Layer normalisation over the last dimension with an affine transform.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let centered = x.broadcast_sub(&mean)?;
+    let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
+    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
+    normed.broadcast_mul(weight)?.broadcast_add(bias)
+}
+
+/// RMS normalisation over the last dimension (LLaMA).
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+    x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(weight)
+}
+
+/// Cross-entropy of `logits` (N, C) against integer `targets` (N), averaged.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logp = log_softmax_last_dim(logits)?;
+    let picked = logp.gather(&targets.unsqueeze(1)?, 1)?;
+    picked.mean_all()?.neg()
+}
+
+/// Rotary position embedding applied to `x` of shape (batch, heads, seq, head_dim), rotating
+/// pairs (i, i + head_dim/2) as in LLaMA, with precomputed `cos`/`sin` of shape (seq, head_dim/2).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(D::Minus1)? / 2;
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let rotated_1 = (x1.broadcast_mul(cos)? - x2.broadcast_mul(sin)?)?;
+    let rotated_2 = (x1.broadcast_mul(sin)? + x2.broadcast_mul(cos)?)?;
+    Tensor::cat(&[rotated_1, rotated_2], D::Minus1)
+}
+
+/// cos/sin tables for [`rope`]: positions `0..seq`, frequencies `theta^(-2i/dim)`.
+pub fn rope_tables(
+    seq: usize,
+    head_dim: usize,
+    theta: f64,
+    dtype: DType,
+    device: &candle_core::Device,
+) -> Result<(Tensor, Tensor)> {
+    let half = head_dim / 2;
+    let inv: Vec<f32> = (0..half).map(|i| (1.0 / theta.powf(2.0 * i as f64 / head_dim as f64)) as f32).collect();
+    let inv = Tensor::from_vec(inv, (1, half), device)?;
+    let pos = Tensor::arange(0u32, seq as u32, device)?.to_dtype(DType::F32)?.reshape((seq, 1))?;
+    let angles = pos.broadcast_mul(&inv)?;
+    Ok((angles.cos()?.to_dtype(dtype)?, angles.sin()?.to_dtype(dtype)?))
+}
+
+/// Scaled dot-product attention over (batch, heads, seq, head_dim) with an additive `bias`
+/// broadcastable to (batch, heads, seq_q, seq_k) (0 where attending, a large negative elsewhere).
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
+    let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+    let scores = match bias {
+        Some(b) => scores.broadcast_add(b)?,
+        None => scores,
+    };
+    softmax_last_dim(&scores)?.matmul(v)
+}
+
+/// An additive causal mask (seq, seq): 0 on and below the diagonal, `-1e4` above. A finite value
+/// keeps low-precision dtypes free of NaN (exp underflows to exactly 0 either way in f32).
+pub fn causal_bias(seq: usize, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..seq).flat_map(|i| (0..seq).map(move |j| if j > i { -1e4 } else { 0.0 })).collect();
+    Tensor::from_vec(mask, (seq, seq), device)?.to_dtype(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    /// Central finite differences of `f` (a scalar function of `x`) against candle's gradient.
+    fn check_gradient(shape: &[usize], f: impl Fn(&Tensor) -> Result<Tensor>) {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f64, 1.0, shape, &dev).unwrap()).unwrap();
+        let y = f(x.as_tensor()).unwrap();
+        let grads = y.backward().unwrap();
+        let analytic: Vec<f64> = grads.get(&x).expect("gradient reaches x").flatten_all().unwrap().to_vec1().unwrap();
+        let base: Vec<f64> = x.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+        let h = 1e-5;
+        for i in 0..base.len() {
+            let eval = |delta: f64| {
+                let mut v = base.clone();
+                v[i] += delta;
+                let t = Tensor::from_vec(v, shape, &dev).unwrap();
+                f(&t).unwrap().to_scalar::<f64>().unwrap()
+            };
+            let numeric = (eval(h) - eval(-h)) / (2.0 * h);
+            let err = (numeric - analytic[i]).abs();
+            assert!(err < 1e-6 * (1.0 + numeric.abs()), "d/dx[{i}]: numeric {numeric}, autograd {}", analytic[i]);
+        }
+        assert!(analytic.iter().any(|g| g.abs() > 1e-8), "gradient is not identically zero");
+    }
+
+    fn weighted_sum(t: &Tensor) -> Result<Tensor> {
+        // A fixed, non-uniform weighting so every output element matters differently.
+        let n = t.elem_count();
+        let w = Tensor::arange(1u32, n as u32 + 1, t.device())?.to_dtype(DType::F64)?.reshape(t.shape())?;
+        (t * w.sin()?)?.sum_all()
+    }
+
+    #[test]
+    fn softmax_and_log_softmax_gradients() {
+        check_gradient(&[3, 5], |x| weighted_sum(&softmax_last_dim(x)?));
+        check_gradient(&[3, 5], |x| weighted_sum(&log_softmax_last_dim(x)?));
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f32, 3.0, (4, 7), &dev).unwrap();
+        let ours: Vec<f32> = softmax_last_dim(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let fused: Vec<f32> = candle_nn::ops::softmax_last_dim(&x).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert!(ours.iter().zip(&fused).all(|(a, b)| (a - b).abs() < 1e-6), "same values as candle's fused op");
+    }
+
+    #[test]
+    fn norm_gradients_reach_input_and_parameters() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(1f64, 0.1, 6, &dev).unwrap();
+        let b = Tensor::randn(0f64, 0.1, 6, &dev).unwrap();
+        check_gradient(&[2, 6], |x| weighted_sum(&layer_norm(x, &w, &b, 1e-5)?));
+        check_gradient(&[6], |wt| {
+            weighted_sum(&layer_norm(&Tensor::randn(0f64, 1.0, (2, 6), &Device::Cpu)?.detach(), wt, &b, 1e-5)?)
+        });
+        check_gradient(&[2, 6], |x| weighted_sum(&rms_norm(x, &w, 1e-6)?));
+        let x = Tensor::randn(0f32, 1.0, (3, 8), &dev).unwrap();
+        let (wf, bf) = (Tensor::ones(8, DType::F32, &dev).unwrap(), Tensor::zeros(8, DType::F32, &dev).unwrap());
+        let ours: Vec<f32> = layer_norm(&x, &wf, &bf, 1e-5).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let fused: Vec<f32> =
+            candle_nn::ops::layer_norm(&x, &wf, &bf, 1e-5).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert!(ours.iter().zip(&fused).all(|(a, b)| (a - b).abs() < 1e-5));
+    }
+
+    #[test]
+    fn rope_attention_and_cross_entropy_gradients() {
+        let dev = Device::Cpu;
+        let (cos, sin) = rope_tables(3, 4, 10_000.0, DType::F64, &dev).unwrap();
+        check_gradient(&[1, 2, 3, 4], |x| weighted_sum(&rope(x, &cos, &sin)?));
+        let k = Tensor::randn(0f64, 1.0, (1, 2, 3, 4), &dev).unwrap();
+        let v = Tensor::randn(0f64, 1.0, (1, 2, 3, 4), &dev).unwrap();
+        let bias = causal_bias(3, DType::F64, &dev).unwrap();
+        check_gradient(&[1, 2, 3, 4], |q| weighted_sum(&attention(q, &k, &v, Some(&bias))?));
+        let targets = Tensor::new(&[1u32, 0, 3], &dev).unwrap();
+        check_gradient(&[3, 4], |x| cross_entropy(x, &targets));
+        // rope at position 0 is the identity.
+        let x = Tensor::randn(0f64, 1.0, (1, 1, 1, 4), &dev).unwrap();
+        let r = rope(&x, &cos.narrow(0, 0, 1).unwrap(), &sin.narrow(0, 0, 1).unwrap()).unwrap();
+        assert!((r - &x).unwrap().abs().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap() < 1e-12);
+    }
+}
