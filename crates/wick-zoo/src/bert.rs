@@ -248,10 +248,13 @@ impl SentenceEmbedder {
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self, ZooError> {
         let config = BertConfig::from_file(&dir.join("config.json"))?;
         let weights = WeightFile::open(&dir.join("model.safetensors"), device)?;
+        let bert = Bert::load(config, &weights, dtype)?;
         let tokenizer_path = dir.join("tokenizer.json");
-        let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+        let mut tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
             .map_err(|e| ZooError::File { path: tokenizer_path.clone(), message: format!("not a tokenizer: {e}") })?;
-        Ok(SentenceEmbedder { bert: Bert::load(config, &weights, dtype)?, tokenizer })
+        // The shipped tokenizer pads every input to 128 tokens; `embed` pads a batch itself.
+        tokenizer.with_padding(None);
+        Ok(SentenceEmbedder { bert, tokenizer })
     }
 
     /// Token ids of `text` (with `[CLS]`/`[SEP]`).

@@ -1,1 +1,152 @@
-pub fn placeholder() {}
+//! A small LLaMA-style decoder trainable from scratch: RMSNorm, rotary positions, causal
+//! attention and a SwiGLU feed-forward, all from [`crate::ops`] so every parameter trains.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::ZooError;
+use crate::ops;
+use crate::params::{Init, Params};
+
+/// Architecture of the decoder.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize, serde::Serialize)]
+pub struct LlamaConfig {
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Model width.
+    pub hidden_size: usize,
+    /// Decoder layers.
+    pub num_layers: usize,
+    /// Attention heads.
+    pub num_heads: usize,
+    /// SwiGLU width.
+    pub intermediate_size: usize,
+    /// Longest sequence.
+    pub max_seq: usize,
+    /// RMSNorm epsilon.
+    pub rms_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+}
+
+impl LlamaConfig {
+    /// A tiny configuration for tests and examples.
+    pub fn tiny(vocab_size: usize) -> Self {
+        LlamaConfig {
+            vocab_size,
+            hidden_size: 32,
+            num_layers: 2,
+            num_heads: 4,
+            intermediate_size: 64,
+            max_seq: 64,
+            rms_eps: 1e-6,
+            rope_theta: 10_000.0,
+        }
+    }
+
+    fn check(&self) -> Result<(), ZooError> {
+        if self.num_heads == 0 || self.hidden_size % self.num_heads != 0 || (self.hidden_size / self.num_heads) % 2 != 0
+        {
+            return Err(ZooError::Config {
+                path: "<llama config>".into(),
+                message: format!(
+                    "hidden_size {} must split into an even head size over {} heads",
+                    self.hidden_size, self.num_heads
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The decoder with its parameters.
+pub struct Llama {
+    /// Architecture.
+    pub config: LlamaConfig,
+    /// Every parameter by name.
+    pub params: Params,
+    dtype: DType,
+}
+
+impl Llama {
+    /// A freshly initialised model.
+    pub fn new(config: LlamaConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
+        config.check()?;
+        let (h, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
+        let std = 0.02;
+        let mut params = Params::default();
+        params.create("embed.weight", &[v, h], Init::Normal(std), dtype, device)?;
+        for l in 0..config.num_layers {
+            for (name, shape, init) in [
+                ("attn_norm.weight", vec![h], Init::Ones),
+                ("q.weight", vec![h, h], Init::Normal(std)),
+                ("k.weight", vec![h, h], Init::Normal(std)),
+                ("v.weight", vec![h, h], Init::Normal(std)),
+                ("o.weight", vec![h, h], Init::Normal(std)),
+                ("mlp_norm.weight", vec![h], Init::Ones),
+                ("gate.weight", vec![i, h], Init::Normal(std)),
+                ("up.weight", vec![i, h], Init::Normal(std)),
+                ("down.weight", vec![h, i], Init::Normal(std)),
+            ] {
+                params.create(&format!("layers.{l}.{name}"), &shape, init, dtype, device)?;
+            }
+        }
+        params.create("norm.weight", &[h], Init::Ones, dtype, device)?;
+        params.create("lm_head.weight", &[v, h], Init::Normal(std), dtype, device)?;
+        Ok(Llama { config, params, dtype })
+    }
+
+    fn p(&self, name: &str) -> Result<Tensor, ZooError> {
+        self.params
+            .get(name)
+            .map(|v| v.as_tensor().clone())
+            .ok_or_else(|| ZooError::Config { path: "<model>".into(), message: format!("no parameter `{name}`") })
+    }
+
+    fn proj(&self, x: &Tensor, name: &str) -> Result<Tensor, ZooError> {
+        Ok(x.broadcast_matmul(&self.p(name)?.t()?)?)
+    }
+
+    /// Logits (batch, seq, vocab) for token ids (batch, seq).
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor, ZooError> {
+        let c = &self.config;
+        let (batch, seq) = ids.dims2()?;
+        if seq > c.max_seq {
+            return Err(ZooError::Config {
+                path: "<input>".into(),
+                message: format!("sequence {seq} exceeds max_seq {}", c.max_seq),
+            });
+        }
+        let device = ids.device();
+        let (heads, hd) = (c.num_heads, c.hidden_size / c.num_heads);
+        let (cos, sin) = ops::rope_tables(seq, hd, c.rope_theta, self.dtype, device)?;
+        let mask = ops::causal_bias(seq, self.dtype, device)?;
+        let mut x = self.p("embed.weight")?.embedding(&ids.flatten_all()?)?.reshape((batch, seq, c.hidden_size))?;
+        let split = |t: Tensor| -> candle_core::Result<Tensor> {
+            t.reshape((batch, seq, heads, hd))?.transpose(1, 2)?.contiguous()
+        };
+        for l in 0..c.num_layers {
+            let p = format!("layers.{l}");
+            let h = ops::rms_norm(&x, &self.p(&format!("{p}.attn_norm.weight"))?, c.rms_eps)?;
+            let q = ops::rope(&split(self.proj(&h, &format!("{p}.q.weight"))?)?, &cos, &sin)?;
+            let k = ops::rope(&split(self.proj(&h, &format!("{p}.k.weight"))?)?, &cos, &sin)?;
+            let v = split(self.proj(&h, &format!("{p}.v.weight"))?)?;
+            let attn =
+                ops::attention(&q, &k, &v, Some(&mask))?.transpose(1, 2)?.reshape((batch, seq, c.hidden_size))?;
+            x = (x + self.proj(&attn, &format!("{p}.o.weight"))?)?;
+            let h = ops::rms_norm(&x, &self.p(&format!("{p}.mlp_norm.weight"))?, c.rms_eps)?;
+            let gated =
+                (self.proj(&h, &format!("{p}.gate.weight"))?.silu()? * self.proj(&h, &format!("{p}.up.weight"))?)?;
+            x = (x + self.proj(&gated, &format!("{p}.down.weight"))?)?;
+        }
+        let x = ops::rms_norm(&x, &self.p("norm.weight")?, c.rms_eps)?;
+        self.proj(&x, "lm_head.weight")
+    }
+
+    /// Next-token cross-entropy of a batch of sequences (batch, seq).
+    pub fn loss(&self, ids: &Tensor) -> Result<Tensor, ZooError> {
+        let (batch, seq) = ids.dims2()?;
+        let logits = self.forward(&ids.narrow(1, 0, seq - 1)?)?;
+        let targets = ids.narrow(1, 1, seq - 1)?.flatten_all()?;
+        Ok(ops::cross_entropy(&logits.reshape((batch * (seq - 1), self.config.vocab_size))?, &targets)?)
+    }
+}

@@ -102,6 +102,9 @@ mod tests {
         let analytic: Vec<f64> = grads.get(&x).expect("gradient reaches x").flatten_all().unwrap().to_vec1().unwrap();
         let base: Vec<f64> = x.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         let h = 1e-5;
+        let again = f(&Tensor::from_vec(base.clone(), shape, &dev).unwrap()).unwrap().to_scalar::<f64>().unwrap();
+        let first = y.to_scalar::<f64>().unwrap();
+        assert!((again - first).abs() < 1e-9, "f is not deterministic: {first} vs {again}");
         for i in 0..base.len() {
             let eval = |delta: f64| {
                 let mut v = base.clone();
@@ -111,7 +114,13 @@ mod tests {
             };
             let numeric = (eval(h) - eval(-h)) / (2.0 * h);
             let err = (numeric - analytic[i]).abs();
-            assert!(err < 1e-6 * (1.0 + numeric.abs()), "d/dx[{i}]: numeric {numeric}, autograd {}", analytic[i]);
+            assert!(
+                err < 1e-6 * (1.0 + numeric.abs()),
+                "d/dx[{i}] of {shape:?}: numeric {numeric}, autograd {}, f(x+h) {} f(x-h) {}",
+                analytic[i],
+                eval(h),
+                eval(-h)
+            );
         }
         assert!(analytic.iter().any(|g| g.abs() > 1e-8), "gradient is not identically zero");
     }
@@ -140,9 +149,10 @@ mod tests {
         let w = Tensor::randn(1f64, 0.1, 6, &dev).unwrap();
         let b = Tensor::randn(0f64, 0.1, 6, &dev).unwrap();
         check_gradient(&[2, 6], |x| weighted_sum(&layer_norm(x, &w, &b, 1e-5)?));
-        check_gradient(&[6], |wt| {
-            weighted_sum(&layer_norm(&Tensor::randn(0f64, 1.0, (2, 6), &Device::Cpu)?.detach(), wt, &b, 1e-5)?)
-        });
+        let input = Tensor::randn(0f64, 1.0, (2, 6), &dev).unwrap();
+        check_gradient(&[6], |wt| weighted_sum(&layer_norm(&input, wt, &b, 1e-5)?));
+        check_gradient(&[6], |bt| weighted_sum(&layer_norm(&input, &w, bt, 1e-5)?));
+        check_gradient(&[6], |wt| weighted_sum(&rms_norm(&input, wt, 1e-6)?));
         check_gradient(&[2, 6], |x| weighted_sum(&rms_norm(x, &w, 1e-6)?));
         let x = Tensor::randn(0f32, 1.0, (3, 8), &dev).unwrap();
         let (wf, bf) = (Tensor::ones(8, DType::F32, &dev).unwrap(), Tensor::zeros(8, DType::F32, &dev).unwrap());

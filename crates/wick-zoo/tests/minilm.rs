@@ -1,0 +1,92 @@
+//! all-MiniLM-L6-v2 with its real weights: tokenization against the shipped vocabulary and
+//! embeddings against the published values.
+
+mod common;
+
+use candle_core::{DType, Device};
+use wick_zoo::bert::{BertConfig, SentenceEmbedder};
+use wick_zoo::ZooError;
+
+/// sentence-transformers' model card: the normalised embedding of this sentence starts so.
+const PUBLISHED: [f32; 4] = [0.0676569, 0.0634959, 0.0487131, 0.0793050];
+
+#[test]
+fn minilm_matches_published_embedding_and_vocabulary() {
+    let Some(dir) = common::minilm_dir() else { return };
+    let model = SentenceEmbedder::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    // Independent truth for the tokenizer: line numbers of vocab.txt.
+    let vocab = std::fs::read_to_string(dir.join("vocab.txt")).unwrap();
+    let id = |w: &str| vocab.lines().position(|l| l == w).unwrap() as u32;
+    let expected: Vec<u32> =
+        ["[CLS]", "this", "is", "an", "example", "sentence", "[SEP]"].iter().map(|w| id(w)).collect();
+    assert_eq!(model.token_ids("This is an example sentence").unwrap(), expected);
+    let e = model.embed(&["This is an example sentence", "Each sentence is converted"]).unwrap();
+    let first: Vec<f32> = e.get(0).unwrap().to_vec1().unwrap();
+    for (i, (got, want)) in first.iter().zip(PUBLISHED).enumerate() {
+        assert!((got - want).abs() <= 1e-5, "component {i}: {got} vs published {want}");
+    }
+    let norm: f32 = first.iter().map(|v| v * v).sum::<f32>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-5);
+    // Padding does not change a sentence's embedding (the mask works).
+    let alone: Vec<f32> = model.embed(&["Each sentence is converted"]).unwrap().get(0).unwrap().to_vec1().unwrap();
+    let padded: Vec<f32> = e.get(1).unwrap().to_vec1().unwrap();
+    assert!(alone.iter().zip(&padded).all(|(a, b)| (a - b).abs() < 1e-5));
+}
+
+#[test]
+fn bad_weight_files_and_configs_are_clear_errors() {
+    let dir = std::env::temp_dir().join(format!("wick-zoo-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("config.json");
+    std::fs::write(
+        &cfg,
+        r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+        "rotary_dim": 4}"#,
+    )
+    .unwrap();
+    let err = BertConfig::from_file(&cfg).unwrap_err().to_string();
+    assert!(err.contains("config.json") && err.contains("unknown key `rotary_dim`"), "{err}");
+    std::fs::write(
+        &cfg,
+        r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+        "hidden_act": "relu"}"#,
+    )
+    .unwrap();
+    assert!(BertConfig::from_file(&cfg).unwrap_err().to_string().contains("hidden_act `relu`"));
+    std::fs::write(
+        &cfg,
+        r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12}"#,
+    )
+    .unwrap();
+    let config = BertConfig::from_file(&cfg).unwrap();
+    // Missing weights file, corrupt weights file, a tensor of the wrong shape.
+    let err = SentenceEmbedder::load(&dir, DType::F32, &Device::Cpu).err().unwrap();
+    assert!(matches!(err, ZooError::File { .. }) && err.to_string().contains("model.safetensors"), "{err}");
+    std::fs::write(dir.join("model.safetensors"), b"garbage").unwrap();
+    let err = SentenceEmbedder::load(&dir, DType::F32, &Device::Cpu).err().unwrap().to_string();
+    assert!(err.contains("model.safetensors") && err.contains("not a readable safetensors"), "{err}");
+    let model = wick_zoo::bert::Bert::new(config, DType::F32, &Device::Cpu).unwrap();
+    let mut tensors: std::collections::HashMap<String, candle_core::Tensor> =
+        model.params.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
+    tensors.insert(
+        "encoder.layer.0.output.dense.weight".into(),
+        candle_core::Tensor::zeros((3, 3), DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), "{}").unwrap();
+    let weights = wick_zoo::weights::WeightFile::open(&dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let err = wick_zoo::bert::Bert::load(BertConfig::from_file(&cfg).unwrap(), &weights, DType::F32)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("encoder.layer.0.output.dense.weight") && err.contains("shape [3, 3], expected [8, 16]"),
+        "{err}"
+    );
+    let err = SentenceEmbedder::load(&dir, DType::F32, &Device::Cpu).err().unwrap().to_string();
+    assert!(err.contains("shape [3, 3]"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}
