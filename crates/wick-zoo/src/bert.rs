@@ -82,7 +82,7 @@ impl BertConfig {
             return Err(err(format!("position_embedding_type `{p}` is not supported (only `absolute`)")));
         }
         let config: BertConfig = serde_json::from_value(value.clone()).map_err(|e| err(e.to_string()))?;
-        if config.num_attention_heads == 0 || config.hidden_size % config.num_attention_heads != 0 {
+        if config.num_attention_heads == 0 || !config.hidden_size.is_multiple_of(config.num_attention_heads) {
             return Err(err(format!(
                 "hidden_size {} is not divisible by num_attention_heads {}",
                 config.hidden_size, config.num_attention_heads

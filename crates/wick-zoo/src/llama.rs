@@ -44,7 +44,9 @@ impl LlamaConfig {
     }
 
     fn check(&self) -> Result<(), ZooError> {
-        if self.num_heads == 0 || self.hidden_size % self.num_heads != 0 || (self.hidden_size / self.num_heads) % 2 != 0
+        if self.num_heads == 0
+            || !self.hidden_size.is_multiple_of(self.num_heads)
+            || !(self.hidden_size / self.num_heads).is_multiple_of(2)
         {
             return Err(ZooError::Config {
                 path: "<llama config>".into(),
