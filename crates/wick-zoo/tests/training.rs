@@ -41,7 +41,7 @@ fn finite_difference(var: &Var, loss: impl Fn() -> f64, analytic: &Tensor, entri
     let analytic: Vec<f64> = analytic.flatten_all().unwrap().to_vec1().unwrap();
     let h = 1e-6;
     for &i in entries {
-        let mut set = |delta: f64| {
+        let set = |delta: f64| {
             let mut v = base.clone();
             v[i] += delta;
             var.set(&Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).unwrap()).unwrap();
