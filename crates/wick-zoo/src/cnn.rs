@@ -1,0 +1,222 @@
+//! Differentiable convolutional building blocks. candle's `max_pool2d` backward fails for
+//! overlapping windows (ResNet's 3×3/stride 2) and its batch-norm is inference-only, so pooling,
+//! depthwise convolution and train-mode batch normalisation are composed here from strided
+//! windows and reductions, all of which candle differentiates.
+
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Result, Tensor, D};
+
+use crate::params::{Init, Params};
+
+/// Pads the two spatial dimensions of (N, C, H, W) with `value` on every side.
+pub fn pad_spatial(x: &Tensor, pad: usize, value: f64) -> Result<Tensor> {
+    if pad == 0 {
+        return Ok(x.clone());
+    }
+    let (n, c, h, w) = x.dims4()?;
+    let rows = (Tensor::ones((n, c, pad, w), x.dtype(), x.device())? * value)?;
+    let x = Tensor::cat(&[&rows, x, &rows], 2)?;
+    let cols = (Tensor::ones((n, c, h + 2 * pad, pad), x.dtype(), x.device())? * value)?;
+    Tensor::cat(&[&cols, &x, &cols], 3)
+}
+
+/// The (out_h, out_w) grid of elements `x[.., dy + stride*i, dx + stride*j]` of a padded input.
+fn window(x: &Tensor, dy: usize, dx: usize, stride: usize, out_h: usize, out_w: usize) -> Result<Tensor> {
+    let (n, c, h, w) = x.dims4()?;
+    // Take `stride * out` rows starting at the offset (padding the end if the input is short),
+    // then keep every `stride`-th one by reshaping.
+    let take = |t: Tensor, dim: usize, len: usize, offset: usize, out: usize| -> Result<Tensor> {
+        let need = stride * out;
+        let available = len - offset;
+        let t = if available >= need {
+            t.narrow(dim, offset, need)?
+        } else {
+            let t = t.narrow(dim, offset, available)?;
+            let mut shape = t.dims().to_vec();
+            shape[dim] = need - available;
+            Tensor::cat(&[t.clone(), Tensor::zeros(shape, t.dtype(), t.device())?], dim)?
+        };
+        Ok(t)
+    };
+    let t = take(x.clone(), 2, h, dy, out_h)?.reshape((n, c, out_h, stride, w))?.narrow(3, 0, 1)?.squeeze(3)?;
+    let t = take(t, 3, w, dx, out_w)?.reshape((n, c, out_h, out_w, stride))?.narrow(4, 0, 1)?.squeeze(4)?;
+    Ok(t)
+}
+
+fn out_size(len: usize, kernel: usize, stride: usize, pad: usize) -> usize {
+    (len + 2 * pad - kernel) / stride + 1
+}
+
+/// Max pooling with any kernel, stride and padding (padding never wins the max).
+pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
+    let (_, _, h, w) = x.dims4()?;
+    let (oh, ow) = (out_size(h, kernel, stride, pad), out_size(w, kernel, stride, pad));
+    let xp = pad_spatial(x, pad, -1e4)?;
+    let mut windows = Vec::with_capacity(kernel * kernel);
+    for dy in 0..kernel {
+        for dx in 0..kernel {
+            windows.push(window(&xp, dy, dx, stride, oh, ow)?);
+        }
+    }
+    Tensor::stack(&windows, 0)?.max(0)
+}
+
+/// Depthwise convolution: weight (C, 1, k, k), one filter per channel, as a sum of k² shifted
+/// windows scaled per channel (vectorised, and differentiable through every term).
+pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
+    let (_, c, h, w) = x.dims4()?;
+    let (_, _, k, _) = weight.dims4()?;
+    let (oh, ow) = (out_size(h, k, stride, pad), out_size(w, k, stride, pad));
+    let xp = pad_spatial(x, pad, 0.0)?;
+    let mut acc: Option<Tensor> = None;
+    for dy in 0..k {
+        for dx in 0..k {
+            let wk = weight.narrow(2, dy, 1)?.narrow(3, dx, 1)?.reshape((1, c, 1, 1))?;
+            let term = window(&xp, dy, dx, stride, oh, ow)?.broadcast_mul(&wk)?;
+            acc = Some(match acc {
+                Some(a) => (a + term)?,
+                None => term,
+            });
+        }
+    }
+    acc.ok_or_else(|| candle_core::Error::Msg("empty depthwise kernel".into()))
+}
+
+/// Global average pooling: (N, C, H, W) → (N, C).
+pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
+    x.mean(D::Minus1)?.mean(D::Minus1)
+}
+
+/// Batch normalisation over (N, H, W) per channel: batch statistics in training (with gradient,
+/// and updating the running estimates with PyTorch's momentum 0.1 and unbiased variance), the
+/// running estimates in evaluation.
+pub struct BatchNorm {
+    /// Scale parameter (trainable).
+    pub weight: Tensor,
+    /// Shift parameter (trainable).
+    pub bias: Tensor,
+    running: Mutex<(Tensor, Tensor)>,
+    eps: f64,
+    momentum: f64,
+}
+
+impl BatchNorm {
+    /// Registers `{prefix}.weight`/`.bias` as parameters; running statistics start at (0, 1).
+    pub fn new(params: &mut Params, prefix: &str, channels: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let weight = params.create(&format!("{prefix}.weight"), &[channels], Init::Ones, dtype, device)?;
+        let bias = params.create(&format!("{prefix}.bias"), &[channels], Init::Zeros, dtype, device)?;
+        let running = (Tensor::zeros(channels, dtype, device)?, Tensor::ones(channels, dtype, device)?);
+        Ok(BatchNorm { weight, bias, running: Mutex::new(running), eps: 1e-5, momentum: 0.1 })
+    }
+
+    /// Loaded statistics and parameters (already registered by the caller).
+    pub fn from_parts(weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor, eps: f64) -> Self {
+        BatchNorm { weight, bias, running: Mutex::new((running_mean, running_var)), eps, momentum: 0.1 }
+    }
+
+    /// The running (mean, variance).
+    pub fn running_stats(&self) -> (Tensor, Tensor) {
+        self.running.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Normalises `x` (N, C, H, W).
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        let c = x.dim(1)?;
+        let shape = (1, c, 1, 1);
+        let (mean, var) = if train {
+            let (n, _, h, w) = x.dims4()?;
+            let count = (n * h * w) as f64;
+            let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+            let var = x.broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+            let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+            let m = self.momentum;
+            let unbiased = (var.flatten_all()?.detach() * (count / (count - 1.0).max(1.0)))?;
+            running.0 = ((&running.0 * (1.0 - m))? + (mean.flatten_all()?.detach() * m)?)?;
+            running.1 = ((&running.1 * (1.0 - m))? + (unbiased * m)?)?;
+            (mean, var)
+        } else {
+            let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
+            (running.0.reshape(shape)?, running.1.reshape(shape)?)
+        };
+        let normed = x.broadcast_sub(&mean)?.broadcast_div(&(var + self.eps)?.sqrt()?)?;
+        normed.broadcast_mul(&self.weight.reshape(shape)?)?.broadcast_add(&self.bias.reshape(shape)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Var;
+
+    fn vals(t: &Tensor) -> Vec<f64> {
+        t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn max_pool_matches_a_direct_loop_and_routes_gradients() {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f64, 1.0, (1, 2, 7, 7), &dev).unwrap()).unwrap();
+        let y = max_pool2d(x.as_tensor(), 3, 2, 1).unwrap();
+        assert_eq!(y.dims(), &[1, 2, 4, 4]);
+        let xv = vals(x.as_tensor());
+        let at = |c: usize, i: isize, j: isize| {
+            if (0..7).contains(&i) && (0..7).contains(&j) {
+                xv[c * 49 + i as usize * 7 + j as usize]
+            } else {
+                f64::MIN
+            }
+        };
+        let yv = vals(&y);
+        for c in 0..2 {
+            for oi in 0..4 {
+                for oj in 0..4 {
+                    let mut m = f64::MIN;
+                    for di in 0..3 {
+                        for dj in 0..3 {
+                            m = m.max(at(c, oi as isize * 2 - 1 + di, oj as isize * 2 - 1 + dj));
+                        }
+                    }
+                    assert_eq!(yv[c * 16 + oi * 4 + oj], m);
+                }
+            }
+        }
+        // The gradient of the sum lands on the winners only, once per window they win.
+        let g = vals(y.sum_all().unwrap().backward().unwrap().get(&x).unwrap());
+        assert_eq!(g.iter().sum::<f64>(), 32.0);
+        assert!(g.iter().all(|v| *v >= 0.0 && v.fract() == 0.0));
+    }
+
+    #[test]
+    fn depthwise_matches_grouped_convolution() {
+        let dev = Device::Cpu;
+        let x = Tensor::randn(0f64, 1.0, (2, 3, 9, 9), &dev).unwrap();
+        let w = Tensor::randn(0f64, 1.0, (3, 1, 3, 3), &dev).unwrap();
+        for stride in [1, 2] {
+            let ours = depthwise_conv2d(&x, &w, stride, 1).unwrap();
+            let reference = x.conv2d(&w, 1, stride, 1, 3).unwrap();
+            assert_eq!(ours.dims(), reference.dims());
+            let diff = (ours - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();
+            assert!(diff < 1e-12, "stride {stride}: {diff}");
+        }
+    }
+
+    #[test]
+    fn batch_norm_normalises_in_training_and_tracks_running_stats() {
+        let dev = Device::Cpu;
+        let mut params = Params::default();
+        let bn = BatchNorm::new(&mut params, "bn", 2, DType::F64, &dev).unwrap();
+        let x = Tensor::randn(3f64, 2.0, (4, 2, 5, 5), &dev).unwrap();
+        let y = bn.forward(&x, true).unwrap();
+        let mean = vals(&y.mean_keepdim(0).unwrap().mean_keepdim(2).unwrap().mean_keepdim(3).unwrap());
+        assert!(mean.iter().all(|m| m.abs() < 1e-10));
+        let (rm, rv) = bn.running_stats();
+        let xm = vals(&x.mean_keepdim(0).unwrap().mean_keepdim(2).unwrap().mean_keepdim(3).unwrap());
+        for (r, m) in vals(&rm).iter().zip(&xm) {
+            assert!((r - 0.1 * m).abs() < 1e-12, "running mean moves 10 % towards the batch mean");
+        }
+        assert!(vals(&rv).iter().all(|v| *v > 0.9), "running variance moves from 1 towards the batch variance");
+        let eval = bn.forward(&x, false).unwrap();
+        assert_eq!(eval.dims(), x.dims());
+    }
+}

@@ -1,0 +1,202 @@
+//! MobileNetV2 with torchvision's parameter names: trainable from scratch, or loaded from
+//! torchvision's ImageNet weights (the legacy `.pth` through [`crate::pth`], or a safetensors
+//! conversion of it).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::cnn::{depthwise_conv2d, global_avg_pool, BatchNorm};
+use crate::error::ZooError;
+use crate::params::{Init, Params};
+
+/// torchvision's `_make_divisible`.
+fn make_divisible(v: f64, divisor: usize) -> usize {
+    let new_v = (((v + divisor as f64 / 2.0) as usize) / divisor * divisor).max(divisor);
+    if (new_v as f64) < 0.9 * v {
+        new_v + divisor
+    } else {
+        new_v
+    }
+}
+
+/// Where the parameters come from.
+enum Source<'a> {
+    Fresh,
+    Weights { path: &'a Path, tensors: &'a HashMap<String, Tensor> },
+}
+
+struct Builder<'a> {
+    source: Source<'a>,
+    params: Params,
+    dtype: DType,
+    device: Device,
+}
+
+impl Builder<'_> {
+    fn tensor(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor, ZooError> {
+        let t = match &self.source {
+            Source::Fresh => return Ok(self.params.create(name, shape, init, self.dtype, &self.device)?),
+            Source::Weights { path, tensors } => {
+                let bad =
+                    |message: String| ZooError::Tensor { path: path.to_path_buf(), tensor: name.to_string(), message };
+                let t = tensors.get(name).ok_or_else(|| bad("missing".into()))?;
+                if t.dims() != shape {
+                    return Err(bad(format!("shape {:?}, expected {:?}", t.dims(), shape)));
+                }
+                if !t.dtype().is_float() {
+                    return Err(bad(format!("dtype {:?} is not a floating-point type", t.dtype())));
+                }
+                t.to_dtype(self.dtype)?
+            }
+        };
+        Ok(self.params.insert(name, t)?)
+    }
+
+    fn buffer(&self, name: &str, shape: &[usize], fresh: f64) -> Result<Tensor, ZooError> {
+        match &self.source {
+            Source::Fresh => Ok((Tensor::ones(shape, self.dtype, &self.device)? * fresh)?),
+            Source::Weights { path, tensors } => {
+                let t = tensors.get(name).ok_or_else(|| ZooError::Tensor {
+                    path: path.to_path_buf(),
+                    tensor: name.into(),
+                    message: "missing".into(),
+                })?;
+                Ok(t.to_dtype(self.dtype)?)
+            }
+        }
+    }
+
+    fn conv(&mut self, name: &str, shape: [usize; 4]) -> Result<Tensor, ZooError> {
+        let fan_out = shape[0] * shape[2] * shape[3];
+        self.tensor(&format!("{name}.weight"), &shape, Init::Normal((2.0 / fan_out as f64).sqrt()))
+    }
+
+    fn bn(&mut self, prefix: &str, c: usize) -> Result<BatchNorm, ZooError> {
+        let w = self.tensor(&format!("{prefix}.weight"), &[c], Init::Ones)?;
+        let b = self.tensor(&format!("{prefix}.bias"), &[c], Init::Zeros)?;
+        let mean = self.buffer(&format!("{prefix}.running_mean"), &[c], 0.0)?;
+        let var = self.buffer(&format!("{prefix}.running_var"), &[c], 1.0)?;
+        Ok(BatchNorm::from_parts(w, b, mean, var, 1e-5))
+    }
+}
+
+struct Block {
+    expand: Option<(Tensor, BatchNorm)>,
+    depthwise: (Tensor, usize, BatchNorm),
+    project: (Tensor, BatchNorm),
+    residual: bool,
+}
+
+/// MobileNetV2.
+pub struct MobileNetV2 {
+    /// Every parameter, by torchvision name.
+    pub params: Params,
+    stem: (Tensor, BatchNorm),
+    blocks: Vec<Block>,
+    last: (Tensor, BatchNorm),
+    classifier: (Tensor, Tensor),
+}
+
+fn relu6(x: &Tensor) -> candle_core::Result<Tensor> {
+    x.clamp(0.0, 6.0)
+}
+
+impl MobileNetV2 {
+    /// A fresh model; `width_mult` 1.0 is the standard one.
+    pub fn new(num_classes: usize, width_mult: f64, dtype: DType, device: &Device) -> Result<Self, ZooError> {
+        let builder = Builder { source: Source::Fresh, params: Params::default(), dtype, device: device.clone() };
+        Self::build(builder, num_classes, width_mult)
+    }
+
+    /// torchvision's ImageNet model from a state dict (the tensors of a `.pth` or safetensors).
+    pub fn from_tensors(
+        path: &Path,
+        tensors: &HashMap<String, Tensor>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ZooError> {
+        let builder = Builder {
+            source: Source::Weights { path, tensors },
+            params: Params::default(),
+            dtype,
+            device: device.clone(),
+        };
+        Self::build(builder, 1000, 1.0)
+    }
+
+    fn build(mut b: Builder<'_>, num_classes: usize, width_mult: f64) -> Result<Self, ZooError> {
+        let mut input = make_divisible(32.0 * width_mult, 8);
+        let last_channel = make_divisible(1280.0 * width_mult.max(1.0), 8);
+        let stem = (b.conv("features.0.0", [input, 3, 3, 3])?, b.bn("features.0.1", input)?);
+        let settings =
+            [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)];
+        let mut blocks = Vec::new();
+        let mut index = 1;
+        for (t, c, n, s) in settings {
+            let output = make_divisible(c as f64 * width_mult, 8);
+            for i in 0..n {
+                let stride = if i == 0 { s } else { 1 };
+                let hidden = (input as f64 * t as f64).round() as usize;
+                let p = format!("features.{index}.conv");
+                let (expand, next) = if t != 1 {
+                    (Some((b.conv(&format!("{p}.0.0"), [hidden, input, 1, 1])?, b.bn(&format!("{p}.0.1"), hidden)?)), 1)
+                } else {
+                    (None, 0)
+                };
+                let depthwise = (
+                    b.conv(&format!("{p}.{next}.0"), [hidden, 1, 3, 3])?,
+                    stride,
+                    b.bn(&format!("{p}.{next}.1"), hidden)?,
+                );
+                let project = (
+                    b.conv(&format!("{p}.{}", next + 1), [output, hidden, 1, 1])?,
+                    b.bn(&format!("{p}.{}", next + 2), output)?,
+                );
+                blocks.push(Block { expand, depthwise, project, residual: stride == 1 && input == output });
+                input = output;
+                index += 1;
+            }
+        }
+        let last = (
+            b.conv(&format!("features.{index}.0"), [last_channel, input, 1, 1])?,
+            b.bn(&format!("features.{index}.1"), last_channel)?,
+        );
+        let classifier = (
+            b.tensor("classifier.1.weight", &[num_classes, last_channel], Init::Normal(0.01))?,
+            b.tensor("classifier.1.bias", &[num_classes], Init::Zeros)?,
+        );
+        Ok(MobileNetV2 { params: b.params, stem, blocks, last, classifier })
+    }
+
+    /// Logits (N, classes) for images (N, 3, H, W), normalised as torchvision expects.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ZooError> {
+        let mut x = relu6(&self.stem.1.forward(&x.conv2d(&self.stem.0, 1, 2, 1, 1)?, train)?)?;
+        for block in &self.blocks {
+            let mut h = x.clone();
+            if let Some((w, bn)) = &block.expand {
+                h = relu6(&bn.forward(&h.conv2d(w, 0, 1, 1, 1)?, train)?)?;
+            }
+            let (w, stride, bn) = &block.depthwise;
+            h = relu6(&bn.forward(&depthwise_conv2d(&h, w, *stride, 1)?, train)?)?;
+            h = block.project.1.forward(&h.conv2d(&block.project.0, 0, 1, 1, 1)?, train)?;
+            x = if block.residual { (h + x)? } else { h };
+        }
+        let x = relu6(&self.last.1.forward(&x.conv2d(&self.last.0, 0, 1, 1, 1)?, train)?)?;
+        Ok(global_avg_pool(&x)?.matmul(&self.classifier.0.t()?)?.broadcast_add(&self.classifier.1)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn make_divisible_matches_torchvision() {
+        assert_eq!(make_divisible(32.0, 8), 32);
+        assert_eq!(make_divisible(16.0 * 0.35, 8), 8);
+        assert_eq!(make_divisible(24.0 * 0.75, 8), 24);
+        assert_eq!(make_divisible(1280.0, 8), 1280);
+    }
+}

@@ -1,0 +1,163 @@
+//! ResNet-18/34/50 with torchvision's parameter names, trainable: batch-norm in train mode with
+//! running statistics, and a max-pool whose backward handles overlapping windows.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::cnn::{global_avg_pool, max_pool2d, BatchNorm};
+use crate::error::ZooError;
+use crate::params::{Init, Params};
+
+/// Which ResNet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResNetDepth {
+    /// Basic blocks [2, 2, 2, 2].
+    R18,
+    /// Basic blocks [3, 4, 6, 3].
+    R34,
+    /// Bottleneck blocks [3, 4, 6, 3].
+    R50,
+}
+
+impl ResNetDepth {
+    fn blocks(self) -> [usize; 4] {
+        match self {
+            ResNetDepth::R18 => [2, 2, 2, 2],
+            ResNetDepth::R34 | ResNetDepth::R50 => [3, 4, 6, 3],
+        }
+    }
+    fn bottleneck(self) -> bool {
+        self == ResNetDepth::R50
+    }
+}
+
+pub(crate) struct Conv {
+    pub weight: Tensor,
+    pub stride: usize,
+    pub pad: usize,
+}
+
+impl Conv {
+    pub(crate) fn new(
+        params: &mut Params,
+        name: &str,
+        shape: [usize; 4],
+        stride: usize,
+        pad: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Self> {
+        // torchvision's kaiming_normal_(mode="fan_out", nonlinearity="relu").
+        let fan_out = shape[0] * shape[2] * shape[3];
+        let std = (2.0 / fan_out as f64).sqrt();
+        let weight = params.create(&format!("{name}.weight"), &shape, Init::Normal(std), dtype, device)?;
+        Ok(Conv { weight, stride, pad })
+    }
+
+    pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.conv2d(&self.weight, self.pad, self.stride, 1, 1)
+    }
+}
+
+struct Block {
+    convs: Vec<Conv>,
+    norms: Vec<BatchNorm>,
+    downsample: Option<(Conv, BatchNorm)>,
+}
+
+/// A ResNet classifier.
+pub struct ResNet {
+    /// Which depth.
+    pub depth: ResNetDepth,
+    /// Every parameter, by torchvision name.
+    pub params: Params,
+    stem: (Conv, BatchNorm),
+    blocks: Vec<Block>,
+    fc: (Tensor, Tensor),
+}
+
+impl ResNet {
+    /// A fresh ResNet with `num_classes` outputs; `width` is the first stage's width (64 in the
+    /// standard models; smaller for tests).
+    pub fn new(
+        depth: ResNetDepth,
+        num_classes: usize,
+        width: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ZooError> {
+        let mut params = Params::default();
+        let p = &mut params;
+        let stem = (
+            Conv::new(p, "conv1", [width, 3, 7, 7], 2, 3, dtype, device)?,
+            BatchNorm::new(p, "bn1", width, dtype, device)?,
+        );
+        let expansion = if depth.bottleneck() { 4 } else { 1 };
+        let mut inplanes = width;
+        let mut blocks = Vec::new();
+        for (stage, &count) in depth.blocks().iter().enumerate() {
+            let planes = width << stage;
+            for b in 0..count {
+                let stride = if stage > 0 && b == 0 { 2 } else { 1 };
+                let name = format!("layer{}.{b}", stage + 1);
+                let (mut convs, mut norms) = (Vec::new(), Vec::new());
+                let shapes: Vec<([usize; 4], usize, usize)> = if depth.bottleneck() {
+                    vec![
+                        ([planes, inplanes, 1, 1], 1, 0),
+                        ([planes, planes, 3, 3], stride, 1),
+                        ([planes * 4, planes, 1, 1], 1, 0),
+                    ]
+                } else {
+                    vec![([planes, inplanes, 3, 3], stride, 1), ([planes, planes, 3, 3], 1, 1)]
+                };
+                for (i, (shape, s, pad)) in shapes.into_iter().enumerate() {
+                    convs.push(Conv::new(p, &format!("{name}.conv{}", i + 1), shape, s, pad, dtype, device)?);
+                    norms.push(BatchNorm::new(p, &format!("{name}.bn{}", i + 1), shape[0], dtype, device)?);
+                }
+                let downsample = if stride != 1 || inplanes != planes * expansion {
+                    Some((
+                        Conv::new(
+                            p,
+                            &format!("{name}.downsample.0"),
+                            [planes * expansion, inplanes, 1, 1],
+                            stride,
+                            0,
+                            dtype,
+                            device,
+                        )?,
+                        BatchNorm::new(p, &format!("{name}.downsample.1"), planes * expansion, dtype, device)?,
+                    ))
+                } else {
+                    None
+                };
+                blocks.push(Block { convs, norms, downsample });
+                inplanes = planes * expansion;
+            }
+        }
+        let fc_w = p.create("fc.weight", &[num_classes, inplanes], Init::Normal(0.01), dtype, device)?;
+        let fc_b = p.create("fc.bias", &[num_classes], Init::Zeros, dtype, device)?;
+        Ok(ResNet { depth, params, stem, blocks, fc: (fc_w, fc_b) })
+    }
+
+    /// Logits (N, classes) for images (N, 3, H, W).
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ZooError> {
+        let x = self.stem.1.forward(&self.stem.0.forward(x)?, train)?.relu()?;
+        let mut x = max_pool2d(&x, 3, 2, 1)?;
+        for block in &self.blocks {
+            let identity = match &block.downsample {
+                Some((conv, bn)) => bn.forward(&conv.forward(&x)?, train)?,
+                None => x.clone(),
+            };
+            let mut h = x;
+            let last = block.convs.len() - 1;
+            for (i, (conv, bn)) in block.convs.iter().zip(&block.norms).enumerate() {
+                h = bn.forward(&conv.forward(&h)?, train)?;
+                if i < last {
+                    h = h.relu()?;
+                }
+            }
+            x = (h + identity)?.relu()?;
+        }
+        let pooled = global_avg_pool(&x)?;
+        Ok(pooled.matmul(&self.fc.0.t()?)?.broadcast_add(&self.fc.1)?)
+    }
+}
