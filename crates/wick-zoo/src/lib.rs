@@ -12,6 +12,7 @@ pub mod ops;
 pub mod params;
 pub mod pth;
 pub mod resnet;
+pub mod vit;
 pub mod weights;
 
 pub use error::ZooError;

@@ -128,3 +128,29 @@ fn mobilenet_trains_every_parameter() {
     let (first, last) = train(|x| model.forward(x, true).unwrap(), &model.params, 0.1, 25);
     assert!(last < 0.7 * first, "MobileNetV2 loss {first} -> {last}");
 }
+
+#[test]
+fn vit_trains_every_parameter() {
+    use wick_zoo::vit::{Vit, VitConfig};
+    let config =
+        VitConfig { image_size: 32, patch_size: 8, hidden: 16, layers: 2, heads: 2, mlp_dim: 32, num_classes: 2 };
+    let model = Vit::new(config, DType::F64, &Device::Cpu).unwrap();
+    let (x, y) = smooth_batch();
+    let loss = || cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
+    let grads = loss().backward().unwrap();
+    check_gradients(&model.params, &grads);
+    for name in [
+        "conv_proj.weight",
+        "class_token",
+        "encoder.layers.encoder_layer_1.self_attention.in_proj_weight",
+        "heads.head.bias",
+    ] {
+        let var = model.params.get(name).unwrap();
+        finite_difference(name, var, grads.get(var).unwrap(), &[0, 1], || loss().to_scalar::<f64>().unwrap());
+    }
+    let model = Vit::new(config, DType::F32, &Device::Cpu).unwrap();
+    let (first, last) = train(|x| model.forward(x).unwrap(), &model.params, 0.1, 40);
+    assert!(last < 0.5 * first, "ViT loss {first} -> {last}");
+    let b16 = Vit::new(VitConfig::b16(), DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(b16.params.numel(), 86_567_656, "torchvision's vit_b_16 has 86,567,656 parameters");
+}

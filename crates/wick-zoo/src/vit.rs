@@ -1,0 +1,164 @@
+//! Vision Transformer with torchvision's parameter names (`vit_b_16` layout), trainable: layer
+//! norms, attention and softmax from [`crate::ops`], so every parameter gets its gradient
+//! (candle-transformers' ViT trains 2 of its 200).
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::ZooError;
+use crate::ops;
+use crate::params::{Init, Params};
+
+/// Architecture.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct VitConfig {
+    /// Input side in pixels.
+    pub image_size: usize,
+    /// Patch side in pixels.
+    pub patch_size: usize,
+    /// Width.
+    pub hidden: usize,
+    /// Encoder layers.
+    pub layers: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// MLP width.
+    pub mlp_dim: usize,
+    /// Output classes.
+    pub num_classes: usize,
+}
+
+impl VitConfig {
+    /// torchvision's ViT-B/16.
+    pub fn b16() -> Self {
+        VitConfig {
+            image_size: 224,
+            patch_size: 16,
+            hidden: 768,
+            layers: 12,
+            heads: 12,
+            mlp_dim: 3072,
+            num_classes: 1000,
+        }
+    }
+
+    /// Patches per image plus the class token.
+    pub fn tokens(&self) -> usize {
+        (self.image_size / self.patch_size).pow(2) + 1
+    }
+}
+
+/// The model.
+pub struct Vit {
+    /// Architecture.
+    pub config: VitConfig,
+    /// Every parameter by torchvision name.
+    pub params: Params,
+}
+
+impl Vit {
+    /// A fresh model.
+    pub fn new(config: VitConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
+        let c = config;
+        if c.image_size % c.patch_size != 0 || c.heads == 0 || c.hidden % c.heads != 0 {
+            return Err(ZooError::Config {
+                path: "<vit config>".into(),
+                message: format!(
+                    "image {} must be a multiple of patch {} and hidden {} of heads {}",
+                    c.image_size, c.patch_size, c.hidden, c.heads
+                ),
+            });
+        }
+        let (h, m) = (c.hidden, c.mlp_dim);
+        let mut p = Params::default();
+        let fan_in = 3 * c.patch_size * c.patch_size;
+        p.create(
+            "conv_proj.weight",
+            &[h, 3, c.patch_size, c.patch_size],
+            Init::Normal((1.0 / fan_in as f64).sqrt()),
+            dtype,
+            device,
+        )?;
+        p.create("conv_proj.bias", &[h], Init::Zeros, dtype, device)?;
+        p.create("class_token", &[1, 1, h], Init::Zeros, dtype, device)?;
+        p.create("encoder.pos_embedding", &[1, c.tokens(), h], Init::Normal(0.02), dtype, device)?;
+        for l in 0..c.layers {
+            let n = format!("encoder.layers.encoder_layer_{l}");
+            for (suffix, shape, init) in [
+                ("ln_1.weight", vec![h], Init::Ones),
+                ("ln_1.bias", vec![h], Init::Zeros),
+                ("self_attention.in_proj_weight", vec![3 * h, h], Init::Normal((1.0 / h as f64).sqrt())),
+                ("self_attention.in_proj_bias", vec![3 * h], Init::Zeros),
+                ("self_attention.out_proj.weight", vec![h, h], Init::Normal((1.0 / h as f64).sqrt())),
+                ("self_attention.out_proj.bias", vec![h], Init::Zeros),
+                ("ln_2.weight", vec![h], Init::Ones),
+                ("ln_2.bias", vec![h], Init::Zeros),
+                ("mlp.0.weight", vec![m, h], Init::Normal(0.02)),
+                ("mlp.0.bias", vec![m], Init::Normal(1e-6)),
+                ("mlp.3.weight", vec![h, m], Init::Normal(0.02)),
+                ("mlp.3.bias", vec![h], Init::Normal(1e-6)),
+            ] {
+                p.create(&format!("{n}.{suffix}"), &shape, init, dtype, device)?;
+            }
+        }
+        p.create("encoder.ln.weight", &[h], Init::Ones, dtype, device)?;
+        p.create("encoder.ln.bias", &[h], Init::Zeros, dtype, device)?;
+        // torchvision zero-initialises the head; a small normal keeps every gradient non-zero
+        // from the first step, which the zoo's tests require.
+        p.create("heads.head.weight", &[c.num_classes, h], Init::Normal(0.01), dtype, device)?;
+        p.create("heads.head.bias", &[c.num_classes], Init::Zeros, dtype, device)?;
+        Ok(Vit { config, params: p })
+    }
+
+    fn p(&self, name: &str) -> Result<Tensor, ZooError> {
+        self.params
+            .get(name)
+            .map(|v| v.as_tensor().clone())
+            .ok_or_else(|| ZooError::Config { path: "<model>".into(), message: format!("no parameter `{name}`") })
+    }
+
+    fn linear(&self, x: &Tensor, w: &str, b: &str) -> Result<Tensor, ZooError> {
+        Ok(x.broadcast_matmul(&self.p(w)?.t()?)?.broadcast_add(&self.p(b)?)?)
+    }
+
+    /// Logits (N, classes) for images (N, 3, image_size, image_size).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, ZooError> {
+        let c = &self.config;
+        let n = x.dim(0)?;
+        let (h, heads) = (c.hidden, c.heads);
+        let patches = x
+            .conv2d(&self.p("conv_proj.weight")?, 0, c.patch_size, 1, 1)?
+            .broadcast_add(&self.p("conv_proj.bias")?.reshape((1, h, 1, 1))?)?;
+        let tokens = patches.flatten_from(2)?.transpose(1, 2)?; // (N, patches, h)
+        let cls = self.p("class_token")?.broadcast_as((n, 1, h))?;
+        let mut z = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.p("encoder.pos_embedding")?)?;
+        let t = c.tokens();
+        let hd = h / heads;
+        for l in 0..c.layers {
+            let p = format!("encoder.layers.encoder_layer_{l}");
+            let y =
+                ops::layer_norm(&z, &self.p(&format!("{p}.ln_1.weight"))?, &self.p(&format!("{p}.ln_1.bias"))?, 1e-6)?;
+            let qkv = self.linear(
+                &y,
+                &format!("{p}.self_attention.in_proj_weight"),
+                &format!("{p}.self_attention.in_proj_bias"),
+            )?;
+            let split = |i: usize| -> candle_core::Result<Tensor> {
+                qkv.narrow(2, i * h, h)?.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous()
+            };
+            let attn = ops::attention(&split(0)?, &split(1)?, &split(2)?, None)?.transpose(1, 2)?.reshape((n, t, h))?;
+            let attn = self.linear(
+                &attn,
+                &format!("{p}.self_attention.out_proj.weight"),
+                &format!("{p}.self_attention.out_proj.bias"),
+            )?;
+            z = (z + attn)?;
+            let y =
+                ops::layer_norm(&z, &self.p(&format!("{p}.ln_2.weight"))?, &self.p(&format!("{p}.ln_2.bias"))?, 1e-6)?;
+            let y = self.linear(&y, &format!("{p}.mlp.0.weight"), &format!("{p}.mlp.0.bias"))?.gelu_erf()?;
+            z = (z + self.linear(&y, &format!("{p}.mlp.3.weight"), &format!("{p}.mlp.3.bias"))?)?;
+        }
+        let z = ops::layer_norm(&z, &self.p("encoder.ln.weight")?, &self.p("encoder.ln.bias")?, 1e-6)?;
+        let cls = z.narrow(1, 0, 1)?.squeeze(1)?;
+        self.linear(&cls, "heads.head.weight", "heads.head.bias")
+    }
+}
