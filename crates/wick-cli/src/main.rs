@@ -2,7 +2,8 @@
 //!
 //! - `wick replay TRACE.json…`: replays allocation traces through a policy and backend and prints
 //!   peak allocated, peak reserved, fragmentation, retries, OOMs and ops/s;
-//! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON.
+//! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON;
+//! - `wick convert-pth IN.pth OUT.safetensors`: converts a legacy PyTorch checkpoint safely.
 
 use std::path::PathBuf;
 
@@ -53,6 +54,14 @@ enum Command {
         /// Output directory.
         dir: PathBuf,
     },
+    /// Convert a legacy (non-zip) PyTorch `.pth` state dict to safetensors, with wick's safe
+    /// reader (it executes nothing from the file).
+    ConvertPth {
+        /// The `.pth` file.
+        input: PathBuf,
+        /// The safetensors file to write.
+        output: PathBuf,
+    },
 }
 
 fn main() -> Result<()> {
@@ -87,6 +96,10 @@ fn main() -> Result<()> {
             } else {
                 print_table(&reports);
             }
+        }
+        Command::ConvertPth { input, output } => {
+            let n = wick_zoo::pth::convert_to_safetensors(&input, &output)?;
+            println!("wrote {n} tensors to {}", output.display());
         }
         Command::Traces { dir } => {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;

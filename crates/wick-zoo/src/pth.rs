@@ -264,6 +264,9 @@ pub fn read_legacy_pth(path: &Path, device: &Device) -> Result<Vec<(String, Tens
     if data.starts_with(b"PK") {
         return Err(fail("this is a zip-format checkpoint (PyTorch >= 1.6); candle's own loader reads those".into()));
     }
+    if data.first() != Some(&0x80) {
+        return Err(fail("not a legacy PyTorch file (it does not start with a pickle)".into()));
+    }
     let mut r = Reader { data: &data, pos: 0 };
     match unpickle(&mut r).map_err(|e| fail(format!("magic number: {e}")))? {
         Value::Long(bytes) if bytes == MAGIC => {}

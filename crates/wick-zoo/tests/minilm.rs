@@ -90,3 +90,30 @@ fn bad_weight_files_and_configs_are_clear_errors() {
     assert!(err.contains("shape [3, 3]"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn minilm_loads_from_an_offline_hf_hub_cache() {
+    let Some(dir) = common::minilm_dir() else { return };
+    // Lay the real files out as the hub cache does: blobs, a snapshot of symlinks, refs/main.
+    let root = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("hf-cache-{}", std::process::id()));
+    let repo = root.join("models--sentence-transformers--all-MiniLM-L6-v2");
+    let commit = "8b3219a92973c328a8e22fadcfa821b5dc75636a";
+    std::fs::create_dir_all(repo.join("blobs")).unwrap();
+    std::fs::create_dir_all(repo.join("snapshots").join(commit)).unwrap();
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), commit).unwrap();
+    for (i, file) in ["config.json", "model.safetensors", "tokenizer.json"].iter().enumerate() {
+        let blob = repo.join("blobs").join(format!("blob{i}"));
+        std::fs::copy(dir.join(file), &blob).unwrap();
+        std::os::unix::fs::symlink(&blob, repo.join("snapshots").join(commit).join(file)).unwrap();
+    }
+    let files = ["config.json", "model.safetensors", "tokenizer.json"];
+    let snapshot =
+        wick_zoo::weights::hf_cache_snapshot(Some(&root), "sentence-transformers/all-MiniLM-L6-v2", &files).unwrap();
+    let model = SentenceEmbedder::load(&snapshot, DType::F32, &Device::Cpu).unwrap();
+    let e: Vec<f32> = model.embed(&["This is an example sentence"]).unwrap().get(0).unwrap().to_vec1().unwrap();
+    assert!((e[0] - PUBLISHED[0]).abs() <= 1e-5);
+    let err = wick_zoo::weights::hf_cache_snapshot(Some(&root), "org/absent-model", &files).unwrap_err().to_string();
+    assert!(err.contains("not in the hub cache") && err.contains("models--org--absent-model"), "{err}");
+    std::fs::remove_dir_all(&root).ok();
+}
