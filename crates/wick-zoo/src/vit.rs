@@ -59,7 +59,7 @@ impl Vit {
     /// A fresh model.
     pub fn new(config: VitConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
         let c = config;
-        if c.image_size % c.patch_size != 0 || c.heads == 0 || c.hidden % c.heads != 0 {
+        if !c.image_size.is_multiple_of(c.patch_size) || c.heads == 0 || !c.hidden.is_multiple_of(c.heads) {
             return Err(ZooError::Config {
                 path: "<vit config>".into(),
                 message: format!(
