@@ -3,10 +3,51 @@
 mod conformance;
 
 use conformance::{run_sequence, run_suite, Harness, MIB};
+use wick_memory::backend::SimulatedStreams;
 use wick_memory::{
-    AllocatorConfig, CachingAllocator, EventLog, HostBackend, Limiting, MemoryLimit, SimulatedBackend, Statistics,
-    StreamId, Tracking,
+    AllocatorConfig, Backend, CachingAllocator, EventLog, HostBackend, Limiting, MemoryLimit, SimulatedBackend,
+    Statistics, StreamId, Tracking,
 };
+
+/// What the suite reads from the two CPU backends.
+trait CpuBackend: Backend {
+    fn sim_streams(&self) -> &SimulatedStreams;
+    fn segment_bytes(&self) -> usize;
+}
+
+impl CpuBackend for HostBackend {
+    fn sim_streams(&self) -> &SimulatedStreams {
+        self.streams()
+    }
+    fn segment_bytes(&self) -> usize {
+        self.bytes_in_segments()
+    }
+}
+
+impl CpuBackend for SimulatedBackend {
+    fn sim_streams(&self) -> &SimulatedStreams {
+        self.streams()
+    }
+    fn segment_bytes(&self) -> usize {
+        self.bytes_in_segments()
+    }
+}
+
+/// A harness over a caching allocator on a CPU backend, with `streams` extra streams.
+fn harness<B: CpuBackend>(
+    a: &CachingAllocator<B>,
+    streams: Vec<StreamId>,
+    limit: Option<usize>,
+) -> Harness<'_, CachingAllocator<B>> {
+    Harness {
+        resource: a,
+        backend_bytes: Box::new(|| a.backend().segment_bytes()),
+        streams,
+        launch: Box::new(|s| a.backend().sim_streams().launch(s).unwrap_or(())),
+        finish_all: Box::new(|| a.backend().sim_streams().finish_all()),
+        limit,
+    }
+}
 
 #[test]
 fn host_backend_conforms() {
@@ -14,14 +55,7 @@ fn host_backend_conforms() {
         let backend = HostBackend::with_capacity(160 * MIB);
         let s1 = backend.streams().create_stream();
         let a = CachingAllocator::new(backend);
-        let h = Harness {
-            resource: &a,
-            backend_bytes: Box::new(|| a.backend().bytes_in_segments()),
-            streams: vec![StreamId::DEFAULT, s1],
-            launch: Box::new(|s| a.backend().streams().launch(s).unwrap_or(())),
-            finish_all: Box::new(|| a.backend().streams().finish_all()),
-            limit: None,
-        };
+        let h = harness(&a, vec![StreamId::DEFAULT, s1], None);
         run_sequence(&h, ops)
     });
 }
@@ -38,14 +72,7 @@ fn simulated_backend_with_cap_and_policy_options_conforms() {
                 .map_err(|e| e.to_string())?
         };
         let a = CachingAllocator::with_config(backend, config).map_err(|e| e.to_string())?;
-        let h = Harness {
-            resource: &a,
-            backend_bytes: Box::new(|| a.backend().bytes_in_segments()),
-            streams: vec![StreamId::DEFAULT, s1, s2],
-            launch: Box::new(|s| a.backend().streams().launch(s).unwrap_or(())),
-            finish_all: Box::new(|| a.backend().streams().finish_all()),
-            limit: Some(96 * MIB),
-        };
+        let h = harness(&a, vec![StreamId::DEFAULT, s1, s2], Some(96 * MIB));
         run_sequence(&h, ops)
     });
 }
@@ -91,14 +118,7 @@ fn expandable_segments_conform_on_both_cpu_backends() {
             ..AllocatorConfig::parse("expandable_segments:True").map_err(|e| e.to_string())?
         };
         let a = CachingAllocator::with_config(backend, config).map_err(|e| e.to_string())?;
-        let h = Harness {
-            resource: &a,
-            backend_bytes: Box::new(|| a.backend().bytes_in_segments()),
-            streams: vec![StreamId::DEFAULT, s1],
-            launch: Box::new(|s| a.backend().streams().launch(s).unwrap_or(())),
-            finish_all: Box::new(|| a.backend().streams().finish_all()),
-            limit: Some(100 * MIB),
-        };
+        let h = harness(&a, vec![StreamId::DEFAULT, s1], Some(100 * MIB));
         run_sequence(&h, ops)
     });
     run_suite("host+expandable", 2, |ops| {
@@ -106,14 +126,7 @@ fn expandable_segments_conform_on_both_cpu_backends() {
         let s1 = backend.streams().create_stream();
         let config = AllocatorConfig::parse("expandable_segments:True").map_err(|e| e.to_string())?;
         let a = CachingAllocator::with_config(backend, config).map_err(|e| e.to_string())?;
-        let h = Harness {
-            resource: &a,
-            backend_bytes: Box::new(|| a.backend().bytes_in_segments()),
-            streams: vec![StreamId::DEFAULT, s1],
-            launch: Box::new(|s| a.backend().streams().launch(s).unwrap_or(())),
-            finish_all: Box::new(|| a.backend().streams().finish_all()),
-            limit: None,
-        };
+        let h = harness(&a, vec![StreamId::DEFAULT, s1], None);
         run_sequence(&h, ops)
     });
 }

@@ -98,10 +98,7 @@ impl Llama {
     }
 
     fn p(&self, name: &str) -> Result<Tensor, ZooError> {
-        self.params
-            .get(name)
-            .map(|v| v.as_tensor().clone())
-            .ok_or_else(|| ZooError::Config { path: "<model>".into(), message: format!("no parameter `{name}`") })
+        self.params.tensor(name)
     }
 
     fn proj(&self, x: &Tensor, name: &str) -> Result<Tensor, ZooError> {

@@ -110,10 +110,7 @@ impl Vit {
     }
 
     fn p(&self, name: &str) -> Result<Tensor, ZooError> {
-        self.params
-            .get(name)
-            .map(|v| v.as_tensor().clone())
-            .ok_or_else(|| ZooError::Config { path: "<model>".into(), message: format!("no parameter `{name}`") })
+        self.params.tensor(name)
     }
 
     fn linear(&self, x: &Tensor, w: &str, b: &str) -> Result<Tensor, ZooError> {

@@ -36,8 +36,7 @@ impl State {
                 for event in events.clone() {
                     backend.destroy_event(event);
                 }
-                let pool = self.table.segment_pool(slot);
-                self.free_block(slot, pool);
+                self.free_block(slot);
             } else {
                 still_pending.push(slot);
             }
