@@ -334,30 +334,24 @@ impl State {
         if pool == PoolKind::Small {
             self.park(slot);
         } else {
-            self.free_block(slot);
+            self.free_block(slot, pool);
         }
     }
 
-    /// Marks a returned block as cached in `state` (free or parked): it leaves the active set,
-    /// is tagged with its last stream, and remembers when it was freed.
-    pub(super) fn retire(&mut self, slot: u32, state: BlockState) -> &Block {
-        self.free_counter += 1;
-        let counter = (self.free_counter, self.alloc_counter);
-        let b = self.table.block_mut(slot);
-        b.state = state;
-        b.tag = b.stream.0;
-        b.free_epoch = counter.0;
-        b.freed_at = counter.1;
-        let (pool, size) = (b.pool, b.size as i64);
-        self.stats.active.update(pool, -1);
-        self.stats.active_bytes.update(pool, -size);
-        self.table.block(slot)
-    }
-
     /// Puts a block into its pool, merging it with free neighbours.
-    pub(super) fn free_block(&mut self, slot: u32) {
-        let b = self.retire(slot, BlockState::Free);
-        let (size, addr, stream) = (b.size, b.addr, b.stream);
+    pub(super) fn free_block(&mut self, slot: u32, pool: PoolKind) {
+        self.free_counter += 1;
+        let (size, addr, stream) = {
+            let counter = (self.free_counter, self.alloc_counter);
+            let b = self.table.block_mut(slot);
+            b.state = BlockState::Free;
+            b.tag = b.stream.0;
+            b.free_epoch = counter.0;
+            b.freed_at = counter.1;
+            (b.size, b.addr, b.stream)
+        };
+        self.stats.active.update(pool, -1);
+        self.stats.active_bytes.update(pool, -(size as i64));
         self.merge_into_pool(slot);
         self.record(Action::FreeCompleted, addr, size, stream);
     }

@@ -36,7 +36,8 @@ impl State {
                 for event in events.clone() {
                     backend.destroy_event(event);
                 }
-                self.free_block(slot);
+                let pool = self.table.segment_pool(slot);
+                self.free_block(slot, pool);
             } else {
                 still_pending.push(slot);
             }
