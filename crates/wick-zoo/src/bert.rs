@@ -6,6 +6,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, D};
 
+use crate::checkpoint::Checkpointing;
 use crate::error::ZooError;
 use crate::ops;
 use crate::params::{Init, Params};
@@ -101,6 +102,21 @@ pub struct Bert {
     dtype: DType,
 }
 
+/// One post-norm encoder layer; `w` holds the parameters in [`layer_shapes`] order.
+fn encoder_layer(x: &Tensor, w: &[Tensor], bias: &Tensor, heads: usize, eps: f64) -> candle_core::Result<Tensor> {
+    let (batch, seq, hidden) = x.dims3()?;
+    let hd = hidden / heads;
+    let linear = |t: &Tensor, i: usize| t.broadcast_matmul(&w[i].t()?)?.broadcast_add(&w[i + 1]);
+    let split = |t: Tensor| -> candle_core::Result<Tensor> {
+        t.reshape((batch, seq, heads, hd))?.transpose(1, 2)?.contiguous()
+    };
+    let (q, k, v) = (split(linear(x, 0)?)?, split(linear(x, 2)?)?, split(linear(x, 4)?)?);
+    let ctx = ops::attention(&q, &k, &v, Some(bias))?.transpose(1, 2)?.reshape((batch, seq, hidden))?;
+    let x = ops::layer_norm(&(linear(&ctx, 6)? + x)?, &w[8], &w[9], eps)?;
+    let inter = linear(&x, 10)?.gelu_erf()?;
+    ops::layer_norm(&(linear(&inter, 12)? + &x)?, &w[14], &w[15], eps)
+}
+
 /// (name suffix, shape) of every parameter of one encoder layer.
 fn layer_shapes(c: &BertConfig) -> Vec<(&'static str, Vec<usize>, Init)> {
     let (h, i) = (c.hidden_size, c.intermediate_size);
@@ -165,12 +181,6 @@ impl Bert {
         self.params.tensor(name)
     }
 
-    fn linear(&self, x: &Tensor, prefix: &str) -> Result<Tensor, ZooError> {
-        let w = self.p(&format!("{prefix}.weight"))?;
-        let b = self.p(&format!("{prefix}.bias"))?;
-        Ok(x.broadcast_matmul(&w.t()?)?.broadcast_add(&b)?)
-    }
-
     fn norm(&self, x: &Tensor, prefix: &str) -> Result<Tensor, ZooError> {
         let (w, b) = (self.p(&format!("{prefix}.weight"))?, self.p(&format!("{prefix}.bias"))?);
         Ok(ops::layer_norm(x, &w, &b, self.config.layer_norm_eps)?)
@@ -179,6 +189,16 @@ impl Bert {
     /// Hidden states (batch, seq, hidden) for `input_ids` (batch, seq) and `attention_mask`
     /// (batch, seq; 1 for tokens, 0 for padding).
     pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor, ZooError> {
+        self.forward_with(input_ids, attention_mask, None)
+    }
+
+    /// As [`Bert::forward`], with each encoder layer checkpointed when `checkpoint` is given.
+    pub fn forward_with(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        checkpoint: Option<&Checkpointing>,
+    ) -> Result<Tensor, ZooError> {
         let c = &self.config;
         let (batch, seq) = input_ids.dims2()?;
         if seq > c.max_position_embeddings {
@@ -190,7 +210,6 @@ impl Bert {
                 ),
             });
         }
-        let device = input_ids.device();
         let words = self.p("embeddings.word_embeddings.weight")?.embedding(&input_ids.flatten_all()?)?;
         let positions = self.p("embeddings.position_embeddings.weight")?.narrow(0, 0, seq)?;
         let types = self.p("embeddings.token_type_embeddings.weight")?.narrow(0, 0, 1)?;
@@ -200,23 +219,20 @@ impl Bert {
         let bias = ((attention_mask.to_dtype(self.dtype)?.ones_like()? - attention_mask.to_dtype(self.dtype)?)?
             * -1e4)?
             .reshape((batch, 1, 1, seq))?;
-        let (heads, hd) = (c.num_attention_heads, c.hidden_size / c.num_attention_heads);
-        let split = |t: Tensor| -> candle_core::Result<Tensor> {
-            t.reshape((batch, seq, heads, hd))?.transpose(1, 2)?.contiguous()
-        };
+        let names: Vec<&str> = layer_shapes(c).into_iter().map(|(n, _, _)| n).collect();
+        let heads = c.num_attention_heads;
+        let eps = c.layer_norm_eps;
         for l in 0..c.num_hidden_layers {
-            let p = format!("encoder.layer.{l}");
-            let q = split(self.linear(&x, &format!("{p}.attention.self.query"))?)?;
-            let k = split(self.linear(&x, &format!("{p}.attention.self.key"))?)?;
-            let v = split(self.linear(&x, &format!("{p}.attention.self.value"))?)?;
-            let ctx = ops::attention(&q, &k, &v, Some(&bias))?.transpose(1, 2)?.reshape((batch, seq, c.hidden_size))?;
-            let attn = self.linear(&ctx, &format!("{p}.attention.output.dense"))?;
-            x = self.norm(&(attn + &x)?, &format!("{p}.attention.output.LayerNorm"))?;
-            let inter = self.linear(&x, &format!("{p}.intermediate.dense"))?.gelu_erf()?;
-            let out = self.linear(&inter, &format!("{p}.output.dense"))?;
-            x = self.norm(&(out + &x)?, &format!("{p}.output.LayerNorm"))?;
+            let weights: Vec<Tensor> =
+                names.iter().map(|n| self.p(&format!("encoder.layer.{l}.{n}"))).collect::<Result<_, _>>()?;
+            x = match checkpoint {
+                Some(ckpt) => {
+                    let bias = bias.clone();
+                    ckpt.segment(&x, weights, move |x, w| encoder_layer(x, w, &bias, heads, eps))?
+                }
+                None => encoder_layer(&x, &weights, &bias, heads, eps)?,
+            };
         }
-        let _ = device;
         Ok(x)
     }
 

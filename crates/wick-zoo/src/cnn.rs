@@ -3,7 +3,7 @@
 //! depthwise convolution and train-mode batch normalisation are composed here from strided
 //! windows and reductions, all of which candle differentiates.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -88,40 +88,26 @@ pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     x.mean(D::Minus1)?.mean(D::Minus1)
 }
 
-/// Batch normalisation over (N, H, W) per channel: batch statistics in training (with gradient,
-/// and updating the running estimates with PyTorch's momentum 0.1 and unbiased variance), the
-/// running estimates in evaluation.
-pub struct BatchNorm {
-    /// Scale parameter (trainable).
-    pub weight: Tensor,
-    /// Shift parameter (trainable).
-    pub bias: Tensor,
-    running: Mutex<(Tensor, Tensor)>,
-    eps: f64,
-    momentum: f64,
-}
+/// Running statistics of a batch norm, shared (cheaply cloned) with checkpointed segments.
+#[derive(Clone)]
+pub struct RunningStats(Arc<Mutex<(Tensor, Tensor)>>);
 
-impl BatchNorm {
-    /// Registers `{prefix}.weight`/`.bias` as parameters; running statistics start at (0, 1).
-    pub fn new(params: &mut Params, prefix: &str, channels: usize, dtype: DType, device: &Device) -> Result<Self> {
-        let weight = params.create(&format!("{prefix}.weight"), &[channels], Init::Ones, dtype, device)?;
-        let bias = params.create(&format!("{prefix}.bias"), &[channels], Init::Zeros, dtype, device)?;
-        let running = (Tensor::zeros(channels, dtype, device)?, Tensor::ones(channels, dtype, device)?);
-        Ok(BatchNorm { weight, bias, running: Mutex::new(running), eps: 1e-5, momentum: 0.1 })
-    }
-
-    /// Loaded statistics and parameters (already registered by the caller).
-    pub fn from_parts(weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor, eps: f64) -> Self {
-        BatchNorm { weight, bias, running: Mutex::new((running_mean, running_var)), eps, momentum: 0.1 }
+impl RunningStats {
+    /// Statistics starting at (`mean`, `var`).
+    pub fn new(mean: Tensor, var: Tensor) -> Self {
+        RunningStats(Arc::new(Mutex::new((mean, var))))
     }
 
     /// The running (mean, variance).
-    pub fn running_stats(&self) -> (Tensor, Tensor) {
-        self.running.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    pub fn get(&self) -> (Tensor, Tensor) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Normalises `x` (N, C, H, W).
-    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+    /// Batch normalisation of `x` (N, C, H, W) over (N, H, W) per channel with `weight`/`bias`:
+    /// batch statistics when `train` (with gradient; the running estimates move by PyTorch's
+    /// momentum 0.1 with the unbiased variance when `update`), the running estimates otherwise.
+    pub fn normalize(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, train: bool, update: bool) -> Result<Tensor> {
+        let (eps, momentum) = (1e-5, 0.1);
         let c = x.dim(1)?;
         let shape = (1, c, 1, 1);
         let (mean, var) = if train {
@@ -129,18 +115,55 @@ impl BatchNorm {
             let count = (n * h * w) as f64;
             let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
             let var = x.broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
-            let mut running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            let m = self.momentum;
-            let unbiased = (var.flatten_all()?.detach() * (count / (count - 1.0).max(1.0)))?;
-            running.0 = ((&running.0 * (1.0 - m))? + (mean.flatten_all()?.detach() * m)?)?;
-            running.1 = ((&running.1 * (1.0 - m))? + (unbiased * m)?)?;
+            if update {
+                let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
+                let unbiased = (var.flatten_all()?.detach() * (count / (count - 1.0).max(1.0)))?;
+                running.0 = ((&running.0 * (1.0 - momentum))? + (mean.flatten_all()?.detach() * momentum)?)?;
+                running.1 = ((&running.1 * (1.0 - momentum))? + (unbiased * momentum)?)?;
+            }
             (mean, var)
         } else {
-            let running = self.running.lock().unwrap_or_else(|p| p.into_inner());
-            (running.0.reshape(shape)?, running.1.reshape(shape)?)
+            let (m, v) = self.get();
+            (m.reshape(shape)?, v.reshape(shape)?)
         };
-        let normed = x.broadcast_sub(&mean)?.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        normed.broadcast_mul(&self.weight.reshape(shape)?)?.broadcast_add(&self.bias.reshape(shape)?)
+        let normed = x.broadcast_sub(&mean)?.broadcast_div(&(var + eps)?.sqrt()?)?;
+        normed.broadcast_mul(&weight.reshape(shape)?)?.broadcast_add(&bias.reshape(shape)?)
+    }
+}
+
+/// Batch normalisation with trainable scale and shift (see [`RunningStats::normalize`]).
+pub struct BatchNorm {
+    /// Scale parameter (trainable).
+    pub weight: Tensor,
+    /// Shift parameter (trainable).
+    pub bias: Tensor,
+    /// Running estimates.
+    pub running: RunningStats,
+}
+
+impl BatchNorm {
+    /// Registers `{prefix}.weight`/`.bias` as parameters; running statistics start at (0, 1).
+    pub fn new(params: &mut Params, prefix: &str, channels: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let weight = params.create(&format!("{prefix}.weight"), &[channels], Init::Ones, dtype, device)?;
+        let bias = params.create(&format!("{prefix}.bias"), &[channels], Init::Zeros, dtype, device)?;
+        let running =
+            RunningStats::new(Tensor::zeros(channels, dtype, device)?, Tensor::ones(channels, dtype, device)?);
+        Ok(BatchNorm { weight, bias, running })
+    }
+
+    /// Loaded statistics and parameters (already registered by the caller).
+    pub fn from_parts(weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor) -> Self {
+        BatchNorm { weight, bias, running: RunningStats::new(running_mean, running_var) }
+    }
+
+    /// The running (mean, variance).
+    pub fn running_stats(&self) -> (Tensor, Tensor) {
+        self.running.get()
+    }
+
+    /// Normalises `x` (N, C, H, W), updating the running estimates in training.
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        self.running.normalize(x, &self.weight, &self.bias, train, true)
     }
 }
 

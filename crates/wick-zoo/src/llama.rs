@@ -3,9 +3,49 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::checkpoint::Checkpointing;
 use crate::error::ZooError;
 use crate::ops;
 use crate::params::{Init, Params};
+
+/// Parameters of one decoder layer, in the order [`decoder_layer`] takes them.
+const LAYER_PARAMS: [&str; 9] = [
+    "attn_norm.weight",
+    "q.weight",
+    "k.weight",
+    "v.weight",
+    "o.weight",
+    "mlp_norm.weight",
+    "gate.weight",
+    "up.weight",
+    "down.weight",
+];
+
+/// One pre-norm decoder layer: attention with rotary positions, then a SwiGLU feed-forward.
+fn decoder_layer(
+    x: &Tensor,
+    w: &[Tensor],
+    c: &LlamaConfig,
+    cos: &Tensor,
+    sin: &Tensor,
+    mask: &Tensor,
+) -> candle_core::Result<Tensor> {
+    let (batch, seq, hidden) = x.dims3()?;
+    let (heads, hd) = (c.num_heads, hidden / c.num_heads);
+    let proj = |t: &Tensor, m: &Tensor| t.broadcast_matmul(&m.t()?);
+    let split = |t: Tensor| -> candle_core::Result<Tensor> {
+        t.reshape((batch, seq, heads, hd))?.transpose(1, 2)?.contiguous()
+    };
+    let h = ops::rms_norm(x, &w[0], c.rms_eps)?;
+    let q = ops::rope(&split(proj(&h, &w[1])?)?, cos, sin)?;
+    let k = ops::rope(&split(proj(&h, &w[2])?)?, cos, sin)?;
+    let v = split(proj(&h, &w[3])?)?;
+    let attn = ops::attention(&q, &k, &v, Some(mask))?.transpose(1, 2)?.reshape((batch, seq, hidden))?;
+    let x = (x + proj(&attn, &w[4])?)?;
+    let h = ops::rms_norm(&x, &w[5], c.rms_eps)?;
+    let gated = (proj(&h, &w[6])?.silu()? * proj(&h, &w[7])?)?;
+    x + proj(&gated, &w[8])?
+}
 
 /// Architecture of the decoder.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize, serde::Serialize)]
@@ -107,7 +147,12 @@ impl Llama {
 
     /// Logits (batch, seq, vocab) for token ids (batch, seq).
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor, ZooError> {
-        let c = &self.config;
+        self.forward_with(ids, None)
+    }
+
+    /// As [`Llama::forward`], with each decoder layer checkpointed when `checkpoint` is given.
+    pub fn forward_with(&self, ids: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
+        let c = self.config;
         let (batch, seq) = ids.dims2()?;
         if seq > c.max_seq {
             return Err(ZooError::Config {
@@ -116,26 +161,20 @@ impl Llama {
             });
         }
         let device = ids.device();
-        let (heads, hd) = (c.num_heads, c.hidden_size / c.num_heads);
+        let hd = c.hidden_size / c.num_heads;
         let (cos, sin) = ops::rope_tables(seq, hd, c.rope_theta, self.dtype, device)?;
         let mask = ops::causal_bias(seq, self.dtype, device)?;
         let mut x = self.p("embed.weight")?.embedding(&ids.flatten_all()?)?.reshape((batch, seq, c.hidden_size))?;
-        let split = |t: Tensor| -> candle_core::Result<Tensor> {
-            t.reshape((batch, seq, heads, hd))?.transpose(1, 2)?.contiguous()
-        };
         for l in 0..c.num_layers {
-            let p = format!("layers.{l}");
-            let h = ops::rms_norm(&x, &self.p(&format!("{p}.attn_norm.weight"))?, c.rms_eps)?;
-            let q = ops::rope(&split(self.proj(&h, &format!("{p}.q.weight"))?)?, &cos, &sin)?;
-            let k = ops::rope(&split(self.proj(&h, &format!("{p}.k.weight"))?)?, &cos, &sin)?;
-            let v = split(self.proj(&h, &format!("{p}.v.weight"))?)?;
-            let attn =
-                ops::attention(&q, &k, &v, Some(&mask))?.transpose(1, 2)?.reshape((batch, seq, c.hidden_size))?;
-            x = (x + self.proj(&attn, &format!("{p}.o.weight"))?)?;
-            let h = ops::rms_norm(&x, &self.p(&format!("{p}.mlp_norm.weight"))?, c.rms_eps)?;
-            let gated =
-                (self.proj(&h, &format!("{p}.gate.weight"))?.silu()? * self.proj(&h, &format!("{p}.up.weight"))?)?;
-            x = (x + self.proj(&gated, &format!("{p}.down.weight"))?)?;
+            let weights: Vec<Tensor> =
+                LAYER_PARAMS.iter().map(|n| self.p(&format!("layers.{l}.{n}"))).collect::<Result<_, _>>()?;
+            x = match checkpoint {
+                Some(ckpt) => {
+                    let (cos, sin, mask) = (cos.clone(), sin.clone(), mask.clone());
+                    ckpt.segment(&x, weights, move |x, w| decoder_layer(x, w, &c, &cos, &sin, &mask))?
+                }
+                None => decoder_layer(&x, &weights, &c, &cos, &sin, &mask)?,
+            };
         }
         let x = ops::rms_norm(&x, &self.p("norm.weight")?, c.rms_eps)?;
         self.proj(&x, "lm_head.weight")
@@ -143,8 +182,13 @@ impl Llama {
 
     /// Next-token cross-entropy of a batch of sequences (batch, seq).
     pub fn loss(&self, ids: &Tensor) -> Result<Tensor, ZooError> {
+        self.loss_with(ids, None)
+    }
+
+    /// As [`Llama::loss`], with checkpointed layers when `checkpoint` is given.
+    pub fn loss_with(&self, ids: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
         let (batch, seq) = ids.dims2()?;
-        let logits = self.forward(&ids.narrow(1, 0, seq - 1)?)?;
+        let logits = self.forward_with(&ids.narrow(1, 0, seq - 1)?, checkpoint)?;
         let targets = ids.narrow(1, 1, seq - 1)?.flatten_all()?;
         Ok(ops::cross_entropy(&logits.reshape((batch * (seq - 1), self.config.vocab_size))?, &targets)?)
     }

@@ -7,7 +7,10 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::cnn::{depthwise_conv2d, global_avg_pool, BatchNorm};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::checkpoint::Checkpointing;
+use crate::cnn::{depthwise_conv2d, global_avg_pool, BatchNorm, RunningStats};
 use crate::error::ZooError;
 use crate::params::{Init, Params};
 
@@ -78,15 +81,49 @@ impl Builder<'_> {
         let b = self.tensor(&format!("{prefix}.bias"), &[c], Init::Zeros)?;
         let mean = self.buffer(&format!("{prefix}.running_mean"), &[c], 0.0)?;
         let var = self.buffer(&format!("{prefix}.running_var"), &[c], 1.0)?;
-        Ok(BatchNorm::from_parts(w, b, mean, var, 1e-5))
+        Ok(BatchNorm::from_parts(w, b, mean, var))
+    }
+}
+
+/// The fixed part of an inverted-residual block; its weights are passed in, so the same code
+/// runs plainly or as a checkpointed segment.
+#[derive(Clone)]
+struct BlockSpec {
+    expand: Option<RunningStats>,
+    stride: usize,
+    depthwise: RunningStats,
+    project: RunningStats,
+    residual: bool,
+}
+
+impl BlockSpec {
+    /// `w`: [expand conv, its norm weight, bias] when expanding, then depthwise conv, norm
+    /// weight, bias, projection conv, norm weight, bias.
+    fn apply(&self, x: &Tensor, w: &[Tensor], train: bool, update: bool) -> candle_core::Result<Tensor> {
+        let (mut h, mut i) = (x.clone(), 0);
+        if let Some(stats) = &self.expand {
+            h = relu6(&stats.normalize(&h.conv2d(&w[0], 0, 1, 1, 1)?, &w[1], &w[2], train, update)?)?;
+            i = 3;
+        }
+        h = relu6(&self.depthwise.normalize(
+            &depthwise_conv2d(&h, &w[i], self.stride, 1)?,
+            &w[i + 1],
+            &w[i + 2],
+            train,
+            update,
+        )?)?;
+        h = self.project.normalize(&h.conv2d(&w[i + 3], 0, 1, 1, 1)?, &w[i + 4], &w[i + 5], train, update)?;
+        if self.residual {
+            h + x
+        } else {
+            Ok(h)
+        }
     }
 }
 
 struct Block {
-    expand: Option<(Tensor, BatchNorm)>,
-    depthwise: (Tensor, usize, BatchNorm),
-    project: (Tensor, BatchNorm),
-    residual: bool,
+    spec: BlockSpec,
+    weights: Vec<Tensor>,
 }
 
 /// MobileNetV2.
@@ -140,21 +177,29 @@ impl MobileNetV2 {
                 let stride = if i == 0 { s } else { 1 };
                 let hidden = (input as f64 * t as f64).round() as usize;
                 let p = format!("features.{index}.conv");
+                let mut weights = Vec::new();
                 let (expand, next) = if t != 1 {
-                    (Some((b.conv(&format!("{p}.0.0"), [hidden, input, 1, 1])?, b.bn(&format!("{p}.0.1"), hidden)?)), 1)
+                    weights.push(b.conv(&format!("{p}.0.0"), [hidden, input, 1, 1])?);
+                    let bn = b.bn(&format!("{p}.0.1"), hidden)?;
+                    weights.extend([bn.weight, bn.bias]);
+                    (Some(bn.running), 1)
                 } else {
                     (None, 0)
                 };
-                let depthwise = (
-                    b.conv(&format!("{p}.{next}.0"), [hidden, 1, 3, 3])?,
+                weights.push(b.conv(&format!("{p}.{next}.0"), [hidden, 1, 3, 3])?);
+                let dw = b.bn(&format!("{p}.{next}.1"), hidden)?;
+                weights.extend([dw.weight, dw.bias]);
+                weights.push(b.conv(&format!("{p}.{}", next + 1), [output, hidden, 1, 1])?);
+                let pj = b.bn(&format!("{p}.{}", next + 2), output)?;
+                weights.extend([pj.weight, pj.bias]);
+                let spec = BlockSpec {
+                    expand,
                     stride,
-                    b.bn(&format!("{p}.{next}.1"), hidden)?,
-                );
-                let project = (
-                    b.conv(&format!("{p}.{}", next + 1), [output, hidden, 1, 1])?,
-                    b.bn(&format!("{p}.{}", next + 2), output)?,
-                );
-                blocks.push(Block { expand, depthwise, project, residual: stride == 1 && input == output });
+                    depthwise: dw.running,
+                    project: pj.running,
+                    residual: stride == 1 && input == output,
+                };
+                blocks.push(Block { spec, weights });
                 input = output;
                 index += 1;
             }
@@ -172,16 +217,29 @@ impl MobileNetV2 {
 
     /// Logits (N, classes) for images (N, 3, H, W), normalised as torchvision expects.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ZooError> {
+        self.forward_with(x, train, None)
+    }
+
+    /// As [`MobileNetV2::forward`], with each inverted-residual block checkpointed when
+    /// `checkpoint` is given (batch-norm statistics move once, in the forward pass).
+    pub fn forward_with(
+        &self,
+        x: &Tensor,
+        train: bool,
+        checkpoint: Option<&Checkpointing>,
+    ) -> Result<Tensor, ZooError> {
         let mut x = relu6(&self.stem.1.forward(&x.conv2d(&self.stem.0, 1, 2, 1, 1)?, train)?)?;
         for block in &self.blocks {
-            let mut h = x.clone();
-            if let Some((w, bn)) = &block.expand {
-                h = relu6(&bn.forward(&h.conv2d(w, 0, 1, 1, 1)?, train)?)?;
-            }
-            let (w, stride, bn) = &block.depthwise;
-            h = relu6(&bn.forward(&depthwise_conv2d(&h, w, *stride, 1)?, train)?)?;
-            h = block.project.1.forward(&h.conv2d(&block.project.0, 0, 1, 1, 1)?, train)?;
-            x = if block.residual { (h + x)? } else { h };
+            x = match checkpoint {
+                Some(ckpt) => {
+                    let spec = block.spec.clone();
+                    let first = AtomicBool::new(true);
+                    ckpt.segment(&x, block.weights.clone(), move |x, w| {
+                        spec.apply(x, w, train, first.swap(false, Ordering::SeqCst))
+                    })?
+                }
+                None => block.spec.apply(&x, &block.weights, train, true)?,
+            };
         }
         let x = relu6(&self.last.1.forward(&x.conv2d(&self.last.0, 0, 1, 1, 1)?, train)?)?;
         Ok(global_avg_pool(&x)?.matmul(&self.classifier.0.t()?)?.broadcast_add(&self.classifier.1)?)

@@ -3,7 +3,10 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::cnn::{global_avg_pool, max_pool2d, BatchNorm};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::checkpoint::Checkpointing;
+use crate::cnn::{global_avg_pool, max_pool2d, BatchNorm, RunningStats};
 use crate::error::ZooError;
 use crate::params::{Init, Params};
 
@@ -58,10 +61,49 @@ impl Conv {
     }
 }
 
+/// The fixed part of a residual block: strides, paddings and batch-norm statistics. Its
+/// weights are passed in, so the same code runs plainly or as a checkpointed segment.
+#[derive(Clone)]
+struct BlockSpec {
+    /// (stride, padding) of each main-path convolution.
+    convs: Vec<(usize, usize)>,
+    norms: Vec<RunningStats>,
+    /// Stride and statistics of the projection shortcut.
+    downsample: Option<(usize, RunningStats)>,
+}
+
+impl BlockSpec {
+    /// `w`: each main convolution's weight, then each main norm's (weight, bias), then the
+    /// shortcut's convolution weight, norm weight and bias.
+    fn apply(&self, x: &Tensor, w: &[Tensor], train: bool, update: bool) -> candle_core::Result<Tensor> {
+        let k = self.convs.len();
+        let identity = match &self.downsample {
+            Some((stride, stats)) => {
+                let base = 3 * k;
+                stats.normalize(&x.conv2d(&w[base], 0, *stride, 1, 1)?, &w[base + 1], &w[base + 2], train, update)?
+            }
+            None => x.clone(),
+        };
+        let mut h = x.clone();
+        for (i, ((stride, pad), stats)) in self.convs.iter().zip(&self.norms).enumerate() {
+            h = stats.normalize(
+                &h.conv2d(&w[i], *pad, *stride, 1, 1)?,
+                &w[k + 2 * i],
+                &w[k + 2 * i + 1],
+                train,
+                update,
+            )?;
+            if i + 1 < k {
+                h = h.relu()?;
+            }
+        }
+        (h + identity)?.relu()
+    }
+}
+
 struct Block {
-    convs: Vec<Conv>,
-    norms: Vec<BatchNorm>,
-    downsample: Option<(Conv, BatchNorm)>,
+    spec: BlockSpec,
+    weights: Vec<Tensor>,
 }
 
 /// A ResNet classifier.
@@ -99,7 +141,6 @@ impl ResNet {
             for b in 0..count {
                 let stride = if stage > 0 && b == 0 { 2 } else { 1 };
                 let name = format!("layer{}.{b}", stage + 1);
-                let (mut convs, mut norms) = (Vec::new(), Vec::new());
                 let shapes: Vec<([usize; 4], usize, usize)> = if depth.bottleneck() {
                     vec![
                         ([planes, inplanes, 1, 1], 1, 0),
@@ -109,27 +150,31 @@ impl ResNet {
                 } else {
                     vec![([planes, inplanes, 3, 3], stride, 1), ([planes, planes, 3, 3], 1, 1)]
                 };
+                let (mut conv_w, mut norm_w, mut spec) =
+                    (Vec::new(), Vec::new(), BlockSpec { convs: Vec::new(), norms: Vec::new(), downsample: None });
                 for (i, (shape, s, pad)) in shapes.into_iter().enumerate() {
-                    convs.push(Conv::new(p, &format!("{name}.conv{}", i + 1), shape, s, pad, dtype, device)?);
-                    norms.push(BatchNorm::new(p, &format!("{name}.bn{}", i + 1), shape[0], dtype, device)?);
+                    conv_w.push(Conv::new(p, &format!("{name}.conv{}", i + 1), shape, s, pad, dtype, device)?.weight);
+                    let bn = BatchNorm::new(p, &format!("{name}.bn{}", i + 1), shape[0], dtype, device)?;
+                    norm_w.extend([bn.weight, bn.bias]);
+                    spec.convs.push((s, pad));
+                    spec.norms.push(bn.running);
                 }
-                let downsample = if stride != 1 || inplanes != planes * expansion {
-                    Some((
-                        Conv::new(
-                            p,
-                            &format!("{name}.downsample.0"),
-                            [planes * expansion, inplanes, 1, 1],
-                            stride,
-                            0,
-                            dtype,
-                            device,
-                        )?,
-                        BatchNorm::new(p, &format!("{name}.downsample.1"), planes * expansion, dtype, device)?,
-                    ))
-                } else {
-                    None
-                };
-                blocks.push(Block { convs, norms, downsample });
+                let mut weights = [conv_w, norm_w].concat();
+                if stride != 1 || inplanes != planes * expansion {
+                    let conv = Conv::new(
+                        p,
+                        &format!("{name}.downsample.0"),
+                        [planes * expansion, inplanes, 1, 1],
+                        stride,
+                        0,
+                        dtype,
+                        device,
+                    )?;
+                    let bn = BatchNorm::new(p, &format!("{name}.downsample.1"), planes * expansion, dtype, device)?;
+                    weights.extend([conv.weight, bn.weight, bn.bias]);
+                    spec.downsample = Some((stride, bn.running));
+                }
+                blocks.push(Block { spec, weights });
                 inplanes = planes * expansion;
             }
         }
@@ -140,22 +185,30 @@ impl ResNet {
 
     /// Logits (N, classes) for images (N, 3, H, W).
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ZooError> {
+        self.forward_with(x, train, None)
+    }
+
+    /// As [`ResNet::forward`], with each residual block checkpointed when `checkpoint` is given
+    /// (its batch-norm statistics move once, in the forward pass, not again when recomputed).
+    pub fn forward_with(
+        &self,
+        x: &Tensor,
+        train: bool,
+        checkpoint: Option<&Checkpointing>,
+    ) -> Result<Tensor, ZooError> {
         let x = self.stem.1.forward(&self.stem.0.forward(x)?, train)?.relu()?;
         let mut x = max_pool2d(&x, 3, 2, 1)?;
         for block in &self.blocks {
-            let identity = match &block.downsample {
-                Some((conv, bn)) => bn.forward(&conv.forward(&x)?, train)?,
-                None => x.clone(),
-            };
-            let mut h = x;
-            let last = block.convs.len() - 1;
-            for (i, (conv, bn)) in block.convs.iter().zip(&block.norms).enumerate() {
-                h = bn.forward(&conv.forward(&h)?, train)?;
-                if i < last {
-                    h = h.relu()?;
+            x = match checkpoint {
+                Some(ckpt) => {
+                    let spec = block.spec.clone();
+                    let first = AtomicBool::new(true);
+                    ckpt.segment(&x, block.weights.clone(), move |x, w| {
+                        spec.apply(x, w, train, first.swap(false, Ordering::SeqCst))
+                    })?
                 }
-            }
-            x = (h + identity)?.relu()?;
+                None => block.spec.apply(&x, &block.weights, train, true)?,
+            };
         }
         let pooled = global_avg_pool(&x)?;
         Ok(pooled.matmul(&self.fc.0.t()?)?.broadcast_add(&self.fc.1)?)

@@ -4,9 +4,43 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::checkpoint::Checkpointing;
 use crate::error::ZooError;
 use crate::ops;
 use crate::params::{Init, Params};
+
+/// Parameters of one encoder layer, in the order [`encoder_layer`] takes them.
+const LAYER_PARAMS: [&str; 12] = [
+    "ln_1.weight",
+    "ln_1.bias",
+    "self_attention.in_proj_weight",
+    "self_attention.in_proj_bias",
+    "self_attention.out_proj.weight",
+    "self_attention.out_proj.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "mlp.0.weight",
+    "mlp.0.bias",
+    "mlp.3.weight",
+    "mlp.3.bias",
+];
+
+/// One pre-norm encoder layer over tokens (N, T, hidden).
+fn encoder_layer(z: &Tensor, w: &[Tensor], heads: usize) -> candle_core::Result<Tensor> {
+    let (n, t, h) = z.dims3()?;
+    let hd = h / heads;
+    let linear = |x: &Tensor, i: usize| x.broadcast_matmul(&w[i].t()?)?.broadcast_add(&w[i + 1]);
+    let y = ops::layer_norm(z, &w[0], &w[1], 1e-6)?;
+    let qkv = linear(&y, 2)?;
+    let split = |i: usize| -> candle_core::Result<Tensor> {
+        qkv.narrow(2, i * h, h)?.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous()
+    };
+    let attn = ops::attention(&split(0)?, &split(1)?, &split(2)?, None)?.transpose(1, 2)?.reshape((n, t, h))?;
+    let z = (z + linear(&attn, 4)?)?;
+    let y = ops::layer_norm(&z, &w[6], &w[7], 1e-6)?;
+    let y = linear(&y, 8)?.gelu_erf()?;
+    z + linear(&y, 10)?
+}
 
 /// Architecture.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -84,18 +118,18 @@ impl Vit {
         for l in 0..c.layers {
             let n = format!("encoder.layers.encoder_layer_{l}");
             for (suffix, shape, init) in [
-                ("ln_1.weight", vec![h], Init::Ones),
-                ("ln_1.bias", vec![h], Init::Zeros),
-                ("self_attention.in_proj_weight", vec![3 * h, h], Init::Normal((1.0 / h as f64).sqrt())),
-                ("self_attention.in_proj_bias", vec![3 * h], Init::Zeros),
-                ("self_attention.out_proj.weight", vec![h, h], Init::Normal((1.0 / h as f64).sqrt())),
-                ("self_attention.out_proj.bias", vec![h], Init::Zeros),
-                ("ln_2.weight", vec![h], Init::Ones),
-                ("ln_2.bias", vec![h], Init::Zeros),
-                ("mlp.0.weight", vec![m, h], Init::Normal(0.02)),
-                ("mlp.0.bias", vec![m], Init::Normal(1e-6)),
-                ("mlp.3.weight", vec![h, m], Init::Normal(0.02)),
-                ("mlp.3.bias", vec![h], Init::Normal(1e-6)),
+                (LAYER_PARAMS[0], vec![h], Init::Ones),
+                (LAYER_PARAMS[1], vec![h], Init::Zeros),
+                (LAYER_PARAMS[2], vec![3 * h, h], Init::Normal((1.0 / h as f64).sqrt())),
+                (LAYER_PARAMS[3], vec![3 * h], Init::Zeros),
+                (LAYER_PARAMS[4], vec![h, h], Init::Normal((1.0 / h as f64).sqrt())),
+                (LAYER_PARAMS[5], vec![h], Init::Zeros),
+                (LAYER_PARAMS[6], vec![h], Init::Ones),
+                (LAYER_PARAMS[7], vec![h], Init::Zeros),
+                (LAYER_PARAMS[8], vec![m, h], Init::Normal(0.02)),
+                (LAYER_PARAMS[9], vec![m], Init::Normal(1e-6)),
+                (LAYER_PARAMS[10], vec![h, m], Init::Normal(0.02)),
+                (LAYER_PARAMS[11], vec![h], Init::Normal(1e-6)),
             ] {
                 p.create(&format!("{n}.{suffix}"), &shape, init, dtype, device)?;
             }
@@ -119,6 +153,11 @@ impl Vit {
 
     /// Logits (N, classes) for images (N, 3, image_size, image_size).
     pub fn forward(&self, x: &Tensor) -> Result<Tensor, ZooError> {
+        self.forward_with(x, None)
+    }
+
+    /// As [`Vit::forward`], with each encoder layer checkpointed when `checkpoint` is given.
+    pub fn forward_with(&self, x: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
         let c = &self.config;
         let n = x.dim(0)?;
         let (h, heads) = (c.hidden, c.heads);
@@ -128,31 +167,15 @@ impl Vit {
         let tokens = patches.flatten_from(2)?.transpose(1, 2)?; // (N, patches, h)
         let cls = self.p("class_token")?.broadcast_as((n, 1, h))?;
         let mut z = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.p("encoder.pos_embedding")?)?;
-        let t = c.tokens();
-        let hd = h / heads;
         for l in 0..c.layers {
-            let p = format!("encoder.layers.encoder_layer_{l}");
-            let y =
-                ops::layer_norm(&z, &self.p(&format!("{p}.ln_1.weight"))?, &self.p(&format!("{p}.ln_1.bias"))?, 1e-6)?;
-            let qkv = self.linear(
-                &y,
-                &format!("{p}.self_attention.in_proj_weight"),
-                &format!("{p}.self_attention.in_proj_bias"),
-            )?;
-            let split = |i: usize| -> candle_core::Result<Tensor> {
-                qkv.narrow(2, i * h, h)?.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous()
+            let weights: Vec<Tensor> = LAYER_PARAMS
+                .iter()
+                .map(|s| self.p(&format!("encoder.layers.encoder_layer_{l}.{s}")))
+                .collect::<Result<_, _>>()?;
+            z = match checkpoint {
+                Some(ckpt) => ckpt.segment(&z, weights, move |z, w| encoder_layer(z, w, heads))?,
+                None => encoder_layer(&z, &weights, heads)?,
             };
-            let attn = ops::attention(&split(0)?, &split(1)?, &split(2)?, None)?.transpose(1, 2)?.reshape((n, t, h))?;
-            let attn = self.linear(
-                &attn,
-                &format!("{p}.self_attention.out_proj.weight"),
-                &format!("{p}.self_attention.out_proj.bias"),
-            )?;
-            z = (z + attn)?;
-            let y =
-                ops::layer_norm(&z, &self.p(&format!("{p}.ln_2.weight"))?, &self.p(&format!("{p}.ln_2.bias"))?, 1e-6)?;
-            let y = self.linear(&y, &format!("{p}.mlp.0.weight"), &format!("{p}.mlp.0.bias"))?.gelu_erf()?;
-            z = (z + self.linear(&y, &format!("{p}.mlp.3.weight"), &format!("{p}.mlp.3.bias"))?)?;
         }
         let z = ops::layer_norm(&z, &self.p("encoder.ln.weight")?, &self.p("encoder.ln.bias")?, 1e-6)?;
         let cls = z.narrow(1, 0, 1)?.squeeze(1)?;

@@ -1,0 +1,118 @@
+//! Activation (gradient) checkpointing: a segment of layers keeps none of its intermediate
+//! tensors after the forward pass and recomputes them during backward, trading compute for
+//! activation memory.
+//!
+//! candle has no hook for this, so a segment is attached to the graph through a custom op: the
+//! forward runs the segment on detached inputs (no graph is kept) and adds a zero tensor produced
+//! by the op from the segment's input; the op's backward recomputes the segment with gradients
+//! on, back-propagates the incoming gradient through it, returns the input's gradient, and sets
+//! the parameters' gradients aside. [`Checkpointing::backward`] runs the whole backward pass and
+//! merges those into the gradient store, so callers see the same gradients as without
+//! checkpointing.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, TensorId, Var};
+
+use crate::params::Params;
+
+/// A segment's computation: input and weights (in the order they were given) to output.
+pub type SegmentFn = dyn Fn(&Tensor, &[Tensor]) -> Result<Tensor> + Send + Sync;
+
+type Stash = Arc<Mutex<HashMap<TensorId, Tensor>>>;
+
+struct SegmentOp {
+    f: Arc<SegmentFn>,
+    weights: Vec<Tensor>,
+    shape: Shape,
+    stash: Stash,
+}
+
+impl CustomOp1 for SegmentOp {
+    fn name(&self) -> &'static str {
+        "wick-checkpoint"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, _layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((storage.device().zeros_impl(&self.shape, storage.dtype())?, self.shape.clone()))
+    }
+
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        _layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((storage.device().zeros_impl(&self.shape, storage.dtype())?, self.shape.clone()))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let input = Var::from_tensor(&arg.detach())?;
+        let output = (self.f)(input.as_tensor(), &self.weights)?;
+        let grads = (output * grad_res.detach())?.sum_all()?.backward()?;
+        let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
+        for w in &self.weights {
+            if let Some(g) = grads.get(w) {
+                let total = match stash.remove(&w.id()) {
+                    Some(previous) => (previous + g)?,
+                    None => g.clone(),
+                };
+                stash.insert(w.id(), total);
+            }
+        }
+        Ok(grads.get(input.as_tensor()).cloned())
+    }
+}
+
+/// A checkpointing context for one training step (or many: its stash empties at each backward).
+#[derive(Default, Clone)]
+pub struct Checkpointing {
+    stash: Stash,
+}
+
+impl Checkpointing {
+    /// A new context.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Runs `f(x, weights)` without keeping its intermediates; they are recomputed in backward.
+    /// `weights` are the (trainable) tensors `f` uses; anything else it captures is a constant.
+    pub fn segment(
+        &self,
+        x: &Tensor,
+        weights: Vec<Tensor>,
+        f: impl Fn(&Tensor, &[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+    ) -> Result<Tensor> {
+        let detached: Vec<Tensor> = weights.iter().map(|w| w.detach()).collect();
+        let y = f(&x.detach(), &detached)?;
+        // The op must be on the graph even when the input itself is not tracked (raw images).
+        let input = if x.track_op() { x.clone() } else { Var::from_tensor(x)?.as_tensor().clone() };
+        let marker = input.apply_op1(SegmentOp {
+            f: Arc::new(f),
+            weights,
+            shape: y.shape().clone(),
+            stash: self.stash.clone(),
+        })?;
+        y + marker
+    }
+
+    /// Back-propagates `loss` and adds the checkpointed segments' parameter gradients.
+    pub fn backward(&self, loss: &Tensor, params: &Params) -> Result<GradStore> {
+        let mut grads = loss.backward()?;
+        let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
+        for (_, var) in params.iter() {
+            if let Some(g) = stash.remove(&var.id()) {
+                let total = match grads.remove(var.as_tensor()) {
+                    Some(existing) => (existing + g)?,
+                    None => g,
+                };
+                grads.insert(var.as_tensor(), total);
+            }
+        }
+        stash.clear();
+        Ok(grads)
+    }
+}
