@@ -7,6 +7,7 @@ pub mod bert;
 pub mod checkpoint;
 pub mod cnn;
 pub mod error;
+pub mod estimate;
 pub mod llama;
 pub mod mobilenet;
 pub mod ops;

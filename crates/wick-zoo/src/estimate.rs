@@ -1,0 +1,213 @@
+//! Memory estimator: what a model needs for inference or one training step at a batch size, in
+//! parameters, gradients, optimizer state, activations and workspace.
+//!
+//! Activations are counted from the model's own graph, not from a rule of thumb: the model runs
+//! its forward pass at batch 1 and batch 2 at the target sequence or image size, and every
+//! tensor that the autograd graph keeps alive (each distinct storage, views counted once) is
+//! summed by its shape and dtype. Activation memory is affine in the batch for these models, so
+//! the two counts give the per-sample and fixed parts, and the estimate extrapolates to any batch
+//! without running it.
+//!
+//! The backward pass's workspace (one gradient per graph edge while it is in flight, plus each
+//! op's temporaries) depends on edges that candle does not expose, so it is profiled instead: a
+//! backward pass at batch 1 and 2 under wick's tracking allocator, extrapolated the same way.
+//! Without the tracking allocator, training estimates use a lower bound (two gradients of the
+//! largest activation) and say so.
+
+use std::collections::HashMap;
+
+use candle_core::{Result, Tensor};
+
+use crate::params::Params;
+
+/// What a training step keeps per parameter byte besides the parameter itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Mode {
+    /// Forward only.
+    Inference,
+    /// Forward, backward and a plain SGD update.
+    TrainSgd,
+    /// Forward, backward and an SGD update with momentum (one state tensor per parameter).
+    TrainSgdMomentum,
+    /// Forward, backward and an AdamW update (two state tensors per parameter).
+    TrainAdamW,
+}
+
+impl Mode {
+    fn optimizer_states(self) -> usize {
+        match self {
+            Mode::Inference | Mode::TrainSgd => 0,
+            Mode::TrainSgdMomentum => 1,
+            Mode::TrainAdamW => 2,
+        }
+    }
+}
+
+/// Bytes of the graph behind a tensor: every non-parameter node's storage, counted once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GraphBytes {
+    /// Sum over distinct storages.
+    pub total: usize,
+    /// The largest single storage.
+    pub largest: usize,
+}
+
+/// Counts the storages an output keeps alive through its autograd graph (parameters excluded).
+pub fn graph_bytes(output: &Tensor) -> GraphBytes {
+    let mut storages: HashMap<usize, usize> = HashMap::new();
+    for node in output.sorted_nodes() {
+        if node.is_variable() {
+            continue;
+        }
+        let (storage, layout) = node.storage_and_layout();
+        let key = std::ptr::from_ref(&*storage).addr();
+        // The highest element a view reaches; the base tensor of a storage reaches its end.
+        let reach = layout.start_offset()
+            + layout.dims().iter().zip(layout.stride()).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>()
+            + 1;
+        let bytes = reach * node.dtype().size_in_bytes();
+        let entry = storages.entry(key).or_insert(0);
+        *entry = (*entry).max(bytes);
+    }
+    GraphBytes { total: storages.values().sum(), largest: storages.values().copied().max().unwrap_or(0) }
+}
+
+/// The estimate, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Estimate {
+    /// Mode estimated.
+    pub mode: Mode,
+    /// Batch size estimated.
+    pub batch: usize,
+    /// Parameters.
+    pub parameters: usize,
+    /// Parameter gradients (training).
+    pub gradients: usize,
+    /// Optimizer state.
+    pub optimizer_state: usize,
+    /// Tensors the forward pass keeps for backward (and, with trainable parameters, for inference).
+    pub activations: usize,
+    /// Transient memory: gradients in flight during backward, or the optimizer's temporaries.
+    pub workspace: usize,
+    /// The sum.
+    pub total: usize,
+}
+
+/// Bytes that are affine in the batch: `fixed + batch * per_sample`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Affine {
+    /// Independent of the batch.
+    pub fixed: usize,
+    /// Added by each sample.
+    pub per_sample: usize,
+}
+
+impl Affine {
+    fn from_two(one: usize, two: usize) -> Self {
+        let per_sample = two.saturating_sub(one);
+        Affine { fixed: one.saturating_sub(per_sample), per_sample }
+    }
+
+    /// The value at `batch`.
+    pub fn at(&self, batch: usize) -> usize {
+        self.fixed + batch * self.per_sample
+    }
+}
+
+/// A model's memory profile at one input size, from forward (and backward) passes at batch 1, 2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct ActivationProfile {
+    /// Bytes the graph keeps alive, counted from its tensors' shapes.
+    pub activations: Affine,
+    /// The largest single activation.
+    pub largest: Affine,
+    /// Transient bytes of the backward pass, profiled with the tracking allocator when it is
+    /// installed (`None` otherwise).
+    pub backward_workspace: Option<Affine>,
+}
+
+impl ActivationProfile {
+    /// Profiles `forward(batch)`, which must build the model's loss (a scalar; for inference,
+    /// any output) for that batch; `params` are the model's parameters.
+    pub fn measure(params: &Params, forward: impl Fn(usize) -> Result<Tensor>) -> Result<Self> {
+        let mut counts = Vec::new();
+        let mut workspace = Vec::new();
+        // A first pass warms up what the process creates once (thread pools, kernel caches), so
+        // it is not mistaken for the model's memory.
+        for (index, batch) in [1, 1, 2].into_iter().enumerate() {
+            let before = wick::host_memory::tracked_heap();
+            wick::host_memory::reset_tracked_peak();
+            let out = forward(batch)?;
+            let graph = graph_bytes(&out);
+            if out.elem_count() == 1 && out.track_op() {
+                let grads = out.backward()?;
+                let param_grads: usize = params
+                    .iter()
+                    .filter_map(|(_, v)| grads.get(v))
+                    .map(|g| g.elem_count() * g.dtype().size_in_bytes())
+                    .sum();
+                drop(grads);
+                if let (Some(before), Some(peak), true) = (before, wick::host_memory::tracked_peak(), index > 0) {
+                    workspace.push(peak.saturating_sub(before + graph.total + param_grads));
+                }
+            }
+            if index > 0 {
+                counts.push(graph);
+            }
+        }
+        Ok(ActivationProfile {
+            activations: Affine::from_two(counts[0].total, counts[1].total),
+            largest: Affine::from_two(counts[0].largest, counts[1].largest),
+            backward_workspace: (workspace.len() == 2).then(|| Affine::from_two(workspace[0], workspace[1])),
+        })
+    }
+}
+
+/// Estimates `mode` at `batch` for a model with `params`, whose activations were profiled.
+pub fn estimate(params: &Params, profile: &ActivationProfile, batch: usize, mode: Mode) -> Estimate {
+    let parameters: usize = params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
+    let largest_param = params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).max().unwrap_or(0);
+    let activations = profile.activations.at(batch);
+    let largest = profile.largest.at(batch);
+    let (gradients, optimizer_state, workspace) = match mode {
+        // The output holds the graph; the largest op's result is the transient on top.
+        Mode::Inference => (0, 0, largest),
+        // Backward's gradients in flight (profiled, or at least an incoming and an outgoing
+        // gradient of the largest activation), or the update's temporaries (two copies of the
+        // largest parameter), whichever is larger: they do not overlap.
+        _ => {
+            let backward = profile.backward_workspace.map_or(2 * largest, |w| w.at(batch));
+            (parameters, parameters * mode.optimizer_states(), backward.max(2 * largest_param))
+        }
+    };
+    Estimate {
+        mode,
+        batch,
+        parameters,
+        gradients,
+        optimizer_state,
+        activations,
+        workspace,
+        total: parameters + gradients + optimizer_state + activations + workspace,
+    }
+}
+
+/// The largest batch in `1..=max_batch` whose estimate fits in `budget` bytes (0 if none).
+pub fn largest_batch(
+    params: &Params,
+    profile: &ActivationProfile,
+    mode: Mode,
+    budget: usize,
+    max_batch: usize,
+) -> usize {
+    let (mut lo, mut hi) = (0, max_batch);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if estimate(params, profile, mid, mode).total <= budget {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}

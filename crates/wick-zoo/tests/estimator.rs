@@ -1,0 +1,142 @@
+//! The memory estimator against measured peaks (tracking allocator, CPU, f32) for every zoo model
+//! in inference and a training step (SGD): within ±15 %.
+
+use candle_core::{DType, Device, Tensor};
+use wick::host_memory::{reset_tracked_peak, tracked_heap, tracked_peak};
+use wick::TrackingAllocator;
+use wick_zoo::estimate::{estimate, largest_batch, ActivationProfile, Mode};
+use wick_zoo::params::Params;
+
+#[global_allocator]
+static ALLOC: TrackingAllocator = TrackingAllocator;
+
+const BATCH: usize = 8;
+
+/// Peak of `mode` at `batch`, counting the parameters but no other resident data.
+fn measure(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize, mode: Mode) -> usize {
+    let parameters: usize = params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
+    let base = tracked_heap().unwrap() - parameters;
+    reset_tracked_peak();
+    {
+        let out = run(batch);
+        if mode != Mode::Inference {
+            let grads = out.backward().unwrap();
+            params.sgd_step(&grads, 1e-3).unwrap();
+        }
+    }
+    tracked_peak().unwrap() - base
+}
+
+/// Estimates and measures one model; returns the table row and whether both modes are in range.
+fn check(name: &str, params: &Params, run: &dyn Fn(usize) -> Tensor) -> (String, bool) {
+    let profile = ActivationProfile::measure(params, |b| Ok(run(b))).unwrap();
+    let mut row = format!("| {name} |");
+    let mut ok = true;
+    for mode in [Mode::Inference, Mode::TrainSgd] {
+        let e = estimate(params, &profile, BATCH, mode);
+        let m = measure(params, run, BATCH, mode);
+        let ratio = e.total as f64 / m as f64;
+        ok &= (0.85..=1.15).contains(&ratio);
+        let mib = |b: usize| b as f64 / 1048576.0;
+        row += &format!(" {:.1} / {:.1} ({:+.1} %) |", mib(e.total), mib(m), (ratio - 1.0) * 100.0);
+        if mode == Mode::TrainSgd {
+            row += &format!(" {:.1} / {:.1} / {:.1} |", mib(e.parameters), mib(e.activations), mib(e.workspace));
+        }
+    }
+    (row, ok)
+}
+
+#[test]
+fn estimates_are_within_15_percent_of_measured_peaks() {
+    use wick_zoo::bert::{Bert, BertConfig};
+    use wick_zoo::llama::{Llama, LlamaConfig};
+    use wick_zoo::mobilenet::MobileNetV2;
+    use wick_zoo::ops::cross_entropy;
+    use wick_zoo::resnet::{ResNet, ResNetDepth};
+    use wick_zoo::vit::{Vit, VitConfig};
+    let dev = Device::Cpu;
+    let f = DType::F32;
+    let images = Tensor::randn(0f32, 1.0, (BATCH, 3, 64, 64), &dev).unwrap();
+    let labels = Tensor::from_vec((0..BATCH as u32).map(|i| i % 2).collect::<Vec<_>>(), BATCH, &dev).unwrap();
+    let tokens =
+        Tensor::from_vec((0..BATCH * 64).map(|i| (i * 7 % 100) as u32).collect::<Vec<_>>(), (BATCH, 64), &dev).unwrap();
+    let mask = Tensor::ones((BATCH, 64), DType::U32, &dev).unwrap();
+    let take = |t: &Tensor, b: usize| t.narrow(0, 0, b).unwrap();
+    let mut rows = Vec::new();
+
+    let bert = Bert::new(
+        BertConfig {
+            vocab_size: 100,
+            hidden_size: 128,
+            num_hidden_layers: 4,
+            num_attention_heads: 4,
+            intermediate_size: 512,
+            max_position_embeddings: 64,
+            type_vocab_size: 2,
+            layer_norm_eps: 1e-12,
+        },
+        f,
+        &dev,
+    )
+    .unwrap();
+    rows.push(check("BERT 4×128, seq 64", &bert.params, &|b| {
+        bert.forward(&take(&tokens, b), &take(&mask, b)).unwrap().sqr().unwrap().mean_all().unwrap()
+    }));
+    drop(bert);
+    let llama = Llama::new(
+        LlamaConfig {
+            vocab_size: 100,
+            hidden_size: 128,
+            num_layers: 4,
+            num_heads: 4,
+            intermediate_size: 512,
+            max_seq: 64,
+            rms_eps: 1e-6,
+            rope_theta: 1e4,
+        },
+        f,
+        &dev,
+    )
+    .unwrap();
+    rows.push(check("LLaMA 4×128, seq 64", &llama.params, &|b| llama.loss(&take(&tokens, b)).unwrap()));
+    drop(llama);
+    let vit = Vit::new(
+        VitConfig { image_size: 64, patch_size: 8, hidden: 128, layers: 4, heads: 4, mlp_dim: 512, num_classes: 2 },
+        f,
+        &dev,
+    )
+    .unwrap();
+    rows.push(check("ViT 4×128, 64², patch 8", &vit.params, &|b| {
+        cross_entropy(&vit.forward(&take(&images, b)).unwrap(), &take(&labels, b)).unwrap()
+    }));
+    drop(vit);
+    for (depth, name) in [
+        (ResNetDepth::R18, "ResNet-18 w16, 64²"),
+        (ResNetDepth::R34, "ResNet-34 w16, 64²"),
+        (ResNetDepth::R50, "ResNet-50 w16, 64²"),
+    ] {
+        let net = ResNet::new(depth, 2, 16, f, &dev).unwrap();
+        rows.push(check(name, &net.params, &|b| {
+            cross_entropy(&net.forward(&take(&images, b), true).unwrap(), &take(&labels, b)).unwrap()
+        }));
+    }
+    let mbn = MobileNetV2::new(2, 0.5, f, &dev).unwrap();
+    rows.push(check("MobileNetV2 ×0.5, 64²", &mbn.params, &|b| {
+        cross_entropy(&mbn.forward(&take(&images, b), true).unwrap(), &take(&labels, b)).unwrap()
+    }));
+    // The largest batch under a budget is consistent with the estimate.
+    let profile = ActivationProfile::measure(&mbn.params, |b| {
+        let logits = mbn.forward(&take(&images, b), true).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        cross_entropy(&logits, &take(&labels, b))
+    })
+    .unwrap();
+    let budget = estimate(&mbn.params, &profile, 40, Mode::TrainAdamW).total + 1;
+    assert_eq!(largest_batch(&mbn.params, &profile, Mode::TrainAdamW, budget, 1000), 40);
+
+    println!("\n| model (batch {BATCH}, f32) | inference: estimate / measured MiB | training (SGD): estimate / measured MiB | training: params / activations / workspace MiB |");
+    println!("|---|---|---|---|");
+    for (row, _) in &rows {
+        println!("{row}");
+    }
+    assert!(rows.iter().all(|(_, ok)| *ok), "an estimate is outside ±15 % of its measurement");
+}
