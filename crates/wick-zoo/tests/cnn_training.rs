@@ -119,9 +119,11 @@ fn resnets_train_every_parameter() {
             });
         }
     }
-    let model = ResNet::new(ResNetDepth::R18, 2, 8, DType::F32, &Device::Cpu).unwrap();
-    let (first, last) = train(|x| model.forward(x, true).unwrap(), &model.params, 0.05, 15);
-    assert!(last < 0.5 * first, "ResNet-18 loss {first} -> {last}");
+    for depth in [ResNetDepth::R18, ResNetDepth::R34, ResNetDepth::R50] {
+        let model = ResNet::new(depth, 2, 8, DType::F32, &Device::Cpu).unwrap();
+        let (first, last) = train(|x| model.forward(x, true).unwrap(), &model.params, 0.05, 15);
+        assert!(last < 0.5 * first, "{depth:?} loss {first} -> {last}");
+    }
     let standard = ResNet::new(ResNetDepth::R50, 1000, 64, DType::F32, &Device::Cpu).unwrap();
     assert_eq!(standard.params.numel(), 25_557_032, "torchvision's ResNet-50 has 25,557,032 parameters");
     let r18 = ResNet::new(ResNetDepth::R18, 1000, 64, DType::F32, &Device::Cpu).unwrap();
