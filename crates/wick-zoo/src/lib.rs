@@ -3,6 +3,7 @@
 //! Models that train: built from differentiable building blocks ([`ops`]) so no gradient is lost
 //! silently, with real weights where a package ships them.
 
+pub mod amp;
 pub mod bert;
 pub mod checkpoint;
 pub mod cnn;
