@@ -75,12 +75,14 @@ impl GradScaler {
 
     /// A scaler with `config` (validated).
     pub fn with_config(config: GradScalerConfig) -> Result<Self, ScalerError> {
-        let finite_positive = |v: f64| v.is_finite() && v > 0.0;
-        if !finite_positive(config.init_scale)
-            || !(config.growth_factor > 1.0 && config.growth_factor.is_finite())
-            || !(config.backoff_factor > 0.0 && config.backoff_factor < 1.0)
-            || config.growth_interval == 0
-        {
+        let valid = config.init_scale.is_finite()
+            && config.init_scale > 0.0
+            && config.growth_factor.is_finite()
+            && config.growth_factor > 1.0
+            && config.backoff_factor > 0.0
+            && config.backoff_factor < 1.0
+            && config.growth_interval > 0;
+        if !valid {
             return Err(ScalerError::InvalidConfig(format!("{config:?}")));
         }
         Ok(GradScaler { config, scale: config.init_scale, growth_tracker: 0, found_inf: None })
