@@ -11,6 +11,7 @@
 //! checkpointing.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use candle_core::backend::{BackendDevice, BackendStorage};
@@ -63,6 +64,26 @@ impl CustomOp1 for SegmentOp {
             }
         }
         Ok(grads.get(input.as_tensor()).cloned())
+    }
+}
+
+/// Runs a block whose forward updates state (batch-norm statistics), checkpointed or not.
+/// `apply(spec, x, weights, update)` is told to update the state on the forward run only, never
+/// when the block is recomputed during backward.
+pub fn run_stateful<S: Clone + Send + Sync + 'static>(
+    checkpoint: Option<&Checkpointing>,
+    x: &Tensor,
+    weights: &[Tensor],
+    spec: &S,
+    apply: impl Fn(&S, &Tensor, &[Tensor], bool) -> Result<Tensor> + Send + Sync + 'static,
+) -> Result<Tensor> {
+    match checkpoint {
+        Some(ckpt) => {
+            let spec = spec.clone();
+            let first = AtomicBool::new(true);
+            ckpt.segment(x, weights.to_vec(), move |x, w| apply(&spec, x, w, first.swap(false, Ordering::SeqCst)))
+        }
+        None => apply(spec, x, weights, true),
     }
 }
 

@@ -7,9 +7,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use crate::checkpoint::Checkpointing;
+use crate::checkpoint::{run_stateful, Checkpointing};
 use crate::cnn::{depthwise_conv2d, global_avg_pool, BatchNorm, RunningStats};
 use crate::error::ZooError;
 use crate::params::{Init, Params};
@@ -230,16 +228,9 @@ impl MobileNetV2 {
     ) -> Result<Tensor, ZooError> {
         let mut x = relu6(&self.stem.1.forward(&x.conv2d(&self.stem.0, 1, 2, 1, 1)?, train)?)?;
         for block in &self.blocks {
-            x = match checkpoint {
-                Some(ckpt) => {
-                    let spec = block.spec.clone();
-                    let first = AtomicBool::new(true);
-                    ckpt.segment(&x, block.weights.clone(), move |x, w| {
-                        spec.apply(x, w, train, first.swap(false, Ordering::SeqCst))
-                    })?
-                }
-                None => block.spec.apply(&x, &block.weights, train, true)?,
-            };
+            x = run_stateful(checkpoint, &x, &block.weights, &block.spec, move |spec, x, w, update| {
+                spec.apply(x, w, train, update)
+            })?;
         }
         let x = relu6(&self.last.1.forward(&x.conv2d(&self.last.0, 0, 1, 1, 1)?, train)?)?;
         Ok(global_avg_pool(&x)?.matmul(&self.classifier.0.t()?)?.broadcast_add(&self.classifier.1)?)

@@ -3,9 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use crate::checkpoint::Checkpointing;
+use crate::checkpoint::{run_stateful, Checkpointing};
 use crate::cnn::{global_avg_pool, max_pool2d, BatchNorm, RunningStats};
 use crate::error::ZooError;
 use crate::params::{Init, Params};
@@ -199,16 +197,9 @@ impl ResNet {
         let x = self.stem.1.forward(&self.stem.0.forward(x)?, train)?.relu()?;
         let mut x = max_pool2d(&x, 3, 2, 1)?;
         for block in &self.blocks {
-            x = match checkpoint {
-                Some(ckpt) => {
-                    let spec = block.spec.clone();
-                    let first = AtomicBool::new(true);
-                    ckpt.segment(&x, block.weights.clone(), move |x, w| {
-                        spec.apply(x, w, train, first.swap(false, Ordering::SeqCst))
-                    })?
-                }
-                None => block.spec.apply(&x, &block.weights, train, true)?,
-            };
+            x = run_stateful(checkpoint, &x, &block.weights, &block.spec, move |spec, x, w, update| {
+                spec.apply(x, w, train, update)
+            })?;
         }
         let pooled = global_avg_pool(&x)?;
         Ok(pooled.matmul(&self.fc.0.t()?)?.broadcast_add(&self.fc.1)?)
