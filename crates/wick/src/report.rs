@@ -250,13 +250,13 @@ fn render_page(title: &str, summary: &str, samples: &[Sample], live: &[(u64, usi
         let _ =
             write!(svg, "<polyline fill='none' stroke='#36c' stroke-width='2' points='{}'/>", line(|s| s.allocated));
         if let Some(peak) = samples.iter().max_by_key(|s| s.allocated) {
+            let (px, py) = (x(peak.t_ms), y(peak.allocated));
+            // Keep the label inside the picture when the peak is near the right edge.
+            let (lx, anchor) = if px > 0.7 * w { (px - 8.0, "end") } else { (px + 8.0, "start") };
             let _ = write!(
                 svg,
-                "<circle cx='{:.1}' cy='{:.1}' r='5' fill='#36c'/><text x='{:.1}' y='{:.1}' font-size='12'>peak {}</text>",
-                x(peak.t_ms),
-                y(peak.allocated),
-                x(peak.t_ms) + 8.0,
-                y(peak.allocated) - 8.0,
+                "<circle cx='{px:.1}' cy='{py:.1}' r='5' fill='#36c'/><text x='{lx:.1}' y='{:.1}' font-size='12' text-anchor='{anchor}'>peak {}</text>",
+                py - 8.0,
                 format_bytes(peak.allocated as u64)
             );
         }

@@ -36,10 +36,15 @@ fn main() -> Result<()> {
     }
     println!("Trained a 4-layer decoder for 3 steps ({} allocator operations) on host memory.\n", trace.ops.len());
     println!("{}", allocator.memory_summary());
-    let report = wick::HistoryReport::from_history("allocator-workload: 3 training steps on host:0", &allocator.history());
+    let report =
+        wick::HistoryReport::from_history("allocator-workload: 3 training steps on host:0", &allocator.history());
     let html = std::env::temp_dir().join("wick-memory-report.html");
     report.write(&html)?;
-    println!("{}\nHTML memory report (timeline, peak, live blocks at the peak): {}\n", report.to_text(), html.display());
+    println!(
+        "{}\nHTML memory report (timeline, peak, live blocks at the peak): {}\n",
+        report.to_text(),
+        html.display()
+    );
 
     let released = allocator.empty_cache()?;
     println!(
