@@ -16,19 +16,61 @@ pub enum Init {
     Normal(f64),
 }
 
-/// Parameters by name, in name order.
-#[derive(Debug, Default)]
+/// Normally distributed values from a seeded generator (SplitMix64 and Box–Muller), so that
+/// model initialisation and test data are reproducible (candle's CPU generator cannot be seeded).
+pub fn normal_tensor(shape: &[usize], std: f64, seed: u64, dtype: DType, device: &Device) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let mut state = seed;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        // 53 random bits in (0, 1].
+        (((z ^ (z >> 31)) >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    };
+    let mut values = Vec::with_capacity(n + 1);
+    while values.len() < n {
+        let (u1, u2) = (next(), next());
+        let r = (-2.0 * u1.ln()).sqrt() * std;
+        let theta = std::f64::consts::TAU * u2;
+        values.push((r * theta.cos()) as f32);
+        values.push((r * theta.sin()) as f32);
+    }
+    values.truncate(n);
+    Tensor::from_vec(values, shape, device)?.to_dtype(dtype)
+}
+
+/// Parameters by name, in name order. Fresh parameters are drawn from a seeded generator: the
+/// same seed gives the same model.
+#[derive(Debug)]
 pub struct Params {
     vars: BTreeMap<String, Var>,
+    seed: u64,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        Params::with_seed(0x005E_ED0F_71C4)
+    }
 }
 
 impl Params {
+    /// An empty store whose fresh parameters derive from `seed`.
+    pub fn with_seed(seed: u64) -> Self {
+        Params { vars: BTreeMap::new(), seed }
+    }
+
     /// Creates and registers a parameter.
     pub fn create(&mut self, name: &str, shape: &[usize], init: Init, dtype: DType, device: &Device) -> Result<Tensor> {
         let t = match init {
             Init::Zeros => Tensor::zeros(shape, dtype, device)?,
             Init::Ones => Tensor::ones(shape, dtype, device)?,
-            Init::Normal(std) => Tensor::randn(0f32, std as f32, shape, device)?.to_dtype(dtype)?,
+            Init::Normal(std) => {
+                // Each parameter's stream depends on the store's seed and its position.
+                let seed = self.seed ^ (self.vars.len() as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+                normal_tensor(shape, std, seed, dtype, device)?
+            }
         };
         self.insert(name, t)
     }
@@ -82,5 +124,34 @@ impl Params {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeded_normals_are_reproducible_and_normal() {
+        let dev = Device::Cpu;
+        let a: Vec<f32> = normal_tensor(&[20_001], 2.0, 3, DType::F32, &dev).unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = normal_tensor(&[20_001], 2.0, 3, DType::F32, &dev).unwrap().to_vec1().unwrap();
+        let c: Vec<f32> = normal_tensor(&[20_001], 2.0, 4, DType::F32, &dev).unwrap().to_vec1().unwrap();
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        let n = a.len() as f64;
+        let mean = a.iter().map(|v| *v as f64).sum::<f64>() / n;
+        let var = a.iter().map(|v| (*v as f64 - mean).powi(2)).sum::<f64>() / n;
+        assert!(mean.abs() < 0.05, "mean {mean}");
+        assert!((var.sqrt() - 2.0).abs() < 0.05, "std {}", var.sqrt());
+        // Same seed, same model.
+        let mut p = Params::with_seed(9);
+        let mut q = Params::with_seed(9);
+        let x = p.create("w", &[4, 4], Init::Normal(0.1), DType::F32, &dev).unwrap();
+        let y = q.create("w", &[4, 4], Init::Normal(0.1), DType::F32, &dev).unwrap();
+        assert_eq!(
+            x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
     }
 }

@@ -99,7 +99,7 @@ fn train(forward: impl Fn(&Tensor) -> Tensor, params: &Params, lr: f64, steps: u
 
 /// Gaussian inputs for the finite-difference checks.
 fn smooth_batch() -> (Tensor, Tensor) {
-    let x = Tensor::randn(0f64, 1.0, (8, 3, 32, 32), &Device::Cpu).unwrap();
+    let x = wick_zoo::params::normal_tensor(&[8, 3, 32, 32], 1.0, 7, DType::F64, &Device::Cpu).unwrap();
     (x, Tensor::new(&[0u32, 1, 0, 1, 0, 1, 0, 1], &Device::Cpu).unwrap())
 }
 
@@ -121,7 +121,7 @@ fn resnets_train_every_parameter() {
     }
     for depth in [ResNetDepth::R18, ResNetDepth::R34, ResNetDepth::R50] {
         let model = ResNet::new(depth, 2, 8, DType::F32, &Device::Cpu).unwrap();
-        let (first, last) = train(|x| model.forward(x, true).unwrap(), &model.params, 0.05, 15);
+        let (first, last) = train(|x| model.forward(x, true).unwrap(), &model.params, 0.02, 20);
         assert!(last < 0.5 * first, "{depth:?} loss {first} -> {last}");
     }
     let standard = ResNet::new(ResNetDepth::R50, 1000, 64, DType::F32, &Device::Cpu).unwrap();

@@ -56,7 +56,7 @@ fn estimates_are_within_15_percent_of_measured_peaks() {
     use wick_zoo::vit::{Vit, VitConfig};
     let dev = Device::Cpu;
     let f = DType::F32;
-    let images = Tensor::randn(0f32, 1.0, (BATCH, 3, 64, 64), &dev).unwrap();
+    let images = wick_zoo::params::normal_tensor(&[BATCH, 3, 64, 64], 1.0, 13, f, &dev).unwrap();
     let labels = Tensor::from_vec((0..BATCH as u32).map(|i| i % 2).collect::<Vec<_>>(), BATCH, &dev).unwrap();
     let tokens =
         Tensor::from_vec((0..BATCH * 64).map(|i| (i * 7 % 100) as u32).collect::<Vec<_>>(), (BATCH, 64), &dev).unwrap();
