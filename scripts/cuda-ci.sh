@@ -20,16 +20,23 @@ cargo clippy --workspace --all-targets --features wick/cuda -- -D warnings
 
 echo "-- no-driver path: test binary linked against failing stubs"
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-empty
-LIBRARY_PATH="$PWD/target/cuda-stubs-empty" cargo rustc -p wick-memory --features cuda --test conformance_cuda \
-  -- -C link-arg=-Wl,--warn-unresolved-symbols
-binary=$(ls -t target/debug/deps/conformance_cuda-* | grep -v '\.d$' | head -1)
+# Builds the CUDA test binary with the libraries found in $1 and prints its path (from cargo's
+# own report, not a guess among the test binaries of other feature sets).
+build_test() {
+  LIBRARY_PATH="$1" cargo rustc -p wick-memory --features cuda --test conformance_cuda --message-format=json \
+    -- -C link-arg=-Wl,--warn-unresolved-symbols \
+    | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "conformance_cuda" and m.get("executable"):
+        print(m["executable"])'
+}
+binary=$(build_test "$PWD/target/cuda-stubs-empty")
 stubs=target/cuda-stubs-failing
-sh "$shared/tools/cuda-stubs.sh" "$PWD/$binary" "$PWD/$stubs" >/dev/null
+sh "$shared/tools/cuda-stubs.sh" "$binary" "$PWD/$stubs" >/dev/null
 # Relink against the failing stubs so the binary records them as needed libraries.
 touch crates/wick-memory/tests/conformance_cuda.rs
-LIBRARY_PATH="$PWD/$stubs" cargo rustc -p wick-memory --features cuda --test conformance_cuda \
-  -- -C link-arg=-Wl,--warn-unresolved-symbols
-binary=$(ls -t target/debug/deps/conformance_cuda-* | grep -v '\.d$' | head -1)
+binary=$(build_test "$PWD/$stubs")
 readelf -d "$binary" | grep -q 'libcuda' || { echo "!! the test binary does not link libcuda"; exit 1; }
 LD_LIBRARY_PATH="$PWD/$stubs" WICK_EXPECT_NO_DRIVER=1 "$binary" --nocapture
 
