@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use wick_memory::format::format_bytes;
 use wick_memory::{
-    replay, workloads, AllocatorConfig, CachingAllocator, HostBackend, ReplayReport, SimulatedBackend, Trace,
+    replay, replay_simulated, workloads, AllocatorConfig, CachingAllocator, HostBackend, ReplayReport, Trace,
 };
 
 #[derive(Parser)]
@@ -76,15 +76,12 @@ fn main() -> Result<()> {
             for path in &traces {
                 let trace = Trace::from_file(path)?;
                 let report = match backend {
-                    BackendKind::Sim => {
-                        let backend = SimulatedBackend::new(capacity);
-                        trace.streams().into_iter().for_each(|s| backend.streams().ensure_stream(s));
-                        let a = CachingAllocator::with_config(backend, policy.clone())?;
-                        replay(&trace, &a)?
-                    }
+                    BackendKind::Sim => replay_simulated(&trace, capacity, policy.clone())?,
                     BackendKind::Host => {
                         let backend = HostBackend::with_capacity(capacity);
-                        trace.streams().into_iter().for_each(|s| backend.streams().ensure_stream(s));
+                        for stream in trace.streams() {
+                            backend.streams().ensure_stream(stream);
+                        }
                         let a = CachingAllocator::with_config(backend, policy.clone())?;
                         replay(&trace, &a)?
                     }

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use wick_memory::format::format_bytes;
 use wick_memory::{
-    replay, workloads, AllocRequest, AllocatorConfig, CachingAllocator, HostBackend, MemoryResource, SimulatedBackend,
+    replay_simulated, workloads, AllocRequest, AllocatorConfig, CachingAllocator, HostBackend, MemoryResource,
 };
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -104,11 +104,8 @@ fn main() {
     println!("|---|---|---|---|---|---|---|---|---|---|");
     for trace in workloads::standard_suite() {
         for policy in ["", "expandable_segments:True"] {
-            let backend = SimulatedBackend::new(80 << 30);
-            trace.streams().into_iter().for_each(|s| backend.streams().ensure_stream(s));
             let config = AllocatorConfig::parse(policy).expect("policy");
-            let allocator = CachingAllocator::with_config(backend, config).expect("allocator");
-            let r = replay(&trace, &allocator).expect("replay");
+            let r = replay_simulated(&trace, 80 << 30, config).expect("replay");
             println!(
                 "| {} | {} | {} | {} | {} | {} | {:.3} | {} | {} | {:.0} |",
                 r.name,

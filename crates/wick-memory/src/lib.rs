@@ -49,4 +49,4 @@ pub use scope::{scoped, Scope, ScopeReport};
 pub use snapshot::Snapshot;
 pub use stats::MemoryStats;
 pub use stream::{EventId, StreamId};
-pub use trace::{replay, ReplayReport, Trace, TraceOp};
+pub use trace::{replay, replay_simulated, ReplayReport, Trace, TraceOp};

@@ -11,8 +11,9 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, SimulatedBackend};
 use crate::caching::CachingAllocator;
+use crate::config::AllocatorConfig;
 use crate::error::{MemoryError, Result};
 use crate::resource::{AllocRequest, MemoryResource, RawBlock};
 use crate::stream::StreamId;
@@ -152,6 +153,16 @@ pub struct ReplayReport {
     pub device_allocs: u64,
     /// Operations per second of the replay loop.
     pub ops_per_sec: f64,
+}
+
+/// Replays `trace` on a fresh simulated device of `capacity` bytes under `config`, with the
+/// streams the trace names opened on it.
+pub fn replay_simulated(trace: &Trace, capacity: usize, config: AllocatorConfig) -> Result<ReplayReport> {
+    let backend = SimulatedBackend::new(capacity);
+    for stream in trace.streams() {
+        backend.streams().ensure_stream(stream);
+    }
+    replay(trace, &CachingAllocator::with_config(backend, config)?)
 }
 
 /// Replays `trace` through `allocator`. Allocations that fail with out-of-memory are counted and

@@ -8,8 +8,7 @@
 use anyhow::Result;
 use wick_memory::workloads::{self, TransformerShape};
 use wick_memory::{
-    replay, AllocateExt, AllocatorConfig, CachingAllocator, HostBackend, MemoryLimit, MemoryResource, SimulatedBackend,
-    TraceOp,
+    replay_simulated, AllocateExt, AllocatorConfig, CachingAllocator, HostBackend, MemoryLimit, MemoryResource, TraceOp,
 };
 
 fn main() -> Result<()> {
@@ -63,9 +62,7 @@ fn main() -> Result<()> {
     println!("GPU-scale traces on a simulated 80 GiB device (default policy):");
     println!("{:<20} {:>12} {:>12} {:>14}", "trace", "peak alloc", "peak reserv", "fragmentation");
     for trace in workloads::standard_suite() {
-        let backend = SimulatedBackend::new(80 << 30);
-        trace.streams().into_iter().for_each(|s| backend.streams().ensure_stream(s));
-        let r = replay(&trace, &CachingAllocator::new(backend))?;
+        let r = replay_simulated(&trace, 80 << 30, AllocatorConfig::default())?;
         println!(
             "{:<20} {:>12} {:>12} {:>14.3}",
             r.name,
