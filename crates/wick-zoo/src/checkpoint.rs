@@ -3,8 +3,8 @@
 //! activation memory.
 //!
 //! candle has no hook for this, so a segment is attached to the graph through a custom op: the
-//! forward runs the segment on detached inputs (no graph is kept) and adds a zero tensor produced
-//! by the op from the segment's input; the op's backward recomputes the segment with gradients
+//! forward runs the segment on detached inputs (no graph is kept) and the op, applied to the
+//! segment's input, hands that result over as its own output; the op's backward recomputes the segment with gradients
 //! on, back-propagates the incoming gradient through it, returns the input's gradient, and sets
 //! the parameters' gradients aside. [`Checkpointing::backward`] runs the whole backward pass and
 //! merges those into the gradient store, so callers see the same gradients as without
@@ -14,10 +14,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, TensorId, Var};
 
+use crate::fused::Handoff;
 use crate::params::Params;
 
 /// A segment's computation: input and weights (in the order they were given) to output.
@@ -28,7 +28,7 @@ type Stash = Arc<Mutex<HashMap<TensorId, Tensor>>>;
 struct SegmentOp {
     f: Arc<SegmentFn>,
     weights: Vec<Tensor>,
-    shape: Shape,
+    result: Handoff,
     stash: Stash,
 }
 
@@ -37,16 +37,12 @@ impl CustomOp1 for SegmentOp {
         "wick-checkpoint"
     }
 
-    fn cpu_fwd(&self, storage: &CpuStorage, _layout: &Layout) -> Result<(CpuStorage, Shape)> {
-        Ok((storage.device().zeros_impl(&self.shape, storage.dtype())?, self.shape.clone()))
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.result.cpu()
     }
 
-    fn cuda_fwd(
-        &self,
-        storage: &candle_core::CudaStorage,
-        _layout: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((storage.device().zeros_impl(&self.shape, storage.dtype())?, self.shape.clone()))
+    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.result.cuda()
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -111,13 +107,12 @@ impl Checkpointing {
         let y = f(&x.detach(), &detached)?;
         // The op must be on the graph even when the input itself is not tracked (raw images).
         let input = if x.track_op() { x.clone() } else { Var::from_tensor(x)?.as_tensor().clone() };
-        let marker = input.apply_op1(SegmentOp {
+        input.apply_op1(SegmentOp {
             f: Arc::new(f),
             weights,
-            shape: y.shape().clone(),
+            result: Handoff::new("wick-checkpoint", y),
             stash: self.stash.clone(),
-        })?;
-        y + marker
+        })
     }
 
     /// Back-propagates `loss` and adds the checkpointed segments' parameter gradients.

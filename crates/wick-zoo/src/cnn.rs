@@ -1,12 +1,16 @@
 //! Differentiable convolutional building blocks. candle's `max_pool2d` backward fails for
 //! overlapping windows (ResNet's 3×3/stride 2) and its batch-norm is inference-only, so pooling,
 //! depthwise convolution and train-mode batch normalisation are composed here from strided
-//! windows and reductions, all of which candle differentiates.
+//! windows and reductions, all of which candle differentiates. Each is then one graph node
+//! ([`crate::fused::node`]) that keeps its inputs only; batch norm computes in f32 and
+//! convolutions follow the autocast policy, including the CPU's bf16 → f32 fallback.
 
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
+use crate::amp::autocast::{conv_compute, fp32_compute};
+use crate::fused::node;
 use crate::params::{Init, Params};
 
 /// Pads the two spatial dimensions of (N, C, H, W) with `value` on every side.
@@ -48,8 +52,14 @@ fn out_size(len: usize, kernel: usize, stride: usize, pad: usize) -> usize {
     (len + 2 * pad - kernel) / stride + 1
 }
 
-/// Max pooling with any kernel, stride and padding (padding never wins the max).
+/// Max pooling with any kernel, stride and padding (padding never wins the max), as one graph
+/// node in `x`'s dtype.
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
+    node("max_pool2d", &[x], x.dtype(), x.dtype(), move |t| max_pool2d_composed(&t[0], kernel, stride, pad))
+}
+
+/// [`max_pool2d`] composed from windows and a max.
+pub fn max_pool2d_composed(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     let (oh, ow) = (out_size(h, kernel, stride, pad), out_size(w, kernel, stride, pad));
     let xp = pad_spatial(x, pad, -1e4)?;
@@ -63,8 +73,14 @@ pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Resul
 }
 
 /// Depthwise convolution: weight (C, 1, k, k), one filter per channel, as a sum of k² shifted
-/// windows scaled per channel (vectorised, and differentiable through every term).
+/// windows scaled per channel (vectorised, and differentiable through every term), as one graph
+/// node in `x`'s dtype.
 pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
+    node("conv2d", &[x, weight], x.dtype(), x.dtype(), move |t| depthwise_conv2d_composed(&t[0], &t[1], stride, pad))
+}
+
+/// [`depthwise_conv2d`] composed from windows, products and sums.
+pub fn depthwise_conv2d_composed(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
     let (_, c, h, w) = x.dims4()?;
     let (_, _, k, _) = weight.dims4()?;
     let (oh, ow) = (out_size(h, k, stride, pad), out_size(w, k, stride, pad));
@@ -81,6 +97,16 @@ pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) 
         }
     }
     acc.ok_or_else(|| candle_core::Error::Msg("empty depthwise kernel".into()))
+}
+
+/// A dense (groups = 1) convolution under the autocast policy: native in `x`'s dtype, except
+/// bf16 on the CPU (which candle cannot convolve), computed in f32 as one node that returns bf16.
+pub fn conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
+    let compute = conv_compute(x.dtype(), x.device());
+    if compute == x.dtype() {
+        return x.conv2d(weight, pad, stride, 1, 1);
+    }
+    node("conv2d", &[x, weight], compute, x.dtype(), move |t| t[0].conv2d(&t[1], pad, stride, 1, 1))
 }
 
 /// Global average pooling: (N, C, H, W) → (N, C).
@@ -108,27 +134,53 @@ impl RunningStats {
     /// momentum 0.1 with the unbiased variance when `update`), the running estimates otherwise.
     pub fn normalize(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, train: bool, update: bool) -> Result<Tensor> {
         let (eps, momentum) = (1e-5, 0.1);
-        let c = x.dim(1)?;
-        let shape = (1, c, 1, 1);
-        let (mean, var) = if train {
+        let compute = fp32_compute(x.dtype());
+        if !train {
+            let (mean, var) = self.get();
+            return node("batch_norm", &[x, weight, bias], compute, x.dtype(), move |t| {
+                let (m, v) = (mean.to_dtype(t[0].dtype())?, var.to_dtype(t[0].dtype())?);
+                affine_normalize(&t[0], &m, &v, &t[1], &t[2], eps)
+            });
+        }
+        if update {
+            // The running estimates move once per forward pass, from detached f32 statistics.
             let (n, _, h, w) = x.dims4()?;
             let count = (n * h * w) as f64;
-            let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
-            let var = x.broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
-            if update {
-                let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
-                let unbiased = (var.flatten_all()?.detach() * (count / (count - 1.0).max(1.0)))?;
-                running.0 = ((&running.0 * (1.0 - momentum))? + (mean.flatten_all()?.detach() * momentum)?)?;
-                running.1 = ((&running.1 * (1.0 - momentum))? + (unbiased * momentum)?)?;
-            }
-            (mean, var)
-        } else {
-            let (m, v) = self.get();
-            (m.reshape(shape)?, v.reshape(shape)?)
-        };
-        let normed = x.broadcast_sub(&mean)?.broadcast_div(&(var + eps)?.sqrt()?)?;
-        normed.broadcast_mul(&weight.reshape(shape)?)?.broadcast_add(&bias.reshape(shape)?)
+            let (mean, var) = batch_stats(&x.detach().to_dtype(compute)?)?;
+            let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            let dtype = running.0.dtype();
+            let unbiased = (var.flatten_all()? * (count / (count - 1.0).max(1.0)))?;
+            let blend = |old: &Tensor, new: Tensor| -> Result<Tensor> {
+                ((old.to_dtype(compute)? * (1.0 - momentum))? + (new * momentum)?)?.to_dtype(dtype)
+            };
+            running.0 = blend(&running.0, mean.flatten_all()?)?;
+            running.1 = blend(&running.1, unbiased)?;
+        }
+        node("batch_norm", &[x, weight, bias], compute, x.dtype(), move |t| {
+            let (mean, var) = batch_stats(&t[0])?;
+            affine_normalize(&t[0], &mean, &var, &t[1], &t[2], eps)
+        })
     }
+}
+
+/// Per-channel mean and biased variance of (N, C, H, W) over (N, H, W), shaped (1, C, 1, 1).
+fn batch_stats(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+    let var = x.broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+    Ok((mean, var))
+}
+
+fn affine_normalize(
+    x: &Tensor,
+    mean: &Tensor,
+    var: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+) -> Result<Tensor> {
+    let shape = (1, x.dim(1)?, 1, 1);
+    let normed = x.broadcast_sub(&mean.reshape(shape)?)?.broadcast_div(&(var.reshape(shape)? + eps)?.sqrt()?)?;
+    normed.broadcast_mul(&weight.reshape(shape)?)?.broadcast_add(&bias.reshape(shape)?)
 }
 
 /// Batch normalisation with trainable scale and shift (see [`RunningStats::normalize`]).

@@ -10,7 +10,7 @@
 //!
 //! The backward pass's workspace (one gradient per graph edge while it is in flight, plus each
 //! op's temporaries) depends on edges that candle does not expose, so it is profiled instead: a
-//! backward pass at batch 1 and 2 under wick's tracking allocator, extrapolated the same way.
+//! backward pass at batch 2 and 4 under wick's tracking allocator, extrapolated the same way.
 //! Without the tracking allocator, training estimates use a lower bound (two gradients of the
 //! largest activation) and say so.
 
@@ -103,9 +103,10 @@ pub struct Affine {
 }
 
 impl Affine {
-    fn from_two(one: usize, two: usize) -> Self {
-        let per_sample = two.saturating_sub(one);
-        Affine { fixed: one.saturating_sub(per_sample), per_sample }
+    /// Through the values at batch `b` and `2b`.
+    fn from_doubling(b: usize, at_b: usize, at_2b: usize) -> Self {
+        let per_sample = at_2b.saturating_sub(at_b) / b;
+        Affine { fixed: at_b.saturating_sub(b * per_sample), per_sample }
     }
 
     /// The value at `batch`.
@@ -114,7 +115,7 @@ impl Affine {
     }
 }
 
-/// A model's memory profile at one input size, from forward (and backward) passes at batch 1, 2.
+/// A model's memory profile at one input size, from forward (and backward) passes at batch 2, 4.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct ActivationProfile {
     /// Bytes the graph keeps alive, counted from its tensors' shapes.
@@ -133,8 +134,12 @@ impl ActivationProfile {
         let mut counts = Vec::new();
         let mut workspace = Vec::new();
         // A first pass warms up what the process creates once (thread pools, kernel caches), so
-        // it is not mistaken for the model's memory.
-        for (index, batch) in [1, 1, 2].into_iter().enumerate() {
+        // it is not mistaken for the model's memory. The backward workspace is a maximum over
+        // the ops of the backward pass, each affine in the batch, so it is convex in the batch:
+        // its slope is taken between 2 and 4, where the ops that grow with the batch dominate,
+        // rather than at 1 and 2, where a batch-independent op (the output layer's gradient)
+        // can hide them.
+        for (index, batch) in [1, 2, 4].into_iter().enumerate() {
             let before = wick::host_memory::tracked_heap();
             wick::host_memory::reset_tracked_peak();
             let out = forward(batch)?;
@@ -156,9 +161,9 @@ impl ActivationProfile {
             }
         }
         Ok(ActivationProfile {
-            activations: Affine::from_two(counts[0].total, counts[1].total),
-            largest: Affine::from_two(counts[0].largest, counts[1].largest),
-            backward_workspace: (workspace.len() == 2).then(|| Affine::from_two(workspace[0], workspace[1])),
+            activations: Affine::from_doubling(2, counts[0].total, counts[1].total),
+            largest: Affine::from_doubling(2, counts[0].largest, counts[1].largest),
+            backward_workspace: (workspace.len() == 2).then(|| Affine::from_doubling(2, workspace[0], workspace[1])),
         })
     }
 }

@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod cnn;
 pub mod error;
 pub mod estimate;
+pub mod fused;
 pub mod llama;
 pub mod mobilenet;
 pub mod ops;

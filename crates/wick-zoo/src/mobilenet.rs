@@ -8,7 +8,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::{run_stateful, Checkpointing};
-use crate::cnn::{depthwise_conv2d, global_avg_pool, BatchNorm, RunningStats};
+use crate::cnn::{conv2d, depthwise_conv2d, global_avg_pool, BatchNorm, RunningStats};
 use crate::error::ZooError;
 use crate::params::{Init, Params};
 
@@ -100,7 +100,7 @@ impl BlockSpec {
     fn apply(&self, x: &Tensor, w: &[Tensor], train: bool, update: bool) -> candle_core::Result<Tensor> {
         let (mut h, mut i) = (x.clone(), 0);
         if let Some(stats) = &self.expand {
-            h = relu6(&stats.normalize(&h.conv2d(&w[0], 0, 1, 1, 1)?, &w[1], &w[2], train, update)?)?;
+            h = relu6(&stats.normalize(&conv2d(&h, &w[0], 0, 1)?, &w[1], &w[2], train, update)?)?;
             i = 3;
         }
         h = relu6(&self.depthwise.normalize(
@@ -110,7 +110,7 @@ impl BlockSpec {
             train,
             update,
         )?)?;
-        h = self.project.normalize(&h.conv2d(&w[i + 3], 0, 1, 1, 1)?, &w[i + 4], &w[i + 5], train, update)?;
+        h = self.project.normalize(&conv2d(&h, &w[i + 3], 0, 1)?, &w[i + 4], &w[i + 5], train, update)?;
         if self.residual {
             h + x
         } else {
@@ -226,13 +226,13 @@ impl MobileNetV2 {
         train: bool,
         checkpoint: Option<&Checkpointing>,
     ) -> Result<Tensor, ZooError> {
-        let mut x = relu6(&self.stem.1.forward(&x.conv2d(&self.stem.0, 1, 2, 1, 1)?, train)?)?;
+        let mut x = relu6(&self.stem.1.forward(&conv2d(&x, &self.stem.0, 1, 2)?, train)?)?;
         for block in &self.blocks {
             x = run_stateful(checkpoint, &x, &block.weights, &block.spec, move |spec, x, w, update| {
                 spec.apply(x, w, train, update)
             })?;
         }
-        let x = relu6(&self.last.1.forward(&x.conv2d(&self.last.0, 0, 1, 1, 1)?, train)?)?;
+        let x = relu6(&self.last.1.forward(&conv2d(&x, &self.last.0, 0, 1)?, train)?)?;
         Ok(global_avg_pool(&x)?.matmul(&self.classifier.0.t()?)?.broadcast_add(&self.classifier.1)?)
     }
 }

@@ -1,9 +1,15 @@
 //! Differentiable building blocks. candle's fused `softmax_last_dim`, `layer_norm`, `rms_norm`,
 //! `rope` and `sdpa` compute the right values but drop gradients without an error, so the zoo
-//! composes these from primitive ops, each of which has a backward pass in candle. Every function
-//! here is checked against finite differences in its tests.
+//! composes these from primitive ops, each of which has a backward pass in candle. Norms,
+//! attention, RoPE and the loss are then wrapped as single graph nodes ([`crate::fused::node`]):
+//! the graph keeps their inputs, not their intermediates, and the f32-class ones compute in f32
+//! under autocast ([`crate::amp::autocast`]). Every function here is checked against finite
+//! differences in its tests, and each node against its composed form.
 
 use candle_core::{DType, Result, Tensor, D};
+
+use crate::amp::autocast::fp32_compute;
+use crate::fused::node;
 
 /// Softmax over the last dimension, stabilised by subtracting the row maximum (which carries no
 /// gradient of its own: softmax is invariant to the shift).
@@ -20,8 +26,9 @@ pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)
 }
 
-/// Layer normalisation over the last dimension with an affine transform.
-pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+/// Layer normalisation over the last dimension with an affine transform, composed from
+/// primitive ops (every intermediate is kept by the graph; see [`layer_norm`]).
+pub fn layer_norm_composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let centered = x.broadcast_sub(&mean)?;
     let var = centered.sqr()?.mean_keepdim(D::Minus1)?;
@@ -29,22 +36,52 @@ pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Resul
     normed.broadcast_mul(weight)?.broadcast_add(bias)
 }
 
-/// RMS normalisation over the last dimension (LLaMA).
-pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+/// Layer normalisation over the last dimension with an affine transform: one graph node that
+/// computes in f32 (f64 for f64 inputs) and returns the input's dtype (an f32-class op under
+/// autocast).
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    node("layer_norm", &[x, weight, bias], fp32_compute(x.dtype()), x.dtype(), move |t| {
+        layer_norm_composed(&t[0], &t[1], &t[2], eps)
+    })
+}
+
+/// RMS normalisation composed from primitive ops (see [`rms_norm`]).
+pub fn rms_norm_composed(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     x.broadcast_div(&(ms + eps)?.sqrt()?)?.broadcast_mul(weight)
 }
 
-/// Cross-entropy of `logits` (N, C) against integer `targets` (N), averaged.
-pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+/// RMS normalisation over the last dimension (LLaMA): one graph node computing in f32.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    node("rms_norm", &[x, weight], fp32_compute(x.dtype()), x.dtype(), move |t| rms_norm_composed(&t[0], &t[1], eps))
+}
+
+/// Cross-entropy of `logits` (N, C) against integer `targets` (N), averaged, composed from
+/// primitive ops.
+pub fn cross_entropy_composed(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let logp = log_softmax_last_dim(logits)?;
     let picked = logp.gather(&targets.unsqueeze(1)?, 1)?;
     picked.mean_all()?.neg()
 }
 
+/// Cross-entropy of `logits` (N, C) against integer `targets` (N), averaged: one graph node that
+/// computes in f32 and returns f32 whatever the logits' dtype (losses are f32-class ops).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let compute = fp32_compute(logits.dtype());
+    let targets = targets.clone();
+    node("cross_entropy", &[logits], compute, compute, move |t| cross_entropy_composed(&t[0], &targets))
+}
+
 /// Rotary position embedding applied to `x` of shape (batch, heads, seq, head_dim), rotating
 /// pairs (i, i + head_dim/2) as in LLaMA, with precomputed `cos`/`sin` of shape (seq, head_dim/2).
+/// One graph node in `x`'s dtype (the tables are constants).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (cos, sin) = (cos.to_dtype(x.dtype())?, sin.to_dtype(x.dtype())?);
+    node("rope", &[x], x.dtype(), x.dtype(), move |t| rope_composed(&t[0], &cos, &sin))
+}
+
+/// [`rope`] composed from primitive ops.
+pub fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;
     let x1 = x.narrow(D::Minus1, 0, half)?;
     let x2 = x.narrow(D::Minus1, half, half)?;
@@ -69,16 +106,27 @@ pub fn rope_tables(
     Ok((angles.cos()?.to_dtype(dtype)?, angles.sin()?.to_dtype(dtype)?))
 }
 
-/// Scaled dot-product attention over (batch, heads, seq, head_dim) with an additive `bias`
-/// broadcastable to (batch, heads, seq_q, seq_k) (0 where attending, a large negative elsewhere).
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+/// Scaled dot-product attention composed from primitive ops: the matmuls in the inputs' dtype,
+/// the scaled scores, bias and softmax in f32 (f64 for f64 inputs), probabilities cast back to
+/// the inputs' dtype for the second matmul — autocast's policy, written out.
+pub fn attention_composed(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let scale = 1.0 / (q.dim(D::Minus1)? as f64).sqrt();
-    let scores = (q.matmul(&k.t()?.contiguous()?)? * scale)?;
+    let wide = fp32_compute(q.dtype());
+    let scores = (q.matmul(&k.t()?.contiguous()?)?.to_dtype(wide)? * scale)?;
     let scores = match bias {
-        Some(b) => scores.broadcast_add(b)?,
+        Some(b) => scores.broadcast_add(&b.to_dtype(wide)?)?,
         None => scores,
     };
-    softmax_last_dim(&scores)?.matmul(v)
+    softmax_last_dim(&scores)?.to_dtype(v.dtype())?.matmul(v)
+}
+
+/// Scaled dot-product attention over (batch, heads, seq, head_dim) with an additive `bias`
+/// broadcastable to (batch, heads, seq_q, seq_k) (0 where attending, a large negative elsewhere).
+/// One graph node: only q, k and v are kept, never the (seq × seq) scores or probabilities, which
+/// backward recomputes.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let bias = bias.cloned();
+    node("attention", &[q, k, v], q.dtype(), q.dtype(), move |t| attention_composed(&t[0], &t[1], &t[2], bias.as_ref()))
 }
 
 /// An additive causal mask (seq, seq): 0 on and below the diagonal, `-1e4` above. A finite value

@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::{run_stateful, Checkpointing};
-use crate::cnn::{global_avg_pool, max_pool2d, BatchNorm, RunningStats};
+use crate::cnn::{conv2d, global_avg_pool, max_pool2d, BatchNorm, RunningStats};
 use crate::error::ZooError;
 use crate::params::{Init, Params};
 
@@ -55,7 +55,7 @@ impl Conv {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        x.conv2d(&self.weight, self.pad, self.stride, 1, 1)
+        conv2d(x, &self.weight, self.pad, self.stride)
     }
 }
 
@@ -78,19 +78,13 @@ impl BlockSpec {
         let identity = match &self.downsample {
             Some((stride, stats)) => {
                 let base = 3 * k;
-                stats.normalize(&x.conv2d(&w[base], 0, *stride, 1, 1)?, &w[base + 1], &w[base + 2], train, update)?
+                stats.normalize(&conv2d(&x, &w[base], 0, *stride)?, &w[base + 1], &w[base + 2], train, update)?
             }
             None => x.clone(),
         };
         let mut h = x.clone();
         for (i, ((stride, pad), stats)) in self.convs.iter().zip(&self.norms).enumerate() {
-            h = stats.normalize(
-                &h.conv2d(&w[i], *pad, *stride, 1, 1)?,
-                &w[k + 2 * i],
-                &w[k + 2 * i + 1],
-                train,
-                update,
-            )?;
+            h = stats.normalize(&conv2d(&h, &w[i], *pad, *stride)?, &w[k + 2 * i], &w[k + 2 * i + 1], train, update)?;
             if i + 1 < k {
                 h = h.relu()?;
             }

@@ -161,8 +161,7 @@ impl Vit {
         let c = &self.config;
         let n = x.dim(0)?;
         let (h, heads) = (c.hidden, c.heads);
-        let patches = x
-            .conv2d(&self.p("conv_proj.weight")?, 0, c.patch_size, 1, 1)?
+        let patches = crate::cnn::conv2d(x, &self.p("conv_proj.weight")?, 0, c.patch_size)?
             .broadcast_add(&self.p("conv_proj.bias")?.reshape((1, h, 1, 1))?)?;
         let tokens = patches.flatten_from(2)?.transpose(1, 2)?; // (N, patches, h)
         let cls = self.p("class_token")?.broadcast_as((n, 1, h))?;

@@ -82,18 +82,21 @@ fn same_gradients(params: &wick_zoo::params::Params, loss: impl Fn(Option<&Check
     }
 }
 
-/// Peak heap of one forward+backward, plain vs checkpointed.
-fn peaks(params: &wick_zoo::params::Params, loss: impl Fn(Option<&Checkpointing>) -> Tensor) -> (usize, usize) {
+/// Peak heap of one forward+backward and the activations the graph keeps after the forward
+/// pass, plain vs checkpointed: ((peak, kept) plain, (peak, kept) checkpointed).
+type Measured = ((usize, usize), (usize, usize));
+fn peaks(params: &wick_zoo::params::Params, loss: impl Fn(Option<&Checkpointing>) -> Tensor) -> Measured {
     let run = |ckpt: Option<&Checkpointing>| {
         let base = tracked_heap().unwrap();
         reset_tracked_peak();
         let l = loss(ckpt);
+        let kept = wick_zoo::estimate::graph_bytes(&l).total;
         let g = match ckpt {
             Some(c) => c.backward(&l, params).unwrap(),
             None => l.backward().unwrap(),
         };
         drop((l, g));
-        tracked_peak().unwrap() - base
+        (tracked_peak().unwrap() - base, kept)
     };
     (run(None), run(Some(&Checkpointing::new())))
 }
@@ -139,10 +142,10 @@ fn checkpointing_works_on_every_zoo_model() {
         .unwrap();
         let x = images(dtype);
         let vit_loss = |c: Option<&Checkpointing>| cross_entropy(&vit.forward_with(&x, c).unwrap(), &labels).unwrap();
-        let r18 = ResNet::new(ResNetDepth::R18, 2, 8, dtype, &dev).unwrap();
+        let r18 = ResNet::new(ResNetDepth::R18, 2, 16, dtype, &dev).unwrap();
         let r18_loss =
             |c: Option<&Checkpointing>| cross_entropy(&r18.forward_with(&x, true, c).unwrap(), &labels).unwrap();
-        let r50 = ResNet::new(ResNetDepth::R50, 2, 8, dtype, &dev).unwrap();
+        let r50 = ResNet::new(ResNetDepth::R50, 2, 16, dtype, &dev).unwrap();
         let r50_loss =
             |c: Option<&Checkpointing>| cross_entropy(&r50.forward_with(&x, true, c).unwrap(), &labels).unwrap();
         let mbn = MobileNetV2::new(2, 0.5, dtype, &dev).unwrap();
@@ -155,7 +158,7 @@ fn checkpointing_works_on_every_zoo_model() {
             same_gradients(&r50.params, r50_loss);
             same_gradients(&mbn.params, mbn_loss);
         } else {
-            for (name, (plain, ckpt)) in [
+            for (name, ((plain, plain_kept), (ckpt, ckpt_kept))) in [
                 ("bert", peaks(&bert.params, bert_loss)),
                 ("vit", peaks(&vit.params, vit_loss)),
                 ("resnet18", peaks(&r18.params, r18_loss)),
@@ -163,17 +166,24 @@ fn checkpointing_works_on_every_zoo_model() {
                 ("mobilenet_v2", peaks(&mbn.params, mbn_loss)),
             ] {
                 println!(
-                    "{name}: training-step peak plain {:.1} MiB, checkpointed {:.1} MiB",
+                    "{name}: training-step peak plain {:.1} MiB, checkpointed {:.1} MiB; activations kept {:.1} vs {:.1} MiB",
                     plain as f64 / 1048576.0,
-                    ckpt as f64 / 1048576.0
+                    ckpt as f64 / 1048576.0,
+                    plain_kept as f64 / 1048576.0,
+                    ckpt_kept as f64 / 1048576.0,
                 );
-                report.push((name, plain, ckpt));
+                report.push((name, plain, ckpt, plain_kept, ckpt_kept));
             }
         }
     }
-    for (name, plain, ckpt) in report {
-        // Savings depend on how much of a model's activation memory sits inside its checkpointed
-        // segments (ResNet's stem and max-pool are not segmented); every model must save some.
-        assert!((ckpt as f64) < 0.95 * plain as f64, "{name}: checkpointing saves memory ({ckpt} vs {plain})");
+    for (name, plain, ckpt, plain_kept, ckpt_kept) in report {
+        // Every model keeps far fewer activations. How much of that shows in the step's peak
+        // depends on what else the peak holds: at this size ResNet's peak is the backward
+        // workspace of its convolutions (candle's im2col), which checkpointing cannot shrink.
+        assert!((ckpt_kept as f64) < 0.6 * plain_kept as f64, "{name}: kept {ckpt_kept} vs {plain_kept}");
+        assert!((ckpt as f64) < 1.0 * plain as f64, "{name}: checkpointing never raises the peak ({ckpt} vs {plain})");
+        if !name.starts_with("resnet") {
+            assert!((ckpt as f64) < 0.8 * plain as f64, "{name}: checkpointing lowers the peak ({ckpt} vs {plain})");
+        }
     }
 }

@@ -1,9 +1,11 @@
-//! Mixed precision. So far: the loss scaler and fp32 master weights with fp32 optimizer state;
-//! the autocast policy inside the zoo models and the fused CUDA kernels come with the rest of the
-//! AMP work.
+//! Mixed precision: the autocast policy ([`autocast`]), the loss scaler ([`GradScaler`]), fp32
+//! master weights with fp32 optimizer state ([`MasterWeights`]), and CPU references of the fused
+//! CUDA kernels in `kernels/` ([`kernels`]).
 
+pub mod autocast;
 mod grad_scaler;
 mod master;
 
+pub use autocast::Autocast;
 pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, StepOutcome};
 pub use master::{MasterOptimizer, MasterWeights};
