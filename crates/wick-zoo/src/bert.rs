@@ -102,11 +102,21 @@ pub struct Bert {
     dtype: DType,
 }
 
+/// Layer-norm parameters stay f32 in a low-precision model (see
+/// [`crate::amp::autocast::norm_param_dtype`]).
+fn param_dtype(name: &str, dtype: DType) -> DType {
+    if name.contains("LayerNorm") {
+        crate::amp::autocast::norm_param_dtype(dtype)
+    } else {
+        dtype
+    }
+}
+
 /// One post-norm encoder layer; `w` holds the parameters in [`layer_shapes`] order.
 fn encoder_layer(x: &Tensor, w: &[Tensor], bias: &Tensor, heads: usize, eps: f64) -> candle_core::Result<Tensor> {
     let (batch, seq, hidden) = x.dims3()?;
     let hd = hidden / heads;
-    let linear = |t: &Tensor, i: usize| t.broadcast_matmul(&w[i].t()?)?.broadcast_add(&w[i + 1]);
+    let linear = |t: &Tensor, i: usize| ops::linear(t, &w[i], Some(&w[i + 1]));
     let split = |t: Tensor| -> candle_core::Result<Tensor> {
         t.reshape((batch, seq, heads, hd))?.transpose(1, 2)?.contiguous()
     };
@@ -163,7 +173,7 @@ impl Bert {
     pub fn new(config: BertConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
         let mut params = Params::default();
         for (name, shape, init) in all_shapes(&config) {
-            params.create(&name, &shape, init, dtype, device)?;
+            params.create(&name, &shape, init, param_dtype(&name, dtype), device)?;
         }
         Ok(Bert { config, params, dtype })
     }
@@ -172,7 +182,7 @@ impl Bert {
     pub fn load(config: BertConfig, weights: &WeightFile, dtype: DType) -> Result<Self, ZooError> {
         let mut params = Params::default();
         for (name, shape, _) in all_shapes(&config) {
-            params.insert(&name, weights.get(&name, &shape, dtype)?)?;
+            params.insert(&name, weights.get(&name, &shape, param_dtype(&name, dtype))?)?;
         }
         Ok(Bert { config, params, dtype })
     }

@@ -74,9 +74,10 @@ pub fn max_pool2d_composed(x: &Tensor, kernel: usize, stride: usize, pad: usize)
 
 /// Depthwise convolution: weight (C, 1, k, k), one filter per channel, as a sum of k² shifted
 /// windows scaled per channel (vectorised, and differentiable through every term), as one graph
-/// node in `x`'s dtype.
+/// node (in f32 for bf16 on the CPU, like [`conv2d`]).
 pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
-    node("conv2d", &[x, weight], x.dtype(), x.dtype(), move |t| depthwise_conv2d_composed(&t[0], &t[1], stride, pad))
+    let compute = conv_compute(x.dtype(), x.device());
+    node("conv2d", &[x, weight], compute, x.dtype(), move |t| depthwise_conv2d_composed(&t[0], &t[1], stride, pad))
 }
 
 /// [`depthwise_conv2d`] composed from windows, products and sums.
@@ -111,7 +112,8 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<
 
 /// Global average pooling: (N, C, H, W) → (N, C).
 pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
-    x.mean(D::Minus1)?.mean(D::Minus1)
+    // A mean is an f32-class reduction (candle's CPU reductions accumulate in the input dtype).
+    node("mean", &[x], fp32_compute(x.dtype()), x.dtype(), |t| t[0].mean(D::Minus1)?.mean(D::Minus1))
 }
 
 /// Running statistics of a batch norm, shared (cheaply cloned) with checkpointed segments.
@@ -195,7 +197,9 @@ pub struct BatchNorm {
 
 impl BatchNorm {
     /// Registers `{prefix}.weight`/`.bias` as parameters; running statistics start at (0, 1).
+    /// All of them are f32 in a bf16/f16 model ([`crate::amp::autocast::norm_param_dtype`]).
     pub fn new(params: &mut Params, prefix: &str, channels: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let dtype = crate::amp::autocast::norm_param_dtype(dtype);
         let weight = params.create(&format!("{prefix}.weight"), &[channels], Init::Ones, dtype, device)?;
         let bias = params.create(&format!("{prefix}.bias"), &[channels], Init::Zeros, dtype, device)?;
         let running =

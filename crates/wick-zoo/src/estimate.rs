@@ -54,13 +54,19 @@ pub struct GraphBytes {
 
 /// Counts the storages an output keeps alive through its autograd graph (parameters excluded).
 pub fn graph_bytes(output: &Tensor) -> GraphBytes {
+    let nodes = output.sorted_nodes();
+    let key = |t: &Tensor| std::ptr::from_ref(&*t.storage_and_layout().0).addr();
+    // Views of a parameter (its transpose, a broadcast, an embedding table's slice) share the
+    // parameter's storage: they are parameter memory, not activations.
+    let parameter_storages: std::collections::HashSet<usize> =
+        nodes.iter().filter(|n| n.is_variable()).map(|n| key(n)).collect();
     let mut storages: HashMap<usize, usize> = HashMap::new();
-    for node in output.sorted_nodes() {
-        if node.is_variable() {
-            continue;
-        }
+    for node in nodes {
         let (storage, layout) = node.storage_and_layout();
         let key = std::ptr::from_ref(&*storage).addr();
+        if parameter_storages.contains(&key) {
+            continue;
+        }
         // The highest element a view reaches; the base tensor of a storage reaches its end.
         let reach = layout.start_offset()
             + layout.dims().iter().zip(layout.stride()).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>()

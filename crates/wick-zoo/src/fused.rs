@@ -4,9 +4,9 @@
 //! written as eight primitive ops keeps eight tensors, and casting to f32 for a numerically
 //! sensitive op adds f32 copies to the graph. A [`node`] runs the whole computation on detached
 //! inputs (in a chosen compute dtype), returns the result in the activation dtype, and keeps only
-//! its inputs: backward recomputes the computation in the compute dtype with gradients on and
-//! back-propagates through it (a vector–Jacobian product), so the gradients are candle's own
-//! gradients of the same computation.
+//! its inputs: backward recomputes the computation in f32 (f64 for f64 inputs) with gradients on
+//! and back-propagates through it (a vector–Jacobian product), so the gradients are candle's own
+//! gradients of the same computation, accumulated in f32.
 //!
 //! This is how the zoo keeps AMP's saved activations in the low-precision dtype while softmax,
 //! normalisation and losses compute in f32 (see [`crate::amp::autocast`]), and how composite
@@ -84,23 +84,27 @@ impl Handoff {
 }
 
 impl Node {
-    /// Gradients of the inputs: recompute in the compute dtype with gradients on, then
-    /// back-propagate `grad` through the recomputation.
+    /// Gradients of the inputs: recompute with gradients on, then back-propagate `grad` through
+    /// the recomputation. Backward runs in f32 even for a node that computes forward in bf16 or
+    /// f16: candle's CPU reductions accumulate in the tensor's own dtype (a bf16 sum of 4096
+    /// ones is 256), and a backward pass is full of reductions (bias and broadcast gradients,
+    /// weight gradients of convolutions written as sums).
     fn vjp(&self, args: &[&Tensor], grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let compute = crate::amp::autocast::fp32_compute(self.compute);
         let mut inputs = Vec::with_capacity(args.len());
         let mut vars = Vec::with_capacity(args.len());
         for a in args {
             if a.track_op() && a.dtype().is_float() {
-                let v = Var::from_tensor(&a.detach().to_dtype(self.compute)?)?;
+                let v = Var::from_tensor(&a.detach().to_dtype(compute)?)?;
                 inputs.push(v.as_tensor().clone());
                 vars.push(Some(v));
             } else {
-                inputs.push(to_compute(&a.detach(), self.compute)?);
+                inputs.push(to_compute(&a.detach(), compute)?);
                 vars.push(None);
             }
         }
         let y = (self.f)(&inputs)?;
-        let grads = (y * grad.detach().to_dtype(self.compute)?)?.sum_all()?.backward()?;
+        let grads = (y.to_dtype(compute)? * grad.detach().to_dtype(compute)?)?.sum_all()?.backward()?;
         args.iter()
             .zip(vars)
             .map(|(a, v)| match v.and_then(|v| grads.get(v.as_tensor()).cloned()) {

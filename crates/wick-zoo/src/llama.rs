@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::amp::autocast::norm_param_dtype;
 use crate::checkpoint::Checkpointing;
 use crate::error::ZooError;
 use crate::ops;
@@ -32,7 +33,7 @@ fn decoder_layer(
 ) -> candle_core::Result<Tensor> {
     let (batch, seq, hidden) = x.dims3()?;
     let (heads, hd) = (c.num_heads, hidden / c.num_heads);
-    let proj = |t: &Tensor, m: &Tensor| t.broadcast_matmul(&m.t()?);
+    let proj = |t: &Tensor, m: &Tensor| ops::linear(t, m, None);
     let split = |t: Tensor| -> candle_core::Result<Tensor> {
         t.reshape((batch, seq, heads, hd))?.transpose(1, 2)?.contiguous()
     };
@@ -129,10 +130,12 @@ impl Llama {
                 ("up.weight", vec![i, h], Init::Normal(std)),
                 ("down.weight", vec![h, i], Init::Normal(std)),
             ] {
+                // RMSNorm scales stay f32 under AMP (`norm_param_dtype`).
+                let dtype = if name.contains("norm") { norm_param_dtype(dtype) } else { dtype };
                 params.create(&format!("layers.{l}.{name}"), &shape, init, dtype, device)?;
             }
         }
-        params.create("norm.weight", &[h], Init::Ones, dtype, device)?;
+        params.create("norm.weight", &[h], Init::Ones, norm_param_dtype(dtype), device)?;
         params.create("lm_head.weight", &[v, h], Init::Normal(std), dtype, device)?;
         Ok(Llama { config, params, dtype })
     }
@@ -142,7 +145,7 @@ impl Llama {
     }
 
     fn proj(&self, x: &Tensor, name: &str) -> Result<Tensor, ZooError> {
-        Ok(x.broadcast_matmul(&self.p(name)?.t()?)?)
+        Ok(ops::linear(x, &self.p(name)?, None)?)
     }
 
     /// Logits (batch, seq, vocab) for token ids (batch, seq).

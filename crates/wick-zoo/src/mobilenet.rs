@@ -7,6 +7,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::amp::autocast::norm_param_dtype;
 use crate::checkpoint::{run_stateful, Checkpointing};
 use crate::cnn::{conv2d, depthwise_conv2d, global_avg_pool, BatchNorm, RunningStats};
 use crate::error::ZooError;
@@ -74,12 +75,22 @@ impl Builder<'_> {
         self.tensor(&format!("{name}.weight"), &shape, Init::Normal((2.0 / fan_out as f64).sqrt()))
     }
 
+    /// A batch norm, its parameters and statistics in [`norm_param_dtype`] (f32 under AMP).
     fn bn(&mut self, prefix: &str, c: usize) -> Result<BatchNorm, ZooError> {
+        let model_dtype = self.dtype;
+        self.dtype = norm_param_dtype(model_dtype);
+        let parts = self.bn_parts(prefix, c);
+        self.dtype = model_dtype;
+        let (w, b, mean, var) = parts?;
+        Ok(BatchNorm::from_parts(w, b, mean, var))
+    }
+
+    fn bn_parts(&mut self, prefix: &str, c: usize) -> Result<(Tensor, Tensor, Tensor, Tensor), ZooError> {
         let w = self.tensor(&format!("{prefix}.weight"), &[c], Init::Ones)?;
         let b = self.tensor(&format!("{prefix}.bias"), &[c], Init::Zeros)?;
         let mean = self.buffer(&format!("{prefix}.running_mean"), &[c], 0.0)?;
         let var = self.buffer(&format!("{prefix}.running_var"), &[c], 1.0)?;
-        Ok(BatchNorm::from_parts(w, b, mean, var))
+        Ok((w, b, mean, var))
     }
 }
 
@@ -214,6 +225,20 @@ impl MobileNetV2 {
     }
 
     /// Logits (N, classes) for images (N, 3, H, W), normalised as torchvision expects.
+    /// The residual-block counterpart of torchvision ResNet's `zero_init_residual=True`: the
+    /// projection norm's scale of every block with a skip connection starts at zero, so those
+    /// blocks start as the identity.
+    pub fn zero_init_residual(&self) -> Result<(), ZooError> {
+        for block in self.blocks.iter().filter(|b| b.spec.residual) {
+            let n = block.weights.len();
+            let scale = &block.weights[n - 2];
+            if let Some((_, var)) = self.params.iter().find(|(_, v)| v.as_tensor().id() == scale.id()) {
+                var.set(&var.zeros_like()?)?;
+            }
+        }
+        Ok(())
+    }
+
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ZooError> {
         self.forward_with(x, train, None)
     }
@@ -233,7 +258,7 @@ impl MobileNetV2 {
             })?;
         }
         let x = relu6(&self.last.1.forward(&conv2d(&x, &self.last.0, 0, 1)?, train)?)?;
-        Ok(global_avg_pool(&x)?.matmul(&self.classifier.0.t()?)?.broadcast_add(&self.classifier.1)?)
+        Ok(crate::ops::linear(&global_avg_pool(&x)?, &self.classifier.0, Some(&self.classifier.1))?)
     }
 }
 

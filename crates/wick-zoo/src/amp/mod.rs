@@ -5,6 +5,7 @@
 pub mod autocast;
 mod grad_scaler;
 mod master;
+pub mod trial;
 
 pub use autocast::Autocast;
 pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, StepOutcome};

@@ -1,0 +1,256 @@
+//! AMP against f32 on the same task: every zoo model on a fixed synthetic task, trained the same
+//! number of steps from the same initial values, with the activations the graph keeps, the
+//! step's peak heap and the losses recorded. The AMP test and the benchmark table both run it.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Result, Tensor, Var};
+
+use crate::amp::{Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
+use crate::bert::{Bert, BertConfig};
+use crate::error::ZooError;
+use crate::estimate::graph_bytes;
+use crate::llama::{Llama, LlamaConfig};
+use crate::mobilenet::MobileNetV2;
+use crate::ops::cross_entropy;
+use crate::params::normal_tensor;
+use crate::resnet::{ResNet, ResNetDepth};
+use crate::vit::{Vit, VitConfig};
+
+/// A model with its loss on a fixed batch.
+pub struct Task {
+    /// The model's name.
+    pub name: &'static str,
+    /// Its trainable parameters (the low-precision compute copies under AMP).
+    pub vars: Vec<Var>,
+    /// Builds the loss of the fixed batch.
+    pub loss: Box<dyn Fn() -> Result<Tensor>>,
+}
+
+/// Images per batch in the vision tasks (sequences: half as many).
+const BATCH: usize = 16;
+
+/// Classes in the vision tasks.
+const CLASSES: usize = 10;
+
+/// `n` seeded labels in `0..classes`.
+fn labels(n: usize, classes: usize, device: &Device) -> Result<Tensor> {
+    let u = normal_tensor(&[n], 1.0, 23, DType::F32, device)?.to_vec1::<f32>()?;
+    let v: Vec<u32> = u.iter().map(|x| ((x.abs() * 1000.0) as u32) % classes as u32).collect();
+    Tensor::new(v, device)
+}
+
+/// `n` seeded 32×32 RGB images and their labels. Each image is noise with its own contrast and
+/// per-channel brightness, and its label is the bucket of its red brightness: a learnable rule,
+/// and images that stay distinguishable deep into a network (pure noise images look alike to a
+/// deep random network, so batch norm there would normalise away differences smaller than
+/// bf16's resolution).
+pub fn synthetic_images(n: usize, size: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let noise = normal_tensor(&[n, 3, size, size], 1.0, 11, DType::F32, device)?;
+    let brightness = normal_tensor(&[n, 3, 1, 1], 1.0, 12, DType::F32, device)?;
+    let contrast = normal_tensor(&[n, 1, 1, 1], 0.5, 13, DType::F32, device)?.exp()?;
+    let x = noise.broadcast_mul(&contrast)?.broadcast_add(&brightness)?;
+    let red: Vec<f32> = brightness.narrow(1, 0, 1)?.flatten_all()?.to_vec1()?;
+    let labels: Vec<u32> =
+        red.iter().map(|b| ((b + 2.5) * CLASSES as f32 / 5.0).clamp(0.0, CLASSES as f32 - 1.0) as u32).collect();
+    Ok((x, Tensor::new(labels, device)?))
+}
+
+/// Names of the models [`task`] builds.
+pub const MODELS: [&str; 6] = ["llama", "bert", "vit", "resnet18", "resnet50", "mobilenet_v2"];
+
+fn vars(params: &crate::params::Params) -> Vec<Var> {
+    params.iter().map(|(_, v)| v.clone()).collect()
+}
+
+fn zoo(e: ZooError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// The model `name` (one of [`MODELS`]), built in `autocast`'s model dtype from the same seeded
+/// initial values whatever the dtype, with its loss on a fixed synthetic batch: next-token
+/// prediction of a seeded random sequence (LLaMA), classification of token sequences with
+/// padding into seeded labels through a fixed readout (BERT), and [`synthetic_images`] (the
+/// vision models). The CNNs use `zero_init_residual` (see [`ResNet::zero_init_residual`]).
+pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Result<Task, ZooError> {
+    let dtype = autocast.model_dtype();
+    let images = || -> std::result::Result<(Tensor, Tensor), ZooError> {
+        let (x, labels) = synthetic_images(BATCH, 32, device)?;
+        Ok((x.to_dtype(dtype)?, labels))
+    };
+    let t: Task = match name {
+        "llama" => {
+            let config =
+                LlamaConfig { num_layers: 2, hidden_size: 64, intermediate_size: 128, ..LlamaConfig::tiny(48) };
+            let model = Arc::new(Llama::new(config, dtype, device)?);
+            let ids = normal_tensor(&[8 * 33], 1.0, 31, DType::F32, device)?.to_vec1::<f32>()?;
+            let ids: Vec<u32> = ids.iter().map(|x| ((x.abs() * 1000.0) as u32) % 48).collect();
+            let ids = Tensor::from_vec(ids, (8, 33), device)?;
+            let m = model.clone();
+            Task { name: "llama", vars: vars(&model.params), loss: Box::new(move || m.loss(&ids).map_err(zoo)) }
+        }
+        "bert" => {
+            let config = BertConfig {
+                vocab_size: 64,
+                hidden_size: 64,
+                num_hidden_layers: 2,
+                num_attention_heads: 4,
+                intermediate_size: 128,
+                max_position_embeddings: 64,
+                type_vocab_size: 2,
+                layer_norm_eps: 1e-12,
+            };
+            let model = Arc::new(Bert::new(config, dtype, device)?);
+            let ids: Vec<u32> = (0..8 * 32).map(|i| ((i * 7 + i / 5) % 64) as u32).collect();
+            let ids = Tensor::from_vec(ids, (8, 32), device)?;
+            // The last 8 positions of the second half of the batch are padding.
+            let mask: Vec<u32> = (0..8 * 32).map(|i| u32::from(i / 32 < 4 || i % 32 < 24)).collect();
+            let mask = Tensor::from_vec(mask, (8, 32), device)?;
+            // A fixed (untrained) readout of the pooled states into two classes.
+            let head = normal_tensor(&[64, 2], 0.5, 5, DType::F32, device)?;
+            let labels = labels(8, 2, device)?;
+            let m = model.clone();
+            let loss = move || -> Result<Tensor> {
+                let hidden = m.forward(&ids, &mask).map_err(zoo)?;
+                let pooled = Bert::mean_pool(&hidden, &mask).map_err(zoo)?;
+                cross_entropy(&pooled.matmul(&head)?, &labels)
+            };
+            Task { name: "bert", vars: vars(&model.params), loss: Box::new(loss) }
+        }
+        "vit" => {
+            let config = VitConfig {
+                image_size: 32,
+                patch_size: 8,
+                hidden: 64,
+                layers: 2,
+                heads: 4,
+                mlp_dim: 128,
+                num_classes: CLASSES,
+            };
+            let model = Arc::new(Vit::new(config, dtype, device)?);
+            let (x, labels) = images()?;
+            let m = model.clone();
+            let loss = move || cross_entropy(&m.forward(&x).map_err(zoo)?, &labels);
+            Task { name: "vit", vars: vars(&model.params), loss: Box::new(loss) }
+        }
+        "resnet18" | "resnet50" => {
+            let (depth, name) =
+                if name == "resnet18" { (ResNetDepth::R18, "resnet18") } else { (ResNetDepth::R50, "resnet50") };
+            let model = Arc::new(ResNet::new(depth, CLASSES, 16, dtype, device)?);
+            model.zero_init_residual()?;
+            let (x, labels) = images()?;
+            let m = model.clone();
+            let loss = move || cross_entropy(&m.forward(&x, true).map_err(zoo)?, &labels);
+            Task { name, vars: vars(&model.params), loss: Box::new(loss) }
+        }
+        "mobilenet_v2" => {
+            let model = Arc::new(MobileNetV2::new(CLASSES, 0.5, dtype, device)?);
+            model.zero_init_residual()?;
+            let (x, labels) = images()?;
+            let m = model.clone();
+            let loss = move || cross_entropy(&m.forward(&x, true).map_err(zoo)?, &labels);
+            Task { name: "mobilenet_v2", vars: vars(&model.params), loss: Box::new(loss) }
+        }
+        other => {
+            return Err(ZooError::Config {
+                path: "<amp trial>".into(),
+                message: format!("unknown model `{other}` (expected one of {MODELS:?})"),
+            })
+        }
+    };
+    Ok(t)
+}
+
+/// What one training run measured.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TrialReport {
+    /// Model name.
+    pub model: &'static str,
+    /// The model's (compute) dtype.
+    pub dtype: String,
+    /// Loss before each applied step, then the loss after the last one.
+    pub losses: Vec<f32>,
+    /// Bytes of the tensors the graph keeps for backward after the first forward pass
+    /// (parameters excluded).
+    pub activation_bytes: usize,
+    /// Peak heap of the first forward + backward above what was live before it, when wick's
+    /// tracking allocator is installed.
+    pub step_peak_bytes: Option<usize>,
+    /// Bytes of the f32 master weights and of the f32 optimizer state.
+    pub master_bytes: (usize, usize),
+    /// Steps skipped by the loss scaler (non-finite gradients).
+    pub skipped_steps: usize,
+}
+
+/// Trains `task` for `steps` optimizer steps with `optimizer` on f32 masters, scaling the loss
+/// when `autocast` needs it (f16). Steps the scaler skips (non-finite gradients while the scale
+/// is still too high) are not training steps: they are counted, and more are run, up to
+/// `steps` more attempts.
+pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOptimizer) -> Result<TrialReport> {
+    let mut masters = MasterWeights::new(&task.vars, optimizer)?;
+    let mut scaler = autocast.needs_loss_scaling().then(GradScaler::new);
+    let refs: Vec<&Var> = task.vars.iter().collect();
+    let (mut losses, mut activation_bytes, mut step_peak_bytes, mut skipped) = (Vec::new(), 0, None, 0);
+    let mut applied = 0;
+    for step in 0..2 * steps {
+        if applied == steps {
+            break;
+        }
+        let before = wick::host_memory::tracked_heap();
+        wick::host_memory::reset_tracked_peak();
+        let loss = (task.loss)()?;
+        if step == 0 {
+            activation_bytes = graph_bytes(&loss).total;
+        }
+        // Losses before each applied step (a skipped step leaves the model as it was).
+        losses.push(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+        let scaled = match &scaler {
+            Some(s) => s.scale_loss(&loss).map_err(|e| candle_core::Error::Msg(e.to_string()))?,
+            None => loss.clone(),
+        };
+        let mut grads = scaled.backward()?;
+        drop((loss, scaled));
+        // The second step is measured: the first also creates what lives for the whole process
+        // (thread pools, caches).
+        if step == 1 {
+            step_peak_bytes = match (before, wick::host_memory::tracked_peak()) {
+                (Some(b), Some(p)) => Some(p.saturating_sub(b)),
+                _ => None,
+            };
+        }
+        match &mut scaler {
+            Some(s) => {
+                let outcome = s
+                    .step(&mut grads, &refs, |g| masters.step(g))
+                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                if outcome == StepOutcome::Skipped {
+                    skipped += 1;
+                    losses.pop();
+                } else {
+                    applied += 1;
+                }
+                s.update().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            }
+            None => {
+                masters.step(&grads)?;
+                applied += 1;
+            }
+        }
+    }
+    // The loss after the last step.
+    losses.push((task.loss)()?.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+    Ok(TrialReport {
+        model: task.name,
+        dtype: format!("{:?}", autocast.model_dtype()).to_lowercase(),
+        losses,
+        activation_bytes,
+        step_peak_bytes,
+        master_bytes: masters.memory_bytes(),
+        skipped_steps: skipped,
+    })
+}
+
+/// The AdamW settings the trials use.
+pub fn trial_optimizer() -> MasterOptimizer {
+    MasterOptimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+}

