@@ -117,3 +117,31 @@ fn minilm_loads_from_an_offline_hf_hub_cache() {
     assert!(err.contains("not in the hub cache") && err.contains("models--org--absent-model"), "{err}");
     std::fs::remove_dir_all(&root).ok();
 }
+
+/// Under autocast (the model built in bf16 or f16, layer norms and softmax in f32, masks finite)
+/// the real model's embeddings have no NaN and stay within cosine 0.999 of the f32 ones,
+/// padding included (candle-transformers' `BertModel` gives NaN here: its mask is `f32::MIN`).
+#[test]
+fn minilm_under_autocast_matches_f32() {
+    let Some(dir) = common::minilm_dir() else { return };
+    let texts = [
+        "This is an example sentence",
+        "Each sentence is converted",
+        "Mixed precision halves the memory of activations without changing what a model computes",
+        "a",
+    ];
+    let reference = SentenceEmbedder::load(&dir, DType::F32, &Device::Cpu).unwrap().embed(&texts).unwrap();
+    for autocast in [wick_zoo::amp::Autocast::bf16(), wick_zoo::amp::Autocast::f16()] {
+        let model = SentenceEmbedder::load(&dir, autocast.model_dtype(), &Device::Cpu).unwrap();
+        let e = model.embed(&texts).unwrap().to_dtype(DType::F32).unwrap();
+        for (i, text) in texts.iter().enumerate() {
+            let a: Vec<f32> = reference.get(i).unwrap().to_vec1().unwrap();
+            let b: Vec<f32> = e.get(i).unwrap().to_vec1().unwrap();
+            assert!(b.iter().all(|v| v.is_finite()), "{autocast:?} `{text}`: non-finite embedding");
+            let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+            let cosine = dot / (a.iter().map(|x| x * x).sum::<f32>().sqrt() * b.iter().map(|x| x * x).sum::<f32>().sqrt());
+            println!("{:?} `{text}`: cosine to f32 {cosine:.6}", autocast.model_dtype());
+            assert!(cosine >= 0.999, "{autocast:?} `{text}`: cosine {cosine}");
+        }
+    }
+}
