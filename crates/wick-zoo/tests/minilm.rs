@@ -139,7 +139,8 @@ fn minilm_under_autocast_matches_f32() {
             let b: Vec<f32> = e.get(i).unwrap().to_vec1().unwrap();
             assert!(b.iter().all(|v| v.is_finite()), "{autocast:?} `{text}`: non-finite embedding");
             let dot: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
-            let cosine = dot / (a.iter().map(|x| x * x).sum::<f32>().sqrt() * b.iter().map(|x| x * x).sum::<f32>().sqrt());
+            let cosine =
+                dot / (a.iter().map(|x| x * x).sum::<f32>().sqrt() * b.iter().map(|x| x * x).sum::<f32>().sqrt());
             println!("{:?} `{text}`: cosine to f32 {cosine:.6}", autocast.model_dtype());
             assert!(cosine >= 0.999, "{autocast:?} `{text}`: cosine {cosine}");
         }

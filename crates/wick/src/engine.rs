@@ -7,7 +7,7 @@ use wick_memory::format::format_bytes;
 use wick_memory::{MemoryError, MemoryLimit, OutOfMemory};
 
 use crate::host_memory::{self, FigureSource};
-use crate::report::{Label, MemoryReport, Sample, Timeline};
+use crate::report::{Holding, Label, MemoryReport, Sample, Timeline};
 
 /// A figure with the source it was read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -37,6 +37,7 @@ pub struct Engine {
     device: Device,
     limit: Option<usize>,
     timeline: std::sync::Mutex<Timeline>,
+    holdings: std::sync::Mutex<Vec<Holding>>,
     start: Instant,
 }
 
@@ -48,6 +49,7 @@ impl Engine {
             device: Device::Cpu,
             limit: None,
             timeline: std::sync::Mutex::new(Timeline::default()),
+            holdings: std::sync::Mutex::new(Vec::new()),
             start: Instant::now(),
         }
     }
@@ -62,6 +64,7 @@ impl Engine {
             device,
             limit,
             timeline: std::sync::Mutex::new(Timeline::default()),
+            holdings: std::sync::Mutex::new(Vec::new()),
             start: Instant::now(),
         })
     }
@@ -233,6 +236,18 @@ impl Engine {
         self.timeline.lock().unwrap_or_else(|p| p.into_inner()).push(sample);
     }
 
+    /// Records that `what` (model parameters, f32 master weights, optimizer state, …) holds
+    /// `bytes` of this engine's memory, replacing an earlier figure for the same `what`; the
+    /// memory summary lists these beside the allocator's totals, so what the totals are made of
+    /// is visible. 0 removes the entry.
+    pub fn account(&self, what: &str, bytes: usize) {
+        let mut holdings = self.holdings.lock().unwrap_or_else(|p| p.into_inner());
+        holdings.retain(|h| h.what != what);
+        if bytes > 0 {
+            holdings.push(Holding { what: what.to_string(), bytes });
+        }
+    }
+
     /// The figures now, with their sources, and the timeline so far.
     pub fn memory_report(&self) -> MemoryReport {
         MemoryReport {
@@ -243,6 +258,7 @@ impl Engine {
             budget: self.budget(),
             available: self.available(),
             timeline: self.timeline.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            holdings: self.holdings.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         }
     }
 
@@ -254,5 +270,35 @@ impl Engine {
     /// The memory snapshot as JSON (figures, sources and timeline).
     pub fn memory_snapshot(&self) -> String {
         serde_json::to_string_pretty(&self.memory_report()).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holdings_are_listed_replaced_and_removed() {
+        let engine = Engine::cpu();
+        engine.account("master weights (f32)", 4 << 20);
+        engine.account("optimizer state (f32)", 8 << 20);
+        engine.account("master weights (f32)", 2 << 20);
+        let report = engine.memory_report();
+        assert_eq!(
+            report.holdings,
+            vec![
+                Holding { what: "optimizer state (f32)".into(), bytes: 8 << 20 },
+                Holding { what: "master weights (f32)".into(), bytes: 2 << 20 },
+            ]
+        );
+        let text = engine.memory_summary();
+        assert!(
+            text.contains("held by") && text.contains("master weights (f32)") && text.contains("2.00 MiB"),
+            "{text}"
+        );
+        assert!(engine.memory_snapshot().contains("\"optimizer state (f32)\""));
+        engine.account("optimizer state (f32)", 0);
+        engine.account("master weights (f32)", 0);
+        assert!(!engine.memory_summary().contains("held by"));
     }
 }

@@ -20,7 +20,7 @@ pub mod weights;
 pub use engine::{Engine, Figure};
 pub use host_memory::{FigureSource, TrackingAllocator};
 pub use recovery::BatchPlan;
-pub use report::{HistoryReport, MemoryReport};
+pub use report::{HistoryReport, Holding, MemoryReport};
 pub use step::{Error, StepReport};
 
 /// True when a candle error is (or wraps) CUDA's out-of-memory. candle reports it as

@@ -103,6 +103,17 @@ pub struct MemoryReport {
     pub available: usize,
     /// Timeline of marks.
     pub timeline: Timeline,
+    /// What holds memory, as accounted by its owners ([`crate::Engine::account`]).
+    pub holdings: Vec<Holding>,
+}
+
+/// Memory held by one named part of a job (parameters, master weights, optimizer state).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Holding {
+    /// What holds it.
+    pub what: String,
+    /// Bytes.
+    pub bytes: usize,
 }
 
 impl std::fmt::Display for MemoryReport {
@@ -118,7 +129,14 @@ impl std::fmt::Display for MemoryReport {
             line("peak", peak)?;
         }
         line("budget", &self.budget)?;
-        writeln!(f, "  {:<10} {:>12}  budget minus use", "available", format_bytes(self.available as u64))
+        writeln!(f, "  {:<10} {:>12}  budget minus use", "available", format_bytes(self.available as u64))?;
+        if !self.holdings.is_empty() {
+            writeln!(f, "  held by (as accounted by their owners)")?;
+            for h in &self.holdings {
+                writeln!(f, "    {:<36} {:>12}", h.what, format_bytes(h.bytes as u64))?;
+            }
+        }
+        Ok(())
     }
 }
 

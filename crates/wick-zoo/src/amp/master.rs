@@ -70,6 +70,27 @@ impl MasterWeights {
         (master, state)
     }
 
+    /// Bytes of the model's own parameters (the low-precision compute copies under AMP).
+    pub fn model_bytes(&self) -> usize {
+        self.entries.iter().map(|e| e.model.elem_count() * e.model.dtype().size_in_bytes()).sum()
+    }
+
+    /// Puts the compute copies, the f32 masters and the f32 optimizer state in `engine`'s
+    /// memory summary (see [`wick::Engine::account`]).
+    pub fn account(&self, engine: &wick::Engine) {
+        let (master, state) = self.memory_bytes();
+        let dtypes: std::collections::BTreeSet<String> =
+            self.entries.iter().map(|e| format!("{:?}", e.model.dtype()).to_lowercase()).collect();
+        let dtypes: Vec<String> = dtypes.into_iter().collect();
+        engine.account(&format!("parameters ({})", dtypes.join("+")), self.model_bytes());
+        engine.account("master weights (f32)", master);
+        let name = match self.optimizer {
+            MasterOptimizer::SgdMomentum { .. } => "optimizer state (f32 momentum)",
+            MasterOptimizer::AdamW { .. } => "optimizer state (f32 AdamW moments)",
+        };
+        engine.account(name, state);
+    }
+
     /// The f32 master of the `i`-th parameter.
     pub fn master(&self, i: usize) -> Option<&Tensor> {
         self.entries.get(i).map(|e| &e.master)
@@ -164,6 +185,15 @@ mod tests {
             .unwrap();
         assert_eq!(model, rounded, "the model holds the masters rounded to bf16");
         assert_eq!(masters.memory_bytes(), (16, 32));
+        assert_eq!(masters.model_bytes(), 8);
+        // The engine's summary shows each part.
+        let engine = wick::Engine::cpu();
+        masters.account(&engine);
+        let holdings = engine.memory_report().holdings;
+        let find = |what: &str| holdings.iter().find(|h| h.what == what).map(|h| h.bytes);
+        assert_eq!(find("parameters (bf16)"), Some(8));
+        assert_eq!(find("master weights (f32)"), Some(16));
+        assert_eq!(find("optimizer state (f32 AdamW moments)"), Some(32));
     }
 
     #[test]
