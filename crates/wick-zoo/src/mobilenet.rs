@@ -251,7 +251,7 @@ impl MobileNetV2 {
         train: bool,
         checkpoint: Option<&Checkpointing>,
     ) -> Result<Tensor, ZooError> {
-        let mut x = relu6(&self.stem.1.forward(&conv2d(&x, &self.stem.0, 1, 2)?, train)?)?;
+        let mut x = relu6(&self.stem.1.forward(&conv2d(x, &self.stem.0, 1, 2)?, train)?)?;
         for block in &self.blocks {
             x = run_stateful(checkpoint, &x, &block.weights, &block.spec, move |spec, x, w, update| {
                 spec.apply(x, w, train, update)

@@ -78,7 +78,7 @@ impl BlockSpec {
         let identity = match &self.downsample {
             Some((stride, stats)) => {
                 let base = 3 * k;
-                stats.normalize(&conv2d(&x, &w[base], 0, *stride)?, &w[base + 1], &w[base + 2], train, update)?
+                stats.normalize(&conv2d(x, &w[base], 0, *stride)?, &w[base + 1], &w[base + 2], train, update)?
             }
             None => x.clone(),
         };

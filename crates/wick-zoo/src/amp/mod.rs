@@ -3,8 +3,11 @@
 //! CUDA kernels in `kernels/` ([`kernels`]).
 
 pub mod autocast;
+#[cfg(feature = "cuda")]
+pub mod cuda_kernels;
 mod grad_scaler;
 mod master;
+pub mod reference;
 pub mod trial;
 
 pub use autocast::Autocast;

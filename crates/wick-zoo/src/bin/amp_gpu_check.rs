@@ -1,0 +1,165 @@
+//! GPU check of the fused AMP kernels: each kernel against its CPU reference
+//! (`wick_zoo::amp::reference`) on random data, with NaN and inf cases. Prints one line per
+//! check and exits non-zero if any fails. Run by `scripts/gpu-check.sh`.
+//!
+//! Only copies and the AMP kernels run on the device (dtype conversions happen on the host), so
+//! this check also runs from binaries whose candle kernels were not compiled
+//! (`scripts/build-gpu-binaries.sh` without a real nvcc for candle).
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use wick_zoo::amp::cuda_kernels::AmpKernels;
+use wick_zoo::amp::reference::{adamw_master, unscale_and_check, update_scale, AdamWStep, ScaleState};
+use wick_zoo::params::normal_tensor;
+
+/// `values` in `dtype` on `dev` (converted on the host).
+fn upload(values: &[f32], dtype: DType, dev: &Device) -> Result<Tensor> {
+    Ok(Tensor::new(values, &Device::Cpu)?.to_dtype(dtype)?.to_device(dev)?)
+}
+
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+}
+
+/// Largest |a - b| / (1 + |b|) over finite pairs; NaN/inf must match exactly in kind.
+fn max_rel_err(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            if x.is_finite() && y.is_finite() {
+                (x - y).abs() / (1.0 + y.abs())
+            } else if (x.is_nan() && y.is_nan()) || x == y {
+                0.0
+            } else {
+                f32::INFINITY
+            }
+        })
+        .fold(0.0, f32::max)
+}
+
+/// The tolerance of a result stored in `dtype` (half an ulp relative, with margin).
+fn tolerance(dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => 8e-3,
+        DType::F16 => 1e-3,
+        _ => 1e-6,
+    }
+}
+
+fn check(name: &str, ok: bool, detail: String, failures: &mut usize) {
+    println!("{} {name}: {detail}", if ok { "PASS" } else { "FAIL" });
+    if !ok {
+        *failures += 1;
+    }
+}
+
+fn main() -> Result<()> {
+    let engine = wick::Engine::cuda(0, None).context("opening cuda:0")?;
+    let dev = engine.device().clone();
+    let kernels = AmpKernels::load(&dev)?;
+    let mut failures = 0;
+    let scalar = |v: f32| Tensor::new(&[v], &dev);
+
+    // Unscale + inf check: three tensors per dtype, clean, then with a NaN, then with an inf.
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        for case in ["finite", "nan", "inf"] {
+            let lens = [1usize, 1000, 100_003];
+            let mut cpu: Vec<Vec<f32>> = Vec::new();
+            let mut gpu = Vec::new();
+            for (i, n) in lens.iter().enumerate() {
+                let t = (normal_tensor(&[*n], 1.0, 40 + i as u64, DType::F32, &Device::Cpu)? * 512.0)?;
+                let mut v: Vec<f32> = t.to_dtype(dtype)?.to_dtype(DType::F32)?.to_vec1()?;
+                if i == 2 && case != "finite" {
+                    v[n / 2] = if case == "nan" { f32::NAN } else { f32::INFINITY };
+                }
+                gpu.push(upload(&v, dtype, &dev)?);
+                cpu.push(v);
+            }
+            let found = scalar(0.0)?;
+            kernels.unscale_(&gpu.iter().collect::<Vec<_>>(), &scalar(1.0 / 1024.0)?, &found)?;
+            let mut refs: Vec<&mut [f32]> = cpu.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let expected_inf = unscale_and_check(&mut refs, 1.0 / 1024.0);
+            let got_inf = host(&found)?[0] != 0.0;
+            let mut err = 0.0f32;
+            for (g, c) in gpu.iter().zip(&cpu) {
+                let rounded: Vec<f32> =
+                    Tensor::new(c.as_slice(), &Device::Cpu)?.to_dtype(dtype)?.to_dtype(DType::F32)?.to_vec1()?;
+                err = err.max(max_rel_err(&host(g)?, &rounded));
+            }
+            check(
+                &format!("unscale {dtype:?} {case}"),
+                got_inf == expected_inf && err <= tolerance(dtype),
+                format!("found_inf {got_inf} (reference {expected_inf}), max rel err {err:.2e}"),
+                &mut failures,
+            );
+        }
+    }
+
+    // Scale update: 300 steps of a random overflow pattern, the device state against the reference.
+    let (scale, tracker) = (scalar(65536.0)?, Tensor::new(&[0i32], &dev)?);
+    let mut state = ScaleState { scale: 65536.0, growth_tracker: 0 };
+    let mut bits = 0x9E37_79B9_7F4A_7C15u64;
+    let mut agree = true;
+    for _ in 0..300 {
+        bits ^= bits << 13;
+        bits ^= bits >> 7;
+        bits ^= bits << 17;
+        let overflow = bits.is_multiple_of(7);
+        let flag = scalar(if overflow { 1.0 } else { 0.0 })?;
+        kernels.update_scale_(&scale, &tracker, &flag, 2.0, 0.5, 5)?;
+        update_scale(&mut state, overflow, 2.0, 0.5, 5);
+        let tr: Vec<i32> = tracker.to_device(&Device::Cpu)?.to_vec1()?;
+        agree &= host(&scale)?[0] == state.scale && tr[0] == state.growth_tracker;
+    }
+    check(
+        "update_scale 300 steps",
+        agree,
+        format!("final scale {} tracker {}", state.scale, state.growth_tracker),
+        &mut failures,
+    );
+
+    // Fused AdamW: three steps per dtype, then a skipped step.
+    for dtype in [DType::F32, DType::F16, DType::BF16] {
+        let n = 65_537;
+        let start: Vec<f32> = normal_tensor(&[n], 0.5, 7, DType::F32, &Device::Cpu)?.to_vec1()?;
+        let (master, m, v) = (
+            Tensor::new(start.as_slice(), &dev)?,
+            Tensor::zeros(n, DType::F32, &dev)?,
+            Tensor::zeros(n, DType::F32, &dev)?,
+        );
+        let model = upload(&start, dtype, &dev)?;
+        let (mut cm, mut cmm, mut cv) = (start.clone(), vec![0.0f32; n], vec![0.0f32; n]);
+        let mut err = 0.0f32;
+        let mut model_err = 0.0f32;
+        for step in 1..=3 {
+            let g: Vec<f32> = (normal_tensor(&[n], 1.0, 70 + step as u64, DType::F32, &Device::Cpu)? * 1024.0)?
+                .to_dtype(dtype)?
+                .to_dtype(DType::F32)?
+                .to_vec1()?;
+            let grad = upload(&g, dtype, &dev)?;
+            let hyper = AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, step };
+            kernels.adamw_(&master, &m, &v, &grad, &model, hyper, &scalar(1.0 / 1024.0)?, &scalar(0.0)?)?;
+            adamw_master(&mut cm, &mut cmm, &mut cv, &g, hyper, 1.0 / 1024.0, false);
+            err = err.max(max_rel_err(&host(&master)?, &cm));
+            let rounded: Vec<f32> =
+                Tensor::new(cm.as_slice(), &Device::Cpu)?.to_dtype(dtype)?.to_dtype(DType::F32)?.to_vec1()?;
+            model_err = model_err.max(max_rel_err(&host(&model)?, &rounded));
+        }
+        let before = host(&master)?;
+        let hyper = AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, step: 4 };
+        let nan = upload(&vec![f32::NAN; n], dtype, &dev)?;
+        kernels.adamw_(&master, &m, &v, &nan, &model, hyper, &scalar(1.0)?, &scalar(1.0)?)?;
+        let skipped = host(&master)? == before;
+        check(
+            &format!("adamw {dtype:?}"),
+            err <= 1e-5 && model_err <= tolerance(dtype) && skipped,
+            format!("master max rel err {err:.2e}, model copy {model_err:.2e}, skip on inf {skipped}"),
+            &mut failures,
+        );
+    }
+    if failures > 0 {
+        bail!("{failures} AMP kernel check(s) failed");
+    }
+    println!("all AMP kernel checks passed");
+    Ok(())
+}
