@@ -1,12 +1,25 @@
 #!/usr/bin/env bash
 # Builds the GPU-check binaries on a machine with no GPU and no CUDA toolkit, into .devbuild/:
 # candle's kernels are compiled by the fake nvcc (so only kernel-free candle ops work: zeros,
-# copies, cuBLAS), and CUDA libraries are linked as empty stubs carrying the real SONAMEs.
+# copies, cuBLAS), wick's own kernels (kernels/*.cu) by the real PyPI nvcc, and CUDA libraries
+# are linked as empty stubs carrying the real SONAMEs.
+#
+# With WICK_CANDLE_NVCC=real, candle's kernels are compiled by the real nvcc too (about 25 min on
+# 2 cores), through scripts/nvcc-ptx-compat.sh, which writes PTX that a CUDA 13.0 driver accepts;
+# only then can the AMP training example (train-amp) run on the GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shared=${WICK_SHARED:-../shared}
 mkdir -p .cache/fake-nvcc .devbuild
-ln -sf "$(realpath "$shared/tools/fake-nvcc")" .cache/fake-nvcc/nvcc
+cuda_home=$(sh "$shared/tools/cuda-toolkit-pypi.sh" "$PWD/.cache/cuda-toolkit" | tail -1)
+export WICK_KERNELS_NVCC="$cuda_home/bin/nvcc"
+if [ "${WICK_CANDLE_NVCC:-fake}" = real ]; then
+  # The wrapper stands in for nvcc on PATH; it calls the real one and fixes the PTX version.
+  ln -sf "$PWD/scripts/nvcc-ptx-compat.sh" .cache/fake-nvcc/nvcc
+  export WICK_REAL_NVCC="$cuda_home/bin/nvcc"
+else
+  ln -sf "$(realpath "$shared/tools/fake-nvcc")" .cache/fake-nvcc/nvcc
+fi
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-empty
 export PATH="$PWD/.cache/fake-nvcc:$PATH" CUDA_COMPUTE_CAP=80 LIBRARY_PATH="$PWD/target/cuda-stubs-empty"
 flags=(-- -C link-arg=-Wl,--warn-unresolved-symbols)
@@ -16,12 +29,19 @@ build() { # pass 1 links against empty stubs (the linker then drops them: --as-n
 }
 build -p wick --features cuda --bin gpu-check
 build -p wick-memory --features cuda --test conformance_cuda
+build -p wick-zoo --features cuda --bin amp-gpu-check
+build -p wick-examples --features cuda --bin train-amp
 test_bin() { ls -t target/release/deps/conformance_cuda-* | grep -v '\.d$' | head -1; }
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-gpu target/release/gpu-check
 export LIBRARY_PATH="$PWD/target/cuda-stubs-gpu"
-touch crates/wick/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs
+touch crates/wick/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs \
+  crates/wick-zoo/src/bin/amp_gpu_check.rs examples/src/bin/train_amp.rs
 build -p wick --features cuda --bin gpu-check
 build -p wick-memory --features cuda --test conformance_cuda
-cp target/release/gpu-check .devbuild/
+build -p wick-zoo --features cuda --bin amp-gpu-check
+build -p wick-examples --features cuda --bin train-amp
+cp target/release/gpu-check target/release/amp-gpu-check .devbuild/
+# train-amp needs candle's kernels: keep it only when they were really compiled.
+if [ "${WICK_CANDLE_NVCC:-fake}" = real ]; then cp target/release/train-amp .devbuild/; else rm -f .devbuild/train-amp; fi
 cp "$(test_bin)" .devbuild/conformance_cuda
 for b in .devbuild/*; do echo "$b needs: $(readelf -d "$b" | awk '/NEEDED/ {print $5}' | tr -d '[]' | tr '\n' ' ')"; done

@@ -3,7 +3,8 @@
 #  1. type-check and lint every `cuda` code path with the fake nvcc from ../shared/tools;
 #  2. build the CUDA test binary, link it against stub CUDA libraries whose every call fails, run
 #     it, and check that the "no driver" path returns a clear error instead of panicking;
-#  3. compile kernels/*.cu with a real nvcc (PTX for sm_80 and sm_90) when there are any.
+#  3. compile kernels/*.cu with a real nvcc: PTX for sm_80 and sm_90, and the fatbins that
+#     wick-zoo's build script embeds (the cargo check of step 1 builds them with that nvcc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shared=${WICK_SHARED:-../shared}
@@ -14,9 +15,16 @@ mkdir -p .cache/fake-nvcc
 ln -sf "$(realpath "$shared/tools/fake-nvcc")" .cache/fake-nvcc/nvcc
 export PATH="$PWD/.cache/fake-nvcc:$PATH" CUDA_COMPUTE_CAP=80
 
-echo "-- cargo check / clippy with --features cuda (fake nvcc)"
-cargo check --workspace --all-targets --features wick/cuda
-cargo clippy --workspace --all-targets --features wick/cuda -- -D warnings
+echo "-- a real nvcc for kernels/*.cu (PyPI CUDA toolkit)"
+cuda_home=$(sh "$shared/tools/cuda-toolkit-pypi.sh" "$PWD/.cache/cuda-toolkit" | tail -1)
+export WICK_KERNELS_NVCC="$cuda_home/bin/nvcc"
+"$WICK_KERNELS_NVCC" --version | tail -1
+
+echo "-- cargo check / clippy with --features cuda (fake nvcc for candle, real nvcc for kernels/)"
+features=wick/cuda,wick-zoo/cuda,wick-examples/cuda
+cargo check --workspace --all-targets --features "$features"
+cargo clippy --workspace --all-targets --features "$features" -- -D warnings
+ls target/debug/build/wick-zoo-*/out/*.fatbin >/dev/null || { echo "!! kernels were not compiled into wick-zoo"; exit 1; }
 
 echo "-- no-driver path: test binary linked against failing stubs"
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-empty
@@ -46,7 +54,6 @@ kernels=(kernels/*.cu)
 if [ ${#kernels[@]} -eq 0 ]; then
   echo "no CUDA kernels in kernels/ yet: nothing to compile"
 else
-  cuda_home=$(sh "$shared/tools/cuda-toolkit-pypi.sh" "$PWD/.cache/cuda-toolkit" | tail -1)
   mkdir -p target/ptx
   for k in "${kernels[@]}"; do
     for arch in 80 90; do

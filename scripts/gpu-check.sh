@@ -3,7 +3,10 @@
 #   - the allocator conformance suite on the CUDA backend;
 #   - candle allocations drawn from wick's pool, the cap enforced, candle OOM -> typed error;
 #   - an alloc-heavy candle loop on the default pool vs wick's pool;
-#   - allocation traces through wick's CUDA allocator vs raw cuMemAllocAsync vs PyTorch.
+#   - allocation traces through wick's CUDA allocator vs raw cuMemAllocAsync vs PyTorch;
+#   - the fused AMP kernels (kernels/*.cu) against their CPU references;
+#   - the AMP training example on CUDA (f16 with loss scaling, then bf16), when it was built with
+#     candle's real kernels (WICK_CANDLE_NVCC=real scripts/build-gpu-binaries.sh).
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
 # .devbuild/ (this machine may have no Rust toolchain); the real driver and the CUDA 13 libraries
 # of PyTorch's wheels are found here and put on the loader path under the names the binaries need.
@@ -41,6 +44,19 @@ echo "   (PyTorch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/gpu_check_torch.py \
   crates/wick-memory/traces/transformer-train.json crates/wick-memory/traces/inference-server.json 2>&1 \
   | tee -a "$out/gpu-check-torch.txt" || status=1
+echo "== AMP kernels against their CPU references"
+timeout 120 "$bin/amp-gpu-check" 2>&1 | tee "$out/gpu-amp-kernels.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+echo "== AMP training example on CUDA"
+if [ -x "$bin/train-amp" ]; then
+  for precision in f16 bf16; do
+    timeout 120 "$bin/train-amp" --device cuda --precision $precision --steps 200 --batch 32 --seq 128 \
+      --report "$out/gpu-train-amp-$precision.html" 2>&1 | tee "$out/gpu-train-amp-$precision.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+else
+  echo "!! SKIPPED: $bin/train-amp not built (needs WICK_CANDLE_NVCC=real scripts/build-gpu-binaries.sh)"
+fi
 echo "== conformance suite on the CUDA backend"
 WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-10000} timeout 240 "$bin/conformance_cuda" --nocapture 2>&1 \
   | tail -20 | tee "$out/gpu-conformance.txt"
