@@ -145,7 +145,7 @@ impl MemoryReport {
     pub fn to_html(&self) -> String {
         let summary = format!("<pre>{}</pre>", escape(&self.to_string()));
         let samples: Vec<Sample> = self.timeline.samples.iter().cloned().collect();
-        render_page(&format!("wick memory — {}", self.device), &summary, &samples, &[])
+        render_page(&format!("wick memory — {}", self.device), &summary, &samples, &[], "highest mark")
     }
 
     /// evcxr rich display: HTML with a text fallback.
@@ -197,7 +197,7 @@ impl HistoryReport {
 
     /// The report as a self-contained HTML page.
     pub fn to_html(&self) -> String {
-        render_page(&self.title, "", &self.samples, &self.live_at_peak)
+        render_page(&self.title, "", &self.samples, &self.live_at_peak, "peak")
     }
 
     /// A one-paragraph text version.
@@ -238,7 +238,9 @@ fn escape(text: &str) -> String {
 
 /// Renders the page: the summary, an SVG timeline (allocated solid, reserved dashed, peak marked)
 /// and the live blocks at the peak.
-fn render_page(title: &str, summary: &str, samples: &[Sample], live: &[(u64, usize)]) -> String {
+/// `peak_label` names the marked maximum: "peak" when the samples are every allocator event, "highest
+/// mark" when they are only the marks (the true peak may fall between two marks).
+fn render_page(title: &str, summary: &str, samples: &[Sample], live: &[(u64, usize)], peak_label: &str) -> String {
     let (w, h, pad) = (900.0, 320.0, 50.0);
     let t_max = samples.iter().map(|s| s.t_ms).fold(0.0, f64::max).max(1e-9);
     let y_max = samples.iter().map(|s| s.allocated.max(s.reserved)).max().unwrap_or(0).max(1) as f64;
@@ -273,7 +275,7 @@ fn render_page(title: &str, summary: &str, samples: &[Sample], live: &[(u64, usi
             let (lx, anchor) = if px > 0.7 * w { (px - 8.0, "end") } else { (px + 8.0, "start") };
             let _ = write!(
                 svg,
-                "<circle cx='{px:.1}' cy='{py:.1}' r='5' fill='#36c'/><text x='{lx:.1}' y='{:.1}' font-size='12' text-anchor='{anchor}'>peak {}</text>",
+                "<circle cx='{px:.1}' cy='{py:.1}' r='5' fill='#36c'/><text x='{lx:.1}' y='{:.1}' font-size='12' text-anchor='{anchor}'>{peak_label} {}</text>",
                 py - 8.0,
                 format_bytes(peak.allocated as u64)
             );
