@@ -9,7 +9,7 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use wick_zoo::amp::{Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
@@ -94,6 +94,85 @@ fn open_engine(device: &str) -> Result<wick::Engine> {
     }
 }
 
+/// The update: f32 masters with candle tensor ops (and the host-side loss scaler), or on CUDA,
+/// when wick-zoo was built with its kernels, the fused device path (`DeviceAmp`).
+enum Updater {
+    Host {
+        masters: MasterWeights,
+        scaler: Option<GradScaler>,
+    },
+    #[cfg(feature = "cuda")]
+    Device(wick_zoo::amp::device_step::DeviceAmp),
+}
+
+impl Updater {
+    fn new(engine: &wick::Engine, vars: &[Var], optimizer: MasterOptimizer, autocast: Autocast) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if engine.device().is_cuda() {
+            let MasterOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } = optimizer else {
+                bail!("the fused device step implements AdamW");
+            };
+            let hyper = (lr as f32, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32);
+            let scaler = autocast.needs_loss_scaling().then(wick_zoo::amp::GradScalerConfig::default);
+            match wick_zoo::amp::device_step::DeviceAmp::new(engine.device(), vars, hyper, scaler) {
+                Ok(amp) => {
+                    let (master, state) = amp.memory_bytes();
+                    let params = vars.iter().map(|v| v.elem_count() * v.dtype().size_in_bytes()).sum();
+                    engine.account("parameters", params);
+                    engine.account("master weights (f32)", master);
+                    engine.account("optimizer state (f32 AdamW moments)", state);
+                    println!("Fused AMP kernels loaded: the step runs on the device without host round trips.");
+                    return Ok(Updater::Device(amp));
+                }
+                Err(e) => println!("Fused AMP kernels unavailable ({e}); using candle tensor ops."),
+            }
+        }
+        let masters = MasterWeights::new(vars, optimizer)?;
+        masters.account(engine);
+        Ok(Updater::Host { masters, scaler: autocast.needs_loss_scaling().then(GradScaler::new) })
+    }
+
+    /// Backward (calling `after_backward`) and the update.
+    fn step(&mut self, loss: &Tensor, vars: &[Var], after_backward: impl FnOnce()) -> Result<StepOutcome> {
+        match self {
+            Updater::Host { masters, scaler } => {
+                let mut grads = match scaler {
+                    Some(s) => s.scale_loss(loss)?.backward()?,
+                    None => loss.backward()?,
+                };
+                after_backward();
+                match scaler {
+                    Some(s) => {
+                        let refs: Vec<&Var> = vars.iter().collect();
+                        let outcome = s.step(&mut grads, &refs, |g| masters.step(g))?;
+                        s.update()?;
+                        Ok(outcome)
+                    }
+                    None => {
+                        masters.step(&grads)?;
+                        Ok(StepOutcome::Applied)
+                    }
+                }
+            }
+            #[cfg(feature = "cuda")]
+            Updater::Device(amp) => {
+                let grads = amp.scale_loss(loss)?.backward()?;
+                after_backward();
+                let flag = amp.step(&grads)?.to_device(&Device::Cpu)?.to_vec1::<f32>()?[0];
+                Ok(if flag != 0.0 { StepOutcome::Skipped } else { StepOutcome::Applied })
+            }
+        }
+    }
+
+    fn scale(&self) -> Result<Option<f64>> {
+        match self {
+            Updater::Host { scaler, .. } => Ok(scaler.as_ref().map(|s| s.scale())),
+            #[cfg(feature = "cuda")]
+            Updater::Device(amp) => Ok(amp.scale()?.map(f64::from)),
+        }
+    }
+}
+
 fn mib(bytes: usize) -> String {
     format!("{:.2} MiB", bytes as f64 / 1048576.0)
 }
@@ -121,9 +200,7 @@ fn main() -> Result<()> {
     let model = Llama::new(config, autocast.model_dtype(), &device)?;
     let vars: Vec<_> = model.params.iter().map(|(_, v)| v.clone()).collect();
     let optimizer = MasterOptimizer::AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
-    let mut masters = MasterWeights::new(&vars, optimizer)?;
-    masters.account(&engine);
-    let mut scaler = autocast.needs_loss_scaling().then(GradScaler::new);
+    let mut updater = Updater::new(&engine, &vars, optimizer, autocast)?;
     engine.mark("model, masters and optimizer state");
     println!(
         "Training a {}-layer decoder ({} parameters) on {} with autocast {:?}{}; {} steps of {}×{} tokens.",
@@ -131,7 +208,7 @@ fn main() -> Result<()> {
         model.params.numel(),
         engine.name(),
         autocast.model_dtype(),
-        if scaler.is_some() { " and loss scaling" } else { "" },
+        if autocast.needs_loss_scaling() { " and loss scaling" } else { "" },
         args.steps,
         args.batch,
         args.seq
@@ -143,7 +220,6 @@ fn main() -> Result<()> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
             .context("progress bar template")?,
     );
-    let refs: Vec<&candle_core::Var> = vars.iter().collect();
     let (mut first_loss, mut last_loss, mut kept, mut skipped, mut applied) = (None, 0.0f32, 0, 0, 0);
     while applied < args.steps {
         let ids = language.batch(args.batch, args.seq, &device)?;
@@ -153,24 +229,8 @@ fn main() -> Result<()> {
         }
         let value = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
         engine.mark(&format!("step {applied}: forward"));
-        let mut grads = match &scaler {
-            Some(s) => s.scale_loss(&loss)?.backward()?,
-            None => loss.backward()?,
-        };
+        let outcome = updater.step(&loss, &vars, || engine.mark(&format!("step {applied}: backward")))?;
         drop(loss);
-        engine.mark(&format!("step {applied}: backward"));
-        let outcome = match &mut scaler {
-            Some(s) => {
-                let outcome = s.step(&mut grads, &refs, |g| masters.step(g))?;
-                s.update()?;
-                outcome
-            }
-            None => {
-                masters.step(&grads)?;
-                StepOutcome::Applied
-            }
-        };
-        drop(grads);
         if outcome == StepOutcome::Skipped {
             skipped += 1;
             if skipped > 100 {
@@ -181,7 +241,7 @@ fn main() -> Result<()> {
         applied += 1;
         first_loss.get_or_insert(value);
         last_loss = value;
-        let scale = scaler.as_ref().map(|s| format!(" scale {}", s.scale())).unwrap_or_default();
+        let scale = updater.scale()?.map(|s| format!(" scale {s}")).unwrap_or_default();
         bar.set_message(format!("loss {value:.3}{scale}"));
         bar.inc(1);
     }

@@ -5,6 +5,8 @@
 pub mod autocast;
 #[cfg(feature = "cuda")]
 pub mod cuda_kernels;
+#[cfg(feature = "cuda")]
+pub mod device_step;
 mod grad_scaler;
 mod master;
 pub mod reference;
