@@ -1,19 +1,18 @@
 #!/usr/bin/env bash
 # Builds the GPU-check binaries on a machine with no GPU and no CUDA toolkit, into .devbuild/:
-# candle's kernels are compiled by the fake nvcc (so only kernel-free candle ops work: zeros,
-# copies, cuBLAS), wick's own kernels (kernels/*.cu) by the real PyPI nvcc, and CUDA libraries
-# are linked as empty stubs carrying the real SONAMEs.
+# wick's kernels (kernels/*.cu) and candle's are compiled by the real PyPI nvcc (7 min here on
+# 2 cores), candle's through scripts/nvcc-ptx-compat.sh, which writes PTX that a CUDA 13.0 driver
+# accepts; CUDA libraries are linked as empty stubs carrying the real SONAMEs.
 #
-# With WICK_CANDLE_NVCC=real, candle's kernels are compiled by the real nvcc too (about 25 min on
-# 2 cores), through scripts/nvcc-ptx-compat.sh, which writes PTX that a CUDA 13.0 driver accepts;
-# only then can the AMP training example (train-amp) run on the GPU.
+# WICK_CANDLE_NVCC=fake compiles candle's kernels with the fake nvcc instead (faster; only
+# kernel-free candle ops then work on the GPU — zeros, copies, cuBLAS — so train-amp is left out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shared=${WICK_SHARED:-../shared}
 mkdir -p .cache/fake-nvcc .devbuild
 cuda_home=$(sh "$shared/tools/cuda-toolkit-pypi.sh" "$PWD/.cache/cuda-toolkit" | tail -1)
 export WICK_KERNELS_NVCC="$cuda_home/bin/nvcc"
-if [ "${WICK_CANDLE_NVCC:-fake}" = real ]; then
+if [ "${WICK_CANDLE_NVCC:-real}" = real ]; then
   # The wrapper stands in for nvcc on PATH; it calls the real one and fixes the PTX version.
   ln -sf "$PWD/scripts/nvcc-ptx-compat.sh" .cache/fake-nvcc/nvcc
   export WICK_REAL_NVCC="$cuda_home/bin/nvcc"
@@ -42,6 +41,6 @@ build -p wick-zoo --features cuda --bin amp-gpu-check
 build -p wick-examples --features cuda --bin train-amp
 cp target/release/gpu-check target/release/amp-gpu-check .devbuild/
 # train-amp needs candle's kernels: keep it only when they were really compiled.
-if [ "${WICK_CANDLE_NVCC:-fake}" = real ]; then cp target/release/train-amp .devbuild/; else rm -f .devbuild/train-amp; fi
+if [ "${WICK_CANDLE_NVCC:-real}" = real ]; then cp target/release/train-amp .devbuild/; else rm -f .devbuild/train-amp; fi
 cp "$(test_bin)" .devbuild/conformance_cuda
 for b in .devbuild/*; do echo "$b needs: $(readelf -d "$b" | awk '/NEEDED/ {print $5}' | tr -d '[]' | tr '\n' ' ')"; done

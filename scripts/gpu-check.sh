@@ -5,8 +5,8 @@
 #   - an alloc-heavy candle loop on the default pool vs wick's pool;
 #   - allocation traces through wick's CUDA allocator vs raw cuMemAllocAsync vs PyTorch;
 #   - the fused AMP kernels (kernels/*.cu) against their CPU references;
-#   - the AMP training example on CUDA (f16 with loss scaling, then bf16), when it was built with
-#     candle's real kernels (WICK_CANDLE_NVCC=real scripts/build-gpu-binaries.sh).
+#   - the AMP training example on CUDA (f16 with loss scaling, then bf16), through the fused
+#     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh).
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
 # .devbuild/ (this machine may have no Rust toolchain); the real driver and the CUDA 13 libraries
 # of PyTorch's wheels are found here and put on the loader path under the names the binaries need.
@@ -55,7 +55,7 @@ if [ -x "$bin/train-amp" ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
 else
-  echo "!! SKIPPED: $bin/train-amp not built (needs WICK_CANDLE_NVCC=real scripts/build-gpu-binaries.sh)"
+  echo "!! SKIPPED: $bin/train-amp not built (scripts/build-gpu-binaries.sh with WICK_CANDLE_NVCC=fake leaves it out)"
 fi
 echo "== conformance suite on the CUDA backend"
 WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-10000} timeout 240 "$bin/conformance_cuda" --nocapture 2>&1 \
