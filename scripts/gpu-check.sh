@@ -50,7 +50,7 @@ timeout 120 "$bin/amp-gpu-check" 2>&1 | tee "$out/gpu-amp-kernels.txt"
 echo "== AMP training example on CUDA"
 if [ -x "$bin/train-amp" ]; then
   for precision in f16 bf16; do
-    timeout 120 "$bin/train-amp" --device cuda --precision $precision --steps 200 --batch 32 --seq 128 \
+    timeout 90 "$bin/train-amp" --device cuda --precision $precision --steps 100 --batch 32 --seq 128 \
       --report "$out/gpu-train-amp-$precision.html" 2>&1 | tee "$out/gpu-train-amp-$precision.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
