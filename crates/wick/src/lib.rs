@@ -4,7 +4,7 @@
 //! enforced by pre-flight checks before anything is allocated, step scopes that release a step's
 //! tensors and report it, out-of-memory recovery (retry, largest-batch finder), and reports
 //! (text, HTML, evcxr rich display). With feature `cuda`, candle's CUDA allocations are drawn from
-//! a capped wick pool ([`cuda::GovernedCuda`]).
+//! a capped wick pool (`cuda::GovernedCuda`, feature `cuda`).
 
 pub use wick_memory as memory;
 

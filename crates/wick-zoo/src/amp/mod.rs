@@ -1,6 +1,7 @@
 //! Mixed precision: the autocast policy ([`autocast`]), the loss scaler ([`GradScaler`]), fp32
 //! master weights with fp32 optimizer state ([`MasterWeights`]), and CPU references of the fused
-//! CUDA kernels in `kernels/` ([`kernels`]).
+//! CUDA kernels in `kernels/` ([`mod@reference`]; the kernels themselves in `cuda_kernels` and
+//! `device_step` with the `cuda` feature), and the AMP-vs-f32 trial ([`trial`]).
 
 pub mod autocast;
 #[cfg(feature = "cuda")]
