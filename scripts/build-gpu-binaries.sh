@@ -31,7 +31,8 @@ build -p wick-memory --features cuda --test conformance_cuda
 build -p wick-zoo --features cuda --bin amp-gpu-check
 build -p wick-examples --features cuda --bin train-amp
 test_bin() { ls -t target/release/deps/conformance_cuda-* | grep -v '\.d$' | head -1; }
-bash scripts/cuda-link-stubs.sh target/cuda-stubs-gpu target/release/gpu-check
+bash scripts/cuda-link-stubs.sh target/cuda-stubs-gpu target/release/gpu-check target/release/amp-gpu-check \
+  target/release/train-amp "$(test_bin)"
 export LIBRARY_PATH="$PWD/target/cuda-stubs-gpu"
 touch crates/wick/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs \
   crates/wick-zoo/src/bin/amp_gpu_check.rs examples/src/bin/train_amp.rs
