@@ -51,7 +51,8 @@ impl CustomOp1 for SegmentOp {
         let grads = (output * grad_res.detach())?.sum_all()?.backward()?;
         let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
         for w in &self.weights {
-            if let Some(g) = grads.get(w) {
+            // Detached, so the stash does not keep the recomputed segment's graph alive.
+            if let Some(g) = grads.get(w).map(|g| g.detach()) {
                 let total = match stash.remove(&w.id()) {
                     Some(previous) => (previous + g)?,
                     None => g.clone(),
@@ -59,7 +60,7 @@ impl CustomOp1 for SegmentOp {
                 stash.insert(w.id(), total);
             }
         }
-        Ok(grads.get(input.as_tensor()).cloned())
+        Ok(grads.get(input.as_tensor()).map(|g| g.detach()))
     }
 }
 

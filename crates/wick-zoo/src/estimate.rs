@@ -91,6 +91,8 @@ pub struct Estimate {
     pub gradients: usize,
     /// Optimizer state.
     pub optimizer_state: usize,
+    /// f32 master weights (mixed-precision training with [`crate::amp::MasterWeights`]; 0 otherwise).
+    pub master_weights: usize,
     /// Tensors the forward pass keeps for backward (and, with trainable parameters, for inference).
     pub activations: usize,
     /// Transient memory: gradients in flight during backward, or the optimizer's temporaries.
@@ -174,21 +176,44 @@ impl ActivationProfile {
     }
 }
 
-/// Estimates `mode` at `batch` for a model with `params`, whose activations were profiled.
+/// Estimates `mode` at `batch` for a model with `params`, whose activations were profiled; the
+/// optimizer (if any) keeps its state in the parameters' dtype.
 pub fn estimate(params: &Params, profile: &ActivationProfile, batch: usize, mode: Mode) -> Estimate {
-    let parameters: usize = params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
-    let largest_param = params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).max().unwrap_or(0);
+    estimate_with(params, profile, batch, mode, false)
+}
+
+/// As [`estimate`], for mixed-precision training with [`crate::amp::MasterWeights`]: every
+/// parameter also has an f32 master, the optimizer state is f32, and the update's temporaries are
+/// f32 (for a model built in bf16/f16 by [`crate::amp::Autocast`]; its activations and gradients
+/// are counted in the model's dtypes as profiled).
+pub fn estimate_amp(params: &Params, profile: &ActivationProfile, batch: usize, mode: Mode) -> Estimate {
+    estimate_with(params, profile, batch, mode, true)
+}
+
+fn estimate_with(params: &Params, profile: &ActivationProfile, batch: usize, mode: Mode, masters: bool) -> Estimate {
+    let bytes = |v: &candle_core::Var| v.elem_count() * v.dtype().size_in_bytes();
+    let parameters: usize = params.iter().map(|(_, v)| bytes(v)).sum();
+    let largest_param = params.iter().map(|(_, v)| bytes(v)).max().unwrap_or(0);
+    let f32_params: usize = params.iter().map(|(_, v)| v.elem_count() * 4).sum();
+    let largest_f32 = params.iter().map(|(_, v)| v.elem_count() * 4).max().unwrap_or(0);
     let activations = profile.activations.at(batch);
     let largest = profile.largest.at(batch);
-    let (gradients, optimizer_state, workspace) = match mode {
+    let (gradients, optimizer_state, master_weights, workspace) = match mode {
         // The output holds the graph; the largest op's result is the transient on top.
-        Mode::Inference => (0, 0, largest),
+        Mode::Inference => (0, 0, 0, largest),
         // Backward's gradients in flight (profiled, or at least an incoming and an outgoing
-        // gradient of the largest activation), or the update's temporaries (two copies of the
-        // largest parameter), whichever is larger: they do not overlap.
+        // gradient of the largest activation), or the update's temporaries, whichever is larger:
+        // they do not overlap. A plain update holds two copies of the largest parameter; the f32
+        // master update holds the old and new master and moments plus the f32 gradient and the
+        // bias-corrected moments of the largest parameter (eight f32 copies for AdamW).
         _ => {
             let backward = profile.backward_workspace.map_or(2 * largest, |w| w.at(batch));
-            (parameters, parameters * mode.optimizer_states(), backward.max(2 * largest_param))
+            if masters {
+                let update = largest_f32 * (2 + 3 * mode.optimizer_states());
+                (parameters, f32_params * mode.optimizer_states(), f32_params, backward.max(update))
+            } else {
+                (parameters, parameters * mode.optimizer_states(), 0, backward.max(2 * largest_param))
+            }
         }
     };
     Estimate {
@@ -197,9 +222,10 @@ pub fn estimate(params: &Params, profile: &ActivationProfile, batch: usize, mode
         parameters,
         gradients,
         optimizer_state,
+        master_weights,
         activations,
         workspace,
-        total: parameters + gradients + optimizer_state + activations + workspace,
+        total: parameters + gradients + optimizer_state + master_weights + activations + workspace,
     }
 }
 

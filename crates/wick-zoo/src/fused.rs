@@ -108,7 +108,9 @@ impl Node {
         args.iter()
             .zip(vars)
             .map(|(a, v)| match v.and_then(|v| grads.get(v.as_tensor()).cloned()) {
-                Some(g) => Ok(Some(g.to_dtype(a.dtype())?)),
+                // Detached: a gradient must not keep the recomputation's graph alive (candle's
+                // leaf gradients carry the graph of the ops that made them).
+                Some(g) => Ok(Some(g.detach().to_dtype(a.dtype())?)),
                 None => Ok(None),
             })
             .collect()

@@ -105,3 +105,39 @@ fn bf16_autocast_halves_activations_and_trains_like_f32() {
 fn f16_autocast_with_loss_scaling_halves_activations_and_trains_like_f32() {
     compare(Autocast::f16());
 }
+
+/// Training steps on f32 masters leave the heap where it was: nothing from one step's graph is
+/// kept by the masters, the optimizer state or the gradients (candle's parameter gradients carry
+/// the graph of the ops that made them; the AMP code detaches them).
+#[test]
+fn master_weight_steps_do_not_accumulate_memory() {
+    let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    for model in ["resnet18", "llama"] {
+        for autocast in [Autocast::bf16(), Autocast::f16()] {
+            let t = task(model, autocast, &Device::Cpu).unwrap();
+            let mut masters = wick_zoo::amp::MasterWeights::new(&t.vars, trial_optimizer()).unwrap();
+            let mut scaler = autocast.needs_loss_scaling().then(wick_zoo::amp::GradScaler::new);
+            let refs: Vec<&candle_core::Var> = t.vars.iter().collect();
+            let mut after = Vec::new();
+            for _ in 0..4 {
+                let loss = (t.loss)().unwrap();
+                let mut grads = match &scaler {
+                    Some(s) => s.scale_loss(&loss).unwrap().backward().unwrap(),
+                    None => loss.backward().unwrap(),
+                };
+                drop(loss);
+                match &mut scaler {
+                    Some(s) => {
+                        s.step(&mut grads, &refs, |g| masters.step(g)).unwrap();
+                        s.update().unwrap();
+                    }
+                    None => masters.step(&grads).unwrap(),
+                }
+                drop(grads);
+                after.push(wick::host_memory::tracked_heap().unwrap());
+            }
+            // The first step creates the masters' own copies; after it the heap stays put.
+            assert_eq!(after[1], after[3], "{model} {autocast:?}: heap after steps {after:?}");
+        }
+    }
+}

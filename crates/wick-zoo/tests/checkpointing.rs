@@ -177,13 +177,8 @@ fn checkpointing_works_on_every_zoo_model() {
         }
     }
     for (name, plain, ckpt, plain_kept, ckpt_kept) in report {
-        // Every model keeps far fewer activations. How much of that shows in the step's peak
-        // depends on what else the peak holds: at this size ResNet's peak is the backward
-        // workspace of its convolutions (candle's im2col), which checkpointing cannot shrink.
+        // Every model keeps far fewer activations, and its training step peaks lower.
         assert!((ckpt_kept as f64) < 0.6 * plain_kept as f64, "{name}: kept {ckpt_kept} vs {plain_kept}");
-        assert!((ckpt as f64) < 1.0 * plain as f64, "{name}: checkpointing never raises the peak ({ckpt} vs {plain})");
-        if !name.starts_with("resnet") {
-            assert!((ckpt as f64) < 0.8 * plain as f64, "{name}: checkpointing lowers the peak ({ckpt} vs {plain})");
-        }
+        assert!((ckpt as f64) < 0.8 * plain as f64, "{name}: checkpointing lowers the peak ({ckpt} vs {plain})");
     }
 }

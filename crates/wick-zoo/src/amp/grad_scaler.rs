@@ -113,7 +113,7 @@ impl GradScaler {
         let mut found_inf = false;
         for var in vars {
             if let Some(g) = grads.remove(var.as_tensor()) {
-                let unscaled = (g * inv)?;
+                let unscaled = (g.detach() * inv)?;
                 // Any inf or NaN makes the sum non-finite.
                 let total = unscaled.to_dtype(candle_core::DType::F32)?.sum_all()?.to_scalar::<f32>()?;
                 found_inf |= !total.is_finite();

@@ -103,7 +103,9 @@ impl MasterWeights {
         let t = self.step as i32;
         for e in &mut self.entries {
             let Some(g) = grads.get(e.model.as_tensor()) else { continue };
-            let g = g.to_dtype(DType::F32)?;
+            // Detached: candle's parameter gradients carry the graph of the ops that made them
+            // (activations included), and state built from them would keep it alive across steps.
+            let g = g.detach().to_dtype(DType::F32)?;
             match self.optimizer {
                 MasterOptimizer::SgdMomentum { lr, momentum } => {
                     let b = ((&e.state[0] * momentum)? + &g)?;
