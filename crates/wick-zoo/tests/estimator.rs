@@ -191,7 +191,8 @@ fn amp_training_estimates_are_within_15_percent_of_measured_peaks() {
     let llama_run = |b: usize| llama.loss(&take(&tokens, b)).unwrap();
     let resnet_run =
         |b: usize| cross_entropy(&resnet.forward(&take(&images, b), true).unwrap(), &take(&labels, b)).unwrap();
-    let cases: [(&str, &Params, &dyn Fn(usize) -> Tensor); 2] = [
+    type Case<'a> = (&'a str, &'a Params, &'a dyn Fn(usize) -> Tensor);
+    let cases: [Case; 2] = [
         ("LLaMA 4×128, seq 64, bf16", &llama.params, &llama_run),
         ("ResNet-18 w16, 64², bf16", &resnet.params, &resnet_run),
     ];
