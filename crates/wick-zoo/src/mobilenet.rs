@@ -37,9 +37,10 @@ struct Builder<'a> {
 }
 
 impl Builder<'_> {
-    fn tensor(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor, ZooError> {
+    /// Parameter `name` in `dtype` (the model's, or f32 for norms under AMP).
+    fn tensor(&mut self, name: &str, shape: &[usize], init: Init, dtype: DType) -> Result<Tensor, ZooError> {
         let t = match &self.source {
-            Source::Fresh => return Ok(self.params.create(name, shape, init, self.dtype, &self.device)?),
+            Source::Fresh => return Ok(self.params.create(name, shape, init, dtype, &self.device)?),
             Source::Weights { path, tensors } => {
                 let bad =
                     |message: String| ZooError::Tensor { path: path.to_path_buf(), tensor: name.to_string(), message };
@@ -50,47 +51,39 @@ impl Builder<'_> {
                 if !t.dtype().is_float() {
                     return Err(bad(format!("dtype {:?} is not a floating-point type", t.dtype())));
                 }
-                t.to_dtype(self.dtype)?
+                t.to_dtype(dtype)?
             }
         };
         Ok(self.params.insert(name, t)?)
     }
 
-    fn buffer(&self, name: &str, shape: &[usize], fresh: f64) -> Result<Tensor, ZooError> {
+    fn buffer(&self, name: &str, shape: &[usize], fresh: f64, dtype: DType) -> Result<Tensor, ZooError> {
         match &self.source {
-            Source::Fresh => Ok((Tensor::ones(shape, self.dtype, &self.device)? * fresh)?),
+            Source::Fresh => Ok((Tensor::ones(shape, dtype, &self.device)? * fresh)?),
             Source::Weights { path, tensors } => {
                 let t = tensors.get(name).ok_or_else(|| ZooError::Tensor {
                     path: path.to_path_buf(),
                     tensor: name.into(),
                     message: "missing".into(),
                 })?;
-                Ok(t.to_dtype(self.dtype)?)
+                Ok(t.to_dtype(dtype)?)
             }
         }
     }
 
     fn conv(&mut self, name: &str, shape: [usize; 4]) -> Result<Tensor, ZooError> {
         let fan_out = shape[0] * shape[2] * shape[3];
-        self.tensor(&format!("{name}.weight"), &shape, Init::Normal((2.0 / fan_out as f64).sqrt()))
+        self.tensor(&format!("{name}.weight"), &shape, Init::Normal((2.0 / fan_out as f64).sqrt()), self.dtype)
     }
 
     /// A batch norm, its parameters and statistics in [`norm_param_dtype`] (f32 under AMP).
     fn bn(&mut self, prefix: &str, c: usize) -> Result<BatchNorm, ZooError> {
-        let model_dtype = self.dtype;
-        self.dtype = norm_param_dtype(model_dtype);
-        let parts = self.bn_parts(prefix, c);
-        self.dtype = model_dtype;
-        let (w, b, mean, var) = parts?;
+        let dtype = norm_param_dtype(self.dtype);
+        let w = self.tensor(&format!("{prefix}.weight"), &[c], Init::Ones, dtype)?;
+        let b = self.tensor(&format!("{prefix}.bias"), &[c], Init::Zeros, dtype)?;
+        let mean = self.buffer(&format!("{prefix}.running_mean"), &[c], 0.0, dtype)?;
+        let var = self.buffer(&format!("{prefix}.running_var"), &[c], 1.0, dtype)?;
         Ok(BatchNorm::from_parts(w, b, mean, var))
-    }
-
-    fn bn_parts(&mut self, prefix: &str, c: usize) -> Result<(Tensor, Tensor, Tensor, Tensor), ZooError> {
-        let w = self.tensor(&format!("{prefix}.weight"), &[c], Init::Ones)?;
-        let b = self.tensor(&format!("{prefix}.bias"), &[c], Init::Zeros)?;
-        let mean = self.buffer(&format!("{prefix}.running_mean"), &[c], 0.0)?;
-        let var = self.buffer(&format!("{prefix}.running_var"), &[c], 1.0)?;
-        Ok((w, b, mean, var))
     }
 }
 
@@ -218,13 +211,12 @@ impl MobileNetV2 {
             b.bn(&format!("features.{index}.1"), last_channel)?,
         );
         let classifier = (
-            b.tensor("classifier.1.weight", &[num_classes, last_channel], Init::Normal(0.01))?,
-            b.tensor("classifier.1.bias", &[num_classes], Init::Zeros)?,
+            b.tensor("classifier.1.weight", &[num_classes, last_channel], Init::Normal(0.01), b.dtype)?,
+            b.tensor("classifier.1.bias", &[num_classes], Init::Zeros, b.dtype)?,
         );
         Ok(MobileNetV2 { params: b.params, stem, blocks, last, classifier })
     }
 
-    /// Logits (N, classes) for images (N, 3, H, W), normalised as torchvision expects.
     /// The residual-block counterpart of torchvision ResNet's `zero_init_residual=True`: the
     /// projection norm's scale of every block with a skip connection starts at zero, so those
     /// blocks start as the identity.
@@ -239,6 +231,7 @@ impl MobileNetV2 {
         Ok(())
     }
 
+    /// Logits (N, classes) for images (N, 3, H, W), normalised as torchvision expects.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ZooError> {
         self.forward_with(x, train, None)
     }

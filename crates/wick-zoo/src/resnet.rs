@@ -175,7 +175,6 @@ impl ResNet {
         Ok(ResNet { depth, params, stem, blocks, fc: (fc_w, fc_b) })
     }
 
-    /// Logits (N, classes) for images (N, 3, H, W).
     /// torchvision's `zero_init_residual=True`: the last norm's scale in every residual block
     /// starts at zero, so each block starts as the identity (Goyal et al., 2017). Without it a
     /// freshly initialised deep ResNet amplifies small perturbations on the way back (at the
@@ -191,6 +190,7 @@ impl ResNet {
         Ok(())
     }
 
+    /// Logits (N, classes) for images (N, 3, H, W).
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ZooError> {
         self.forward_with(x, train, None)
     }
