@@ -121,18 +121,9 @@ fn master_weight_steps_do_not_accumulate_memory() {
             let mut after = Vec::new();
             for _ in 0..4 {
                 let loss = (t.loss)().unwrap();
-                let mut grads = match &scaler {
-                    Some(s) => s.scale_loss(&loss).unwrap().backward().unwrap(),
-                    None => loss.backward().unwrap(),
-                };
+                let mut grads = wick_zoo::amp::scaled_backward(&loss, scaler.as_ref()).unwrap();
                 drop(loss);
-                match &mut scaler {
-                    Some(s) => {
-                        s.step(&mut grads, &refs, |g| masters.step(g)).unwrap();
-                        s.update().unwrap();
-                    }
-                    None => masters.step(&grads).unwrap(),
-                }
+                wick_zoo::amp::master_step(&mut grads, &mut masters, scaler.as_mut(), &refs).unwrap();
                 drop(grads);
                 after.push(wick::host_memory::tracked_heap().unwrap());
             }

@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use wick_zoo::amp::{Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
+use wick_zoo::amp::{master_step, scaled_backward, Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
 use wick_zoo::estimate::graph_bytes;
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::params::normal_tensor;
@@ -136,23 +136,10 @@ impl Updater {
     fn step(&mut self, loss: &Tensor, vars: &[Var], after_backward: impl FnOnce()) -> Result<StepOutcome> {
         match self {
             Updater::Host { masters, scaler } => {
-                let mut grads = match scaler {
-                    Some(s) => s.scale_loss(loss)?.backward()?,
-                    None => loss.backward()?,
-                };
+                let mut grads = scaled_backward(loss, scaler.as_ref())?;
                 after_backward();
-                match scaler {
-                    Some(s) => {
-                        let refs: Vec<&Var> = vars.iter().collect();
-                        let outcome = s.step(&mut grads, &refs, |g| masters.step(g))?;
-                        s.update()?;
-                        Ok(outcome)
-                    }
-                    None => {
-                        masters.step(&grads)?;
-                        Ok(StepOutcome::Applied)
-                    }
-                }
+                let refs: Vec<&Var> = vars.iter().collect();
+                Ok(master_step(&mut grads, masters, scaler.as_mut(), &refs)?)
             }
             #[cfg(feature = "cuda")]
             Updater::Device(amp) => {

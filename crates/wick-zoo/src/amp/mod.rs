@@ -16,3 +16,35 @@ pub mod trial;
 pub use autocast::Autocast;
 pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, StepOutcome};
 pub use master::{MasterOptimizer, MasterWeights};
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+
+/// Back-propagates `loss`, multiplied by the loss scale first when there is a scaler (f16).
+pub fn scaled_backward(loss: &Tensor, scaler: Option<&GradScaler>) -> Result<GradStore, ScalerError> {
+    match scaler {
+        Some(s) => Ok(s.scale_loss(loss)?.backward()?),
+        None => Ok(loss.backward()?),
+    }
+}
+
+/// One update of `masters` from the gradients of `vars`: through the scaler when there is one
+/// (unscale, skip on inf/NaN, update the scale), directly otherwise.
+pub fn master_step(
+    grads: &mut GradStore,
+    masters: &mut MasterWeights,
+    scaler: Option<&mut GradScaler>,
+    vars: &[&Var],
+) -> Result<StepOutcome, ScalerError> {
+    match scaler {
+        Some(s) => {
+            let outcome = s.step(grads, vars, |g| masters.step(g))?;
+            s.update()?;
+            Ok(outcome)
+        }
+        None => {
+            masters.step(grads)?;
+            Ok(StepOutcome::Applied)
+        }
+    }
+}

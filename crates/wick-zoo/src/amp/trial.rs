@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use crate::amp::{Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
+use crate::amp::{master_step, scaled_backward, Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
 use crate::bert::{Bert, BertConfig};
 use crate::error::ZooError;
 use crate::estimate::graph_bytes;
@@ -204,12 +204,9 @@ pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOpt
         }
         // Losses before each applied step (a skipped step leaves the model as it was).
         losses.push(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
-        let scaled = match &scaler {
-            Some(s) => s.scale_loss(&loss).map_err(|e| candle_core::Error::Msg(e.to_string()))?,
-            None => loss.clone(),
-        };
-        let mut grads = scaled.backward()?;
-        drop((loss, scaled));
+        let scaler_error = |e: super::ScalerError| candle_core::Error::Msg(e.to_string());
+        let mut grads = scaled_backward(&loss, scaler.as_ref()).map_err(scaler_error)?;
+        drop(loss);
         // The second step is measured: the first also creates what lives for the whole process
         // (thread pools, caches).
         if step == 1 {
@@ -218,23 +215,12 @@ pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOpt
                 _ => None,
             };
         }
-        match &mut scaler {
-            Some(s) => {
-                let outcome = s
-                    .step(&mut grads, &refs, |g| masters.step(g))
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-                if outcome == StepOutcome::Skipped {
-                    skipped += 1;
-                    losses.pop();
-                } else {
-                    applied += 1;
-                }
-                s.update().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        match master_step(&mut grads, &mut masters, scaler.as_mut(), &refs).map_err(scaler_error)? {
+            StepOutcome::Skipped => {
+                skipped += 1;
+                losses.pop();
             }
-            None => {
-                masters.step(&grads)?;
-                applied += 1;
-            }
+            StepOutcome::Applied => applied += 1,
         }
     }
     // The loss after the last step.
