@@ -16,14 +16,15 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const STEPS: usize = 12;
 
 /// Model and dtype pairs that miss the 2 % loss target on this task, with the gap they must stay
-/// under (a regression bound, not the target). MobileNetV2 in bf16 trains measurably slower
-/// (5.0 % higher loss after 12 steps; f16 is within 0.2 %). Measured once with temporary variants
-/// of this test (BENCHMARKS.md): f32 training from the inputs and initial weights rounded to bf16
-/// ends 0.23 % from f32, so the start is not the cause; keeping every convolution weight in f32
-/// (activations still bf16) halves the gap to 2.7 %, so about half comes from bf16 rounding of the
-/// weights' compute copies (an AdamW step is below half a bf16 ulp for its large 1×1 weights, as
-/// under PyTorch's autocast, which casts them the same way) and half from bf16 activations.
-const MISSES: &[(&str, &str, f32)] = &[("mobilenet_v2", "bf16", 0.07)];
+/// under (a regression bound, not the target). MobileNetV2 in bf16 ends 2.7 % above f32 after 12
+/// steps. PyTorch misses the target on the same start too: `scripts/torch-reference/amp_trial.py`
+/// trains the exported start with `torch.autocast` bf16 and ends 2.2 % above f32; over 12
+/// perturbed starts the gap averages 2.8 % in wick and 2.5 % in PyTorch, and PyTorch meets 2 % on
+/// 1 of 12 (BENCHMARKS.md). In both, the first step's bf16 gradients are about half noise
+/// (median relative error 0.51–0.53 to f64) on this deep, batch-normalised network. The bound
+/// also guards the masters' start: masters that start at the bf16-rounded weights instead of
+/// the f32 ones make the gap 5 % (the bug this bound was tightened after).
+const MISSES: &[(&str, &str, f32)] = &[("mobilenet_v2", "bf16", 0.035)];
 
 fn run(model: &str, autocast: Autocast) -> TrialReport {
     let t = task(model, autocast, &Device::Cpu).unwrap_or_else(|e| panic!("{model}: {e}"));

@@ -12,7 +12,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use wick_zoo::amp::{master_step, scaled_backward, Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
+use wick_zoo::amp::{
+    master_step, masters_by_name, scaled_backward, Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome,
+};
 use wick_zoo::estimate::graph_bytes;
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::params::normal_tensor;
@@ -106,7 +108,13 @@ enum Updater {
 }
 
 impl Updater {
-    fn new(engine: &wick::Engine, vars: &[Var], optimizer: MasterOptimizer, autocast: Autocast) -> Result<Self> {
+    fn new(
+        engine: &wick::Engine,
+        vars: &[Var],
+        masters: &[Tensor],
+        optimizer: MasterOptimizer,
+        autocast: Autocast,
+    ) -> Result<Self> {
         #[cfg(feature = "cuda")]
         if engine.device().is_cuda() {
             let MasterOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } = optimizer else {
@@ -114,7 +122,7 @@ impl Updater {
             };
             let hyper = (lr as f32, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32);
             let scaler = autocast.needs_loss_scaling().then(wick_zoo::amp::GradScalerConfig::default);
-            match wick_zoo::amp::device_step::DeviceAmp::new(engine.device(), vars, hyper, scaler) {
+            match wick_zoo::amp::device_step::DeviceAmp::new(engine.device(), vars, Some(masters), hyper, scaler) {
                 Ok(amp) => {
                     let (master, state) = amp.memory_bytes();
                     let params = vars.iter().map(|v| v.elem_count() * v.dtype().size_in_bytes()).sum();
@@ -127,7 +135,7 @@ impl Updater {
                 Err(e) => println!("Fused AMP kernels unavailable ({e}); using candle tensor ops."),
             }
         }
-        let masters = MasterWeights::new(vars, optimizer)?;
+        let masters = MasterWeights::with_masters(vars, Some(masters), optimizer)?;
         masters.account(engine);
         Ok(Updater::Host { masters, scaler: autocast.needs_loss_scaling().then(GradScaler::new) })
     }
@@ -186,8 +194,16 @@ fn main() -> Result<()> {
     engine.mark("start");
     let model = Llama::new(config, autocast.model_dtype(), &device)?;
     let vars: Vec<_> = model.params.iter().map(|(_, v)| v.clone()).collect();
+    // The masters start at the f32 initial values (the same model built in f32: same seed), not
+    // at their bf16/f16 rounding.
+    let masters = if autocast.enabled() {
+        masters_by_name(&model.params, &Llama::new(config, DType::F32, &device)?.params)?
+    } else {
+        vars.iter().map(|v| v.as_tensor().clone()).collect()
+    };
     let optimizer = MasterOptimizer::AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
-    let mut updater = Updater::new(&engine, &vars, optimizer, autocast)?;
+    let mut updater = Updater::new(&engine, &vars, &masters, optimizer, autocast)?;
+    drop(masters);
     engine.mark("model, masters and optimizer state");
     println!(
         "Training a {}-layer decoder ({} parameters) on {} with autocast {:?}{}; {} steps of {}×{} tokens.",

@@ -38,19 +38,22 @@ pub struct DeviceAmp {
 
 impl DeviceAmp {
     /// Masters and zeroed moments for `vars` (on `device`, a CUDA device), AdamW with the given
-    /// settings, and a loss scaler with `scaler`'s settings when given (f16 training).
+    /// settings, and a loss scaler with `scaler`'s settings when given (f16 training). The
+    /// masters start at `masters` (the f32 values the low-precision parameters were made from;
+    /// see [`super::MasterWeights::with_masters`] for why) or at the parameters' values.
     pub fn new(
         device: &Device,
         vars: &[Var],
+        masters: Option<&[Tensor]>,
         adamw: (f32, f32, f32, f32, f32),
         scaler: Option<GradScalerConfig>,
     ) -> Result<Self, ZooError> {
         let kernels = AmpKernels::load(device)?;
+        // Own copies: the kernels write them in place.
         let slots = vars
             .iter()
-            .map(|v| -> Result<Slot, ZooError> {
-                // Own copies: the kernels write them in place.
-                let master = v.as_tensor().to_dtype(DType::F32)?.copy()?.detach();
+            .zip(super::master::initial_masters(vars, masters)?)
+            .map(|(v, master)| -> Result<Slot, ZooError> {
                 Ok(Slot { model: v.clone(), m: master.zeros_like()?, v: master.zeros_like()?, master })
             })
             .collect::<Result<Vec<_>, _>>()?;

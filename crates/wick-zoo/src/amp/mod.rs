@@ -15,7 +15,7 @@ pub mod trial;
 
 pub use autocast::Autocast;
 pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, StepOutcome};
-pub use master::{MasterOptimizer, MasterWeights};
+pub use master::{masters_by_name, MasterOptimizer, MasterWeights};
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};

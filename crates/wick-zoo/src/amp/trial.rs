@@ -23,12 +23,17 @@ pub struct Task {
     pub name: &'static str,
     /// Its trainable parameters (the low-precision compute copies under AMP).
     pub vars: Vec<Var>,
+    /// The parameters' names, in the order of `vars` (torchvision's for the CNNs).
+    pub names: Vec<String>,
+    /// The f32 initial values of `vars` (the same model built in f32), to start the f32 masters
+    /// from (see [`MasterWeights::with_masters`]).
+    pub masters: Vec<Tensor>,
     /// Builds the loss of the fixed batch.
     pub loss: Box<dyn Fn() -> Result<Tensor>>,
 }
 
 /// Images per batch in the vision tasks (sequences: half as many).
-const BATCH: usize = 16;
+pub const BATCH: usize = 16;
 
 /// Classes in the vision tasks.
 const CLASSES: usize = 10;
@@ -59,8 +64,8 @@ pub fn synthetic_images(n: usize, size: usize, device: &Device) -> Result<(Tenso
 /// Names of the models [`task`] builds.
 pub const MODELS: [&str; 6] = ["llama", "bert", "vit", "resnet18", "resnet50", "mobilenet_v2"];
 
-fn vars(params: &crate::params::Params) -> Vec<Var> {
-    params.iter().map(|(_, v)| v.clone()).collect()
+fn vars(params: &crate::params::Params) -> (Vec<Var>, Vec<String>) {
+    params.iter().map(|(n, v)| (v.clone(), n.clone())).unzip()
 }
 
 fn zoo(e: ZooError) -> candle_core::Error {
@@ -87,7 +92,16 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             let ids: Vec<u32> = ids.iter().map(|x| ((x.abs() * 1000.0) as u32) % 48).collect();
             let ids = Tensor::from_vec(ids, (8, 33), device)?;
             let m = model.clone();
-            Task { name: "llama", vars: vars(&model.params), loss: Box::new(move || m.loss(&ids).map_err(zoo)) }
+            {
+                let (vars, names) = vars(&model.params);
+                Task {
+                    name: "llama",
+                    vars,
+                    names,
+                    masters: Vec::new(),
+                    loss: Box::new(move || m.loss(&ids).map_err(zoo)),
+                }
+            }
         }
         "bert" => {
             let config = BertConfig {
@@ -115,7 +129,10 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
                 let pooled = Bert::mean_pool(&hidden, &mask).map_err(zoo)?;
                 cross_entropy(&pooled.matmul(&head)?, &labels)
             };
-            Task { name: "bert", vars: vars(&model.params), loss: Box::new(loss) }
+            {
+                let (vars, names) = vars(&model.params);
+                Task { name: "bert", vars, names, masters: Vec::new(), loss: Box::new(loss) }
+            }
         }
         "vit" => {
             let config = VitConfig {
@@ -131,7 +148,10 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             let (x, labels) = images()?;
             let m = model.clone();
             let loss = move || cross_entropy(&m.forward(&x).map_err(zoo)?, &labels);
-            Task { name: "vit", vars: vars(&model.params), loss: Box::new(loss) }
+            {
+                let (vars, names) = vars(&model.params);
+                Task { name: "vit", vars, names, masters: Vec::new(), loss: Box::new(loss) }
+            }
         }
         "resnet18" | "resnet50" => {
             let (depth, name) =
@@ -141,7 +161,10 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             let (x, labels) = images()?;
             let m = model.clone();
             let loss = move || cross_entropy(&m.forward(&x, true).map_err(zoo)?, &labels);
-            Task { name, vars: vars(&model.params), loss: Box::new(loss) }
+            {
+                let (vars, names) = vars(&model.params);
+                Task { name, vars, names, masters: Vec::new(), loss: Box::new(loss) }
+            }
         }
         "mobilenet_v2" => {
             let model = Arc::new(MobileNetV2::new(CLASSES, 0.5, dtype, device)?);
@@ -149,7 +172,10 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             let (x, labels) = images()?;
             let m = model.clone();
             let loss = move || cross_entropy(&m.forward(&x, true).map_err(zoo)?, &labels);
-            Task { name: "mobilenet_v2", vars: vars(&model.params), loss: Box::new(loss) }
+            {
+                let (vars, names) = vars(&model.params);
+                Task { name: "mobilenet_v2", vars, names, masters: Vec::new(), loss: Box::new(loss) }
+            }
         }
         other => {
             return Err(ZooError::Config {
@@ -158,7 +184,21 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             })
         }
     };
-    Ok(t)
+    // The f32 values the parameters start from: the same model built in f32 (the same seed),
+    // so that the masters of a low-precision model are not its rounded values.
+    let masters = if dtype == DType::F32 {
+        t.vars.iter().map(|v| v.as_tensor().copy()).collect::<Result<Vec<_>>>()?
+    } else {
+        let originals = task(name, Autocast::off(), device)?;
+        if originals.names != t.names {
+            return Err(ZooError::Config {
+                path: "<amp trial>".into(),
+                message: format!("{name}: the f32 build has other parameters than the {dtype:?} build"),
+            });
+        }
+        originals.vars.iter().map(|v| v.as_tensor().clone()).collect()
+    };
+    Ok(Task { masters, ..t })
 }
 
 /// What one training run measured.
@@ -187,7 +227,7 @@ pub struct TrialReport {
 /// is still too high) are not training steps: they are counted, and more are run, up to
 /// `steps` more attempts.
 pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOptimizer) -> Result<TrialReport> {
-    let mut masters = MasterWeights::new(&task.vars, optimizer)?;
+    let mut masters = MasterWeights::with_masters(&task.vars, Some(&task.masters), optimizer)?;
     let mut scaler = autocast.needs_loss_scaling().then(GradScaler::new);
     let refs: Vec<&Var> = task.vars.iter().collect();
     let (mut losses, mut activation_bytes, mut step_peak_bytes, mut skipped) = (Vec::new(), 0, None, 0);

@@ -1,0 +1,136 @@
+//! Runs the AMP trial of one zoo model (`wick_zoo::amp::trial`: the same task, start and AdamW
+//! steps in f32, bf16 and f16) and prints the losses; with `--out DIR` it also writes the trial's
+//! start for an outside reference: `start.safetensors` (the f32 initial parameters by name, the
+//! input images and labels), `wick.json` (wick's losses per precision and the settings) and
+//! `grads-{f32,bf16,f16}.safetensors` (the first step's gradients, unscaled).
+//! `scripts/torch-reference/amp_trial.py DIR` trains the same start in PyTorch (f32 and
+//! `torch.autocast` bf16) and compares.
+//!
+//! `cargo run --release -p wick-examples --bin amp-trial -- --model mobilenet_v2 --out /tmp/trial`
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Parser;
+use wick_zoo::amp::trial::{synthetic_images, task, train, trial_optimizer, BATCH};
+use wick_zoo::amp::{Autocast, MasterOptimizer};
+
+#[derive(Parser, Debug)]
+#[command(about = "Run one model's AMP trial and export its start for a reference framework")]
+struct Args {
+    /// A vision model of the trial: resnet18, resnet50 or mobilenet_v2.
+    #[arg(long, default_value = "mobilenet_v2")]
+    model: String,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 12)]
+    steps: usize,
+    /// Directory for start.safetensors and wick.json.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Start from these parameters (a safetensors file with every parameter by name, such as
+    /// an exported start.safetensors a reference script has perturbed) instead of the seeded
+    /// initial values; the images and labels stay the trial's.
+    #[arg(long)]
+    start: Option<PathBuf>,
+}
+
+/// Sets every parameter of `t` from `start` (converted to the parameter's dtype) and makes
+/// `start`'s values the masters' starting values.
+fn load_start(
+    t: &mut wick_zoo::amp::trial::Task,
+    start: &HashMap<String, Tensor>,
+    path: &std::path::Path,
+) -> Result<()> {
+    let mut masters = Vec::with_capacity(t.vars.len());
+    for (name, var) in t.names.iter().zip(&t.vars) {
+        let value = start.get(name).with_context(|| format!("{}: no tensor `{name}`", path.display()))?;
+        if value.dims() != var.dims() {
+            bail!("{}: `{name}` has shape {:?}, the model's is {:?}", path.display(), value.dims(), var.dims());
+        }
+        var.set(&value.to_dtype(var.dtype())?)?;
+        masters.push(value.to_dtype(DType::F32)?);
+    }
+    t.masters = masters;
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if !["resnet18", "resnet50", "mobilenet_v2"].contains(&args.model.as_str()) {
+        bail!("--model {}: the export covers the vision models (resnet18, resnet50, mobilenet_v2), whose parameter names are torchvision's", args.model);
+    }
+    if args.steps == 0 {
+        bail!("--steps must be at least 1");
+    }
+    let device = Device::Cpu;
+    let start = match &args.start {
+        Some(path) => {
+            Some(candle_core::safetensors::load(path, &device).with_context(|| format!("reading {}", path.display()))?)
+        }
+        None => None,
+    };
+    if let Some(dir) = &args.out {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        // The f32 start, exported before any training moves it.
+        let mut f32_task = task(&args.model, Autocast::off(), &device)?;
+        if let (Some(start), Some(path)) = (&start, &args.start) {
+            load_start(&mut f32_task, start, path)?;
+        }
+        let mut tensors: HashMap<String, Tensor> =
+            f32_task.names.iter().cloned().zip(f32_task.vars.iter().map(|v| v.as_tensor().clone())).collect();
+        let (images, labels) = synthetic_images(BATCH, 32, &device)?;
+        tensors.insert("input.images".into(), images);
+        tensors.insert("input.labels".into(), labels.to_dtype(DType::I64)?);
+        let path = dir.join("start.safetensors");
+        candle_core::safetensors::save(&tensors, &path).with_context(|| format!("writing {}", path.display()))?;
+    }
+    let mut runs = serde_json::Map::new();
+    for autocast in [Autocast::off(), Autocast::bf16(), Autocast::f16()] {
+        let mut t = task(&args.model, autocast, &device)?;
+        if let (Some(start), Some(path)) = (&start, &args.start) {
+            load_start(&mut t, start, path)?;
+        }
+        if let Some(dir) = &args.out {
+            // The first step's gradients (unscaled), for a per-parameter comparison.
+            let grads = (t.loss)()?.backward()?;
+            let mut tensors = HashMap::new();
+            for (name, var) in t.names.iter().zip(&t.vars) {
+                if let Some(g) = grads.get(var.as_tensor()) {
+                    tensors.insert(name.clone(), g.to_dtype(DType::F32)?);
+                }
+            }
+            let dtype = format!("{:?}", autocast.model_dtype()).to_lowercase();
+            let path = dir.join(format!("grads-{dtype}.safetensors"));
+            candle_core::safetensors::save(&tensors, &path).with_context(|| format!("writing {}", path.display()))?;
+        }
+        let report = train(&t, autocast, args.steps, trial_optimizer())?;
+        println!(
+            "{} {}: loss {:.5} → {:.5} after {} steps ({} skipped)",
+            args.model,
+            report.dtype,
+            report.losses[0],
+            report.losses.last().copied().unwrap_or(f32::NAN),
+            args.steps,
+            report.skipped_steps
+        );
+        runs.insert(report.dtype.clone(), serde_json::json!(report.losses));
+    }
+    if let Some(dir) = &args.out {
+        let MasterOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } = trial_optimizer() else {
+            bail!("the trial optimizer is expected to be AdamW");
+        };
+        let json = serde_json::json!({
+            "model": args.model,
+            "steps": args.steps,
+            "adamw": { "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay },
+            "losses": runs,
+        });
+        let path = dir.join("wick.json");
+        std::fs::write(&path, serde_json::to_string_pretty(&json)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {} and start.safetensors", path.display());
+    }
+    Ok(())
+}

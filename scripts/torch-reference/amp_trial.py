@@ -1,0 +1,175 @@
+"""PyTorch reference for wick's AMP trial (wick_zoo::amp::trial).
+
+Trains the start that `amp-trial --out DIR` exported (the f32 initial parameters of a torchvision
+model, the images and labels) with torch.optim.AdamW and the trial's settings, in f64, f32, under
+torch.autocast bf16 (f32 parameters, PyTorch's per-op policy: O1), and with bf16 compute copies of
+the conv/linear weights made from f32 masters each step (wick's scheme: O2 with f32 batch norm),
+then prints each run's losses next to wick's and the gap of each low-precision run to its f32.
+
+    python scripts/torch-reference/amp_trial.py DIR
+    python scripts/torch-reference/amp_trial.py --ensemble K --binary target/release/amp-trial DIR
+
+The second form also perturbs the exported start K times (each weight times 1 + 1e-3·N(0, 1):
+the same problem to f32, other bf16 roundings), runs wick (`amp-trial --start`) and PyTorch on
+each, and prints the distribution of the bf16-vs-f32 loss gap of both: on an ill-conditioned
+task one number is one draw from that distribution.
+
+Needs torch and torchvision (CPU is enough); not part of CI (see BENCHMARKS.md).
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from safetensors.torch import load_file, save_file
+
+
+def build(name, state):
+    if name == "mobilenet_v2":
+        model = torchvision.models.mobilenet_v2(num_classes=10, width_mult=0.5, dropout=0.0)
+    else:
+        raise SystemExit(f"no reference builder for {name}")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Only the batch-norm buffers may come from the constructor (fresh statistics in both).
+    missing = [m for m in missing if not m.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    if missing or unexpected:
+        raise SystemExit(f"state does not match torchvision: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def train(name, state, images, labels, cfg, mode):
+    torch.manual_seed(0)
+    dtype = torch.float64 if mode == "f64" else torch.float32
+    model = build(name, {k: v.to(dtype) for k, v in state.items()}).to(dtype).train()
+    a = cfg["adamw"]
+    opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
+                            weight_decay=a["weight_decay"])
+    params = dict(model.named_parameters())
+
+    def loss_fn():
+        if mode in ("f64", "f32"):
+            return F.cross_entropy(model(images.to(dtype)), labels)
+        if mode == "autocast-bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return F.cross_entropy(model(images), labels)
+        if mode == "copies-bf16":
+            # bf16 compute copies of conv and linear parameters, cast inside the graph so the
+            # gradients reach the f32 masters; batch-norm parameters stay f32.
+            copies = {k: (p if ".weight" in k and p.dim() == 1 or "bias" in k and not k.startswith("classifier")
+                          else p.to(torch.bfloat16)) for k, p in params.items()}
+            logits = torch.func.functional_call(model, copies, (images.to(torch.bfloat16),))
+            return F.cross_entropy(logits.float(), labels)
+        raise ValueError(mode)
+
+    losses = []
+    for _ in range(cfg["steps"]):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        losses.append(loss_fn().item())
+    return losses
+
+
+def first_gradients(name, state, images, labels, mode):
+    """The first step's parameter gradients in f64, from a forward/backward in `mode`."""
+    dtype = torch.float64 if mode == "f64" else torch.float32
+    model = build(name, {k: v.to(dtype) for k, v in state.items()}).to(dtype).train()
+    if mode == "autocast-bf16":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(images), labels)
+    else:
+        loss = F.cross_entropy(model(images.to(dtype)), labels)
+    loss.backward()
+    return {k: p.grad.double() for k, p in model.named_parameters()}
+
+
+def gradient_errors(directory, name, state, images, labels):
+    """Median over parameters of |g - g_f64| / |g_f64| for wick's and PyTorch's first gradients."""
+    reference = first_gradients(name, state, images, labels, "f64")
+    runs = {"torch f32": first_gradients(name, state, images, labels, "f32"),
+            "torch autocast bf16": first_gradients(name, state, images, labels, "autocast-bf16")}
+    for dtype in ("f32", "bf16", "f16"):
+        runs[f"wick {dtype}"] = {k: v.double() for k, v in load_file(f"{directory}/grads-{dtype}.safetensors").items()}
+    # Parameters with a non-zero reference gradient (blocks behind a zero-initialised residual
+    # scale get none in the first step).
+    names = [k for k, g in reference.items() if g.norm() > 1e-12]
+    for label, grads in runs.items():
+        errors = sorted(((grads[k] - reference[k]).norm() / reference[k].norm()).item() for k in names)
+        print(f"first gradients, {label:>20} vs torch f64: median relative error {errors[len(errors) // 2]:.2e} "
+              f"over {len(names)} parameters")
+
+
+def gap(a, b):
+    return 100 * abs(a[-1] - b[-1]) / abs(b[-1])
+
+
+def compare(directory, modes=("f64", "f32", "autocast-bf16", "copies-bf16"), quiet=False):
+    cfg = json.load(open(f"{directory}/wick.json"))
+    tensors = load_file(f"{directory}/start.safetensors")
+    images, labels = tensors.pop("input.images"), tensors.pop("input.labels")
+    name = cfg["model"]
+    runs = {mode: train(name, tensors, images, labels, cfg, mode) for mode in modes}
+    if not quiet:
+        gradient_errors(directory, name, tensors, images, labels)
+        print(f"torch {torch.__version__}, {name}, {cfg['steps']} AdamW steps, lr {cfg['adamw']['lr']}")
+        for label, losses in [*(("torch " + k, v) for k, v in runs.items()),
+                              *(("wick " + k, v) for k, v in cfg["losses"].items())]:
+            print(f"{label:>20}: {losses[0]:.5f} -> {losses[-1]:.5f}   " + " ".join(f"{l:.4f}" for l in losses))
+        if "f64" in runs:
+            print(f"torch f32 vs f64: {gap(runs['f32'], runs['f64']):.3f} %")
+        print(f"wick f32 vs torch f32: {gap(cfg['losses']['f32'], runs['f32']):.3f} %")
+        print(f"torch autocast bf16 vs torch f32: {gap(runs['autocast-bf16'], runs['f32']):.2f} %")
+        if "copies-bf16" in runs:
+            print(f"torch bf16 copies vs torch f32: {gap(runs['copies-bf16'], runs['f32']):.2f} %")
+        print(f"wick bf16 vs wick f32: {gap(cfg['losses']['bf16'], cfg['losses']['f32']):.2f} %")
+        print(f"wick f16 vs wick f32: {gap(cfg['losses']['f16'], cfg['losses']['f32']):.2f} %")
+    return cfg, runs
+
+
+def ensemble(directory, count, binary):
+    tensors = load_file(f"{directory}/start.safetensors")
+    rows = []
+    for k in range(1, count + 1):
+        g = torch.Generator().manual_seed(k)
+        perturbed = {n: (t if n.startswith("input.") else t * (1 + 1e-3 * torch.randn(t.shape, generator=g)))
+                     for n, t in tensors.items()}
+        run_dir = os.path.join(directory, f"ensemble-{k}")
+        os.makedirs(run_dir, exist_ok=True)
+        save_file(perturbed, f"{run_dir}/perturbed.safetensors")
+        subprocess.run([binary, "--start", f"{run_dir}/perturbed.safetensors", "--out", run_dir], check=True,
+                       stdout=subprocess.DEVNULL)
+        cfg, runs = compare(run_dir, modes=("f32", "autocast-bf16"), quiet=True)
+        w = cfg["losses"]
+        row = (gap(w["f32"], runs["f32"]), gap(w["bf16"], w["f32"]), gap(runs["autocast-bf16"], runs["f32"]),
+               gap(w["f16"], w["f32"]))
+        rows.append(row)
+        print(f"start {k:2}: wick f32 vs torch f32 {row[0]:.3f} %, bf16 gap: wick {row[1]:.2f} %, "
+              f"torch autocast {row[2]:.2f} %; wick f16 gap {row[3]:.2f} %", flush=True)
+    for i, label in [(1, "wick bf16"), (2, "torch autocast bf16"), (3, "wick f16")]:
+        v = [r[i] for r in rows]
+        print(f"{label:>20} gap over {count} starts: mean {statistics.mean(v):.2f} %, median "
+              f"{statistics.median(v):.2f} %, min {min(v):.2f} %, max {max(v):.2f} %, "
+              f"within 2 %: {sum(x <= 2 for x in v)}/{count}")
+
+
+def main():
+    args = sys.argv[1:]
+    if len(args) == 1:
+        compare(args[0])
+    elif len(args) == 5 and args[0] == "--ensemble" and args[2] == "--binary":
+        compare(args[4])
+        ensemble(args[4], int(args[1]), args[3])
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
