@@ -144,11 +144,23 @@ impl RunningStats {
                 affine_normalize(&t[0], &m, &v, &t[1], &t[2], eps)
             });
         }
-        if update {
-            // The running estimates move once per forward pass, from detached f32 statistics.
+        // The forward call of the node's function (its first; backward calls it again to
+        // recompute) hands its f32 batch statistics out, detached, for the running estimates.
+        let handed_out: Arc<Mutex<Option<(Tensor, Tensor)>>> = Arc::new(Mutex::new(None));
+        let first_call = Arc::new(std::sync::atomic::AtomicBool::new(update));
+        let slot = handed_out.clone();
+        let y = node("batch_norm", &[x, weight, bias], compute, x.dtype(), move |t| {
+            let (mean, var) = batch_stats(&t[0])?;
+            if first_call.swap(false, std::sync::atomic::Ordering::Relaxed) {
+                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((mean.detach(), var.detach()));
+            }
+            affine_normalize(&t[0], &mean, &var, &t[1], &t[2], eps)
+        })?;
+        let stats = handed_out.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some((mean, var)) = stats {
+            // The running estimates move once per forward pass.
             let (n, _, h, w) = x.dims4()?;
             let count = (n * h * w) as f64;
-            let (mean, var) = batch_stats(&x.detach().to_dtype(compute)?)?;
             let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
             let dtype = running.0.dtype();
             let unbiased = (var.flatten_all()? * (count / (count - 1.0).max(1.0)))?;
@@ -158,10 +170,7 @@ impl RunningStats {
             running.0 = blend(&running.0, mean.flatten_all()?)?;
             running.1 = blend(&running.1, unbiased)?;
         }
-        node("batch_norm", &[x, weight, bias], compute, x.dtype(), move |t| {
-            let (mean, var) = batch_stats(&t[0])?;
-            affine_normalize(&t[0], &mean, &var, &t[1], &t[2], eps)
-        })
+        Ok(y)
     }
 }
 
@@ -297,5 +306,23 @@ mod tests {
         assert!(vals(&rv).iter().all(|v| *v > 0.9), "running variance moves from 1 towards the batch variance");
         let eval = bn.forward(&x, false).unwrap();
         assert_eq!(eval.dims(), x.dims());
+    }
+
+    /// With gradients on, the statistics still move once per forward pass: backward recomputes
+    /// the normalisation but leaves the running estimates alone.
+    #[test]
+    fn batch_norm_running_stats_move_once_per_forward_with_backward() {
+        let dev = Device::Cpu;
+        let mut params = Params::default();
+        let bn = BatchNorm::new(&mut params, "bn", 3, DType::F32, &dev).unwrap();
+        let x = Var::from_tensor(&Tensor::randn(2f32, 1.0, (4, 3, 6, 6), &dev).unwrap()).unwrap();
+        let y = bn.forward(x.as_tensor(), true).unwrap();
+        let grads = y.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+        assert!(grads.get(x.as_tensor()).is_some());
+        let xm = vals(&x.as_tensor().mean_keepdim(0).unwrap().mean_keepdim(2).unwrap().mean_keepdim(3).unwrap());
+        let (rm, _) = bn.running_stats();
+        for (r, m) in vals(&rm).iter().zip(&xm) {
+            assert!((r - 0.1 * m).abs() < 1e-5, "running mean {r} after one forward (batch mean {m})");
+        }
     }
 }
