@@ -42,29 +42,34 @@ struct Entry {
 /// f32 masters for `vars`: own copies of `masters` (checked: one per var, same shapes) or of the
 /// vars' values, with each var set to its master rounded to the var's dtype.
 pub(crate) fn initial_masters(vars: &[Var], masters: Option<&[Tensor]>) -> Result<Vec<Tensor>> {
-    if let Some(m) = masters {
-        if m.len() != vars.len() {
-            candle_core::bail!("{} master values for {} parameters", m.len(), vars.len());
+    let sources: Vec<&Tensor> = match masters {
+        Some(m) if m.len() != vars.len() => {
+            candle_core::bail!("{} master values for {} parameters", m.len(), vars.len())
+        }
+        Some(m) => m.iter().collect(),
+        None => vars.iter().map(|v| v.as_tensor()).collect(),
+    };
+    // Everything is checked before any parameter is touched: a refused call changes nothing.
+    for (i, (source, v)) in sources.iter().zip(vars).enumerate() {
+        if source.dims() != v.dims() {
+            candle_core::bail!("master {i} has shape {:?}, its parameter {:?}", source.dims(), v.dims());
+        }
+        if !source.dtype().is_float() {
+            candle_core::bail!("master {i} has dtype {:?}, not a floating-point type", source.dtype());
         }
     }
-    vars.iter()
-        .enumerate()
-        .map(|(i, v)| {
-            let source = masters.map_or(v.as_tensor(), |m| &m[i]);
-            if source.dims() != v.dims() {
-                candle_core::bail!("master {i} has shape {:?}, its parameter {:?}", source.dims(), v.dims());
-            }
-            if !source.dtype().is_float() {
-                candle_core::bail!("master {i} has dtype {:?}, not a floating-point type", source.dtype());
-            }
-            // Own copies (the update writes them), on the parameter's device.
-            let master = source.to_device(v.device())?.to_dtype(DType::F32)?.copy()?.detach();
-            if masters.is_some() {
-                v.set(&master.to_dtype(v.dtype())?)?;
-            }
-            Ok(master)
-        })
-        .collect()
+    // Own copies (the update writes them), on the parameter's device.
+    let copies = sources
+        .iter()
+        .zip(vars)
+        .map(|(source, v)| source.to_device(v.device())?.to_dtype(DType::F32)?.copy().map(|t| t.detach()))
+        .collect::<Result<Vec<_>>>()?;
+    if masters.is_some() {
+        for (master, v) in copies.iter().zip(vars) {
+            v.set(&master.to_dtype(v.dtype())?)?;
+        }
+    }
+    Ok(copies)
 }
 
 /// The values of `originals`' parameters (the same model built in f32: the same seed gives the
@@ -337,6 +342,11 @@ mod tests {
         assert!(shape.contains("shape [4]"), "{shape}");
         let dtype = err(vec![Tensor::zeros(3, DType::U32, &dev).unwrap()]).unwrap_or_default();
         assert!(dtype.contains("not a floating-point type"), "{dtype}");
+        // A bad second master leaves the first parameter as it was too.
+        let other = Var::from_tensor(&Tensor::zeros(2, DType::BF16, &dev).unwrap()).unwrap();
+        let two = [param.clone(), other];
+        let bad = [Tensor::ones(3, DType::F32, &dev).unwrap(), Tensor::ones(5, DType::F32, &dev).unwrap()];
+        assert!(MasterWeights::with_masters(&two, Some(&bad), opt).is_err());
         // Nothing was changed by the refused calls.
         assert_eq!(param.as_tensor().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 3]);
     }

@@ -83,7 +83,7 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
         let (x, labels) = synthetic_images(BATCH, 32, device)?;
         Ok((x.to_dtype(dtype)?, labels))
     };
-    let t: Task = match name {
+    let (name, (vars, names), loss): (&'static str, _, Box<dyn Fn() -> Result<Tensor>>) = match name {
         "llama" => {
             let config =
                 LlamaConfig { num_layers: 2, hidden_size: 64, intermediate_size: 128, ..LlamaConfig::tiny(48) };
@@ -92,16 +92,7 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             let ids: Vec<u32> = ids.iter().map(|x| ((x.abs() * 1000.0) as u32) % 48).collect();
             let ids = Tensor::from_vec(ids, (8, 33), device)?;
             let m = model.clone();
-            {
-                let (vars, names) = vars(&model.params);
-                Task {
-                    name: "llama",
-                    vars,
-                    names,
-                    masters: Vec::new(),
-                    loss: Box::new(move || m.loss(&ids).map_err(zoo)),
-                }
-            }
+            ("llama", vars(&model.params), Box::new(move || m.loss(&ids).map_err(zoo)))
         }
         "bert" => {
             let config = BertConfig {
@@ -129,10 +120,7 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
                 let pooled = Bert::mean_pool(&hidden, &mask).map_err(zoo)?;
                 cross_entropy(&pooled.matmul(&head)?, &labels)
             };
-            {
-                let (vars, names) = vars(&model.params);
-                Task { name: "bert", vars, names, masters: Vec::new(), loss: Box::new(loss) }
-            }
+            ("bert", vars(&model.params), Box::new(loss))
         }
         "vit" => {
             let config = VitConfig {
@@ -148,10 +136,7 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             let (x, labels) = images()?;
             let m = model.clone();
             let loss = move || cross_entropy(&m.forward(&x).map_err(zoo)?, &labels);
-            {
-                let (vars, names) = vars(&model.params);
-                Task { name: "vit", vars, names, masters: Vec::new(), loss: Box::new(loss) }
-            }
+            ("vit", vars(&model.params), Box::new(loss))
         }
         "resnet18" | "resnet50" => {
             let (depth, name) =
@@ -161,10 +146,7 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             let (x, labels) = images()?;
             let m = model.clone();
             let loss = move || cross_entropy(&m.forward(&x, true).map_err(zoo)?, &labels);
-            {
-                let (vars, names) = vars(&model.params);
-                Task { name, vars, names, masters: Vec::new(), loss: Box::new(loss) }
-            }
+            (name, vars(&model.params), Box::new(loss))
         }
         "mobilenet_v2" => {
             let model = Arc::new(MobileNetV2::new(CLASSES, 0.5, dtype, device)?);
@@ -172,10 +154,7 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             let (x, labels) = images()?;
             let m = model.clone();
             let loss = move || cross_entropy(&m.forward(&x, true).map_err(zoo)?, &labels);
-            {
-                let (vars, names) = vars(&model.params);
-                Task { name: "mobilenet_v2", vars, names, masters: Vec::new(), loss: Box::new(loss) }
-            }
+            ("mobilenet_v2", vars(&model.params), Box::new(loss))
         }
         other => {
             return Err(ZooError::Config {
@@ -187,10 +166,10 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
     // The f32 values the parameters start from: the same model built in f32 (the same seed),
     // so that the masters of a low-precision model are not its rounded values.
     let masters = if dtype == DType::F32 {
-        t.vars.iter().map(|v| v.as_tensor().copy()).collect::<Result<Vec<_>>>()?
+        vars.iter().map(|v| v.as_tensor().copy()).collect::<Result<Vec<_>>>()?
     } else {
         let originals = task(name, Autocast::off(), device)?;
-        if originals.names != t.names {
+        if originals.names != names {
             return Err(ZooError::Config {
                 path: "<amp trial>".into(),
                 message: format!("{name}: the f32 build has other parameters than the {dtype:?} build"),
@@ -198,7 +177,7 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
         }
         originals.vars.iter().map(|v| v.as_tensor().clone()).collect()
     };
-    Ok(Task { masters, ..t })
+    Ok(Task { name, vars, names, masters, loss })
 }
 
 /// What one training run measured.
