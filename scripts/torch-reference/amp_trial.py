@@ -8,11 +8,13 @@ then prints each run's losses next to wick's and the gap of each low-precision r
 
     python scripts/torch-reference/amp_trial.py DIR
     python scripts/torch-reference/amp_trial.py --ensemble K --binary target/release/amp-trial DIR
+    python scripts/torch-reference/amp_trial.py --write-reference FILE DIR [DIR ...]
 
 The second form also perturbs the exported start K times (each weight times 1 + 1e-3·N(0, 1):
 the same problem to f32, other bf16 roundings), runs wick (`amp-trial --start`) and PyTorch on
 each, and prints the distribution of the bf16-vs-f32 loss gap of both: on an ill-conditioned
-task one number is one draw from that distribution.
+task one number is one draw from that distribution. The third writes PyTorch's f64 and
+autocast-bf16 losses of each exported trial to FILE (the reference the AMP test reads).
 
 Needs torch and torchvision (CPU is enough); not part of CI (see BENCHMARKS.md).
 """
@@ -29,9 +31,33 @@ import torchvision
 from safetensors.torch import load_file, save_file
 
 
+class ResNet(torchvision.models.resnet.ResNet):
+    """torchvision's ResNet with the first stage `width` wide (torchvision fixes it at 64)."""
+
+    def __init__(self, block, layers, num_classes, width):
+        torch.nn.Module.__init__(self)
+        self._norm_layer, self.inplanes, self.dilation, self.groups, self.base_width = (
+            torch.nn.BatchNorm2d, width, 1, 1, 64)
+        self.conv1 = torch.nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(width)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.maxpool = torch.nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.layer1 = self._make_layer(block, width, layers[0])
+        self.layer2 = self._make_layer(block, 2 * width, layers[1], stride=2)
+        self.layer3 = self._make_layer(block, 4 * width, layers[2], stride=2)
+        self.layer4 = self._make_layer(block, 8 * width, layers[3], stride=2)
+        self.avgpool = torch.nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = torch.nn.Linear(8 * width * block.expansion, num_classes)
+
+
 def build(name, state):
+    classes = 10
     if name == "mobilenet_v2":
-        model = torchvision.models.mobilenet_v2(num_classes=10, width_mult=0.5, dropout=0.0)
+        model = torchvision.models.mobilenet_v2(num_classes=classes, width_mult=0.5, dropout=0.0)
+    elif name in ("resnet18", "resnet50"):
+        from torchvision.models.resnet import BasicBlock, Bottleneck
+        block, layers = (BasicBlock, [2, 2, 2, 2]) if name == "resnet18" else (Bottleneck, [3, 4, 6, 3])
+        model = ResNet(block, layers, classes, width=state["conv1.weight"].shape[0])
     else:
         raise SystemExit(f"no reference builder for {name}")
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -50,6 +76,8 @@ def train(name, state, images, labels, cfg, mode):
     opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
                             weight_decay=a["weight_decay"])
     params = dict(model.named_parameters())
+    norm_params = {f"{m}.{p}" for m, module in model.named_modules() if isinstance(module, torch.nn.BatchNorm2d)
+                   for p, _ in module.named_parameters(recurse=False)}
 
     def loss_fn():
         if mode in ("f64", "f32"):
@@ -60,8 +88,7 @@ def train(name, state, images, labels, cfg, mode):
         if mode == "copies-bf16":
             # bf16 compute copies of conv and linear parameters, cast inside the graph so the
             # gradients reach the f32 masters; batch-norm parameters stay f32.
-            copies = {k: (p if ".weight" in k and p.dim() == 1 or "bias" in k and not k.startswith("classifier")
-                          else p.to(torch.bfloat16)) for k, p in params.items()}
+            copies = {k: (p if k in norm_params else p.to(torch.bfloat16)) for k, p in params.items()}
             logits = torch.func.functional_call(model, copies, (images.to(torch.bfloat16),))
             return F.cross_entropy(logits.float(), labels)
         raise ValueError(mode)
@@ -160,10 +187,33 @@ def ensemble(directory, count, binary):
               f"within 2 %: {sum(x <= 2 for x in v)}/{count}")
 
 
+def write_reference(path, directories):
+    """Writes PyTorch's f64 and autocast-bf16 losses of each exported trial to `path` (JSON), the
+    reference `crates/wick-zoo/tests/amp.rs` checks wick's f32 training against."""
+    models = {}
+    for directory in directories:
+        cfg, runs = compare(directory, modes=("f64", "autocast-bf16"), quiet=True)
+        models[cfg["model"]] = {"f64": runs["f64"], "autocast_bf16": runs["autocast-bf16"]}
+    reference = {
+        "what": "losses before each of 12 AdamW steps and after the last, trained by PyTorch from the start "
+                "`amp-trial --model M --out DIR` exports (wick_zoo::amp::trial)",
+        "made_by": "python scripts/torch-reference/amp_trial.py --write-reference PATH DIR...",
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "models": models,
+    }
+    with open(path, "w") as f:
+        json.dump(reference, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
+
+
 def main():
     args = sys.argv[1:]
     if len(args) == 1:
         compare(args[0])
+    elif len(args) >= 3 and args[0] == "--write-reference":
+        write_reference(args[1], args[2:])
     elif len(args) == 5 and args[0] == "--ensemble" and args[2] == "--binary":
         compare(args[4])
         ensemble(args[4], int(args[1]), args[3])
