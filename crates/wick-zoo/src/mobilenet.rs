@@ -11,6 +11,7 @@ use crate::amp::autocast::norm_param_dtype;
 use crate::checkpoint::{run_stateful, Checkpointing};
 use crate::cnn::{conv2d, depthwise_conv2d, global_avg_pool, BatchNorm, RunningStats};
 use crate::error::ZooError;
+use crate::ops::relu6;
 use crate::params::{Init, Params};
 
 /// torchvision's `_make_divisible`.
@@ -136,10 +137,6 @@ pub struct MobileNetV2 {
     blocks: Vec<Block>,
     last: (Tensor, BatchNorm),
     classifier: (Tensor, Tensor),
-}
-
-fn relu6(x: &Tensor) -> candle_core::Result<Tensor> {
-    x.clamp(0.0, 6.0)
 }
 
 impl MobileNetV2 {

@@ -26,6 +26,34 @@ pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)
 }
 
+/// ReLU with PyTorch's gradient, as one node that keeps its input. candle's own `relu` passes
+/// the gradient where the input is exactly 0 (its backward tests `x >= 0`); PyTorch's passes it
+/// only where `x > 0`. Exact zeros are common, not a corner case: in a residual block whose last
+/// norm scale starts at 0 (`zero_init_residual`) the final ReLU's input is the previous ReLU's
+/// output, zeros included, and candle's rule then changed the first gradients of ResNet-50's
+/// residual norms completely (relative error 1 against PyTorch in f64). NaN propagates.
+pub fn relu(x: &Tensor) -> Result<Tensor> {
+    node("relu", &[x], x.dtype(), x.dtype(), |t| clamp_with_torch_gradient(&t[0], 0.0, None))
+}
+
+/// ReLU6 (`min(max(x, 0), 6)`) with PyTorch's gradient (`hardtanh`'s: only where 0 < x < 6), as
+/// one node that keeps its input (candle's `clamp` keeps two tensors and halves the gradient
+/// where `x` equals a bound). NaN propagates.
+pub fn relu6(x: &Tensor) -> Result<Tensor> {
+    node("relu6", &[x], x.dtype(), x.dtype(), |t| clamp_with_torch_gradient(&t[0], 0.0, Some(6.0)))
+}
+
+/// `x` clamped to `[min, max]` by selection, so that autograd passes the gradient only strictly
+/// inside (comparisons carry no gradient) and NaN, which fails both tests, passes through.
+fn clamp_with_torch_gradient(x: &Tensor, min: f64, max: Option<f64>) -> Result<Tensor> {
+    let low = (x.zeros_like()? + min)?;
+    let y = x.le(min)?.where_cond(&low, x)?;
+    match max {
+        Some(max) => x.ge(max)?.where_cond(&(x.zeros_like()? + max)?, &y),
+        None => Ok(y),
+    }
+}
+
 /// `x @ weightᵀ (+ bias)` for `x` (..., in) and `weight` (out, in): a low-precision op under
 /// autocast (the matmul runs in `x`'s dtype), as one node whose backward accumulates the weight
 /// and bias gradients in f32.
@@ -245,5 +273,40 @@ mod tests {
         let x = Tensor::randn(0f64, 1.0, (1, 1, 1, 4), &dev).unwrap();
         let r = rope(&x, &cos.narrow(0, 0, 1).unwrap(), &sin.narrow(0, 0, 1).unwrap()).unwrap();
         assert!((r - &x).unwrap().abs().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap() < 1e-12);
+    }
+
+    /// Values and gradients of `relu`/`relu6` at the points where conventions differ, against
+    /// PyTorch's definitions: `relu'(x) = [x > 0]`, `hardtanh'(x) = [0 < x < 6]`, NaN kept.
+    #[test]
+    fn relu_and_relu6_follow_pytorch_at_the_kinks() {
+        let dev = Device::Cpu;
+        let points = [-2.0f32, 0.0, 1e-30, 0.5, 3.0, 6.0, 7.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN];
+        let x = Tensor::new(&points, &dev).unwrap();
+        let relu_values: Vec<f32> = relu(&x).unwrap().to_vec1().unwrap();
+        let relu6_values: Vec<f32> = relu6(&x).unwrap().to_vec1().unwrap();
+        for (i, p) in points.iter().enumerate() {
+            let (r, r6) = (p.max(0.0), p.clamp(0.0, 6.0));
+            if p.is_nan() {
+                assert!(relu_values[i].is_nan() && relu6_values[i].is_nan(), "NaN propagates");
+            } else {
+                assert_eq!((relu_values[i], relu6_values[i]), (r, r6), "at {p}");
+                assert!(relu_values[i].is_sign_positive(), "+0, not -0, at {p}");
+            }
+        }
+        let finite = &points[..7];
+        let var = Var::from_tensor(&Tensor::new(finite, &dev).unwrap()).unwrap();
+        let grad = |y: Tensor| -> Vec<f32> {
+            y.sum_all().unwrap().backward().unwrap().get(var.as_tensor()).unwrap().to_vec1().unwrap()
+        };
+        let expected_relu: Vec<f32> = finite.iter().map(|p| f32::from(*p > 0.0)).collect();
+        let expected_relu6: Vec<f32> = finite.iter().map(|p| f32::from(*p > 0.0 && *p < 6.0)).collect();
+        assert_eq!(grad(relu(var.as_tensor()).unwrap()), expected_relu);
+        assert_eq!(grad(relu6(var.as_tensor()).unwrap()), expected_relu6);
+        // What the nodes replace: candle's relu passes the gradient at exactly 0, and its clamp
+        // halves it at both bounds. (If candle changes this, the comment on `relu` needs to.)
+        let candle_relu = grad(var.as_tensor().relu().unwrap());
+        assert_eq!(candle_relu[1], 1.0);
+        let candle_clamp = grad(var.as_tensor().clamp(0f32, 6f32).unwrap());
+        assert_eq!((candle_clamp[1], candle_clamp[5]), (0.5, 0.5));
     }
 }

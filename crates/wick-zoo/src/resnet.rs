@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::checkpoint::{run_stateful, Checkpointing};
 use crate::cnn::{conv2d, global_avg_pool, max_pool2d, BatchNorm, RunningStats};
 use crate::error::ZooError;
+use crate::ops::relu;
 use crate::params::{Init, Params};
 
 /// Which ResNet.
@@ -86,10 +87,10 @@ impl BlockSpec {
         for (i, ((stride, pad), stats)) in self.convs.iter().zip(&self.norms).enumerate() {
             h = stats.normalize(&conv2d(&h, &w[i], *pad, *stride)?, &w[k + 2 * i], &w[k + 2 * i + 1], train, update)?;
             if i + 1 < k {
-                h = h.relu()?;
+                h = relu(&h)?;
             }
         }
-        (h + identity)?.relu()
+        relu(&(h + identity)?)
     }
 }
 
@@ -203,7 +204,7 @@ impl ResNet {
         train: bool,
         checkpoint: Option<&Checkpointing>,
     ) -> Result<Tensor, ZooError> {
-        let x = self.stem.1.forward(&self.stem.0.forward(x)?, train)?.relu()?;
+        let x = relu(&self.stem.1.forward(&self.stem.0.forward(x)?, train)?)?;
         let mut x = max_pool2d(&x, 3, 2, 1)?;
         for block in &self.blocks {
             x = run_stateful(checkpoint, &x, &block.weights, &block.spec, move |spec, x, w, update| {
