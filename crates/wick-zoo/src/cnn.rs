@@ -53,13 +53,28 @@ fn out_size(len: usize, kernel: usize, stride: usize, pad: usize) -> usize {
 }
 
 /// Max pooling with any kernel, stride and padding (padding never wins the max), as one graph
-/// node in `x`'s dtype.
+/// node in `x`'s dtype. The gradient of each output goes to the first maximum of its window in
+/// row-major order, as in PyTorch; candle's `max` backward gives it to every tied maximum, and in
+/// bf16 ties are common (that doubled gradients into ResNet's stem: its first bf16 gradients
+/// were 3.5 % from PyTorch autocast's there and bit-identical elsewhere).
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
-    node("max_pool2d", &[x], x.dtype(), x.dtype(), move |t| max_pool2d_composed(&t[0], kernel, stride, pad))
+    node("max_pool2d", &[x], x.dtype(), x.dtype(), move |t| {
+        let windows = stacked_windows(&t[0], kernel, stride, pad)?;
+        // argmax keeps the first of equal values; gather's backward scatters to that one only.
+        let first = windows.argmax_keepdim(0)?;
+        windows.gather(&first, 0)?.squeeze(0)
+    })
 }
 
-/// [`max_pool2d`] composed from windows and a max.
+/// [`max_pool2d`]'s values composed from windows and a max (candle's `max` backward: the
+/// gradient goes to every tied maximum).
 pub fn max_pool2d_composed(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
+    stacked_windows(x, kernel, stride, pad)?.max(0)
+}
+
+/// The kernel² windows of each pooling output, stacked in row-major window order:
+/// (kernel², N, C, out_h, out_w), padded with a value that never wins a max.
+fn stacked_windows(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     let (oh, ow) = (out_size(h, kernel, stride, pad), out_size(w, kernel, stride, pad));
     let xp = pad_spatial(x, pad, -1e4)?;
@@ -69,7 +84,7 @@ pub fn max_pool2d_composed(x: &Tensor, kernel: usize, stride: usize, pad: usize)
             windows.push(window(&xp, dy, dx, stride, oh, ow)?);
         }
     }
-    Tensor::stack(&windows, 0)?.max(0)
+    Tensor::stack(&windows, 0)
 }
 
 /// Depthwise convolution: weight (C, 1, k, k), one filter per channel, as a sum of k² shifted
@@ -273,6 +288,26 @@ mod tests {
         let g = vals(y.sum_all().unwrap().backward().unwrap().get(&x).unwrap());
         assert_eq!(g.iter().sum::<f64>(), 32.0);
         assert!(g.iter().all(|v| *v >= 0.0 && v.fract() == 0.0));
+    }
+
+    /// Ties: PyTorch's max_pool2d gives each output's gradient to the first maximum of its window
+    /// (row-major), once.
+    #[test]
+    fn max_pool_gives_a_tied_windows_gradient_to_its_first_maximum() {
+        let dev = Device::Cpu;
+        // One 2×2 window, no padding: maxima 5 at (0, 1) and (1, 0).
+        let x = Var::from_tensor(&Tensor::new(&[[[[1f32, 5.0], [5.0, 2.0]]]], &dev).unwrap()).unwrap();
+        let y = max_pool2d(x.as_tensor(), 2, 2, 0).unwrap();
+        assert_eq!(y.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![5.0]);
+        let g = y.sum_all().unwrap().backward().unwrap();
+        let g: Vec<f32> = g.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(g, vec![0.0, 1.0, 0.0, 0.0]);
+        // The same in bf16, where the node's backward recomputes in f32.
+        let xb = Var::from_tensor(&x.as_tensor().to_dtype(DType::BF16).unwrap()).unwrap();
+        let yb = max_pool2d(xb.as_tensor(), 2, 2, 0).unwrap();
+        let gb = yb.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = gb.get(xb.as_tensor()).unwrap().to_dtype(DType::F32).unwrap();
+        assert_eq!(gb.flatten_all().unwrap().to_vec1::<f32>().unwrap(), vec![0.0, 1.0, 0.0, 0.0]);
     }
 
     #[test]

@@ -32,7 +32,7 @@ const MISSES: &[(&str, &str, f32)] = &[("mobilenet_v2", "bf16", 0.035)];
 /// difference allowed between wick's f32 losses and PyTorch's f64 losses at any step (measured:
 /// 5.9e-7, 6.0e-8, 1.4e-7; before ReLU's gradient at 0 followed PyTorch's, ResNet-50's was 2.7e-4),
 /// and how far above PyTorch autocast's bf16 gap (to PyTorch f64) wick's may be (measured: 0.78,
-/// 0.01 and 0.02 points; the masters bug of BENCHMARKS.md made MobileNetV2's and ResNet-50's 3.0
+/// 0.02 and 0.02 points; the masters bug of BENCHMARKS.md made MobileNetV2's and ResNet-50's 3.0
 /// and 0.65 points).
 const TORCH_REFERENCE: &[(&str, f64, f64)] =
     &[("mobilenet_v2", 1e-5, 0.010), ("resnet18", 1e-5, 0.003), ("resnet50", 1e-5, 0.003)];
