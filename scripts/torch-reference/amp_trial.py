@@ -50,9 +50,13 @@ class ResNet(torchvision.models.resnet.ResNet):
         self.fc = torch.nn.Linear(8 * width * block.expansion, num_classes)
 
 
-def build(name, state):
+def build(name, state, vit=None):
     classes = 10
-    if name == "mobilenet_v2":
+    if name == "vit":
+        model = torchvision.models.vision_transformer.VisionTransformer(
+            image_size=vit["image_size"], patch_size=vit["patch_size"], num_layers=vit["layers"],
+            num_heads=vit["heads"], hidden_dim=vit["hidden"], mlp_dim=vit["mlp_dim"], num_classes=vit["num_classes"])
+    elif name == "mobilenet_v2":
         model = torchvision.models.mobilenet_v2(num_classes=classes, width_mult=0.5, dropout=0.0)
     elif name in ("resnet18", "resnet50"):
         from torchvision.models.resnet import BasicBlock, Bottleneck
@@ -71,12 +75,13 @@ def build(name, state):
 def train(name, state, images, labels, cfg, mode):
     torch.manual_seed(0)
     dtype = torch.float64 if mode == "f64" else torch.float32
-    model = build(name, {k: v.to(dtype) for k, v in state.items()}).to(dtype).train()
+    model = build(name, {k: v.to(dtype) for k, v in state.items()}, cfg.get("vit")).to(dtype).train()
     a = cfg["adamw"]
     opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
                             weight_decay=a["weight_decay"])
     params = dict(model.named_parameters())
-    norm_params = {f"{m}.{p}" for m, module in model.named_modules() if isinstance(module, torch.nn.BatchNorm2d)
+    norm_params = {f"{m}.{p}" for m, module in model.named_modules()
+                   if isinstance(module, (torch.nn.BatchNorm2d, torch.nn.LayerNorm))
                    for p, _ in module.named_parameters(recurse=False)}
 
     def loss_fn():
@@ -105,10 +110,10 @@ def train(name, state, images, labels, cfg, mode):
     return losses
 
 
-def first_gradients(name, state, images, labels, mode):
+def first_gradients(name, state, images, labels, mode, vit=None):
     """The first step's parameter gradients in f64, from a forward/backward in `mode`."""
     dtype = torch.float64 if mode == "f64" else torch.float32
-    model = build(name, {k: v.to(dtype) for k, v in state.items()}).to(dtype).train()
+    model = build(name, {k: v.to(dtype) for k, v in state.items()}, vit).to(dtype).train()
     if mode == "autocast-bf16":
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = F.cross_entropy(model(images), labels)
@@ -118,11 +123,11 @@ def first_gradients(name, state, images, labels, mode):
     return {k: p.grad.double() for k, p in model.named_parameters()}
 
 
-def gradient_errors(directory, name, state, images, labels):
+def gradient_errors(directory, name, state, images, labels, vit=None):
     """Median over parameters of |g - g_f64| / |g_f64| for wick's and PyTorch's first gradients."""
-    reference = first_gradients(name, state, images, labels, "f64")
-    runs = {"torch f32": first_gradients(name, state, images, labels, "f32"),
-            "torch autocast bf16": first_gradients(name, state, images, labels, "autocast-bf16")}
+    reference = first_gradients(name, state, images, labels, "f64", vit)
+    runs = {"torch f32": first_gradients(name, state, images, labels, "f32", vit),
+            "torch autocast bf16": first_gradients(name, state, images, labels, "autocast-bf16", vit)}
     for dtype in ("f32", "bf16", "f16"):
         runs[f"wick {dtype}"] = {k: v.double() for k, v in load_file(f"{directory}/grads-{dtype}.safetensors").items()}
     # Parameters with a non-zero reference gradient (blocks behind a zero-initialised residual
@@ -145,7 +150,7 @@ def compare(directory, modes=("f64", "f32", "autocast-bf16", "copies-bf16"), qui
     name = cfg["model"]
     runs = {mode: train(name, tensors, images, labels, cfg, mode) for mode in modes}
     if not quiet:
-        gradient_errors(directory, name, tensors, images, labels)
+        gradient_errors(directory, name, tensors, images, labels, cfg.get("vit"))
         print(f"torch {torch.__version__}, {name}, {cfg['steps']} AdamW steps, lr {cfg['adamw']['lr']}")
         for label, losses in [*(("torch " + k, v) for k, v in runs.items()),
                               *(("wick " + k, v) for k, v in cfg["losses"].items())]:

@@ -220,10 +220,10 @@ impl Bert {
                 ),
             });
         }
-        let words = self.p("embeddings.word_embeddings.weight")?.embedding(&input_ids.flatten_all()?)?;
+        let words = ops::embedding(&self.p("embeddings.word_embeddings.weight")?, &input_ids.flatten_all()?)?;
         let positions = self.p("embeddings.position_embeddings.weight")?.narrow(0, 0, seq)?;
         let types = self.p("embeddings.token_type_embeddings.weight")?.narrow(0, 0, 1)?;
-        let x = words.reshape((batch, seq, c.hidden_size))?.broadcast_add(&positions)?.broadcast_add(&types)?;
+        let x = ops::add_broadcast(&words.reshape((batch, seq, c.hidden_size))?, &positions, &types)?;
         let mut x = self.norm(&x, "embeddings.LayerNorm")?;
         // Additive mask: 0 for tokens, -1e4 for padding (finite, so no NaN in low precision).
         let bias = ((attention_mask.to_dtype(self.dtype)?.ones_like()? - attention_mask.to_dtype(self.dtype)?)?

@@ -125,6 +125,22 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<
     node("conv2d", &[x, weight], compute, x.dtype(), move |t| t[0].conv2d(&t[1], pad, stride, 1, 1))
 }
 
+/// [`conv2d`] plus a per-channel `bias` (C_out). In bf16/f16 it is one node: the bias is added
+/// before the single rounding to the activation dtype (as in a convolution with bias), and its
+/// gradient — a sum over batch and positions — is accumulated in f32 (a bias added in bf16
+/// outside the node had its gradient summed in bf16 by candle's CPU reductions: 3× PyTorch
+/// autocast's error on ViT's patch-embedding bias).
+pub fn conv2d_bias(x: &Tensor, weight: &Tensor, bias: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
+    let channels = (1, bias.elem_count(), 1, 1);
+    if matches!(x.dtype(), DType::F32 | DType::F64) {
+        return conv2d(x, weight, pad, stride)?.broadcast_add(&bias.reshape(channels)?);
+    }
+    let compute = conv_compute(x.dtype(), x.device());
+    node("conv2d", &[x, weight, bias], compute, x.dtype(), move |t| {
+        t[0].conv2d(&t[1], pad, stride, 1, 1)?.broadcast_add(&t[2].reshape(channels)?)
+    })
+}
+
 /// Global average pooling: (N, C, H, W) → (N, C).
 pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     // A mean is an f32-class reduction (candle's CPU reductions accumulate in the input dtype).

@@ -167,7 +167,8 @@ impl Llama {
         let hd = c.hidden_size / c.num_heads;
         let (cos, sin) = ops::rope_tables(seq, hd, c.rope_theta, self.dtype, device)?;
         let mask = ops::causal_bias(seq, self.dtype, device)?;
-        let mut x = self.p("embed.weight")?.embedding(&ids.flatten_all()?)?.reshape((batch, seq, c.hidden_size))?;
+        let mut x =
+            ops::embedding(&self.p("embed.weight")?, &ids.flatten_all()?)?.reshape((batch, seq, c.hidden_size))?;
         for l in 0..c.num_layers {
             let weights: Vec<Tensor> =
                 LAYER_PARAMS.iter().map(|n| self.p(&format!("layers.{l}.{n}"))).collect::<Result<_, _>>()?;

@@ -26,6 +26,19 @@ pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)
 }
 
+/// Rows `ids` (any shape of integer ids) of `table` (vocab, dim), as one node: the table's
+/// gradient adds up the gradients of every occurrence of a row, and candle's CPU `index_add`
+/// accumulates in the table's dtype, so under autocast the sums are made in f32 and rounded once.
+pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    node("embedding", &[ids, table], table.dtype(), table.dtype(), |t| t[1].embedding(&t[0]))
+}
+
+/// `x + a + b` with `a` and `b` broadcast to `x`'s shape (position and type embeddings added
+/// to every sequence), as one node whose backward sums the broadcast gradients in f32.
+pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    node("add", &[x, a, b], x.dtype(), x.dtype(), |t| t[0].broadcast_add(&t[1])?.broadcast_add(&t[2]))
+}
+
 /// ReLU with PyTorch's gradient, as one node that keeps its input. candle's own `relu` passes
 /// the gradient where the input is exactly 0 (its backward tests `x >= 0`); PyTorch's passes it
 /// only where `x > 0`. Exact zeros are common, not a corner case: in a residual block whose last
@@ -308,5 +321,33 @@ mod tests {
         assert_eq!(candle_relu[1], 1.0);
         let candle_clamp = grad(var.as_tensor().clamp(0f32, 6f32).unwrap());
         assert_eq!((candle_clamp[1], candle_clamp[5]), (0.5, 0.5));
+    }
+
+    /// A row used 4096 times gets a gradient of 4096 (the number of uses, exactly representable in
+    /// bf16): summed in f32. candle's own bf16 `embedding` backward gets 256 (bf16 accumulation
+    /// stops growing when 1 is below half its spacing).
+    #[test]
+    fn embedding_and_broadcast_gradients_are_summed_in_f32() {
+        let dev = Device::Cpu;
+        let table = Var::from_tensor(&Tensor::zeros((3, 2), DType::BF16, &dev).unwrap()).unwrap();
+        let ids = Tensor::new(vec![1u32; 4096], &dev).unwrap();
+        let row = |y: Tensor| -> Vec<f32> {
+            let g = y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+            let g = g.get(table.as_tensor()).unwrap().to_dtype(DType::F32).unwrap();
+            g.narrow(0, 1, 1).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        assert_eq!(row(embedding(table.as_tensor(), &ids).unwrap()), vec![4096.0, 4096.0]);
+        assert_eq!(row(table.as_tensor().embedding(&ids).unwrap()), vec![256.0, 256.0]);
+        // The same for parameters broadcast over 4096 rows.
+        let x = Tensor::zeros((4096, 2), DType::BF16, &dev).unwrap();
+        let a = Var::from_tensor(&Tensor::zeros((1, 2), DType::BF16, &dev).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::zeros(2, DType::BF16, &dev).unwrap()).unwrap();
+        let y = add_broadcast(&x, a.as_tensor(), b.as_tensor()).unwrap();
+        let g = y.to_dtype(DType::F32).unwrap().sum_all().unwrap().backward().unwrap();
+        for v in [&a, &b] {
+            let g: Vec<f32> =
+                g.get(v.as_tensor()).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            assert_eq!(g, vec![4096.0, 4096.0]);
+        }
     }
 }

@@ -164,11 +164,15 @@ impl Vit {
         let c = &self.config;
         let n = x.dim(0)?;
         let (h, heads) = (c.hidden, c.heads);
-        let patches = crate::cnn::conv2d(x, &self.p("conv_proj.weight")?, 0, c.patch_size)?
-            .broadcast_add(&self.p("conv_proj.bias")?.reshape((1, h, 1, 1))?)?;
+        let patches =
+            crate::cnn::conv2d_bias(x, &self.p("conv_proj.weight")?, &self.p("conv_proj.bias")?, 0, c.patch_size)?;
         let tokens = patches.flatten_from(2)?.transpose(1, 2)?; // (N, patches, h)
-        let cls = self.p("class_token")?.broadcast_as((n, 1, h))?;
-        let mut z = Tensor::cat(&[&cls, &tokens], 1)?.broadcast_add(&self.p("encoder.pos_embedding")?)?;
+                                                                // Class token and position embedding as one node: their gradients are sums over the
+                                                                // batch, which candle's CPU reductions would accumulate in bf16 under autocast.
+        let (cls, pos) = (self.p("class_token")?, self.p("encoder.pos_embedding")?);
+        let mut z = crate::fused::node("embed", &[&tokens, &cls, &pos], tokens.dtype(), tokens.dtype(), move |t| {
+            Tensor::cat(&[&t[1].broadcast_as((n, 1, h))?, &t[0]], 1)?.broadcast_add(&t[2])
+        })?;
         for l in 0..c.layers {
             let weights: Vec<Tensor> = LAYER_PARAMS
                 .iter()

@@ -2,7 +2,8 @@
 //! steps in f32, bf16 and f16) and prints the losses; with `--out DIR` it also writes the trial's
 //! start for an outside reference: `start.safetensors` (the f32 initial parameters by name, the
 //! input images and labels), `wick.json` (wick's losses per precision and the settings) and
-//! `grads-{f32,bf16,f16}.safetensors` (the first step's gradients, unscaled).
+//! `grads-{f32,bf16,f16}.safetensors` (the first step's gradients, unscaled); `wick.json` also
+//! carries the trial's ViT configuration.
 //! `scripts/torch-reference/amp_trial.py DIR` trains the same start in PyTorch (f32 and
 //! `torch.autocast` bf16) and compares.
 //!
@@ -20,7 +21,7 @@ use wick_zoo::amp::{Autocast, MasterOptimizer};
 #[derive(Parser, Debug)]
 #[command(about = "Run one model's AMP trial and export its start for a reference framework")]
 struct Args {
-    /// A vision model of the trial: resnet18, resnet50 or mobilenet_v2.
+    /// A vision model of the trial: resnet18, resnet50, mobilenet_v2 or vit.
     #[arg(long, default_value = "mobilenet_v2")]
     model: String,
     /// Optimizer steps.
@@ -58,8 +59,11 @@ fn load_start(
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if !["resnet18", "resnet50", "mobilenet_v2"].contains(&args.model.as_str()) {
-        bail!("--model {}: the export covers the vision models (resnet18, resnet50, mobilenet_v2), whose parameter names are torchvision's", args.model);
+    if !["resnet18", "resnet50", "mobilenet_v2", "vit"].contains(&args.model.as_str()) {
+        bail!(
+            "--model {}: the export covers the vision models (resnet18, resnet50, mobilenet_v2, vit), whose parameter names are torchvision's",
+            args.model
+        );
     }
     if args.steps == 0 {
         bail!("--steps must be at least 1");
@@ -126,6 +130,7 @@ fn main() -> Result<()> {
             "steps": args.steps,
             "adamw": { "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay },
             "losses": runs,
+            "vit": wick_zoo::amp::trial::VIT,
         });
         let path = dir.join("wick.json");
         std::fs::write(&path, serde_json::to_string_pretty(&json)?)

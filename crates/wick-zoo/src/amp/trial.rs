@@ -61,6 +61,10 @@ pub fn synthetic_images(n: usize, size: usize, device: &Device) -> Result<(Tenso
     Ok((x, Tensor::new(labels, device)?))
 }
 
+/// The ViT of the trial: 32×32 images in 8×8 patches, 2 layers 64 wide with 4 heads.
+pub const VIT: VitConfig =
+    VitConfig { image_size: 32, patch_size: 8, hidden: 64, layers: 2, heads: 4, mlp_dim: 128, num_classes: CLASSES };
+
 /// Names of the models [`task`] builds.
 pub const MODELS: [&str; 6] = ["llama", "bert", "vit", "resnet18", "resnet50", "mobilenet_v2"];
 
@@ -123,15 +127,7 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             ("bert", vars(&model.params), Box::new(loss))
         }
         "vit" => {
-            let config = VitConfig {
-                image_size: 32,
-                patch_size: 8,
-                hidden: 64,
-                layers: 2,
-                heads: 4,
-                mlp_dim: 128,
-                num_classes: CLASSES,
-            };
+            let config = VIT;
             let model = Arc::new(Vit::new(config, dtype, device)?);
             let (x, labels) = images()?;
             let m = model.clone();
