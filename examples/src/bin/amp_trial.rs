@@ -4,7 +4,7 @@
 //! input images and labels), `wick.json` (wick's losses per precision and the settings) and
 //! `grads-{f32,bf16,f16}.safetensors` (the first step's gradients, unscaled); `wick.json` also
 //! carries the trial's ViT configuration.
-//! `scripts/torch-reference/amp_trial.py DIR` trains the same start in PyTorch (f32 and
+//! `scripts/torch-reference/amp_trial.py DIR` trains the same start in PyTorch (f64, f32 and
 //! `torch.autocast` bf16) and compares.
 //!
 //! `cargo run --release -p wick-examples --bin amp-trial -- --model mobilenet_v2 --out /tmp/trial`
