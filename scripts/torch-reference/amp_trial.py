@@ -1,10 +1,11 @@
 """PyTorch reference for wick's AMP trial (wick_zoo::amp::trial).
 
 Trains the start that `amp-trial --out DIR` exported (the f32 initial parameters of a torchvision
-model, the images and labels) with torch.optim.AdamW and the trial's settings, in f64, f32, under
-torch.autocast bf16 (f32 parameters, PyTorch's per-op policy: O1), and with bf16 compute copies of
-the conv/linear weights made from f32 masters each step (wick's scheme: O2 with f32 batch norm),
-then prints each run's losses next to wick's and the gap of each low-precision run to its f32.
+model or of a Hugging Face BertModel, and the inputs) with torch.optim.AdamW and the trial's
+settings, in f64, f32, under torch.autocast bf16 (f32 parameters, PyTorch's per-op policy: O1), and
+with bf16 compute copies of every parameter but the norms' made from f32 masters each step (wick's
+scheme: O2 with f32 norms), then prints the first-step gradient errors against f64, each run's
+losses next to wick's, and the gap of each low-precision run to its f32.
 
     python scripts/torch-reference/amp_trial.py DIR
     python scripts/torch-reference/amp_trial.py --ensemble K --binary target/release/amp-trial DIR
@@ -16,7 +17,8 @@ each, and prints the distribution of the bf16-vs-f32 loss gap of both: on an ill
 task one number is one draw from that distribution. The third writes PyTorch's f64 and
 autocast-bf16 losses of each exported trial to FILE (the reference the AMP test reads).
 
-Needs torch and torchvision (CPU is enough); not part of CI (see BENCHMARKS.md).
+Needs torch 2.5.1, torchvision 0.20.1 and (for BERT) transformers 4.46.3 — CPU is enough; not part
+of CI (see BENCHMARKS.md).
 """
 
 import json
@@ -50,9 +52,18 @@ class ResNet(torchvision.models.resnet.ResNet):
         self.fc = torch.nn.Linear(8 * width * block.expansion, num_classes)
 
 
-def build(name, state, vit=None):
+def build(name, state, vit=None, bert=None):
     classes = 10
-    if name == "vit":
+    if name == "bert":
+        import transformers
+        config = transformers.BertConfig(
+            vocab_size=bert["vocab_size"], hidden_size=bert["hidden_size"],
+            num_hidden_layers=bert["num_hidden_layers"], num_attention_heads=bert["num_attention_heads"],
+            intermediate_size=bert["intermediate_size"], max_position_embeddings=bert["max_position_embeddings"],
+            type_vocab_size=bert["type_vocab_size"], layer_norm_eps=bert["layer_norm_eps"], hidden_act="gelu",
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = transformers.BertModel(config, add_pooling_layer=False)
+    elif name == "vit":
         model = torchvision.models.vision_transformer.VisionTransformer(
             image_size=vit["image_size"], patch_size=vit["patch_size"], num_layers=vit["layers"],
             num_heads=vit["heads"], hidden_dim=vit["hidden"], mlp_dim=vit["mlp_dim"], num_classes=vit["num_classes"])
@@ -66,16 +77,36 @@ def build(name, state, vit=None):
         raise SystemExit(f"no reference builder for {name}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     # Only the batch-norm buffers may come from the constructor (fresh statistics in both).
-    missing = [m for m in missing if not m.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    missing = [m for m in missing
+               if not m.endswith(("running_mean", "running_var", "num_batches_tracked", "position_ids"))]
     if missing or unexpected:
         raise SystemExit(f"state does not match torchvision: missing {missing}, unexpected {unexpected}")
     return model
 
 
-def train(name, state, images, labels, cfg, mode):
+def task_loss(name, model, inputs, dtype, cast=None):
+    """The trial's loss: cross-entropy of the images' logits, or for BERT of the mean-pooled
+    last hidden states through the fixed f32 readout (outside autocast, as in wick)."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    if name != "bert":
+        logits = model(inputs["input.images"].to(cast or dtype))
+        return F.cross_entropy(logits.to(wide), inputs["input.labels"])
+    mask = inputs["input.mask"]
+    hidden = model(input_ids=inputs["input.ids"], attention_mask=mask).last_hidden_state
+    with torch.autocast("cpu", enabled=False):
+        m = mask.to(wide).unsqueeze(-1)
+        pooled = (hidden.to(wide) * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        return F.cross_entropy(pooled @ inputs["input.head"].to(wide), inputs["input.labels"])
+
+
+def make_model(name, state, cfg, dtype):
+    return build(name, {k: v.to(dtype) for k, v in state.items()}, cfg.get("vit"), cfg.get("bert")).to(dtype).train()
+
+
+def train(name, state, inputs, cfg, mode):
     torch.manual_seed(0)
     dtype = torch.float64 if mode == "f64" else torch.float32
-    model = build(name, {k: v.to(dtype) for k, v in state.items()}, cfg.get("vit")).to(dtype).train()
+    model = make_model(name, state, cfg, dtype)
     a = cfg["adamw"]
     opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
                             weight_decay=a["weight_decay"])
@@ -86,16 +117,16 @@ def train(name, state, images, labels, cfg, mode):
 
     def loss_fn():
         if mode in ("f64", "f32"):
-            return F.cross_entropy(model(images.to(dtype)), labels)
+            return task_loss(name, model, inputs, dtype)
         if mode == "autocast-bf16":
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                return F.cross_entropy(model(images), labels)
+                return task_loss(name, model, inputs, dtype)
         if mode == "copies-bf16":
-            # bf16 compute copies of conv and linear parameters, cast inside the graph so the
-            # gradients reach the f32 masters; batch-norm parameters stay f32.
+            # bf16 compute copies of the parameters other than norms', cast inside the graph so
+            # the gradients reach the f32 masters.
             copies = {k: (p if k in norm_params else p.to(torch.bfloat16)) for k, p in params.items()}
-            logits = torch.func.functional_call(model, copies, (images.to(torch.bfloat16),))
-            return F.cross_entropy(logits.float(), labels)
+            wrapped = lambda *args, **kwargs: torch.func.functional_call(model, copies, args, kwargs)
+            return task_loss(name, wrapped, inputs, dtype, cast=torch.bfloat16)
         raise ValueError(mode)
 
     losses = []
@@ -110,24 +141,24 @@ def train(name, state, images, labels, cfg, mode):
     return losses
 
 
-def first_gradients(name, state, images, labels, mode, vit=None):
+def first_gradients(name, state, inputs, cfg, mode):
     """The first step's parameter gradients in f64, from a forward/backward in `mode`."""
     dtype = torch.float64 if mode == "f64" else torch.float32
-    model = build(name, {k: v.to(dtype) for k, v in state.items()}, vit).to(dtype).train()
+    model = make_model(name, state, cfg, dtype)
     if mode == "autocast-bf16":
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(images), labels)
+            loss = task_loss(name, model, inputs, dtype)
     else:
-        loss = F.cross_entropy(model(images.to(dtype)), labels)
+        loss = task_loss(name, model, inputs, dtype)
     loss.backward()
-    return {k: p.grad.double() for k, p in model.named_parameters()}
+    return {k: p.grad.double() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def gradient_errors(directory, name, state, images, labels, vit=None):
+def gradient_errors(directory, name, state, inputs, cfg):
     """Median over parameters of |g - g_f64| / |g_f64| for wick's and PyTorch's first gradients."""
-    reference = first_gradients(name, state, images, labels, "f64", vit)
-    runs = {"torch f32": first_gradients(name, state, images, labels, "f32", vit),
-            "torch autocast bf16": first_gradients(name, state, images, labels, "autocast-bf16", vit)}
+    reference = first_gradients(name, state, inputs, cfg, "f64")
+    runs = {"torch f32": first_gradients(name, state, inputs, cfg, "f32"),
+            "torch autocast bf16": first_gradients(name, state, inputs, cfg, "autocast-bf16")}
     for dtype in ("f32", "bf16", "f16"):
         runs[f"wick {dtype}"] = {k: v.double() for k, v in load_file(f"{directory}/grads-{dtype}.safetensors").items()}
     # Parameters with a non-zero reference gradient (blocks behind a zero-initialised residual
@@ -146,11 +177,11 @@ def gap(a, b):
 def compare(directory, modes=("f64", "f32", "autocast-bf16", "copies-bf16"), quiet=False):
     cfg = json.load(open(f"{directory}/wick.json"))
     tensors = load_file(f"{directory}/start.safetensors")
-    images, labels = tensors.pop("input.images"), tensors.pop("input.labels")
+    inputs = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("input.")]}
     name = cfg["model"]
-    runs = {mode: train(name, tensors, images, labels, cfg, mode) for mode in modes}
+    runs = {mode: train(name, tensors, inputs, cfg, mode) for mode in modes}
     if not quiet:
-        gradient_errors(directory, name, tensors, images, labels, cfg.get("vit"))
+        gradient_errors(directory, name, tensors, inputs, cfg)
         print(f"torch {torch.__version__}, {name}, {cfg['steps']} AdamW steps, lr {cfg['adamw']['lr']}")
         for label, losses in [*(("torch " + k, v) for k, v in runs.items()),
                               *(("wick " + k, v) for k, v in cfg["losses"].items())]:

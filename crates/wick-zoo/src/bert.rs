@@ -13,7 +13,7 @@ use crate::params::{Init, Params};
 use crate::weights::WeightFile;
 
 /// The architecture, as in a Hugging Face `config.json`.
-#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct BertConfig {
     /// Vocabulary size.
     pub vocab_size: usize,
@@ -31,6 +31,15 @@ pub struct BertConfig {
     pub type_vocab_size: usize,
     /// LayerNorm epsilon.
     pub layer_norm_eps: f64,
+    /// The padding token, whose word-embedding row gets no gradient (and starts at zero in a
+    /// fresh model), as Hugging Face's `padding_idx`; `pad_token_id` in `config.json`, 0 when
+    /// absent (Hugging Face's default), `null` for none.
+    #[serde(default = "default_pad_token_id")]
+    pub pad_token_id: Option<u32>,
+}
+
+fn default_pad_token_id() -> Option<u32> {
+    Some(0)
 }
 
 /// Keys of a Hugging Face BERT config that do not change the computation wick performs
@@ -43,7 +52,6 @@ const IGNORED_KEYS: &[&str] = &[
     "hidden_dropout_prob",
     "initializer_range",
     "model_type",
-    "pad_token_id",
     "transformers_version",
     "use_cache",
     "classifier_dropout",
@@ -70,6 +78,7 @@ impl BertConfig {
             "layer_norm_eps",
             "hidden_act",
             "position_embedding_type",
+            "pad_token_id",
         ];
         for key in map.keys() {
             if !USED.contains(&key.as_str()) && !IGNORED_KEYS.contains(&key.as_str()) {
@@ -88,6 +97,9 @@ impl BertConfig {
                 "hidden_size {} is not divisible by num_attention_heads {}",
                 config.hidden_size, config.num_attention_heads
             )));
+        }
+        if let Some(pad) = config.pad_token_id.filter(|p| *p as usize >= config.vocab_size) {
+            return Err(err(format!("pad_token_id {pad} is outside the vocabulary of {}", config.vocab_size)));
         }
         Ok(config)
     }
@@ -175,6 +187,23 @@ impl Bert {
         for (name, shape, init) in all_shapes(&config) {
             params.create(&name, &shape, init, param_dtype(&name, dtype), device)?;
         }
+        if let Some(pad) = config.pad_token_id {
+            let vocab = config.vocab_size;
+            if pad as usize >= vocab {
+                return Err(ZooError::Config {
+                    path: "<BertConfig>".into(),
+                    message: format!("pad_token_id {pad} is outside the vocabulary of {vocab}"),
+                });
+            }
+            // Hugging Face initialises the padding row to zeros.
+            let table = params.get("embeddings.word_embeddings.weight").ok_or_else(|| ZooError::Config {
+                path: "<BertConfig>".into(),
+                message: "no word embeddings".into(),
+            })?;
+            let keep: Vec<f32> = (0..vocab).map(|i| if i == pad as usize { 0.0 } else { 1.0 }).collect();
+            let keep = Tensor::from_vec(keep, (vocab, 1), device)?.to_dtype(table.dtype())?;
+            table.set(&table.as_tensor().broadcast_mul(&keep)?)?;
+        }
         Ok(Bert { config, params, dtype })
     }
 
@@ -220,7 +249,8 @@ impl Bert {
                 ),
             });
         }
-        let words = ops::embedding(&self.p("embeddings.word_embeddings.weight")?, &input_ids.flatten_all()?)?;
+        let table = self.p("embeddings.word_embeddings.weight")?;
+        let words = ops::embedding_with_padding(&table, &input_ids.flatten_all()?, c.pad_token_id)?;
         let positions = self.p("embeddings.position_embeddings.weight")?.narrow(0, 0, seq)?;
         let types = self.p("embeddings.token_type_embeddings.weight")?.narrow(0, 0, 1)?;
         let x = ops::add_broadcast(&words.reshape((batch, seq, c.hidden_size))?, &positions, &types)?;

@@ -33,6 +33,20 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     node("embedding", &[ids, table], table.dtype(), table.dtype(), |t| t[1].embedding(&t[0]))
 }
 
+/// [`embedding`] in which the row `padding` (when given) gets no gradient, as PyTorch's
+/// `nn.Embedding(padding_idx=…)`: its lookups come from a detached copy of the table, so the
+/// forward values are the same and only the gradient differs.
+pub fn embedding_with_padding(table: &Tensor, ids: &Tensor, padding: Option<u32>) -> Result<Tensor> {
+    let Some(pad) = padding else { return embedding(table, ids) };
+    node("embedding", &[ids, table], table.dtype(), table.dtype(), move |t| {
+        let (ids, table) = (&t[0], &t[1]);
+        let rows = table.embedding(ids)?;
+        let frozen = table.detach().embedding(ids)?;
+        let is_pad = ids.eq(pad as f64)?.unsqueeze(D::Minus1)?.broadcast_as(rows.shape())?;
+        is_pad.where_cond(&frozen, &rows)
+    })
+}
+
 /// `x + a + b` with `a` and `b` broadcast to `x`'s shape (position and type embeddings added
 /// to every sequence), as one node whose backward sums the broadcast gradients in f32.
 pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
@@ -349,5 +363,19 @@ mod tests {
                 g.get(v.as_tensor()).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
             assert_eq!(g, vec![4096.0, 4096.0]);
         }
+    }
+
+    /// The padding row gets no gradient; the others get one per use; the values are the table's.
+    #[test]
+    fn embedding_with_padding_freezes_the_padding_row_only() {
+        let dev = Device::Cpu;
+        let table = Var::from_tensor(&Tensor::new(&[[1f32, 2.0], [3.0, 4.0], [5.0, 6.0]], &dev).unwrap()).unwrap();
+        let ids = Tensor::new(&[0u32, 2, 0, 1, 2, 2], &dev).unwrap();
+        let y = embedding_with_padding(table.as_tensor(), &ids, Some(0)).unwrap();
+        let plain = table.as_tensor().embedding(&ids).unwrap();
+        assert_eq!(y.to_vec2::<f32>().unwrap(), plain.to_vec2::<f32>().unwrap());
+        let g = y.sum_all().unwrap().backward().unwrap();
+        let g = g.get(table.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(g, vec![vec![0.0, 0.0], vec![1.0, 1.0], vec![3.0, 3.0]]);
     }
 }

@@ -124,6 +124,7 @@ fn checkpointing_works_on_every_zoo_model() {
                 max_position_embeddings: 128,
                 type_vocab_size: 2,
                 layer_norm_eps: 1e-12,
+                pad_token_id: Some(0),
             },
             dtype,
             &dev,

@@ -79,6 +79,7 @@ fn estimates_are_within_15_percent_of_measured_peaks() {
             max_position_embeddings: 64,
             type_vocab_size: 2,
             layer_norm_eps: 1e-12,
+            pad_token_id: Some(0),
         },
         f,
         &dev,

@@ -58,10 +58,25 @@ fn bad_weight_files_and_configs_are_clear_errors() {
     std::fs::write(
         &cfg,
         r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+        "pad_token_id": 10}"#,
+    )
+    .unwrap();
+    let err = BertConfig::from_file(&cfg).unwrap_err().to_string();
+    assert!(err.contains("pad_token_id 10 is outside the vocabulary of 10"), "{err}");
+    std::fs::write(
+        &cfg,
+        r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
         "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12}"#,
     )
     .unwrap();
     let config = BertConfig::from_file(&cfg).unwrap();
+    // Hugging Face's default padding token, whose row starts at zero in a fresh model.
+    assert_eq!(config.pad_token_id, Some(0));
+    let fresh = wick_zoo::bert::Bert::new(config.clone(), DType::F32, &Device::Cpu).unwrap();
+    let row0: Vec<f32> =
+        fresh.params.tensor("embeddings.word_embeddings.weight").unwrap().get(0).unwrap().to_vec1().unwrap();
+    assert!(row0.iter().all(|v| *v == 0.0));
     // Missing weights file, corrupt weights file, a tensor of the wrong shape.
     let err = SentenceEmbedder::load(&dir, DType::F32, &Device::Cpu).err().unwrap();
     assert!(matches!(err, ZooError::File { .. }) && err.to_string().contains("model.safetensors"), "{err}");

@@ -16,6 +16,7 @@ fn tiny_bert() -> BertConfig {
         max_position_embeddings: 16,
         type_vocab_size: 2,
         layer_norm_eps: 1e-12,
+        pad_token_id: Some(0),
     }
 }
 

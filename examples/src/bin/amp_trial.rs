@@ -3,7 +3,8 @@
 //! start for an outside reference: `start.safetensors` (the f32 initial parameters by name, the
 //! input images and labels), `wick.json` (wick's losses per precision and the settings) and
 //! `grads-{f32,bf16,f16}.safetensors` (the first step's gradients, unscaled); `wick.json` also
-//! carries the trial's ViT configuration.
+//! carries the trial's ViT and BERT configurations (for BERT, the inputs are `input.ids`,
+//! `input.mask`, `input.head` — the fixed readout — and `input.labels`).
 //! `scripts/torch-reference/amp_trial.py DIR` trains the same start in PyTorch (f64, f32 and
 //! `torch.autocast` bf16) and compares.
 //!
@@ -15,13 +16,14 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use wick_zoo::amp::trial::{synthetic_images, task, train, trial_optimizer, BATCH};
+use wick_zoo::amp::trial::{bert_batch, synthetic_images, task, train, trial_optimizer, BATCH};
 use wick_zoo::amp::{Autocast, MasterOptimizer};
 
 #[derive(Parser, Debug)]
 #[command(about = "Run one model's AMP trial and export its start for a reference framework")]
 struct Args {
-    /// A vision model of the trial: resnet18, resnet50, mobilenet_v2 or vit.
+    /// A model of the trial with Hugging Face or torchvision parameter names: resnet18, resnet50,
+    /// mobilenet_v2, vit or bert.
     #[arg(long, default_value = "mobilenet_v2")]
     model: String,
     /// Optimizer steps.
@@ -59,9 +61,9 @@ fn load_start(
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if !["resnet18", "resnet50", "mobilenet_v2", "vit"].contains(&args.model.as_str()) {
+    if !["resnet18", "resnet50", "mobilenet_v2", "vit", "bert"].contains(&args.model.as_str()) {
         bail!(
-            "--model {}: the export covers the vision models (resnet18, resnet50, mobilenet_v2, vit), whose parameter names are torchvision's",
+            "--model {}: the export covers resnet18, resnet50, mobilenet_v2, vit (torchvision's parameter names) and bert (Hugging Face's)",
             args.model
         );
     }
@@ -84,9 +86,17 @@ fn main() -> Result<()> {
         }
         let mut tensors: HashMap<String, Tensor> =
             f32_task.names.iter().cloned().zip(f32_task.vars.iter().map(|v| v.as_tensor().clone())).collect();
-        let (images, labels) = synthetic_images(BATCH, 32, &device)?;
-        tensors.insert("input.images".into(), images);
-        tensors.insert("input.labels".into(), labels.to_dtype(DType::I64)?);
+        if args.model == "bert" {
+            let batch = bert_batch(&device)?;
+            tensors.insert("input.ids".into(), batch.ids.to_dtype(DType::I64)?);
+            tensors.insert("input.mask".into(), batch.mask.to_dtype(DType::I64)?);
+            tensors.insert("input.head".into(), batch.head);
+            tensors.insert("input.labels".into(), batch.labels.to_dtype(DType::I64)?);
+        } else {
+            let (images, labels) = synthetic_images(BATCH, 32, &device)?;
+            tensors.insert("input.images".into(), images);
+            tensors.insert("input.labels".into(), labels.to_dtype(DType::I64)?);
+        }
         let path = dir.join("start.safetensors");
         candle_core::safetensors::save(&tensors, &path).with_context(|| format!("writing {}", path.display()))?;
     }
@@ -131,6 +141,7 @@ fn main() -> Result<()> {
             "adamw": { "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay },
             "losses": runs,
             "vit": wick_zoo::amp::trial::VIT,
+            "bert": wick_zoo::amp::trial::BERT,
         });
         let path = dir.join("wick.json");
         std::fs::write(&path, serde_json::to_string_pretty(&json)?)

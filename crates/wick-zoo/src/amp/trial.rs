@@ -61,6 +61,45 @@ pub fn synthetic_images(n: usize, size: usize, device: &Device) -> Result<(Tenso
     Ok((x, Tensor::new(labels, device)?))
 }
 
+/// The BERT of the trial: 2 layers 64 wide with 4 heads, a vocabulary of 64.
+pub const BERT: BertConfig = BertConfig {
+    vocab_size: 64,
+    hidden_size: 64,
+    num_hidden_layers: 2,
+    num_attention_heads: 4,
+    intermediate_size: 128,
+    max_position_embeddings: 64,
+    type_vocab_size: 2,
+    layer_norm_eps: 1e-12,
+    pad_token_id: Some(0),
+};
+
+/// The BERT trial's fixed batch: token ids (8, 32), the attention mask (the last 8 positions of
+/// the second half of the batch are padding), a fixed untrained readout (64, 2) of the
+/// mean-pooled states, and the labels.
+pub struct BertBatch {
+    /// Token ids (8, 32), u32.
+    pub ids: Tensor,
+    /// Attention mask (8, 32), u32: 1 for tokens, 0 for padding.
+    pub mask: Tensor,
+    /// The readout (64, 2), f32.
+    pub head: Tensor,
+    /// Labels (8), u32 in 0..2.
+    pub labels: Tensor,
+}
+
+/// The BERT trial's batch on `device`.
+pub fn bert_batch(device: &Device) -> Result<BertBatch> {
+    let ids: Vec<u32> = (0..8 * 32).map(|i| ((i * 7 + i / 5) % 64) as u32).collect();
+    let mask: Vec<u32> = (0..8 * 32).map(|i| u32::from(i / 32 < 4 || i % 32 < 24)).collect();
+    Ok(BertBatch {
+        ids: Tensor::from_vec(ids, (8, 32), device)?,
+        mask: Tensor::from_vec(mask, (8, 32), device)?,
+        head: normal_tensor(&[64, 2], 0.5, 5, DType::F32, device)?,
+        labels: labels(8, 2, device)?,
+    })
+}
+
 /// The ViT of the trial: 32×32 images in 8×8 patches, 2 layers 64 wide with 4 heads.
 pub const VIT: VitConfig =
     VitConfig { image_size: 32, patch_size: 8, hidden: 64, layers: 2, heads: 4, mlp_dim: 128, num_classes: CLASSES };
@@ -99,25 +138,8 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             ("llama", vars(&model.params), Box::new(move || m.loss(&ids).map_err(zoo)))
         }
         "bert" => {
-            let config = BertConfig {
-                vocab_size: 64,
-                hidden_size: 64,
-                num_hidden_layers: 2,
-                num_attention_heads: 4,
-                intermediate_size: 128,
-                max_position_embeddings: 64,
-                type_vocab_size: 2,
-                layer_norm_eps: 1e-12,
-            };
-            let model = Arc::new(Bert::new(config, dtype, device)?);
-            let ids: Vec<u32> = (0..8 * 32).map(|i| ((i * 7 + i / 5) % 64) as u32).collect();
-            let ids = Tensor::from_vec(ids, (8, 32), device)?;
-            // The last 8 positions of the second half of the batch are padding.
-            let mask: Vec<u32> = (0..8 * 32).map(|i| u32::from(i / 32 < 4 || i % 32 < 24)).collect();
-            let mask = Tensor::from_vec(mask, (8, 32), device)?;
-            // A fixed (untrained) readout of the pooled states into two classes.
-            let head = normal_tensor(&[64, 2], 0.5, 5, DType::F32, device)?;
-            let labels = labels(8, 2, device)?;
+            let model = Arc::new(Bert::new(BERT, dtype, device)?);
+            let BertBatch { ids, mask, head, labels } = bert_batch(device)?;
             let m = model.clone();
             let loss = move || -> Result<Tensor> {
                 let hidden = m.forward(&ids, &mask).map_err(zoo)?;
