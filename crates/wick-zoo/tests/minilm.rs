@@ -38,38 +38,20 @@ fn bad_weight_files_and_configs_are_clear_errors() {
     let dir = std::env::temp_dir().join(format!("wick-zoo-bad-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("config.json");
-    std::fs::write(
-        &cfg,
-        r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
-        "rotary_dim": 4}"#,
-    )
-    .unwrap();
-    let err = BertConfig::from_file(&cfg).unwrap_err().to_string();
+    // A valid small config with `extra` keys appended; the error `from_file` gives, if any.
+    let config_error = |extra: &str| -> Option<String> {
+        let base = r#""vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12"#;
+        std::fs::write(&cfg, format!("{{{base}{extra}}}")).unwrap();
+        BertConfig::from_file(&cfg).err().map(|e| e.to_string())
+    };
+    let err = config_error(r#", "rotary_dim": 4"#).unwrap_or_default();
     assert!(err.contains("config.json") && err.contains("unknown key `rotary_dim`"), "{err}");
-    std::fs::write(
-        &cfg,
-        r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
-        "hidden_act": "relu"}"#,
-    )
-    .unwrap();
-    assert!(BertConfig::from_file(&cfg).unwrap_err().to_string().contains("hidden_act `relu`"));
-    std::fs::write(
-        &cfg,
-        r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
-        "pad_token_id": 10}"#,
-    )
-    .unwrap();
-    let err = BertConfig::from_file(&cfg).unwrap_err().to_string();
+    let err = config_error(r#", "hidden_act": "relu""#).unwrap_or_default();
+    assert!(err.contains("hidden_act `relu`"), "{err}");
+    let err = config_error(r#", "pad_token_id": 10"#).unwrap_or_default();
     assert!(err.contains("pad_token_id 10 is outside the vocabulary of 10"), "{err}");
-    std::fs::write(
-        &cfg,
-        r#"{"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "intermediate_size": 16, "max_position_embeddings": 16, "type_vocab_size": 2, "layer_norm_eps": 1e-12}"#,
-    )
-    .unwrap();
+    assert_eq!(config_error(""), None);
     let config = BertConfig::from_file(&cfg).unwrap();
     // Hugging Face's default padding token, whose row starts at zero in a fresh model.
     assert_eq!(config.pad_token_id, Some(0));
