@@ -1,7 +1,7 @@
 """PyTorch reference for wick's AMP trial (wick_zoo::amp::trial).
 
 Trains the start that `amp-trial --out DIR` exported (the f32 initial parameters of a torchvision
-model or of a Hugging Face BertModel, and the inputs) with torch.optim.AdamW and the trial's
+model or of a Hugging Face BertModel / LlamaForCausalLM, and the inputs) with torch.optim.AdamW and the trial's
 settings, in f64, f32, under torch.autocast bf16 (f32 parameters, PyTorch's per-op policy: O1), and
 with bf16 compute copies of every parameter but the norms' made from f32 masters each step (wick's
 scheme: O2 with f32 norms), then prints the first-step gradient errors against f64, each run's
@@ -17,7 +17,7 @@ each, and prints the distribution of the bf16-vs-f32 loss gap of both: on an ill
 task one number is one draw from that distribution. The third writes PyTorch's f64 and
 autocast-bf16 losses of each exported trial to FILE (the reference the AMP test reads).
 
-Needs torch 2.5.1, torchvision 0.20.1 and (for BERT) transformers 4.46.3 — CPU is enough; not part
+Needs torch 2.5.1, torchvision 0.20.1 and (for BERT and LLaMA) transformers 4.46.3 — CPU is enough; not part
 of CI (see BENCHMARKS.md).
 """
 
@@ -52,9 +52,30 @@ class ResNet(torchvision.models.resnet.ResNet):
         self.fc = torch.nn.Linear(8 * width * block.expansion, num_classes)
 
 
-def build(name, state, vit=None, bert=None):
+def hf_llama_name(name):
+    """wick's LLaMA parameter name → Hugging Face LlamaForCausalLM's."""
+    layer = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "q": "self_attn.q_proj",
+             "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj", "gate": "mlp.gate_proj",
+             "up": "mlp.up_proj", "down": "mlp.down_proj"}
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.weight"
+    return {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            "lm_head.weight": "lm_head.weight"}[name]
+
+
+def build(name, state, vit=None, bert=None, llama=None):
     classes = 10
-    if name == "bert":
+    if name == "llama":
+        import transformers
+        config = transformers.LlamaConfig(
+            vocab_size=llama["vocab_size"], hidden_size=llama["hidden_size"],
+            intermediate_size=llama["intermediate_size"], num_hidden_layers=llama["num_layers"],
+            num_attention_heads=llama["num_heads"], num_key_value_heads=llama["num_heads"],
+            max_position_embeddings=llama["max_seq"], rms_norm_eps=llama["rms_eps"], rope_theta=llama["rope_theta"],
+            hidden_act="silu", tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+        model = transformers.LlamaForCausalLM(config)
+    elif name == "bert":
         import transformers
         config = transformers.BertConfig(
             vocab_size=bert["vocab_size"], hidden_size=bert["hidden_size"],
@@ -88,6 +109,10 @@ def task_loss(name, model, inputs, dtype, cast=None):
     """The trial's loss: cross-entropy of the images' logits, or for BERT of the mean-pooled
     last hidden states through the fixed f32 readout (outside autocast, as in wick)."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
+    if name == "llama":
+        ids = inputs["input.ids"]
+        logits = model(input_ids=ids[:, :-1]).logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(wide), ids[:, 1:].reshape(-1))
     if name != "bert":
         logits = model(inputs["input.images"].to(cast or dtype))
         return F.cross_entropy(logits.to(wide), inputs["input.labels"])
@@ -100,7 +125,8 @@ def task_loss(name, model, inputs, dtype, cast=None):
 
 
 def make_model(name, state, cfg, dtype):
-    return build(name, {k: v.to(dtype) for k, v in state.items()}, cfg.get("vit"), cfg.get("bert")).to(dtype).train()
+    model = build(name, {k: v.to(dtype) for k, v in state.items()}, cfg.get("vit"), cfg.get("bert"), cfg.get("llama"))
+    return model.to(dtype).train()
 
 
 def train(name, state, inputs, cfg, mode):
@@ -159,8 +185,10 @@ def gradient_errors(directory, name, state, inputs, cfg):
     reference = first_gradients(name, state, inputs, cfg, "f64")
     runs = {"torch f32": first_gradients(name, state, inputs, cfg, "f32"),
             "torch autocast bf16": first_gradients(name, state, inputs, cfg, "autocast-bf16")}
+    rename = hf_llama_name if name == "llama" else (lambda k: k)
     for dtype in ("f32", "bf16", "f16"):
-        runs[f"wick {dtype}"] = {k: v.double() for k, v in load_file(f"{directory}/grads-{dtype}.safetensors").items()}
+        grads = load_file(f"{directory}/grads-{dtype}.safetensors")
+        runs[f"wick {dtype}"] = {rename(k): v.double() for k, v in grads.items()}
     # Parameters with a non-zero reference gradient (blocks behind a zero-initialised residual
     # scale get none in the first step).
     names = [k for k, g in reference.items() if g.norm() > 1e-12]
@@ -179,6 +207,8 @@ def compare(directory, modes=("f64", "f32", "autocast-bf16", "copies-bf16"), qui
     tensors = load_file(f"{directory}/start.safetensors")
     inputs = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("input.")]}
     name = cfg["model"]
+    if name == "llama":
+        tensors = {hf_llama_name(k): v for k, v in tensors.items()}
     runs = {mode: train(name, tensors, inputs, cfg, mode) for mode in modes}
     if not quiet:
         gradient_errors(directory, name, tensors, inputs, cfg)

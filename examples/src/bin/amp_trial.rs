@@ -3,8 +3,8 @@
 //! start for an outside reference: `start.safetensors` (the f32 initial parameters by name, the
 //! input images and labels), `wick.json` (wick's losses per precision and the settings) and
 //! `grads-{f32,bf16,f16}.safetensors` (the first step's gradients, unscaled); `wick.json` also
-//! carries the trial's ViT and BERT configurations (for BERT, the inputs are `input.ids`,
-//! `input.mask`, `input.head` — the fixed readout — and `input.labels`).
+//! carries the trial's ViT, BERT and LLaMA configurations (for BERT, the inputs are `input.ids`,
+//! `input.mask`, `input.head` — the fixed readout — and `input.labels`; for LLaMA `input.ids`).
 //! `scripts/torch-reference/amp_trial.py DIR` trains the same start in PyTorch (f64, f32 and
 //! `torch.autocast` bf16) and compares.
 //!
@@ -16,14 +16,15 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use wick_zoo::amp::trial::{bert_batch, synthetic_images, task, train, trial_optimizer, BATCH};
+use wick_zoo::amp::trial::{bert_batch, llama_batch, synthetic_images, task, train, trial_optimizer, BATCH};
 use wick_zoo::amp::{Autocast, MasterOptimizer};
 
 #[derive(Parser, Debug)]
 #[command(about = "Run one model's AMP trial and export its start for a reference framework")]
 struct Args {
-    /// A model of the trial with Hugging Face or torchvision parameter names: resnet18, resnet50,
-    /// mobilenet_v2, vit or bert.
+    /// A model of the trial: resnet18, resnet50, mobilenet_v2, vit (torchvision's parameter
+    /// names), bert (Hugging Face's) or llama (wick's names; the reference script maps them to
+    /// Hugging Face's Llama).
     #[arg(long, default_value = "mobilenet_v2")]
     model: String,
     /// Optimizer steps.
@@ -61,11 +62,8 @@ fn load_start(
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if !["resnet18", "resnet50", "mobilenet_v2", "vit", "bert"].contains(&args.model.as_str()) {
-        bail!(
-            "--model {}: the export covers resnet18, resnet50, mobilenet_v2, vit (torchvision's parameter names) and bert (Hugging Face's)",
-            args.model
-        );
+    if !wick_zoo::amp::trial::MODELS.contains(&args.model.as_str()) {
+        bail!("--model {}: expected one of {:?}", args.model, wick_zoo::amp::trial::MODELS);
     }
     if args.steps == 0 {
         bail!("--steps must be at least 1");
@@ -86,7 +84,9 @@ fn main() -> Result<()> {
         }
         let mut tensors: HashMap<String, Tensor> =
             f32_task.names.iter().cloned().zip(f32_task.vars.iter().map(|v| v.as_tensor().clone())).collect();
-        if args.model == "bert" {
+        if args.model == "llama" {
+            tensors.insert("input.ids".into(), llama_batch(&device)?.to_dtype(DType::I64)?);
+        } else if args.model == "bert" {
             let batch = bert_batch(&device)?;
             tensors.insert("input.ids".into(), batch.ids.to_dtype(DType::I64)?);
             tensors.insert("input.mask".into(), batch.mask.to_dtype(DType::I64)?);
@@ -142,6 +142,7 @@ fn main() -> Result<()> {
             "losses": runs,
             "vit": wick_zoo::amp::trial::VIT,
             "bert": wick_zoo::amp::trial::BERT,
+            "llama": wick_zoo::amp::trial::llama_config(),
         });
         let path = dir.join("wick.json");
         std::fs::write(&path, serde_json::to_string_pretty(&json)?)

@@ -61,6 +61,18 @@ pub fn synthetic_images(n: usize, size: usize, device: &Device) -> Result<(Tenso
     Ok((x, Tensor::new(labels, device)?))
 }
 
+/// The LLaMA-style decoder of the trial: 2 layers 64 wide, a vocabulary of 48.
+pub fn llama_config() -> LlamaConfig {
+    LlamaConfig { num_layers: 2, hidden_size: 64, intermediate_size: 128, ..LlamaConfig::tiny(48) }
+}
+
+/// The LLaMA trial's fixed batch: 8 seeded sequences of 33 tokens (u32), predicted next-token.
+pub fn llama_batch(device: &Device) -> Result<Tensor> {
+    let ids = normal_tensor(&[8 * 33], 1.0, 31, DType::F32, device)?.to_vec1::<f32>()?;
+    let ids: Vec<u32> = ids.iter().map(|x| ((x.abs() * 1000.0) as u32) % 48).collect();
+    Tensor::from_vec(ids, (8, 33), device)
+}
+
 /// The BERT of the trial: 2 layers 64 wide with 4 heads, a vocabulary of 64.
 pub const BERT: BertConfig = BertConfig {
     vocab_size: 64,
@@ -128,12 +140,8 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
     };
     let (name, (vars, names), loss): (&'static str, _, Box<dyn Fn() -> Result<Tensor>>) = match name {
         "llama" => {
-            let config =
-                LlamaConfig { num_layers: 2, hidden_size: 64, intermediate_size: 128, ..LlamaConfig::tiny(48) };
-            let model = Arc::new(Llama::new(config, dtype, device)?);
-            let ids = normal_tensor(&[8 * 33], 1.0, 31, DType::F32, device)?.to_vec1::<f32>()?;
-            let ids: Vec<u32> = ids.iter().map(|x| ((x.abs() * 1000.0) as u32) % 48).collect();
-            let ids = Tensor::from_vec(ids, (8, 33), device)?;
+            let model = Arc::new(Llama::new(llama_config(), dtype, device)?);
+            let ids = llama_batch(device)?;
             let m = model.clone();
             ("llama", vars(&model.params), Box::new(move || m.loss(&ids).map_err(zoo)))
         }
