@@ -26,7 +26,7 @@ pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     shifted.broadcast_sub(&shifted.exp()?.sum_keepdim(D::Minus1)?.log()?)
 }
 
-/// Rows `ids` (any shape of integer ids) of `table` (vocab, dim), as one node: the table's
+/// Rows `ids` (a 1-D tensor of integer ids) of `table` (vocab, dim), as one node: the table's
 /// gradient adds up the gradients of every occurrence of a row, and candle's CPU `index_add`
 /// accumulates in the table's dtype, so under autocast the sums are made in f32 and rounded once.
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
