@@ -11,12 +11,12 @@
 //! `cargo run --release -p wick-examples --bin amp-trial -- --model mobilenet_v2 --out /tmp/trial`
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use wick_zoo::amp::trial::{bert_batch, llama_batch, synthetic_images, task, train, trial_optimizer, BATCH};
+use wick_zoo::amp::trial::{bert_batch, llama_batch, task, train, trial_optimizer, vision_batch, Task};
 use wick_zoo::amp::{Autocast, MasterOptimizer};
 
 #[derive(Parser, Debug)]
@@ -42,11 +42,7 @@ struct Args {
 
 /// Sets every parameter of `t` from `start` (converted to the parameter's dtype) and makes
 /// `start`'s values the masters' starting values.
-fn load_start(
-    t: &mut wick_zoo::amp::trial::Task,
-    start: &HashMap<String, Tensor>,
-    path: &std::path::Path,
-) -> Result<()> {
+fn load_start(t: &mut Task, start: &HashMap<String, Tensor>, path: &std::path::Path) -> Result<()> {
     let mut masters = Vec::with_capacity(t.vars.len());
     for (name, var) in t.names.iter().zip(&t.vars) {
         let value = start.get(name).with_context(|| format!("{}: no tensor `{name}`", path.display()))?;
@@ -58,6 +54,27 @@ fn load_start(
     }
     t.masters = masters;
     Ok(())
+}
+
+/// Writes `start.safetensors` in `dir`: the f32 values every precision's masters start from
+/// (the same in each task) and the inputs of `model`'s trial.
+fn write_start(dir: &Path, model: &str, t: &Task, device: &Device) -> Result<()> {
+    let mut tensors: HashMap<String, Tensor> = t.names.iter().cloned().zip(t.masters.iter().cloned()).collect();
+    if model == "llama" {
+        tensors.insert("input.ids".into(), llama_batch(device)?.to_dtype(DType::I64)?);
+    } else if model == "bert" {
+        let batch = bert_batch(device)?;
+        tensors.insert("input.ids".into(), batch.ids.to_dtype(DType::I64)?);
+        tensors.insert("input.mask".into(), batch.mask.to_dtype(DType::I64)?);
+        tensors.insert("input.head".into(), batch.head);
+        tensors.insert("input.labels".into(), batch.labels.to_dtype(DType::I64)?);
+    } else {
+        let (images, labels) = vision_batch(device)?;
+        tensors.insert("input.images".into(), images);
+        tensors.insert("input.labels".into(), labels.to_dtype(DType::I64)?);
+    }
+    let path = dir.join("start.safetensors");
+    candle_core::safetensors::save(&tensors, &path).with_context(|| format!("writing {}", path.display()))
 }
 
 fn main() -> Result<()> {
@@ -77,28 +94,6 @@ fn main() -> Result<()> {
     };
     if let Some(dir) = &args.out {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        // The f32 start, exported before any training moves it.
-        let mut f32_task = task(&args.model, Autocast::off(), &device)?;
-        if let (Some(start), Some(path)) = (&start, &args.start) {
-            load_start(&mut f32_task, start, path)?;
-        }
-        let mut tensors: HashMap<String, Tensor> =
-            f32_task.names.iter().cloned().zip(f32_task.vars.iter().map(|v| v.as_tensor().clone())).collect();
-        if args.model == "llama" {
-            tensors.insert("input.ids".into(), llama_batch(&device)?.to_dtype(DType::I64)?);
-        } else if args.model == "bert" {
-            let batch = bert_batch(&device)?;
-            tensors.insert("input.ids".into(), batch.ids.to_dtype(DType::I64)?);
-            tensors.insert("input.mask".into(), batch.mask.to_dtype(DType::I64)?);
-            tensors.insert("input.head".into(), batch.head);
-            tensors.insert("input.labels".into(), batch.labels.to_dtype(DType::I64)?);
-        } else {
-            let (images, labels) = synthetic_images(BATCH, 32, &device)?;
-            tensors.insert("input.images".into(), images);
-            tensors.insert("input.labels".into(), labels.to_dtype(DType::I64)?);
-        }
-        let path = dir.join("start.safetensors");
-        candle_core::safetensors::save(&tensors, &path).with_context(|| format!("writing {}", path.display()))?;
     }
     let mut runs = serde_json::Map::new();
     for autocast in [Autocast::off(), Autocast::bf16(), Autocast::f16()] {
@@ -107,6 +102,9 @@ fn main() -> Result<()> {
             load_start(&mut t, start, path)?;
         }
         if let Some(dir) = &args.out {
+            if autocast == Autocast::off() {
+                write_start(dir, &args.model, &t, &device)?;
+            }
             // The first step's gradients (unscaled), for a per-parameter comparison.
             let grads = (t.loss)()?.backward()?;
             let mut tensors = HashMap::new();

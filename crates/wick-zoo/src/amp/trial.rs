@@ -23,7 +23,8 @@ pub struct Task {
     pub name: &'static str,
     /// Its trainable parameters (the low-precision compute copies under AMP).
     pub vars: Vec<Var>,
-    /// The parameters' names, in the order of `vars` (torchvision's for the CNNs).
+    /// The parameters' names, in the order of `vars` (torchvision's for the vision models,
+    /// Hugging Face's for BERT).
     pub names: Vec<String>,
     /// The f32 initial values of `vars` (the same model built in f32), to start the f32 masters
     /// from (see [`MasterWeights::with_masters`]).
@@ -33,7 +34,7 @@ pub struct Task {
 }
 
 /// Images per batch in the vision tasks (sequences: half as many).
-pub const BATCH: usize = 16;
+const BATCH: usize = 16;
 
 /// Classes in the vision tasks.
 const CLASSES: usize = 10;
@@ -59,6 +60,11 @@ pub fn synthetic_images(n: usize, size: usize, device: &Device) -> Result<(Tenso
     let labels: Vec<u32> =
         red.iter().map(|b| ((b + 2.5) * CLASSES as f32 / 5.0).clamp(0.0, CLASSES as f32 - 1.0) as u32).collect();
     Ok((x, Tensor::new(labels, device)?))
+}
+
+/// The vision tasks' fixed batch: [`synthetic_images`], 16 images of 32×32, in f32.
+pub fn vision_batch(device: &Device) -> Result<(Tensor, Tensor)> {
+    synthetic_images(BATCH, 32, device)
 }
 
 /// The LLaMA-style decoder of the trial: 2 layers 64 wide, a vocabulary of 48.
@@ -135,7 +141,7 @@ fn zoo(e: ZooError) -> candle_core::Error {
 pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Result<Task, ZooError> {
     let dtype = autocast.model_dtype();
     let images = || -> std::result::Result<(Tensor, Tensor), ZooError> {
-        let (x, labels) = synthetic_images(BATCH, 32, device)?;
+        let (x, labels) = vision_batch(device)?;
         Ok((x.to_dtype(dtype)?, labels))
     };
     let (name, (vars, names), loss): (&'static str, _, Box<dyn Fn() -> Result<Tensor>>) = match name {
