@@ -124,11 +124,7 @@ impl Updater {
             let scaler = autocast.needs_loss_scaling().then(wick_zoo::amp::GradScalerConfig::default);
             match wick_zoo::amp::device_step::DeviceAmp::new(engine.device(), vars, Some(masters), hyper, scaler) {
                 Ok(amp) => {
-                    let (master, state) = amp.memory_bytes();
-                    let params = vars.iter().map(|v| v.elem_count() * v.dtype().size_in_bytes()).sum();
-                    engine.account("parameters", params);
-                    engine.account("master weights (f32)", master);
-                    engine.account("optimizer state (f32 AdamW moments)", state);
+                    amp.account(engine);
                     println!("Fused AMP kernels loaded: the step runs on the device without host round trips.");
                     return Ok(Updater::Device(amp));
                 }

@@ -131,4 +131,19 @@ impl DeviceAmp {
         let master = self.slots.iter().map(|s| s.master.elem_count() * 4).sum();
         (master, 2 * master)
     }
+
+    /// Puts the compute copies, the f32 masters and the f32 AdamW moments in `engine`'s memory
+    /// summary, under the names [`super::MasterWeights::account`] uses.
+    pub fn account(&self, engine: &wick::Engine) {
+        let (master, state) = self.memory_bytes();
+        let (lr, beta1, beta2, eps, weight_decay) = self.adamw;
+        let optimizer = super::MasterOptimizer::AdamW {
+            lr: lr.into(),
+            beta1: beta1.into(),
+            beta2: beta2.into(),
+            eps: eps.into(),
+            weight_decay: weight_decay.into(),
+        };
+        super::master::account(engine, self.slots.iter().map(|s| &s.model), master, &optimizer, state);
+    }
 }

@@ -94,6 +94,33 @@ pub fn masters_by_name(params: &Params, originals: &Params) -> std::result::Resu
         .collect()
 }
 
+/// Bytes of the parameters `models`.
+fn param_bytes<'a>(models: impl Iterator<Item = &'a Var>) -> usize {
+    models.map(|v| v.elem_count() * v.dtype().size_in_bytes()).sum()
+}
+
+/// Puts the parameters `models` (their compute copies), `master` bytes of f32 masters and
+/// `state` bytes of `optimizer`'s f32 state in `engine`'s memory summary; shared by
+/// [`MasterWeights`] and the fused device step.
+pub(crate) fn account<'a>(
+    engine: &wick::Engine,
+    models: impl Iterator<Item = &'a Var> + Clone,
+    master: usize,
+    optimizer: &MasterOptimizer,
+    state: usize,
+) {
+    let dtypes: std::collections::BTreeSet<String> =
+        models.clone().map(|v| format!("{:?}", v.dtype()).to_lowercase()).collect();
+    let dtypes: Vec<String> = dtypes.into_iter().collect();
+    engine.account(&format!("parameters ({})", dtypes.join("+")), param_bytes(models));
+    engine.account("master weights (f32)", master);
+    let name = match optimizer {
+        MasterOptimizer::SgdMomentum { .. } => "optimizer state (f32 momentum)",
+        MasterOptimizer::AdamW { .. } => "optimizer state (f32 AdamW moments)",
+    };
+    engine.account(name, state);
+}
+
 /// Master copies and optimizer state for a set of model parameters.
 pub struct MasterWeights {
     optimizer: MasterOptimizer,
@@ -145,23 +172,14 @@ impl MasterWeights {
 
     /// Bytes of the model's own parameters (the low-precision compute copies under AMP).
     pub fn model_bytes(&self) -> usize {
-        self.entries.iter().map(|e| e.model.elem_count() * e.model.dtype().size_in_bytes()).sum()
+        param_bytes(self.entries.iter().map(|e| &e.model))
     }
 
     /// Puts the compute copies, the f32 masters and the f32 optimizer state in `engine`'s
     /// memory summary (see [`wick::Engine::account`]).
     pub fn account(&self, engine: &wick::Engine) {
         let (master, state) = self.memory_bytes();
-        let dtypes: std::collections::BTreeSet<String> =
-            self.entries.iter().map(|e| format!("{:?}", e.model.dtype()).to_lowercase()).collect();
-        let dtypes: Vec<String> = dtypes.into_iter().collect();
-        engine.account(&format!("parameters ({})", dtypes.join("+")), self.model_bytes());
-        engine.account("master weights (f32)", master);
-        let name = match self.optimizer {
-            MasterOptimizer::SgdMomentum { .. } => "optimizer state (f32 momentum)",
-            MasterOptimizer::AdamW { .. } => "optimizer state (f32 AdamW moments)",
-        };
-        engine.account(name, state);
+        account(engine, self.entries.iter().map(|e| &e.model), master, &self.optimizer, state);
     }
 
     /// The f32 master of the `i`-th parameter.
