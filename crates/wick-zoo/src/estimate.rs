@@ -2,9 +2,9 @@
 //! parameters, gradients, optimizer state, activations and workspace.
 //!
 //! Activations are counted from the model's own graph, not from a rule of thumb: the model runs
-//! its forward pass at batch 1 and batch 2 at the target sequence or image size, and every
-//! tensor that the autograd graph keeps alive (each distinct storage, views counted once) is
-//! summed by its shape and dtype. Activation memory is affine in the batch for these models, so
+//! its forward pass at batch 2 and batch 4 (after a warm-up pass at batch 1) at the target
+//! sequence or image size, and every tensor that the autograd graph keeps alive (each distinct
+//! storage, views counted once) is summed by its shape and dtype. Activation memory is affine in the batch for these models, so
 //! the two counts give the per-sample and fixed parts, and the estimate extrapolates to any batch
 //! without running it.
 //!
