@@ -73,10 +73,11 @@ pub fn relu6(x: &Tensor) -> Result<Tensor> {
 /// `x` clamped to `[min, max]` by selection, so that autograd passes the gradient only strictly
 /// inside (comparisons carry no gradient) and NaN, which fails both tests, passes through.
 fn clamp_with_torch_gradient(x: &Tensor, min: f64, max: Option<f64>) -> Result<Tensor> {
-    let low = (x.zeros_like()? + min)?;
-    let y = x.le(min)?.where_cond(&low, x)?;
+    // The bounds as broadcast scalars: no full-size constant tensors.
+    let bound = |v: f64| Tensor::new(v, x.device())?.to_dtype(x.dtype())?.broadcast_as(x.shape());
+    let y = x.le(min)?.where_cond(&bound(min)?, x)?;
     match max {
-        Some(max) => x.ge(max)?.where_cond(&(x.zeros_like()? + max)?, &y),
+        Some(max) => x.ge(max)?.where_cond(&bound(max)?, &y),
         None => Ok(y),
     }
 }
