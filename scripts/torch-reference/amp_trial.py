@@ -129,54 +129,52 @@ def make_model(name, state, cfg, dtype):
     return model.to(dtype).train()
 
 
+def mode_dtype(mode):
+    return torch.float64 if mode == "f64" else torch.float32
+
+
+def mode_loss(name, model, inputs, mode):
+    """The task's loss computed as `mode` says: plainly in f64/f32, under autocast bf16, or through
+    bf16 compute copies of every parameter but the norms', cast inside the graph so the
+    gradients reach the f32 masters."""
+    dtype = mode_dtype(mode)
+    if mode in ("f64", "f32"):
+        return task_loss(name, model, inputs, dtype)
+    if mode == "autocast-bf16":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return task_loss(name, model, inputs, dtype)
+    if mode == "copies-bf16":
+        norm_params = {f"{m}.{p}" for m, module in model.named_modules()
+                       if isinstance(module, (torch.nn.BatchNorm2d, torch.nn.LayerNorm))
+                       for p, _ in module.named_parameters(recurse=False)}
+        copies = {k: (p if k in norm_params else p.to(torch.bfloat16)) for k, p in model.named_parameters()}
+        wrapped = lambda *args, **kwargs: torch.func.functional_call(model, copies, args, kwargs)
+        return task_loss(name, wrapped, inputs, dtype, cast=torch.bfloat16)
+    raise ValueError(mode)
+
+
 def train(name, state, inputs, cfg, mode):
     torch.manual_seed(0)
-    dtype = torch.float64 if mode == "f64" else torch.float32
-    model = make_model(name, state, cfg, dtype)
+    model = make_model(name, state, cfg, mode_dtype(mode))
     a = cfg["adamw"]
     opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(a["beta1"], a["beta2"]), eps=a["eps"],
                             weight_decay=a["weight_decay"])
-    params = dict(model.named_parameters())
-    norm_params = {f"{m}.{p}" for m, module in model.named_modules()
-                   if isinstance(module, (torch.nn.BatchNorm2d, torch.nn.LayerNorm))
-                   for p, _ in module.named_parameters(recurse=False)}
-
-    def loss_fn():
-        if mode in ("f64", "f32"):
-            return task_loss(name, model, inputs, dtype)
-        if mode == "autocast-bf16":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return task_loss(name, model, inputs, dtype)
-        if mode == "copies-bf16":
-            # bf16 compute copies of the parameters other than norms', cast inside the graph so
-            # the gradients reach the f32 masters.
-            copies = {k: (p if k in norm_params else p.to(torch.bfloat16)) for k, p in params.items()}
-            wrapped = lambda *args, **kwargs: torch.func.functional_call(model, copies, args, kwargs)
-            return task_loss(name, wrapped, inputs, dtype, cast=torch.bfloat16)
-        raise ValueError(mode)
-
     losses = []
     for _ in range(cfg["steps"]):
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn()
+        loss = mode_loss(name, model, inputs, mode)
         losses.append(loss.item())
         loss.backward()
         opt.step()
     with torch.no_grad():
-        losses.append(loss_fn().item())
+        losses.append(mode_loss(name, model, inputs, mode).item())
     return losses
 
 
 def first_gradients(name, state, inputs, cfg, mode):
     """The first step's parameter gradients in f64, from a forward/backward in `mode`."""
-    dtype = torch.float64 if mode == "f64" else torch.float32
-    model = make_model(name, state, cfg, dtype)
-    if mode == "autocast-bf16":
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = task_loss(name, model, inputs, dtype)
-    else:
-        loss = task_loss(name, model, inputs, dtype)
-    loss.backward()
+    model = make_model(name, state, cfg, mode_dtype(mode))
+    mode_loss(name, model, inputs, mode).backward()
     return {k: p.grad.double() for k, p in model.named_parameters() if p.grad is not None}
 
 
