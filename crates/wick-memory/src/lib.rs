@@ -28,6 +28,7 @@ pub mod caching;
 pub mod config;
 pub mod error;
 pub mod format;
+pub mod heap;
 pub mod resource;
 pub mod scope;
 pub mod snapshot;

@@ -135,7 +135,7 @@ fn encoder_layer(x: &Tensor, w: &[Tensor], bias: &Tensor, heads: usize, eps: f64
     let (q, k, v) = (split(linear(x, 0)?)?, split(linear(x, 2)?)?, split(linear(x, 4)?)?);
     let ctx = ops::attention(&q, &k, &v, Some(bias))?.transpose(1, 2)?.reshape((batch, seq, hidden))?;
     let x = ops::layer_norm(&(linear(&ctx, 6)? + x)?, &w[8], &w[9], eps)?;
-    let inter = linear(&x, 10)?.gelu_erf()?;
+    let inter = ops::gelu(&linear(&x, 10)?)?;
     ops::layer_norm(&(linear(&inter, 12)? + &x)?, &w[14], &w[15], eps)
 }
 

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Result, Tensor, D};
 
 use crate::amp::autocast::{conv_compute, fp32_compute};
 use crate::fused::node;
+use crate::kernels;
 use crate::params::{Init, Params};
 
 /// Pads the two spatial dimensions of (N, C, H, W) with `value` on every side.
@@ -58,6 +59,9 @@ fn out_size(len: usize, kernel: usize, stride: usize, pad: usize) -> usize {
 /// bf16 ties are common (that doubled gradients into ResNet's stem: its first bf16 gradients
 /// were 3.5 % from PyTorch autocast's there and bit-identical elsewhere).
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::pool::max_pool2d(x, kernel, stride, pad);
+    }
     node("max_pool2d", &[x], x.dtype(), x.dtype(), move |t| {
         let windows = stacked_windows(&t[0], kernel, stride, pad)?;
         // argmax keeps the first of equal values; gather's backward scatters to that one only.
@@ -91,6 +95,9 @@ fn stacked_windows(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Resu
 /// windows scaled per channel (vectorised, and differentiable through every term), as one graph
 /// node (in f32 for bf16 on the CPU, like [`conv2d`]).
 pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::conv::depthwise_conv2d(x, weight, stride, pad);
+    }
     let compute = conv_compute(x.dtype(), x.device());
     node("conv2d", &[x, weight], compute, x.dtype(), move |t| depthwise_conv2d_composed(&t[0], &t[1], stride, pad))
 }
@@ -118,6 +125,9 @@ pub fn depthwise_conv2d_composed(x: &Tensor, weight: &Tensor, stride: usize, pad
 /// A dense (groups = 1) convolution under the autocast policy: native in `x`'s dtype, except
 /// bf16 on the CPU (which candle cannot convolve), computed in f32 as one node that returns bf16.
 pub fn conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::conv::conv2d(x, weight, pad, stride);
+    }
     let compute = conv_compute(x.dtype(), x.device());
     if compute == x.dtype() {
         return x.conv2d(weight, pad, stride, 1, 1);
@@ -137,12 +147,15 @@ pub fn conv2d_bias(x: &Tensor, weight: &Tensor, bias: &Tensor, pad: usize, strid
     }
     let compute = conv_compute(x.dtype(), x.device());
     node("conv2d", &[x, weight, bias], compute, x.dtype(), move |t| {
-        t[0].conv2d(&t[1], pad, stride, 1, 1)?.broadcast_add(&t[2].reshape(channels)?)
+        conv2d(&t[0], &t[1], pad, stride)?.broadcast_add(&t[2].reshape(channels)?)
     })
 }
 
 /// Global average pooling: (N, C, H, W) → (N, C).
 pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::pool::global_avg_pool(x);
+    }
     // A mean is an f32-class reduction (candle's CPU reductions accumulate in the input dtype).
     node("mean", &[x], fp32_compute(x.dtype()), x.dtype(), |t| t[0].mean(D::Minus1)?.mean(D::Minus1))
 }
@@ -168,6 +181,9 @@ impl RunningStats {
     pub fn normalize(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, train: bool, update: bool) -> Result<Tensor> {
         let (eps, momentum) = (1e-5, 0.1);
         let compute = fp32_compute(x.dtype());
+        if kernels::serves(x) {
+            return self.normalize_cpu(x, weight, bias, train, update, eps, momentum);
+        }
         if !train {
             let (mean, var) = self.get();
             return node("batch_norm", &[x, weight, bias], compute, x.dtype(), move |t| {
@@ -202,6 +218,44 @@ impl RunningStats {
             running.1 = blend(&running.1, unbiased)?;
         }
         Ok(y)
+    }
+}
+
+impl RunningStats {
+    /// [`RunningStats::normalize`] with the CPU kernels: the statistics computed once (summed
+    /// in f64), the running estimates moved from them.
+    #[allow(clippy::too_many_arguments)]
+    fn normalize_cpu(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        train: bool,
+        update: bool,
+        eps: f64,
+        momentum: f64,
+    ) -> Result<Tensor> {
+        let vec = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(DType::F64)?.flatten_all()?.to_vec1() };
+        if !train {
+            let (mean, var) = self.get();
+            return kernels::norm::batch_norm(x, &vec(&mean)?, &vec(&var)?, weight, bias, eps, false);
+        }
+        let (mean, var) = kernels::norm::batch_stats(x)?;
+        if update {
+            let (n, _, h, w) = x.dims4()?;
+            let count = (n * h * w) as f64;
+            let unbiased = count / (count - 1.0).max(1.0);
+            let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            let (dtype, device) = (running.0.dtype(), running.0.device().clone());
+            let blend = |old: &Tensor, new: &[f64], factor: f64| -> Result<Tensor> {
+                let moved: Vec<f64> =
+                    vec(old)?.iter().zip(new).map(|(o, v)| o * (1.0 - momentum) + v * factor * momentum).collect();
+                Tensor::from_vec(moved, new.len(), &device)?.to_dtype(dtype)
+            };
+            running.0 = blend(&running.0, &mean, 1.0)?;
+            running.1 = blend(&running.1, &var, unbiased)?;
+        }
+        kernels::norm::batch_norm(x, &mean, &var, weight, bias, eps, true)
     }
 }
 

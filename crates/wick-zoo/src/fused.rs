@@ -214,8 +214,9 @@ pub fn node(
     let detached: Vec<Tensor> = inputs.iter().map(|t| to_compute(&t.detach(), compute)).collect::<Result<_>>()?;
     let y = f(&detached)?.to_dtype(out)?;
     drop(detached);
-    // Nothing to differentiate (inference, or a recomputation on detached inputs): no node.
-    if !inputs.iter().any(|t| t.track_op()) {
+    // Nothing to differentiate (inference, a recomputation on detached inputs, or inside
+    // `no_grad`): no node.
+    if !crate::kernels::grad_enabled() || !inputs.iter().any(|t| t.track_op()) {
         return Ok(y);
     }
     let op = Node { compute, f: Arc::new(f), result: Handoff::new(name, y) };

@@ -10,6 +10,7 @@ pub mod cnn;
 pub mod error;
 pub mod estimate;
 pub mod fused;
+pub mod kernels;
 pub mod llama;
 pub mod mobilenet;
 pub mod ops;
@@ -20,3 +21,4 @@ pub mod vit;
 pub mod weights;
 
 pub use error::ZooError;
+pub use kernels::{grad_enabled, no_grad};

@@ -44,7 +44,7 @@ fn decoder_layer(
     let attn = ops::attention(&q, &k, &v, Some(mask))?.transpose(1, 2)?.reshape((batch, seq, hidden))?;
     let x = (x + proj(&attn, &w[4])?)?;
     let h = ops::rms_norm(&x, &w[5], c.rms_eps)?;
-    let gated = (proj(&h, &w[6])?.silu()? * proj(&h, &w[7])?)?;
+    let gated = ops::silu_mul(&proj(&h, &w[6])?, &proj(&h, &w[7])?)?;
     x + proj(&gated, &w[8])?
 }
 

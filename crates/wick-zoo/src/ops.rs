@@ -10,6 +10,7 @@ use candle_core::{DType, Result, Tensor, D};
 
 use crate::amp::autocast::fp32_compute;
 use crate::fused::node;
+use crate::kernels;
 
 /// Softmax over the last dimension, stabilised by subtracting the row maximum (which carries no
 /// gradient of its own: softmax is invariant to the shift).
@@ -30,6 +31,9 @@ pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 /// gradient adds up the gradients of every occurrence of a row, and candle's CPU `index_add`
 /// accumulates in the table's dtype, so under autocast the sums are made in f32 and rounded once.
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    if kernels::serves(table) {
+        return kernels::loss::embedding(table, ids, None);
+    }
     node("embedding", &[ids, table], table.dtype(), table.dtype(), |t| t[1].embedding(&t[0]))
 }
 
@@ -38,6 +42,9 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// forward values are the same and only the gradient differs.
 pub fn embedding_with_padding(table: &Tensor, ids: &Tensor, padding: Option<u32>) -> Result<Tensor> {
     let Some(pad) = padding else { return embedding(table, ids) };
+    if kernels::serves(table) {
+        return kernels::loss::embedding(table, ids, Some(pad));
+    }
     node("embedding", &[ids, table], table.dtype(), table.dtype(), move |t| {
         let (ids, table) = (&t[0], &t[1]);
         let rows = table.embedding(ids)?;
@@ -50,6 +57,9 @@ pub fn embedding_with_padding(table: &Tensor, ids: &Tensor, padding: Option<u32>
 /// `x + a + b` with `a` and `b` broadcast to `x`'s shape (position and type embeddings added
 /// to every sequence), as one node whose backward sums the broadcast gradients in f32.
 pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::loss::add_broadcast(x, a, b);
+    }
     node("add", &[x, a, b], x.dtype(), x.dtype(), |t| t[0].broadcast_add(&t[1])?.broadcast_add(&t[2]))
 }
 
@@ -60,6 +70,9 @@ pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// output, zeros included, and candle's rule then changed the first gradients of ResNet-50's
 /// residual norms completely (relative error 1 against PyTorch in f64). NaN propagates.
 pub fn relu(x: &Tensor) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::act::relu(x);
+    }
     node("relu", &[x], x.dtype(), x.dtype(), |t| clamp_with_torch_gradient(&t[0], 0.0, None))
 }
 
@@ -67,7 +80,28 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
 /// one node that keeps its input (candle's `clamp` keeps two tensors and halves the gradient
 /// where `x` equals a bound). NaN propagates.
 pub fn relu6(x: &Tensor) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::act::relu6(x);
+    }
     node("relu6", &[x], x.dtype(), x.dtype(), |t| clamp_with_torch_gradient(&t[0], 0.0, Some(6.0)))
+}
+
+/// GELU (erf form) as one op keeping its input: computed in f32 (f64 for f64) and rounded once
+/// on the CPU; candle's `gelu_erf` elsewhere.
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::act::gelu(x);
+    }
+    x.gelu_erf()
+}
+
+/// `silu(a)·b` (SwiGLU's gate) as one op keeping `a` and `b`: computed in f32 (f64 for f64) on
+/// the CPU; candle's `silu` and `mul` elsewhere.
+pub fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if kernels::serves(a) {
+        return kernels::act::silu_mul(a, b);
+    }
+    a.silu()? * b
 }
 
 /// `x` clamped to `[min, max]` by selection, so that autograd passes the gradient only strictly
@@ -86,6 +120,9 @@ fn clamp_with_torch_gradient(x: &Tensor, min: f64, max: Option<f64>) -> Result<T
 /// autocast (the matmul runs in `x`'s dtype), as one node whose backward accumulates the weight
 /// and bias gradients in f32.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::linear::linear(x, weight, bias);
+    }
     let f = |t: &[Tensor]| -> Result<Tensor> {
         let y = t[0].broadcast_matmul(&t[1].t()?)?;
         match t.get(2) {
@@ -113,6 +150,9 @@ pub fn layer_norm_composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64)
 /// computes in f32 (f64 for f64 inputs) and returns the input's dtype (an f32-class op under
 /// autocast).
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::norm::layer_norm(x, weight, bias, eps);
+    }
     node("layer_norm", &[x, weight, bias], fp32_compute(x.dtype()), x.dtype(), move |t| {
         layer_norm_composed(&t[0], &t[1], &t[2], eps)
     })
@@ -126,6 +166,9 @@ pub fn rms_norm_composed(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor
 
 /// RMS normalisation over the last dimension (LLaMA): one graph node computing in f32.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::norm::rms_norm(x, weight, eps);
+    }
     node("rms_norm", &[x, weight], fp32_compute(x.dtype()), x.dtype(), move |t| rms_norm_composed(&t[0], &t[1], eps))
 }
 
@@ -140,6 +183,9 @@ pub fn cross_entropy_composed(logits: &Tensor, targets: &Tensor) -> Result<Tenso
 /// Cross-entropy of `logits` (N, C) against integer `targets` (N), averaged: one graph node that
 /// computes in f32 and returns f32 whatever the logits' dtype (losses are f32-class ops).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    if kernels::serves(logits) {
+        return kernels::loss::cross_entropy(logits, targets);
+    }
     let compute = fp32_compute(logits.dtype());
     let targets = targets.clone();
     node("cross_entropy", &[logits], compute, compute, move |t| cross_entropy_composed(&t[0], &targets))
@@ -149,6 +195,9 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// pairs (i, i + head_dim/2) as in LLaMA, with precomputed `cos`/`sin` of shape (seq, head_dim/2).
 /// One graph node in `x`'s dtype (the tables are constants).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if kernels::serves(x) {
+        return kernels::attention::rope(x, cos, sin);
+    }
     let (cos, sin) = (cos.clone(), sin.clone());
     // The tables follow the input's dtype (backward recomputes in f32).
     node("rope", &[x], x.dtype(), x.dtype(), move |t| {
@@ -201,6 +250,9 @@ pub fn attention_composed(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tens
 /// One graph node: only q, k and v are kept, never the (seq × seq) scores or probabilities, which
 /// backward recomputes.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    if kernels::serves(q) {
+        return kernels::attention::attention(q, k, v, bias);
+    }
     let bias = bias.cloned();
     node("attention", &[q, k, v], q.dtype(), q.dtype(), move |t| attention_composed(&t[0], &t[1], &t[2], bias.as_ref()))
 }

@@ -39,7 +39,7 @@ fn encoder_layer(z: &Tensor, w: &[Tensor], heads: usize) -> candle_core::Result<
     let attn = ops::attention(&split(0)?, &split(1)?, &split(2)?, None)?.transpose(1, 2)?.reshape((n, t, h))?;
     let z = (z + linear(&attn, 4)?)?;
     let y = ops::layer_norm(&z, &w[6], &w[7], 1e-6)?;
-    let y = linear(&y, 8)?.gelu_erf()?;
+    let y = ops::gelu(&linear(&y, 8)?)?;
     z + linear(&y, 10)?
 }
 

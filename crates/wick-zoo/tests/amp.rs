@@ -4,7 +4,7 @@
 //! training against PyTorch's training of the same start (`TORCH_REFERENCE`). This binary
 //! installs the tracking allocator so the peaks are exact; its tests take turns.
 
-use candle_core::Device;
+use candle_core::{DType, Device};
 use wick::TrackingAllocator;
 use wick_zoo::amp::trial::{task, train, trial_optimizer, TrialReport, MODELS};
 use wick_zoo::amp::Autocast;
@@ -164,8 +164,15 @@ fn compare(low: Autocast) {
             None => {}
         }
         failures.extend(check_against_torch(model, &full, &amp));
-        // The masters and their state are f32 whatever the model's dtype.
-        assert_eq!(amp.master_bytes, full.master_bytes, "{model}: f32 masters and state");
+        // The masters and their state are f32 whatever the model's dtype: the same AdamW state
+        // (two f32 moments per parameter) in both runs, an f32 master for each bf16/f16
+        // parameter under AMP, and none for f32 ones (norms under AMP, every parameter in f32),
+        // which are their own masters.
+        assert_eq!(amp.master_bytes.1, full.master_bytes.1, "{model}: f32 optimizer state");
+        let low_params = task(model, low, &Device::Cpu).unwrap_or_else(|e| panic!("{model}: {e}")).vars;
+        let copies: usize = low_params.iter().filter(|v| v.dtype() != DType::F32).map(|v| 4 * v.elem_count()).sum();
+        assert_eq!(amp.master_bytes.0, copies, "{model}: an f32 master for every low-precision parameter");
+        assert_eq!(full.master_bytes.0, 0, "{model}: an f32 model has no master copies");
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }

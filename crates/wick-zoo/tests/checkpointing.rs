@@ -159,12 +159,13 @@ fn checkpointing_works_on_every_zoo_model() {
             same_gradients(&r50.params, r50_loss);
             same_gradients(&mbn.params, mbn_loss);
         } else {
-            for (name, ((plain, plain_kept), (ckpt, ckpt_kept))) in [
-                ("bert", peaks(&bert.params, bert_loss)),
-                ("vit", peaks(&vit.params, vit_loss)),
-                ("resnet18", peaks(&r18.params, r18_loss)),
-                ("resnet50", peaks(&r50.params, r50_loss)),
-                ("mobilenet_v2", peaks(&mbn.params, mbn_loss)),
+            let grad_bytes = |p: &wick_zoo::params::Params| 4 * p.numel();
+            for (name, ((plain, plain_kept), (ckpt, ckpt_kept)), gradients) in [
+                ("bert", peaks(&bert.params, bert_loss), grad_bytes(&bert.params)),
+                ("vit", peaks(&vit.params, vit_loss), grad_bytes(&vit.params)),
+                ("resnet18", peaks(&r18.params, r18_loss), grad_bytes(&r18.params)),
+                ("resnet50", peaks(&r50.params, r50_loss), grad_bytes(&r50.params)),
+                ("mobilenet_v2", peaks(&mbn.params, mbn_loss), grad_bytes(&mbn.params)),
             ] {
                 println!(
                     "{name}: training-step peak plain {:.1} MiB, checkpointed {:.1} MiB; activations kept {:.1} vs {:.1} MiB",
@@ -173,13 +174,19 @@ fn checkpointing_works_on_every_zoo_model() {
                     plain_kept as f64 / 1048576.0,
                     ckpt_kept as f64 / 1048576.0,
                 );
-                report.push((name, plain, ckpt, plain_kept, ckpt_kept));
+                report.push((name, plain, ckpt, plain_kept, ckpt_kept, gradients));
             }
         }
     }
-    for (name, plain, ckpt, plain_kept, ckpt_kept) in report {
-        // Every model keeps far fewer activations, and its training step peaks lower.
+    for (name, plain, ckpt, plain_kept, ckpt_kept, gradients) in report {
+        // Every model keeps far fewer activations, and its training step peaks lower. Both peaks
+        // include the parameter gradients, which checkpointing cannot touch (they are most of a
+        // small model's step peak since the zoo's ops keep only their inputs): the part of the
+        // peak above them falls by at least a fifth.
         assert!((ckpt_kept as f64) < 0.6 * plain_kept as f64, "{name}: kept {ckpt_kept} vs {plain_kept}");
-        assert!((ckpt as f64) < 0.8 * plain as f64, "{name}: checkpointing lowers the peak ({ckpt} vs {plain})");
+        assert!(
+            (ckpt.saturating_sub(gradients) as f64) < 0.8 * plain.saturating_sub(gradients) as f64,
+            "{name}: checkpointing lowers the peak above the {gradients} gradient bytes ({ckpt} vs {plain})"
+        );
     }
 }

@@ -6,6 +6,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Tensor, Var};
 
+use crate::kernels::optim::Rule;
 use crate::params::Params;
 
 /// The update rule.
@@ -58,18 +59,25 @@ pub(crate) fn initial_masters(vars: &[Var], masters: Option<&[Tensor]>) -> Resul
             candle_core::bail!("master {i} has dtype {:?}, not a floating-point type", source.dtype());
         }
     }
-    // Own copies (the update writes them), on the parameter's device.
-    let copies = sources
-        .iter()
-        .zip(vars)
-        .map(|(source, v)| source.to_device(v.device())?.to_dtype(DType::F32)?.copy().map(|t| t.detach()))
-        .collect::<Result<Vec<_>>>()?;
+    // Own copies (the update writes them), on the parameter's device; an f32 parameter is its
+    // own master (a copy would only double its memory).
+    let mut out = Vec::with_capacity(vars.len());
+    for (source, v) in sources.iter().zip(vars) {
+        if v.dtype() == DType::F32 {
+            if masters.is_some() {
+                v.set(&source.to_device(v.device())?.to_dtype(DType::F32)?)?;
+            }
+            out.push(v.as_tensor().detach());
+        } else {
+            out.push(source.to_device(v.device())?.to_dtype(DType::F32)?.copy()?.detach());
+        }
+    }
     if masters.is_some() {
-        for (master, v) in copies.iter().zip(vars) {
+        for (master, v) in out.iter().zip(vars).filter(|(_, v)| v.dtype() != DType::F32) {
             v.set(&master.to_dtype(v.dtype())?)?;
         }
     }
-    Ok(copies)
+    Ok(out)
 }
 
 /// The values of `originals`' parameters (the same model built in f32: the same seed gives the
@@ -162,10 +170,11 @@ impl MasterWeights {
         Ok(MasterWeights { optimizer, entries, step: 0 })
     }
 
-    /// Bytes of the master copies and of the optimizer state (for the engine's summary).
+    /// Bytes of the master copies and of the optimizer state (for the engine's summary). An f32
+    /// parameter is its own master: it adds no master bytes.
     pub fn memory_bytes(&self) -> (usize, usize) {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        let master = self.entries.iter().map(|e| bytes(&e.master)).sum();
+        let master = self.entries.iter().filter(|e| e.model.dtype() != DType::F32).map(|e| bytes(&e.master)).sum();
         let state = self.entries.iter().flat_map(|e| e.state.iter()).map(bytes).sum();
         (master, state)
     }
@@ -196,6 +205,20 @@ impl MasterWeights {
             let Some(g) = grads.get(e.model.as_tensor()) else { continue };
             // Detached: candle's parameter gradients carry the graph of the ops that made them
             // (activations included), and state built from them would keep it alive across steps.
+            if e.master.device().is_cpu() && g.device().is_cpu() {
+                // One fused pass, in place (the f32 parameter itself when it is its own master).
+                let rule = match self.optimizer {
+                    MasterOptimizer::SgdMomentum { lr, momentum } => Rule::SgdMomentum { lr, momentum },
+                    MasterOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+                        Rule::AdamW { lr, beta1, beta2, eps, weight_decay, step: t }
+                    }
+                };
+                e.state = crate::kernels::optim::step(&e.master, &g.detach(), &e.state, rule)?;
+                if e.model.dtype() != DType::F32 {
+                    crate::kernels::optim::copy_into(e.model.as_tensor(), &e.master)?;
+                }
+                continue;
+            }
             let g = g.detach().to_dtype(DType::F32)?;
             match self.optimizer {
                 MasterOptimizer::SgdMomentum { lr, momentum } => {
@@ -213,7 +236,13 @@ impl MasterWeights {
                     e.state = vec![m, v];
                 }
             }
-            e.model.set(&e.master.to_dtype(e.model.dtype())?)?;
+            if e.model.dtype() == DType::F32 {
+                // Its own master: write the new value into the parameter and keep sharing it.
+                e.model.set(&e.master)?;
+                e.master = e.model.as_tensor().detach();
+            } else {
+                e.model.set(&e.master.to_dtype(e.model.dtype())?)?;
+            }
         }
         Ok(())
     }

@@ -1,0 +1,173 @@
+//! `y = x·Wᵀ + b` over every row of `x` (…, in) as one 2-D gemm, with backward `dx = g·W`,
+//! `dW = gᵀ·x` and `db = Σ_rows g` (three gemm-class passes, nothing recomputed). Computed in f32
+//! (f64 for f64) whatever the dtype, so bf16 inputs are multiplied and accumulated in f32 and
+//! rounded once, and weight and bias gradients are sums in f32.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+
+use super::{gemm, is_f64, par_ranges, read, tensor, with, Mat, Real, SharedMut};
+
+fn err(msg: String) -> candle_core::Error {
+    candle_core::Error::Msg(msg)
+}
+
+struct Linear;
+
+/// (rows, in, out) of `x` (…, in) times `w` (out, in).
+fn dims(x: &Shape, w: &Shape) -> Result<(usize, usize, usize)> {
+    let (Some(&k), &[out, wk]) = (x.dims().last(), w.dims()) else {
+        return Err(err(format!("linear: input {x:?}, weight {w:?}")));
+    };
+    if k != wk || k == 0 {
+        return Err(err(format!("linear: input {x:?} does not fit weight {w:?}")));
+    }
+    Ok((x.elem_count() / k, k, out))
+}
+
+impl Linear {
+    fn fwd<T: Real>(
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, k, n) = dims(lx.shape(), lw.shape())?;
+        let (x, w) = (read::<T>(sx, lx)?, read::<T>(sw, lw)?);
+        let mut y = vec![T::zero(); m * n];
+        gemm(&mut y, Mat::rows(&x, m, k), Mat::rows(&w, n, k).t(), T::one(), false, true)?;
+        if let Some((sb, lb)) = bias {
+            let b = read::<T>(sb, lb)?;
+            if b.len() != n {
+                return Err(err(format!("linear: {} biases for {n} outputs", b.len())));
+            }
+            let out = SharedMut::new(&mut y);
+            par_ranges(m, 64, |r| {
+                // SAFETY: disjoint row ranges.
+                let rows = unsafe { out.range(r.start * n, r.len() * n) };
+                for row in rows.chunks_mut(n) {
+                    row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v = *v + *b);
+                }
+            });
+        }
+        let mut shape = lx.shape().dims().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = n;
+        }
+        Ok((T::storage(y, sx.dtype())?, Shape::from(shape)))
+    }
+
+    /// (dx when wanted, dw, db when wanted).
+    fn bwd<T: Real>(
+        x: &Tensor,
+        w: &Tensor,
+        g: &Tensor,
+        want_dx: bool,
+        want_db: bool,
+    ) -> Result<(Option<Vec<T>>, Vec<T>, Option<Vec<T>>)> {
+        let (m, k, n) = dims(x.shape(), w.shape())?;
+        with::<T, _>(x, |x| {
+            with::<T, _>(w, |w| {
+                with::<T, _>(g, |g| {
+                    let gm = Mat::rows(g, m, n);
+                    let dx = if want_dx {
+                        let mut dx = vec![T::zero(); m * k];
+                        gemm(&mut dx, gm, Mat::rows(w, n, k), T::one(), false, true)?;
+                        Some(dx)
+                    } else {
+                        None
+                    };
+                    let mut dw = vec![T::zero(); n * k];
+                    gemm(&mut dw, gm.t(), Mat::rows(x, m, k), T::one(), false, true)?;
+                    let db = want_db.then(|| {
+                        let mut db = vec![T::zero(); n];
+                        for row in g.chunks(n) {
+                            db.iter_mut().zip(row).for_each(|(d, v)| *d = *d + *v);
+                        }
+                        db
+                    });
+                    Ok((dx, dw, db))
+                })
+            })
+        })
+    }
+
+    fn grads(
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (want_dx, want_db) = (x.track_op(), b.is_some_and(|b| b.track_op()));
+        macro_rules! run {
+            ($t:ty) => {{
+                let (dx, dw, db) = Linear::bwd::<$t>(x, w, g, want_dx, want_db)?;
+                let dx = dx.map(|v| tensor(v, x.shape(), x.dtype())).transpose()?;
+                let db = match (db, b) {
+                    (Some(v), Some(b)) => Some(tensor(v, b.shape(), b.dtype())?),
+                    _ => None,
+                };
+                (dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?, db)
+            }};
+        }
+        Ok(if is_f64(x.dtype()) { run!(f64) } else { run!(f32) })
+    }
+}
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        if is_f64(sx.dtype()) {
+            Linear::fwd::<f64>(sx, lx, sw, lw, None)
+        } else {
+            Linear::fwd::<f32>(sx, lx, sw, lw, None)
+        }
+    }
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = Linear::grads(x, w, None, g)?;
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if is_f64(sx.dtype()) {
+            Linear::fwd::<f64>(sx, lx, sw, lw, Some((sb, lb)))
+        } else {
+            Linear::fwd::<f32>(sx, lx, sw, lw, Some((sb, lb)))
+        }
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        Linear::grads(x, w, Some(b), g)
+    }
+}
+
+/// `x·weightᵀ (+ bias)` on the CPU (see [`crate::ops::linear`]).
+pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (x, w) = (x.contiguous()?, weight.contiguous()?);
+    match bias {
+        Some(b) => super::apply3(&x, &w, &b.contiguous()?, Linear),
+        None => super::apply2(&x, &w, Linear),
+    }
+}

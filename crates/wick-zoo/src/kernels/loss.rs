@@ -1,0 +1,234 @@
+//! Cross-entropy, embedding lookups and broadcast additions with closed-form backward passes,
+//! every gradient sum accumulated in f32 (f64 for f64).
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use super::{is_f64, par_ranges, read, tensor, with, Real, SharedMut};
+
+fn err(msg: String) -> candle_core::Error {
+    candle_core::Error::Msg(msg)
+}
+
+/// Integer ids of a CPU tensor as `usize`.
+fn ids(t: &Tensor) -> Result<Vec<usize>> {
+    Ok(t.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?.into_iter().map(|v| v as usize).collect())
+}
+
+/// Mean cross-entropy of logits (N, C) against integer targets, with each row's log-sum-exp kept.
+struct CrossEntropy {
+    targets: Vec<usize>,
+    lse: Mutex<Vec<f64>>,
+}
+
+impl CrossEntropy {
+    fn fwd<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let &[n, c] = l.shape().dims() else { return Err(err(format!("cross_entropy: logits {:?}", l.shape()))) };
+        if self.targets.len() != n || self.targets.iter().any(|t| *t >= c) {
+            return Err(err(format!("cross_entropy: {} targets in 0..{c} for {n} rows", self.targets.len())));
+        }
+        let x = read::<T>(s, l)?;
+        let mut lse = vec![0.0; n];
+        let mut total = 0.0;
+        for (i, row) in x.chunks(c).enumerate() {
+            let max = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(T::wide(*v)));
+            lse[i] = max + row.iter().map(|v| (T::wide(*v) - max).exp()).sum::<f64>().ln();
+            total += lse[i] - T::wide(row[self.targets[i]]);
+        }
+        *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
+        // The loss is f32-class: f32 for f32/bf16/f16 logits, f64 for f64.
+        let dtype = if is_f64(s.dtype()) { DType::F64 } else { DType::F32 };
+        Ok((T::storage(vec![T::of(total / n.max(1) as f64)], dtype)?, Shape::from(())))
+    }
+
+    fn bwd<T: Real>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let (n, c) = x.dims2()?;
+        let lse = self.lse.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let scale = T::wide(with::<T, _>(g, |g| {
+            g.first().copied().ok_or_else(|| err("cross_entropy: empty gradient".into()))
+        })?) / n.max(1) as f64;
+        let dx = with::<T, _>(x, |x| {
+            let mut dx = vec![T::zero(); x.len()];
+            let out = SharedMut::new(&mut dx);
+            par_ranges(n, 64, |r| {
+                for i in r {
+                    // SAFETY: one row per index.
+                    let dst = unsafe { out.range(i * c, c) };
+                    for (j, (d, v)) in dst.iter_mut().zip(&x[i * c..(i + 1) * c]).enumerate() {
+                        let p = (T::wide(*v) - lse[i]).exp();
+                        let onehot = if j == self.targets[i] { 1.0 } else { 0.0 };
+                        *d = T::of((p - onehot) * scale);
+                    }
+                }
+            });
+            Ok(dx)
+        })?;
+        tensor(dx, x.shape(), x.dtype())
+    }
+}
+
+impl CustomOp1 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cross_entropy"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        if is_f64(s.dtype()) {
+            self.fwd::<f64>(s, l)
+        } else {
+            self.fwd::<f32>(s, l)
+        }
+    }
+    fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(if is_f64(x.dtype()) { self.bwd::<f64>(x, g)? } else { self.bwd::<f32>(x, g)? }))
+    }
+}
+
+/// Mean cross-entropy of `logits` (N, C) against integer `targets` (N) on the CPU (see
+/// [`crate::ops::cross_entropy`]): f32 (f64 for f64 logits) whatever the logits' dtype.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let op = CrossEntropy { targets: ids(targets)?, lse: Mutex::new(Vec::new()) };
+    super::apply1(&logits.contiguous()?, op)
+}
+
+/// Rows of a table (V, D) picked by ids; the gradient of a row sums the gradients of its uses,
+/// except the `padding` row's, which gets none.
+struct Embedding {
+    ids: Vec<usize>,
+    padding: Option<usize>,
+}
+
+impl Embedding {
+    fn fwd<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let &[v, d] = l.shape().dims() else { return Err(err(format!("embedding: table {:?}", l.shape()))) };
+        if let Some(bad) = self.ids.iter().find(|i| **i >= v) {
+            return Err(err(format!("embedding: id {bad} outside a table of {v} rows")));
+        }
+        let table = read::<T>(s, l)?;
+        let y: Vec<T> = self.ids.iter().flat_map(|i| table[i * d..(i + 1) * d].iter().copied()).collect();
+        Ok((T::storage(y, s.dtype())?, Shape::from((self.ids.len(), d))))
+    }
+
+    fn bwd<T: Real>(&self, table: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let (v, d) = table.dims2()?;
+        let dt = with::<T, _>(g, |g| {
+            let mut dt = vec![T::zero(); v * d];
+            for (k, id) in self.ids.iter().enumerate() {
+                if Some(*id) == self.padding {
+                    continue;
+                }
+                dt[id * d..(id + 1) * d].iter_mut().zip(&g[k * d..(k + 1) * d]).for_each(|(a, b)| *a = *a + *b);
+            }
+            Ok(dt)
+        })?;
+        tensor(dt, table.shape(), table.dtype())
+    }
+}
+
+impl CustomOp1 for Embedding {
+    fn name(&self) -> &'static str {
+        "embedding"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        if is_f64(s.dtype()) {
+            self.fwd::<f64>(s, l)
+        } else {
+            self.fwd::<f32>(s, l)
+        }
+    }
+    fn bwd(&self, table: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(if is_f64(table.dtype()) { self.bwd::<f64>(table, g)? } else { self.bwd::<f32>(table, g)? }))
+    }
+}
+
+/// Rows `ids` (1-D, integer) of `table` (V, D) on the CPU, the `padding` row getting no gradient
+/// (see [`crate::ops::embedding_with_padding`]).
+pub fn embedding(table: &Tensor, ids_: &Tensor, padding: Option<u32>) -> Result<Tensor> {
+    let op = Embedding { ids: ids(ids_)?, padding: padding.map(|p| p as usize) };
+    super::apply1(&table.contiguous()?, op)
+}
+
+/// `x + a + b`, `a` and `b` repeated over `x`'s leading elements (each a suffix of `x`'s shape).
+struct AddBroadcast;
+
+/// Sums `g` (R repeats of `len` elements) into `len` values.
+fn fold<T: Real>(g: &[T], len: usize) -> Vec<T> {
+    let mut out = vec![T::zero(); len];
+    for chunk in g.chunks(len) {
+        out.iter_mut().zip(chunk).for_each(|(o, v)| *o = *o + *v);
+    }
+    out
+}
+
+impl AddBroadcast {
+    fn fwd<T: Real>(x: &[T], a: &[T], b: &[T]) -> Result<Vec<T>> {
+        if a.is_empty() || b.is_empty() || x.len() % a.len() != 0 || x.len() % b.len() != 0 {
+            return Err(err(format!("add_broadcast: {} elements with {} and {}", x.len(), a.len(), b.len())));
+        }
+        Ok(x.iter().enumerate().map(|(i, v)| *v + a[i % a.len()] + b[i % b.len()]).collect())
+    }
+}
+
+impl CustomOp3 for AddBroadcast {
+    fn name(&self) -> &'static str {
+        "add_broadcast"
+    }
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sa: &CpuStorage,
+        la: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let y = if is_f64(sx.dtype()) {
+            f64::storage(
+                AddBroadcast::fwd(&read::<f64>(sx, lx)?, &read::<f64>(sa, la)?, &read::<f64>(sb, lb)?)?,
+                sx.dtype(),
+            )?
+        } else {
+            f32::storage(
+                AddBroadcast::fwd(&read::<f32>(sx, lx)?, &read::<f32>(sa, la)?, &read::<f32>(sb, lb)?)?,
+                sx.dtype(),
+            )?
+        };
+        Ok((y, lx.shape().clone()))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        macro_rules! run {
+            ($t:ty) => {{
+                let (da, db) = with::<$t, _>(g, |g| Ok((fold(g, a.elem_count()), fold(g, b.elem_count()))))?;
+                (tensor(da, a.shape(), a.dtype())?, tensor(db, b.shape(), b.dtype())?)
+            }};
+        }
+        let (da, db) = if is_f64(x.dtype()) { run!(f64) } else { run!(f32) };
+        let dx = g.to_dtype(x.dtype())?;
+        Ok((x.track_op().then_some(dx), a.track_op().then_some(da), b.track_op().then_some(db)))
+    }
+}
+
+/// `x + a + b` on the CPU with `a` and `b` broadcast along `x`'s leading dimensions (see
+/// [`crate::ops::add_broadcast`]).
+pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let suffix = |t: &Tensor| {
+        x.dims().ends_with(t.dims().iter().skip_while(|d| **d == 1).copied().collect::<Vec<_>>().as_slice())
+    };
+    if !suffix(a) || !suffix(b) {
+        return Err(err(format!(
+            "add_broadcast: {:?} and {:?} are not suffixes of {:?}",
+            a.dims(),
+            b.dims(),
+            x.dims()
+        )));
+    }
+    super::apply3(&x.contiguous()?, &a.contiguous()?, &b.contiguous()?, AddBroadcast)
+}

@@ -1,0 +1,382 @@
+//! Normalisations with closed-form backward passes: batch norm over (N, H, W) per channel, layer
+//! norm and RMS norm over the last dimension. Statistics are summed in f64, computed once in the
+//! forward pass and kept (two numbers per channel or row) for backward.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+use super::{is_f64, par_ranges, read, tensor, with, Real, SharedMut};
+
+fn err(msg: String) -> candle_core::Error {
+    candle_core::Error::Msg(msg)
+}
+
+/// (N, C, H·W) of a 4-D shape.
+fn nchw(shape: &Shape) -> Result<(usize, usize, usize)> {
+    match shape.dims() {
+        [n, c, h, w] => Ok((*n, *c, h * w)),
+        d => Err(err(format!("batch norm: expected (N, C, H, W), got {d:?}"))),
+    }
+}
+
+/// Per-channel mean and biased variance of `x` (N, C, H, W) over (N, H, W), summed in f64
+/// (two passes: the mean, then the squared deviations).
+pub fn batch_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
+    let (n, c, hw) = nchw(x.shape())?;
+    fn stats<T: Real>(x: &[T], n: usize, c: usize, hw: usize) -> (Vec<f64>, Vec<f64>) {
+        let (mut mean, mut var) = (vec![0.0; c], vec![0.0; c]);
+        let (m, v) = (SharedMut::new(&mut mean), SharedMut::new(&mut var));
+        let count = (n * hw).max(1) as f64;
+        par_ranges(c, 1, |r| {
+            // SAFETY: disjoint channel ranges.
+            let (m, v) = unsafe { (m.range(r.start, r.len()), v.range(r.start, r.len())) };
+            for (i, ch) in r.enumerate() {
+                let values = (0..n).flat_map(|b| &x[(b * c + ch) * hw..(b * c + ch + 1) * hw]).map(|v| T::wide(*v));
+                let mean = values.clone().sum::<f64>() / count;
+                (m[i], v[i]) = (mean, values.map(|v| (v - mean).powi(2)).sum::<f64>() / count);
+            }
+        });
+        (mean, var)
+    }
+    if is_f64(x.dtype()) {
+        with::<f64, _>(x, |x| Ok(stats(x, n, c, hw)))
+    } else {
+        with::<f32, _>(x, |x| Ok(stats(x, n, c, hw)))
+    }
+}
+
+/// Batch normalisation of (N, C, H, W) with given per-channel statistics: `batch` when they are
+/// this batch's own (their dependence on `x` enters the gradient), the running estimates
+/// otherwise.
+struct BatchNorm {
+    mean: Vec<f64>,
+    invstd: Vec<f64>,
+    batch: bool,
+}
+
+impl BatchNorm {
+    /// Per-channel `(scale, shift)` with `y = x·scale + shift`.
+    fn affine<T: Real>(&self, w: &[T], b: &[T]) -> (Vec<T>, Vec<T>) {
+        (0..self.mean.len())
+            .map(|c| {
+                let scale = T::wide(w[c]) * self.invstd[c];
+                (T::of(scale), T::of(T::wide(b[c]) - self.mean[c] * scale))
+            })
+            .unzip()
+    }
+
+    fn fwd<T: Real>(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, c, hw) = nchw(lx.shape())?;
+        let (x, w, b) = (read::<T>(sx, lx)?, read::<T>(sw, lw)?, read::<T>(sb, lb)?);
+        if w.len() != c || b.len() != c || self.mean.len() != c {
+            return Err(err(format!("batch norm: {c} channels, {} weights, {} biases", w.len(), b.len())));
+        }
+        let (scale, shift) = self.affine(&w, &b);
+        let mut y = vec![T::zero(); x.len()];
+        let out = SharedMut::new(&mut y);
+        par_ranges(n * c, 1, |r| {
+            for plane in r {
+                let ch = plane % c;
+                // SAFETY: one plane per index.
+                let dst = unsafe { out.range(plane * hw, hw) };
+                for (d, v) in dst.iter_mut().zip(&x[plane * hw..(plane + 1) * hw]) {
+                    *d = *v * scale[ch] + shift[ch];
+                }
+            }
+        });
+        Ok((T::storage(y, sx.dtype())?, lx.shape().clone()))
+    }
+
+    /// (dx, dweight, dbias).
+    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+        let (n, c, hw) = nchw(x.shape())?;
+        let count = (n * hw).max(1) as f64;
+        with::<T, _>(x, |x| {
+            with::<T, _>(w, |w| {
+                with::<T, _>(g, |g| {
+                    let (mut dw, mut db) = (vec![T::zero(); c], vec![T::zero(); c]);
+                    let mut dx = vec![T::zero(); x.len()];
+                    let (sdw, sdb, sdx) = (SharedMut::new(&mut dw), SharedMut::new(&mut db), SharedMut::new(&mut dx));
+                    par_ranges(c, 1, |r| {
+                        for ch in r {
+                            let (mean, invstd) = (self.mean[ch], self.invstd[ch]);
+                            let planes = (0..n).map(|b| (b * c + ch) * hw);
+                            // Σg and Σg·x̂ in f64.
+                            let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
+                            for start in planes.clone() {
+                                for (gv, xv) in g[start..start + hw].iter().zip(&x[start..start + hw]) {
+                                    let gv = T::wide(*gv);
+                                    sum_g += gv;
+                                    sum_gx += gv * (T::wide(*xv) - mean) * invstd;
+                                }
+                            }
+                            // SAFETY: one channel per index, and channel `ch`'s planes.
+                            unsafe {
+                                sdw.range(ch, 1)[0] = T::of(sum_gx);
+                                sdb.range(ch, 1)[0] = T::of(sum_g);
+                            }
+                            let k = T::wide(w[ch]) * invstd;
+                            // dx = k·(g − Σg/M − x̂·Σg·x̂/M) = k·g + e·(x − mean) + c.
+                            let (mg, mgx) = if self.batch { (sum_g / count, sum_gx / count) } else { (0.0, 0.0) };
+                            let (a, e, c0, m) = (T::of(k), T::of(-k * mgx * invstd), T::of(-k * mg), T::of(mean));
+                            for start in planes {
+                                // SAFETY: as above.
+                                let dst = unsafe { sdx.range(start, hw) };
+                                for ((d, gv), xv) in
+                                    dst.iter_mut().zip(&g[start..start + hw]).zip(&x[start..start + hw])
+                                {
+                                    *d = a * *gv + e * (*xv - m) + c0;
+                                }
+                            }
+                        }
+                    });
+                    Ok((dx, dw, db))
+                })
+            })
+        })
+    }
+}
+
+impl CustomOp3 for BatchNorm {
+    fn name(&self) -> &'static str {
+        "batch_norm"
+    }
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if is_f64(sx.dtype()) {
+            self.fwd::<f64>(sx, lx, sw, lw, sb, lb)
+        } else {
+            self.fwd::<f32>(sx, lx, sw, lw, sb, lb)
+        }
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let c = w.elem_count();
+        macro_rules! run {
+            ($t:ty) => {{
+                let (dx, dw, db) = self.bwd::<$t>(x, w, g)?;
+                (tensor(dx, x.shape(), x.dtype())?, tensor(dw, c, w.dtype())?, tensor(db, c, b.dtype())?)
+            }};
+        }
+        let (dx, dw, db) = if is_f64(x.dtype()) { run!(f64) } else { run!(f32) };
+        Ok((x.track_op().then_some(dx), w.track_op().then_some(dw), b.track_op().then_some(db)))
+    }
+}
+
+/// Batch normalisation of `x` (N, C, H, W) with per-channel `mean` and biased `var` (this
+/// batch's own when `batch`, whose dependence on `x` then enters the gradient; the running
+/// estimates otherwise), `weight` and `bias` (C).
+pub fn batch_norm(
+    x: &Tensor,
+    mean: &[f64],
+    var: &[f64],
+    weight: &Tensor,
+    bias: &Tensor,
+    eps: f64,
+    batch: bool,
+) -> Result<Tensor> {
+    let invstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+    let op = BatchNorm { mean: mean.to_vec(), invstd, batch };
+    super::apply3(&x.contiguous()?, &weight.contiguous()?, &bias.contiguous()?, op)
+}
+
+/// Layer norm (`affine`: with weight and bias) or RMS norm over the last dimension, with the
+/// per-row mean (0 for RMS norm) and inverse deviation kept for backward.
+struct RowNorm {
+    eps: f64,
+    rms: bool,
+    stats: Mutex<Vec<(f64, f64)>>,
+}
+
+impl RowNorm {
+    fn fwd<T: Real>(&self, sx: &CpuStorage, lx: &Layout, w: &[T], b: Option<&[T]>) -> Result<(CpuStorage, Shape)> {
+        let x = read::<T>(sx, lx)?;
+        let d = lx.shape().dims().last().copied().unwrap_or(1).max(1);
+        if w.len() != d || b.is_some_and(|b| b.len() != d) {
+            return Err(err(format!("norm: rows of {d}, {} weights", w.len())));
+        }
+        let rows = x.len() / d;
+        let mut y = vec![T::zero(); x.len()];
+        let mut stats = vec![(0.0, 0.0); rows];
+        let (out, st) = (SharedMut::new(&mut y), SharedMut::new(&mut stats));
+        par_ranges(rows, 16, |r| {
+            for row in r {
+                let xr = &x[row * d..(row + 1) * d];
+                let mean = if self.rms { 0.0 } else { xr.iter().map(|v| T::wide(*v)).sum::<f64>() / d as f64 };
+                let var = xr.iter().map(|v| (T::wide(*v) - mean).powi(2)).sum::<f64>() / d as f64;
+                let inv = 1.0 / (var + self.eps).sqrt();
+                // SAFETY: one row per index.
+                unsafe { st.range(row, 1)[0] = (mean, inv) };
+                let (m, i) = (T::of(mean), T::of(inv));
+                // SAFETY: as above.
+                let dst = unsafe { out.range(row * d, d) };
+                match b {
+                    Some(b) => dst.iter_mut().enumerate().for_each(|(j, o)| *o = (xr[j] - m) * i * w[j] + b[j]),
+                    None => dst.iter_mut().enumerate().for_each(|(j, o)| *o = xr[j] * i * w[j]),
+                }
+            }
+        });
+        *self.stats.lock().unwrap_or_else(|p| p.into_inner()) = stats;
+        Ok((T::storage(y, sx.dtype())?, lx.shape().clone()))
+    }
+
+    /// (dx, dweight, dbias).
+    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+        let stats = self.stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let d = x.dims().last().copied().unwrap_or(1).max(1);
+        with::<T, _>(x, |x| {
+            with::<T, _>(w, |w| {
+                with::<T, _>(g, |g| {
+                    let rows = x.len() / d;
+                    if stats.len() != rows {
+                        return Err(err(format!("norm backward: {} rows kept, {rows} now", stats.len())));
+                    }
+                    let mut dx = vec![T::zero(); x.len()];
+                    let sdx = SharedMut::new(&mut dx);
+                    // Per-thread partial sums of dweight and dbias (f64), added at the end.
+                    let partial = Mutex::new(vec![0.0f64; 2 * d]);
+                    par_ranges(rows, 16, |r| {
+                        let mut acc = vec![0.0f64; 2 * d];
+                        for row in r {
+                            let (mean, inv) = stats[row];
+                            let (xr, gr) = (&x[row * d..(row + 1) * d], &g[row * d..(row + 1) * d]);
+                            let (mut s1, mut s2) = (0.0f64, 0.0f64);
+                            for j in 0..d {
+                                let xhat = (T::wide(xr[j]) - mean) * inv;
+                                let gw = T::wide(gr[j]) * T::wide(w[j]);
+                                s1 += gw;
+                                s2 += gw * xhat;
+                                acc[j] += T::wide(gr[j]) * xhat;
+                                acc[d + j] += T::wide(gr[j]);
+                            }
+                            let (m1, m2) = (if self.rms { 0.0 } else { s1 / d as f64 }, s2 / d as f64);
+                            // SAFETY: one row per index.
+                            let dst = unsafe { sdx.range(row * d, d) };
+                            for j in 0..d {
+                                let xhat = (T::wide(xr[j]) - mean) * inv;
+                                let gw = T::wide(gr[j]) * T::wide(w[j]);
+                                dst[j] = T::of(inv * (gw - m1 - xhat * m2));
+                            }
+                        }
+                        let mut total = partial.lock().unwrap_or_else(|p| p.into_inner());
+                        total.iter_mut().zip(&acc).for_each(|(t, a)| *t += a);
+                    });
+                    let sums = partial.into_inner().unwrap_or_else(|p| p.into_inner());
+                    let dw = sums[..d].iter().map(|v| T::of(*v)).collect();
+                    let db = sums[d..].iter().map(|v| T::of(*v)).collect();
+                    Ok((dx, dw, db))
+                })
+            })
+        })
+    }
+
+    fn cpu<T: Real>(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        b: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let w = read::<T>(sw, lw)?;
+        match b {
+            Some((sb, lb)) => self.fwd::<T>(sx, lx, &w, Some(&read::<T>(sb, lb)?)),
+            None => self.fwd::<T>(sx, lx, &w, None),
+        }
+    }
+
+    fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor, bias_dtype: DType) -> Result<(Tensor, Tensor, Tensor)> {
+        let d = w.elem_count();
+        macro_rules! run {
+            ($t:ty) => {{
+                let (dx, dw, db) = self.bwd::<$t>(x, w, g)?;
+                (tensor(dx, x.shape(), x.dtype())?, tensor(dw, d, w.dtype())?, tensor(db, d, bias_dtype)?)
+            }};
+        }
+        Ok(if is_f64(x.dtype()) { run!(f64) } else { run!(f32) })
+    }
+}
+
+impl CustomOp3 for RowNorm {
+    fn name(&self) -> &'static str {
+        "layer_norm"
+    }
+    fn cpu_fwd(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if is_f64(sx.dtype()) {
+            self.cpu::<f64>(sx, lx, sw, lw, Some((sb, lb)))
+        } else {
+            self.cpu::<f32>(sx, lx, sw, lw, Some((sb, lb)))
+        }
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = self.grads(x, w, g, b.dtype())?;
+        Ok((x.track_op().then_some(dx), w.track_op().then_some(dw), b.track_op().then_some(db)))
+    }
+}
+
+impl CustomOp2 for RowNorm {
+    fn name(&self) -> &'static str {
+        "rms_norm"
+    }
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        if is_f64(sx.dtype()) {
+            self.cpu::<f64>(sx, lx, sw, lw, None)
+        } else {
+            self.cpu::<f32>(sx, lx, sw, lw, None)
+        }
+    }
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, _) = self.grads(x, w, g, w.dtype())?;
+        Ok((x.track_op().then_some(dx), w.track_op().then_some(dw)))
+    }
+}
+
+/// Layer normalisation over the last dimension on the CPU (see [`crate::ops::layer_norm`]).
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
+    let op = RowNorm { eps, rms: false, stats: Mutex::new(Vec::new()) };
+    super::apply3(&x.contiguous()?, &weight.contiguous()?, &bias.contiguous()?, op)
+}
+
+/// RMS normalisation over the last dimension on the CPU (see [`crate::ops::rms_norm`]).
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let op = RowNorm { eps, rms: true, stats: Mutex::new(Vec::new()) };
+    super::apply2(&x.contiguous()?, &weight.contiguous()?, op)
+}

@@ -1,0 +1,283 @@
+//! The CPU kernels (`wick_zoo::kernels`) against the composed forms they replace (kept as the
+//! oracle: candle's primitive ops under candle's autograd) and against finite differences, in
+//! f64; and in bf16 against the f32 computation.
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use wick_zoo::kernels;
+use wick_zoo::ops;
+use wick_zoo::params::normal_tensor;
+
+fn values(t: &Tensor) -> Vec<f64> {
+    t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+}
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    normal_tensor(shape, 1.0, seed, DType::F64, &Device::Cpu).unwrap()
+}
+
+/// A fixed, non-uniform weighting of every output element.
+fn weighted_sum(t: &Tensor) -> Result<Tensor> {
+    let w = Tensor::arange(1u32, t.elem_count() as u32 + 1, t.device())?.to_dtype(t.dtype())?.reshape(t.shape())?;
+    (t * w.sin()?)?.sum_all()
+}
+
+fn max_rel_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max) / scale
+}
+
+/// Runs `kernel` and `oracle` on the same f64 inputs (fresh `Var`s built from `inputs`): equal
+/// values, equal gradients of a weighted sum for every input, and the kernel's gradients agree
+/// with central finite differences.
+fn check(
+    name: &str,
+    inputs: &[Tensor],
+    kernel: impl Fn(&[Tensor]) -> Result<Tensor>,
+    oracle: impl Fn(&[Tensor]) -> Result<Tensor>,
+) {
+    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let (k, o) = (kernel(&ts).unwrap(), oracle(&ts).unwrap());
+    assert_eq!(k.dims(), o.dims(), "{name}: shapes");
+    let diff = max_rel_diff(&values(&k), &values(&o));
+    assert!(diff < 1e-12, "{name}: values differ by {diff:e}");
+    let gk = weighted_sum(&k).unwrap().backward().unwrap();
+    let go = weighted_sum(&o).unwrap().backward().unwrap();
+    for (i, v) in vars.iter().enumerate() {
+        let (a, b) = (gk.get(v).map(values), go.get(v).map(values));
+        let (Some(a), Some(b)) = (a, b) else { panic!("{name}: input {i} has a gradient in one form only") };
+        let diff = max_rel_diff(&a, &b);
+        assert!(diff < 1e-10, "{name}: gradient of input {i} differs by {diff:e}");
+        assert!(a.iter().any(|g| g.abs() > 1e-8), "{name}: gradient of input {i} is zero");
+    }
+    check_finite_differences(name, inputs, kernel);
+}
+
+/// The kernel's gradients of a weighted sum agree with central finite differences on a spread
+/// of coordinates of each input.
+fn check_finite_differences(name: &str, inputs: &[Tensor], kernel: impl Fn(&[Tensor]) -> Result<Tensor>) {
+    let probes = 6;
+    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let grads = weighted_sum(&kernel(&ts).unwrap()).unwrap().backward().unwrap();
+    for (i, v) in vars.iter().enumerate() {
+        let a = values(grads.get(v).unwrap_or_else(|| panic!("{name}: no gradient for input {i}")));
+        let base = values(&inputs[i]);
+        let h = 1e-6;
+        for p in 0..probes.min(base.len()) {
+            let at = p * base.len() / probes.min(base.len());
+            let eval = |delta: f64| {
+                let mut moved: Vec<Tensor> = inputs.to_vec();
+                let mut vals = base.clone();
+                vals[at] += delta;
+                moved[i] = Tensor::from_vec(vals, inputs[i].shape(), &Device::Cpu).unwrap();
+                weighted_sum(&kernel(&moved).unwrap()).unwrap().to_scalar::<f64>().unwrap()
+            };
+            let numeric = (eval(h) - eval(-h)) / (2.0 * h);
+            assert!(
+                (numeric - a[at]).abs() < 1e-5 * (1.0 + numeric.abs()),
+                "{name}: d/d input {i}[{at}]: finite difference {numeric}, kernel {}",
+                a[at]
+            );
+        }
+    }
+}
+
+#[test]
+fn linear_matches_matmul_plus_bias() {
+    let (x, w, b) = (randn(&[2, 5, 7], 1), randn(&[4, 7], 2), randn(&[4], 3));
+    let oracle = |t: &[Tensor]| t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2]);
+    check("linear", &[x.clone(), w.clone(), b], |t| kernels::linear::linear(&t[0], &t[1], Some(&t[2])), oracle);
+    let oracle = |t: &[Tensor]| t[0].broadcast_matmul(&t[1].t()?);
+    check("linear without bias", &[x, w], |t| kernels::linear::linear(&t[0], &t[1], None), oracle);
+}
+
+#[test]
+fn norms_match_their_composed_forms() {
+    let (x, w, b) = (randn(&[3, 4, 10], 4), randn(&[10], 5), randn(&[10], 6));
+    check(
+        "layer_norm",
+        &[x.clone(), w.clone(), b],
+        |t| kernels::norm::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        |t| ops::layer_norm_composed(&t[0], &t[1], &t[2], 1e-5),
+    );
+    check(
+        "rms_norm",
+        &[x, w],
+        |t| kernels::norm::rms_norm(&t[0], &t[1], 1e-6),
+        |t| ops::rms_norm_composed(&t[0], &t[1], 1e-6),
+    );
+}
+
+/// Train-mode batch norm written out with candle's ops (per-channel batch statistics).
+fn batch_norm_composed(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let shape = (1, x.dim(1)?, 1, 1);
+    let mean = x.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+    let centered = x.broadcast_sub(&mean)?;
+    let var = centered.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+    let normed = centered.broadcast_div(&(var + eps)?.sqrt()?)?;
+    normed.broadcast_mul(&w.reshape(shape)?)?.broadcast_add(&b.reshape(shape)?)
+}
+
+#[test]
+fn batch_norm_matches_its_composed_form_in_training_and_eval() {
+    let (x, w, b) = (randn(&[3, 4, 5, 6], 7).affine(2.0, 1.0).unwrap(), randn(&[4], 8), randn(&[4], 9));
+    let train = |t: &[Tensor]| {
+        let (mean, var) = kernels::norm::batch_stats(&t[0].detach())?;
+        kernels::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, true)
+    };
+    check("batch_norm (train)", &[x.clone(), w.clone(), b.clone()], train, |t| {
+        batch_norm_composed(&t[0], &t[1], &t[2], 1e-5)
+    });
+    // Eval: fixed statistics.
+    let (mean, var) = (vec![0.5, -1.0, 0.0, 2.0], vec![1.5, 0.25, 1.0, 4.0]);
+    let (m, v) =
+        (Tensor::new(mean.as_slice(), &Device::Cpu).unwrap(), Tensor::new(var.as_slice(), &Device::Cpu).unwrap());
+    let eval = |t: &[Tensor]| kernels::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, false);
+    let oracle = |t: &[Tensor]| {
+        let shape = (1, 4, 1, 1);
+        let normed = t[0].broadcast_sub(&m.reshape(shape)?)?.broadcast_div(&(v.reshape(shape)? + 1e-5)?.sqrt()?)?;
+        normed.broadcast_mul(&t[1].reshape(shape)?)?.broadcast_add(&t[2].reshape(shape)?)
+    };
+    check("batch_norm (eval)", &[x, w, b], eval, oracle);
+}
+
+#[test]
+fn convolutions_match_candles() {
+    // candle's conv2d backward fails when the windows leave input rows or columns unused (its
+    // transposed convolution returns fewer), so the oracle runs on sizes the windows tile; the
+    // kernel alone is checked on the others below.
+    for (k, stride, pad) in [(3, 1, 1), (3, 2, 1), (1, 1, 0), (1, 2, 0), (7, 2, 3), (4, 4, 0)] {
+        let (h, w) = match (k, stride) {
+            (4, _) => (8, 8),
+            (_, 1) => (9, 8),
+            _ => (9, 9),
+        };
+        let (x, w) = (randn(&[3, 2, h, w], 10), randn(&[5, 2, k, k], 11));
+        let name = format!("conv2d k{k} s{stride} p{pad}");
+        check(
+            &name,
+            &[x, w],
+            |t| kernels::conv::conv2d(&t[0], &t[1], pad, stride),
+            |t| t[0].conv2d(&t[1], pad, stride, 1, 1),
+        );
+    }
+    for (k, stride, pad) in [(3, 2, 1), (4, 4, 0), (2, 3, 1)] {
+        let (x, w) = (randn(&[2, 2, 10, 9], 30), randn(&[3, 2, k, k], 31));
+        check_finite_differences(&format!("conv2d k{k} s{stride} p{pad} on 10 × 9"), &[x, w], |t| {
+            kernels::conv::conv2d(&t[0], &t[1], pad, stride)
+        });
+    }
+    for (stride, pad) in [(1, 1), (2, 1), (2, 0)] {
+        let (x, w) = (randn(&[2, 3, 7, 9], 12), randn(&[3, 1, 3, 3], 13));
+        check(
+            &format!("depthwise s{stride} p{pad}"),
+            &[x, w],
+            |t| kernels::conv::depthwise_conv2d(&t[0], &t[1], stride, pad),
+            |t| wick_zoo::cnn::depthwise_conv2d_composed(&t[0], &t[1], stride, pad),
+        );
+    }
+}
+
+#[test]
+fn pooling_matches_its_composed_forms() {
+    // Continuous random values: no ties, so candle's max backward routes as the kernel does.
+    let x = randn(&[2, 3, 9, 9], 14);
+    check(
+        "max_pool2d",
+        std::slice::from_ref(&x),
+        |t| kernels::pool::max_pool2d(&t[0], 3, 2, 1),
+        |t| wick_zoo::cnn::max_pool2d_composed(&t[0], 3, 2, 1),
+    );
+    check(
+        "global_avg_pool",
+        &[x],
+        |t| kernels::pool::global_avg_pool(&t[0]),
+        |t| t[0].mean(D::Minus1)?.mean(D::Minus1),
+    );
+}
+
+#[test]
+fn attention_and_rope_match_their_composed_forms() {
+    let (q, k, v) = (randn(&[2, 3, 5, 4], 15), randn(&[2, 3, 6, 4], 16), randn(&[2, 3, 6, 4], 17));
+    // A BERT-style padding bias (batch, 1, 1, keys).
+    let pad: Vec<f64> = (0..12).map(|i| if i % 6 == 5 && i > 6 { -1e4 } else { 0.0 }).collect();
+    let bias = Tensor::from_vec(pad, (2, 1, 1, 6), &Device::Cpu).unwrap();
+    check(
+        "attention (padding bias)",
+        &[q, k.clone(), v.clone()],
+        |t| kernels::attention::attention(&t[0], &t[1], &t[2], Some(&bias)),
+        |t| ops::attention_composed(&t[0], &t[1], &t[2], Some(&bias)),
+    );
+    let q = randn(&[2, 3, 6, 4], 18);
+    let causal = ops::causal_bias(6, DType::F64, &Device::Cpu).unwrap();
+    check(
+        "attention (causal)",
+        &[q.clone(), k, v],
+        |t| kernels::attention::attention(&t[0], &t[1], &t[2], Some(&causal)),
+        |t| ops::attention_composed(&t[0], &t[1], &t[2], Some(&causal)),
+    );
+    let (cos, sin) = ops::rope_tables(6, 4, 10_000.0, DType::F64, &Device::Cpu).unwrap();
+    check("rope", &[q], |t| kernels::attention::rope(&t[0], &cos, &sin), |t| ops::rope_composed(&t[0], &cos, &sin));
+}
+
+#[test]
+fn activations_match_candles() {
+    let (a, b) = (randn(&[4, 9], 19), randn(&[4, 9], 20));
+    // Composed from erf: candle's own `gelu_erf` backward uses 0.398942 for 1/√(2π) (a 7e-7
+    // relative error); PyTorch's and the kernel's use the exact constant.
+    let gelu_composed = |t: &[Tensor]| (&t[0] * 0.5)? * ((&t[0] / 2f64.sqrt())?.erf()? + 1.0)?;
+    check("gelu", std::slice::from_ref(&a), |t| kernels::act::gelu(&t[0]), gelu_composed);
+    check("silu_mul", &[a, b], |t| kernels::act::silu_mul(&t[0], &t[1]), |t| t[0].silu()? * &t[1]);
+}
+
+#[test]
+fn losses_and_lookups_match_their_composed_forms() {
+    let logits = randn(&[6, 5], 21);
+    let targets = Tensor::new(&[1u32, 0, 4, 2, 2, 3], &Device::Cpu).unwrap();
+    check(
+        "cross_entropy",
+        &[logits],
+        |t| kernels::loss::cross_entropy(&t[0], &targets),
+        |t| ops::cross_entropy_composed(&t[0], &targets),
+    );
+    let table = randn(&[5, 3], 22);
+    let ids = Tensor::new(&[4u32, 0, 4, 1, 3], &Device::Cpu).unwrap();
+    check("embedding", &[table], |t| kernels::loss::embedding(&t[0], &ids, None), |t| t[0].embedding(&ids));
+    let (x, a, b) = (randn(&[2, 3, 4], 23), randn(&[3, 4], 24), randn(&[1, 4], 25));
+    check(
+        "add_broadcast",
+        &[x, a, b],
+        |t| kernels::loss::add_broadcast(&t[0], &t[1], &t[2]),
+        |t| t[0].broadcast_add(&t[1])?.broadcast_add(&t[2]),
+    );
+}
+
+/// In bf16 each kernel computes in f32 and rounds its result once: within bf16's half spacing
+/// (plus the rounding of its bf16 inputs) of the f32 computation on the same (rounded) inputs.
+#[test]
+fn bf16_inputs_compute_in_f32_and_round_once() {
+    let bf = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+    let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+    let (x, w, b) = (bf(&randn(&[4, 8, 16], 26)), bf(&randn(&[12, 16], 27)), bf(&randn(&[12], 28)));
+    let pairs = [
+        (
+            kernels::linear::linear(&x, &w, Some(&b)).unwrap(),
+            kernels::linear::linear(&f32_of(&x), &f32_of(&w), Some(&f32_of(&b))).unwrap(),
+        ),
+        (kernels::act::gelu(&x).unwrap(), kernels::act::gelu(&f32_of(&x)).unwrap()),
+        (
+            kernels::norm::rms_norm(&x, &f32_of(&randn(&[16], 29)), 1e-6).unwrap(),
+            kernels::norm::rms_norm(&f32_of(&x), &f32_of(&randn(&[16], 29)), 1e-6).unwrap(),
+        ),
+    ];
+    for (low, reference) in pairs {
+        assert_eq!(low.dtype(), DType::BF16);
+        let (l, r) = (values(&low), values(&reference));
+        for (a, b) in l.iter().zip(&r) {
+            // Round-to-nearest: at most half a bf16 spacing (2⁻⁸ relative).
+            assert!((a - b).abs() <= b.abs() * 2f64.powi(-8) + 1e-30, "{a} vs f32 {b}");
+        }
+    }
+}

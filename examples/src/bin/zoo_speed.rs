@@ -1,0 +1,268 @@
+//! Step time of every zoo model at benchmark sizes: an f32 training step, an AMP training step
+//! (bf16 on the CPU, f32 masters and optimizer state) and an eval forward pass.
+//!
+//! ```text
+//! zoo-speed --list                                  # the configurations, as JSON
+//! zoo-speed --model resnet18 --mode train --steps 5 # one JSON line: milliseconds per step
+//! ```
+//!
+//! `scripts/torch-reference/zoo_speed.py` reads the same configurations, runs PyTorch on them in
+//! turn with this binary, and prints the side-by-side table of BENCHMARKS.md.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use clap::{Parser, ValueEnum};
+use serde_json::json;
+use wick_zoo::amp::{Autocast, MasterOptimizer, MasterWeights};
+use wick_zoo::bert::{Bert, BertConfig};
+use wick_zoo::llama::{Llama, LlamaConfig};
+use wick_zoo::mobilenet::MobileNetV2;
+use wick_zoo::ops::cross_entropy;
+use wick_zoo::params::{normal_tensor, Params};
+use wick_zoo::resnet::{ResNet, ResNetDepth};
+use wick_zoo::vit::{Vit, VitConfig};
+
+/// The heap: candle's tensor buffers served by wick's caching allocator (`WICK_HEAP=system` in
+/// the environment: by the system allocator, for comparison).
+#[global_allocator]
+static HEAP: wick_memory::heap::CachingHeap = wick_memory::heap::CachingHeap::new();
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    /// Forward, backward and an f32 optimizer step.
+    Train,
+    /// The same under autocast (bf16 model, f32 masters and optimizer state).
+    Amp,
+    /// Forward only, inside `no_grad`, batch norm on its running statistics.
+    Eval,
+}
+
+#[derive(Parser)]
+#[command(about = "Step time of the zoo's models at benchmark sizes")]
+struct Args {
+    /// Print the configurations as JSON and exit.
+    #[arg(long)]
+    list: bool,
+    /// The model (see --list).
+    #[arg(long)]
+    model: Option<String>,
+    /// What to time.
+    #[arg(long, value_enum, default_value = "train")]
+    mode: Mode,
+    /// Timed steps.
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+}
+
+/// The decoder of the main job (`train-amp`).
+const DECODER: LlamaConfig = LlamaConfig {
+    vocab_size: 64,
+    hidden_size: 128,
+    num_layers: 4,
+    num_heads: 4,
+    intermediate_size: 256,
+    max_seq: 64,
+    rms_eps: 1e-6,
+    rope_theta: 10_000.0,
+};
+
+/// all-MiniLM-L6-v2's shapes (a BERT encoder, 6 × 384) at 128 tokens.
+const MINILM: BertConfig = BertConfig {
+    vocab_size: 30522,
+    hidden_size: 384,
+    num_hidden_layers: 6,
+    num_attention_heads: 12,
+    intermediate_size: 1536,
+    max_position_embeddings: 512,
+    type_vocab_size: 2,
+    layer_norm_eps: 1e-12,
+    pad_token_id: Some(0),
+};
+
+/// ViT-S/16 (DeiT-S's shapes) on 112² images.
+const VIT_S16: VitConfig =
+    VitConfig { image_size: 112, patch_size: 16, hidden: 384, layers: 12, heads: 6, mlp_dim: 1536, num_classes: 10 };
+
+const IMAGE: usize = 112;
+const IMAGES: usize = 16;
+const CLASSES: usize = 10;
+const SEQUENCES: usize = 8;
+const BERT_TOKENS: usize = 128;
+const DECODER_TOKENS: usize = 64;
+
+/// The benchmark configurations, as the PyTorch script reads them.
+fn configs() -> serde_json::Value {
+    let vision = |extra: serde_json::Value| {
+        let mut v = json!({"batch": IMAGES, "image": IMAGE, "classes": CLASSES, "optimizer": "sgd"});
+        if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
+            v.extend(extra.clone());
+        }
+        v
+    };
+    json!({
+        "decoder": {"kind": "llama", "config": DECODER, "batch": SEQUENCES, "seq": DECODER_TOKENS, "optimizer": "adamw"},
+        "bert": {"kind": "bert", "config": MINILM, "batch": SEQUENCES, "seq": BERT_TOKENS, "optimizer": "adamw"},
+        "vit": vision(json!({"kind": "vit", "config": VIT_S16, "optimizer": "adamw"})),
+        "resnet18": vision(json!({"kind": "resnet", "depth": 18, "width": 64})),
+        "resnet50": vision(json!({"kind": "resnet", "depth": 50, "width": 64})),
+        "mobilenet_v2": vision(json!({"kind": "mobilenet_v2", "width_mult": 1.0})),
+    })
+}
+
+/// Seeded token ids in `0..vocab`.
+fn token_ids(batch: usize, seq: usize, vocab: usize, device: &Device) -> Result<Tensor> {
+    let u = normal_tensor(&[batch * seq], 1.0, 31, DType::F32, device)?.to_vec1::<f32>()?;
+    let ids: Vec<u32> = u.iter().map(|x| ((x.abs() * 1e4) as u32) % vocab as u32).collect();
+    Ok(Tensor::from_vec(ids, (batch, seq), device)?)
+}
+
+fn labels(n: usize, classes: usize, device: &Device) -> Result<Tensor> {
+    let ids: Vec<u32> = (0..n).map(|i| ((i * 7 + 3) % classes) as u32).collect();
+    Ok(Tensor::new(ids, device)?)
+}
+
+/// A model at its benchmark size: its parameters, the training loss and the eval forward.
+struct Bench {
+    /// Parameters in name order (the same order in every dtype).
+    vars: Vec<Var>,
+    loss: Box<dyn Fn() -> Result<Tensor>>,
+    eval: Box<dyn Fn() -> Result<Tensor>>,
+    optimizer: MasterOptimizer,
+}
+
+fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
+    let adamw = MasterOptimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+    let sgd = MasterOptimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
+    let images = || -> Result<(Tensor, Tensor)> {
+        let x = normal_tensor(&[IMAGES, 3, IMAGE, IMAGE], 1.0, 11, DType::F32, device)?.to_dtype(dtype)?;
+        Ok((x, labels(IMAGES, CLASSES, device)?))
+    };
+    Ok(match name {
+        "decoder" => {
+            let model = std::rc::Rc::new(Llama::new(DECODER, dtype, device)?);
+            let ids = token_ids(SEQUENCES, DECODER_TOKENS + 1, DECODER.vocab_size, device)?;
+            let (m, e, ids2) = (model.clone(), model.clone(), ids.narrow(1, 0, DECODER_TOKENS)?);
+            Bench {
+                vars: vars(&model.params),
+                loss: Box::new(move || Ok(m.loss(&ids)?)),
+                eval: Box::new(move || Ok(e.forward(&ids2)?)),
+                optimizer: adamw,
+            }
+        }
+        "bert" => {
+            let model = std::rc::Rc::new(Bert::new(MINILM, dtype, device)?);
+            let ids = token_ids(SEQUENCES, BERT_TOKENS, MINILM.vocab_size, device)?;
+            let mask = Tensor::ones((SEQUENCES, BERT_TOKENS), DType::U32, device)?;
+            let head = normal_tensor(&[MINILM.hidden_size, 2], 0.5, 5, DType::F32, device)?;
+            let targets = labels(SEQUENCES, 2, device)?;
+            let (m, e) = (model.clone(), model.clone());
+            let (ids2, mask2) = (ids.clone(), mask.clone());
+            Bench {
+                vars: vars(&model.params),
+                loss: Box::new(move || {
+                    let hidden = m.forward(&ids, &mask)?;
+                    let pooled = Bert::mean_pool(&hidden, &mask)?;
+                    Ok(cross_entropy(&pooled.to_dtype(DType::F32)?.matmul(&head)?, &targets)?)
+                }),
+                eval: Box::new(move || Ok(e.forward(&ids2, &mask2)?)),
+                optimizer: adamw,
+            }
+        }
+        "vit" => {
+            let model = std::rc::Rc::new(Vit::new(VIT_S16, dtype, device)?);
+            let (x, y) = images()?;
+            let (m, e, x2) = (model.clone(), model.clone(), x.clone());
+            Bench {
+                vars: vars(&model.params),
+                loss: Box::new(move || Ok(cross_entropy(&m.forward(&x)?, &y)?)),
+                eval: Box::new(move || Ok(e.forward(&x2)?)),
+                optimizer: adamw,
+            }
+        }
+        "resnet18" | "resnet50" => {
+            let depth = if name == "resnet18" { ResNetDepth::R18 } else { ResNetDepth::R50 };
+            let model = std::rc::Rc::new(ResNet::new(depth, CLASSES, 64, dtype, device)?);
+            let (x, y) = images()?;
+            let (m, e, x2) = (model.clone(), model.clone(), x.clone());
+            Bench {
+                vars: vars(&model.params),
+                loss: Box::new(move || Ok(cross_entropy(&m.forward(&x, true)?, &y)?)),
+                eval: Box::new(move || Ok(e.forward(&x2, false)?)),
+                optimizer: sgd,
+            }
+        }
+        "mobilenet_v2" => {
+            let model = std::rc::Rc::new(MobileNetV2::new(CLASSES, 1.0, dtype, device)?);
+            let (x, y) = images()?;
+            let (m, e, x2) = (model.clone(), model.clone(), x.clone());
+            Bench {
+                vars: vars(&model.params),
+                loss: Box::new(move || Ok(cross_entropy(&m.forward(&x, true)?, &y)?)),
+                eval: Box::new(move || Ok(e.forward(&x2, false)?)),
+                optimizer: sgd,
+            }
+        }
+        other => bail!("unknown model `{other}`; --list shows the configurations"),
+    })
+}
+
+/// The parameters in name order.
+fn vars(params: &Params) -> Vec<Var> {
+    params.iter().map(|(_, v)| v.clone()).collect()
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    if args.list {
+        println!("{}", serde_json::to_string_pretty(&configs())?);
+        return Ok(());
+    }
+    let name = args.model.context("--model is required (see --list)")?;
+    let device = Device::Cpu;
+    let autocast = if args.mode == Mode::Amp { Autocast::default_for(&device) } else { Autocast::off() };
+    let bench = build(&name, autocast.model_dtype(), &device)?;
+    let mut masters = if args.mode == Mode::Eval {
+        None
+    } else {
+        // Under autocast the masters start at the f32 values (the same seeded model in f32).
+        let start = if autocast.enabled() {
+            Some(build(&name, DType::F32, &device)?.vars.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())
+        } else {
+            None
+        };
+        Some(MasterWeights::with_masters(&bench.vars, start.as_deref(), bench.optimizer)?)
+    };
+    let mut times = Vec::new();
+    let mut last_loss = None;
+    for step in 0..args.warmup + args.steps {
+        let start = Instant::now();
+        match masters.as_mut() {
+            Some(masters) => {
+                let loss = (bench.loss)()?;
+                let grads = loss.backward()?;
+                masters.step(&grads)?;
+                last_loss = Some(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+            }
+            None => {
+                let out = wick_zoo::no_grad(|| (bench.eval)())?;
+                // Make sure the result is computed (it always is on the CPU) and cheap to keep.
+                let _ = out.flatten_all()?.narrow(0, 0, 1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            }
+        }
+        if step >= args.warmup {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    if let Some(loss) = last_loss.filter(|l| !l.is_finite()) {
+        bail!("{name}: the loss is {loss}");
+    }
+    let line =
+        json!({"model": name, "mode": format!("{:?}", args.mode).to_lowercase(), "ms": times, "loss": last_loss});
+    println!("{line}");
+    Ok(())
+}

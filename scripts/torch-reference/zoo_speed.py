@@ -1,0 +1,186 @@
+"""Step time of wick's zoo next to PyTorch's, side by side on the same machine.
+
+For every configuration that `zoo-speed --list` prints (the same model shapes, batch, inputs'
+sizes and optimizer), times an f32 training step (forward, backward, optimizer step), an AMP
+training step (`torch.autocast("cpu", torch.bfloat16)` with f32 parameters in PyTorch; a bf16
+model with f32 masters in wick) and an eval forward pass (`model.eval()`, `torch.inference_mode()`
+in PyTorch). wick and PyTorch take turns: each round runs the wick binary for the configuration
+(a fresh process; its warm-up steps are not timed) and then PyTorch in this process, so slow
+drifts of a noisy machine hit both. The figure per side is the median over every timed step of
+every round; the ratio is PyTorch's time over wick's (above 1: wick is faster).
+
+    python scripts/torch-reference/zoo_speed.py --wick target/release/zoo-speed \\
+        [--models resnet18,decoder] [--modes train,amp,eval] [--rounds 3] [--steps 3] [--threads 2]
+
+Needs torch 2.5.1, torchvision 0.20.1 and transformers 4.46.3 (CPU is enough); not part of CI.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.nn.functional as F
+import torchvision
+
+
+class ResNet(torchvision.models.resnet.ResNet):
+    """torchvision's ResNet with `num_classes` outputs (width 64 is torchvision's own)."""
+
+    def __init__(self, depth, num_classes, width):
+        from torchvision.models.resnet import BasicBlock, Bottleneck
+        block, layers = (BasicBlock, [2, 2, 2, 2]) if depth == 18 else (Bottleneck, [3, 4, 6, 3])
+        torch.nn.Module.__init__(self)
+        self._norm_layer, self.inplanes, self.dilation, self.groups, self.base_width = (
+            torch.nn.BatchNorm2d, width, 1, 1, 64)
+        self.conv1 = torch.nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(width)
+        self.relu = torch.nn.ReLU(inplace=True)
+        self.maxpool = torch.nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.layer1 = self._make_layer(block, width, layers[0])
+        self.layer2 = self._make_layer(block, 2 * width, layers[1], stride=2)
+        self.layer3 = self._make_layer(block, 4 * width, layers[2], stride=2)
+        self.layer4 = self._make_layer(block, 8 * width, layers[3], stride=2)
+        self.avgpool = torch.nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = torch.nn.Linear(8 * width * block.expansion, num_classes)
+
+
+def build(spec):
+    """The model, its training loss and its eval forward for one configuration."""
+    kind = spec["kind"]
+    torch.manual_seed(0)
+    if kind == "llama":
+        import transformers
+        c = spec["config"]
+        config = transformers.LlamaConfig(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            num_hidden_layers=c["num_layers"], num_attention_heads=c["num_heads"],
+            num_key_value_heads=c["num_heads"], max_position_embeddings=c["max_seq"], rms_norm_eps=c["rms_eps"],
+            rope_theta=c["rope_theta"], hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+            mlp_bias=False, attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, c["vocab_size"], (spec["batch"], spec["seq"] + 1))
+
+        def loss():
+            logits = model(input_ids=ids[:, :-1]).logits
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+        return model, loss, lambda: model(input_ids=ids[:, :-1]).logits
+    if kind == "bert":
+        import transformers
+        c = spec["config"]
+        config = transformers.BertConfig(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], num_hidden_layers=c["num_hidden_layers"],
+            num_attention_heads=c["num_attention_heads"], intermediate_size=c["intermediate_size"],
+            max_position_embeddings=c["max_position_embeddings"], type_vocab_size=c["type_vocab_size"],
+            layer_norm_eps=c["layer_norm_eps"], hidden_act="gelu", hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
+        model = transformers.BertModel(config, add_pooling_layer=False)
+        ids = torch.randint(1, c["vocab_size"], (spec["batch"], spec["seq"]))
+        mask = torch.ones_like(ids)
+        head = torch.randn(c["hidden_size"], 2) * 0.5
+        labels = torch.arange(spec["batch"]) % 2
+
+        def loss():
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            m = mask.unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * m).sum(1) / m.sum(1)
+            return F.cross_entropy(pooled.float() @ head, labels)
+
+        return model, loss, lambda: model(input_ids=ids, attention_mask=mask).last_hidden_state
+    n, size, classes = spec["batch"], spec["image"], spec["classes"]
+    if kind == "vit":
+        c = spec["config"]
+        model = torchvision.models.vision_transformer.VisionTransformer(
+            image_size=c["image_size"], patch_size=c["patch_size"], num_layers=c["layers"], num_heads=c["heads"],
+            hidden_dim=c["hidden"], mlp_dim=c["mlp_dim"], num_classes=c["num_classes"])
+    elif kind == "resnet":
+        model = ResNet(spec["depth"], classes, spec["width"])
+    elif kind == "mobilenet_v2":
+        model = torchvision.models.mobilenet_v2(num_classes=classes, width_mult=spec["width_mult"], dropout=0.0)
+    else:
+        raise SystemExit(f"unknown kind {kind}")
+    x = torch.randn(n, 3, size, size)
+    y = torch.arange(n) % classes
+    return model, lambda: F.cross_entropy(model(x).float(), y), lambda: model(x)
+
+
+def optimizer(spec, params):
+    if spec["optimizer"] == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def torch_times(spec, mode, steps, warmup):
+    model, loss_fn, eval_fn = build(spec)
+    times = []
+    if mode == "eval":
+        model.eval()
+        with torch.inference_mode():
+            for i in range(warmup + steps):
+                start = time.perf_counter()
+                eval_fn()
+                if i >= warmup:
+                    times.append((time.perf_counter() - start) * 1e3)
+        return times
+    model.train()
+    opt = optimizer(spec, model.parameters())
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        if mode == "amp":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn()
+        else:
+            loss = loss_fn()
+        loss.backward()
+        opt.step()
+        if not torch.isfinite(loss):
+            raise SystemExit(f"PyTorch loss {loss.item()}")
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def wick_times(binary, model, mode, steps, warmup):
+    out = subprocess.run([binary, "--model", model, "--mode", mode, "--steps", str(steps), "--warmup", str(warmup)],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["ms"]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--wick", required=True, help="the zoo-speed binary")
+    ap.add_argument("--models", default=None)
+    ap.add_argument("--modes", default="train,amp,eval")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the raw figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    configs = json.loads(subprocess.run([args.wick, "--list"], check=True, capture_output=True, text=True).stdout)
+    models = args.models.split(",") if args.models else list(configs)
+    rows, raw = [], []
+    print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, {args.threads} threads")
+    print("| model | mode | wick ms | PyTorch ms | ratio (PyTorch / wick) |")
+    print("|---|---|---|---|---|")
+    for model in models:
+        for mode in args.modes.split(","):
+            w, t = [], []
+            for _ in range(args.rounds):
+                w += wick_times(args.wick, model, mode, args.steps, args.warmup)
+                t += torch_times(configs[model], mode, args.steps, args.warmup)
+            wm, tm = statistics.median(w), statistics.median(t)
+            raw.append({"model": model, "mode": mode, "wick_ms": w, "torch_ms": t})
+            print(f"| {model} | {mode} | {wm:.1f} | {tm:.1f} | {tm / wm:.2f}x |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
