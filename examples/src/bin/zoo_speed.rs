@@ -4,6 +4,7 @@
 //! ```text
 //! zoo-speed --list                                  # the configurations, as JSON
 //! zoo-speed --model resnet18 --mode train --steps 5 # one JSON line: milliseconds per step
+//! WICK_PROFILE_OPS=1 zoo-speed --model vit           # and each kernel op's time, on stderr
 //! ```
 //!
 //! `scripts/torch-reference/zoo_speed.py` reads the same configurations, runs PyTorch on them in
@@ -238,14 +239,27 @@ fn main() -> Result<()> {
         Some(MasterWeights::with_masters(&bench.vars, start.as_deref(), bench.optimizer)?)
     };
     let mut times = Vec::new();
+    // Forward, backward and optimizer milliseconds of the timed steps.
+    let mut phases = [0.0f64; 3];
     let mut last_loss = None;
     for step in 0..args.warmup + args.steps {
+        if step == args.warmup {
+            wick_zoo::kernels::profile::reset();
+        }
         let start = Instant::now();
         match masters.as_mut() {
             Some(masters) => {
                 let loss = (bench.loss)()?;
+                let forward = start.elapsed();
                 let grads = loss.backward()?;
+                let backward = start.elapsed();
                 masters.step(&grads)?;
+                if step >= args.warmup {
+                    let end = start.elapsed();
+                    phases[0] += forward.as_secs_f64() * 1e3;
+                    phases[1] += (backward - forward).as_secs_f64() * 1e3;
+                    phases[2] += (end - backward).as_secs_f64() * 1e3;
+                }
                 last_loss = Some(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
             }
             None => {
@@ -261,8 +275,17 @@ fn main() -> Result<()> {
     if let Some(loss) = last_loss.filter(|l| !l.is_finite()) {
         bail!("{name}: the loss is {loss}");
     }
-    let line =
-        json!({"model": name, "mode": format!("{:?}", args.mode).to_lowercase(), "ms": times, "loss": last_loss});
+    let per_step = |v: f64| v / args.steps.max(1) as f64;
+    let line = json!({
+        "model": name,
+        "mode": format!("{:?}", args.mode).to_lowercase(),
+        "ms": times,
+        "forward_backward_optimizer_ms": phases.map(per_step),
+        "loss": last_loss,
+    });
     println!("{line}");
+    if wick_zoo::kernels::profile::enabled() {
+        eprintln!("{}", wick_zoo::kernels::profile::report());
+    }
     Ok(())
 }

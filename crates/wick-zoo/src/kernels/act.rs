@@ -5,23 +5,62 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::{is_f64, par_ranges, read, tensor, with, Real, SharedMut};
+use super::math::vectorized;
+use super::{is_f64, read, tensor, with, Real};
 
 /// Elements per parallel chunk: below this a thread's start-up costs more than the work.
 const CHUNK: usize = 1 << 15;
 
-/// `out[i] = f(i)` for every element, in parallel chunks.
-fn fill<T: Real>(n: usize, f: impl Fn(usize) -> T + Send + Sync) -> Vec<T> {
-    let mut out = vec![T::zero(); n];
-    let shared = SharedMut::new(&mut out);
-    par_ranges(n, CHUNK, |r| {
-        // SAFETY: the ranges of `par_ranges` are disjoint.
-        let dst = unsafe { shared.range(r.start, r.len()) };
-        for (d, i) in dst.iter_mut().zip(r) {
-            *d = f(i);
-        }
+/// `f` of every element of `x`, in parallel chunks (slices, so the loops vectorise).
+pub(crate) fn map1<T: Real>(x: &[T], f: impl Fn(T) -> T + Send + Sync) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut out = vec![T::zero(); x.len()];
+    out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(o, i)| {
+        vectorized(|| {
+            for (d, v) in o.iter_mut().zip(i) {
+                *d = f(*v);
+            }
+        })
     });
     out
+}
+
+/// `f` of every pair of elements of `a` and `b` (same length), in parallel chunks.
+pub(crate) fn map2<T: Real>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Send + Sync) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut out = vec![T::zero(); a.len()];
+    out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).for_each(|((o, a), b)| {
+        vectorized(|| {
+            for ((d, x), y) in o.iter_mut().zip(a).zip(b) {
+                *d = f(*x, *y);
+            }
+        })
+    });
+    out
+}
+
+/// `f` of every triple of elements of `a`, `b` and `c` (same length), in parallel chunks.
+pub(crate) fn map3<T: Real>(a: &[T], b: &[T], c: &[T], f: impl Fn(T, T, T) -> T + Send + Sync) -> Vec<T> {
+    use rayon::prelude::*;
+    let mut out = vec![T::zero(); a.len()];
+    out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).zip(c.par_chunks(CHUNK)).for_each(
+        |(((o, a), b), c)| {
+            vectorized(|| {
+                for (((d, x), y), z) in o.iter_mut().zip(a).zip(b).zip(c) {
+                    *d = f(*x, *y, *z);
+                }
+            })
+        },
+    );
+    out
+}
+
+fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(candle_core::Error::Msg(format!("{what}: {a} vs {b} elements")))
+    }
 }
 
 /// `x` clamped below at 0 and, with `max`, above at `max`, by comparisons (NaN fails both and
@@ -30,34 +69,31 @@ struct Clamp {
     max: Option<f64>,
 }
 
-fn clamp_value<T: Real>(v: T, max: Option<T>) -> T {
-    let v = if v <= T::zero() { T::zero() } else { v };
-    match max {
-        Some(m) if v >= m => m,
-        _ => v,
-    }
-}
-
 impl Clamp {
     fn fwd<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = read::<T>(s, l)?;
-        let max = self.max.map(T::of);
-        let y = fill(x.len(), |i| clamp_value(x[i], max));
+        let y = match self.max.map(T::of) {
+            // Selections, so NaN (which fails every comparison) passes through.
+            Some(m) => map1(&x, move |v| {
+                if v <= T::zero() {
+                    T::zero()
+                } else if v >= m {
+                    m
+                } else {
+                    v
+                }
+            }),
+            None => map1(&x, move |v| if v <= T::zero() { T::zero() } else { v }),
+        };
         Ok((T::storage(y, s.dtype())?, l.shape().clone()))
     }
 
     fn bwd<T: Real>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
-        let max = self.max.map(T::of);
+        let max = self.max.map(T::of).unwrap_or(T::infinity());
         let dx = with::<T, _>(x, |x| {
             with::<T, _>(g, |g| {
-                Ok(fill(x.len(), |i| {
-                    let inside = x[i] > T::zero() && max.is_none_or(|m| x[i] < m);
-                    if inside {
-                        g[i]
-                    } else {
-                        T::zero()
-                    }
-                }))
+                same_len("relu backward", x.len(), g.len())?;
+                Ok(map2(x, g, move |v, g| if v > T::zero() && v < max { g } else { T::zero() }))
             })
         })?;
         tensor(dx, x.shape(), x.dtype())
@@ -94,14 +130,6 @@ pub fn relu6(x: &Tensor) -> Result<Tensor> {
     super::apply1(&x.contiguous()?, Clamp { max: Some(6.0) })
 }
 
-fn erf<T: Real>(v: T) -> T {
-    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f64>() {
-        T::of(candle_core::cpu::erf::erf_f64(T::wide(v)))
-    } else {
-        T::of(candle_core::cpu::erf::erf_f32(T::wide(v) as f32) as f64)
-    }
-}
-
 /// GELU, erf form: `x·Φ(x)`.
 struct Gelu;
 
@@ -109,7 +137,7 @@ impl Gelu {
     fn fwd<T: Real>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = read::<T>(s, l)?;
         let (half, r2) = (T::of(0.5), T::of(std::f64::consts::FRAC_1_SQRT_2));
-        let y = fill(x.len(), |i| (erf(x[i] * r2) + T::one()) * half * x[i]);
+        let y = map1(&x, move |v| (T::erf_(v * r2) + T::one()) * half * v);
         Ok((T::storage(y, s.dtype())?, l.shape().clone()))
     }
 
@@ -118,10 +146,10 @@ impl Gelu {
         let pdf = T::of(0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2);
         let dx = with::<T, _>(x, |x| {
             with::<T, _>(g, |g| {
-                Ok(fill(x.len(), |i| {
-                    let v = x[i];
-                    let cdf = (erf(v * r2) + T::one()) * half;
-                    g[i] * (cdf + v * pdf * (-(v * v) * half).exp())
+                same_len("gelu backward", x.len(), g.len())?;
+                Ok(map2(x, g, move |v, g| {
+                    let cdf = (T::erf_(v * r2) + T::one()) * half;
+                    g * (cdf + v * pdf * T::exp_(-(v * v) * half))
                 }))
             })
         })?;
@@ -153,17 +181,16 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 /// `silu(a)·b` (SwiGLU's gate).
 struct SiluMul;
 
+#[inline(always)]
 fn sigmoid<T: Real>(v: T) -> T {
-    T::one() / (T::one() + (-v).exp())
+    T::one() / (T::one() + T::exp_(-v))
 }
 
 impl SiluMul {
     fn fwd<T: Real>(sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
         let (a, b) = (read::<T>(sa, la)?, read::<T>(sb, lb)?);
-        if a.len() != b.len() {
-            return Err(candle_core::Error::Msg(format!("silu_mul: {} vs {} elements", a.len(), b.len())));
-        }
-        let y = fill(a.len(), |i| a[i] * sigmoid(a[i]) * b[i]);
+        same_len("silu_mul", a.len(), b.len())?;
+        let y = map2(&a, &b, move |a, b| a * sigmoid(a) * b);
         Ok((T::storage(y, sa.dtype())?, la.shape().clone()))
     }
 
@@ -171,11 +198,12 @@ impl SiluMul {
         let (da, db) = with::<T, _>(a, |a| {
             with::<T, _>(b, |b| {
                 with::<T, _>(g, |g| {
-                    let da = fill(a.len(), |i| {
-                        let s = sigmoid(a[i]);
-                        g[i] * b[i] * s * (T::one() + a[i] * (T::one() - s))
+                    same_len("silu_mul backward", a.len(), g.len())?;
+                    let da = map3(a, b, g, move |a, b, g| {
+                        let s = sigmoid(a);
+                        g * b * s * (T::one() + a * (T::one() - s))
                     });
-                    let db = fill(a.len(), |i| g[i] * a[i] * sigmoid(a[i]));
+                    let db = map2(a, g, move |a, g| g * a * sigmoid(a));
                     Ok((da, db))
                 })
             })

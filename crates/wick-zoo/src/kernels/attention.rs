@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
-use super::{gemm, is_f64, par_ranges, read, tensor, with, Mat, Real, SharedMut};
+use super::{dot, gemm, is_f64, par_ranges, read, sum, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -104,13 +104,8 @@ impl Attention {
                     let l = unsafe { sl.range(bh * sq, sq) };
                     for (i, row) in s.chunks_mut(sk).enumerate() {
                         let max = row.iter().fold(T::neg_infinity(), |m, v| m.max(*v));
-                        let sum: f64 = row
-                            .iter_mut()
-                            .map(|v| {
-                                *v = (*v - max).exp();
-                                T::wide(*v)
-                            })
-                            .sum();
+                        row.iter_mut().for_each(|v| *v = T::exp_(*v - max));
+                        let sum = sum(row);
                         let inv = T::of(1.0 / sum);
                         row.iter_mut().for_each(|v| *v = *v * inv);
                         l[i] = T::wide(max) + sum.ln();
@@ -155,7 +150,7 @@ impl Attention {
                     self.scores(q, k, bh, h, (sq, sk, d), &mut p)?;
                     for (i, row) in p.chunks_mut(sk).enumerate() {
                         let l = T::of(lse[bh * sq + i]);
-                        row.iter_mut().for_each(|v| *v = (*v - l).exp());
+                        row.iter_mut().for_each(|v| *v = T::exp_(*v - l));
                     }
                     let gm = Mat::rows(&go[bh * sq * d..], sq, d);
                     // SAFETY: one head's slices per index.
@@ -166,8 +161,7 @@ impl Attention {
                     gemm(&mut dp, gm, Mat::rows(&v[bh * sk * d..], sk, d).t(), T::one(), false, false)?;
                     // dS = P ∘ (dP − Σ_j P∘dP), into `dp`.
                     for (prow, drow) in p.chunks(sk).zip(dp.chunks_mut(sk)) {
-                        let dot: f64 = prow.iter().zip(drow.iter()).map(|(a, b)| T::wide(*a) * T::wide(*b)).sum();
-                        let dot = T::of(dot);
+                        let dot = T::of(dot(prow, drow));
                         drow.iter_mut().zip(prow).for_each(|(g, pv)| *g = *pv * (*g - dot));
                     }
                     gemm(dqh, Mat::rows(&dp, sq, sk), Mat::rows(&k[bh * sk * d..], sk, d), scale, false, false)?;

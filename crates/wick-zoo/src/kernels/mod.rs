@@ -20,7 +20,8 @@
 //! - [`attention`]: scaled dot-product attention that keeps q, k, v and one log-sum-exp per row
 //!   (backward recomputes the scores; never an s×s tensor kept) and rotary embeddings;
 //! - [`loss`]: cross-entropy and embedding lookups with f32 gradient sums;
-//! - [`optim`]: AdamW and SGD-momentum steps in one in-place pass.
+//! - [`optim`]: AdamW and SGD-momentum steps in one in-place pass;
+//! - [`profile`]: per-op times (`WICK_PROFILE_OPS=1`).
 //!
 //! What each op keeps for backward is what the composed node kept (its inputs), plus per-row or
 //! per-channel statistics where stated; the gradients are the composed versions' (each op's
@@ -37,9 +38,11 @@ pub mod conv;
 mod gemm;
 pub mod linear;
 pub mod loss;
+pub mod math;
 pub mod norm;
 pub mod optim;
 pub mod pool;
+pub mod profile;
 
 use std::borrow::Cow;
 use std::cell::Cell;
@@ -63,6 +66,10 @@ pub trait Real:
     fn wide(v: Self) -> f64;
     /// `v` as this type.
     fn of(v: f64) -> Self;
+    /// `e^v` (vectorisable in f32: [`math::exp_f32`]).
+    fn exp_(v: Self) -> Self;
+    /// The error function (vectorisable in f32: [`math::erf_f32`]).
+    fn erf_(v: Self) -> Self;
 }
 
 fn range<T>(v: &[T], start: usize, len: usize) -> Result<&[T]> {
@@ -99,6 +106,14 @@ impl Real for f32 {
     fn of(v: f64) -> f32 {
         v as f32
     }
+    #[inline(always)]
+    fn exp_(v: f32) -> f32 {
+        math::exp_f32(v)
+    }
+    #[inline(always)]
+    fn erf_(v: f32) -> f32 {
+        math::erf_f32(v)
+    }
 }
 
 impl Real for f64 {
@@ -121,6 +136,12 @@ impl Real for f64 {
     }
     fn of(v: f64) -> f64 {
         v
+    }
+    fn exp_(v: f64) -> f64 {
+        v.exp()
+    }
+    fn erf_(v: f64) -> f64 {
+        candle_core::cpu::erf::erf_f64(v)
     }
 }
 
@@ -187,6 +208,7 @@ pub fn grad_enabled() -> bool {
 
 /// Applies a one-input op, recording it for backward unless inside [`no_grad`].
 pub(crate) fn apply1<C: candle_core::CustomOp1 + Send + Sync + 'static>(x: &Tensor, op: C) -> Result<Tensor> {
+    let op = profile::Profiled(op);
     if grad_enabled() {
         x.apply_op1(op)
     } else {
@@ -200,6 +222,7 @@ pub(crate) fn apply2<C: candle_core::CustomOp2 + Send + Sync + 'static>(
     b: &Tensor,
     op: C,
 ) -> Result<Tensor> {
+    let op = profile::Profiled(op);
     if grad_enabled() {
         a.apply_op2(b, op)
     } else {
@@ -214,6 +237,7 @@ pub(crate) fn apply3<C: candle_core::CustomOp3 + Send + Sync + 'static>(
     c: &Tensor,
     op: C,
 ) -> Result<Tensor> {
+    let op = profile::Profiled(op);
     if grad_enabled() {
         a.apply_op3(b, c, op)
     } else {
@@ -226,14 +250,58 @@ pub fn serves(t: &Tensor) -> bool {
     matches!(t.device(), Device::Cpu) && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
 }
 
+/// Lanes of the f64 sums below: independent accumulators, so the loops vectorise (a single
+/// running float sum cannot be reordered by the compiler).
+const LANES: usize = 8;
+
+/// `Σ f(i)` over `0..n` in f64, in [`LANES`] interleaved accumulators.
+#[inline]
+fn lane_sum(n: usize, f: impl Fn(usize) -> f64) -> f64 {
+    let mut acc = [0.0f64; LANES];
+    let whole = n / LANES * LANES;
+    for base in (0..whole).step_by(LANES) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            *a += f(base + j);
+        }
+    }
+    let tail: f64 = (whole..n).map(&f).sum();
+    acc.iter().sum::<f64>() + tail
+}
+
+/// `Σ x` in f64.
+pub(crate) fn sum<T: Real>(x: &[T]) -> f64 {
+    lane_sum(x.len(), |i| T::wide(x[i]))
+}
+
+/// `Σ (x − m)²` in f64.
+pub(crate) fn sum_sq_dev<T: Real>(x: &[T], m: f64) -> f64 {
+    lane_sum(x.len(), |i| {
+        let d = T::wide(x[i]) - m;
+        d * d
+    })
+}
+
+/// `Σ a·b` in f64 (`a` and `b` of equal length).
+pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> f64 {
+    let n = a.len().min(b.len());
+    lane_sum(n, |i| T::wide(a[i]) * T::wide(b[i]))
+}
+
+/// `Σ g·(x − m)` in f64 (`g` and `x` of equal length).
+pub(crate) fn dot_dev<T: Real>(g: &[T], x: &[T], m: f64) -> f64 {
+    let n = g.len().min(x.len());
+    lane_sum(n, |i| T::wide(g[i]) * (T::wide(x[i]) - m))
+}
+
 /// Splits `0..n` into about one chunk per thread (at least `min` items each) and runs `f` on
-/// each chunk's range in parallel.
+/// each chunk's range in parallel, compiled for the CPU's widest vector instructions.
 pub(crate) fn par_ranges(n: usize, min: usize, f: impl Fn(std::ops::Range<usize>) + Send + Sync) {
     use rayon::prelude::*;
     let threads = rayon::current_num_threads().max(1);
     let chunk = n.div_ceil(threads).max(min.max(1));
     let chunks = n.div_ceil(chunk);
-    (0..chunks).into_par_iter().for_each(|c| f(c * chunk..((c + 1) * chunk).min(n)));
+    // Each chunk runs compiled for the CPU's widest vectors (see `math::vectorized`).
+    (0..chunks).into_par_iter().for_each(|c| math::vectorized(|| f(c * chunk..((c + 1) * chunk).min(n))));
 }
 
 /// A mutable slice shared between threads that write disjoint parts of it.

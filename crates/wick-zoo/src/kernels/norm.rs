@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::{is_f64, par_ranges, read, tensor, with, Real, SharedMut};
+use super::{dot_dev, is_f64, par_ranges, read, sum, sum_sq_dev, tensor, with, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -33,9 +33,9 @@ pub fn batch_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
             // SAFETY: disjoint channel ranges.
             let (m, v) = unsafe { (m.range(r.start, r.len()), v.range(r.start, r.len())) };
             for (i, ch) in r.enumerate() {
-                let values = (0..n).flat_map(|b| &x[(b * c + ch) * hw..(b * c + ch + 1) * hw]).map(|v| T::wide(*v));
-                let mean = values.clone().sum::<f64>() / count;
-                (m[i], v[i]) = (mean, values.map(|v| (v - mean).powi(2)).sum::<f64>() / count);
+                let plane = |b: usize| &x[(b * c + ch) * hw..(b * c + ch + 1) * hw];
+                let mean = (0..n).map(|b| sum(plane(b))).sum::<f64>() / count;
+                (m[i], v[i]) = (mean, (0..n).map(|b| sum_sq_dev(plane(b), mean)).sum::<f64>() / count);
             }
         });
         (mean, var)
@@ -114,11 +114,9 @@ impl BatchNorm {
                             // Σg and Σg·x̂ in f64.
                             let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
                             for start in planes.clone() {
-                                for (gv, xv) in g[start..start + hw].iter().zip(&x[start..start + hw]) {
-                                    let gv = T::wide(*gv);
-                                    sum_g += gv;
-                                    sum_gx += gv * (T::wide(*xv) - mean) * invstd;
-                                }
+                                let (gp, xp) = (&g[start..start + hw], &x[start..start + hw]);
+                                sum_g += sum(gp);
+                                sum_gx += dot_dev(gp, xp, mean) * invstd;
                             }
                             // SAFETY: one channel per index, and channel `ch`'s planes.
                             unsafe {
@@ -225,8 +223,8 @@ impl RowNorm {
         par_ranges(rows, 16, |r| {
             for row in r {
                 let xr = &x[row * d..(row + 1) * d];
-                let mean = if self.rms { 0.0 } else { xr.iter().map(|v| T::wide(*v)).sum::<f64>() / d as f64 };
-                let var = xr.iter().map(|v| (T::wide(*v) - mean).powi(2)).sum::<f64>() / d as f64;
+                let mean = if self.rms { 0.0 } else { sum(xr) / d as f64 };
+                let var = sum_sq_dev(xr, mean) / d as f64;
                 let inv = 1.0 / (var + self.eps).sqrt();
                 // SAFETY: one row per index.
                 unsafe { st.range(row, 1)[0] = (mean, inv) };

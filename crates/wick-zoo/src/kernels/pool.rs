@@ -5,7 +5,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::{is_f64, par_ranges, read, tensor, with, Real, SharedMut};
+use super::{is_f64, par_ranges, read, sum, tensor, with, Real, SharedMut};
 
 fn dims4(shape: &Shape) -> Result<(usize, usize, usize, usize)> {
     match shape.dims() {
@@ -32,28 +32,49 @@ struct MaxPool {
 }
 
 impl MaxPool {
-    /// Index (within the plane) of the first maximum of output (oy, ox)'s window, NaN winning
-    /// as in PyTorch.
+    /// For each output position along an axis of `len` inputs, the input range of its window
+    /// (padding excluded; never empty, since padding is at most half the kernel).
+    fn windows(&self, len: usize, out: usize) -> Vec<(usize, usize)> {
+        (0..out)
+            .map(|o| {
+                let start = o * self.stride;
+                (start.saturating_sub(self.pad), (start + self.kernel).saturating_sub(self.pad).min(len))
+            })
+            .collect()
+    }
+
+    /// Index (within the plane) of the first maximum of the window rows `ys` × columns `xs`,
+    /// NaN winning as in PyTorch (a later NaN replaces an earlier one).
     #[inline]
-    fn argmax<T: Real>(&self, plane: &[T], h: usize, w: usize, oy: usize, ox: usize) -> usize {
-        let (mut best, mut at) = (T::neg_infinity(), usize::MAX);
-        for dy in 0..self.kernel {
-            let Some(iy) = (oy * self.stride + dy).checked_sub(self.pad).filter(|iy| *iy < h) else { continue };
-            for dx in 0..self.kernel {
-                let Some(ix) = (ox * self.stride + dx).checked_sub(self.pad).filter(|ix| *ix < w) else { continue };
-                let v = plane[iy * w + ix];
-                if at == usize::MAX || v > best || v.is_nan() {
-                    (best, at) = (v, iy * w + ix);
+    fn argmax<T: Real>(plane: &[T], w: usize, ys: (usize, usize), xs: (usize, usize)) -> usize {
+        let mut at = ys.0 * w + xs.0;
+        let mut best = plane[at];
+        for iy in ys.0..ys.1 {
+            let row = &plane[iy * w..(iy + 1) * w];
+            for (ix, v) in row.iter().enumerate().take(xs.1).skip(xs.0) {
+                if *v > best || v.is_nan() {
+                    (best, at) = (*v, iy * w + ix);
                 }
             }
         }
         at
     }
 
+    /// Output sizes, checked.
+    fn out(&self, h: usize, w: usize) -> Result<(usize, usize)> {
+        if 2 * self.pad > self.kernel {
+            return Err(candle_core::Error::Msg(format!(
+                "max_pool2d: padding {} is more than half the kernel {}",
+                self.pad, self.kernel
+            )));
+        }
+        Ok((out_len(h, self.kernel, self.stride, self.pad)?, out_len(w, self.kernel, self.stride, self.pad)?))
+    }
+
     fn fwd<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, c, h, w) = dims4(l.shape())?;
-        let (oh, ow) =
-            (out_len(h, self.kernel, self.stride, self.pad)?, out_len(w, self.kernel, self.stride, self.pad)?);
+        let (oh, ow) = self.out(h, w)?;
+        let (rows, cols) = (self.windows(h, oh), self.windows(w, ow));
         let x = read::<T>(s, l)?;
         let mut y = vec![T::zero(); n * c * oh * ow];
         let out = SharedMut::new(&mut y);
@@ -62,10 +83,9 @@ impl MaxPool {
                 let plane = &x[p * h * w..(p + 1) * h * w];
                 // SAFETY: one plane per index.
                 let dst = unsafe { out.range(p * oh * ow, oh * ow) };
-                for oy in 0..oh {
-                    for ox in 0..ow {
-                        let at = self.argmax(plane, h, w, oy, ox);
-                        dst[oy * ow + ox] = plane.get(at).copied().unwrap_or(T::neg_infinity());
+                for (oy, ys) in rows.iter().enumerate() {
+                    for (ox, xs) in cols.iter().enumerate() {
+                        dst[oy * ow + ox] = plane[Self::argmax(plane, w, *ys, *xs)];
                     }
                 }
             }
@@ -75,9 +95,13 @@ impl MaxPool {
 
     fn bwd<T: Real>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
         let (n, c, h, w) = dims4(x.shape())?;
-        let (_, _, oh, ow) = dims4(g.shape())?;
+        let (oh, ow) = self.out(h, w)?;
+        let (rows, cols) = (self.windows(h, oh), self.windows(w, ow));
         let dx = with::<T, _>(x, |x| {
             with::<T, _>(g, |g| {
+                if g.len() != n * c * oh * ow {
+                    return Err(candle_core::Error::Msg("max_pool2d backward: gradient shape".into()));
+                }
                 let mut dx = vec![T::zero(); x.len()];
                 let out = SharedMut::new(&mut dx);
                 par_ranges(n * c, 1, |r| {
@@ -85,11 +109,10 @@ impl MaxPool {
                         let plane = &x[p * h * w..(p + 1) * h * w];
                         // SAFETY: one plane per index.
                         let dst = unsafe { out.range(p * h * w, h * w) };
-                        for oy in 0..oh {
-                            for ox in 0..ow {
-                                if let Some(d) = dst.get_mut(self.argmax(plane, h, w, oy, ox)) {
-                                    *d = *d + g[(p * oh + oy) * ow + ox];
-                                }
+                        for (oy, ys) in rows.iter().enumerate() {
+                            for (ox, xs) in cols.iter().enumerate() {
+                                let at = Self::argmax(plane, w, *ys, *xs);
+                                dst[at] = dst[at] + g[(p * oh + oy) * ow + ox];
                             }
                         }
                     }
@@ -130,9 +153,7 @@ impl GlobalAvg {
         let (n, c, h, w) = dims4(l.shape())?;
         let x = read::<T>(s, l)?;
         let hw = (h * w).max(1);
-        let y: Vec<T> = (0..n * c)
-            .map(|p| T::of(x[p * hw..(p + 1) * hw].iter().map(|v| T::wide(*v)).sum::<f64>() / hw as f64))
-            .collect();
+        let y: Vec<T> = (0..n * c).map(|p| T::of(sum(&x[p * hw..(p + 1) * hw]) / hw as f64)).collect();
         Ok((T::storage(y, s.dtype())?, Shape::from((n, c))))
     }
 
