@@ -12,6 +12,7 @@ use candle_core::{DType, Device, Result, Tensor, D};
 use crate::amp::autocast::{conv_compute, fp32_compute};
 use crate::fused::node;
 use crate::kernels;
+pub use crate::kernels::norm::Activation;
 use crate::params::{Init, Params};
 
 /// Pads the two spatial dimensions of (N, C, H, W) with `value` on every side.
@@ -179,11 +180,46 @@ impl RunningStats {
     /// batch statistics when `train` (with gradient; the running estimates move by PyTorch's
     /// momentum 0.1 with the unbiased variance when `update`), the running estimates otherwise.
     pub fn normalize(&self, x: &Tensor, weight: &Tensor, bias: &Tensor, train: bool, update: bool) -> Result<Tensor> {
+        self.normalize_act(x, weight, bias, train, update, Activation::Identity)
+    }
+
+    /// [`RunningStats::normalize`] followed by `act` (ReLU or ReLU6, PyTorch's gradients). On
+    /// the CPU it is one op: the normalised values before the activation are neither stored nor
+    /// kept for backward.
+    pub fn normalize_act(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        train: bool,
+        update: bool,
+        act: Activation,
+    ) -> Result<Tensor> {
         let (eps, momentum) = (1e-5, 0.1);
-        let compute = fp32_compute(x.dtype());
         if kernels::serves(x) {
-            return self.normalize_cpu(x, weight, bias, train, update, eps, momentum);
+            return self.normalize_cpu(x, weight, bias, (train, update, act), eps, momentum);
         }
+        let y = self.normalize_composed(x, weight, bias, train, update, eps, momentum)?;
+        match act {
+            Activation::Identity => Ok(y),
+            Activation::Relu => crate::ops::relu(&y),
+            Activation::Relu6 => crate::ops::relu6(&y),
+        }
+    }
+
+    /// Batch norm as graph nodes over candle's ops (CUDA).
+    #[allow(clippy::too_many_arguments)]
+    fn normalize_composed(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+        train: bool,
+        update: bool,
+        eps: f64,
+        momentum: f64,
+    ) -> Result<Tensor> {
+        let compute = fp32_compute(x.dtype());
         if !train {
             let (mean, var) = self.get();
             return node("batch_norm", &[x, weight, bias], compute, x.dtype(), move |t| {
@@ -222,23 +258,21 @@ impl RunningStats {
 }
 
 impl RunningStats {
-    /// [`RunningStats::normalize`] with the CPU kernels: the statistics computed once (summed
-    /// in f64), the running estimates moved from them.
-    #[allow(clippy::too_many_arguments)]
+    /// [`RunningStats::normalize_act`] with the CPU kernels: the statistics computed once
+    /// (summed in f64), the running estimates moved from them.
     fn normalize_cpu(
         &self,
         x: &Tensor,
         weight: &Tensor,
         bias: &Tensor,
-        train: bool,
-        update: bool,
+        (train, update, act): (bool, bool, Activation),
         eps: f64,
         momentum: f64,
     ) -> Result<Tensor> {
         let vec = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(DType::F64)?.flatten_all()?.to_vec1() };
         if !train {
             let (mean, var) = self.get();
-            return kernels::norm::batch_norm(x, &vec(&mean)?, &vec(&var)?, weight, bias, eps, false);
+            return kernels::norm::batch_norm(x, &vec(&mean)?, &vec(&var)?, weight, bias, eps, false, act);
         }
         let (mean, var) = kernels::norm::batch_stats(x)?;
         if update {
@@ -255,7 +289,7 @@ impl RunningStats {
             running.0 = blend(&running.0, &mean, 1.0)?;
             running.1 = blend(&running.1, &var, unbiased)?;
         }
-        kernels::norm::batch_norm(x, &mean, &var, weight, bias, eps, true)
+        kernels::norm::batch_norm(x, &mean, &var, weight, bias, eps, true, act)
     }
 }
 
@@ -314,6 +348,11 @@ impl BatchNorm {
     /// Normalises `x` (N, C, H, W), updating the running estimates in training.
     pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         self.running.normalize(x, &self.weight, &self.bias, train, true)
+    }
+
+    /// [`BatchNorm::forward`] followed by `act`, as one op on the CPU.
+    pub fn forward_act(&self, x: &Tensor, train: bool, act: Activation) -> Result<Tensor> {
+        self.running.normalize_act(x, &self.weight, &self.bias, train, true, act)
     }
 }
 

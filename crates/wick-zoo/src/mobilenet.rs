@@ -9,9 +9,8 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::amp::autocast::norm_param_dtype;
 use crate::checkpoint::{run_stateful, Checkpointing};
-use crate::cnn::{conv2d, depthwise_conv2d, global_avg_pool, BatchNorm, RunningStats};
+use crate::cnn::{conv2d, depthwise_conv2d, global_avg_pool, Activation, BatchNorm, RunningStats};
 use crate::error::ZooError;
-use crate::ops::relu6;
 use crate::params::{Init, Params};
 
 /// torchvision's `_make_divisible`.
@@ -105,16 +104,17 @@ impl BlockSpec {
     fn apply(&self, x: &Tensor, w: &[Tensor], train: bool, update: bool) -> candle_core::Result<Tensor> {
         let (mut h, mut i) = (x.clone(), 0);
         if let Some(stats) = &self.expand {
-            h = relu6(&stats.normalize(&conv2d(&h, &w[0], 0, 1)?, &w[1], &w[2], train, update)?)?;
+            h = stats.normalize_act(&conv2d(&h, &w[0], 0, 1)?, &w[1], &w[2], train, update, Activation::Relu6)?;
             i = 3;
         }
-        h = relu6(&self.depthwise.normalize(
+        h = self.depthwise.normalize_act(
             &depthwise_conv2d(&h, &w[i], self.stride, 1)?,
             &w[i + 1],
             &w[i + 2],
             train,
             update,
-        )?)?;
+            Activation::Relu6,
+        )?;
         h = self.project.normalize(&conv2d(&h, &w[i + 3], 0, 1)?, &w[i + 4], &w[i + 5], train, update)?;
         if self.residual {
             h + x
@@ -241,13 +241,13 @@ impl MobileNetV2 {
         train: bool,
         checkpoint: Option<&Checkpointing>,
     ) -> Result<Tensor, ZooError> {
-        let mut x = relu6(&self.stem.1.forward(&conv2d(x, &self.stem.0, 1, 2)?, train)?)?;
+        let mut x = self.stem.1.forward_act(&conv2d(x, &self.stem.0, 1, 2)?, train, Activation::Relu6)?;
         for block in &self.blocks {
             x = run_stateful(checkpoint, &x, &block.weights, &block.spec, move |spec, x, w, update| {
                 spec.apply(x, w, train, update)
             })?;
         }
-        let x = relu6(&self.last.1.forward(&conv2d(&x, &self.last.0, 0, 1)?, train)?)?;
+        let x = self.last.1.forward_act(&conv2d(&x, &self.last.0, 0, 1)?, train, Activation::Relu6)?;
         Ok(crate::ops::linear(&global_avg_pool(&x)?, &self.classifier.0, Some(&self.classifier.1))?)
     }
 }

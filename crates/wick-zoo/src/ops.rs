@@ -86,6 +86,15 @@ pub fn relu6(x: &Tensor) -> Result<Tensor> {
     node("relu6", &[x], x.dtype(), x.dtype(), |t| clamp_with_torch_gradient(&t[0], 0.0, Some(6.0)))
 }
 
+/// `relu(a + b)` (the end of a residual block) with PyTorch's gradient: one op on the CPU that
+/// neither stores nor keeps the sum (backward recomputes it); `relu(a + b)` elsewhere.
+pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if kernels::serves(a) {
+        return kernels::act::add_relu(a, b);
+    }
+    relu(&(a + b)?)
+}
+
 /// GELU (erf form) as one op keeping its input: computed in f32 (f64 for f64) and rounded once
 /// on the CPU; candle's `gelu_erf` elsewhere.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
@@ -102,6 +111,12 @@ pub fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return kernels::act::silu_mul(a, b);
     }
     a.silu()? * b
+}
+
+/// ReLU (`max` None) or ReLU6 (`max` 6) composed from candle's ops with PyTorch's gradient:
+/// the oracle of the CPU kernels.
+pub fn relu_composed(x: &Tensor, max: Option<f64>) -> Result<Tensor> {
+    clamp_with_torch_gradient(x, 0.0, max)
 }
 
 /// `x` clamped to `[min, max]` by selection, so that autograd passes the gradient only strictly

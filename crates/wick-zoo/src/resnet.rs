@@ -4,9 +4,9 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::{run_stateful, Checkpointing};
-use crate::cnn::{conv2d, global_avg_pool, max_pool2d, BatchNorm, RunningStats};
+use crate::cnn::{conv2d, global_avg_pool, max_pool2d, Activation, BatchNorm, RunningStats};
 use crate::error::ZooError;
-use crate::ops::relu;
+use crate::ops::add_relu;
 use crate::params::{Init, Params};
 
 /// Which ResNet.
@@ -85,12 +85,12 @@ impl BlockSpec {
         };
         let mut h = x.clone();
         for (i, ((stride, pad), stats)) in self.convs.iter().zip(&self.norms).enumerate() {
-            h = stats.normalize(&conv2d(&h, &w[i], *pad, *stride)?, &w[k + 2 * i], &w[k + 2 * i + 1], train, update)?;
-            if i + 1 < k {
-                h = relu(&h)?;
-            }
+            // Every norm but the last is followed by a ReLU (one op on the CPU).
+            let act = if i + 1 < k { Activation::Relu } else { Activation::Identity };
+            let (nw, nb) = (&w[k + 2 * i], &w[k + 2 * i + 1]);
+            h = stats.normalize_act(&conv2d(&h, &w[i], *pad, *stride)?, nw, nb, train, update, act)?;
         }
-        relu(&(h + identity)?)
+        add_relu(&h, &identity)
     }
 }
 
@@ -204,7 +204,7 @@ impl ResNet {
         train: bool,
         checkpoint: Option<&Checkpointing>,
     ) -> Result<Tensor, ZooError> {
-        let x = relu(&self.stem.1.forward(&self.stem.0.forward(x)?, train)?)?;
+        let x = self.stem.1.forward_act(&self.stem.0.forward(x)?, train, Activation::Relu)?;
         let mut x = max_pool2d(&x, 3, 2, 1)?;
         for block in &self.blocks {
             x = run_stateful(checkpoint, &x, &block.weights, &block.spec, move |spec, x, w, update| {

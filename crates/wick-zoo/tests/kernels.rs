@@ -3,6 +3,7 @@
 //! f64; and in bf16 against the f32 computation.
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
+use wick_zoo::cnn::Activation;
 use wick_zoo::kernels;
 use wick_zoo::ops;
 use wick_zoo::params::normal_tensor;
@@ -123,18 +124,34 @@ fn batch_norm_composed(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<T
 #[test]
 fn batch_norm_matches_its_composed_form_in_training_and_eval() {
     let (x, w, b) = (randn(&[3, 4, 5, 6], 7).affine(2.0, 1.0).unwrap(), randn(&[4], 8), randn(&[4], 9));
-    let train = |t: &[Tensor]| {
-        let (mean, var) = kernels::norm::batch_stats(&t[0].detach())?;
-        kernels::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, true)
-    };
-    check("batch_norm (train)", &[x.clone(), w.clone(), b.clone()], train, |t| {
-        batch_norm_composed(&t[0], &t[1], &t[2], 1e-5)
-    });
+    let acts = [
+        (Activation::Identity, "batch_norm"),
+        (Activation::Relu, "batch_norm+relu"),
+        (Activation::Relu6, "batch_norm+relu6"),
+    ];
+    for (act, name) in acts {
+        let train = |t: &[Tensor]| {
+            let (mean, var) = kernels::norm::batch_stats(&t[0].detach())?;
+            kernels::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, true, act)
+        };
+        let oracle = |t: &[Tensor]| {
+            let y = batch_norm_composed(&t[0], &t[1], &t[2], 1e-5)?;
+            match act {
+                Activation::Identity => Ok(y),
+                Activation::Relu => ops::relu_composed(&y, None),
+                Activation::Relu6 => ops::relu_composed(&y, Some(6.0)),
+            }
+        };
+        // Scales spread so that the outputs straddle 0 and 6.
+        let wide = (&w * 4.0).unwrap();
+        check(&format!("{name} (train)"), &[x.clone(), wide, b.clone()], train, oracle);
+    }
     // Eval: fixed statistics.
     let (mean, var) = (vec![0.5, -1.0, 0.0, 2.0], vec![1.5, 0.25, 1.0, 4.0]);
     let (m, v) =
         (Tensor::new(mean.as_slice(), &Device::Cpu).unwrap(), Tensor::new(var.as_slice(), &Device::Cpu).unwrap());
-    let eval = |t: &[Tensor]| kernels::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, false);
+    let eval =
+        |t: &[Tensor]| kernels::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, false, Activation::Identity);
     let oracle = |t: &[Tensor]| {
         let shape = (1, 4, 1, 1);
         let normed = t[0].broadcast_sub(&m.reshape(shape)?)?.broadcast_div(&(v.reshape(shape)? + 1e-5)?.sqrt()?)?;
@@ -230,6 +247,13 @@ fn activations_match_candles() {
     let gelu_composed = |t: &[Tensor]| (&t[0] * 0.5)? * ((&t[0] / 2f64.sqrt())?.erf()? + 1.0)?;
     check("gelu", std::slice::from_ref(&a), |t| kernels::act::gelu(&t[0]), gelu_composed);
     check("silu_mul", &[a, b], |t| kernels::act::silu_mul(&t[0], &t[1]), |t| t[0].silu()? * &t[1]);
+    let (a, b) = (randn(&[4, 9], 32), randn(&[4, 9], 33));
+    check(
+        "add_relu",
+        &[a, b],
+        |t| kernels::act::add_relu(&t[0], &t[1]),
+        |t| ops::relu_composed(&(&t[0] + &t[1])?, None),
+    );
 }
 
 #[test]
@@ -278,6 +302,43 @@ fn bf16_inputs_compute_in_f32_and_round_once() {
         for (a, b) in l.iter().zip(&r) {
             // Round-to-nearest: at most half a bf16 spacing (2⁻⁸ relative).
             assert!((a - b).abs() <= b.abs() * 2f64.powi(-8) + 1e-30, "{a} vs f32 {b}");
+        }
+    }
+}
+
+/// The kernels' own bf16 conversions: widening is exact, narrowing rounds to nearest even
+/// (ties to even, carries into the exponent, overflow to infinity, NaN kept) exactly as the
+/// `half` crate does. `x + a + b` of bf16 inputs is computed in f32 and narrowed once.
+#[test]
+fn bf16_conversions_round_to_nearest_even() {
+    let dev = Device::Cpu;
+    let bf = |v: f32| half::bf16::from_f32(v);
+    let mut pairs: Vec<(f32, f32)> = vec![
+        (1.0, 2f32.powi(-8)),       // a tie: to even (1.0)
+        (1.0, 3.0 * 2f32.powi(-8)), // a tie: to even (1 + 2⁻⁶)
+        (1.0, -2f32.powi(-9)),
+        (3.3e38, 3.3e38), // overflows f32: infinity
+        (f32::INFINITY, -1.0),
+        (f32::NAN, 1.0),
+        (-0.0, 0.0),
+        (1e-40, 1e-40),
+    ];
+    pairs.extend((0..4000).map(|i| (((i as f32) * 0.7183).sin() * 10f32.powi(i % 20 - 10), (i as f32 * 0.37).cos())));
+    let x: Vec<half::bf16> = pairs.iter().map(|p| bf(p.0)).collect();
+    let a: Vec<half::bf16> = pairs.iter().map(|p| bf(p.1)).collect();
+    let n = pairs.len();
+    let xt = Tensor::from_vec(x.clone(), (1, n), &dev).unwrap();
+    let at = Tensor::from_vec(a.clone(), (1, n), &dev).unwrap();
+    let zero = Tensor::zeros((1, 1), DType::BF16, &dev).unwrap();
+    let y: Vec<half::bf16> =
+        kernels::loss::add_broadcast(&xt, &at, &zero).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    for i in 0..n {
+        let exact = x[i].to_f32() + a[i].to_f32() + 0.0;
+        let expected = bf(exact);
+        if exact.is_nan() {
+            assert!(y[i].is_nan(), "NaN stays NaN");
+        } else {
+            assert_eq!(y[i].to_bits(), expected.to_bits(), "bf16 of {exact:e}");
         }
     }
 }

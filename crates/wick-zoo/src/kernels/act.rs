@@ -242,3 +242,67 @@ pub fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
     super::apply2(&a.contiguous()?, &b.contiguous()?, SiluMul)
 }
+
+/// `relu(a + b)` (a residual connection's end), the sum neither stored nor kept: backward
+/// recomputes it for the mask (PyTorch's gradient, `[a + b > 0]`).
+struct AddRelu;
+
+impl AddRelu {
+    fn fwd<T: Real>(sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (a, b) = (read::<T>(sa, la)?, read::<T>(sb, lb)?);
+        same_len("add_relu", a.len(), b.len())?;
+        let y = map2(&a, &b, move |a, b| {
+            let v = a + b;
+            if v <= T::zero() {
+                T::zero()
+            } else {
+                v
+            }
+        });
+        Ok((T::storage(y, sa.dtype())?, la.shape().clone()))
+    }
+
+    fn bwd<T: Real>(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+        let d = with::<T, _>(a, |a| {
+            with::<T, _>(b, |b| {
+                with::<T, _>(g, |g| {
+                    same_len("add_relu backward", a.len(), g.len())?;
+                    Ok(map3(a, b, g, move |a, b, g| if a + b > T::zero() { g } else { T::zero() }))
+                })
+            })
+        })?;
+        let da = tensor(d.clone(), a.shape(), a.dtype())?;
+        Ok((da, tensor(d, b.shape(), b.dtype())?))
+    }
+}
+
+impl CustomOp2 for AddRelu {
+    fn name(&self) -> &'static str {
+        "add_relu"
+    }
+    fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
+        if is_f64(sa.dtype()) {
+            AddRelu::fwd::<f64>(sa, la, sb, lb)
+        } else {
+            AddRelu::fwd::<f32>(sa, la, sb, lb)
+        }
+    }
+    fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (da, db) = if is_f64(a.dtype()) { AddRelu::bwd::<f64>(a, b, g)? } else { AddRelu::bwd::<f32>(a, b, g)? };
+        Ok((a.track_op().then_some(da), b.track_op().then_some(db)))
+    }
+}
+
+/// `relu(a + b)` for same-shaped `a` and `b` on the CPU (see [`crate::ops::add_relu`]).
+pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.shape() != b.shape() || a.dtype() != b.dtype() {
+        return Err(candle_core::Error::Msg(format!(
+            "add_relu: {:?} {:?} vs {:?} {:?}",
+            a.shape(),
+            a.dtype(),
+            b.shape(),
+            b.dtype()
+        )));
+    }
+    super::apply2(&a.contiguous()?, &b.contiguous()?, AddRelu)
+}

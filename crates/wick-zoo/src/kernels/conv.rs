@@ -15,7 +15,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::pool::out_len;
-use super::{gemm, is_f64, par_ranges, read, tensor, with, Mat, Real, SharedMut};
+use super::{dot, gemm, is_f64, par_ranges, read, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -417,8 +417,15 @@ impl Depthwise {
                             let f = filter[dy * g.k + dx];
                             let r = g.valid(dx, g.w, g.ow);
                             let first = r.start * g.stride + dx - g.pad;
-                            for (v, ix) in row[r].iter_mut().zip((first..).step_by(g.stride)) {
-                                *v = *v + f * src[ix];
+                            if g.stride == 1 {
+                                // Contiguous on both sides: vectorises.
+                                for (v, s) in row[r.clone()].iter_mut().zip(&src[first..first + r.len()]) {
+                                    *v = *v + f * *s;
+                                }
+                            } else {
+                                for (v, ix) in row[r].iter_mut().zip((first..).step_by(g.stride)) {
+                                    *v = *v + f * src[ix];
+                                }
                             }
                         }
                     }
@@ -458,15 +465,28 @@ impl Depthwise {
                                             let f = filter[dy_ * g.k + dx_];
                                             let r = g.valid(dx_, g.w, g.ow);
                                             let first = r.start * g.stride + dx_ - g.pad;
-                                            let mut acc = T::zero();
-                                            for (gv, ix) in grow[r.clone()].iter().zip((first..).step_by(g.stride)) {
-                                                acc = acc + *gv * src[ix];
-                                            }
+                                            let acc = if g.stride == 1 {
+                                                T::of(dot(&grow[r.clone()], &src[first..first + r.len()]))
+                                            } else {
+                                                let mut acc = T::zero();
+                                                for (gv, ix) in grow[r.clone()].iter().zip((first..).step_by(g.stride))
+                                                {
+                                                    acc = acc + *gv * src[ix];
+                                                }
+                                                acc
+                                            };
                                             dwc[dy_ * g.k + dx_] = dwc[dy_ * g.k + dx_] + acc;
                                             if let Some(d) = dplane.as_deref_mut() {
                                                 let drow = &mut d[iy * g.w..(iy + 1) * g.w];
-                                                for (gv, ix) in grow[r].iter().zip((first..).step_by(g.stride)) {
-                                                    drow[ix] = drow[ix] + f * *gv;
+                                                if g.stride == 1 {
+                                                    let dst = &mut drow[first..first + r.len()];
+                                                    for (dv, gv) in dst.iter_mut().zip(&grow[r]) {
+                                                        *dv = *dv + f * *gv;
+                                                    }
+                                                } else {
+                                                    for (gv, ix) in grow[r].iter().zip((first..).step_by(g.stride)) {
+                                                        drow[ix] = drow[ix] + f * *gv;
+                                                    }
                                                 }
                                             }
                                         }

@@ -81,11 +81,47 @@ fn widen<T: Copy>(v: &[T], start: usize, len: usize, f: impl Fn(T) -> f32) -> Re
     Ok(range(v, start, len)?.iter().map(|x| f(*x)).collect())
 }
 
+/// Elements per parallel chunk of the dtype conversions.
+const CONVERT_CHUNK: usize = 1 << 16;
+
+/// bf16 → f32 (exact: the bf16 bits are the f32's upper half), parallel and vectorised.
+fn widen_bf16(v: &[bf16], start: usize, len: usize) -> Result<Vec<f32>> {
+    use rayon::prelude::*;
+    let src = range(v, start, len)?;
+    let mut out = vec![0f32; len];
+    out.par_chunks_mut(CONVERT_CHUNK).zip(src.par_chunks(CONVERT_CHUNK)).for_each(|(o, i)| {
+        math::vectorized(|| {
+            for (d, b) in o.iter_mut().zip(i) {
+                *d = f32::from_bits((b.to_bits() as u32) << 16);
+            }
+        })
+    });
+    Ok(out)
+}
+
+/// f32 → bf16, rounded to nearest even (NaN stays NaN), parallel and vectorised.
+fn narrow_bf16(v: &[f32]) -> Vec<bf16> {
+    use rayon::prelude::*;
+    let mut out = vec![bf16::ZERO; v.len()];
+    out.par_chunks_mut(CONVERT_CHUNK).zip(v.par_chunks(CONVERT_CHUNK)).for_each(|(o, i)| {
+        math::vectorized(|| {
+            for (d, x) in o.iter_mut().zip(i) {
+                let bits = x.to_bits();
+                let rounded = (bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16;
+                // A NaN keeps its sign and a quiet payload (rounding could carry it to ±inf).
+                let nan = ((bits >> 16) as u16) | 0x0040;
+                *d = bf16::from_bits(if x.is_nan() { nan } else { rounded });
+            }
+        })
+    });
+    out
+}
+
 impl Real for f32 {
     fn slice(s: &CpuStorage, start: usize, len: usize) -> Result<Cow<'_, [f32]>> {
         Ok(match s {
             CpuStorage::F32(v) => Cow::Borrowed(range(v, start, len)?),
-            CpuStorage::BF16(v) => Cow::Owned(widen(v, start, len, bf16::to_f32)?),
+            CpuStorage::BF16(v) => Cow::Owned(widen_bf16(v, start, len)?),
             CpuStorage::F16(v) => Cow::Owned(widen(v, start, len, f16::to_f32)?),
             CpuStorage::F64(v) => Cow::Owned(range(v, start, len)?.iter().map(|x| *x as f32).collect()),
             other => return Err(unsupported(other.dtype())),
@@ -94,7 +130,7 @@ impl Real for f32 {
     fn storage(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
         Ok(match dtype {
             DType::F32 => CpuStorage::F32(values),
-            DType::BF16 => CpuStorage::BF16(values.iter().map(|v| bf16::from_f32(*v)).collect()),
+            DType::BF16 => CpuStorage::BF16(narrow_bf16(&values)),
             DType::F16 => CpuStorage::F16(values.iter().map(|v| f16::from_f32(*v)).collect()),
             DType::F64 => CpuStorage::F64(values.iter().map(|v| *v as f64).collect()),
             other => return Err(unsupported(other)),
@@ -300,6 +336,10 @@ pub(crate) fn par_ranges(n: usize, min: usize, f: impl Fn(std::ops::Range<usize>
     let threads = rayon::current_num_threads().max(1);
     let chunk = n.div_ceil(threads).max(min.max(1));
     let chunks = n.div_ceil(chunk);
+    if chunks <= 1 {
+        // Too little work to share: no hand-over to the thread pool.
+        return math::vectorized(|| f(0..n));
+    }
     // Each chunk runs compiled for the CPU's widest vectors (see `math::vectorized`).
     (0..chunks).into_par_iter().for_each(|c| math::vectorized(|| f(c * chunk..((c + 1) * chunk).min(n))));
 }

@@ -54,6 +54,46 @@ struct BatchNorm {
     mean: Vec<f64>,
     invstd: Vec<f64>,
     batch: bool,
+    act: Activation,
+}
+
+/// An activation applied to a normalisation's output inside the same op (its input, the
+/// normalised value, is then neither stored nor kept for backward: backward recomputes it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// None.
+    Identity,
+    /// ReLU, PyTorch's gradient (`[y > 0]`).
+    Relu,
+    /// ReLU6, PyTorch's gradient (`[0 < y < 6]`).
+    Relu6,
+}
+
+impl Activation {
+    /// The activation of `y` (selections: NaN passes through).
+    #[inline(always)]
+    fn apply<T: Real>(self, y: T) -> T {
+        match self {
+            Activation::Identity => y,
+            Activation::Relu => {
+                if y <= T::zero() {
+                    T::zero()
+                } else {
+                    y
+                }
+            }
+            Activation::Relu6 => {
+                let six = T::of(6.0);
+                if y <= T::zero() {
+                    T::zero()
+                } else if y >= six {
+                    six
+                } else {
+                    y
+                }
+            }
+        }
+    }
 }
 
 impl BatchNorm {
@@ -86,11 +126,11 @@ impl BatchNorm {
         let out = SharedMut::new(&mut y);
         par_ranges(n * c, 1, |r| {
             for plane in r {
-                let ch = plane % c;
+                let (a, t, act) = (scale[plane % c], shift[plane % c], self.act);
                 // SAFETY: one plane per index.
                 let dst = unsafe { out.range(plane * hw, hw) };
                 for (d, v) in dst.iter_mut().zip(&x[plane * hw..(plane + 1) * hw]) {
-                    *d = *v * scale[ch] + shift[ch];
+                    *d = act.apply(*v * a + t);
                 }
             }
         });
@@ -98,47 +138,78 @@ impl BatchNorm {
     }
 
     /// (dx, dweight, dbias).
-    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
         let (n, c, hw) = nchw(x.shape())?;
         let count = (n * hw).max(1) as f64;
+        let act = self.act;
         with::<T, _>(x, |x| {
             with::<T, _>(w, |w| {
-                with::<T, _>(g, |g| {
-                    let (mut dw, mut db) = (vec![T::zero(); c], vec![T::zero(); c]);
-                    let mut dx = vec![T::zero(); x.len()];
-                    let (sdw, sdb, sdx) = (SharedMut::new(&mut dw), SharedMut::new(&mut db), SharedMut::new(&mut dx));
-                    par_ranges(c, 1, |r| {
-                        for ch in r {
-                            let (mean, invstd) = (self.mean[ch], self.invstd[ch]);
-                            let planes = (0..n).map(|b| (b * c + ch) * hw);
-                            // Σg and Σg·x̂ in f64.
-                            let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
-                            for start in planes.clone() {
-                                let (gp, xp) = (&g[start..start + hw], &x[start..start + hw]);
-                                sum_g += sum(gp);
-                                sum_gx += dot_dev(gp, xp, mean) * invstd;
-                            }
-                            // SAFETY: one channel per index, and channel `ch`'s planes.
-                            unsafe {
-                                sdw.range(ch, 1)[0] = T::of(sum_gx);
-                                sdb.range(ch, 1)[0] = T::of(sum_g);
-                            }
-                            let k = T::wide(w[ch]) * invstd;
-                            // dx = k·(g − Σg/M − x̂·Σg·x̂/M) = k·g + e·(x − mean) + c.
-                            let (mg, mgx) = if self.batch { (sum_g / count, sum_gx / count) } else { (0.0, 0.0) };
-                            let (a, e, c0, m) = (T::of(k), T::of(-k * mgx * invstd), T::of(-k * mg), T::of(mean));
-                            for start in planes {
-                                // SAFETY: as above.
-                                let dst = unsafe { sdx.range(start, hw) };
-                                for ((d, gv), xv) in
-                                    dst.iter_mut().zip(&g[start..start + hw]).zip(&x[start..start + hw])
-                                {
-                                    *d = a * *gv + e * (*xv - m) + c0;
+                with::<T, _>(b, |b| {
+                    with::<T, _>(g, |g| {
+                        let (scale, shift) = self.affine(w, b);
+                        let (mut dw, mut db) = (vec![T::zero(); c], vec![T::zero(); c]);
+                        let mut dx = vec![T::zero(); x.len()];
+                        let (sdw, sdb, sdx) =
+                            (SharedMut::new(&mut dw), SharedMut::new(&mut db), SharedMut::new(&mut dx));
+                        // The activation passes the gradient where its input (recomputed) lies
+                        // strictly inside (0, upper).
+                        let upper = match act {
+                            Activation::Identity => None,
+                            Activation::Relu => Some(T::infinity()),
+                            Activation::Relu6 => Some(T::of(6.0)),
+                        };
+                        par_ranges(c, 1, |r| {
+                            // The gradient at the normalised value, one channel's planes.
+                            let mut through = vec![T::zero(); if upper.is_some() { n * hw } else { 0 }];
+                            for ch in r {
+                                let (mean, invstd) = (self.mean[ch], self.invstd[ch]);
+                                let (a, t) = (scale[ch], shift[ch]);
+                                let planes = || (0..n).map(|b| (b * c + ch) * hw);
+                                if let Some(upper) = upper {
+                                    for (j, start) in planes().enumerate() {
+                                        let dst = &mut through[j * hw..(j + 1) * hw];
+                                        let (gp, xp) = (&g[start..start + hw], &x[start..start + hw]);
+                                        for ((d, gv), xv) in dst.iter_mut().zip(gp).zip(xp) {
+                                            let y = *xv * a + t;
+                                            *d = if y > T::zero() && y < upper { *gv } else { T::zero() };
+                                        }
+                                    }
+                                }
+                                let gplane = |j: usize, start: usize| -> &[T] {
+                                    if upper.is_some() {
+                                        &through[j * hw..(j + 1) * hw]
+                                    } else {
+                                        &g[start..start + hw]
+                                    }
+                                };
+                                // Σg and Σg·x̂ in f64.
+                                let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
+                                for (j, start) in planes().enumerate() {
+                                    let gp = gplane(j, start);
+                                    sum_g += sum(gp);
+                                    sum_gx += dot_dev(gp, &x[start..start + hw], mean) * invstd;
+                                }
+                                // SAFETY: one channel per index, and channel `ch`'s planes.
+                                unsafe {
+                                    sdw.range(ch, 1)[0] = T::of(sum_gx);
+                                    sdb.range(ch, 1)[0] = T::of(sum_g);
+                                }
+                                let k = T::wide(w[ch]) * invstd;
+                                // dx = k·(g − Σg/M − x̂·Σg·x̂/M) = k·g + e·(x − mean) + c.
+                                let (mg, mgx) = if self.batch { (sum_g / count, sum_gx / count) } else { (0.0, 0.0) };
+                                let (ka, e, c0, m) = (T::of(k), T::of(-k * mgx * invstd), T::of(-k * mg), T::of(mean));
+                                for (j, start) in planes().enumerate() {
+                                    // SAFETY: as above.
+                                    let dst = unsafe { sdx.range(start, hw) };
+                                    for ((d, gv), xv) in dst.iter_mut().zip(gplane(j, start)).zip(&x[start..start + hw])
+                                    {
+                                        *d = ka * *gv + e * (*xv - m) + c0;
+                                    }
                                 }
                             }
-                        }
-                    });
-                    Ok((dx, dw, db))
+                        });
+                        Ok((dx, dw, db))
+                    })
                 })
             })
         })
@@ -175,7 +246,7 @@ impl CustomOp3 for BatchNorm {
         let c = w.elem_count();
         macro_rules! run {
             ($t:ty) => {{
-                let (dx, dw, db) = self.bwd::<$t>(x, w, g)?;
+                let (dx, dw, db) = self.bwd::<$t>(x, w, b, g)?;
                 (tensor(dx, x.shape(), x.dtype())?, tensor(dw, c, w.dtype())?, tensor(db, c, b.dtype())?)
             }};
         }
@@ -186,7 +257,8 @@ impl CustomOp3 for BatchNorm {
 
 /// Batch normalisation of `x` (N, C, H, W) with per-channel `mean` and biased `var` (this
 /// batch's own when `batch`, whose dependence on `x` then enters the gradient; the running
-/// estimates otherwise), `weight` and `bias` (C).
+/// estimates otherwise), `weight` and `bias` (C), followed by `act` in the same op.
+#[allow(clippy::too_many_arguments)]
 pub fn batch_norm(
     x: &Tensor,
     mean: &[f64],
@@ -195,9 +267,10 @@ pub fn batch_norm(
     bias: &Tensor,
     eps: f64,
     batch: bool,
+    act: Activation,
 ) -> Result<Tensor> {
     let invstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
-    let op = BatchNorm { mean: mean.to_vec(), invstd, batch };
+    let op = BatchNorm { mean: mean.to_vec(), invstd, batch, act };
     super::apply3(&x.contiguous()?, &weight.contiguous()?, &bias.contiguous()?, op)
 }
 
