@@ -87,11 +87,11 @@ impl Engine {
     }
 
     /// Bytes held by live tensors (and, on the CPU, everything else on the heap): exact with the
-    /// tracking allocator or on CUDA, the resident set otherwise.
+    /// tracking allocator or the caching heap installed, and on CUDA; the resident set otherwise.
     pub fn allocated(&self) -> Figure {
         match &self.kind {
-            Kind::Cpu => match host_memory::tracked_heap() {
-                Some(bytes) => Figure { bytes, source: FigureSource::TrackingAllocator },
+            Kind::Cpu => match host_memory::exact_heap() {
+                Some((bytes, source)) => Figure { bytes, source },
                 None => Figure { bytes: host_memory::process_rss().unwrap_or(0), source: FigureSource::ProcessRss },
             },
             #[cfg(feature = "cuda")]
@@ -111,9 +111,7 @@ impl Engine {
     /// Peak of `allocated` since creation or `reset_peak` (exact sources only).
     pub fn peak_allocated(&self) -> Option<Figure> {
         match &self.kind {
-            Kind::Cpu => {
-                host_memory::tracked_peak().map(|bytes| Figure { bytes, source: FigureSource::TrackingAllocator })
-            }
+            Kind::Cpu => host_memory::exact_peak().map(|(bytes, source)| Figure { bytes, source }),
             #[cfg(feature = "cuda")]
             Kind::Cuda(g) => Some(Figure { bytes: g.pool().used_peak(), source: FigureSource::CudaPool }),
         }
@@ -122,7 +120,7 @@ impl Engine {
     /// Resets the peak to the current value.
     pub fn reset_peak(&self) {
         match &self.kind {
-            Kind::Cpu => host_memory::reset_tracked_peak(),
+            Kind::Cpu => host_memory::reset_exact_peak(),
             #[cfg(feature = "cuda")]
             Kind::Cuda(g) => g.pool().reset_peaks(),
         }

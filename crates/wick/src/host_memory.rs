@@ -6,11 +6,16 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use wick_memory::heap::CachingHeap;
+
 /// Where a figure was read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum FigureSource {
     /// Counted by wick's tracking global allocator: exact heap bytes.
     TrackingAllocator,
+    /// Counted by wick's caching heap (`wick_memory::heap::CachingHeap` as the global
+    /// allocator): exact heap bytes, large buffers served from wick's caching allocator.
+    CachingHeap,
     /// The process's resident set (`/proc/self/statm`): includes code, stacks and freed-but-kept heap.
     ProcessRss,
     /// The container's cgroup (`memory.current` / `memory.max`).
@@ -27,6 +32,7 @@ impl std::fmt::Display for FigureSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let text = match self {
             FigureSource::TrackingAllocator => "tracking allocator (exact heap)",
+            FigureSource::CachingHeap => "caching heap (exact heap)",
             FigureSource::ProcessRss => "process RSS",
             FigureSource::Cgroup => "cgroup",
             FigureSource::MemTotal => "MemTotal",
@@ -102,6 +108,29 @@ unsafe impl GlobalAlloc for TrackingAllocator {
     }
 }
 
+/// Exact heap bytes and their source: the tracking allocator's, or the caching heap's, when
+/// either is this process's global allocator.
+pub fn exact_heap() -> Option<(usize, FigureSource)> {
+    tracked_heap()
+        .map(|b| (b, FigureSource::TrackingAllocator))
+        .or_else(|| CachingHeap::installed().map(|h| (h.live_bytes(), FigureSource::CachingHeap)))
+}
+
+/// Peak of [`exact_heap`] since start or the last [`reset_exact_peak`].
+pub fn exact_peak() -> Option<(usize, FigureSource)> {
+    tracked_peak()
+        .map(|b| (b, FigureSource::TrackingAllocator))
+        .or_else(|| CachingHeap::installed().map(|h| (h.peak_bytes(), FigureSource::CachingHeap)))
+}
+
+/// Sets the exact peaks to the current values.
+pub fn reset_exact_peak() {
+    reset_tracked_peak();
+    if let Some(heap) = CachingHeap::installed() {
+        heap.reset_peak();
+    }
+}
+
 /// Exact heap bytes, when the tracking allocator is installed in this process.
 pub fn tracked_heap() -> Option<usize> {
     ACTIVE.load(Ordering::Relaxed).then(|| ALLOCATED.load(Ordering::Relaxed))
@@ -150,8 +179,14 @@ pub fn host_budget() -> (usize, FigureSource) {
     }
 }
 
-/// Returns freed heap memory to the operating system (`malloc_trim(0)`); true if any was released.
+/// Returns freed heap memory to the operating system: the caching heap's unused segments when it
+/// is installed, then `malloc_trim(0)`; true if anything was released.
 pub fn trim_heap() -> bool {
+    let cached = CachingHeap::installed().and_then(|h| h.empty_cache().ok()).is_some_and(|r| r.bytes > 0);
+    trim_system_heap() || cached
+}
+
+fn trim_system_heap() -> bool {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         // SAFETY: malloc_trim only returns free memory at the heap's top and in free chunks.

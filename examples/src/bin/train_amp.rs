@@ -19,8 +19,10 @@ use wick_zoo::estimate::graph_bytes;
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::params::normal_tensor;
 
+/// candle's tensor buffers come from wick's caching allocator (exact heap figures in the summary,
+/// no map/unmap per buffer).
 #[global_allocator]
-static ALLOC: wick::TrackingAllocator = wick::TrackingAllocator;
+static HEAP: wick_memory::heap::CachingHeap = wick_memory::heap::CachingHeap::new();
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a zoo decoder with AMP and show where the memory went")]
