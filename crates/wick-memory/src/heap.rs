@@ -200,7 +200,7 @@ impl CachingHeap {
     }
 
     /// Serves a large request from the cache, or `None` when it cannot.
-    fn from_cache(&self, layout: Layout, pre: usize) -> Option<*mut u8> {
+    fn serve_cached(&self, layout: Layout, pre: usize) -> Option<*mut u8> {
         let bypass = *self
             .bypass
             .get_or_init(|| enter(|| std::env::var_os("WICK_HEAP").is_some_and(|v| v == "system")).unwrap_or(false));
@@ -232,7 +232,7 @@ impl CachingHeap {
     ///
     /// # Safety
     /// `layout` has non-zero size.
-    unsafe fn from_system(&self, layout: Layout, pre: usize, zeroed: bool, counted: bool) -> *mut u8 {
+    unsafe fn serve_system(&self, layout: Layout, pre: usize, zeroed: bool, counted: bool) -> *mut u8 {
         let Some(total) = layout.size().checked_add(pre) else { return std::ptr::null_mut() };
         let Ok(outer) = Layout::from_size_align(total, pre) else { return std::ptr::null_mut() };
         // SAFETY: non-zero size.
@@ -273,9 +273,9 @@ impl CachingHeap {
         let pre = prefix(&layout);
         if INSIDE.try_with(|inside| inside.get()).unwrap_or(true) {
             // SAFETY: large requests have a non-zero size.
-            return unsafe { self.from_system(layout, pre, zeroed, false) };
+            return unsafe { self.serve_system(layout, pre, zeroed, false) };
         }
-        match self.from_cache(layout, pre) {
+        match self.serve_cached(layout, pre) {
             Some(p) => {
                 if zeroed {
                     // A reused block holds its last user's bytes.
@@ -286,7 +286,7 @@ impl CachingHeap {
                 p
             }
             // SAFETY: large requests have a non-zero size.
-            None => unsafe { self.from_system(layout, pre, zeroed, true) },
+            None => unsafe { self.serve_system(layout, pre, zeroed, true) },
         }
     }
 }
@@ -337,7 +337,7 @@ unsafe impl GlobalAlloc for CachingHeap {
         }
         let pre = prefix(&layout);
         // SAFETY: `ptr` came from `alloc`/`alloc_zeroed` with this layout, so a header written
-        // by `from_cache` or `from_system` sits in front of it.
+        // by `serve_cached` or `serve_system` sits in front of it.
         let h = unsafe { ptr.sub(HEADER).cast::<Header>().read() };
         match h.magic {
             MAGIC_SYSTEM | MAGIC_RESERVE => {
@@ -345,7 +345,7 @@ unsafe impl GlobalAlloc for CachingHeap {
                     self.system_large.fetch_sub(layout.size(), Ordering::Relaxed);
                     self.live.fetch_sub(layout.size(), Ordering::Relaxed);
                 }
-                // SAFETY: `from_system` allocated `pre + size` bytes aligned to `pre` at `ptr - pre`.
+                // SAFETY: `serve_system` allocated `pre + size` bytes aligned to `pre` at `ptr - pre`.
                 unsafe { System.dealloc(ptr.sub(pre), Layout::from_size_align_unchecked(layout.size() + pre, pre)) }
             }
             MAGIC_CACHE => {

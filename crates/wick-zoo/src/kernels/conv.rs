@@ -403,27 +403,77 @@ impl Depthwise {
         let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
         let mut y = vec![T::zero(); g.n * g.c_in * ohw];
         let out = SharedMut::new(&mut y);
+        // Per kernel column: the output columns it reaches and their first input column.
+        let taps: Vec<(std::ops::Range<usize>, usize)> = (0..g.k)
+            .map(|dx| {
+                let r = g.valid(dx, g.w, g.ow);
+                let first = r.start * g.stride + dx - g.pad;
+                (r, first)
+            })
+            .collect();
         par_ranges(g.n * g.c_in, 1, |r| {
+            // Stride 2: each input row split into its even and odd columns, so that every tap
+            // reads a contiguous run.
+            let half = g.w.div_ceil(2);
+            let mut split = vec![T::zero(); if g.stride == 2 { 2 * half } else { 0 }];
+            // Stride 1: the plane padded, and the output in padded rows, so that each tap is one
+            // flat pass over the whole plane (rows of 7 or 14 are too short to vectorise well).
+            let (ph, pw) = (g.h + 2 * g.pad, g.w + 2 * g.pad);
+            let flat = g.stride == 1;
+            let mut padded = vec![T::zero(); if flat { ph * pw + g.k } else { 0 }];
+            let mut wide = vec![T::zero(); if flat { g.oh * pw } else { 0 }];
             for p in r {
                 let (plane, filter) = (&x[p * hw..(p + 1) * hw], &w[(p % g.c_in) * kk..][..kk]);
                 // SAFETY: one plane per index.
                 let dst = unsafe { out.range(p * ohw, ohw) };
+                if flat {
+                    for (iy, src) in plane.chunks(g.w).enumerate() {
+                        padded[(iy + g.pad) * pw + g.pad..][..g.w].copy_from_slice(src);
+                    }
+                    wide.iter_mut().for_each(|v| *v = T::zero());
+                    for dy in 0..g.k {
+                        for dx in 0..g.k {
+                            let f = filter[dy * g.k + dx];
+                            let src = &padded[dy * pw + dx..][..g.oh * pw];
+                            for (v, s) in wide.iter_mut().zip(src) {
+                                *v = *v + f * *s;
+                            }
+                        }
+                    }
+                    for (oy, row) in dst.chunks_mut(g.ow).enumerate() {
+                        row.copy_from_slice(&wide[oy * pw..oy * pw + g.ow]);
+                    }
+                    continue;
+                }
                 for oy in 0..g.oh {
                     let row = &mut dst[oy * g.ow..(oy + 1) * g.ow];
                     for dy in 0..g.k {
                         let Some(iy) = g.source(oy, dy, g.h) else { continue };
                         let src = &plane[iy * g.w..(iy + 1) * g.w];
-                        for dx in 0..g.k {
+                        if g.stride == 2 {
+                            let (even, odd) = split.split_at_mut(half);
+                            for (j, v) in src.iter().enumerate() {
+                                if j % 2 == 0 {
+                                    even[j / 2] = *v;
+                                } else {
+                                    odd[j / 2] = *v;
+                                }
+                            }
+                        }
+                        for (dx, (r, first)) in taps.iter().enumerate() {
                             let f = filter[dy * g.k + dx];
-                            let r = g.valid(dx, g.w, g.ow);
-                            let first = r.start * g.stride + dx - g.pad;
-                            if g.stride == 1 {
+                            let run: &[T] = match g.stride {
+                                1 => &src[*first..*first + r.len()],
+                                2 => &split[(first % 2) * half + first / 2..][..r.len()],
+                                _ => &[],
+                            };
+                            if g.stride <= 2 {
                                 // Contiguous on both sides: vectorises.
-                                for (v, s) in row[r.clone()].iter_mut().zip(&src[first..first + r.len()]) {
+                                for (v, s) in row[r.clone()].iter_mut().zip(run) {
                                     *v = *v + f * *s;
                                 }
                             } else {
-                                for (v, ix) in row[r].iter_mut().zip((first..).step_by(g.stride)) {
+                                for (v, ix) in row[r.clone()].iter_mut().zip((*first..).step_by(g.stride)) {
                                     *v = *v + f * src[ix];
                                 }
                             }
@@ -447,6 +497,15 @@ impl Depthwise {
                     let (sdx, sdw) = (SharedMut::new(&mut dx), SharedMut::new(&mut dw));
                     // Parallel over channels: each channel's filter gradient sums over images.
                     par_ranges(g.c_in, 1, |r| {
+                        // Stride 1: padded planes and the output gradient in padded rows (zeros in
+                        // the extra columns), so that each tap is one flat dot product (dW) and
+                        // one flat multiply-add (dX) over the whole plane.
+                        let (ph, pw) = (g.h + 2 * g.pad, g.w + 2 * g.pad);
+                        let flat = g.stride == 1;
+                        let size = |n: usize| if flat { n } else { 0 };
+                        let (mut padded, mut dpadded) =
+                            (vec![T::zero(); size(ph * pw + g.k)], vec![T::zero(); size(ph * pw + g.k)]);
+                        let mut wide = vec![T::zero(); size(g.oh * pw)];
                         for c in r {
                             let filter = &w[c * kk..][..kk];
                             // SAFETY: one channel per index.
@@ -456,6 +515,34 @@ impl Depthwise {
                                 let (plane, gp) = (&x[p * hw..(p + 1) * hw], &dy[p * ohw..(p + 1) * ohw]);
                                 // SAFETY: plane `p` belongs to channel `c` only.
                                 let mut dplane = want_dx.then(|| unsafe { sdx.range(p * hw, hw) });
+                                if flat {
+                                    for (iy, src) in plane.chunks(g.w).enumerate() {
+                                        padded[(iy + g.pad) * pw + g.pad..][..g.w].copy_from_slice(src);
+                                    }
+                                    for (oy, src) in gp.chunks(g.ow).enumerate() {
+                                        wide[oy * pw..oy * pw + g.ow].copy_from_slice(src);
+                                    }
+                                    if want_dx {
+                                        dpadded.iter_mut().for_each(|v| *v = T::zero());
+                                    }
+                                    for t in 0..kk {
+                                        let off = (t / g.k) * pw + t % g.k;
+                                        let span = &padded[off..off + g.oh * pw];
+                                        dwc[t] = dwc[t] + T::of(dot(&wide, span));
+                                        if want_dx {
+                                            let f = filter[t];
+                                            for (d, v) in dpadded[off..off + g.oh * pw].iter_mut().zip(&wide) {
+                                                *d = *d + f * *v;
+                                            }
+                                        }
+                                    }
+                                    if let Some(d) = dplane.as_deref_mut() {
+                                        for (iy, row) in d.chunks_mut(g.w).enumerate() {
+                                            row.copy_from_slice(&dpadded[(iy + g.pad) * pw + g.pad..][..g.w]);
+                                        }
+                                    }
+                                    continue;
+                                }
                                 for oy in 0..g.oh {
                                     let grow = &gp[oy * g.ow..(oy + 1) * g.ow];
                                     for dy_ in 0..g.k {

@@ -14,6 +14,9 @@ fn err(msg: String) -> candle_core::Error {
 
 struct Linear;
 
+/// Input, weight and bias gradients (the first and last when wanted).
+type Grads<T> = (Option<Vec<T>>, Vec<T>, Option<Vec<T>>);
+
 /// (rows, in, out) of `x` (…, in) times `w` (out, in).
 fn dims(x: &Shape, w: &Shape) -> Result<(usize, usize, usize)> {
     let (Some(&k), &[out, wk]) = (x.dims().last(), w.dims()) else {
@@ -65,7 +68,7 @@ impl Linear {
         g: &Tensor,
         want_dx: bool,
         want_db: bool,
-    ) -> Result<(Option<Vec<T>>, Vec<T>, Option<Vec<T>>)> {
+    ) -> Result<Grads<T>> {
         let (m, k, n) = dims(x.shape(), w.shape())?;
         with::<T, _>(x, |x| {
             with::<T, _>(w, |w| {

@@ -163,7 +163,7 @@ fn fold<T: Real>(g: &[T], len: usize) -> Vec<T> {
 
 impl AddBroadcast {
     fn fwd<T: Real>(x: &[T], a: &[T], b: &[T]) -> Result<Vec<T>> {
-        if a.is_empty() || b.is_empty() || x.len() % a.len() != 0 || x.len() % b.len() != 0 {
+        if a.is_empty() || b.is_empty() || !x.len().is_multiple_of(a.len()) || !x.len().is_multiple_of(b.len()) {
             return Err(err(format!("add_broadcast: {} elements with {} and {}", x.len(), a.len(), b.len())));
         }
         Ok(x.iter().enumerate().map(|(i, v)| *v + a[i % a.len()] + b[i % b.len()]).collect())
