@@ -159,13 +159,12 @@ fn checkpointing_works_on_every_zoo_model() {
             same_gradients(&r50.params, r50_loss);
             same_gradients(&mbn.params, mbn_loss);
         } else {
-            let grad_bytes = |p: &wick_zoo::params::Params| 4 * p.numel();
-            for (name, ((plain, plain_kept), (ckpt, ckpt_kept)), gradients) in [
-                ("bert", peaks(&bert.params, bert_loss), grad_bytes(&bert.params)),
-                ("vit", peaks(&vit.params, vit_loss), grad_bytes(&vit.params)),
-                ("resnet18", peaks(&r18.params, r18_loss), grad_bytes(&r18.params)),
-                ("resnet50", peaks(&r50.params, r50_loss), grad_bytes(&r50.params)),
-                ("mobilenet_v2", peaks(&mbn.params, mbn_loss), grad_bytes(&mbn.params)),
+            for (name, ((plain, plain_kept), (ckpt, ckpt_kept))) in [
+                ("bert", peaks(&bert.params, bert_loss)),
+                ("vit", peaks(&vit.params, vit_loss)),
+                ("resnet18", peaks(&r18.params, r18_loss)),
+                ("resnet50", peaks(&r50.params, r50_loss)),
+                ("mobilenet_v2", peaks(&mbn.params, mbn_loss)),
             ] {
                 println!(
                     "{name}: training-step peak plain {:.1} MiB, checkpointed {:.1} MiB; activations kept {:.1} vs {:.1} MiB",
@@ -174,19 +173,21 @@ fn checkpointing_works_on_every_zoo_model() {
                     plain_kept as f64 / 1048576.0,
                     ckpt_kept as f64 / 1048576.0,
                 );
-                report.push((name, plain, ckpt, plain_kept, ckpt_kept, gradients));
+                report.push((name, plain, ckpt, plain_kept, ckpt_kept));
             }
         }
     }
-    for (name, plain, ckpt, plain_kept, ckpt_kept, gradients) in report {
-        // Every model keeps far fewer activations, and its training step peaks lower. Both peaks
-        // include the parameter gradients, which checkpointing cannot touch (they are most of a
-        // small model's step peak since the zoo's ops keep only their inputs): the part of the
-        // peak above them falls by at least a fifth.
+    for (name, plain, ckpt, plain_kept, ckpt_kept) in report {
+        // Every model keeps far fewer activations, and its training step peaks lower by at least
+        // half of the activation bytes checkpointing removes (the rest of a peak — parameter
+        // gradients, the recomputed segment, the ops' scratch — it cannot touch; at these test
+        // sizes that is most of a small CNN's peak, and the parallel ops' scratch moves a peak
+        // by a few hundred KiB from run to run).
         assert!((ckpt_kept as f64) < 0.6 * plain_kept as f64, "{name}: kept {ckpt_kept} vs {plain_kept}");
+        let saved = plain_kept - ckpt_kept;
         assert!(
-            (ckpt.saturating_sub(gradients) as f64) < 0.8 * plain.saturating_sub(gradients) as f64,
-            "{name}: checkpointing lowers the peak above the {gradients} gradient bytes ({ckpt} vs {plain})"
+            ckpt + saved / 2 <= plain,
+            "{name}: the peak falls by less than half the {saved} activation bytes checkpointing removes ({ckpt} vs {plain})"
         );
     }
 }

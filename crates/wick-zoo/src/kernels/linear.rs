@@ -62,13 +62,7 @@ impl Linear {
     }
 
     /// (dx when wanted, dw, db when wanted).
-    fn bwd<T: Real>(
-        x: &Tensor,
-        w: &Tensor,
-        g: &Tensor,
-        want_dx: bool,
-        want_db: bool,
-    ) -> Result<Grads<T>> {
+    fn bwd<T: Real>(x: &Tensor, w: &Tensor, g: &Tensor, want_dx: bool, want_db: bool) -> Result<Grads<T>> {
         let (m, k, n) = dims(x.shape(), w.shape())?;
         with::<T, _>(x, |x| {
             with::<T, _>(w, |w| {
