@@ -64,8 +64,10 @@ pub(crate) fn initial_masters(vars: &[Var], masters: Option<&[Tensor]>) -> Resul
     let mut out = Vec::with_capacity(vars.len());
     for (source, v) in sources.iter().zip(vars) {
         if v.dtype() == DType::F32 {
-            if masters.is_some() {
-                v.set(&source.to_device(v.device())?.to_dtype(DType::F32)?)?;
+            // Given values become the parameter's (through a copy: they may share its storage,
+            // which candle refuses to set a variable from); the parameter itself needs nothing.
+            if masters.is_some() && source.id() != v.as_tensor().id() {
+                v.set(&source.to_device(v.device())?.to_dtype(DType::F32)?.copy()?)?;
             }
             out.push(v.as_tensor().detach());
         } else {
@@ -374,6 +376,27 @@ mod tests {
         let rne = |v: f32| f32::from_bits((v.to_bits() + 0x7FFF + ((v.to_bits() >> 16) & 1)) & 0xFFFF_0000);
         let rounded: Vec<f32> = values.iter().map(|v| rne(*v)).collect();
         assert_eq!(before, rounded);
+    }
+
+    /// An f32 parameter is its own master: given its own values (or a view of them), or other
+    /// values, it takes them and updates in place; no copy is kept.
+    #[test]
+    fn f32_parameters_are_their_own_masters() {
+        let dev = Device::Cpu;
+        let param = Var::from_tensor(&Tensor::new(&[1.0f32, 2.0], &dev).unwrap()).unwrap();
+        let opt = MasterOptimizer::SgdMomentum { lr: 0.5, momentum: 0.0 };
+        let vars = std::slice::from_ref(&param);
+        for given in [param.as_tensor().clone(), param.as_tensor().detach()] {
+            let masters = MasterWeights::with_masters(vars, Some(&[given]), opt).unwrap();
+            assert_eq!(masters.memory_bytes().0, 0, "no master copies");
+        }
+        let other = Tensor::new(&[3.0f32, 4.0], &dev).unwrap();
+        let mut masters = MasterWeights::with_masters(vars, Some(&[other]), opt).unwrap();
+        assert_eq!(param.as_tensor().to_vec1::<f32>().unwrap(), vec![3.0, 4.0]);
+        let loss = param.as_tensor().sum_all().unwrap();
+        masters.step(&loss.backward().unwrap()).unwrap();
+        assert_eq!(param.as_tensor().to_vec1::<f32>().unwrap(), vec![2.5, 3.5]);
+        assert_eq!(masters.master(0).unwrap().to_vec1::<f32>().unwrap(), vec![2.5, 3.5]);
     }
 
     #[test]

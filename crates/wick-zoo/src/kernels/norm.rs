@@ -327,9 +327,12 @@ impl RowNorm {
                     }
                     let mut dx = vec![T::zero(); x.len()];
                     let sdx = SharedMut::new(&mut dx);
-                    // Per-thread partial sums of dweight and dbias (f64), added at the end.
-                    let partial = Mutex::new(vec![0.0f64; 2 * d]);
+                    // Per-chunk partial sums of dweight and dbias (f64), added at the end in
+                    // the chunks' order, so the result does not depend on which thread ends
+                    // first (the same inputs give the same bits on every run).
+                    let partial = Mutex::new(Vec::new());
                     par_ranges(rows, 16, |r| {
+                        let first = r.start;
                         let mut acc = vec![0.0f64; 2 * d];
                         for row in r {
                             let (mean, inv) = stats[row];
@@ -352,10 +355,14 @@ impl RowNorm {
                                 dst[j] = T::of(inv * (gw - m1 - xhat * m2));
                             }
                         }
-                        let mut total = partial.lock().unwrap_or_else(|p| p.into_inner());
-                        total.iter_mut().zip(&acc).for_each(|(t, a)| *t += a);
+                        partial.lock().unwrap_or_else(|p| p.into_inner()).push((first, acc));
                     });
-                    let sums = partial.into_inner().unwrap_or_else(|p| p.into_inner());
+                    let mut parts = partial.into_inner().unwrap_or_else(|p| p.into_inner());
+                    parts.sort_by_key(|(first, _)| *first);
+                    let mut sums = vec![0.0f64; 2 * d];
+                    for (_, acc) in &parts {
+                        sums.iter_mut().zip(acc).for_each(|(t, a)| *t += a);
+                    }
                     let dw = sums[..d].iter().map(|v| T::of(*v)).collect();
                     let db = sums[d..].iter().map(|v| T::of(*v)).collect();
                     Ok((dx, dw, db))
