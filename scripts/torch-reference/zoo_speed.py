@@ -26,25 +26,13 @@ import torch.nn.functional as F
 import torchvision
 
 
-class ResNet(torchvision.models.resnet.ResNet):
-    """torchvision's ResNet with `num_classes` outputs (width 64 is torchvision's own)."""
-
-    def __init__(self, depth, num_classes, width):
-        from torchvision.models.resnet import BasicBlock, Bottleneck
-        block, layers = (BasicBlock, [2, 2, 2, 2]) if depth == 18 else (Bottleneck, [3, 4, 6, 3])
-        torch.nn.Module.__init__(self)
-        self._norm_layer, self.inplanes, self.dilation, self.groups, self.base_width = (
-            torch.nn.BatchNorm2d, width, 1, 1, 64)
-        self.conv1 = torch.nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
-        self.bn1 = torch.nn.BatchNorm2d(width)
-        self.relu = torch.nn.ReLU(inplace=True)
-        self.maxpool = torch.nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        self.layer1 = self._make_layer(block, width, layers[0])
-        self.layer2 = self._make_layer(block, 2 * width, layers[1], stride=2)
-        self.layer3 = self._make_layer(block, 4 * width, layers[2], stride=2)
-        self.layer4 = self._make_layer(block, 8 * width, layers[3], stride=2)
-        self.avgpool = torch.nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = torch.nn.Linear(8 * width * block.expansion, num_classes)
+def resnet(depth, num_classes, width):
+    """torchvision's ResNet-18 or -50 (width 64 is torchvision's own), via the AMP reference's
+    builder for any first-stage width."""
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+    from amp_trial import ResNet
+    block, layers = (BasicBlock, [2, 2, 2, 2]) if depth == 18 else (Bottleneck, [3, 4, 6, 3])
+    return ResNet(block, layers, num_classes, width)
 
 
 def build(spec):
@@ -97,7 +85,7 @@ def build(spec):
             image_size=c["image_size"], patch_size=c["patch_size"], num_layers=c["layers"], num_heads=c["heads"],
             hidden_dim=c["hidden"], mlp_dim=c["mlp_dim"], num_classes=c["num_classes"])
     elif kind == "resnet":
-        model = ResNet(spec["depth"], classes, spec["width"])
+        model = resnet(spec["depth"], classes, spec["width"])
     elif kind == "mobilenet_v2":
         model = torchvision.models.mobilenet_v2(num_classes=classes, width_mult=spec["width_mult"], dropout=0.0)
     else:

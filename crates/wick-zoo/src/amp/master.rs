@@ -6,33 +6,11 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Result, Tensor, Var};
 
-use crate::kernels::optim::Rule;
 use crate::params::Params;
 
-/// The update rule.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum MasterOptimizer {
-    /// SGD with momentum (PyTorch's form: `b = μ·b + g`, `p -= lr·b`).
-    SgdMomentum {
-        /// Learning rate.
-        lr: f64,
-        /// Momentum μ.
-        momentum: f64,
-    },
-    /// AdamW (decoupled weight decay, bias-corrected moments).
-    AdamW {
-        /// Learning rate.
-        lr: f64,
-        /// β1.
-        beta1: f64,
-        /// β2.
-        beta2: f64,
-        /// ε.
-        eps: f64,
-        /// Weight decay.
-        weight_decay: f64,
-    },
-}
+/// The update rule (the CPU kernels' [`crate::kernels::optim::Optimizer`]: one definition for
+/// both).
+pub use crate::kernels::optim::Optimizer as MasterOptimizer;
 
 struct Entry {
     model: Var,
@@ -157,10 +135,7 @@ impl MasterWeights {
     /// parameters' current values when `None`; zeroed f32 state. Each parameter is set to its
     /// master rounded to the parameter's dtype, so the model computes with the masters' values.
     pub fn with_masters(vars: &[Var], masters: Option<&[Tensor]>, optimizer: MasterOptimizer) -> Result<Self> {
-        let states = match optimizer {
-            MasterOptimizer::SgdMomentum { .. } => 1,
-            MasterOptimizer::AdamW { .. } => 2,
-        };
+        let states = optimizer.states();
         let entries = vars
             .iter()
             .zip(initial_masters(vars, masters)?)
@@ -209,13 +184,7 @@ impl MasterWeights {
             // (activations included), and state built from them would keep it alive across steps.
             if e.master.device().is_cpu() && g.device().is_cpu() {
                 // One fused pass, in place (the f32 parameter itself when it is its own master).
-                let rule = match self.optimizer {
-                    MasterOptimizer::SgdMomentum { lr, momentum } => Rule::SgdMomentum { lr, momentum },
-                    MasterOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
-                        Rule::AdamW { lr, beta1, beta2, eps, weight_decay, step: t }
-                    }
-                };
-                e.state = crate::kernels::optim::step(&e.master, &g.detach(), &e.state, rule)?;
+                e.state = crate::kernels::optim::step(&e.master, &g.detach(), &e.state, self.optimizer, t)?;
                 if e.model.dtype() != DType::F32 {
                     crate::kernels::optim::copy_into(e.model.as_tensor(), &e.master)?;
                 }

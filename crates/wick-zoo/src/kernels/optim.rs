@@ -11,17 +11,17 @@ use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
 
 use super::{par_ranges, read, with, SharedMut};
 
-/// One optimizer step's rule and hyper-parameters.
-#[derive(Debug, Clone, Copy)]
-pub enum Rule {
-    /// SGD with momentum, PyTorch's form: `b = μ·b + g`, `p -= lr·b`.
+/// An optimizer's update rule and hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Optimizer {
+    /// SGD with momentum (PyTorch's form: `b = μ·b + g`, `p -= lr·b`).
     SgdMomentum {
         /// Learning rate.
         lr: f64,
         /// Momentum μ.
         momentum: f64,
     },
-    /// AdamW at step `step` (1-based): decoupled weight decay, bias-corrected moments.
+    /// AdamW (decoupled weight decay, bias-corrected moments).
     AdamW {
         /// Learning rate.
         lr: f64,
@@ -33,23 +33,23 @@ pub enum Rule {
         eps: f64,
         /// Weight decay.
         weight_decay: f64,
-        /// The step number, from 1.
-        step: i32,
     },
 }
 
-impl Rule {
+impl Optimizer {
     /// State vectors per parameter element (momentum buffer; first and second moments).
     pub fn states(&self) -> usize {
         match self {
-            Rule::SgdMomentum { .. } => 1,
-            Rule::AdamW { .. } => 2,
+            Optimizer::SgdMomentum { .. } => 1,
+            Optimizer::AdamW { .. } => 2,
         }
     }
 }
 
 struct Update<'a> {
-    rule: Rule,
+    rule: Optimizer,
+    /// The step number, from 1 (AdamW's bias correction).
+    step: i32,
     state: Vec<&'a [f32]>,
     next: Mutex<Vec<Vec<f32>>>,
 }
@@ -76,7 +76,7 @@ impl InplaceOp2 for Update<'_> {
         {
             let pp = SharedMut::new(p);
             let outs: Vec<SharedMut<f32>> = next.iter_mut().map(|v| SharedMut::new(v)).collect();
-            let rule = self.rule;
+            let (rule, step) = (self.rule, self.step);
             par_ranges(n, 1 << 14, |r| {
                 // SAFETY: `par_ranges` hands out disjoint ranges.
                 let p = unsafe { pp.range(r.start, r.len()) };
@@ -85,7 +85,7 @@ impl InplaceOp2 for Update<'_> {
                 let g = &g[r.clone()];
                 let mut out = out.into_iter();
                 match rule {
-                    Rule::SgdMomentum { lr, momentum } => {
+                    Optimizer::SgdMomentum { lr, momentum } => {
                         let Some(new) = out.next() else { return };
                         let (lr, momentum) = (lr as f32, momentum as f32);
                         let old = &self.state[0][r.clone()];
@@ -95,7 +95,7 @@ impl InplaceOp2 for Update<'_> {
                             *p -= lr * b;
                         }
                     }
-                    Rule::AdamW { lr, beta1, beta2, eps, weight_decay, step } => {
+                    Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
                         let (Some(m_new), Some(v_new)) = (out.next(), out.next()) else { return };
                         // The step's constants in f64, the per-element arithmetic in f32 (as
                         // PyTorch's AdamW on f32 parameters), so that the loop vectorises.
@@ -123,21 +123,21 @@ impl InplaceOp2 for Update<'_> {
     }
 }
 
-/// Applies `rule` in place to `target` (an f32 CPU tensor) from `grad` (any float dtype, same
-/// element count) and the old `state` tensors (f32, `rule.states()` of them); returns the new
-/// state tensors.
-pub fn step(target: &Tensor, grad: &Tensor, state: &[Tensor], rule: Rule) -> Result<Vec<Tensor>> {
+/// Applies step number `step` (from 1) of `rule` in place to `target` (an f32 CPU tensor) from
+/// `grad` (any float dtype, same element count) and the old `state` tensors (f32,
+/// `rule.states()` of them); returns the new state tensors.
+pub fn step(target: &Tensor, grad: &Tensor, state: &[Tensor], rule: Optimizer, step: i32) -> Result<Vec<Tensor>> {
     let grad = grad.contiguous()?;
     let next = match state {
-        [s] => with::<f32, _>(s, |s| run(target, &grad, vec![s], rule))?,
-        [m, v] => with::<f32, _>(m, |m| with::<f32, _>(v, |v| run(target, &grad, vec![m, v], rule)))?,
+        [s] => with::<f32, _>(s, |s| run(target, &grad, vec![s], rule, step))?,
+        [m, v] => with::<f32, _>(m, |m| with::<f32, _>(v, |v| run(target, &grad, vec![m, v], rule, step)))?,
         _ => return Err(candle_core::Error::Msg(format!("optimizer step: {} state tensors", state.len()))),
     };
     next.into_iter().map(|v| super::tensor(v, target.shape(), candle_core::DType::F32)).collect()
 }
 
-fn run(target: &Tensor, grad: &Tensor, state: Vec<&[f32]>, rule: Rule) -> Result<Vec<Vec<f32>>> {
-    let op = Update { rule, state, next: Mutex::new(Vec::new()) };
+fn run(target: &Tensor, grad: &Tensor, state: Vec<&[f32]>, rule: Optimizer, step: i32) -> Result<Vec<Vec<f32>>> {
+    let op = Update { rule, step, state, next: Mutex::new(Vec::new()) };
     target.inplace_op2(grad, &op)?;
     Ok(op.next.into_inner().unwrap_or_else(|e| e.into_inner()))
 }
