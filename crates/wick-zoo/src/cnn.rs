@@ -97,7 +97,7 @@ fn stacked_windows(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Resu
 /// node (in f32 for bf16 on the CPU, like [`conv2d`]).
 pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
     if kernels::serves(x) {
-        return kernels::conv::depthwise_conv2d(x, weight, stride, pad);
+        return kernels::depthwise::depthwise_conv2d(x, weight, stride, pad);
     }
     let compute = conv_compute(x.dtype(), x.device());
     node("conv2d", &[x, weight], compute, x.dtype(), move |t| depthwise_conv2d_composed(&t[0], &t[1], stride, pad))

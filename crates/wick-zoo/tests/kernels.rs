@@ -191,7 +191,7 @@ fn convolutions_match_candles() {
         check(
             &format!("depthwise s{stride} p{pad}"),
             &[x, w],
-            |t| kernels::conv::depthwise_conv2d(&t[0], &t[1], stride, pad),
+            |t| kernels::depthwise::depthwise_conv2d(&t[0], &t[1], stride, pad),
             |t| wick_zoo::cnn::depthwise_conv2d_composed(&t[0], &t[1], stride, pad),
         );
     }

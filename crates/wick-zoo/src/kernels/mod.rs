@@ -11,11 +11,13 @@
 //! matrix products in the `gemm` crate (candle's own CPU matmul, here with AVX-512 kernels):
 //!
 //! - [`conv`]: dense convolution (im2col + one gemm per image; backward-input only when the input
-//!   needs a gradient; 1×1 stride-1 convolutions without im2col) and depthwise convolution;
-//! - [`norm`]: batch norm (statistics once, mean and inverse deviation kept per channel), layer
-//!   norm and RMS norm (per-row statistics kept);
+//!   needs a gradient; 1×1 stride-1 convolutions without im2col); [`depthwise`] convolution;
+//! - [`norm`]: batch norm (statistics once, mean and inverse deviation kept per channel; fused
+//!   with a following ReLU/ReLU6, whose input is then neither stored nor kept), layer norm and
+//!   RMS norm (per-row statistics kept);
 //! - [`pool`]: max pooling (the first maximum of a window, as PyTorch) and global average pooling;
-//! - [`act`]: ReLU/ReLU6 with PyTorch's gradient at the kinks, GELU, SiLU·mul;
+//! - [`act`]: ReLU/ReLU6 with PyTorch's gradient at the kinks, a residual `relu(a + b)`, GELU,
+//!   SiLU·mul;
 //! - [`linear`]: `x·Wᵀ + b` as one 2-D gemm over all rows;
 //! - [`attention`]: scaled dot-product attention that keeps q, k, v and one log-sum-exp per row
 //!   (backward recomputes the scores; never an s×s tensor kept) and rotary embeddings;
@@ -35,6 +37,7 @@
 pub mod act;
 pub mod attention;
 pub mod conv;
+pub mod depthwise;
 mod gemm;
 pub mod linear;
 pub mod loss;

@@ -1,0 +1,239 @@
+//! Depthwise convolution (one k×k filter per channel, MobileNetV2) with a closed-form backward:
+//! direct loops, parallel over (image, channel) planes in the forward pass and over channels in
+//! the backward pass. Stride 1 runs as flat passes over padded planes (rows of 7 or 14 are too
+//! short to vectorise); stride 2 splits each input row into its even and odd columns so that
+//! every tap reads a contiguous run.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+
+use super::conv::Geometry;
+use super::{dot, is_f64, par_ranges, read, tensor, with, Real, SharedMut};
+
+struct Depthwise {
+    stride: usize,
+    pad: usize,
+}
+
+impl Depthwise {
+    fn fwd<T: Real>(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, true)?;
+        let (x, w) = (read::<T>(sx, lx)?, read::<T>(sw, lw)?);
+        let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
+        let mut y = vec![T::zero(); g.n * g.c_in * ohw];
+        let out = SharedMut::new(&mut y);
+        // Per kernel column: the output columns it reaches and their first input column.
+        let taps: Vec<(std::ops::Range<usize>, usize)> = (0..g.k)
+            .map(|dx| {
+                let r = g.valid(dx, g.w, g.ow);
+                let first = r.start * g.stride + dx - g.pad;
+                (r, first)
+            })
+            .collect();
+        par_ranges(g.n * g.c_in, 1, |r| {
+            // Stride 2: each input row split into its even and odd columns, so that every tap
+            // reads a contiguous run.
+            let half = g.w.div_ceil(2);
+            let mut split = vec![T::zero(); if g.stride == 2 { 2 * half } else { 0 }];
+            // Stride 1: the plane padded, and the output in padded rows, so that each tap is one
+            // flat pass over the whole plane (rows of 7 or 14 are too short to vectorise well).
+            let (ph, pw) = (g.h + 2 * g.pad, g.w + 2 * g.pad);
+            let flat = g.stride == 1;
+            let mut padded = vec![T::zero(); if flat { ph * pw + g.k } else { 0 }];
+            let mut wide = vec![T::zero(); if flat { g.oh * pw } else { 0 }];
+            for p in r {
+                let (plane, filter) = (&x[p * hw..(p + 1) * hw], &w[(p % g.c_in) * kk..][..kk]);
+                // SAFETY: one plane per index.
+                let dst = unsafe { out.range(p * ohw, ohw) };
+                if flat {
+                    for (iy, src) in plane.chunks(g.w).enumerate() {
+                        padded[(iy + g.pad) * pw + g.pad..][..g.w].copy_from_slice(src);
+                    }
+                    wide.iter_mut().for_each(|v| *v = T::zero());
+                    for dy in 0..g.k {
+                        for dx in 0..g.k {
+                            let f = filter[dy * g.k + dx];
+                            let src = &padded[dy * pw + dx..][..g.oh * pw];
+                            for (v, s) in wide.iter_mut().zip(src) {
+                                *v = *v + f * *s;
+                            }
+                        }
+                    }
+                    for (oy, row) in dst.chunks_mut(g.ow).enumerate() {
+                        row.copy_from_slice(&wide[oy * pw..oy * pw + g.ow]);
+                    }
+                    continue;
+                }
+                for oy in 0..g.oh {
+                    let row = &mut dst[oy * g.ow..(oy + 1) * g.ow];
+                    for dy in 0..g.k {
+                        let Some(iy) = g.source(oy, dy, g.h) else { continue };
+                        let src = &plane[iy * g.w..(iy + 1) * g.w];
+                        if g.stride == 2 {
+                            let (even, odd) = split.split_at_mut(half);
+                            for (j, v) in src.iter().enumerate() {
+                                if j % 2 == 0 {
+                                    even[j / 2] = *v;
+                                } else {
+                                    odd[j / 2] = *v;
+                                }
+                            }
+                        }
+                        for (dx, (r, first)) in taps.iter().enumerate() {
+                            let f = filter[dy * g.k + dx];
+                            let run: &[T] = match g.stride {
+                                1 => &src[*first..*first + r.len()],
+                                2 => &split[(first % 2) * half + first / 2..][..r.len()],
+                                _ => &[],
+                            };
+                            if g.stride <= 2 {
+                                // Contiguous on both sides: vectorises.
+                                for (v, s) in row[r.clone()].iter_mut().zip(run) {
+                                    *v = *v + f * *s;
+                                }
+                            } else {
+                                for (v, ix) in row[r.clone()].iter_mut().zip((*first..).step_by(g.stride)) {
+                                    *v = *v + f * src[ix];
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        Ok((T::storage(y, sx.dtype())?, Shape::from((g.n, g.c_in, g.oh, g.ow))))
+    }
+
+    /// (dx when wanted, dw).
+    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Vec<T>>, Vec<T>)> {
+        let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, true)?;
+        let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
+        with::<T, _>(x, |x| {
+            with::<T, _>(w, |w| {
+                with::<T, _>(dy, |dy| {
+                    let mut dx = if want_dx { vec![T::zero(); x.len()] } else { Vec::new() };
+                    let mut dw = vec![T::zero(); g.c_in * kk];
+                    let (sdx, sdw) = (SharedMut::new(&mut dx), SharedMut::new(&mut dw));
+                    // Parallel over channels: each channel's filter gradient sums over images.
+                    par_ranges(g.c_in, 1, |r| {
+                        // Stride 1: padded planes and the output gradient in padded rows (zeros in
+                        // the extra columns), so that each tap is one flat dot product (dW) and
+                        // one flat multiply-add (dX) over the whole plane.
+                        let (ph, pw) = (g.h + 2 * g.pad, g.w + 2 * g.pad);
+                        let flat = g.stride == 1;
+                        let size = |n: usize| if flat { n } else { 0 };
+                        let (mut padded, mut dpadded) =
+                            (vec![T::zero(); size(ph * pw + g.k)], vec![T::zero(); size(ph * pw + g.k)]);
+                        let mut wide = vec![T::zero(); size(g.oh * pw)];
+                        for c in r {
+                            let filter = &w[c * kk..][..kk];
+                            // SAFETY: one channel per index.
+                            let dwc = unsafe { sdw.range(c * kk, kk) };
+                            for b in 0..g.n {
+                                let p = b * g.c_in + c;
+                                let (plane, gp) = (&x[p * hw..(p + 1) * hw], &dy[p * ohw..(p + 1) * ohw]);
+                                // SAFETY: plane `p` belongs to channel `c` only.
+                                let mut dplane = want_dx.then(|| unsafe { sdx.range(p * hw, hw) });
+                                if flat {
+                                    for (iy, src) in plane.chunks(g.w).enumerate() {
+                                        padded[(iy + g.pad) * pw + g.pad..][..g.w].copy_from_slice(src);
+                                    }
+                                    for (oy, src) in gp.chunks(g.ow).enumerate() {
+                                        wide[oy * pw..oy * pw + g.ow].copy_from_slice(src);
+                                    }
+                                    if want_dx {
+                                        dpadded.iter_mut().for_each(|v| *v = T::zero());
+                                    }
+                                    for t in 0..kk {
+                                        let off = (t / g.k) * pw + t % g.k;
+                                        let span = &padded[off..off + g.oh * pw];
+                                        dwc[t] = dwc[t] + T::of(dot(&wide, span));
+                                        if want_dx {
+                                            let f = filter[t];
+                                            for (d, v) in dpadded[off..off + g.oh * pw].iter_mut().zip(&wide) {
+                                                *d = *d + f * *v;
+                                            }
+                                        }
+                                    }
+                                    if let Some(d) = dplane.as_deref_mut() {
+                                        for (iy, row) in d.chunks_mut(g.w).enumerate() {
+                                            row.copy_from_slice(&dpadded[(iy + g.pad) * pw + g.pad..][..g.w]);
+                                        }
+                                    }
+                                    continue;
+                                }
+                                for oy in 0..g.oh {
+                                    let grow = &gp[oy * g.ow..(oy + 1) * g.ow];
+                                    for dy_ in 0..g.k {
+                                        let Some(iy) = g.source(oy, dy_, g.h) else { continue };
+                                        let src = &plane[iy * g.w..(iy + 1) * g.w];
+                                        for dx_ in 0..g.k {
+                                            let f = filter[dy_ * g.k + dx_];
+                                            let r = g.valid(dx_, g.w, g.ow);
+                                            let first = r.start * g.stride + dx_ - g.pad;
+                                            let acc = if g.stride == 1 {
+                                                T::of(dot(&grow[r.clone()], &src[first..first + r.len()]))
+                                            } else {
+                                                let mut acc = T::zero();
+                                                for (gv, ix) in grow[r.clone()].iter().zip((first..).step_by(g.stride))
+                                                {
+                                                    acc = acc + *gv * src[ix];
+                                                }
+                                                acc
+                                            };
+                                            dwc[dy_ * g.k + dx_] = dwc[dy_ * g.k + dx_] + acc;
+                                            if let Some(d) = dplane.as_deref_mut() {
+                                                let drow = &mut d[iy * g.w..(iy + 1) * g.w];
+                                                if g.stride == 1 {
+                                                    let dst = &mut drow[first..first + r.len()];
+                                                    for (dv, gv) in dst.iter_mut().zip(&grow[r]) {
+                                                        *dv = *dv + f * *gv;
+                                                    }
+                                                } else {
+                                                    for (gv, ix) in grow[r].iter().zip((first..).step_by(g.stride)) {
+                                                        drow[ix] = drow[ix] + f * *gv;
+                                                    }
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    });
+                    Ok((want_dx.then_some(dx), dw))
+                })
+            })
+        })
+    }
+}
+
+impl CustomOp2 for Depthwise {
+    fn name(&self) -> &'static str {
+        "depthwise_conv2d"
+    }
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        if is_f64(sx.dtype()) {
+            self.fwd::<f64>(sx, lx, sw, lw)
+        } else {
+            self.fwd::<f32>(sx, lx, sw, lw)
+        }
+    }
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let want_dx = x.track_op();
+        macro_rules! run {
+            ($t:ty) => {{
+                let (dx, dw) = self.bwd::<$t>(x, w, dy, want_dx)?;
+                let dx = dx.map(|dx| tensor(dx, x.shape(), x.dtype())).transpose()?;
+                (dx, tensor(dw, w.shape(), w.dtype())?)
+            }};
+        }
+        let (dx, dw) = if is_f64(x.dtype()) { run!(f64) } else { run!(f32) };
+        Ok((dx, w.track_op().then_some(dw)))
+    }
+}
+
+/// A depthwise convolution on the CPU (`weight` (C, 1, k, k)), computed in f32 (f64 for f64).
+pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
+    super::apply2(&x.contiguous()?, &weight.contiguous()?, Depthwise { stride, pad })
+}
