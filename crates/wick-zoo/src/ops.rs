@@ -73,7 +73,7 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
     if kernels::serves(x) {
         return kernels::act::relu(x);
     }
-    node("relu", &[x], x.dtype(), x.dtype(), |t| clamp_with_torch_gradient(&t[0], 0.0, None))
+    node("relu", &[x], x.dtype(), x.dtype(), |t| relu_composed(&t[0], None))
 }
 
 /// ReLU6 (`min(max(x, 0), 6)`) with PyTorch's gradient (`hardtanh`'s: only where 0 < x < 6), as
@@ -83,7 +83,7 @@ pub fn relu6(x: &Tensor) -> Result<Tensor> {
     if kernels::serves(x) {
         return kernels::act::relu6(x);
     }
-    node("relu6", &[x], x.dtype(), x.dtype(), |t| clamp_with_torch_gradient(&t[0], 0.0, Some(6.0)))
+    node("relu6", &[x], x.dtype(), x.dtype(), |t| relu_composed(&t[0], Some(6.0)))
 }
 
 /// `relu(a + b)` (the end of a residual block) with PyTorch's gradient: one op on the CPU that
@@ -113,18 +113,14 @@ pub fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     a.silu()? * b
 }
 
-/// ReLU (`max` None) or ReLU6 (`max` 6) composed from candle's ops with PyTorch's gradient:
-/// the oracle of the CPU kernels.
+/// ReLU (`max` None) or ReLU6 (`max` 6) composed from candle's ops with PyTorch's gradient (the
+/// oracle of the CPU kernels, and the op elsewhere): `x` clamped to `[0, max]` by selection, so
+/// that autograd passes the gradient only strictly inside (comparisons carry no gradient) and
+/// NaN, which fails both tests, passes through.
 pub fn relu_composed(x: &Tensor, max: Option<f64>) -> Result<Tensor> {
-    clamp_with_torch_gradient(x, 0.0, max)
-}
-
-/// `x` clamped to `[min, max]` by selection, so that autograd passes the gradient only strictly
-/// inside (comparisons carry no gradient) and NaN, which fails both tests, passes through.
-fn clamp_with_torch_gradient(x: &Tensor, min: f64, max: Option<f64>) -> Result<Tensor> {
     // The bounds as broadcast scalars: no full-size constant tensors.
     let bound = |v: f64| Tensor::new(v, x.device())?.to_dtype(x.dtype())?.broadcast_as(x.shape());
-    let y = x.le(min)?.where_cond(&bound(min)?, x)?;
+    let y = x.le(0.0)?.where_cond(&bound(0.0)?, x)?;
     match max {
         Some(max) => x.ge(max)?.where_cond(&bound(max)?, &y),
         None => Ok(y),

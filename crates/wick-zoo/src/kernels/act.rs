@@ -6,7 +6,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::math::vectorized;
-use super::{is_f64, read, tensor, with, Real};
+use super::{read, tensor, with, Real};
 
 /// Elements per parallel chunk: below this a thread's start-up costs more than the work.
 const CHUNK: usize = 1 << 15;
@@ -109,14 +109,10 @@ impl CustomOp1 for Clamp {
         }
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(s.dtype()) {
-            self.fwd::<f64>(s, l)
-        } else {
-            self.fwd::<f32>(s, l)
-        }
+        by_real!(s.dtype(), T => self.fwd::<T>(s, l))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(if is_f64(x.dtype()) { self.bwd::<f64>(x, g)? } else { self.bwd::<f32>(x, g)? }))
+        Ok(Some(by_real!(x.dtype(), T => self.bwd::<T>(x, g)?)))
     }
 }
 
@@ -162,14 +158,10 @@ impl CustomOp1 for Gelu {
         "gelu"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(s.dtype()) {
-            Gelu::fwd::<f64>(s, l)
-        } else {
-            Gelu::fwd::<f32>(s, l)
-        }
+        by_real!(s.dtype(), T => Gelu::fwd::<T>(s, l))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(if is_f64(x.dtype()) { Gelu::bwd::<f64>(x, g)? } else { Gelu::bwd::<f32>(x, g)? }))
+        Ok(Some(by_real!(x.dtype(), T => Gelu::bwd::<T>(x, g)?)))
     }
 }
 
@@ -217,14 +209,10 @@ impl CustomOp2 for SiluMul {
         "silu_mul"
     }
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(sa.dtype()) {
-            SiluMul::fwd::<f64>(sa, la, sb, lb)
-        } else {
-            SiluMul::fwd::<f32>(sa, la, sb, lb)
-        }
+        by_real!(sa.dtype(), T => SiluMul::fwd::<T>(sa, la, sb, lb))
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (da, db) = if is_f64(a.dtype()) { SiluMul::bwd::<f64>(a, b, g)? } else { SiluMul::bwd::<f32>(a, b, g)? };
+        let (da, db) = by_real!(a.dtype(), T => SiluMul::bwd::<T>(a, b, g)?);
         Ok((Some(da), Some(db)))
     }
 }
@@ -281,14 +269,10 @@ impl CustomOp2 for AddRelu {
         "add_relu"
     }
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(sa.dtype()) {
-            AddRelu::fwd::<f64>(sa, la, sb, lb)
-        } else {
-            AddRelu::fwd::<f32>(sa, la, sb, lb)
-        }
+        by_real!(sa.dtype(), T => AddRelu::fwd::<T>(sa, la, sb, lb))
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (da, db) = if is_f64(a.dtype()) { AddRelu::bwd::<f64>(a, b, g)? } else { AddRelu::bwd::<f32>(a, b, g)? };
+        let (da, db) = by_real!(a.dtype(), T => AddRelu::bwd::<T>(a, b, g)?);
         Ok((a.track_op().then_some(da), b.track_op().then_some(db)))
     }
 }

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
-use super::{dot, gemm, is_f64, par_ranges, read, sum, tensor, with, Mat, Real, SharedMut};
+use super::{dot, gemm, par_ranges, read, sum, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -216,11 +216,7 @@ impl CustomOp3 for Attention {
         sv: &CpuStorage,
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        if is_f64(sq.dtype()) {
-            self.cpu::<f64>(sq, lq, sk, lk, sv, lv)
-        } else {
-            self.cpu::<f32>(sq, lq, sk, lk, sv, lv)
-        }
+        by_real!(sq.dtype(), T => self.cpu::<T>(sq, lq, sk, lk, sv, lv))
     }
     fn bwd(
         &self,
@@ -230,8 +226,7 @@ impl CustomOp3 for Attention {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let [dq, dk, dv] =
-            if is_f64(q.dtype()) { self.grads::<f64>(q, k, v, g)? } else { self.grads::<f32>(q, k, v, g)? };
+        let [dq, dk, dv] = by_real!(q.dtype(), T => self.grads::<T>(q, k, v, g)?);
         Ok((q.track_op().then_some(dq), k.track_op().then_some(dk), v.track_op().then_some(dv)))
     }
 }
@@ -287,19 +282,11 @@ impl CustomOp1 for Rope {
         "rope"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = if is_f64(s.dtype()) {
-            f64::storage(self.rotate(&read::<f64>(s, l)?, l.shape(), 1.0)?, s.dtype())?
-        } else {
-            f32::storage(self.rotate(&read::<f32>(s, l)?, l.shape(), 1.0)?, s.dtype())?
-        };
+        let y = by_real!(s.dtype(), T => T::storage(self.rotate(&read::<T>(s, l)?, l.shape(), 1.0)?, s.dtype())?);
         Ok((y, l.shape().clone()))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        let dx = if is_f64(x.dtype()) {
-            tensor(with::<f64, _>(g, |g| self.rotate(g, x.shape(), -1.0))?, x.shape(), x.dtype())?
-        } else {
-            tensor(with::<f32, _>(g, |g| self.rotate(g, x.shape(), -1.0))?, x.shape(), x.dtype())?
-        };
+        let dx = by_real!(x.dtype(), T => tensor(with::<T, _>(g, |g| self.rotate(g, x.shape(), -1.0))?, x.shape(), x.dtype())?);
         Ok(Some(dx))
     }
 }

@@ -14,7 +14,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::pool::out_len;
-use super::{gemm, is_f64, read, tensor, with, Mat, Real, SharedMut};
+use super::{gemm, read, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -363,23 +363,16 @@ impl CustomOp2 for Conv2d {
         "conv2d"
     }
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(sx.dtype()) {
-            self.fwd::<f64>(sx, lx, sw, lw)
-        } else {
-            self.fwd::<f32>(sx, lx, sw, lw)
-        }
+        by_real!(sx.dtype(), T => self.fwd::<T>(sx, lx, sw, lw))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // The input image of a network needs no gradient: skip backward-input for it.
         let want_dx = x.track_op();
-        macro_rules! run {
-            ($t:ty) => {{
-                let (dx, dw) = self.bwd::<$t>(x, w, dy, want_dx)?;
-                let dx = dx.map(|dx| tensor(dx, x.shape(), x.dtype())).transpose()?;
-                (dx, tensor(dw, w.shape(), w.dtype())?)
-            }};
-        }
-        let (dx, dw) = if is_f64(x.dtype()) { run!(f64) } else { run!(f32) };
+        let (dx, dw) = by_real!(x.dtype(), T => {
+            let (dx, dw) = self.bwd::<T>(x, w, dy, want_dx)?;
+            let dx = dx.map(|dx| tensor(dx, x.shape(), x.dtype())).transpose()?;
+            (dx, tensor(dw, w.shape(), w.dtype())?)
+        });
         Ok((dx, w.track_op().then_some(dw)))
     }
 }

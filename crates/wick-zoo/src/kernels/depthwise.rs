@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::conv::Geometry;
-use super::{dot, is_f64, par_ranges, read, tensor, with, Real, SharedMut};
+use super::{dot, par_ranges, read, tensor, with, Real, SharedMut};
 
 struct Depthwise {
     stride: usize,
@@ -213,22 +213,15 @@ impl CustomOp2 for Depthwise {
         "depthwise_conv2d"
     }
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(sx.dtype()) {
-            self.fwd::<f64>(sx, lx, sw, lw)
-        } else {
-            self.fwd::<f32>(sx, lx, sw, lw)
-        }
+        by_real!(sx.dtype(), T => self.fwd::<T>(sx, lx, sw, lw))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let want_dx = x.track_op();
-        macro_rules! run {
-            ($t:ty) => {{
-                let (dx, dw) = self.bwd::<$t>(x, w, dy, want_dx)?;
-                let dx = dx.map(|dx| tensor(dx, x.shape(), x.dtype())).transpose()?;
-                (dx, tensor(dw, w.shape(), w.dtype())?)
-            }};
-        }
-        let (dx, dw) = if is_f64(x.dtype()) { run!(f64) } else { run!(f32) };
+        let (dx, dw) = by_real!(x.dtype(), T => {
+            let (dx, dw) = self.bwd::<T>(x, w, dy, want_dx)?;
+            let dx = dx.map(|dx| tensor(dx, x.shape(), x.dtype())).transpose()?;
+            (dx, tensor(dw, w.shape(), w.dtype())?)
+        });
         Ok((dx, w.track_op().then_some(dw)))
     }
 }

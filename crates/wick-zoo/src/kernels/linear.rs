@@ -6,7 +6,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-use super::{gemm, is_f64, par_ranges, read, tensor, with, Mat, Real, SharedMut};
+use super::{gemm, par_ranges, read, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -97,18 +97,15 @@ impl Linear {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (want_dx, want_db) = (x.track_op(), b.is_some_and(|b| b.track_op()));
-        macro_rules! run {
-            ($t:ty) => {{
-                let (dx, dw, db) = Linear::bwd::<$t>(x, w, g, want_dx, want_db)?;
-                let dx = dx.map(|v| tensor(v, x.shape(), x.dtype())).transpose()?;
-                let db = match (db, b) {
-                    (Some(v), Some(b)) => Some(tensor(v, b.shape(), b.dtype())?),
-                    _ => None,
-                };
-                (dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?, db)
-            }};
-        }
-        Ok(if is_f64(x.dtype()) { run!(f64) } else { run!(f32) })
+        Ok(by_real!(x.dtype(), T => {
+            let (dx, dw, db) = Linear::bwd::<T>(x, w, g, want_dx, want_db)?;
+            let dx = dx.map(|v| tensor(v, x.shape(), x.dtype())).transpose()?;
+            let db = match (db, b) {
+                (Some(v), Some(b)) => Some(tensor(v, b.shape(), b.dtype())?),
+                _ => None,
+            };
+            (dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?, db)
+        }))
     }
 }
 
@@ -117,11 +114,7 @@ impl CustomOp2 for Linear {
         "linear"
     }
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(sx.dtype()) {
-            Linear::fwd::<f64>(sx, lx, sw, lw, None)
-        } else {
-            Linear::fwd::<f32>(sx, lx, sw, lw, None)
-        }
+        by_real!(sx.dtype(), T => Linear::fwd::<T>(sx, lx, sw, lw, None))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = Linear::grads(x, w, None, g)?;
@@ -142,11 +135,7 @@ impl CustomOp3 for Linear {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        if is_f64(sx.dtype()) {
-            Linear::fwd::<f64>(sx, lx, sw, lw, Some((sb, lb)))
-        } else {
-            Linear::fwd::<f32>(sx, lx, sw, lw, Some((sb, lb)))
-        }
+        by_real!(sx.dtype(), T => Linear::fwd::<T>(sx, lx, sw, lw, Some((sb, lb))))
     }
     fn bwd(
         &self,

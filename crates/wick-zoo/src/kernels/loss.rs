@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::{is_f64, par_ranges, read, tensor, with, Real, SharedMut};
+use super::{par_ranges, read, tensor, with, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -39,7 +39,7 @@ impl CrossEntropy {
         }
         *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
         // The loss is f32-class: f32 for f32/bf16/f16 logits, f64 for f64.
-        let dtype = if is_f64(s.dtype()) { DType::F64 } else { DType::F32 };
+        let dtype = if super::is_f64(s.dtype()) { DType::F64 } else { DType::F32 };
         Ok((T::storage(vec![T::of(total / n.max(1) as f64)], dtype)?, Shape::from(())))
     }
 
@@ -74,14 +74,10 @@ impl CustomOp1 for CrossEntropy {
         "cross_entropy"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(s.dtype()) {
-            self.fwd::<f64>(s, l)
-        } else {
-            self.fwd::<f32>(s, l)
-        }
+        by_real!(s.dtype(), T => self.fwd::<T>(s, l))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(if is_f64(x.dtype()) { self.bwd::<f64>(x, g)? } else { self.bwd::<f32>(x, g)? }))
+        Ok(Some(by_real!(x.dtype(), T => self.bwd::<T>(x, g)?)))
     }
 }
 
@@ -131,14 +127,10 @@ impl CustomOp1 for Embedding {
         "embedding"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(s.dtype()) {
-            self.fwd::<f64>(s, l)
-        } else {
-            self.fwd::<f32>(s, l)
-        }
+        by_real!(s.dtype(), T => self.fwd::<T>(s, l))
     }
     fn bwd(&self, table: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(if is_f64(table.dtype()) { self.bwd::<f64>(table, g)? } else { self.bwd::<f32>(table, g)? }))
+        Ok(Some(by_real!(table.dtype(), T => self.bwd::<T>(table, g)?)))
     }
 }
 
@@ -183,17 +175,10 @@ impl CustomOp3 for AddBroadcast {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let y = if is_f64(sx.dtype()) {
-            f64::storage(
-                AddBroadcast::fwd(&read::<f64>(sx, lx)?, &read::<f64>(sa, la)?, &read::<f64>(sb, lb)?)?,
-                sx.dtype(),
-            )?
-        } else {
-            f32::storage(
-                AddBroadcast::fwd(&read::<f32>(sx, lx)?, &read::<f32>(sa, la)?, &read::<f32>(sb, lb)?)?,
-                sx.dtype(),
-            )?
-        };
+        let y = by_real!(sx.dtype(), T => {
+            let y = AddBroadcast::fwd(&read::<T>(sx, lx)?, &read::<T>(sa, la)?, &read::<T>(sb, lb)?)?;
+            T::storage(y, sx.dtype())?
+        });
         Ok((y, lx.shape().clone()))
     }
     fn bwd(
@@ -204,13 +189,10 @@ impl CustomOp3 for AddBroadcast {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        macro_rules! run {
-            ($t:ty) => {{
-                let (da, db) = with::<$t, _>(g, |g| Ok((fold(g, a.elem_count()), fold(g, b.elem_count()))))?;
-                (tensor(da, a.shape(), a.dtype())?, tensor(db, b.shape(), b.dtype())?)
-            }};
-        }
-        let (da, db) = if is_f64(x.dtype()) { run!(f64) } else { run!(f32) };
+        let (da, db) = by_real!(x.dtype(), T => {
+            let (da, db) = with::<T, _>(g, |g| Ok((fold(g, a.elem_count()), fold(g, b.elem_count()))))?;
+            (tensor(da, a.shape(), a.dtype())?, tensor(db, b.shape(), b.dtype())?)
+        });
         let dx = g.to_dtype(x.dtype())?;
         Ok((x.track_op().then_some(dx), a.track_op().then_some(da), b.track_op().then_some(db)))
     }

@@ -34,6 +34,20 @@
 //! gradient sum is accumulated in f32). These kernels are the CPU implementations; on CUDA the
 //! callers keep candle's own ops (cuBLAS, cuDNN) in the composed form.
 
+/// Runs `$body` with `$t` the compute type of `$dtype`: f64 for f64 tensors, f32 for the others
+/// (every op dispatches its generic forward and backward this way).
+macro_rules! by_real {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        if $crate::kernels::is_f64($dtype) {
+            type $t = f64;
+            $body
+        } else {
+            type $t = f32;
+            $body
+        }
+    };
+}
+
 pub mod act;
 pub mod attention;
 pub mod conv;

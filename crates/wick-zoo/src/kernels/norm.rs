@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::{dot_dev, is_f64, par_ranges, read, sum, sum_sq_dev, tensor, with, Real, SharedMut};
+use super::{dot_dev, par_ranges, read, sum, sum_sq_dev, tensor, with, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -40,11 +40,7 @@ pub fn batch_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
         });
         (mean, var)
     }
-    if is_f64(x.dtype()) {
-        with::<f64, _>(x, |x| Ok(stats(x, n, c, hw)))
-    } else {
-        with::<f32, _>(x, |x| Ok(stats(x, n, c, hw)))
-    }
+    by_real!(x.dtype(), T => with::<T, _>(x, |x| Ok(stats(x, n, c, hw))))
 }
 
 /// Batch normalisation of (N, C, H, W) with given per-channel statistics: `batch` when they are
@@ -229,11 +225,7 @@ impl CustomOp3 for BatchNorm {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        if is_f64(sx.dtype()) {
-            self.fwd::<f64>(sx, lx, sw, lw, sb, lb)
-        } else {
-            self.fwd::<f32>(sx, lx, sw, lw, sb, lb)
-        }
+        by_real!(sx.dtype(), T => self.fwd::<T>(sx, lx, sw, lw, sb, lb))
     }
     fn bwd(
         &self,
@@ -244,13 +236,10 @@ impl CustomOp3 for BatchNorm {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let c = w.elem_count();
-        macro_rules! run {
-            ($t:ty) => {{
-                let (dx, dw, db) = self.bwd::<$t>(x, w, b, g)?;
-                (tensor(dx, x.shape(), x.dtype())?, tensor(dw, c, w.dtype())?, tensor(db, c, b.dtype())?)
-            }};
-        }
-        let (dx, dw, db) = if is_f64(x.dtype()) { run!(f64) } else { run!(f32) };
+        let (dx, dw, db) = by_real!(x.dtype(), T => {
+            let (dx, dw, db) = self.bwd::<T>(x, w, b, g)?;
+            (tensor(dx, x.shape(), x.dtype())?, tensor(dw, c, w.dtype())?, tensor(db, c, b.dtype())?)
+        });
         Ok((x.track_op().then_some(dx), w.track_op().then_some(dw), b.track_op().then_some(db)))
     }
 }
@@ -388,13 +377,10 @@ impl RowNorm {
 
     fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor, bias_dtype: DType) -> Result<(Tensor, Tensor, Tensor)> {
         let d = w.elem_count();
-        macro_rules! run {
-            ($t:ty) => {{
-                let (dx, dw, db) = self.bwd::<$t>(x, w, g)?;
-                (tensor(dx, x.shape(), x.dtype())?, tensor(dw, d, w.dtype())?, tensor(db, d, bias_dtype)?)
-            }};
-        }
-        Ok(if is_f64(x.dtype()) { run!(f64) } else { run!(f32) })
+        Ok(by_real!(x.dtype(), T => {
+            let (dx, dw, db) = self.bwd::<T>(x, w, g)?;
+            (tensor(dx, x.shape(), x.dtype())?, tensor(dw, d, w.dtype())?, tensor(db, d, bias_dtype)?)
+        }))
     }
 }
 
@@ -411,11 +397,7 @@ impl CustomOp3 for RowNorm {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        if is_f64(sx.dtype()) {
-            self.cpu::<f64>(sx, lx, sw, lw, Some((sb, lb)))
-        } else {
-            self.cpu::<f32>(sx, lx, sw, lw, Some((sb, lb)))
-        }
+        by_real!(sx.dtype(), T => self.cpu::<T>(sx, lx, sw, lw, Some((sb, lb))))
     }
     fn bwd(
         &self,
@@ -435,11 +417,7 @@ impl CustomOp2 for RowNorm {
         "rms_norm"
     }
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(sx.dtype()) {
-            self.cpu::<f64>(sx, lx, sw, lw, None)
-        } else {
-            self.cpu::<f32>(sx, lx, sw, lw, None)
-        }
+        by_real!(sx.dtype(), T => self.cpu::<T>(sx, lx, sw, lw, None))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = self.grads(x, w, g, w.dtype())?;

@@ -5,7 +5,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
-use super::{is_f64, par_ranges, read, sum, tensor, with, Real, SharedMut};
+use super::{par_ranges, read, sum, tensor, with, Real, SharedMut};
 
 fn dims4(shape: &Shape) -> Result<(usize, usize, usize, usize)> {
     match shape.dims() {
@@ -129,14 +129,10 @@ impl CustomOp1 for MaxPool {
         "max_pool2d"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(s.dtype()) {
-            self.fwd::<f64>(s, l)
-        } else {
-            self.fwd::<f32>(s, l)
-        }
+        by_real!(s.dtype(), T => self.fwd::<T>(s, l))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(if is_f64(x.dtype()) { self.bwd::<f64>(x, g)? } else { self.bwd::<f32>(x, g)? }))
+        Ok(Some(by_real!(x.dtype(), T => self.bwd::<T>(x, g)?)))
     }
 }
 
@@ -171,14 +167,10 @@ impl CustomOp1 for GlobalAvg {
         "global_avg_pool"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        if is_f64(s.dtype()) {
-            GlobalAvg::fwd::<f64>(s, l)
-        } else {
-            GlobalAvg::fwd::<f32>(s, l)
-        }
+        by_real!(s.dtype(), T => GlobalAvg::fwd::<T>(s, l))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(if is_f64(x.dtype()) { GlobalAvg::bwd::<f64>(x, g)? } else { GlobalAvg::bwd::<f32>(x, g)? }))
+        Ok(Some(by_real!(x.dtype(), T => GlobalAvg::bwd::<T>(x, g)?)))
     }
 }
 
