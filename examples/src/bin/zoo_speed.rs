@@ -10,6 +10,7 @@
 //! `scripts/torch-reference/zoo_speed.py` reads the same configurations, runs PyTorch on them in
 //! turn with this binary, and prints the side-by-side table of BENCHMARKS.md.
 
+use std::rc::Rc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -136,6 +137,21 @@ struct Bench {
     optimizer: MasterOptimizer,
 }
 
+/// An image classifier's forward pass: images and the train flag to logits.
+type Forward = dyn Fn(&Tensor, bool) -> Result<Tensor>;
+
+/// An image classifier's bench: cross-entropy of `forward(images, true)` against the labels, and
+/// `forward(images, false)` for eval.
+fn vision(params: &Params, (x, y): (Tensor, Tensor), forward: Rc<Forward>, optimizer: MasterOptimizer) -> Bench {
+    let (f, x2) = (forward.clone(), x.clone());
+    Bench {
+        vars: vars(params),
+        loss: Box::new(move || Ok(cross_entropy(&f(&x, true)?, &y)?)),
+        eval: Box::new(move || forward(&x2, false)),
+        optimizer,
+    }
+}
+
 fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
     let adamw = MasterOptimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
     let sgd = MasterOptimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
@@ -145,7 +161,7 @@ fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
     };
     Ok(match name {
         "decoder" => {
-            let model = std::rc::Rc::new(Llama::new(DECODER, dtype, device)?);
+            let model = Rc::new(Llama::new(DECODER, dtype, device)?);
             let ids = token_ids(SEQUENCES, DECODER_TOKENS + 1, DECODER.vocab_size, device)?;
             let (m, e, ids2) = (model.clone(), model.clone(), ids.narrow(1, 0, DECODER_TOKENS)?);
             Bench {
@@ -156,7 +172,7 @@ fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
             }
         }
         "bert" => {
-            let model = std::rc::Rc::new(Bert::new(MINILM, dtype, device)?);
+            let model = Rc::new(Bert::new(MINILM, dtype, device)?);
             let ids = token_ids(SEQUENCES, BERT_TOKENS, MINILM.vocab_size, device)?;
             let mask = Tensor::ones((SEQUENCES, BERT_TOKENS), DType::U32, device)?;
             let head = normal_tensor(&[MINILM.hidden_size, 2], 0.5, 5, DType::F32, device)?;
@@ -175,38 +191,20 @@ fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
             }
         }
         "vit" => {
-            let model = std::rc::Rc::new(Vit::new(VIT_S16, dtype, device)?);
-            let (x, y) = images()?;
-            let (m, e, x2) = (model.clone(), model.clone(), x.clone());
-            Bench {
-                vars: vars(&model.params),
-                loss: Box::new(move || Ok(cross_entropy(&m.forward(&x)?, &y)?)),
-                eval: Box::new(move || Ok(e.forward(&x2)?)),
-                optimizer: adamw,
-            }
+            let model = Rc::new(Vit::new(VIT_S16, dtype, device)?);
+            let m = model.clone();
+            vision(&model.params, images()?, Rc::new(move |x, _train| Ok(m.forward(x)?)), adamw)
         }
         "resnet18" | "resnet50" => {
             let depth = if name == "resnet18" { ResNetDepth::R18 } else { ResNetDepth::R50 };
-            let model = std::rc::Rc::new(ResNet::new(depth, CLASSES, 64, dtype, device)?);
-            let (x, y) = images()?;
-            let (m, e, x2) = (model.clone(), model.clone(), x.clone());
-            Bench {
-                vars: vars(&model.params),
-                loss: Box::new(move || Ok(cross_entropy(&m.forward(&x, true)?, &y)?)),
-                eval: Box::new(move || Ok(e.forward(&x2, false)?)),
-                optimizer: sgd,
-            }
+            let model = Rc::new(ResNet::new(depth, CLASSES, 64, dtype, device)?);
+            let m = model.clone();
+            vision(&model.params, images()?, Rc::new(move |x, train| Ok(m.forward(x, train)?)), sgd)
         }
         "mobilenet_v2" => {
-            let model = std::rc::Rc::new(MobileNetV2::new(CLASSES, 1.0, dtype, device)?);
-            let (x, y) = images()?;
-            let (m, e, x2) = (model.clone(), model.clone(), x.clone());
-            Bench {
-                vars: vars(&model.params),
-                loss: Box::new(move || Ok(cross_entropy(&m.forward(&x, true)?, &y)?)),
-                eval: Box::new(move || Ok(e.forward(&x2, false)?)),
-                optimizer: sgd,
-            }
+            let model = Rc::new(MobileNetV2::new(CLASSES, 1.0, dtype, device)?);
+            let m = model.clone();
+            vision(&model.params, images()?, Rc::new(move |x, train| Ok(m.forward(x, train)?)), sgd)
         }
         other => bail!("unknown model `{other}`; --list shows the configurations"),
     })
