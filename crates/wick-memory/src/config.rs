@@ -11,6 +11,11 @@ const MIB: usize = 1 << 20;
 /// the last interval applies beyond).
 pub const POWER2_INTERVALS: usize = 16;
 
+/// The most divisions `roundup_power2_divisions` accepts per interval: at the smallest interval
+/// (1–2 MiB) 2048 divisions are already 512 B steps, the block granularity, so more cannot
+/// change any rounding; PyTorch's documented settings use 1–16.
+pub const MAX_POWER2_DIVISIONS: usize = 2048;
+
 /// A hard cap on reserved memory.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum MemoryLimit {
@@ -189,8 +194,8 @@ impl AllocatorConfig {
             return Some(self.min_block_size);
         }
         let divisions = self.divisions_for(size);
-        if divisions > 1 && size > self.min_block_size * divisions {
-            return Some(round_power2_division(size, divisions));
+        if divisions > 1 && self.min_block_size.checked_mul(divisions).is_some_and(|floor| size > floor) {
+            return round_power2_division(size, divisions);
         }
         size.checked_next_multiple_of(self.min_block_size)
     }
@@ -218,22 +223,23 @@ impl AllocatorConfig {
     }
 }
 
-/// Rounds `size` up to the next of `divisions` equal steps between two powers of two.
-fn round_power2_division(size: usize, divisions: usize) -> usize {
-    if size.is_power_of_two() {
-        return size;
+/// Rounds `size` (> 0) up to the next of `divisions` (> 0) equal steps between two powers of
+/// two; `None` when that is not representable.
+fn round_power2_division(size: usize, divisions: usize) -> Option<usize> {
+    if size == 0 || divisions == 0 || size.is_power_of_two() {
+        return Some(size);
     }
     let floor = 1usize << (usize::BITS - 1 - size.leading_zeros());
     let divisions = 1usize << (usize::BITS - 1 - divisions.leading_zeros());
     let step = floor / divisions;
     if step == 0 {
-        return floor << 1;
+        return floor.checked_mul(2);
     }
     let rounded_floor = size & !(step - 1);
     if rounded_floor == size {
-        size
+        Some(size)
     } else {
-        rounded_floor + step
+        rounded_floor.checked_add(step)
     }
 }
 
@@ -266,7 +272,11 @@ fn split_top_level(text: &str) -> Vec<&str> {
 
 fn parse_divisions(value: &str) -> Result<[usize; POWER2_INTERVALS]> {
     let check = |d: usize| -> Result<usize> {
-        if d == 0 || d.is_power_of_two() {
+        if d > MAX_POWER2_DIVISIONS {
+            Err(MemoryError::InvalidConfig(format!(
+                "roundup_power2_divisions: {d} is more than {MAX_POWER2_DIVISIONS} (finer steps than 512 B change nothing)"
+            )))
+        } else if d == 0 || d.is_power_of_two() {
             Ok(d)
         } else {
             Err(MemoryError::InvalidConfig(format!("roundup_power2_divisions: {d} is not a power of two")))
@@ -324,9 +334,11 @@ mod tests {
     #[test]
     fn power2_divisions_match_pytorch_doc_example() {
         // PyTorch docs: with 4 divisions, a 1200 B request... rounds within [1024, 2048) to 1280.
-        assert_eq!(round_power2_division(1200, 4), 1280);
-        assert_eq!(round_power2_division(1024, 4), 1024);
-        assert_eq!(round_power2_division(1537, 4), 1792);
+        assert_eq!(round_power2_division(1200, 4), Some(1280));
+        assert_eq!(round_power2_division(1024, 4), Some(1024));
+        assert_eq!(round_power2_division(1537, 4), Some(1792));
+        // At the top of the range the rounding is not representable: None, not a wrap or panic.
+        assert_eq!(round_power2_division(usize::MAX - 5, 4), None);
         let c = AllocatorConfig::parse("roundup_power2_divisions:4").unwrap();
         // 1200 B is not > 512*4, so it keeps plain 512 B rounding, as in PyTorch.
         assert_eq!(c.round_size(1200), Some(1536));
@@ -357,10 +369,25 @@ mod tests {
             "memory_fraction:0",
             "max_split_size_mb:99999999999999999999",
             "expandable_segments:maybe",
+            // 2⁵⁵ divisions: accepted before, then every request ≥ 512 B overflowed.
+            "roundup_power2_divisions:36028797018963968",
+            "roundup_power2_divisions:[1:4096]",
         ] {
             assert!(AllocatorConfig::parse(bad).is_err(), "{bad} should be rejected");
         }
         assert!(AllocatorConfig::default().validate().is_ok());
         assert!(AllocatorConfig::parse("expandable_segments:True").unwrap().expandable_segments);
+    }
+
+    #[test]
+    fn rounding_never_overflows_at_any_size_or_setting() {
+        for divisions in [0, 1, 2, 4, 16, MAX_POWER2_DIVISIONS] {
+            let c = AllocatorConfig::parse(&format!("roundup_power2_divisions:{divisions}")).unwrap();
+            for size in [1, 511, 512, 513, 1 << 20, (1 << 20) + 1, usize::MAX / 2 + 1, usize::MAX - 511, usize::MAX] {
+                if let Some(r) = c.round_size(size) {
+                    assert!(r >= size && r.is_multiple_of(512), "{divisions} divisions: {size} -> {r}");
+                }
+            }
+        }
     }
 }

@@ -16,14 +16,15 @@ pub struct Stat {
 }
 
 impl Stat {
-    /// Adds `amount` (may be negative).
+    /// Adds `amount` (may be negative). Saturates rather than wrapping or panicking: a counter
+    /// pinned at `i64::MAX` is visibly wrong, a wrapped one is silently wrong.
     pub fn update(&mut self, amount: i64) {
-        self.current += amount;
+        self.current = self.current.saturating_add(amount);
         self.peak = self.peak.max(self.current);
         if amount > 0 {
-            self.allocated += amount;
+            self.allocated = self.allocated.saturating_add(amount);
         } else {
-            self.freed -= amount;
+            self.freed = self.freed.saturating_sub(amount);
         }
     }
 
@@ -35,6 +36,12 @@ impl Stat {
         self.allocated = 0;
         self.freed = 0;
     }
+}
+
+/// A byte or block count as a statistic's signed amount (`i64::MAX` beyond it; no size a
+/// backend can hold gets there, but the conversion must not wrap to a negative figure).
+pub(crate) fn signed(amount: usize) -> i64 {
+    i64::try_from(amount).unwrap_or(i64::MAX)
 }
 
 /// Which pool a statistic covers.

@@ -113,13 +113,13 @@ pub struct Affine {
 impl Affine {
     /// Through the values at batch `b` and `2b`.
     fn from_doubling(b: usize, at_b: usize, at_2b: usize) -> Self {
-        let per_sample = at_2b.saturating_sub(at_b) / b;
-        Affine { fixed: at_b.saturating_sub(b * per_sample), per_sample }
+        let per_sample = at_2b.saturating_sub(at_b) / b.max(1);
+        Affine { fixed: at_b.saturating_sub(b.saturating_mul(per_sample)), per_sample }
     }
 
-    /// The value at `batch`.
+    /// The value at `batch` (`usize::MAX` when it is not representable: it never fits).
     pub fn at(&self, batch: usize) -> usize {
-        self.fixed + batch * self.per_sample
+        self.fixed.saturating_add(batch.saturating_mul(self.per_sample))
     }
 }
 
@@ -207,12 +207,13 @@ fn estimate_with(params: &Params, profile: &ActivationProfile, batch: usize, mod
         // master update holds the old and new master and moments plus the f32 gradient and the
         // bias-corrected moments of the largest parameter (eight f32 copies for AdamW).
         _ => {
-            let backward = profile.backward_workspace.map_or(2 * largest, |w| w.at(batch));
+            let backward = profile.backward_workspace.map_or(largest.saturating_mul(2), |w| w.at(batch));
+            let states = mode.optimizer_states();
             if masters {
-                let update = largest_f32 * (2 + 3 * mode.optimizer_states());
-                (parameters, f32_params * mode.optimizer_states(), f32_params, backward.max(update))
+                let update = largest_f32.saturating_mul(2 + 3 * states);
+                (parameters, f32_params.saturating_mul(states), f32_params, backward.max(update))
             } else {
-                (parameters, parameters * mode.optimizer_states(), 0, backward.max(2 * largest_param))
+                (parameters, parameters.saturating_mul(states), 0, backward.max(largest_param.saturating_mul(2)))
             }
         }
     };
@@ -225,7 +226,10 @@ fn estimate_with(params: &Params, profile: &ActivationProfile, batch: usize, mod
         master_weights,
         activations,
         workspace,
-        total: parameters + gradients + optimizer_state + master_weights + activations + workspace,
+        // Saturating: an estimate past the address space is "does not fit", never a wrap.
+        total: [parameters, gradients, optimizer_state, master_weights, activations, workspace]
+            .into_iter()
+            .fold(0usize, usize::saturating_add),
     }
 }
 

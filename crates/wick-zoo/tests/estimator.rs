@@ -138,6 +138,9 @@ fn estimates_are_within_15_percent_of_measured_peaks() {
     .unwrap();
     let budget = estimate(&mbn.params, &profile, 40, Mode::TrainAdamW).total + 1;
     assert_eq!(largest_batch(&mbn.params, &profile, Mode::TrainAdamW, budget, 1000), 40);
+    // No upper bound on the search: the estimate saturates ("does not fit") instead of overflowing.
+    assert_eq!(largest_batch(&mbn.params, &profile, Mode::TrainAdamW, budget, usize::MAX), 40);
+    assert_eq!(estimate(&mbn.params, &profile, usize::MAX, Mode::TrainAdamW).total, usize::MAX);
 
     println!("\n| model (batch {BATCH}, f32) | inference: estimate / measured MiB | training (SGD): estimate / measured MiB | training: params / activations / workspace MiB |");
     println!("|---|---|---|---|");

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext};
 
 use crate::error::{MemoryError, OutOfMemory};
-use crate::stats::MemoryStats;
+use crate::stats::{signed, MemoryStats};
 
 /// wick's memory pool, installed as the current pool of one device.
 pub struct DriverPool {
@@ -127,10 +127,10 @@ impl DriverPool {
     /// The pool's figures under PyTorch's statistic names (allocated = used, reserved = reserved).
     pub fn memory_stats(&self) -> MemoryStats {
         let mut stats = MemoryStats::default();
-        let (used, reserved) = (self.used() as i64, self.reserved() as i64);
+        let (used, reserved) = (signed(self.used()), signed(self.reserved()));
         for (array, current, peak) in [
-            (&mut stats.allocated_bytes, used, self.used_peak() as i64),
-            (&mut stats.reserved_bytes, reserved, self.reserved_peak() as i64),
+            (&mut stats.allocated_bytes, used, signed(self.used_peak())),
+            (&mut stats.reserved_bytes, reserved, signed(self.reserved_peak())),
         ] {
             array.all.current = current;
             array.all.peak = peak;

@@ -12,6 +12,18 @@ struct State {
     next_addr: u64,
 }
 
+impl State {
+    /// The next `size` bytes of address space, rounded up to the alignment; out of memory when the
+    /// 64-bit space is used up (checked, so a huge request can never wrap onto earlier blocks).
+    fn take_addresses(&mut self, size: usize) -> Result<u64, BackendError> {
+        let align = SIM_ALIGNMENT as u64;
+        let span = (size as u64).div_ceil(align).checked_mul(align).ok_or(BackendError::OutOfMemory)?;
+        let addr = self.next_addr;
+        self.next_addr = addr.checked_add(span).ok_or(BackendError::OutOfMemory)?;
+        Ok(addr)
+    }
+}
+
 /// A device with `capacity` bytes and no memory behind its addresses.
 #[derive(Debug)]
 pub struct SimulatedBackend {
@@ -89,9 +101,7 @@ impl Backend for SimulatedBackend {
         }
         // Addresses are never reused: a 64-bit space outlasts any replay, and a stale address
         // can then never alias a live one.
-        let span = (size as u64).div_ceil(SIM_ALIGNMENT as u64) * SIM_ALIGNMENT as u64;
-        let addr = state.next_addr;
-        state.next_addr = addr.checked_add(span).ok_or(BackendError::OutOfMemory)?;
+        let addr = state.take_addresses(size)?;
         state.used += size;
         Ok(addr)
     }
@@ -109,10 +119,7 @@ impl Backend for SimulatedBackend {
 
     fn reserve_address_space(&self, size: usize) -> Result<u64, BackendError> {
         let mut state = self.lock();
-        let span = (size as u64).div_ceil(SIM_ALIGNMENT as u64) * SIM_ALIGNMENT as u64;
-        let addr = state.next_addr;
-        state.next_addr = addr.checked_add(span).ok_or(BackendError::OutOfMemory)?;
-        Ok(addr)
+        state.take_addresses(size)
     }
 
     unsafe fn map_range(&self, _addr: u64, size: usize) -> Result<(), BackendError> {

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use crate::stats::{MemoryStats, PoolKind};
+use crate::stats::{signed, MemoryStats, PoolKind};
 use crate::stream::{EventId, StreamId};
 
 /// Pool tag of free blocks that are safe to hand to any stream (their last stream is done).
@@ -177,7 +177,7 @@ impl BlockTable {
         let block = self.block(slot);
         if block.is_split() {
             stats.inactive_split.update(pool, 1);
-            stats.inactive_split_bytes.update(pool, block.size as i64);
+            stats.inactive_split_bytes.update(pool, signed(block.size));
         }
         self.pool_set(pool).insert(key);
     }
@@ -189,7 +189,7 @@ impl BlockTable {
         let block = self.block(slot);
         if block.is_split() {
             stats.inactive_split.update(pool, -1);
-            stats.inactive_split_bytes.update(pool, -(block.size as i64));
+            stats.inactive_split_bytes.update(pool, -(signed(block.size)));
         }
         self.pool_set(pool).remove(&key);
     }

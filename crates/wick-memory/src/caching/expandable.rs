@@ -9,7 +9,7 @@ use super::history::Action;
 use super::state::{NewSegmentError, State};
 use crate::backend::{Backend, BackendError};
 use crate::error::{MemoryError, Result};
-use crate::stats::PoolKind;
+use crate::stats::{signed, PoolKind};
 use crate::stream::StreamId;
 
 impl State {
@@ -19,7 +19,7 @@ impl State {
     fn relink(&mut self, slot: u32, change: impl FnOnce(&mut Block)) {
         let (state, size, pool) = {
             let b = self.table.block(slot);
-            (b.state.clone(), b.size as i64, b.pool)
+            (b.state.clone(), signed(b.size), b.pool)
         };
         let cached = matches!(state, BlockState::Free | BlockState::Parked);
         let count = |stats: &mut crate::stats::MemoryStats, split: bool, sign: i64| {
@@ -82,21 +82,27 @@ impl State {
             b.state == BlockState::Free && (b.tag == stream.0 || b.tag == super::blocks::SHARED)
         });
         let have = free_tail.map_or(0, |t| self.table.block(t).size);
-        let need = (rounded - have.min(rounded)).div_ceil(page).max(1) * page;
-        if segment.size + need > segment.reservation.unwrap_or(0) {
+        // Checked throughout: a reservation near the top of the address space must fail, not
+        // wrap around onto live blocks.
+        let need = (rounded - have.min(rounded)).div_ceil(page).max(1).checked_mul(page);
+        let need = need.ok_or(NewSegmentError::DeviceFull)?;
+        if segment.size.checked_add(need).is_none_or(|end| end > segment.reservation.unwrap_or(0)) {
             return Err(NewSegmentError::DeviceFull);
         }
-        let reserved = self.stats.reserved_bytes.all.current as usize;
-        if self.limit.is_some_and(|limit| reserved + need > limit) {
+        let reserved = usize::try_from(self.stats.reserved_bytes.all.current).unwrap_or(0);
+        if self.limit.is_some_and(|limit| reserved.checked_add(need).is_none_or(|r| r > limit)) {
             return Err(NewSegmentError::Capped);
         }
-        let at = segment.addr + segment.size as u64;
+        let at = (segment.size as u64)
+            .checked_add(segment.addr)
+            .filter(|at| at.checked_add(need as u64).is_some())
+            .ok_or(NewSegmentError::DeviceFull)?;
         // SAFETY: [at, at + need) lies inside this segment's reservation, past its mapped prefix.
         unsafe { backend.map_range(at, need) }.map_err(|e| match e {
             BackendError::OutOfMemory => NewSegmentError::DeviceFull,
             other => NewSegmentError::Backend(other.to_string()),
         })?;
-        self.stats.reserved_bytes.update(pool, need as i64);
+        self.stats.reserved_bytes.update(pool, signed(need));
         self.stats.num_device_alloc += 1;
         if let Some(seg) = self.table.segments.get_mut(seg_index) {
             seg.size += need;
@@ -177,7 +183,7 @@ impl State {
                         if let Some(s) = self.table.segments.get_mut(index) {
                             s.size = keep;
                         }
-                        self.stats.reserved_bytes.update(seg.pool, -(unmap as i64));
+                        self.stats.reserved_bytes.update(seg.pool, -(signed(unmap)));
                         self.stats.num_device_free += 1;
                         released.1 += unmap;
                         self.record(Action::SegmentFree, seg.addr + keep as u64, unmap, seg.stream);

@@ -5,7 +5,7 @@
 use super::blocks::BlockState;
 use super::history::Action;
 use super::state::{State, PARK_CAPACITY};
-use crate::stats::PoolKind;
+use crate::stats::{signed, PoolKind};
 use crate::stream::StreamId;
 
 impl State {
@@ -24,7 +24,7 @@ impl State {
         b.tag = b.stream.0;
         b.free_epoch = counter.0;
         b.freed_at = counter.1;
-        let (size, split, addr, stream) = (b.size as i64, b.is_split(), b.addr, b.stream);
+        let (size, split, addr, stream) = (signed(b.size), b.is_split(), b.addr, b.stream);
         self.stats.active.update(PoolKind::Small, -1);
         self.stats.active_bytes.update(PoolKind::Small, -size);
         if split {
@@ -44,7 +44,7 @@ impl State {
         let slot = self.parked.swap_remove(position);
         let b = self.table.block_mut(slot);
         b.state = BlockState::Free;
-        let (size, split) = (b.size as i64, b.is_split());
+        let (size, split) = (signed(b.size), b.is_split());
         if split {
             self.stats.inactive_split.update(PoolKind::Small, -1);
             self.stats.inactive_split_bytes.update(PoolKind::Small, -size);
@@ -56,7 +56,7 @@ impl State {
     pub(super) fn unpark(&mut self, slot: u32) {
         let b = self.table.block_mut(slot);
         b.state = BlockState::Free;
-        let (size, split) = (b.size as i64, b.is_split());
+        let (size, split) = (signed(b.size), b.is_split());
         if split {
             self.stats.inactive_split.update(PoolKind::Small, -1);
             self.stats.inactive_split_bytes.update(PoolKind::Small, -size);

@@ -5,7 +5,7 @@ use super::history::Action;
 use super::state::State;
 use crate::backend::Backend;
 use crate::error::{MemoryError, Result};
-use crate::stats::PoolKind;
+use crate::stats::{signed, PoolKind};
 use crate::stream::StreamId;
 
 impl State {
@@ -77,7 +77,7 @@ impl State {
         self.table.remove_block(slot);
         self.table.segments.remove(seg_index);
         self.stats.segment.update(segment.pool, -1);
-        self.stats.reserved_bytes.update(segment.pool, -(segment.size as i64));
+        self.stats.reserved_bytes.update(segment.pool, -(signed(segment.size)));
         self.stats.num_device_free += 1;
         if self.is_oversize(segment.size) {
             self.stats.oversize_segments.update(-1);

@@ -8,7 +8,7 @@ use super::history::{Action, History};
 use crate::backend::{Backend, BackendError};
 use crate::config::AllocatorConfig;
 use crate::error::{MemoryError, OutOfMemory, Result};
-use crate::stats::{MemoryStats, PoolKind};
+use crate::stats::{signed, MemoryStats, PoolKind};
 use crate::stream::{EventId, StreamId};
 
 /// How many freed small blocks are kept unmerged for exact-size reuse.
@@ -236,7 +236,7 @@ impl State {
             seg.first_block = slot;
         }
         self.stats.segment.update(pool, 1);
-        self.stats.reserved_bytes.update(pool, size as i64);
+        self.stats.reserved_bytes.update(pool, signed(size));
         self.stats.num_device_alloc += 1;
         if self.is_oversize(size) {
             self.stats.oversize_segments.update(1);
@@ -292,10 +292,10 @@ impl State {
         block.extra_streams.clear();
         let size = block.size;
         self.stats.allocation.update(pool, 1);
-        self.stats.allocated_bytes.update(pool, size as i64);
+        self.stats.allocated_bytes.update(pool, signed(size));
         self.stats.active.update(pool, 1);
-        self.stats.active_bytes.update(pool, size as i64);
-        self.stats.requested_bytes.update(pool, requested as i64);
+        self.stats.active_bytes.update(pool, signed(size));
+        self.stats.requested_bytes.update(pool, signed(requested));
         if self.is_oversize(size) {
             self.stats.oversize_allocations.update(1);
         }
@@ -310,8 +310,8 @@ impl State {
             (b.size, b.requested, b.addr, b.stream, std::mem::take(&mut b.extra_streams))
         };
         self.stats.allocation.update(pool, -1);
-        self.stats.allocated_bytes.update(pool, -(size as i64));
-        self.stats.requested_bytes.update(pool, -(requested as i64));
+        self.stats.allocated_bytes.update(pool, -(signed(size)));
+        self.stats.requested_bytes.update(pool, -(signed(requested)));
         if self.is_oversize(size) {
             self.stats.oversize_allocations.update(-1);
         }
@@ -351,7 +351,7 @@ impl State {
             (b.size, b.addr, b.stream)
         };
         self.stats.active.update(pool, -1);
-        self.stats.active_bytes.update(pool, -(size as i64));
+        self.stats.active_bytes.update(pool, -(signed(size)));
         self.merge_into_pool(slot);
         self.record(Action::FreeCompleted, addr, size, stream);
     }

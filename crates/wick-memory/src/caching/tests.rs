@@ -325,3 +325,25 @@ fn expandable_segments_respect_the_cap() {
     assert!(a.allocate(45 * MIB).is_err(), "45 MiB needs 60 MiB of 20 MiB pages, over the cap");
     assert!(a.allocate(39 * MIB).is_ok());
 }
+
+#[test]
+fn expandable_segments_on_a_device_the_size_of_the_address_space_never_overlap() {
+    // `wick replay --capacity-gib 1e11 --config expandable_segments:True`: the reservation's
+    // span rounded past u64::MAX and wrapped to 0, so every stream's segment began at the same
+    // address and blocks overlapped (release builds).
+    let config = AllocatorConfig { expandable_segments: true, ..AllocatorConfig::default() };
+    let a = CachingAllocator::with_config(SimulatedBackend::new(usize::MAX), config).unwrap();
+    let mut spans: Vec<(u64, u64)> = Vec::new();
+    let mut live = Vec::new();
+    for (i, size) in [64 * MIB, 3 * MIB, 100, 700 * MIB, 5000].into_iter().enumerate() {
+        match a.allocate_with(AllocRequest::new(size).on_stream(StreamId(i as u64 % 2))) {
+            Ok(block) => {
+                spans.push((block.addr(), block.addr() + block.block_size() as u64));
+                live.push(block);
+            }
+            Err(e) => assert!(e.is_out_of_memory() || matches!(e, MemoryError::Backend(_)), "{e}"),
+        }
+    }
+    spans.sort();
+    assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "overlapping blocks: {spans:x?}");
+}
