@@ -60,7 +60,7 @@ const MAGIC_RESERVE: u64 = 0x7769_636B_7265_7376; // "wickresv"
 #[repr(C)]
 struct Header {
     magic: u64,
-    owner: usize,
+    owner: u64,
     slot: u32,
     generation: u32,
     addr: u64,

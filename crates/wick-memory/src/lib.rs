@@ -39,13 +39,15 @@ pub mod trace;
 pub mod workloads;
 
 pub use adaptors::{EventLog, FailureCallback, Limiting, Statistics, Tracking};
-pub use backend::{Backend, BackendError, HostBackend, SimulatedBackend};
+pub use backend::{Backend, BackendError, HostBackend, HostMemoryBackend, SimulatedBackend};
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, DriverPool};
 pub use caching::{CachingAllocator, BLOCK_ALIGNMENT};
 pub use config::{AllocatorConfig, MemoryLimit};
 pub use error::{MemoryError, OutOfMemory, Result};
-pub use resource::{AllocRequest, AllocateExt, Allocation, MemoryInfo, MemoryResource, RawBlock, ReleaseReport};
+pub use resource::{
+    AllocRequest, AllocateExt, Allocation, HostResource, MemoryInfo, MemoryResource, RawBlock, ReleaseReport,
+};
 pub use scope::{scoped, Scope, ScopeReport};
 pub use snapshot::Snapshot;
 pub use stats::MemoryStats;

@@ -42,7 +42,7 @@ impl AllocRequest {
 /// can be returned at most once; returning it to a resource that did not allocate it is an error.
 #[derive(Debug, PartialEq, Eq)]
 pub struct RawBlock {
-    pub(crate) owner: usize,
+    pub(crate) owner: u64,
     pub(crate) slot: u32,
     pub(crate) generation: u32,
     pub(crate) addr: u64,
@@ -67,6 +67,11 @@ impl RawBlock {
     /// The stream it was allocated on.
     pub fn stream(&self) -> StreamId {
         self.stream
+    }
+    /// What identifies the block among every block of every resource in the process (its
+    /// allocator's identity, slot and generation); adaptors use it to know their own blocks.
+    pub(crate) fn key(&self) -> (u64, u32, u32) {
+        (self.owner, self.slot, self.generation)
     }
 }
 
@@ -150,6 +155,18 @@ pub trait MemoryResource: Send + Sync {
     }
 }
 
+/// A resource whose blocks are host memory safe code may read and write.
+///
+/// # Safety
+/// `check_host_block` may return `Ok` only when `block` is a block this resource handed out and
+/// has not taken back, and its address is a valid host pointer to at least `block.size()`
+/// initialised bytes that nothing else uses until the block is returned. Adaptors forward it to
+/// the resource that allocated their blocks.
+pub unsafe trait HostResource: MemoryResource {
+    /// `Ok` when `block` is a live host block of this resource; an error saying why not otherwise.
+    fn check_host_block(&self, block: &RawBlock) -> Result<()>;
+}
+
 /// A live allocation. Dropping it returns the block to its resource; it borrows the resource,
 /// so it cannot outlive it:
 ///
@@ -207,24 +224,33 @@ impl<'r, R: MemoryResource + ?Sized> Allocation<'r, R> {
         self.resource.record_stream(self.raw(), stream)
     }
 
-    /// The bytes of a host-accessible allocation; `Unsupported` on device memory.
-    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
-        if !self.resource.is_host_accessible() {
-            return Err(MemoryError::Unsupported(format!(
-                "{} memory is not host accessible",
-                self.resource.device_name()
-            )));
-        }
-        let block = self.raw();
-        // SAFETY: the resource reports host-accessible memory: the address is a valid pointer to
-        // `requested` initialised bytes owned exclusively by this block until it is returned,
-        // which only happens when `self` is dropped or consumed.
-        Ok(unsafe { std::slice::from_raw_parts_mut(block.addr as *mut u8, block.requested) })
-    }
-
     /// Gives up RAII: the caller must return the block with `deallocate_raw`.
     pub fn into_raw(mut self) -> RawBlock {
         self.block.take().unwrap_or_else(|| unreachable!("allocation without a block"))
+    }
+}
+
+impl<R: HostResource + ?Sized> Allocation<'_, R> {
+    /// The bytes of the allocation. An error when the resource does not own this block as a live
+    /// host block (a block wrapped with [`Allocation::from_raw`] over another resource, or one
+    /// already returned): the resource checks it, not the caller.
+    ///
+    /// Only resources over host memory have it:
+    ///
+    /// ```compile_fail
+    /// use wick_memory::{AllocateExt, CachingAllocator, SimulatedBackend};
+    /// let allocator = CachingAllocator::new(SimulatedBackend::new(1 << 30));
+    /// let mut block = allocator.allocate(1024).unwrap();
+    /// block.as_mut_slice(); // error: SimulatedBackend is not a HostMemoryBackend
+    /// ```
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        let block = self.raw();
+        self.resource.check_host_block(block)?;
+        // SAFETY: `check_host_block` (an unsafe trait's promise) confirmed that the address is a
+        // valid host pointer to `requested` initialised bytes owned by this block until it is
+        // returned, which only happens when `self` is dropped or consumed; `&mut self` makes the
+        // slice exclusive.
+        Ok(unsafe { std::slice::from_raw_parts_mut(block.addr as *mut u8, block.requested) })
     }
 }
 

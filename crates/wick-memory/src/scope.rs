@@ -30,6 +30,8 @@ pub struct Scope<'r, R: MemoryResource + ?Sized> {
 #[derive(Debug, PartialEq, Eq)]
 pub struct ScopedBlock<'s> {
     index: usize,
+    /// The block's process-unique key: `keep` checks that the scope's entry is this block.
+    key: (u64, u32, u32),
     addr: u64,
     size: usize,
     _scope: std::marker::PhantomData<&'s ()>,
@@ -60,18 +62,20 @@ impl<'r, R: MemoryResource + ?Sized> Scope<'r, R> {
     /// Allocates as `request` says, owned by the scope.
     pub fn allocate_with(&self, request: AllocRequest) -> Result<ScopedBlock<'_>> {
         let block = self.resource.allocate_raw(request)?;
-        let (addr, size) = (block.addr(), block.size());
+        let (addr, size, key) = (block.addr(), block.size(), block.key());
         let mut blocks = self.blocks.borrow_mut();
         blocks.push(Some(block));
-        Ok(ScopedBlock { index: blocks.len() - 1, addr, size, _scope: std::marker::PhantomData })
+        Ok(ScopedBlock { index: blocks.len() - 1, key, addr, size, _scope: std::marker::PhantomData })
     }
 
-    /// Moves a block out of the scope on purpose: it then lives as an ordinary allocation.
+    /// Moves a block out of the scope on purpose: it then lives as an ordinary allocation. A
+    /// block of another scope is refused (`ForeignBlock`) and stays where it is.
     pub fn keep(&self, block: ScopedBlock<'_>) -> Result<Allocation<'r, R>> {
         let raw = self
             .blocks
             .borrow_mut()
             .get_mut(block.index)
+            .filter(|entry| entry.as_ref().is_some_and(|raw| raw.key() == block.key))
             .and_then(Option::take)
             .ok_or(MemoryError::ForeignBlock { addr: block.addr })?;
         self.kept.set(self.kept.get() + 1);

@@ -1,7 +1,8 @@
 //! Streams and events as the allocator sees them. A stream is an ordered queue of device work;
 //! an event marks a point in a stream and completes when the work before it is done.
 
-/// Identifies a stream of a backend. `StreamId::DEFAULT` (0) always exists.
+/// Identifies a stream of a backend. `StreamId::DEFAULT` (0) always exists; `StreamId(u64::MAX)`
+/// is reserved by the caching allocator (it tags blocks every stream may reuse) and refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
 pub struct StreamId(pub u64);
 

@@ -135,3 +135,40 @@ fn event_log_trace_replays_to_the_same_peaks() {
     assert_eq!(report.peak_reserved as i64, original.reserved_bytes.all.peak);
     assert_eq!(logged.counters().bytes_peak, 5 * MIB + 700);
 }
+
+#[test]
+fn keep_refuses_a_block_of_another_scope() {
+    // Before: `keep` took whatever block sat at the same index of this scope, so the wrong block
+    // left the scope and the right one was freed under its holder.
+    let a = sim();
+    let first = Scope::new(&a);
+    let second = Scope::new(&a);
+    let mine = first.allocate(100).unwrap();
+    let theirs = second.allocate(200).unwrap();
+    let theirs_addr = theirs.addr();
+    assert!(matches!(first.keep(theirs), Err(MemoryError::ForeignBlock { addr }) if addr == theirs_addr));
+    assert_eq!((first.live_blocks(), second.live_blocks()), (1, 1), "nothing moved");
+    let kept = first.keep(mine).unwrap();
+    assert_eq!(kept.size(), 100);
+}
+
+#[test]
+fn adaptors_ignore_blocks_allocated_around_them() {
+    // Freeing through an adaptor a block allocated through `.inner()` underflowed its counters.
+    let stats = Statistics::new(sim());
+    let counted = stats.allocate(4096).unwrap();
+    let around = stats.inner().allocate_raw(wick_memory::AllocRequest::new(1024)).unwrap();
+    stats.deallocate_raw(around).unwrap();
+    let c = stats.counters();
+    assert_eq!((c.count_current, c.bytes_current), (1, 4096));
+    drop(counted);
+    assert_eq!(stats.counters().count_current, 0);
+
+    let limiting = Limiting::new(sim(), 8 * MIB);
+    let counted = limiting.allocate(MIB).unwrap();
+    let around = limiting.inner().allocate_raw(wick_memory::AllocRequest::new(2 * MIB)).unwrap();
+    limiting.deallocate_raw(around).unwrap();
+    assert_eq!(limiting.used(), MIB);
+    drop(counted);
+    assert_eq!(limiting.used(), 0);
+}

@@ -1,10 +1,12 @@
 //! A hard cap on bytes handed out (RMM's `limiting_resource_adaptor`), checked before the
 //! upstream is asked, so an over-limit request never touches the device.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use crate::error::{MemoryError, OutOfMemory, Result};
-use crate::resource::{AllocRequest, MemoryInfo, MemoryResource, RawBlock};
+use crate::resource::{AllocRequest, HostResource, MemoryInfo, MemoryResource, RawBlock};
 
 /// Refuses requests that would take the bytes allocated through it above `limit`.
 #[derive(Debug)]
@@ -12,12 +14,14 @@ pub struct Limiting<R: MemoryResource> {
     upstream: R,
     limit: usize,
     used: AtomicUsize,
+    /// Keys of the blocks counted in `used`.
+    own: Mutex<HashSet<(u64, u32, u32)>>,
 }
 
 impl<R: MemoryResource> Limiting<R> {
     /// Wraps `upstream` with a cap of `limit` bytes (counted in block sizes).
     pub fn new(upstream: R, limit: usize) -> Self {
-        Limiting { upstream, limit, used: AtomicUsize::new(0) }
+        Limiting { upstream, limit, used: AtomicUsize::new(0), own: Mutex::new(HashSet::new()) }
     }
 
     /// Bytes allocated through this adaptor now.
@@ -50,8 +54,8 @@ impl<R: MemoryResource> MemoryResource for Limiting<R> {
                 segment_size: request.size,
                 capacity: info.capacity,
                 device_free: info.device_free,
-                allocated: stats.allocated_bytes.all.current as usize,
-                reserved: stats.reserved_bytes.all.current as usize,
+                allocated: usize::try_from(stats.allocated_bytes.all.current).unwrap_or(0),
+                reserved: usize::try_from(stats.reserved_bytes.all.current).unwrap_or(0),
                 limit: Some(self.limit),
                 limited_by_cap: true,
                 largest_free_block: 0,
@@ -62,6 +66,7 @@ impl<R: MemoryResource> MemoryResource for Limiting<R> {
                 // Account the block's real size, not the request.
                 let extra = block.block_size().saturating_sub(request.size);
                 self.used.fetch_add(extra, Ordering::SeqCst);
+                self.own.lock().unwrap_or_else(|p| p.into_inner()).insert(block.key());
                 Ok(block)
             }
             Err(e) => {
@@ -71,10 +76,14 @@ impl<R: MemoryResource> MemoryResource for Limiting<R> {
         }
     }
 
+    /// A block allocated around this adaptor (through [`Limiting::inner`]) is returned upstream
+    /// without touching `used`, which never counted it.
     fn deallocate_raw(&self, block: RawBlock) -> Result<()> {
-        let size = block.block_size();
+        let (size, key) = (block.block_size(), block.key());
         self.upstream.deallocate_raw(block)?;
-        self.used.fetch_sub(size, Ordering::SeqCst);
+        if self.own.lock().unwrap_or_else(|p| p.into_inner()).remove(&key) {
+            self.used.fetch_sub(size, Ordering::SeqCst);
+        }
         Ok(())
     }
 
@@ -85,5 +94,12 @@ impl<R: MemoryResource> MemoryResource for Limiting<R> {
     fn memory_info(&self) -> MemoryInfo {
         let info = self.upstream.memory_info();
         MemoryInfo { limit: Some(info.limit.map_or(self.limit, |l| l.min(self.limit))), ..info }
+    }
+}
+
+// SAFETY: blocks pass through unchanged; the upstream that allocated them answers.
+unsafe impl<R: HostResource> HostResource for Limiting<R> {
+    fn check_host_block(&self, block: &RawBlock) -> Result<()> {
+        self.upstream.check_host_block(block)
     }
 }

@@ -1,10 +1,11 @@
 //! Byte and allocation counters at one layer (RMM's `statistics_resource_adaptor`): current,
 //! peak and total, independent of the allocator's own statistics.
 
+use std::collections::HashSet;
 use std::sync::Mutex;
 
 use crate::error::Result;
-use crate::resource::{AllocRequest, MemoryResource, RawBlock};
+use crate::resource::{AllocRequest, HostResource, MemoryResource, RawBlock};
 
 /// Counters kept by [`Statistics`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -29,27 +30,28 @@ pub struct Counters {
 #[derive(Debug)]
 pub struct Statistics<R: MemoryResource> {
     upstream: R,
-    counters: Mutex<Counters>,
+    counters: Mutex<(Counters, HashSet<(u64, u32, u32)>)>,
 }
 
 impl<R: MemoryResource> Statistics<R> {
     /// Wraps `upstream`.
     pub fn new(upstream: R) -> Self {
-        Statistics { upstream, counters: Mutex::new(Counters::default()) }
+        Statistics { upstream, counters: Mutex::new((Counters::default(), HashSet::new())) }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Counters> {
+    /// The counters and the keys of the blocks they count.
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Counters, HashSet<(u64, u32, u32)>)> {
         self.counters.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// The counters now.
     pub fn counters(&self) -> Counters {
-        *self.lock()
+        self.lock().0
     }
 
     /// Sets the peaks to the current values.
     pub fn reset_peaks(&self) {
-        let mut c = self.lock();
+        let c = &mut self.lock().0;
         c.bytes_peak = c.bytes_current;
         c.count_peak = c.count_current;
     }
@@ -63,9 +65,10 @@ impl<R: MemoryResource> Statistics<R> {
 impl<R: MemoryResource> MemoryResource for Statistics<R> {
     fn allocate_raw(&self, request: AllocRequest) -> Result<RawBlock> {
         let result = self.upstream.allocate_raw(request);
-        let mut c = self.lock();
+        let (c, own) = &mut *self.lock();
         match &result {
             Ok(block) => {
+                own.insert(block.key());
                 c.bytes_current += block.size();
                 c.bytes_total += block.size();
                 c.bytes_peak = c.bytes_peak.max(c.bytes_current);
@@ -78,16 +81,27 @@ impl<R: MemoryResource> MemoryResource for Statistics<R> {
         result
     }
 
+    /// A block allocated around this adaptor (through [`Statistics::inner`]) is returned
+    /// upstream without touching these counters, which never counted it.
     fn deallocate_raw(&self, block: RawBlock) -> Result<()> {
-        let size = block.size();
+        let (size, key) = (block.size(), block.key());
         self.upstream.deallocate_raw(block)?;
-        let mut c = self.lock();
-        c.bytes_current -= size;
-        c.count_current -= 1;
+        let (c, own) = &mut *self.lock();
+        if own.remove(&key) {
+            c.bytes_current -= size;
+            c.count_current -= 1;
+        }
         Ok(())
     }
 
     fn upstream(&self) -> Option<&dyn MemoryResource> {
         Some(&self.upstream)
+    }
+}
+
+// SAFETY: blocks pass through unchanged; the upstream that allocated them answers.
+unsafe impl<R: HostResource> HostResource for Statistics<R> {
+    fn check_host_block(&self, block: &RawBlock) -> Result<()> {
+        self.upstream.check_host_block(block)
     }
 }

@@ -67,6 +67,22 @@ pub fn host_memory_budget() -> usize {
     }
 }
 
+#[cfg(unix)]
+/// A failed mapping call as a backend error: ENOMEM (the kernel's commit limit, e.g. under
+/// `vm.overcommit_memory=2`, or a cgroup) is out of memory, so the allocator flushes its cache
+/// and retries, and the caller sees `OutOfMemory` with advice; anything else is reported as is.
+fn mapping_error(call: &str, e: std::io::Error) -> BackendError {
+    if e.raw_os_error() == Some(libc::ENOMEM) {
+        BackendError::OutOfMemory
+    } else {
+        BackendError::Other(format!("{call}: {e}"))
+    }
+}
+
+// SAFETY: segments are `alloc_zeroed` heap memory or read-write pages of an anonymous mapping
+// (zero until written), valid until `free_segment`/`unmap_range`, handed to one block holder.
+unsafe impl super::HostMemoryBackend for HostBackend {}
+
 impl Backend for HostBackend {
     fn device_name(&self) -> String {
         "host:0".to_string()
@@ -158,7 +174,7 @@ impl Backend for HostBackend {
         // anonymous mapping read as zero until written, so the bytes are initialised.
         if unsafe { libc::mprotect(addr as *mut libc::c_void, size, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
             self.used.fetch_sub(size, Ordering::SeqCst);
-            return Err(BackendError::Other(format!("mprotect: {}", std::io::Error::last_os_error())));
+            return Err(mapping_error("mprotect", std::io::Error::last_os_error()));
         }
         Ok(())
     }
@@ -224,6 +240,15 @@ mod tests {
         // SAFETY: freeing the segment allocated above, once.
         unsafe { b.free_segment(a, 4096 * 3).unwrap() };
         assert_eq!(b.bytes_in_segments(), 0);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn enomem_from_the_kernel_is_out_of_memory() {
+        let enomem = std::io::Error::from_raw_os_error(libc::ENOMEM);
+        assert_eq!(mapping_error("mprotect", enomem), BackendError::OutOfMemory);
+        let einval = std::io::Error::from_raw_os_error(libc::EINVAL);
+        assert!(matches!(mapping_error("mprotect", einval), BackendError::Other(m) if m.starts_with("mprotect")));
     }
 
     #[test]

@@ -109,6 +109,19 @@ pub trait Backend: Send + Sync {
     fn synchronize(&self) -> Result<(), BackendError>;
 }
 
+/// A backend whose segments are host memory the process may read and write.
+///
+/// # Safety
+/// Every address `allocate_segment` (or `map_range`) hands out must be a valid, writable host
+/// pointer to `size` initialised bytes that stay valid and unused by anything else until the
+/// segment is freed (unmapped). [`crate::CachingAllocator`] relies on this to give safe code
+/// byte slices of its blocks ([`crate::Allocation::as_mut_slice`]); a safe `is_host_accessible`
+/// answer alone is never trusted for that.
+pub unsafe trait HostMemoryBackend: Backend {}
+
+// SAFETY: forwards to a backend that makes the promise.
+unsafe impl<B: HostMemoryBackend + ?Sized> HostMemoryBackend for std::sync::Arc<B> {}
+
 impl<B: Backend + ?Sized> Backend for std::sync::Arc<B> {
     fn device_name(&self) -> String {
         (**self).device_name()

@@ -34,9 +34,21 @@ pub const BLOCK_ALIGNMENT: usize = 512;
 pub struct CachingAllocator<B: Backend> {
     backend: B,
     state: Mutex<State>,
-    /// Its address identifies this allocator in the blocks it hands out (no global counter:
-    /// statics are per cell in notebooks).
-    identity: Box<u8>,
+    /// Identifies this allocator in the blocks it hands out: 64 random bits drawn at
+    /// construction. Not an address (a dropped allocator's address is reused by the next one,
+    /// whose blocks its stale handles would then free) and not a static counter (statics exist
+    /// once per cell in notebooks).
+    identity: u64,
+}
+
+/// A fresh identity: std's randomly keyed hasher (keys from the OS) over the time and a stack
+/// address, so two allocators, in one process or across notebook cells, collide with
+/// probability 2⁻⁶⁴.
+fn fresh_identity() -> u64 {
+    use std::hash::BuildHasher;
+    let anchor = 0u8;
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    std::collections::hash_map::RandomState::new().hash_one((now, &anchor as *const u8 as usize))
 }
 
 impl<B: Backend> CachingAllocator<B> {
@@ -66,11 +78,11 @@ impl<B: Backend> CachingAllocator<B> {
     }
 
     fn build(backend: B, config: AllocatorConfig, limit: Option<usize>) -> Self {
-        CachingAllocator { backend, state: Mutex::new(State::new(config, limit)), identity: Box::new(0) }
+        CachingAllocator { backend, state: Mutex::new(State::new(config, limit)), identity: fresh_identity() }
     }
 
-    fn id(&self) -> usize {
-        &*self.identity as *const u8 as usize
+    fn id(&self) -> u64 {
+        self.identity
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -134,6 +146,10 @@ impl<B: Backend> CachingAllocator<B> {
         if request.size == 0 {
             return Err(MemoryError::ZeroSize);
         }
+        // The last id tags cached blocks that any stream may use; no backend stream can have it.
+        if request.stream.0 == blocks::SHARED {
+            return Err(MemoryError::UnknownStream(request.stream));
+        }
         if !request.align.is_power_of_two() {
             return Err(MemoryError::InvalidAlignment(request.align));
         }
@@ -169,6 +185,16 @@ impl<B: Backend> CachingAllocator<B> {
     }
 }
 
+// SAFETY: `owned_slot` succeeds only for a block this allocator handed out and has not taken
+// back (identity, slot, generation and address match an allocated block), and the backend's own
+// unsafe promise makes that block's `requested` bytes valid, initialised host memory.
+unsafe impl<B: crate::backend::HostMemoryBackend> crate::resource::HostResource for CachingAllocator<B> {
+    fn check_host_block(&self, block: &RawBlock) -> Result<()> {
+        let state = self.lock();
+        self.owned_slot(&state, block).map(|_| ())
+    }
+}
+
 impl<B: Backend> MemoryResource for CachingAllocator<B> {
     fn allocate_raw(&self, request: AllocRequest) -> Result<RawBlock> {
         let mut state = self.lock();
@@ -194,8 +220,14 @@ impl<B: Backend> MemoryResource for CachingAllocator<B> {
     }
 
     fn record_stream(&self, block: &RawBlock, stream: StreamId) -> Result<()> {
+        if stream.0 == blocks::SHARED {
+            return Err(MemoryError::UnknownStream(stream));
+        }
         let mut state = self.lock();
         let slot = self.owned_slot(&state, block)?;
+        if !state.streams_seen.contains(&stream.0) {
+            self.backend.check_stream(stream).map_err(|e| MemoryError::Backend(e.to_string()))?;
+        }
         state.record_stream(slot, stream);
         Ok(())
     }

@@ -29,7 +29,7 @@ pub(crate) struct State {
     /// Once the event completes, blocks freed on that stream before it are safe on any stream.
     pub(super) harvest: HashMap<u64, (EventId, u64)>,
     /// Streams that have allocated (a handful; a vector beats a set here).
-    pub(super) streams_seen: Vec<u64>,
+    pub(super) streams_seen: std::collections::BTreeSet<u64>,
     /// Recently freed small blocks, unmerged, for exact-size reuse without touching the pools
     /// (the steady state of a training loop frees and re-requests the same sizes).
     pub(super) parked: Vec<u32>,
@@ -54,7 +54,7 @@ impl State {
             limit,
             pending: Vec::new(),
             harvest: HashMap::new(),
-            streams_seen: vec![StreamId::DEFAULT.0],
+            streams_seen: std::collections::BTreeSet::from([StreamId::DEFAULT.0]),
             parked: Vec::with_capacity(PARK_CAPACITY),
             free_counter: 0,
             alloc_counter: 0,
@@ -80,7 +80,7 @@ impl State {
         self.alloc_counter += 1;
         if !self.streams_seen.contains(&stream.0) {
             backend.check_stream(stream).map_err(|e| MemoryError::Backend(e.to_string()))?;
-            self.streams_seen.push(stream.0);
+            self.streams_seen.insert(stream.0);
         }
         self.process_events(backend)?;
         if pool == PoolKind::Small {

@@ -92,8 +92,6 @@ impl State {
         if block.stream != stream && !block.extra_streams.contains(&stream) {
             block.extra_streams.push(stream);
         }
-        if !self.streams_seen.contains(&stream.0) {
-            self.streams_seen.push(stream.0);
-        }
+        self.streams_seen.insert(stream.0);
     }
 }

@@ -4,7 +4,7 @@ use crate::backend::{HostBackend, SimulatedBackend};
 use crate::caching::CachingAllocator;
 use crate::config::{AllocatorConfig, MemoryLimit};
 use crate::error::MemoryError;
-use crate::resource::{AllocRequest, AllocateExt, MemoryResource};
+use crate::resource::{AllocRequest, AllocateExt, Allocation, MemoryResource};
 use crate::snapshot::BlockStateName;
 use crate::stream::StreamId;
 
@@ -267,9 +267,35 @@ fn host_memory_is_real_and_writable() {
     let mut x = a.allocate(1 << 16).unwrap();
     x.as_mut_slice().unwrap().fill(7);
     assert!(x.as_mut_slice().unwrap().iter().all(|&b| b == 7));
-    let s = sim(1 << 30);
-    let mut y = s.allocate(10).unwrap();
-    assert!(matches!(y.as_mut_slice(), Err(MemoryError::Unsupported(_))));
+    // Simulated memory has no bytes: `as_mut_slice` does not even compile for it (a doc test on
+    // `Allocation::as_mut_slice` checks that).
+}
+
+#[test]
+fn a_block_of_another_allocator_gets_no_slice() {
+    // `from_raw` over the wrong resource, then `as_mut_slice`: before, a slice over memory the
+    // resource did not own (and that its owner would hand out again).
+    let a = CachingAllocator::new(HostBackend::with_capacity(1 << 30));
+    let b = CachingAllocator::new(HostBackend::with_capacity(1 << 30));
+    let raw = b.allocate_raw(AllocRequest::new(4096)).unwrap();
+    let mut wrong = Allocation::from_raw(&a, raw);
+    assert!(matches!(wrong.as_mut_slice(), Err(MemoryError::ForeignBlock { .. })));
+    let raw = wrong.into_raw();
+    b.deallocate_raw(raw).unwrap();
+}
+
+#[test]
+fn a_handle_from_a_dropped_allocator_cannot_free_a_live_block_of_a_new_one() {
+    // The identity was the address of a boxed byte, which the next allocator usually reuses;
+    // slot 0, generation 0 then matched a live block of the new allocator.
+    let old = CachingAllocator::new(HostBackend::with_capacity(1 << 30));
+    let stale = old.allocate_raw(AllocRequest::new(4096)).unwrap();
+    drop(old); // leaks the block's segment; the handle outlives its allocator
+    let new = CachingAllocator::new(HostBackend::with_capacity(1 << 30));
+    let live = new.allocate(4096).unwrap();
+    assert!(matches!(new.deallocate_raw(stale), Err(MemoryError::ForeignBlock { .. })));
+    assert_eq!(new.memory_stats().allocation.all.current, 1, "the live block is still allocated");
+    drop(live);
 }
 
 #[test]
@@ -346,4 +372,18 @@ fn expandable_segments_on_a_device_the_size_of_the_address_space_never_overlap()
     }
     spans.sort();
     assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "overlapping blocks: {spans:x?}");
+}
+
+#[test]
+fn the_reserved_stream_id_is_refused() {
+    // u64::MAX tagged a block "shared by every stream": a request on it was served from, and
+    // freed into, the shared tag.
+    let backend = HostBackend::with_capacity(1 << 30);
+    let reserved = StreamId(u64::MAX);
+    let a = CachingAllocator::new(backend);
+    assert!(matches!(a.allocate_with(AllocRequest::new(64).on_stream(reserved)), Err(MemoryError::UnknownStream(_))));
+    let x = a.allocate(64).unwrap();
+    assert!(matches!(x.record_stream(reserved), Err(MemoryError::UnknownStream(_))));
+    // A stream the backend does not know is refused by record_stream too (it was accepted).
+    assert!(x.record_stream(StreamId(77)).is_err());
 }
