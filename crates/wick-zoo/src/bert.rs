@@ -291,6 +291,27 @@ impl Bert {
     }
 }
 
+/// `max_seq_length` of `sentence_bert_config.json` in `dir` (`None` without that file), checked
+/// against the model's position table.
+fn max_seq_length(dir: &Path, config: &BertConfig) -> Result<Option<usize>, ZooError> {
+    let path = dir.join("sentence_bert_config.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let err = |message: String| ZooError::Config { path: path.clone(), message };
+    let text = std::fs::read_to_string(&path).map_err(|e| err(e.to_string()))?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("not JSON: {e}")))?;
+    let Some(len) = value.get("max_seq_length") else { return Ok(None) };
+    let len = len.as_u64().and_then(|l| usize::try_from(l).ok()).ok_or_else(|| err(format!("max_seq_length {len}")))?;
+    if len == 0 || len > config.max_position_embeddings {
+        return Err(err(format!(
+            "max_seq_length {len} is outside 1..={} (max_position_embeddings)",
+            config.max_position_embeddings
+        )));
+    }
+    Ok(Some(len))
+}
+
 /// all-MiniLM-L6-v2 style sentence embeddings: tokenizer + BERT + mean pooling + normalisation.
 pub struct SentenceEmbedder {
     /// The encoder.
@@ -309,6 +330,16 @@ impl SentenceEmbedder {
             .map_err(|e| ZooError::File { path: tokenizer_path.clone(), message: format!("not a tokenizer: {e}") })?;
         // The shipped tokenizer pads every input to 128 tokens; `embed` pads a batch itself.
         tokenizer.with_padding(None);
+        // sentence-transformers truncates at the model's `max_seq_length`, not at the tokenizer
+        // file's own setting (128 for all-MiniLM-L6-v2, whose model uses 256).
+        let max_len = max_seq_length(dir, &bert.config)?;
+        if let Some(max_len) = max_len {
+            let mut truncation = tokenizer.get_truncation().cloned().unwrap_or_default();
+            truncation.max_length = max_len;
+            tokenizer
+                .with_truncation(Some(truncation))
+                .map_err(|e| ZooError::File { path: tokenizer_path.clone(), message: format!("truncation: {e}") })?;
+        }
         Ok(SentenceEmbedder { bert, tokenizer })
     }
 

@@ -34,6 +34,23 @@ fn minilm_matches_published_embedding_and_vocabulary() {
 }
 
 #[test]
+fn minilm_embeds_up_to_the_models_own_max_seq_length() {
+    // 242 tokens: the tokenizer file truncates at 128, sentence-transformers at the model's
+    // `max_seq_length` (256). Reference: Hugging Face BertModel in f64, mean-pooled and normalised
+    // (scripts/torch-reference/minilm_long.py).
+    let Some(dir) = common::minilm_dir() else { return };
+    let fixture: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/minilm-long.json")).expect("fixture is JSON");
+    let text = fixture["text"].as_str().unwrap();
+    let reference: Vec<f64> = fixture["embedding"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+    let model = SentenceEmbedder::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(model.token_ids(text).unwrap().len() as u64, fixture["tokens"].as_u64().unwrap());
+    let e: Vec<f32> = model.embed(&[text]).unwrap().get(0).unwrap().to_vec1().unwrap();
+    let worst = e.iter().zip(&reference).map(|(a, b)| (*a as f64 - b).abs()).fold(0.0, f64::max);
+    assert!(worst < 1e-5, "largest difference from the reference: {worst}");
+}
+
+#[test]
 fn bad_weight_files_and_configs_are_clear_errors() {
     let dir = std::env::temp_dir().join(format!("wick-zoo-bad-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

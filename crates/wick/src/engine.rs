@@ -176,9 +176,7 @@ impl Engine {
     pub fn available(&self) -> usize {
         let used = match &self.kind {
             Kind::Cpu if self.limit.is_some() => self.allocated().bytes,
-            Kind::Cpu => {
-                host_memory::cgroup_memory().map(|(current, _)| current).or_else(host_memory::process_rss).unwrap_or(0)
-            }
+            Kind::Cpu => return host_memory::host_available().min(self.budget().bytes),
             #[cfg(feature = "cuda")]
             Kind::Cuda(g) => g.pool().reserved(),
         };

@@ -155,19 +155,41 @@ pub fn process_rss() -> Option<usize> {
     Some(pages * usize::try_from(page).ok()?)
 }
 
-fn read_number(path: &str) -> Option<usize> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+/// The process's memory cgroup (usage, limit), v2 or v1, the limit the tightest along its own
+/// cgroup path (`None` when unlimited); owned by [`wick_memory::backend::cgroup_memory`].
+pub fn cgroup_memory() -> Option<(usize, Option<usize>)> {
+    wick_memory::backend::cgroup_memory()
 }
 
-/// The cgroup's (current usage, limit), v2 first, then v1. The limit is `None` when unlimited.
-pub fn cgroup_memory() -> Option<(usize, Option<usize>)> {
-    if let Some(current) = read_number("/sys/fs/cgroup/memory.current") {
-        return Some((current, read_number("/sys/fs/cgroup/memory.max")));
+/// Bytes the host can still give this process: the budget ([`host_budget`]) less what the
+/// container charges it now (cgroup usage, else the resident set).
+pub fn host_available() -> usize {
+    let used = cgroup_memory().map(|(current, _)| current).or_else(process_rss).unwrap_or(0);
+    host_budget().0.saturating_sub(used)
+}
+
+/// Pre-flight on the host without an engine: `OutOfMemory` (with advice) when `bytes` for `what`
+/// exceed [`host_available`], before anything is allocated. candle's CPU allocations cannot fail
+/// (an over-budget `Vec` aborts the process), so constructors and loaders call this first.
+pub fn preflight_host(bytes: usize, what: &str) -> Result<(), wick_memory::MemoryError> {
+    let available = host_available();
+    if bytes <= available {
+        return Ok(());
     }
-    let current = read_number("/sys/fs/cgroup/memory/memory.usage_in_bytes")?;
-    // v1 reports "no limit" as a huge number.
-    let limit = read_number("/sys/fs/cgroup/memory/memory.limit_in_bytes").filter(|l| *l < (1usize << 60));
-    Some((current, limit))
+    let (budget, source) = host_budget();
+    let used = budget.saturating_sub(available);
+    Err(wick_memory::MemoryError::OutOfMemory(Box::new(wick_memory::OutOfMemory {
+        device: format!("cpu ({what})"),
+        requested: bytes,
+        segment_size: bytes,
+        capacity: budget,
+        device_free: available,
+        allocated: used,
+        reserved: used,
+        limit: None,
+        limited_by_cap: source == FigureSource::Cgroup,
+        largest_free_block: available,
+    })))
 }
 
 /// The host memory budget and its source: the cgroup limit when set, else MemTotal.

@@ -48,9 +48,10 @@ impl Default for HostBackend {
     }
 }
 
-/// The memory this process may use: the cgroup v2 `memory.max` when set, else `MemTotal`.
+/// The memory this process may use: the tightest limit of its memory cgroup (v1 or v2, along its
+/// own cgroup path; see [`super::cgroup_memory`]) when one is set, else `MemTotal`.
 pub fn host_memory_budget() -> usize {
-    let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max").ok().and_then(|s| s.trim().parse::<usize>().ok());
+    let cgroup = super::cgroup_memory().and_then(|(_, limit)| limit);
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
         s.lines()
             .find(|l| l.starts_with("MemTotal:"))

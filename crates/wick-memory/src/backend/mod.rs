@@ -6,6 +6,7 @@
 //!   GPU-scale workloads on a laptop;
 //! - `CudaBackend` (feature `cuda`): device memory through the CUDA driver.
 
+mod cgroup;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
@@ -14,6 +15,7 @@ mod host;
 mod simulated;
 mod simulated_streams;
 
+pub use cgroup::{cgroup_memory, cgroup_memory_in};
 #[cfg(feature = "cuda")]
 pub use cuda::{open_device, CudaBackend};
 #[cfg(feature = "cuda")]
