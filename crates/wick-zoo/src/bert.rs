@@ -59,6 +59,21 @@ const IGNORED_KEYS: &[&str] = &[
 ];
 
 impl BertConfig {
+    /// Parameters of the encoder this configuration describes (`None` when the count overflows).
+    pub fn parameter_count(&self) -> Option<usize> {
+        let (h, i) = (self.hidden_size, self.intermediate_size);
+        let embeddings = self
+            .vocab_size
+            .checked_add(self.max_position_embeddings)?
+            .checked_add(self.type_vocab_size)?
+            .checked_add(2)?
+            .checked_mul(h)?;
+        // Q, K, V, output (h×h + h each), FFN in and out, two layer norms.
+        let per_layer =
+            h.checked_mul(h)?.checked_mul(4)?.checked_add(i.checked_mul(h)?.checked_mul(2)?)?.checked_add(h * 9 + i)?;
+        crate::params::layered_count(Some(embeddings), Some(per_layer), self.num_hidden_layers)
+    }
+
     /// Reads and checks a `config.json`: unknown keys, or values wick does not implement
     /// (another activation, relative positions), are errors naming the file and key.
     pub fn from_file(path: &Path) -> Result<Self, ZooError> {
@@ -183,6 +198,7 @@ fn all_shapes(c: &BertConfig) -> Vec<(String, Vec<usize>, Init)> {
 impl Bert {
     /// A freshly initialised model (normal(0, 0.02) weights, as BERT's initialiser).
     pub fn new(config: BertConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
+        crate::params::preflight_parameters(config.parameter_count(), dtype, device, "BERT")?;
         let mut params = Params::default();
         for (name, shape, init) in all_shapes(&config) {
             params.create(&name, &shape, init, param_dtype(&name, dtype), device)?;
@@ -209,6 +225,20 @@ impl Bert {
 
     /// Loads every encoder tensor from `weights` (shapes checked; the pooler is not used).
     pub fn load(config: BertConfig, weights: &WeightFile, dtype: DType) -> Result<Self, ZooError> {
+        // The configuration's sizes are checked against the file before anything is built from
+        // them: a layer count the file cannot hold is an error, not millions of names.
+        let expected = config.num_hidden_layers.checked_mul(layer_shapes(&config).len()).and_then(|n| n.checked_add(5));
+        if expected.is_none_or(|n| n > weights.len()) {
+            return Err(ZooError::File {
+                path: weights.path().to_path_buf(),
+                message: format!(
+                    "the configuration's {} layers need {} tensors; the file has {}",
+                    config.num_hidden_layers,
+                    expected.map_or("more than usize::MAX".to_string(), |n| n.to_string()),
+                    weights.len()
+                ),
+            });
+        }
         let mut params = Params::default();
         for (name, shape, _) in all_shapes(&config) {
             params.insert(&name, weights.get(&name, &shape, param_dtype(&name, dtype))?)?;

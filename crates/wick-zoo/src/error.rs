@@ -31,6 +31,10 @@ pub enum ZooError {
         /// What is wrong.
         message: String,
     },
+    /// Memory for the model cannot be had: refused by pre-flight before anything was allocated
+    /// (out of memory, with advice), or a size that cannot be represented.
+    #[error("{0}")]
+    Memory(#[from] wick::memory::MemoryError),
     /// candle failed while running the model.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),

@@ -84,6 +84,17 @@ impl LlamaConfig {
         }
     }
 
+    /// Parameters of the decoder this configuration describes (`None` when the count overflows).
+    pub fn parameter_count(&self) -> Option<usize> {
+        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
+        // Embedding, final norm, LM head.
+        let fixed = v.checked_mul(2)?.checked_add(1)?.checked_mul(h)?;
+        // Q, K, V, O (h×h), two RMSNorm scales, gate, up and down (i×h).
+        let per_layer =
+            h.checked_mul(h)?.checked_mul(4)?.checked_add(i.checked_mul(h)?.checked_mul(3)?)?.checked_add(2 * h)?;
+        crate::params::layered_count(Some(fixed), Some(per_layer), self.num_layers)
+    }
+
     fn check(&self) -> Result<(), ZooError> {
         if self.num_heads == 0
             || !self.hidden_size.is_multiple_of(self.num_heads)
@@ -114,6 +125,7 @@ impl Llama {
     /// A freshly initialised model.
     pub fn new(config: LlamaConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
         config.check()?;
+        crate::params::preflight_parameters(config.parameter_count(), dtype, device, "LLaMA")?;
         let (h, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
         let std = 0.02;
         let mut params = Params::default();

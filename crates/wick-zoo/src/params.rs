@@ -41,6 +41,42 @@ pub fn normal_tensor(shape: &[usize], std: f64, seed: u64, dtype: DType, device:
     Tensor::from_vec(values, shape, device)?.to_dtype(dtype)
 }
 
+/// Parameters at least this large are pre-flighted one by one as they are created (the models
+/// also pre-flight their total first; see [`preflight_parameters`]).
+pub const PREFLIGHT_FROM: usize = 16 << 20;
+
+/// Pre-flight for `bytes` on `device` (`None`: not representable). On the CPU the host must be
+/// able to give them now ([`wick::host_memory::preflight_host`]); CUDA allocations fail with an
+/// error by themselves, so there only an unrepresentable size is refused.
+pub fn preflight_bytes(bytes: Option<usize>, device: &Device, what: &str) -> std::result::Result<(), crate::ZooError> {
+    use wick::memory::MemoryError;
+    match bytes {
+        None => {
+            Err(MemoryError::TooLarge { requested: usize::MAX, capacity: 0, device: format!("{device:?} ({what})") }
+                .into())
+        }
+        Some(bytes) if device.is_cpu() => Ok(wick::host_memory::preflight_host(bytes, what)?),
+        Some(_) => Ok(()),
+    }
+}
+
+/// Pre-flight for a model of `count` parameters (`None`: the count overflows) in `dtype`, before
+/// any is created: a configuration asking for more than the host can give (a typo'd layer count,
+/// a huge vocabulary) is `OutOfMemory` with advice instead of an aborted process.
+pub fn preflight_parameters(
+    count: Option<usize>,
+    dtype: DType,
+    device: &Device,
+    what: &str,
+) -> std::result::Result<(), crate::ZooError> {
+    preflight_bytes(count.and_then(|c| c.checked_mul(dtype.size_in_bytes())), device, &format!("{what} parameters"))
+}
+
+/// `fixed + per_layer × layers` with overflow as `None`.
+pub(crate) fn layered_count(fixed: Option<usize>, per_layer: Option<usize>, layers: usize) -> Option<usize> {
+    per_layer?.checked_mul(layers)?.checked_add(fixed?)
+}
+
 /// Parameters by name, in name order. Fresh parameters are drawn from a seeded generator: the
 /// same seed gives the same model.
 #[derive(Debug)]
@@ -61,8 +97,14 @@ impl Params {
         Params { vars: BTreeMap::new(), seed }
     }
 
-    /// Creates and registers a parameter.
+    /// Creates and registers a parameter. A tensor of [`PREFLIGHT_FROM`] bytes or more is
+    /// pre-flighted first (candle's CPU allocations cannot fail; one over the budget aborts).
     pub fn create(&mut self, name: &str, shape: &[usize], init: Init, dtype: DType, device: &Device) -> Result<Tensor> {
+        let bytes = shape.iter().try_fold(dtype.size_in_bytes(), |a, &d| a.checked_mul(d));
+        if bytes.is_none_or(|b| b >= PREFLIGHT_FROM) {
+            preflight_bytes(bytes, device, &format!("parameter {name} {shape:?}"))
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        }
         let t = match init {
             Init::Zeros => Tensor::zeros(shape, dtype, device)?,
             Init::Ones => Tensor::ones(shape, dtype, device)?,

@@ -76,9 +76,34 @@ impl VitConfig {
         }
     }
 
-    /// Patches per image plus the class token.
+    /// Patches per image plus the class token (`usize::MAX` for a zero patch size or a count that
+    /// does not fit; [`Vit::new`] refuses those configurations).
     pub fn tokens(&self) -> usize {
-        (self.image_size / self.patch_size).pow(2) + 1
+        self.image_size
+            .checked_div(self.patch_size)
+            .and_then(|side| side.checked_mul(side))
+            .and_then(|n| n.checked_add(1))
+            .unwrap_or(usize::MAX)
+    }
+
+    /// Parameters of the model this configuration describes (`None` when the count overflows).
+    pub fn parameter_count(&self) -> Option<usize> {
+        let (h, m, c) = (self.hidden, self.mlp_dim, self.num_classes);
+        let tokens = Some(self.tokens()).filter(|t| *t != usize::MAX)?;
+        // Patch projection (weight and bias), class token, positions, final norm, head.
+        let fixed = self
+            .patch_size
+            .checked_mul(self.patch_size)?
+            .checked_mul(3)?
+            .checked_add(tokens)?
+            .checked_add(4)?
+            .checked_add(c)?
+            .checked_mul(h)?
+            .checked_add(c)?;
+        // In-projection (3h×h + 3h), out-projection (h×h + h), two norms, MLP (m×h + m, h×m + h).
+        let per_layer =
+            h.checked_mul(h)?.checked_mul(4)?.checked_add(m.checked_mul(h)?.checked_mul(2)?)?.checked_add(9 * h + m)?;
+        crate::params::layered_count(Some(fixed), Some(per_layer), self.layers)
     }
 }
 
@@ -94,7 +119,11 @@ impl Vit {
     /// A fresh model.
     pub fn new(config: VitConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
         let c = config;
-        if !c.image_size.is_multiple_of(c.patch_size) || c.heads == 0 || !c.hidden.is_multiple_of(c.heads) {
+        if c.patch_size == 0
+            || !c.image_size.is_multiple_of(c.patch_size)
+            || c.heads == 0
+            || !c.hidden.is_multiple_of(c.heads)
+        {
             return Err(ZooError::Config {
                 path: "<vit config>".into(),
                 message: format!(
@@ -103,6 +132,7 @@ impl Vit {
                 ),
             });
         }
+        crate::params::preflight_parameters(c.parameter_count(), dtype, device, "ViT")?;
         let (h, m) = (c.hidden, c.mlp_dim);
         let mut p = Params::default();
         let fan_in = 3 * c.patch_size * c.patch_size;

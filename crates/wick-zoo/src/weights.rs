@@ -15,11 +15,24 @@ pub struct WeightFile {
 }
 
 impl WeightFile {
-    /// Reads every tensor of `path` onto `device`.
+    /// Reads every tensor of `path` onto `device`, after a pre-flight of its payload (read from
+    /// the header) against the memory the host can give (`OutOfMemory` with advice).
     pub fn open(path: &Path, device: &Device) -> Result<Self, ZooError> {
         if !path.is_file() {
             return Err(ZooError::File { path: path.to_path_buf(), message: "no such file".into() });
         }
+        // Pre-flight from the header alone: the payload is copied into tensors, and a CPU copy
+        // larger than the host can give would abort the process.
+        let payload = wick::weights::safetensors_payload_bytes(path).map_err(|e| {
+            let why = match e {
+                wick::memory::MemoryError::InvalidTrace(why) => why,
+                other => other.to_string(),
+            };
+            let prefix = format!("{}: ", path.display());
+            let why = why.strip_prefix(&prefix).unwrap_or(&why);
+            ZooError::File { path: path.to_path_buf(), message: format!("not a readable safetensors file: {why}") }
+        })?;
+        crate::params::preflight_bytes(Some(payload), device, &format!("weights {}", path.display()))?;
         let tensors = candle_core::safetensors::load(path, device).map_err(|e| ZooError::File {
             path: path.to_path_buf(),
             message: format!("not a readable safetensors file: {e}"),
@@ -38,6 +51,16 @@ impl WeightFile {
             return Err(bad(format!("dtype {:?} is not a floating-point type", t.dtype())));
         }
         t.to_dtype(dtype).map_err(|e| bad(e.to_string()))
+    }
+
+    /// Number of tensors in the file.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// True when the file holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
     }
 
     /// The file's path.

@@ -26,11 +26,14 @@ pub struct Counters {
     pub failures: usize,
 }
 
+/// The counters and the keys of the blocks they count.
+type Counted = (Counters, HashSet<(u64, u32, u32)>);
+
 /// Counts what passes through it.
 #[derive(Debug)]
 pub struct Statistics<R: MemoryResource> {
     upstream: R,
-    counters: Mutex<(Counters, HashSet<(u64, u32, u32)>)>,
+    counters: Mutex<Counted>,
 }
 
 impl<R: MemoryResource> Statistics<R> {
@@ -39,8 +42,7 @@ impl<R: MemoryResource> Statistics<R> {
         Statistics { upstream, counters: Mutex::new((Counters::default(), HashSet::new())) }
     }
 
-    /// The counters and the keys of the blocks they count.
-    fn lock(&self) -> std::sync::MutexGuard<'_, (Counters, HashSet<(u64, u32, u32)>)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Counted> {
         self.counters.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
