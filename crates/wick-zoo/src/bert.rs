@@ -321,6 +321,42 @@ impl Bert {
     }
 }
 
+/// Reads a Hugging Face `tokenizer.json`. Errors name the file; a panic inside the tokenizers
+/// crate's parser (0.23.2 `expect`s while deserialising a malformed `decoder`, found by wick's
+/// fuzz suite) is caught and reported as an error too, so a bad file cannot kill a notebook.
+pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, ZooError> {
+    let fail = |message: String| ZooError::File { path: path.to_path_buf(), message };
+    let bytes = std::fs::read(path).map_err(|e| fail(e.to_string()))?;
+    let tokenizer = match std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&bytes)) {
+        Ok(Ok(tokenizer)) => tokenizer,
+        Ok(Err(e)) => return Err(fail(format!("not a tokenizer: {e}"))),
+        Err(panic) => {
+            return Err(fail(format!("not a tokenizer (the tokenizers crate panicked: {})", panic_text(&*panic))))
+        }
+    };
+    // A file can parse and still panic on every input (a template naming a special token the
+    // file does not define indexes a map that lacks it): probe it once here.
+    encode(&tokenizer, "wick probe").map_err(|e| fail(format!("the tokenizer fails on a probe input: {e}")))?;
+    Ok(tokenizer)
+}
+
+/// `tokenizer.encode(text, true)`, with a panic inside the tokenizers crate as an error.
+fn encode(tokenizer: &tokenizers::Tokenizer, text: &str) -> Result<tokenizers::Encoding, ZooError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tokenizer.encode(text, true))) {
+        Ok(Ok(encoding)) => Ok(encoding),
+        Ok(Err(e)) => Err(ZooError::Tokenizer(e.to_string())),
+        Err(panic) => Err(ZooError::Tokenizer(format!("the tokenizers crate panicked: {}", panic_text(&*panic)))),
+    }
+}
+
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown".into())
+}
+
 /// `max_seq_length` of `sentence_bert_config.json` in `dir` (`None` without that file), checked
 /// against the model's position table.
 fn max_seq_length(dir: &Path, config: &BertConfig) -> Result<Option<usize>, ZooError> {
@@ -356,8 +392,7 @@ impl SentenceEmbedder {
         let weights = WeightFile::open(&dir.join("model.safetensors"), device)?;
         let bert = Bert::load(config, &weights, dtype)?;
         let tokenizer_path = dir.join("tokenizer.json");
-        let mut tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
-            .map_err(|e| ZooError::File { path: tokenizer_path.clone(), message: format!("not a tokenizer: {e}") })?;
+        let mut tokenizer = load_tokenizer(&tokenizer_path)?;
         // The shipped tokenizer pads every input to 128 tokens; `embed` pads a batch itself.
         tokenizer.with_padding(None);
         // sentence-transformers truncates at the model's `max_seq_length`, not at the tokenizer
@@ -375,7 +410,7 @@ impl SentenceEmbedder {
 
     /// Token ids of `text` (with `[CLS]`/`[SEP]`).
     pub fn token_ids(&self, text: &str) -> Result<Vec<u32>, ZooError> {
-        let enc = self.tokenizer.encode(text, true).map_err(|e| ZooError::Tokenizer(e.to_string()))?;
+        let enc = encode(&self.tokenizer, text)?;
         Ok(enc.get_ids().to_vec())
     }
 
