@@ -102,7 +102,8 @@ fn main() -> Result<()> {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             for trace in workloads::standard_suite() {
                 let path = dir.join(format!("{}.json", trace.name));
-                std::fs::write(&path, trace.to_json()).with_context(|| format!("writing {}", path.display()))?;
+                wick::files::write_atomic(&path, trace.to_json().as_bytes())
+                    .with_context(|| format!("writing {}", path.display()))?;
                 println!(
                     "{} ({} ops, {} live at peak)",
                     path.display(),

@@ -321,6 +321,9 @@ impl Bert {
     }
 }
 
+/// The longest padded sequence a tokenizer file may ask for (no model's context is longer).
+pub const MAX_TOKENS: usize = 1 << 20;
+
 /// Reads a Hugging Face `tokenizer.json`. Errors name the file; a panic inside the tokenizers
 /// crate's parser (0.23.2 `expect`s while deserialising a malformed `decoder`, found by wick's
 /// fuzz suite) is caught and reported as an error too, so a bad file cannot kill a notebook.
@@ -334,6 +337,18 @@ pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, ZooError> {
             return Err(fail(format!("not a tokenizer (the tokenizers crate panicked: {})", panic_text(&*panic))))
         }
     };
+    // Fixed padding makes every encoding that long: a crafted length (2³² tokens) is a 16 GiB
+    // allocation, which aborts. Refuse lengths no model has before anything is encoded.
+    if let Some(padding) = tokenizer.get_padding() {
+        let fixed = match padding.strategy {
+            tokenizers::PaddingStrategy::Fixed(n) => n,
+            tokenizers::PaddingStrategy::BatchLongest => 0,
+        };
+        let longest = fixed.max(padding.pad_to_multiple_of.unwrap_or(0));
+        if longest > MAX_TOKENS {
+            return Err(fail(format!("padding to {longest} tokens (more than {MAX_TOKENS}) is not a real setting")));
+        }
+    }
     // A file can parse and still panic on every input (a template naming a special token the
     // file does not define indexes a map that lacks it): probe it once here.
     encode(&tokenizer, "wick probe").map_err(|e| fail(format!("the tokenizer fails on a probe input: {e}")))?;

@@ -364,7 +364,7 @@ fn child(name: &str, cases: usize) {
     unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) };
     // Panics are caught per case and reported below; the default hook's output would drown them.
     std::panic::set_hook(Box::new(|_| {}));
-    let dir = std::env::temp_dir().join(format!("wick-fuzz-{name}-{}", std::process::id()));
+    let dir = child_dir(name);
     std::fs::create_dir_all(&dir).expect("temporary folder");
     let target = target(name);
     let path = dir.join(target.file_name);
@@ -374,6 +374,9 @@ fn child(name: &str, cases: usize) {
         let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (case as u64 + 1).wrapping_mul(0xD6E8_FEB8_6659_FD93));
         let (seed, focus) = &target.seeds[case % target.seeds.len()];
         let input = if case < target.seeds.len() { seed.clone() } else { mutate(seed, *focus, &mut rng) };
+        // What the parent keeps if this case kills the process.
+        std::fs::write(dir.join("case"), case.to_string()).expect("case marker");
+        std::fs::write(dir.join("input"), &input).expect("case input");
         match catch_unwind(AssertUnwindSafe(|| (target.run)(&path, &input))) {
             Ok(Ok(Outcome::Accepted)) => accepted += 1,
             Ok(Ok(Outcome::Refused)) => refused += 1,
@@ -394,6 +397,13 @@ fn child(name: &str, cases: usize) {
         target.seeds.len(),
         start.elapsed().as_secs_f64()
     );
+}
+
+/// The folder where the child of target `name` keeps its case files; the parent's id names it,
+/// so the parent can find the last case of a child that died.
+fn child_dir(name: &str) -> PathBuf {
+    let parent = std::env::var("WICK_FUZZ_PARENT").unwrap_or_else(|_| std::process::id().to_string());
+    std::env::temp_dir().join(format!("wick-fuzz-{name}-{parent}"))
 }
 
 fn fail(name: &str, case: usize, input: &[u8], dir: &Path, why: &str) -> ! {
@@ -421,9 +431,11 @@ fn main() {
     println!("FUZZ regressions: {n} review inputs, each an error naming its file");
     let exe = std::env::current_exe().expect("this test binary");
     let mut failed = Vec::new();
-    for name in TARGETS {
+    let only = std::env::var("WICK_FUZZ_TARGETS").ok();
+    for name in TARGETS.iter().filter(|t| only.as_deref().is_none_or(|o| o.split(',').any(|x| x == **t))) {
         let mut child = Command::new(&exe)
             .env("WICK_FUZZ_CHILD", name)
+            .env("WICK_FUZZ_PARENT", std::process::id().to_string())
             .stdout(std::process::Stdio::piped())
             .spawn()
             .expect("a child process");
@@ -447,7 +459,16 @@ fn main() {
         match status {
             Some(s) if s.success() => println!("{report}"),
             Some(s) => {
-                println!("{report}\nFUZZ {name}: the child died ({s}): an abort, a stack overflow or the memory limit");
+                let dir = child_dir(name);
+                let case = std::fs::read_to_string(dir.join("case")).unwrap_or_default();
+                let keep = std::env::temp_dir().join(format!("wick-fuzz-crash-{name}-{case}"));
+                std::fs::rename(dir.join("input"), &keep).ok();
+                std::fs::remove_dir_all(&dir).ok();
+                println!(
+                    "{report}\nFUZZ {name}: the child died at case {case} ({s}): an abort, a stack overflow or the \
+                     memory limit; input kept at {}",
+                    keep.display()
+                );
                 failed.push(*name);
             }
             None => {

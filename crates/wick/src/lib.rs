@@ -11,6 +11,7 @@ pub use wick_memory as memory;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;
+pub mod files;
 pub mod host_memory;
 pub mod recovery;
 pub mod report;

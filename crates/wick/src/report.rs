@@ -219,9 +219,9 @@ impl HistoryReport {
         display(&self.to_text(), &self.to_html());
     }
 
-    /// Writes the HTML page to `path`.
+    /// Writes the HTML page to `path` (atomically: [`crate::files::write_atomic`]).
     pub fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
-        std::fs::write(path, self.to_html())
+        crate::files::write_atomic(path, self.to_html().as_bytes())
     }
 }
 

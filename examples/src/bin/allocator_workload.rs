@@ -37,7 +37,7 @@ fn main() -> Result<()> {
     println!("{}", allocator.memory_summary());
     let report =
         wick::HistoryReport::from_history("allocator-workload: 3 training steps on host:0", &allocator.history());
-    let html = std::env::temp_dir().join("wick-memory-report.html");
+    let html = wick::files::output_dir()?.join("allocator-workload.html");
     report.write(&html)?;
     println!(
         "{}\nHTML memory report (timeline, peak, live blocks at the peak): {}\n",

@@ -74,7 +74,15 @@ fn write_start(dir: &Path, model: &str, t: &Task, device: &Device) -> Result<()>
         tensors.insert("input.labels".into(), labels.to_dtype(DType::I64)?);
     }
     let path = dir.join("start.safetensors");
-    candle_core::safetensors::save(&tensors, &path).with_context(|| format!("writing {}", path.display()))
+    save(&tensors, &path)
+}
+
+/// Saves tensors atomically (no truncated file on failure).
+fn save(tensors: &HashMap<String, Tensor>, path: &std::path::Path) -> Result<()> {
+    wick::files::write_atomic_with(path, |tmp| {
+        candle_core::safetensors::save(tensors, tmp).map_err(|e| std::io::Error::other(e.to_string()))
+    })
+    .with_context(|| format!("writing {}", path.display()))
 }
 
 fn main() -> Result<()> {
@@ -115,7 +123,7 @@ fn main() -> Result<()> {
             }
             let dtype = format!("{:?}", autocast.model_dtype()).to_lowercase();
             let path = dir.join(format!("grads-{dtype}.safetensors"));
-            candle_core::safetensors::save(&tensors, &path).with_context(|| format!("writing {}", path.display()))?;
+            save(&tensors, &path)?;
         }
         let report = train(&t, autocast, args.steps, trial_optimizer())?;
         println!(
@@ -143,7 +151,7 @@ fn main() -> Result<()> {
             "llama": wick_zoo::amp::trial::llama_config(),
         });
         let path = dir.join("wick.json");
-        std::fs::write(&path, serde_json::to_string_pretty(&json)?)
+        wick::files::write_atomic(&path, serde_json::to_string_pretty(&json)?.as_bytes())
             .with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {} and start.safetensors", path.display());
     }

@@ -266,8 +266,12 @@ fn main() -> Result<()> {
         kept as f64 / f32_kept as f64
     );
     println!("{}", engine.memory_summary());
-    let path = args.report.unwrap_or_else(|| std::env::temp_dir().join("wick-train-amp.html"));
-    std::fs::write(&path, engine.memory_report().to_html()).with_context(|| format!("writing {}", path.display()))?;
+    let path = match args.report {
+        Some(path) => path,
+        None => wick::files::output_dir()?.join("train-amp.html"),
+    };
+    wick::files::write_atomic(&path, engine.memory_report().to_html().as_bytes())
+        .with_context(|| format!("writing {}", path.display()))?;
     println!("HTML memory report: {}", path.display());
     Ok(())
 }
