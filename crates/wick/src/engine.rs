@@ -38,6 +38,9 @@ pub struct Engine {
     limit: Option<usize>,
     timeline: std::sync::Mutex<Timeline>,
     holdings: std::sync::Mutex<Vec<Holding>>,
+    /// Per step label: the batch of its last measured run and the bytes its peak rose above the
+    /// memory before it (for [`Engine::try_step_batch`]'s prediction).
+    pub(crate) step_growth: std::sync::Mutex<std::collections::HashMap<String, (usize, usize)>>,
     start: Instant,
 }
 
@@ -50,6 +53,7 @@ impl Engine {
             limit: None,
             timeline: std::sync::Mutex::new(Timeline::default()),
             holdings: std::sync::Mutex::new(Vec::new()),
+            step_growth: std::sync::Mutex::new(std::collections::HashMap::new()),
             start: Instant::now(),
         }
     }
@@ -65,6 +69,7 @@ impl Engine {
             limit,
             timeline: std::sync::Mutex::new(Timeline::default()),
             holdings: std::sync::Mutex::new(Vec::new()),
+            step_growth: std::sync::Mutex::new(std::collections::HashMap::new()),
             start: Instant::now(),
         })
     }

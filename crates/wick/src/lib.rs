@@ -16,6 +16,7 @@ pub mod host_memory;
 pub mod recovery;
 pub mod report;
 pub mod step;
+pub mod tensors;
 pub mod weights;
 
 pub use engine::{Engine, Figure};

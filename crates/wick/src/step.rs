@@ -54,6 +54,32 @@ impl Engine {
         let (result, report) = self.step(label, body);
         result.map(|value| (value, report))
     }
+
+    /// Like [`Engine::try_step`] for a step over `batch` samples, refused *before it runs* when
+    /// its predicted peak does not fit: the last measured run of the same `label` rose `g` bytes
+    /// above the memory before it at batch `b`, so this one is predicted to rise `g × batch / b`
+    /// (activations grow with the batch; a step's fixed part only makes this conservative). The
+    /// first run of a label has nothing to scale and runs; so does every run where no exact peak
+    /// is known (no tracking allocator or caching heap on the CPU). On the CPU this is what stands
+    /// between a too-large batch and an aborted process: candle's allocations cannot fail.
+    pub fn try_step_batch<T>(
+        &self,
+        label: &str,
+        batch: usize,
+        body: impl FnOnce(&Engine) -> Result<T, crate::Error>,
+    ) -> Result<(T, StepReport), crate::Error> {
+        let last = self.step_growth.lock().unwrap_or_else(|p| p.into_inner()).get(label).copied();
+        if let Some((measured_batch, growth)) = last.filter(|(b, _)| *b > 0) {
+            let predicted = growth.saturating_mul(batch).div_ceil(measured_batch);
+            self.preflight(predicted, &format!("step `{label}` at batch {batch}, scaled from batch {measured_batch}"))?;
+        }
+        let (result, report) = self.step(label, body);
+        if let (Ok(_), Some(peak)) = (&result, report.peak) {
+            let growth = peak.saturating_sub(report.before);
+            self.step_growth.lock().unwrap_or_else(|p| p.into_inner()).insert(label.to_string(), (batch, growth));
+        }
+        result.map(|value| (value, report))
+    }
 }
 
 /// Errors of engine operations: wick's memory errors and candle's own.
