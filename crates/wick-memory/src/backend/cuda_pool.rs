@@ -3,19 +3,44 @@
 //! creates its own `CUmemoryPool`, caps it (`maxSize`), keeps freed memory cached (release
 //! threshold at its maximum, where the default pool's 0 returns memory at every synchronise),
 //! installs it with `cuDeviceSetMemPool`, and reads its statistics back. Needs CUDA ≥ 12.2.
+//! Several pools on one device (a notebook cell run twice) follow [`super::PoolStack`]'s rules:
+//! the newest live pool stays current, and a destroyed pool is never made current again.
 
 use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
+use super::{PoolDriver, PoolStack};
 use crate::error::{MemoryError, OutOfMemory};
 use crate::stats::{signed, MemoryStats};
+
+/// The wick pools alive in this copy of the crate, per device (see [`PoolStack`] for what that
+/// means across notebook cells).
+static POOLS: PoolStack<usize> = PoolStack::new();
+
+/// The driver's device-pool calls (handles as addresses, so the registry is `Send`).
+struct Driver;
+
+impl PoolDriver for Driver {
+    type Pool = usize;
+    fn current(&self, device: i32) -> usize {
+        // SAFETY: `device` comes from a live context's `cu_device`.
+        unsafe { result::device::get_mem_pool(device) }.map_or(0, |p| p as usize)
+    }
+    fn default_pool(&self, device: i32) -> usize {
+        // SAFETY: as above.
+        unsafe { result::device::get_default_mem_pool(device) }.map_or(0, |p| p as usize)
+    }
+    fn set_current(&self, device: i32, pool: usize) {
+        // SAFETY: `pool` is a live wick pool of this device or its default pool (PoolStack's rules).
+        let _ = unsafe { result::device::set_mem_pool(device, pool as sys::CUmemoryPool) };
+    }
+}
 
 /// wick's memory pool, installed as the current pool of one device.
 pub struct DriverPool {
     ctx: Arc<CudaContext>,
     pool: sys::CUmemoryPool,
-    previous: sys::CUmemoryPool,
     limit: Option<usize>,
 }
 
@@ -33,6 +58,12 @@ impl DriverPool {
     /// Creates a pool on `ctx`'s device capped at `limit` bytes (none: the device's size) and makes
     /// it the device's current pool. Fails with `Unsupported` on devices or drivers without pools.
     pub fn install(ctx: Arc<CudaContext>, limit: Option<usize>) -> Result<Self, MemoryError> {
+        if limit == Some(0) {
+            // The driver reads a `maxSize` of 0 as "no cap": say so rather than run uncapped.
+            return Err(MemoryError::InvalidConfig(
+                "a pool cap of 0 bytes would mean no cap to the driver; give a positive cap or none".into(),
+            ));
+        }
         ctx.bind_to_thread().map_err(driver)?;
         let supported =
             ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED).map_err(driver)?;
@@ -61,12 +92,23 @@ impl DriverPool {
             )
         }
         .map_err(driver)?;
-        let device = ctx.cu_device();
-        // SAFETY: valid device handle.
-        let previous = unsafe { result::device::get_mem_pool(device) }.map_err(driver)?;
-        // SAFETY: the pool belongs to this device.
-        unsafe { result::device::set_mem_pool(device, pool) }.map_err(driver)?;
-        Ok(DriverPool { ctx, pool, previous, limit })
+        POOLS.install(&Driver, ctx.cu_device(), pool as usize);
+        if !POOLS.is_current(&Driver, ctx.cu_device(), pool as usize) {
+            let _ = POOLS.remove(&Driver, ctx.cu_device(), pool as usize);
+            // SAFETY: the pool was just created and nothing has allocated from it.
+            let _ = unsafe { result::mem_pool::destroy(pool) };
+            return Err(MemoryError::Backend(format!(
+                "cuda:{}: the driver did not install wick's pool",
+                ctx.ordinal()
+            )));
+        }
+        Ok(DriverPool { ctx, pool, limit })
+    }
+
+    /// True while this pool is the device's current pool, i.e. candle's allocations come from it
+    /// (false after a newer engine installed its own pool on the device).
+    pub fn is_current(&self) -> bool {
+        POOLS.is_current(&Driver, self.ctx.cu_device(), self.pool as usize)
     }
 
     fn attribute(&self, attr: sys::CUmemPool_attribute) -> u64 {
@@ -172,16 +214,28 @@ impl DriverPool {
 }
 
 impl Drop for DriverPool {
+    /// Hands the device over (to the newest live wick pool, else the default pool; nothing
+    /// changes if a newer pool is current), then destroys the pool when nothing in it is in use.
+    /// When candle tensors outlive the engine, the pool cannot be destroyed: its release
+    /// threshold drops to 0 and it is trimmed, so the memory of those tensors goes back to the
+    /// device as they are freed instead of staying cached until the process exits.
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        let device = self.ctx.cu_device();
-        // SAFETY: restoring the device's previous pool; ours is destroyed only when nothing in it
-        // is in use (live candle tensors may outlive the governance object).
+        let _ = POOLS.remove(&Driver, self.ctx.cu_device(), self.pool as usize);
+        let _ = self.ctx.synchronize();
+        // SAFETY: the pool is live; it is no longer current (PoolStack moved the device off it),
+        // and it is destroyed only when no allocation from it is in use.
         unsafe {
-            let _ = result::device::set_mem_pool(device, self.previous);
             if self.used() == 0 {
-                let _ = self.ctx.synchronize();
                 let _ = result::mem_pool::destroy(self.pool);
+            } else {
+                let mut zero: u64 = 0;
+                let _ = result::mem_pool::set_attribute(
+                    self.pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut zero as *mut u64 as *mut _,
+                );
+                let _ = result::mem_pool::trim_to(self.pool, 0);
             }
         }
     }

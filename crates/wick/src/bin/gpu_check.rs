@@ -206,6 +206,37 @@ fn main() {
         }
     }
 
+    // 2b. A notebook cell run twice: two governed pools on one device, the older dropped first.
+    //     The newer pool must stay current (its cap still refuses), and dropping it afterwards
+    //     must leave the device on its default pool, not on the destroyed older one.
+    let stacked = (|| -> Result<(bool, bool, bool), String> {
+        let first = GovernedCuda::new(0, Some(2 << 30)).map_err(|e| e.to_string())?;
+        let second = GovernedCuda::new(0, Some(1 << 30)).map_err(|e| e.to_string())?;
+        drop(first);
+        let still_current = second.pool().is_current();
+        let over = second.run(3 << 29, |d| Tensor::zeros(3usize << 27, DType::F32, d));
+        let capped = matches!(over, Err(MemoryError::OutOfMemory(_)));
+        let used = {
+            let t = second.run(64 * MIB, |d| Tensor::zeros(16usize << 20, DType::F32, d)).map_err(|e| e.to_string())?;
+            let _ = sync(second.device());
+            let used = second.pool().used();
+            drop(t);
+            used
+        };
+        drop(second);
+        Ok((still_current, capped, used >= 64 * MIB))
+    })();
+    match stacked {
+        Ok((current, capped, counted)) => {
+            all_ok &= row(
+                "two pools on one device, older dropped: newer stays current, capped and counting",
+                current && capped && counted,
+                format!("current {current}, 1.5 GiB refused under 1 GiB cap {capped}, 64 MiB counted {counted}"),
+            )
+        }
+        Err(e) => all_ok &= row("two pools on one device", false, e),
+    }
+
     // 3. Alloc-heavy loop: candle on the driver's default pool vs on wick's governed pool.
     let loop_result = (|| -> Result<(f64, f64), String> {
         let device = CudaDevice::new_with_stream(0).map(Device::Cuda).map_err(|e| e.to_string())?;
