@@ -67,10 +67,12 @@ enum Command {
 fn main() -> Result<()> {
     match Cli::parse().command {
         Command::Replay { traces, capacity_gib, config, backend, json } => {
-            if !(capacity_gib > 0.0 && capacity_gib.is_finite()) {
-                bail!("--capacity-gib must be a positive number (got {capacity_gib})");
+            // A simulated device's addresses are 64-bit: at most 2³⁴ GiB (16 EiB), and at least a byte.
+            let bytes = capacity_gib * (1u64 << 30) as f64;
+            if !(capacity_gib.is_finite() && bytes >= 1.0 && bytes < usize::MAX as f64) {
+                bail!("--capacity-gib must be a positive number below 2^34 GiB (got {capacity_gib})");
             }
-            let capacity = (capacity_gib * (1u64 << 30) as f64) as usize;
+            let capacity = bytes as usize;
             let policy = AllocatorConfig::parse(&config).context("--config")?;
             let mut reports = Vec::new();
             for path in &traces {
