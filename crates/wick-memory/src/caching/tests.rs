@@ -288,13 +288,26 @@ fn a_block_of_another_allocator_gets_no_slice() {
 fn a_handle_from_a_dropped_allocator_cannot_free_a_live_block_of_a_new_one() {
     // The identity was the address of a boxed byte, which the next allocator usually reuses;
     // slot 0, generation 0 then matched a live block of the new allocator.
-    let old = CachingAllocator::new(HostBackend::with_capacity(1 << 30));
+    let old = CachingAllocator::new(SimulatedBackend::new(1 << 30));
     let stale = old.allocate_raw(AllocRequest::new(4096)).unwrap();
-    drop(old); // leaks the block's segment; the handle outlives its allocator
-    let new = CachingAllocator::new(HostBackend::with_capacity(1 << 30));
-    let live = new.allocate(4096).unwrap();
-    assert!(matches!(new.deallocate_raw(stale), Err(MemoryError::ForeignBlock { .. })));
-    assert_eq!(new.memory_stats().allocation.all.current, 1, "the live block is still allocated");
+    drop(old); // the handle outlives its allocator
+               // Many new allocators, each with a live block in slot 0: with address identities one of them
+               // usually sits where the old one was, and took the stale handle as its own.
+    let news: Vec<_> = (0..256).map(|_| CachingAllocator::new(SimulatedBackend::new(1 << 30))).collect();
+    let live: Vec<_> = news.iter().map(|a| a.allocate(4096).unwrap()).collect();
+    for a in &news {
+        let copy = crate::resource::RawBlock {
+            owner: stale.owner,
+            slot: stale.slot,
+            generation: stale.generation,
+            addr: stale.addr,
+            block_size: stale.block_size,
+            requested: stale.requested,
+            stream: stale.stream,
+        };
+        assert!(matches!(a.deallocate_raw(copy), Err(MemoryError::ForeignBlock { .. })));
+        assert_eq!(a.memory_stats().allocation.all.current, 1, "the live block is still allocated");
+    }
     drop(live);
 }
 
