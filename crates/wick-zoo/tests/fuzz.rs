@@ -245,7 +245,6 @@ fn target(name: &str) -> Target {
         }
         "trace" => {
             let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../wick-memory/traces");
-            let full = wick::memory::Trace::from_file(&dir.join("cnn-train.json")).expect("committed trace");
             // A short prefix of each committed trace (replaying the whole one per case is slow).
             let mut seeds = Vec::new();
             for file in ["cnn-train.json", "transformer-train.json", "inference-server.json"] {
@@ -253,7 +252,6 @@ fn target(name: &str) -> Target {
                 t.ops.truncate(200);
                 seeds.push((t.to_json().into_bytes(), usize::MAX));
             }
-            drop(full);
             Target {
                 seeds,
                 file_name: "case-trace.json",

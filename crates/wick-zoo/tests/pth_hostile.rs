@@ -36,38 +36,32 @@ fn a_valid_file_reads_back_its_values() {
     assert_eq!(tensors, expected);
 }
 
+/// A legacy file whose state-dict pickle is `start` then `unit` `times` times.
+fn state_pickle(start: &[u8], unit: &[u8], times: usize) -> Vec<u8> {
+    let mut bytes = header();
+    bytes.extend_from_slice(b"\x80\x02");
+    bytes.extend_from_slice(start);
+    bytes.extend(unit.repeat(times));
+    bytes.push(b'.');
+    bytes
+}
+
 #[test]
 fn billion_laughs_through_the_memo_is_refused_without_expanding() {
     // 40 doublings of a tuple through BINPUT/BINGET: 2⁴⁰ leaves if memo values were copied.
-    let mut bytes = header();
-    bytes.extend_from_slice(b"\x80\x02Nq\x00");
-    for _ in 0..40 {
-        bytes.extend_from_slice(b"h\x00h\x00\x86q\x00");
-    }
-    bytes.push(b'.');
-    refused(&bytes, "not a state dict");
+    refused(&state_pickle(b"Nq\x00", b"h\x00h\x00\x86q\x00", 40), "not a state dict");
 }
 
 #[test]
 fn a_million_nested_tuples_are_refused_without_recursing() {
-    let mut bytes = header();
-    bytes.extend_from_slice(b"\x80\x02N");
-    bytes.extend(std::iter::repeat_n(0x85u8, 1_000_000));
-    bytes.push(b'.');
-    refused(&bytes, "nested more than 64 deep");
+    refused(&state_pickle(b"N", b"\x85", 1_000_000), "nested more than 64 deep");
 }
 
 #[test]
 fn memo_copies_are_charged_against_a_budget() {
     // A list memoised after every append is copied on the next append: quadratic work from a
     // linear file. The budget stops it.
-    let mut bytes = header();
-    bytes.extend_from_slice(b"\x80\x02]");
-    for _ in 0..200_000 {
-        bytes.extend_from_slice(b"q\x00Na");
-    }
-    bytes.push(b'.');
-    refused(&bytes, "units of work");
+    refused(&state_pickle(b"]", b"q\x00Na", 200_000), "units of work");
 }
 
 fn entry<'a>(name: &'a str, key: &'a str, offset: i32, shape: &'a [i32], stride: &'a [i32]) -> Entry<'a> {
