@@ -20,7 +20,8 @@ pub struct AllocRequest {
 }
 
 impl AllocRequest {
-    /// `size` bytes, default alignment (the allocator's 512 B), default stream.
+    /// `size` bytes on the default stream with no alignment beyond what every block has (the
+    /// allocator's 512 B, [`crate::BLOCK_ALIGNMENT`]; the request's own `align` is 1).
     pub fn new(size: usize) -> Self {
         AllocRequest { size, align: 1, stream: StreamId::DEFAULT }
     }

@@ -88,7 +88,7 @@ pub enum Error {
     /// A memory error (out-of-memory included).
     #[error(transparent)]
     Memory(#[from] MemoryError),
-    /// candle failed; CUDA out-of-memory from candle is turned into `Memory` by `Error::from_candle`.
+    /// candle failed (CUDA out-of-memory included: [`Error::is_out_of_memory`] recognises it).
     #[error("candle: {0}")]
     Candle(candle_core::Error),
 }

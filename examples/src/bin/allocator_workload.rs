@@ -1,7 +1,7 @@
-//! The main job on CPU: drives wick's caching allocator through a realistic workload on real
-//! host memory, then shows what a user sees — the memory summary, the fragmentation figure, an
-//! out-of-memory refused as an error (the program carries on), and GPU-scale traces replayed on a
-//! simulated 80 GiB device.
+//! The allocator on its own, on the CPU: drives wick's caching allocator through a realistic
+//! workload on real host memory, then shows what a user sees — the memory summary, the
+//! fragmentation figure, an out-of-memory refused as an error (the program carries on), and
+//! GPU-scale traces replayed on a simulated 80 GiB device.
 //!
 //! `cargo run -p wick-examples --bin allocator-workload`
 
