@@ -15,15 +15,6 @@ pub fn format_bytes(bytes: u64) -> String {
     format!("{value:.2} {}", UNITS[unit])
 }
 
-/// Formats a signed byte count (deltas in reports).
-pub fn format_signed_bytes(bytes: i64) -> String {
-    if bytes < 0 {
-        format!("-{}", format_bytes(bytes.unsigned_abs()))
-    } else {
-        format_bytes(bytes as u64)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -34,6 +25,5 @@ mod tests {
         assert_eq!(format_bytes(1023), "1023 B");
         assert_eq!(format_bytes(1024), "1.00 KiB");
         assert_eq!(format_bytes(3 << 29), "1.50 GiB");
-        assert_eq!(format_signed_bytes(-2048), "-2.00 KiB");
     }
 }

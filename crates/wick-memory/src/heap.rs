@@ -158,7 +158,7 @@ impl CachingHeap {
     }
 
     /// Sets the peak to the current value.
-    pub fn reset_peak(&self) {
+    pub fn reset_peak_stats(&self) {
         self.peak.store(self.live.load(Ordering::Relaxed), Ordering::Relaxed);
         let _ = enter(|| self.cache.get().map(|c| c.reset_peak_stats()));
     }

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 pub struct Stat {
     /// Value now.
     pub current: i64,
-    /// Highest value since creation or the last `reset_peak`.
+    /// Highest value since creation or the last `reset_peak_stats`.
     pub peak: i64,
     /// Sum of all increases.
     pub allocated: i64,
@@ -130,7 +130,7 @@ pub struct MemoryStats {
 
 impl MemoryStats {
     /// Resets every peak to the current value (`torch.cuda.reset_peak_memory_stats`).
-    pub fn reset_peak(&mut self) {
+    pub fn reset_peak_stats(&mut self) {
         for array in self.arrays_mut() {
             for stat in array.each() {
                 stat.reset_peak();

@@ -111,7 +111,7 @@ fn threads_never_share_blocks() {
 fn live_figures_and_empty_cache() {
     let _s = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     // The harness's own threads allocate and free beside the test: only bounds are certain.
-    HEAP.reset_peak();
+    HEAP.reset_peak_stats();
     let v = vec![9u8; 8 << 20];
     assert!(HEAP.live_bytes() >= 8 << 20, "the buffer is live");
     assert!(HEAP.peak_bytes() >= HEAP.live_bytes(), "the peak is at least the current figure");

@@ -95,16 +95,16 @@ fn stacked_windows(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Resu
 /// Depthwise convolution: weight (C, 1, k, k), one filter per channel, as a sum of k² shifted
 /// windows scaled per channel (vectorised, and differentiable through every term), as one graph
 /// node (in f32 for bf16 on the CPU, like [`conv2d`]).
-pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
+pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
     if kernels::serves(x) {
-        return kernels::depthwise::depthwise_conv2d(x, weight, stride, pad);
+        return kernels::depthwise::depthwise_conv2d(x, weight, pad, stride);
     }
     let compute = conv_compute(x.dtype(), x.device());
-    node("conv2d", &[x, weight], compute, x.dtype(), move |t| depthwise_conv2d_composed(&t[0], &t[1], stride, pad))
+    node("conv2d", &[x, weight], compute, x.dtype(), move |t| depthwise_conv2d_composed(&t[0], &t[1], pad, stride))
 }
 
 /// [`depthwise_conv2d`] composed from windows, products and sums.
-pub fn depthwise_conv2d_composed(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
+pub fn depthwise_conv2d_composed(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
     let (_, c, h, w) = x.dims4()?;
     let (_, _, k, _) = weight.dims4()?;
     let (oh, ow) = (out_size(h, k, stride, pad), out_size(w, k, stride, pad));
@@ -425,7 +425,7 @@ mod tests {
         let x = Tensor::randn(0f64, 1.0, (2, 3, 9, 9), &dev).unwrap();
         let w = Tensor::randn(0f64, 1.0, (3, 1, 3, 3), &dev).unwrap();
         for stride in [1, 2] {
-            let ours = depthwise_conv2d(&x, &w, stride, 1).unwrap();
+            let ours = depthwise_conv2d(&x, &w, 1, stride).unwrap();
             let reference = x.conv2d(&w, 1, stride, 1, 3).unwrap();
             assert_eq!(ours.dims(), reference.dims());
             let diff = (ours - reference).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f64>().unwrap();

@@ -108,7 +108,7 @@ impl BlockSpec {
             i = 3;
         }
         h = self.depthwise.normalize_act(
-            &depthwise_conv2d(&h, &w[i], self.stride, 1)?,
+            &depthwise_conv2d(&h, &w[i], 1, self.stride)?,
             &w[i + 1],
             &w[i + 2],
             train,

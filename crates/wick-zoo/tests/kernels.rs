@@ -191,8 +191,8 @@ fn convolutions_match_candles() {
         check(
             &format!("depthwise s{stride} p{pad}"),
             &[x, w],
-            |t| kernels::depthwise::depthwise_conv2d(&t[0], &t[1], stride, pad),
-            |t| wick_zoo::cnn::depthwise_conv2d_composed(&t[0], &t[1], stride, pad),
+            |t| kernels::depthwise::depthwise_conv2d(&t[0], &t[1], pad, stride),
+            |t| wick_zoo::cnn::depthwise_conv2d_composed(&t[0], &t[1], pad, stride),
         );
     }
 }

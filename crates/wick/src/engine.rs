@@ -113,7 +113,7 @@ impl Engine {
         }
     }
 
-    /// Peak of `allocated` since creation or `reset_peak` (exact sources only).
+    /// Peak of `allocated` since creation or `reset_peak_stats` (exact sources only).
     pub fn peak_allocated(&self) -> Option<Figure> {
         match &self.kind {
             Kind::Cpu => host_memory::exact_peak().map(|(bytes, source)| Figure { bytes, source }),
@@ -123,11 +123,11 @@ impl Engine {
     }
 
     /// Resets the peak to the current value.
-    pub fn reset_peak(&self) {
+    pub fn reset_peak_stats(&self) {
         match &self.kind {
             Kind::Cpu => host_memory::reset_exact_peak(),
             #[cfg(feature = "cuda")]
-            Kind::Cuda(g) => g.pool().reset_peaks(),
+            Kind::Cuda(g) => g.pool().reset_peak_stats(),
         }
     }
 

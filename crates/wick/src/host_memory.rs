@@ -127,7 +127,7 @@ pub fn exact_peak() -> Option<(usize, FigureSource)> {
 pub fn reset_exact_peak() {
     reset_tracked_peak();
     if let Some(heap) = CachingHeap::installed() {
-        heap.reset_peak();
+        heap.reset_peak_stats();
     }
 }
 

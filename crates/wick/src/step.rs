@@ -35,7 +35,7 @@ impl Engine {
     /// Runs one step. Whatever the closure returns, its temporaries are dropped before the
     /// figures after the step are read.
     pub fn step<T, E>(&self, label: &str, body: impl FnOnce(&Engine) -> Result<T, E>) -> (Result<T, E>, StepReport) {
-        self.reset_peak();
+        self.reset_peak_stats();
         let before = self.allocated().bytes;
         let result = body(self);
         // The closure has returned: everything it created and did not return is gone now.

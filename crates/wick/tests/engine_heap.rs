@@ -14,7 +14,7 @@ fn cpu_figures_come_from_the_caching_heap() {
     let allocated = engine.allocated();
     assert_eq!(allocated.source, FigureSource::CachingHeap);
     assert!(allocated.bytes >= 16 << 20, "the live buffer is counted: {allocated:?}");
-    engine.reset_peak();
+    engine.reset_peak_stats();
     let second = vec![2u8; 8 << 20];
     let peak = engine.peak_allocated().unwrap_or_else(|| panic!("an exact source has a peak"));
     assert_eq!(peak.source, FigureSource::CachingHeap);

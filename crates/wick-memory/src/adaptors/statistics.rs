@@ -51,13 +51,6 @@ impl<R: MemoryResource> Statistics<R> {
         self.lock().0
     }
 
-    /// Sets the peaks to the current values.
-    pub fn reset_peaks(&self) {
-        let c = &mut self.lock().0;
-        c.bytes_peak = c.bytes_current;
-        c.count_peak = c.count_current;
-    }
-
     /// The wrapped resource.
     pub fn inner(&self) -> &R {
         &self.upstream
@@ -98,6 +91,16 @@ impl<R: MemoryResource> MemoryResource for Statistics<R> {
 
     fn upstream(&self) -> Option<&dyn MemoryResource> {
         Some(&self.upstream)
+    }
+
+    /// Sets this layer's peaks to the current values, and the upstream's.
+    fn reset_peak_stats(&self) {
+        {
+            let c = &mut self.lock().0;
+            c.bytes_peak = c.bytes_current;
+            c.count_peak = c.count_current;
+        }
+        self.upstream.reset_peak_stats();
     }
 }
 

@@ -128,7 +128,7 @@ impl DriverPool {
         self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) as usize
     }
 
-    /// Peak of `used` since creation or `reset_peaks`.
+    /// Peak of `used` since creation or `reset_peak_stats`.
     pub fn used_peak(&self) -> usize {
         self.attribute(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH) as usize
     }
@@ -139,7 +139,7 @@ impl DriverPool {
     }
 
     /// Resets both peaks to the current values.
-    pub fn reset_peaks(&self) {
+    pub fn reset_peak_stats(&self) {
         for attr in [
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
             sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH,

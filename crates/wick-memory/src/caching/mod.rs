@@ -242,7 +242,7 @@ impl<B: Backend> MemoryResource for CachingAllocator<B> {
     }
 
     fn reset_peak_stats(&self) {
-        self.lock().stats.reset_peak();
+        self.lock().stats.reset_peak_stats();
     }
 
     fn memory_info(&self) -> MemoryInfo {

@@ -227,6 +227,6 @@ impl CustomOp2 for Depthwise {
 }
 
 /// A depthwise convolution on the CPU (`weight` (C, 1, k, k)), computed in f32 (f64 for f64).
-pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, stride: usize, pad: usize) -> Result<Tensor> {
+pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
     super::apply2(&x.contiguous()?, &weight.contiguous()?, Depthwise { stride, pad })
 }
