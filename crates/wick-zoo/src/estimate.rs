@@ -10,8 +10,8 @@
 //!
 //! The backward pass's workspace (one gradient per graph edge while it is in flight, plus each
 //! op's temporaries) depends on edges that candle does not expose, so it is profiled instead: a
-//! backward pass at batch 2 and 4 under wick's tracking allocator, extrapolated the same way.
-//! Without the tracking allocator, training estimates use a lower bound (two gradients of the
+//! backward pass at batch 2 and 4 under wick's counting allocator, extrapolated the same way.
+//! Without the counting allocator, training estimates use a lower bound (two gradients of the
 //! largest activation) and say so.
 
 use std::collections::HashMap;
@@ -130,7 +130,7 @@ pub struct ActivationProfile {
     pub activations: Affine,
     /// The largest single activation.
     pub largest: Affine,
-    /// Transient bytes of the backward pass, profiled with the tracking allocator when it is
+    /// Transient bytes of the backward pass, profiled with the counting allocator when it is
     /// installed (`None` otherwise).
     pub backward_workspace: Option<Affine>,
 }
@@ -148,8 +148,8 @@ impl ActivationProfile {
         // rather than at 1 and 2, where a batch-independent op (the output layer's gradient)
         // can hide them.
         for (index, batch) in [1, 2, 4].into_iter().enumerate() {
-            let before = wick::host_memory::tracked_heap();
-            wick::host_memory::reset_tracked_peak();
+            let before = wick::host_memory::counted_heap();
+            wick::host_memory::reset_counted_peak();
             let out = forward(batch)?;
             let graph = graph_bytes(&out);
             if out.elem_count() == 1 && out.track_op() {
@@ -160,7 +160,7 @@ impl ActivationProfile {
                     .map(|g| g.elem_count() * g.dtype().size_in_bytes())
                     .sum();
                 drop(grads);
-                if let (Some(before), Some(peak), true) = (before, wick::host_memory::tracked_peak(), index > 0) {
+                if let (Some(before), Some(peak), true) = (before, wick::host_memory::counted_peak(), index > 0) {
                     workspace.push(peak.saturating_sub(before + graph.total + param_grads));
                 }
             }

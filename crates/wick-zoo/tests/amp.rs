@@ -2,15 +2,15 @@
 //! the loss after training the same steps from the same start (target: activations ≤ 0.55×,
 //! loss within 2 %; the one recorded miss is in `MISSES`), and every model's f32 and bf16
 //! training against PyTorch's training of the same start (`TORCH_REFERENCE`). This binary
-//! installs the tracking allocator so the peaks are exact; its tests take turns.
+//! installs the counting allocator so the peaks are exact; its tests take turns.
 
 use candle_core::{DType, Device};
-use wick::TrackingAllocator;
+use wick::CountingAllocator;
 use wick_zoo::amp::trial::{task, train, trial_optimizer, TrialReport, MODELS};
 use wick_zoo::amp::Autocast;
 
 #[global_allocator]
-static ALLOC: TrackingAllocator = TrackingAllocator;
+static ALLOC: CountingAllocator = CountingAllocator;
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -130,7 +130,7 @@ fn compare(low: Autocast) {
             100.0 * diff,
             amp.skipped_steps
         );
-        assert!(full.step_peak_bytes.is_some(), "the tracking allocator is installed");
+        assert!(full.step_peak_bytes.is_some(), "the counting allocator is installed");
         if amp.losses.iter().chain(&full.losses).any(|l| !l.is_finite()) {
             failures.push(format!("{model}: a loss is not finite: {:?} / {:?}", full.losses, amp.losses));
         }
@@ -206,7 +206,7 @@ fn master_weight_steps_do_not_accumulate_memory() {
                 drop(loss);
                 wick_zoo::amp::master_step(&mut grads, &mut masters, scaler.as_mut(), &refs).unwrap();
                 drop(grads);
-                after.push(wick::host_memory::tracked_heap().unwrap());
+                after.push(wick::host_memory::counted_heap().unwrap());
             }
             // The first step creates the masters' own copies; after it the heap stays put.
             assert_eq!(after[1], after[3], "{model} {autocast:?}: heap after steps {after:?}");

@@ -1,14 +1,14 @@
 //! Activation checkpointing gives the same gradients with less activation memory. This binary
-//! installs the tracking allocator so peaks are exact; its tests take turns.
+//! installs the counting allocator so peaks are exact; its tests take turns.
 
 use candle_core::{DType, Device, Tensor};
-use wick::host_memory::{reset_tracked_peak, tracked_heap, tracked_peak};
-use wick::TrackingAllocator;
+use wick::host_memory::{counted_heap, counted_peak, reset_counted_peak};
+use wick::CountingAllocator;
 use wick_zoo::checkpoint::Checkpointing;
 use wick_zoo::llama::{Llama, LlamaConfig};
 
 #[global_allocator]
-static ALLOC: TrackingAllocator = TrackingAllocator;
+static ALLOC: CountingAllocator = CountingAllocator;
 
 /// The heap counters are process-wide, so the tests of this binary take turns.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -48,15 +48,15 @@ fn llama_checkpointing_same_gradients_less_memory() {
 
     // Peak heap of one training step (forward + backward), each way.
     let step_peak = |ckpt: Option<&Checkpointing>| {
-        let base = tracked_heap().unwrap();
-        reset_tracked_peak();
+        let base = counted_heap().unwrap();
+        reset_counted_peak();
         let loss = model.loss_with(&ids, ckpt).unwrap();
         let grads = match ckpt {
             Some(c) => c.backward(&loss, &model.params).unwrap(),
             None => loss.backward().unwrap(),
         };
         drop((loss, grads));
-        tracked_peak().unwrap() - base
+        counted_peak().unwrap() - base
     };
     let plain_peak = step_peak(None);
     let ckpt_peak = step_peak(Some(&Checkpointing::new()));
@@ -87,8 +87,8 @@ fn same_gradients(params: &wick_zoo::params::Params, loss: impl Fn(Option<&Check
 type Measured = ((usize, usize), (usize, usize));
 fn peaks(params: &wick_zoo::params::Params, loss: impl Fn(Option<&Checkpointing>) -> Tensor) -> Measured {
     let run = |ckpt: Option<&Checkpointing>| {
-        let base = tracked_heap().unwrap();
-        reset_tracked_peak();
+        let base = counted_heap().unwrap();
+        reset_counted_peak();
         let l = loss(ckpt);
         let kept = wick_zoo::estimate::graph_bytes(&l).total;
         let g = match ckpt {
@@ -96,7 +96,7 @@ fn peaks(params: &wick_zoo::params::Params, loss: impl Fn(Option<&Checkpointing>
             None => l.backward().unwrap(),
         };
         drop((l, g));
-        (tracked_peak().unwrap() - base, kept)
+        (counted_peak().unwrap() - base, kept)
     };
     (run(None), run(Some(&Checkpointing::new())))
 }

@@ -1,16 +1,16 @@
-//! The memory estimator against measured peaks (tracking allocator, CPU, f32) for every zoo model
+//! The memory estimator against measured peaks (counting allocator, CPU, f32) for every zoo model
 //! in inference and a training step (SGD), and for mixed-precision training (bf16 models, f32
 //! masters and AdamW state): within ±15 %. The heap counters are process-wide, so the tests of
 //! this binary take turns.
 
 use candle_core::{DType, Device, Tensor};
-use wick::host_memory::{reset_tracked_peak, tracked_heap, tracked_peak};
-use wick::TrackingAllocator;
+use wick::host_memory::{counted_heap, counted_peak, reset_counted_peak};
+use wick::CountingAllocator;
 use wick_zoo::estimate::{estimate, largest_batch, ActivationProfile, Mode};
 use wick_zoo::params::Params;
 
 #[global_allocator]
-static ALLOC: TrackingAllocator = TrackingAllocator;
+static ALLOC: CountingAllocator = CountingAllocator;
 
 const BATCH: usize = 8;
 
@@ -19,8 +19,8 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Peak of `mode` at `batch`, counting the parameters but no other resident data.
 fn measure(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize, mode: Mode) -> usize {
     let parameters: usize = params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
-    let base = tracked_heap().unwrap() - parameters;
-    reset_tracked_peak();
+    let base = counted_heap().unwrap() - parameters;
+    reset_counted_peak();
     {
         let out = run(batch);
         if mode != Mode::Inference {
@@ -28,7 +28,7 @@ fn measure(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize, mode: M
             params.sgd_step(&grads, 1e-3).unwrap();
         }
     }
-    tracked_peak().unwrap() - base
+    counted_peak().unwrap() - base
 }
 
 /// Estimates and measures one model; returns the table row and whether both modes are in range.
@@ -155,7 +155,7 @@ fn estimates_are_within_15_percent_of_measured_peaks() {
 fn measure_amp(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize) -> usize {
     use wick_zoo::amp::{MasterOptimizer, MasterWeights};
     let parameters: usize = params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
-    let base = tracked_heap().unwrap() - parameters;
+    let base = counted_heap().unwrap() - parameters;
     let vars: Vec<_> = params.iter().map(|(_, v)| v.clone()).collect();
     let opt = MasterOptimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
     let mut masters = MasterWeights::new(&vars, opt).unwrap();
@@ -164,9 +164,9 @@ fn measure_amp(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize) -> 
         masters.step(&grads).unwrap();
     };
     step();
-    reset_tracked_peak();
+    reset_counted_peak();
     step();
-    tracked_peak().unwrap() - base
+    counted_peak().unwrap() - base
 }
 
 #[test]

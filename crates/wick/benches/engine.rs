@@ -6,11 +6,11 @@
 use std::time::Instant;
 
 use candle_core::{Device, Tensor, Var};
-use wick::host_memory::{reset_tracked_peak, tracked_peak};
-use wick::{Engine, Error, TrackingAllocator};
+use wick::host_memory::{counted_peak, reset_counted_peak};
+use wick::{CountingAllocator, Engine, Error};
 
 #[global_allocator]
-static ALLOC: TrackingAllocator = TrackingAllocator;
+static ALLOC: CountingAllocator = CountingAllocator;
 
 struct Model {
     w1: Var,
@@ -49,27 +49,27 @@ fn main() -> Result<(), Error> {
     let (mut plain, mut wick) = (Vec::new(), Vec::new());
     let (mut plain_peak, mut wick_peak) = (0usize, 0usize);
     for _ in 0..15 {
-        reset_tracked_peak();
+        reset_counted_peak();
         let t = Instant::now();
         for _ in 0..steps {
             step(&model, &x, &y)?;
         }
         plain.push(t.elapsed().as_secs_f64() / steps as f64);
-        plain_peak = plain_peak.max(tracked_peak().unwrap_or(0));
-        reset_tracked_peak();
+        plain_peak = plain_peak.max(counted_peak().unwrap_or(0));
+        reset_counted_peak();
         let t = Instant::now();
         for _ in 0..steps {
             engine.try_step("train", |_| step(&model, &x, &y))?;
         }
         wick.push(t.elapsed().as_secs_f64() / steps as f64);
-        wick_peak = wick_peak.max(tracked_peak().unwrap_or(0));
+        wick_peak = wick_peak.max(counted_peak().unwrap_or(0));
     }
     let (p, w) = (median(plain), median(wick));
     println!("| loop (MLP 512-512-1, batch 256, SGD) | plain candle | through wick steps | ratio |");
     println!("|---|---|---|---|");
     println!("| median time per step | {:.1} µs | {:.1} µs | {:+.2} % |", p * 1e6, w * 1e6, (w / p - 1.0) * 100.0);
     println!(
-        "| peak heap (tracking allocator) | {:.2} MiB | {:.2} MiB | {:+.3} % |",
+        "| peak heap (counting allocator) | {:.2} MiB | {:.2} MiB | {:+.3} % |",
         plain_peak as f64 / 1048576.0,
         wick_peak as f64 / 1048576.0,
         (wick_peak as f64 / plain_peak as f64 - 1.0) * 100.0

@@ -92,7 +92,7 @@ impl Engine {
     }
 
     /// Bytes held by live tensors (and, on the CPU, everything else on the heap): exact with the
-    /// tracking allocator or the caching heap installed, and on CUDA; the resident set otherwise.
+    /// counting allocator or the caching heap installed, and on CUDA; the resident set otherwise.
     pub fn allocated(&self) -> Figure {
         match &self.kind {
             Kind::Cpu => match host_memory::exact_heap() {
@@ -268,8 +268,9 @@ impl Engine {
         self.memory_report().to_string()
     }
 
-    /// The memory snapshot as JSON (figures, sources and timeline).
-    pub fn memory_snapshot(&self) -> String {
+    /// The memory report as JSON (figures, sources, holdings and timeline); not a [`wick_memory::Snapshot`],
+    /// which lists an allocator's segments and blocks.
+    pub fn memory_report_json(&self) -> String {
         serde_json::to_string_pretty(&self.memory_report()).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"))
     }
 }
@@ -297,7 +298,7 @@ mod tests {
             text.contains("held by") && text.contains("master weights (f32)") && text.contains("2.00 MiB"),
             "{text}"
         );
-        assert!(engine.memory_snapshot().contains("\"optimizer state (f32)\""));
+        assert!(engine.memory_report_json().contains("\"optimizer state (f32)\""));
         engine.account("optimizer state (f32)", 0);
         engine.account("master weights (f32)", 0);
         assert!(!engine.memory_summary().contains("held by"));

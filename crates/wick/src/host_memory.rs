@@ -1,5 +1,5 @@
 //! Honest host-memory figures. candle's CPU tensors are ordinary heap `Vec`s, so exact figures
-//! need a global allocator that counts ([`TrackingAllocator`], opt-in for binaries); everywhere
+//! need a global allocator that counts ([`CountingAllocator`], opt-in for binaries); everywhere
 //! else the process's resident set and the container's cgroup are read. Every figure says where it
 //! came from.
 
@@ -12,7 +12,7 @@ use wick_memory::heap::CachingHeap;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum FigureSource {
     /// Counted by wick's tracking global allocator: exact heap bytes.
-    TrackingAllocator,
+    CountingAllocator,
     /// Counted by wick's caching heap (`wick_memory::heap::CachingHeap` as the global
     /// allocator): exact heap bytes, large buffers served from wick's caching allocator.
     CachingHeap,
@@ -31,7 +31,7 @@ pub enum FigureSource {
 impl std::fmt::Display for FigureSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let text = match self {
-            FigureSource::TrackingAllocator => "tracking allocator (exact heap)",
+            FigureSource::CountingAllocator => "counting allocator (exact heap)",
             FigureSource::CachingHeap => "caching heap (exact heap)",
             FigureSource::ProcessRss => "process RSS",
             FigureSource::Cgroup => "cgroup",
@@ -51,18 +51,18 @@ static ACTIVE: AtomicBool = AtomicBool::new(false);
 ///
 /// ```no_run
 /// #[global_allocator]
-/// static ALLOC: wick::host_memory::TrackingAllocator = wick::host_memory::TrackingAllocator;
+/// static ALLOC: wick::host_memory::CountingAllocator = wick::host_memory::CountingAllocator;
 ///
 /// fn main() {
 ///     let engine = wick::Engine::cpu();
-///     println!("{}", engine.allocated()); // "… (tracking allocator (exact heap))"
+///     println!("{}", engine.allocated()); // "… (counting allocator (exact heap))"
 /// }
 /// ```
 ///
 /// It never refuses memory itself (refusing would abort the process); caps on the CPU are
 /// enforced by the engine's pre-flight checks instead. In evcxr notebooks statics exist once per
 /// cell, so it is for binaries and tests, not notebooks.
-pub struct TrackingAllocator;
+pub struct CountingAllocator;
 
 fn add(bytes: usize) {
     let now = ALLOCATED.fetch_add(bytes, Ordering::Relaxed) + bytes;
@@ -70,7 +70,7 @@ fn add(bytes: usize) {
 }
 
 // SAFETY: every call is forwarded to the system allocator unchanged; only counters are updated.
-unsafe impl GlobalAlloc for TrackingAllocator {
+unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         ACTIVE.store(true, Ordering::Relaxed);
         // SAFETY: forwarded contract.
@@ -108,41 +108,41 @@ unsafe impl GlobalAlloc for TrackingAllocator {
     }
 }
 
-/// Exact heap bytes and their source: the tracking allocator's, or the caching heap's, when
+/// Exact heap bytes and their source: the counting allocator's, or the caching heap's, when
 /// either is this process's global allocator.
 pub fn exact_heap() -> Option<(usize, FigureSource)> {
-    tracked_heap()
-        .map(|b| (b, FigureSource::TrackingAllocator))
+    counted_heap()
+        .map(|b| (b, FigureSource::CountingAllocator))
         .or_else(|| CachingHeap::installed().map(|h| (h.live_bytes(), FigureSource::CachingHeap)))
 }
 
 /// Peak of [`exact_heap`] since start or the last [`reset_exact_peak`].
 pub fn exact_peak() -> Option<(usize, FigureSource)> {
-    tracked_peak()
-        .map(|b| (b, FigureSource::TrackingAllocator))
+    counted_peak()
+        .map(|b| (b, FigureSource::CountingAllocator))
         .or_else(|| CachingHeap::installed().map(|h| (h.peak_bytes(), FigureSource::CachingHeap)))
 }
 
 /// Sets the exact peaks to the current values.
 pub fn reset_exact_peak() {
-    reset_tracked_peak();
+    reset_counted_peak();
     if let Some(heap) = CachingHeap::installed() {
         heap.reset_peak_stats();
     }
 }
 
-/// Exact heap bytes, when the tracking allocator is installed in this process.
-pub fn tracked_heap() -> Option<usize> {
+/// Exact heap bytes, when the counting allocator is installed in this process.
+pub fn counted_heap() -> Option<usize> {
     ACTIVE.load(Ordering::Relaxed).then(|| ALLOCATED.load(Ordering::Relaxed))
 }
 
-/// Peak of `tracked_heap` since start or the last `reset_tracked_peak`.
-pub fn tracked_peak() -> Option<usize> {
+/// Peak of `counted_heap` since start or the last `reset_counted_peak`.
+pub fn counted_peak() -> Option<usize> {
     ACTIVE.load(Ordering::Relaxed).then(|| PEAK.load(Ordering::Relaxed))
 }
 
 /// Sets the tracked peak to the current value.
-pub fn reset_tracked_peak() {
+pub fn reset_counted_peak() {
     PEAK.store(ALLOCATED.load(Ordering::Relaxed), Ordering::Relaxed);
 }
 

@@ -20,7 +20,7 @@ pub mod tensors;
 pub mod weights;
 
 pub use engine::{Engine, Figure};
-pub use host_memory::{FigureSource, TrackingAllocator};
+pub use host_memory::{CountingAllocator, FigureSource};
 pub use recovery::BatchPlan;
 pub use report::{HistoryReport, Holding, MemoryReport};
 pub use step::{Error, StepReport};

@@ -60,7 +60,7 @@ impl Engine {
     /// above the memory before it at batch `b`, so this one is predicted to rise `g × batch / b`
     /// (activations grow with the batch; a step's fixed part only makes this conservative). The
     /// first run of a label has nothing to scale and runs; so does every run where no exact peak
-    /// is known (no tracking allocator or caching heap on the CPU). On the CPU this is what stands
+    /// is known (no counting allocator or caching heap on the CPU). On the CPU this is what stands
     /// between a too-large batch and an aborted process: candle's allocations cannot fail.
     pub fn try_step_batch<T>(
         &self,

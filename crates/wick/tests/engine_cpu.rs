@@ -1,13 +1,13 @@
 //! The CPU engine's figures against independent truth, step scopes, caps and recovery. This test
-//! binary installs the tracking allocator, so heap figures are exact; tests share its counters
+//! binary installs the counting allocator, so heap figures are exact; tests share its counters
 //! and therefore run one at a time.
 
 use candle_core::{DType, Tensor, Var};
-use wick::{Engine, Error, FigureSource, TrackingAllocator};
+use wick::{CountingAllocator, Engine, Error, FigureSource};
 use wick_memory::{MemoryError, MemoryLimit};
 
 #[global_allocator]
-static ALLOC: TrackingAllocator = TrackingAllocator;
+static ALLOC: CountingAllocator = CountingAllocator;
 
 const MIB: usize = 1 << 20;
 
@@ -25,7 +25,7 @@ fn cpu_engine() {
 fn allocated_matches_tensor_bytes_and_rss_follows_touched_memory() {
     let engine = Engine::cpu();
     let base = engine.allocated();
-    assert_eq!(base.source, FigureSource::TrackingAllocator);
+    assert_eq!(base.source, FigureSource::CountingAllocator);
     let t = Tensor::zeros((1024, 1024), DType::F32, engine.device()).unwrap();
     let with = engine.allocated().bytes;
     let delta = with - base.bytes;
@@ -162,9 +162,9 @@ fn reports_name_their_sources_and_render() {
     let _t = Tensor::zeros(1 << 20, DType::F32, engine.device()).unwrap();
     engine.mark("after tensor");
     let text = engine.memory_summary();
-    assert!(text.contains("tracking allocator (exact heap)") && text.contains("process RSS"), "{text}");
+    assert!(text.contains("counting allocator (exact heap)") && text.contains("process RSS"), "{text}");
     let html = engine.memory_report().to_html();
     assert!(html.contains("<svg") && html.contains("after tensor"));
-    let json: serde_json::Value = serde_json::from_str(&engine.memory_snapshot()).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&engine.memory_report_json()).unwrap();
     assert_eq!(json["timeline"]["samples"].as_array().map(|a| a.len()), Some(3));
 }

@@ -119,12 +119,8 @@ impl Updater {
     ) -> Result<Self> {
         #[cfg(feature = "cuda")]
         if engine.device().is_cuda() {
-            let MasterOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } = optimizer else {
-                bail!("the fused device step implements AdamW");
-            };
-            let hyper = (lr as f32, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32);
             let scaler = autocast.needs_loss_scaling().then(wick_zoo::amp::GradScalerConfig::default);
-            match wick_zoo::amp::device_step::DeviceAmp::new(engine.device(), vars, Some(masters), hyper, scaler) {
+            match wick_zoo::amp::device_step::DeviceAmp::new(engine.device(), vars, Some(masters), optimizer, scaler) {
                 Ok(amp) => {
                     amp.account(engine);
                     println!("Fused AMP kernels loaded: the step runs on the device without host round trips.");

@@ -26,8 +26,10 @@ struct Slot {
 pub struct DeviceAmp {
     kernels: AmpKernels,
     slots: Vec<Slot>,
-    /// (lr, β1, β2, ε, weight decay).
-    adamw: (f32, f32, f32, f32, f32),
+    /// The optimizer as given (for the memory summary's names).
+    optimizer: super::MasterOptimizer,
+    /// Its settings in f32, as the kernels take them (the step count is filled in per step).
+    adamw: AdamWStep,
     step: i32,
     scaler: Option<(GradScalerConfig, Tensor, Tensor)>,
     one: Tensor,
@@ -45,9 +47,19 @@ impl DeviceAmp {
         device: &Device,
         vars: &[Var],
         masters: Option<&[Tensor]>,
-        adamw: (f32, f32, f32, f32, f32),
+        optimizer: super::MasterOptimizer,
         scaler: Option<GradScalerConfig>,
     ) -> Result<Self, ZooError> {
+        let super::MasterOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } = optimizer else {
+            return Err(ZooError::Config {
+                path: "<device AMP step>".into(),
+                message: format!("the fused device step implements AdamW, not {optimizer:?}"),
+            });
+        };
+        // The kernels compute in f32.
+        let (lr, beta1, beta2, eps, weight_decay) =
+            (lr as f32, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32);
+        let adamw = AdamWStep { lr, beta1, beta2, eps, weight_decay, step: 0 };
         let kernels = AmpKernels::load(device)?;
         // Own copies: the kernels write them in place.
         let slots = vars
@@ -63,7 +75,16 @@ impl DeviceAmp {
             }
             None => None,
         };
-        Ok(DeviceAmp { kernels, slots, adamw, step: 0, scaler, one: Tensor::new(&[1f32], device)?, last_flag: None })
+        Ok(DeviceAmp {
+            kernels,
+            slots,
+            optimizer,
+            adamw,
+            step: 0,
+            scaler,
+            one: Tensor::new(&[1f32], device)?,
+            last_flag: None,
+        })
     }
 
     /// The loss to call `backward` on: multiplied by the device scale when scaling.
@@ -106,8 +127,7 @@ impl DeviceAmp {
             let refs: Vec<&Tensor> = present.iter().map(|(_, g)| g).collect();
             self.kernels.unscale_(&refs, &inv, &found_inf)?;
         }
-        let (lr, beta1, beta2, eps, weight_decay) = self.adamw;
-        let hyper = AdamWStep { lr, beta1, beta2, eps, weight_decay, step: self.step };
+        let hyper = AdamWStep { step: self.step, ..self.adamw };
         for (i, g) in &present {
             let s = &self.slots[*i];
             self.kernels.adamw_(&s.master, &s.m, &s.v, g, s.model.as_tensor(), hyper, &self.one, &found_inf)?;
@@ -136,14 +156,6 @@ impl DeviceAmp {
     /// summary, under the names [`super::MasterWeights::account`] uses.
     pub fn account(&self, engine: &wick::Engine) {
         let (master, state) = self.memory_bytes();
-        let (lr, beta1, beta2, eps, weight_decay) = self.adamw;
-        let optimizer = super::MasterOptimizer::AdamW {
-            lr: lr.into(),
-            beta1: beta1.into(),
-            beta2: beta2.into(),
-            eps: eps.into(),
-            weight_decay: weight_decay.into(),
-        };
-        super::master::account(engine, self.slots.iter().map(|s| &s.model), master, &optimizer, state);
+        super::master::account(engine, self.slots.iter().map(|s| &s.model), master, &self.optimizer, state);
     }
 }

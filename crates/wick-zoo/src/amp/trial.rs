@@ -225,7 +225,7 @@ pub struct TrialReport {
     /// (parameters excluded).
     pub activation_bytes: usize,
     /// Peak heap of the first forward + backward above what was live before it, when wick's
-    /// tracking allocator is installed.
+    /// counting allocator is installed.
     pub step_peak_bytes: Option<usize>,
     /// Bytes of the f32 master weights and of the f32 optimizer state.
     pub master_bytes: (usize, usize),
@@ -247,8 +247,8 @@ pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOpt
         if applied == steps {
             break;
         }
-        let before = wick::host_memory::tracked_heap();
-        wick::host_memory::reset_tracked_peak();
+        let before = wick::host_memory::counted_heap();
+        wick::host_memory::reset_counted_peak();
         let loss = (task.loss)()?;
         if step == 0 {
             activation_bytes = graph_bytes(&loss).total;
@@ -261,7 +261,7 @@ pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOpt
         // The second step is measured: the first also creates what lives for the whole process
         // (thread pools, caches).
         if step == 1 {
-            step_peak_bytes = match (before, wick::host_memory::tracked_peak()) {
+            step_peak_bytes = match (before, wick::host_memory::counted_peak()) {
                 (Some(b), Some(p)) => Some(p.saturating_sub(b)),
                 _ => None,
             };
