@@ -206,16 +206,15 @@ impl Bert {
         if let Some(pad) = config.pad_token_id {
             let vocab = config.vocab_size;
             if pad as usize >= vocab {
-                return Err(ZooError::Config {
-                    path: "<BertConfig>".into(),
+                return Err(ZooError::Invalid {
+                    what: "BertConfig".into(),
                     message: format!("pad_token_id {pad} is outside the vocabulary of {vocab}"),
                 });
             }
             // Hugging Face initialises the padding row to zeros.
-            let table = params.get("embeddings.word_embeddings.weight").ok_or_else(|| ZooError::Config {
-                path: "<BertConfig>".into(),
-                message: "no word embeddings".into(),
-            })?;
+            let table = params
+                .get("embeddings.word_embeddings.weight")
+                .ok_or_else(|| ZooError::Invalid { what: "BertConfig".into(), message: "no word embeddings".into() })?;
             let keep: Vec<f32> = (0..vocab).map(|i| if i == pad as usize { 0.0 } else { 1.0 }).collect();
             let keep = Tensor::from_vec(keep, (vocab, 1), device)?.to_dtype(table.dtype())?;
             table.set(&table.as_tensor().broadcast_mul(&keep)?)?;
@@ -271,8 +270,8 @@ impl Bert {
         let c = &self.config;
         let (batch, seq) = input_ids.dims2()?;
         if seq > c.max_position_embeddings {
-            return Err(ZooError::Config {
-                path: "<input>".into(),
+            return Err(ZooError::Invalid {
+                what: "input".into(),
                 message: format!(
                     "sequence of {seq} tokens exceeds max_position_embeddings {}",
                     c.max_position_embeddings

@@ -21,6 +21,15 @@ pub enum ZooError {
         /// What is wrong.
         message: String,
     },
+    /// A setting, an argument or an input is outside what the model or operation supports (no
+    /// file is involved; `what` names the thing: a configuration type, an input, a step).
+    #[error("{what}: {message}")]
+    Invalid {
+        /// What was given.
+        what: String,
+        /// What is wrong with it.
+        message: String,
+    },
     /// A tensor in a weight file is missing or has the wrong shape or dtype.
     #[error("{path}: tensor `{tensor}`: {message}")]
     Tensor {

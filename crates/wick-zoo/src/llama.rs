@@ -100,8 +100,8 @@ impl LlamaConfig {
             || !self.hidden_size.is_multiple_of(self.num_heads)
             || !(self.hidden_size / self.num_heads).is_multiple_of(2)
         {
-            return Err(ZooError::Config {
-                path: "<llama config>".into(),
+            return Err(ZooError::Invalid {
+                what: "llama config".into(),
                 message: format!(
                     "hidden_size {} must split into an even head size over {} heads",
                     self.hidden_size, self.num_heads
@@ -170,8 +170,8 @@ impl Llama {
         let c = self.config;
         let (batch, seq) = ids.dims2()?;
         if seq > c.max_seq {
-            return Err(ZooError::Config {
-                path: "<input>".into(),
+            return Err(ZooError::Invalid {
+                what: "input".into(),
                 message: format!("sequence {seq} exceeds max_seq {}", c.max_seq),
             });
         }

@@ -137,10 +137,10 @@ impl Params {
 
     /// The current value of parameter `name` (tracked for gradients), or an error naming it.
     pub fn tensor(&self, name: &str) -> std::result::Result<Tensor, crate::ZooError> {
-        self.vars.get(name).map(|v| v.as_tensor().clone()).ok_or_else(|| crate::ZooError::Config {
-            path: "<model>".into(),
-            message: format!("no parameter `{name}`"),
-        })
+        self.vars
+            .get(name)
+            .map(|v| v.as_tensor().clone())
+            .ok_or_else(|| crate::ZooError::Invalid { what: "model".into(), message: format!("no parameter `{name}`") })
     }
 
     /// Number of parameters (tensors).

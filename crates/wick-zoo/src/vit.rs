@@ -124,8 +124,8 @@ impl Vit {
             || c.heads == 0
             || !c.hidden.is_multiple_of(c.heads)
         {
-            return Err(ZooError::Config {
-                path: "<vit config>".into(),
+            return Err(ZooError::Invalid {
+                what: "vit config".into(),
                 message: format!(
                     "image {} must be a multiple of patch {} and hidden {} of heads {}",
                     c.image_size, c.patch_size, c.hidden, c.heads

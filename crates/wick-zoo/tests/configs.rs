@@ -66,7 +66,7 @@ fn impossible_configurations_are_refused_before_allocating() {
     // A zero patch size divided by zero.
     assert!(matches!(
         Vit::new(VitConfig { patch_size: 0, ..vit_config() }, DType::F32, &cpu),
-        Err(ZooError::Config { .. })
+        Err(ZooError::Invalid { .. })
     ));
 }
 

@@ -155,8 +155,8 @@ impl Autocast {
         match dtype {
             DType::BF16 | DType::F16 => Ok(Autocast { dtype: Some(dtype) }),
             DType::F32 => Ok(Autocast::off()),
-            other => Err(ZooError::Config {
-                path: "<autocast>".into(),
+            other => Err(ZooError::Invalid {
+                what: "autocast".into(),
                 message: format!("autocast dtype must be bf16, f16 or f32 (off), not {other:?}"),
             }),
         }
@@ -168,8 +168,8 @@ impl Autocast {
             "bf16" | "bfloat16" => Ok(Autocast::bf16()),
             "f16" | "fp16" | "half" | "float16" => Ok(Autocast::f16()),
             "off" | "f32" | "fp32" | "float32" | "none" => Ok(Autocast::off()),
-            other => Err(ZooError::Config {
-                path: "<autocast>".into(),
+            other => Err(ZooError::Invalid {
+                what: "autocast".into(),
                 message: format!("unknown precision `{other}` (expected bf16, f16 or off)"),
             }),
         }

@@ -15,7 +15,7 @@ use super::reference::AdamWStep;
 use crate::error::ZooError;
 
 fn err(message: impl Into<String>) -> ZooError {
-    ZooError::Config { path: "<amp cuda kernels>".into(), message: message.into() }
+    ZooError::Invalid { what: "amp cuda kernels".into(), message: message.into() }
 }
 
 /// The compiled kernels, embedded at build time (see `crates/wick-zoo/build.rs`).

@@ -51,8 +51,8 @@ impl DeviceAmp {
         scaler: Option<GradScalerConfig>,
     ) -> Result<Self, ZooError> {
         let super::MasterOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } = optimizer else {
-            return Err(ZooError::Config {
-                path: "<device AMP step>".into(),
+            return Err(ZooError::Invalid {
+                what: "device AMP step".into(),
                 message: format!("the fused device step implements AdamW, not {optimizer:?}"),
             });
         };

@@ -68,8 +68,8 @@ pub fn masters_by_name(params: &Params, originals: &Params) -> std::result::Resu
         .map(|(name, v)| {
             let original = originals.tensor(name)?;
             if original.dims() != v.dims() {
-                return Err(crate::ZooError::Config {
-                    path: "<master weights>".into(),
+                return Err(crate::ZooError::Invalid {
+                    what: "master weights".into(),
                     message: format!(
                         "`{name}`: the original has shape {:?}, the parameter {:?}",
                         original.dims(),

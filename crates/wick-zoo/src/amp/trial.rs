@@ -189,8 +189,8 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             ("mobilenet_v2", vars(&model.params), Box::new(loss))
         }
         other => {
-            return Err(ZooError::Config {
-                path: "<amp trial>".into(),
+            return Err(ZooError::Invalid {
+                what: "amp trial".into(),
                 message: format!("unknown model `{other}` (expected one of {MODELS:?})"),
             })
         }
@@ -202,8 +202,8 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
     } else {
         let originals = task(name, Autocast::off(), device)?;
         if originals.names != names {
-            return Err(ZooError::Config {
-                path: "<amp trial>".into(),
+            return Err(ZooError::Invalid {
+                what: "amp trial".into(),
                 message: format!("{name}: the f32 build has other parameters than the {dtype:?} build"),
             });
         }
