@@ -56,9 +56,20 @@ pub enum MemoryError {
     /// The device or driver is missing or too old.
     #[error("device unavailable: {0}")]
     Unavailable(String),
-    /// A trace or snapshot file could not be read or is malformed.
+    /// A trace could not be read or is malformed.
     #[error("invalid trace: {0}")]
     InvalidTrace(String),
+    /// A snapshot could not be read or is malformed.
+    #[error("invalid snapshot: {0}")]
+    InvalidSnapshot(String),
+    /// A file read to size a request (a weights file's header) could not be read or is malformed.
+    #[error("{}: {message}", path.display())]
+    InvalidFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong with it.
+        message: String,
+    },
     /// The operation is not supported by this resource.
     #[error("unsupported operation: {0}")]
     Unsupported(String),

@@ -72,7 +72,7 @@ impl Snapshot {
 
     /// Parses a snapshot written by `to_json`.
     pub fn from_json(text: &str) -> crate::Result<Self> {
-        serde_json::from_str(text).map_err(|e| crate::MemoryError::InvalidTrace(format!("snapshot: {e}")))
+        serde_json::from_str(text).map_err(|e| crate::MemoryError::InvalidSnapshot(e.to_string()))
     }
 
     /// Bytes of all segments.

@@ -25,11 +25,9 @@ impl WeightFile {
         // larger than the host can give would abort the process.
         let payload = wick::weights::safetensors_payload_bytes(path).map_err(|e| {
             let why = match e {
-                wick::memory::MemoryError::InvalidTrace(why) => why,
+                wick::memory::MemoryError::InvalidFile { message, .. } => message,
                 other => other.to_string(),
             };
-            let prefix = format!("{}: ", path.display());
-            let why = why.strip_prefix(&prefix).unwrap_or(&why);
             ZooError::File { path: path.to_path_buf(), message: format!("not a readable safetensors file: {why}") }
         })?;
         crate::params::preflight_bytes(Some(payload), device, &format!("weights {}", path.display()))?;

@@ -8,7 +8,7 @@ use wick_memory::MemoryError;
 /// little-endian u64 header length and a JSON header of `data_offsets`; reading it directly avoids
 /// mapping the whole file just to size it). Errors name the file.
 pub fn safetensors_payload_bytes(path: &std::path::Path) -> Result<usize, MemoryError> {
-    let bad = |why: String| MemoryError::InvalidTrace(format!("{}: {why}", path.display()));
+    let bad = |message: String| MemoryError::InvalidFile { path: path.to_path_buf(), message };
     let mut file = std::fs::File::open(path).map_err(|e| bad(e.to_string()))?;
     let mut len = [0u8; 8];
     file.read_exact(&mut len).map_err(|e| bad(format!("cannot read header length: {e}")))?;
