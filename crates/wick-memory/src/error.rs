@@ -117,6 +117,59 @@ pub struct OutOfMemory {
 }
 
 impl OutOfMemory {
+    /// A refusal of `requested` bytes on `device` (a device name, with what was asked for in
+    /// brackets where that helps). The figures the `with_` setters fill start unknown: 0, no
+    /// limit, and a segment the size of the request. Finish with [`OutOfMemory::into_error`].
+    pub fn refused(device: impl Into<String>, requested: usize) -> Self {
+        OutOfMemory {
+            device: device.into(),
+            requested,
+            segment_size: requested,
+            capacity: 0,
+            device_free: 0,
+            allocated: 0,
+            reserved: 0,
+            limit: None,
+            limited_by_cap: false,
+            largest_free_block: 0,
+        }
+    }
+
+    /// The bytes that would have been reserved from the device for the request.
+    pub fn with_segment(mut self, bytes: usize) -> Self {
+        self.segment_size = bytes;
+        self
+    }
+
+    /// The device's total capacity and its free bytes.
+    pub fn with_device(mut self, capacity: usize, free: usize) -> Self {
+        (self.capacity, self.device_free) = (capacity, free);
+        self
+    }
+
+    /// Bytes handed out to live allocations and bytes reserved (allocated plus cached).
+    pub fn with_usage(mut self, allocated: usize, reserved: usize) -> Self {
+        (self.allocated, self.reserved) = (allocated, reserved.max(allocated));
+        self
+    }
+
+    /// The cap, and whether the cap (not the device) refused the request.
+    pub fn with_limit(mut self, limit: Option<usize>, limited_by_cap: bool) -> Self {
+        (self.limit, self.limited_by_cap) = (limit, limited_by_cap);
+        self
+    }
+
+    /// The largest cached free block (fragmentation).
+    pub fn with_largest_free_block(mut self, bytes: usize) -> Self {
+        self.largest_free_block = bytes;
+        self
+    }
+
+    /// The error.
+    pub fn into_error(self) -> MemoryError {
+        MemoryError::OutOfMemory(Box::new(self))
+    }
+
     /// Reserved but not allocated bytes (the cache).
     pub fn reserved_unallocated(&self) -> usize {
         self.reserved.saturating_sub(self.allocated)

@@ -28,6 +28,11 @@ impl Stat {
         }
     }
 
+    /// `current` as a byte or block count (0 if it were ever negative).
+    pub fn unsigned_current(&self) -> usize {
+        usize::try_from(self.current).unwrap_or(0)
+    }
+
     fn reset_peak(&mut self) {
         self.peak = self.current;
     }

@@ -198,18 +198,13 @@ impl Engine {
         let budget = self.budget();
         let allocated = self.allocated().bytes;
         self.mark("refused by pre-flight");
-        Err(MemoryError::OutOfMemory(Box::new(OutOfMemory {
-            device: format!("{} ({what})", self.name()),
-            requested: bytes,
-            segment_size: bytes,
-            capacity: budget.bytes,
-            device_free: available,
-            allocated,
-            reserved: self.reserved().bytes.max(allocated),
-            limit: self.limit,
-            limited_by_cap: budget.source == FigureSource::UserLimit,
-            largest_free_block: available,
-        })))
+        Err(OutOfMemory::refused(format!("{} ({what})", self.name()), bytes)
+            .with_device(budget.bytes, available)
+            .with_usage(allocated, self.reserved().bytes)
+            .with_limit(self.limit, budget.source == FigureSource::UserLimit)
+            // Host memory has no cache to fragment: all that is available can be had at once.
+            .with_largest_free_block(available)
+            .into_error())
     }
 
     /// Pre-flight for a tensor of `shape` and `dtype`.

@@ -178,18 +178,12 @@ pub fn preflight_host(bytes: usize, what: &str) -> Result<(), wick_memory::Memor
     }
     let (budget, source) = host_budget();
     let used = budget.saturating_sub(available);
-    Err(wick_memory::MemoryError::OutOfMemory(Box::new(wick_memory::OutOfMemory {
-        device: format!("cpu ({what})"),
-        requested: bytes,
-        segment_size: bytes,
-        capacity: budget,
-        device_free: available,
-        allocated: used,
-        reserved: used,
-        limit: None,
-        limited_by_cap: source == FigureSource::Cgroup,
-        largest_free_block: available,
-    })))
+    Err(wick_memory::OutOfMemory::refused(format!("cpu ({what})"), bytes)
+        .with_device(budget, available)
+        .with_usage(used, used)
+        .with_limit(None, source == FigureSource::Cgroup)
+        .with_largest_free_block(available)
+        .into_error())
 }
 
 /// The host memory budget and its source: the cgroup limit when set, else MemTotal.

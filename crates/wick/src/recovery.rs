@@ -63,19 +63,11 @@ impl Engine {
             candidate = lo + (hi - lo).div_ceil(2);
         }
         if lo == 0 {
-            return Err(wick_memory::MemoryError::OutOfMemory(Box::new(wick_memory::OutOfMemory {
-                device: self.name(),
-                requested: 0,
-                segment_size: 0,
-                capacity: self.budget().bytes,
-                device_free: self.available(),
-                allocated: self.allocated().bytes,
-                reserved: self.reserved().bytes,
-                limit: None,
-                limited_by_cap: false,
-                largest_free_block: 0,
-            }))
-            .into());
+            return Err(wick_memory::OutOfMemory::refused(format!("{} (a step at batch 1)", self.name()), 0)
+                .with_device(self.budget().bytes, self.available())
+                .with_usage(self.allocated().bytes, self.reserved().bytes)
+                .into_error()
+                .into());
         }
         Ok(BatchPlan { batch_size: lo, accumulation_steps: effective_batch.div_ceil(lo), tried })
     }

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use crate::error::{MemoryError, OutOfMemory, Result};
+use crate::error::{OutOfMemory, Result};
 use crate::resource::{AllocRequest, HostResource, MemoryInfo, MemoryResource, RawBlock};
 
 /// Refuses requests that would take the bytes allocated through it above `limit`.
@@ -48,18 +48,11 @@ impl<R: MemoryResource> MemoryResource for Limiting<R> {
             self.used.fetch_sub(request.size, Ordering::SeqCst);
             let stats = self.upstream.memory_stats();
             let info = self.upstream.memory_info();
-            return Err(MemoryError::OutOfMemory(Box::new(OutOfMemory {
-                device: self.upstream.device_name(),
-                requested: request.size,
-                segment_size: request.size,
-                capacity: info.capacity,
-                device_free: info.device_free,
-                allocated: usize::try_from(stats.allocated_bytes.all.current).unwrap_or(0),
-                reserved: usize::try_from(stats.reserved_bytes.all.current).unwrap_or(0),
-                limit: Some(self.limit),
-                limited_by_cap: true,
-                largest_free_block: 0,
-            })));
+            return Err(OutOfMemory::refused(self.upstream.device_name(), request.size)
+                .with_device(info.capacity, info.device_free)
+                .with_usage(stats.allocated_bytes.all.unsigned_current(), stats.reserved_bytes.all.unsigned_current())
+                .with_limit(Some(self.limit), true)
+                .into_error());
         }
         match self.upstream.allocate_raw(request) {
             Ok(block) => {

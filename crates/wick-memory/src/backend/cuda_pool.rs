@@ -198,18 +198,13 @@ impl DriverPool {
         let _ = self.ctx.bind_to_thread();
         let (free, total) = result::mem_get_info().unwrap_or((0, 0));
         let reserved = self.reserved();
-        MemoryError::OutOfMemory(Box::new(OutOfMemory {
-            device: format!("cuda:{}", self.ctx.ordinal()),
-            requested,
-            segment_size: requested,
-            capacity: total,
-            device_free: free,
-            allocated: self.used(),
-            reserved,
-            limit: self.limit,
-            limited_by_cap: self.limit.is_some_and(|l| reserved.saturating_add(requested) > l && free >= requested),
-            largest_free_block: reserved.saturating_sub(self.used()),
-        }))
+        let capped = self.limit.is_some_and(|l| reserved.saturating_add(requested) > l && free >= requested);
+        OutOfMemory::refused(format!("cuda:{}", self.ctx.ordinal()), requested)
+            .with_device(total, free)
+            .with_usage(self.used(), reserved)
+            .with_limit(self.limit, capped)
+            .with_largest_free_block(reserved.saturating_sub(self.used()))
+            .into_error()
     }
 }
 

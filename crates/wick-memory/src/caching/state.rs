@@ -180,18 +180,16 @@ impl State {
         };
         self.stats.num_ooms += 1;
         self.record(Action::Oom, 0, requested, stream);
-        Err(MemoryError::OutOfMemory(Box::new(OutOfMemory {
-            device: backend.device_name(),
-            requested,
-            segment_size,
-            capacity: backend.capacity(),
-            device_free: backend.free_memory(),
-            allocated: self.stats.allocated_bytes.all.current as usize,
-            reserved: self.stats.reserved_bytes.all.current as usize,
-            limit: self.limit,
-            limited_by_cap: capped,
-            largest_free_block: self.table.largest_free(),
-        })))
+        Err(OutOfMemory::refused(backend.device_name(), requested)
+            .with_segment(segment_size)
+            .with_device(backend.capacity(), backend.free_memory())
+            .with_usage(
+                self.stats.allocated_bytes.all.unsigned_current(),
+                self.stats.reserved_bytes.all.unsigned_current(),
+            )
+            .with_limit(self.limit, capped)
+            .with_largest_free_block(self.table.largest_free())
+            .into_error())
     }
 
     pub(super) fn new_segment(
