@@ -1,6 +1,7 @@
 //! Governance of candle's CUDA memory: a wick [`DriverPool`] installed as the device's current
 //! pool before candle allocates, so every candle buffer is drawn from it, capped by it and
-//! measured by it.
+//! measured by it. Builds without the `cuda` feature get the stand-in of `dummy_cuda.rs` instead
+//! (candle's `dummy_cuda_backend` pattern), so no caller needs a `cfg`.
 
 use candle_core::{CudaDevice, Device};
 use wick_memory::{DriverPool, MemoryError};
@@ -32,6 +33,31 @@ impl GovernedCuda {
     /// The pool governing it.
     pub fn pool(&self) -> &DriverPool {
         &self.pool
+    }
+
+    /// Bytes of live allocations from the pool.
+    pub fn used(&self) -> usize {
+        self.pool.used()
+    }
+
+    /// Bytes the pool holds from the device.
+    pub fn reserved(&self) -> usize {
+        self.pool.reserved()
+    }
+
+    /// Peak of [`GovernedCuda::used`] since creation or the last reset.
+    pub fn used_peak(&self) -> usize {
+        self.pool.used_peak()
+    }
+
+    /// Resets the pool's peaks to the current values.
+    pub fn reset_peak_stats(&self) {
+        self.pool.reset_peak_stats()
+    }
+
+    /// Free bytes on the device as the driver reports them (`cuMemGetInfo`; 0 if it fails).
+    pub fn device_free(&self) -> usize {
+        cudarc::driver::result::mem_get_info().map(|(free, _)| free).unwrap_or(0)
     }
 
     /// Returns every cached byte of the pool to the device. Returns the bytes released.

@@ -26,7 +26,7 @@ impl std::fmt::Display for Figure {
 
 enum Kind {
     Cpu,
-    #[cfg(feature = "cuda")]
+    /// Without the `cuda` feature this is the stand-in, which cannot be constructed.
     Cuda(crate::cuda::GovernedCuda),
 }
 
@@ -59,7 +59,7 @@ impl Engine {
     }
 
     /// CUDA device `ordinal` with candle's allocations drawn from a wick pool capped at `limit`.
-    #[cfg(feature = "cuda")]
+    /// Built without the `cuda` feature, an `Unavailable` error that says so.
     pub fn cuda(ordinal: usize, limit: Option<usize>) -> Result<Self, MemoryError> {
         let governed = crate::cuda::GovernedCuda::new(ordinal, limit)?;
         let device = governed.device().clone();
@@ -83,7 +83,6 @@ impl Engine {
     pub fn name(&self) -> String {
         match &self.kind {
             Kind::Cpu => "cpu".into(),
-            #[cfg(feature = "cuda")]
             Kind::Cuda(_) => match self.device.location() {
                 candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
                 other => format!("{other:?}"),
@@ -99,8 +98,7 @@ impl Engine {
                 Some((bytes, source)) => Figure { bytes, source },
                 None => Figure { bytes: host_memory::process_rss().unwrap_or(0), source: FigureSource::ProcessRss },
             },
-            #[cfg(feature = "cuda")]
-            Kind::Cuda(g) => Figure { bytes: g.pool().used(), source: FigureSource::CudaPool },
+            Kind::Cuda(g) => Figure { bytes: g.used(), source: FigureSource::CudaPool },
         }
     }
 
@@ -108,8 +106,7 @@ impl Engine {
     pub fn reserved(&self) -> Figure {
         match &self.kind {
             Kind::Cpu => Figure { bytes: host_memory::process_rss().unwrap_or(0), source: FigureSource::ProcessRss },
-            #[cfg(feature = "cuda")]
-            Kind::Cuda(g) => Figure { bytes: g.pool().reserved(), source: FigureSource::CudaPool },
+            Kind::Cuda(g) => Figure { bytes: g.reserved(), source: FigureSource::CudaPool },
         }
     }
 
@@ -117,8 +114,7 @@ impl Engine {
     pub fn peak_allocated(&self) -> Option<Figure> {
         match &self.kind {
             Kind::Cpu => host_memory::exact_peak().map(|(bytes, source)| Figure { bytes, source }),
-            #[cfg(feature = "cuda")]
-            Kind::Cuda(g) => Some(Figure { bytes: g.pool().used_peak(), source: FigureSource::CudaPool }),
+            Kind::Cuda(g) => Some(Figure { bytes: g.used_peak(), source: FigureSource::CudaPool }),
         }
     }
 
@@ -126,8 +122,7 @@ impl Engine {
     pub fn reset_peak_stats(&self) {
         match &self.kind {
             Kind::Cpu => host_memory::reset_exact_peak(),
-            #[cfg(feature = "cuda")]
-            Kind::Cuda(g) => g.pool().reset_peak_stats(),
+            Kind::Cuda(g) => g.reset_peak_stats(),
         }
     }
 
@@ -139,7 +134,6 @@ impl Engine {
             Kind::Cpu => {
                 host_memory::trim_heap();
             }
-            #[cfg(feature = "cuda")]
             Kind::Cuda(g) => {
                 g.empty_cache()?;
             }
@@ -152,18 +146,12 @@ impl Engine {
     pub fn budget(&self) -> Figure {
         let (device_budget, source) = match &self.kind {
             Kind::Cpu => host_memory::host_budget(),
-            #[cfg(feature = "cuda")]
-            Kind::Cuda(g) => (g.pool().reserved() + self.device_free(), FigureSource::CudaPool),
+            Kind::Cuda(g) => (g.reserved().saturating_add(g.device_free()), FigureSource::CudaPool),
         };
         match self.limit {
             Some(limit) if limit < device_budget => Figure { bytes: limit, source: FigureSource::UserLimit },
             _ => Figure { bytes: device_budget, source },
         }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn device_free(&self) -> usize {
-        cudarc::driver::result::mem_get_info().map(|(free, _)| free).unwrap_or(0)
     }
 
     /// Sets the cap (bytes or a fraction of the budget the device would otherwise have). On the
@@ -182,8 +170,7 @@ impl Engine {
         let used = match &self.kind {
             Kind::Cpu if self.limit.is_some() => self.allocated().bytes,
             Kind::Cpu => return host_memory::host_available().min(self.budget().bytes),
-            #[cfg(feature = "cuda")]
-            Kind::Cuda(g) => g.pool().reserved(),
+            Kind::Cuda(g) => g.reserved(),
         };
         self.budget().bytes.saturating_sub(used)
     }

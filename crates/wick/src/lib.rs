@@ -8,7 +8,12 @@
 
 pub use wick_memory as memory;
 
+/// The governed CUDA device (`GovernedCuda`); without the `cuda` feature, a stand-in that cannot
+/// be constructed and whose `new` says how to get CUDA support.
 #[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "dummy_cuda.rs"]
 pub mod cuda;
 pub mod engine;
 pub mod files;
