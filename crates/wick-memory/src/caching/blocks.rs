@@ -175,11 +175,14 @@ impl BlockTable {
         let pool = self.segment_pool(slot);
         let key = self.key(slot);
         let block = self.block(slot);
+        debug_assert!(block.state == BlockState::Free, "pooling block {slot}, which is not free");
+        self.debug_assert_links(slot);
         if block.is_split() {
             stats.inactive_split.update(pool, 1);
             stats.inactive_split_bytes.update(pool, signed(block.size));
         }
-        self.pool_set(pool).insert(key);
+        let inserted = self.pool_set(pool).insert(key);
+        debug_assert!(inserted, "block {slot} was already in its pool");
     }
 
     /// Takes a free block out of its pool (the inverse of `pool_insert`).
@@ -191,7 +194,30 @@ impl BlockTable {
             stats.inactive_split.update(pool, -1);
             stats.inactive_split_bytes.update(pool, -(signed(block.size)));
         }
-        self.pool_set(pool).remove(&key);
+        let removed = self.pool_set(pool).remove(&key);
+        debug_assert!(removed, "block {slot} was not in its pool (its key changed while pooled?)");
+    }
+
+    /// Checks, in debug builds, what every link and unlink must keep (as PyTorch's allocator
+    /// asserts at each): a block's neighbours point back at it, share its segment, and touch it
+    /// with no gap or overlap.
+    pub fn debug_assert_links(&self, slot: u32) {
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        let b = self.block(slot);
+        if let Some(p) = b.prev {
+            let p = self.block(p);
+            debug_assert_eq!(p.next, Some(slot), "block {slot}: its previous block does not link back");
+            debug_assert_eq!(p.segment, b.segment, "block {slot}: previous block in another segment");
+            debug_assert_eq!(p.addr + p.size as u64, b.addr, "block {slot}: gap or overlap before it");
+        }
+        if let Some(n) = b.next {
+            let n = self.block(n);
+            debug_assert_eq!(n.prev, Some(slot), "block {slot}: its next block does not link back");
+            debug_assert_eq!(n.segment, b.segment, "block {slot}: next block in another segment");
+            debug_assert_eq!(b.addr + b.size as u64, n.addr, "block {slot}: gap or overlap after it");
+        }
     }
 
     /// The smallest free block of `pool` tagged `tag` with at least `size` bytes.

@@ -283,6 +283,7 @@ impl State {
             block.next = Some(rest);
             self.table.pool_insert(rest, &mut self.stats);
         }
+        self.table.debug_assert_links(slot);
         let block = self.table.block_mut(slot);
         block.state = BlockState::Allocated;
         block.requested = requested;
@@ -396,6 +397,7 @@ impl State {
                 }
             }
         }
+        self.table.debug_assert_links(slot);
     }
 }
 
