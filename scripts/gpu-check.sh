@@ -38,11 +38,11 @@ status=0
 echo "== candle governance, alloc-heavy loop, trace replay"
 "$bin/gpu-check" 2>&1 | tee "$out/gpu-check.txt" || status=1
 echo "== PyTorch side by side"
-python3 scripts/gpu_check_torch.py crates/wick-memory/traces/transformer-train.json \
-  crates/wick-memory/traces/inference-server.json 2>&1 | tee "$out/gpu-check-torch.txt" || status=1
+python3 scripts/gpu_check_torch.py crates/wick-trace/traces/transformer-train.json \
+  crates/wick-trace/traces/inference-server.json 2>&1 | tee "$out/gpu-check-torch.txt" || status=1
 echo "   (PyTorch with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/gpu_check_torch.py \
-  crates/wick-memory/traces/transformer-train.json crates/wick-memory/traces/inference-server.json 2>&1 \
+  crates/wick-trace/traces/transformer-train.json crates/wick-trace/traces/inference-server.json 2>&1 \
   | tee -a "$out/gpu-check-torch.txt" || status=1
 echo "== AMP kernels against their CPU references"
 timeout 120 "$bin/amp-gpu-check" 2>&1 | tee "$out/gpu-amp-kernels.txt"

@@ -10,9 +10,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use wick_memory::format::format_bytes;
-use wick_memory::{
-    replay, replay_simulated, workloads, AllocatorConfig, CachingAllocator, HostBackend, ReplayReport, Trace,
-};
+use wick_memory::{AllocatorConfig, CachingAllocator, HostBackend};
+use wick_trace::{replay, replay_simulated, workloads, ReplayReport, Trace};
 
 #[derive(Parser)]
 #[command(name = "wick", about = "wick memory tools")]

@@ -8,7 +8,7 @@ fn wick(args: &[&str]) -> (bool, String) {
     (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
-const TRACE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../wick-memory/traces/cnn-train.json");
+const TRACE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../wick-trace/traces/cnn-train.json");
 
 #[test]
 fn replay_refuses_capacities_and_settings_out_of_range() {

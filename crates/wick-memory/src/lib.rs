@@ -20,7 +20,7 @@
 //!
 //! Layout (one concern per file): [`backend`] (host, simulated, CUDA), [`caching`] (the policy),
 //! [`adaptors`] (limiting, statistics, tracking, event log, failure callback), [`scope`],
-//! [`trace`] and [`workloads`] (replayable traces), [`snapshot`] and [`summary`].
+//! [`snapshot`] and [`summary`]. Trace replay and synthetic workloads live in `wick-trace`.
 
 pub mod adaptors;
 pub mod backend;
@@ -35,10 +35,8 @@ pub mod snapshot;
 pub mod stats;
 pub mod stream;
 pub mod summary;
-pub mod trace;
-pub mod workloads;
 
-pub use adaptors::{EventLog, FailureCallback, Limiting, Statistics, Tracking};
+pub use adaptors::{EventLog, FailureCallback, Limiting, Statistics, TraceOp, Tracking};
 pub use backend::{Backend, BackendError, HostBackend, HostMemoryBackend, SimulatedBackend};
 #[cfg(feature = "cuda")]
 pub use backend::{CudaBackend, DriverPool};
@@ -52,4 +50,3 @@ pub use scope::{scoped, Scope, ScopeReport};
 pub use snapshot::Snapshot;
 pub use stats::MemoryStats;
 pub use stream::{EventId, StreamId};
-pub use trace::{replay, replay_simulated, ReplayReport, Trace, TraceOp};

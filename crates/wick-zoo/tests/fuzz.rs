@@ -244,11 +244,11 @@ fn target(name: &str) -> Target {
             }
         }
         "trace" => {
-            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../wick-memory/traces");
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../wick-trace/traces");
             // A short prefix of each committed trace (replaying the whole one per case is slow).
             let mut seeds = Vec::new();
             for file in ["cnn-train.json", "transformer-train.json", "inference-server.json"] {
-                let mut t = wick::memory::Trace::from_file(&dir.join(file)).expect("committed trace");
+                let mut t = wick_trace::Trace::from_file(&dir.join(file)).expect("committed trace");
                 t.ops.truncate(200);
                 seeds.push((t.to_json().into_bytes(), usize::MAX));
             }
@@ -257,11 +257,11 @@ fn target(name: &str) -> Target {
                 file_name: "case-trace.json",
                 run: |path, bytes| {
                     write(path, bytes);
-                    match wick::memory::Trace::from_file(path) {
+                    match wick_trace::Trace::from_file(path) {
                         Ok(trace) => {
                             for config in ["", "expandable_segments:True"] {
                                 let config = wick::memory::AllocatorConfig::parse(config).expect("config");
-                                let _ = wick::memory::replay_simulated(&trace, 80 << 30, config);
+                                let _ = wick_trace::replay_simulated(&trace, 80 << 30, config);
                             }
                             Ok(Outcome::Accepted)
                         }

@@ -6,10 +6,9 @@
 //! `cargo run -p wick-examples --bin allocator-workload`
 
 use anyhow::Result;
-use wick_memory::workloads::{self, TransformerShape};
-use wick_memory::{
-    replay_simulated, AllocateExt, AllocatorConfig, CachingAllocator, HostBackend, MemoryLimit, MemoryResource, TraceOp,
-};
+use wick_memory::{AllocateExt, AllocatorConfig, CachingAllocator, HostBackend, MemoryLimit, MemoryResource, TraceOp};
+use wick_trace::replay_simulated;
+use wick_trace::workloads::{self, TransformerShape};
 
 fn main() -> Result<()> {
     // A small decoder (4 layers, 256 wide, batch 4, seq 128) trained for 3 steps on host memory,

@@ -1,12 +1,34 @@
-//! Records every allocation and free that passes through it (RMM's logging adaptor), as a
-//! [`Trace`] that `replay` can run through any policy and backend.
+//! Records every allocation and free that passes through it (RMM's logging adaptor), as a list
+//! of [`TraceOp`]s: the operations of a trace, which the `wick-trace` crate saves and replays
+//! through any policy and backend (`wick_trace::Trace::from_ops`).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 use crate::error::Result;
 use crate::resource::{AllocRequest, MemoryResource, RawBlock};
-use crate::trace::{Trace, TraceOp};
+
+/// One recorded operation: the unit of an allocation trace (the `wick-trace` crate replays
+/// lists of them).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum TraceOp {
+    /// Allocate `size` bytes on `stream` and call the result `id`.
+    Alloc {
+        /// Name of the allocation.
+        id: u64,
+        /// Bytes.
+        size: usize,
+        /// Stream (0 if omitted).
+        #[serde(default)]
+        stream: u64,
+    },
+    /// Free allocation `id`.
+    Free {
+        /// Name of the allocation.
+        id: u64,
+    },
+}
 
 #[derive(Debug, Default)]
 struct Log {
@@ -32,9 +54,9 @@ impl<R: MemoryResource> EventLog<R> {
         self.log.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// The events so far as a replayable trace named `name`.
-    pub fn trace(&self, name: &str) -> Trace {
-        Trace { name: name.to_string(), description: String::new(), ops: self.lock().ops.clone() }
+    /// The operations so far, in order.
+    pub fn ops(&self) -> Vec<TraceOp> {
+        self.lock().ops.clone()
     }
 
     /// The wrapped resource.

@@ -7,7 +7,7 @@ mod limiting;
 mod statistics;
 mod tracking;
 
-pub use event_log::EventLog;
+pub use event_log::{EventLog, TraceOp};
 pub use failure_callback::FailureCallback;
 pub use limiting::Limiting;
 pub use statistics::{Counters, Statistics};

@@ -8,8 +8,9 @@ use wick::cuda::GovernedCuda;
 use wick_memory::backend::open_device;
 use wick_memory::{
     AllocRequest, Backend, CachingAllocator, CudaBackend, DriverPool, MemoryError, MemoryResource, RawBlock, StreamId,
-    Trace, TraceOp,
+    TraceOp,
 };
+use wick_trace::Trace;
 
 const MIB: usize = 1 << 20;
 
@@ -261,8 +262,7 @@ fn main() {
     }
 
     // 4. Trace replay: wick's CUDA caching allocator vs raw cuMemAllocAsync (PyTorch: gpu_check.py).
-    for path in ["crates/wick-memory/traces/transformer-train.json", "crates/wick-memory/traces/inference-server.json"]
-    {
+    for path in ["crates/wick-trace/traces/transformer-train.json", "crates/wick-trace/traces/inference-server.json"] {
         let trace = match Trace::from_file(std::path::Path::new(path)) {
             Ok(t) => t,
             Err(e) => {

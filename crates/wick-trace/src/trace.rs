@@ -11,33 +11,10 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use crate::backend::{Backend, SimulatedBackend};
-use crate::caching::CachingAllocator;
-use crate::config::AllocatorConfig;
-use crate::error::{MemoryError, Result};
-use crate::resource::{AllocRequest, MemoryResource, RawBlock};
-use crate::stream::StreamId;
-
-/// One operation.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
-pub enum TraceOp {
-    /// Allocate `size` bytes on `stream` and call the result `id`.
-    Alloc {
-        /// Name of the allocation.
-        id: u64,
-        /// Bytes.
-        size: usize,
-        /// Stream (0 if omitted).
-        #[serde(default)]
-        stream: u64,
-    },
-    /// Free allocation `id`.
-    Free {
-        /// Name of the allocation.
-        id: u64,
-    },
-}
+use wick_memory::{
+    AllocRequest, AllocatorConfig, Backend, CachingAllocator, MemoryError, MemoryResource, RawBlock, Result,
+    SimulatedBackend, StreamId, TraceOp,
+};
 
 /// A named sequence of operations.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -53,6 +30,11 @@ pub struct Trace {
 }
 
 impl Trace {
+    /// A trace named `name` of recorded operations (e.g. [`wick_memory::EventLog::ops`]).
+    pub fn from_ops(name: &str, ops: Vec<TraceOp>) -> Self {
+        Trace { name: name.to_string(), description: String::new(), ops }
+    }
+
     /// Parses and validates a trace.
     pub fn from_json(text: &str) -> Result<Self> {
         let trace: Trace = serde_json::from_str(text).map_err(|e| MemoryError::InvalidTrace(e.to_string()))?;

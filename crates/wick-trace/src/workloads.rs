@@ -2,7 +2,7 @@
 //! real workloads without a GPU. Each models the tensors a framework allocates, in order, with
 //! their byte sizes computed from layer shapes.
 
-use crate::trace::{Trace, TraceOp};
+use crate::{Trace, TraceOp};
 
 /// A small deterministic generator (SplitMix64), so traces are reproducible without a crate.
 #[derive(Debug, Clone)]

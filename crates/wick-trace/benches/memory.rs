@@ -1,16 +1,15 @@
 //! Allocator benchmarks, each measured side by side with its reference in one run (samples
 //! interleaved, medians compared), printed as a Markdown table for BENCHMARKS.md.
 //!
-//! `cargo bench -p wick-memory --bench memory`
+//! `cargo bench -p wick-trace --bench memory` (it lives with the trace machinery it replays).
 
 use std::alloc::{alloc, dealloc, Layout};
 use std::hint::black_box;
 use std::time::Instant;
 
 use wick_memory::format::format_bytes;
-use wick_memory::{
-    replay_simulated, workloads, AllocRequest, AllocatorConfig, CachingAllocator, HostBackend, MemoryResource,
-};
+use wick_memory::{AllocRequest, AllocatorConfig, CachingAllocator, HostBackend, MemoryResource};
+use wick_trace::{replay_simulated, workloads};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
