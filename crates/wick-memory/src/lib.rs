@@ -37,9 +37,9 @@ pub mod stream;
 pub mod summary;
 
 pub use adaptors::{EventLog, FailureCallback, Limiting, Statistics, TraceOp, Tracking};
-pub use backend::{Backend, BackendError, HostBackend, HostMemoryBackend, SimulatedBackend};
 #[cfg(feature = "cuda")]
-pub use backend::{CudaBackend, DriverPool};
+pub use backend::CudaBackend;
+pub use backend::{Backend, BackendError, HostBackend, HostMemoryBackend, SimulatedBackend};
 pub use caching::{CachingAllocator, BLOCK_ALIGNMENT};
 pub use config::{AllocatorConfig, MemoryLimit};
 pub use error::{MemoryError, OutOfMemory, Result};

@@ -4,7 +4,9 @@
 //! (candle's `dummy_cuda_backend` pattern), so no caller needs a `cfg`.
 
 use candle_core::{CudaDevice, Device};
-use wick_memory::{DriverPool, MemoryError};
+use wick_memory::MemoryError;
+
+use crate::DriverPool;
 
 /// A candle CUDA device whose allocations come from a wick-owned, capped pool.
 pub struct GovernedCuda {

@@ -15,9 +15,14 @@ pub mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "dummy_cuda.rs"]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_pool;
+#[cfg(feature = "cuda")]
+pub use cuda_pool::DriverPool;
 pub mod engine;
 pub mod files;
 pub mod host_memory;
+pub mod pool_stack;
 pub mod recovery;
 pub mod report;
 pub mod step;

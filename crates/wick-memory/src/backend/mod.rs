@@ -9,20 +9,14 @@
 mod cgroup;
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
-mod cuda_pool;
 mod host;
-mod pool_stack;
 mod simulated;
 mod simulated_streams;
 
 pub use cgroup::{cgroup_memory, cgroup_memory_in};
 #[cfg(feature = "cuda")]
 pub use cuda::{open_device, CudaBackend};
-#[cfg(feature = "cuda")]
-pub use cuda_pool::DriverPool;
 pub use host::{host_memory_budget, HostBackend};
-pub use pool_stack::{PoolDriver, PoolStack};
 pub use simulated::SimulatedBackend;
 pub use simulated_streams::SimulatedStreams;
 

@@ -3,16 +3,23 @@
 //! creates its own `CUmemoryPool`, caps it (`maxSize`), keeps freed memory cached (release
 //! threshold at its maximum, where the default pool's 0 returns memory at every synchronise),
 //! installs it with `cuDeviceSetMemPool`, and reads its statistics back. Needs CUDA ≥ 12.2.
-//! Several pools on one device (a notebook cell run twice) follow [`super::PoolStack`]'s rules:
-//! the newest live pool stays current, and a destroyed pool is never made current again.
+//! Several pools on one device (a notebook cell run twice) follow [`PoolStack`]'s rules:
+//! the newest live pool stays current, and a destroyed pool is never made current again. It
+//! lives beside the engine's CUDA device (`crate::cuda`), its only user: it governs candle's
+//! allocations, it is not a backend of wick's own allocator.
 
 use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext};
 
-use super::{PoolDriver, PoolStack};
-use crate::error::{MemoryError, OutOfMemory};
-use crate::stats::{signed, MemoryStats};
+use wick_memory::{MemoryError, MemoryStats, OutOfMemory};
+
+use crate::pool_stack::{PoolDriver, PoolStack};
+
+/// A byte count as a statistic's signed amount (`i64::MAX` beyond it).
+fn signed(amount: usize) -> i64 {
+    i64::try_from(amount).unwrap_or(i64::MAX)
+}
 
 /// The wick pools alive in this copy of the crate, per device (see [`PoolStack`] for what that
 /// means across notebook cells).
@@ -185,7 +192,7 @@ impl DriverPool {
 
     /// A readable table of the pool's figures.
     pub fn memory_summary(&self) -> String {
-        crate::summary::memory_summary(
+        wick_memory::summary::memory_summary(
             &format!("cuda:{} (driver pool)", self.ctx.ordinal()),
             &self.memory_stats(),
             self.limit,
