@@ -3,6 +3,22 @@
 //! which whole free pages at the end are unmapped on release. A request that does not fit extends
 //! the free tail instead of reserving a new segment, so memory freed anywhere in the segment and
 //! the growth at its end combine, and fragmentation stays near the page rounding.
+//!
+//! Rationale (as PyTorch's notes in `CUDACachingAllocator.cpp` give it, and what wick adds):
+//! - *Why a reservation per stream and pool.* Blocks of one segment are only merged with
+//!   neighbours of the same stream tag, and small and large requests are rounded differently;
+//!   one address range per (stream, pool) keeps every merge legal and the page size uniform. The
+//!   reservation is address space only (the device's capacity, rounded to pages), never memory.
+//! - *Why pages of 2 MiB (small pool) and 20 MiB (large).* They are the sizes of the segments the
+//!   classic policy would reserve for those pools, so one mapping call replaces one segment
+//!   allocation, and a small pool's growth never maps 20 MiB for a 512 B request.
+//! - *Why only whole free pages at the end are unmapped.* The tail can shrink without moving or
+//!   splitting a live block, and the mapped prefix stays one contiguous range, so growth never has
+//!   holes to track; free pages in the middle stay mapped and are reused by the next requests
+//!   there, which is the point of the design.
+//! - *Why it is wick's to choose.* PyTorch keeps expandable segments off by default because CUDA
+//!   IPC cannot share such memory; wick offers no IPC, so the trade is fragmentation (lower here,
+//!   measured in BENCHMARKS.md) against one driver mapping call per page of growth.
 
 use super::blocks::{Block, BlockState, Segment};
 use super::history::Action;

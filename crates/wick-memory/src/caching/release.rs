@@ -1,4 +1,15 @@
 //! Giving memory back: oversize blocks, every unused segment, garbage collection and teardown.
+//!
+//! Rationale for the order on a cache miss (PyTorch's `malloc`, kept step for step): look in the
+//! cache; with a garbage-collection threshold, reclaim the oldest cached blocks first; ask the
+//! device; on failure free *one* cached oversize block (≥ `max_split_size`, the smallest that is
+//! large enough) and ask again; then free every unused segment (after synchronising the streams)
+//! and ask a last time; then `OutOfMemory`. Each step costs more than the one before — a device
+//! call, then losing one cached block, then losing the whole cache and a synchronisation — and is
+//! taken only when the cheaper ones failed. Oversize blocks go first because the policy never
+//! splits them, so a cached oversize block can only ever serve a request of about its own size:
+//! it is the cached memory least likely to be reused, and freeing the one that suffices keeps the
+//! rest of the cache warm.
 
 use super::blocks::{Segment, SHARED};
 use super::history::Action;
