@@ -196,9 +196,7 @@ impl Engine {
 
     /// Pre-flight for a tensor of `shape` and `dtype`.
     pub fn preflight_tensor(&self, shape: &[usize], dtype: DType, what: &str) -> Result<(), MemoryError> {
-        let elements = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
-        let bytes = elements.and_then(|e| e.checked_mul(dtype.size_in_bytes())).unwrap_or(usize::MAX);
-        self.preflight(bytes, what)
+        self.preflight(crate::tensors::tensor_bytes(shape, dtype), what)
     }
 
     /// Pre-flight for loading a safetensors file: the sum of its tensors, read from its header only.

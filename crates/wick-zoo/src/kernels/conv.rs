@@ -14,7 +14,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::pool::out_len;
-use super::{gemm, read, tensor, with, Mat, Real, SharedMut};
+use super::{gemm, read, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -368,12 +368,7 @@ impl CustomOp2 for Conv2d {
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // The input image of a network needs no gradient: skip backward-input for it.
         let want_dx = x.track_op();
-        let (dx, dw) = by_real!(x.dtype(), T => {
-            let (dx, dw) = self.bwd::<T>(x, w, dy, want_dx)?;
-            let dx = dx.map(|dx| tensor(dx, x.shape(), x.dtype())).transpose()?;
-            (dx, tensor(dw, w.shape(), w.dtype())?)
-        });
-        Ok((dx, w.track_op().then_some(dw)))
+        by_real!(x.dtype(), T => super::input_weight_grads::<T>(x, w, self.bwd::<T>(x, w, dy, want_dx)?))
     }
 }
 

@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::conv::Geometry;
-use super::{dot, par_ranges, read, tensor, with, Real, SharedMut};
+use super::{dot, par_ranges, read, with, Real, SharedMut};
 
 struct Depthwise {
     stride: usize,
@@ -217,12 +217,7 @@ impl CustomOp2 for Depthwise {
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let want_dx = x.track_op();
-        let (dx, dw) = by_real!(x.dtype(), T => {
-            let (dx, dw) = self.bwd::<T>(x, w, dy, want_dx)?;
-            let dx = dx.map(|dx| tensor(dx, x.shape(), x.dtype())).transpose()?;
-            (dx, tensor(dw, w.shape(), w.dtype())?)
-        });
-        Ok((dx, w.track_op().then_some(dw)))
+        by_real!(x.dtype(), T => super::input_weight_grads::<T>(x, w, self.bwd::<T>(x, w, dy, want_dx)?))
     }
 }
 
