@@ -6,6 +6,7 @@ use wick::memory::MemoryLimit;
 use wick::{Engine, Error};
 use wick_zoo::amp::{master_step, masters_by_name, scaled_backward, Autocast, MasterOptimizer, MasterWeights};
 use wick_zoo::llama::{Llama, LlamaConfig};
+use wick_zoo::Model;
 
 #[test]
 fn a_capped_engine_trains_a_zoo_model_with_amp_and_refuses_what_cannot_fit() {

@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use crate::checkpoint::Checkpointing;
 use crate::error::ZooError;
+use crate::model::Model;
 use crate::ops;
 use crate::params::{Init, Params};
 use crate::weights::WeightFile;
@@ -317,6 +318,37 @@ impl Bert {
     /// L2 normalisation of each row.
     pub fn normalize(x: &Tensor) -> Result<Tensor, ZooError> {
         Ok(x.broadcast_div(&x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.clamp(1e-12, f64::MAX)?)?)
+    }
+}
+
+/// Sentences to classify: token ids with their attention mask, whose hidden states are
+/// mean-pooled over the tokens (as sentence-transformers pools MiniLM) and mapped to class
+/// logits by a fixed readout that is not trained.
+#[derive(Debug, Clone)]
+pub struct SentenceBatch {
+    /// Token ids (batch, seq), u32.
+    pub ids: Tensor,
+    /// Attention mask (batch, seq), u32: 1 for tokens, 0 for padding.
+    pub mask: Tensor,
+    /// The readout (hidden, classes), f32.
+    pub readout: Tensor,
+    /// Class indices (batch), u32.
+    pub labels: Tensor,
+}
+
+/// Trained on sentence classification ([`SentenceBatch`]): cross-entropy of the readout of the
+/// mean-pooled hidden states against the labels.
+impl Model for Bert {
+    type Batch = SentenceBatch;
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+
+    fn loss_with(&self, batch: &SentenceBatch, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
+        let hidden = self.forward_with(&batch.ids, &batch.mask, checkpoint)?;
+        let pooled = Bert::mean_pool(&hidden, &batch.mask)?;
+        Ok(ops::cross_entropy(&pooled.matmul(&batch.readout)?, &batch.labels)?)
     }
 }
 

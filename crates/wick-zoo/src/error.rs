@@ -47,6 +47,9 @@ pub enum ZooError {
     /// candle failed while running the model.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// The loss scaler was used out of order or set up with a value out of range.
+    #[error("loss scaler: {0}")]
+    Scaler(#[from] crate::amp::ScalerError),
     /// The tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

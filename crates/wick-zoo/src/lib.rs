@@ -13,6 +13,7 @@ pub mod fused;
 pub mod kernels;
 pub mod llama;
 pub mod mobilenet;
+pub mod model;
 pub mod ops;
 pub mod params;
 pub mod pth;
@@ -22,3 +23,4 @@ pub mod weights;
 
 pub use error::ZooError;
 pub use kernels::{grad_enabled, no_grad};
+pub use model::{Labelled, Model};

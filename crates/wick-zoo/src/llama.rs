@@ -1,11 +1,12 @@
 //! A small LLaMA-style decoder trainable from scratch: RMSNorm, rotary positions, causal
 //! attention and a SwiGLU feed-forward, all from [`crate::ops`] so every parameter trains.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 
 use crate::amp::autocast::norm_param_dtype;
 use crate::checkpoint::Checkpointing;
 use crate::error::ZooError;
+use crate::model::{to_candle, Model};
 use crate::ops;
 use crate::params::{Init, Params};
 
@@ -195,17 +196,34 @@ impl Llama {
         let x = ops::rms_norm(&x, &self.p("norm.weight")?, c.rms_eps)?;
         self.proj(&x, "lm_head.weight")
     }
+}
 
-    /// Next-token cross-entropy of a batch of sequences (batch, seq).
-    pub fn loss(&self, ids: &Tensor) -> Result<Tensor, ZooError> {
-        self.loss_with(ids, None)
+/// Trained on next-token prediction: the batch is token ids (batch, seq), u32, and the loss is
+/// the cross-entropy of each position's logits against the token that follows it.
+impl Model for Llama {
+    type Batch = Tensor;
+
+    fn params(&self) -> &Params {
+        &self.params
     }
 
-    /// As [`Llama::loss`], with checkpointed layers when `checkpoint` is given.
-    pub fn loss_with(&self, ids: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
+    fn loss_with(&self, ids: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
         let (batch, seq) = ids.dims2()?;
+        if seq < 2 {
+            return Err(ZooError::Invalid {
+                what: "input".into(),
+                message: format!("next-token loss needs at least 2 tokens per sequence, got {seq}"),
+            });
+        }
         let logits = self.forward_with(&ids.narrow(1, 0, seq - 1)?, checkpoint)?;
         let targets = ids.narrow(1, 1, seq - 1)?.flatten_all()?;
         Ok(ops::cross_entropy(&logits.reshape((batch * (seq - 1), self.config.vocab_size))?, &targets)?)
+    }
+}
+
+/// Token ids (batch, seq) to logits (batch, seq, vocab).
+impl Module for Llama {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        Llama::forward(self, ids).map_err(to_candle)
     }
 }

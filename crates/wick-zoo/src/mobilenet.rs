@@ -5,12 +5,13 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, ModuleT, Tensor};
 
 use crate::amp::autocast::norm_param_dtype;
 use crate::checkpoint::{run_stateful, Checkpointing};
 use crate::cnn::{conv2d, depthwise_conv2d, global_avg_pool, Activation, BatchNorm, RunningStats};
 use crate::error::ZooError;
+use crate::model::{to_candle, Labelled, Model};
 use crate::params::{Init, Params};
 
 /// torchvision's `_make_divisible`.
@@ -249,6 +250,29 @@ impl MobileNetV2 {
         }
         let x = self.last.1.forward_act(&conv2d(&x, &self.last.0, 0, 1)?, train, Activation::Relu6)?;
         Ok(crate::ops::linear(&global_avg_pool(&x)?, &self.classifier.0, Some(&self.classifier.1))?)
+    }
+}
+
+/// Trained on classification: cross-entropy of the logits (batch norm in training mode) against
+/// the labels.
+impl Model for MobileNetV2 {
+    type Batch = Labelled;
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+
+    fn loss_with(&self, batch: &Labelled, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
+        let logits = self.forward_with(&batch.inputs, true, checkpoint)?;
+        Ok(crate::ops::cross_entropy(&logits, &batch.labels)?)
+    }
+}
+
+/// Images (N, 3, H, W) to logits (N, classes); `train` is batch norm's mode (batch statistics,
+/// running statistics updated) as in PyTorch's `model.train()`.
+impl ModuleT for MobileNetV2 {
+    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
+        MobileNetV2::forward(self, x, train).map_err(to_candle)
     }
 }
 

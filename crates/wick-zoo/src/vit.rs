@@ -2,11 +2,12 @@
 //! norms, attention and softmax from [`crate::ops`], so every parameter gets its gradient
 //! (candle-transformers' ViT trains 2 of its 200).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 
 use crate::amp::autocast::norm_param_dtype;
 use crate::checkpoint::Checkpointing;
 use crate::error::ZooError;
+use crate::model::{to_candle, Labelled, Model};
 use crate::ops;
 use crate::params::{Init, Params};
 
@@ -216,5 +217,25 @@ impl Vit {
         let z = ops::layer_norm(&z, &self.p("encoder.ln.weight")?, &self.p("encoder.ln.bias")?, 1e-6)?;
         let cls = z.narrow(1, 0, 1)?.squeeze(1)?;
         self.linear(&cls, "heads.head.weight", "heads.head.bias")
+    }
+}
+
+/// Trained on classification: cross-entropy of the logits against the labels.
+impl Model for Vit {
+    type Batch = Labelled;
+
+    fn params(&self) -> &Params {
+        &self.params
+    }
+
+    fn loss_with(&self, batch: &Labelled, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
+        Ok(ops::cross_entropy(&self.forward_with(&batch.inputs, checkpoint)?, &batch.labels)?)
+    }
+}
+
+/// Images (N, 3, image_size, image_size) to logits (N, classes).
+impl Module for Vit {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Vit::forward(self, x).map_err(to_candle)
     }
 }

@@ -6,6 +6,7 @@ use wick::host_memory::{counted_heap, counted_peak, reset_counted_peak};
 use wick::CountingAllocator;
 use wick_zoo::checkpoint::Checkpointing;
 use wick_zoo::llama::{Llama, LlamaConfig};
+use wick_zoo::Model;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;

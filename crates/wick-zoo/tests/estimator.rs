@@ -8,6 +8,7 @@ use wick::host_memory::{counted_heap, counted_peak, reset_counted_peak};
 use wick::CountingAllocator;
 use wick_zoo::estimate::{estimate, largest_batch, ActivationProfile, Mode};
 use wick_zoo::params::Params;
+use wick_zoo::Model;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;

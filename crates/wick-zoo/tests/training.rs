@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use wick_zoo::bert::{Bert, BertConfig};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::params::Params;
+use wick_zoo::Model;
 
 fn tiny_bert() -> BertConfig {
     BertConfig {

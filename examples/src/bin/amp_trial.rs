@@ -66,7 +66,7 @@ fn write_start(dir: &Path, model: &str, t: &Task, device: &Device) -> Result<()>
         let batch = bert_batch(device)?;
         tensors.insert("input.ids".into(), batch.ids.to_dtype(DType::I64)?);
         tensors.insert("input.mask".into(), batch.mask.to_dtype(DType::I64)?);
-        tensors.insert("input.head".into(), batch.head);
+        tensors.insert("input.head".into(), batch.readout);
         tensors.insert("input.labels".into(), batch.labels.to_dtype(DType::I64)?);
     } else {
         let (images, labels) = vision_batch(device)?;

@@ -9,15 +9,14 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use wick_zoo::amp::{
-    master_step, masters_by_name, scaled_backward, Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome,
-};
+use wick_zoo::amp::{masters_by_name, Autocast, MasterOptimizer, StepOutcome, Updater};
 use wick_zoo::estimate::graph_bytes;
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::params::normal_tensor;
+use wick_zoo::Model;
 
 /// candle's tensor buffers come from wick's caching allocator (exact heap figures in the summary,
 /// no map/unmap per buffer).
@@ -98,70 +97,6 @@ fn open_engine(device: &str) -> Result<wick::Engine> {
     }
 }
 
-/// The update: f32 masters with candle tensor ops (and the host-side loss scaler), or on CUDA,
-/// when wick-zoo was built with its kernels, the fused device path (`DeviceAmp`).
-enum Updater {
-    Host {
-        masters: MasterWeights,
-        scaler: Option<GradScaler>,
-    },
-    #[cfg(feature = "cuda")]
-    Device(wick_zoo::amp::device_step::DeviceAmp),
-}
-
-impl Updater {
-    fn new(
-        engine: &wick::Engine,
-        vars: &[Var],
-        masters: &[Tensor],
-        optimizer: MasterOptimizer,
-        autocast: Autocast,
-    ) -> Result<Self> {
-        #[cfg(feature = "cuda")]
-        if engine.device().is_cuda() {
-            let scaler = autocast.needs_loss_scaling().then(wick_zoo::amp::GradScalerConfig::default);
-            match wick_zoo::amp::device_step::DeviceAmp::new(engine.device(), vars, Some(masters), optimizer, scaler) {
-                Ok(amp) => {
-                    amp.account(engine);
-                    println!("Fused AMP kernels loaded: the step runs on the device without host round trips.");
-                    return Ok(Updater::Device(amp));
-                }
-                Err(e) => println!("Fused AMP kernels unavailable ({e}); using candle tensor ops."),
-            }
-        }
-        let masters = MasterWeights::with_masters(vars, Some(masters), optimizer)?;
-        masters.account(engine);
-        Ok(Updater::Host { masters, scaler: autocast.needs_loss_scaling().then(GradScaler::new) })
-    }
-
-    /// Backward (calling `after_backward`) and the update.
-    fn step(&mut self, loss: &Tensor, vars: &[Var], after_backward: impl FnOnce()) -> Result<StepOutcome> {
-        match self {
-            Updater::Host { masters, scaler } => {
-                let mut grads = scaled_backward(loss, scaler.as_ref())?;
-                after_backward();
-                let refs: Vec<&Var> = vars.iter().collect();
-                Ok(master_step(&mut grads, masters, scaler.as_mut(), &refs)?)
-            }
-            #[cfg(feature = "cuda")]
-            Updater::Device(amp) => {
-                let grads = amp.scale_loss(loss)?.backward()?;
-                after_backward();
-                let flag = amp.step(&grads)?.to_device(&Device::Cpu)?.to_vec1::<f32>()?[0];
-                Ok(if flag != 0.0 { StepOutcome::Skipped } else { StepOutcome::Applied })
-            }
-        }
-    }
-
-    fn scale(&self) -> Result<Option<f64>> {
-        match self {
-            Updater::Host { scaler, .. } => Ok(scaler.as_ref().map(|s| s.scale())),
-            #[cfg(feature = "cuda")]
-            Updater::Device(amp) => Ok(amp.scale()?.map(f64::from)),
-        }
-    }
-}
-
 fn mib(bytes: usize) -> String {
     format!("{:.2} MiB", bytes as f64 / 1048576.0)
 }
@@ -197,6 +132,9 @@ fn main() -> Result<()> {
     };
     let optimizer = MasterOptimizer::AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
     let mut updater = Updater::new(&engine, &vars, &masters, optimizer, autocast)?;
+    if engine.device().is_cuda() {
+        println!("{}", updater.describe());
+    }
     drop(masters);
     engine.mark("model, masters and optimizer state");
     println!(

@@ -18,13 +18,13 @@ use candle_core::{DType, Device, Tensor, Var};
 use clap::{Parser, ValueEnum};
 use serde_json::json;
 use wick_zoo::amp::{Autocast, MasterOptimizer, MasterWeights};
-use wick_zoo::bert::{Bert, BertConfig};
+use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::mobilenet::MobileNetV2;
-use wick_zoo::ops::cross_entropy;
-use wick_zoo::params::{normal_tensor, Params};
+use wick_zoo::params::normal_tensor;
 use wick_zoo::resnet::{ResNet, ResNetDepth};
 use wick_zoo::vit::{Vit, VitConfig};
+use wick_zoo::{Labelled, Model};
 
 /// The heap: candle's tensor buffers served by wick's caching allocator (`WICK_HEAP=system` in
 /// the environment: by the system allocator, for comparison).
@@ -137,17 +137,22 @@ struct Bench {
     optimizer: MasterOptimizer,
 }
 
-/// An image classifier's forward pass: images and the train flag to logits.
-type Forward = dyn Fn(&Tensor, bool) -> Result<Tensor>;
-
-/// An image classifier's bench: cross-entropy of `forward(images, true)` against the labels, and
-/// `forward(images, false)` for eval.
-fn vision(params: &Params, (x, y): (Tensor, Tensor), forward: Rc<Forward>, optimizer: MasterOptimizer) -> Bench {
-    let (f, x2) = (forward.clone(), x.clone());
+/// A model's bench: its training loss on `batch`, and `eval(model)` for the eval pass.
+fn bench<M: Model + 'static>(
+    model: M,
+    batch: M::Batch,
+    eval: impl Fn(&M) -> Result<Tensor> + 'static,
+    optimizer: MasterOptimizer,
+) -> Bench
+where
+    M::Batch: 'static,
+{
+    let model = Rc::new(model);
+    let m = model.clone();
     Bench {
-        vars: vars(params),
-        loss: Box::new(move || Ok(cross_entropy(&f(&x, true)?, &y)?)),
-        eval: Box::new(move || forward(&x2, false)),
+        vars: model.vars(),
+        loss: Box::new(move || Ok(m.loss(&batch)?)),
+        eval: Box::new(move || eval(&model)),
         optimizer,
     }
 }
@@ -155,64 +160,42 @@ fn vision(params: &Params, (x, y): (Tensor, Tensor), forward: Rc<Forward>, optim
 fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
     let adamw = MasterOptimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
     let sgd = MasterOptimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
-    let images = || -> Result<(Tensor, Tensor)> {
+    let images = || -> Result<Labelled> {
         let x = normal_tensor(&[IMAGES, 3, IMAGE, IMAGE], 1.0, 11, DType::F32, device)?.to_dtype(dtype)?;
-        Ok((x, labels(IMAGES, CLASSES, device)?))
+        Ok(Labelled { inputs: x, labels: labels(IMAGES, CLASSES, device)? })
     };
     Ok(match name {
         "decoder" => {
-            let model = Rc::new(Llama::new(DECODER, dtype, device)?);
             let ids = token_ids(SEQUENCES, DECODER_TOKENS + 1, DECODER.vocab_size, device)?;
-            let (m, e, ids2) = (model.clone(), model.clone(), ids.narrow(1, 0, DECODER_TOKENS)?);
-            Bench {
-                vars: vars(&model.params),
-                loss: Box::new(move || Ok(m.loss(&ids)?)),
-                eval: Box::new(move || Ok(e.forward(&ids2)?)),
-                optimizer: adamw,
-            }
+            let inputs = ids.narrow(1, 0, DECODER_TOKENS)?;
+            bench(Llama::new(DECODER, dtype, device)?, ids, move |m| Ok(m.forward(&inputs)?), adamw)
         }
         "bert" => {
-            let model = Rc::new(Bert::new(MINILM, dtype, device)?);
             let ids = token_ids(SEQUENCES, BERT_TOKENS, MINILM.vocab_size, device)?;
             let mask = Tensor::ones((SEQUENCES, BERT_TOKENS), DType::U32, device)?;
-            let head = normal_tensor(&[MINILM.hidden_size, 2], 0.5, 5, DType::F32, device)?;
-            let targets = labels(SEQUENCES, 2, device)?;
-            let (m, e) = (model.clone(), model.clone());
-            let (ids2, mask2) = (ids.clone(), mask.clone());
-            Bench {
-                vars: vars(&model.params),
-                loss: Box::new(move || {
-                    let hidden = m.forward(&ids, &mask)?;
-                    let pooled = Bert::mean_pool(&hidden, &mask)?;
-                    Ok(cross_entropy(&pooled.to_dtype(DType::F32)?.matmul(&head)?, &targets)?)
-                }),
-                eval: Box::new(move || Ok(e.forward(&ids2, &mask2)?)),
-                optimizer: adamw,
-            }
+            let readout = normal_tensor(&[MINILM.hidden_size, 2], 0.5, 5, DType::F32, device)?;
+            let batch =
+                SentenceBatch { ids: ids.clone(), mask: mask.clone(), readout, labels: labels(SEQUENCES, 2, device)? };
+            bench(Bert::new(MINILM, dtype, device)?, batch, move |m| Ok(m.forward(&ids, &mask)?), adamw)
         }
         "vit" => {
-            let model = Rc::new(Vit::new(VIT_S16, dtype, device)?);
-            let m = model.clone();
-            vision(&model.params, images()?, Rc::new(move |x, _train| Ok(m.forward(x)?)), adamw)
+            let batch = images()?;
+            let x = batch.inputs.clone();
+            bench(Vit::new(VIT_S16, dtype, device)?, batch, move |m| Ok(m.forward(&x)?), adamw)
         }
         "resnet18" | "resnet50" => {
             let depth = if name == "resnet18" { ResNetDepth::R18 } else { ResNetDepth::R50 };
-            let model = Rc::new(ResNet::new(depth, CLASSES, 64, dtype, device)?);
-            let m = model.clone();
-            vision(&model.params, images()?, Rc::new(move |x, train| Ok(m.forward(x, train)?)), sgd)
+            let batch = images()?;
+            let x = batch.inputs.clone();
+            bench(ResNet::new(depth, CLASSES, 64, dtype, device)?, batch, move |m| Ok(m.forward(&x, false)?), sgd)
         }
         "mobilenet_v2" => {
-            let model = Rc::new(MobileNetV2::new(CLASSES, 1.0, dtype, device)?);
-            let m = model.clone();
-            vision(&model.params, images()?, Rc::new(move |x, train| Ok(m.forward(x, train)?)), sgd)
+            let batch = images()?;
+            let x = batch.inputs.clone();
+            bench(MobileNetV2::new(CLASSES, 1.0, dtype, device)?, batch, move |m| Ok(m.forward(&x, false)?), sgd)
         }
         other => bail!("unknown model `{other}`; --list shows the configurations"),
     })
-}
-
-/// The parameters in name order.
-fn vars(params: &Params) -> Vec<Var> {
-    params.iter().map(|(_, v)| v.clone()).collect()
 }
 
 fn main() -> Result<()> {

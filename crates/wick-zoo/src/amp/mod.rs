@@ -1,5 +1,6 @@
 //! Mixed precision: the autocast policy ([`autocast`]), the loss scaler ([`GradScaler`]), fp32
-//! master weights with fp32 optimizer state ([`MasterWeights`]), and CPU references of the fused
+//! master weights with fp32 optimizer state ([`MasterWeights`]), the update that runs them on
+//! the host or fused on a CUDA device ([`Updater`]), and CPU references of the fused
 //! CUDA kernels in `kernels/` ([`mod@reference`]; the kernels themselves in `cuda_kernels` and
 //! `device_step` with the `cuda` feature), and the AMP-vs-f32 trial ([`trial`]).
 
@@ -12,10 +13,12 @@ mod grad_scaler;
 mod master;
 pub mod reference;
 pub mod trial;
+mod updater;
 
 pub use autocast::Autocast;
 pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, StepOutcome};
 pub use master::{masters_by_name, MasterOptimizer, MasterWeights};
+pub use updater::Updater;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};

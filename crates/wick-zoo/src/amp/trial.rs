@@ -2,17 +2,15 @@
 //! number of steps from the same initial values, with the activations the graph keeps, the
 //! step's peak heap and the losses recorded. The AMP test and the benchmark table both run it.
 
-use std::sync::Arc;
-
 use candle_core::{DType, Device, Result, Tensor, Var};
 
 use crate::amp::{master_step, scaled_backward, Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
-use crate::bert::{Bert, BertConfig};
+use crate::bert::{Bert, BertConfig, SentenceBatch};
 use crate::error::ZooError;
 use crate::estimate::graph_bytes;
 use crate::llama::{Llama, LlamaConfig};
 use crate::mobilenet::MobileNetV2;
-use crate::ops::cross_entropy;
+use crate::model::{Labelled, Model};
 use crate::params::normal_tensor;
 use crate::resnet::{ResNet, ResNetDepth};
 use crate::vit::{Vit, VitConfig};
@@ -95,25 +93,13 @@ pub const BERT: BertConfig = BertConfig {
 /// The BERT trial's fixed batch: token ids (8, 32), the attention mask (the last 8 positions of
 /// the second half of the batch are padding), a fixed untrained readout (64, 2) of the
 /// mean-pooled states, and the labels.
-pub struct BertBatch {
-    /// Token ids (8, 32), u32.
-    pub ids: Tensor,
-    /// Attention mask (8, 32), u32: 1 for tokens, 0 for padding.
-    pub mask: Tensor,
-    /// The readout (64, 2), f32.
-    pub head: Tensor,
-    /// Labels (8), u32 in 0..2.
-    pub labels: Tensor,
-}
-
-/// The BERT trial's batch on `device`.
-pub fn bert_batch(device: &Device) -> Result<BertBatch> {
+pub fn bert_batch(device: &Device) -> Result<SentenceBatch> {
     let ids: Vec<u32> = (0..8 * 32).map(|i| ((i * 7 + i / 5) % 64) as u32).collect();
     let mask: Vec<u32> = (0..8 * 32).map(|i| u32::from(i / 32 < 4 || i % 32 < 24)).collect();
-    Ok(BertBatch {
+    Ok(SentenceBatch {
         ids: Tensor::from_vec(ids, (8, 32), device)?,
         mask: Tensor::from_vec(mask, (8, 32), device)?,
-        head: normal_tensor(&[64, 2], 0.5, 5, DType::F32, device)?,
+        readout: normal_tensor(&[64, 2], 0.5, 5, DType::F32, device)?,
         labels: labels(8, 2, device)?,
     })
 }
@@ -125,12 +111,16 @@ pub const VIT: VitConfig =
 /// Names of the models [`task`] builds.
 pub const MODELS: [&str; 6] = ["llama", "bert", "vit", "resnet18", "resnet50", "mobilenet_v2"];
 
-fn vars(params: &crate::params::Params) -> (Vec<Var>, Vec<String>) {
-    params.iter().map(|(n, v)| (v.clone(), n.clone())).unzip()
-}
+/// The parts of a [`Task`] for `model` trained on `batch`.
+type Parts = (Vec<Var>, Vec<String>, Box<dyn Fn() -> Result<Tensor>>);
 
-fn zoo(e: ZooError) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
+fn parts<M: Model + 'static>(model: M, batch: M::Batch) -> Parts
+where
+    M::Batch: 'static,
+{
+    let (vars, names) = model.params().iter().map(|(n, v)| (v.clone(), n.clone())).unzip();
+    let loss = move || model.loss(&batch).map_err(|e| candle_core::Error::Msg(e.to_string()));
+    (vars, names, Box::new(loss))
 }
 
 /// The model `name` (one of [`MODELS`]), built in `autocast`'s model dtype from the same seeded
@@ -140,53 +130,25 @@ fn zoo(e: ZooError) -> candle_core::Error {
 /// vision models). The CNNs use `zero_init_residual` (see [`ResNet::zero_init_residual`]).
 pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Result<Task, ZooError> {
     let dtype = autocast.model_dtype();
-    let images = || -> std::result::Result<(Tensor, Tensor), ZooError> {
+    let images = || -> std::result::Result<Labelled, ZooError> {
         let (x, labels) = vision_batch(device)?;
-        Ok((x.to_dtype(dtype)?, labels))
+        Ok(Labelled { inputs: x.to_dtype(dtype)?, labels })
     };
-    let (name, (vars, names), loss): (&'static str, _, Box<dyn Fn() -> Result<Tensor>>) = match name {
-        "llama" => {
-            let model = Arc::new(Llama::new(llama_config(), dtype, device)?);
-            let ids = llama_batch(device)?;
-            let m = model.clone();
-            ("llama", vars(&model.params), Box::new(move || m.loss(&ids).map_err(zoo)))
-        }
-        "bert" => {
-            let model = Arc::new(Bert::new(BERT, dtype, device)?);
-            let BertBatch { ids, mask, head, labels } = bert_batch(device)?;
-            let m = model.clone();
-            let loss = move || -> Result<Tensor> {
-                let hidden = m.forward(&ids, &mask).map_err(zoo)?;
-                let pooled = Bert::mean_pool(&hidden, &mask).map_err(zoo)?;
-                cross_entropy(&pooled.matmul(&head)?, &labels)
-            };
-            ("bert", vars(&model.params), Box::new(loss))
-        }
-        "vit" => {
-            let config = VIT;
-            let model = Arc::new(Vit::new(config, dtype, device)?);
-            let (x, labels) = images()?;
-            let m = model.clone();
-            let loss = move || cross_entropy(&m.forward(&x).map_err(zoo)?, &labels);
-            ("vit", vars(&model.params), Box::new(loss))
-        }
+    let (name, (vars, names, loss)): (&'static str, Parts) = match name {
+        "llama" => ("llama", parts(Llama::new(llama_config(), dtype, device)?, llama_batch(device)?)),
+        "bert" => ("bert", parts(Bert::new(BERT, dtype, device)?, bert_batch(device)?)),
+        "vit" => ("vit", parts(Vit::new(VIT, dtype, device)?, images()?)),
         "resnet18" | "resnet50" => {
             let (depth, name) =
                 if name == "resnet18" { (ResNetDepth::R18, "resnet18") } else { (ResNetDepth::R50, "resnet50") };
-            let model = Arc::new(ResNet::new(depth, CLASSES, 16, dtype, device)?);
+            let model = ResNet::new(depth, CLASSES, 16, dtype, device)?;
             model.zero_init_residual()?;
-            let (x, labels) = images()?;
-            let m = model.clone();
-            let loss = move || cross_entropy(&m.forward(&x, true).map_err(zoo)?, &labels);
-            (name, vars(&model.params), Box::new(loss))
+            (name, parts(model, images()?))
         }
         "mobilenet_v2" => {
-            let model = Arc::new(MobileNetV2::new(CLASSES, 0.5, dtype, device)?);
+            let model = MobileNetV2::new(CLASSES, 0.5, dtype, device)?;
             model.zero_init_residual()?;
-            let (x, labels) = images()?;
-            let m = model.clone();
-            let loss = move || cross_entropy(&m.forward(&x, true).map_err(zoo)?, &labels);
-            ("mobilenet_v2", vars(&model.params), Box::new(loss))
+            ("mobilenet_v2", parts(model, images()?))
         }
         other => {
             return Err(ZooError::Invalid {

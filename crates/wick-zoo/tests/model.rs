@@ -1,0 +1,143 @@
+//! The `Model` trait, the candle traits and the `Updater` against what each model's own methods
+//! compute: the same loss to the bit, the same logits, the same update as the pieces under it.
+
+use candle_core::{DType, Device, Module, ModuleT, Tensor, Var};
+use wick_zoo::amp::trial::{bert_batch, llama_batch, vision_batch, BERT, VIT};
+use wick_zoo::amp::{master_step, scaled_backward, Autocast, MasterOptimizer, MasterWeights, StepOutcome, Updater};
+use wick_zoo::bert::Bert;
+use wick_zoo::llama::{Llama, LlamaConfig};
+use wick_zoo::mobilenet::MobileNetV2;
+use wick_zoo::ops::cross_entropy;
+use wick_zoo::resnet::{ResNet, ResNetDepth};
+use wick_zoo::vit::Vit;
+use wick_zoo::{Labelled, Model};
+
+fn scalar(t: &Tensor) -> f64 {
+    t.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+    scalar(&(a - b).unwrap().abs().unwrap().max_all().unwrap())
+}
+
+fn images() -> Labelled {
+    let (inputs, labels) = vision_batch(&Device::Cpu).unwrap();
+    Labelled { inputs, labels }
+}
+
+#[test]
+fn each_models_trait_loss_is_its_hand_written_loss() {
+    let cpu = Device::Cpu;
+    // Decoder: next-token cross-entropy written out.
+    let llama = Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap();
+    let ids = llama_batch(&cpu).unwrap();
+    let (b, s) = ids.dims2().unwrap();
+    let logits = llama.forward(&ids.narrow(1, 0, s - 1).unwrap()).unwrap();
+    let by_hand = cross_entropy(
+        &logits.reshape((b * (s - 1), 48)).unwrap(),
+        &ids.narrow(1, 1, s - 1).unwrap().flatten_all().unwrap(),
+    )
+    .unwrap();
+    assert_eq!(scalar(&llama.loss(&ids).unwrap()), scalar(&by_hand));
+    assert!(llama.loss(&ids.narrow(1, 0, 1).unwrap()).is_err(), "one token has no next token");
+    // BERT: mean-pooled, read out, cross-entropy.
+    let bert = Bert::new(BERT, DType::F32, &cpu).unwrap();
+    let batch = bert_batch(&cpu).unwrap();
+    let pooled = Bert::mean_pool(&bert.forward(&batch.ids, &batch.mask).unwrap(), &batch.mask).unwrap();
+    let by_hand = cross_entropy(&pooled.matmul(&batch.readout).unwrap(), &batch.labels).unwrap();
+    assert_eq!(scalar(&bert.loss(&batch).unwrap()), scalar(&by_hand));
+    // ViT.
+    let vit = Vit::new(VIT, DType::F32, &cpu).unwrap();
+    let batch = images();
+    let by_hand = cross_entropy(&vit.forward(&batch.inputs).unwrap(), &batch.labels).unwrap();
+    assert_eq!(scalar(&vit.loss(&batch).unwrap()), scalar(&by_hand));
+}
+
+#[test]
+fn the_cnns_loss_trains_batch_norm_and_moduled_eval_uses_running_statistics() {
+    let cpu = Device::Cpu;
+    let batch = images();
+    // Two identical models: one through the trait, one by hand; both update their running
+    // statistics once, so the eval logits agree afterwards too.
+    let (a, b) = (
+        ResNet::new(ResNetDepth::R18, 10, 8, DType::F32, &cpu).unwrap(),
+        ResNet::new(ResNetDepth::R18, 10, 8, DType::F32, &cpu).unwrap(),
+    );
+    let by_hand = cross_entropy(&b.forward(&batch.inputs, true).unwrap(), &batch.labels).unwrap();
+    assert_eq!(scalar(&a.loss(&batch).unwrap()), scalar(&by_hand));
+    let eval = a.forward_t(&batch.inputs, false).unwrap();
+    assert_eq!(max_diff(&eval, &b.forward(&batch.inputs, false).unwrap()), 0.0);
+    // Training mode differs from eval mode (batch statistics), and ModuleT passes the flag on.
+    assert!(max_diff(&a.forward_t(&batch.inputs, true).unwrap(), &eval) > 0.0);
+
+    let (a, b) =
+        (MobileNetV2::new(10, 0.25, DType::F32, &cpu).unwrap(), MobileNetV2::new(10, 0.25, DType::F32, &cpu).unwrap());
+    let by_hand = cross_entropy(&b.forward(&batch.inputs, true).unwrap(), &batch.labels).unwrap();
+    assert_eq!(scalar(&a.loss(&batch).unwrap()), scalar(&by_hand));
+    assert_eq!(max_diff(&a.forward_t(&batch.inputs, false).unwrap(), &b.forward(&batch.inputs, false).unwrap()), 0.0);
+}
+
+#[test]
+fn candle_module_forward_is_the_models_forward_and_errors_keep_their_cause() {
+    let cpu = Device::Cpu;
+    let llama = Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap();
+    let ids = llama_batch(&cpu).unwrap();
+    assert_eq!(max_diff(&Module::forward(&llama, &ids).unwrap(), &llama.forward(&ids).unwrap()), 0.0);
+    let vit = Vit::new(VIT, DType::F32, &cpu).unwrap();
+    let x = images().inputs;
+    assert_eq!(max_diff(&Module::forward(&vit, &x).unwrap(), &vit.forward(&x).unwrap()), 0.0);
+    // A sequence longer than the model's: the zoo error, carried through candle's error.
+    let long = Tensor::zeros((1, 65), DType::U32, &cpu).unwrap();
+    let err = Module::forward(&llama, &long).unwrap_err();
+    assert!(err.to_string().contains("exceeds max_seq"), "{err}");
+}
+
+#[test]
+fn checkpointed_trait_loss_gives_the_plain_gradients() {
+    let cpu = Device::Cpu;
+    let vit = Vit::new(VIT, DType::F64, &cpu).unwrap();
+    let batch = images();
+    let batch = Labelled { inputs: batch.inputs.to_dtype(DType::F64).unwrap(), labels: batch.labels };
+    let plain = vit.loss(&batch).unwrap().backward().unwrap();
+    let ckpt = wick_zoo::checkpoint::Checkpointing::new();
+    let loss = vit.loss_with(&batch, Some(&ckpt)).unwrap();
+    let grads = ckpt.backward(&loss, vit.params()).unwrap();
+    for v in vit.vars() {
+        let (a, b) = (plain.get(v.as_tensor()).unwrap(), grads.get(v.as_tensor()).unwrap());
+        assert!(max_diff(a, b) < 1e-12);
+    }
+}
+
+#[test]
+fn the_updater_makes_the_update_its_parts_make() {
+    let engine = wick::Engine::cpu();
+    let cpu = engine.device().clone();
+    let adamw = MasterOptimizer::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
+    let ids = llama_batch(&cpu).unwrap();
+    let (a, b) = (
+        Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap(),
+        Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap(),
+    );
+    let start: Vec<Tensor> = a.vars().iter().map(|v| v.as_tensor().copy().unwrap()).collect();
+    let mut updater = Updater::new(&engine, &a.vars(), &start, adamw, Autocast::off()).unwrap();
+    assert!(!updater.fused() && updater.scale().unwrap().is_none());
+    let mut masters = MasterWeights::with_masters(&b.vars(), Some(&start), adamw).unwrap();
+    let refs: Vec<Var> = b.vars();
+    let refs: Vec<&Var> = refs.iter().collect();
+    let mut called = false;
+    for _ in 0..3 {
+        let outcome = updater.step(&a.loss(&ids).unwrap(), &a.vars(), || called = true).unwrap();
+        assert_eq!(outcome, StepOutcome::Applied);
+        let mut grads = scaled_backward(&b.loss(&ids).unwrap(), None).unwrap();
+        master_step(&mut grads, &mut masters, None, &refs).unwrap();
+    }
+    assert!(called);
+    for (x, y) in a.vars().iter().zip(b.vars()) {
+        assert_eq!(max_diff(x.as_tensor(), y.as_tensor()), 0.0);
+    }
+    assert_eq!(updater.memory_bytes(), masters.memory_bytes());
+    // f16 scales its loss, with PyTorch's initial scale 2^16.
+    let c = Llama::new(LlamaConfig::tiny(48), DType::F16, &cpu).unwrap();
+    let f16 = Updater::new(&engine, &c.vars(), &start, adamw, Autocast::new(DType::F16).unwrap()).unwrap();
+    assert_eq!(f16.scale().unwrap(), Some(65536.0));
+}
