@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the GPU-check binaries on a machine with no GPU and no CUDA toolkit, into .devbuild/:
-# wick's kernels (kernels/*.cu) and candle's are compiled by the real PyPI nvcc (7 min here on
+# wick's kernels (kernels/src/*.cu) and candle's are compiled by the real PyPI nvcc (7 min here on
 # 2 cores), candle's through scripts/nvcc-ptx-compat.sh, which writes PTX that a CUDA 13.0 driver
 # accepts; CUDA libraries are linked as empty stubs carrying the real SONAMEs.
 #
@@ -26,19 +26,19 @@ build() { # pass 1 links against empty stubs (the linker then drops them: --as-n
           # relinks against stubs defining every symbol pass 1 left open, so the binary records them.
   cargo rustc --release "$@" "${flags[@]}"
 }
-build -p wick --features cuda --bin gpu-check
+build -p wick-tools --features cuda --bin gpu-check
 build -p wick-memory --features cuda --test conformance_cuda
-build -p wick-zoo --features cuda --bin amp-gpu-check
+build -p wick-tools --features cuda --bin amp-gpu-check
 build -p wick-examples --features cuda --bin train-amp
 test_bin() { ls -t target/release/deps/conformance_cuda-* | grep -v '\.d$' | head -1; }
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-gpu target/release/gpu-check target/release/amp-gpu-check \
   target/release/train-amp "$(test_bin)"
 export LIBRARY_PATH="$PWD/target/cuda-stubs-gpu"
-touch crates/wick/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs \
-  crates/wick-zoo/src/bin/amp_gpu_check.rs examples/src/bin/train_amp.rs
-build -p wick --features cuda --bin gpu-check
+touch tools/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs \
+  tools/src/bin/amp_gpu_check.rs examples/src/bin/train_amp.rs
+build -p wick-tools --features cuda --bin gpu-check
 build -p wick-memory --features cuda --test conformance_cuda
-build -p wick-zoo --features cuda --bin amp-gpu-check
+build -p wick-tools --features cuda --bin amp-gpu-check
 build -p wick-examples --features cuda --bin train-amp
 cp target/release/gpu-check target/release/amp-gpu-check .devbuild/
 # train-amp needs candle's kernels: keep it only when they were really compiled.

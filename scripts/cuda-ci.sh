@@ -3,8 +3,8 @@
 #  1. type-check and lint every `cuda` code path with the fake nvcc from ../shared/tools;
 #  2. build the CUDA test binary, link it against stub CUDA libraries whose every call fails, run
 #     it, and check that the "no driver" path returns a clear error instead of panicking;
-#  3. compile kernels/*.cu with a real nvcc: PTX for sm_80 and sm_90, and the fatbins that
-#     wick-zoo's build script embeds (the cargo check of step 1 builds them with that nvcc).
+#  3. compile kernels/src/*.cu with a real nvcc: PTX for sm_80 and sm_90, and the fatbins that
+#     the wick-kernels build script embeds (the cargo check of step 1 builds them with that nvcc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shared=${WICK_SHARED:-../shared}
@@ -15,16 +15,16 @@ mkdir -p .cache/fake-nvcc
 ln -sf "$(realpath "$shared/tools/fake-nvcc")" .cache/fake-nvcc/nvcc
 export PATH="$PWD/.cache/fake-nvcc:$PATH" CUDA_COMPUTE_CAP=80
 
-echo "-- a real nvcc for kernels/*.cu (PyPI CUDA toolkit)"
+echo "-- a real nvcc for kernels/src/*.cu (PyPI CUDA toolkit)"
 cuda_home=$(sh "$shared/tools/cuda-toolkit-pypi.sh" "$PWD/.cache/cuda-toolkit" | tail -1)
 export WICK_KERNELS_NVCC="$cuda_home/bin/nvcc"
 "$WICK_KERNELS_NVCC" --version | tail -1
 
 echo "-- cargo check / clippy with --features cuda (fake nvcc for candle, real nvcc for kernels/)"
-features=wick/cuda,wick-zoo/cuda,wick-examples/cuda
+features=wick/cuda,wick-zoo/cuda,wick-examples/cuda,wick-tools/cuda
 cargo check --workspace --all-targets --features "$features"
 cargo clippy --workspace --all-targets --features "$features" -- -D warnings
-ls target/debug/build/wick-zoo-*/out/*.fatbin >/dev/null || { echo "!! kernels were not compiled into wick-zoo"; exit 1; }
+ls target/debug/build/wick-kernels-*/out/*.fatbin >/dev/null || { echo "!! the kernels were not compiled into wick-kernels"; exit 1; }
 
 echo "-- no-driver path: test binary linked against failing stubs"
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-empty
@@ -48,9 +48,9 @@ binary=$(build_test "$PWD/$stubs")
 readelf -d "$binary" | grep -q 'libcuda' || { echo "!! the test binary does not link libcuda"; exit 1; }
 LD_LIBRARY_PATH="$PWD/$stubs" WICK_EXPECT_NO_DRIVER=1 "$binary" --nocapture
 
-echo "-- kernels/*.cu with a real nvcc"
+echo "-- kernels/src/*.cu with a real nvcc"
 shopt -s nullglob
-kernels=(kernels/*.cu)
+kernels=(kernels/src/*.cu)
 if [ ${#kernels[@]} -eq 0 ]; then
   echo "no CUDA kernels in kernels/ yet: nothing to compile"
 else

@@ -4,7 +4,7 @@
 #   - candle allocations drawn from wick's pool, the cap enforced, candle OOM -> typed error;
 #   - an alloc-heavy candle loop on the default pool vs wick's pool;
 #   - allocation traces through wick's CUDA allocator vs raw cuMemAllocAsync vs PyTorch;
-#   - the fused AMP kernels (kernels/*.cu) against their CPU references;
+#   - the fused AMP kernels (kernels/src/*.cu) against their CPU references;
 #   - the AMP training example on CUDA (f16 with loss scaling, then bf16), through the fused
 #     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh).
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into

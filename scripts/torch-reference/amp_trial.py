@@ -1,4 +1,4 @@
-"""PyTorch reference for wick's AMP trial (wick_zoo::amp::trial).
+"""PyTorch reference for wick's AMP trial (wick_tools::trial).
 
 Trains the start that `amp-trial --out DIR` exported (the f32 initial parameters of a torchvision
 model or of a Hugging Face BertModel / LlamaForCausalLM, and the inputs) with torch.optim.AdamW and the trial's
@@ -260,7 +260,7 @@ def write_reference(path, directories):
         models[cfg["model"]] = {"f64": runs["f64"], "autocast_bf16": runs["autocast-bf16"]}
     reference = {
         "what": "losses before each of 12 AdamW steps and after the last, trained by PyTorch from the start "
-                "`amp-trial --model M --out DIR` exports (wick_zoo::amp::trial)",
+                "`amp-trial --model M --out DIR` exports (wick_tools::trial)",
         "made_by": "python scripts/torch-reference/amp_trial.py --write-reference PATH DIR...",
         "torch": torch.__version__,
         "torchvision": torchvision.__version__,

@@ -2,14 +2,14 @@
 //! compute: the same loss to the bit, the same logits, the same update as the pieces under it.
 
 use candle_core::{DType, Device, Module, ModuleT, Tensor, Var};
-use wick_zoo::amp::trial::{bert_batch, llama_batch, vision_batch, BERT, VIT};
 use wick_zoo::amp::{master_step, scaled_backward, Autocast, MasterOptimizer, MasterWeights, StepOutcome, Updater};
-use wick_zoo::bert::Bert;
+use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::mobilenet::MobileNetV2;
 use wick_zoo::ops::cross_entropy;
+use wick_zoo::params::normal_tensor;
 use wick_zoo::resnet::{ResNet, ResNetDepth};
-use wick_zoo::vit::Vit;
+use wick_zoo::vit::{Vit, VitConfig};
 use wick_zoo::{Labelled, Model};
 
 fn scalar(t: &Tensor) -> f64 {
@@ -20,9 +20,50 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     scalar(&(a - b).unwrap().abs().unwrap().max_all().unwrap())
 }
 
+const BERT: BertConfig = BertConfig {
+    vocab_size: 64,
+    hidden_size: 64,
+    num_hidden_layers: 2,
+    num_attention_heads: 4,
+    intermediate_size: 128,
+    max_position_embeddings: 64,
+    type_vocab_size: 2,
+    layer_norm_eps: 1e-12,
+    pad_token_id: Some(0),
+};
+
+const VIT: VitConfig =
+    VitConfig { image_size: 32, patch_size: 8, hidden: 64, layers: 2, heads: 4, mlp_dim: 128, num_classes: 10 };
+
+fn labels(n: usize, classes: usize) -> Tensor {
+    Tensor::new((0..n).map(|i| ((i * 7 + 3) % classes) as u32).collect::<Vec<_>>(), &Device::Cpu).unwrap()
+}
+
+/// Eight seeded 32×32 images and labels.
 fn images() -> Labelled {
-    let (inputs, labels) = vision_batch(&Device::Cpu).unwrap();
-    Labelled { inputs, labels }
+    Labelled {
+        inputs: normal_tensor(&[8, 3, 32, 32], 1.0, 11, DType::F32, &Device::Cpu).unwrap(),
+        labels: labels(8, 10),
+    }
+}
+
+/// Four sequences of 17 tokens in `0..48`.
+fn llama_batch() -> Tensor {
+    let ids: Vec<u32> = (0..4 * 17).map(|i| ((i * 5 + i / 3) % 48) as u32).collect();
+    Tensor::from_vec(ids, (4, 17), &Device::Cpu).unwrap()
+}
+
+/// Four sentences of 16 tokens, the last 5 of the second pair padding, a readout into 2 classes.
+fn bert_batch() -> SentenceBatch {
+    let cpu = Device::Cpu;
+    let ids: Vec<u32> = (0..4 * 16).map(|i| ((i * 7 + i / 5) % 64) as u32).collect();
+    let mask: Vec<u32> = (0..4 * 16).map(|i| u32::from(i / 16 < 2 || i % 16 < 11)).collect();
+    SentenceBatch {
+        ids: Tensor::from_vec(ids, (4, 16), &cpu).unwrap(),
+        mask: Tensor::from_vec(mask, (4, 16), &cpu).unwrap(),
+        readout: normal_tensor(&[64, 2], 0.5, 5, DType::F32, &cpu).unwrap(),
+        labels: labels(4, 2),
+    }
 }
 
 #[test]
@@ -30,7 +71,7 @@ fn each_models_trait_loss_is_its_hand_written_loss() {
     let cpu = Device::Cpu;
     // Decoder: next-token cross-entropy written out.
     let llama = Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap();
-    let ids = llama_batch(&cpu).unwrap();
+    let ids = llama_batch();
     let (b, s) = ids.dims2().unwrap();
     let logits = llama.forward(&ids.narrow(1, 0, s - 1).unwrap()).unwrap();
     let by_hand = cross_entropy(
@@ -42,7 +83,7 @@ fn each_models_trait_loss_is_its_hand_written_loss() {
     assert!(llama.loss(&ids.narrow(1, 0, 1).unwrap()).is_err(), "one token has no next token");
     // BERT: mean-pooled, read out, cross-entropy.
     let bert = Bert::new(BERT, DType::F32, &cpu).unwrap();
-    let batch = bert_batch(&cpu).unwrap();
+    let batch = bert_batch();
     let pooled = Bert::mean_pool(&bert.forward(&batch.ids, &batch.mask).unwrap(), &batch.mask).unwrap();
     let by_hand = cross_entropy(&pooled.matmul(&batch.readout).unwrap(), &batch.labels).unwrap();
     assert_eq!(scalar(&bert.loss(&batch).unwrap()), scalar(&by_hand));
@@ -81,7 +122,7 @@ fn the_cnns_loss_trains_batch_norm_and_moduled_eval_uses_running_statistics() {
 fn candle_module_forward_is_the_models_forward_and_errors_keep_their_cause() {
     let cpu = Device::Cpu;
     let llama = Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap();
-    let ids = llama_batch(&cpu).unwrap();
+    let ids = llama_batch();
     assert_eq!(max_diff(&Module::forward(&llama, &ids).unwrap(), &llama.forward(&ids).unwrap()), 0.0);
     let vit = Vit::new(VIT, DType::F32, &cpu).unwrap();
     let x = images().inputs;
@@ -113,7 +154,7 @@ fn the_updater_makes_the_update_its_parts_make() {
     let engine = wick::Engine::cpu();
     let cpu = engine.device().clone();
     let adamw = MasterOptimizer::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
-    let ids = llama_batch(&cpu).unwrap();
+    let ids = llama_batch();
     let (a, b) = (
         Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap(),
         Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap(),

@@ -1,7 +1,7 @@
-//! The fused AMP kernels of `kernels/` on a CUDA device (feature `cuda`): multi-tensor unscale
-//! with inf/NaN check, the loss-scale update, and AdamW on f32 masters writing the model's
-//! low-precision copy. Their CPU references are in [`super::reference`]; the `amp-gpu-check`
-//! binary compares the two.
+//! The fused AMP kernels on a CUDA device (feature `cuda`): multi-tensor unscale with inf/NaN
+//! check, the loss-scale update, and AdamW on f32 masters writing the model's low-precision copy,
+//! compiled and embedded by the wick-kernels crate. Their CPU references are
+//! `wick_kernels::reference`; the `amp-gpu-check` tool compares the two.
 //!
 //! The kernels work in place on the tensors they are given, on candle's stream of the device
 //! (so they are ordered after the ops that produced their inputs). Give them tensors that own
@@ -11,28 +11,14 @@ use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaStream, Device
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{DType, Device, Storage, Tensor};
 
-use super::reference::AdamWStep;
 use crate::error::ZooError;
+use wick_kernels::reference::AdamWStep;
 
 fn err(message: impl Into<String>) -> ZooError {
     ZooError::Invalid { what: "amp cuda kernels".into(), message: message.into() }
 }
 
-/// The compiled kernels, embedded at build time (see `crates/wick-zoo/build.rs`).
-#[cfg(wick_kernels)]
-fn fatbin(name: &str) -> Option<&'static [u8]> {
-    match name {
-        "amp_unscale" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_unscale.fatbin"))),
-        "amp_update_scale" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_update_scale.fatbin"))),
-        "amp_adamw" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_adamw.fatbin"))),
-        _ => None,
-    }
-}
-
-#[cfg(not(wick_kernels))]
-fn fatbin(_name: &str) -> Option<&'static [u8]> {
-    None
-}
+use wick_kernels::fatbin;
 
 /// The AMP kernels loaded on one device.
 pub struct AmpKernels {

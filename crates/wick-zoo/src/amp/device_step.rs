@@ -10,9 +10,9 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::cuda_kernels::AmpKernels;
-use super::reference::AdamWStep;
 use super::GradScalerConfig;
 use crate::error::ZooError;
+use wick_kernels::reference::AdamWStep;
 
 /// One parameter: the model's compute copy, its f32 master and the f32 AdamW moments.
 struct Slot {

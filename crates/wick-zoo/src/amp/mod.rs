@@ -1,8 +1,8 @@
 //! Mixed precision: the autocast policy ([`autocast`]), the loss scaler ([`GradScaler`]), fp32
 //! master weights with fp32 optimizer state ([`MasterWeights`]), the update that runs them on
-//! the host or fused on a CUDA device ([`Updater`]), and CPU references of the fused
-//! CUDA kernels in `kernels/` ([`mod@reference`]; the kernels themselves in `cuda_kernels` and
-//! `device_step` with the `cuda` feature), and the AMP-vs-f32 trial ([`trial`]).
+//! the host or fused on a CUDA device ([`Updater`]; the fused kernels of the wick-kernels crate
+//! are launched by `cuda_kernels` and `device_step` with the `cuda` feature). The AMP-vs-f32
+//! trial that checks all of it is a harness, in `tools/` (wick-tools).
 
 pub mod autocast;
 #[cfg(feature = "cuda")]
@@ -11,8 +11,6 @@ pub mod cuda_kernels;
 pub mod device_step;
 mod grad_scaler;
 mod master;
-pub mod reference;
-pub mod trial;
 mod updater;
 
 pub use autocast::Autocast;

@@ -1,5 +1,5 @@
-//! With the `cuda` feature, compiles `kernels/*.cu` (the fused AMP kernels) into fatbins that
-//! `wick_zoo::amp::cuda_kernels` embeds: SASS for sm_80 and sm_90 plus compute_90 PTX. The
+//! With the `cuda` feature, compiles `src/*.cu` (the fused AMP kernels) into fatbins that the
+//! crate embeds (`wick_kernels::fatbin`): SASS for sm_80 and sm_90 plus compute_90 PTX. The
 //! compiler is `$WICK_KERNELS_NVCC` (a real nvcc, e.g. from `../shared/tools/cuda-toolkit-pypi.sh`);
 //! without it the crate builds and the kernels report that they were not compiled in.
 //!
@@ -18,8 +18,7 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"))
-        .join("../../kernels");
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR")).join("src");
     println!("cargo::rerun-if-changed={}", root.display());
     let Some(nvcc) = std::env::var_os("WICK_KERNELS_NVCC") else {
         println!("cargo::warning=WICK_KERNELS_NVCC is not set: the AMP CUDA kernels are not compiled in");

@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device};
 use wick::CountingAllocator;
-use wick_zoo::amp::trial::{task, train, trial_optimizer, TrialReport, MODELS};
+use wick_tools::trial::{task, train, trial_optimizer, TrialReport, MODELS};
 use wick_zoo::amp::Autocast;
 
 #[global_allocator]

@@ -1,5 +1,5 @@
 //! GPU check of the fused AMP kernels: each kernel against its CPU reference
-//! (`wick_zoo::amp::reference`) on random data, with NaN and inf cases. Prints one line per
+//! (`wick_kernels::reference`) on random data, with NaN and inf cases. Prints one line per
 //! check and exits non-zero if any fails. Run by `scripts/gpu-check.sh`.
 //!
 //! Only copies and the AMP kernels run on the device (dtype conversions happen on the host), so
@@ -8,8 +8,8 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
+use wick_kernels::reference::{adamw_master, unscale_and_check, update_scale, AdamWStep, ScaleState};
 use wick_zoo::amp::cuda_kernels::AmpKernels;
-use wick_zoo::amp::reference::{adamw_master, unscale_and_check, update_scale, AdamWStep, ScaleState};
 use wick_zoo::params::normal_tensor;
 
 /// `values` in `dtype` on `dev` (converted on the host).

@@ -1,4 +1,4 @@
-//! Runs the AMP trial of one zoo model (`wick_zoo::amp::trial`: the same task, start and AdamW
+//! Runs the AMP trial of one zoo model (`wick_tools::trial`: the same task, start and AdamW
 //! steps in f32, bf16 and f16) and prints the losses; with `--out DIR` it also writes the trial's
 //! start for an outside reference: `start.safetensors` (the f32 initial parameters by name, the
 //! input images and labels), `wick.json` (wick's losses per precision and the settings) and
@@ -8,7 +8,7 @@
 //! `scripts/torch-reference/amp_trial.py DIR` trains the same start in PyTorch (f64, f32 and
 //! `torch.autocast` bf16) and compares.
 //!
-//! `cargo run --release -p wick-examples --bin amp-trial -- --model mobilenet_v2 --out /tmp/trial`
+//! `cargo run --release -p wick-tools --bin amp-trial -- --model mobilenet_v2 --out /tmp/trial`
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
-use wick_zoo::amp::trial::{bert_batch, llama_batch, task, train, trial_optimizer, vision_batch, Task};
+use wick_tools::trial::{bert_batch, llama_batch, task, train, trial_optimizer, vision_batch, Task};
 use wick_zoo::amp::{Autocast, MasterOptimizer};
 
 #[derive(Parser, Debug)]
@@ -87,8 +87,8 @@ fn save(tensors: &HashMap<String, Tensor>, path: &std::path::Path) -> Result<()>
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if !wick_zoo::amp::trial::MODELS.contains(&args.model.as_str()) {
-        bail!("--model {}: expected one of {:?}", args.model, wick_zoo::amp::trial::MODELS);
+    if !wick_tools::trial::MODELS.contains(&args.model.as_str()) {
+        bail!("--model {}: expected one of {:?}", args.model, wick_tools::trial::MODELS);
     }
     if args.steps == 0 {
         bail!("--steps must be at least 1");
@@ -146,9 +146,9 @@ fn main() -> Result<()> {
             "steps": args.steps,
             "adamw": { "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay },
             "losses": runs,
-            "vit": wick_zoo::amp::trial::VIT,
-            "bert": wick_zoo::amp::trial::BERT,
-            "llama": wick_zoo::amp::trial::llama_config(),
+            "vit": wick_tools::trial::VIT,
+            "bert": wick_tools::trial::BERT,
+            "llama": wick_tools::trial::llama_config(),
         });
         let path = dir.join("wick.json");
         wick::files::write_atomic(&path, serde_json::to_string_pretty(&json)?.as_bytes())

@@ -4,16 +4,16 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use crate::amp::{master_step, scaled_backward, Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
-use crate::bert::{Bert, BertConfig, SentenceBatch};
-use crate::error::ZooError;
-use crate::estimate::graph_bytes;
-use crate::llama::{Llama, LlamaConfig};
-use crate::mobilenet::MobileNetV2;
-use crate::model::{Labelled, Model};
-use crate::params::normal_tensor;
-use crate::resnet::{ResNet, ResNetDepth};
-use crate::vit::{Vit, VitConfig};
+use wick_zoo::amp::{master_step, scaled_backward, Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
+use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
+use wick_zoo::estimate::graph_bytes;
+use wick_zoo::llama::{Llama, LlamaConfig};
+use wick_zoo::mobilenet::MobileNetV2;
+use wick_zoo::params::normal_tensor;
+use wick_zoo::resnet::{ResNet, ResNetDepth};
+use wick_zoo::vit::{Vit, VitConfig};
+use wick_zoo::ZooError;
+use wick_zoo::{Labelled, Model};
 
 /// A model with its loss on a fixed batch.
 pub struct Task {
@@ -217,7 +217,7 @@ pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOpt
         }
         // Losses before each applied step (a skipped step leaves the model as it was).
         losses.push(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
-        let scaler_error = |e: super::ScalerError| candle_core::Error::Msg(e.to_string());
+        let scaler_error = |e: wick_zoo::amp::ScalerError| candle_core::Error::Msg(e.to_string());
         let mut grads = scaled_backward(&loss, scaler.as_ref()).map_err(scaler_error)?;
         drop(loss);
         // The second step is measured: the first also creates what lives for the whole process

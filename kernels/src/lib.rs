@@ -1,0 +1,53 @@
+//! # wick-kernels
+//!
+//! wick's CUDA C kernels and what goes with them, as candle keeps its own in `candle-kernels`:
+//! the `.cu` sources (`src/*.cu`: the fused AMP step — multi-tensor unscale with inf/NaN check,
+//! the loss-scale update, AdamW on f32 masters writing the model's low-precision copy), the build
+//! script that compiles them, the compiled fatbins embedded in this crate ([`fatbin`]), and their
+//! CPU references ([`reference`]). Loading and launching them on candle's CUDA device is
+//! wick-zoo's `amp::cuda_kernels`; this crate has no dependencies.
+//!
+//! With the `cuda` feature and `WICK_KERNELS_NVCC` naming a real nvcc (e.g. from
+//! `../shared/tools/cuda-toolkit-pypi.sh`) at build time, each kernel is compiled to a fatbin
+//! with SASS for sm_80 and sm_90 plus compute_90 PTX; otherwise [`fatbin`] answers `None` and
+//! [`COMPILED`] is false, and callers report that the kernels were not compiled in.
+
+pub mod reference;
+
+/// The kernels, by the name of their source file (without `.cu`).
+pub const KERNELS: [&str; 3] = ["amp_unscale", "amp_update_scale", "amp_adamw"];
+
+/// True when this build compiled the kernels in.
+pub const COMPILED: bool = cfg!(wick_kernels);
+
+/// The compiled fatbin of kernel `name` (one of [`KERNELS`]), when this build has it.
+#[cfg(wick_kernels)]
+pub fn fatbin(name: &str) -> Option<&'static [u8]> {
+    match name {
+        "amp_unscale" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_unscale.fatbin"))),
+        "amp_update_scale" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_update_scale.fatbin"))),
+        "amp_adamw" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_adamw.fatbin"))),
+        _ => None,
+    }
+}
+
+/// The compiled fatbin of kernel `name` (one of [`KERNELS`]), when this build has it.
+#[cfg(not(wick_kernels))]
+pub fn fatbin(_name: &str) -> Option<&'static [u8]> {
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_has_its_source_and_a_fatbin_exactly_when_compiled() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        for name in KERNELS {
+            assert!(dir.join(format!("{name}.cu")).is_file(), "{name}.cu is missing");
+            assert_eq!(fatbin(name).is_some(), COMPILED, "{name}");
+        }
+        assert!(fatbin("no_such_kernel").is_none());
+    }
+}
