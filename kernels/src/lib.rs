@@ -4,7 +4,7 @@
 //! the `.cu` sources (`src/*.cu`: the fused AMP step — multi-tensor unscale with inf/NaN check,
 //! the loss-scale update, AdamW on f32 masters writing the model's low-precision copy), the build
 //! script that compiles them, the compiled fatbins embedded in this crate ([`fatbin`]), and their
-//! CPU references ([`reference`]). Loading and launching them on candle's CUDA device is
+//! CPU references ([`mod@reference`]). Loading and launching them on candle's CUDA device is
 //! wick-zoo's `amp::cuda_kernels`; this crate has no dependencies.
 //!
 //! With the `cuda` feature and `WICK_KERNELS_NVCC` naming a real nvcc (e.g. from

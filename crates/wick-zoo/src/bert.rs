@@ -131,10 +131,10 @@ pub struct Bert {
 }
 
 /// Layer-norm parameters stay f32 in a low-precision model (see
-/// [`crate::amp::autocast::norm_param_dtype`]).
+/// the autocast policy).
 fn param_dtype(name: &str, dtype: DType) -> DType {
     if name.contains("LayerNorm") {
-        crate::amp::autocast::norm_param_dtype(dtype)
+        crate::autocast::norm_param_dtype(dtype)
     } else {
         dtype
     }
@@ -309,7 +309,7 @@ impl Bert {
     /// Mean of the token states under the mask (sentence-transformers' mean pooling), reduced
     /// in f32 (an f32-class op under autocast); the result is f32 (f64 for f64 states).
     pub fn mean_pool(hidden: &Tensor, attention_mask: &Tensor) -> Result<Tensor, ZooError> {
-        let hidden = hidden.to_dtype(crate::amp::autocast::fp32_compute(hidden.dtype()))?;
+        let hidden = hidden.to_dtype(crate::autocast::fp32_compute(hidden.dtype()))?;
         let mask = attention_mask.to_dtype(hidden.dtype())?.unsqueeze(D::Minus1)?;
         let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
         Ok(summed.broadcast_div(&mask.sum(1)?.clamp(1e-9, f64::MAX)?)?)

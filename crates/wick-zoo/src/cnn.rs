@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor, D};
 
-use crate::amp::autocast::{conv_compute, fp32_compute};
+use crate::autocast::{conv_compute, fp32_compute};
 use crate::fused::node;
 use crate::kernels;
 pub use crate::kernels::norm::Activation;
@@ -325,9 +325,9 @@ pub struct BatchNorm {
 
 impl BatchNorm {
     /// Registers `{prefix}.weight`/`.bias` as parameters; running statistics start at (0, 1).
-    /// All of them are f32 in a bf16/f16 model ([`crate::amp::autocast::norm_param_dtype`]).
+    /// All of them are f32 in a bf16/f16 model (the autocast policy keeps normalisation parameters in f32).
     pub fn new(params: &mut Params, prefix: &str, channels: usize, dtype: DType, device: &Device) -> Result<Self> {
-        let dtype = crate::amp::autocast::norm_param_dtype(dtype);
+        let dtype = crate::autocast::norm_param_dtype(dtype);
         let weight = params.create(&format!("{prefix}.weight"), &[channels], Init::Ones, dtype, device)?;
         let bias = params.create(&format!("{prefix}.bias"), &[channels], Init::Zeros, dtype, device)?;
         let running =

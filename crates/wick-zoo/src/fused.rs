@@ -9,7 +9,7 @@
 //! gradients of the same computation, accumulated in f32.
 //!
 //! This is how the zoo keeps AMP's saved activations in the low-precision dtype while softmax,
-//! normalisation and losses compute in f32 (see [`crate::amp::autocast`]), and how composite
+//! normalisation and losses compute in f32 (the autocast policy of [`crate::amp::Autocast`]), and how composite
 //! ops (attention, pooling, batch norm) cost one saved input instead of every intermediate.
 
 use std::sync::{Arc, Mutex};
@@ -90,7 +90,7 @@ impl Node {
     /// ones is 256), and a backward pass is full of reductions (bias and broadcast gradients,
     /// weight gradients of convolutions written as sums).
     fn vjp(&self, args: &[&Tensor], grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
-        let compute = crate::amp::autocast::fp32_compute(self.compute);
+        let compute = crate::autocast::fp32_compute(self.compute);
         let mut inputs = Vec::with_capacity(args.len());
         let mut vars = Vec::with_capacity(args.len());
         for a in args {

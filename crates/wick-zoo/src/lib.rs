@@ -4,6 +4,7 @@
 //! silently, with real weights where a package ships them.
 
 pub mod amp;
+mod autocast;
 pub mod bert;
 pub mod checkpoint;
 pub mod cnn;

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, ModuleT, Tensor};
 
-use crate::amp::autocast::norm_param_dtype;
+use crate::autocast::norm_param_dtype;
 use crate::checkpoint::{run_stateful, Checkpointing};
 use crate::cnn::{conv2d, depthwise_conv2d, global_avg_pool, Activation, BatchNorm, RunningStats};
 use crate::error::ZooError;

@@ -3,12 +3,12 @@
 //! composes these from primitive ops, each of which has a backward pass in candle. Norms,
 //! attention, RoPE and the loss are then wrapped as single graph nodes ([`crate::fused::node`]):
 //! the graph keeps their inputs, not their intermediates, and the f32-class ones compute in f32
-//! under autocast ([`crate::amp::autocast`]). Every function here is checked against finite
+//! under autocast ([`crate::amp::Autocast`]). Every function here is checked against finite
 //! differences in its tests, and each node against its composed form.
 
 use candle_core::{DType, Result, Tensor, D};
 
-use crate::amp::autocast::fp32_compute;
+use crate::autocast::fp32_compute;
 use crate::fused::node;
 use crate::kernels;
 

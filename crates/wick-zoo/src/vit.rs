@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Module, Tensor};
 
-use crate::amp::autocast::norm_param_dtype;
+use crate::autocast::norm_param_dtype;
 use crate::checkpoint::Checkpointing;
 use crate::error::ZooError;
 use crate::model::{to_candle, Labelled, Model};

@@ -1,10 +1,9 @@
-//! Mixed precision: the autocast policy ([`autocast`]), the loss scaler ([`GradScaler`]), fp32
+//! Mixed precision: the autocast switch ([`Autocast`]), the loss scaler ([`GradScaler`]), fp32
 //! master weights with fp32 optimizer state ([`MasterWeights`]), the update that runs them on
 //! the host or fused on a CUDA device ([`Updater`]; the fused kernels of the wick-kernels crate
 //! are launched by `cuda_kernels` and `device_step` with the `cuda` feature). The AMP-vs-f32
 //! trial that checks all of it is a harness, in `tools/` (wick-tools).
 
-pub mod autocast;
 #[cfg(feature = "cuda")]
 pub mod cuda_kernels;
 #[cfg(feature = "cuda")]
@@ -13,7 +12,7 @@ mod grad_scaler;
 mod master;
 mod updater;
 
-pub use autocast::Autocast;
+pub use crate::autocast::Autocast;
 pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, StepOutcome};
 pub use master::{masters_by_name, MasterOptimizer, MasterWeights};
 pub use updater::Updater;
