@@ -2,27 +2,12 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Device};
-use wick_memory::format::format_bytes;
+use candle_core::Device;
 use wick_memory::{MemoryError, MemoryLimit, OutOfMemory};
 
-use crate::host_memory::{self, FigureSource};
+use crate::figure::{Figure, FigureSource};
+use crate::host_memory;
 use crate::report::{Holding, Label, MemoryReport, Sample, Timeline};
-
-/// A figure with the source it was read from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub struct Figure {
-    /// Bytes.
-    pub bytes: usize,
-    /// Where the number comes from.
-    pub source: FigureSource,
-}
-
-impl std::fmt::Display for Figure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} ({})", format_bytes(self.bytes as u64), self.source)
-    }
-}
 
 enum Kind {
     Cpu,
@@ -192,18 +177,6 @@ impl Engine {
             // Host memory has no cache to fragment: all that is available can be had at once.
             .with_largest_free_block(available)
             .into_error())
-    }
-
-    /// Pre-flight for a tensor of `shape` and `dtype`.
-    pub fn preflight_tensor(&self, shape: &[usize], dtype: DType, what: &str) -> Result<(), MemoryError> {
-        self.preflight(crate::tensors::tensor_bytes(shape, dtype), what)
-    }
-
-    /// Pre-flight for loading a safetensors file: the sum of its tensors, read from its header only.
-    pub fn preflight_safetensors(&self, path: &std::path::Path) -> Result<usize, MemoryError> {
-        let bytes = crate::weights::safetensors_payload_bytes(path)?;
-        self.preflight(bytes, &format!("weights {}", path.display()))?;
-        Ok(bytes)
     }
 
     /// Records a point of the memory timeline (shown in the HTML report).

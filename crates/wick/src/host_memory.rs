@@ -8,40 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use wick_memory::heap::CachingHeap;
 
-/// Where a figure was read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub enum FigureSource {
-    /// Counted by wick's tracking global allocator: exact heap bytes.
-    CountingAllocator,
-    /// Counted by wick's caching heap (`wick_memory::heap::CachingHeap` as the global
-    /// allocator): exact heap bytes, large buffers served from wick's caching allocator.
-    CachingHeap,
-    /// The process's resident set (`/proc/self/statm`): includes code, stacks and freed-but-kept heap.
-    ProcessRss,
-    /// The container's cgroup (`memory.current` / `memory.max`).
-    Cgroup,
-    /// Physical memory of the machine (`/proc/meminfo`).
-    MemTotal,
-    /// The CUDA memory pool wick installed (`USED/RESERVED_MEM_*`).
-    CudaPool,
-    /// A limit the user set.
-    UserLimit,
-}
-
-impl std::fmt::Display for FigureSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let text = match self {
-            FigureSource::CountingAllocator => "counting allocator (exact heap)",
-            FigureSource::CachingHeap => "caching heap (exact heap)",
-            FigureSource::ProcessRss => "process RSS",
-            FigureSource::Cgroup => "cgroup",
-            FigureSource::MemTotal => "MemTotal",
-            FigureSource::CudaPool => "CUDA pool",
-            FigureSource::UserLimit => "user limit",
-        };
-        f.write_str(text)
-    }
-}
+use crate::figure::FigureSource;
 
 static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);

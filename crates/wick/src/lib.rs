@@ -20,6 +20,7 @@ mod cuda_pool;
 #[cfg(feature = "cuda")]
 pub use cuda_pool::DriverPool;
 pub mod engine;
+mod figure;
 pub mod files;
 pub mod host_memory;
 pub mod pool_stack;
@@ -29,8 +30,9 @@ pub mod step;
 pub mod tensors;
 pub mod weights;
 
-pub use engine::{Engine, Figure};
-pub use host_memory::{CountingAllocator, FigureSource};
+pub use engine::Engine;
+pub use figure::{Figure, FigureSource};
+pub use host_memory::CountingAllocator;
 pub use recovery::BatchPlan;
 pub use report::{HistoryReport, Holding, MemoryReport};
 pub use step::{Error, StepReport};

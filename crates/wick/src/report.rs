@@ -4,10 +4,10 @@
 
 use std::fmt::Write;
 
-use wick_memory::caching::{Action, HistoryEntry};
+use wick_memory::caching::{peak_live, HistoryEntry};
 use wick_memory::format::format_bytes;
 
-use crate::engine::Figure;
+use crate::figure::Figure;
 
 /// A short label stored inline, so recording a sample never allocates: the engine's own
 /// bookkeeping must not move the heap figures it reports.
@@ -166,33 +166,19 @@ pub struct HistoryReport {
 }
 
 impl HistoryReport {
-    /// Builds the timeline and the live set at the peak from history entries.
+    /// Builds the timeline and the live set at the peak
+    /// ([`wick_memory::caching::peak_live`]) from history entries.
     pub fn from_history(title: &str, history: &[HistoryEntry]) -> Self {
-        let mut live = std::collections::BTreeMap::new();
-        let (mut peak, mut live_at_peak) = (-1i64, Vec::new());
-        let mut samples = Vec::with_capacity(history.len());
-        for e in history {
-            match e.action {
-                Action::Alloc => {
-                    live.insert(e.addr, e.size);
-                }
-                Action::FreeRequested => {
-                    live.remove(&e.addr);
-                }
-                _ => {}
-            }
-            if e.allocated > peak {
-                peak = e.allocated;
-                live_at_peak = live.iter().map(|(a, s)| (*a, *s)).collect();
-            }
-            samples.push(Sample {
+        let samples = history
+            .iter()
+            .map(|e| Sample {
                 t_ms: e.time_ns as f64 / 1e6,
                 allocated: e.allocated.max(0) as usize,
                 reserved: e.reserved.max(0) as usize,
                 label: Label::new(&format!("{:?}", e.action)),
-            });
-        }
-        HistoryReport { title: title.to_string(), samples, live_at_peak }
+            })
+            .collect();
+        HistoryReport { title: title.to_string(), samples, live_at_peak: peak_live(history).blocks }
     }
 
     /// The report as a self-contained HTML page.

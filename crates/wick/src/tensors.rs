@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Tensor, WithDType};
+use wick_memory::MemoryError;
 
 use crate::engine::Engine;
 use crate::step::Error;
@@ -27,6 +28,18 @@ pub fn tensor_bytes(shape: &[usize], dtype: DType) -> usize {
 }
 
 impl Engine {
+    /// Pre-flight for a tensor of `shape` and `dtype`.
+    pub fn preflight_tensor(&self, shape: &[usize], dtype: DType, what: &str) -> Result<(), MemoryError> {
+        self.preflight(tensor_bytes(shape, dtype), what)
+    }
+
+    /// Pre-flight for loading a safetensors file: the sum of its tensors, read from its header only.
+    pub fn preflight_safetensors(&self, path: &std::path::Path) -> Result<usize, MemoryError> {
+        let bytes = crate::weights::safetensors_payload_bytes(path)?;
+        self.preflight(bytes, &format!("weights {}", path.display()))?;
+        Ok(bytes)
+    }
+
     /// A pre-flighted `Tensor::zeros` on this engine's device.
     pub fn zeros(&self, shape: &[usize], dtype: DType) -> Result<Tensor, Error> {
         self.preflight(tensor_bytes(shape, dtype), &format!("zeros {shape:?} {dtype:?}"))?;

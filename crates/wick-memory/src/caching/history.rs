@@ -90,3 +90,63 @@ impl History {
         self.entries.iter().cloned().collect()
     }
 }
+
+/// The blocks live when allocated memory peaked in `history`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeakLive {
+    /// Allocated bytes at the peak (0 for an empty history).
+    pub allocated: usize,
+    /// The live blocks then, as (address, bytes), in address order.
+    pub blocks: Vec<(u64, usize)>,
+}
+
+/// What was live at the allocated peak of `history` (the first entry reaching it): blocks enter
+/// the live set when handed out and leave it when the user returns them, as PyTorch's memory
+/// viewer counts them (a block awaiting stream events is no longer the user's).
+pub fn peak_live(history: &[HistoryEntry]) -> PeakLive {
+    let mut live = std::collections::BTreeMap::new();
+    let mut peak: Option<(i64, Vec<(u64, usize)>)> = None;
+    for e in history {
+        match e.action {
+            Action::Alloc => {
+                live.insert(e.addr, e.size);
+            }
+            Action::FreeRequested => {
+                live.remove(&e.addr);
+            }
+            _ => {}
+        }
+        if peak.as_ref().is_none_or(|(p, _)| e.allocated > *p) {
+            peak = Some((e.allocated, live.iter().map(|(a, s)| (*a, *s)).collect()));
+        }
+    }
+    peak.map_or_else(PeakLive::default, |(allocated, blocks)| PeakLive {
+        allocated: usize::try_from(allocated).unwrap_or(0),
+        blocks,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(action: Action, addr: u64, size: usize, allocated: i64) -> HistoryEntry {
+        HistoryEntry { seq: 0, time_ns: 0, action, addr, size, stream: 0, allocated, reserved: 0 }
+    }
+
+    #[test]
+    fn peak_live_is_the_live_set_when_allocated_peaked() {
+        assert_eq!(peak_live(&[]), PeakLive::default());
+        let h = [
+            entry(Action::SegmentAlloc, 0, 4096, 0),
+            entry(Action::Alloc, 0, 512, 512),
+            entry(Action::Alloc, 512, 1024, 1536),
+            entry(Action::FreeRequested, 0, 512, 1024),
+            entry(Action::FreeCompleted, 0, 512, 1024),
+            entry(Action::Alloc, 2048, 256, 1280),
+            // A later equal peak does not replace the first.
+            entry(Action::Alloc, 3000, 256, 1536),
+        ];
+        assert_eq!(peak_live(&h), PeakLive { allocated: 1536, blocks: vec![(0, 512), (512, 1024)] });
+    }
+}

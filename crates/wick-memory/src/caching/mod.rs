@@ -12,7 +12,7 @@ mod release;
 mod state;
 mod streams;
 
-pub use history::{Action, HistoryEntry};
+pub use history::{peak_live, Action, HistoryEntry, PeakLive};
 
 use std::sync::{Mutex, MutexGuard};
 
