@@ -119,7 +119,7 @@ where
     M::Batch: 'static,
 {
     let (vars, names) = model.params().iter().map(|(n, v)| (v.clone(), n.clone())).unzip();
-    let loss = move || model.loss(&batch).map_err(|e| candle_core::Error::Msg(e.to_string()));
+    let loss = move || model.loss(&batch).map_err(candle_core::Error::wrap);
     (vars, names, Box::new(loss))
 }
 
@@ -217,8 +217,7 @@ pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOpt
         }
         // Losses before each applied step (a skipped step leaves the model as it was).
         losses.push(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
-        let scaler_error = |e: wick_zoo::amp::ScalerError| candle_core::Error::Msg(e.to_string());
-        let mut grads = scaled_backward(&loss, scaler.as_ref()).map_err(scaler_error)?;
+        let mut grads = scaled_backward(&loss, scaler.as_ref()).map_err(candle_core::Error::wrap)?;
         drop(loss);
         // The second step is measured: the first also creates what lives for the whole process
         // (thread pools, caches).
@@ -228,7 +227,7 @@ pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOpt
                 _ => None,
             };
         }
-        match master_step(&mut grads, &mut masters, scaler.as_mut(), &refs).map_err(scaler_error)? {
+        match master_step(&mut grads, &mut masters, scaler.as_mut(), &refs).map_err(candle_core::Error::wrap)? {
             StepOutcome::Skipped => {
                 skipped += 1;
                 losses.pop();

@@ -102,8 +102,7 @@ impl Params {
     pub fn create(&mut self, name: &str, shape: &[usize], init: Init, dtype: DType, device: &Device) -> Result<Tensor> {
         let bytes = shape.iter().try_fold(dtype.size_in_bytes(), |a, &d| a.checked_mul(d));
         if bytes.is_none_or(|b| b >= PREFLIGHT_FROM) {
-            preflight_bytes(bytes, device, &format!("parameter {name} {shape:?}"))
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            preflight_bytes(bytes, device, &format!("parameter {name} {shape:?}")).map_err(candle_core::Error::wrap)?;
         }
         let t = match init {
             Init::Zeros => Tensor::zeros(shape, dtype, device)?,
