@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
-use wick_memory::format::format_bytes;
+use wick_memory::format_bytes;
 use wick_memory::{AllocatorConfig, CachingAllocator, HostBackend};
 use wick_trace::{replay, replay_simulated, workloads, ReplayReport, Trace};
 

@@ -13,7 +13,7 @@
 //!
 //! ```no_run
 //! #[global_allocator]
-//! static HEAP: wick_memory::heap::CachingHeap = wick_memory::heap::CachingHeap::new();
+//! static HEAP: wick_memory::CachingHeap = wick_memory::CachingHeap::new();
 //! ```
 //!
 //! How it is built, and why it cannot fail where the system allocator would not:

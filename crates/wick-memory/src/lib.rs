@@ -18,35 +18,44 @@
 //! # Ok::<(), wick_memory::MemoryError>(())
 //! ```
 //!
-//! Layout (one concern per file): [`backend`] (host, simulated, CUDA), [`caching`] (the policy),
-//! [`adaptors`] (limiting, statistics, tracking, event log, failure callback), [`scope`],
-//! [`snapshot`] and [`summary`]. Trace replay and synthetic workloads live in `wick-trace`.
+//! The API is flat: every public item is at the crate root (`wick_memory::CachingAllocator`,
+//! `wick_memory::Scope`, ...) and the modules are private, one concern per file: backends (host,
+//! simulated, CUDA, the cgroup budget), the caching policy and its history, adaptors (limiting,
+//! statistics, tracking, event log, failure callback), scopes, snapshots, statistics, the text
+//! summary and the caching heap (a `GlobalAlloc`). Trace replay and synthetic workloads live in
+//! `wick-trace`.
 
-pub mod adaptors;
-pub mod backend;
-pub mod caching;
-pub mod config;
-pub mod error;
-pub mod format;
-pub mod heap;
-pub mod resource;
-pub mod scope;
-pub mod snapshot;
-pub mod stats;
-pub mod stream;
-pub mod summary;
+mod adaptors;
+mod backend;
+mod caching;
+mod config;
+mod error;
+mod format;
+mod heap;
+mod resource;
+mod scope;
+mod snapshot;
+mod stats;
+mod stream;
+mod summary;
 
-pub use adaptors::{EventLog, FailureCallback, Limiting, Statistics, TraceOp, Tracking};
+pub use adaptors::{Counters, EventLog, FailureCallback, Limiting, Statistics, TraceOp, Tracked, Tracking};
+pub use backend::{
+    cgroup_memory, cgroup_memory_in, host_memory_budget, Backend, BackendError, HostBackend, HostMemoryBackend,
+    SimulatedBackend, SimulatedStreams, MAP_GRANULARITY,
+};
 #[cfg(feature = "cuda")]
-pub use backend::CudaBackend;
-pub use backend::{Backend, BackendError, HostBackend, HostMemoryBackend, SimulatedBackend};
-pub use caching::{CachingAllocator, BLOCK_ALIGNMENT};
-pub use config::{AllocatorConfig, MemoryLimit};
+pub use backend::{open_device, CudaBackend};
+pub use caching::{peak_live, Action, CachingAllocator, HistoryEntry, PeakLive, BLOCK_ALIGNMENT};
+pub use config::{AllocatorConfig, MemoryLimit, MAX_POWER2_DIVISIONS, POWER2_INTERVALS};
 pub use error::{MemoryError, OutOfMemory, Result};
+pub use format::format_bytes;
+pub use heap::{CachingHeap, LARGE_REQUEST};
 pub use resource::{
     AllocRequest, AllocateExt, Allocation, HostResource, MemoryInfo, MemoryResource, RawBlock, ReleaseReport,
 };
-pub use scope::{scoped, Scope, ScopeReport};
-pub use snapshot::Snapshot;
-pub use stats::MemoryStats;
+pub use scope::{scoped, Scope, ScopeReport, ScopedBlock};
+pub use snapshot::{BlockSnapshot, BlockStateName, SegmentSnapshot, Snapshot};
+pub use stats::{MemoryStats, PoolKind, Stat, StatArray};
 pub use stream::{EventId, StreamId};
+pub use summary::memory_summary;

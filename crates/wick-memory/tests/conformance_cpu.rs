@@ -3,7 +3,7 @@
 mod conformance;
 
 use conformance::{run_sequence, run_suite, Harness, MIB};
-use wick_memory::backend::SimulatedStreams;
+use wick_memory::SimulatedStreams;
 use wick_memory::{
     AllocatorConfig, Backend, CachingAllocator, EventLog, HostBackend, Limiting, MemoryLimit, SimulatedBackend,
     Statistics, StreamId, TraceOp, Tracking,

@@ -28,7 +28,7 @@ fn cuda_backend_conforms_or_fails_cleanly() {
     }
     // Holding a context keeps the device's primary context alive between cases (re-creating it
     // per case would cost far more than the allocations under test).
-    let _primary = wick_memory::backend::open_device(0);
+    let _primary = wick_memory::open_device(0);
     let Ok(_) = probe else {
         eprintln!("SKIPPED (loudly): no CUDA device: {}", probe.err().map(|e| e.to_string()).unwrap_or_default());
         return;

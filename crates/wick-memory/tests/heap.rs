@@ -6,7 +6,7 @@
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::Mutex;
 
-use wick_memory::heap::{CachingHeap, LARGE_REQUEST};
+use wick_memory::{CachingHeap, LARGE_REQUEST};
 
 #[global_allocator]
 static HEAP: CachingHeap = CachingHeap::new();

@@ -7,7 +7,7 @@ use std::alloc::{alloc, dealloc, Layout};
 use std::hint::black_box;
 use std::time::Instant;
 
-use wick_memory::format::format_bytes;
+use wick_memory::format_bytes;
 use wick_memory::{AllocRequest, AllocatorConfig, CachingAllocator, HostBackend, MemoryResource};
 use wick_trace::{replay_simulated, workloads};
 

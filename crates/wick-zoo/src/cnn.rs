@@ -71,12 +71,6 @@ pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Resul
     })
 }
 
-/// [`max_pool2d`]'s values composed from windows and a max (candle's `max` backward: the
-/// gradient goes to every tied maximum).
-pub fn max_pool2d_composed(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
-    stacked_windows(x, kernel, stride, pad)?.max(0)
-}
-
 /// The kernel² windows of each pooling output, stacked in row-major window order:
 /// (kernel², N, C, out_h, out_w), padded with a value that never wins a max.
 fn stacked_windows(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {

@@ -197,6 +197,26 @@ fn convolutions_match_candles() {
     }
 }
 
+/// Max pooling composed from candle ops: the padded input's kernel² strided windows, stacked, and
+/// their maximum (candle's `max` backward sends the gradient to every tied maximum).
+fn max_pool2d_composed(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> candle_core::Result<Tensor> {
+    let (_, _, h, w) = x.dims4()?;
+    let out = |len: usize| (len + 2 * pad - kernel) / stride + 1;
+    let (oh, ow) = (out(h), out(w));
+    let xp = wick_zoo::cnn::pad_spatial(x, pad, -1e4)?;
+    let mut windows = Vec::new();
+    for dy in 0..kernel {
+        for dx in 0..kernel {
+            let rows: Vec<u32> = (0..oh).map(|i| (dy + i * stride) as u32).collect();
+            let cols: Vec<u32> = (0..ow).map(|j| (dx + j * stride) as u32).collect();
+            let rows = Tensor::new(rows, x.device())?;
+            let cols = Tensor::new(cols, x.device())?;
+            windows.push(xp.index_select(&rows, 2)?.index_select(&cols, 3)?);
+        }
+    }
+    Tensor::stack(&windows, 0)?.max(0)
+}
+
 #[test]
 fn pooling_matches_its_composed_forms() {
     // Continuous random values: no ties, so candle's max backward routes as the kernel does.
@@ -205,7 +225,7 @@ fn pooling_matches_its_composed_forms() {
         "max_pool2d",
         std::slice::from_ref(&x),
         |t| kernels::pool::max_pool2d(&t[0], 3, 2, 1),
-        |t| wick_zoo::cnn::max_pool2d_composed(&t[0], 3, 2, 1),
+        |t| max_pool2d_composed(&t[0], 3, 2, 1),
     );
     check(
         "global_avg_pool",

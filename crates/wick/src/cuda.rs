@@ -18,7 +18,7 @@ impl GovernedCuda {
     /// Opens CUDA device `ordinal` with a cap of `limit` bytes on candle's memory. Errors (no
     /// driver, no device, no memory-pool support) are `MemoryError`s, never panics.
     pub fn new(ordinal: usize, limit: Option<usize>) -> Result<Self, MemoryError> {
-        let ctx = wick_memory::backend::open_device(ordinal)?;
+        let ctx = wick_memory::open_device(ordinal)?;
         // Installed before candle allocates anything on the device.
         let pool = DriverPool::install(ctx, limit)?;
         let device = CudaDevice::new_with_stream(ordinal)

@@ -192,7 +192,7 @@ impl DriverPool {
 
     /// A readable table of the pool's figures.
     pub fn memory_summary(&self) -> String {
-        wick_memory::summary::memory_summary(
+        wick_memory::memory_summary(
             &format!("cuda:{} (driver pool)", self.ctx.ordinal()),
             &self.memory_stats(),
             self.limit,

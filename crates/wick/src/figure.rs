@@ -1,7 +1,7 @@
 //! A memory figure and where it was read: every number wick reports says whether it is exact
 //! (counted by an allocator or the CUDA pool) or an estimate from the operating system.
 
-use wick_memory::format::format_bytes;
+use wick_memory::format_bytes;
 
 /// A figure with the source it was read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -23,7 +23,7 @@ impl std::fmt::Display for Figure {
 pub enum FigureSource {
     /// Counted by wick's tracking global allocator: exact heap bytes.
     CountingAllocator,
-    /// Counted by wick's caching heap (`wick_memory::heap::CachingHeap` as the global
+    /// Counted by wick's caching heap (`wick_memory::CachingHeap` as the global
     /// allocator): exact heap bytes, large buffers served from wick's caching allocator.
     CachingHeap,
     /// The process's resident set (`/proc/self/statm`): includes code, stacks and freed-but-kept heap.

@@ -6,7 +6,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use wick_memory::heap::CachingHeap;
+use wick_memory::CachingHeap;
 
 use crate::figure::FigureSource;
 
@@ -123,9 +123,9 @@ pub fn process_rss() -> Option<usize> {
 }
 
 /// The process's memory cgroup (usage, limit), v2 or v1, the limit the tightest along its own
-/// cgroup path (`None` when unlimited); owned by [`wick_memory::backend::cgroup_memory`].
+/// cgroup path (`None` when unlimited); owned by [`wick_memory::cgroup_memory`].
 pub fn cgroup_memory() -> Option<(usize, Option<usize>)> {
-    wick_memory::backend::cgroup_memory()
+    wick_memory::cgroup_memory()
 }
 
 /// Bytes the host can still give this process: the budget ([`host_budget`]) less what the
@@ -155,7 +155,7 @@ pub fn preflight_host(bytes: usize, what: &str) -> Result<(), wick_memory::Memor
 
 /// The host memory budget and its source: the cgroup limit when set, else MemTotal.
 pub fn host_budget() -> (usize, FigureSource) {
-    let total = wick_memory::backend::host_memory_budget();
+    let total = wick_memory::host_memory_budget();
     match cgroup_memory().and_then(|(_, limit)| limit) {
         Some(limit) if limit <= total => (limit, FigureSource::Cgroup),
         _ => (total, FigureSource::MemTotal),

@@ -4,8 +4,8 @@
 
 use std::fmt::Write;
 
-use wick_memory::caching::{peak_live, HistoryEntry};
-use wick_memory::format::format_bytes;
+use wick_memory::format_bytes;
+use wick_memory::{peak_live, HistoryEntry};
 
 use crate::figure::Figure;
 
@@ -167,7 +167,7 @@ pub struct HistoryReport {
 
 impl HistoryReport {
     /// Builds the timeline and the live set at the peak
-    /// ([`wick_memory::caching::peak_live`]) from history entries.
+    /// ([`wick_memory::peak_live`]) from history entries.
     pub fn from_history(title: &str, history: &[HistoryEntry]) -> Self {
         let samples = history
             .iter()

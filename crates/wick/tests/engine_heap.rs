@@ -2,7 +2,7 @@
 //! and peaks from the heap itself, and `empty_cache` returning its unused segments.
 
 use wick::{Engine, FigureSource};
-use wick_memory::heap::CachingHeap;
+use wick_memory::CachingHeap;
 
 #[global_allocator]
 static HEAP: CachingHeap = CachingHeap::new();

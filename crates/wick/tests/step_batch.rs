@@ -3,7 +3,7 @@
 //! its own, so no other test's buffers move the figures).
 
 use wick::Engine;
-use wick_memory::heap::CachingHeap;
+use wick_memory::CachingHeap;
 
 #[global_allocator]
 static HEAP: CachingHeap = CachingHeap::new();

@@ -65,8 +65,8 @@ fn main() -> Result<()> {
         println!(
             "{:<20} {:>12} {:>12} {:>14.3}",
             r.name,
-            wick_memory::format::format_bytes(r.peak_allocated as u64),
-            wick_memory::format::format_bytes(r.peak_reserved as u64),
+            wick_memory::format_bytes(r.peak_allocated as u64),
+            wick_memory::format_bytes(r.peak_reserved as u64),
             r.fragmentation
         );
     }

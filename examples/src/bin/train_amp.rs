@@ -21,7 +21,7 @@ use wick_zoo::Model;
 /// candle's tensor buffers come from wick's caching allocator (exact heap figures in the summary,
 /// no map/unmap per buffer).
 #[global_allocator]
-static HEAP: wick_memory::heap::CachingHeap = wick_memory::heap::CachingHeap::new();
+static HEAP: wick_memory::CachingHeap = wick_memory::CachingHeap::new();
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a zoo decoder with AMP and show where the memory went")]

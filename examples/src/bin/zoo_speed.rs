@@ -29,7 +29,7 @@ use wick_zoo::{Labelled, Model};
 /// The heap: candle's tensor buffers served by wick's caching allocator (`WICK_HEAP=system` in
 /// the environment: by the system allocator, for comparison).
 #[global_allocator]
-static HEAP: wick_memory::heap::CachingHeap = wick_memory::heap::CachingHeap::new();
+static HEAP: wick_memory::CachingHeap = wick_memory::CachingHeap::new();
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Mode {

@@ -6,7 +6,7 @@ use std::time::Instant;
 use candle_core::{CudaDevice, DType, Device, Tensor};
 use wick::cuda::GovernedCuda;
 use wick::DriverPool;
-use wick_memory::backend::open_device;
+use wick_memory::open_device;
 use wick_memory::{
     AllocRequest, Backend, CachingAllocator, CudaBackend, MemoryError, MemoryResource, RawBlock, StreamId, TraceOp,
 };

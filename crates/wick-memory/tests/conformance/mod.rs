@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use proptest::prelude::*;
-use wick_memory::snapshot::BlockStateName;
+use wick_memory::BlockStateName;
 use wick_memory::{AllocRequest, MemoryResource, RawBlock, StreamId};
 
 pub const MIB: usize = 1 << 20;
