@@ -177,10 +177,7 @@ impl BlockTable {
         let block = self.block(slot);
         debug_assert!(block.state == BlockState::Free, "pooling block {slot}, which is not free");
         self.debug_assert_links(slot);
-        if block.is_split() {
-            stats.inactive_split.update(pool, 1);
-            stats.inactive_split_bytes.update(pool, signed(block.size));
-        }
+        count_inactive_split(stats, pool, block, 1);
         let inserted = self.pool_set(pool).insert(key);
         debug_assert!(inserted, "block {slot} was already in its pool");
     }
@@ -189,11 +186,7 @@ impl BlockTable {
     pub fn pool_remove(&mut self, slot: u32, stats: &mut MemoryStats) {
         let pool = self.segment_pool(slot);
         let key = self.key(slot);
-        let block = self.block(slot);
-        if block.is_split() {
-            stats.inactive_split.update(pool, -1);
-            stats.inactive_split_bytes.update(pool, -(signed(block.size)));
-        }
+        count_inactive_split(stats, pool, self.block(slot), -1);
         let removed = self.pool_set(pool).remove(&key);
         debug_assert!(removed, "block {slot} was not in its pool (its key changed while pooled?)");
     }
@@ -276,5 +269,18 @@ impl BlockTable {
             cursor = self.block(slot).next;
         }
         out
+    }
+}
+
+/// The one rule for the inactive-split statistics (PyTorch's `inactive_split`): a cached block —
+/// free in a pool, or parked — counts while it has a neighbour in its segment. Every change that
+/// makes a block cached or not, or gives a cached block a neighbour or takes one away, calls this
+/// before (`sign` −1) and after (`sign` +1) or once with the sign of the change. Inlined, so the
+/// parking fast path pays nothing for sharing it.
+#[inline(always)]
+pub(super) fn count_inactive_split(stats: &mut MemoryStats, pool: PoolKind, block: &Block, sign: i64) {
+    if block.is_split() {
+        stats.inactive_split.update(pool, sign);
+        stats.inactive_split_bytes.update(pool, sign * signed(block.size));
     }
 }

@@ -20,9 +20,9 @@
 //!   IPC cannot share such memory; wick offers no IPC, so the trade is fragmentation (lower here,
 //!   measured in BENCHMARKS.md) against one driver mapping call per page of growth.
 
-use super::blocks::{Block, BlockState, Segment};
+use super::blocks::{count_inactive_split, Block, BlockState, Segment};
 use super::history::Action;
-use super::state::{NewSegmentError, State};
+use super::state::{NewSegmentError, Request, State};
 use crate::backend::{Backend, BackendError};
 use crate::error::{MemoryError, Result};
 use crate::stats::{signed, PoolKind};
@@ -33,22 +33,15 @@ impl State {
     /// counts as inactive-split only while it has a neighbour, so its count is taken out before the
     /// change and put back after.
     fn relink(&mut self, slot: u32, change: impl FnOnce(&mut Block)) {
-        let (state, size, pool) = {
-            let b = self.table.block(slot);
-            (b.state.clone(), signed(b.size), b.pool)
-        };
-        let cached = matches!(state, BlockState::Free | BlockState::Parked);
-        let count = |stats: &mut crate::stats::MemoryStats, split: bool, sign: i64| {
-            if cached && split {
-                stats.inactive_split.update(pool, sign);
-                stats.inactive_split_bytes.update(pool, sign * size);
-            }
-        };
-        let was_split = self.table.block(slot).is_split();
-        count(&mut self.stats, was_split, -1);
+        let b = self.table.block(slot);
+        let (cached, pool) = (matches!(b.state, BlockState::Free | BlockState::Parked), b.pool);
+        if cached {
+            count_inactive_split(&mut self.stats, pool, self.table.block(slot), -1);
+        }
         change(self.table.block_mut(slot));
-        let now_split = self.table.block(slot).is_split();
-        count(&mut self.stats, now_split, 1);
+        if cached {
+            count_inactive_split(&mut self.stats, pool, self.table.block(slot), 1);
+        }
     }
 
     fn page_size(&self, pool: PoolKind) -> usize {
@@ -72,10 +65,9 @@ impl State {
     pub(super) fn grow_expandable(
         &mut self,
         backend: &dyn Backend,
-        pool: PoolKind,
-        stream: StreamId,
-        rounded: usize,
+        req: &Request,
     ) -> std::result::Result<u32, NewSegmentError> {
+        let (pool, stream, rounded) = (req.pool, req.stream, req.rounded);
         let page = self.page_size(pool);
         let seg_index = match self.expandable_segment(pool, stream) {
             Some(index) => index,

@@ -24,7 +24,7 @@ use crate::snapshot::{BlockSnapshot, BlockStateName, SegmentSnapshot, Snapshot};
 use crate::stats::{MemoryStats, PoolKind};
 use crate::stream::StreamId;
 use blocks::BlockState;
-use state::State;
+use state::{Request, State};
 
 /// Alignment every block has: blocks start at multiples of the 512 B rounding inside segments
 /// whose own alignment is at least that.
@@ -142,7 +142,7 @@ impl<B: Backend> CachingAllocator<B> {
 
     /// Validates a request and returns its rounded size. Called with the state lock held so the
     /// hot path takes the lock once.
-    fn check_request(&self, config: &AllocatorConfig, request: &AllocRequest) -> Result<usize> {
+    fn check_request(&self, config: &AllocatorConfig, request: &AllocRequest) -> Result<Request> {
         if request.size == 0 {
             return Err(MemoryError::ZeroSize);
         }
@@ -169,7 +169,7 @@ impl<B: Backend> CachingAllocator<B> {
         if rounded > self.backend.capacity() || segment > self.backend.capacity() {
             return Err(too_large());
         }
-        Ok(rounded)
+        Ok(Request::new(config, request.size, rounded, request.stream))
     }
 
     fn owned_slot(&self, state: &State, block: &RawBlock) -> Result<u32> {
@@ -198,8 +198,8 @@ unsafe impl<B: crate::backend::HostMemoryBackend> crate::resource::HostResource 
 impl<B: Backend> MemoryResource for CachingAllocator<B> {
     fn allocate_raw(&self, request: AllocRequest) -> Result<RawBlock> {
         let mut state = self.lock();
-        let rounded = self.check_request(&state.config, &request)?;
-        let slot = state.malloc(&self.backend, rounded, request.size, request.stream)?;
+        let req = self.check_request(&state.config, &request)?;
+        let slot = state.malloc(&self.backend, &req)?;
         let b = state.table.block(slot);
         Ok(RawBlock {
             owner: self.id(),

@@ -37,6 +37,27 @@ pub(crate) struct State {
     pub(super) alloc_counter: u64,
 }
 
+/// One allocation request as the policy sees it (PyTorch's `AllocParams`): made once per malloc
+/// and carried down the whole fallback chain, so each size keeps one name.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Request {
+    /// The user's bytes.
+    pub requested: usize,
+    /// The block size they round to ([`AllocatorConfig::round_size`]).
+    pub rounded: usize,
+    /// The stream the block is for.
+    pub stream: StreamId,
+    /// The pool that block size belongs to.
+    pub pool: PoolKind,
+}
+
+impl Request {
+    pub fn new(config: &AllocatorConfig, requested: usize, rounded: usize, stream: StreamId) -> Self {
+        let pool = if config.is_small(rounded) { PoolKind::Small } else { PoolKind::Large };
+        Request { requested, rounded, stream, pool }
+    }
+}
+
 /// Where a block for a request came from.
 pub(super) enum Found {
     Cached(u32),
@@ -74,51 +95,57 @@ impl State {
         }
     }
 
-    /// Allocates a block of at least `rounded` bytes for `requested` user bytes on `stream`.
-    pub fn malloc(&mut self, backend: &dyn Backend, rounded: usize, requested: usize, stream: StreamId) -> Result<u32> {
-        let pool = if self.config.is_small(rounded) { PoolKind::Small } else { PoolKind::Large };
+    /// Allocates a block for `req`, down one fallback chain, cheapest first: an exact-size
+    /// parked block (small pool); a cached block ([`State::cached_block`]); a new segment, with
+    /// PyTorch's release order on a miss ([`State::allocate_with_release`]).
+    pub fn malloc(&mut self, backend: &dyn Backend, req: &Request) -> Result<u32> {
         self.alloc_counter += 1;
-        if !self.streams_seen.contains(&stream.0) {
-            backend.check_stream(stream).map_err(|e| MemoryError::Backend(e.to_string()))?;
-            self.streams_seen.insert(stream.0);
+        if !self.streams_seen.contains(&req.stream.0) {
+            backend.check_stream(req.stream).map_err(|e| MemoryError::Backend(e.to_string()))?;
+            self.streams_seen.insert(req.stream.0);
         }
         self.process_events(backend)?;
-        if pool == PoolKind::Small {
-            if let Some(slot) = self.take_parked(stream, rounded) {
-                self.split_and_activate(slot, pool, rounded, requested, stream);
-                return Ok(slot);
+        let parked = if req.pool == PoolKind::Small { self.take_parked(req.stream, req.rounded) } else { None };
+        let slot = match parked {
+            Some(slot) => slot,
+            None => {
+                let found = match self.cached_block(backend, req)? {
+                    Some(slot) => Found::Cached(slot),
+                    None => self.allocate_with_release(backend, req)?,
+                };
+                match found {
+                    Found::Cached(slot) => {
+                        self.table.pool_remove(slot, &mut self.stats);
+                        slot
+                    }
+                    Found::NewSegment(slot) => slot,
+                }
             }
-        }
-
-        let mut cached = self.find_cached(pool, stream, rounded);
-        if cached.is_none() && pool == PoolKind::Small && !self.parked.is_empty() {
-            // Merge the parked blocks back before deciding that a new segment is needed.
-            self.flush_parked();
-            cached = self.find_cached(pool, stream, rounded);
-        }
-        let found = match cached {
-            Some(slot) => Found::Cached(slot),
-            None => if self.harvest_cross_stream(backend, stream)? {
-                self.find_cached(pool, stream, rounded).map(Found::Cached)
-            } else {
-                None
-            }
-            .map_or_else(|| self.allocate_with_release(backend, pool, stream, rounded, requested), Ok)?,
         };
-        let slot = match found {
-            Found::Cached(slot) => {
-                self.table.pool_remove(slot, &mut self.stats);
-                slot
-            }
-            Found::NewSegment(slot) => slot,
-        };
-        self.split_and_activate(slot, pool, rounded, requested, stream);
+        self.split_and_activate(slot, req);
         Ok(slot)
+    }
+
+    /// A cached block for `req` (still in its pool): the best fit; failing that, the best fit
+    /// after merging the parked small blocks back; failing that, after harvesting the blocks
+    /// other streams have finished with.
+    fn cached_block(&mut self, backend: &dyn Backend, req: &Request) -> Result<Option<u32>> {
+        if let Some(slot) = self.find_cached(req) {
+            return Ok(Some(slot));
+        }
+        if req.pool == PoolKind::Small && !self.parked.is_empty() {
+            self.flush_parked();
+            if let Some(slot) = self.find_cached(req) {
+                return Ok(Some(slot));
+            }
+        }
+        Ok(if self.harvest_cross_stream(backend, req.stream)? { self.find_cached(req) } else { None })
     }
 
     /// Best fit among blocks tagged for this stream and blocks safe on any stream, honouring the
     /// `max_split_size` rules (an oversize block serves only requests close to its size).
-    fn find_cached(&self, pool: PoolKind, stream: StreamId, rounded: usize) -> Option<u32> {
+    fn find_cached(&self, req: &Request) -> Option<u32> {
+        let (pool, stream, rounded) = (req.pool, req.stream, req.rounded);
         let acceptable = |size: usize| {
             let max_split = self.config.max_split_size;
             if rounded < max_split && size >= max_split {
@@ -136,14 +163,8 @@ impl State {
 
     /// PyTorch's release order on a miss: GC → new segment → free oversize cached blocks →
     /// release every unused segment (synchronising streams) → retry → out-of-memory.
-    fn allocate_with_release(
-        &mut self,
-        backend: &dyn Backend,
-        pool: PoolKind,
-        stream: StreamId,
-        rounded: usize,
-        requested: usize,
-    ) -> Result<Found> {
+    fn allocate_with_release(&mut self, backend: &dyn Backend, req: &Request) -> Result<Found> {
+        let (pool, stream, rounded, requested) = (req.pool, req.stream, req.rounded, req.requested);
         if self.config.garbage_collection_threshold.is_some() {
             self.garbage_collect(backend)?;
         }
@@ -154,7 +175,7 @@ impl State {
         let expandable = self.config.expandable_segments;
         let grow = |state: &mut Self| {
             if expandable {
-                state.grow_expandable(backend, pool, stream, rounded).map(Found::Cached)
+                state.grow_expandable(backend, req).map(Found::Cached)
             } else {
                 state.new_segment(backend, segment_size, pool, stream).map(Found::NewSegment)
             }
@@ -167,7 +188,7 @@ impl State {
             self.release_cached(backend)?;
             self.stats.num_alloc_retries += 1;
             // Synchronising made every cached block safe on any stream; one may fit now.
-            if let Some(slot) = self.find_cached(pool, stream, rounded) {
+            if let Some(slot) = self.find_cached(req) {
                 return Ok(Found::Cached(slot));
             }
             outcome = grow(self);
@@ -244,7 +265,8 @@ impl State {
     }
 
     /// Splits off the unused tail when worthwhile (PyTorch's `should_split`) and hands out the block.
-    fn split_and_activate(&mut self, slot: u32, pool: PoolKind, rounded: usize, requested: usize, stream: StreamId) {
+    fn split_and_activate(&mut self, slot: u32, req: &Request) {
+        let (pool, rounded, requested, stream) = (req.pool, req.rounded, req.requested, req.stream);
         let (size, addr) = {
             let b = self.table.block(slot);
             (b.size, b.addr)
