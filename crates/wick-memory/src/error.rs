@@ -50,9 +50,10 @@ pub enum MemoryError {
     /// A configuration value is malformed or out of range.
     #[error("invalid allocator configuration: {0}")]
     InvalidConfig(String),
-    /// The backend (driver) failed in a way that is not out-of-memory.
+    /// The backend (driver) failed in a way that is not out-of-memory (kept as its typed
+    /// [`BackendError`](crate::BackendError), which is the error's source).
     #[error("backend error: {0}")]
-    Backend(String),
+    Backend(#[from] crate::backend::BackendError),
     /// The device or driver is missing or too old.
     #[error("device unavailable: {0}")]
     Unavailable(String),

@@ -82,10 +82,10 @@ impl GovernedCuda {
                 match op(&self.device) {
                     Ok(value) => Ok(value),
                     Err(e) if crate::is_out_of_memory(&e) => Err(self.pool.out_of_memory(bytes)),
-                    Err(e) => Err(MemoryError::Backend(e.to_string())),
+                    Err(e) => Err(MemoryError::Backend(wick_memory::BackendError::Other(e.to_string()))),
                 }
             }
-            Err(e) => Err(MemoryError::Backend(e.to_string())),
+            Err(e) => Err(MemoryError::Backend(wick_memory::BackendError::Other(e.to_string()))),
         }
     }
 }

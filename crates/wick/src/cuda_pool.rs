@@ -58,7 +58,7 @@ unsafe impl Send for DriverPool {}
 unsafe impl Sync for DriverPool {}
 
 fn driver(e: cudarc::driver::DriverError) -> MemoryError {
-    MemoryError::Backend(e.to_string())
+    MemoryError::Backend(wick_memory::BackendError::Other(e.to_string()))
 }
 
 impl DriverPool {
@@ -104,10 +104,10 @@ impl DriverPool {
             let _ = POOLS.remove(&Driver, ctx.cu_device(), pool as usize);
             // SAFETY: the pool was just created and nothing has allocated from it.
             let _ = unsafe { result::mem_pool::destroy(pool) };
-            return Err(MemoryError::Backend(format!(
+            return Err(MemoryError::Backend(wick_memory::BackendError::Other(format!(
                 "cuda:{}: the driver did not install wick's pool",
                 ctx.ordinal()
-            )));
+            ))));
         }
         Ok(DriverPool { ctx, pool, limit })
     }

@@ -63,7 +63,7 @@ fn replay_wick(trace: &Trace, expandable: bool) -> Result<(f64, usize, usize), M
                 }
             }
         }
-        a.backend().synchronize().map_err(|e| MemoryError::Backend(e.to_string()))?;
+        a.backend().synchronize()?;
         if pass == 1 {
             timed = start.elapsed().as_secs_f64();
         }
@@ -75,9 +75,9 @@ fn replay_wick(trace: &Trace, expandable: bool) -> Result<(f64, usize, usize), M
 fn replay_raw_async(trace: &Trace) -> Result<f64, MemoryError> {
     use cudarc::driver::result;
     let ctx = open_device(0)?;
-    ctx.bind_to_thread().map_err(|e| MemoryError::Backend(e.to_string()))?;
+    ctx.bind_to_thread().map_err(|e| MemoryError::Backend(wick_memory::BackendError::Other(e.to_string())))?;
     let s0 = ctx.default_stream();
-    let s1 = ctx.new_stream().map_err(|e| MemoryError::Backend(e.to_string()))?;
+    let s1 = ctx.new_stream().map_err(|e| MemoryError::Backend(wick_memory::BackendError::Other(e.to_string())))?;
     let mut timed = 0.0;
     for pass in 0..2 {
         let mut live = std::collections::HashMap::new();
@@ -87,19 +87,20 @@ fn replay_raw_async(trace: &Trace) -> Result<f64, MemoryError> {
                 TraceOp::Alloc { id, size, stream } => {
                     let s = if *stream == 0 { s0.cu_stream() } else { s1.cu_stream() };
                     // SAFETY: a device allocation on a live stream, freed below on the same stream.
-                    let ptr =
-                        unsafe { result::malloc_async(s, *size) }.map_err(|e| MemoryError::Backend(e.to_string()))?;
+                    let ptr = unsafe { result::malloc_async(s, *size) }
+                        .map_err(|e| MemoryError::Backend(wick_memory::BackendError::Other(e.to_string())))?;
                     live.insert(*id, (ptr, s));
                 }
                 TraceOp::Free { id } => {
                     if let Some((ptr, s)) = live.remove(id) {
                         // SAFETY: freeing an allocation made above, once.
-                        unsafe { result::free_async(ptr, s) }.map_err(|e| MemoryError::Backend(e.to_string()))?;
+                        unsafe { result::free_async(ptr, s) }
+                            .map_err(|e| MemoryError::Backend(wick_memory::BackendError::Other(e.to_string())))?;
                     }
                 }
             }
         }
-        ctx.synchronize().map_err(|e| MemoryError::Backend(e.to_string()))?;
+        ctx.synchronize().map_err(|e| MemoryError::Backend(wick_memory::BackendError::Other(e.to_string())))?;
         if pass == 1 {
             timed = start.elapsed().as_secs_f64();
         }

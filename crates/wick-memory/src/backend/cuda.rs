@@ -69,8 +69,9 @@ impl CudaBackend {
 
     /// Over an existing context (shared with candle, for example).
     pub fn from_context(ctx: Arc<CudaContext>) -> Result<Self, MemoryError> {
-        ctx.bind_to_thread().map_err(|e| MemoryError::Backend(e.to_string()))?;
-        let (_, total) = result::mem_get_info().map_err(|e| MemoryError::Backend(e.to_string()))?;
+        ctx.bind_to_thread().map_err(|e| MemoryError::Backend(BackendError::Other(e.to_string())))?;
+        let (_, total) =
+            result::mem_get_info().map_err(|e| MemoryError::Backend(BackendError::Other(e.to_string())))?;
         let mut tables = Tables::default();
         tables.streams.insert(StreamId::DEFAULT.0, ctx.default_stream());
         Ok(CudaBackend { ctx, capacity: total, in_segments: AtomicUsize::new(0), tables: Mutex::new(tables) })
@@ -87,7 +88,7 @@ impl CudaBackend {
 
     /// Creates a stream and returns its id.
     pub fn create_stream(&self) -> Result<StreamId, MemoryError> {
-        let stream = self.ctx.new_stream().map_err(|e| MemoryError::Backend(e.to_string()))?;
+        let stream = self.ctx.new_stream().map_err(|e| MemoryError::Backend(BackendError::Other(e.to_string())))?;
         let mut tables = self.lock();
         let id = tables.streams.keys().max().copied().unwrap_or(0) + 1;
         tables.streams.insert(id, stream);

@@ -46,6 +46,8 @@ impl std::fmt::Display for BackendError {
     }
 }
 
+impl std::error::Error for BackendError {}
+
 /// Source of raw segments. Implementations are thread-safe; the allocator serialises its own
 /// calls but several allocators may share a device.
 pub trait Backend: Send + Sync {

@@ -24,7 +24,7 @@ use super::blocks::{count_inactive_split, Block, BlockState, Segment};
 use super::history::Action;
 use super::state::{NewSegmentError, Request, State};
 use crate::backend::{Backend, BackendError};
-use crate::error::{MemoryError, Result};
+use crate::error::Result;
 use crate::stats::{signed, PoolKind};
 use crate::stream::StreamId;
 
@@ -75,7 +75,7 @@ impl State {
                 let span = backend.capacity().div_ceil(page).saturating_mul(page);
                 let addr = backend.reserve_address_space(span).map_err(|e| match e {
                     BackendError::OutOfMemory => NewSegmentError::DeviceFull,
-                    other => NewSegmentError::Backend(other.to_string()),
+                    other => NewSegmentError::Backend(other),
                 })?;
                 let seg = Segment { addr, size: 0, reservation: Some(span), stream, pool, first_block: u32::MAX };
                 let index = self.table.segments.insert(seg);
@@ -108,7 +108,7 @@ impl State {
         // SAFETY: [at, at + need) lies inside this segment's reservation, past its mapped prefix.
         unsafe { backend.map_range(at, need) }.map_err(|e| match e {
             BackendError::OutOfMemory => NewSegmentError::DeviceFull,
-            other => NewSegmentError::Backend(other.to_string()),
+            other => NewSegmentError::Backend(other),
         })?;
         self.stats.reserved_bytes.update(pool, signed(need));
         self.stats.num_device_alloc += 1;
@@ -171,8 +171,7 @@ impl State {
                     if keep < seg.size {
                         let unmap = seg.size - keep;
                         // SAFETY: whole pages at the end of the mapping, inside a free block.
-                        unsafe { backend.unmap_range(seg.addr + keep as u64, unmap) }
-                            .map_err(|e| MemoryError::Backend(e.to_string()))?;
+                        unsafe { backend.unmap_range(seg.addr + keep as u64, unmap) }?;
                         self.table.pool_remove(tail, &mut self.stats);
                         if keep > offset {
                             self.table.block_mut(tail).size = keep - offset;

@@ -226,7 +226,7 @@ impl<B: Backend> MemoryResource for CachingAllocator<B> {
         let mut state = self.lock();
         let slot = self.owned_slot(&state, block)?;
         if !state.streams_seen.contains(&stream.0) {
-            self.backend.check_stream(stream).map_err(|e| MemoryError::Backend(e.to_string()))?;
+            self.backend.check_stream(stream)?;
         }
         state.record_stream(slot, stream);
         Ok(())

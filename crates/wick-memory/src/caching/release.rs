@@ -15,7 +15,7 @@ use super::blocks::{Segment, SHARED};
 use super::history::Action;
 use super::state::State;
 use crate::backend::Backend;
-use crate::error::{MemoryError, Result};
+use crate::error::Result;
 use crate::stats::{signed, PoolKind};
 use crate::stream::StreamId;
 
@@ -54,7 +54,7 @@ impl State {
 
     /// Synchronises all streams, then returns every segment that holds no live block.
     pub fn release_cached(&mut self, backend: &dyn Backend) -> Result<(usize, usize)> {
-        backend.synchronize().map_err(|e| MemoryError::Backend(e.to_string()))?;
+        backend.synchronize()?;
         self.stats.num_sync_all_streams += 1;
         self.process_events(backend)?;
         self.flush_parked();
@@ -83,7 +83,7 @@ impl State {
         let Some(segment) = self.table.segments.get(seg_index).cloned() else { return Ok(0) };
         // SAFETY: the segment came from this backend, its one block is free (no user holds it),
         // and it is removed from the table right after, so it is freed exactly once.
-        unsafe { backend.free_segment(segment.addr, segment.size) }.map_err(|e| MemoryError::Backend(e.to_string()))?;
+        unsafe { backend.free_segment(segment.addr, segment.size) }?;
         self.table.pool_remove(slot, &mut self.stats);
         self.table.remove_block(slot);
         self.table.segments.remove(seg_index);

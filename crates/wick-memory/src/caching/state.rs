@@ -101,7 +101,7 @@ impl State {
     pub fn malloc(&mut self, backend: &dyn Backend, req: &Request) -> Result<u32> {
         self.alloc_counter += 1;
         if !self.streams_seen.contains(&req.stream.0) {
-            backend.check_stream(req.stream).map_err(|e| MemoryError::Backend(e.to_string()))?;
+            backend.check_stream(req.stream)?;
             self.streams_seen.insert(req.stream.0);
         }
         self.process_events(backend)?;
@@ -230,7 +230,7 @@ impl State {
         let addr = match backend.allocate_segment(size, stream) {
             Ok(addr) => addr,
             Err(BackendError::OutOfMemory) => return Err(NewSegmentError::DeviceFull),
-            Err(other) => return Err(NewSegmentError::Backend(other.to_string())),
+            Err(other) => return Err(NewSegmentError::Backend(other)),
         };
         let segment =
             self.table.segments.insert(Segment { addr, size, reservation: None, stream, pool, first_block: u32::MAX });
@@ -426,7 +426,7 @@ impl State {
 pub(super) enum NewSegmentError {
     Capped,
     DeviceFull,
-    Backend(String),
+    Backend(BackendError),
 }
 
 fn too_large(backend: &dyn Backend, requested: usize) -> MemoryError {

@@ -4,7 +4,7 @@
 use super::blocks::{BlockState, SHARED};
 use super::state::State;
 use crate::backend::Backend;
-use crate::error::{MemoryError, Result};
+use crate::error::Result;
 use crate::stream::{EventId, StreamId};
 
 impl State {
@@ -30,7 +30,7 @@ impl State {
             let BlockState::PendingFree(events) = &self.table.block(slot).state else { continue };
             let mut done = true;
             for event in events {
-                done &= backend.event_completed(*event).map_err(|e| MemoryError::Backend(e.to_string()))?;
+                done &= backend.event_completed(*event)?;
             }
             if done {
                 for event in events.clone() {
@@ -52,7 +52,7 @@ impl State {
         let mut moved = false;
         let recorded: Vec<(u64, EventId, u64)> = self.harvest.iter().map(|(s, (e, n))| (*s, *e, *n)).collect();
         for (other, event, epoch) in recorded {
-            if backend.event_completed(event).map_err(|e| MemoryError::Backend(e.to_string()))? {
+            if backend.event_completed(event)? {
                 backend.destroy_event(event);
                 self.harvest.remove(&other);
                 for slot in self.table.free_with_tag(other) {
