@@ -19,6 +19,7 @@ pub mod ops;
 pub mod params;
 pub mod pth;
 pub mod resnet;
+pub mod train;
 pub mod vit;
 pub mod weights;
 

@@ -42,6 +42,15 @@ pub enum ScalerError {
     Candle(#[from] candle_core::Error),
 }
 
+/// A loss scaler's position: what [`GradScaler::load_state`] needs to continue exactly.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ScalerState {
+    /// The current scale.
+    pub scale: f64,
+    /// Clean steps in a row since the scale last changed.
+    pub growth_tracker: u32,
+}
+
 /// What `step` did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepOutcome {
@@ -90,6 +99,22 @@ impl GradScaler {
     /// Clean steps since the scale last changed.
     pub fn growth_tracker(&self) -> u32 {
         self.growth_tracker
+    }
+
+    /// The scaler's position, to save with a checkpoint (call between steps).
+    pub fn state(&self) -> ScalerState {
+        ScalerState { scale: self.scale, growth_tracker: self.growth_tracker }
+    }
+
+    /// Continues from a saved position: the scale must be finite and positive.
+    pub fn load_state(&mut self, state: ScalerState) -> Result<(), ScalerError> {
+        if !(state.scale.is_finite() && state.scale > 0.0) {
+            return Err(ScalerError::InvalidConfig(format!("saved scale {}", state.scale)));
+        }
+        self.scale = state.scale;
+        self.growth_tracker = state.growth_tracker;
+        self.found_inf = None;
+        Ok(())
     }
 
     /// The loss multiplied by the scale, to call `backward` on.

@@ -219,6 +219,93 @@ impl MasterWeights {
     }
 }
 
+/// Everything [`MasterWeights`] needs to continue exactly where it was: the step count (AdamW's
+/// bias corrections) and, per parameter, the f32 master and the f32 optimizer state.
+#[derive(Debug, Clone)]
+pub struct MasterState {
+    /// Optimizer steps taken.
+    pub step: u64,
+    /// Each parameter's f32 master, in the order of the vars.
+    pub masters: Vec<Tensor>,
+    /// Each parameter's optimizer state: SGD's momentum buffer, or AdamW's two moments (f32).
+    pub states: Vec<Vec<Tensor>>,
+}
+
+impl MasterWeights {
+    /// The optimizer steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// The optimizer rule and settings.
+    pub fn optimizer(&self) -> MasterOptimizer {
+        self.optimizer
+    }
+
+    /// Sets the learning rate of the next steps (a schedule's step; the rest of the settings
+    /// stay).
+    pub fn set_learning_rate(&mut self, rate: f64) {
+        match &mut self.optimizer {
+            MasterOptimizer::SgdMomentum { lr, .. } | MasterOptimizer::AdamW { lr, .. } => *lr = rate,
+        }
+    }
+
+    /// A copy of the whole state (own storage: later steps do not change it).
+    pub fn state(&self) -> Result<MasterState> {
+        let masters = self.entries.iter().map(|e| e.master.copy()).collect::<Result<Vec<_>>>()?;
+        let states = self
+            .entries
+            .iter()
+            .map(|e| e.state.iter().map(|t| t.copy()).collect::<Result<Vec<_>>>())
+            .collect::<Result<Vec<_>>>()?;
+        Ok(MasterState { step: self.step, masters, states })
+    }
+
+    /// Continues from `state` (from [`MasterWeights::state`] for the same parameters and
+    /// optimizer): masters, optimizer state and step count are replaced and every parameter is
+    /// set to its master (rounded to the parameter's dtype). Everything is checked first: a
+    /// refused state changes nothing.
+    pub fn load_state(&mut self, state: &MasterState) -> Result<()> {
+        let n = self.entries.len();
+        if state.masters.len() != n || state.states.len() != n {
+            candle_core::bail!(
+                "optimizer state for {} masters and {} states, this optimizer has {n} parameters",
+                state.masters.len(),
+                state.states.len()
+            );
+        }
+        for (i, ((e, m), s)) in self.entries.iter().zip(&state.masters).zip(&state.states).enumerate() {
+            if m.dims() != e.master.dims() {
+                candle_core::bail!("master {i} has shape {:?}, its parameter {:?}", m.dims(), e.master.dims());
+            }
+            if s.len() != e.state.len() || s.iter().any(|t| t.dims() != e.master.dims()) {
+                candle_core::bail!(
+                    "optimizer state {i}: {} tensors of shapes {:?}, expected {} of {:?}",
+                    s.len(),
+                    s.iter().map(|t| t.dims().to_vec()).collect::<Vec<_>>(),
+                    e.state.len(),
+                    e.master.dims()
+                );
+            }
+        }
+        for ((e, m), s) in self.entries.iter_mut().zip(&state.masters).zip(&state.states) {
+            let device = e.master.device().clone();
+            let master = m.to_device(&device)?.to_dtype(DType::F32)?.copy()?;
+            if e.model.dtype() == DType::F32 {
+                // Its own master: the parameter takes the value and the master shares it again.
+                e.model.set(&master)?;
+                e.master = e.model.as_tensor().detach();
+            } else {
+                e.model.set(&master.to_dtype(e.model.dtype())?)?;
+                e.master = master.detach();
+            }
+            e.state = s.iter().map(|t| t.to_device(&device)?.to_dtype(DType::F32)?.copy()).collect::<Result<_>>()?;
+        }
+        self.step = state.step;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

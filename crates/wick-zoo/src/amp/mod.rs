@@ -13,8 +13,8 @@ mod master;
 mod updater;
 
 pub use crate::autocast::Autocast;
-pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, StepOutcome};
-pub use master::{masters_by_name, MasterOptimizer, MasterWeights};
+pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, ScalerState, StepOutcome};
+pub use master::{masters_by_name, MasterOptimizer, MasterState, MasterWeights};
 pub use updater::Updater;
 
 use candle_core::backprop::GradStore;
