@@ -3,7 +3,10 @@
 //! - `wick replay TRACE.json…`: replays allocation traces through a policy and backend and prints
 //!   peak allocated, peak reserved, fragmentation, retries, OOMs and ops/s;
 //! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON;
-//! - `wick convert-pth IN.pth OUT.safetensors`: converts a legacy PyTorch checkpoint safely.
+//! - `wick convert-pth IN.pth OUT.safetensors`: converts a legacy PyTorch checkpoint safely;
+//! - `wick train --dir DIR [--resume]`: a training run with checkpoints and exact resume.
+
+mod train;
 
 use std::path::PathBuf;
 
@@ -14,7 +17,7 @@ use wick_memory::{AllocatorConfig, CachingAllocator, HostBackend};
 use wick_trace::{replay, replay_simulated, workloads, ReplayReport, Trace};
 
 #[derive(Parser)]
-#[command(name = "wick", about = "wick memory tools")]
+#[command(name = "wick", about = "wick: memory tools and long training runs")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -61,6 +64,9 @@ enum Command {
         /// The safetensors file to write.
         output: PathBuf,
     },
+    /// Train a LLaMA-style decoder on a seeded synthetic language with checkpoints: `--resume`
+    /// continues exactly from the newest; SIGTERM saves and exits 0.
+    Train(train::TrainArgs),
 }
 
 fn main() -> Result<()> {
@@ -99,6 +105,7 @@ fn main() -> Result<()> {
             let n = wick_zoo::pth::convert_to_safetensors(&input, &output)?;
             println!("wrote {n} tensors to {}", output.display());
         }
+        Command::Train(args) => train::run(&args)?,
         Command::Traces { dir } => {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             for trace in workloads::standard_suite() {

@@ -101,8 +101,17 @@ fn hex(bytes: &[u8]) -> String {
 
 impl CheckpointDir {
     /// The checkpoints in `dir` (created when missing), keeping the newest `keep` (at least 1).
+    /// Temporary files a killed writer left behind are removed (one run writes to a folder).
     pub fn new(dir: &Path, keep: usize) -> Result<Self, ZooError> {
         std::fs::create_dir_all(dir).map_err(|e| file_error(dir, e))?;
+        let entries = std::fs::read_dir(dir).map_err(|e| file_error(dir, e))?;
+        for entry in entries.filter_map(|e| e.ok()) {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(".step-") && name.contains(".tmp-") {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
         Ok(CheckpointDir { dir: dir.to_path_buf(), keep: keep.max(1) })
     }
 

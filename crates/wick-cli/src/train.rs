@@ -1,0 +1,232 @@
+//! `wick train`: a long training run outside the notebook — a LLaMA-style decoder on a seeded
+//! synthetic language — that saves training checkpoints as it goes, continues exactly from the
+//! newest with `--resume` (bit for bit on the CPU: the same losses and final weights as a run
+//! that was never stopped), and on SIGTERM finishes its step, saves and exits 0.
+//!
+//! The folder holds the checkpoints (`step-*.json` + `.safetensors`), `metrics.jsonl` (one line
+//! per step: step, loss, learning rate, milliseconds, resident bytes) and, when the run ends,
+//! `final.json` (steps, last loss, SHA-256 of every f32 master).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::Args;
+use sha2::{Digest, Sha256};
+use wick_zoo::amp::{masters_by_name, Autocast, MasterOptimizer};
+use wick_zoo::llama::{Llama, LlamaConfig};
+use wick_zoo::train::{CheckpointDir, LrSchedule, TrainOptions, Trainer};
+
+/// Settings of `wick train`.
+#[derive(Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// Folder for checkpoints, metrics and the final summary (created when missing).
+    #[arg(long)]
+    dir: PathBuf,
+    /// Training steps in all.
+    #[arg(long, default_value_t = 200)]
+    steps: u64,
+    /// Save a checkpoint every this many steps (and at the end).
+    #[arg(long, default_value_t = 20)]
+    save_every: u64,
+    /// Checkpoints kept.
+    #[arg(long, default_value_t = 3)]
+    keep: usize,
+    /// Continue from the newest usable checkpoint in --dir (an error when there is none).
+    #[arg(long)]
+    resume: bool,
+    /// Mixed precision: off, bf16 or f16.
+    #[arg(long, default_value = "off")]
+    precision: String,
+    /// Seed of the data (the initial weights are the zoo's seeded ones).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 32)]
+    seq: usize,
+    /// Micro-batches per step (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    accumulate: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// Decoder layers.
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    /// Peak learning rate (AdamW).
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f64,
+    /// Warm-up steps (then cosine decay to a tenth at the last step).
+    #[arg(long, default_value_t = 10)]
+    warmup: u64,
+    /// Recompute each layer in backward instead of keeping its activations.
+    #[arg(long)]
+    checkpointing: bool,
+}
+
+const VOCAB: usize = 32;
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+/// SIGTERM sets a flag the loop reads after each step (an atomic store: async-signal-safe).
+fn on_sigterm() -> Result<()> {
+    // SAFETY: the action only stores to an atomic, which is async-signal-safe.
+    unsafe { signal_hook_registry::register(libc::SIGTERM, || STOP.store(true, Ordering::SeqCst)) }
+        .context("installing the SIGTERM handler")?;
+    Ok(())
+}
+
+/// The seeded language: each sequence repeats a short motif chosen by the seed, the step and the
+/// sequence, with one token in eight replaced — learnable, and a pure function of (seed, step,
+/// micro-batch), which is the data position a checkpoint records.
+fn batch(args: &TrainArgs, step: u64, micro: usize) -> Result<Tensor> {
+    let mut state =
+        args.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (micro as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut next = || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (state >> 33) as usize
+    };
+    let mut ids = Vec::with_capacity(args.batch * args.seq);
+    for _ in 0..args.batch {
+        let motif: Vec<usize> = (0..3 + next() % 4).map(|_| next() % VOCAB).collect();
+        for t in 0..args.seq {
+            let noise = next();
+            ids.push(if noise % 8 == 0 { noise / 8 % VOCAB } else { motif[t % motif.len()] } as u32);
+        }
+    }
+    Ok(Tensor::from_vec(ids, (args.batch, args.seq), &Device::Cpu)?)
+}
+
+/// Keeps the metrics lines of steps up to `step` (the rest were taken again after a resume).
+fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let kept: String = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= step)
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    wick::files::write_atomic(path, kept.as_bytes()).with_context(|| format!("rewriting {}", path.display()))
+}
+
+/// SHA-256 over every f32 master, in parameter order.
+fn masters_digest(trainer: &Trainer<Llama>) -> Result<String> {
+    let mut hash = Sha256::new();
+    for i in 0.. {
+        let Some(m) = trainer.masters().master(i) else { break };
+        for v in m.flatten_all()?.to_vec1::<f32>()? {
+            hash.update(v.to_le_bytes());
+        }
+    }
+    Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Runs `wick train`.
+pub fn run(args: &TrainArgs) -> Result<()> {
+    if args.steps == 0 || args.batch == 0 || args.seq < 2 || args.accumulate == 0 || args.save_every == 0 {
+        bail!("need at least one step, one sequence of two tokens, one micro-batch and --save-every ≥ 1");
+    }
+    let autocast = Autocast::parse(&args.precision)?;
+    let config = LlamaConfig {
+        hidden_size: args.hidden,
+        num_layers: args.layers,
+        num_heads: 4,
+        intermediate_size: 2 * args.hidden,
+        max_seq: args.seq,
+        ..LlamaConfig::tiny(VOCAB)
+    };
+    let describe = serde_json::json!({"kind": "llama", "config": config, "seed": args.seed, "batch": args.batch,
+        "seq": args.seq, "accumulate": args.accumulate, "steps": args.steps, "warmup": args.warmup});
+    let model = Llama::new(config, autocast.model_dtype(), &Device::Cpu)?;
+    let start = if autocast.enabled() {
+        let f32_model = Llama::new(config, DType::F32, &Device::Cpu)?;
+        Some(masters_by_name(&model.params, &f32_model.params)?)
+    } else {
+        None
+    };
+    let options = TrainOptions {
+        optimizer: MasterOptimizer::AdamW { lr: args.lr, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 },
+        schedule: LrSchedule::WarmupCosine { warmup: args.warmup, total: args.steps, min_factor: 0.1 },
+        autocast,
+        activation_checkpointing: args.checkpointing,
+    };
+    let mut trainer = Trainer::new(model, describe, start.as_deref(), options)?;
+    let checkpoints = CheckpointDir::new(&args.dir, args.keep)?;
+    let metrics_path = args.dir.join("metrics.jsonl");
+    // Temporary files of a run killed while rewriting its metrics or summary.
+    for entry in std::fs::read_dir(&args.dir)?.filter_map(|e| e.ok()) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if (name.starts_with(".metrics.jsonl.tmp-") || name.starts_with(".final.json.tmp-")) && entry.path().is_file() {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+    if args.resume {
+        let resumed = trainer.resume(&checkpoints)?;
+        for why in &resumed.skipped {
+            eprintln!("passed over a damaged checkpoint: {why}");
+        }
+        eprintln!("resumed from {} (step {})", resumed.manifest.display(), resumed.step);
+        truncate_metrics(&metrics_path, resumed.step)?;
+    } else {
+        // A fresh run: nothing of an earlier one may be mistaken for its own.
+        if !checkpoints.steps()?.is_empty() {
+            bail!(
+                "{} holds checkpoints of an earlier run: pass --resume to continue it, or use another --dir",
+                args.dir.display()
+            );
+        }
+        let _ = std::fs::remove_file(&metrics_path);
+    }
+    on_sigterm()?;
+    let mut metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&metrics_path)
+        .with_context(|| format!("opening {}", metrics_path.display()))?;
+    let bar = indicatif::ProgressBar::new(args.steps);
+    bar.set_position(trainer.step());
+    let save = |trainer: &Trainer<Llama>| -> Result<PathBuf> {
+        Ok(trainer.save(&checkpoints, serde_json::json!({"next_batch": trainer.step()}))?)
+    };
+    let mut last_loss = f32::NAN;
+    while trainer.step() < args.steps {
+        let step = trainer.step();
+        let started = Instant::now();
+        let batches = (0..args.accumulate).map(|m| batch(args, step, m)).collect::<Result<Vec<_>>>()?;
+        let record = trainer.train_step(&batches)?;
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        last_loss = record.loss;
+        let rss = wick::host_memory::process_rss();
+        let line =
+            serde_json::json!({"step": record.step, "loss": record.loss, "lr": record.lr, "ms": ms, "rss_bytes": rss});
+        writeln!(metrics, "{line}").and_then(|()| metrics.flush()).context("writing metrics")?;
+        bar.set_position(record.step);
+        bar.set_message(format!("loss {:.4}", record.loss));
+        let stopping = STOP.load(Ordering::SeqCst);
+        if record.step % args.save_every == 0 || record.step == args.steps || stopping {
+            save(&trainer)?;
+        }
+        if stopping {
+            bar.abandon();
+            println!("stopped by SIGTERM after step {} (checkpoint saved)", record.step);
+            return Ok(());
+        }
+    }
+    bar.finish();
+    let summary =
+        serde_json::json!({"steps": trainer.step(), "loss": last_loss, "masters_sha256": masters_digest(&trainer)?});
+    let path = args.dir.join("final.json");
+    wick::files::write_atomic(&path, serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    println!("trained {} steps; final loss {last_loss:.4}; summary in {}", trainer.step(), path.display());
+    Ok(())
+}
