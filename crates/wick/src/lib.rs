@@ -19,6 +19,7 @@ pub mod cuda;
 mod cuda_pool;
 #[cfg(feature = "cuda")]
 pub use cuda_pool::DriverPool;
+pub mod data;
 pub mod engine;
 mod figure;
 pub mod files;
