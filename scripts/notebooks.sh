@@ -19,6 +19,9 @@ evcxr_jupyter --install >/dev/null
 export EVCXR_CONFIG_DIR="$root/target/evcxr-config" XDG_CACHE_HOME="${XDG_CACHE_HOME:-$HOME/.cache}"
 mkdir -p "$EVCXR_CONFIG_DIR" target/notebooks
 printf ':preserve_vars_on_panic 0\n:cache 4000\n' > "$EVCXR_CONFIG_DIR/init.evcxr"
+# The long-jobs notebook starts `wick train` as separate processes.
+cargo build -q -p wick-cli
+export WICK_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/wick"
 status=0
 for nb in examples/notebooks/*.ipynb; do
   name=$(basename "$nb")

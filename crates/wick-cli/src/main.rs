@@ -4,7 +4,9 @@
 //!   peak allocated, peak reserved, fragmentation, retries, OOMs and ops/s;
 //! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON;
 //! - `wick convert-pth IN.pth OUT.safetensors`: converts a legacy PyTorch checkpoint safely;
-//! - `wick train --dir DIR [--resume]`: a training run with checkpoints and exact resume.
+//! - `wick train --dir DIR [--resume] [--detach]`: a training run with checkpoints and exact
+//!   resume, in the foreground or as a job in its own session;
+//! - `wick jobs [stop|status|forget ID]`: the detached runs.
 
 mod train;
 
@@ -67,6 +69,30 @@ enum Command {
     /// Train a LLaMA-style decoder on a seeded synthetic language with checkpoints: `--resume`
     /// continues exactly from the newest; SIGTERM saves and exits 0.
     Train(train::TrainArgs),
+    /// List the jobs started with `--detach` (or `wick::jobs::Job::spawn`), or act on one.
+    Jobs {
+        #[command(subcommand)]
+        action: Option<JobAction>,
+    },
+}
+
+#[derive(Subcommand)]
+enum JobAction {
+    /// Ask a job to finish its step, save a checkpoint and exit (SIGTERM).
+    Stop {
+        /// The job's id.
+        id: String,
+    },
+    /// One job's status, as JSON.
+    Status {
+        /// The job's id.
+        id: String,
+    },
+    /// Remove an ended job from the list (its run folder stays).
+    Forget {
+        /// The job's id.
+        id: String,
+    },
 }
 
 fn main() -> Result<()> {
@@ -106,6 +132,30 @@ fn main() -> Result<()> {
             println!("wrote {n} tensors to {}", output.display());
         }
         Command::Train(args) => train::run(&args)?,
+        Command::Jobs { action: None } => {
+            let jobs = wick::jobs::Job::list()?;
+            if jobs.is_empty() {
+                println!("no jobs");
+            }
+            for mut job in jobs {
+                println!("{}  {}", job.status()?, job.registration().dir.display());
+            }
+        }
+        Command::Jobs { action: Some(JobAction::Stop { id }) } => {
+            let mut job = wick::jobs::Job::attach(&id)?;
+            job.stop()?;
+            println!("asked job {id} to checkpoint and exit");
+        }
+        Command::Jobs { action: Some(JobAction::Status { id }) } => {
+            println!("{}", serde_json::to_string_pretty(&wick::jobs::Job::attach(&id)?.status()?)?);
+        }
+        Command::Jobs { action: Some(JobAction::Forget { id }) } => {
+            let mut job = wick::jobs::Job::attach(&id)?;
+            if job.is_running() {
+                bail!("job {id} is running: stop it first");
+            }
+            job.forget()?;
+        }
         Command::Traces { dir } => {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             for trace in workloads::standard_suite() {

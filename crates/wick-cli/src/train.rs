@@ -16,6 +16,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use sha2::{Digest, Sha256};
+use wick::jobs::{write_status, Progress};
 use wick_zoo::amp::{masters_by_name, Autocast, MasterOptimizer};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::train::{CheckpointDir, LrSchedule, TrainOptions, Trainer};
@@ -68,6 +69,10 @@ pub struct TrainArgs {
     /// Recompute each layer in backward instead of keeping its activations.
     #[arg(long)]
     checkpointing: bool,
+    /// Start the run as a job in its own session (it survives the terminal and the notebook
+    /// kernel; output in DIR/log.txt), print its id and return (`wick jobs` lists it).
+    #[arg(long)]
+    detach: bool,
 }
 
 const VOCAB: usize = 32;
@@ -131,8 +136,41 @@ fn masters_digest(trainer: &Trainer<Llama>) -> Result<String> {
     Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Runs `wick train`.
+/// Starts this same command without `--detach` as a job; prints its id.
+fn detach(args: &TrainArgs) -> Result<()> {
+    let argv: Vec<String> = std::env::args().skip(1).filter(|a| a != "--detach").collect();
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let exe = std::env::current_exe().context("finding the wick binary")?;
+    let job = wick::jobs::Job::spawn(&exe, &argv, &args.dir)?;
+    println!(
+        "started job {} (pid {}); log in {}",
+        job.id(),
+        job.registration().pid,
+        args.dir.join("log.txt").display()
+    );
+    println!("watch: wick jobs    stop (checkpoint and exit): wick jobs stop {}", job.id());
+    Ok(())
+}
+
+/// Runs `wick train`, reporting the run's state in DIR/status.json (and why it ended).
 pub fn run(args: &TrainArgs) -> Result<()> {
+    if args.detach {
+        return detach(args);
+    }
+    let mut progress = Progress { steps: args.steps, state: "running".into(), ..Progress::default() };
+    let result = train(args, &mut progress);
+    if let Err(e) = &result {
+        progress.state = "failed".into();
+        progress.exit_reason = Some(format!("{e:#}"));
+    }
+    // The run folder may be what failed; the status is then only best effort.
+    if args.dir.is_dir() {
+        let _ = write_status(&args.dir, &progress);
+    }
+    result
+}
+
+fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
     if args.steps == 0 || args.batch == 0 || args.seq < 2 || args.accumulate == 0 || args.save_every == 0 {
         bail!("need at least one step, one sequence of two tokens, one micro-batch and --save-every ≥ 1");
     }
@@ -198,6 +236,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let save = |trainer: &Trainer<Llama>| -> Result<PathBuf> {
         Ok(trainer.save(&checkpoints, serde_json::json!({"next_batch": trainer.step()}))?)
     };
+    progress.step = trainer.step();
+    progress.last_checkpoint = checkpoints.steps()?.last().map(|s| checkpoints.manifest_path(*s).display().to_string());
+    write_status(&args.dir, progress)?;
+    let mut reported = Instant::now();
     let mut last_loss = f32::NAN;
     while trainer.step() < args.steps {
         let step = trainer.step();
@@ -213,16 +255,27 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         bar.set_position(record.step);
         bar.set_message(format!("loss {:.4}", record.loss));
         let stopping = STOP.load(Ordering::SeqCst);
-        if record.step % args.save_every == 0 || record.step == args.steps || stopping {
-            save(&trainer)?;
+        (progress.step, progress.loss, progress.rss_bytes) = (record.step, Some(f64::from(record.loss)), rss);
+        let saved = record.step % args.save_every == 0 || record.step == args.steps || stopping;
+        if saved {
+            progress.last_checkpoint = Some(save(&trainer)?.display().to_string());
         }
         if stopping {
             bar.abandon();
+            progress.state = "stopped".into();
+            progress.exit_reason =
+                Some(format!("SIGTERM: checkpoint saved at step {}; --resume continues", record.step));
             println!("stopped by SIGTERM after step {} (checkpoint saved)", record.step);
             return Ok(());
         }
+        if saved || reported.elapsed().as_secs_f64() >= 0.5 {
+            write_status(&args.dir, progress)?;
+            reported = Instant::now();
+        }
     }
     bar.finish();
+    progress.state = "finished".into();
+    progress.exit_reason = Some(format!("completed {} steps", trainer.step()));
     let summary =
         serde_json::json!({"steps": trainer.step(), "loss": last_loss, "masters_sha256": masters_digest(&trainer)?});
     let path = args.dir.join("final.json");

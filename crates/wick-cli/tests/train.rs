@@ -161,3 +161,80 @@ fn resume_without_a_checkpoint_is_a_clear_error() {
     assert!(!ok && text.contains("no checkpoint in") && !text.contains("panicked"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `wick` with the job registry in a folder of the test's own.
+fn wick_in(registry: &Path, args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_wick"))
+        .args(args)
+        .env("WICK_OUTPUT_DIR", registry)
+        .output()
+        .expect("wick runs");
+    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+fn job_state(registry: &Path, id: &str) -> serde_json::Value {
+    let (ok, text) = wick_in(registry, &["jobs", "status", id]);
+    assert!(ok, "{text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+fn wait_for(registry: &Path, id: &str, what: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let started = Instant::now();
+    loop {
+        let status = job_state(registry, id);
+        if what(&status) {
+            return status;
+        }
+        assert!(started.elapsed() < Duration::from_secs(180), "job {id} never reached the state: {status}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_detached_run_outlives_its_launcher_is_listed_stopped_and_resumed() {
+    let registry = temp_dir("registry");
+    let dir = temp_dir("detached");
+    let d = dir.to_str().unwrap();
+    let (ok, text) = wick_in(&registry, &["train", "--dir", d, "--steps", "120", "--save-every", "10", "--detach"]);
+    assert!(ok, "{text}");
+    // The launcher has exited; the job runs on, in a session of its own.
+    let id = text.split_whitespace().nth(2).unwrap().to_string();
+    let status = wait_for(&registry, &id, |s| s["progress"]["step"].as_u64().unwrap_or(0) >= 3);
+    assert_eq!((status["running"].as_bool(), status["progress"]["state"].as_str()), (Some(true), Some("running")));
+    let pid = status["pid"].as_u64().unwrap();
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let session: i64 = stat[stat.rfind(')').unwrap() + 2..].split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert_eq!(session, pid as i64, "the job leads its own session");
+    let (ok, list) = wick_in(&registry, &["jobs"]);
+    assert!(ok && list.contains(&id) && list.contains("running"), "{list}");
+
+    // Stop: it finishes its step, saves and exits 0; the status says how to continue.
+    let (ok, text) = wick_in(&registry, &["jobs", "stop", &id]);
+    assert!(ok, "{text}");
+    let stopped = wait_for(&registry, &id, |s| s["running"] == false);
+    assert_eq!(stopped["progress"]["state"], "stopped", "{stopped}");
+    let step = stopped["progress"]["step"].as_u64().unwrap();
+    assert!(dir.join(format!("step-{step:010}.json")).is_file());
+    assert!(stopped["progress"]["exit_reason"].as_str().unwrap().contains("--resume"));
+
+    // Resumed as a new job, it completes the run.
+    let (ok, text) =
+        wick_in(&registry, &["train", "--dir", d, "--steps", "120", "--save-every", "10", "--resume", "--detach"]);
+    assert!(ok, "{text}");
+    let again = text.split_whitespace().nth(2).unwrap().to_string();
+    let done = wait_for(&registry, &again, |s| s["running"] == false);
+    assert_eq!(
+        (done["progress"]["state"].as_str(), done["progress"]["step"].as_u64()),
+        (Some("finished"), Some(120)),
+        "{done}"
+    );
+    assert!(std::fs::read_to_string(dir.join("log.txt")).unwrap().contains(&format!("resumed from")));
+    let (ok, list) = wick_in(&registry, &["jobs"]);
+    assert!(ok && list.contains("stopped") && list.contains("finished"), "{list}");
+    for job in [&id, &again] {
+        assert!(wick_in(&registry, &["jobs", "forget", job]).0);
+    }
+    assert!(!wick_in(&registry, &["jobs", "status", &id]).0, "a forgotten job is still listed");
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&registry);
+}

@@ -24,6 +24,7 @@ pub mod engine;
 mod figure;
 pub mod files;
 pub mod host_memory;
+pub mod jobs;
 pub mod pool_stack;
 pub mod recovery;
 pub mod report;

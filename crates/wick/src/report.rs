@@ -211,7 +211,7 @@ impl HistoryReport {
     }
 }
 
-fn display(text: &str, html: &str) {
+pub(crate) fn display(text: &str, html: &str) {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "EVCXR_BEGIN_CONTENT text/plain\n{text}\nEVCXR_END_CONTENT");
