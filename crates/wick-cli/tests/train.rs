@@ -228,7 +228,7 @@ fn a_detached_run_outlives_its_launcher_is_listed_stopped_and_resumed() {
         (Some("finished"), Some(120)),
         "{done}"
     );
-    assert!(std::fs::read_to_string(dir.join("log.txt")).unwrap().contains(&format!("resumed from")));
+    assert!(std::fs::read_to_string(dir.join("log.txt")).unwrap().contains("resumed from"));
     let (ok, list) = wick_in(&registry, &["jobs"]);
     assert!(ok && list.contains("stopped") && list.contains("finished"), "{list}");
     for job in [&id, &again] {
