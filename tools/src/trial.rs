@@ -78,17 +78,7 @@ pub fn llama_batch(device: &Device) -> Result<Tensor> {
 }
 
 /// The BERT of the trial: 2 layers 64 wide with 4 heads, a vocabulary of 64.
-pub const BERT: BertConfig = BertConfig {
-    vocab_size: 64,
-    hidden_size: 64,
-    num_hidden_layers: 2,
-    num_attention_heads: 4,
-    intermediate_size: 128,
-    max_position_embeddings: 64,
-    type_vocab_size: 2,
-    layer_norm_eps: 1e-12,
-    pad_token_id: Some(0),
-};
+pub const BERT: BertConfig = BertConfig::tiny(64);
 
 /// The BERT trial's fixed batch: token ids (8, 32), the attention mask (the last 8 positions of
 /// the second half of the batch are padding), a fixed untrained readout (64, 2) of the
@@ -105,8 +95,7 @@ pub fn bert_batch(device: &Device) -> Result<SentenceBatch> {
 }
 
 /// The ViT of the trial: 32×32 images in 8×8 patches, 2 layers 64 wide with 4 heads.
-pub const VIT: VitConfig =
-    VitConfig { image_size: 32, patch_size: 8, hidden: 64, layers: 2, heads: 4, mlp_dim: 128, num_classes: CLASSES };
+pub const VIT: VitConfig = VitConfig::tiny(CLASSES);
 
 /// Names of the models [`task`] builds.
 pub const MODELS: [&str; 6] = ["llama", "bert", "vit", "resnet18", "resnet50", "mobilenet_v2"];

@@ -16,10 +16,12 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use sha2::{Digest, Sha256};
+use wick::data::{Dataset, Epoch, Loader, LoaderConfig, Position, TokenFile};
 use wick::jobs::{write_status, Progress};
 use wick_zoo::amp::{masters_by_name, Autocast, MasterOptimizer};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::train::{CheckpointDir, LrSchedule, TrainOptions, Trainer};
+use wick_zoo::Model;
 
 /// Settings of `wick train`.
 #[derive(Args, Debug, Clone)]
@@ -69,6 +71,13 @@ pub struct TrainArgs {
     /// Recompute each layer in backward instead of keeping its activations.
     #[arg(long)]
     checkpointing: bool,
+    /// Train on this token file (little-endian u16 ids below 32, windows of --seq tokens, shuffled
+    /// by --seed, read by `wick::data`) instead of the synthetic language.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Every this many steps, the loss on a fixed held-out batch (0: never), in the metrics.
+    #[arg(long, default_value_t = 0)]
+    eval_every: u64,
     /// Start the run as a job in its own session (it survives the terminal and the notebook
     /// kernel; output in DIR/log.txt), print its id and return (`wick jobs` lists it).
     #[arg(long)]
@@ -106,6 +115,86 @@ fn batch(args: &TrainArgs, step: u64, micro: usize) -> Result<Tensor> {
         }
     }
     Ok(Tensor::from_vec(ids, (args.batch, args.seq), &Device::Cpu)?)
+}
+
+/// Where batches come from: the seeded synthetic language (a pure function of the step), or a
+/// token file through the data loader (whose position the checkpoints keep).
+enum Source {
+    Synthetic,
+    Tokens { loader: Loader<TokenFile>, position: Position, epoch: Option<Epoch> },
+}
+
+impl Source {
+    fn open(args: &TrainArgs) -> Result<Source> {
+        let Some(path) = &args.data else { return Ok(Source::Synthetic) };
+        let tokens = TokenFile::open(path, 2, args.seq - 1)?;
+        if let Some((at, t)) = tokens.tokens().iter().enumerate().find(|(_, t)| **t as usize >= VOCAB) {
+            bail!("{}: token {at} is {t}, the model's vocabulary is {VOCAB}", path.display());
+        }
+        let config = LoaderConfig {
+            batch_size: args.batch,
+            shuffle: true,
+            seed: args.seed,
+            drop_last: true,
+            workers: 1,
+            prefetch_bytes: 16 << 20,
+        };
+        let loader = Loader::new(tokens, config);
+        if loader.batches_per_epoch() == 0 {
+            bail!("{}: fewer than {} windows of {} tokens", path.display(), args.batch, args.seq);
+        }
+        Ok(Source::Tokens { loader, position: Position::start(0), epoch: None })
+    }
+
+    /// The position to save with a checkpoint.
+    fn position(&self) -> serde_json::Value {
+        match self {
+            Source::Synthetic => serde_json::Value::Null,
+            Source::Tokens { position, .. } => serde_json::json!(position),
+        }
+    }
+
+    /// Continues from a saved position.
+    fn seek(&mut self, saved: &serde_json::Value) -> Result<()> {
+        if let Source::Tokens { position, epoch, .. } = self {
+            *position = serde_json::from_value(saved.clone()).context("the checkpoint's data-loader position")?;
+            *epoch = None;
+        }
+        Ok(())
+    }
+
+    /// The next micro-batch (the synthetic one of `step`).
+    fn next(&mut self, args: &TrainArgs, step: u64, micro: usize) -> Result<Tensor> {
+        let Source::Tokens { loader, position, epoch } = self else { return batch(args, step, micro) };
+        loop {
+            let current = epoch.get_or_insert_with(|| loader.epoch(*position));
+            match current.next() {
+                Some(b) => {
+                    let b = b?;
+                    *position = Position { epoch: b.position.epoch, batch: b.position.batch + 1 };
+                    return b.tensors.into_iter().next().context("a batch without its tokens");
+                }
+                None => {
+                    *position = Position::start(position.epoch + 1);
+                    *epoch = None;
+                }
+            }
+        }
+    }
+
+    /// A fixed held-out batch: the synthetic language past any step, or the file's first
+    /// windows in order.
+    fn held_out(&self, args: &TrainArgs) -> Result<Tensor> {
+        match self {
+            Source::Synthetic => batch(args, u64::MAX, 0),
+            Source::Tokens { loader, .. } => {
+                let rows = (0..args.batch.min(loader.dataset().len()))
+                    .map(|i| Ok(loader.dataset().get(i)?.remove(0)))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::stack(&rows, 0)?)
+            }
+        }
+    }
 }
 
 /// Keeps the metrics lines of steps up to `step` (the rest were taken again after a resume).
@@ -183,8 +272,10 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         max_seq: args.seq,
         ..LlamaConfig::tiny(VOCAB)
     };
+    let data = args.data.as_ref().map(|p| p.display().to_string());
     let describe = serde_json::json!({"kind": "llama", "config": config, "seed": args.seed, "batch": args.batch,
-        "seq": args.seq, "accumulate": args.accumulate, "steps": args.steps, "warmup": args.warmup});
+        "seq": args.seq, "accumulate": args.accumulate, "steps": args.steps, "warmup": args.warmup, "data": data});
+    let mut source = Source::open(args)?;
     let model = Llama::new(config, autocast.model_dtype(), &Device::Cpu)?;
     let start = if autocast.enabled() {
         let f32_model = Llama::new(config, DType::F32, &Device::Cpu)?;
@@ -214,6 +305,7 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
             eprintln!("passed over a damaged checkpoint: {why}");
         }
         eprintln!("resumed from {} (step {})", resumed.manifest.display(), resumed.step);
+        source.seek(&resumed.data["loader"])?;
         truncate_metrics(&metrics_path, resumed.step)?;
     } else {
         // A fresh run: nothing of an earlier one may be mistaken for its own.
@@ -233,9 +325,12 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         .with_context(|| format!("opening {}", metrics_path.display()))?;
     let bar = indicatif::ProgressBar::new(args.steps);
     bar.set_position(trainer.step());
-    let save = |trainer: &Trainer<Llama>| -> Result<PathBuf> {
-        Ok(trainer.save(&checkpoints, serde_json::json!({"next_batch": trainer.step()}))?)
+    let save = |trainer: &Trainer<Llama>, source: &Source| -> Result<PathBuf> {
+        let data = serde_json::json!({"next_batch": trainer.step(), "loader": source.position()});
+        Ok(trainer.save(&checkpoints, data)?)
     };
+    let held_out = source.held_out(args)?;
+    let tokens_per_step = (args.batch * args.seq * args.accumulate) as f64;
     progress.step = trainer.step();
     progress.last_checkpoint = checkpoints.steps()?.last().map(|s| checkpoints.manifest_path(*s).display().to_string());
     write_status(&args.dir, progress)?;
@@ -244,21 +339,26 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
     while trainer.step() < args.steps {
         let step = trainer.step();
         let started = Instant::now();
-        let batches = (0..args.accumulate).map(|m| batch(args, step, m)).collect::<Result<Vec<_>>>()?;
+        let batches = (0..args.accumulate).map(|m| source.next(args, step, m)).collect::<Result<Vec<_>>>()?;
         let record = trainer.train_step(&batches)?;
         let ms = started.elapsed().as_secs_f64() * 1e3;
         last_loss = record.loss;
         let rss = wick::host_memory::process_rss();
-        let line =
+        let mut line =
             serde_json::json!({"step": record.step, "loss": record.loss, "lr": record.lr, "ms": ms, "rss_bytes": rss});
+        if args.eval_every > 0 && record.step % args.eval_every == 0 {
+            let eval = wick_zoo::no_grad(|| trainer.model().loss(&held_out))?;
+            line["eval_loss"] = serde_json::json!(eval.to_dtype(DType::F32)?.to_scalar::<f32>()?);
+        }
         writeln!(metrics, "{line}").and_then(|()| metrics.flush()).context("writing metrics")?;
         bar.set_position(record.step);
-        bar.set_message(format!("loss {:.4}", record.loss));
+        let memory = rss.map_or_else(String::new, |b| format!(" · rss {}", wick::memory::format_bytes(b as u64)));
+        bar.set_message(format!("loss {:.4} · {:.0} tok/s{memory}", record.loss, tokens_per_step / ms * 1e3));
         let stopping = STOP.load(Ordering::SeqCst);
         (progress.step, progress.loss, progress.rss_bytes) = (record.step, Some(f64::from(record.loss)), rss);
         let saved = record.step % args.save_every == 0 || record.step == args.steps || stopping;
         if saved {
-            progress.last_checkpoint = Some(save(&trainer)?.display().to_string());
+            progress.last_checkpoint = Some(save(&trainer, &source)?.display().to_string());
         }
         if stopping {
             bar.abandon();

@@ -238,3 +238,62 @@ fn a_detached_run_outlives_its_launcher_is_listed_stopped_and_resumed() {
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&registry);
 }
+
+#[test]
+fn a_run_on_a_token_file_resumes_its_data_loader_exactly_and_reports_eval_loss() {
+    let data = temp_dir("tokens");
+    std::fs::create_dir_all(&data).unwrap();
+    let file = data.join("tokens.bin");
+    // A learnable stream: a few motifs over a 32-token vocabulary.
+    let tokens: Vec<u16> = (0..6000u32).map(|i| ((i % 7) * 3 + (i / 700) % 5) as u16 % 32).collect();
+    std::fs::write(&file, tokens.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>()).unwrap();
+    let f = file.to_str().unwrap();
+    let args = |dir: &Path, resume: bool| {
+        let mut a = vec!["train", "--data", f, "--steps", "60", "--save-every", "4", "--eval-every", "20"];
+        a.extend(["--dir", dir.to_str().unwrap()]);
+        if resume {
+            a.push("--resume");
+        }
+        a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let run = |dir: &Path, resume: bool| {
+        Command::new(env!("CARGO_BIN_EXE_wick"))
+            .args(args(dir, resume))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let reference = data.join("reference");
+    let (ok, text) = finish(run(&reference, false));
+    assert!(ok, "{text}");
+    let metrics = std::fs::read_to_string(reference.join("metrics.jsonl")).unwrap();
+    let evals: Vec<u64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["eval_loss"].is_number())
+        .map(|v| v["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evals, vec![20, 40, 60]);
+    // 6000 tokens make 187 windows of 32: 23 batches of 8 an epoch, so 60 steps cross two epoch
+    // ends; stop after a few steps (mid-epoch), resume, and end where the reference ended.
+    let dir = data.join("stopped");
+    let child = run(&dir, false);
+    let started = Instant::now();
+    while std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |t| t.lines().count()) < 6 {
+        assert!(started.elapsed() < Duration::from_secs(120), "no progress");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: a signal to our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let (ok, text) = finish(child);
+    assert!(ok && text.contains("stopped by SIGTERM"), "{text}");
+    let (ok, text) = finish(run(&dir, true));
+    assert!(ok, "{text}");
+    assert_eq!(summary(&dir), summary(&reference), "the resumed run's weights differ");
+    // A token outside the vocabulary is refused, naming it.
+    std::fs::write(&file, [1u8, 0, 40, 0]).unwrap();
+    let (ok, text) = finish(run(&data.join("bad"), false));
+    assert!(!ok && text.contains("token 1 is 40"), "{text}");
+    let _ = std::fs::remove_dir_all(&data);
+}

@@ -60,6 +60,22 @@ const IGNORED_KEYS: &[&str] = &[
 ];
 
 impl BertConfig {
+    /// A tiny encoder for tests and examples: 2 layers 64 wide with 4 heads, a feed-forward of
+    /// 128, 64 positions, padding id 0.
+    pub const fn tiny(vocab_size: usize) -> Self {
+        BertConfig {
+            vocab_size,
+            hidden_size: 64,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            intermediate_size: 128,
+            max_position_embeddings: 64,
+            type_vocab_size: 2,
+            layer_norm_eps: 1e-12,
+            pad_token_id: Some(0),
+        }
+    }
+
     /// Parameters of the encoder this configuration describes (`None` when the count overflows).
     pub fn parameter_count(&self) -> Option<usize> {
         let (h, i) = (self.hidden_size, self.intermediate_size);

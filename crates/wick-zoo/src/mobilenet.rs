@@ -5,13 +5,12 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use candle_core::{DType, Device, ModuleT, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::autocast::norm_param_dtype;
 use crate::checkpoint::{run_stateful, Checkpointing};
 use crate::cnn::{conv2d, depthwise_conv2d, global_avg_pool, Activation, BatchNorm, RunningStats};
 use crate::error::ZooError;
-use crate::model::{to_candle, Labelled, Model};
 use crate::params::{Init, Params};
 
 /// torchvision's `_make_divisible`.
@@ -253,28 +252,7 @@ impl MobileNetV2 {
     }
 }
 
-/// Trained on classification: cross-entropy of the logits (batch norm in training mode) against
-/// the labels.
-impl Model for MobileNetV2 {
-    type Batch = Labelled;
-
-    fn params(&self) -> &Params {
-        &self.params
-    }
-
-    fn loss_with(&self, batch: &Labelled, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
-        let logits = self.forward_with(&batch.inputs, true, checkpoint)?;
-        Ok(crate::ops::cross_entropy(&logits, &batch.labels)?)
-    }
-}
-
-/// Images (N, 3, H, W) to logits (N, classes); `train` is batch norm's mode (batch statistics,
-/// running statistics updated) as in PyTorch's `model.train()`.
-impl ModuleT for MobileNetV2 {
-    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        MobileNetV2::forward(self, x, train).map_err(to_candle)
-    }
-}
+crate::model::cnn_classifier!(MobileNetV2);
 
 #[cfg(test)]
 mod tests {

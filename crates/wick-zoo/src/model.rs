@@ -74,3 +74,39 @@ pub(crate) fn to_candle(e: ZooError) -> candle_core::Error {
         other => candle_core::Error::wrap(other),
     }
 }
+
+/// [`Model`] (classification: cross-entropy of the logits, batch norm in training mode, against
+/// [`Labelled`] labels) and candle's [`candle_core::ModuleT`] (the flag is batch norm's mode, as
+/// PyTorch's `model.train()`) for a CNN with `forward(x, train)` and
+/// `forward_with(x, train, checkpoint)`.
+macro_rules! cnn_classifier {
+    ($ty:ident) => {
+        /// Trained on classification: cross-entropy of the logits (batch norm in training mode)
+        /// against the labels.
+        impl $crate::model::Model for $ty {
+            type Batch = $crate::model::Labelled;
+
+            fn params(&self) -> &$crate::params::Params {
+                &self.params
+            }
+
+            fn loss_with(
+                &self,
+                batch: &$crate::model::Labelled,
+                checkpoint: Option<&$crate::checkpoint::Checkpointing>,
+            ) -> Result<candle_core::Tensor, $crate::error::ZooError> {
+                let logits = self.forward_with(&batch.inputs, true, checkpoint)?;
+                Ok($crate::ops::cross_entropy(&logits, &batch.labels)?)
+            }
+        }
+
+        /// Images (N, 3, H, W) to logits (N, classes); `train` is batch norm's mode (batch
+        /// statistics, running statistics updated) as in PyTorch's `model.train()`.
+        impl candle_core::ModuleT for $ty {
+            fn forward_t(&self, x: &candle_core::Tensor, train: bool) -> candle_core::Result<candle_core::Tensor> {
+                $ty::forward(self, x, train).map_err($crate::model::to_candle)
+            }
+        }
+    };
+}
+pub(crate) use cnn_classifier;

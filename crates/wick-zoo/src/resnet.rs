@@ -1,12 +1,11 @@
 //! ResNet-18/34/50 with torchvision's parameter names, trainable: batch-norm in train mode with
 //! running statistics, and a max-pool whose backward handles overlapping windows.
 
-use candle_core::{DType, Device, ModuleT, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::checkpoint::{run_stateful, Checkpointing};
 use crate::cnn::{conv2d, global_avg_pool, max_pool2d, Activation, BatchNorm, RunningStats};
 use crate::error::ZooError;
-use crate::model::{to_candle, Labelled, Model};
 use crate::ops::add_relu;
 use crate::params::{Init, Params};
 
@@ -217,25 +216,4 @@ impl ResNet {
     }
 }
 
-/// Trained on classification: cross-entropy of the logits (batch norm in training mode) against
-/// the labels.
-impl Model for ResNet {
-    type Batch = Labelled;
-
-    fn params(&self) -> &Params {
-        &self.params
-    }
-
-    fn loss_with(&self, batch: &Labelled, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
-        let logits = self.forward_with(&batch.inputs, true, checkpoint)?;
-        Ok(crate::ops::cross_entropy(&logits, &batch.labels)?)
-    }
-}
-
-/// Images (N, 3, H, W) to logits (N, classes); `train` is batch norm's mode (batch statistics,
-/// running statistics updated) as in PyTorch's `model.train()`.
-impl ModuleT for ResNet {
-    fn forward_t(&self, x: &Tensor, train: bool) -> candle_core::Result<Tensor> {
-        ResNet::forward(self, x, train).map_err(to_candle)
-    }
-}
+crate::model::cnn_classifier!(ResNet);

@@ -64,6 +64,12 @@ pub struct VitConfig {
 }
 
 impl VitConfig {
+    /// A tiny ViT for tests and examples: 32×32 images in 8×8 patches, 2 layers 64 wide with 4
+    /// heads, an MLP of 128.
+    pub const fn tiny(num_classes: usize) -> Self {
+        VitConfig { image_size: 32, patch_size: 8, hidden: 64, layers: 2, heads: 4, mlp_dim: 128, num_classes }
+    }
+
     /// torchvision's ViT-B/16.
     pub fn b16() -> Self {
         VitConfig {

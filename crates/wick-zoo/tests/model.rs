@@ -20,20 +20,9 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
     scalar(&(a - b).unwrap().abs().unwrap().max_all().unwrap())
 }
 
-const BERT: BertConfig = BertConfig {
-    vocab_size: 64,
-    hidden_size: 64,
-    num_hidden_layers: 2,
-    num_attention_heads: 4,
-    intermediate_size: 128,
-    max_position_embeddings: 64,
-    type_vocab_size: 2,
-    layer_norm_eps: 1e-12,
-    pad_token_id: Some(0),
-};
+const BERT: BertConfig = BertConfig::tiny(64);
 
-const VIT: VitConfig =
-    VitConfig { image_size: 32, patch_size: 8, hidden: 64, layers: 2, heads: 4, mlp_dim: 128, num_classes: 10 };
+const VIT: VitConfig = VitConfig::tiny(10);
 
 fn labels(n: usize, classes: usize) -> Tensor {
     Tensor::new((0..n).map(|i| ((i * 7 + 3) % classes) as u32).collect::<Vec<_>>(), &Device::Cpu).unwrap()

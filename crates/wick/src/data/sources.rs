@@ -90,6 +90,13 @@ impl TokenFile {
     }
 }
 
+impl TokenFile {
+    /// Every token of the file, in order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
 impl Dataset for TokenFile {
     fn len(&self) -> usize {
         self.tokens.len().saturating_sub(1) / self.seq
