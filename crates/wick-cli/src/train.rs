@@ -121,7 +121,7 @@ fn batch(args: &TrainArgs, step: u64, micro: usize) -> Result<Tensor> {
 /// token file through the data loader (whose position the checkpoints keep).
 enum Source {
     Synthetic,
-    Tokens { loader: Loader<TokenFile>, position: Position, epoch: Option<Epoch> },
+    Tokens { loader: Box<Loader<TokenFile>>, position: Position, epoch: Option<Epoch> },
 }
 
 impl Source {
@@ -139,7 +139,7 @@ impl Source {
             workers: 1,
             prefetch_bytes: 16 << 20,
         };
-        let loader = Loader::new(tokens, config);
+        let loader = Box::new(Loader::new(tokens, config));
         if loader.batches_per_epoch() == 0 {
             bail!("{}: fewer than {} windows of {} tokens", path.display(), args.batch, args.seq);
         }
