@@ -13,7 +13,7 @@ use crate::autocast::{conv_compute, fp32_compute};
 use crate::fused::node;
 use crate::kernels;
 pub use crate::kernels::norm::Activation;
-use crate::params::{Init, Params};
+use crate::params::{Buffer, Init, Params};
 
 /// Pads the two spatial dimensions of (N, C, H, W) with `value` on every side.
 pub fn pad_spatial(x: &Tensor, pad: usize, value: f64) -> Result<Tensor> {
@@ -155,19 +155,32 @@ pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     node("mean", &[x], fp32_compute(x.dtype()), x.dtype(), |t| t[0].mean(D::Minus1)?.mean(D::Minus1))
 }
 
-/// Running statistics of a batch norm, shared (cheaply cloned) with checkpointed segments.
+/// Running statistics of a batch norm: two [`Buffer`]s, shared (cheaply cloned) with
+/// checkpointed segments and with the [`Params`] store that saves them.
 #[derive(Clone)]
-pub struct RunningStats(Arc<Mutex<(Tensor, Tensor)>>);
+pub struct RunningStats {
+    mean: Buffer,
+    var: Buffer,
+}
 
 impl RunningStats {
-    /// Statistics starting at (`mean`, `var`).
-    pub fn new(mean: Tensor, var: Tensor) -> Self {
-        RunningStats(Arc::new(Mutex::new((mean, var))))
+    /// Statistics starting at (`mean`, `var`), registered in `params` as PyTorch names them:
+    /// `{prefix}.running_mean` and `{prefix}.running_var`.
+    pub fn register(params: &mut Params, prefix: &str, mean: Tensor, var: Tensor) -> Self {
+        RunningStats {
+            mean: params.register_buffer(&format!("{prefix}.running_mean"), mean),
+            var: params.register_buffer(&format!("{prefix}.running_var"), var),
+        }
     }
 
     /// The running (mean, variance).
     pub fn get(&self) -> (Tensor, Tensor) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        (self.mean.get(), self.var.get())
+    }
+
+    fn set(&self, mean: &Tensor, var: &Tensor) -> Result<()> {
+        self.mean.set(mean)?;
+        self.var.set(var)
     }
 
     /// Batch normalisation of `x` (N, C, H, W) over (N, H, W) per channel with `weight`/`bias`:
@@ -238,14 +251,13 @@ impl RunningStats {
             // The running estimates move once per forward pass.
             let (n, _, h, w) = x.dims4()?;
             let count = (n * h * w) as f64;
-            let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            let dtype = running.0.dtype();
+            let (old_mean, old_var) = self.get();
+            let dtype = old_mean.dtype();
             let unbiased = (var.flatten_all()? * (count / (count - 1.0).max(1.0)))?;
             let blend = |old: &Tensor, new: Tensor| -> Result<Tensor> {
                 ((old.to_dtype(compute)? * (1.0 - momentum))? + (new * momentum)?)?.to_dtype(dtype)
             };
-            running.0 = blend(&running.0, mean.flatten_all()?)?;
-            running.1 = blend(&running.1, unbiased)?;
+            self.set(&blend(&old_mean, mean.flatten_all()?)?, &blend(&old_var, unbiased)?)?;
         }
         Ok(y)
     }
@@ -273,15 +285,14 @@ impl RunningStats {
             let (n, _, h, w) = x.dims4()?;
             let count = (n * h * w) as f64;
             let unbiased = count / (count - 1.0).max(1.0);
-            let mut running = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            let (dtype, device) = (running.0.dtype(), running.0.device().clone());
+            let (old_mean, old_var) = self.get();
+            let (dtype, device) = (old_mean.dtype(), old_mean.device().clone());
             let blend = |old: &Tensor, new: &[f64], factor: f64| -> Result<Tensor> {
                 let moved: Vec<f64> =
                     vec(old)?.iter().zip(new).map(|(o, v)| o * (1.0 - momentum) + v * factor * momentum).collect();
                 Tensor::from_vec(moved, new.len(), &device)?.to_dtype(dtype)
             };
-            running.0 = blend(&running.0, &mean, 1.0)?;
-            running.1 = blend(&running.1, &var, unbiased)?;
+            self.set(&blend(&old_mean, &mean, 1.0)?, &blend(&old_var, &var, unbiased)?)?;
         }
         kernels::norm::batch_norm(x, &mean, &var, weight, bias, eps, true, act)
     }
@@ -324,14 +335,14 @@ impl BatchNorm {
         let dtype = crate::autocast::norm_param_dtype(dtype);
         let weight = params.create(&format!("{prefix}.weight"), &[channels], Init::Ones, dtype, device)?;
         let bias = params.create(&format!("{prefix}.bias"), &[channels], Init::Zeros, dtype, device)?;
-        let running =
-            RunningStats::new(Tensor::zeros(channels, dtype, device)?, Tensor::ones(channels, dtype, device)?);
+        let (mean, var) = (Tensor::zeros(channels, dtype, device)?, Tensor::ones(channels, dtype, device)?);
+        let running = RunningStats::register(params, prefix, mean, var);
         Ok(BatchNorm { weight, bias, running })
     }
 
-    /// Loaded statistics and parameters (already registered by the caller).
-    pub fn from_parts(weight: Tensor, bias: Tensor, running_mean: Tensor, running_var: Tensor) -> Self {
-        BatchNorm { weight, bias, running: RunningStats::new(running_mean, running_var) }
+    /// Loaded parameters and statistics (already registered by the caller).
+    pub fn from_parts(weight: Tensor, bias: Tensor, running: RunningStats) -> Self {
+        BatchNorm { weight, bias, running }
     }
 
     /// The running (mean, variance).

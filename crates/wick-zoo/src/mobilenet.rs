@@ -83,7 +83,8 @@ impl Builder<'_> {
         let b = self.tensor(&format!("{prefix}.bias"), &[c], Init::Zeros, dtype)?;
         let mean = self.buffer(&format!("{prefix}.running_mean"), &[c], 0.0, dtype)?;
         let var = self.buffer(&format!("{prefix}.running_var"), &[c], 1.0, dtype)?;
-        Ok(BatchNorm::from_parts(w, b, mean, var))
+        let running = RunningStats::register(&mut self.params, prefix, mean, var);
+        Ok(BatchNorm::from_parts(w, b, running))
     }
 }
 

@@ -1,7 +1,11 @@
 //! Named trainable parameters: every tensor a model learns is a `Var` registered here, so a test
 //! (or an optimiser) can reach each one by name and nothing is trained by accident or left out.
+//! Beside them, the named [`Buffer`]s: state a model changes while training without learning it
+//! (batch norm's running statistics; PyTorch's `register_buffer`), which a checkpoint must keep
+//! too.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
@@ -82,7 +86,49 @@ pub(crate) fn layered_count(fixed: Option<usize>, per_layer: Option<usize>, laye
 #[derive(Debug)]
 pub struct Params {
     vars: BTreeMap<String, Var>,
+    buffers: BTreeMap<String, Buffer>,
     seed: u64,
+}
+
+/// A named tensor that is not trained but changes in training (a running statistic), shared by
+/// the layer that updates it and the [`Params`] store that saves it; cloning shares it.
+#[derive(Clone)]
+pub struct Buffer(Arc<Mutex<Tensor>>);
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = self.get();
+        write!(f, "Buffer({:?}, {:?})", t.dims(), t.dtype())
+    }
+}
+
+impl Buffer {
+    /// A buffer holding `t`.
+    pub fn new(t: Tensor) -> Self {
+        Buffer(Arc::new(Mutex::new(t)))
+    }
+
+    /// Its current value.
+    pub fn get(&self) -> Tensor {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Replaces the value by `t`, which must have the same shape and dtype (a buffer keeps its
+    /// form; a loaded value of another form is an error and changes nothing).
+    pub fn set(&self, t: &Tensor) -> Result<()> {
+        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.dims() != t.dims() || slot.dtype() != t.dtype() {
+            return Err(candle_core::Error::Msg(format!(
+                "buffer is {:?} {:?}, the new value {:?} {:?}",
+                slot.dims(),
+                slot.dtype(),
+                t.dims(),
+                t.dtype()
+            )));
+        }
+        *slot = t.to_device(slot.device())?;
+        Ok(())
+    }
 }
 
 impl Default for Params {
@@ -94,7 +140,7 @@ impl Default for Params {
 impl Params {
     /// An empty store whose fresh parameters derive from `seed`.
     pub fn with_seed(seed: u64) -> Self {
-        Params { vars: BTreeMap::new(), seed }
+        Params { vars: BTreeMap::new(), buffers: BTreeMap::new(), seed }
     }
 
     /// Creates and registers a parameter. A tensor of [`PREFLIGHT_FROM`] bytes or more is
@@ -155,6 +201,24 @@ impl Params {
     /// Total scalar count.
     pub fn numel(&self) -> usize {
         self.vars.values().map(|v| v.elem_count()).sum()
+    }
+
+    /// Registers `t` as the buffer `name` and returns it (shared: the caller updates it, the
+    /// store reads and restores it).
+    pub fn register_buffer(&mut self, name: &str, t: Tensor) -> Buffer {
+        let buffer = Buffer::new(t);
+        self.buffers.insert(name.to_string(), buffer.clone());
+        buffer
+    }
+
+    /// All buffers, in name order.
+    pub fn buffers(&self) -> impl Iterator<Item = (&String, &Buffer)> {
+        self.buffers.iter()
+    }
+
+    /// The buffer `name`.
+    pub fn buffer(&self, name: &str) -> Option<&Buffer> {
+        self.buffers.get(name)
     }
 
     /// One plain SGD step with learning rate `lr`, for the parameters that have a gradient.

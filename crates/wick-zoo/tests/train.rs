@@ -2,15 +2,16 @@
 //! takes the same steps to the bit as the run that went on (f32, bf16 and f16 with its loss
 //! scaler, SGD and AdamW with a schedule, gradient accumulation, activation checkpointing); a
 //! damaged newest checkpoint is passed over with the reason; a checkpoint of another run is
-//! refused with what differs, and nothing changes.
+//! refused with what differs, and nothing changes; batch norm's running statistics come back too.
 
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use wick_zoo::amp::{masters_by_name, Autocast, MasterOptimizer, StepOutcome};
 use wick_zoo::llama::{Llama, LlamaConfig};
+use wick_zoo::resnet::{ResNet, ResNetDepth};
 use wick_zoo::train::{CheckpointDir, LrSchedule, TrainOptions, Trainer};
-use wick_zoo::Model;
+use wick_zoo::{Labelled, Model};
 
 const CONFIG: LlamaConfig = LlamaConfig {
     vocab_size: 24,
@@ -221,4 +222,64 @@ fn the_schedule_warms_up_linearly_and_decays_by_a_cosine() {
         assert!((s.factor(step) - factor).abs() < 1e-12, "step {step}: {} vs {factor}", s.factor(step));
     }
     assert_eq!(LrSchedule::Constant.factor(1000), 1.0);
+}
+
+/// A batch of `step`'s images and labels for a small classifier (a pure function of the step).
+fn images(step: u64) -> Labelled {
+    let n = 4 * 3 * 32 * 32;
+    let x: Vec<f32> = (0..n).map(|i| (((i as u64 * 31 + step * 17) % 97) as f32 / 48.0) - 1.0).collect();
+    let labels: Vec<u32> = (0..4).map(|i| ((i + step) % 3) as u32).collect();
+    Labelled {
+        inputs: Tensor::from_vec(x, (4, 3, 32, 32), &Device::Cpu).unwrap(),
+        labels: Tensor::from_vec(labels, 4, &Device::Cpu).unwrap(),
+    }
+}
+
+fn buffers(model: &ResNet) -> Vec<(String, Vec<u32>)> {
+    model
+        .params
+        .buffers()
+        .map(|(name, b)| {
+            let v: Vec<f32> = b.get().to_dtype(DType::F32).unwrap().to_vec1().unwrap();
+            (name.clone(), v.iter().map(|x| x.to_bits()).collect())
+        })
+        .collect()
+}
+
+#[test]
+fn batch_norm_running_statistics_are_saved_and_restored() {
+    let dir = temp_dir("resnet-buffers");
+    let checkpoints = CheckpointDir::new(&dir, 2).unwrap();
+    let options =
+        TrainOptions { optimizer: MasterOptimizer::SgdMomentum { lr: 0.05, momentum: 0.9 }, ..TrainOptions::default() };
+    let describe = serde_json::json!({"kind": "resnet18", "width": 4});
+    let fresh = || ResNet::new(ResNetDepth::R18, 3, 4, DType::F32, &Device::Cpu).unwrap();
+    let mut straight = Trainer::new(fresh(), describe.clone(), None, options).unwrap();
+    // 20 buffers: a running mean and variance for each of the ten batch norms.
+    assert_eq!(straight.buffer_infos().len(), 2 * 20);
+    for s in 0..2 {
+        straight.train_step(&[images(s)]).unwrap();
+    }
+    straight.save(&checkpoints, serde_json::Value::Null).unwrap();
+    let saved = buffers(straight.model());
+    for s in 2..4 {
+        straight.train_step(&[images(s)]).unwrap();
+    }
+
+    let mut resumed = Trainer::new(fresh(), describe, None, options).unwrap();
+    let untouched = buffers(resumed.model());
+    resumed.resume(&checkpoints).unwrap();
+    assert_ne!(saved, untouched, "training moved the running statistics");
+    assert_eq!(buffers(resumed.model()), saved, "the running statistics were restored");
+    for s in 2..4 {
+        resumed.train_step(&[images(s)]).unwrap();
+    }
+    assert_eq!(buffers(resumed.model()), buffers(straight.model()));
+    // Inference uses them: the two models agree to the bit in eval mode.
+    let eval = |m: &ResNet| -> Vec<u32> {
+        let y: Vec<f32> = m.forward(&images(9).inputs, false).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        y.iter().map(|x| x.to_bits()).collect()
+    };
+    assert_eq!(eval(resumed.model()), eval(straight.model()));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,7 +1,8 @@
 //! Training runs that can stop and continue: a [`Trainer`] over any zoo [`Model`] (f32 or mixed
 //! precision with f32 masters and the loss scaler, a learning-rate schedule, gradient
 //! accumulation, activation checkpointing) whose whole state — f32 masters (the parameters),
-//! optimizer state, loss-scaler state, the step and the run's data position — is saved as a
+//! the model's buffers (batch norm's running statistics), optimizer state, loss-scaler state,
+//! the step and the run's data position — is saved as a
 //! training checkpoint ([`saved`]) and restored exactly: on the CPU a resumed run takes the same
 //! steps, to the bit, as one that was never interrupted (the kernels sum in a fixed order).
 //!
@@ -173,6 +174,23 @@ fn base_lr(optimizer: &MasterOptimizer) -> f64 {
     }
 }
 
+/// What differs first between the `kind`s (parameters or buffers) a checkpoint records
+/// (`theirs`) and this run's (`mine`), if anything.
+fn first_difference(kind: &str, theirs: &[ParamInfo], mine: &[ParamInfo]) -> Option<String> {
+    if theirs == mine {
+        return None;
+    }
+    let by_name: HashMap<&str, &ParamInfo> = theirs.iter().map(|p| (p.name.as_str(), p)).collect();
+    let differs = mine.iter().find_map(|p| match by_name.get(p.name.as_str()) {
+        None => Some(format!("it has no {kind} `{}`", p.name)),
+        Some(t) if *t != p => {
+            Some(format!("`{}` is {:?} {} there, {:?} {} here", p.name, t.shape, t.dtype, p.shape, p.dtype))
+        }
+        _ => None,
+    });
+    Some(differs.unwrap_or_else(|| format!("{} {kind}s there, {} here", theirs.len(), mine.len())))
+}
+
 fn dtype_name(dtype: DType) -> String {
     format!("{dtype:?}").to_lowercase()
 }
@@ -272,6 +290,18 @@ impl<M: Model> Trainer<M> {
             .collect()
     }
 
+    /// The buffers as a manifest records them.
+    pub fn buffer_infos(&self) -> Vec<ParamInfo> {
+        self.model
+            .params()
+            .buffers()
+            .map(|(name, b)| {
+                let t = b.get();
+                ParamInfo { name: name.clone(), shape: t.dims().to_vec(), dtype: dtype_name(t.dtype()) }
+            })
+            .collect()
+    }
+
     /// The checkpoint's manifest (file fields empty) and tensors: every master and optimizer
     /// state, copied (later steps do not change them).
     fn snapshot(&self, data: serde_json::Value) -> Result<(Manifest, HashMap<String, Tensor>), ZooError> {
@@ -283,6 +313,11 @@ impl<M: Model> Trainer<M> {
                 tensors.insert(format!("state{k}/{name}"), t);
             }
         }
+        // A buffer's tensor is never changed in place (an update replaces it), so holding the
+        // current one is a snapshot.
+        for (name, buffer) in self.model.params().buffers() {
+            tensors.insert(format!("buffer/{name}"), buffer.get());
+        }
         let manifest = Manifest {
             format: String::new(),
             version: 0,
@@ -290,6 +325,7 @@ impl<M: Model> Trainer<M> {
             optimizer_steps: state.step,
             model: self.description.clone(),
             params: self.param_infos(),
+            buffers: self.buffer_infos(),
             optimizer: format!("{:?}", self.options.optimizer),
             scaler: self.scaler.as_ref().map(GradScaler::state),
             data,
@@ -337,18 +373,11 @@ impl<M: Model> Trainer<M> {
         let refuse =
             |what: String| invalid("resume", format!("{} was made for another run: {what}", manifest.display()));
         let mine = self.param_infos();
-        if m.params != mine {
-            let theirs: HashMap<&str, &ParamInfo> = m.params.iter().map(|p| (p.name.as_str(), p)).collect();
-            let differs = mine
-                .iter()
-                .find_map(|p| match theirs.get(p.name.as_str()) {
-                    None => Some(format!("it has no parameter `{}`", p.name)),
-                    Some(t) if *t != p => {
-                        Some(format!("`{}` is {:?} {} there, {:?} {} here", p.name, t.shape, t.dtype, p.shape, p.dtype))
-                    }
-                    _ => None,
-                })
-                .unwrap_or_else(|| format!("{} parameters there, {} here", m.params.len(), mine.len()));
+        if let Some(differs) = first_difference("parameter", &m.params, &mine) {
+            return Err(refuse(differs));
+        }
+        let my_buffers = self.buffer_infos();
+        if let Some(differs) = first_difference("buffer", &m.buffers, &my_buffers) {
             return Err(refuse(differs));
         }
         if m.model != self.description {
@@ -373,8 +402,20 @@ impl<M: Model> Trainer<M> {
             state.masters.push(take(format!("master/{}", p.name))?);
             state.states.push((0..states).map(|k| take(format!("state{k}/{}", p.name))).collect::<Result<_, _>>()?);
         }
+        let mut buffers = Vec::with_capacity(my_buffers.len());
+        for b in &my_buffers {
+            let t = take(format!("buffer/{}", b.name))?;
+            if t.dims() != b.shape.as_slice() || dtype_name(t.dtype()) != b.dtype {
+                let found = format!("{:?} {}", t.dims(), dtype_name(t.dtype()));
+                return Err(refuse(format!("its buffer `{}` is {found}, expected {:?} {}", b.name, b.shape, b.dtype)));
+            }
+            buffers.push(t);
+        }
         // Everything is checked before anything changes (the masters check their own state).
         self.masters.load_state(&state)?;
+        for ((_, buffer), t) in self.model.params().buffers().zip(&buffers) {
+            buffer.set(t)?;
+        }
         if let (Some(s), Some(saved)) = (self.scaler.as_mut(), m.scaler) {
             s.load_state(saved)?;
         }

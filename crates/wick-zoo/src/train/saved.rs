@@ -1,6 +1,6 @@
 //! Training checkpoints on disk: everything a run needs to continue, as one safetensors file of
 //! tensors and a small JSON manifest beside it (format and version, the step, what the model is,
-//! every parameter's name, shape and dtype, the optimizer, the loss scaler, the data position,
+//! every parameter's and buffer's name, shape and dtype, the optimizer, the loss scaler, the data position,
 //! and the tensor file's size and SHA-256).
 //!
 //! Both files are written atomically ([`wick::files::write_atomic`]: a temporary file in the
@@ -51,6 +51,10 @@ pub struct Manifest {
     pub model: serde_json::Value,
     /// Every parameter, in the model's order.
     pub params: Vec<ParamInfo>,
+    /// Every buffer (state changed in training but not learned: batch norm's running
+    /// statistics), in name order.
+    #[serde(default)]
+    pub buffers: Vec<ParamInfo>,
     /// The optimizer and its settings.
     pub optimizer: String,
     /// The loss scaler's state (f16 runs).
