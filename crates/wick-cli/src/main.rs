@@ -18,6 +18,11 @@ use wick_memory::format_bytes;
 use wick_memory::{AllocatorConfig, CachingAllocator, HostBackend};
 use wick_trace::{replay, replay_simulated, workloads, ReplayReport, Trace};
 
+/// Large buffers (candle's tensors) come from wick's caching allocator: they stay mapped and are
+/// reused, and the training progress reports its exact allocated, peak and reserved bytes.
+#[global_allocator]
+static HEAP: wick_memory::CachingHeap = wick_memory::CachingHeap::new();
+
 #[derive(Parser)]
 #[command(name = "wick", about = "wick: memory tools and long training runs")]
 struct Cli {

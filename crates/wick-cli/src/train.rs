@@ -323,7 +323,10 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         .append(true)
         .open(&metrics_path)
         .with_context(|| format!("opening {}", metrics_path.display()))?;
-    let bar = indicatif::ProgressBar::new(args.steps);
+    let bar = indicatif::ProgressBar::new(args.steps).with_style(
+        indicatif::ProgressStyle::with_template("{pos}/{len} [{bar:24}] {elapsed_precise} eta {eta} · {msg}")
+            .context("the progress bar's template")?,
+    );
     bar.set_position(trainer.step());
     let save = |trainer: &Trainer<Llama>, source: &Source| -> Result<PathBuf> {
         let data = serde_json::json!({"next_batch": trainer.step(), "loader": source.position()});
@@ -344,18 +347,25 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         let ms = started.elapsed().as_secs_f64() * 1e3;
         last_loss = record.loss;
         let rss = wick::host_memory::process_rss();
-        let mut line =
-            serde_json::json!({"step": record.step, "loss": record.loss, "lr": record.lr, "ms": ms, "rss_bytes": rss});
+        let heap = wick::host_memory::heap_figures();
+        let mut line = serde_json::json!({
+            "step": record.step, "loss": record.loss, "lr": record.lr, "ms": ms, "rss_bytes": rss, "heap": heap,
+        });
         if args.eval_every > 0 && record.step % args.eval_every == 0 {
             let eval = wick_zoo::no_grad(|| trainer.model().loss(&held_out))?;
             line["eval_loss"] = serde_json::json!(eval.to_dtype(DType::F32)?.to_scalar::<f32>()?);
         }
         writeln!(metrics, "{line}").and_then(|()| metrics.flush()).context("writing metrics")?;
         bar.set_position(record.step);
-        let memory = rss.map_or_else(String::new, |b| format!(" · rss {}", wick::memory::format_bytes(b as u64)));
+        let memory = match (&heap, rss) {
+            (Some(h), _) => format!(" · {}", wick::jobs::heap_line(h)),
+            (None, Some(b)) => format!(" · rss {}", wick::memory::format_bytes(b as u64)),
+            (None, None) => String::new(),
+        };
         bar.set_message(format!("loss {:.4} · {:.0} tok/s{memory}", record.loss, tokens_per_step / ms * 1e3));
         let stopping = STOP.load(Ordering::SeqCst);
-        (progress.step, progress.loss, progress.rss_bytes) = (record.step, Some(f64::from(record.loss)), rss);
+        (progress.step, progress.loss, progress.rss_bytes, progress.heap) =
+            (record.step, Some(f64::from(record.loss)), rss, heap);
         let saved = record.step % args.save_every == 0 || record.step == args.steps || stopping;
         if saved {
             progress.last_checkpoint = Some(save(&trainer, &source)?.display().to_string());

@@ -90,6 +90,35 @@ pub fn exact_peak() -> Option<(usize, FigureSource)> {
         .or_else(|| CachingHeap::installed().map(|h| (h.peak_bytes(), FigureSource::CachingHeap)))
 }
 
+/// The process's heap in four figures, for progress bars and status files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HeapFigures {
+    /// Bytes asked for and not freed ([`exact_heap`]).
+    pub allocated: usize,
+    /// Highest `allocated` since start or the last reset ([`exact_peak`]).
+    pub peak: usize,
+    /// Bytes the heap holds: with the caching heap, its segments (live and cached large blocks)
+    /// plus the small requests; otherwise `allocated`.
+    pub reserved: usize,
+    /// The host budget ([`host_budget`]): the cgroup limit, else MemTotal.
+    pub budget: usize,
+}
+
+/// [`HeapFigures`] now, when this process's global allocator counts (the caching heap or the
+/// counting allocator); `None` otherwise (then only the resident set is known).
+pub fn heap_figures() -> Option<HeapFigures> {
+    let (allocated, _) = exact_heap()?;
+    let (peak, _) = exact_peak()?;
+    let reserved = match CachingHeap::installed() {
+        Some(h) if counted_heap().is_none() => {
+            let cached = h.memory_stats().reserved_bytes.all.unsigned_current();
+            cached.saturating_add(h.small_bytes()).saturating_add(h.system_large_bytes())
+        }
+        _ => allocated,
+    };
+    Some(HeapFigures { allocated, peak, reserved, budget: host_budget().0 })
+}
+
 /// Sets the exact peaks to the current values.
 pub fn reset_exact_peak() {
     reset_counted_peak();

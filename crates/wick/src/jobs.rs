@@ -25,6 +25,8 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::host_memory::HeapFigures;
+
 /// Why a job could not be started, found or signalled.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
@@ -66,12 +68,22 @@ pub struct Progress {
     pub loss: Option<f64>,
     /// Resident memory of the process, bytes.
     pub rss_bytes: Option<usize>,
+    /// The heap's allocated, peak, reserved and budget bytes, when the process's allocator
+    /// counts them (the `wick` binary installs the caching heap).
+    #[serde(default)]
+    pub heap: Option<HeapFigures>,
     /// The newest checkpoint's manifest.
     pub last_checkpoint: Option<String>,
     /// `running`, `finished`, `stopped` (by SIGTERM, resumable) or `failed`.
     pub state: String,
     /// Why it ended (the error, or how it stopped).
     pub exit_reason: Option<String>,
+}
+
+/// `allocated A (peak P, reserved R) of budget B`.
+pub fn heap_line(h: &HeapFigures) -> String {
+    let b = |n: usize| wick_memory::format_bytes(n as u64);
+    format!("allocated {} (peak {}, reserved {}) of budget {}", b(h.allocated), b(h.peak), b(h.reserved), b(h.budget))
 }
 
 /// The environment variable through which [`Job::spawn`] tells the program where its own status
@@ -297,6 +309,9 @@ impl std::fmt::Display for JobStatus {
         if let Some(loss) = p.loss {
             write!(f, " loss {loss:.4}")?;
         }
+        if let Some(h) = &p.heap {
+            write!(f, " {}", heap_line(h))?;
+        }
         if let Some(rss) = p.rss_bytes {
             write!(f, " rss {}", wick_memory::format_bytes(rss as u64))?;
         }
@@ -319,6 +334,9 @@ impl JobStatus {
         let mut rows = format!("<tr><td>state</td><td>{}</td></tr>", esc(&p.state));
         if let Some(loss) = p.loss {
             rows.push_str(&format!("<tr><td>loss</td><td>{loss:.4}</td></tr>"));
+        }
+        if let Some(h) = &p.heap {
+            rows.push_str(&format!("<tr><td>heap</td><td>{}</td></tr>", esc(&heap_line(h))));
         }
         if let Some(rss) = p.rss_bytes {
             rows.push_str(&format!("<tr><td>memory (RSS)</td><td>{}</td></tr>", wick_memory::format_bytes(rss as u64)));
