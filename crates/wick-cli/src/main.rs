@@ -1,5 +1,7 @@
 //! `wick`: command-line tools around the allocator.
 //!
+//! - `wick info [--json]`: what this machine offers a run (CPU, memory, cgroup, /dev/shm, GPUs,
+//!   allocator policy, candle's build);
 //! - `wick replay TRACE.json…`: replays allocation traces through a policy and backend and prints
 //!   peak allocated, peak reserved, fragmentation, retries, OOMs and ops/s;
 //! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON;
@@ -24,7 +26,7 @@ use wick_trace::{replay, replay_simulated, workloads, ReplayReport, Trace};
 static HEAP: wick_memory::CachingHeap = wick_memory::CachingHeap::new();
 
 #[derive(Parser)]
-#[command(name = "wick", about = "wick: memory tools and long training runs")]
+#[command(name = "wick", version, about = "wick: memory tools and long training runs")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -40,6 +42,13 @@ enum BackendKind {
 
 #[derive(Subcommand)]
 enum Command {
+    /// What this machine offers: CPU, host memory (cgroup limit, /dev/shm), GPUs and driver,
+    /// the allocator policy from the environment, candle's build.
+    Info {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Replay traces through the caching allocator.
     Replay {
         /// Trace files (JSON).
@@ -102,6 +111,14 @@ enum JobAction {
 
 fn main() -> Result<()> {
     match Cli::parse().command {
+        Command::Info { json } => {
+            let info = wick::machine::MachineInfo::probe();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&info)?);
+            } else {
+                println!("{info}");
+            }
+        }
         Command::Replay { traces, capacity_gib, config, backend, json } => {
             // A simulated device's addresses are 64-bit: at most 2³⁴ GiB (16 EiB), and at least a byte.
             let bytes = capacity_gib * (1u64 << 30) as f64;

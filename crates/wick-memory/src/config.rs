@@ -6,6 +6,15 @@ use crate::error::{MemoryError, Result};
 
 const MIB: usize = 1 << 20;
 
+/// The environment variables an allocator's policy is read from, in order of precedence.
+pub const ALLOC_CONF_VARS: [&str; 2] = ["WICK_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"];
+
+/// The allocator setting in this process's environment: the first of [`ALLOC_CONF_VARS`] that is set
+/// (name and text), or `None`.
+pub fn alloc_conf_env() -> Option<(&'static str, String)> {
+    ALLOC_CONF_VARS.iter().find_map(|name| std::env::var(name).ok().map(|text| (*name, text)))
+}
+
 /// How many power-of-two intervals `roundup_power2_divisions` can configure (PyTorch: 64 in
 /// recent versions, indexed by `log2(size)` above 1 MiB; 16 covers up to 32 GiB requests and
 /// the last interval applies beyond).
@@ -163,11 +172,12 @@ impl AllocatorConfig {
         Ok(config)
     }
 
-    /// Reads `WICK_ALLOC_CONF`; the default policy when unset.
+    /// Reads `WICK_ALLOC_CONF`, else `PYTORCH_CUDA_ALLOC_CONF` (so settings made for PyTorch
+    /// carry over); the default policy when neither is set.
     pub fn from_env() -> Result<Self> {
-        match std::env::var("WICK_ALLOC_CONF") {
-            Ok(text) => Self::parse(&text),
-            Err(_) => Ok(Self::default()),
+        match alloc_conf_env() {
+            Some((_, text)) => Self::parse(&text),
+            None => Ok(Self::default()),
         }
     }
 

@@ -47,7 +47,9 @@ pub use backend::{
 #[cfg(feature = "cuda")]
 pub use backend::{open_device, CudaBackend};
 pub use caching::{peak_live, Action, CachingAllocator, HistoryEntry, PeakLive, BLOCK_ALIGNMENT};
-pub use config::{AllocatorConfig, MemoryLimit, MAX_POWER2_DIVISIONS, POWER2_INTERVALS};
+pub use config::{
+    alloc_conf_env, AllocatorConfig, MemoryLimit, ALLOC_CONF_VARS, MAX_POWER2_DIVISIONS, POWER2_INTERVALS,
+};
 pub use error::{MemoryError, OutOfMemory, Result};
 pub use format::format_bytes;
 pub use heap::{CachingHeap, LARGE_REQUEST};
