@@ -166,8 +166,8 @@ fn filesystem_space(path: &str) -> Option<(u64, u64)> {
     }
     // SAFETY: statvfs succeeded and filled it.
     let s = unsafe { s.assume_init() };
-    let block = s.f_frsize as u64;
-    Some((block.checked_mul(s.f_blocks as u64)?, block.checked_mul(s.f_bavail as u64)?))
+    let block = u64::from(s.f_frsize);
+    Some((block.checked_mul(s.f_blocks)?, block.checked_mul(s.f_bavail)?))
 }
 
 fn host_info() -> HostInfo {
