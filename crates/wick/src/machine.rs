@@ -166,7 +166,7 @@ fn filesystem_space(path: &str) -> Option<(u64, u64)> {
     }
     // SAFETY: statvfs succeeded and filled it.
     let s = unsafe { s.assume_init() };
-    let block = u64::from(s.f_frsize);
+    let block: u64 = s.f_frsize;
     Some((block.checked_mul(s.f_blocks)?, block.checked_mul(s.f_bavail)?))
 }
 
