@@ -2,6 +2,8 @@
 //!
 //! - `wick info [--json]`: what this machine offers a run (CPU, memory, cgroup, /dev/shm, GPUs,
 //!   allocator policy, candle's build);
+//! - `wick estimate MODEL [--batch N] [--precision f32|amp-bf16] [--mode …] [--json]`: the memory
+//!   a zoo model needs, per mode;
 //! - `wick replay TRACE.json…`: replays allocation traces through a policy and backend and prints
 //!   peak allocated, peak reserved, fragmentation, retries, OOMs and ops/s;
 //! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON;
@@ -10,6 +12,7 @@
 //!   resume, in the foreground or as a job in its own session;
 //! - `wick jobs [stop|status|forget ID]`: the detached runs.
 
+mod estimate;
 mod train;
 
 use std::path::PathBuf;
@@ -49,6 +52,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The memory a zoo model needs at a batch size (parameters, gradients, optimizer state,
+    /// masters, activations, workspace), profiled on the CPU at small batches.
+    Estimate(estimate::EstimateArgs),
     /// Replay traces through the caching allocator.
     Replay {
         /// Trace files (JSON).
@@ -154,6 +160,7 @@ fn main() -> Result<()> {
             println!("wrote {n} tensors to {}", output.display());
         }
         Command::Train(args) => train::run(&args)?,
+        Command::Estimate(args) => estimate::run(&args)?,
         Command::Jobs { action: None } => {
             let jobs = wick::jobs::Job::list()?;
             if jobs.is_empty() {

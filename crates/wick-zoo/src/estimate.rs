@@ -10,9 +10,9 @@
 //!
 //! The backward pass's workspace (one gradient per graph edge while it is in flight, plus each
 //! op's temporaries) depends on edges that candle does not expose, so it is profiled instead: a
-//! backward pass at batch 2 and 4 under wick's counting allocator, extrapolated the same way.
-//! Without the counting allocator, training estimates use a lower bound (two gradients of the
-//! largest activation) and say so.
+//! backward pass at batch 2 and 4 under an exact heap (wick's counting allocator or its caching
+//! heap as the global allocator), extrapolated the same way. Without one, training estimates use
+//! a lower bound (two gradients of the largest activation) and say so.
 
 use std::collections::HashMap;
 
@@ -130,8 +130,8 @@ pub struct ActivationProfile {
     pub activations: Affine,
     /// The largest single activation.
     pub largest: Affine,
-    /// Transient bytes of the backward pass, profiled with the counting allocator when it is
-    /// installed (`None` otherwise).
+    /// Transient bytes of the backward pass, profiled when an exact heap (counting allocator or
+    /// caching heap) is installed (`None` otherwise).
     pub backward_workspace: Option<Affine>,
 }
 
@@ -148,8 +148,8 @@ impl ActivationProfile {
         // rather than at 1 and 2, where a batch-independent op (the output layer's gradient)
         // can hide them.
         for (index, batch) in [1, 2, 4].into_iter().enumerate() {
-            let before = wick::host_memory::counted_heap();
-            wick::host_memory::reset_counted_peak();
+            let before = wick::host_memory::exact_heap().map(|(b, _)| b);
+            wick::host_memory::reset_exact_peak();
             let out = forward(batch)?;
             let graph = graph_bytes(&out);
             if out.elem_count() == 1 && out.track_op() {
@@ -160,7 +160,7 @@ impl ActivationProfile {
                     .map(|g| g.elem_count() * g.dtype().size_in_bytes())
                     .sum();
                 drop(grads);
-                if let (Some(before), Some(peak), true) = (before, wick::host_memory::counted_peak(), index > 0) {
+                if let (Some(before), Some((peak, _)), true) = (before, wick::host_memory::exact_peak(), index > 0) {
                     workspace.push(peak.saturating_sub(before + graph.total + param_grads));
                 }
             }

@@ -1,0 +1,296 @@
+//! `wick estimate MODEL`: the memory a zoo model needs at a batch size, per mode, from the
+//! estimator (`wick_zoo::estimate`): the model is built on the CPU and profiled at batches 1, 2
+//! and 4 (its graph's tensors counted; the backward pass's transients measured by the caching
+//! heap this binary installs), then extrapolated to the batch asked for.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use clap::{Args, ValueEnum};
+use wick_memory::format_bytes;
+use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
+use wick_zoo::estimate::{estimate, estimate_amp, ActivationProfile, Estimate, Mode};
+use wick_zoo::mobilenet::MobileNetV2;
+use wick_zoo::params::Params;
+use wick_zoo::resnet::{ResNet, ResNetDepth};
+use wick_zoo::vit::{Vit, VitConfig};
+use wick_zoo::{Labelled, Model};
+
+/// A model the command knows by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModelName {
+    /// torchvision's ResNet-18 (11.7 M parameters).
+    Resnet18,
+    /// torchvision's ResNet-34 (21.8 M).
+    Resnet34,
+    /// torchvision's ResNet-50 (25.6 M).
+    Resnet50,
+    /// torchvision's MobileNetV2, width 1.0 (3.5 M).
+    #[value(name = "mobilenet_v2")]
+    MobilenetV2,
+    /// torchvision's ViT-B/16 (86.6 M) at 224².
+    #[value(name = "vit_b_16")]
+    VitB16,
+    /// BERT-base, uncased vocabulary (109 M), with a two-class readout.
+    BertBase,
+    /// all-MiniLM-L6-v2's encoder (22.7 M).
+    Minilm,
+}
+
+/// The precision of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Precision {
+    /// Everything in f32.
+    F32,
+    /// bf16 autocast: a bf16 model with f32 masters and f32 optimizer state.
+    AmpBf16,
+}
+
+/// Which estimates to print.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModeArg {
+    /// Forward only.
+    Inference,
+    /// A training step with plain SGD.
+    Sgd,
+    /// With SGD and momentum.
+    SgdMomentum,
+    /// With AdamW.
+    Adamw,
+    /// All four.
+    All,
+}
+
+/// `wick estimate` arguments.
+#[derive(Debug, Args)]
+pub struct EstimateArgs {
+    /// A zoo model by name.
+    #[arg(value_enum, required_unless_present = "config")]
+    pub model: Option<ModelName>,
+    /// A Hugging Face BERT `config.json` instead of a name.
+    #[arg(long, conflicts_with = "model")]
+    pub config: Option<PathBuf>,
+    /// Batch size.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Image side for the vision models (ViT: its configured size).
+    #[arg(long, default_value_t = 224)]
+    pub image: usize,
+    /// Sequence length for the text models.
+    #[arg(long, default_value_t = 128)]
+    pub seq: usize,
+    /// Precision.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub precision: Precision,
+    /// Mode(s).
+    #[arg(long, value_enum, default_value = "all")]
+    pub mode: ModeArg,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A model built for profiling: its parameters and its loss at a batch size.
+struct Built {
+    params: &'static Params,
+    loss: Box<dyn Fn(usize) -> candle_core::Result<Tensor>>,
+    what: String,
+}
+
+fn images(batch: usize, side: usize, classes: u32, dtype: DType) -> candle_core::Result<Labelled> {
+    let inputs = Tensor::randn(0f32, 1.0, (batch, 3, side, side), &Device::Cpu)?.to_dtype(dtype)?;
+    let labels: Vec<u32> = (0..batch as u32).map(|i| i % classes).collect();
+    Ok(Labelled { inputs, labels: Tensor::new(labels, &Device::Cpu)? })
+}
+
+fn sentences(batch: usize, seq: usize, config: &BertConfig) -> candle_core::Result<SentenceBatch> {
+    let vocab = config.vocab_size.max(1) as u32;
+    let ids: Vec<u32> = (0..batch * seq).map(|i| (i as u32).wrapping_mul(2_654_435_761) % vocab).collect();
+    Ok(SentenceBatch {
+        ids: Tensor::from_vec(ids, (batch, seq), &Device::Cpu)?,
+        mask: Tensor::ones((batch, seq), DType::U32, &Device::Cpu)?,
+        readout: Tensor::randn(0f32, 0.05, (config.hidden_size, 2), &Device::Cpu)?,
+        labels: Tensor::new((0..batch as u32).map(|i| i % 2).collect::<Vec<_>>(), &Device::Cpu)?,
+    })
+}
+
+/// Leaks the model: it lives as long as the command (one model per process), which lets the
+/// profile's closures borrow it without a self-referential struct.
+fn leak<M: Model + 'static>(model: M) -> &'static M {
+    Box::leak(Box::new(model))
+}
+
+fn bert_base() -> BertConfig {
+    BertConfig {
+        vocab_size: 30_522,
+        hidden_size: 768,
+        num_hidden_layers: 12,
+        num_attention_heads: 12,
+        intermediate_size: 3072,
+        max_position_embeddings: 512,
+        type_vocab_size: 2,
+        layer_norm_eps: 1e-12,
+        pad_token_id: Some(0),
+    }
+}
+
+fn minilm() -> BertConfig {
+    BertConfig {
+        hidden_size: 384,
+        num_hidden_layers: 6,
+        num_attention_heads: 12,
+        intermediate_size: 1536,
+        ..bert_base()
+    }
+}
+
+fn build(args: &EstimateArgs, dtype: DType) -> Result<Built> {
+    let dev = Device::Cpu;
+    let (image, seq) = (args.image, args.seq);
+    if image < 32 || seq == 0 {
+        bail!("--image must be at least 32 and --seq at least 1");
+    }
+    let cnn = |model: &'static dyn CnnModel, what: String| Built {
+        params: model.params_ref(),
+        loss: Box::new(move |b| model.loss_at(b, image, dtype)),
+        what,
+    };
+    let bert = |config: BertConfig, what: String| -> Result<Built> {
+        if seq > config.max_position_embeddings {
+            bail!("--seq {seq} is longer than the model's {} positions", config.max_position_embeddings);
+        }
+        let model = leak(Bert::new(config.clone(), dtype, &dev)?);
+        Ok(Built {
+            params: model.params(),
+            loss: Box::new(move |b| model.loss(&sentences(b, seq, &config)?).map_err(candle_core::Error::wrap)),
+            what: format!("{what}, sequence {seq}"),
+        })
+    };
+    Ok(match (args.model, &args.config) {
+        (_, Some(path)) => bert(BertConfig::from_file(path)?, format!("BERT from {}", path.display()))?,
+        (Some(ModelName::Resnet18), _) => {
+            cnn(leak(ResNet::new(ResNetDepth::R18, 1000, 64, dtype, &dev)?), format!("ResNet-18, {image}²"))
+        }
+        (Some(ModelName::Resnet34), _) => {
+            cnn(leak(ResNet::new(ResNetDepth::R34, 1000, 64, dtype, &dev)?), format!("ResNet-34, {image}²"))
+        }
+        (Some(ModelName::Resnet50), _) => {
+            cnn(leak(ResNet::new(ResNetDepth::R50, 1000, 64, dtype, &dev)?), format!("ResNet-50, {image}²"))
+        }
+        (Some(ModelName::MobilenetV2), _) => {
+            cnn(leak(MobileNetV2::new(1000, 1.0, dtype, &dev)?), format!("MobileNetV2, {image}²"))
+        }
+        (Some(ModelName::VitB16), _) => {
+            let config = VitConfig::b16();
+            let model = leak(Vit::new(config, dtype, &dev)?);
+            Built {
+                params: model.params(),
+                loss: Box::new(move |b| {
+                    model.loss(&images(b, config.image_size, 1000, dtype)?).map_err(candle_core::Error::wrap)
+                }),
+                what: format!("ViT-B/16, {}²", config.image_size),
+            }
+        }
+        (Some(ModelName::BertBase), _) => bert(bert_base(), "BERT-base".into())?,
+        (Some(ModelName::Minilm), _) => bert(minilm(), "all-MiniLM-L6-v2".into())?,
+        (None, None) => bail!("name a model or give --config"),
+    })
+}
+
+/// The CNN classifiers, through one object-safe door.
+trait CnnModel {
+    fn params_ref(&self) -> &Params;
+    fn loss_at(&self, batch: usize, side: usize, dtype: DType) -> candle_core::Result<Tensor>;
+}
+
+impl<M: Model<Batch = Labelled>> CnnModel for M {
+    fn params_ref(&self) -> &Params {
+        self.params()
+    }
+
+    fn loss_at(&self, batch: usize, side: usize, dtype: DType) -> candle_core::Result<Tensor> {
+        self.loss(&images(batch, side, 1000, dtype)?).map_err(candle_core::Error::wrap)
+    }
+}
+
+fn modes(arg: ModeArg) -> Vec<Mode> {
+    match arg {
+        ModeArg::Inference => vec![Mode::Inference],
+        ModeArg::Sgd => vec![Mode::TrainSgd],
+        ModeArg::SgdMomentum => vec![Mode::TrainSgdMomentum],
+        ModeArg::Adamw => vec![Mode::TrainAdamW],
+        ModeArg::All => vec![Mode::Inference, Mode::TrainSgd, Mode::TrainSgdMomentum, Mode::TrainAdamW],
+    }
+}
+
+/// Runs `wick estimate`.
+pub fn run(args: &EstimateArgs) -> Result<()> {
+    if args.batch == 0 {
+        bail!("--batch must be at least 1");
+    }
+    let dtype = match args.precision {
+        Precision::F32 => DType::F32,
+        Precision::AmpBf16 => DType::BF16,
+    };
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+    spinner.set_message("building the model on the CPU");
+    let built = build(args, dtype).context("building the model")?;
+    spinner.set_message(format!("profiling {} at batches 1, 2 and 4 on the CPU", built.what));
+    let started = Instant::now();
+    let params = built.params;
+    let profile = ActivationProfile::measure(params, &built.loss).context("profiling the model")?;
+    let profile_s = started.elapsed().as_secs_f64();
+    spinner.finish_and_clear();
+    let estimates: Vec<Estimate> = modes(args.mode)
+        .into_iter()
+        .map(|mode| match args.precision {
+            Precision::F32 => estimate(params, &profile, args.batch, mode),
+            Precision::AmpBf16 => estimate_amp(params, &profile, args.batch, mode),
+        })
+        .collect();
+    let how = format!(
+        "profiled on the CPU at batches 1, 2 and 4 in {profile_s:.1} s (activations from the graph's tensors; \
+         backward transients {}), extrapolated to batch {}; inference is counted with gradients tracked \
+         (an upper bound for no_grad inference)",
+        if profile.backward_workspace.is_some() { "measured by the caching heap" } else { "a lower bound" },
+        args.batch
+    );
+    if args.json {
+        let out = serde_json::json!({
+            "model": built.what,
+            "precision": format!("{:?}", args.precision),
+            "batch": args.batch,
+            "parameters": params.numel(),
+            "profile": profile,
+            "profile_seconds": profile_s,
+            "estimates": estimates,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("{} — {} parameters, {:?}, batch {}", built.what, params.numel(), args.precision, args.batch);
+    println!(
+        "| {:<18} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} |",
+        "mode", "parameters", "gradients", "optimizer", "masters", "activations", "workspace", "total"
+    );
+    println!("|{}|", "-".repeat(124));
+    let b = |n: usize| format_bytes(n as u64);
+    for e in &estimates {
+        println!(
+            "| {:<18} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} |",
+            format!("{:?}", e.mode),
+            b(e.parameters),
+            b(e.gradients),
+            b(e.optimizer_state),
+            b(e.master_weights),
+            b(e.activations),
+            b(e.workspace),
+            b(e.total)
+        );
+    }
+    println!("{how}");
+    Ok(())
+}

@@ -1,0 +1,85 @@
+//! `wick estimate`: the table's parts add up, grow with the batch and the optimizer's state as
+//! they must (SGD < momentum < AdamW by exactly one and two parameter copies; AMP adds f32
+//! masters), the JSON and text forms agree, and bad arguments say what was expected.
+
+use std::process::Command;
+
+fn wick(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_wick")).args(args).output().expect("wick runs");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn estimate(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["estimate"];
+    all.extend_from_slice(args);
+    all.push("--json");
+    let (ok, out, err) = wick(&all);
+    assert!(ok, "{err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+fn field(e: &serde_json::Value, k: &str) -> u64 {
+    e[k].as_u64().unwrap_or_else(|| panic!("no {k} in {e}"))
+}
+
+#[test]
+fn the_parts_add_up_and_follow_the_optimizer_and_the_batch() {
+    let small = estimate(&["resnet18", "--image", "64", "--batch", "4"]);
+    let large = estimate(&["resnet18", "--image", "64", "--batch", "16"]);
+    assert_eq!(small["parameters"], 11_689_512, "torchvision's ResNet-18 count");
+    let rows = small["estimates"].as_array().unwrap();
+    assert_eq!(rows.len(), 4);
+    let params = field(&rows[0], "parameters");
+    assert_eq!(params, 11_689_512 * 4);
+    for e in rows {
+        let parts: u64 = ["parameters", "gradients", "optimizer_state", "master_weights", "activations", "workspace"]
+            .iter()
+            .map(|k| field(e, k))
+            .sum();
+        assert_eq!(parts, field(e, "total"), "{e}");
+    }
+    let state: Vec<u64> = rows.iter().map(|e| field(e, "optimizer_state")).collect();
+    assert_eq!(state, vec![0, 0, params, 2 * params]);
+    assert_eq!(field(&rows[0], "gradients"), 0);
+    assert!(rows[1..].iter().all(|e| field(e, "gradients") == params));
+    for (s, l) in rows.iter().zip(large["estimates"].as_array().unwrap()) {
+        assert!(field(l, "activations") > 3 * field(s, "activations"), "activations grow with the batch");
+        assert!(field(l, "total") > field(s, "total"));
+    }
+    // bf16 autocast: half-size parameters (norms stay f32), f32 masters and state.
+    let amp = estimate(&["resnet18", "--image", "64", "--batch", "4", "--precision", "amp-bf16", "--mode", "adamw"]);
+    let e = &amp["estimates"][0];
+    assert!(field(e, "parameters") < params * 6 / 10, "{e}");
+    assert_eq!(field(e, "master_weights"), params);
+    assert_eq!(field(e, "optimizer_state"), 2 * params);
+    // The text table says the same and how it was obtained.
+    let (ok, text, _) = wick(&["estimate", "resnet18", "--image", "64", "--batch", "4", "--mode", "sgd"]);
+    assert!(ok && text.contains("TrainSgd") && text.contains("profiled on the CPU"), "{text}");
+}
+
+#[test]
+fn text_models_profile_at_their_sequence_length() {
+    let short = estimate(&["minilm", "--seq", "16", "--batch", "8", "--mode", "adamw"]);
+    let long = estimate(&["minilm", "--seq", "32", "--batch", "8", "--mode", "adamw"]);
+    assert_eq!(short["parameters"], long["parameters"]);
+    let act = |v: &serde_json::Value| field(&v["estimates"][0], "activations");
+    assert!(act(&long) > act(&short) * 3 / 2, "activations grow with the sequence");
+}
+
+#[test]
+fn bad_arguments_say_what_was_expected() {
+    let (ok, _, err) = wick(&["estimate", "resnet19"]);
+    assert!(!ok && err.contains("resnet18") && err.contains("mobilenet_v2"), "{err}");
+    let (ok, _, err) = wick(&["estimate", "resnet18", "--batch", "0"]);
+    assert!(!ok && err.contains("--batch"), "{err}");
+    let (ok, _, err) = wick(&["estimate", "minilm", "--seq", "4096"]);
+    assert!(!ok && err.contains("512 positions"), "{err}");
+    let (ok, _, err) = wick(&["estimate", "--config", "/nonexistent/config.json"]);
+    assert!(!ok && err.contains("/nonexistent/config.json"), "{err}");
+    let (ok, _, err) = wick(&["estimate"]);
+    assert!(!ok && err.contains("<MODEL>"), "{err}");
+}
