@@ -1,6 +1,6 @@
 //! `wick estimate MODEL`: the memory a zoo model needs at a batch size, per mode, from the
-//! estimator (`wick_zoo::estimate`): the model is built on the CPU and profiled at batches 1, 2
-//! and 4 (its graph's tensors counted; the backward pass's transients measured by the caching
+//! estimator (`wick_zoo::estimate`): the model is built on the CPU and profiled at batches 2, 4
+//! and 8 (its graph's tensors counted; the backward pass's transients measured by the caching
 //! heap this binary installs), then extrapolated to the batch asked for.
 
 use std::path::PathBuf;
@@ -87,9 +87,35 @@ pub struct EstimateArgs {
     /// Mode(s).
     #[arg(long, value_enum, default_value = "all")]
     pub mode: ModeArg,
+    /// Also run the step once at `--batch` on the CPU and print its measured peak beside the
+    /// estimate (inference and SGD; the model's memory: parameters, batch, graph, gradients,
+    /// transients).
+    #[arg(long)]
+    pub measure: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// The model's peak heap bytes over one `mode` step at `batch` (parameters included, nothing
+/// else the process held before), from the caching heap's exact counters.
+fn measure(built: &Built, batch: usize, mode: Mode) -> Result<Option<usize>> {
+    use wick::host_memory::{exact_heap, exact_peak, reset_exact_peak};
+    let parameters: usize = built.params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
+    let Some((before, _)) = exact_heap() else { return Ok(None) };
+    reset_exact_peak();
+    {
+        let loss = (built.loss)(batch)?;
+        match mode {
+            Mode::Inference => {}
+            Mode::TrainSgd => {
+                let grads = loss.backward()?;
+                built.params.sgd_step(&grads, 1e-6)?;
+            }
+            _ => return Ok(None),
+        }
+    }
+    Ok(exact_peak().map(|(peak, _)| peak.saturating_sub(before) + parameters))
 }
 
 /// A model built for profiling: its parameters and its loss at a batch size.
@@ -238,7 +264,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     spinner.enable_steady_tick(std::time::Duration::from_millis(120));
     spinner.set_message("building the model on the CPU");
     let built = build(args, dtype).context("building the model")?;
-    spinner.set_message(format!("profiling {} at batches 1, 2 and 4 on the CPU", built.what));
+    spinner.set_message(format!("profiling {} at batches 2, 4 and 8 on the CPU", built.what));
     let started = Instant::now();
     let params = built.params;
     let profile = ActivationProfile::measure(params, &built.loss).context("profiling the model")?;
@@ -251,8 +277,21 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             Precision::AmpBf16 => estimate_amp(params, &profile, args.batch, mode),
         })
         .collect();
+    if args.measure && args.precision != Precision::F32 {
+        bail!("--measure runs f32 steps only (a mixed-precision step needs its masters and optimizer)");
+    }
+    let measured: Vec<Option<usize>> = if args.measure {
+        let spinner = indicatif::ProgressBar::new_spinner();
+        spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+        spinner.set_message(format!("running batch {} on the CPU to measure its peak", args.batch));
+        let m = estimates.iter().map(|e| measure(&built, args.batch, e.mode)).collect::<Result<Vec<_>>>()?;
+        spinner.finish_and_clear();
+        m
+    } else {
+        vec![None; estimates.len()]
+    };
     let how = format!(
-        "profiled on the CPU at batches 1, 2 and 4 in {profile_s:.1} s (activations from the graph's tensors; \
+        "profiled on the CPU at batches 2, 4 and 8 in {profile_s:.1} s (activations from the graph's tensors; \
          backward transients {}), extrapolated to batch {}; inference is counted with gradients tracked \
          (an upper bound for no_grad inference)",
         if profile.backward_workspace.is_some() { "measured by the caching heap" } else { "a lower bound" },
@@ -267,6 +306,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             "profile": profile,
             "profile_seconds": profile_s,
             "estimates": estimates,
+            "measured_peaks": measured,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
@@ -290,6 +330,12 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             b(e.workspace),
             b(e.total)
         );
+    }
+    for (e, m) in estimates.iter().zip(&measured) {
+        if let Some(m) = m {
+            let off = (e.total as f64 / *m as f64 - 1.0) * 100.0;
+            println!("measured {:?} at batch {}: {} (the estimate is {off:+.1} %)", e.mode, args.batch, b(*m));
+        }
     }
     println!("{how}");
     Ok(())
