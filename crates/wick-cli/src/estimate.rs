@@ -63,18 +63,15 @@ pub enum ModeArg {
     All,
 }
 
-/// `wick estimate` arguments.
+/// Which model, at which input size and precision (shared by `estimate` and `fit-batch`).
 #[derive(Debug, Args)]
-pub struct EstimateArgs {
+pub struct ModelArgs {
     /// A zoo model by name.
     #[arg(value_enum, required_unless_present = "config")]
     pub model: Option<ModelName>,
     /// A Hugging Face BERT `config.json` instead of a name.
     #[arg(long, conflicts_with = "model")]
     pub config: Option<PathBuf>,
-    /// Batch size.
-    #[arg(long, default_value_t = 32)]
-    pub batch: usize,
     /// Image side for the vision models (ViT: its configured size).
     #[arg(long, default_value_t = 224)]
     pub image: usize,
@@ -84,6 +81,17 @@ pub struct EstimateArgs {
     /// Precision.
     #[arg(long, value_enum, default_value = "f32")]
     pub precision: Precision,
+}
+
+/// `wick estimate` arguments.
+#[derive(Debug, Args)]
+pub struct EstimateArgs {
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Batch size.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
     /// Mode(s).
     #[arg(long, value_enum, default_value = "all")]
     pub mode: ModeArg,
@@ -119,10 +127,13 @@ fn measure(built: &Built, batch: usize, mode: Mode) -> Result<Option<usize>> {
 }
 
 /// A model built for profiling: its parameters and its loss at a batch size.
-struct Built {
-    params: &'static Params,
-    loss: Box<dyn Fn(usize) -> candle_core::Result<Tensor>>,
-    what: String,
+pub struct Built {
+    /// Its parameters.
+    pub params: &'static Params,
+    /// Its loss at a batch size (the batch made inside).
+    pub loss: Box<dyn Fn(usize) -> candle_core::Result<Tensor>>,
+    /// What it is, for the report.
+    pub what: String,
 }
 
 fn images(batch: usize, side: usize, classes: u32, dtype: DType) -> candle_core::Result<Labelled> {
@@ -172,7 +183,7 @@ fn minilm() -> BertConfig {
     }
 }
 
-fn build(args: &EstimateArgs, dtype: DType) -> Result<Built> {
+fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
     let dev = Device::Cpu;
     let (image, seq) = (args.image, args.seq);
     if image < 32 || seq == 0 {
@@ -251,56 +262,82 @@ fn modes(arg: ModeArg) -> Vec<Mode> {
     }
 }
 
+/// A built model and its profile.
+pub struct Profiled {
+    /// The model.
+    pub built: Built,
+    /// Its memory profile.
+    pub profile: ActivationProfile,
+    /// Seconds the profile took.
+    pub seconds: f64,
+    /// Its precision.
+    pub precision: Precision,
+}
+
+impl Profiled {
+    /// Builds the model on the CPU and profiles it (a spinner meanwhile).
+    pub fn new(args: &ModelArgs) -> Result<Self> {
+        let dtype = match args.precision {
+            Precision::F32 => DType::F32,
+            Precision::AmpBf16 => DType::BF16,
+        };
+        let spinner = indicatif::ProgressBar::new_spinner();
+        spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+        spinner.set_message("building the model on the CPU");
+        let built = build(args, dtype).context("building the model")?;
+        spinner.set_message(format!("profiling {} at batches 2, 4 and 8 on the CPU", built.what));
+        let started = Instant::now();
+        let profile = ActivationProfile::measure(built.params, &built.loss).context("profiling the model")?;
+        spinner.finish_and_clear();
+        Ok(Profiled { built, profile, seconds: started.elapsed().as_secs_f64(), precision: args.precision })
+    }
+
+    /// The estimate of `mode` at `batch`.
+    pub fn estimate(&self, batch: usize, mode: Mode) -> Estimate {
+        match self.precision {
+            Precision::F32 => estimate(self.built.params, &self.profile, batch, mode),
+            Precision::AmpBf16 => estimate_amp(self.built.params, &self.profile, batch, mode),
+        }
+    }
+
+    /// How the profile was made, in a sentence.
+    pub fn how(&self) -> String {
+        format!(
+            "profiled on the CPU at batches 2, 4 and 8 in {:.1} s (activations from the graph's tensors; backward \
+             transients {}); inference is counted with gradients tracked (an upper bound for no_grad inference)",
+            self.seconds,
+            if self.profile.backward_workspace.is_some() { "measured by the caching heap" } else { "a lower bound" },
+        )
+    }
+}
+
 /// Runs `wick estimate`.
 pub fn run(args: &EstimateArgs) -> Result<()> {
     if args.batch == 0 {
         bail!("--batch must be at least 1");
     }
-    let dtype = match args.precision {
-        Precision::F32 => DType::F32,
-        Precision::AmpBf16 => DType::BF16,
-    };
-    let spinner = indicatif::ProgressBar::new_spinner();
-    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-    spinner.set_message("building the model on the CPU");
-    let built = build(args, dtype).context("building the model")?;
-    spinner.set_message(format!("profiling {} at batches 2, 4 and 8 on the CPU", built.what));
-    let started = Instant::now();
+    let p = Profiled::new(&args.model)?;
+    let (built, profile, profile_s) = (&p.built, &p.profile, p.seconds);
     let params = built.params;
-    let profile = ActivationProfile::measure(params, &built.loss).context("profiling the model")?;
-    let profile_s = started.elapsed().as_secs_f64();
-    spinner.finish_and_clear();
-    let estimates: Vec<Estimate> = modes(args.mode)
-        .into_iter()
-        .map(|mode| match args.precision {
-            Precision::F32 => estimate(params, &profile, args.batch, mode),
-            Precision::AmpBf16 => estimate_amp(params, &profile, args.batch, mode),
-        })
-        .collect();
-    if args.measure && args.precision != Precision::F32 {
+    let estimates: Vec<Estimate> = modes(args.mode).into_iter().map(|mode| p.estimate(args.batch, mode)).collect();
+    if args.measure && args.model.precision != Precision::F32 {
         bail!("--measure runs f32 steps only (a mixed-precision step needs its masters and optimizer)");
     }
     let measured: Vec<Option<usize>> = if args.measure {
         let spinner = indicatif::ProgressBar::new_spinner();
         spinner.enable_steady_tick(std::time::Duration::from_millis(120));
         spinner.set_message(format!("running batch {} on the CPU to measure its peak", args.batch));
-        let m = estimates.iter().map(|e| measure(&built, args.batch, e.mode)).collect::<Result<Vec<_>>>()?;
+        let m = estimates.iter().map(|e| measure(built, args.batch, e.mode)).collect::<Result<Vec<_>>>()?;
         spinner.finish_and_clear();
         m
     } else {
         vec![None; estimates.len()]
     };
-    let how = format!(
-        "profiled on the CPU at batches 2, 4 and 8 in {profile_s:.1} s (activations from the graph's tensors; \
-         backward transients {}), extrapolated to batch {}; inference is counted with gradients tracked \
-         (an upper bound for no_grad inference)",
-        if profile.backward_workspace.is_some() { "measured by the caching heap" } else { "a lower bound" },
-        args.batch
-    );
+    let how = format!("{}; extrapolated to batch {}", p.how(), args.batch);
     if args.json {
         let out = serde_json::json!({
             "model": built.what,
-            "precision": format!("{:?}", args.precision),
+            "precision": format!("{:?}", args.model.precision),
             "batch": args.batch,
             "parameters": params.numel(),
             "profile": profile,
@@ -311,7 +348,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!("{} — {} parameters, {:?}, batch {}", built.what, params.numel(), args.precision, args.batch);
+    println!("{} — {} parameters, {:?}, batch {}", built.what, params.numel(), args.model.precision, args.batch);
     println!(
         "| {:<18} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} |",
         "mode", "parameters", "gradients", "optimizer", "masters", "activations", "workspace", "total"

@@ -4,6 +4,8 @@
 //!   allocator policy, candle's build);
 //! - `wick estimate MODEL [--batch N] [--precision f32|amp-bf16] [--mode …] [--json]`: the memory
 //!   a zoo model needs, per mode;
+//! - `wick fit-batch MODEL --budget 24GiB|--gpu A100-80GB|--device cuda:0 [--target-batch N]`:
+//!   the largest batch that fits and the accumulation for an effective batch;
 //! - `wick replay TRACE.json…`: replays allocation traces through a policy and backend and prints
 //!   peak allocated, peak reserved, fragmentation, retries, OOMs and ops/s;
 //! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON;
@@ -13,6 +15,7 @@
 //! - `wick jobs [stop|status|forget ID]`: the detached runs.
 
 mod estimate;
+mod fit;
 mod train;
 
 use std::path::PathBuf;
@@ -55,6 +58,9 @@ enum Command {
     /// The memory a zoo model needs at a batch size (parameters, gradients, optimizer state,
     /// masters, activations, workspace), profiled on the CPU at small batches.
     Estimate(estimate::EstimateArgs),
+    /// The largest batch of a zoo model that fits a memory budget (or a GPU), and the gradient
+    /// accumulation for a target effective batch.
+    FitBatch(fit::FitArgs),
     /// Replay traces through the caching allocator.
     Replay {
         /// Trace files (JSON).
@@ -161,6 +167,7 @@ fn main() -> Result<()> {
         }
         Command::Train(args) => train::run(&args)?,
         Command::Estimate(args) => estimate::run(&args)?,
+        Command::FitBatch(args) => fit::run(&args)?,
         Command::Jobs { action: None } => {
             let jobs = wick::jobs::Job::list()?;
             if jobs.is_empty() {

@@ -1,6 +1,7 @@
 //! `wick estimate`: the table's parts add up, grow with the batch and the optimizer's state as
 //! they must (SGD < momentum < AdamW by exactly one and two parameter copies; AMP adds f32
-//! masters), the JSON and text forms agree, and bad arguments say what was expected.
+//! masters), the JSON and text forms agree, and bad arguments say what was expected; `wick
+//! fit-batch` finds the largest batch whose real, measured step fits the budget.
 
 use std::process::Command;
 
@@ -82,4 +83,63 @@ fn bad_arguments_say_what_was_expected() {
     assert!(!ok && err.contains("/nonexistent/config.json"), "{err}");
     let (ok, _, err) = wick(&["estimate"]);
     assert!(!ok && err.contains("<MODEL>"), "{err}");
+}
+
+#[test]
+fn fit_batch_finds_the_largest_batch_whose_measured_peak_fits() {
+    let (ok, out, err) = wick(&[
+        "fit-batch",
+        "resnet18",
+        "--image",
+        "64",
+        "--mode",
+        "sgd",
+        "--budget",
+        "300MiB",
+        "--target-batch",
+        "1000",
+        "--json",
+    ]);
+    assert!(ok, "{err}");
+    let fit: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let largest = fit["largest_batch"].as_u64().unwrap();
+    let margin = fit["margin"].as_f64().unwrap();
+    assert!(largest > 8, "{fit}");
+    assert_eq!(fit["budget_bytes"], 300u64 << 20);
+    // The boundary: the estimate with the margin fits at `largest` and not one above.
+    let total = |b: u64| {
+        let e = estimate(&["resnet18", "--image", "64", "--mode", "sgd", "--batch", &b.to_string()]);
+        field(&e["estimates"][0], "total") as f64 * (1.0 + margin)
+    };
+    assert!(total(largest) <= (300u64 << 20) as f64 && total(largest + 1) > (300u64 << 20) as f64);
+    // The real step at that batch fits the budget.
+    let measured =
+        estimate(&["resnet18", "--image", "64", "--mode", "sgd", "--batch", &largest.to_string(), "--measure"]);
+    let peak = measured["measured_peaks"][0].as_u64().unwrap();
+    assert!(peak <= 300 << 20, "measured {peak} at batch {largest}");
+    // Accumulation: micro-batches that divide the target exactly, no larger than the largest.
+    let (micro, steps) = (fit["micro_batch"].as_u64().unwrap(), fit["accumulation_steps"].as_u64().unwrap());
+    assert!(micro * steps == 1000 && micro <= largest, "{fit}");
+}
+
+#[test]
+fn fit_batch_budgets_from_a_gpu_name_or_a_device() {
+    let (ok, out, err) =
+        wick(&["fit-batch", "resnet18", "--image", "64", "--gpu", "H200", "--max-batch", "64", "--json"]);
+    assert!(ok, "{err}");
+    let fit: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(fit["budget_bytes"].as_u64(), Some((143_771u64 << 20) - (512 << 20)));
+    assert_eq!(fit["largest_batch"], 64, "capped by --max-batch");
+    let (ok, _, err) = wick(&["fit-batch", "resnet18", "--gpu", "A200"]);
+    assert!(!ok && err.contains("A100-80GB"), "{err}");
+    let (ok, _, err) = wick(&["fit-batch", "resnet18", "--budget", "12 parsecs"]);
+    assert!(!ok && err.contains("unknown unit"), "{err}");
+    let (ok, _, err) = wick(&["fit-batch", "resnet18"]);
+    assert!(!ok && err.contains("--budget"), "{err}");
+    if !std::path::Path::new("/dev/nvidiactl").exists() {
+        let (ok, _, err) = wick(&["fit-batch", "resnet18", "--device", "cuda:0"]);
+        assert!(!ok && err.contains("no driver"), "{err}");
+    }
+    let (ok, _, err) = wick(&["fit-batch", "resnet18", "--device", "gpu0"]);
+    assert!(!ok && err.contains("expected cuda:N"), "{err}");
 }
