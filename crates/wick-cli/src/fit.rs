@@ -175,7 +175,9 @@ pub fn accumulation(target: usize, largest: usize) -> Option<(usize, usize)> {
     if target == 0 || largest == 0 {
         return None;
     }
-    (target.div_ceil(largest)..=target).find(|s| target.is_multiple_of(*s) && target / s <= largest).map(|s| (target / s, s))
+    (target.div_ceil(largest)..=target)
+        .find(|s| target.is_multiple_of(*s) && target / s <= largest)
+        .map(|s| (target / s, s))
 }
 
 /// Runs `wick fit-batch`.

@@ -6,6 +6,7 @@
 //!   a zoo model needs, per mode;
 //! - `wick fit-batch MODEL --budget 24GiB|--gpu A100-80GB|--device cuda:0 [--target-batch N]`:
 //!   the largest batch that fits and the accumulation for an effective batch;
+//! - `wick report FILE [--text | --out PAGE.html]`: a saved snapshot or history as the HTML report;
 //! - `wick replay TRACE.json…`: replays allocation traces through a policy and backend and prints
 //!   peak allocated, peak reserved, fragmentation, retries, OOMs and ops/s;
 //! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON;
@@ -16,6 +17,7 @@
 
 mod estimate;
 mod fit;
+mod report;
 mod train;
 
 use std::path::PathBuf;
@@ -61,6 +63,8 @@ enum Command {
     /// The largest batch of a zoo model that fits a memory budget (or a GPU), and the gradient
     /// accumulation for a target effective batch.
     FitBatch(fit::FitArgs),
+    /// Render a saved allocator snapshot or history as the HTML report (or as text).
+    Report(report::ReportArgs),
     /// Replay traces through the caching allocator.
     Replay {
         /// Trace files (JSON).
@@ -168,6 +172,7 @@ fn main() -> Result<()> {
         Command::Train(args) => train::run(&args)?,
         Command::Estimate(args) => estimate::run(&args)?,
         Command::FitBatch(args) => fit::run(&args)?,
+        Command::Report(args) => report::run(&args)?,
         Command::Jobs { action: None } => {
             let jobs = wick::jobs::Job::list()?;
             if jobs.is_empty() {
