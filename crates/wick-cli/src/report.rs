@@ -27,7 +27,7 @@ pub struct ReportArgs {
 
 /// What a file holds.
 enum Saved {
-    Snapshot(Snapshot),
+    Snapshot(Box<Snapshot>),
     History(Vec<HistoryEntry>),
 }
 
@@ -51,7 +51,7 @@ fn read(path: &Path) -> Result<Saved> {
     }
     if value.get("segments").is_some() {
         let snapshot = Snapshot::from_json(&text).with_context(|| format!("{}: not a snapshot", path.display()))?;
-        return Ok(Saved::Snapshot(snapshot));
+        return Ok(Saved::Snapshot(Box::new(snapshot)));
     }
     bail!("{}: neither a snapshot (an object with `segments`) nor a history (an array of events)", path.display())
 }
