@@ -7,6 +7,7 @@
 //! - `wick fit-batch MODEL --budget 24GiB|--gpu A100-80GB|--device cuda:0 [--target-batch N]`:
 //!   the largest batch that fits and the accumulation for an effective batch;
 //! - `wick report FILE [--text | --out PAGE.html]`: a saved snapshot or history as the HTML report;
+//! - `wick monitor [--interval S] [--once [--json]]`: a live view of host, GPU and job memory;
 //! - `wick replay TRACE.json…`: replays allocation traces through a policy and backend and prints
 //!   peak allocated, peak reserved, fragmentation, retries, OOMs and ops/s;
 //! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON;
@@ -17,6 +18,7 @@
 
 mod estimate;
 mod fit;
+mod monitor;
 mod report;
 mod train;
 
@@ -65,6 +67,9 @@ enum Command {
     FitBatch(fit::FitArgs),
     /// Render a saved allocator snapshot or history as the HTML report (or as text).
     Report(report::ReportArgs),
+    /// A live view of memory: host and cgroup, GPUs and their processes, every wick job (`q`
+    /// quits; plain text when not a terminal).
+    Monitor(monitor::MonitorArgs),
     /// Replay traces through the caching allocator.
     Replay {
         /// Trace files (JSON).
@@ -173,6 +178,7 @@ fn main() -> Result<()> {
         Command::Estimate(args) => estimate::run(&args)?,
         Command::FitBatch(args) => fit::run(&args)?,
         Command::Report(args) => report::run(&args)?,
+        Command::Monitor(args) => monitor::run(&args)?,
         Command::Jobs { action: None } => {
             let jobs = wick::jobs::Job::list()?;
             if jobs.is_empty() {

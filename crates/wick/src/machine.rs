@@ -97,7 +97,7 @@ impl MachineInfo {
         MachineInfo {
             wick_version: env!("CARGO_PKG_VERSION").to_string(),
             cpu: cpu_info(),
-            host: host_info(),
+            host: HostInfo::probe(),
             gpus: GpuReport::probe(),
             allocator: allocator_settings(),
             candle: CandleBuild {
@@ -168,6 +168,13 @@ fn filesystem_space(path: &str) -> Option<(u64, u64)> {
     let s = unsafe { s.assume_init() };
     let block: u64 = s.f_frsize;
     Some((block.checked_mul(s.f_blocks)?, block.checked_mul(s.f_bavail)?))
+}
+
+impl HostInfo {
+    /// Reads the host's memory figures now (a few small files; cheap enough to poll).
+    pub fn probe() -> Self {
+        host_info()
+    }
 }
 
 fn host_info() -> HostInfo {
