@@ -1,6 +1,6 @@
 //! `wick estimate MODEL`: the memory a zoo model needs at a batch size, per mode, from the
-//! estimator (`wick_zoo::estimate`): the model is built on the CPU and profiled at batches 2, 4
-//! and 8 (its graph's tensors counted; the backward pass's transients measured by the caching
+//! estimator (`wick_zoo::estimate`): the model is built on the CPU and profiled at batches 2, 4,
+//! 8 and 16 (its graph's tensors counted; the backward pass's transients measured by the caching
 //! heap this binary installs), then extrapolated to the batch asked for.
 
 use std::path::PathBuf;
@@ -11,12 +11,15 @@ use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
 use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
-use wick_zoo::estimate::{estimate, estimate_amp, ActivationProfile, Estimate, Mode};
+use wick_zoo::estimate::{estimate_bytes, ActivationProfile, Estimate, Mode, ParamBytes};
+use wick_zoo::llama::LlamaConfig;
 use wick_zoo::mobilenet::MobileNetV2;
 use wick_zoo::params::Params;
 use wick_zoo::resnet::{ResNet, ResNetDepth};
 use wick_zoo::vit::{Vit, VitConfig};
 use wick_zoo::{Labelled, Model};
+
+use crate::llama_size;
 
 /// A model the command knows by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -37,6 +40,13 @@ pub enum ModelName {
     BertBase,
     /// all-MiniLM-L6-v2's encoder (22.7 M).
     Minilm,
+    /// A LLaMA-style decoder with Llama-2-7B's shapes (6.7 B), profiled through one and two
+    /// layers.
+    #[value(name = "llama2-7b")]
+    Llama2_7b,
+    /// With Llama-2-13B's shapes (13 B).
+    #[value(name = "llama2-13b")]
+    Llama2_13b,
 }
 
 /// The precision of the run.
@@ -69,7 +79,7 @@ pub struct ModelArgs {
     /// A zoo model by name.
     #[arg(value_enum, required_unless_present = "config")]
     pub model: Option<ModelName>,
-    /// A Hugging Face BERT `config.json` instead of a name.
+    /// A Hugging Face `config.json` (BERT, or LLaMA with `model_type: llama`) instead of a name.
     #[arg(long, conflicts_with = "model")]
     pub config: Option<PathBuf>,
     /// Image side for the vision models (ViT: its configured size).
@@ -127,11 +137,12 @@ fn measure(built: &Built, batch: usize, mode: Mode) -> Result<Option<usize>> {
 }
 
 /// A model built for profiling: its parameters and its loss at a batch size.
+#[derive(Clone)]
 pub struct Built {
     /// Its parameters.
     pub params: &'static Params,
     /// Its loss at a batch size (the batch made inside).
-    pub loss: Box<dyn Fn(usize) -> candle_core::Result<Tensor>>,
+    pub loss: std::rc::Rc<dyn Fn(usize) -> candle_core::Result<Tensor>>,
     /// What it is, for the report.
     pub what: String,
 }
@@ -191,7 +202,7 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
     }
     let cnn = |model: &'static dyn CnnModel, what: String| Built {
         params: model.params_ref(),
-        loss: Box::new(move |b| model.loss_at(b, image, dtype)),
+        loss: std::rc::Rc::new(move |b| model.loss_at(b, image, dtype)),
         what,
     };
     let bert = |config: BertConfig, what: String| -> Result<Built> {
@@ -201,12 +212,13 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
         let model = leak(Bert::new(config.clone(), dtype, &dev)?);
         Ok(Built {
             params: model.params(),
-            loss: Box::new(move |b| model.loss(&sentences(b, seq, &config)?).map_err(candle_core::Error::wrap)),
+            loss: std::rc::Rc::new(move |b| model.loss(&sentences(b, seq, &config)?).map_err(candle_core::Error::wrap)),
             what: format!("{what}, sequence {seq}"),
         })
     };
     Ok(match (args.model, &args.config) {
         (_, Some(path)) => bert(BertConfig::from_file(path)?, format!("BERT from {}", path.display()))?,
+        (Some(ModelName::Llama2_7b | ModelName::Llama2_13b), _) => bail!("LLaMA sizes are profiled by layers"),
         (Some(ModelName::Resnet18), _) => {
             cnn(leak(ResNet::new(ResNetDepth::R18, 1000, 64, dtype, &dev)?), format!("ResNet-18, {image}²"))
         }
@@ -224,7 +236,7 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
             let model = leak(Vit::new(config, dtype, &dev)?);
             Built {
                 params: model.params(),
-                loss: Box::new(move |b| {
+                loss: std::rc::Rc::new(move |b| {
                     model.loss(&images(b, config.image_size, 1000, dtype)?).map_err(candle_core::Error::wrap)
                 }),
                 what: format!("ViT-B/16, {}²", config.image_size),
@@ -262,16 +274,33 @@ fn modes(arg: ModeArg) -> Vec<Mode> {
     }
 }
 
-/// A built model and its profile.
+/// A model's profile, and the model itself where it was built whole.
 pub struct Profiled {
-    /// The model.
-    pub built: Built,
+    /// What it is.
+    pub what: String,
+    /// Its parameter count.
+    pub numel: usize,
+    /// Its parameter bytes.
+    pub param_bytes: ParamBytes,
     /// Its memory profile.
     pub profile: ActivationProfile,
     /// Seconds the profile took.
     pub seconds: f64,
     /// Its precision.
     pub precision: Precision,
+    /// The model, when it was built whole (not the LLaMA sizes, profiled through two layers).
+    pub built: Option<Built>,
+    /// A LLaMA configuration to build whole for `--measure`.
+    llama: Option<(LlamaConfig, DType, usize)>,
+}
+
+fn llama_of(args: &ModelArgs) -> Result<Option<(LlamaConfig, String)>> {
+    Ok(match (args.model, &args.config) {
+        (Some(ModelName::Llama2_7b), _) => Some((llama_size::llama2_7b(), "LLaMA (Llama-2-7B shapes)".into())),
+        (Some(ModelName::Llama2_13b), _) => Some((llama_size::llama2_13b(), "LLaMA (Llama-2-13B shapes)".into())),
+        (_, Some(path)) => llama_size::from_file(path)?.map(|c| (c, format!("LLaMA from {}", path.display()))),
+        _ => None,
+    })
 }
 
 impl Profiled {
@@ -283,27 +312,69 @@ impl Profiled {
         };
         let spinner = indicatif::ProgressBar::new_spinner();
         spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+        if let Some((config, what)) = llama_of(args)? {
+            if args.seq == 0 || args.seq > config.max_seq {
+                bail!("--seq must be between 1 and the model's {} positions", config.max_seq);
+            }
+            let what = format!("{what}, {} layers × {}, sequence {}", config.num_layers, config.hidden_size, args.seq);
+            spinner.set_message(format!("profiling {what} through one and two layers on the CPU"));
+            let started = Instant::now();
+            let profile = llama_size::profile(config, dtype, args.seq).context("profiling the model")?;
+            spinner.finish_and_clear();
+            return Ok(Profiled {
+                what,
+                numel: config.parameter_count().unwrap_or(usize::MAX),
+                param_bytes: llama_size::param_bytes(&config, dtype)?,
+                profile,
+                seconds: started.elapsed().as_secs_f64(),
+                precision: args.precision,
+                built: None,
+                llama: Some((config, dtype, args.seq)),
+            });
+        }
         spinner.set_message("building the model on the CPU");
         let built = build(args, dtype).context("building the model")?;
-        spinner.set_message(format!("profiling {} at batches 2, 4 and 8 on the CPU", built.what));
+        spinner.set_message(format!("profiling {} at batches 2, 4, 8 and 16 on the CPU", built.what));
         let started = Instant::now();
-        let profile = ActivationProfile::measure(built.params, &built.loss).context("profiling the model")?;
+        let profile = ActivationProfile::measure(built.params, &*built.loss).context("profiling the model")?;
         spinner.finish_and_clear();
-        Ok(Profiled { built, profile, seconds: started.elapsed().as_secs_f64(), precision: args.precision })
+        Ok(Profiled {
+            what: built.what.clone(),
+            numel: built.params.numel(),
+            param_bytes: ParamBytes::of(built.params),
+            profile,
+            seconds: started.elapsed().as_secs_f64(),
+            precision: args.precision,
+            built: Some(built),
+            llama: None,
+        })
     }
 
     /// The estimate of `mode` at `batch`.
     pub fn estimate(&self, batch: usize, mode: Mode) -> Estimate {
-        match self.precision {
-            Precision::F32 => estimate(self.built.params, &self.profile, batch, mode),
-            Precision::AmpBf16 => estimate_amp(self.built.params, &self.profile, batch, mode),
+        estimate_bytes(self.param_bytes, &self.profile, batch, mode, self.precision == Precision::AmpBf16)
+    }
+
+    /// The model to run: the one profiled, or the whole LLaMA built now.
+    fn runnable(&self) -> Result<std::borrow::Cow<'_, Built>> {
+        match (&self.built, self.llama) {
+            (Some(b), _) => Ok(std::borrow::Cow::Borrowed(b)),
+            (None, Some((config, dtype, seq))) => {
+                Ok(std::borrow::Cow::Owned(llama_size::build(config, dtype, seq, self.what.clone())?))
+            }
+            (None, None) => bail!("nothing to run"),
         }
     }
 
     /// How the profile was made, in a sentence.
     pub fn how(&self) -> String {
+        let batches = if self.llama.is_some() {
+            "at batches 2, 4, 8 and 16 with one and with two layers, extrapolated to the depth,"
+        } else {
+            "at batches 2, 4, 8 and 16"
+        };
         format!(
-            "profiled on the CPU at batches 2, 4 and 8 in {:.1} s (activations from the graph's tensors; backward \
+            "profiled on the CPU {batches} in {:.1} s (activations from the graph's tensors; backward \
              transients {}); inference is counted with gradients tracked (an upper bound for no_grad inference)",
             self.seconds,
             if self.profile.backward_workspace.is_some() { "measured by the caching heap" } else { "a lower bound" },
@@ -317,8 +388,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         bail!("--batch must be at least 1");
     }
     let p = Profiled::new(&args.model)?;
-    let (built, profile, profile_s) = (&p.built, &p.profile, p.seconds);
-    let params = built.params;
+    let (profile, profile_s) = (&p.profile, p.seconds);
     let estimates: Vec<Estimate> = modes(args.mode).into_iter().map(|mode| p.estimate(args.batch, mode)).collect();
     if args.measure && args.model.precision != Precision::F32 {
         bail!("--measure runs f32 steps only (a mixed-precision step needs its masters and optimizer)");
@@ -327,7 +397,8 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         let spinner = indicatif::ProgressBar::new_spinner();
         spinner.enable_steady_tick(std::time::Duration::from_millis(120));
         spinner.set_message(format!("running batch {} on the CPU to measure its peak", args.batch));
-        let m = estimates.iter().map(|e| measure(built, args.batch, e.mode)).collect::<Result<Vec<_>>>()?;
+        let built = p.runnable()?;
+        let m = estimates.iter().map(|e| measure(&built, args.batch, e.mode)).collect::<Result<Vec<_>>>()?;
         spinner.finish_and_clear();
         m
     } else {
@@ -336,10 +407,10 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     let how = format!("{}; extrapolated to batch {}", p.how(), args.batch);
     if args.json {
         let out = serde_json::json!({
-            "model": built.what,
+            "model": p.what,
             "precision": format!("{:?}", args.model.precision),
             "batch": args.batch,
-            "parameters": params.numel(),
+            "parameters": p.numel,
             "profile": profile,
             "profile_seconds": profile_s,
             "estimates": estimates,
@@ -348,7 +419,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!("{} — {} parameters, {:?}, batch {}", built.what, params.numel(), args.model.precision, args.batch);
+    println!("{} — {} parameters, {:?}, batch {}", p.what, p.numel, args.model.precision, args.batch);
     println!(
         "| {:<18} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} |",
         "mode", "parameters", "gradients", "optimizer", "masters", "activations", "workspace", "total"

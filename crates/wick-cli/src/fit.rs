@@ -11,10 +11,11 @@ use crate::estimate::{ModelArgs, Profiled};
 
 /// The estimator's margin for a "fits" decision: the estimate is multiplied by `1 + FIT_MARGIN`.
 /// Measured against real peaks at batches no profile ran (`wick estimate --measure` and the
-/// estimator test, f32 SGD): −0.5 % to +0.0 % at real widths (ResNet-18/34/50, MobileNetV2,
-/// MiniLM), −5.1 % at the worst small model (ResNet-18 at width 16 on 64² images, batch 12, where
-/// the convolution's image grouping makes the workspace step with the batch).
-pub const FIT_MARGIN: f64 = 0.06;
+/// estimator test, f32 SGD): −0.5 % to +2.3 % at real widths (ResNet-18/34/50, MobileNetV2,
+/// MiniLM, LLaMA configurations), −1.8 % at the worst small model (ResNet-18 at width 16 on 64²
+/// images, batch 24, where the convolution's image grouping makes the workspace step with the
+/// batch).
+pub const FIT_MARGIN: f64 = 0.03;
 
 /// Memory the CUDA context and the kernels' images take on a device before any tensor (PyTorch's
 /// context is 300–500 MiB on recent GPUs); subtracted from a `--gpu` size.
@@ -205,7 +206,7 @@ pub fn run(args: &FitArgs) -> Result<()> {
     let plan = args.target_batch.map(|t| accumulation(t, largest));
     if args.json {
         let out = serde_json::json!({
-            "model": p.built.what,
+            "model": p.what,
             "mode": format!("{mode:?}"),
             "budget_bytes": budget,
             "budget_source": source,
@@ -220,7 +221,7 @@ pub fn run(args: &FitArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!("{} — {mode:?} in {} ({source})", p.built.what, format_bytes(budget));
+    println!("{} — {mode:?} in {} ({source})", p.what, format_bytes(budget));
     if largest == 0 {
         println!(
             "nothing fits: batch 1 needs {} (with the {:.0} % margin {})",

@@ -18,6 +18,7 @@
 
 mod estimate;
 mod fit;
+mod llama_size;
 mod monitor;
 mod report;
 mod train;

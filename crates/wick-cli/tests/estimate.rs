@@ -143,3 +143,37 @@ fn fit_batch_budgets_from_a_gpu_name_or_a_device() {
     let (ok, _, err) = wick(&["fit-batch", "resnet18", "--device", "gpu0"]);
     assert!(!ok && err.contains("expected cuda:N"), "{err}");
 }
+
+#[test]
+fn a_llama_config_is_profiled_through_two_layers_and_matches_its_measured_peak() {
+    let dir = std::env::temp_dir().join(format!("wick-estimate-llama-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("config.json");
+    let (v, h, layers, i) = (1000u64, 256u64, 8u64, 688u64);
+    std::fs::write(
+        &config,
+        format!(
+            r#"{{"model_type": "llama", "vocab_size": {v}, "hidden_size": {h}, "num_hidden_layers": {layers},
+                "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": {i},
+                "max_position_embeddings": 256, "rms_norm_eps": 1e-6}}"#
+        ),
+    )
+    .unwrap();
+    let path = config.to_str().unwrap();
+    let e = estimate(&["--config", path, "--seq", "64", "--batch", "24", "--mode", "sgd", "--measure"]);
+    // Embedding, LM head and final norm; per layer Q, K, V, O, gate, up, down and two norms.
+    assert_eq!(e["parameters"].as_u64(), Some(2 * v * h + h + layers * (4 * h * h + 3 * i * h + 2 * h)));
+    let total = field(&e["estimates"][0], "total") as f64;
+    let peak = e["measured_peaks"][0].as_u64().unwrap() as f64;
+    assert!((total / peak - 1.0).abs() < 0.03, "estimate {total} vs measured {peak}");
+    // Grouped-query attention is refused with the reason.
+    std::fs::write(
+        &config,
+        r#"{"model_type": "llama", "vocab_size": 100, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}"#,
+    )
+    .unwrap();
+    let (ok, _, err) = wick(&["estimate", "--config", path]);
+    assert!(!ok && err.contains("grouped-query attention"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -2,7 +2,7 @@
 //! parameters, gradients, optimizer state, activations and workspace.
 //!
 //! Activations are counted from the model's own graph, not from a rule of thumb: the model runs
-//! its forward pass at batches 2, 4 and 8 (after a warm-up pass at batch 1) at the target
+//! its forward pass at batches 2, 4, 8 and 16 (after a warm-up pass at batch 1) at the target
 //! sequence or image size, and every tensor that the autograd graph keeps alive (each distinct
 //! storage, views counted once) is summed by its shape and dtype. Activation memory is affine in
 //! the batch for these models, so two counts give the per-sample and fixed parts, and the estimate
@@ -142,7 +142,7 @@ impl Envelope {
 }
 
 /// The batches a profile runs, after a warm-up at batch 1.
-pub const PROFILE_BATCHES: [usize; 3] = [2, 4, 8];
+pub const PROFILE_BATCHES: [usize; 4] = [2, 4, 8, 16];
 
 /// A model's memory profile at one input size, from forward (and backward) passes at
 /// [`PROFILE_BATCHES`].
@@ -202,6 +202,33 @@ impl ActivationProfile {
     }
 }
 
+impl ActivationProfile {
+    /// The profile of the same model with `layers` identical layers, from profiles with one
+    /// (`one`) and two (`two`): activations grow by the second layer's share per layer; the
+    /// backward transients are the larger of the two profiles' (one op's temporaries and the
+    /// gradients in flight do not multiply with depth); the largest activation is the larger.
+    pub fn with_layers(one: &Self, two: &Self, layers: usize) -> Self {
+        let extra = layers.saturating_sub(1);
+        let grow = |a: Affine, b: Affine| Affine {
+            fixed: a.fixed.saturating_add(extra.saturating_mul(b.fixed.saturating_sub(a.fixed))),
+            per_sample: a.per_sample.saturating_add(extra.saturating_mul(b.per_sample.saturating_sub(a.per_sample))),
+        };
+        let larger =
+            |a: Affine, b: Affine| Affine { fixed: a.fixed.max(b.fixed), per_sample: a.per_sample.max(b.per_sample) };
+        let workspace = match (&one.backward_workspace, &two.backward_workspace) {
+            (Some(a), Some(b)) => {
+                Some(Envelope { lines: a.lines.iter().zip(&b.lines).map(|(a, b)| grow(*a, *b)).collect() })
+            }
+            (a, b) => a.clone().or_else(|| b.clone()),
+        };
+        ActivationProfile {
+            activations: grow(one.activations, two.activations),
+            largest: larger(one.largest, two.largest),
+            backward_workspace: workspace,
+        }
+    }
+}
+
 /// Estimates `mode` at `batch` for a model with `params`, whose activations were profiled; the
 /// optimizer (if any) keeps its state in the parameters' dtype.
 pub fn estimate(params: &Params, profile: &ActivationProfile, batch: usize, mode: Mode) -> Estimate {
@@ -216,12 +243,40 @@ pub fn estimate_amp(params: &Params, profile: &ActivationProfile, batch: usize, 
     estimate_with(params, profile, batch, mode, true)
 }
 
+/// A model's parameter bytes, for an estimate without the model itself (a model too large to
+/// build here, profiled through fewer layers: [`ActivationProfile::with_layers`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct ParamBytes {
+    /// All parameters, in their dtypes.
+    pub total: usize,
+    /// The largest parameter.
+    pub largest: usize,
+    /// All parameters at 4 bytes each (f32 masters and state).
+    pub f32_total: usize,
+    /// The largest parameter at 4 bytes an element.
+    pub largest_f32: usize,
+}
+
+impl ParamBytes {
+    /// The bytes of `params`.
+    pub fn of(params: &Params) -> Self {
+        let bytes = |v: &candle_core::Var| v.elem_count() * v.dtype().size_in_bytes();
+        ParamBytes {
+            total: params.iter().map(|(_, v)| bytes(v)).sum(),
+            largest: params.iter().map(|(_, v)| bytes(v)).max().unwrap_or(0),
+            f32_total: params.iter().map(|(_, v)| v.elem_count() * 4).sum(),
+            largest_f32: params.iter().map(|(_, v)| v.elem_count() * 4).max().unwrap_or(0),
+        }
+    }
+}
+
 fn estimate_with(params: &Params, profile: &ActivationProfile, batch: usize, mode: Mode, masters: bool) -> Estimate {
-    let bytes = |v: &candle_core::Var| v.elem_count() * v.dtype().size_in_bytes();
-    let parameters: usize = params.iter().map(|(_, v)| bytes(v)).sum();
-    let largest_param = params.iter().map(|(_, v)| bytes(v)).max().unwrap_or(0);
-    let f32_params: usize = params.iter().map(|(_, v)| v.elem_count() * 4).sum();
-    let largest_f32 = params.iter().map(|(_, v)| v.elem_count() * 4).max().unwrap_or(0);
+    estimate_bytes(ParamBytes::of(params), profile, batch, mode, masters)
+}
+
+/// [`estimate`] (`masters` false) or [`estimate_amp`] (true) from parameter bytes.
+pub fn estimate_bytes(p: ParamBytes, profile: &ActivationProfile, batch: usize, mode: Mode, masters: bool) -> Estimate {
+    let (parameters, largest_param, f32_params, largest_f32) = (p.total, p.largest, p.f32_total, p.largest_f32);
     let activations = profile.activations.at(batch);
     let largest = profile.largest.at(batch);
     let (gradients, optimizer_state, master_weights, workspace) = match mode {

@@ -13,8 +13,8 @@ use wick_zoo::Model;
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
-/// Above every profiled batch (2, 4, 8): the estimate extrapolates.
-const BATCH: usize = 12;
+/// Above every profiled batch (2, 4, 8, 16): the estimate extrapolates.
+const BATCH: usize = 24;
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
