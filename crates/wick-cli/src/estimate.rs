@@ -106,8 +106,8 @@ pub struct EstimateArgs {
     #[arg(long, value_enum, default_value = "all")]
     pub mode: ModeArg,
     /// Also run the step once at `--batch` on the CPU and print its measured peak beside the
-    /// estimate (inference and SGD; the model's memory: parameters, batch, graph, gradients,
-    /// transients).
+    /// estimate (inference under no_grad, and SGD; the model's memory: parameters, batch, graph,
+    /// gradients, transients).
     #[arg(long)]
     pub measure: bool,
     /// Print JSON instead of a table.
@@ -123,11 +123,10 @@ fn measure(built: &Built, batch: usize, mode: Mode) -> Result<Option<usize>> {
     let Some((before, _)) = exact_heap() else { return Ok(None) };
     reset_exact_peak();
     {
-        let loss = (built.loss)(batch)?;
         match mode {
-            Mode::Inference => {}
+            Mode::Inference => drop(wick_zoo::no_grad(|| (built.loss)(batch))?),
             Mode::TrainSgd => {
-                let grads = loss.backward()?;
+                let grads = (built.loss)(batch)?.backward()?;
                 built.params.sgd_step(&grads, 1e-6)?;
             }
             _ => return Ok(None),
@@ -375,7 +374,7 @@ impl Profiled {
         };
         format!(
             "profiled on the CPU {batches} in {:.1} s (activations from the graph's tensors; backward \
-             transients {}); inference is counted with gradients tracked (an upper bound for no_grad inference)",
+             transients {}; inference profiled under no_grad)",
             self.seconds,
             if self.profile.backward_workspace.is_some() { "measured by the caching heap" } else { "a lower bound" },
         )

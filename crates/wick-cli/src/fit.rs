@@ -9,13 +9,27 @@ use wick_zoo::estimate::Mode;
 
 use crate::estimate::{ModelArgs, Profiled};
 
-/// The estimator's margin for a "fits" decision: the estimate is multiplied by `1 + FIT_MARGIN`.
-/// Measured against real peaks at batches no profile ran (`wick estimate --measure` and the
-/// estimator test, f32 SGD): −0.5 % to +2.3 % at real widths (ResNet-18/34/50, MobileNetV2,
-/// MiniLM, LLaMA configurations), −1.8 % at the worst small model (ResNet-18 at width 16 on 64²
-/// images, batch 24, where the convolution's image grouping makes the workspace step with the
-/// batch).
+/// The estimator's margin for a "fits" decision on a training step: the estimate is multiplied
+/// by `1 + FIT_MARGIN`. Measured against real peaks at batches no profile ran (`wick estimate
+/// --measure` and the estimator test, f32 SGD): −0.5 % to +2.3 % at real widths (ResNet-18/34/50,
+/// MobileNetV2, MiniLM, LLaMA configurations), −1.8 % at the worst small model (ResNet-18 at
+/// width 16 on 64² images, batch 24, where the convolution's image grouping makes the workspace
+/// step with the batch).
 pub const FIT_MARGIN: f64 = 0.03;
+
+/// The margin for inference (a forward pass under no_grad, whose whole peak is transient and so
+/// follows the kernels' grouping more closely): measured −4.1 % (ResNet-18 at 224², batch 32) to
+/// +0.0 % at real widths, −6.2 % at the worst small model.
+pub const FIT_MARGIN_INFERENCE: f64 = 0.07;
+
+/// The margin that applies to `mode`.
+pub fn fit_margin(mode: Mode) -> f64 {
+    if mode == Mode::Inference {
+        FIT_MARGIN_INFERENCE
+    } else {
+        FIT_MARGIN
+    }
+}
 
 /// Memory the CUDA context and the kernels' images take on a device before any tensor (PyTorch's
 /// context is 300–500 MiB on recent GPUs); subtracted from a `--gpu` size.
@@ -191,7 +205,8 @@ pub fn run(args: &FitArgs) -> Result<()> {
         FitMode::Adamw => Mode::TrainAdamW,
     };
     let p = Profiled::new(&args.model)?;
-    let fits = |b: usize| (p.estimate(b, mode).total as f64 * (1.0 + FIT_MARGIN)) <= budget as f64;
+    let margin = fit_margin(mode);
+    let fits = |b: usize| (p.estimate(b, mode).total as f64 * (1.0 + margin)) <= budget as f64;
     let (mut lo, mut hi) = (0, args.max_batch.max(1));
     while lo < hi {
         let mid = lo + (hi - lo).div_ceil(2);
@@ -210,7 +225,7 @@ pub fn run(args: &FitArgs) -> Result<()> {
             "mode": format!("{mode:?}"),
             "budget_bytes": budget,
             "budget_source": source,
-            "margin": FIT_MARGIN,
+            "margin": margin,
             "largest_batch": largest,
             "estimate": at,
             "target_batch": args.target_batch,
@@ -226,8 +241,8 @@ pub fn run(args: &FitArgs) -> Result<()> {
         println!(
             "nothing fits: batch 1 needs {} (with the {:.0} % margin {})",
             format_bytes(at.total as u64),
-            FIT_MARGIN * 100.0,
-            format_bytes((at.total as f64 * (1.0 + FIT_MARGIN)) as u64)
+            margin * 100.0,
+            format_bytes((at.total as f64 * (1.0 + margin)) as u64)
         );
     } else {
         println!(
@@ -240,7 +255,7 @@ pub fn run(args: &FitArgs) -> Result<()> {
             format_bytes(at.master_weights as u64),
             format_bytes(at.activations as u64),
             format_bytes(at.workspace as u64),
-            FIT_MARGIN * 100.0
+            margin * 100.0
         );
     }
     match (args.target_batch, plan.flatten()) {

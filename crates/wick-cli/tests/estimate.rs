@@ -45,10 +45,13 @@ fn the_parts_add_up_and_follow_the_optimizer_and_the_batch() {
     }
     let state: Vec<u64> = rows.iter().map(|e| field(e, "optimizer_state")).collect();
     assert_eq!(state, vec![0, 0, params, 2 * params]);
-    assert_eq!(field(&rows[0], "gradients"), 0);
+    assert_eq!((field(&rows[0], "gradients"), field(&rows[0], "activations")), (0, 0));
     assert!(rows[1..].iter().all(|e| field(e, "gradients") == params));
     for (s, l) in rows.iter().zip(large["estimates"].as_array().unwrap()) {
-        assert!(field(l, "activations") > 3 * field(s, "activations"), "activations grow with the batch");
+        // Inference is profiled under no_grad: nothing kept, its peak all transient.
+        // (a fixed part — the first layers' buffers — is a third of it at batch 4).
+        let (kept, factor) = if field(s, "gradients") == 0 { ("workspace", 2) } else { ("activations", 3) };
+        assert!(field(l, kept) > factor * field(s, kept), "{kept} grow with the batch");
         assert!(field(l, "total") > field(s, "total"));
     }
     // bf16 autocast: half-size parameters (norms stay f32), f32 masters and state.

@@ -93,7 +93,8 @@ pub struct Estimate {
     pub optimizer_state: usize,
     /// f32 master weights (mixed-precision training with [`crate::amp::MasterWeights`]; 0 otherwise).
     pub master_weights: usize,
-    /// Tensors the forward pass keeps for backward (and, with trainable parameters, for inference).
+    /// Tensors the forward pass keeps for backward (0 for inference profiled under
+    /// [`crate::no_grad`]: its whole peak is transient, in `workspace`).
     pub activations: usize,
     /// Transient memory: gradients in flight during backward, or the optimizer's temporaries.
     pub workspace: usize,
@@ -157,6 +158,9 @@ pub struct ActivationProfile {
     /// profiled batches. Beyond the largest profiled batch it extrapolates the last secant, the
     /// steepest measured; an op that dominates only at larger batches is not seen.
     pub backward_workspace: Option<Envelope>,
+    /// Peak bytes of a forward pass under [`crate::no_grad`] (inference as it is run: nothing
+    /// kept for backward), profiled like the workspace when an exact heap is installed.
+    pub inference_peak: Option<Envelope>,
 }
 
 impl ActivationProfile {
@@ -188,25 +192,36 @@ impl ActivationProfile {
                 counts.push(graph);
             }
         }
+        // Inference as it is run: the forward pass under no_grad, its peak above the start.
+        let mut inference = Vec::new();
+        for (index, batch) in std::iter::once(1).chain(PROFILE_BATCHES).enumerate() {
+            let before = wick::host_memory::exact_heap().map(|(b, _)| b);
+            wick::host_memory::reset_exact_peak();
+            drop(crate::no_grad(|| forward(batch))?);
+            if let (Some(before), Some((peak, _)), true) = (before, wick::host_memory::exact_peak(), index > 0) {
+                inference.push(peak.saturating_sub(before));
+            }
+        }
+        let secants = |v: &[usize]| -> Vec<Affine> {
+            (1..v.len()).map(|i| Affine::from_doubling(PROFILE_BATCHES[i - 1], v[i - 1], v[i])).collect()
+        };
         // The graph's bytes are affine in the batch: the last secant (the largest batches).
         let n = PROFILE_BATCHES.len();
         let (b, last) = (PROFILE_BATCHES[n - 2], n - 1);
-        let lines = (1..workspace.len())
-            .map(|i| Affine::from_doubling(PROFILE_BATCHES[i - 1], workspace[i - 1], workspace[i]))
-            .collect::<Vec<_>>();
         Ok(ActivationProfile {
             activations: Affine::from_doubling(b, counts[last - 1].total, counts[last].total),
             largest: Affine::from_doubling(b, counts[last - 1].largest, counts[last].largest),
-            backward_workspace: (workspace.len() == n).then_some(Envelope { lines }),
+            backward_workspace: (workspace.len() == n).then(|| Envelope { lines: secants(&workspace) }),
+            inference_peak: (inference.len() == n).then(|| Envelope { lines: secants(&inference) }),
         })
     }
 }
 
 impl ActivationProfile {
     /// The profile of the same model with `layers` identical layers, from profiles with one
-    /// (`one`) and two (`two`): activations grow by the second layer's share per layer; the
-    /// backward transients are the larger of the two profiles' (one op's temporaries and the
-    /// gradients in flight do not multiply with depth); the largest activation is the larger.
+    /// (`one`) and two (`two`): activations, backward transients and the inference peak grow by
+    /// the second layer's share per layer (for the transients an upper bound: the gradients in
+    /// flight grow little with depth); the largest activation is the larger of the two.
     pub fn with_layers(one: &Self, two: &Self, layers: usize) -> Self {
         let extra = layers.saturating_sub(1);
         let grow = |a: Affine, b: Affine| Affine {
@@ -215,7 +230,7 @@ impl ActivationProfile {
         };
         let larger =
             |a: Affine, b: Affine| Affine { fixed: a.fixed.max(b.fixed), per_sample: a.per_sample.max(b.per_sample) };
-        let workspace = match (&one.backward_workspace, &two.backward_workspace) {
+        let envelope = |a: &Option<Envelope>, b: &Option<Envelope>| match (a, b) {
             (Some(a), Some(b)) => {
                 Some(Envelope { lines: a.lines.iter().zip(&b.lines).map(|(a, b)| grow(*a, *b)).collect() })
             }
@@ -224,7 +239,8 @@ impl ActivationProfile {
         ActivationProfile {
             activations: grow(one.activations, two.activations),
             largest: larger(one.largest, two.largest),
-            backward_workspace: workspace,
+            backward_workspace: envelope(&one.backward_workspace, &two.backward_workspace),
+            inference_peak: envelope(&one.inference_peak, &two.inference_peak),
         }
     }
 }
@@ -277,11 +293,13 @@ fn estimate_with(params: &Params, profile: &ActivationProfile, batch: usize, mod
 /// [`estimate`] (`masters` false) or [`estimate_amp`] (true) from parameter bytes.
 pub fn estimate_bytes(p: ParamBytes, profile: &ActivationProfile, batch: usize, mode: Mode, masters: bool) -> Estimate {
     let (parameters, largest_param, f32_params, largest_f32) = (p.total, p.largest, p.f32_total, p.largest_f32);
-    let activations = profile.activations.at(batch);
+    let no_grad_inference = mode == Mode::Inference && profile.inference_peak.is_some();
+    let activations = if no_grad_inference { 0 } else { profile.activations.at(batch) };
     let largest = profile.largest.at(batch);
     let (gradients, optimizer_state, master_weights, workspace) = match mode {
-        // The output holds the graph; the largest op's result is the transient on top.
-        Mode::Inference => (0, 0, 0, largest),
+        // Profiled under no_grad: the forward pass's peak, all transient. Without a profile,
+        // the graph (the output holds it) and the largest op's result on top.
+        Mode::Inference => (0, 0, 0, profile.inference_peak.as_ref().map_or(largest, |p| p.at(batch))),
         // Backward's gradients in flight (profiled, or at least an incoming and an outgoing
         // gradient of the largest activation), or the update's temporaries, whichever is larger:
         // they do not overlap. A plain update holds two copies of the largest parameter; the f32

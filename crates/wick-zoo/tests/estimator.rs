@@ -23,12 +23,13 @@ fn measure(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize, mode: M
     let parameters: usize = params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
     let base = counted_heap().unwrap() - parameters;
     reset_counted_peak();
-    {
+    if mode == Mode::Inference {
+        // Inference as it is run: under no_grad.
+        drop(wick_zoo::no_grad(|| run(batch)));
+    } else {
         let out = run(batch);
-        if mode != Mode::Inference {
-            let grads = out.backward().unwrap();
-            params.sgd_step(&grads, 1e-3).unwrap();
-        }
+        let grads = out.backward().unwrap();
+        params.sgd_step(&grads, 1e-3).unwrap();
     }
     counted_peak().unwrap() - base
 }
