@@ -15,7 +15,7 @@ use ratatui::layout::{Constraint, Layout};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::Line;
 use ratatui::widgets::{Block, Borders, Paragraph, Row, Sparkline, Table, Wrap};
-use wick::gpu::GpuReport;
+use wick::gpu::{GpuReport, Gpus};
 use wick::jobs::{Job, JobStatus};
 use wick::machine::HostInfo;
 use wick_memory::format_bytes;
@@ -42,10 +42,10 @@ struct Frame {
 }
 
 impl Frame {
-    fn take() -> Self {
+    fn take(gpus: &Gpus) -> Self {
         let jobs =
             Job::list().map(|jobs| jobs.into_iter().filter_map(|mut j| j.status().ok()).collect()).unwrap_or_default();
-        Frame { host: HostInfo::probe(), gpus: GpuReport::probe(), jobs }
+        Frame { host: HostInfo::probe(), gpus: gpus.report(), jobs }
     }
 
     fn host_line(&self) -> String {
@@ -206,8 +206,9 @@ pub fn run(args: &MonitorArgs) -> Result<()> {
         bail!("--interval must be between 0.05 and 3600 seconds (got {})", args.interval);
     }
     let interval = Duration::from_secs_f64(args.interval);
+    let gpus = Gpus::open();
     if args.once {
-        let f = Frame::take();
+        let f = Frame::take(&gpus);
         if args.json {
             let json = serde_json::json!({"host": f.host, "gpus": f.gpus, "jobs": f.jobs});
             println!("{}", serde_json::to_string_pretty(&json)?);
@@ -219,7 +220,7 @@ pub fn run(args: &MonitorArgs) -> Result<()> {
     if !std::io::stdout().is_terminal() {
         // Plain frames for a pipe or a log, until the process is stopped.
         loop {
-            println!("{}", text_frame(&Frame::take()));
+            println!("{}", text_frame(&Frame::take(&gpus)));
             std::thread::sleep(interval);
         }
     }
@@ -228,7 +229,7 @@ pub fn run(args: &MonitorArgs) -> Result<()> {
     let mut terminal = ratatui::try_init()?;
     let result = (|| -> Result<()> {
         loop {
-            let f = Frame::take();
+            let f = Frame::take(&gpus);
             history.record(&f);
             terminal.draw(|frame| draw(frame, &f, &history))?;
             let until = Instant::now() + interval;

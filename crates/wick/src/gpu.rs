@@ -73,22 +73,33 @@ pub struct GpuReport {
     pub devices: Vec<GpuInfo>,
 }
 
-impl GpuReport {
-    /// Asks the driver now.
-    pub fn probe() -> Self {
-        Self::probe_library(OsStr::new(NVML_LIBRARY))
+/// A session with the driver, opened once and asked as often as needed (`wick monitor` asks
+/// every refresh; starting NVML each time would load the library and initialise the driver's
+/// state again).
+pub struct Gpus {
+    nvml: Result<Nvml, String>,
+}
+
+impl Gpus {
+    /// Opens NVML from the driver's library.
+    pub fn open() -> Self {
+        Self::open_library(OsStr::new(NVML_LIBRARY))
     }
 
-    /// [`GpuReport::probe`] with NVML loaded from `library` (a path or a name the dynamic
-    /// loader resolves).
-    pub fn probe_library(library: &OsStr) -> Self {
+    /// Opens NVML from `library` (a path or a name the dynamic loader resolves).
+    pub fn open_library(library: &OsStr) -> Self {
+        Gpus { nvml: Nvml::builder().lib_path(library).init().map_err(|e| no_driver_reason(&e, library)) }
+    }
+
+    /// What the driver says now.
+    pub fn report(&self) -> GpuReport {
         let built_with_cuda = cfg!(feature = "cuda");
-        let nvml = match Nvml::builder().lib_path(library).init() {
+        let nvml = match &self.nvml {
             Ok(nvml) => nvml,
-            Err(e) => {
+            Err(reason) => {
                 return GpuReport {
                     state: GpuState::NoDriver,
-                    detail: Some(no_driver_reason(&e, library)),
+                    detail: Some(reason.clone()),
                     driver_version: None,
                     cuda_driver_version: None,
                     built_with_cuda,
@@ -100,7 +111,7 @@ impl GpuReport {
         let cuda_driver_version =
             nvml.sys_cuda_driver_version().ok().map(|v| format!("{}.{}", v / 1000, v % 1000 / 10));
         let count = nvml.device_count();
-        let devices: Vec<GpuInfo> = (0..*count.as_ref().unwrap_or(&0)).filter_map(|i| device_info(&nvml, i)).collect();
+        let devices: Vec<GpuInfo> = (0..*count.as_ref().unwrap_or(&0)).filter_map(|i| device_info(nvml, i)).collect();
         let (state, detail) = match (&count, devices.is_empty()) {
             (Err(e), _) => (GpuState::NoDevice, Some(format!("the driver could not count devices: {e}"))),
             (Ok(0), _) => (GpuState::NoDevice, Some("the driver lists no device".into())),
@@ -108,6 +119,19 @@ impl GpuReport {
             (Ok(_), false) => (GpuState::Ok, None),
         };
         GpuReport { state, detail, driver_version, cuda_driver_version, built_with_cuda, devices }
+    }
+}
+
+impl GpuReport {
+    /// Asks the driver now (one-off; to ask repeatedly, keep a [`Gpus`]).
+    pub fn probe() -> Self {
+        Gpus::open().report()
+    }
+
+    /// [`GpuReport::probe`] with NVML loaded from `library` (a path or a name the dynamic
+    /// loader resolves).
+    pub fn probe_library(library: &OsStr) -> Self {
+        Gpus::open_library(library).report()
     }
 
     /// One line: what is here, or why nothing is.
