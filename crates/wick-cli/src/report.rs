@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use wick::report::escape_html;
 use wick::HistoryReport;
 use wick_memory::{format_bytes, memory_summary, HistoryEntry, Snapshot};
 
@@ -82,10 +83,6 @@ fn snapshot_text(s: &Snapshot) -> String {
     out
 }
 
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
-}
-
 /// The snapshot as a self-contained page: the summary and a bar per segment (its blocks to
 /// scale: allocated dark, inactive light).
 fn snapshot_html(s: &Snapshot) -> String {
@@ -98,22 +95,22 @@ fn snapshot_html(s: &Snapshot) -> String {
             let colour = if format!("{:?}", b.state).contains("Allocated") { "#3a6" } else { "#dde" };
             cells.push_str(&format!(
                 "<div title='{} {:?}' style='display:inline-block;height:14px;width:{percent:.3}%;background:{colour}'></div>",
-                escape(&format_bytes(b.size as u64)),
+                escape_html(&format_bytes(b.size as u64)),
                 b.state
             ));
         }
         bars.push_str(&format!(
             "<div style='margin:2px 0'><code>{:#x}</code> {}<div style='width:800px;border:1px solid #999'>{cells}</div></div>",
             g.address,
-            escape(&format_bytes(g.total_size as u64))
+            escape_html(&format_bytes(g.total_size as u64))
         ));
     }
     format!(
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>wick snapshot — {}</title></head><body>\
          <h1>wick snapshot — {}</h1><pre>{}</pre><h2>segments</h2>{bars}</body></html>",
-        escape(&s.device),
-        escape(&s.device),
-        escape(&snapshot_text(s))
+        escape_html(&s.device),
+        escape_html(&s.device),
+        escape_html(&snapshot_text(s))
     )
 }
 

@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::host_memory::HeapFigures;
+use crate::report::escape_html;
 
 /// Why a job could not be started, found or signalled.
 #[derive(Debug, thiserror::Error)]
@@ -329,29 +330,28 @@ impl JobStatus {
     /// The status as an HTML card: a progress bar, the loss, memory, the last checkpoint.
     pub fn to_html(&self) -> String {
         let p = &self.progress;
-        let esc = |s: &str| s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
         let percent = if p.steps > 0 { (p.step as f64 / p.steps as f64 * 100.0).min(100.0) } else { 0.0 };
-        let mut rows = format!("<tr><td>state</td><td>{}</td></tr>", esc(&p.state));
+        let mut rows = format!("<tr><td>state</td><td>{}</td></tr>", escape_html(&p.state));
         if let Some(loss) = p.loss {
             rows.push_str(&format!("<tr><td>loss</td><td>{loss:.4}</td></tr>"));
         }
         if let Some(h) = &p.heap {
-            rows.push_str(&format!("<tr><td>heap</td><td>{}</td></tr>", esc(&heap_line(h))));
+            rows.push_str(&format!("<tr><td>heap</td><td>{}</td></tr>", escape_html(&heap_line(h))));
         }
         if let Some(rss) = p.rss_bytes {
             rows.push_str(&format!("<tr><td>memory (RSS)</td><td>{}</td></tr>", wick_memory::format_bytes(rss as u64)));
         }
         if let Some(c) = &p.last_checkpoint {
-            rows.push_str(&format!("<tr><td>last checkpoint</td><td><code>{}</code></td></tr>", esc(c)));
+            rows.push_str(&format!("<tr><td>last checkpoint</td><td><code>{}</code></td></tr>", escape_html(c)));
         }
         if let Some(why) = &p.exit_reason {
-            rows.push_str(&format!("<tr><td>exit</td><td>{}</td></tr>", esc(why)));
+            rows.push_str(&format!("<tr><td>exit</td><td>{}</td></tr>", escape_html(why)));
         }
         format!(
             "<div class=\"wick-job\"><b>job {}</b> (pid {}): step {}/{}\
              <div style=\"background:#eee;width:320px;height:10px\"><div style=\"background:#4a7;width:{percent:.1}%;height:10px\"></div></div>\
              <table>{rows}</table></div>",
-            esc(&self.id),
+            escape_html(&self.id),
             self.pid,
             p.step,
             p.steps

@@ -143,7 +143,7 @@ impl std::fmt::Display for MemoryReport {
 impl MemoryReport {
     /// The report as a self-contained HTML page.
     pub fn to_html(&self) -> String {
-        let summary = format!("<pre>{}</pre>", escape(&self.to_string()));
+        let summary = format!("<pre>{}</pre>", escape_html(&self.to_string()));
         let samples: Vec<Sample> = self.timeline.samples.iter().cloned().collect();
         render_page(&format!("wick memory — {}", self.device), &summary, &samples, &[], "highest mark")
     }
@@ -218,7 +218,9 @@ pub(crate) fn display(text: &str, html: &str) {
     let _ = writeln!(out, "EVCXR_BEGIN_CONTENT text/html\n{html}\nEVCXR_END_CONTENT");
 }
 
-fn escape(text: &str) -> String {
+/// `text` made safe inside HTML elements (`&`, `<`, `>` escaped), for wick's self-contained
+/// reports and cards.
+pub fn escape_html(text: &str) -> String {
     text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
@@ -285,7 +287,7 @@ fn render_page(title: &str, summary: &str, samples: &[Sample], live: &[(u64, usi
             format!(
                 "<li>{:.1} ms — {}: allocated {}, reserved {}</li>",
                 s.t_ms,
-                escape(s.label.as_str()),
+                escape_html(s.label.as_str()),
                 format_bytes(s.allocated as u64),
                 format_bytes(s.reserved as u64)
             )
@@ -295,7 +297,7 @@ fn render_page(title: &str, summary: &str, samples: &[Sample], live: &[(u64, usi
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>{t}</title>\
          <style>body{{font-family:sans-serif;margin:1.5em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px}}</style>\
          </head><body><h1>{t}</h1>{summary}{svg}<ul>{marks}</ul>{blocks}</body></html>",
-        t = escape(title)
+        t = escape_html(title)
     )
 }
 
