@@ -358,7 +358,7 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         writeln!(metrics, "{line}").and_then(|()| metrics.flush()).context("writing metrics")?;
         bar.set_position(record.step);
         let memory = match (&heap, rss) {
-            (Some(h), _) => format!(" · {}", wick::jobs::heap_line(h)),
+            (Some(h), _) => format!(" · {h}"),
             (None, Some(b)) => format!(" · rss {}", wick::memory::format_bytes(b as u64)),
             (None, None) => String::new(),
         };

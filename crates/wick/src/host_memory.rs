@@ -104,6 +104,15 @@ pub struct HeapFigures {
     pub budget: usize,
 }
 
+/// `allocated A (peak P, reserved R) of budget B`.
+impl std::fmt::Display for HeapFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let b = |n: usize| wick_memory::format_bytes(n as u64);
+        let (a, p, r, budget) = (b(self.allocated), b(self.peak), b(self.reserved), b(self.budget));
+        write!(f, "allocated {a} (peak {p}, reserved {r}) of budget {budget}")
+    }
+}
+
 /// [`HeapFigures`] now, when this process's global allocator counts (the caching heap or the
 /// counting allocator); `None` otherwise (then only the resident set is known).
 pub fn heap_figures() -> Option<HeapFigures> {

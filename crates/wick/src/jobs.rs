@@ -81,12 +81,6 @@ pub struct Progress {
     pub exit_reason: Option<String>,
 }
 
-/// `allocated A (peak P, reserved R) of budget B`.
-pub fn heap_line(h: &HeapFigures) -> String {
-    let b = |n: usize| wick_memory::format_bytes(n as u64);
-    format!("allocated {} (peak {}, reserved {}) of budget {}", b(h.allocated), b(h.peak), b(h.reserved), b(h.budget))
-}
-
 /// The environment variable through which [`Job::spawn`] tells the program where its own status
 /// goes (a job's status must not be overwritten by a later run in the same folder).
 pub const STATUS_ENV: &str = "WICK_JOB_STATUS";
@@ -311,7 +305,7 @@ impl std::fmt::Display for JobStatus {
             write!(f, " loss {loss:.4}")?;
         }
         if let Some(h) = &p.heap {
-            write!(f, " {}", heap_line(h))?;
+            write!(f, " {h}")?;
         }
         if let Some(rss) = p.rss_bytes {
             write!(f, " rss {}", wick_memory::format_bytes(rss as u64))?;
@@ -336,7 +330,7 @@ impl JobStatus {
             rows.push_str(&format!("<tr><td>loss</td><td>{loss:.4}</td></tr>"));
         }
         if let Some(h) = &p.heap {
-            rows.push_str(&format!("<tr><td>heap</td><td>{}</td></tr>", escape_html(&heap_line(h))));
+            rows.push_str(&format!("<tr><td>heap</td><td>{}</td></tr>", escape_html(&h.to_string())));
         }
         if let Some(rss) = p.rss_bytes {
             rows.push_str(&format!("<tr><td>memory (RSS)</td><td>{}</td></tr>", wick_memory::format_bytes(rss as u64)));
