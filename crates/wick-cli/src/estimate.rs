@@ -119,29 +119,25 @@ pub struct EstimateArgs {
 /// else the process held before), from the caching heap's exact counters.
 fn measure(built: &Built, batch: usize, mode: Mode) -> Result<Option<usize>> {
     use wick::host_memory::{exact_heap, exact_peak, reset_exact_peak};
-    let parameters: usize = built.params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
     let Some((before, _)) = exact_heap() else { return Ok(None) };
     reset_exact_peak();
-    {
-        match mode {
-            Mode::Inference => drop(wick_zoo::no_grad(|| (built.loss)(batch))?),
-            Mode::TrainSgd => {
-                let grads = (built.loss)(batch)?.backward()?;
-                built.params.sgd_step(&grads, 1e-6)?;
-            }
-            _ => return Ok(None),
+    match mode {
+        Mode::Inference => drop(wick_zoo::no_grad(|| (built.loss)(batch))?),
+        Mode::TrainSgd => {
+            let grads = (built.loss)(batch)?.backward()?;
+            built.params.sgd_step(&grads, 1e-6)?;
         }
+        _ => return Ok(None),
     }
-    Ok(exact_peak().map(|(peak, _)| peak.saturating_sub(before) + parameters))
+    Ok(exact_peak().map(|(peak, _)| peak.saturating_sub(before) + ParamBytes::of(built.params).total))
 }
 
 /// A model built for profiling: its parameters and its loss at a batch size.
-#[derive(Clone)]
 pub struct Built {
     /// Its parameters.
     pub params: &'static Params,
     /// Its loss at a batch size (the batch made inside).
-    pub loss: std::rc::Rc<dyn Fn(usize) -> candle_core::Result<Tensor>>,
+    pub loss: Box<dyn Fn(usize) -> candle_core::Result<Tensor>>,
     /// What it is, for the report.
     pub what: String,
 }
@@ -152,11 +148,16 @@ fn images(batch: usize, side: usize, classes: u32, dtype: DType) -> candle_core:
     Ok(Labelled { inputs, labels: Tensor::new(labels, &Device::Cpu)? })
 }
 
-fn sentences(batch: usize, seq: usize, config: &BertConfig) -> candle_core::Result<SentenceBatch> {
-    let vocab = config.vocab_size.max(1) as u32;
+/// Token ids (batch, seq) spread over a vocabulary (a multiplicative hash of the position).
+pub fn token_ids(batch: usize, seq: usize, vocab: usize) -> candle_core::Result<Tensor> {
+    let vocab = vocab.max(1) as u32;
     let ids: Vec<u32> = (0..batch * seq).map(|i| (i as u32).wrapping_mul(2_654_435_761) % vocab).collect();
+    Tensor::from_vec(ids, (batch, seq), &Device::Cpu)
+}
+
+fn sentences(batch: usize, seq: usize, config: &BertConfig) -> candle_core::Result<SentenceBatch> {
     Ok(SentenceBatch {
-        ids: Tensor::from_vec(ids, (batch, seq), &Device::Cpu)?,
+        ids: token_ids(batch, seq, config.vocab_size)?,
         mask: Tensor::ones((batch, seq), DType::U32, &Device::Cpu)?,
         readout: Tensor::randn(0f32, 0.05, (config.hidden_size, 2), &Device::Cpu)?,
         labels: Tensor::new((0..batch as u32).map(|i| i % 2).collect::<Vec<_>>(), &Device::Cpu)?,
@@ -165,7 +166,7 @@ fn sentences(batch: usize, seq: usize, config: &BertConfig) -> candle_core::Resu
 
 /// Leaks the model: it lives as long as the command (one model per process), which lets the
 /// profile's closures borrow it without a self-referential struct.
-fn leak<M: Model + 'static>(model: M) -> &'static M {
+pub fn leak<M: Model + 'static>(model: M) -> &'static M {
     Box::leak(Box::new(model))
 }
 
@@ -201,7 +202,7 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
     }
     let cnn = |model: &'static dyn CnnModel, what: String| Built {
         params: model.params_ref(),
-        loss: std::rc::Rc::new(move |b| model.loss_at(b, image, dtype)),
+        loss: Box::new(move |b| model.loss_at(b, image, dtype)),
         what,
     };
     let bert = |config: BertConfig, what: String| -> Result<Built> {
@@ -211,7 +212,7 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
         let model = leak(Bert::new(config.clone(), dtype, &dev)?);
         Ok(Built {
             params: model.params(),
-            loss: std::rc::Rc::new(move |b| model.loss(&sentences(b, seq, &config)?).map_err(candle_core::Error::wrap)),
+            loss: Box::new(move |b| model.loss(&sentences(b, seq, &config)?).map_err(candle_core::Error::wrap)),
             what: format!("{what}, sequence {seq}"),
         })
     };
@@ -235,7 +236,7 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
             let model = leak(Vit::new(config, dtype, &dev)?);
             Built {
                 params: model.params(),
-                loss: std::rc::Rc::new(move |b| {
+                loss: Box::new(move |b| {
                     model.loss(&images(b, config.image_size, 1000, dtype)?).map_err(candle_core::Error::wrap)
                 }),
                 what: format!("ViT-B/16, {}²", config.image_size),
@@ -261,6 +262,14 @@ impl<M: Model<Batch = Labelled>> CnnModel for M {
     fn loss_at(&self, batch: usize, side: usize, dtype: DType) -> candle_core::Result<Tensor> {
         self.loss(&images(batch, side, 1000, dtype)?).map_err(candle_core::Error::wrap)
     }
+}
+
+/// A spinner saying `message`, ticking on its own while the work runs.
+fn spinner(message: String) -> indicatif::ProgressBar {
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+    spinner.set_message(message);
+    spinner
 }
 
 fn modes(arg: ModeArg) -> Vec<Mode> {
@@ -309,8 +318,7 @@ impl Profiled {
             Precision::F32 => DType::F32,
             Precision::AmpBf16 => DType::BF16,
         };
-        let spinner = indicatif::ProgressBar::new_spinner();
-        spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+        let spinner = spinner("building the model on the CPU".into());
         if let Some((config, what)) = llama_of(args)? {
             if args.seq == 0 || args.seq > config.max_seq {
                 bail!("--seq must be between 1 and the model's {} positions", config.max_seq);
@@ -331,7 +339,6 @@ impl Profiled {
                 llama: Some((config, dtype, args.seq)),
             });
         }
-        spinner.set_message("building the model on the CPU");
         let built = build(args, dtype).context("building the model")?;
         spinner.set_message(format!("profiling {} at batches 2, 4, 8 and 16 on the CPU", built.what));
         let started = Instant::now();
@@ -354,15 +361,10 @@ impl Profiled {
         estimate_bytes(self.param_bytes, &self.profile, batch, mode, self.precision == Precision::AmpBf16)
     }
 
-    /// The model to run: the one profiled, or the whole LLaMA built now.
-    fn runnable(&self) -> Result<std::borrow::Cow<'_, Built>> {
-        match (&self.built, self.llama) {
-            (Some(b), _) => Ok(std::borrow::Cow::Borrowed(b)),
-            (None, Some((config, dtype, seq))) => {
-                Ok(std::borrow::Cow::Owned(llama_size::build(config, dtype, seq, self.what.clone())?))
-            }
-            (None, None) => bail!("nothing to run"),
-        }
+    /// The whole model, built now, for one profiled through fewer layers (a LLaMA size).
+    fn build_whole(&self) -> Result<Built> {
+        let Some((config, dtype, seq)) = self.llama else { bail!("{} has no other form to build", self.what) };
+        llama_size::build(config, dtype, seq, self.what.clone())
     }
 
     /// How the profile was made, in a sentence.
@@ -393,11 +395,16 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         bail!("--measure runs f32 steps only (a mixed-precision step needs its masters and optimizer)");
     }
     let measured: Vec<Option<usize>> = if args.measure {
-        let spinner = indicatif::ProgressBar::new_spinner();
-        spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-        spinner.set_message(format!("running batch {} on the CPU to measure its peak", args.batch));
-        let built = p.runnable()?;
-        let m = estimates.iter().map(|e| measure(&built, args.batch, e.mode)).collect::<Result<Vec<_>>>()?;
+        let spinner = spinner(format!("running batch {} on the CPU to measure its peak", args.batch));
+        let whole;
+        let built = match &p.built {
+            Some(built) => built,
+            None => {
+                whole = p.build_whole()?;
+                &whole
+            }
+        };
+        let m = estimates.iter().map(|e| measure(built, args.batch, e.mode)).collect::<Result<Vec<_>>>()?;
         spinner.finish_and_clear();
         m
     } else {

@@ -5,7 +5,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
-use wick_zoo::estimate::Mode;
+use wick_zoo::estimate::{largest_fitting, Mode};
 
 use crate::estimate::{ModelArgs, Profiled};
 
@@ -207,16 +207,7 @@ pub fn run(args: &FitArgs) -> Result<()> {
     let p = Profiled::new(&args.model)?;
     let margin = fit_margin(mode);
     let fits = |b: usize| (p.estimate(b, mode).total as f64 * (1.0 + margin)) <= budget as f64;
-    let (mut lo, mut hi) = (0, args.max_batch.max(1));
-    while lo < hi {
-        let mid = lo + (hi - lo).div_ceil(2);
-        if fits(mid) {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    let largest = lo;
+    let largest = largest_fitting(args.max_batch.max(1), fits);
     let at = p.estimate(largest.max(1), mode);
     let plan = args.target_batch.map(|t| accumulation(t, largest));
     if args.json {

@@ -6,12 +6,12 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device};
 use wick_zoo::estimate::{ActivationProfile, ParamBytes};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::Model;
 
-use crate::estimate::Built;
+use crate::estimate::{leak, token_ids, Built};
 
 /// Llama-2-7B's shapes (multi-head attention, as the zoo's decoder).
 pub fn llama2_7b() -> LlamaConfig {
@@ -85,22 +85,14 @@ pub fn param_bytes(config: &LlamaConfig, dtype: DType) -> Result<ParamBytes> {
     })
 }
 
-fn leak(model: Llama) -> &'static Llama {
-    Box::leak(Box::new(model))
-}
-
 /// The whole decoder, built to run (`--measure`).
 pub fn build(config: LlamaConfig, dtype: DType, seq: usize, what: String) -> Result<Built> {
     let config = LlamaConfig { max_seq: seq, ..config };
     wick_zoo::params::preflight_parameters(config.parameter_count(), dtype, &Device::Cpu, "the LLaMA model")?;
     let model = leak(Llama::new(config, dtype, &Device::Cpu)?);
-    let vocab = config.vocab_size.max(1) as u32;
     Ok(Built {
         params: &model.params,
-        loss: std::rc::Rc::new(move |b| {
-            let ids: Vec<u32> = (0..b * seq).map(|i| (i as u32).wrapping_mul(2_654_435_761) % vocab).collect();
-            model.loss(&Tensor::from_vec(ids, (b, seq), &Device::Cpu)?).map_err(candle_core::Error::wrap)
-        }),
+        loss: Box::new(move |b| model.loss(&token_ids(b, seq, config.vocab_size)?).map_err(candle_core::Error::wrap)),
         what,
     })
 }
@@ -110,11 +102,7 @@ pub fn profile(config: LlamaConfig, dtype: DType, seq: usize) -> Result<Activati
     let mut profiles = Vec::new();
     for layers in [1, 2] {
         let model = Llama::new(LlamaConfig { num_layers: layers, max_seq: seq, ..config }, dtype, &Device::Cpu)?;
-        let vocab = config.vocab_size.max(1) as u32;
-        let loss = |b: usize| {
-            let ids: Vec<u32> = (0..b * seq).map(|i| (i as u32).wrapping_mul(2_654_435_761) % vocab).collect();
-            model.loss(&Tensor::from_vec(ids, (b, seq), &Device::Cpu)?).map_err(candle_core::Error::wrap)
-        };
+        let loss = |b: usize| model.loss(&token_ids(b, seq, config.vocab_size)?).map_err(candle_core::Error::wrap);
         profiles.push(ActivationProfile::measure(&model.params, loss)?);
     }
     Ok(ActivationProfile::with_layers(&profiles[0], &profiles[1], config.num_layers))

@@ -340,10 +340,16 @@ pub fn largest_batch(
     budget: usize,
     max_batch: usize,
 ) -> usize {
+    largest_fitting(max_batch, |b| estimate(params, profile, b, mode).total <= budget)
+}
+
+/// The largest batch in `1..=max_batch` for which `fits` holds (0 if none), by bisection: `fits`
+/// must hold for every batch below one it holds for (memory grows with the batch).
+pub fn largest_fitting(max_batch: usize, fits: impl Fn(usize) -> bool) -> usize {
     let (mut lo, mut hi) = (0, max_batch);
     while lo < hi {
         let mid = lo + (hi - lo).div_ceil(2);
-        if estimate(params, profile, mid, mode).total <= budget {
+        if fits(mid) {
             lo = mid;
         } else {
             hi = mid - 1;
