@@ -2,24 +2,18 @@
 //! job's memory from the job's own status file, and `q` quits cleanly (the terminal restored,
 //! exit status 0); `--once` prints the same as plain text.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
+
+mod common;
+use common::wick_in;
 
 fn temp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("wick-monitor-test-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-fn wick_in(registry: &Path, args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_wick"))
-        .args(args)
-        .env("WICK_OUTPUT_DIR", registry)
-        .output()
-        .expect("wick runs");
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
 fn tmux(args: &[&str]) -> (bool, String) {

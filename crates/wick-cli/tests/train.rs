@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+use common::wick_in;
+
 const STEPS: &str = "200";
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -46,6 +49,20 @@ fn losses(dir: &Path) -> Vec<(u64, u32)> {
     let steps: Vec<u64> = rows.iter().map(|r| r.0).collect();
     assert_eq!(steps, (1..=STEPS.parse().unwrap()).collect::<Vec<u64>>(), "each step once, in order");
     rows
+}
+
+/// Waits until the run in `dir` has logged `steps` steps, sends it SIGTERM, and checks that it
+/// saved and exited cleanly, saying so.
+fn stop_after(child: Child, dir: &Path, steps: usize) {
+    let started = Instant::now();
+    while std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |t| t.lines().count()) < steps {
+        assert!(started.elapsed() < Duration::from_secs(120), "no progress");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: sending a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let (ok, text) = finish(child);
+    assert!(ok && text.contains("stopped by SIGTERM"), "{text}");
 }
 
 fn summary(dir: &Path) -> serde_json::Value {
@@ -130,17 +147,8 @@ fn a_run_killed_at_random_moments_and_resumed_ends_exactly_as_an_uninterrupted_o
 #[test]
 fn sigterm_finishes_the_step_saves_and_exits_zero_then_resume_completes_the_run() {
     let dir = temp_dir("sigterm");
-    let child = train(&dir, false);
     // Wait for a few steps, then ask it to stop.
-    let started = Instant::now();
-    while std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |t| t.lines().count()) < 4 {
-        assert!(started.elapsed() < Duration::from_secs(120), "no progress");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // SAFETY: sending a signal to our own child process.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-    let (ok, text) = finish(child);
-    assert!(ok && text.contains("stopped by SIGTERM"), "{text}");
+    stop_after(train(&dir, false), &dir, 4);
     let steps: Vec<u64> = std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -164,16 +172,6 @@ fn resume_without_a_checkpoint_is_a_clear_error() {
     let (ok, text) = finish(train(&dir, true));
     assert!(!ok && text.contains("no checkpoint in") && !text.contains("panicked"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// `wick` with the job registry in a folder of the test's own.
-fn wick_in(registry: &Path, args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_wick"))
-        .args(args)
-        .env("WICK_OUTPUT_DIR", registry)
-        .output()
-        .expect("wick runs");
-    (out.status.success(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
 fn job_state(registry: &Path, id: &str) -> serde_json::Value {
@@ -290,16 +288,7 @@ fn a_run_on_a_token_file_resumes_its_data_loader_exactly_and_reports_eval_loss()
     // 6000 tokens make 187 windows of 32: 23 batches of 8 an epoch, so 60 steps cross two epoch
     // ends; stop after a few steps (mid-epoch), resume, and end where the reference ended.
     let dir = data.join("stopped");
-    let child = run(&dir, false);
-    let started = Instant::now();
-    while std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |t| t.lines().count()) < 6 {
-        assert!(started.elapsed() < Duration::from_secs(120), "no progress");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    // SAFETY: a signal to our own child.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
-    let (ok, text) = finish(child);
-    assert!(ok && text.contains("stopped by SIGTERM"), "{text}");
+    stop_after(run(&dir, false), &dir, 6);
     let (ok, text) = finish(run(&dir, true));
     assert!(ok, "{text}");
     assert_eq!(summary(&dir), summary(&reference), "the resumed run's weights differ");
