@@ -41,8 +41,8 @@ mod summary;
 
 pub use adaptors::{Counters, EventLog, FailureCallback, Limiting, Statistics, TraceOp, Tracked, Tracking};
 pub use backend::{
-    cgroup_memory, cgroup_memory_in, host_memory_budget, Backend, BackendError, HostBackend, HostMemoryBackend,
-    SimulatedBackend, SimulatedStreams, MAP_GRANULARITY,
+    cgroup_memory, cgroup_memory_in, host_memory_budget, meminfo_bytes, Backend, BackendError, HostBackend,
+    HostMemoryBackend, SimulatedBackend, SimulatedStreams, MAP_GRANULARITY,
 };
 #[cfg(feature = "cuda")]
 pub use backend::{open_device, CudaBackend};

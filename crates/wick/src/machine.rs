@@ -6,7 +6,7 @@
 
 use std::fmt;
 
-use wick_memory::{alloc_conf_env, format_bytes, AllocatorConfig};
+use wick_memory::{alloc_conf_env, format_bytes, meminfo_bytes, AllocatorConfig};
 
 use crate::gpu::GpuReport;
 
@@ -149,13 +149,6 @@ fn cpu_features() -> Vec<String> {
     Vec::new()
 }
 
-/// A `/proc/meminfo` field in bytes.
-fn meminfo_field(meminfo: &str, key: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.split(':').next() == Some(key))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
-}
-
 /// (size, free) of the file system at `path`.
 fn filesystem_space(path: &str) -> Option<(u64, u64)> {
     let c = std::ffi::CString::new(path).ok()?;
@@ -178,12 +171,11 @@ impl HostInfo {
 }
 
 fn host_info() -> HostInfo {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     let cgroup = crate::host_memory::cgroup_memory();
     let shm = filesystem_space("/dev/shm");
     HostInfo {
-        total_bytes: meminfo_field(&meminfo, "MemTotal"),
-        available_bytes: meminfo_field(&meminfo, "MemAvailable"),
+        total_bytes: meminfo_bytes("MemTotal").map(|b| b as u64),
+        available_bytes: meminfo_bytes("MemAvailable").map(|b| b as u64),
         cgroup_usage_bytes: cgroup.map(|(usage, _)| usage as u64),
         cgroup_limit_bytes: cgroup.and_then(|(_, limit)| limit).map(|l| l as u64),
         shm_total_bytes: shm.map(|s| s.0),
@@ -304,16 +296,6 @@ impl fmt::Display for MachineInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn meminfo_fields_are_bytes_and_missing_ones_none() {
-        let text = "MemTotal:       16384 kB\nMemFree:  10 kB\nMemAvailable:   8192 kB\n";
-        assert_eq!(meminfo_field(text, "MemTotal"), Some(16384 * 1024));
-        assert_eq!(meminfo_field(text, "MemAvailable"), Some(8192 * 1024));
-        assert_eq!(meminfo_field(text, "Mem"), None);
-        assert_eq!(meminfo_field("MemTotal: lots kB", "MemTotal"), None);
-        assert_eq!(meminfo_field("MemTotal: 99999999999999999999 kB", "MemTotal"), None);
-    }
 
     #[test]
     fn the_policy_line_names_what_differs_from_the_defaults() {
