@@ -337,6 +337,7 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
     progress.step = trainer.step();
     progress.last_checkpoint = checkpoints.steps()?.last().map(|s| checkpoints.manifest_path(*s).display().to_string());
     write_status(&args.dir, progress)?;
+    let budget = wick::host_memory::host_budget().0;
     let mut reported = Instant::now();
     let mut last_loss = f32::NAN;
     while trainer.step() < args.steps {
@@ -347,7 +348,7 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         let ms = started.elapsed().as_secs_f64() * 1e3;
         last_loss = record.loss;
         let rss = wick::host_memory::process_rss();
-        let heap = wick::host_memory::heap_figures();
+        let heap = wick::host_memory::heap_figures(budget);
         let mut line = serde_json::json!({
             "step": record.step, "loss": record.loss, "lr": record.lr, "ms": ms, "rss_bytes": rss, "heap": heap,
         });

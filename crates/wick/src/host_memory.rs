@@ -113,9 +113,11 @@ impl std::fmt::Display for HeapFigures {
     }
 }
 
-/// [`HeapFigures`] now, when this process's global allocator counts (the caching heap or the
-/// counting allocator); `None` otherwise (then only the resident set is known).
-pub fn heap_figures() -> Option<HeapFigures> {
+/// [`HeapFigures`] now, against `budget` (read once with [`host_budget`]: a training loop asks
+/// every step, and the budget's cgroup walk need not run each time), when this process's global
+/// allocator counts (the caching heap or the counting allocator); `None` otherwise (then only the
+/// resident set is known).
+pub fn heap_figures(budget: usize) -> Option<HeapFigures> {
     let (allocated, _) = exact_heap()?;
     let (peak, _) = exact_peak()?;
     let reserved = match CachingHeap::installed() {
@@ -125,7 +127,7 @@ pub fn heap_figures() -> Option<HeapFigures> {
         }
         _ => allocated,
     };
-    Some(HeapFigures { allocated, peak, reserved, budget: host_budget().0 })
+    Some(HeapFigures { allocated, peak, reserved, budget })
 }
 
 /// Sets the exact peaks to the current values.

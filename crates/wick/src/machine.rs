@@ -166,21 +166,17 @@ fn filesystem_space(path: &str) -> Option<(u64, u64)> {
 impl HostInfo {
     /// Reads the host's memory figures now (a few small files; cheap enough to poll).
     pub fn probe() -> Self {
-        host_info()
-    }
-}
-
-fn host_info() -> HostInfo {
-    let cgroup = crate::host_memory::cgroup_memory();
-    let shm = filesystem_space("/dev/shm");
-    HostInfo {
-        total_bytes: meminfo_bytes("MemTotal").map(|b| b as u64),
-        available_bytes: meminfo_bytes("MemAvailable").map(|b| b as u64),
-        cgroup_usage_bytes: cgroup.map(|(usage, _)| usage as u64),
-        cgroup_limit_bytes: cgroup.and_then(|(_, limit)| limit).map(|l| l as u64),
-        shm_total_bytes: shm.map(|s| s.0),
-        shm_free_bytes: shm.map(|s| s.1),
-        budget_bytes: crate::host_memory::host_budget().0 as u64,
+        let cgroup = crate::host_memory::cgroup_memory();
+        let shm = filesystem_space("/dev/shm");
+        HostInfo {
+            total_bytes: meminfo_bytes("MemTotal").map(|b| b as u64),
+            available_bytes: meminfo_bytes("MemAvailable").map(|b| b as u64),
+            cgroup_usage_bytes: cgroup.map(|(usage, _)| usage as u64),
+            cgroup_limit_bytes: cgroup.and_then(|(_, limit)| limit).map(|l| l as u64),
+            shm_total_bytes: shm.map(|s| s.0),
+            shm_free_bytes: shm.map(|s| s.1),
+            budget_bytes: crate::host_memory::host_budget().0 as u64,
+        }
     }
 }
 
