@@ -88,8 +88,11 @@ pub const STATUS_ENV: &str = "WICK_JOB_STATUS";
 /// Replaces `path` by `bytes` so that a reader never sees half of it (a rename; not flushed to
 /// disk: status is rewritten every few steps).
 fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    // One temporary name per file, not per process: a status file has one writer at a time, and a
+    // writer killed between write and rename leaves a temporary that the next write (a resumed
+    // run's first) takes over, instead of one per killed process left for good.
     let name = path.file_name().map_or_else(Default::default, |n| n.to_string_lossy().into_owned());
-    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
     std::fs::write(&tmp, bytes)?;
     std::fs::rename(&tmp, path)
 }
@@ -355,5 +358,26 @@ impl JobStatus {
     /// evcxr rich display: the HTML card with the text as fallback.
     pub fn evcxr_display(&self) {
         crate::report::display(&self.to_string(), &self.to_html());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_write_takes_over_the_temporary_a_killed_writer_left() {
+        let dir = std::env::temp_dir().join(format!("wick-jobs-status-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // What a writer killed between write and rename leaves.
+        std::fs::write(dir.join(".status.json.tmp"), b"{half").unwrap();
+        let progress = Progress { step: 7, steps: 9, state: "running".into(), ..Progress::default() };
+        write_status(&dir, &progress).unwrap();
+        let names: Vec<String> =
+            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, vec!["status.json".to_string()]);
+        let back: Progress = serde_json::from_slice(&std::fs::read(dir.join("status.json")).unwrap()).unwrap();
+        assert_eq!(back, progress);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
