@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
 use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
+use wick_zoo::checkpoint::Checkpointing;
 use wick_zoo::estimate::{estimate_bytes, ActivationProfile, Estimate, Mode, ParamBytes};
 use wick_zoo::llama::LlamaConfig;
 use wick_zoo::mobilenet::MobileNetV2;
@@ -91,6 +92,11 @@ pub struct ModelArgs {
     /// Precision.
     #[arg(long, value_enum, default_value = "f32")]
     pub precision: Precision,
+    /// Training with activation checkpointing (each block's activations recomputed in backward
+    /// instead of kept), as `TrainOptions::activation_checkpointing` and `wick train
+    /// --checkpointing` run it.
+    #[arg(long)]
+    pub checkpointing: bool,
 }
 
 /// `wick estimate` arguments.
@@ -117,14 +123,21 @@ pub struct EstimateArgs {
 
 /// The model's peak heap bytes over one `mode` step at `batch` (parameters included, nothing
 /// else the process held before), from the caching heap's exact counters.
-fn measure(built: &Built, batch: usize, mode: Mode) -> Result<Option<usize>> {
+fn measure(built: &Built, batch: usize, mode: Mode, checkpointing: bool) -> Result<Option<usize>> {
     use wick::host_memory::{exact_heap, exact_peak, reset_exact_peak};
     let Some((before, _)) = exact_heap() else { return Ok(None) };
     reset_exact_peak();
     match mode {
-        Mode::Inference => drop(wick_zoo::no_grad(|| (built.loss)(batch))?),
+        Mode::Inference => drop(wick_zoo::no_grad(|| (built.loss)(batch, None))?),
         Mode::TrainSgd => {
-            let grads = (built.loss)(batch)?.backward()?;
+            let checkpoint = checkpointing.then(Checkpointing::new);
+            let loss = (built.loss)(batch, checkpoint.as_ref())?;
+            let grads = match &checkpoint {
+                Some(c) => c.backward(&loss, built.params)?,
+                None => loss.backward()?,
+            };
+            // The graph goes before the update, as in the trainer.
+            drop(loss);
             built.params.sgd_step(&grads, 1e-6)?;
         }
         _ => return Ok(None),
@@ -132,12 +145,16 @@ fn measure(built: &Built, batch: usize, mode: Mode) -> Result<Option<usize>> {
     Ok(exact_peak().map(|(peak, _)| peak.saturating_sub(before) + ParamBytes::of(built.params).total))
 }
 
+/// A model's loss at a batch size, its blocks checkpointed in the context when one is given.
+pub type LossFn = dyn Fn(usize, Option<&Checkpointing>) -> candle_core::Result<Tensor>;
+
 /// A model built for profiling: its parameters and its loss at a batch size.
 pub struct Built {
     /// Its parameters.
     pub params: &'static Params,
-    /// Its loss at a batch size (the batch made inside).
-    pub loss: Box<dyn Fn(usize) -> candle_core::Result<Tensor>>,
+    /// Its loss at a batch size (the batch made inside), its blocks checkpointed in the given
+    /// context.
+    pub loss: Box<LossFn>,
     /// What it is, for the report.
     pub what: String,
 }
@@ -202,7 +219,7 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
     }
     let cnn = |model: &'static dyn CnnModel, what: String| Built {
         params: model.params_ref(),
-        loss: Box::new(move |b| model.loss_at(b, image, dtype)),
+        loss: Box::new(move |b, c| model.loss_at(b, image, dtype, c)),
         what,
     };
     let bert = |config: BertConfig, what: String| -> Result<Built> {
@@ -212,7 +229,9 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
         let model = leak(Bert::new(config.clone(), dtype, &dev)?);
         Ok(Built {
             params: model.params(),
-            loss: Box::new(move |b| model.loss(&sentences(b, seq, &config)?).map_err(candle_core::Error::wrap)),
+            loss: Box::new(move |b, c| {
+                model.loss_with(&sentences(b, seq, &config)?, c).map_err(candle_core::Error::wrap)
+            }),
             what: format!("{what}, sequence {seq}"),
         })
     };
@@ -236,8 +255,8 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
             let model = leak(Vit::new(config, dtype, &dev)?);
             Built {
                 params: model.params(),
-                loss: Box::new(move |b| {
-                    model.loss(&images(b, config.image_size, 1000, dtype)?).map_err(candle_core::Error::wrap)
+                loss: Box::new(move |b, c| {
+                    model.loss_with(&images(b, config.image_size, 1000, dtype)?, c).map_err(candle_core::Error::wrap)
                 }),
                 what: format!("ViT-B/16, {}²", config.image_size),
             }
@@ -251,7 +270,13 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
 /// The CNN classifiers, through one object-safe door.
 trait CnnModel {
     fn params_ref(&self) -> &Params;
-    fn loss_at(&self, batch: usize, side: usize, dtype: DType) -> candle_core::Result<Tensor>;
+    fn loss_at(
+        &self,
+        batch: usize,
+        side: usize,
+        dtype: DType,
+        c: Option<&Checkpointing>,
+    ) -> candle_core::Result<Tensor>;
 }
 
 impl<M: Model<Batch = Labelled>> CnnModel for M {
@@ -259,8 +284,14 @@ impl<M: Model<Batch = Labelled>> CnnModel for M {
         self.params()
     }
 
-    fn loss_at(&self, batch: usize, side: usize, dtype: DType) -> candle_core::Result<Tensor> {
-        self.loss(&images(batch, side, 1000, dtype)?).map_err(candle_core::Error::wrap)
+    fn loss_at(
+        &self,
+        batch: usize,
+        side: usize,
+        dtype: DType,
+        c: Option<&Checkpointing>,
+    ) -> candle_core::Result<Tensor> {
+        self.loss_with(&images(batch, side, 1000, dtype)?, c).map_err(candle_core::Error::wrap)
     }
 }
 
@@ -282,6 +313,12 @@ fn modes(arg: ModeArg) -> Vec<Mode> {
     }
 }
 
+/// The batches a profile runs, in words ("2, 4, 8 and 16").
+fn batch_list(checkpointing: bool) -> String {
+    let batches = wick_zoo::estimate::profile_batches(checkpointing).map(|b| b.to_string());
+    format!("{} and {}", batches[..batches.len() - 1].join(", "), batches[batches.len() - 1])
+}
+
 /// A model's profile, and the model itself where it was built whole.
 pub struct Profiled {
     /// What it is.
@@ -296,6 +333,8 @@ pub struct Profiled {
     pub seconds: f64,
     /// Its precision.
     pub precision: Precision,
+    /// Whether training was profiled with activation checkpointing.
+    pub checkpointing: bool,
     /// The model, when it was built whole (not the LLaMA sizes, profiled through two layers).
     pub built: Option<Built>,
     /// A LLaMA configuration to build whole for `--measure`.
@@ -326,7 +365,8 @@ impl Profiled {
             let what = format!("{what}, {} layers × {}, sequence {}", config.num_layers, config.hidden_size, args.seq);
             spinner.set_message(format!("profiling {what} through one and two layers on the CPU"));
             let started = Instant::now();
-            let profile = llama_size::profile(config, dtype, args.seq).context("profiling the model")?;
+            let profile =
+                llama_size::profile(config, dtype, args.seq, args.checkpointing).context("profiling the model")?;
             spinner.finish_and_clear();
             return Ok(Profiled {
                 what,
@@ -335,14 +375,20 @@ impl Profiled {
                 profile,
                 seconds: started.elapsed().as_secs_f64(),
                 precision: args.precision,
+                checkpointing: args.checkpointing,
                 built: None,
                 llama: Some((config, dtype, args.seq)),
             });
         }
         let built = build(args, dtype).context("building the model")?;
-        spinner.set_message(format!("profiling {} at batches 2, 4, 8 and 16 on the CPU", built.what));
+        spinner.set_message(format!(
+            "profiling {} at batches {} on the CPU",
+            built.what,
+            batch_list(args.checkpointing)
+        ));
         let started = Instant::now();
-        let profile = ActivationProfile::measure(built.params, &*built.loss).context("profiling the model")?;
+        let profile = ActivationProfile::measure_with(built.params, &*built.loss, args.checkpointing)
+            .context("profiling the model")?;
         spinner.finish_and_clear();
         Ok(Profiled {
             what: built.what.clone(),
@@ -351,6 +397,7 @@ impl Profiled {
             profile,
             seconds: started.elapsed().as_secs_f64(),
             precision: args.precision,
+            checkpointing: args.checkpointing,
             built: Some(built),
             llama: None,
         })
@@ -369,15 +416,16 @@ impl Profiled {
 
     /// How the profile was made, in a sentence.
     pub fn how(&self) -> String {
-        let batches = if self.llama.is_some() {
-            "at batches 2, 4, 8 and 16 with one and with two layers, extrapolated to the depth,"
-        } else {
-            "at batches 2, 4, 8 and 16"
-        };
+        let batches = format!(
+            "at batches {}{}",
+            batch_list(self.checkpointing),
+            if self.llama.is_some() { " with one and with two layers, extrapolated to the depth," } else { "" }
+        );
         format!(
-            "profiled on the CPU {batches} in {:.1} s (activations from the graph's tensors; backward \
+            "profiled on the CPU {batches} in {:.1} s (activations from the graph's tensors{}; backward \
              transients {}; inference profiled under no_grad)",
             self.seconds,
+            if self.checkpointing { ", training with activation checkpointing" } else { "" },
             if self.profile.backward_workspace.is_some() { "measured by the caching heap" } else { "a lower bound" },
         )
     }
@@ -404,17 +452,29 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
                 &whole
             }
         };
-        let m = estimates.iter().map(|e| measure(built, args.batch, e.mode)).collect::<Result<Vec<_>>>()?;
+        let m = estimates
+            .iter()
+            .map(|e| measure(built, args.batch, e.mode, p.checkpointing))
+            .collect::<Result<Vec<_>>>()?;
         spinner.finish_and_clear();
         m
     } else {
         vec![None; estimates.len()]
     };
-    let how = format!("{}; extrapolated to batch {}", p.how(), args.batch);
+    let batches = wick_zoo::estimate::profile_batches(p.checkpointing);
+    let verb = if batches.contains(&args.batch) {
+        "read at"
+    } else if batches[0] < args.batch && args.batch < batches[batches.len() - 1] {
+        "interpolated to"
+    } else {
+        "extrapolated to"
+    };
+    let how = format!("{}; {verb} batch {}", p.how(), args.batch);
     if args.json {
         let out = serde_json::json!({
             "model": p.what,
             "precision": format!("{:?}", args.model.precision),
+            "checkpointing": p.checkpointing,
             "batch": args.batch,
             "parameters": p.numel,
             "profile": profile,
@@ -425,7 +485,8 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
-    println!("{} — {} parameters, {:?}, batch {}", p.what, p.numel, args.model.precision, args.batch);
+    let checkpointed = if p.checkpointing { ", activation checkpointing" } else { "" };
+    println!("{} — {} parameters, {:?}{checkpointed}, batch {}", p.what, p.numel, args.model.precision, args.batch);
     println!(
         "| {:<18} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} |",
         "mode", "parameters", "gradients", "optimizer", "masters", "activations", "workspace", "total"

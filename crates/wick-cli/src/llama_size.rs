@@ -7,6 +7,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
+use wick_zoo::checkpoint::Checkpointing;
 use wick_zoo::estimate::{ActivationProfile, ParamBytes};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::Model;
@@ -92,18 +93,23 @@ pub fn build(config: LlamaConfig, dtype: DType, seq: usize, what: String) -> Res
     let model = leak(Llama::new(config, dtype, &Device::Cpu)?);
     Ok(Built {
         params: &model.params,
-        loss: Box::new(move |b| model.loss(&token_ids(b, seq, config.vocab_size)?).map_err(candle_core::Error::wrap)),
+        loss: Box::new(move |b, c| {
+            model.loss_with(&token_ids(b, seq, config.vocab_size)?, c).map_err(candle_core::Error::wrap)
+        }),
         what,
     })
 }
 
-/// The profile of `config` at `layers` layers, from one- and two-layer models of its widths.
-pub fn profile(config: LlamaConfig, dtype: DType, seq: usize) -> Result<ActivationProfile> {
+/// The profile of `config` at `layers` layers, from one- and two-layer models of its widths
+/// (training with each layer checkpointed when `checkpointing`).
+pub fn profile(config: LlamaConfig, dtype: DType, seq: usize, checkpointing: bool) -> Result<ActivationProfile> {
     let mut profiles = Vec::new();
     for layers in [1, 2] {
         let model = Llama::new(LlamaConfig { num_layers: layers, max_seq: seq, ..config }, dtype, &Device::Cpu)?;
-        let loss = |b: usize| model.loss(&token_ids(b, seq, config.vocab_size)?).map_err(candle_core::Error::wrap);
-        profiles.push(ActivationProfile::measure(&model.params, loss)?);
+        let loss = |b: usize, c: Option<&Checkpointing>| {
+            model.loss_with(&token_ids(b, seq, config.vocab_size)?, c).map_err(candle_core::Error::wrap)
+        };
+        profiles.push(ActivationProfile::measure_with(&model.params, loss, checkpointing)?);
     }
     Ok(ActivationProfile::with_layers(&profiles[0], &profiles[1], config.num_layers))
 }

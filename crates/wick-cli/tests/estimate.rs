@@ -75,6 +75,31 @@ fn text_models_profile_at_their_sequence_length() {
 }
 
 #[test]
+fn checkpointing_is_profiled_as_it_runs_and_matches_its_measured_peak() {
+    // Batch 12 at 128² was never profiled (2, 4, 8, 16); the real checkpointed step runs it.
+    let args = ["resnet18", "--image", "128", "--mode", "sgd", "--batch", "12", "--measure"];
+    let plain = estimate(&args);
+    let mut with = args.to_vec();
+    with.push("--checkpointing");
+    let ckpt = estimate(&with);
+    assert_eq!((plain["checkpointing"].as_bool(), ckpt["checkpointing"].as_bool()), (Some(false), Some(true)));
+    let (p, c) = (&plain["estimates"][0], &ckpt["estimates"][0]);
+    // Only the blocks' inputs are kept; one block is recomputed at a time during backward.
+    assert!(field(c, "activations") * 2 < field(p, "activations"), "{c} vs {p}");
+    assert!(field(c, "workspace") > field(p, "workspace"), "the recomputation is transient: {c} vs {p}");
+    assert_eq!(field(c, "gradients"), field(p, "gradients"));
+    let peaks = |e: &serde_json::Value| e["measured_peaks"][0].as_u64().unwrap() as f64;
+    assert!(peaks(&ckpt) < peaks(&plain) * 0.9, "checkpointing lowers the real peak");
+    for (e, m) in [(c, peaks(&ckpt)), (p, peaks(&plain))] {
+        let total = field(e, "total") as f64;
+        assert!((total / m - 1.0).abs() < 0.03, "estimate {total} vs measured {m}");
+    }
+    let (ok, text, _) =
+        wick(&["estimate", "resnet18", "--image", "64", "--batch", "4", "--mode", "sgd", "--checkpointing"]);
+    assert!(ok && text.contains("activation checkpointing"), "{text}");
+}
+
+#[test]
 fn bad_arguments_say_what_was_expected() {
     let (ok, _, err) = wick(&["estimate", "resnet19"]);
     assert!(!ok && err.contains("resnet18") && err.contains("mobilenet_v2"), "{err}");

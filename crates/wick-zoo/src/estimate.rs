@@ -11,13 +11,14 @@
 //! The backward pass's workspace (one gradient per graph edge while it is in flight, plus each
 //! op's temporaries) depends on edges that candle does not expose, so it is profiled instead: a
 //! backward pass at each profiled batch under an exact heap (wick's counting allocator or its caching
-//! heap as the global allocator), as the envelope of the secants ([`Envelope`]). Without one, training estimates use
+//! heap as the global allocator), read between and beyond the profiled batches by [`Piecewise`]. Without one, training estimates use
 //! a lower bound (two gradients of the largest activation) and say so.
 
 use std::collections::HashMap;
 
 use candle_core::{Result, Tensor};
 
+use crate::checkpoint::Checkpointing;
 use crate::params::Params;
 
 /// What a training step keeps per parameter byte besides the parameter itself.
@@ -96,7 +97,8 @@ pub struct Estimate {
     /// Tensors the forward pass keeps for backward (0 for inference profiled under
     /// [`crate::no_grad`]: its whole peak is transient, in `workspace`).
     pub activations: usize,
-    /// Transient memory: gradients in flight during backward, or the optimizer's temporaries.
+    /// Transient memory: gradients in flight during backward, or the optimizer's temporaries
+    /// beyond the activations (the update runs after the graph is freed), whichever is larger.
     pub workspace: usize,
     /// The sum.
     pub total: usize,
@@ -124,26 +126,71 @@ impl Affine {
     }
 }
 
-/// The upper envelope of affine functions of the batch: `max` over its lines. A backward pass's
-/// transient memory is a maximum over its ops, each affine in the batch, so it is convex in the
-/// batch and its slope can grow: which op dominates changes with the batch (measured: ResNet-18 at
-/// 224² has 8.8 MB per sample between batches 2 and 4 and 13.4 MB from 4 on, so a line through
-/// 2 and 4 put its training step 10 % low at batch 32).
+/// Bytes profiled at increasing batches, read by linear interpolation between them and, beyond
+/// the largest, along the last segment's line (never below the larger of its two points).
+///
+/// Rationale: a backward pass's transient memory is a maximum over its ops, each affine in the
+/// batch, so it is convex and its slope can grow with the batch (measured: ResNet-18 at 224² has
+/// 8.8 MB per sample between batches 2 and 4 and 13.4 MB from 4 on, so a line through 2 and 4 put
+/// its training step 10 % low at batch 32). For convex values the last segment is the steepest
+/// and the best line beyond the profile. The profiled values also carry scheduling noise: the
+/// CPU kernels' parallel chunks overlap differently from run to run (a 16-wide ResNet-18 at 64²
+/// moves by one 384 KiB buffer at batch 2, 4 or 8), and the noise makes the values locally
+/// non-convex. The upper envelope of every segment's line, used before, then extrapolated an
+/// early, steep segment from batch 2 or 4 to batch 24 (11× the noise: +16 % on that ResNet about
+/// one run in ten); interpolating keeps each value's noise to its own segments.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct Envelope {
-    /// The secants between consecutive profiled batches.
-    pub lines: Vec<Affine>,
+pub struct Piecewise {
+    /// `(batch, bytes)`, batches increasing.
+    pub points: Vec<(usize, usize)>,
 }
 
-impl Envelope {
-    /// The value at `batch`: the largest line's.
+impl Piecewise {
+    /// The value at `batch`: at or below the first profiled batch, the first value (the values
+    /// grow with the batch); between two, on their segment; beyond the last, along the last
+    /// segment (a falling last segment, which is noise, counts as flat at its larger value).
+    /// `usize::MAX` when not representable: it never fits.
     pub fn at(&self, batch: usize) -> usize {
-        self.lines.iter().map(|l| l.at(batch)).max().unwrap_or(0)
+        let p = &self.points;
+        match p.len() {
+            0 => 0,
+            1 => p[0].1,
+            _ if batch <= p[0].0 => p[0].1,
+            n => {
+                let i = (1..n).find(|&i| p[i].0 >= batch).unwrap_or(n - 1);
+                let ((b0, v0), (b1, v1)) = (p[i - 1], p[i]);
+                let (b0, v0, b1, v1, x) = (b0 as i128, v0 as i128, b1 as i128, v1 as i128, batch as i128);
+                // Saturating: the products can pass i128 for batches near usize::MAX.
+                let value = if x <= b1 {
+                    v0 + (v1 - v0) * (x - b0) / (b1 - b0).max(1)
+                } else {
+                    v0.max(v1).saturating_add((v1 - v0).max(0).saturating_mul(x - b1) / (b1 - b0).max(1))
+                };
+                usize::try_from(value.max(0)).unwrap_or(usize::MAX)
+            }
+        }
     }
 }
 
 /// The batches a profile runs, after a warm-up at batch 1.
 pub const PROFILE_BATCHES: [usize; 4] = [2, 4, 8, 16];
+
+/// The batches a checkpointed training profile runs: one doubling further. With checkpointing
+/// the batch-independent transients (a large embedding's gradient, added to in place of
+/// nothing) stay the largest up to larger batches, and the recomputed block's transients, which
+/// grow with the batch, overtake them later: all-MiniLM-L6-v2 at sequence 128 crosses over at
+/// batch 16 (2.8 MiB per sample below it, 11.1 above), which a profile ending at 16 cannot see
+/// (−16.5 % at batch 24, measured).
+pub const CHECKPOINTED_PROFILE_BATCHES: [usize; 4] = [4, 8, 16, 32];
+
+/// The batches a training profile runs, with or without checkpointing.
+pub fn profile_batches(checkpointing: bool) -> [usize; 4] {
+    if checkpointing {
+        CHECKPOINTED_PROFILE_BATCHES
+    } else {
+        PROFILE_BATCHES
+    }
+}
 
 /// A model's memory profile at one input size, from forward (and backward) passes at
 /// [`PROFILE_BATCHES`].
@@ -154,30 +201,49 @@ pub struct ActivationProfile {
     /// The largest single activation.
     pub largest: Affine,
     /// Transient bytes of the backward pass, profiled when an exact heap (counting allocator or
-    /// caching heap) is installed (`None` otherwise): the envelope of the secants between the
-    /// profiled batches. Beyond the largest profiled batch it extrapolates the last secant, the
-    /// steepest measured; an op that dominates only at larger batches is not seen.
-    pub backward_workspace: Option<Envelope>,
+    /// caching heap) is installed (`None` otherwise), at the profiled batches. Beyond the largest
+    /// it follows the last segment, the steepest for convex values; an op that dominates only at
+    /// larger batches is not seen.
+    pub backward_workspace: Option<Piecewise>,
     /// Peak bytes of a forward pass under [`crate::no_grad`] (inference as it is run: nothing
     /// kept for backward), profiled like the workspace when an exact heap is installed.
-    pub inference_peak: Option<Envelope>,
+    pub inference_peak: Option<Piecewise>,
 }
 
 impl ActivationProfile {
     /// Profiles `forward(batch)`, which must build the model's loss (a scalar; for inference,
     /// any output) for that batch; `params` are the model's parameters.
     pub fn measure(params: &Params, forward: impl Fn(usize) -> Result<Tensor>) -> Result<Self> {
+        Self::measure_with(params, |batch, _| forward(batch), false)
+    }
+
+    /// [`ActivationProfile::measure`] for a `forward(batch, checkpoint)` that takes a
+    /// checkpointing context: with `checkpointing`, each training pass runs its blocks
+    /// checkpointed and back-propagates through [`Checkpointing::backward`], so the profile's
+    /// activations are what the checkpointed graph keeps (the blocks' inputs) and its workspace
+    /// includes the recomputation of one block during backward; the training passes then run
+    /// at [`CHECKPOINTED_PROFILE_BATCHES`]. Inference is profiled without, at [`PROFILE_BATCHES`].
+    pub fn measure_with(
+        params: &Params,
+        forward: impl Fn(usize, Option<&Checkpointing>) -> Result<Tensor>,
+        checkpointing: bool,
+    ) -> Result<Self> {
         let mut counts = Vec::new();
         let mut workspace = Vec::new();
+        let training = profile_batches(checkpointing);
         // A first pass warms up what the process creates once (thread pools, kernel caches), so
         // it is not mistaken for the model's memory.
-        for (index, batch) in std::iter::once(1).chain(PROFILE_BATCHES).enumerate() {
+        for (index, batch) in std::iter::once(1).chain(training).enumerate() {
             let before = wick::host_memory::exact_heap().map(|(b, _)| b);
             wick::host_memory::reset_exact_peak();
-            let out = forward(batch)?;
+            let checkpoint = checkpointing.then(Checkpointing::new);
+            let out = forward(batch, checkpoint.as_ref())?;
             let graph = graph_bytes(&out);
             if out.elem_count() == 1 && out.track_op() {
-                let grads = out.backward()?;
+                let grads = match &checkpoint {
+                    Some(c) => c.backward(&out, params)?,
+                    None => out.backward()?,
+                };
                 let param_grads: usize = params
                     .iter()
                     .filter_map(|(_, v)| grads.get(v))
@@ -197,22 +263,20 @@ impl ActivationProfile {
         for (index, batch) in std::iter::once(1).chain(PROFILE_BATCHES).enumerate() {
             let before = wick::host_memory::exact_heap().map(|(b, _)| b);
             wick::host_memory::reset_exact_peak();
-            drop(crate::no_grad(|| forward(batch))?);
+            drop(crate::no_grad(|| forward(batch, None))?);
             if let (Some(before), Some((peak, _)), true) = (before, wick::host_memory::exact_peak(), index > 0) {
                 inference.push(peak.saturating_sub(before));
             }
         }
-        let secants = |v: &[usize]| -> Vec<Affine> {
-            (1..v.len()).map(|i| Affine::from_doubling(PROFILE_BATCHES[i - 1], v[i - 1], v[i])).collect()
-        };
+        let points = |batches: [usize; 4], v: Vec<usize>| Piecewise { points: batches.into_iter().zip(v).collect() };
         // The graph's bytes are affine in the batch: the last secant (the largest batches).
-        let n = PROFILE_BATCHES.len();
-        let (b, last) = (PROFILE_BATCHES[n - 2], n - 1);
+        let n = training.len();
+        let (b, last) = (training[n - 2], n - 1);
         Ok(ActivationProfile {
             activations: Affine::from_doubling(b, counts[last - 1].total, counts[last].total),
             largest: Affine::from_doubling(b, counts[last - 1].largest, counts[last].largest),
-            backward_workspace: (workspace.len() == n).then(|| Envelope { lines: secants(&workspace) }),
-            inference_peak: (inference.len() == n).then(|| Envelope { lines: secants(&inference) }),
+            backward_workspace: (workspace.len() == n).then(|| points(training, workspace)),
+            inference_peak: (inference.len() == PROFILE_BATCHES.len()).then(|| points(PROFILE_BATCHES, inference)),
         })
     }
 }
@@ -230,17 +294,22 @@ impl ActivationProfile {
         };
         let larger =
             |a: Affine, b: Affine| Affine { fixed: a.fixed.max(b.fixed), per_sample: a.per_sample.max(b.per_sample) };
-        let envelope = |a: &Option<Envelope>, b: &Option<Envelope>| match (a, b) {
-            (Some(a), Some(b)) => {
-                Some(Envelope { lines: a.lines.iter().zip(&b.lines).map(|(a, b)| grow(*a, *b)).collect() })
-            }
+        let piecewise = |a: &Option<Piecewise>, b: &Option<Piecewise>| match (a, b) {
+            (Some(a), Some(b)) => Some(Piecewise {
+                points: a
+                    .points
+                    .iter()
+                    .zip(&b.points)
+                    .map(|(&(batch, a), &(_, b))| (batch, a.saturating_add(extra.saturating_mul(b.saturating_sub(a)))))
+                    .collect(),
+            }),
             (a, b) => a.clone().or_else(|| b.clone()),
         };
         ActivationProfile {
             activations: grow(one.activations, two.activations),
             largest: larger(one.largest, two.largest),
-            backward_workspace: envelope(&one.backward_workspace, &two.backward_workspace),
-            inference_peak: envelope(&one.inference_peak, &two.inference_peak),
+            backward_workspace: piecewise(&one.backward_workspace, &two.backward_workspace),
+            inference_peak: piecewise(&one.inference_peak, &two.inference_peak),
         }
     }
 }
@@ -301,18 +370,21 @@ pub fn estimate_bytes(p: ParamBytes, profile: &ActivationProfile, batch: usize, 
         // the graph (the output holds it) and the largest op's result on top.
         Mode::Inference => (0, 0, 0, profile.inference_peak.as_ref().map_or(largest, |p| p.at(batch))),
         // Backward's gradients in flight (profiled, or at least an incoming and an outgoing
-        // gradient of the largest activation), or the update's temporaries, whichever is larger:
-        // they do not overlap. A plain update holds two copies of the largest parameter; the f32
-        // master update holds the old and new master and moments plus the f32 gradient and the
-        // bias-corrected moments of the largest parameter (eight f32 copies for AdamW).
+        // gradient of the largest activation), or the update's temporaries, whichever needs
+        // more: they do not overlap, and the update runs once the graph is dropped (the
+        // trainer's loss goes out of scope before it), so its temporaries count only beyond the
+        // activations they replace. A plain update holds two copies of the largest parameter;
+        // the f32 master update holds the old and new master and moments plus the f32 gradient
+        // and the bias-corrected moments of the largest parameter (eight f32 copies for AdamW).
         _ => {
             let backward = profile.backward_workspace.as_ref().map_or(largest.saturating_mul(2), |w| w.at(batch));
             let states = mode.optimizer_states();
+            let transient = |update: usize| backward.max(update.saturating_sub(activations));
             if masters {
                 let update = largest_f32.saturating_mul(2 + 3 * states);
-                (parameters, f32_params.saturating_mul(states), f32_params, backward.max(update))
+                (parameters, f32_params.saturating_mul(states), f32_params, transient(update))
             } else {
-                (parameters, parameters.saturating_mul(states), 0, backward.max(largest_param.saturating_mul(2)))
+                (parameters, parameters.saturating_mul(states), 0, transient(largest_param.saturating_mul(2)))
             }
         }
     };
@@ -356,4 +428,46 @@ pub fn largest_fitting(max_batch: usize, fits: impl Fn(usize) -> bool) -> usize 
         }
     }
     lo
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Piecewise;
+
+    fn profile(values: [usize; 4]) -> Piecewise {
+        Piecewise { points: [2, 4, 8, 16].into_iter().zip(values).collect() }
+    }
+
+    #[test]
+    fn convex_values_are_interpolated_and_extended_along_the_steepest_segment() {
+        // 100 + 10·b up to batch 4, then 20 per sample: a maximum of two lines.
+        let p = profile([120, 140, 220, 380]);
+        assert_eq!([p.at(1), p.at(2), p.at(3), p.at(6), p.at(12), p.at(16)], [120, 120, 130, 180, 300, 380]);
+        assert_eq!(p.at(24), 540);
+        // An envelope of the segments' lines gives the same values for convex points.
+        let lines = |b: i64| [100 + 10 * b, 60 + 20 * b].into_iter().max().unwrap() as usize;
+        for b in 2..=64 {
+            assert_eq!(p.at(b), lines(b as i64), "batch {b}");
+        }
+    }
+
+    #[test]
+    fn noise_at_a_small_batch_stays_in_its_segments() {
+        // Batch 2 measured one 384 KiB buffer low, batch 4 high (the ResNet-18 bf16 case): a
+        // line through them would reach 9.5 MB at batch 24; the last segment gives 5.6 MB.
+        let noisy = profile([1_971_891, 2_660_054, 3_249_942, 4_429_718]);
+        let clean = profile([2_365_110, 2_266_835, 3_249_942, 4_429_718]);
+        assert_eq!(noisy.at(24), clean.at(24));
+        assert_eq!(noisy.at(24), 4_429_718 + 8 * (4_429_718 - 3_249_942) / 8);
+    }
+
+    #[test]
+    fn a_falling_last_segment_extends_flat_and_huge_batches_saturate() {
+        let p = profile([10, 20, 40, 30]);
+        assert_eq!([p.at(12), p.at(16), p.at(1000)], [35, 30, 40]);
+        let steep = profile([0, 0, usize::MAX / 2, usize::MAX]);
+        assert_eq!(steep.at(usize::MAX), usize::MAX);
+        assert_eq!(Piecewise { points: vec![] }.at(5), 0);
+        assert_eq!(Piecewise { points: vec![(2, 7)] }.at(50), 7);
+    }
 }
