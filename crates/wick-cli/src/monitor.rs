@@ -1,6 +1,8 @@
 //! `wick monitor`: a live view of memory — the host and its cgroup, every GPU the driver lists
-//! (used/total, utilisation, its processes), and every wick job (from the status files the jobs
-//! publish: allocated, peak, reserved and budget, with a sparkline of the last minute). A
+//! (used/total, utilisation, its processes), every wick job (from the status files the jobs
+//! publish: step, loss, allocated, peak, reserved and budget) and every live engine of any wick
+//! process — a notebook kernel, a script, a job — from the status file each engine keeps current
+//! (`wick::engine_status`), with a sparkline of the last minute per job and engine. A
 //! terminal gets a full-screen view (ratatui; `q` or Esc quits, works inside tmux); anything else
 //! (a pipe, a file, `--once`) gets plain text frames.
 
@@ -15,6 +17,7 @@ use ratatui::layout::{Constraint, Layout};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::Line;
 use ratatui::widgets::{Block, Borders, Paragraph, Row, Sparkline, Table, Wrap};
+use wick::engine_status::{live_engines, EngineStatus};
 use wick::gpu::{GpuReport, Gpus};
 use wick::jobs::{Job, JobStatus};
 use wick::machine::HostInfo;
@@ -39,13 +42,15 @@ struct Frame {
     host: HostInfo,
     gpus: GpuReport,
     jobs: Vec<JobStatus>,
+    engines: Vec<EngineStatus>,
 }
 
 impl Frame {
     fn take(gpus: &Gpus) -> Self {
         let jobs =
             Job::list().map(|jobs| jobs.into_iter().filter_map(|mut j| j.status().ok()).collect()).unwrap_or_default();
-        Frame { host: HostInfo::probe(), gpus: gpus.report(), jobs }
+        let engines = live_engines().unwrap_or_default();
+        Frame { host: HostInfo::probe(), gpus: gpus.report(), jobs, engines }
     }
 
     fn host_line(&self) -> String {
@@ -107,6 +112,22 @@ fn job_cells(j: &JobStatus) -> [String; 9] {
 
 const JOB_HEADER: [&str; 9] = ["job", "pid", "state", "step", "loss", "allocated", "peak", "reserved", "budget"];
 
+/// The columns of an engine row.
+fn engine_cells(e: &EngineStatus) -> [String; 7] {
+    let b = |n: usize| format_bytes(n as u64);
+    [
+        e.pid.to_string(),
+        e.program.clone(),
+        e.device.clone(),
+        b(e.allocated),
+        e.peak.map_or_else(|| "-".to_string(), b),
+        b(e.reserved),
+        b(e.budget),
+    ]
+}
+
+const ENGINE_HEADER: [&str; 7] = ["pid", "program", "device", "allocated", "peak", "reserved", "budget"];
+
 fn text_frame(f: &Frame) -> String {
     let mut out = format!("wick monitor — {}\n", f.host_line());
     for line in f.gpu_lines() {
@@ -123,10 +144,21 @@ fn text_frame(f: &Frame) -> String {
             out.push('\n');
         }
     }
+    if f.engines.is_empty() {
+        out.push_str("no wick engines\n");
+    } else {
+        out.push_str(&ENGINE_HEADER.join("\t"));
+        out.push('\n');
+        for e in &f.engines {
+            out.push_str(&engine_cells(e).join("\t"));
+            out.push('\n');
+        }
+    }
     out
 }
 
-/// The last minute of a job's allocated bytes (or RSS), one sample per refresh.
+/// The last minute of each job's and engine's allocated bytes (a job's RSS when its heap is not
+/// counted), one sample per refresh; keyed by the sparkline's title.
 struct History {
     samples: HashMap<String, VecDeque<u64>>,
     keep: usize,
@@ -134,26 +166,52 @@ struct History {
 
 impl History {
     fn record(&mut self, f: &Frame) {
-        for j in &f.jobs {
-            let v = j.progress.heap.map(|h| h.allocated).or(j.progress.rss_bytes).unwrap_or(0) as u64;
-            let q = self.samples.entry(j.id.clone()).or_default();
+        let jobs =
+            f.jobs.iter().filter(|j| j.running).map(|j| {
+                (job_key(j), j.progress.heap.map(|h| h.allocated).or(j.progress.rss_bytes).unwrap_or(0) as u64)
+            });
+        let engines = f.engines.iter().map(|e| (engine_key(e), e.allocated as u64));
+        let seen: Vec<(String, u64)> = jobs.chain(engines).collect();
+        // Forget what is no longer running, so the map does not grow with every process seen.
+        self.samples.retain(|k, _| seen.iter().any(|(s, _)| s == k));
+        for (key, v) in seen {
+            let q = self.samples.entry(key).or_default();
             q.push_back(v);
             while q.len() > self.keep {
                 q.pop_front();
             }
         }
     }
+
+    /// The series, oldest first, in the order they were seen.
+    fn series(&self, f: &Frame) -> Vec<(String, Vec<u64>)> {
+        let keys = f.jobs.iter().filter(|j| j.running).map(job_key).chain(f.engines.iter().map(engine_key));
+        keys.filter_map(|k| self.samples.get(&k).map(|q| (k.clone(), q.iter().copied().collect()))).collect()
+    }
 }
 
+fn job_key(j: &JobStatus) -> String {
+    format!("job {}", j.id)
+}
+
+fn engine_key(e: &EngineStatus) -> String {
+    format!("{} {} (pid {})", e.program, e.device, e.pid)
+}
+
+/// Sparklines shown at most (each takes three lines).
+const MAX_SPARKLINES: usize = 4;
+
 fn draw(frame: &mut ratatui::Frame, f: &Frame, history: &History) {
-    let running: Vec<&JobStatus> = f.jobs.iter().filter(|j| j.running).collect();
+    let series = history.series(f);
+    let shown = series.len().min(MAX_SPARKLINES);
     let gpu_lines = f.gpu_lines();
     let areas = Layout::vertical([
         Constraint::Length(3),
         // A reason line (no driver) may wrap once.
         Constraint::Length(gpu_lines.len() as u16 + 2 + u16::from(f.gpus.devices.is_empty())),
         Constraint::Min(4),
-        Constraint::Length(if running.is_empty() { 0 } else { 3 * running.len().min(4) as u16 }),
+        Constraint::Min(4),
+        Constraint::Length(3 * shown as u16),
         Constraint::Length(1),
     ])
     .split(frame.area());
@@ -185,19 +243,34 @@ fn draw(frame: &mut ratatui::Frame, f: &Frame, history: &History) {
             .block(Block::default().borders(Borders::ALL).title(jobs_title)),
         areas[2],
     );
-    let spark_areas =
-        Layout::vertical(running.iter().take(4).map(|_| Constraint::Length(3)).collect::<Vec<_>>()).split(areas[3]);
-    for (j, area) in running.iter().zip(spark_areas.iter()) {
-        let data: Vec<u64> = history.samples.get(&j.id).map(|q| q.iter().copied().collect()).unwrap_or_default();
+    let rows: Vec<Row> = f.engines.iter().map(|e| Row::new(engine_cells(e))).collect();
+    let widths = [
+        Constraint::Length(8),
+        Constraint::Length(16),
+        Constraint::Length(8),
+        Constraint::Length(11),
+        Constraint::Length(11),
+        Constraint::Length(11),
+        Constraint::Length(11),
+    ];
+    let engines_title = if f.engines.is_empty() { " wick engines: none " } else { " wick engines " };
+    frame.render_widget(
+        Table::new(rows, widths)
+            .header(Row::new(ENGINE_HEADER).style(title))
+            .block(Block::default().borders(Borders::ALL).title(engines_title)),
+        areas[3],
+    );
+    let spark_areas = Layout::vertical(vec![Constraint::Length(3); shown]).split(areas[4]);
+    for ((name, data), area) in series.iter().zip(spark_areas.iter()) {
         frame.render_widget(
             Sparkline::default()
-                .data(&data)
+                .data(data)
                 .style(Style::default().fg(Color::Green))
-                .block(Block::default().borders(Borders::ALL).title(format!(" {} allocated, last minute ", j.id))),
+                .block(Block::default().borders(Borders::ALL).title(format!(" {name}: allocated, last minute "))),
             *area,
         );
     }
-    frame.render_widget(Paragraph::new("q quits"), areas[4]);
+    frame.render_widget(Paragraph::new("q quits"), areas[5]);
 }
 
 /// Runs `wick monitor`.
@@ -210,7 +283,7 @@ pub fn run(args: &MonitorArgs) -> Result<()> {
     if args.once {
         let f = Frame::take(&gpus);
         if args.json {
-            let json = serde_json::json!({"host": f.host, "gpus": f.gpus, "jobs": f.jobs});
+            let json = serde_json::json!({"host": f.host, "gpus": f.gpus, "jobs": f.jobs, "engines": f.engines});
             println!("{}", serde_json::to_string_pretty(&json)?);
         } else {
             print!("{}", text_frame(&f));

@@ -276,9 +276,12 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
     let describe = serde_json::json!({"kind": "llama", "config": config, "seed": args.seed, "batch": args.batch,
         "seq": args.seq, "accumulate": args.accumulate, "steps": args.steps, "warmup": args.warmup, "data": data});
     let mut source = Source::open(args)?;
-    let model = Llama::new(config, autocast.model_dtype(), &Device::Cpu)?;
+    // The device the run trains on: while it lives, `wick monitor` lists this process among the
+    // engines (allocated, peak, reserved, budget), beside its job row.
+    let engine = wick::Engine::cpu();
+    let model = Llama::new(config, autocast.model_dtype(), engine.device())?;
     let start = if autocast.enabled() {
-        let f32_model = Llama::new(config, DType::F32, &Device::Cpu)?;
+        let f32_model = Llama::new(config, DType::F32, engine.device())?;
         Some(masters_by_name(&model.params, &f32_model.params)?)
     } else {
         None

@@ -1,5 +1,5 @@
-//! `wick monitor` driven in a real tmux pane: it shows the host, the GPU line and a running
-//! job's memory from the job's own status file, and `q` quits cleanly (the terminal restored,
+//! `wick monitor` driven in a real tmux pane: it shows the host, the GPU line, a running job's
+//! memory from the job's own status file and the job's engine from the engine's, and `q` quits cleanly (the terminal restored,
 //! exit status 0); `--once` prints the same as plain text.
 
 use std::path::PathBuf;
@@ -54,6 +54,14 @@ fn the_live_view_shows_a_running_job_and_quits_on_q() {
     });
     let (_, once) = wick_in(&registry, &["monitor", "--once"]);
     assert!(once.contains(&id) && once.contains("running") && once.contains("allocated"), "{once}");
+    // The run's engine, from the status file it keeps current: its pid, the `wick` program, cpu.
+    let (_, status) = wick_in(&registry, &["jobs", "status", &id]);
+    let pid = status.split("\"pid\": ").nth(1).and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next());
+    let pid = pid.unwrap_or_else(|| panic!("no pid in {status}"));
+    let engine_row = format!("{pid}\twick\tcpu\t");
+    assert!(once.contains(&engine_row), "no engine row `{engine_row}` in {once}");
+    let (ok, json) = wick_in(&registry, &["monitor", "--once", "--json"]);
+    assert!(ok && json.contains("\"engines\"") && json.contains(&format!("\"pid\": {pid}")), "{json}");
 
     let session = format!("wick-monitor-{}", std::process::id());
     let command = format!("{} monitor --interval 0.2; echo EXITED $?; sleep 60", env!("CARGO_BIN_EXE_wick"));
@@ -63,8 +71,10 @@ fn the_live_view_shows_a_running_job_and_quits_on_q() {
     let capture = || tmux(&["capture-pane", "-p", "-t", &session]).1;
     let screen = eventually("the view shows the job", || {
         let s = capture();
-        (s.contains("wick monitor") && s.contains(&id) && s.contains("last minute")).then_some(s)
+        (s.contains("wick monitor") && s.contains(&id) && s.contains("last minute") && s.contains("wick engines "))
+            .then_some(s)
     });
+    assert!(screen.contains(&format!("wick cpu (pid {pid})")), "no engine sparkline: {screen}");
     assert!(screen.contains("host") && screen.contains("GPUs") && screen.contains("q quits"), "{screen}");
     tmux(&["send-keys", "-t", &session, "q"]);
     let after = eventually("q quits", || {

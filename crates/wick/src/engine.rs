@@ -1,18 +1,64 @@
 //! The engine: a candle device whose memory wick accounts for, caps, and reports.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use candle_core::Device;
 use wick_memory::{MemoryError, MemoryLimit, OutOfMemory};
 
+use crate::engine_status::{Figures, Publisher};
 use crate::figure::{Figure, FigureSource};
 use crate::host_memory;
 use crate::report::{Holding, Label, MemoryReport, Sample, Timeline};
 
+#[derive(Clone)]
 enum Kind {
     Cpu,
-    /// Without the `cuda` feature this is the stand-in, which cannot be constructed.
-    Cuda(crate::cuda::GovernedCuda),
+    /// Without the `cuda` feature this is the stand-in, which cannot be constructed. Shared
+    /// with the thread that publishes the engine's status.
+    Cuda(Arc<crate::cuda::GovernedCuda>),
+}
+
+/// No user limit, in [`Engine`]'s shared limit cell (a limit of `usize::MAX` limits nothing).
+const NO_LIMIT: usize = usize::MAX;
+
+impl Kind {
+    fn allocated(&self) -> Figure {
+        match self {
+            Kind::Cpu => match host_memory::exact_heap() {
+                Some((bytes, source)) => Figure { bytes, source },
+                None => Figure { bytes: host_memory::process_rss().unwrap_or(0), source: FigureSource::ProcessRss },
+            },
+            Kind::Cuda(g) => Figure { bytes: g.used(), source: FigureSource::CudaPool },
+        }
+    }
+
+    fn reserved(&self) -> Figure {
+        match self {
+            Kind::Cpu => Figure { bytes: host_memory::process_rss().unwrap_or(0), source: FigureSource::ProcessRss },
+            Kind::Cuda(g) => Figure { bytes: g.reserved(), source: FigureSource::CudaPool },
+        }
+    }
+
+    fn peak_allocated(&self) -> Option<Figure> {
+        match self {
+            Kind::Cpu => host_memory::exact_peak().map(|(bytes, source)| Figure { bytes, source }),
+            Kind::Cuda(g) => Some(Figure { bytes: g.used_peak(), source: FigureSource::CudaPool }),
+        }
+    }
+
+    fn budget(&self, limit: usize) -> Figure {
+        let (device_budget, source) = match self {
+            Kind::Cpu => host_memory::host_budget(),
+            Kind::Cuda(g) => (g.reserved().saturating_add(g.device_free()), FigureSource::CudaPool),
+        };
+        if limit < device_budget {
+            Figure { bytes: limit, source: FigureSource::UserLimit }
+        } else {
+            Figure { bytes: device_budget, source }
+        }
+    }
 }
 
 /// A candle device with governed memory. CPU by default; CUDA by ordinal with feature `cuda`.
@@ -20,27 +66,44 @@ enum Kind {
 pub struct Engine {
     kind: Kind,
     device: Device,
-    limit: Option<usize>,
+    /// The user's limit, [`NO_LIMIT`] when none; shared with the publishing thread.
+    limit: Arc<AtomicUsize>,
     timeline: std::sync::Mutex<Timeline>,
     holdings: std::sync::Mutex<Vec<Holding>>,
     /// Per step label: the batch of its last measured run and the bytes its peak rose above the
     /// memory before it (for [`Engine::try_step_batch`]'s prediction).
     pub(crate) step_growth: std::sync::Mutex<std::collections::HashMap<String, (usize, usize)>>,
     start: Instant,
+    /// Keeps this engine's status file current for `wick monitor` (`None` when publishing is off).
+    publisher: Option<Publisher>,
 }
 
 impl Engine {
     /// The CPU device; its budget is what the container allows.
     pub fn cpu() -> Self {
-        Engine {
-            kind: Kind::Cpu,
-            device: Device::Cpu,
-            limit: None,
+        Engine::with(Kind::Cpu, Device::Cpu, None)
+    }
+
+    fn with(kind: Kind, device: Device, limit: Option<usize>) -> Self {
+        let limit = Arc::new(AtomicUsize::new(limit.unwrap_or(NO_LIMIT)));
+        let mut engine = Engine {
+            kind,
+            device,
+            limit,
             timeline: std::sync::Mutex::new(Timeline::default()),
             holdings: std::sync::Mutex::new(Vec::new()),
             step_growth: std::sync::Mutex::new(std::collections::HashMap::new()),
             start: Instant::now(),
-        }
+            publisher: None,
+        };
+        let (kind, limit) = (engine.kind.clone(), engine.limit.clone());
+        engine.publisher = Publisher::start(engine.name(), move || Figures {
+            allocated: kind.allocated().bytes,
+            reserved: kind.reserved().bytes,
+            peak: kind.peak_allocated().map(|f| f.bytes),
+            budget: kind.budget(limit.load(Ordering::Relaxed)).bytes,
+        });
+        engine
     }
 
     /// CUDA device `ordinal` with candle's allocations drawn from a wick pool capped at `limit`.
@@ -48,15 +111,7 @@ impl Engine {
     pub fn cuda(ordinal: usize, limit: Option<usize>) -> Result<Self, MemoryError> {
         let governed = crate::cuda::GovernedCuda::new(ordinal, limit)?;
         let device = governed.device().clone();
-        Ok(Engine {
-            kind: Kind::Cuda(governed),
-            device,
-            limit,
-            timeline: std::sync::Mutex::new(Timeline::default()),
-            holdings: std::sync::Mutex::new(Vec::new()),
-            step_growth: std::sync::Mutex::new(std::collections::HashMap::new()),
-            start: Instant::now(),
-        })
+        Ok(Engine::with(Kind::Cuda(Arc::new(governed)), device, limit))
     }
 
     /// The candle device, for creating tensors.
@@ -78,29 +133,17 @@ impl Engine {
     /// Bytes held by live tensors (and, on the CPU, everything else on the heap): exact with the
     /// counting allocator or the caching heap installed, and on CUDA; the resident set otherwise.
     pub fn allocated(&self) -> Figure {
-        match &self.kind {
-            Kind::Cpu => match host_memory::exact_heap() {
-                Some((bytes, source)) => Figure { bytes, source },
-                None => Figure { bytes: host_memory::process_rss().unwrap_or(0), source: FigureSource::ProcessRss },
-            },
-            Kind::Cuda(g) => Figure { bytes: g.used(), source: FigureSource::CudaPool },
-        }
+        self.kind.allocated()
     }
 
     /// Bytes taken from the device: the resident set on the CPU, the pool's reservation on CUDA.
     pub fn reserved(&self) -> Figure {
-        match &self.kind {
-            Kind::Cpu => Figure { bytes: host_memory::process_rss().unwrap_or(0), source: FigureSource::ProcessRss },
-            Kind::Cuda(g) => Figure { bytes: g.reserved(), source: FigureSource::CudaPool },
-        }
+        self.kind.reserved()
     }
 
     /// Peak of `allocated` since creation or `reset_peak_stats` (exact sources only).
     pub fn peak_allocated(&self) -> Option<Figure> {
-        match &self.kind {
-            Kind::Cpu => host_memory::exact_peak().map(|(bytes, source)| Figure { bytes, source }),
-            Kind::Cuda(g) => Some(Figure { bytes: g.used_peak(), source: FigureSource::CudaPool }),
-        }
+        self.kind.peak_allocated()
     }
 
     /// Resets the peak to the current value.
@@ -129,31 +172,43 @@ impl Engine {
     /// The most this engine may use and where that number comes from: the user's limit if set and
     /// lower, else the container's budget (CPU) or the device capacity (CUDA).
     pub fn budget(&self) -> Figure {
-        let (device_budget, source) = match &self.kind {
-            Kind::Cpu => host_memory::host_budget(),
-            Kind::Cuda(g) => (g.reserved().saturating_add(g.device_free()), FigureSource::CudaPool),
-        };
-        match self.limit {
-            Some(limit) if limit < device_budget => Figure { bytes: limit, source: FigureSource::UserLimit },
-            _ => Figure { bytes: device_budget, source },
-        }
+        self.kind.budget(self.limit.load(Ordering::Relaxed))
+    }
+
+    /// The user's limit, if one is set.
+    fn user_limit(&self) -> Option<usize> {
+        Some(self.limit.load(Ordering::Relaxed)).filter(|&l| l != NO_LIMIT)
+    }
+
+    /// The status file this engine keeps current for `wick monitor` (see
+    /// [`crate::engine_status`]); `None` when publishing is off or could not start.
+    pub fn status_file(&self) -> Option<&std::path::Path> {
+        self.publisher.as_ref().map(|p| p.path())
     }
 
     /// Sets the cap (bytes or a fraction of the budget the device would otherwise have). On the
     /// CPU it is enforced by pre-flight checks; on CUDA the pool also refuses beyond it, but its
     /// own cap is fixed when the pool is created.
     pub fn set_memory_limit(&mut self, limit: Option<MemoryLimit>) -> Result<(), MemoryError> {
-        self.limit = None;
+        let previous = self.limit.swap(NO_LIMIT, Ordering::Relaxed);
         let base = self.budget().bytes;
-        self.limit = limit.map(|l| l.resolve(base)).transpose()?;
-        Ok(())
+        match limit.map(|l| l.resolve(base)).transpose() {
+            Ok(resolved) => {
+                self.limit.store(resolved.unwrap_or(NO_LIMIT), Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                self.limit.store(previous, Ordering::Relaxed);
+                Err(e)
+            }
+        }
     }
 
     /// Bytes that can still be allocated under the budget. Under a user limit the engine's own
     /// allocated figure counts; otherwise what the container charges (cgroup usage, else RSS).
     pub fn available(&self) -> usize {
         let used = match &self.kind {
-            Kind::Cpu if self.limit.is_some() => self.allocated().bytes,
+            Kind::Cpu if self.user_limit().is_some() => self.allocated().bytes,
             Kind::Cpu => return host_memory::host_available().min(self.budget().bytes),
             Kind::Cuda(g) => g.reserved(),
         };
@@ -173,7 +228,7 @@ impl Engine {
         Err(OutOfMemory::refused(format!("{} ({what})", self.name()), bytes)
             .with_device(budget.bytes, available)
             .with_usage(allocated, self.reserved().bytes)
-            .with_limit(self.limit, budget.source == FigureSource::UserLimit)
+            .with_limit(self.user_limit(), budget.source == FigureSource::UserLimit)
             // Host memory has no cache to fragment: all that is available can be had at once.
             .with_largest_free_block(available)
             .into_error())

@@ -87,7 +87,7 @@ pub const STATUS_ENV: &str = "WICK_JOB_STATUS";
 
 /// Replaces `path` by `bytes` so that a reader never sees half of it (a rename; not flushed to
 /// disk: status is rewritten every few steps).
-fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub(crate) fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     // One temporary name per file, not per process: a status file has one writer at a time, and a
     // writer killed between write and rename leaves a temporary that the next write (a resumed
     // run's first) takes over, instead of one per killed process left for good.
@@ -131,7 +131,7 @@ pub fn registry() -> Result<PathBuf, JobError> {
 }
 
 /// The start time of process `pid` (field 22 of `/proc/PID/stat`) and whether it is a zombie.
-fn proc_stat(pid: u32) -> Option<(u64, bool)> {
+pub(crate) fn proc_stat(pid: u32) -> Option<(u64, bool)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name is in parentheses and may contain spaces: fields start after the last ')'.
     let rest = &text[text.rfind(')')? + 2..];

@@ -4,7 +4,8 @@
 //! enforced by pre-flight checks before anything is allocated, step scopes that release a step's
 //! tensors and report it, out-of-memory recovery (retry, largest-batch finder), and reports
 //! (text, HTML, evcxr rich display). With feature `cuda`, candle's CUDA allocations are drawn from
-//! a capped wick pool (`cuda::GovernedCuda`, feature `cuda`).
+//! a capped wick pool (`cuda::GovernedCuda`, feature `cuda`). Every engine publishes its figures
+//! for `wick monitor` while it lives ([`engine_status`]).
 
 pub use wick_memory as memory;
 
@@ -21,6 +22,7 @@ mod cuda_pool;
 pub use cuda_pool::DriverPool;
 pub mod data;
 pub mod engine;
+pub mod engine_status;
 mod figure;
 pub mod files;
 pub mod gpu;

@@ -1,0 +1,195 @@
+//! Every live [`crate::engine::Engine`] publishes what it holds — allocated, reserved, peak and
+//! budget, once a second — in a small status file under [`crate::files::output_dir`]`/engines`,
+//! so that `wick monitor` shows every wick process on the machine (a notebook kernel, a script, a
+//! job) the way `nvidia-smi` shows GPU processes, without the process having to do anything.
+//!
+//! Rationale: a file per engine, not a socket or shared memory: the monitor may start before or
+//! after the engine, any number of monitors may read, and a process killed with SIGKILL leaves a
+//! file that a reader recognises as stale (its pid is gone or belongs to a later process: the
+//! start time in `/proc/PID/stat` differs) and removes. A thread rather than writes on engine
+//! calls: an engine that sits idle in a notebook between cells is still shown with current
+//! figures (its tensors are still held). The thread stops and the file goes when the engine is
+//! dropped. `WICK_PUBLISH=0` turns publishing off.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The environment variable that turns publishing off (`0`, `off`, `false` or `no`).
+pub const PUBLISH_ENV: &str = "WICK_PUBLISH";
+
+/// How often an engine rewrites its status.
+pub const PUBLISH_INTERVAL: Duration = Duration::from_secs(1);
+
+/// One engine's published figures.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct EngineStatus {
+    /// Tells this engine from others of its process: `PID-TOKEN`, the file's name.
+    pub id: String,
+    /// The process holding the engine.
+    pub pid: u32,
+    /// The process's start time (clock ticks after boot), so a reused pid is not taken for it.
+    pub start_ticks: u64,
+    /// The process's name (`/proc/PID/comm`: `evcxr_jupyter`, `train_amp`, …).
+    pub program: String,
+    /// The engine's device (`cpu`, `cuda:0`).
+    pub device: String,
+    /// [`crate::engine::Engine::allocated`], bytes.
+    pub allocated: usize,
+    /// [`crate::engine::Engine::reserved`], bytes.
+    pub reserved: usize,
+    /// [`crate::engine::Engine::peak_allocated`], bytes, where the source is exact.
+    pub peak: Option<usize>,
+    /// [`crate::engine::Engine::budget`], bytes.
+    pub budget: usize,
+    /// When it was written, milliseconds after the Unix epoch.
+    pub updated_unix_ms: u64,
+}
+
+/// The figures a publisher reads each time it writes.
+pub(crate) struct Figures {
+    pub allocated: usize,
+    pub reserved: usize,
+    pub peak: Option<usize>,
+    pub budget: usize,
+}
+
+/// The folder the status files live in.
+pub fn engines_dir() -> std::io::Result<PathBuf> {
+    let dir = crate::files::output_dir()?.join("engines");
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn publishing_enabled() -> bool {
+    match std::env::var(PUBLISH_ENV) {
+        Ok(v) => !matches!(v.trim().to_ascii_lowercase().as_str(), "0" | "off" | "false" | "no"),
+        Err(_) => true,
+    }
+}
+
+/// Whether process `pid` is alive and is the one that started at `start_ticks`.
+fn alive(pid: u32, start_ticks: u64) -> bool {
+    matches!(crate::jobs::proc_stat(pid), Some((t, zombie)) if t == start_ticks && !zombie)
+}
+
+/// The engines whose processes run, oldest process first. Status files of processes that are
+/// gone (killed, crashed) are removed on the way, and so are temporaries they left.
+pub fn live_engines() -> std::io::Result<Vec<EngineStatus>> {
+    let dir = engines_dir()?;
+    let mut live = Vec::new();
+    for entry in std::fs::read_dir(&dir)?.filter_map(|e| e.ok()) {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(tmp) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".json.tmp")) {
+            // A temporary: its writer's pid starts the name; remove it once that process is gone.
+            let pid = tmp.split('-').next().and_then(|p| p.parse::<u32>().ok());
+            if pid.is_some_and(|pid| crate::jobs::proc_stat(pid).is_none()) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+            continue;
+        }
+        if !name.ends_with(".json") {
+            continue;
+        }
+        let status: Option<EngineStatus> =
+            std::fs::read(entry.path()).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok());
+        match status {
+            Some(s) if alive(s.pid, s.start_ticks) => live.push(s),
+            // A file no engine could have written, or one whose process is gone.
+            _ => {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
+    live.sort_by_key(|s| (s.start_ticks, s.pid, s.device.clone()));
+    Ok(live)
+}
+
+/// The thread that keeps one engine's status file current; stopping it (drop) removes the file.
+pub(crate) struct Publisher {
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    path: PathBuf,
+}
+
+/// 64 bits that differ between engines of one process and between processes (no counter: a
+/// notebook re-creates statics per cell, so two cells' counters would both start at 0).
+fn token() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let local = 0u8;
+    h.write_usize(std::ptr::addr_of!(local) as usize);
+    h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish()
+}
+
+fn program_name() -> String {
+    std::fs::read_to_string("/proc/self/comm").map_or_else(|_| "?".into(), |s| s.trim().to_string())
+}
+
+impl Publisher {
+    /// Starts publishing `figures()` for `device`, now and every [`PUBLISH_INTERVAL`]; `None`
+    /// when publishing is off or cannot start (no output folder, no thread): an engine works
+    /// the same without it.
+    pub(crate) fn start(device: String, figures: impl Fn() -> Figures + Send + 'static) -> Option<Publisher> {
+        if !publishing_enabled() {
+            return None;
+        }
+        let dir = engines_dir().ok()?;
+        let pid = std::process::id();
+        let start_ticks = crate::jobs::proc_stat(pid).map_or(0, |(t, _)| t);
+        let id = format!("{pid}-{:016x}", token());
+        let path = dir.join(format!("{id}.json"));
+        let program = program_name();
+        let (stop, stopped) = mpsc::channel::<()>();
+        let file = path.clone();
+        let write = move || {
+            let f = figures();
+            let status = EngineStatus {
+                id: id.clone(),
+                pid,
+                start_ticks,
+                program: program.clone(),
+                device: device.clone(),
+                allocated: f.allocated,
+                reserved: f.reserved,
+                peak: f.peak,
+                budget: f.budget,
+                updated_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
+            };
+            if let Ok(bytes) = serde_json::to_vec(&status) {
+                // A full disk or a removed folder costs the monitor a row, never the engine.
+                let _ = crate::jobs::replace(&file, &bytes);
+            }
+        };
+        // The first status is there when the engine is returned.
+        write();
+        let thread = std::thread::Builder::new().name("wick-publish".into()).spawn(move || {
+            // Until the engine drops the sender (or sends).
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(PUBLISH_INTERVAL) {
+                write();
+            }
+        });
+        let Ok(thread) = thread else {
+            let _ = std::fs::remove_file(&path);
+            return None;
+        };
+        Some(Publisher { stop: Some(stop), thread: Some(thread), path })
+    }
+
+    /// The status file.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
