@@ -48,16 +48,25 @@ impl Kind {
         }
     }
 
-    fn budget(&self, limit: usize) -> Figure {
-        let (device_budget, source) = match self {
+    /// What the device could give without a user limit.
+    fn device_budget(&self) -> (usize, FigureSource) {
+        match self {
             Kind::Cpu => host_memory::host_budget(),
             Kind::Cuda(g) => (g.reserved().saturating_add(g.device_free()), FigureSource::CudaPool),
-        };
-        if limit < device_budget {
-            Figure { bytes: limit, source: FigureSource::UserLimit }
-        } else {
-            Figure { bytes: device_budget, source }
         }
+    }
+
+    fn budget(&self, limit: usize) -> Figure {
+        limited(self.device_budget(), limit)
+    }
+}
+
+/// The budget under a user limit ([`NO_LIMIT`] for none).
+fn limited((device_budget, source): (usize, FigureSource), limit: usize) -> Figure {
+    if limit < device_budget {
+        Figure { bytes: limit, source: FigureSource::UserLimit }
+    } else {
+        Figure { bytes: device_budget, source }
     }
 }
 
@@ -97,11 +106,17 @@ impl Engine {
             publisher: None,
         };
         let (kind, limit) = (engine.kind.clone(), engine.limit.clone());
-        engine.publisher = Publisher::start(engine.name(), move || Figures {
-            allocated: kind.allocated().bytes,
-            reserved: kind.reserved().bytes,
-            peak: kind.peak_allocated().map(|f| f.bytes),
-            budget: kind.budget(limit.load(Ordering::Relaxed)).bytes,
+        // The host's budget is read once (a cgroup walk allocates); the publisher must not move
+        // the heap figures it publishes (see `engine_status`).
+        let host_budget = matches!(kind, Kind::Cpu).then(host_memory::host_budget);
+        engine.publisher = Publisher::start(engine.name(), move || {
+            let device_budget = host_budget.unwrap_or_else(|| kind.device_budget());
+            Figures {
+                allocated: kind.allocated().bytes,
+                reserved: kind.reserved().bytes,
+                peak: kind.peak_allocated().map(|f| f.bytes),
+                budget: limited(device_budget, limit.load(Ordering::Relaxed)).bytes,
+            }
         });
         engine
     }

@@ -10,9 +10,14 @@
 //! calls: an engine that sits idle in a notebook between cells is still shown with current
 //! figures (its tensors are still held). The thread stops and the file goes when the engine is
 //! dropped. `WICK_PUBLISH=0` turns publishing off.
+//!
+//! The thread allocates nothing once started (figures read into the stack, the status
+//! serialised into a buffer it keeps, the paths made once): the heap figures it publishes are
+//! the ones step reports and tests measure exactly, and a writer's transient allocations would
+//! move them — a step's peak, `allocated` before and after — once a second.
 
 use std::path::{Path, PathBuf};
-use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The environment variable that turns publishing off (`0`, `off`, `false` or `no`).
@@ -108,9 +113,24 @@ pub fn live_engines() -> std::io::Result<Vec<EngineStatus>> {
 
 /// The thread that keeps one engine's status file current; stopping it (drop) removes the file.
 pub(crate) struct Publisher {
-    stop: Option<mpsc::Sender<()>>,
+    signal: Arc<Signal>,
     thread: Option<std::thread::JoinHandle<()>>,
     path: PathBuf,
+}
+
+/// The publisher's handshake with its engine: `ready` once the thread has started (its own
+/// start-up allocations and frees are done), `stop` when the engine goes. A mutex and a condition
+/// variable, not a channel: waiting on a channel allocates its waiter's entry the first time.
+#[derive(Default)]
+struct Signal {
+    state: Mutex<(bool, bool)>,
+    changed: Condvar,
+}
+
+impl Signal {
+    fn lock(&self) -> MutexGuard<'_, (bool, bool)> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 /// 64 bits that differ between engines of one process and between processes (no counter: a
@@ -132,7 +152,7 @@ impl Publisher {
     /// Starts publishing `figures()` for `device`, now and every [`PUBLISH_INTERVAL`]; `None`
     /// when publishing is off or cannot start (no output folder, no thread): an engine works
     /// the same without it.
-    pub(crate) fn start(device: String, figures: impl Fn() -> Figures + Send + 'static) -> Option<Publisher> {
+    pub(crate) fn start(device: String, mut figures: impl FnMut() -> Figures + Send + 'static) -> Option<Publisher> {
         if !publishing_enabled() {
             return None;
         }
@@ -141,41 +161,66 @@ impl Publisher {
         let start_ticks = crate::jobs::proc_stat(pid).map_or(0, |(t, _)| t);
         let id = format!("{pid}-{:016x}", token());
         let path = dir.join(format!("{id}.json"));
-        let program = program_name();
-        let (stop, stopped) = mpsc::channel::<()>();
-        let file = path.clone();
-        let write = move || {
+        let signal = Arc::new(Signal::default());
+        let (file, tmp) = (path.clone(), dir.join(format!(".{id}.json.tmp")));
+        let mut status = EngineStatus {
+            id,
+            pid,
+            start_ticks,
+            program: program_name(),
+            device,
+            allocated: 0,
+            reserved: 0,
+            peak: None,
+            budget: 0,
+            updated_unix_ms: 0,
+        };
+        // Far more than a status takes (about 250 bytes), so serialising never grows it.
+        let mut buf: Vec<u8> = Vec::with_capacity(4096);
+        let mut write = move || {
             let f = figures();
-            let status = EngineStatus {
-                id: id.clone(),
-                pid,
-                start_ticks,
-                program: program.clone(),
-                device: device.clone(),
-                allocated: f.allocated,
-                reserved: f.reserved,
-                peak: f.peak,
-                budget: f.budget,
-                updated_unix_ms: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64),
-            };
-            if let Ok(bytes) = serde_json::to_vec(&status) {
+            status.allocated = f.allocated;
+            status.reserved = f.reserved;
+            status.peak = f.peak;
+            status.budget = f.budget;
+            status.updated_unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+            buf.clear();
+            if serde_json::to_writer(&mut buf, &status).is_ok() {
                 // A full disk or a removed folder costs the monitor a row, never the engine.
-                let _ = crate::jobs::replace(&file, &bytes);
+                let _ = std::fs::write(&tmp, &buf).and_then(|()| std::fs::rename(&tmp, &file));
             }
         };
         // The first status is there when the engine is returned.
         write();
+        let theirs = signal.clone();
         let thread = std::thread::Builder::new().name("wick-publish".into()).spawn(move || {
-            // Until the engine drops the sender (or sends).
-            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(PUBLISH_INTERVAL) {
+            let mut state = theirs.lock();
+            state.0 = true;
+            theirs.changed.notify_all();
+            // `stop` is checked before each wait too: set during a write, its notice was missed.
+            while !state.1 {
+                // Spurious wake-ups only write early.
+                state = theirs.changed.wait_timeout(state, PUBLISH_INTERVAL).unwrap_or_else(|p| p.into_inner()).0;
+                if state.1 {
+                    break;
+                }
+                drop(state);
                 write();
+                state = theirs.lock();
             }
         });
         let Ok(thread) = thread else {
             let _ = std::fs::remove_file(&path);
             return None;
         };
-        Some(Publisher { stop: Some(stop), thread: Some(thread), path })
+        // Returned once the thread runs: its start-up (the closure's box freed, thread-locals
+        // registered) then lies before anything the caller measures.
+        let mut state = signal.lock();
+        while !state.0 {
+            state = signal.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+        drop(state);
+        Some(Publisher { signal, thread: Some(thread), path })
     }
 
     /// The status file.
@@ -186,7 +231,8 @@ impl Publisher {
 
 impl Drop for Publisher {
     fn drop(&mut self) {
-        drop(self.stop.take());
+        self.signal.lock().1 = true;
+        self.signal.changed.notify_all();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }

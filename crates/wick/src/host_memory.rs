@@ -155,7 +155,20 @@ pub fn reset_counted_peak() {
 
 /// The process's resident set in bytes.
 pub fn process_rss() -> Option<usize> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    use std::io::Read;
+    // Read into the stack, not a String: the figure is taken while heaps are measured (timeline
+    // marks, the engine's status publisher), and taking it must not move them.
+    let mut buf = [0u8; 256];
+    let mut file = std::fs::File::open("/proc/self/statm").ok()?;
+    let mut len = 0;
+    while len < buf.len() {
+        match file.read(&mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(_) => return None,
+        }
+    }
+    let statm = std::str::from_utf8(&buf[..len]).ok()?;
     let pages: usize = statm.split_whitespace().nth(1)?.parse().ok()?;
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };

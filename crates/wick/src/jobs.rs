@@ -87,7 +87,7 @@ pub const STATUS_ENV: &str = "WICK_JOB_STATUS";
 
 /// Replaces `path` by `bytes` so that a reader never sees half of it (a rename; not flushed to
 /// disk: status is rewritten every few steps).
-pub(crate) fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+fn replace(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     // One temporary name per file, not per process: a status file has one writer at a time, and a
     // writer killed between write and rename leaves a temporary that the next write (a resumed
     // run's first) takes over, instead of one per killed process left for good.

@@ -20,6 +20,27 @@ fn cpu_engine() {
     batch_finder_returns_the_largest_batch_that_fits_and_the_accumulation();
     retry_on_oom_frees_the_cache_and_tries_again();
     reports_name_their_sources_and_render();
+    publishing_the_status_moves_no_heap_figure();
+}
+
+/// The engine's status thread rewrites its file every second while the heap is being measured
+/// exactly: it must not allocate, or a step's peak and `allocated` would move with it.
+fn publishing_the_status_moves_no_heap_figure() {
+    let engine = Engine::cpu();
+    let file = engine.status_file().expect("publishing is on by default").to_path_buf();
+    let stamp = || -> u64 {
+        let s: wick::engine_status::EngineStatus = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+        s.updated_unix_ms
+    };
+    let first = stamp();
+    let before = engine.allocated().bytes;
+    engine.reset_peak_stats();
+    // Two and a half intervals: at least two writes by the thread.
+    std::thread::sleep(wick::engine_status::PUBLISH_INTERVAL * 5 / 2);
+    let (after, peak) = (engine.allocated().bytes, engine.peak_allocated().unwrap().bytes);
+    assert!(stamp() > first, "the thread did not write in 2.5 intervals");
+    assert_eq!(after, before, "publishing left bytes allocated");
+    assert_eq!(peak, before, "publishing allocated transiently (the peak moved)");
 }
 
 fn allocated_matches_tensor_bytes_and_rss_follows_touched_memory() {
