@@ -60,4 +60,4 @@ pub use scope::{scoped, Scope, ScopeReport, ScopedBlock};
 pub use snapshot::{BlockSnapshot, BlockStateName, SegmentSnapshot, Snapshot};
 pub use stats::{MemoryStats, PoolKind, Stat, StatArray};
 pub use stream::{EventId, StreamId};
-pub use summary::memory_summary;
+pub use summary::{memory_summary, memory_summary_of_map};

@@ -52,6 +52,11 @@ impl GovernedCuda {
         self.pool.used_peak()
     }
 
+    /// Peak of the pool's reservation since creation or the last reset.
+    pub fn reserved_peak(&self) -> usize {
+        self.pool.reserved_peak()
+    }
+
     /// Resets the pool's peaks to the current values.
     pub fn reset_peak_stats(&self) {
         self.pool.reset_peak_stats()

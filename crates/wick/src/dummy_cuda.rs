@@ -39,6 +39,11 @@ impl GovernedCuda {
         match self.never {}
     }
 
+    /// Peak of the pool's reservation since creation or the last reset.
+    pub fn reserved_peak(&self) -> usize {
+        match self.never {}
+    }
+
     /// Resets the pool's peaks.
     pub fn reset_peak_stats(&self) {
         match self.never {}

@@ -1,6 +1,7 @@
 //! The engine: a candle device whose memory wick accounts for, caps, and reports.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -11,6 +12,8 @@ use crate::engine_status::{Figures, Publisher};
 use crate::figure::{Figure, FigureSource};
 use crate::host_memory;
 use crate::report::{Holding, Label, MemoryReport, Sample, Timeline};
+
+mod stats;
 
 #[derive(Clone)]
 enum Kind {
@@ -59,6 +62,45 @@ impl Kind {
     fn budget(&self, limit: usize) -> Figure {
         limited(self.device_budget(), limit)
     }
+
+    /// What this device's source knows of PyTorch's statistics, by their names (see
+    /// [`Engine::memory_stats`]); the engine's own counters are added by the caller.
+    fn stats_map(&self) -> BTreeMap<String, i64> {
+        let i = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        let mut map = BTreeMap::new();
+        let mut put = |key: &str, v: usize| {
+            map.insert(key.to_string(), i(v));
+        };
+        match self {
+            Kind::Cpu => {
+                if let (Some(current), Some(peak), Some((allocated, freed, allocs, frees))) =
+                    (host_memory::counted_heap(), host_memory::counted_peak(), host_memory::counted_totals())
+                {
+                    // The counting allocator sees requested sizes; the system allocator's
+                    // rounding is invisible to it, so allocated and requested are one figure.
+                    for stat in ["allocated_bytes.all", "requested_bytes.all"] {
+                        put(&format!("{stat}.current"), current);
+                        put(&format!("{stat}.peak"), peak);
+                        put(&format!("{stat}.allocated"), allocated);
+                        put(&format!("{stat}.freed"), freed);
+                    }
+                    put("allocation.all.current", allocs.saturating_sub(frees));
+                    put("allocation.all.allocated", allocs);
+                    put("allocation.all.freed", frees);
+                } else if let Some(heap) = wick_memory::CachingHeap::installed() {
+                    // The caching allocator that serves candle's buffers: its own statistics.
+                    map = heap.memory_stats().to_map();
+                }
+            }
+            Kind::Cuda(g) => {
+                put("allocated_bytes.all.current", g.used());
+                put("allocated_bytes.all.peak", g.used_peak());
+                put("reserved_bytes.all.current", g.reserved());
+                put("reserved_bytes.all.peak", g.reserved_peak());
+            }
+        }
+        map
+    }
 }
 
 /// The budget under a user limit ([`NO_LIMIT`] for none).
@@ -83,6 +125,10 @@ pub struct Engine {
     /// memory before it (for [`Engine::try_step_batch`]'s prediction).
     pub(crate) step_growth: std::sync::Mutex<std::collections::HashMap<String, (usize, usize)>>,
     start: Instant,
+    /// Out-of-memory errors this engine has seen (pre-flight refusals, candle's OOM in steps).
+    pub(crate) ooms: AtomicU64,
+    /// Retries after an out-of-memory error ([`Engine::retry_on_oom`]).
+    pub(crate) retries: AtomicU64,
     /// Keeps this engine's status file current for `wick monitor` (`None` when publishing is off).
     publisher: Option<Publisher>,
 }
@@ -103,6 +149,8 @@ impl Engine {
             holdings: std::sync::Mutex::new(Vec::new()),
             step_growth: std::sync::Mutex::new(std::collections::HashMap::new()),
             start: Instant::now(),
+            ooms: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
             publisher: None,
         };
         let (kind, limit) = (engine.kind.clone(), engine.limit.clone());
@@ -161,8 +209,8 @@ impl Engine {
         self.kind.peak_allocated()
     }
 
-    /// Resets the peak to the current value.
-    pub fn reset_peak_stats(&self) {
+    /// Resets the peaks to the current values (PyTorch's `reset_peak_memory_stats`).
+    pub fn reset_peak_memory_stats(&self) {
         match &self.kind {
             Kind::Cpu => host_memory::reset_exact_peak(),
             Kind::Cuda(g) => g.reset_peak_stats(),
@@ -239,6 +287,7 @@ impl Engine {
         }
         let budget = self.budget();
         let allocated = self.allocated().bytes;
+        self.ooms.fetch_add(1, Ordering::Relaxed);
         self.mark("refused by pre-flight");
         Err(OutOfMemory::refused(format!("{} ({what})", self.name()), bytes)
             .with_device(budget.bytes, available)
@@ -284,11 +333,6 @@ impl Engine {
             timeline: self.timeline.lock().unwrap_or_else(|p| p.into_inner()).clone(),
             holdings: self.holdings.lock().unwrap_or_else(|p| p.into_inner()).clone(),
         }
-    }
-
-    /// The memory summary as a text table.
-    pub fn memory_summary(&self) -> String {
-        self.memory_report().to_string()
     }
 
     /// The memory report as JSON (figures, sources, holdings and timeline); not a [`wick_memory::Snapshot`],

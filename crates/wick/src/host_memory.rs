@@ -13,6 +13,12 @@ use crate::figure::FigureSource;
 static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 static ACTIVE: AtomicBool = AtomicBool::new(false);
+/// Cumulative bytes allocated and freed, and allocations made and freed (a `realloc` counts as
+/// a free and an allocation), for PyTorch's `allocated`/`freed` statistics.
+static TOTAL_ALLOCATED: AtomicUsize = AtomicUsize::new(0);
+static TOTAL_FREED: AtomicUsize = AtomicUsize::new(0);
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+static FREES: AtomicUsize = AtomicUsize::new(0);
 
 /// A global allocator that counts live heap bytes and their peak. Install it in a binary:
 ///
@@ -34,6 +40,14 @@ pub struct CountingAllocator;
 fn add(bytes: usize) {
     let now = ALLOCATED.fetch_add(bytes, Ordering::Relaxed) + bytes;
     PEAK.fetch_max(now, Ordering::Relaxed);
+    TOTAL_ALLOCATED.fetch_add(bytes, Ordering::Relaxed);
+    ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+}
+
+fn sub(bytes: usize) {
+    ALLOCATED.fetch_sub(bytes, Ordering::Relaxed);
+    TOTAL_FREED.fetch_add(bytes, Ordering::Relaxed);
+    FREES.fetch_add(1, Ordering::Relaxed);
 }
 
 // SAFETY: every call is forwarded to the system allocator unchanged; only counters are updated.
@@ -61,14 +75,14 @@ unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: forwarded contract.
         unsafe { System.dealloc(ptr, layout) };
-        ALLOCATED.fetch_sub(layout.size(), Ordering::Relaxed);
+        sub(layout.size());
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         // SAFETY: forwarded contract.
         let p = unsafe { System.realloc(ptr, layout, new_size) };
         if !p.is_null() {
-            ALLOCATED.fetch_sub(layout.size(), Ordering::Relaxed);
+            sub(layout.size());
             add(new_size);
         }
         p
@@ -146,6 +160,15 @@ pub fn counted_heap() -> Option<usize> {
 /// Peak of `counted_heap` since start or the last `reset_counted_peak`.
 pub fn counted_peak() -> Option<usize> {
     ACTIVE.load(Ordering::Relaxed).then(|| PEAK.load(Ordering::Relaxed))
+}
+
+/// The counting allocator's cumulative figures, when it is installed: (bytes allocated, bytes
+/// freed, allocations, frees) since the process started.
+pub fn counted_totals() -> Option<(usize, usize, usize, usize)> {
+    ACTIVE.load(Ordering::Relaxed).then(|| {
+        let load = |a: &AtomicUsize| a.load(Ordering::Relaxed);
+        (load(&TOTAL_ALLOCATED), load(&TOTAL_FREED), load(&ALLOCATIONS), load(&FREES))
+    })
 }
 
 /// Sets the tracked peak to the current value.

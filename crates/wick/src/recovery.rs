@@ -22,6 +22,7 @@ impl Engine {
         match op(self) {
             Err(e) if e.is_out_of_memory() => {
                 self.empty_cache()?;
+                self.retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 op(self)
             }
             other => other,

@@ -35,7 +35,7 @@ impl Engine {
     /// Runs one step. Whatever the closure returns, its temporaries are dropped before the
     /// figures after the step are read.
     pub fn step<T, E>(&self, label: &str, body: impl FnOnce(&Engine) -> Result<T, E>) -> (Result<T, E>, StepReport) {
-        self.reset_peak_stats();
+        self.reset_peak_memory_stats();
         let before = self.allocated().bytes;
         let result = body(self);
         // The closure has returned: everything it created and did not return is gone now.
@@ -52,7 +52,18 @@ impl Engine {
         body: impl FnOnce(&Engine) -> Result<T, crate::Error>,
     ) -> Result<(T, StepReport), crate::Error> {
         let (result, report) = self.step(label, body);
+        self.count_candle_oom(&result);
         result.map(|value| (value, report))
+    }
+
+    /// Counts candle's out-of-memory (CUDA's) in `num_ooms`; wick's own refusals were counted
+    /// where they were made.
+    fn count_candle_oom<T>(&self, result: &Result<T, crate::Error>) {
+        if let Err(crate::Error::Candle(e)) = result {
+            if crate::is_out_of_memory(e) {
+                self.ooms.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
     }
 
     /// Like [`Engine::try_step`] for a step over `batch` samples, refused *before it runs* when
@@ -74,6 +85,7 @@ impl Engine {
             self.preflight(predicted, &format!("step `{label}` at batch {batch}, scaled from batch {measured_batch}"))?;
         }
         let (result, report) = self.step(label, body);
+        self.count_candle_oom(&result);
         if let (Ok(_), Some(peak)) = (&result, report.peak) {
             let growth = peak.saturating_sub(report.before);
             self.step_growth.lock().unwrap_or_else(|p| p.into_inner()).insert(label.to_string(), (batch, growth));

@@ -21,6 +21,68 @@ fn cpu_engine() {
     retry_on_oom_frees_the_cache_and_tries_again();
     reports_name_their_sources_and_render();
     publishing_the_status_moves_no_heap_figure();
+    statistics_follow_the_counting_allocator_by_pytorch_names();
+}
+
+/// `memory_stats()` under the counting allocator: the keys it can know, equal to its counters,
+/// moving with a tensor's bytes; what it cannot know (a reservation) absent; the engine's own
+/// OOM and retry counts; the PyTorch-layout summary with `-` for the absent and the sources kept.
+fn statistics_follow_the_counting_allocator_by_pytorch_names() {
+    let engine = Engine::cpu();
+    let now = engine.allocated().bytes;
+    let s0 = engine.memory_stats();
+    assert_eq!(s0["allocated_bytes.all.current"], now as i64, "the counter itself");
+    assert_eq!(s0["requested_bytes.all.current"], now as i64);
+    for key in ["allocated_bytes.all.peak", "allocated_bytes.all.allocated", "allocated_bytes.all.freed"] {
+        assert!(s0.contains_key(key), "{key}");
+    }
+    assert_eq!(
+        s0["allocation.all.current"],
+        s0["allocation.all.allocated"] - s0["allocation.all.freed"],
+        "live allocations are made minus freed"
+    );
+    for key in ["reserved_bytes.all.current", "reserved_bytes.all.peak", "segment.all.current", "num_sync_all_streams"]
+    {
+        assert!(!s0.contains_key(key), "{key} cannot be known by the counting allocator");
+    }
+    assert_eq!(engine.max_memory_reserved(), None);
+    let tensor_bytes: i64 = 4 << 20;
+    let t = Tensor::zeros(1 << 20, DType::F32, engine.device()).unwrap();
+    let s1 = engine.memory_stats();
+    let grew = s1["allocated_bytes.all.current"] - s0["allocated_bytes.all.current"];
+    // The tensor's buffer, plus candle's small bookkeeping and the first map (still alive).
+    assert!((tensor_bytes..tensor_bytes + (64 << 10)).contains(&grew), "grew {grew}");
+    assert!(s1["allocated_bytes.all.allocated"] - s0["allocated_bytes.all.allocated"] >= tensor_bytes);
+    assert!(s1["allocated_bytes.all.peak"] >= s1["allocated_bytes.all.current"]);
+    drop(t);
+    let s2 = engine.memory_stats();
+    assert!(s2["allocated_bytes.all.freed"] - s1["allocated_bytes.all.freed"] >= tensor_bytes);
+    assert!(s2["allocated_bytes.all.current"] <= s1["allocated_bytes.all.current"] - tensor_bytes + (64 << 10));
+    assert!(engine.max_memory_allocated().unwrap() as i64 >= s1["allocated_bytes.all.current"], "the peak saw it");
+    engine.reset_peak_memory_stats();
+    let reset = engine.max_memory_allocated().unwrap() as i64;
+    assert!(reset < s1["allocated_bytes.all.current"], "reset to the current value: {reset}");
+
+    assert_eq!((s2["num_ooms"], s2["num_alloc_retries"]), (0, 0));
+    assert!(engine.preflight(usize::MAX / 2, "too much").is_err());
+    let mut calls = 0;
+    let _ = engine.retry_on_oom(|e| {
+        calls += 1;
+        if calls == 1 {
+            e.preflight(usize::MAX / 2, "too much")?;
+        }
+        Ok(())
+    });
+    let s3 = engine.memory_stats();
+    assert_eq!((s3["num_ooms"], s3["num_alloc_retries"]), (2, 1), "two refusals, one retry");
+
+    engine.account("optimizer state (f32)", 3 << 20);
+    let text = engine.memory_summary();
+    let row = |label: &str| text.lines().find(|l| l.starts_with(label)).unwrap_or_else(|| panic!("{label}: {text}"));
+    assert!(!row("| Allocated memory").contains(" - "), "{text}");
+    assert_eq!(row("| Reserved memory").matches(" - ").count(), 4, "{text}");
+    assert!(text.contains("OOMs: 2") && text.contains("alloc retries: 1"), "{text}");
+    assert!(text.contains("counting allocator (exact heap)") && text.contains("optimizer state (f32)"), "{text}");
 }
 
 /// The engine's status thread rewrites its file every second while the heap is being measured
@@ -34,7 +96,7 @@ fn publishing_the_status_moves_no_heap_figure() {
     };
     let first = stamp();
     let before = engine.allocated().bytes;
-    engine.reset_peak_stats();
+    engine.reset_peak_memory_stats();
     // Two and a half intervals: at least two writes by the thread.
     std::thread::sleep(wick::engine_status::PUBLISH_INTERVAL * 5 / 2);
     let (after, peak) = (engine.allocated().bytes, engine.peak_allocated().unwrap().bytes);
