@@ -79,9 +79,11 @@ enum Command {
         /// Device capacity in GiB.
         #[arg(long, default_value_t = 80.0)]
         capacity_gib: f64,
-        /// Policy, in WICK_ALLOC_CONF syntax (e.g. `max_split_size_mb:128`).
-        #[arg(long, default_value = "")]
-        config: String,
+        /// Policy, in WICK_ALLOC_CONF syntax (e.g. `max_split_size_mb:128`; an empty string is
+        /// PyTorch's defaults). Without it: `WICK_ALLOC_CONF`, else `PYTORCH_CUDA_ALLOC_CONF`,
+        /// else PyTorch's defaults.
+        #[arg(long)]
+        config: Option<String>,
         /// Backend to replay on.
         #[arg(long, value_enum, default_value = "sim")]
         backend: BackendKind,
@@ -148,10 +150,16 @@ fn main() -> Result<()> {
                 bail!("--capacity-gib must be a positive number below 2^34 GiB (got {capacity_gib})");
             }
             let capacity = bytes as usize;
-            let policy = AllocatorConfig::parse(&config).context("--config")?;
+            let (policy, source) = replay_policy(config.as_deref())?;
+            eprintln!("policy: {source}");
+            let progress = indicatif::ProgressBar::new(traces.len() as u64).with_style(
+                indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {msg}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
             let mut reports = Vec::new();
             for path in &traces {
-                let trace = Trace::from_file(path)?;
+                progress.set_message(path.display().to_string());
+                let trace = Trace::from_file(path).with_context(|| format!("trace {}", path.display()))?;
                 let report = match backend {
                     BackendKind::Sim => replay_simulated(&trace, capacity, policy.clone())?,
                     BackendKind::Host => {
@@ -164,7 +172,9 @@ fn main() -> Result<()> {
                     }
                 };
                 reports.push(report);
+                progress.inc(1);
             }
+            progress.finish_and_clear();
             if json {
                 println!("{}", serde_json::to_string_pretty(&reports)?);
             } else {
@@ -220,6 +230,19 @@ fn main() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The policy a replay runs with and where it came from: `--config` when given, else the
+/// environment (`WICK_ALLOC_CONF`, then `PYTORCH_CUDA_ALLOC_CONF`), else PyTorch's defaults.
+fn replay_policy(config: Option<&str>) -> Result<(AllocatorConfig, String)> {
+    let (text, source) = match (config, wick_memory::alloc_conf_env()) {
+        (Some(text), _) => (text.to_string(), "--config".to_string()),
+        (None, Some((variable, text))) => (text, variable.to_string()),
+        (None, None) => return Ok((AllocatorConfig::default(), "PyTorch's defaults".into())),
+    };
+    let policy = AllocatorConfig::parse(&text).with_context(|| format!("{source}={text:?}"))?;
+    let shown = if text.is_empty() { "PyTorch's defaults".to_string() } else { format!("{text:?}") };
+    Ok((policy, format!("{shown} (from {source})")))
 }
 
 fn print_table(reports: &[ReplayReport]) {

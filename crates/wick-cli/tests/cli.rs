@@ -24,3 +24,46 @@ fn replay_refuses_capacities_and_settings_out_of_range() {
     let (ok, text) = wick(&["replay", TRACE, "--capacity-gib", "1.6e10", "--config", "expandable_segments:True"]);
     assert!(ok, "{text}");
 }
+
+/// Runs `wick` with exactly these allocator variables set (both cleared otherwise).
+fn wick_with_conf(args: &[&str], vars: &[(&str, &str)]) -> (bool, String, String) {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_wick"));
+    command.args(args).env_remove("WICK_ALLOC_CONF").env_remove("PYTORCH_CUDA_ALLOC_CONF");
+    for (name, value) in vars {
+        command.env(name, value);
+    }
+    let out = command.output().expect("the wick binary runs");
+    // The replay's figures without its speed (which differs between runs).
+    let figures: Vec<&str> = std::str::from_utf8(&out.stdout)
+        .expect("utf-8 output")
+        .lines()
+        .filter(|line| !line.contains("ops_per_sec"))
+        .collect();
+    (out.status.success(), figures.join("\n"), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[test]
+fn replay_takes_its_policy_from_the_environment_unless_given_one() {
+    let replay = ["replay", TRACE, "--capacity-gib", "2", "--json"];
+    let with_option: Vec<&str> = replay.iter().copied().chain(["--config", "expandable_segments:True"]).collect();
+    let (ok, defaults, stderr) = wick_with_conf(&replay, &[]);
+    assert!(ok && stderr.contains("PyTorch's defaults"), "{stderr}");
+    let (ok, expandable, stderr) = wick_with_conf(&with_option, &[]);
+    assert!(ok && stderr.contains("from --config"), "{stderr}");
+    assert_ne!(defaults, expandable, "expandable segments changed nothing in the replay");
+    // PyTorch's variable is read when wick's is not set, and wick's takes precedence over it.
+    let (ok, from_torch, stderr) = wick_with_conf(&replay, &[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")]);
+    assert!(ok && stderr.contains("from PYTORCH_CUDA_ALLOC_CONF"), "{stderr}");
+    assert_eq!(from_torch, expandable);
+    let both = [("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"), ("WICK_ALLOC_CONF", "")];
+    let (ok, from_wick, stderr) = wick_with_conf(&replay, &both);
+    assert!(ok && stderr.contains("from WICK_ALLOC_CONF"), "{stderr}");
+    assert_eq!(from_wick, defaults);
+    // --config wins over the environment.
+    let (ok, overridden, _) = wick_with_conf(&with_option, &[("WICK_ALLOC_CONF", "max_split_size_mb:64")]);
+    assert!(ok);
+    assert_eq!(overridden, expandable);
+    // A bad setting in the environment is refused, naming the variable, not ignored.
+    let (ok, _, stderr) = wick_with_conf(&replay, &[("WICK_ALLOC_CONF", "expandable_segments:maybe")]);
+    assert!(!ok && stderr.contains("WICK_ALLOC_CONF") && !stderr.contains("panicked"), "{stderr}");
+}

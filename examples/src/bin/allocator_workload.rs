@@ -58,10 +58,10 @@ fn main() -> Result<()> {
         Err(e) => println!("Refused as expected, and the program carries on:\n  {e}\n"),
     }
     // GPU-scale traces on a simulated 80 GiB device.
-    println!("GPU-scale traces on a simulated 80 GiB device (default policy):");
+    println!("GPU-scale traces on a simulated 80 GiB device (WICK_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF, else PyTorch's defaults):");
     println!("{:<20} {:>12} {:>12} {:>14}", "trace", "peak alloc", "peak reserv", "fragmentation");
     for trace in workloads::standard_suite() {
-        let r = replay_simulated(&trace, 80 << 30, AllocatorConfig::default())?;
+        let r = replay_simulated(&trace, 80 << 30, AllocatorConfig::from_env()?)?;
         println!(
             "{:<20} {:>12} {:>12} {:>14.3}",
             r.name,
