@@ -39,6 +39,7 @@ use std::sync::OnceLock;
 use crate::backend::HostBackend;
 use crate::caching::{CachingAllocator, BLOCK_ALIGNMENT};
 use crate::config::AllocatorConfig;
+use crate::heap_history::{record_heap_event, HeapAction};
 use crate::resource::{AllocRequest, MemoryResource, RawBlock, ReleaseReport};
 use crate::stats::MemoryStats;
 use crate::stream::StreamId;
@@ -263,6 +264,7 @@ impl CachingHeap {
         if counted {
             self.system_large.fetch_add(layout.size(), Ordering::Relaxed);
             self.count(layout.size());
+            record_heap_event(HeapAction::Alloc, user, layout.size());
         }
         user
     }
@@ -283,6 +285,7 @@ impl CachingHeap {
                     unsafe { std::ptr::write_bytes(p, 0, layout.size()) };
                 }
                 self.count(layout.size());
+                record_heap_event(HeapAction::Alloc, p, layout.size());
                 p
             }
             // SAFETY: large requests have a non-zero size.
@@ -311,6 +314,7 @@ unsafe impl GlobalAlloc for CachingHeap {
         if !p.is_null() {
             self.small.fetch_add(layout.size(), Ordering::Relaxed);
             self.count(layout.size());
+            record_heap_event(HeapAction::Alloc, p, layout.size());
         }
         p
     }
@@ -324,12 +328,14 @@ unsafe impl GlobalAlloc for CachingHeap {
         if !p.is_null() {
             self.small.fetch_add(layout.size(), Ordering::Relaxed);
             self.count(layout.size());
+            record_heap_event(HeapAction::Alloc, p, layout.size());
         }
         p
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if layout.size() < LARGE_REQUEST {
+            record_heap_event(HeapAction::Free, ptr, layout.size());
             self.small.fetch_sub(layout.size(), Ordering::Relaxed);
             self.live.fetch_sub(layout.size(), Ordering::Relaxed);
             // SAFETY: forwarded contract.
@@ -342,6 +348,7 @@ unsafe impl GlobalAlloc for CachingHeap {
         match h.magic {
             MAGIC_SYSTEM | MAGIC_RESERVE => {
                 if h.magic == MAGIC_SYSTEM {
+                    record_heap_event(HeapAction::Free, ptr, layout.size());
                     self.system_large.fetch_sub(layout.size(), Ordering::Relaxed);
                     self.live.fetch_sub(layout.size(), Ordering::Relaxed);
                 }
@@ -349,6 +356,7 @@ unsafe impl GlobalAlloc for CachingHeap {
                 unsafe { System.dealloc(ptr.sub(pre), Layout::from_size_align_unchecked(layout.size() + pre, pre)) }
             }
             MAGIC_CACHE => {
+                record_heap_event(HeapAction::Free, ptr, layout.size());
                 self.live.fetch_sub(layout.size(), Ordering::Relaxed);
                 let block = RawBlock {
                     owner: h.owner,
@@ -370,9 +378,14 @@ unsafe impl GlobalAlloc for CachingHeap {
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         if layout.size() < LARGE_REQUEST && new_size < LARGE_REQUEST {
+            // Recorded before the old block can be handed to another thread.
+            record_heap_event(HeapAction::Free, ptr, layout.size());
             // SAFETY: forwarded contract (both sizes stay with the system allocator).
             let p = unsafe { System.realloc(ptr, layout, new_size) };
-            if !p.is_null() {
+            if p.is_null() {
+                record_heap_event(HeapAction::Alloc, ptr, layout.size());
+            } else {
+                record_heap_event(HeapAction::Alloc, p, new_size);
                 self.small.fetch_add(new_size, Ordering::Relaxed);
                 self.small.fetch_sub(layout.size(), Ordering::Relaxed);
                 self.live.fetch_sub(layout.size(), Ordering::Relaxed);

@@ -32,6 +32,8 @@ mod config;
 mod error;
 mod format;
 mod heap;
+mod heap_history;
+mod labels;
 mod resource;
 mod scope;
 mod snapshot;
@@ -53,6 +55,11 @@ pub use config::{
 pub use error::{MemoryError, OutOfMemory, Result};
 pub use format::format_bytes;
 pub use heap::{CachingHeap, LARGE_REQUEST};
+pub use heap_history::{
+    heap_history, heap_history_recording, record_heap_event, start_heap_history, stop_heap_history, HeapAction,
+    HeapEvent, HeapHistory, LabelHolding, Lifetime, DEFAULT_MIN_EVENT_SIZE,
+};
+pub use labels::{current_label, label_path, push_label, LabelGuard, LabelId, MAX_LABEL_NODES};
 pub use resource::{
     AllocRequest, AllocateExt, Allocation, HostResource, MemoryInfo, MemoryResource, RawBlock, ReleaseReport,
 };

@@ -13,6 +13,7 @@ use crate::figure::{Figure, FigureSource};
 use crate::host_memory;
 use crate::report::{Holding, Label, MemoryReport, Sample, Timeline};
 
+mod history;
 mod stats;
 
 #[derive(Clone)]

@@ -6,7 +6,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use wick_memory::CachingHeap;
+use wick_memory::{record_heap_event, CachingHeap, HeapAction};
 
 use crate::figure::FigureSource;
 
@@ -58,6 +58,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
             add(layout.size());
+            record_heap_event(HeapAction::Alloc, p, layout.size());
         }
         p
     }
@@ -68,11 +69,14 @@ unsafe impl GlobalAlloc for CountingAllocator {
         let p = unsafe { System.alloc_zeroed(layout) };
         if !p.is_null() {
             add(layout.size());
+            record_heap_event(HeapAction::Alloc, p, layout.size());
         }
         p
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // Recorded before the block can be handed to another thread.
+        record_heap_event(HeapAction::Free, ptr, layout.size());
         // SAFETY: forwarded contract.
         unsafe { System.dealloc(ptr, layout) };
         sub(layout.size());
@@ -80,10 +84,16 @@ unsafe impl GlobalAlloc for CountingAllocator {
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         // SAFETY: forwarded contract.
+        record_heap_event(HeapAction::Free, ptr, layout.size());
+        // SAFETY: forwarded contract.
         let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
+        if p.is_null() {
+            // The old block stays the program's.
+            record_heap_event(HeapAction::Alloc, ptr, layout.size());
+        } else {
             sub(layout.size());
             add(new_size);
+            record_heap_event(HeapAction::Alloc, p, new_size);
         }
         p
     }

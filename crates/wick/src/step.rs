@@ -33,11 +33,14 @@ impl StepReport {
 
 impl Engine {
     /// Runs one step. Whatever the closure returns, its temporaries are dropped before the
-    /// figures after the step are read.
+    /// figures after the step are read. `label` is pushed onto the label stack while the body
+    /// runs ([`Engine::label`]), so a recorded history names the step.
     pub fn step<T, E>(&self, label: &str, body: impl FnOnce(&Engine) -> Result<T, E>) -> (Result<T, E>, StepReport) {
         self.reset_peak_memory_stats();
         let before = self.allocated().bytes;
+        let labelled = self.label(label);
         let result = body(self);
+        drop(labelled);
         // The closure has returned: everything it created and did not return is gone now.
         let after = self.allocated().bytes;
         let peak = self.peak_allocated().map(|p| p.bytes.max(after).max(before));
