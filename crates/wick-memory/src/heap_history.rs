@@ -53,6 +53,19 @@ struct Ring {
     start: Option<Instant>,
 }
 
+thread_local! {
+    /// True while this thread makes or frees a copy of the history (see [`OwnCopy`]).
+    static UNRECORDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with this thread's allocations unrecorded.
+fn unrecorded<R>(f: impl FnOnce() -> R) -> R {
+    let was = UNRECORDED.try_with(|u| u.replace(true)).unwrap_or(true);
+    let result = f();
+    let _ = UNRECORDED.try_with(|u| u.set(was));
+    result
+}
+
 static RECORDING: AtomicBool = AtomicBool::new(false);
 static MIN_SIZE: AtomicUsize = AtomicUsize::new(DEFAULT_MIN_EVENT_SIZE);
 static CAPACITY: AtomicUsize = AtomicUsize::new(0);
@@ -104,11 +117,20 @@ pub fn heap_history_recording() -> bool {
     RECORDING.load(Ordering::Relaxed)
 }
 
+/// Events recorded since recording started (overwritten ones included): a position in the
+/// history that [`HeapHistory::position_of`] maps back to an index of its events.
+pub fn heap_history_position() -> u64 {
+    ring().written
+}
+
 /// Records one allocation or free, if recording and at least the threshold: for global
 /// allocators, which call it for every request they serve. Allocation-free.
 #[inline]
 pub fn record_heap_event(action: HeapAction, addr: *const u8, size: usize) {
     if !RECORDING.load(Ordering::Relaxed) || size < MIN_SIZE.load(Ordering::Relaxed) {
+        return;
+    }
+    if UNRECORDED.try_with(std::cell::Cell::get).unwrap_or(true) {
         return;
     }
     record_slow(action, addr as u64, size);
@@ -135,6 +157,11 @@ fn record_slow(action: HeapAction, addr: u64, size: usize) {
 }
 
 /// What was recorded, oldest first.
+///
+/// The copy [`heap_history`] makes is not itself recorded — neither its allocation nor, when
+/// it is dropped, its free — so reading the history does not show up in it (a copy of a large
+/// ring would otherwise be the peak of every history read). Clones and deserialised histories
+/// are ordinary allocations, recorded like any other.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct HeapHistory {
     /// The events still in the ring, in the order they happened.
@@ -147,13 +174,42 @@ pub struct HeapHistory {
     pub min_size: usize,
     /// Bytes the program held when recording started.
     pub baseline: usize,
+    #[serde(skip)]
+    own_copy: OwnCopy,
+}
+
+/// Marks the events vector [`heap_history`] allocated unrecorded, so its free goes unrecorded
+/// too; a clone is an ordinary allocation (the mark is not cloned).
+#[derive(Debug, Default)]
+struct OwnCopy(bool);
+
+impl Clone for OwnCopy {
+    fn clone(&self) -> Self {
+        OwnCopy(false)
+    }
+}
+
+impl PartialEq for OwnCopy {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Drop for HeapHistory {
+    fn drop(&mut self) {
+        if self.own_copy.0 {
+            let events = std::mem::take(&mut self.events);
+            unrecorded(move || drop(events));
+        }
+    }
 }
 
 /// A copy of the recorded history (recording goes on).
 pub fn heap_history() -> HeapHistory {
     let capacity = CAPACITY.load(Ordering::SeqCst);
-    // Made before the lock is taken: allocating under it would deadlock the recorder.
-    let mut events = Vec::with_capacity(capacity);
+    // Made before the lock is taken (allocating under it would deadlock the recorder), and
+    // not recorded (see `HeapHistory`).
+    let mut events = unrecorded(|| Vec::with_capacity(capacity));
     let (written, baseline) = {
         let ring = ring();
         let n = ring.events.len().min(capacity);
@@ -168,6 +224,7 @@ pub fn heap_history() -> HeapHistory {
         max_entries: capacity,
         min_size: MIN_SIZE.load(Ordering::SeqCst),
         baseline,
+        own_copy: OwnCopy(true),
     }
 }
 
@@ -198,6 +255,14 @@ pub struct LabelHolding {
 }
 
 impl HeapHistory {
+    /// The index in [`HeapHistory::events`] of the event recorded at `position`
+    /// ([`heap_history_position`] before it was recorded); `None` when it was overwritten or
+    /// is not recorded yet.
+    pub fn position_of(&self, position: u64) -> Option<usize> {
+        let index = usize::try_from(position.checked_sub(self.dropped)?).ok()?;
+        (index < self.events.len()).then_some(index)
+    }
+
     /// Every allocation recorded, in order, paired with its free. A free of a block the history
     /// did not see allocated (made before recording started, or below the threshold) pairs with
     /// nothing and is left out.
@@ -324,19 +389,17 @@ mod tests {
     #[test]
     fn live_sets_pair_frees_with_the_latest_allocation_at_an_address() {
         use HeapAction::{Alloc, Free};
-        let history = HeapHistory {
-            events: vec![
-                event(Free, 9, 100, 0), // allocated before recording: ignored
-                event(Alloc, 1, 10, 1),
-                event(Alloc, 2, 20, 2),
-                event(Free, 1, 10, 0),
-                event(Alloc, 1, 30, 1), // the address again
-                event(Alloc, 3, 5, 2),
-                event(Free, 1, 30, 0),
-            ],
-            baseline: 120,
-            ..HeapHistory::default()
-        };
+        let mut history = HeapHistory::default();
+        history.events = vec![
+            event(Free, 9, 100, 0), // allocated before recording: ignored
+            event(Alloc, 1, 10, 1),
+            event(Alloc, 2, 20, 2),
+            event(Free, 1, 10, 0),
+            event(Alloc, 1, 30, 1), // the address again
+            event(Alloc, 3, 5, 2),
+            event(Free, 1, 30, 0),
+        ];
+        history.baseline = 120;
         assert_eq!(history.live_bytes(), [20, 30, 50, 40, 70, 75, 45]);
         assert_eq!(history.unseen_frees()[6], 100);
         assert_eq!(history.peak(), Some((5, 75)));

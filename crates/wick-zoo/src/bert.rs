@@ -3,6 +3,7 @@
 //! 0 of its 101 parameters, and gives NaN in f16/bf16 from its `f32::MIN` mask).
 
 use std::path::Path;
+use wick::memory::push_label;
 
 use candle_core::{DType, Device, Tensor, D};
 
@@ -295,6 +296,7 @@ impl Bert {
                 ),
             });
         }
+        let embed = push_label("embeddings");
         let table = self.p("embeddings.word_embeddings.weight")?;
         let words = ops::embedding_with_padding(&table, &input_ids.flatten_all()?, c.pad_token_id)?;
         let positions = self.p("embeddings.position_embeddings.weight")?.narrow(0, 0, seq)?;
@@ -305,10 +307,12 @@ impl Bert {
         let bias = ((attention_mask.to_dtype(self.dtype)?.ones_like()? - attention_mask.to_dtype(self.dtype)?)?
             * -1e4)?
             .reshape((batch, 1, 1, seq))?;
+        drop(embed);
         let names: Vec<&str> = layer_shapes(c).into_iter().map(|(n, _, _)| n).collect();
         let heads = c.num_attention_heads;
         let eps = c.layer_norm_eps;
         for l in 0..c.num_hidden_layers {
+            let _layer = push_label(&format!("encoder.layer.{l}"));
             let weights: Vec<Tensor> =
                 names.iter().map(|n| self.p(&format!("encoder.layer.{l}.{n}"))).collect::<Result<_, _>>()?;
             x = match checkpoint {

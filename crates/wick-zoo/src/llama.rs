@@ -2,6 +2,7 @@
 //! attention and a SwiGLU feed-forward, all from [`crate::ops`] so every parameter trains.
 
 use candle_core::{DType, Device, Module, Tensor};
+use wick::memory::push_label;
 
 use crate::autocast::norm_param_dtype;
 use crate::checkpoint::Checkpointing;
@@ -180,9 +181,12 @@ impl Llama {
         let hd = c.hidden_size / c.num_heads;
         let (cos, sin) = ops::rope_tables(seq, hd, c.rope_theta, self.dtype, device)?;
         let mask = ops::causal_bias(seq, self.dtype, device)?;
+        let embed = push_label("embed");
         let mut x =
             ops::embedding(&self.p("embed.weight")?, &ids.flatten_all()?)?.reshape((batch, seq, c.hidden_size))?;
+        drop(embed);
         for l in 0..c.num_layers {
+            let _layer = push_label(&format!("layers.{l}"));
             let weights: Vec<Tensor> =
                 LAYER_PARAMS.iter().map(|n| self.p(&format!("layers.{l}.{n}"))).collect::<Result<_, _>>()?;
             x = match checkpoint {
@@ -193,6 +197,7 @@ impl Llama {
                 None => decoder_layer(&x, &weights, &c, &cos, &sin, &mask)?,
             };
         }
+        let _head = push_label("lm_head");
         let x = ops::rms_norm(&x, &self.p("norm.weight")?, c.rms_eps)?;
         self.proj(&x, "lm_head.weight")
     }

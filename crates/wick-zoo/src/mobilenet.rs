@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use wick::memory::push_label;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -126,6 +127,8 @@ impl BlockSpec {
 }
 
 struct Block {
+    /// torchvision's module name (`features.4`), the label its allocations are recorded under.
+    name: String,
     spec: BlockSpec,
     weights: Vec<Tensor>,
 }
@@ -199,7 +202,7 @@ impl MobileNetV2 {
                     project: pj.running,
                     residual: stride == 1 && input == output,
                 };
-                blocks.push(Block { spec, weights });
+                blocks.push(Block { name: format!("features.{index}"), spec, weights });
                 input = output;
                 index += 1;
             }
@@ -242,13 +245,19 @@ impl MobileNetV2 {
         train: bool,
         checkpoint: Option<&Checkpointing>,
     ) -> Result<Tensor, ZooError> {
+        let stem = push_label("features.0");
         let mut x = self.stem.1.forward_act(&conv2d(x, &self.stem.0, 1, 2)?, train, Activation::Relu6)?;
+        drop(stem);
         for block in &self.blocks {
+            let _block = push_label(&block.name);
             x = run_stateful(checkpoint, &x, &block.weights, &block.spec, move |spec, x, w, update| {
                 spec.apply(x, w, train, update)
             })?;
         }
+        let last = push_label("features.last");
         let x = self.last.1.forward_act(&conv2d(&x, &self.last.0, 0, 1)?, train, Activation::Relu6)?;
+        drop(last);
+        let _head = push_label("classifier");
         Ok(crate::ops::linear(&global_avg_pool(&x)?, &self.classifier.0, Some(&self.classifier.1))?)
     }
 }

@@ -2,6 +2,7 @@
 //! running statistics, and a max-pool whose backward handles overlapping windows.
 
 use candle_core::{DType, Device, Tensor};
+use wick::memory::push_label;
 
 use crate::checkpoint::{run_stateful, Checkpointing};
 use crate::cnn::{conv2d, global_avg_pool, max_pool2d, Activation, BatchNorm, RunningStats};
@@ -95,6 +96,8 @@ impl BlockSpec {
 }
 
 struct Block {
+    /// torchvision's module name (`layer3.1`), the label its allocations are recorded under.
+    name: String,
     spec: BlockSpec,
     weights: Vec<Tensor>,
 }
@@ -167,7 +170,7 @@ impl ResNet {
                     weights.extend([conv.weight, bn.weight, bn.bias]);
                     spec.downsample = Some((stride, bn.running));
                 }
-                blocks.push(Block { spec, weights });
+                blocks.push(Block { name, spec, weights });
                 inplanes = planes * expansion;
             }
         }
@@ -204,13 +207,17 @@ impl ResNet {
         train: bool,
         checkpoint: Option<&Checkpointing>,
     ) -> Result<Tensor, ZooError> {
+        let stem = push_label("stem");
         let x = self.stem.1.forward_act(&self.stem.0.forward(x)?, train, Activation::Relu)?;
         let mut x = max_pool2d(&x, 3, 2, 1)?;
+        drop(stem);
         for block in &self.blocks {
+            let _block = push_label(&block.name);
             x = run_stateful(checkpoint, &x, &block.weights, &block.spec, move |spec, x, w, update| {
                 spec.apply(x, w, train, update)
             })?;
         }
+        let _head = push_label("fc");
         let pooled = global_avg_pool(&x)?;
         Ok(crate::ops::linear(&pooled, &self.fc.0, Some(&self.fc.1))?)
     }

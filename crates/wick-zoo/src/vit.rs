@@ -3,6 +3,7 @@
 //! (candle-transformers' ViT trains 2 of its 200).
 
 use candle_core::{DType, Device, Module, Tensor};
+use wick::memory::push_label;
 
 use crate::autocast::norm_param_dtype;
 use crate::checkpoint::Checkpointing;
@@ -201,6 +202,7 @@ impl Vit {
         let c = &self.config;
         let n = x.dim(0)?;
         let (h, heads) = (c.hidden, c.heads);
+        let embed = push_label("embed");
         let patches =
             crate::cnn::conv2d_bias(x, &self.p("conv_proj.weight")?, &self.p("conv_proj.bias")?, 0, c.patch_size)?;
         let tokens = patches.flatten_from(2)?.transpose(1, 2)?; // (N, patches, h)
@@ -210,7 +212,9 @@ impl Vit {
         let mut z = crate::fused::node("embed", &[&tokens, &cls, &pos], tokens.dtype(), tokens.dtype(), move |t| {
             Tensor::cat(&[&t[1].broadcast_as((n, 1, h))?, &t[0]], 1)?.broadcast_add(&t[2])
         })?;
+        drop(embed);
         for l in 0..c.layers {
+            let _layer = push_label(&format!("encoder.layers.{l}"));
             let weights: Vec<Tensor> = LAYER_PARAMS
                 .iter()
                 .map(|s| self.p(&format!("encoder.layers.encoder_layer_{l}.{s}")))
@@ -220,6 +224,7 @@ impl Vit {
                 None => encoder_layer(&z, &weights, heads)?,
             };
         }
+        let _head = push_label("head");
         let z = ops::layer_norm(&z, &self.p("encoder.ln.weight")?, &self.p("encoder.ln.bias")?, 1e-6)?;
         let cls = z.narrow(1, 0, 1)?.squeeze(1)?;
         self.linear(&cls, "heads.head.weight", "heads.head.bias")

@@ -37,6 +37,7 @@ pub mod saved;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Instant;
+use wick::memory::push_label;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -243,15 +244,20 @@ impl<M: Model> Trainer<M> {
             return Err(invalid("train step", "no micro-batches".into()));
         }
         let n = micro_batches.len() as f64;
+        // What is allocated is recorded under the step and its phase (a history names them).
+        let _step = push_label("train_step");
         let (mut total, mut loss_sum) = (None::<GradStore>, 0f64);
         for batch in micro_batches {
             let ckpt = self.options.activation_checkpointing.then(Checkpointing::new);
+            let forward = push_label("forward");
             let loss = self.model.loss_with(batch, ckpt.as_ref())?;
             loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             let mut loss = if n > 1.0 { (loss / n)? } else { loss };
             if let Some(s) = &self.scaler {
                 loss = s.scale_loss(&loss)?;
             }
+            drop(forward);
+            let _backward = push_label("backward");
             let grads = match &ckpt {
                 Some(c) => c.backward(&loss, self.model.params())?,
                 None => loss.backward()?,
@@ -273,6 +279,7 @@ impl<M: Model> Trainer<M> {
             });
         }
         let mut grads = total.ok_or_else(|| invalid("train step", "no gradients".into()))?;
+        let _optimizer = push_label("optimizer");
         let lr = self.base_lr * self.options.schedule.factor(self.step);
         self.masters.set_learning_rate(lr);
         let refs: Vec<&Var> = self.vars.iter().collect();
