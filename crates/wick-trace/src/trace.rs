@@ -35,6 +35,31 @@ impl Trace {
         Trace { name: name.to_string(), description: String::new(), ops }
     }
 
+    /// The trace of a recorded run ([`wick_memory::heap_history`], or the `heap` of a history an
+    /// engine recorded): every allocation of at least `min_size` bytes the history saw made,
+    /// and its free when the history saw it, in the order they happened (frees of blocks made
+    /// before recording are left out). Replayed through a device policy it answers "how would
+    /// this run's tensors sit on the device": pass [`wick_memory::LARGE_REQUEST`]-sized
+    /// thresholds or so to leave out the host bookkeeping a device would never see.
+    pub fn from_heap_history(name: &str, history: &wick_memory::HeapHistory, min_size: usize) -> Self {
+        let mut ops: Vec<Option<TraceOp>> = vec![None; history.events.len() * 2];
+        for (id, l) in history.lifetimes().into_iter().enumerate().filter(|(_, l)| l.size >= min_size && l.size > 0) {
+            // Slot 2i for the allocation at event i, 2i + 1 for the free there.
+            ops[2 * l.born] = Some(TraceOp::Alloc { id: id as u64, size: l.size, stream: 0 });
+            if let Some(f) = l.freed {
+                ops[2 * f + 1] = Some(TraceOp::Free { id: id as u64 });
+            }
+        }
+        let mut trace = Trace::from_ops(name, ops.into_iter().flatten().collect());
+        trace.description = format!(
+            "recorded run: {} heap events of ≥ {} bytes, {} before the window dropped; allocations ≥ {min_size} bytes",
+            history.events.len(),
+            history.min_size,
+            history.dropped
+        );
+        trace
+    }
+
     /// Parses and validates a trace.
     pub fn from_json(text: &str) -> Result<Self> {
         let trace: Trace = serde_json::from_str(text).map_err(|e| MemoryError::InvalidTrace(e.to_string()))?;
@@ -228,5 +253,35 @@ mod tests {
         };
         assert_eq!(Trace::from_json(&trace.to_json()).unwrap(), trace);
         assert_eq!(trace.peak_live_bytes(), 30);
+    }
+}
+
+#[cfg(test)]
+mod history_tests {
+    use wick_memory::{HeapAction, HeapEvent, HeapHistory, LabelId};
+
+    use super::*;
+
+    #[test]
+    fn a_recorded_history_becomes_a_valid_trace_of_its_live_set() {
+        let e = |action, addr, size| HeapEvent { time_ns: 0, action, addr, size, label: LabelId::ROOT };
+        let mut history = HeapHistory::default();
+        history.events = vec![
+            e(HeapAction::Free, 7, 4096), // made before recording: not in the trace
+            e(HeapAction::Alloc, 1, 1 << 20),
+            e(HeapAction::Alloc, 2, 2048), // below the threshold
+            e(HeapAction::Alloc, 3, 3 << 20),
+            e(HeapAction::Free, 1, 1 << 20),
+            e(HeapAction::Alloc, 1, 2 << 20), // the address reused: a new id
+            e(HeapAction::Free, 2, 2048),
+        ];
+        let trace = Trace::from_heap_history("run", &history, 4096);
+        trace.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(trace.ops.len(), 4);
+        assert_eq!(trace.peak_live_bytes(), 5 << 20);
+        let again = Trace::from_json(&trace.to_json()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(again, trace);
+        let report = replay_simulated(&trace, 1 << 30, AllocatorConfig::default()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(report.peak_requested, 5 << 20);
     }
 }

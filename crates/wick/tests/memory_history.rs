@@ -82,7 +82,7 @@ fn the_history_of_a_run_replays_labels_and_exports() {
     let held = history.held_at_peak().unwrap_or_else(|| panic!("a peak"));
     assert_eq!(held.rows[0].0, "cache");
     assert_eq!(held.rows[0].1, 32 << 20);
-    let accounted: usize = held.rows.iter().map(|r| r.1).sum::<usize>() + held.before_recording;
+    let accounted: usize = held.rows.iter().map(|r| r.1).sum::<usize>() + held.before_recording + held.history_ring;
     assert_eq!(accounted, held.total);
     assert!(held.to_string().contains("cache"));
     drop(kept);
@@ -120,4 +120,41 @@ fn the_history_of_a_run_replays_labels_and_exports() {
     assert_eq!(wick::MemoryHistory::from_json(&text).unwrap_or_else(|e| panic!("{e}")), history);
     engine.record_memory_history(None).unwrap_or_else(|e| panic!("{e}"));
     assert!(!wick_memory::heap_history_recording());
+
+    // The HTML report, rendered by a real browser.
+    let html = history.to_html("a <test> run");
+    assert!(html.contains("Held at the peak") && html.contains("a &lt;test&gt; run"));
+    let dir = std::env::temp_dir().join(format!("wick-history-html-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let path = dir.join("history.html");
+    history.write_html(&path, "a <test> run").unwrap_or_else(|e| panic!("{e}"));
+    match browser::dump_dom(&path, "selftest") {
+        None => browser::skipped("the history report's browser check"),
+        Some(dom) => {
+            assert!(!dom.contains("data-error"), "a script error: {dom}");
+            let drawn = history.heap.lifetimes().len().min(wick::memory_history::DRAWN_ALLOCATIONS);
+            assert!(
+                dom.contains(&format!("data-ready=\"{drawn}\"")),
+                "not drawn: {}",
+                &dom[dom.len().saturating_sub(1500)..]
+            );
+            // Hovering the largest allocation names its size and label stack; zoom halves the view.
+            assert!(
+                dom.contains("data-hover=\"32.00 MiB (33554432 bytes)\nlabel: cache"),
+                "hover: {}",
+                &dom[..dom.len().min(3000)]
+            );
+            let events = history.heap.events.len() as f64;
+            let zoomed = browser::attribute(&dom, "data-zoomed").unwrap_or_default();
+            let view: Vec<f64> = zoomed.split(' ').filter_map(|v| v.parse().ok()).collect();
+            assert!(
+                view.len() == 4 && (view[0] - events / 4.0).abs() < 1.0 && (view[2] - events / 2.0).abs() < 1.0,
+                "zoomed view {zoomed:?} of {events} events"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[path = "common/browser.rs"]
+mod browser;

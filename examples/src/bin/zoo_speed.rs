@@ -5,7 +5,12 @@
 //! zoo-speed --list                                  # the configurations, as JSON
 //! zoo-speed --model resnet18 --mode train --steps 5 # one JSON line: milliseconds per step
 //! WICK_PROFILE_OPS=1 zoo-speed --model vit           # and each kernel op's time, on stderr
+//! zoo-speed --model resnet18 --record-history DIR   # and the timed steps' allocation history
 //! ```
+//!
+//! `--record-history DIR` records the timed steps (`Engine::record_memory_history`) and writes
+//! `DIR/MODEL-MODE.{history.json,trace.json,pickle,html}`: the history (for `wick report`), a
+//! wick trace (for `wick replay`), a PyTorch memory_viz snapshot and the HTML report.
 //!
 //! `scripts/torch-reference/zoo_speed.py` reads the same configurations, runs PyTorch on them in
 //! turn with this binary, and prints the side-by-side table of BENCHMARKS.md.
@@ -59,6 +64,9 @@ struct Args {
     /// Untimed steps first.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
+    /// Record the timed steps' allocation history and write it here (see the module docs).
+    #[arg(long)]
+    record_history: Option<std::path::PathBuf>,
 }
 
 /// The decoder of the main job (`train-amp`).
@@ -198,6 +206,23 @@ fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
     })
 }
 
+/// Writes the recorded history as JSON, a wick trace, a memory_viz snapshot and the HTML report.
+fn write_history(engine: &wick::Engine, dir: &std::path::Path, name: &str, mode: Mode) -> Result<()> {
+    let history = engine.memory_history();
+    let stem = format!("{name}-{}", format!("{mode:?}").to_lowercase());
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    history.write_json(&dir.join(format!("{stem}.history.json")))?;
+    let mut trace = wick_trace::Trace::from_heap_history(&stem, &history.heap, 0);
+    trace.description = format!("zoo-speed --model {name} --mode {stem}: {}", trace.description);
+    wick::files::write_atomic(&dir.join(format!("{stem}.trace.json")), trace.to_json().as_bytes())?;
+    history.write_memory_viz(&dir.join(format!("{stem}.pickle")))?;
+    history.write_html(&dir.join(format!("{stem}.html")), &format!("{name} ({mode:?}): the timed steps"))?;
+    if let Some(held) = history.held_at_peak() {
+        eprintln!("{held}");
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args = Args::parse();
     if args.list {
@@ -223,17 +248,27 @@ fn main() -> Result<()> {
     // Forward, backward and optimizer milliseconds of the timed steps.
     let mut phases = [0.0f64; 3];
     let mut last_loss = None;
+    let engine = wick::Engine::cpu();
     for step in 0..args.warmup + args.steps {
         if step == args.warmup {
             wick_zoo::kernels::profile::reset();
+            if args.record_history.is_some() {
+                engine.record_memory_history(Some(1 << 21))?;
+            }
         }
         let start = Instant::now();
+        let _step = engine.label("train_step");
         match masters.as_mut() {
             Some(masters) => {
+                let phase = engine.label("forward");
                 let loss = (bench.loss)()?;
                 let forward = start.elapsed();
+                drop(phase);
+                let phase = engine.label("backward");
                 let grads = loss.backward()?;
                 let backward = start.elapsed();
+                drop(phase);
+                let _phase = engine.label("optimizer");
                 masters.step(&grads)?;
                 if step >= args.warmup {
                     let end = start.elapsed();
@@ -255,6 +290,10 @@ fn main() -> Result<()> {
     }
     if let Some(loss) = last_loss.filter(|l| !l.is_finite()) {
         bail!("{name}: the loss is {loss}");
+    }
+    if let Some(dir) = &args.record_history {
+        engine.record_memory_history(None)?;
+        write_history(&engine, dir, &name, args.mode)?;
     }
     let per_step = |v: f64| v / args.steps.max(1) as f64;
     let line = json!({

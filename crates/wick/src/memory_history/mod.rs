@@ -6,6 +6,10 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+mod html;
+
+pub use html::DRAWN_ALLOCATIONS;
+
 use wick_memory::{format_bytes, HeapAction, HeapHistory, LabelId};
 
 /// The text for allocations made under no label.
@@ -32,8 +36,11 @@ pub struct HeldAtPeak {
     pub event: usize,
     /// Bytes the program held then ([`HeapHistory::live_bytes`]).
     pub total: usize,
-    /// Of those, bytes allocated before recording started and still held.
+    /// Of those, bytes allocated before recording started and still held, less the history's
+    /// own ring.
     pub before_recording: usize,
+    /// Of those, the ring the history is recorded into (allocated as recording started).
+    pub history_ring: usize,
     /// The rest, by label stack, largest first: (label stack joined by `/`, bytes, blocks).
     pub rows: Vec<(String, usize, usize)>,
 }
@@ -42,18 +49,16 @@ impl std::fmt::Display for HeldAtPeak {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let share = |b: usize| 100.0 * b as f64 / self.total.max(1) as f64;
         writeln!(f, "held at the peak: {} at {:.1} ms", format_bytes(self.total as u64), self.time_ms)?;
-        writeln!(f, "{:>12} {:>7} {:>7}  label", "bytes", "share", "blocks")?;
+        write!(f, "{:>12} {:>7} {:>7}  label", "bytes", "share", "blocks")?;
         for (label, bytes, blocks) in &self.rows {
-            writeln!(f, "{:>12} {:>6.1}% {:>7}  {label}", format_bytes(*bytes as u64), share(*bytes), blocks)?;
+            write!(f, "\n{:>12} {:>6.1}% {:>7}  {label}", format_bytes(*bytes as u64), share(*bytes), blocks)?;
         }
-        let before = self.before_recording;
-        write!(
-            f,
-            "{:>12} {:>6.1}% {:>7}  (held before recording started)",
-            format_bytes(before as u64),
-            share(before),
-            ""
-        )
+        for (what, bytes) in
+            [("held before recording started", self.before_recording), ("the history's own ring", self.history_ring)]
+        {
+            write!(f, "\n{:>12} {:>6.1}% {:>7}  ({what})", format_bytes(bytes as u64), share(bytes), "")?;
+        }
+        Ok(())
     }
 }
 
@@ -70,13 +75,16 @@ impl MemoryHistory {
     pub fn held_at_peak(&self) -> Option<HeldAtPeak> {
         let (event, total) = self.heap.peak()?;
         let gone = self.heap.unseen_frees().get(event).copied().unwrap_or(0);
+        let before = self.heap.baseline.saturating_sub(gone);
+        let ring = self.heap.max_entries.saturating_mul(std::mem::size_of::<wick_memory::HeapEvent>()).min(before);
         let rows =
             self.heap.held_after(event).into_iter().map(|h| (self.label_text(h.label), h.bytes, h.blocks)).collect();
         Some(HeldAtPeak {
             time_ms: self.heap.events[event].time_ns as f64 / 1e6,
             event,
             total,
-            before_recording: self.heap.baseline.saturating_sub(gone),
+            before_recording: before - ring,
+            history_ring: ring,
             rows,
         })
     }
