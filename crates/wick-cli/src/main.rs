@@ -73,15 +73,16 @@ enum Command {
     Monitor(monitor::MonitorArgs),
     /// Replay traces through the caching allocator.
     Replay {
-        /// Trace files (JSON).
+        /// Trace files (JSON), or recorded runs (`MemoryHistory` JSON, e.g. from
+        /// `zoo-speed --record-history`), replayed as the trace of their allocations.
         #[arg(required = true)]
         traces: Vec<PathBuf>,
         /// Device capacity in GiB.
         #[arg(long, default_value_t = 80.0)]
         capacity_gib: f64,
         /// Policy, in WICK_ALLOC_CONF syntax (e.g. `max_split_size_mb:128`; an empty string is
-        /// PyTorch's defaults). Without it: `WICK_ALLOC_CONF`, else `PYTORCH_CUDA_ALLOC_CONF`,
-        /// else PyTorch's defaults.
+        /// wick's defaults: PyTorch's policy with expandable segments). Without it:
+        /// `WICK_ALLOC_CONF`, else `PYTORCH_CUDA_ALLOC_CONF`, else wick's defaults.
         #[arg(long)]
         config: Option<String>,
         /// Backend to replay on.
@@ -159,7 +160,7 @@ fn main() -> Result<()> {
             let mut reports = Vec::new();
             for path in &traces {
                 progress.set_message(path.display().to_string());
-                let trace = Trace::from_file(path).with_context(|| format!("trace {}", path.display()))?;
+                let trace = load_trace(path)?;
                 let report = match backend {
                     BackendKind::Sim => replay_simulated(&trace, capacity, policy.clone())?,
                     BackendKind::Host => {
@@ -232,16 +233,30 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// A trace file, or a recorded run's history as the trace of its allocations.
+fn load_trace(path: &std::path::Path) -> Result<Trace> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let value: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    if value.get("heap").is_some() && value.get("labels").is_some() {
+        let run: wick::MemoryHistory =
+            serde_json::from_value(value).with_context(|| format!("{}: not a recorded run", path.display()))?;
+        let name = path.file_name().map_or("run".into(), |n| n.to_string_lossy().replace(".history.json", ""));
+        return Ok(Trace::from_heap_history(&name, &run.heap, 0));
+    }
+    Trace::from_json(&text).with_context(|| format!("trace {}", path.display()))
+}
+
 /// The policy a replay runs with and where it came from: `--config` when given, else the
-/// environment (`WICK_ALLOC_CONF`, then `PYTORCH_CUDA_ALLOC_CONF`), else PyTorch's defaults.
+/// environment (`WICK_ALLOC_CONF`, then `PYTORCH_CUDA_ALLOC_CONF`), else wick's defaults.
 fn replay_policy(config: Option<&str>) -> Result<(AllocatorConfig, String)> {
     let (text, source) = match (config, wick_memory::alloc_conf_env()) {
         (Some(text), _) => (text.to_string(), "--config".to_string()),
         (None, Some((variable, text))) => (text, variable.to_string()),
-        (None, None) => return Ok((AllocatorConfig::default(), "PyTorch's defaults".into())),
+        (None, None) => return Ok((AllocatorConfig::default(), wick::machine::DEFAULT_POLICY.into())),
     };
     let policy = AllocatorConfig::parse(&text).with_context(|| format!("{source}={text:?}"))?;
-    let shown = if text.is_empty() { "PyTorch's defaults".to_string() } else { format!("{text:?}") };
+    let shown = if text.is_empty() { wick::machine::DEFAULT_POLICY.to_string() } else { format!("{text:?}") };
     Ok((policy, format!("{shown} (from {source})")))
 }
 

@@ -1,5 +1,6 @@
-//! `wick report FILE`: a saved allocator snapshot (`Snapshot::to_json`) or history (a JSON array
-//! of `HistoryEntry`, as `CachingAllocator::history()` serialises) rendered as wick's
+//! `wick report FILE`: a saved allocator snapshot (`Snapshot::to_json`), allocator history (a
+//! JSON array of `HistoryEntry`, as `CachingAllocator::history()` serialises) or recorded run
+//! (`MemoryHistory::write_json`, e.g. `zoo-speed --record-history`) rendered as wick's
 //! self-contained HTML report, or as text.
 
 use std::path::{Path, PathBuf};
@@ -7,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use wick::report::escape_html;
-use wick::HistoryReport;
+use wick::{HistoryReport, MemoryHistory};
 use wick_memory::{format_bytes, memory_summary, HistoryEntry, Snapshot};
 
 /// The largest file `wick report` reads (a history of millions of events is well under it).
@@ -30,6 +31,7 @@ pub struct ReportArgs {
 enum Saved {
     Snapshot(Box<Snapshot>),
     History(Vec<HistoryEntry>),
+    Run(Box<MemoryHistory>),
 }
 
 fn read(path: &Path) -> Result<Saved> {
@@ -50,11 +52,20 @@ fn read(path: &Path) -> Result<Saved> {
             .with_context(|| format!("{}: a JSON array, but not an allocator history", path.display()))?;
         return Ok(Saved::History(entries));
     }
+    if value.get("heap").is_some() && value.get("labels").is_some() {
+        let run: MemoryHistory = serde_json::from_value(value)
+            .with_context(|| format!("{}: an object with `heap`, but not a recorded run", path.display()))?;
+        return Ok(Saved::Run(Box::new(run)));
+    }
     if value.get("segments").is_some() {
         let snapshot = Snapshot::from_json(&text).with_context(|| format!("{}: not a snapshot", path.display()))?;
         return Ok(Saved::Snapshot(Box::new(snapshot)));
     }
-    bail!("{}: neither a snapshot (an object with `segments`) nor a history (an array of events)", path.display())
+    bail!(
+        "{}: neither a snapshot (an object with `segments`), an allocator history (an array of events) nor a \
+         recorded run (an object with `heap` and `labels`)",
+        path.display()
+    )
 }
 
 /// The snapshot as text: PyTorch's `memory_summary` table, then one line per segment.
@@ -123,6 +134,20 @@ pub fn run(args: &ReportArgs) -> Result<()> {
         Saved::History(h) => {
             let r = HistoryReport::from_history(&title, h);
             (r.to_text(), r.to_html())
+        }
+        Saved::Run(run) => {
+            let title = format!("wick recorded run — {}", args.file.display());
+            let heap = &run.heap;
+            let first = format!(
+                "{}: {} events on {} (allocations of ≥ {}), {} overwritten",
+                args.file.display(),
+                heap.events.len(),
+                run.device,
+                format_bytes(heap.min_size as u64),
+                heap.dropped
+            );
+            let held = run.held_at_peak().map(|h| h.to_string()).unwrap_or_else(|| "no events".into());
+            (format!("{first}\n{held}"), run.to_html(&title))
         }
     };
     if args.text {

@@ -78,6 +78,10 @@ pub struct TrainArgs {
     /// Every this many steps, the loss on a fixed held-out batch (0: never), in the metrics.
     #[arg(long, default_value_t = 0)]
     eval_every: u64,
+    /// Record the allocation history of this many steps, after this run's first (warm-up)
+    /// step, into DIR/memory-history.json and .html (`wick report` renders the JSON again).
+    #[arg(long, default_value_t = 0)]
+    record_history: u64,
     /// Start the run as a job in its own session (it survives the terminal and the notebook
     /// kernel; output in DIR/log.txt), print its id and return (`wick jobs` lists it).
     #[arg(long)]
@@ -87,6 +91,15 @@ pub struct TrainArgs {
 const VOCAB: usize = 32;
 
 static STOP: AtomicBool = AtomicBool::new(false);
+
+/// Writes the recorded history as DIR/memory-history.json (for `wick report`) and .html.
+fn write_history(engine: &wick::Engine, dir: &Path, from: u64, to: u64) -> Result<()> {
+    let history = engine.memory_history();
+    history.write_json(&dir.join("memory-history.json")).context("writing the memory history")?;
+    let title = format!("wick train: steps {}–{to}", from + 1);
+    history.write_html(&dir.join("memory-history.html"), &title).context("writing the memory history's report")?;
+    Ok(())
+}
 
 /// SIGTERM sets a flag the loop reads after each step (an atomic store: async-signal-safe).
 fn on_sigterm() -> Result<()> {
@@ -343,8 +356,17 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
     let budget = wick::host_memory::host_budget().0;
     let mut reported = Instant::now();
     let mut last_loss = f32::NAN;
+    // The history window (steps after this run's first) and the leak finder (quiet unless the
+    // step-end memory keeps growing after a warm-up; then it says so in the log).
+    let record_from = trainer.step() + 1;
+    let record_to = record_from.saturating_add(args.record_history);
+    let mut leaks = wick::LeakFinder::new(3, 5);
+    let mut leak_reported = false;
     while trainer.step() < args.steps {
         let step = trainer.step();
+        if args.record_history > 0 && step == record_from {
+            engine.record_memory_history(Some(1 << 20))?;
+        }
         let started = Instant::now();
         let batches = (0..args.accumulate).map(|m| source.next(args, step, m)).collect::<Result<Vec<_>>>()?;
         let record = trainer.train_step(&batches)?;
@@ -367,6 +389,15 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
             (None, None) => String::new(),
         };
         bar.set_message(format!("loss {:.4} · {:.0} tok/s{memory}", record.loss, tokens_per_step / ms * 1e3));
+        if args.record_history > 0 && record.step == record_to {
+            engine.record_memory_history(None)?;
+            write_history(&engine, &args.dir, record_from, record_to)?;
+            bar.println(format!("memory history of steps {}–{record_to} in {}", record_from + 1, args.dir.display()));
+        }
+        if let Some(report) = leaks.end_step(&engine).filter(|_| !leak_reported) {
+            bar.println(format!("step {}: {report}", record.step));
+            leak_reported = true;
+        }
         let stopping = STOP.load(Ordering::SeqCst);
         (progress.step, progress.loss, progress.rss_bytes, progress.heap) =
             (record.step, Some(f64::from(record.loss)), rss, heap);

@@ -45,24 +45,25 @@ fn wick_with_conf(args: &[&str], vars: &[(&str, &str)]) -> (bool, String, String
 #[test]
 fn replay_takes_its_policy_from_the_environment_unless_given_one() {
     let replay = ["replay", TRACE, "--capacity-gib", "2", "--json"];
-    let with_option: Vec<&str> = replay.iter().copied().chain(["--config", "expandable_segments:True"]).collect();
+    // Classic segments: not wick's default (expandable segments), and a different replay.
+    let with_option: Vec<&str> = replay.iter().copied().chain(["--config", "expandable_segments:False"]).collect();
     let (ok, defaults, stderr) = wick_with_conf(&replay, &[]);
-    assert!(ok && stderr.contains("PyTorch's defaults"), "{stderr}");
-    let (ok, expandable, stderr) = wick_with_conf(&with_option, &[]);
+    assert!(ok && stderr.contains("wick's defaults"), "{stderr}");
+    let (ok, classic, stderr) = wick_with_conf(&with_option, &[]);
     assert!(ok && stderr.contains("from --config"), "{stderr}");
-    assert_ne!(defaults, expandable, "expandable segments changed nothing in the replay");
+    assert_ne!(defaults, classic, "classic segments changed nothing in the replay");
     // PyTorch's variable is read when wick's is not set, and wick's takes precedence over it.
-    let (ok, from_torch, stderr) = wick_with_conf(&replay, &[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")]);
+    let (ok, from_torch, stderr) = wick_with_conf(&replay, &[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")]);
     assert!(ok && stderr.contains("from PYTORCH_CUDA_ALLOC_CONF"), "{stderr}");
-    assert_eq!(from_torch, expandable);
-    let both = [("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"), ("WICK_ALLOC_CONF", "")];
+    assert_eq!(from_torch, classic);
+    let both = [("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"), ("WICK_ALLOC_CONF", "")];
     let (ok, from_wick, stderr) = wick_with_conf(&replay, &both);
     assert!(ok && stderr.contains("from WICK_ALLOC_CONF"), "{stderr}");
     assert_eq!(from_wick, defaults);
     // --config wins over the environment.
     let (ok, overridden, _) = wick_with_conf(&with_option, &[("WICK_ALLOC_CONF", "max_split_size_mb:64")]);
     assert!(ok);
-    assert_eq!(overridden, expandable);
+    assert_eq!(overridden, classic);
     // A bad setting in the environment is refused, naming the variable, not ignored.
     let (ok, _, stderr) = wick_with_conf(&replay, &[("WICK_ALLOC_CONF", "expandable_segments:maybe")]);
     assert!(!ok && stderr.contains("WICK_ALLOC_CONF") && !stderr.contains("panicked"), "{stderr}");

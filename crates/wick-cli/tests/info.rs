@@ -60,12 +60,14 @@ fn the_allocator_policy_comes_from_wick_alloc_conf_then_pytorch_s_variable() {
     let policy = |env: &[(&str, &str)]| info_json(env)["allocator"].clone();
     let none = policy(&[]);
     assert!(none["variable"].is_null());
-    assert_eq!(none["policy"]["Ok"], "PyTorch's defaults");
-    let torch = policy(&[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")]);
+    assert_eq!(none["policy"]["Ok"], wick::machine::DEFAULT_POLICY);
+    let torch = policy(&[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")]);
     assert_eq!(torch["variable"], "PYTORCH_CUDA_ALLOC_CONF");
-    assert_eq!(torch["policy"]["Ok"], "expandable_segments");
-    let both =
-        policy(&[("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True"), ("WICK_ALLOC_CONF", "max_split_size_mb:64")]);
+    assert_eq!(torch["policy"]["Ok"], "classic segments (expandable_segments off)");
+    let both = policy(&[
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"),
+        ("WICK_ALLOC_CONF", "max_split_size_mb:64"),
+    ]);
     assert_eq!(both["variable"], "WICK_ALLOC_CONF");
     assert_eq!(both["policy"]["Ok"], "max_split_size 64.00 MiB");
     let bad = policy(&[("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")]);

@@ -15,6 +15,10 @@ fn wick(args: &[&str]) -> (bool, String, String) {
     )
 }
 
+/// The recorded-run test records this process's heap.
+#[global_allocator]
+static ALLOC: wick::CountingAllocator = wick::CountingAllocator;
+
 fn dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("wick-report-test-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
@@ -74,5 +78,34 @@ fn other_files_are_refused_with_what_was_expected() {
     }
     let (ok, _, err) = wick(&["report", "/nonexistent/x.json"]);
     assert!(!ok && err.contains("/nonexistent/x.json"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_recorded_run_renders_its_timeline_and_what_was_held_at_the_peak() {
+    let d = dir("run");
+    let engine = wick::Engine::cpu();
+    engine.record_memory_history(Some(100_000)).unwrap();
+    let (kept, _) = engine
+        .try_step("train_step", |e| {
+            let _forward = e.label("layer1");
+            Ok(candle_core::Tensor::ones((1024, 1024), candle_core::DType::F32, e.device())?)
+        })
+        .unwrap();
+    let run = engine.memory_history();
+    engine.record_memory_history(None).unwrap();
+    drop(kept);
+    let file = d.join("run.history.json");
+    run.write_json(&file).unwrap();
+    let (ok, text, err) = wick(&["report", file.to_str().unwrap(), "--text"]);
+    assert!(ok, "{err}");
+    assert!(text.contains("held at the peak"), "{text}");
+    // The 4 MiB tensor is the largest row, under the step and the label.
+    let row = text.lines().find(|l| l.contains("train_step/layer1")).unwrap_or_else(|| panic!("{text}"));
+    assert!(row.contains("4.00 MiB"), "{row}");
+    let (ok, out, err) = wick(&["report", file.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let html = std::fs::read_to_string(d.join("run.history.html")).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert!(html.contains("Active memory timeline") && html.contains("train_step/layer1"));
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -115,7 +115,7 @@ impl Default for CachingHeap {
 
 impl CachingHeap {
     /// A heap whose cache is built on first use, with the policy of `WICK_ALLOC_CONF` when it
-    /// is set and valid (PyTorch's defaults otherwise).
+    /// is set and valid (wick's defaults otherwise: PyTorch's policy with expandable segments).
     pub const fn new() -> Self {
         CachingHeap {
             cache: OnceLock::new(),

@@ -13,7 +13,6 @@
 //! outputs on the calling thread, so tensors carry the caller's labels.
 
 use std::cell::Cell;
-use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 /// A node of the label tree: the label stack a thread had when it allocated. [`LabelId::ROOT`]
@@ -30,13 +29,41 @@ impl LabelId {
 /// labels carry counters, e.g. a step number per step, would otherwise grow it without bound).
 pub const MAX_LABEL_NODES: usize = 1 << 16;
 
+/// Bytes of label names the tree holds; a name that no longer fits stays on its parent's node,
+/// as when the tree is full. Names longer than [`MAX_LABEL_LEN`] are cut at a char boundary.
+const NAME_BYTES: usize = 1 << 20;
+
+/// The longest label name kept, in bytes.
+pub const MAX_LABEL_LEN: usize = 256;
+
+/// Slots of the (parent, name) → node index: twice the nodes, so probes stay short.
+const SLOTS: usize = 2 * MAX_LABEL_NODES;
+
+/// The tree lives in fixed, zero-initialised statics rather than on the heap.
+///
+/// Why: the tree is bookkeeping of the recorder that sits inside the global allocator. Were it
+/// heap-allocated, the first push of each new label would leave bytes behind in the process's
+/// counted figures (a step's `after` one name above its `before`), it would allocate while the
+/// allocator is recording, and every push would allocate a lookup key. Untouched pages of the
+/// statics cost no memory; the tables hold 64 Ki nodes and 1 MiB of names.
 struct Tree {
-    /// (parent, name) of every node but the root; node `i + 1` is `nodes[i]`.
-    nodes: Vec<(u32, Box<str>)>,
-    index: BTreeMap<(u32, Box<str>), u32>,
+    /// (parent, start of name in `names`, name length) of node `i + 1`; `len` nodes are used.
+    nodes: [(u32, u32, u32); MAX_LABEL_NODES],
+    len: usize,
+    /// Name bytes, `used` of them taken.
+    names: [u8; NAME_BYTES],
+    used: usize,
+    /// Open-addressed index: node id, or 0 for an empty slot.
+    slots: [u32; SLOTS],
 }
 
-static TREE: Mutex<Tree> = Mutex::new(Tree { nodes: Vec::new(), index: BTreeMap::new() });
+static TREE: Mutex<Tree> = Mutex::new(Tree {
+    nodes: [(0, 0, 0); MAX_LABEL_NODES],
+    len: 0,
+    names: [0; NAME_BYTES],
+    used: 0,
+    slots: [0; SLOTS],
+});
 
 thread_local! {
     static CURRENT: Cell<u32> = const { Cell::new(0) };
@@ -46,6 +73,66 @@ fn tree() -> std::sync::MutexGuard<'static, Tree> {
     // The tree is consistent after every statement that changes it; a panic elsewhere while it
     // was held leaves nothing half-done.
     TREE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Tree {
+    fn name(&self, id: u32) -> Option<(u32, &str)> {
+        let &(parent, start, len) = self.nodes.get((id as usize).checked_sub(1)?)?;
+        let bytes = self.names.get(start as usize..start as usize + len as usize)?;
+        // Names are copied in whole from `&str`s cut at char boundaries.
+        Some((parent, std::str::from_utf8(bytes).ok()?))
+    }
+
+    /// The node for `name` under `parent`, made on first use; `None` when the tree is full.
+    fn child(&mut self, parent: u32, name: &str) -> Option<u32> {
+        let mut slot = hash(parent, name) % SLOTS;
+        loop {
+            let id = self.slots[slot];
+            if id == 0 {
+                break;
+            }
+            if self.name(id) == Some((parent, name)) {
+                return Some(id);
+            }
+            slot = (slot + 1) % SLOTS;
+        }
+        let start = self.used;
+        let end = start.checked_add(name.len()).filter(|&end| end <= NAME_BYTES)?;
+        if self.len + 1 >= MAX_LABEL_NODES {
+            return None;
+        }
+        self.names[start..end].copy_from_slice(name.as_bytes());
+        self.used = end;
+        // Both fit in u32: the arena and the node count are far below 2^32.
+        self.nodes[self.len] = (parent, start as u32, name.len() as u32);
+        self.len += 1;
+        let id = self.len as u32;
+        // At most half the slots are taken, so the probe above ended on an empty one.
+        self.slots[slot] = id;
+        Some(id)
+    }
+}
+
+/// FNV-1a over the parent id and the name.
+fn hash(parent: u32, name: &str) -> usize {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in parent.to_le_bytes().iter().chain(name.as_bytes()) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h as usize
+}
+
+/// `name` cut to at most [`MAX_LABEL_LEN`] bytes at a char boundary.
+fn clip(name: &str) -> &str {
+    if name.len() <= MAX_LABEL_LEN {
+        return name;
+    }
+    let mut end = MAX_LABEL_LEN;
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
 }
 
 /// The calling thread's current label stack ([`LabelId::ROOT`] when nothing was pushed, or
@@ -73,18 +160,7 @@ pub fn push_label(name: &str) -> LabelGuard {
 
 /// The node for `name` under `parent` (made on first use); `parent` itself when the tree is full.
 fn child_of(parent: LabelId, name: &str) -> LabelId {
-    let mut tree = tree();
-    let key = (parent.0, Box::<str>::from(name));
-    if let Some(&id) = tree.index.get(&key) {
-        return LabelId(id);
-    }
-    if tree.nodes.len() + 1 >= MAX_LABEL_NODES {
-        return parent;
-    }
-    tree.nodes.push(key.clone());
-    let id = tree.nodes.len() as u32;
-    tree.index.insert(key, id);
-    LabelId(id)
+    tree().child(parent.0, clip(name)).map_or(parent, LabelId)
 }
 
 /// The stack a [`LabelId`] stands for, outermost first (empty for the root or an unknown id).
@@ -92,11 +168,13 @@ pub fn label_path(id: LabelId) -> Vec<String> {
     let tree = tree();
     let mut path = Vec::new();
     let mut node = id.0;
-    while node != 0 {
-        let Some((parent, name)) = tree.nodes.get(node as usize - 1) else { break };
+    // Parents are always made before their children (smaller ids), so this walk ends.
+    while let Some((parent, name)) = tree.name(node).filter(|_| node != 0) {
         path.push(name.to_string());
-        // Parents are always made before their children, so this walk ends.
-        node = *parent;
+        if parent >= node {
+            break;
+        }
+        node = parent;
     }
     path.reverse();
     path
@@ -136,6 +214,31 @@ mod tests {
         assert_eq!(current_label(), a);
         // Another thread starts empty.
         std::thread::spawn(|| assert_eq!(current_label(), LabelId::ROOT)).join().unwrap();
+    }
+
+    #[test]
+    fn long_names_are_cut_at_a_char_boundary() {
+        let long = "é".repeat(MAX_LABEL_LEN);
+        let _guard = push_label(&long);
+        let path = label_path(current_label());
+        let name = path.last().unwrap();
+        assert!(name.len() <= MAX_LABEL_LEN && name.len() >= MAX_LABEL_LEN - 1);
+        assert!(long.starts_with(name.as_str()));
+    }
+
+    #[test]
+    fn many_siblings_stay_distinct() {
+        let parent = push_label("t-many");
+        let ids: Vec<LabelId> = (0..2000)
+            .map(|i| {
+                let _g = push_label(&format!("child {i}"));
+                current_label()
+            })
+            .collect();
+        for (i, id) in ids.iter().enumerate() {
+            assert_eq!(label_path(*id), ["t-many".to_string(), format!("child {i}")]);
+        }
+        drop(parent);
     }
 
     #[test]

@@ -59,7 +59,7 @@ pub use heap_history::{
     heap_history, heap_history_position, heap_history_recording, record_heap_event, start_heap_history,
     stop_heap_history, HeapAction, HeapEvent, HeapHistory, LabelHolding, Lifetime, DEFAULT_MIN_EVENT_SIZE,
 };
-pub use labels::{current_label, label_path, push_label, LabelGuard, LabelId, MAX_LABEL_NODES};
+pub use labels::{current_label, label_path, push_label, LabelGuard, LabelId, MAX_LABEL_LEN, MAX_LABEL_NODES};
 pub use resource::{
     AllocRequest, AllocateExt, Allocation, HostResource, MemoryInfo, MemoryResource, RawBlock, ReleaseReport,
 };

@@ -49,7 +49,7 @@ pub struct HostInfo {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AllocatorSettings {
     /// The variable it came from (`WICK_ALLOC_CONF` or `PYTORCH_CUDA_ALLOC_CONF`), or `None`:
-    /// PyTorch's defaults.
+    /// wick's defaults.
     pub variable: Option<String>,
     /// Its text.
     pub text: Option<String>,
@@ -180,7 +180,11 @@ impl HostInfo {
     }
 }
 
-/// The policy in `key:value` words, only what differs from PyTorch's defaults.
+/// How [`policy_line`] names wick's default policy.
+pub const DEFAULT_POLICY: &str = "wick's defaults (PyTorch's policy with expandable segments)";
+
+/// The policy in words, only what differs from wick's defaults ([`AllocatorConfig::default`]:
+/// PyTorch's with expandable segments), [`DEFAULT_POLICY`] when nothing does.
 pub fn policy_line(c: &AllocatorConfig) -> String {
     let d = AllocatorConfig::default();
     let mut parts = Vec::new();
@@ -201,11 +205,11 @@ pub fn policy_line(c: &AllocatorConfig) -> String {
         Some(wick_memory::MemoryLimit::Fraction(f)) => parts.push(format!("limit {f} of the device")),
         None => {}
     }
-    if c.expandable_segments {
-        parts.push("expandable_segments".into());
+    if !c.expandable_segments {
+        parts.push("classic segments (expandable_segments off)".into());
     }
     if parts.is_empty() {
-        "PyTorch's defaults".into()
+        DEFAULT_POLICY.into()
     } else {
         parts.join(", ")
     }
@@ -268,7 +272,7 @@ impl fmt::Display for MachineInfo {
             (Some(v), Ok(p)) => writeln!(f, "allocator {p} (from {v}={})", a.text.as_deref().unwrap_or(""))?,
             (v, Err(e)) => writeln!(
                 f,
-                "allocator refused {}={}: {e}; PyTorch's defaults apply",
+                "allocator refused {}={}: {e}; wick's defaults apply",
                 v.as_deref().unwrap_or("?"),
                 a.text.as_deref().unwrap_or("")
             )?,
@@ -295,9 +299,12 @@ mod tests {
 
     #[test]
     fn the_policy_line_names_what_differs_from_the_defaults() {
-        assert_eq!(policy_line(&AllocatorConfig::default()), "PyTorch's defaults");
+        assert_eq!(policy_line(&AllocatorConfig::default()), DEFAULT_POLICY);
+        assert_eq!(policy_line(&AllocatorConfig::pytorch()), "classic segments (expandable_segments off)");
         let c = AllocatorConfig::parse("max_split_size_mb:128,expandable_segments:True").unwrap();
-        assert_eq!(policy_line(&c), "max_split_size 128.00 MiB, expandable_segments");
+        assert_eq!(policy_line(&c), "max_split_size 128.00 MiB");
+        let c = AllocatorConfig::parse("max_split_size_mb:128,expandable_segments:False").unwrap();
+        assert_eq!(policy_line(&c), "max_split_size 128.00 MiB, classic segments (expandable_segments off)");
     }
 
     #[test]

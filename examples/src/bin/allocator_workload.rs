@@ -58,7 +58,7 @@ fn main() -> Result<()> {
         Err(e) => println!("Refused as expected, and the program carries on:\n  {e}\n"),
     }
     // GPU-scale traces on a simulated 80 GiB device.
-    println!("GPU-scale traces on a simulated 80 GiB device (WICK_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF, else PyTorch's defaults):");
+    println!("GPU-scale traces on a simulated 80 GiB device (WICK_ALLOC_CONF, else PYTORCH_CUDA_ALLOC_CONF, else wick's defaults):");
     println!("{:<20} {:>12} {:>12} {:>14}", "trace", "peak alloc", "peak reserv", "fragmentation");
     for trace in workloads::standard_suite() {
         let r = replay_simulated(&trace, 80 << 30, AllocatorConfig::from_env()?)?;

@@ -67,6 +67,10 @@ struct Args {
     /// Record the timed steps' allocation history and write it here (see the module docs).
     #[arg(long)]
     record_history: Option<std::path::PathBuf>,
+    /// The recorder's cost: timed steps alternate between recording off and on (a fresh ring
+    /// each time, made outside the timing); prints `ms_off` and `ms_on`.
+    #[arg(long, conflicts_with = "record_history")]
+    history_overhead: bool,
 }
 
 /// The decoder of the main job (`train-amp`).
@@ -256,6 +260,10 @@ fn main() -> Result<()> {
                 engine.record_memory_history(Some(1 << 21))?;
             }
         }
+        let recording = args.history_overhead && step >= args.warmup && (step - args.warmup) % 2 == 1;
+        if recording {
+            engine.record_memory_history(Some(1 << 20))?;
+        }
         let start = Instant::now();
         let _step = engine.label("train_step");
         match masters.as_mut() {
@@ -287,6 +295,9 @@ fn main() -> Result<()> {
         if step >= args.warmup {
             times.push(start.elapsed().as_secs_f64() * 1e3);
         }
+        if recording {
+            engine.record_memory_history(None)?;
+        }
     }
     if let Some(loss) = last_loss.filter(|l| !l.is_finite()) {
         bail!("{name}: the loss is {loss}");
@@ -296,13 +307,17 @@ fn main() -> Result<()> {
         write_history(&engine, dir, &name, args.mode)?;
     }
     let per_step = |v: f64| v / args.steps.max(1) as f64;
-    let line = json!({
+    let mut line = json!({
         "model": name,
         "mode": format!("{:?}", args.mode).to_lowercase(),
         "ms": times,
         "forward_backward_optimizer_ms": phases.map(per_step),
         "loss": last_loss,
     });
+    if args.history_overhead {
+        line["ms_off"] = json!(times.iter().step_by(2).collect::<Vec<_>>());
+        line["ms_on"] = json!(times.iter().skip(1).step_by(2).collect::<Vec<_>>());
+    }
     println!("{line}");
     if wick_zoo::kernels::profile::enabled() {
         eprintln!("{}", wick_zoo::kernels::profile::report());

@@ -52,9 +52,13 @@ fn fresh_identity() -> u64 {
 }
 
 impl<B: Backend> CachingAllocator<B> {
-    /// An allocator with PyTorch's default policy and no cap.
+    /// An allocator with wick's default policy ([`AllocatorConfig::default`]: PyTorch's with
+    /// expandable segments) and no cap; PyTorch's classic segments on a backend that cannot
+    /// reserve address space.
     pub fn new(backend: B) -> Self {
-        Self::build(backend, AllocatorConfig::default(), None)
+        let config =
+            if backend.supports_expandable() { AllocatorConfig::default() } else { AllocatorConfig::pytorch() };
+        Self::build(backend, config, None)
     }
 
     /// An allocator with `config` (validated; its `limit` resolved against the device).
@@ -69,7 +73,8 @@ impl<B: Backend> CachingAllocator<B> {
         }
         if config.expandable_segments && !backend.supports_expandable() {
             return Err(MemoryError::InvalidConfig(format!(
-                "expandable_segments needs a backend that can reserve address space; {} cannot",
+                "expandable_segments (wick's default) needs a backend that can reserve address space; {} cannot: \
+                 set expandable_segments:False (AllocatorConfig::pytorch())",
                 backend.device_name()
             )));
         }

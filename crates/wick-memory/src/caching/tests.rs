@@ -10,8 +10,10 @@ use crate::stream::StreamId;
 
 const MIB: usize = 1 << 20;
 
+/// PyTorch's policy (classic segments): what these tests work out by hand.
 fn sim(capacity: usize) -> CachingAllocator<SimulatedBackend> {
-    CachingAllocator::new(SimulatedBackend::new(capacity))
+    CachingAllocator::with_config(SimulatedBackend::new(capacity), AllocatorConfig::pytorch())
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 #[test]
@@ -84,7 +86,7 @@ fn large_pool_does_not_split_small_remainders() {
 
 #[test]
 fn max_split_size_keeps_oversize_blocks_for_large_requests() {
-    let config = AllocatorConfig::parse("max_split_size_mb:64").unwrap();
+    let config = AllocatorConfig::parse("max_split_size_mb:64,expandable_segments:False").unwrap();
     let a = CachingAllocator::with_config(SimulatedBackend::new(1 << 30), config).unwrap();
     let big = a.allocate(100 * MIB).unwrap();
     assert_eq!(a.memory_stats().oversize_allocations.current, 1);
@@ -127,7 +129,7 @@ fn oom_flushes_the_cache_retries_then_errs_and_stays_usable() {
 
 #[test]
 fn hard_cap_is_enforced_before_any_segment() {
-    let config = AllocatorConfig { limit: Some(MemoryLimit::Bytes(32 * MIB)), ..AllocatorConfig::default() };
+    let config = AllocatorConfig { limit: Some(MemoryLimit::Bytes(32 * MIB)), ..AllocatorConfig::pytorch() };
     let a = CachingAllocator::with_config(SimulatedBackend::new(1 << 30), config).unwrap();
     let x = a.allocate(20 * MIB).unwrap();
     let err = a.allocate(20 * MIB).unwrap_err();
@@ -232,7 +234,9 @@ fn record_stream_delays_reuse_until_that_stream_finishes() {
 
 #[test]
 fn garbage_collection_frees_old_cached_blocks_above_threshold() {
-    let config = AllocatorConfig::parse("garbage_collection_threshold:0.5,memory_limit_mb:100").unwrap();
+    let config =
+        AllocatorConfig::parse("garbage_collection_threshold:0.5,memory_limit_mb:100,expandable_segments:False")
+            .unwrap();
     let a = CachingAllocator::with_config(SimulatedBackend::new(1 << 30), config).unwrap();
     let old = a.allocate(30 * MIB).unwrap();
     let young = a.allocate(30 * MIB).unwrap();

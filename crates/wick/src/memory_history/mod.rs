@@ -131,6 +131,13 @@ impl MemoryHistory {
         serde_pickle::to_vec(&snapshot, serde_pickle::SerOptions::new().proto_v2())
     }
 
+    /// evcxr rich display: the HTML report ([`MemoryHistory::to_html`]), and what was held at
+    /// the peak as text.
+    pub fn evcxr_display(&self) {
+        let text = self.held_at_peak().map_or_else(|| "no events recorded".to_string(), |h| h.to_string());
+        crate::report::display(&text, &self.to_html(&format!("recorded run on {}", self.device)));
+    }
+
     /// Writes [`MemoryHistory::to_memory_viz`] to `path` (atomically).
     pub fn write_memory_viz(&self, path: &Path) -> std::io::Result<()> {
         let bytes = self.to_memory_viz().map_err(std::io::Error::other)?;
