@@ -116,7 +116,13 @@ impl AllocatorConfig {
     /// `max_split_size_mb:128,roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.6`.
     /// wick also accepts `memory_fraction:0.8` and `memory_limit_mb:4096`. Unknown keys are errors.
     pub fn parse(text: &str) -> Result<Self> {
-        let mut config = AllocatorConfig::default();
+        Self::parse_over(AllocatorConfig::default(), text)
+    }
+
+    /// Parses PyTorch-style settings (as [`AllocatorConfig::parse`]) over `base` instead of
+    /// wick's defaults: keys not named keep `base`'s values.
+    pub fn parse_over(base: AllocatorConfig, text: &str) -> Result<Self> {
+        let mut config = base;
         for item in split_top_level(text) {
             let item = item.trim();
             if item.is_empty() {
@@ -367,6 +373,18 @@ mod tests {
         // 1200 B is not > 512*4, so it keeps plain 512 B rounding, as in PyTorch.
         assert_eq!(c.round_size(1200), Some(1536));
         assert_eq!(c.round_size(5 * MIB + 1), Some(6 * MIB));
+    }
+
+    #[test]
+    fn settings_parse_over_the_base_given() {
+        assert!(AllocatorConfig::default().expandable_segments && !AllocatorConfig::pytorch().expandable_segments);
+        let over_wick = AllocatorConfig::parse("max_split_size_mb:64").unwrap();
+        assert!(over_wick.expandable_segments);
+        let over_torch = AllocatorConfig::parse_over(AllocatorConfig::pytorch(), "max_split_size_mb:64").unwrap();
+        assert!(!over_torch.expandable_segments);
+        assert_eq!(over_torch.max_split_size, 64 * MIB);
+        let on = AllocatorConfig::parse_over(AllocatorConfig::pytorch(), "expandable_segments:True").unwrap();
+        assert!(on.expandable_segments);
     }
 
     #[test]

@@ -114,8 +114,14 @@ impl Default for CachingHeap {
 }
 
 impl CachingHeap {
-    /// A heap whose cache is built on first use, with the policy of `WICK_ALLOC_CONF` when it
-    /// is set and valid (wick's defaults otherwise: PyTorch's policy with expandable segments).
+    /// A heap whose cache is built on first use, with the policy of `WICK_ALLOC_CONF` (else
+    /// `PYTORCH_CUDA_ALLOC_CONF`) when it is set and valid, read over PyTorch's classic policy.
+    ///
+    /// Why classic segments on the host, unlike wick's other allocators: the heap must hand
+    /// memory back to the OS on `empty_cache`, and an expandable segment unmaps only its free
+    /// tail, so one small live tensor mapped after a freed region keeps the whole region
+    /// resident. Classic segments return every segment with no live block.
+    /// `expandable_segments:True` turns them on here too.
     pub const fn new() -> Self {
         CachingHeap {
             cache: OnceLock::new(),
@@ -137,9 +143,13 @@ impl CachingHeap {
 
     fn cache(&self) -> &CachingAllocator<HostBackend> {
         self.cache.get_or_init(|| {
-            let config = AllocatorConfig::from_env().unwrap_or_default();
-            CachingAllocator::with_config(HostBackend::new(), config)
-                .unwrap_or_else(|_| CachingAllocator::new(HostBackend::new()))
+            let config = crate::config::alloc_conf_env()
+                .and_then(|(_, text)| AllocatorConfig::parse_over(AllocatorConfig::pytorch(), &text).ok())
+                .unwrap_or_else(AllocatorConfig::pytorch);
+            CachingAllocator::with_config(HostBackend::new(), config).unwrap_or_else(|_| {
+                CachingAllocator::with_config(HostBackend::new(), AllocatorConfig::pytorch())
+                    .unwrap_or_else(|_| CachingAllocator::new(HostBackend::new()))
+            })
         })
     }
 
