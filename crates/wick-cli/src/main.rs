@@ -238,7 +238,7 @@ fn load_trace(path: &std::path::Path) -> Result<Trace> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
-    if value.get("heap").is_some() && value.get("labels").is_some() {
+    if wick::MemoryHistory::is_recorded_run(&value) {
         let run: wick::MemoryHistory =
             serde_json::from_value(value).with_context(|| format!("{}: not a recorded run", path.display()))?;
         let name = path.file_name().map_or("run".into(), |n| n.to_string_lossy().replace(".history.json", ""));

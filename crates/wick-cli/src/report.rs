@@ -52,7 +52,7 @@ fn read(path: &Path) -> Result<Saved> {
             .with_context(|| format!("{}: a JSON array, but not an allocator history", path.display()))?;
         return Ok(Saved::History(entries));
     }
-    if value.get("heap").is_some() && value.get("labels").is_some() {
+    if MemoryHistory::is_recorded_run(&value) {
         let run: MemoryHistory = serde_json::from_value(value)
             .with_context(|| format!("{}: an object with `heap`, but not a recorded run", path.display()))?;
         return Ok(Saved::Run(Box::new(run)));

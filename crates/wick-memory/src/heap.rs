@@ -146,10 +146,10 @@ impl CachingHeap {
             let config = crate::config::alloc_conf_env()
                 .and_then(|(_, text)| AllocatorConfig::parse_over(AllocatorConfig::pytorch(), &text).ok())
                 .unwrap_or_else(AllocatorConfig::pytorch);
-            CachingAllocator::with_config(HostBackend::new(), config).unwrap_or_else(|_| {
-                CachingAllocator::with_config(HostBackend::new(), AllocatorConfig::pytorch())
-                    .unwrap_or_else(|_| CachingAllocator::new(HostBackend::new()))
-            })
+            // A setting the host refuses (e.g. a limit it cannot resolve) leaves the classic
+            // policy, which is valid by construction and has no limit to resolve.
+            CachingAllocator::with_config(HostBackend::new(), config)
+                .unwrap_or_else(|_| CachingAllocator::build(HostBackend::new(), AllocatorConfig::pytorch(), None))
         })
     }
 

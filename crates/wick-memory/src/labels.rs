@@ -169,7 +169,7 @@ pub fn label_path(id: LabelId) -> Vec<String> {
     let mut path = Vec::new();
     let mut node = id.0;
     // Parents are always made before their children (smaller ids), so this walk ends.
-    while let Some((parent, name)) = tree.name(node).filter(|_| node != 0) {
+    while let Some((parent, name)) = tree.name(node) {
         path.push(name.to_string());
         if parent >= node {
             break;

@@ -82,7 +82,8 @@ impl<B: Backend> CachingAllocator<B> {
         Ok(Self::build(backend, config, limit))
     }
 
-    fn build(backend: B, config: AllocatorConfig, limit: Option<usize>) -> Self {
+    /// An allocator with `config` as given: the caller has validated it and resolved `limit`.
+    pub(crate) fn build(backend: B, config: AllocatorConfig, limit: Option<usize>) -> Self {
         CachingAllocator { backend, state: Mutex::new(State::new(config, limit)), identity: fresh_identity() }
     }
 

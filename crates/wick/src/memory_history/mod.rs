@@ -154,6 +154,12 @@ impl MemoryHistory {
     pub fn from_json(text: &str) -> Result<Self, serde_json::Error> {
         serde_json::from_str(text)
     }
+
+    /// Whether parsed JSON has the shape of a recorded run (an object with `heap` and
+    /// `labels`), so readers of several saved formats can tell it from the others.
+    pub fn is_recorded_run(value: &serde_json::Value) -> bool {
+        value.get("heap").is_some() && value.get("labels").is_some()
+    }
 }
 
 #[derive(serde::Serialize)]
