@@ -4,7 +4,9 @@
 #  2. build the CUDA test binary, link it against stub CUDA libraries whose every call fails, run
 #     it, and check that the "no driver" path returns a clear error instead of panicking;
 #  3. compile kernels/src/*.cu with a real nvcc: PTX for sm_80 and sm_90, and the fatbins that
-#     the wick-kernels build script embeds (the cargo check of step 1 builds them with that nvcc).
+#     the wick-kernels build script embeds (the cargo check of step 1 builds them with that nvcc);
+#  4. read the CUPTI figures the CUDA memory history relies on from CUPTI's real headers (PyPI's
+#     nvidia-cuda-cupti) and compare them with crates/wick/src/cupti_abi.expected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shared=${WICK_SHARED:-../shared}
@@ -62,3 +64,17 @@ else
   done
   ls target/ptx
 fi
+
+echo "-- CUPTI ABI of the CUDA memory history, from CUPTI's headers"
+cupti_dir=.cache/cupti
+if [ ! -f "$cupti_dir/nvidia/cu13/include/cupti.h" ]; then
+  mkdir -p "$cupti_dir/whl"
+  python3 -m pip download -q --no-deps -d "$cupti_dir/whl" nvidia-cuda-cupti==13.4.92
+  for w in "$cupti_dir"/whl/*.whl; do python3 -m zipfile -e "$w" "$cupti_dir"; done
+fi
+mkdir -p target/cupti
+gcc -Wall -Werror -I "$cuda_home/include" -I "$cupti_dir/nvidia/cu13/include" scripts/cupti_abi.c -o target/cupti/abi
+target/cupti/abi > target/cupti/abi.txt
+diff -u crates/wick/src/cupti_abi.expected target/cupti/abi.txt \
+  || { echo "!! CUPTI's headers disagree with crates/wick/src/cupti_abi.expected (and so with cupti_abi.rs)"; exit 1; }
+echo "CUPTI ABI matches ($(wc -l < target/cupti/abi.txt) figures)"

@@ -2,6 +2,7 @@
 # Every GPU check and benchmark in one call (well under 8 minutes on one H200):
 #   - the allocator conformance suite on the CUDA backend;
 #   - candle allocations drawn from wick's pool, the cap enforced, candle OOM -> typed error;
+#   - the CUDA memory history of labelled candle tensors (CUPTI), with its memory_viz pickle and HTML;
 #   - an alloc-heavy candle loop on the default pool vs wick's pool;
 #   - allocation traces through wick's CUDA allocator vs raw cuMemAllocAsync vs PyTorch;
 #   - the fused AMP kernels (kernels/src/*.cu) against their CPU references;
@@ -30,6 +31,8 @@ link libcublasLt.so libcublasLt.so.13
 link libcurand.so libcurand.so.10
 link libnvrtc.so libnvrtc.so.13
 link libcudart.so libcudart.so.13
+# CUPTI for the CUDA memory history (PyTorch's wheels carry one; wick opens it at run time).
+link libcupti.so libcupti.so && export WICK_CUPTI="$libs/libcupti.so"
 export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 date -u

@@ -66,94 +66,173 @@ fn unrecorded<R>(f: impl FnOnce() -> R) -> R {
     result
 }
 
-static RECORDING: AtomicBool = AtomicBool::new(false);
-static MIN_SIZE: AtomicUsize = AtomicUsize::new(DEFAULT_MIN_EVENT_SIZE);
-static CAPACITY: AtomicUsize = AtomicUsize::new(0);
-static RING: Mutex<Ring> = Mutex::new(Ring { events: Vec::new(), baseline: 0, written: 0, start: None });
+/// An allocation history being recorded: a ring of events made when recording starts, a
+/// threshold, and an on/off switch read with one relaxed load. The process heap has one
+/// ([`start_heap_history`] and the functions beside it); a device whose allocations are seen
+/// another way (the CUDA driver pool, through CUPTI's callbacks) keeps its own in a `static`.
+pub struct HistoryRecorder {
+    /// Names the memory in errors (`cpu`, `cuda:0`).
+    what: &'static str,
+    recording: AtomicBool,
+    min_size: AtomicUsize,
+    capacity: AtomicUsize,
+    ring: Mutex<Ring>,
+}
 
-fn ring() -> std::sync::MutexGuard<'static, Ring> {
-    // Every change to the ring is a single store or push that cannot panic half-way.
-    RING.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+static HEAP: HistoryRecorder = HistoryRecorder::new("cpu");
+
+impl HistoryRecorder {
+    /// A recorder that is not recording, for memory named `what`.
+    pub const fn new(what: &'static str) -> Self {
+        HistoryRecorder {
+            what,
+            recording: AtomicBool::new(false),
+            min_size: AtomicUsize::new(DEFAULT_MIN_EVENT_SIZE),
+            capacity: AtomicUsize::new(0),
+            ring: Mutex::new(Ring { events: Vec::new(), baseline: 0, written: 0, start: None }),
+        }
+    }
+
+    fn ring(&self) -> std::sync::MutexGuard<'_, Ring> {
+        // Every change to the ring is a single store or push that cannot panic half-way.
+        self.ring.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Starts recording allocations of at least `min_size` bytes into a new ring of
+    /// `max_entries` events (what was recorded before is dropped); `baseline` reads the bytes
+    /// held as recording starts (called once the ring is made, just before recording starts).
+    /// `OutOfMemory` when the ring itself cannot be allocated; `InvalidConfig` for zero entries.
+    pub fn start(&self, max_entries: usize, min_size: usize, baseline: impl FnOnce() -> usize) -> Result<()> {
+        if max_entries == 0 {
+            return Err(MemoryError::InvalidConfig("record_memory_history: max_entries must be at least 1".into()));
+        }
+        let bytes = max_entries.saturating_mul(std::mem::size_of::<HeapEvent>());
+        let mut events = Vec::new();
+        events.try_reserve_exact(max_entries).map_err(|_| {
+            crate::OutOfMemory::refused(format!("{} (a history of {max_entries} events)", self.what), bytes)
+                .into_error()
+        })?;
+        self.recording.store(false, Ordering::SeqCst);
+        let old = std::mem::replace(&mut self.ring().events, events);
+        // Dropped outside the lock (a global allocator's free may call the recorder).
+        drop(old);
+        let baseline = baseline();
+        {
+            let mut ring = self.ring();
+            ring.written = 0;
+            ring.baseline = baseline;
+            ring.start = Some(Instant::now());
+        }
+        self.min_size.store(min_size, Ordering::SeqCst);
+        self.capacity.store(max_entries, Ordering::SeqCst);
+        self.recording.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Stops recording; what was recorded stays readable ([`HistoryRecorder::history`]).
+    pub fn stop(&self) {
+        self.recording.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether allocations are being recorded.
+    pub fn is_recording(&self) -> bool {
+        self.recording.load(Ordering::Relaxed)
+    }
+
+    /// Events recorded since recording started (overwritten ones included): a position in the
+    /// history that [`HeapHistory::position_of`] maps back to an index of its events.
+    pub fn position(&self) -> u64 {
+        self.ring().written
+    }
+
+    /// Records one allocation or free, if recording and at least the threshold, under the
+    /// calling thread's label stack. Allocation-free.
+    #[inline]
+    pub fn record(&self, action: HeapAction, addr: u64, size: usize) {
+        if !self.recording.load(Ordering::Relaxed) || size < self.min_size.load(Ordering::Relaxed) {
+            return;
+        }
+        if UNRECORDED.try_with(std::cell::Cell::get).unwrap_or(true) {
+            return;
+        }
+        self.record_slow(action, addr, size);
+    }
+
+    #[cold]
+    fn record_slow(&self, action: HeapAction, addr: u64, size: usize) {
+        let label = current_label();
+        let mut ring = self.ring();
+        let capacity = ring.events.capacity();
+        if capacity == 0 {
+            return;
+        }
+        let time_ns = ring.start.map_or(0, |s| s.elapsed().as_nanos() as u64);
+        let event = HeapEvent { time_ns, action, addr, size, label };
+        let slot = (ring.written % capacity as u64) as usize;
+        if ring.events.len() < capacity {
+            // Within the reserved capacity: no reallocation.
+            ring.events.push(event);
+        } else {
+            ring.events[slot] = event;
+        }
+        ring.written += 1;
+    }
+
+    /// A copy of what was recorded (recording goes on); see [`HeapHistory`] on why the copy
+    /// is not itself recorded.
+    pub fn history(&self) -> HeapHistory {
+        let capacity = self.capacity.load(Ordering::SeqCst);
+        // Made before the lock is taken (allocating under it would deadlock the recorder), and
+        // not recorded (see `HeapHistory`).
+        let mut events = unrecorded(|| Vec::with_capacity(capacity));
+        let (written, baseline) = {
+            let ring = self.ring();
+            let n = ring.events.len().min(capacity);
+            let split = if ring.written as usize > n { (ring.written % n.max(1) as u64) as usize } else { 0 };
+            events.extend_from_slice(&ring.events[split..n]);
+            events.extend_from_slice(&ring.events[..split.min(n)]);
+            (ring.written, ring.baseline)
+        };
+        HeapHistory {
+            dropped: written.saturating_sub(events.len() as u64),
+            events,
+            max_entries: capacity,
+            min_size: self.min_size.load(Ordering::SeqCst),
+            baseline,
+            own_copy: OwnCopy(true),
+        }
+    }
 }
 
 /// Starts recording the heap's allocations of at least `min_size` bytes into a new ring of
 /// `max_entries` events (what was recorded before is dropped); `baseline` reads the bytes the
-/// program holds as recording starts, as the global allocator counts them (called once the
-/// ring is made, just before recording starts). `OutOfMemory` when the ring itself cannot be
-/// allocated; `InvalidConfig` for zero entries.
+/// program holds as recording starts, as the global allocator counts them. See
+/// [`HistoryRecorder::start`].
 pub fn start_heap_history(max_entries: usize, min_size: usize, baseline: impl FnOnce() -> usize) -> Result<()> {
-    if max_entries == 0 {
-        return Err(MemoryError::InvalidConfig("record_memory_history: max_entries must be at least 1".into()));
-    }
-    let bytes = max_entries.saturating_mul(std::mem::size_of::<HeapEvent>());
-    let mut events = Vec::new();
-    events.try_reserve_exact(max_entries).map_err(|_| {
-        crate::OutOfMemory::refused(format!("cpu (a history of {max_entries} events)"), bytes).into_error()
-    })?;
-    RECORDING.store(false, Ordering::SeqCst);
-    let old = std::mem::replace(&mut ring().events, events);
-    // Dropped outside the lock (a global allocator's free may call the recorder).
-    drop(old);
-    let baseline = baseline();
-    {
-        let mut ring = ring();
-        ring.written = 0;
-        ring.baseline = baseline;
-        ring.start = Some(Instant::now());
-    }
-    MIN_SIZE.store(min_size, Ordering::SeqCst);
-    CAPACITY.store(max_entries, Ordering::SeqCst);
-    RECORDING.store(true, Ordering::SeqCst);
-    Ok(())
+    HEAP.start(max_entries, min_size, baseline)
 }
 
 /// Stops recording; what was recorded stays readable ([`heap_history`]).
 pub fn stop_heap_history() {
-    RECORDING.store(false, Ordering::SeqCst);
+    HEAP.stop()
 }
 
 /// Whether the heap's allocations are being recorded.
 pub fn heap_history_recording() -> bool {
-    RECORDING.load(Ordering::Relaxed)
+    HEAP.is_recording()
 }
 
 /// Events recorded since recording started (overwritten ones included): a position in the
 /// history that [`HeapHistory::position_of`] maps back to an index of its events.
 pub fn heap_history_position() -> u64 {
-    ring().written
+    HEAP.position()
 }
 
 /// Records one allocation or free, if recording and at least the threshold: for global
 /// allocators, which call it for every request they serve. Allocation-free.
 #[inline]
 pub fn record_heap_event(action: HeapAction, addr: *const u8, size: usize) {
-    if !RECORDING.load(Ordering::Relaxed) || size < MIN_SIZE.load(Ordering::Relaxed) {
-        return;
-    }
-    if UNRECORDED.try_with(std::cell::Cell::get).unwrap_or(true) {
-        return;
-    }
-    record_slow(action, addr as u64, size);
-}
-
-#[cold]
-fn record_slow(action: HeapAction, addr: u64, size: usize) {
-    let label = current_label();
-    let mut ring = ring();
-    let capacity = ring.events.capacity();
-    if capacity == 0 {
-        return;
-    }
-    let time_ns = ring.start.map_or(0, |s| s.elapsed().as_nanos() as u64);
-    let event = HeapEvent { time_ns, action, addr, size, label };
-    let slot = (ring.written % capacity as u64) as usize;
-    if ring.events.len() < capacity {
-        // Within the reserved capacity: no reallocation.
-        ring.events.push(event);
-    } else {
-        ring.events[slot] = event;
-    }
-    ring.written += 1;
+    HEAP.record(action, addr as u64, size)
 }
 
 /// What was recorded, oldest first.
@@ -206,26 +285,7 @@ impl Drop for HeapHistory {
 
 /// A copy of the recorded history (recording goes on).
 pub fn heap_history() -> HeapHistory {
-    let capacity = CAPACITY.load(Ordering::SeqCst);
-    // Made before the lock is taken (allocating under it would deadlock the recorder), and
-    // not recorded (see `HeapHistory`).
-    let mut events = unrecorded(|| Vec::with_capacity(capacity));
-    let (written, baseline) = {
-        let ring = ring();
-        let n = ring.events.len().min(capacity);
-        let split = if ring.written as usize > n { (ring.written % n.max(1) as u64) as usize } else { 0 };
-        events.extend_from_slice(&ring.events[split..n]);
-        events.extend_from_slice(&ring.events[..split.min(n)]);
-        (ring.written, ring.baseline)
-    };
-    HeapHistory {
-        dropped: written.saturating_sub(events.len() as u64),
-        events,
-        max_entries: capacity,
-        min_size: MIN_SIZE.load(Ordering::SeqCst),
-        baseline,
-        own_copy: OwnCopy(true),
-    }
+    HEAP.history()
 }
 
 /// One allocation the history saw made, and when it was freed (if it was).

@@ -57,7 +57,8 @@ pub use format::format_bytes;
 pub use heap::{CachingHeap, LARGE_REQUEST};
 pub use heap_history::{
     heap_history, heap_history_position, heap_history_recording, record_heap_event, start_heap_history,
-    stop_heap_history, HeapAction, HeapEvent, HeapHistory, LabelHolding, Lifetime, DEFAULT_MIN_EVENT_SIZE,
+    stop_heap_history, HeapAction, HeapEvent, HeapHistory, HistoryRecorder, LabelHolding, Lifetime,
+    DEFAULT_MIN_EVENT_SIZE,
 };
 pub use labels::{current_label, label_path, push_label, LabelGuard, LabelId, MAX_LABEL_LEN, MAX_LABEL_NODES};
 pub use resource::{

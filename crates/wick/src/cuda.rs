@@ -72,6 +72,23 @@ impl GovernedCuda {
         self.pool.empty_cache()
     }
 
+    /// Starts recording candle's allocations and frees on the device (CUPTI callbacks on the
+    /// driver's allocation calls) into a ring of `max_entries` events, of `min_size` bytes or
+    /// more. `Unsupported` when libcupti cannot be opened or subscribed to, saying why.
+    pub fn record_history(&self, max_entries: usize, min_size: usize) -> Result<(), MemoryError> {
+        crate::cuda_history::start(max_entries, min_size, self.used())
+    }
+
+    /// Stops recording; what was recorded stays readable.
+    pub fn stop_history(&self) {
+        crate::cuda_history::stop()
+    }
+
+    /// What has been recorded on the device so far.
+    pub fn history(&self) -> wick_memory::HeapHistory {
+        crate::cuda_history::history()
+    }
+
     /// Runs a candle operation expected to need about `bytes`; on CUDA out-of-memory, empties the
     /// cache and retries once, then returns wick's typed `OutOfMemory` with the pool's figures.
     /// Other candle errors come back as `MemoryError::Backend` with candle's message.

@@ -54,6 +54,21 @@ impl GovernedCuda {
         match self.never {}
     }
 
+    /// Starts recording the device's allocations.
+    pub fn record_history(&self, _max_entries: usize, _min_size: usize) -> Result<(), MemoryError> {
+        match self.never {}
+    }
+
+    /// Stops recording.
+    pub fn stop_history(&self) {
+        match self.never {}
+    }
+
+    /// What has been recorded on the device.
+    pub fn history(&self) -> wick_memory::HeapHistory {
+        match self.never {}
+    }
+
     /// Returns the pool's cached bytes to the device.
     pub fn empty_cache(&self) -> Result<usize, MemoryError> {
         match self.never {}

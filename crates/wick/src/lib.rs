@@ -17,7 +17,10 @@ pub mod cuda;
 #[path = "dummy_cuda.rs"]
 pub mod cuda;
 #[cfg(feature = "cuda")]
+mod cuda_history;
+#[cfg(feature = "cuda")]
 mod cuda_pool;
+mod cupti_abi;
 #[cfg(feature = "cuda")]
 pub use cuda_pool::DriverPool;
 pub mod data;

@@ -108,6 +108,65 @@ fn replay_raw_async(trace: &Trace) -> Result<f64, MemoryError> {
     Ok(timed)
 }
 
+/// The CUDA allocation history (CUPTI callbacks on the driver's allocation calls): candle tensors
+/// made under labels must appear with their sizes and labels, the freed one freed, and the
+/// history's live bytes must end where the pool's used bytes end (within the pool's 2 MiB
+/// granularity).
+fn cuda_history(engine: &wick::Engine) -> bool {
+    const NAME: &str = "CUDA memory history (CUPTI): labelled candle tensors, live bytes vs pool";
+    if let Err(e) = engine.record_memory_history(Some(10_000)) {
+        return row(NAME, false, e.to_string());
+    }
+    let made = (|| -> candle_core::Result<(Tensor, Tensor)> {
+        let _outer = engine.label("gpu-check");
+        let a = {
+            let _l = engine.label("a");
+            Tensor::zeros((1024, 1024), DType::F32, engine.device())?
+        };
+        let b = {
+            let _l = engine.label("b");
+            Tensor::ones((2048, 1024), DType::F32, engine.device())?
+        };
+        let c = {
+            let _l = engine.label("c");
+            a.matmul(&a)?
+        };
+        drop(b);
+        engine.device().synchronize()?;
+        Ok((a, c))
+    })();
+    let used = engine.allocated().bytes;
+    let history = engine.memory_history();
+    let _ = engine.record_memory_history(None);
+    let (a, c) = match made {
+        Ok(t) => t,
+        Err(e) => return row(NAME, false, e.to_string()),
+    };
+    let lifetimes = history.heap.lifetimes();
+    let find = |label: &str| lifetimes.iter().find(|l| history.label_text(l.label) == label).copied();
+    let (la, lb, lc) = (find("gpu-check/a"), find("gpu-check/b"), find("gpu-check/c"));
+    let sizes_ok = la.is_some_and(|l| l.size == 4 * MIB && l.freed.is_none())
+        && lb.is_some_and(|l| l.size == 8 * MIB && l.freed.is_some())
+        && lc.is_some_and(|l| l.size == 4 * MIB && l.freed.is_none());
+    let live = history.heap.live_bytes().last().copied().unwrap_or(0);
+    let out = std::env::var_os("OUT").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let _ = history.write_memory_viz(&out.join("gpu-memory-history.pickle"));
+    let _ = std::fs::write(out.join("gpu-memory-history.html"), history.to_html("gpu-check on cuda:0"));
+    drop((a, c));
+    row(
+        NAME,
+        // The pool rounds blocks up to its granularity; sub-KiB buffers are below the threshold.
+        sizes_ok && live.abs_diff(used) <= 2 * MIB,
+        format!(
+            "{} events; a {:?}, b {:?}, c {:?}; history live {live} B, pool used {used} B",
+            history.heap.events.len(),
+            la.map(|l| (l.size, l.freed.is_some())),
+            lb.map(|l| (l.size, l.freed.is_some())),
+            lc.map(|l| (l.size, l.freed.is_some()))
+        ),
+    )
+}
+
 fn main() {
     let mut all_ok = true;
     println!("| check | result | figures |");
@@ -205,6 +264,7 @@ fn main() {
                 }
                 Err(e) => all_ok &= row("batch finder on CUDA", false, e.to_string()),
             }
+            all_ok &= cuda_history(&engine);
         }
     }
 

@@ -1,7 +1,8 @@
 //! The allocation history of the engine's own run (PyTorch's `torch.cuda.memory._record_memory_history`):
 //! on the CPU, every allocation and free of candle's buffers that the process's counting global
 //! allocator serves, with size, address, time and label stack ([`Engine::label`], steps, the
-//! trainer's phases, the zoo's layers). Read with [`Engine::memory_history`].
+//! trainer's phases, the zoo's layers); on CUDA, candle's allocations from the wick pool, seen
+//! through CUPTI (`cuda_history.rs`). Read with [`Engine::memory_history`].
 
 use wick_memory::{
     heap_history, label_path, push_label, start_heap_history, stop_heap_history, LabelGuard, MemoryError,
@@ -26,7 +27,10 @@ impl Engine {
         match max_entries {
             Some(n) => self.record_memory_history_with(n, DEFAULT_MIN_EVENT_SIZE),
             None => {
-                stop_heap_history();
+                match &self.kind {
+                    Kind::Cuda(g) => g.stop_history(),
+                    Kind::Cpu => stop_heap_history(),
+                }
                 Ok(())
             }
         }
@@ -35,15 +39,12 @@ impl Engine {
     /// Starts recording allocations of at least `min_size` bytes into a ring of `max_entries`
     /// events (the oldest are overwritten when it is full). The history is the process heap's,
     /// so the process's global allocator must count: [`wick_memory::CachingHeap`] or
-    /// [`crate::CountingAllocator`] (`Unsupported` otherwise, saying so). On CUDA the driver
-    /// pool's allocations are not yet recorded (`Unsupported`).
+    /// [`crate::CountingAllocator`] (`Unsupported` otherwise, saying so). On CUDA the history
+    /// is candle's allocations from the wick pool, seen through CUPTI's callbacks on the driver's
+    /// allocation calls (`Unsupported` when libcupti cannot be opened, saying where to put it).
     pub fn record_memory_history_with(&self, max_entries: usize, min_size: usize) -> Result<(), MemoryError> {
-        if let Kind::Cuda(_) = self.kind {
-            return Err(MemoryError::Unsupported(
-                "record_memory_history on CUDA: candle's allocations in the wick pool are not recorded yet \
-                 (record the same model on the CPU engine)"
-                    .into(),
-            ));
+        if let Kind::Cuda(g) = &self.kind {
+            return g.record_history(max_entries, min_size);
         }
         // A large request makes an installed caching heap known (it registers on its first one).
         drop(std::hint::black_box(Vec::<u8>::with_capacity(LARGE_REQUEST)));
@@ -60,7 +61,10 @@ impl Engine {
 
     /// What has been recorded so far (recording goes on), with every label stack resolved.
     pub fn memory_history(&self) -> MemoryHistory {
-        let heap = heap_history();
+        let heap = match &self.kind {
+            Kind::Cuda(g) => g.history(),
+            Kind::Cpu => heap_history(),
+        };
         let labels = heap.events.iter().map(|e| e.label).collect::<std::collections::BTreeSet<_>>();
         let labels = labels.into_iter().map(|id| (id.0, label_path(id))).collect();
         MemoryHistory { device: self.name(), heap, labels }
