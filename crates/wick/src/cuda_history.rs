@@ -16,10 +16,7 @@ use std::sync::{Mutex, OnceLock};
 
 use wick_memory::{HeapAction, HeapHistory, HistoryRecorder, MemoryError};
 
-use crate::cupti_abi::{
-    CallbackData, MemAllocAsyncParams, MemFreeAsyncParams, ALLOC_CALLS, API_ENTER, API_EXIT, CUPTI_SUCCESS,
-    DOMAIN_DRIVER_API, FREE_CALLS,
-};
+use crate::cupti_abi::{decode, Call, ALLOC_CALLS, CUPTI_SUCCESS, DOMAIN_DRIVER_API, FREE_CALLS};
 
 /// The device's history (one recorder: wick governs one CUDA device per process).
 static HISTORY: HistoryRecorder = HistoryRecorder::new("cuda");
@@ -129,27 +126,15 @@ fn subscribe() -> Result<Cupti, String> {
 /// CUPTI's callback: runs on the thread making the driver call, before (`API_ENTER`) and after
 /// (`API_EXIT`) it. Never unwinds into the driver.
 unsafe extern "C" fn on_driver_call(_userdata: *mut c_void, domain: u32, cbid: u32, data: *const c_void) {
-    if domain != DOMAIN_DRIVER_API || data.is_null() || !HISTORY.is_recording() {
+    if !HISTORY.is_recording() {
         return;
     }
     let _ = std::panic::catch_unwind(|| {
-        // SAFETY: for the driver-API domain CUPTI hands a `CUpti_CallbackData` valid for the
-        // call, whose `functionParams` points at the parameter struct of the call `cbid` names.
-        unsafe {
-            let data = &*(data as *const CallbackData);
-            if data.function_params.is_null() {
-                return;
-            }
-            if ALLOC_CALLS.contains(&cbid) && data.callback_site == API_EXIT {
-                // Both allocation structs begin with `dptr` and `bytesize` (checked in CI).
-                let params = &*(data.function_params as *const MemAllocAsyncParams);
-                let ok = !data.function_return_value.is_null() && *(data.function_return_value as *const u32) == 0;
-                if ok && !params.dptr.is_null() {
-                    allocated(*params.dptr, params.bytesize);
-                }
-            } else if FREE_CALLS.contains(&cbid) && data.callback_site == API_ENTER {
-                freed((*(data.function_params as *const MemFreeAsyncParams)).dptr);
-            }
+        // SAFETY: CUPTI hands `data` as `decode` requires.
+        match unsafe { decode(domain, cbid, data) } {
+            Some(Call::Alloc { addr, size }) => allocated(addr, size),
+            Some(Call::Free { addr }) => freed(addr),
+            None => {}
         }
     });
 }

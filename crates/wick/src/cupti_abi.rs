@@ -69,7 +69,7 @@ pub(crate) struct MemAllocAsyncParams {
 }
 
 /// `cuMemAllocFromPoolAsync_params`: read through [`MemAllocAsyncParams`], whose fields are its
-/// prefix (this struct is here for the layout check).
+/// prefix (this struct is here for the layout check and the decoding test).
 #[cfg(test)]
 #[repr(C)]
 pub(crate) struct MemAllocFromPoolAsyncParams {
@@ -84,6 +84,50 @@ pub(crate) struct MemAllocFromPoolAsyncParams {
 pub(crate) struct MemFreeAsyncParams {
     pub dptr: u64,
     pub stream: *mut c_void,
+}
+
+/// A driver call the history records, decoded from a callback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Call {
+    /// An allocation call returned `addr` for `size` bytes (seen at its exit, when it succeeded).
+    Alloc { addr: u64, size: usize },
+    /// A free call is about to free `addr` (seen at its entry, while the block is still known).
+    Free { addr: u64 },
+}
+
+/// Decodes a CUPTI callback into the call the history records, if it is one.
+///
+/// # Safety
+/// `data` is null or what CUPTI hands a callback of `domain`: for the driver-API domain a
+/// `CUpti_CallbackData` valid for the call, whose `functionParams` points at the parameter
+/// struct of the call `cbid` names and whose `functionReturnValue` at its `CUresult`.
+pub(crate) unsafe fn decode(domain: u32, cbid: u32, data: *const c_void) -> Option<Call> {
+    if domain != DOMAIN_DRIVER_API || data.is_null() {
+        return None;
+    }
+    // SAFETY: the caller's contract.
+    let data = unsafe { &*(data as *const CallbackData) };
+    if data.function_params.is_null() {
+        return None;
+    }
+    if ALLOC_CALLS.contains(&cbid) && data.callback_site == API_EXIT {
+        // Every allocation call's parameters begin with `dptr` and `bytesize` (checked in CI).
+        // SAFETY: `function_params` points at such a struct; `function_return_value` at a
+        // `CUresult` (a C enum: 32 bits) when not null.
+        let (params, ok) = unsafe {
+            let params = &*(data.function_params as *const MemAllocAsyncParams);
+            let ret = data.function_return_value as *const u32;
+            (params, !ret.is_null() && *ret == 0)
+        };
+        if ok && !params.dptr.is_null() {
+            // SAFETY: a successful allocation call wrote the new address through `dptr`.
+            return Some(Call::Alloc { addr: unsafe { *params.dptr }, size: params.bytesize });
+        }
+    } else if FREE_CALLS.contains(&cbid) && data.callback_site == API_ENTER {
+        // SAFETY: a free call's parameters begin with `dptr`.
+        return Some(Call::Free { addr: unsafe { (*(data.function_params as *const MemFreeAsyncParams)).dptr } });
+    }
+    None
 }
 
 /// The figures above as `name value` lines, in the order `scripts/cupti_abi.c` prints them.
@@ -120,6 +164,75 @@ fn abi_lines() -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    fn callback(site: u32, params: *const c_void, ret: *mut c_void) -> CallbackData {
+        CallbackData {
+            callback_site: site,
+            function_name: std::ptr::null(),
+            function_params: params,
+            function_return_value: ret,
+            symbol_name: std::ptr::null(),
+            context: std::ptr::null_mut(),
+            context_uid: 0,
+            correlation_data: std::ptr::null_mut(),
+            correlation_id: 0,
+        }
+    }
+
+    fn decode_of(domain: u32, cbid: u32, data: &CallbackData) -> Option<Call> {
+        // SAFETY: `data` and what it points at live for the call.
+        unsafe { decode(domain, cbid, data as *const CallbackData as *const c_void) }
+    }
+
+    #[test]
+    fn callbacks_decode_into_the_calls_the_history_records() {
+        let mut addr = 0x7f00_0000_1000u64;
+        let mut ok = 0u32;
+        let mut failed = 2u32; // CUDA_ERROR_OUT_OF_MEMORY
+        let alloc = MemAllocAsyncParams { dptr: &mut addr, bytesize: 4096, stream: std::ptr::null_mut() };
+        let from_pool = MemAllocFromPoolAsyncParams {
+            dptr: &mut addr,
+            bytesize: 8192,
+            pool: std::ptr::null_mut(),
+            stream: std::ptr::null_mut(),
+        };
+        let free = MemFreeAsyncParams { dptr: 0x7f00_0000_2000, stream: std::ptr::null_mut() };
+        let p = |x: *const c_void| x;
+        let ok_ret = &mut ok as *mut u32 as *mut c_void;
+        let exit = callback(API_EXIT, p(&alloc as *const _ as *const c_void), ok_ret);
+        let want = Some(Call::Alloc { addr: 0x7f00_0000_1000, size: 4096 });
+        assert_eq!(decode_of(DOMAIN_DRIVER_API, CBID_MEM_ALLOC_ASYNC, &exit), want);
+        assert_eq!(decode_of(DOMAIN_DRIVER_API, CBID_MEM_ALLOC_ASYNC_PTSZ, &exit), want);
+        let pool_exit = callback(API_EXIT, p(&from_pool as *const _ as *const c_void), ok_ret);
+        assert_eq!(
+            decode_of(DOMAIN_DRIVER_API, CBID_MEM_ALLOC_FROM_POOL_ASYNC, &pool_exit),
+            Some(Call::Alloc { addr: 0x7f00_0000_1000, size: 8192 })
+        );
+        // Not recorded: the entry of an allocation (no address yet), a failed allocation, another
+        // domain or call, a free's exit.
+        let enter = callback(API_ENTER, p(&alloc as *const _ as *const c_void), ok_ret);
+        assert_eq!(decode_of(DOMAIN_DRIVER_API, CBID_MEM_ALLOC_ASYNC, &enter), None);
+        let failed_exit =
+            callback(API_EXIT, p(&alloc as *const _ as *const c_void), &mut failed as *mut u32 as *mut c_void);
+        assert_eq!(decode_of(DOMAIN_DRIVER_API, CBID_MEM_ALLOC_ASYNC, &failed_exit), None);
+        assert_eq!(decode_of(2, CBID_MEM_ALLOC_ASYNC, &exit), None);
+        assert_eq!(decode_of(DOMAIN_DRIVER_API, 597, &exit), None);
+        let free_enter = callback(API_ENTER, p(&free as *const _ as *const c_void), std::ptr::null_mut());
+        assert_eq!(
+            decode_of(DOMAIN_DRIVER_API, CBID_MEM_FREE_ASYNC, &free_enter),
+            Some(Call::Free { addr: 0x7f00_0000_2000 })
+        );
+        assert_eq!(
+            decode_of(DOMAIN_DRIVER_API, CBID_MEM_FREE_ASYNC_PTSZ, &free_enter),
+            Some(Call::Free { addr: 0x7f00_0000_2000 })
+        );
+        let free_exit = callback(API_EXIT, p(&free as *const _ as *const c_void), std::ptr::null_mut());
+        assert_eq!(decode_of(DOMAIN_DRIVER_API, CBID_MEM_FREE_ASYNC, &free_exit), None);
+        // SAFETY: null data is allowed.
+        assert_eq!(unsafe { decode(DOMAIN_DRIVER_API, CBID_MEM_FREE_ASYNC, std::ptr::null()) }, None);
+    }
+
     #[test]
     fn the_abi_matches_the_figures_read_from_cuptis_headers() {
         // `cupti_abi.expected` is what scripts/cupti_abi.c printed when compiled against
