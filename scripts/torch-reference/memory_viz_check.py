@@ -8,7 +8,7 @@ script feeds it to `torch.cuda._memory_viz`: `trace` (PyTorch's text replay of e
 `segsum`, `memory` and `segments`, and `trace_plot` (the HTML page pytorch.org/memory_viz's
 "Active Memory Timeline" draws; it loads the viewer's script from a CDN, so open it where the
 network reaches). With the run's JSON history it also checks that the snapshot holds one entry
-per allocation and two per free, and ends at the bytes the history's recorded allocations hold. Exits non-zero on any
+per allocation and two per free, and reaches the same peak and end as the history. Exits non-zero on any
 failure.
 """
 
@@ -48,9 +48,11 @@ def main():
     text = _memory_viz.trace(snap)
     last_lines = text.strip().splitlines()[-3:]
     print("torch.cuda._memory_viz.trace:", " | ".join(last_lines))
-    for name in ("segsum", "memory", "segments"):
-        out = getattr(_memory_viz, name)(snap)
-        print(f"torch.cuda._memory_viz.{name}: {len(out)} characters")
+    print(f"torch.cuda._memory_viz.segsum: {len(_memory_viz.segsum(snap))} characters")
+    for name in ("memory", "segments"):
+        # Their flamegraph lines as text: the default formatter downloads flamegraph.pl.
+        out = getattr(_memory_viz, name)(snap, format_flamegraph=lambda lines: lines)
+        print(f"torch.cuda._memory_viz.{name}: {len(out)} characters of flamegraph lines")
     page = _memory_viz.trace_plot(snap)
     print(f"torch.cuda._memory_viz.trace_plot: {len(page)} characters of HTML")
     if args.html:
@@ -61,30 +63,28 @@ def main():
         with open(args.history) as f:
             history = json.load(f)
         heap = history["heap"]
-        open_blocks, live, unseen = {}, 0, 0
+        # The history's bytes after each event, less its baseline, paired as wick pairs them.
+        open_blocks, level, peak = {}, 0, 0
         for e in heap["events"]:
             if e["action"] == "alloc":
                 open_blocks[e["addr"]] = e["size"]
-                live += e["size"]
-            elif e["addr"] in open_blocks:
-                live -= open_blocks.pop(e["addr"])
+                level += e["size"]
             else:
-                unseen += e["size"]
-        # PyTorch's replay subtracts every completed free, paired or not.
-        expected = live - unseen
-        # PyTorch's `trace` prints a TOTAL MEM whose counter its own loop index overwrites (2.5.1),
-        # so the snapshot's bytes at the end are summed here from its entries as trace() pairs them.
-        count = 0
+                level -= open_blocks.pop(e["addr"], e["size"])
+            peak = max(peak, level)
+        # The snapshot's, as memory_viz's timeline adds allocations and subtracts completed frees.
+        count, snap_peak = 0, 0
         for t in traces:
             for e in t:
                 if e["action"] == "alloc":
                     count += e["size"]
                 elif e["action"] == "free_completed":
                     count -= e["size"]
-        ok = count == expected
-        print(f"bytes at the end: the snapshot's entries {count} B, wick's JSON history {expected} B ({'same' if ok else 'DIFFERENT'})")
+                snap_peak = max(snap_peak, count)
+        ok = (snap_peak, count) == (peak, level)
+        print(f"peak and end above the baseline: snapshot {snap_peak} B, {count} B; wick's JSON history {peak} B, {level} B ({'same' if ok else 'DIFFERENT'})")
         if not ok:
-            failures.append("the replay's end differs from the history's")
+            failures.append("the snapshot's peak or end differs from the history's")
         if len(heap["events"]) + sum(1 for e in heap["events"] if e["action"] == "free") != events:
             failures.append("the snapshot's entry count is not one per allocation and two per free")
     for f in failures:
