@@ -235,6 +235,59 @@ fn pooling_matches_its_composed_forms() {
     );
 }
 
+/// Max pooling over planes with ties and NaN against a per-window reference written from
+/// PyTorch's rule (`val > max || isnan(val)` in row-major order: the first maximum wins, a later
+/// NaN replaces an earlier one): the values, and the gradient routed to that one input.
+#[test]
+fn max_pooling_routes_ties_and_nan_as_pytorch() {
+    let (n, c, h, w) = (2, 3, 11, 12);
+    // Five levels (many ties); two planes get NaNs, one of them two in one window.
+    let mut data: Vec<f32> = (0..n * c * h * w).map(|i| ((i * 7919) % 5) as f32).collect();
+    for i in [h * w + 5, h * w + 6, 4 * h * w + 3 * w + 7] {
+        data[i] = f32::NAN;
+    }
+    data[h * w + w + 5] = f32::NAN;
+    for (kernel, stride, pad) in [(3, 2, 1), (2, 2, 0), (3, 1, 1), (3, 3, 0)] {
+        let x = Var::from_vec(data.clone(), (n, c, h, w), &Device::Cpu).unwrap();
+        let y = kernels::pool::max_pool2d(x.as_tensor(), kernel, stride, pad).unwrap();
+        let (oh, ow) = ((h + 2 * pad - kernel) / stride + 1, (w + 2 * pad - kernel) / stride + 1);
+        let g: Vec<f32> = (0..n * c * oh * ow).map(|i| 1.0 + i as f32).collect();
+        let grads = (&y * Tensor::from_vec(g.clone(), (n, c, oh, ow), &Device::Cpu).unwrap())
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let dx: Vec<f32> = grads.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let got: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+        let mut want_dx = vec![0f32; data.len()];
+        for p in 0..n * c {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut at = None::<usize>;
+                    for iy in (oy * stride).saturating_sub(pad)..(oy * stride + kernel).saturating_sub(pad).min(h) {
+                        for ix in (ox * stride).saturating_sub(pad)..(ox * stride + kernel).saturating_sub(pad).min(w) {
+                            let i = p * h * w + iy * w + ix;
+                            if at.is_none_or(|a| data[i] > data[a] || data[i].is_nan()) {
+                                at = Some(i);
+                            }
+                        }
+                    }
+                    let (at, o) = (at.unwrap(), (p * oh + oy) * ow + ox);
+                    let want = data[at];
+                    assert!(
+                        got[o] == want || (got[o].is_nan() && want.is_nan()),
+                        "k{kernel} s{stride} p{pad}: output {o} {} vs {want}",
+                        got[o]
+                    );
+                    want_dx[at] += g[o];
+                }
+            }
+        }
+        assert_eq!(dx, want_dx, "k{kernel} s{stride} p{pad}: gradient routing");
+    }
+}
+
 #[test]
 fn attention_and_rope_match_their_composed_forms() {
     let (q, k, v) = (randn(&[2, 3, 5, 4], 15), randn(&[2, 3, 6, 4], 16), randn(&[2, 3, 6, 4], 17));

@@ -19,6 +19,22 @@ impl Depthwise {
     fn fwd<T: Real>(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, true)?;
         let (x, w) = (read::<T>(sx, lx)?, read::<T>(sw, lw)?);
+        let y = depthwise_forward::<T>(&x, &w, g);
+        Ok((T::storage(y, sx.dtype())?, Shape::from((g.n, g.c_in, g.oh, g.ow))))
+    }
+
+    /// (dx when wanted, dw).
+    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Vec<T>>, Vec<T>)> {
+        let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, true)?;
+        with::<T, _>(x, |x| {
+            with::<T, _>(w, |w| with::<T, _>(dy, |dy| Ok(depthwise_backward::<T>(x, w, dy, g, want_dx))))
+        })
+    }
+}
+
+wide_kernel! {
+    /// The depthwise convolution of images `x` with filters `w` (C, k·k).
+    fn depthwise_forward<T>(x: &[T], w: &[T], g: Geometry) -> Vec<T> {
         let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
         let mut y = vec![T::zero(); g.n * g.c_in * ohw];
         let out = SharedMut::new(&mut y);
@@ -101,110 +117,105 @@ impl Depthwise {
                 }
             }
         });
-        Ok((T::storage(y, sx.dtype())?, Shape::from((g.n, g.c_in, g.oh, g.ow))))
+        y
     }
+}
 
-    /// (dx when wanted, dw).
-    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Vec<T>>, Vec<T>)> {
-        let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, true)?;
+wide_kernel! {
+    /// (dx when wanted, dw) of the depthwise convolution.
+    fn depthwise_backward<T>(x: &[T], w: &[T], dy: &[T], g: Geometry, want_dx: bool) -> (Option<Vec<T>>, Vec<T>) {
         let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
-        with::<T, _>(x, |x| {
-            with::<T, _>(w, |w| {
-                with::<T, _>(dy, |dy| {
-                    let mut dx = if want_dx { vec![T::zero(); x.len()] } else { Vec::new() };
-                    let mut dw = vec![T::zero(); g.c_in * kk];
-                    let (sdx, sdw) = (SharedMut::new(&mut dx), SharedMut::new(&mut dw));
-                    // Parallel over channels: each channel's filter gradient sums over images.
-                    par_ranges(g.c_in, 1, |r| {
-                        // Stride 1: padded planes and the output gradient in padded rows (zeros in
-                        // the extra columns), so that each tap is one flat dot product (dW) and
-                        // one flat multiply-add (dX) over the whole plane.
-                        let (ph, pw) = (g.h + 2 * g.pad, g.w + 2 * g.pad);
-                        let flat = g.stride == 1;
-                        let size = |n: usize| if flat { n } else { 0 };
-                        let (mut padded, mut dpadded) =
-                            (vec![T::zero(); size(ph * pw + g.k)], vec![T::zero(); size(ph * pw + g.k)]);
-                        let mut wide = vec![T::zero(); size(g.oh * pw)];
-                        for c in r {
-                            let filter = &w[c * kk..][..kk];
-                            // SAFETY: one channel per index.
-                            let dwc = unsafe { sdw.range(c * kk, kk) };
-                            for b in 0..g.n {
-                                let p = b * g.c_in + c;
-                                let (plane, gp) = (&x[p * hw..(p + 1) * hw], &dy[p * ohw..(p + 1) * ohw]);
-                                // SAFETY: plane `p` belongs to channel `c` only.
-                                let mut dplane = want_dx.then(|| unsafe { sdx.range(p * hw, hw) });
-                                if flat {
-                                    for (iy, src) in plane.chunks(g.w).enumerate() {
-                                        padded[(iy + g.pad) * pw + g.pad..][..g.w].copy_from_slice(src);
-                                    }
-                                    for (oy, src) in gp.chunks(g.ow).enumerate() {
-                                        wide[oy * pw..oy * pw + g.ow].copy_from_slice(src);
-                                    }
-                                    if want_dx {
-                                        dpadded.iter_mut().for_each(|v| *v = T::zero());
-                                    }
-                                    for t in 0..kk {
-                                        let off = (t / g.k) * pw + t % g.k;
-                                        let span = &padded[off..off + g.oh * pw];
-                                        dwc[t] = dwc[t] + T::of(dot(&wide, span));
-                                        if want_dx {
-                                            let f = filter[t];
-                                            for (d, v) in dpadded[off..off + g.oh * pw].iter_mut().zip(&wide) {
-                                                *d = *d + f * *v;
-                                            }
-                                        }
-                                    }
-                                    if let Some(d) = dplane.as_deref_mut() {
-                                        for (iy, row) in d.chunks_mut(g.w).enumerate() {
-                                            row.copy_from_slice(&dpadded[(iy + g.pad) * pw + g.pad..][..g.w]);
-                                        }
-                                    }
-                                    continue;
+        let mut dx = if want_dx { vec![T::zero(); x.len()] } else { Vec::new() };
+        let mut dw = vec![T::zero(); g.c_in * kk];
+        let (sdx, sdw) = (SharedMut::new(&mut dx), SharedMut::new(&mut dw));
+        // Parallel over channels: each channel's filter gradient sums over images.
+        par_ranges(g.c_in, 1, |r| {
+            // Stride 1: padded planes and the output gradient in padded rows (zeros in
+            // the extra columns), so that each tap is one flat dot product (dW) and
+            // one flat multiply-add (dX) over the whole plane.
+            let (ph, pw) = (g.h + 2 * g.pad, g.w + 2 * g.pad);
+            let flat = g.stride == 1;
+            let size = |n: usize| if flat { n } else { 0 };
+            let (mut padded, mut dpadded) =
+                (vec![T::zero(); size(ph * pw + g.k)], vec![T::zero(); size(ph * pw + g.k)]);
+            let mut wide = vec![T::zero(); size(g.oh * pw)];
+            for c in r {
+                let filter = &w[c * kk..][..kk];
+                // SAFETY: one channel per index.
+                let dwc = unsafe { sdw.range(c * kk, kk) };
+                for b in 0..g.n {
+                    let p = b * g.c_in + c;
+                    let (plane, gp) = (&x[p * hw..(p + 1) * hw], &dy[p * ohw..(p + 1) * ohw]);
+                    // SAFETY: plane `p` belongs to channel `c` only.
+                    let mut dplane = want_dx.then(|| unsafe { sdx.range(p * hw, hw) });
+                    if flat {
+                        for (iy, src) in plane.chunks(g.w).enumerate() {
+                            padded[(iy + g.pad) * pw + g.pad..][..g.w].copy_from_slice(src);
+                        }
+                        for (oy, src) in gp.chunks(g.ow).enumerate() {
+                            wide[oy * pw..oy * pw + g.ow].copy_from_slice(src);
+                        }
+                        if want_dx {
+                            dpadded.iter_mut().for_each(|v| *v = T::zero());
+                        }
+                        for t in 0..kk {
+                            let off = (t / g.k) * pw + t % g.k;
+                            let span = &padded[off..off + g.oh * pw];
+                            dwc[t] = dwc[t] + T::of(dot(&wide, span));
+                            if want_dx {
+                                let f = filter[t];
+                                for (d, v) in dpadded[off..off + g.oh * pw].iter_mut().zip(&wide) {
+                                    *d = *d + f * *v;
                                 }
-                                for oy in 0..g.oh {
-                                    let grow = &gp[oy * g.ow..(oy + 1) * g.ow];
-                                    for dy_ in 0..g.k {
-                                        let Some(iy) = g.source(oy, dy_, g.h) else { continue };
-                                        let src = &plane[iy * g.w..(iy + 1) * g.w];
-                                        for dx_ in 0..g.k {
-                                            let f = filter[dy_ * g.k + dx_];
-                                            let r = g.valid(dx_, g.w, g.ow);
-                                            let first = r.start * g.stride + dx_ - g.pad;
-                                            let acc = if g.stride == 1 {
-                                                T::of(dot(&grow[r.clone()], &src[first..first + r.len()]))
-                                            } else {
-                                                let mut acc = T::zero();
-                                                for (gv, ix) in grow[r.clone()].iter().zip((first..).step_by(g.stride))
-                                                {
-                                                    acc = acc + *gv * src[ix];
-                                                }
-                                                acc
-                                            };
-                                            dwc[dy_ * g.k + dx_] = dwc[dy_ * g.k + dx_] + acc;
-                                            if let Some(d) = dplane.as_deref_mut() {
-                                                let drow = &mut d[iy * g.w..(iy + 1) * g.w];
-                                                if g.stride == 1 {
-                                                    let dst = &mut drow[first..first + r.len()];
-                                                    for (dv, gv) in dst.iter_mut().zip(&grow[r]) {
-                                                        *dv = *dv + f * *gv;
-                                                    }
-                                                } else {
-                                                    for (gv, ix) in grow[r].iter().zip((first..).step_by(g.stride)) {
-                                                        drow[ix] = drow[ix] + f * *gv;
-                                                    }
-                                                }
-                                            }
+                            }
+                        }
+                        if let Some(d) = dplane.as_deref_mut() {
+                            for (iy, row) in d.chunks_mut(g.w).enumerate() {
+                                row.copy_from_slice(&dpadded[(iy + g.pad) * pw + g.pad..][..g.w]);
+                            }
+                        }
+                        continue;
+                    }
+                    for oy in 0..g.oh {
+                        let grow = &gp[oy * g.ow..(oy + 1) * g.ow];
+                        for dy_ in 0..g.k {
+                            let Some(iy) = g.source(oy, dy_, g.h) else { continue };
+                            let src = &plane[iy * g.w..(iy + 1) * g.w];
+                            for dx_ in 0..g.k {
+                                let f = filter[dy_ * g.k + dx_];
+                                let r = g.valid(dx_, g.w, g.ow);
+                                let first = r.start * g.stride + dx_ - g.pad;
+                                let acc = if g.stride == 1 {
+                                    T::of(dot(&grow[r.clone()], &src[first..first + r.len()]))
+                                } else {
+                                    let mut acc = T::zero();
+                                    for (gv, ix) in grow[r.clone()].iter().zip((first..).step_by(g.stride))
+                                    {
+                                        acc = acc + *gv * src[ix];
+                                    }
+                                    acc
+                                };
+                                dwc[dy_ * g.k + dx_] = dwc[dy_ * g.k + dx_] + acc;
+                                if let Some(d) = dplane.as_deref_mut() {
+                                    let drow = &mut d[iy * g.w..(iy + 1) * g.w];
+                                    if g.stride == 1 {
+                                        let dst = &mut drow[first..first + r.len()];
+                                        for (dv, gv) in dst.iter_mut().zip(&grow[r]) {
+                                            *dv = *dv + f * *gv;
+                                        }
+                                    } else {
+                                        for (gv, ix) in grow[r].iter().zip((first..).step_by(g.stride)) {
+                                            drow[ix] = drow[ix] + f * *gv;
                                         }
                                     }
                                 }
                             }
                         }
-                    });
-                    Ok((want_dx.then_some(dx), dw))
-                })
-            })
-        })
+                    }
+                }
+            }
+        });
+        (want_dx.then_some(dx), dw)
     }
 }
 
