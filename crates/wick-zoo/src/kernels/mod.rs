@@ -54,20 +54,22 @@ macro_rules! by_real {
 /// features of the function they are written in, not of the function they are inlined into:
 /// a large `par_ranges` body handed to `math::vectorized` stays baseline SSE2 code, 4 lanes at
 /// a time with scalar conversions (measured: batch norm's backward ran at a third of its
-/// AVX-512 speed). Parameters are `name: Type` (no patterns); the return type is required.
+/// AVX-512 speed). Parameters are `name: Type` (no patterns). Check what it makes of a loop:
+/// a loop the compiler cannot vectorise may come out slower (batch norm's forward did, 10×,
+/// until its per-element activation branch became a select).
 macro_rules! wide_kernel {
-    ($(#[$m:meta])* $vis:vis fn $name:ident<$t:ident>($($a:ident: $ty:ty),* $(,)?) -> $r:ty $body:block) => {
+    ($(#[$m:meta])* $vis:vis fn $name:ident<$t:ident>($($a:ident: $ty:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
         $(#[$m])*
         #[allow(clippy::too_many_arguments)]
-        $vis fn $name<$t: $crate::kernels::Real>($($a: $ty),*) -> $r {
+        $vis fn $name<$t: $crate::kernels::Real>($($a: $ty),*) $(-> $r)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                fn v4<$t: $crate::kernels::Real>($($a: $ty),*) -> $r $body
+                fn v4<$t: $crate::kernels::Real>($($a: $ty),*) $(-> $r)? $body
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                fn v3<$t: $crate::kernels::Real>($($a: $ty),*) -> $r $body
+                fn v3<$t: $crate::kernels::Real>($($a: $ty),*) $(-> $r)? $body
                 if std::is_x86_feature_detected!("avx512f") {
                     // SAFETY: the CPU has AVX-512F (and with it AVX2 and FMA).
                     return unsafe { v4::<$t>($($a),*) };
