@@ -319,7 +319,8 @@ impl Conv2d {
             with::<T, _>(w, |w| {
                 with::<T, _>(dy, |dy| {
                     let width = plan.size * cols;
-                    let col = Scratch::<T>::new(plan.workers, rows * width);
+                    let direct = plan.size == 1 && g.pointwise();
+                    let col = Scratch::<T>::new(plan.workers, if direct { 0 } else { rows * width });
                     let gbuf = Scratch::<T>::new(plan.workers, if plan.size == 1 { 0 } else { g.c_out * width });
                     // Stride 1: the input gradient is a convolution of its own (below).
                     let by_columns = want_dx && !(g.stride == 1 && g.pad < g.k);
@@ -332,7 +333,14 @@ impl Conv2d {
                         let range = plan.images(group, g.n);
                         let ld = range.len() * cols;
                         let (mut col, mut gb, mut dw) = (col.get(worker)?, gbuf.get(worker)?, dws.get(worker)?);
-                        Self::unfold(&g, x, range.clone(), &mut col);
+                        // A 1×1 stride-1 convolution's columns are the image itself (one image
+                        // per group): no copy.
+                        let cm: &[T] = if direct {
+                            &x[range.start * img..range.end * img]
+                        } else {
+                            Self::unfold(&g, x, range.clone(), &mut col);
+                            &col[..rows * ld]
+                        };
                         // The group's output gradient as (C_out × images·positions): one image's
                         // is its own slice.
                         let gm = if range.len() == 1 {
@@ -346,7 +354,7 @@ impl Conv2d {
                             }
                             Mat::rows(&gb[..g.c_out * ld], g.c_out, ld)
                         };
-                        gemm(&mut dw, gm, Mat::rows(&col[..rows * ld], rows, ld).t(), T::one(), true, parallel)?;
+                        gemm(&mut dw, gm, Mat::rows(cm, rows, ld).t(), T::one(), true, parallel)?;
                         if by_columns {
                             let mut dc = dcol.get(worker)?;
                             gemm(&mut dc, Mat::rows(w, g.c_out, rows).t(), gm, T::one(), false, parallel)?;
