@@ -139,6 +139,9 @@ wide_kernel! {
             let (mut padded, mut dpadded) =
                 (vec![T::zero(); size(ph * pw + g.k)], vec![T::zero(); size(ph * pw + g.k)]);
             let mut wide = vec![T::zero(); size(g.oh * pw)];
+            let half = g.w.div_ceil(2);
+            let stride2 = |n: usize| if g.stride == 2 { n } else { 0 };
+            let (mut split, mut dsplit) = (vec![T::zero(); stride2(2 * half)], vec![T::zero(); stride2(2 * half)]);
             for c in r {
                 let filter = &w[c * kk..][..kk];
                 // SAFETY: one channel per index.
@@ -172,6 +175,51 @@ wide_kernel! {
                         if let Some(d) = dplane.as_deref_mut() {
                             for (iy, row) in d.chunks_mut(g.w).enumerate() {
                                 row.copy_from_slice(&dpadded[(iy + g.pad) * pw + g.pad..][..g.w]);
+                            }
+                        }
+                        continue;
+                    }
+                    if g.stride == 2 {
+                        // Each input row split into its even and odd columns (as in the forward
+                        // pass), so that every tap's dot product and gradient update run over
+                        // contiguous elements; a row's input gradient gathers in its split form
+                        // and is added back once.
+                        for oy in 0..g.oh {
+                            let grow = &gp[oy * g.ow..(oy + 1) * g.ow];
+                            for dy_ in 0..g.k {
+                                let Some(iy) = g.source(oy, dy_, g.h) else { continue };
+                                let src = &plane[iy * g.w..(iy + 1) * g.w];
+                                let (even, odd) = split.split_at_mut(half);
+                                for (j, v) in src.iter().enumerate() {
+                                    if j % 2 == 0 {
+                                        even[j / 2] = *v;
+                                    } else {
+                                        odd[j / 2] = *v;
+                                    }
+                                }
+                                dsplit.iter_mut().for_each(|v| *v = T::zero());
+                                for dx_ in 0..g.k {
+                                    let r = g.valid(dx_, g.w, g.ow);
+                                    if r.is_empty() {
+                                        continue;
+                                    }
+                                    let first = r.start * 2 + dx_ - g.pad;
+                                    let at = (first % 2) * half + first / 2;
+                                    let gr = &grow[r.clone()];
+                                    let t = dy_ * g.k + dx_;
+                                    dwc[t] = dwc[t] + T::of(dot(gr, &split[at..at + r.len()]));
+                                    if want_dx {
+                                        let f = filter[t];
+                                        for (d, gv) in dsplit[at..at + r.len()].iter_mut().zip(gr) {
+                                            *d = *d + f * *gv;
+                                        }
+                                    }
+                                }
+                                if let Some(d) = dplane.as_deref_mut() {
+                                    for (j, dv) in d[iy * g.w..(iy + 1) * g.w].iter_mut().enumerate() {
+                                        *dv = *dv + dsplit[(j % 2) * half + j / 2];
+                                    }
+                                }
                             }
                         }
                         continue;

@@ -354,40 +354,44 @@ pub fn serves(t: &Tensor) -> bool {
 /// running float sum cannot be reordered by the compiler).
 pub(crate) const LANES: usize = 8;
 
-/// `Σ f(i)` over `0..n` in f64, in [`LANES`] interleaved accumulators.
+/// `Σ f(a[i], b[i])` over the common length in f64: element `i` is added into accumulator
+/// `i mod LANES`, the remainder after the last whole group of lanes summed apart, and the lanes
+/// then summed. Fixed-width chunks, so that where it is inlined into code compiled for wide
+/// vectors the loop vectorises (the per-index form kept its bounds checks and ran scalar).
 #[inline(always)]
-fn lane_sum(n: usize, f: impl Fn(usize) -> f64) -> f64 {
+fn lane_sum<T: Copy>(a: &[T], b: &[T], f: impl Fn(T, T) -> f64) -> f64 {
+    let n = a.len().min(b.len());
+    let (ac, bc) = (a[..n].chunks_exact(LANES), b[..n].chunks_exact(LANES));
+    let (ar, br) = (ac.remainder(), bc.remainder());
     let mut acc = [0.0f64; LANES];
-    let whole = n / LANES * LANES;
-    for base in (0..whole).step_by(LANES) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            *a += f(base + j);
+    for (xa, xb) in ac.zip(bc) {
+        for j in 0..LANES {
+            acc[j] += f(xa[j], xb[j]);
         }
     }
-    let tail: f64 = (whole..n).map(&f).sum();
+    let tail: f64 = ar.iter().zip(br).map(|(x, y)| f(*x, *y)).sum();
     acc.iter().sum::<f64>() + tail
 }
 
 /// `Σ x` in f64.
 #[inline(always)]
 pub(crate) fn sum<T: Real>(x: &[T]) -> f64 {
-    lane_sum(x.len(), |i| T::wide(x[i]))
+    lane_sum(x, x, |v, _| T::wide(v))
 }
 
 /// `Σ (x − m)²` in f64.
 #[inline(always)]
 pub(crate) fn sum_sq_dev<T: Real>(x: &[T], m: f64) -> f64 {
-    lane_sum(x.len(), |i| {
-        let d = T::wide(x[i]) - m;
+    lane_sum(x, x, |v, _| {
+        let d = T::wide(v) - m;
         d * d
     })
 }
 
-/// `Σ a·b` in f64 (`a` and `b` of equal length).
+/// `Σ a·b` in f64 (over the common length of `a` and `b`).
 #[inline(always)]
 pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> f64 {
-    let n = a.len().min(b.len());
-    lane_sum(n, |i| T::wide(a[i]) * T::wide(b[i]))
+    lane_sum(a, b, |x, y| T::wide(x) * T::wide(y))
 }
 
 /// Splits `0..n` into about one chunk per thread (at least `min` items each) and runs `f` on
