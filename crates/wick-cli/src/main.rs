@@ -135,6 +135,8 @@ enum JobAction {
 }
 
 fn main() -> Result<()> {
+    // SAFETY: first thing in `main`, before any thread starts.
+    unsafe { wick::cpu_threads::park_candle_workers() };
     match Cli::parse().command {
         Command::Info { json } => {
             let info = wick::machine::MachineInfo::probe();

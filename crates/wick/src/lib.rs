@@ -23,6 +23,7 @@ mod cuda_pool;
 mod cupti_abi;
 #[cfg(feature = "cuda")]
 pub use cuda_pool::DriverPool;
+pub mod cpu_threads;
 pub mod data;
 pub mod engine;
 pub mod engine_status;
