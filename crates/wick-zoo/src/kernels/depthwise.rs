@@ -10,6 +10,20 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use super::conv::Geometry;
 use super::{dot, par_ranges, read, with, Real, SharedMut};
 
+/// Writes a row's even columns to `split[..half]` and its odd ones to `split[half..]`, so that a
+/// stride-2 tap reads (and writes) a contiguous run.
+#[inline(always)]
+fn split_even_odd<T: Copy>(row: &[T], split: &mut [T], half: usize) {
+    let (even, odd) = split.split_at_mut(half);
+    for (j, v) in row.iter().enumerate() {
+        if j % 2 == 0 {
+            even[j / 2] = *v;
+        } else {
+            odd[j / 2] = *v;
+        }
+    }
+}
+
 struct Depthwise {
     stride: usize,
     pad: usize,
@@ -86,14 +100,7 @@ wide_kernel! {
                         let Some(iy) = g.source(oy, dy, g.h) else { continue };
                         let src = &plane[iy * g.w..(iy + 1) * g.w];
                         if g.stride == 2 {
-                            let (even, odd) = split.split_at_mut(half);
-                            for (j, v) in src.iter().enumerate() {
-                                if j % 2 == 0 {
-                                    even[j / 2] = *v;
-                                } else {
-                                    odd[j / 2] = *v;
-                                }
-                            }
+                            split_even_odd(src, &mut split, half);
                         }
                         for (dx, (r, first)) in taps.iter().enumerate() {
                             let f = filter[dy * g.k + dx];
@@ -189,14 +196,7 @@ wide_kernel! {
                             for dy_ in 0..g.k {
                                 let Some(iy) = g.source(oy, dy_, g.h) else { continue };
                                 let src = &plane[iy * g.w..(iy + 1) * g.w];
-                                let (even, odd) = split.split_at_mut(half);
-                                for (j, v) in src.iter().enumerate() {
-                                    if j % 2 == 0 {
-                                        even[j / 2] = *v;
-                                    } else {
-                                        odd[j / 2] = *v;
-                                    }
-                                }
+                                split_even_odd(src, &mut split, half);
                                 dsplit.iter_mut().for_each(|v| *v = T::zero());
                                 for dx_ in 0..g.k {
                                     let r = g.valid(dx_, g.w, g.ow);
