@@ -67,6 +67,9 @@ struct Args {
     /// Record the timed steps' allocation history and write it here (see the module docs).
     #[arg(long)]
     record_history: Option<std::path::PathBuf>,
+    /// With `--record-history`: record allocations of at least this many bytes (0: every one).
+    #[arg(long, default_value_t = wick::memory::DEFAULT_MIN_EVENT_SIZE)]
+    history_min_size: usize,
     /// The recorder's cost: timed steps alternate between recording off and on (a fresh ring
     /// each time, made outside the timing); prints `ms_off` and `ms_on`.
     #[arg(long, conflicts_with = "record_history")]
@@ -259,7 +262,7 @@ fn main() -> Result<()> {
         if step == args.warmup {
             wick_zoo::kernels::profile::reset();
             if args.record_history.is_some() {
-                engine.record_memory_history(Some(1 << 21))?;
+                engine.record_memory_history_with(1 << 21, args.history_min_size)?;
             }
         }
         let recording = args.history_overhead && step >= args.warmup && (step - args.warmup) % 2 == 1;
