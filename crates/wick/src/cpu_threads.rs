@@ -13,19 +13,14 @@
 pub const CANDLE_SPIN_LIMIT_VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
 
 /// Makes candle's CPU workers park as soon as an op ends (a spin limit of 0), unless the
-/// environment already sets [`CANDLE_SPIN_LIMIT_VAR`]; returns the value in effect. It must run
-/// before candle runs its first CPU op (candle reads the variable once), so call it first thing
-/// in `main`.
+/// environment already sets [`CANDLE_SPIN_LIMIT_VAR`]. It must run before candle runs its first
+/// CPU op (candle reads the variable once), so call it first thing in `main`.
 ///
 /// # Safety
 /// It writes the process environment: no other thread may read or write the environment while
 /// it runs (call it before starting threads).
-pub unsafe fn park_candle_workers() -> String {
-    match std::env::var(CANDLE_SPIN_LIMIT_VAR) {
-        Ok(value) => value,
-        Err(_) => {
-            std::env::set_var(CANDLE_SPIN_LIMIT_VAR, "0");
-            "0".to_string()
-        }
+pub unsafe fn park_candle_workers() {
+    if std::env::var_os(CANDLE_SPIN_LIMIT_VAR).is_none() {
+        std::env::set_var(CANDLE_SPIN_LIMIT_VAR, "0");
     }
 }

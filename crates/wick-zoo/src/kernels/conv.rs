@@ -79,21 +79,27 @@ impl Geometry {
         lo.min(hi)..hi
     }
 
-    /// Unfolds one image (C_in × H × W) into columns `at..at + cols` of `col`, a matrix with
-    /// `ld` elements per row.
-    #[inline(always)]
-    fn im2col<T: Real>(&self, img: &[T], col: &mut [T], ld: usize, at: usize) {
-        let (k, l) = (self.k, self.cols());
-        // Per kernel column: the output columns inside the image and their first input column,
-        // worked out once (they do not depend on the channel or the row; the divisions in
-        // `valid` per row were a third of the unfolding's time).
-        let taps: Vec<(std::ops::Range<usize>, usize)> = (0..k)
+    /// Per kernel column `dx`: the output columns whose input lies inside the image
+    /// ([`Geometry::valid`] along a row) and the input column of the first of them (0 when there
+    /// is none). They depend on neither the channel nor the row, so loops over rows take them
+    /// from here instead of dividing again per row.
+    pub(super) fn taps(&self) -> Vec<(std::ops::Range<usize>, usize)> {
+        (0..self.k)
             .map(|dx| {
                 let r = self.valid(dx, self.w, self.ow);
                 let first = (r.start * self.stride + dx).saturating_sub(self.pad);
                 (r, first)
             })
-            .collect();
+            .collect()
+    }
+
+    /// Unfolds one image (C_in × H × W) into columns `at..at + cols` of `col`, a matrix with
+    /// `ld` elements per row.
+    #[inline(always)]
+    fn im2col<T: Real>(&self, img: &[T], col: &mut [T], ld: usize, at: usize) {
+        let (k, l) = (self.k, self.cols());
+        // Worked out once: the divisions in `valid` per row were a third of the unfolding's time.
+        let taps = self.taps();
         for ci in 0..self.c_in {
             let plane = &img[ci * self.h * self.w..(ci + 1) * self.h * self.w];
             for dy in 0..k {
@@ -137,18 +143,17 @@ impl Geometry {
     /// gradient (C_in × H × W).
     fn col2im<T: Real>(&self, col: &[T], ld: usize, at: usize, img: &mut [T]) {
         let (k, l) = (self.k, self.cols());
+        let taps = self.taps();
         for ci in 0..self.c_in {
             let plane = &mut img[ci * self.h * self.w..(ci + 1) * self.h * self.w];
             for dy in 0..k {
-                for dx in 0..k {
+                for (dx, (r, first)) in taps.iter().enumerate() {
                     let row = &col[((ci * k + dy) * k + dx) * ld + at..][..l];
                     for oy in 0..self.oh {
                         let Some(iy) = self.source(oy, dy, self.h) else { continue };
                         let dst = &mut plane[iy * self.w..(iy + 1) * self.w];
-                        let r = self.valid(dx, self.w, self.ow);
-                        let first = r.start * self.stride + dx - self.pad;
                         let src = &row[oy * self.ow + r.start..oy * self.ow + r.end];
-                        for (v, ix) in src.iter().zip((first..).step_by(self.stride)) {
+                        for (v, ix) in src.iter().zip((*first..).step_by(self.stride)) {
                             dst[ix] = dst[ix] + *v;
                         }
                     }

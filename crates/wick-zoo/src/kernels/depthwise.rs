@@ -53,13 +53,7 @@ wide_kernel! {
         let mut y = vec![T::zero(); g.n * g.c_in * ohw];
         let out = SharedMut::new(&mut y);
         // Per kernel column: the output columns it reaches and their first input column.
-        let taps: Vec<(std::ops::Range<usize>, usize)> = (0..g.k)
-            .map(|dx| {
-                let r = g.valid(dx, g.w, g.ow);
-                let first = r.start * g.stride + dx - g.pad;
-                (r, first)
-            })
-            .collect();
+        let taps = g.taps();
         par_ranges(g.n * g.c_in, 1, |r| {
             // Stride 2: each input row split into its even and odd columns, so that every tap
             // reads a contiguous run.
@@ -132,6 +126,7 @@ wide_kernel! {
     /// (dx when wanted, dw) of the depthwise convolution.
     fn depthwise_backward<T>(x: &[T], w: &[T], dy: &[T], g: Geometry, want_dx: bool) -> (Option<Vec<T>>, Vec<T>) {
         let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
+        let taps = g.taps();
         let mut dx = if want_dx { vec![T::zero(); x.len()] } else { Vec::new() };
         let mut dw = vec![T::zero(); g.c_in * kk];
         let (sdx, sdw) = (SharedMut::new(&mut dx), SharedMut::new(&mut dw));
@@ -198,12 +193,10 @@ wide_kernel! {
                                 let src = &plane[iy * g.w..(iy + 1) * g.w];
                                 split_even_odd(src, &mut split, half);
                                 dsplit.iter_mut().for_each(|v| *v = T::zero());
-                                for dx_ in 0..g.k {
-                                    let r = g.valid(dx_, g.w, g.ow);
+                                for (dx_, (r, first)) in taps.iter().enumerate() {
                                     if r.is_empty() {
                                         continue;
                                     }
-                                    let first = r.start * 2 + dx_ - g.pad;
                                     let at = (first % 2) * half + first / 2;
                                     let gr = &grow[r.clone()];
                                     let t = dy_ * g.k + dx_;
@@ -224,37 +217,23 @@ wide_kernel! {
                         }
                         continue;
                     }
+                    // Strides of 3 and more (stride 1 and 2 took the paths above).
                     for oy in 0..g.oh {
                         let grow = &gp[oy * g.ow..(oy + 1) * g.ow];
                         for dy_ in 0..g.k {
                             let Some(iy) = g.source(oy, dy_, g.h) else { continue };
                             let src = &plane[iy * g.w..(iy + 1) * g.w];
-                            for dx_ in 0..g.k {
+                            for (dx_, (r, first)) in taps.iter().enumerate() {
                                 let f = filter[dy_ * g.k + dx_];
-                                let r = g.valid(dx_, g.w, g.ow);
-                                let first = r.start * g.stride + dx_ - g.pad;
-                                let acc = if g.stride == 1 {
-                                    T::of(dot(&grow[r.clone()], &src[first..first + r.len()]))
-                                } else {
-                                    let mut acc = T::zero();
-                                    for (gv, ix) in grow[r.clone()].iter().zip((first..).step_by(g.stride))
-                                    {
-                                        acc = acc + *gv * src[ix];
-                                    }
-                                    acc
-                                };
+                                let mut acc = T::zero();
+                                for (gv, ix) in grow[r.clone()].iter().zip((*first..).step_by(g.stride)) {
+                                    acc = acc + *gv * src[ix];
+                                }
                                 dwc[dy_ * g.k + dx_] = dwc[dy_ * g.k + dx_] + acc;
                                 if let Some(d) = dplane.as_deref_mut() {
                                     let drow = &mut d[iy * g.w..(iy + 1) * g.w];
-                                    if g.stride == 1 {
-                                        let dst = &mut drow[first..first + r.len()];
-                                        for (dv, gv) in dst.iter_mut().zip(&grow[r]) {
-                                            *dv = *dv + f * *gv;
-                                        }
-                                    } else {
-                                        for (gv, ix) in grow[r].iter().zip((first..).step_by(g.stride)) {
-                                            drow[ix] = drow[ix] + f * *gv;
-                                        }
+                                    for (gv, ix) in grow[r.clone()].iter().zip((*first..).step_by(g.stride)) {
+                                        drow[ix] = drow[ix] + f * *gv;
                                     }
                                 }
                             }

@@ -354,23 +354,40 @@ pub fn serves(t: &Tensor) -> bool {
 /// running float sum cannot be reordered by the compiler).
 pub(crate) const LANES: usize = 8;
 
-/// `Σ f(a[i], b[i])` over the common length in f64: element `i` is added into accumulator
-/// `i mod LANES`, the remainder after the last whole group of lanes summed apart, and the lanes
-/// then summed. Fixed-width chunks, so that where it is inlined into code compiled for wide
-/// vectors the loop vectorises (the per-index form kept its bounds checks and ran scalar).
+/// `K` sums at once, `Σ f(a[i], b[i])[k]` over the common length in f64: for each sum, element
+/// `i` is added into accumulator `i mod LANES`, the remainder after the last whole group of
+/// lanes summed apart, and the lanes then summed. Fixed-width chunks, so that where it is inlined
+/// into code compiled for wide vectors the loop vectorises (the per-index form kept its bounds
+/// checks and ran scalar). Sums taken together equal the same sums taken alone, to the bit.
 #[inline(always)]
-fn lane_sum<T: Copy>(a: &[T], b: &[T], f: impl Fn(T, T) -> f64) -> f64 {
+pub(crate) fn lane_sums<const K: usize, T: Copy>(a: &[T], b: &[T], f: impl Fn(T, T) -> [f64; K]) -> [f64; K] {
     let n = a.len().min(b.len());
     let (ac, bc) = (a[..n].chunks_exact(LANES), b[..n].chunks_exact(LANES));
     let (ar, br) = (ac.remainder(), bc.remainder());
-    let mut acc = [0.0f64; LANES];
+    let mut acc = [[0.0f64; LANES]; K];
     for (xa, xb) in ac.zip(bc) {
         for j in 0..LANES {
-            acc[j] += f(xa[j], xb[j]);
+            let terms = f(xa[j], xb[j]);
+            for k in 0..K {
+                acc[k][j] += terms[k];
+            }
         }
     }
-    let tail: f64 = ar.iter().zip(br).map(|(x, y)| f(*x, *y)).sum();
-    acc.iter().sum::<f64>() + tail
+    let mut tail = [-0.0f64; K];
+    for (x, y) in ar.iter().zip(br) {
+        let terms = f(*x, *y);
+        for k in 0..K {
+            tail[k] += terms[k];
+        }
+    }
+    std::array::from_fn(|k| acc[k].iter().sum::<f64>() + tail[k])
+}
+
+/// `Σ f(a[i], b[i])` in f64: [`lane_sums`] of one sum.
+#[inline(always)]
+fn lane_sum<T: Copy>(a: &[T], b: &[T], f: impl Fn(T, T) -> f64) -> f64 {
+    let [sum] = lane_sums(a, b, |x, y| [f(x, y)]);
+    sum
 }
 
 /// `Σ x` in f64.

@@ -26,21 +26,21 @@ fn nchw(shape: &Shape) -> Result<(usize, usize, usize)> {
 pub fn batch_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
     let (n, c, hw) = nchw(x.shape())?;
     wide_kernel! {
-    fn stats<T>(x: &[T], n: usize, c: usize, hw: usize) -> (Vec<f64>, Vec<f64>) {
-        let (mut mean, mut var) = (vec![0.0; c], vec![0.0; c]);
-        let (m, v) = (SharedMut::new(&mut mean), SharedMut::new(&mut var));
-        let count = (n * hw).max(1) as f64;
-        par_ranges(c, 1, |r| {
-            // SAFETY: disjoint channel ranges.
-            let (m, v) = unsafe { (m.range(r.start, r.len()), v.range(r.start, r.len())) };
-            for (i, ch) in r.enumerate() {
-                let plane = |b: usize| &x[(b * c + ch) * hw..(b * c + ch + 1) * hw];
-                let mean = (0..n).map(|b| sum(plane(b))).sum::<f64>() / count;
-                (m[i], v[i]) = (mean, (0..n).map(|b| sum_sq_dev(plane(b), mean)).sum::<f64>() / count);
-            }
-        });
-        (mean, var)
-    }
+        fn stats<T>(x: &[T], n: usize, c: usize, hw: usize) -> (Vec<f64>, Vec<f64>) {
+            let (mut mean, mut var) = (vec![0.0; c], vec![0.0; c]);
+            let (m, v) = (SharedMut::new(&mut mean), SharedMut::new(&mut var));
+            let count = (n * hw).max(1) as f64;
+            par_ranges(c, 1, |r| {
+                // SAFETY: disjoint channel ranges.
+                let (m, v) = unsafe { (m.range(r.start, r.len()), v.range(r.start, r.len())) };
+                for (i, ch) in r.enumerate() {
+                    let plane = |b: usize| &x[(b * c + ch) * hw..(b * c + ch + 1) * hw];
+                    let mean = (0..n).map(|b| sum(plane(b))).sum::<f64>() / count;
+                    (m[i], v[i]) = (mean, (0..n).map(|b| sum_sq_dev(plane(b), mean)).sum::<f64>() / count);
+                }
+            });
+            (mean, var)
+        }
     }
     by_real!(x.dtype(), T => with::<T, _>(x, |x| Ok(stats(x, n, c, hw))))
 }
@@ -183,8 +183,6 @@ wide_kernel! {
         let mut dx = vec![T::zero(); x.len()];
         let (sdw, sdb, sdx) =
             (SharedMut::new(&mut dw), SharedMut::new(&mut db), SharedMut::new(&mut dx));
-        // The activation passes the gradient where its input (recomputed) lies
-        // strictly inside (0, upper).
         let upper = match act {
             Activation::Identity => None,
             Activation::Relu => Some(T::infinity()),
@@ -242,31 +240,16 @@ fn masked<T: Real>(g: T, y: T, upper: T) -> T {
     std::hint::select_unpredictable((y > T::zero()) & (y < upper), g, T::zero())
 }
 
-/// `(Σ g', Σ g'·(x − mean))` over one plane in f64, `g' = through(g, x)`: element `i` is added
-/// in lane `i mod LANES` and the lanes summed at the end, the order of `kernels::sum` (so the
-/// figures are the two separate sums' to the bit). Fixed-width chunks without index checks, so
-/// the loop vectorises where it is inlined (the per-index form ran scalar: batch norm's
-/// backward on ResNet-18, 39 ms per step before).
+/// `(Σ g', Σ g'·(x − mean))` over one plane in f64, `g' = through(g, x)`, in the lanes and order
+/// of `kernels::sum` ([`super::lane_sums`]; the per-index form ran scalar: batch norm's backward
+/// on ResNet-18, 39 ms per step before).
 #[inline(always)]
 fn plane_sums<T: Real>(g: &[T], x: &[T], mean: f64, through: impl Fn(T, T) -> T) -> (f64, f64) {
-    use super::LANES;
-    let (mut a, mut b) = ([0.0f64; LANES], [0.0f64; LANES]);
-    let (gc, xc) = (g.chunks_exact(LANES), x.chunks_exact(LANES));
-    let (gr, xr) = (gc.remainder(), xc.remainder());
-    for (gs, xs) in gc.zip(xc) {
-        for j in 0..LANES {
-            let gv = T::wide(through(gs[j], xs[j]));
-            a[j] += gv;
-            b[j] += gv * (T::wide(xs[j]) - mean);
-        }
-    }
-    let (mut ta, mut tb) = (0.0f64, 0.0f64);
-    for (gv, xv) in gr.iter().zip(xr) {
-        let gv = T::wide(through(*gv, *xv));
-        ta += gv;
-        tb += gv * (T::wide(*xv) - mean);
-    }
-    (a.iter().sum::<f64>() + ta, b.iter().sum::<f64>() + tb)
+    let [sum_g, sum_gx] = super::lane_sums(g, x, |gv, xv| {
+        let gv = T::wide(through(gv, xv));
+        [gv, gv * (T::wide(xv) - mean)]
+    });
+    (sum_g, sum_gx)
 }
 
 /// `dx = k·g' + e·(x − m) + c` over one plane, `g' = through(g, x)`.
