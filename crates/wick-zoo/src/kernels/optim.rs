@@ -67,7 +67,33 @@ impl InplaceOp2 for Update<'_> {
             return Err(candle_core::Error::Msg("optimizer step: the updated tensor is not contiguous".into()));
         };
         let p = p.get_mut(start..end).ok_or_else(|| candle_core::Error::Msg("optimizer step: out of range".into()))?;
-        let g = read::<f32>(src, sl)?;
+        // A low-precision gradient (an AMP model's) is read as it is, each element widened where
+        // the update uses it: a widened copy of every gradient was a pass and an allocation of
+        // its own.
+        fn grads<'a, G>(g: &'a [G], sl: &Layout, len: usize) -> Result<&'a [G]> {
+            sl.contiguous_offsets().filter(|(a, b)| b - a == len).and_then(|(a, b)| g.get(a..b)).ok_or_else(|| {
+                candle_core::Error::Msg(format!("optimizer step: {len} values, gradient {:?}", sl.shape()))
+            })
+        }
+        let n = p.len();
+        match src {
+            CpuStorage::BF16(g) => {
+                self.apply(p, grads(g, sl, n)?, |g: half::bf16| f32::from_bits((g.to_bits() as u32) << 16))
+            }
+            CpuStorage::F16(g) => self.apply(p, grads(g, sl, n)?, half::f16::to_f32),
+            _ => self.apply(p, &read::<f32>(src, sl)?, |g: f32| g),
+        }
+    }
+}
+
+impl Update<'_> {
+    /// The update of `p` from `g`, each gradient element read through `widen`.
+    fn apply<G: Copy + Send + Sync>(
+        &self,
+        p: &mut [f32],
+        g: &[G],
+        widen: impl Fn(G) -> f32 + Send + Sync,
+    ) -> Result<()> {
         let n = p.len();
         if g.len() != n || self.state.len() != self.rule.states() || self.state.iter().any(|s| s.len() != n) {
             return Err(candle_core::Error::Msg(format!("optimizer step: {n} values, {} gradients", g.len())));
@@ -82,7 +108,7 @@ impl InplaceOp2 for Update<'_> {
                 let p = unsafe { pp.range(r.start, r.len()) };
                 // SAFETY: as above.
                 let out: Vec<&mut [f32]> = outs.iter().map(|o| unsafe { o.range(r.start, r.len()) }).collect();
-                let g = &g[r.clone()];
+                let g = g[r.clone()].iter().map(|g| widen(*g));
                 let mut out = out.into_iter();
                 match rule {
                     Optimizer::SgdMomentum { lr, momentum } => {
@@ -90,7 +116,7 @@ impl InplaceOp2 for Update<'_> {
                         let (lr, momentum) = (lr as f32, momentum as f32);
                         let old = &self.state[0][r.clone()];
                         for (((p, b_new), b_old), g) in p.iter_mut().zip(new.iter_mut()).zip(old).zip(g) {
-                            let b = momentum * *b_old + *g;
+                            let b = momentum * *b_old + g;
                             *b_new = b;
                             *p -= lr * b;
                         }
@@ -108,8 +134,8 @@ impl InplaceOp2 for Update<'_> {
                         let (m_old, v_old) = (&self.state[0][r.clone()], &self.state[1][r.clone()]);
                         let moments = m_new.iter_mut().zip(v_new.iter_mut()).zip(m_old).zip(v_old);
                         for ((p, (((mn, vn), mo), vo)), g) in p.iter_mut().zip(moments).zip(g) {
-                            let m = b1 * *mo + c1 * *g;
-                            let v = b2 * *vo + c2 * *g * *g;
+                            let m = b1 * *mo + c1 * g;
+                            let v = b2 * *vo + c2 * g * g;
                             let denom = v.sqrt() * inv_bc2_sqrt + eps;
                             *p = *p * decay - step_size * m / denom;
                             (*mn, *vn) = (m, v);
@@ -157,9 +183,7 @@ pub fn copy_into(target: &Tensor, source: &Tensor) -> Result<()> {
             };
             match dst {
                 CpuStorage::F32(d) => d[start..end].copy_from_slice(&s),
-                CpuStorage::BF16(d) => {
-                    d[start..end].iter_mut().zip(s.iter()).for_each(|(d, v)| *d = half::bf16::from_f32(*v))
-                }
+                CpuStorage::BF16(d) => super::narrow_bf16_into(&s, &mut d[start..end]),
                 CpuStorage::F16(d) => {
                     d[start..end].iter_mut().zip(s.iter()).for_each(|(d, v)| *d = half::f16::from_f32(*v))
                 }
