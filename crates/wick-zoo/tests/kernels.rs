@@ -415,3 +415,86 @@ fn bf16_conversions_round_to_nearest_even() {
         }
     }
 }
+
+/// The element-wise ops and batch norm read and write bf16 directly (no widened copies): their
+/// outputs and input gradients are, bit for bit, the f32 computation on the same values rounded
+/// once to bf16 (widening bf16 is exact, so the f32 path sees the same inputs), and batch norm's
+/// f32 parameter gradients are the f32 path's own. Backward runs through a weighted sum whose
+/// weights are bf16 values, so both paths receive the same output gradient.
+#[test]
+fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
+    let bits = |t: &Tensor| -> Vec<u16> {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_vec1::<half::bf16>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    let to = |t: &Tensor, d: DType| t.to_dtype(d).unwrap();
+    type Op = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
+    let bn = |act: Activation| -> Op {
+        Box::new(move |t: &[Tensor]| {
+            let (mean, var) = kernels::norm::batch_stats(&t[0].detach())?;
+            kernels::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, true, act)
+        })
+    };
+    // (name, op, input shapes, how many inputs are activations: the rest are f32 parameters)
+    let cases: Vec<(&str, Op, Vec<Vec<usize>>, usize)> = vec![
+        ("relu", Box::new(|t: &[Tensor]| kernels::act::relu(&t[0])), vec![vec![70_001]], 1),
+        ("relu6", Box::new(|t: &[Tensor]| kernels::act::relu6(&(&t[0] * 4.0)?)), vec![vec![3, 5, 7]], 1),
+        ("gelu", Box::new(|t: &[Tensor]| kernels::act::gelu(&t[0])), vec![vec![66_000]], 1),
+        ("silu_mul", Box::new(|t: &[Tensor]| kernels::act::silu_mul(&t[0], &t[1])), vec![vec![40_000]; 2], 2),
+        ("add_relu", Box::new(|t: &[Tensor]| kernels::act::add_relu(&t[0], &t[1])), vec![vec![2, 3, 50, 400]; 2], 2),
+        ("batch_norm", bn(Activation::Identity), vec![vec![3, 4, 9, 11], vec![4], vec![4]], 1),
+        ("batch_norm+relu", bn(Activation::Relu), vec![vec![3, 4, 9, 11], vec![4], vec![4]], 1),
+        ("batch_norm+relu6", bn(Activation::Relu6), vec![vec![2, 3, 40, 41], vec![3], vec![3]], 1),
+    ];
+    for (case, (name, op, shapes, activations)) in cases.into_iter().enumerate() {
+        // The same values in both dtypes: bf16-representable ones.
+        let inputs: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let v = randn(s, 100 + 10 * case as u64 + i as u64);
+                to(&to(&(v * if i == 0 { 2.0 } else { 1.0 }).unwrap(), DType::BF16), DType::F32)
+            })
+            .collect();
+        let run = |dtype: DType| {
+            let vars: Vec<Var> = inputs
+                .iter()
+                .enumerate()
+                .map(|(i, t)| Var::from_tensor(&to(t, if i < activations { dtype } else { DType::F32 })).unwrap())
+                .collect();
+            let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let y = op(&ts).unwrap();
+            assert_eq!(y.dtype(), dtype, "{name}: output dtype");
+            let n = y.elem_count() as u32;
+            let weights = to(
+                &to(
+                    &Tensor::arange(1u32, n + 1, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().sin().unwrap(),
+                    DType::BF16,
+                ),
+                dtype,
+            );
+            let grads = (&y * weights.reshape(y.shape()).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+            let g: Vec<Tensor> =
+                vars.iter().map(|v| grads.get(v).unwrap_or_else(|| panic!("{name}: no gradient")).clone()).collect();
+            (y, g)
+        };
+        let ((y_low, g_low), (y_ref, g_ref)) = (run(DType::BF16), run(DType::F32));
+        assert_eq!(bits(&y_low), bits(&y_ref), "{name}: forward");
+        for (i, (a, b)) in g_low.iter().zip(&g_ref).enumerate() {
+            if i < activations {
+                assert_eq!(a.dtype(), DType::BF16, "{name}: gradient {i} dtype");
+                assert_eq!(bits(a), bits(b), "{name}: gradient of input {i}");
+            } else {
+                assert_eq!(values(a), values(b), "{name}: gradient of parameter {i}");
+            }
+        }
+        assert!(values(&g_low[0]).iter().any(|v| *v != 0.0), "{name}: zero gradient");
+    }
+}

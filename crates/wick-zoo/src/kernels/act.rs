@@ -1,58 +1,77 @@
 //! Element-wise activations as single ops with closed-form gradients: ReLU and ReLU6 with
 //! PyTorch's gradient at the kinks (`[x > 0]`, `[0 < x < 6]`; NaN propagates), GELU (erf form)
-//! and SwiGLU's `silu(a)·b`. Each keeps its inputs only.
+//! and SwiGLU's `silu(a)·b`. Each keeps its inputs only. They read and write their tensors'
+//! own element types ([`Elem`]): a bf16 op computes in f32 inside the loop and moves half the
+//! bytes of an f32 one.
+
+use std::mem::MaybeUninit;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
+use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::math::vectorized;
-use super::{read, tensor, with, Real};
+use super::Real;
 
 /// Elements per parallel chunk: below this a thread's start-up costs more than the work.
 const CHUNK: usize = 1 << 15;
 
+/// `len` outputs, each parallel chunk written by `f(chunk index, chunk)`.
+fn par_out<E: Send>(len: usize, f: impl Fn(usize, &mut [MaybeUninit<E>]) + Send + Sync) -> Vec<E> {
+    use rayon::prelude::*;
+    let mut out = Vec::with_capacity(len);
+    out.spare_capacity_mut()[..len].par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| f(i, o));
+    out
+}
+
 /// `f` of every element of `x`, in parallel chunks (slices, so the loops vectorise).
-pub(crate) fn map1<T: Real>(x: &[T], f: impl Fn(T) -> T + Send + Sync) -> Vec<T> {
-    use rayon::prelude::*;
-    let mut out = vec![T::zero(); x.len()];
-    out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(o, i)| {
-        vectorized(|| {
-            for (d, v) in o.iter_mut().zip(i) {
-                *d = f(*v);
-            }
-        })
+fn map1<T: Real, E: Elem<T>>(x: &[E], f: impl Fn(T) -> T + Send + Sync) -> Vec<E> {
+    let mut out = par_out(x.len(), |i, o| {
+        let x = &x[i * CHUNK..][..o.len()];
+        vectorized(|| o.iter_mut().zip(x).for_each(|(d, v)| _ = d.write(E::store(f(v.load())))))
     });
+    // SAFETY: `par_out` split the first `x.len()` elements into chunks, and each chunk's loop
+    // above wrote every element of it (it zips the chunk with an equally long part of `x`).
+    unsafe { out.set_len(x.len()) };
     out
 }
 
-/// `f` of every pair of elements of `a` and `b` (same length), in parallel chunks.
-pub(crate) fn map2<T: Real>(a: &[T], b: &[T], f: impl Fn(T, T) -> T + Send + Sync) -> Vec<T> {
-    use rayon::prelude::*;
-    let mut out = vec![T::zero(); a.len()];
-    out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).for_each(|((o, a), b)| {
+/// `f` of every pair of elements of `a` and `b` (same length, checked), in parallel chunks.
+fn map2<T: Real, E: Elem<T>>(what: &str, a: &[E], b: &[E], f: impl Fn(T, T) -> T + Send + Sync) -> Result<Vec<E>> {
+    same_len(what, a.len(), b.len())?;
+    let mut out = par_out(a.len(), |i, o| {
+        let (a, b) = (&a[i * CHUNK..][..o.len()], &b[i * CHUNK..][..o.len()]);
+        vectorized(|| o.iter_mut().zip(a).zip(b).for_each(|((d, x), y)| _ = d.write(E::store(f(x.load(), y.load())))))
+    });
+    // SAFETY: as in `map1`: every element of every chunk was written (`a` and `b` are as long
+    // as the output).
+    unsafe { out.set_len(a.len()) };
+    Ok(out)
+}
+
+/// `f` of every triple of elements of `a`, `b` and `c` (same length, checked), in parallel
+/// chunks.
+fn map3<T: Real, E: Elem<T>>(
+    what: &str,
+    a: &[E],
+    b: &[E],
+    c: &[E],
+    f: impl Fn(T, T, T) -> T + Send + Sync,
+) -> Result<Vec<E>> {
+    same_len(what, a.len(), b.len())?;
+    same_len(what, a.len(), c.len())?;
+    let mut out = par_out(a.len(), |i, o| {
+        let (a, b, c) = (&a[i * CHUNK..][..o.len()], &b[i * CHUNK..][..o.len()], &c[i * CHUNK..][..o.len()]);
         vectorized(|| {
-            for ((d, x), y) in o.iter_mut().zip(a).zip(b) {
-                *d = f(*x, *y);
+            for (((d, x), y), z) in o.iter_mut().zip(a).zip(b).zip(c) {
+                d.write(E::store(f(x.load(), y.load(), z.load())));
             }
         })
     });
-    out
-}
-
-/// `f` of every triple of elements of `a`, `b` and `c` (same length), in parallel chunks.
-pub(crate) fn map3<T: Real>(a: &[T], b: &[T], c: &[T], f: impl Fn(T, T, T) -> T + Send + Sync) -> Vec<T> {
-    use rayon::prelude::*;
-    let mut out = vec![T::zero(); a.len()];
-    out.par_chunks_mut(CHUNK).zip(a.par_chunks(CHUNK)).zip(b.par_chunks(CHUNK)).zip(c.par_chunks(CHUNK)).for_each(
-        |(((o, a), b), c)| {
-            vectorized(|| {
-                for (((d, x), y), z) in o.iter_mut().zip(a).zip(b).zip(c) {
-                    *d = f(*x, *y, *z);
-                }
-            })
-        },
-    );
-    out
+    // SAFETY: as in `map1`: every element of every chunk was written (`a`, `b` and `c` are as
+    // long as the output).
+    unsafe { out.set_len(a.len()) };
+    Ok(out)
 }
 
 fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
@@ -70,11 +89,11 @@ struct Clamp {
 }
 
 impl Clamp {
-    fn fwd<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = read::<T>(s, l)?;
+    fn fwd<T: Real, E: Elem<T>>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = elems::<T, E>(s, l)?;
         let y = match self.max.map(T::of) {
             // Selections, so NaN (which fails every comparison) passes through.
-            Some(m) => map1(&x, move |v| {
+            Some(m) => map1(x, move |v: T| {
                 if v <= T::zero() {
                     T::zero()
                 } else if v >= m {
@@ -83,20 +102,19 @@ impl Clamp {
                     v
                 }
             }),
-            None => map1(&x, move |v| if v <= T::zero() { T::zero() } else { v }),
+            None => map1(x, move |v: T| if v <= T::zero() { T::zero() } else { v }),
         };
-        Ok((T::storage(y, s.dtype())?, l.shape().clone()))
+        Ok((E::into_storage(y), l.shape().clone()))
     }
 
-    fn bwd<T: Real>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    fn bwd<T: Real, E: Elem<T>>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
         let max = self.max.map(T::of).unwrap_or(T::infinity());
-        let dx = with::<T, _>(x, |x| {
-            with::<T, _>(g, |g| {
-                same_len("relu backward", x.len(), g.len())?;
-                Ok(map2(x, g, move |v, g| if v > T::zero() && v < max { g } else { T::zero() }))
+        let dx = with_elems::<T, E, _>(x, |x| {
+            with_elems::<T, E, _>(g, |g| {
+                map2("relu backward", x, g, move |v: T, g| if v > T::zero() && v < max { g } else { T::zero() })
             })
         })?;
-        tensor(dx, x.shape(), x.dtype())
+        elem_tensor::<T, E>(dx, x.shape())
     }
 }
 
@@ -109,10 +127,10 @@ impl CustomOp1 for Clamp {
         }
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_real!(s.dtype(), T => self.fwd::<T>(s, l))
+        by_elem!(s.dtype(), T, E => self.fwd::<T, E>(s, l))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(by_real!(x.dtype(), T => self.bwd::<T>(x, g)?)))
+        by_elem!(x.dtype(), T, E => self.bwd::<T, E>(x, g).map(Some))
     }
 }
 
@@ -130,26 +148,25 @@ pub fn relu6(x: &Tensor) -> Result<Tensor> {
 struct Gelu;
 
 impl Gelu {
-    fn fwd<T: Real>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = read::<T>(s, l)?;
+    fn fwd<T: Real, E: Elem<T>>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let x = elems::<T, E>(s, l)?;
         let (half, r2) = (T::of(0.5), T::of(std::f64::consts::FRAC_1_SQRT_2));
-        let y = map1(&x, move |v| (T::erf_(v * r2) + T::one()) * half * v);
-        Ok((T::storage(y, s.dtype())?, l.shape().clone()))
+        let y = map1(x, move |v: T| (T::erf_(v * r2) + T::one()) * half * v);
+        Ok((E::into_storage(y), l.shape().clone()))
     }
 
-    fn bwd<T: Real>(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    fn bwd<T: Real, E: Elem<T>>(x: &Tensor, g: &Tensor) -> Result<Tensor> {
         let (half, r2) = (T::of(0.5), T::of(std::f64::consts::FRAC_1_SQRT_2));
         let pdf = T::of(0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2);
-        let dx = with::<T, _>(x, |x| {
-            with::<T, _>(g, |g| {
-                same_len("gelu backward", x.len(), g.len())?;
-                Ok(map2(x, g, move |v, g| {
+        let dx = with_elems::<T, E, _>(x, |x| {
+            with_elems::<T, E, _>(g, |g| {
+                map2("gelu backward", x, g, move |v: T, g| {
                     let cdf = (T::erf_(v * r2) + T::one()) * half;
                     g * (cdf + v * pdf * T::exp_(-(v * v) * half))
-                }))
+                })
             })
         })?;
-        tensor(dx, x.shape(), x.dtype())
+        elem_tensor::<T, E>(dx, x.shape())
     }
 }
 
@@ -158,10 +175,10 @@ impl CustomOp1 for Gelu {
         "gelu"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_real!(s.dtype(), T => Gelu::fwd::<T>(s, l))
+        by_elem!(s.dtype(), T, E => Gelu::fwd::<T, E>(s, l))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(by_real!(x.dtype(), T => Gelu::bwd::<T>(x, g)?)))
+        by_elem!(x.dtype(), T, E => Gelu::bwd::<T, E>(x, g).map(Some))
     }
 }
 
@@ -179,28 +196,31 @@ fn sigmoid<T: Real>(v: T) -> T {
 }
 
 impl SiluMul {
-    fn fwd<T: Real>(sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (a, b) = (read::<T>(sa, la)?, read::<T>(sb, lb)?);
-        same_len("silu_mul", a.len(), b.len())?;
-        let y = map2(&a, &b, move |a, b| a * sigmoid(a) * b);
-        Ok((T::storage(y, sa.dtype())?, la.shape().clone()))
+    fn fwd<T: Real, E: Elem<T>>(
+        sa: &CpuStorage,
+        la: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (a, b) = (elems::<T, E>(sa, la)?, elems::<T, E>(sb, lb)?);
+        let y = map2("silu_mul", a, b, move |a: T, b| a * sigmoid(a) * b)?;
+        Ok((E::into_storage(y), la.shape().clone()))
     }
 
-    fn bwd<T: Real>(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (da, db) = with::<T, _>(a, |a| {
-            with::<T, _>(b, |b| {
-                with::<T, _>(g, |g| {
-                    same_len("silu_mul backward", a.len(), g.len())?;
-                    let da = map3(a, b, g, move |a, b, g| {
+    fn bwd<T: Real, E: Elem<T>>(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (da, db) = with_elems::<T, E, _>(a, |a| {
+            with_elems::<T, E, _>(b, |b| {
+                with_elems::<T, E, _>(g, |g| {
+                    let da = map3("silu_mul backward", a, b, g, move |a: T, b, g| {
                         let s = sigmoid(a);
                         g * b * s * (T::one() + a * (T::one() - s))
-                    });
-                    let db = map2(a, g, move |a, g| g * a * sigmoid(a));
+                    })?;
+                    let db = map2("silu_mul backward", a, g, move |a: T, g| g * a * sigmoid(a))?;
                     Ok((da, db))
                 })
             })
         })?;
-        Ok((tensor(da, a.shape(), a.dtype())?, tensor(db, b.shape(), b.dtype())?))
+        Ok((elem_tensor::<T, E>(da, a.shape())?, elem_tensor::<T, E>(db, b.shape())?))
     }
 }
 
@@ -209,10 +229,10 @@ impl CustomOp2 for SiluMul {
         "silu_mul"
     }
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_real!(sa.dtype(), T => SiluMul::fwd::<T>(sa, la, sb, lb))
+        by_elem!(sa.dtype(), T, E => SiluMul::fwd::<T, E>(sa, la, sb, lb))
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (da, db) = by_real!(a.dtype(), T => SiluMul::bwd::<T>(a, b, g)?);
+        let (da, db) = by_elem!(a.dtype(), T, E => SiluMul::bwd::<T, E>(a, b, g))?;
         Ok((Some(da), Some(db)))
     }
 }
@@ -236,31 +256,34 @@ pub fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 struct AddRelu;
 
 impl AddRelu {
-    fn fwd<T: Real>(sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (a, b) = (read::<T>(sa, la)?, read::<T>(sb, lb)?);
-        same_len("add_relu", a.len(), b.len())?;
-        let y = map2(&a, &b, move |a, b| {
+    fn fwd<T: Real, E: Elem<T>>(
+        sa: &CpuStorage,
+        la: &Layout,
+        sb: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (a, b) = (elems::<T, E>(sa, la)?, elems::<T, E>(sb, lb)?);
+        let y = map2("add_relu", a, b, move |a: T, b| {
             let v = a + b;
             if v <= T::zero() {
                 T::zero()
             } else {
                 v
             }
-        });
-        Ok((T::storage(y, sa.dtype())?, la.shape().clone()))
+        })?;
+        Ok((E::into_storage(y), la.shape().clone()))
     }
 
-    fn bwd<T: Real>(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
-        let d = with::<T, _>(a, |a| {
-            with::<T, _>(b, |b| {
-                with::<T, _>(g, |g| {
-                    same_len("add_relu backward", a.len(), g.len())?;
-                    Ok(map3(a, b, g, move |a, b, g| if a + b > T::zero() { g } else { T::zero() }))
+    /// The gradient both inputs receive (the same values: one tensor, handed to both).
+    fn bwd<T: Real, E: Elem<T>>(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let d = with_elems::<T, E, _>(a, |a| {
+            with_elems::<T, E, _>(b, |b| {
+                with_elems::<T, E, _>(g, |g| {
+                    map3("add_relu backward", a, b, g, move |a: T, b, g| if a + b > T::zero() { g } else { T::zero() })
                 })
             })
         })?;
-        let da = tensor(d.clone(), a.shape(), a.dtype())?;
-        Ok((da, tensor(d, b.shape(), b.dtype())?))
+        elem_tensor::<T, E>(d, a.shape())
     }
 }
 
@@ -269,11 +292,12 @@ impl CustomOp2 for AddRelu {
         "add_relu"
     }
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_real!(sa.dtype(), T => AddRelu::fwd::<T>(sa, la, sb, lb))
+        by_elem!(sa.dtype(), T, E => AddRelu::fwd::<T, E>(sa, la, sb, lb))
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (da, db) = by_real!(a.dtype(), T => AddRelu::bwd::<T>(a, b, g)?);
-        Ok((a.track_op().then_some(da), b.track_op().then_some(db)))
+        // Tensors are immutable: both gradient entries may share the one result.
+        let d = by_elem!(a.dtype(), T, E => AddRelu::bwd::<T, E>(a, b, g))?;
+        Ok((a.track_op().then(|| d.clone()), b.track_op().then_some(d)))
     }
 }
 

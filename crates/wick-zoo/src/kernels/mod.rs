@@ -48,7 +48,8 @@ macro_rules! by_real {
     };
 }
 
-/// Defines a kernel function generic over `T: Real` whose body — with every closure written in
+/// Defines a kernel function generic over `T: Real` (and optionally a storage type
+/// `E: Elem<T>`) whose body — with every closure written in
 /// it, `par_ranges` bodies included — is compiled three times: for AVX-512, for AVX2 + FMA, and
 /// for the baseline, the widest the CPU has chosen at run time. Closures inherit the target
 /// features of the function they are written in, not of the function they are inlined into:
@@ -58,25 +59,25 @@ macro_rules! by_real {
 /// a loop the compiler cannot vectorise may come out slower (batch norm's forward did, 10×,
 /// until its per-element activation branch became a select).
 macro_rules! wide_kernel {
-    ($(#[$m:meta])* $vis:vis fn $name:ident<$t:ident>($($a:ident: $ty:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
+    ($(#[$m:meta])* $vis:vis fn $name:ident<$t:ident $(, $e:ident)?>($($a:ident: $ty:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
         $(#[$m])*
         #[allow(clippy::too_many_arguments)]
-        $vis fn $name<$t: $crate::kernels::Real>($($a: $ty),*) $(-> $r)? {
+        $vis fn $name<$t: $crate::kernels::Real $(, $e: $crate::kernels::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                fn v4<$t: $crate::kernels::Real>($($a: $ty),*) $(-> $r)? $body
+                fn v4<$t: $crate::kernels::Real $(, $e: $crate::kernels::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? $body
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                fn v3<$t: $crate::kernels::Real>($($a: $ty),*) $(-> $r)? $body
+                fn v3<$t: $crate::kernels::Real $(, $e: $crate::kernels::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? $body
                 if std::is_x86_feature_detected!("avx512f") {
                     // SAFETY: the CPU has AVX-512F (and with it AVX2 and FMA).
-                    return unsafe { v4::<$t>($($a),*) };
+                    return unsafe { v4::<$t $(, $e)?>($($a),*) };
                 }
                 if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
                     // SAFETY: the CPU has AVX2 and FMA.
-                    return unsafe { v3::<$t>($($a),*) };
+                    return unsafe { v3::<$t $(, $e)?>($($a),*) };
                 }
             }
             $body
@@ -88,6 +89,7 @@ pub mod act;
 pub mod attention;
 pub mod conv;
 pub mod depthwise;
+pub(crate) mod elem;
 mod gemm;
 pub mod linear;
 pub mod loss;
@@ -108,7 +110,15 @@ pub(crate) use gemm::{gemm, Mat};
 
 /// A compute type of the kernels: f32 (for f32, bf16 and f16 tensors) or f64.
 pub trait Real:
-    num_traits::Float + num_traits::FromPrimitive + std::iter::Sum + Send + Sync + Copy + Default + 'static
+    num_traits::Float
+    + num_traits::FromPrimitive
+    + std::iter::Sum
+    + Send
+    + Sync
+    + Copy
+    + Default
+    + elem::Elem<Self>
+    + 'static
 {
     /// This type's elements of `s` (of any float dtype) between `start` and `start + len`,
     /// borrowed when `s` holds this type, converted otherwise.
@@ -256,7 +266,7 @@ impl Real for f64 {
     }
 }
 
-fn unsupported(dtype: DType) -> candle_core::Error {
+pub(crate) fn unsupported(dtype: DType) -> candle_core::Error {
     candle_core::Error::Msg(format!("wick kernels: dtype {dtype:?} is not a floating-point type they compute in"))
 }
 
@@ -414,15 +424,15 @@ fn lane_sum<T: Copy>(a: &[T], b: &[T], f: impl Fn(T, T) -> f64) -> f64 {
 
 /// `Σ x` in f64.
 #[inline(always)]
-pub(crate) fn sum<T: Real>(x: &[T]) -> f64 {
-    lane_sum(x, x, |v, _| T::wide(v))
+pub(crate) fn sum<T: Real, E: elem::Elem<T>>(x: &[E]) -> f64 {
+    lane_sum(x, x, |v, _| T::wide(v.load()))
 }
 
 /// `Σ (x − m)²` in f64.
 #[inline(always)]
-pub(crate) fn sum_sq_dev<T: Real>(x: &[T], m: f64) -> f64 {
+pub(crate) fn sum_sq_dev<T: Real, E: elem::Elem<T>>(x: &[E], m: f64) -> f64 {
     lane_sum(x, x, |v, _| {
-        let d = T::wide(v) - m;
+        let d = T::wide(v.load()) - m;
         d * d
     })
 }

@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
+use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::{par_ranges, read, sum, sum_sq_dev, tensor, with, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
@@ -26,7 +27,7 @@ fn nchw(shape: &Shape) -> Result<(usize, usize, usize)> {
 pub fn batch_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
     let (n, c, hw) = nchw(x.shape())?;
     wide_kernel! {
-        fn stats<T>(x: &[T], n: usize, c: usize, hw: usize) -> (Vec<f64>, Vec<f64>) {
+        fn stats<T, E>(x: &[E], n: usize, c: usize, hw: usize) -> (Vec<f64>, Vec<f64>) {
             let (mut mean, mut var) = (vec![0.0; c], vec![0.0; c]);
             let (m, v) = (SharedMut::new(&mut mean), SharedMut::new(&mut var));
             let count = (n * hw).max(1) as f64;
@@ -35,14 +36,14 @@ pub fn batch_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
                 let (m, v) = unsafe { (m.range(r.start, r.len()), v.range(r.start, r.len())) };
                 for (i, ch) in r.enumerate() {
                     let plane = |b: usize| &x[(b * c + ch) * hw..(b * c + ch + 1) * hw];
-                    let mean = (0..n).map(|b| sum(plane(b))).sum::<f64>() / count;
-                    (m[i], v[i]) = (mean, (0..n).map(|b| sum_sq_dev(plane(b), mean)).sum::<f64>() / count);
+                    let mean = (0..n).map(|b| sum::<T, E>(plane(b))).sum::<f64>() / count;
+                    (m[i], v[i]) = (mean, (0..n).map(|b| sum_sq_dev::<T, E>(plane(b), mean)).sum::<f64>() / count);
                 }
             });
             (mean, var)
         }
     }
-    by_real!(x.dtype(), T => with::<T, _>(x, |x| Ok(stats(x, n, c, hw))))
+    by_elem!(x.dtype(), T, E => with_elems::<T, E, _>(x, |x| Ok(stats::<T, E>(x, n, c, hw))))
 }
 
 /// Batch normalisation of (N, C, H, W) with given per-channel statistics: `batch` when they are
@@ -95,7 +96,7 @@ impl BatchNorm {
             .unzip()
     }
 
-    fn fwd<T: Real>(
+    fn fwd<T: Real, E: Elem<T>>(
         &self,
         sx: &CpuStorage,
         lx: &Layout,
@@ -105,25 +106,31 @@ impl BatchNorm {
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (n, c, hw) = nchw(lx.shape())?;
-        let (x, w, b) = (read::<T>(sx, lx)?, read::<T>(sw, lw)?, read::<T>(sb, lb)?);
+        let (x, w, b) = (elems::<T, E>(sx, lx)?, read::<T>(sw, lw)?, read::<T>(sb, lb)?);
         if w.len() != c || b.len() != c || self.mean.len() != c {
             return Err(err(format!("batch norm: {c} channels, {} weights, {} biases", w.len(), b.len())));
         }
         let (scale, shift) = self.affine(&w, &b);
-        let y = bn_forward::<T>(&x, (n, c, hw), &scale, &shift, self.act);
-        Ok((T::storage(y, sx.dtype())?, lx.shape().clone()))
+        let y = bn_forward::<T, E>(x, (n, c, hw), &scale, &shift, self.act);
+        Ok((E::into_storage(y), lx.shape().clone()))
     }
 
     /// (dx, dweight, dbias).
-    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+    fn bwd<T: Real, E: Elem<T>>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Vec<E>, Vec<T>, Vec<T>)> {
         let (n, c, hw) = nchw(x.shape())?;
-        with::<T, _>(x, |x| {
+        with_elems::<T, E, _>(x, |x| {
             with::<T, _>(w, |w| {
                 with::<T, _>(b, |b| {
-                    with::<T, _>(g, |g| {
+                    with_elems::<T, E, _>(g, |g| {
                         let (scale, shift) = self.affine(w, b);
                         let stats = Stats { mean: &self.mean, invstd: &self.invstd, scale: &scale, shift: &shift };
-                        Ok(bn_backward::<T>(x, w, g, (n, c, hw), stats, self.batch, self.act))
+                        Ok(bn_backward::<T, E>(x, w, g, (n, c, hw), stats, self.batch, self.act))
                     })
                 })
             })
@@ -133,9 +140,9 @@ impl BatchNorm {
 
 wide_kernel! {
     /// `act(x·scale + shift)` per channel of (N, C, HW) `x`.
-    fn bn_forward<T>(x: &[T], dims: (usize, usize, usize), scale: &[T], shift: &[T], act: Activation) -> Vec<T> {
+    fn bn_forward<T, E>(x: &[E], dims: (usize, usize, usize), scale: &[T], shift: &[T], act: Activation) -> Vec<E> {
         let (n, c, hw) = dims;
-        let mut y = vec![T::zero(); x.len()];
+        let mut y = vec![E::store(T::zero()); x.len()];
         let out = SharedMut::new(&mut y);
         par_ranges(n * c, 1, |r| {
             for plane in r {
@@ -145,10 +152,12 @@ wide_kernel! {
                 let src = &x[plane * hw..(plane + 1) * hw];
                 // One loop per activation, so the loop body has no branch.
                 match act {
-                    Activation::Identity => dst.iter_mut().zip(src).for_each(|(d, v)| *d = *v * a + t),
-                    Activation::Relu => dst.iter_mut().zip(src).for_each(|(d, v)| *d = Activation::Relu.apply(*v * a + t)),
+                    Activation::Identity => dst.iter_mut().zip(src).for_each(|(d, v)| *d = E::store(v.load() * a + t)),
+                    Activation::Relu => {
+                        dst.iter_mut().zip(src).for_each(|(d, v)| *d = E::store(Activation::Relu.apply(v.load() * a + t)))
+                    }
                     Activation::Relu6 => {
-                        dst.iter_mut().zip(src).for_each(|(d, v)| *d = Activation::Relu6.apply(*v * a + t))
+                        dst.iter_mut().zip(src).for_each(|(d, v)| *d = E::store(Activation::Relu6.apply(v.load() * a + t)))
                     }
                 }
             }
@@ -168,19 +177,19 @@ struct Stats<'a, T> {
 
 wide_kernel! {
     /// Batch norm's (dx, dweight, dbias) over (N, C, HW) `x` and output gradient `g`.
-    fn bn_backward<T>(
-        x: &[T],
+    fn bn_backward<T, E>(
+        x: &[E],
         w: &[T],
-        g: &[T],
+        g: &[E],
         dims: (usize, usize, usize),
         stats: Stats<'_, T>,
         batch: bool,
         act: Activation,
-    ) -> (Vec<T>, Vec<T>, Vec<T>) {
+    ) -> (Vec<E>, Vec<T>, Vec<T>) {
         let (n, c, hw) = dims;
         let count = (n * hw).max(1) as f64;
         let (mut dw, mut db) = (vec![T::zero(); c], vec![T::zero(); c]);
-        let mut dx = vec![T::zero(); x.len()];
+        let mut dx = vec![E::store(T::zero()); x.len()];
         let (sdw, sdb, sdx) =
             (SharedMut::new(&mut dw), SharedMut::new(&mut db), SharedMut::new(&mut dx));
         let upper = match act {
@@ -244,8 +253,9 @@ fn masked<T: Real>(g: T, y: T, upper: T) -> T {
 /// of `kernels::sum` ([`super::lane_sums`]; the per-index form ran scalar: batch norm's backward
 /// on ResNet-18, 39 ms per step before).
 #[inline(always)]
-fn plane_sums<T: Real>(g: &[T], x: &[T], mean: f64, through: impl Fn(T, T) -> T) -> (f64, f64) {
+fn plane_sums<T: Real, E: Elem<T>>(g: &[E], x: &[E], mean: f64, through: impl Fn(T, T) -> T) -> (f64, f64) {
     let [sum_g, sum_gx] = super::lane_sums(g, x, |gv, xv| {
+        let (gv, xv) = (gv.load(), xv.load());
         let gv = T::wide(through(gv, xv));
         [gv, gv * (T::wide(xv) - mean)]
     });
@@ -254,9 +264,16 @@ fn plane_sums<T: Real>(g: &[T], x: &[T], mean: f64, through: impl Fn(T, T) -> T)
 
 /// `dx = k·g' + e·(x − m) + c` over one plane, `g' = through(g, x)`.
 #[inline(always)]
-fn plane_dx<T: Real>(dx: &mut [T], g: &[T], x: &[T], (k, e, c, m): (T, T, T, T), through: impl Fn(T, T) -> T) {
+fn plane_dx<T: Real, E: Elem<T>>(
+    dx: &mut [E],
+    g: &[E],
+    x: &[E],
+    (k, e, c, m): (T, T, T, T),
+    through: impl Fn(T, T) -> T,
+) {
     for ((d, gv), xv) in dx.iter_mut().zip(g).zip(x) {
-        *d = k * through(*gv, *xv) + e * (*xv - m) + c;
+        let (gv, xv) = (gv.load(), xv.load());
+        *d = E::store(k * through(gv, xv) + e * (xv - m) + c);
     }
 }
 
@@ -273,7 +290,7 @@ impl CustomOp3 for BatchNorm {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        by_real!(sx.dtype(), T => self.fwd::<T>(sx, lx, sw, lw, sb, lb))
+        by_elem!(sx.dtype(), T, E => self.fwd::<T, E>(sx, lx, sw, lw, sb, lb))
     }
     fn bwd(
         &self,
@@ -284,10 +301,10 @@ impl CustomOp3 for BatchNorm {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let c = w.elem_count();
-        let (dx, dw, db) = by_real!(x.dtype(), T => {
-            let (dx, dw, db) = self.bwd::<T>(x, w, b, g)?;
-            (tensor(dx, x.shape(), x.dtype())?, tensor(dw, c, w.dtype())?, tensor(db, c, b.dtype())?)
-        });
+        let (dx, dw, db) = by_elem!(x.dtype(), T, E => {
+            let (dx, dw, db) = self.bwd::<T, E>(x, w, b, g)?;
+            Ok((elem_tensor::<T, E>(dx, x.shape())?, tensor(dw, c, w.dtype())?, tensor(db, c, b.dtype())?))
+        })?;
         Ok((x.track_op().then_some(dx), w.track_op().then_some(dw), b.track_op().then_some(db)))
     }
 }
