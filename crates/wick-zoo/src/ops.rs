@@ -268,6 +268,25 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> R
     node("attention", &[q, k, v], q.dtype(), q.dtype(), move |t| attention_composed(&t[0], &t[1], &t[2], bias.as_ref()))
 }
 
+/// Self-attention of `qkv` (batch, seq, 3·heads·head_dim: q, k and v side by side, as one fused
+/// projection writes them) into (batch, seq, heads·head_dim), the heads side by side — the same
+/// values as splitting q, k and v into (batch, heads, seq, head_dim), [`attention`], and merging
+/// the heads back. On the CPU one op reads the packed layout in place: no split copies of q, k
+/// and v, no merge copy of the output, and in backward one packed gradient instead of three
+/// padded ones summed.
+pub fn attention_packed(qkv: &Tensor, heads: usize, bias: Option<&Tensor>) -> Result<Tensor> {
+    if kernels::serves(qkv) {
+        return kernels::attention::attention_packed(qkv, heads, bias);
+    }
+    let (n, t, e) = qkv.dims3()?;
+    if heads == 0 || e % (3 * heads) != 0 {
+        candle_core::bail!("attention: packed q, k, v of width {e} do not split into 3 × {heads} heads");
+    }
+    let (h, hd) = (e / 3, e / (3 * heads));
+    let split = |i: usize| qkv.narrow(2, i * h, h)?.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous();
+    attention(&split(0)?, &split(1)?, &split(2)?, bias)?.transpose(1, 2)?.reshape((n, t, h))
+}
+
 /// An additive causal mask (seq, seq): 0 on and below the diagonal, `-1e4` above. A finite value
 /// keeps low-precision dtypes free of NaN (exp underflows to exactly 0 either way in f32).
 pub fn causal_bias(seq: usize, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {

@@ -30,15 +30,9 @@ const LAYER_PARAMS: [&str; 12] = [
 
 /// One pre-norm encoder layer over tokens (N, T, hidden).
 fn encoder_layer(z: &Tensor, w: &[Tensor], heads: usize) -> candle_core::Result<Tensor> {
-    let (n, t, h) = z.dims3()?;
-    let hd = h / heads;
     let linear = |x: &Tensor, i: usize| ops::linear(x, &w[i], Some(&w[i + 1]));
     let y = ops::layer_norm(z, &w[0], &w[1], 1e-6)?;
-    let qkv = linear(&y, 2)?;
-    let split = |i: usize| -> candle_core::Result<Tensor> {
-        qkv.narrow(2, i * h, h)?.reshape((n, t, heads, hd))?.transpose(1, 2)?.contiguous()
-    };
-    let attn = ops::attention(&split(0)?, &split(1)?, &split(2)?, None)?.transpose(1, 2)?.reshape((n, t, h))?;
+    let attn = ops::attention_packed(&linear(&y, 2)?, heads, None)?;
     let z = (z + linear(&attn, 4)?)?;
     let y = ops::layer_norm(&z, &w[6], &w[7], 1e-6)?;
     let y = ops::gelu(&linear(&y, 8)?)?;

@@ -309,6 +309,23 @@ fn attention_and_rope_match_their_composed_forms() {
         |t| ops::attention_composed(&t[0], &t[1], &t[2], Some(&causal)),
     );
     let (cos, sin) = ops::rope_tables(6, 4, 10_000.0, DType::F64, &Device::Cpu).unwrap();
+    // q, k and v packed side by side (2 heads of width 3), as a fused projection writes them,
+    // against splitting them into heads for the composed form and merging its heads back.
+    let qkv = randn(&[2, 5, 18], 40);
+    let split = |t: &Tensor, i: usize| t.narrow(2, i * 6, 6)?.reshape((2, 5, 2, 3))?.transpose(1, 2)?.contiguous();
+    let merged = |o: Tensor| o.transpose(1, 2)?.reshape((2, 5, 6));
+    let padding =
+        Tensor::new(&[[0.0f64, 0.0, -1e4, 0.0, -1e4], [0.0; 5]], &Device::Cpu).unwrap().reshape((2, 1, 1, 5)).unwrap();
+    for (name, bias) in [("attention (packed)", None), ("attention (packed, padding bias)", Some(&padding))] {
+        check(
+            name,
+            &[qkv.clone()],
+            |t| kernels::attention::attention_packed(&t[0], 2, bias),
+            |t| merged(ops::attention_composed(&split(&t[0], 0)?, &split(&t[0], 1)?, &split(&t[0], 2)?, bias)?),
+        );
+    }
+    assert!(kernels::attention::attention_packed(&qkv, 4, None).is_err(), "18 is not 3 × 4 heads × a width");
+    assert!(kernels::attention::attention_packed(&qkv, 0, None).is_err(), "no heads");
     check("rope", &[q], |t| kernels::attention::rope(&t[0], &cos, &sin), |t| ops::rope_composed(&t[0], &cos, &sin));
 }
 

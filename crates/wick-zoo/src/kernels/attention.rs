@@ -60,19 +60,99 @@ fn dims(q: &Shape, k: &Shape, v: &Shape) -> Result<(usize, usize, usize, usize, 
     }
 }
 
+/// Where an operand's rows lie: row `i` of head (b, h) starts at `base + b·batch + h·head +
+/// i·row`, its head_dim elements contiguous. Heads apart ((B, H, S, D)) or packed along the last
+/// axis of (B, S, parts·H·D), as a projection writes them: the packed form needs no split and
+/// transposed copies of q, k and v, nor their gradients' reassembly.
+#[derive(Clone, Copy, Debug)]
+struct Heads {
+    base: usize,
+    batch: usize,
+    head: usize,
+    row: usize,
+}
+
+impl Heads {
+    /// (B, H, S, D), contiguous.
+    fn apart(heads: usize, seq: usize, d: usize) -> Self {
+        Heads { base: 0, batch: heads * seq * d, head: seq * d, row: d }
+    }
+
+    /// Part `which` of `parts` packed along the last axis of (B, S, parts·H·D).
+    fn packed(which: usize, parts: usize, heads: usize, seq: usize, d: usize) -> Self {
+        let width = parts * heads * d;
+        Heads { base: which * heads * d, batch: seq * width, head: d, row: width }
+    }
+
+    /// Where head `bh` (batch-major) starts.
+    fn start(&self, bh: usize, heads: usize) -> usize {
+        self.base + (bh / heads) * self.batch + (bh % heads) * self.head
+    }
+
+    /// Head `bh`'s `rows × d` matrix in `data`.
+    fn mat<'a, T>(&self, data: &'a [T], bh: usize, heads: usize, rows: usize, d: usize) -> Result<Mat<'a, T>> {
+        let data = data.get(self.start(bh, heads)..).ok_or_else(|| err("attention: operand out of range".into()))?;
+        Ok(Mat { data, rows, cols: d, row_stride: self.row, col_stride: 1 })
+    }
+}
+
+/// A result buffer shared by the heads' threads and where each head's rows go in it.
+struct Target<'a, T> {
+    data: &'a SharedMut<T>,
+    layout: Heads,
+}
+
+impl<T: Real> Target<'_, T> {
+    /// `gemm` of head `bh`'s `rows × d` result into its places: straight in when the head's
+    /// rows are one block, through `scratch` otherwise.
+    ///
+    /// # Safety
+    /// No other call writes head `bh` of this target at the same time.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn put(
+        &self,
+        bh: usize,
+        heads: usize,
+        (rows, d): (usize, usize),
+        scratch: &mut [T],
+        a: Mat<'_, T>,
+        b: Mat<'_, T>,
+        alpha: T,
+    ) -> Result<()> {
+        let start = self.layout.start(bh, heads);
+        if self.layout.row == d {
+            // SAFETY: head `bh`'s block, written by this call only (the caller's contract).
+            return gemm(unsafe { self.data.range(start, rows * d) }, a, b, alpha, false, false);
+        }
+        let block = &mut scratch[..rows * d];
+        gemm(block, a, b, alpha, false, false)?;
+        for (i, r) in block.chunks_exact(d).enumerate() {
+            // SAFETY: row `i` of head `bh`, written by this call only (the caller's contract);
+            // the heads' rows of a packed layout do not overlap.
+            unsafe { self.data.range(start + i * self.layout.row, d) }.copy_from_slice(r);
+        }
+        Ok(())
+    }
+}
+
+/// The layouts of q, k, v and the output.
+type Layouts = [Heads; 4];
+
 impl Attention {
     /// Scaled, biased scores of head `bh` into `s` (Sq × Sk).
+    #[allow(clippy::too_many_arguments)]
     fn scores<T: Real>(
         &self,
         q: &[T],
         k: &[T],
+        lay: &Layouts,
         bh: usize,
         heads: usize,
         (sq, sk, d): (usize, usize, usize),
         s: &mut [T],
     ) -> Result<()> {
         let scale = T::of(1.0 / (d as f64).sqrt());
-        gemm(s, Mat::rows(&q[bh * sq * d..], sq, d), Mat::rows(&k[bh * sk * d..], sk, d).t(), scale, false, false)?;
+        gemm(s, lay[0].mat(q, bh, heads, sq, d)?, lay[1].mat(k, bh, heads, sk, d)?.t(), scale, false, false)?;
         if let Some(bias) = &self.bias {
             for i in 0..sq {
                 let (row, stride) = bias.row(bh / heads, bh % heads, i);
@@ -84,35 +164,36 @@ impl Attention {
         Ok(())
     }
 
+    /// The output (laid out as `lay[3]`) and each query row's log-sum-exp.
     fn fwd<T: Real>(
         &self,
-        q: &[T],
-        k: &[T],
-        v: &[T],
+        (q, k, v): (&[T], &[T], &[T]),
+        lay: &Layouts,
         (b, h, sq, sk, d): (usize, usize, usize, usize, usize),
     ) -> Result<(Vec<T>, Vec<f64>)> {
         let mut out = vec![T::zero(); b * h * sq * d];
         let mut lse = vec![0.0; b * h * sq];
         let (so, sl) = (SharedMut::new(&mut out), SharedMut::new(&mut lse));
+        let target = Target { data: &so, layout: lay[3] };
         let failure = Mutex::new(None);
         par_ranges(b * h, 1, |r| {
-            let mut s = vec![T::zero(); sq * sk];
+            let (mut s, mut scratch) = (vec![T::zero(); sq * sk], vec![T::zero(); sq * d]);
             for bh in r {
                 let mut run = || -> Result<()> {
-                    self.scores(q, k, bh, h, (sq, sk, d), &mut s)?;
+                    self.scores(q, k, lay, bh, h, (sq, sk, d), &mut s)?;
                     // SAFETY: one head's rows per index.
                     let l = unsafe { sl.range(bh * sq, sq) };
                     for (i, row) in s.chunks_mut(sk).enumerate() {
                         let max = row.iter().fold(T::neg_infinity(), |m, v| m.max(*v));
                         row.iter_mut().for_each(|v| *v = T::exp_(*v - max));
-                        let sum = sum(row);
+                        let sum = sum::<T, T>(row);
                         let inv = T::of(1.0 / sum);
                         row.iter_mut().for_each(|v| *v = *v * inv);
                         l[i] = T::wide(max) + sum.ln();
                     }
-                    // SAFETY: as above.
-                    let o = unsafe { so.range(bh * sq * d, sq * d) };
-                    gemm(o, Mat::rows(&s, sq, sk), Mat::rows(&v[bh * sk * d..], sk, d), T::one(), false, false)
+                    let vm = lay[2].mat(v, bh, h, sk, d)?;
+                    // SAFETY: one head per index.
+                    unsafe { target.put(bh, h, (sq, d), &mut scratch, Mat::rows(&s, sq, sk), vm, T::one()) }
                 };
                 if let Err(e) = run() {
                     *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
@@ -125,47 +206,43 @@ impl Attention {
         }
     }
 
-    /// (dq, dk, dv).
+    /// dq, dk and dv into `grads` (each buffer `b·h·s·d` long where its layout puts it).
     fn bwd<T: Real>(
         &self,
-        q: &[T],
-        k: &[T],
-        v: &[T],
-        go: &[T],
+        (q, k, v, go): (&[T], &[T], &[T], &[T]),
+        lay: &Layouts,
         (b, h, sq, sk, d): (usize, usize, usize, usize, usize),
-    ) -> Result<[Vec<T>; 3]> {
+        [dq, dk, dv]: [Target<'_, T>; 3],
+    ) -> Result<()> {
         let lse = self.lse.lock().unwrap_or_else(|p| p.into_inner()).clone();
         if lse.len() != b * h * sq {
             return Err(err("attention backward: no forward statistics".into()));
         }
         let scale = T::of(1.0 / (d as f64).sqrt());
-        let (mut dq, mut dk, mut dv) = (vec![T::zero(); q.len()], vec![T::zero(); k.len()], vec![T::zero(); v.len()]);
-        let (sdq, sdk, sdv) = (SharedMut::new(&mut dq), SharedMut::new(&mut dk), SharedMut::new(&mut dv));
         let failure = Mutex::new(None);
         par_ranges(b * h, 1, |r| {
             let (mut p, mut dp) = (vec![T::zero(); sq * sk], vec![T::zero(); sq * sk]);
+            let mut scratch = vec![T::zero(); sq.max(sk) * d];
             for bh in r {
                 let mut run = || -> Result<()> {
                     // P = exp(S − lse), recomputed.
-                    self.scores(q, k, bh, h, (sq, sk, d), &mut p)?;
+                    self.scores(q, k, lay, bh, h, (sq, sk, d), &mut p)?;
                     for (i, row) in p.chunks_mut(sk).enumerate() {
                         let l = T::of(lse[bh * sq + i]);
                         row.iter_mut().for_each(|v| *v = T::exp_(*v - l));
                     }
-                    let gm = Mat::rows(&go[bh * sq * d..], sq, d);
-                    // SAFETY: one head's slices per index.
-                    let (dqh, dkh, dvh) = unsafe {
-                        (sdq.range(bh * sq * d, sq * d), sdk.range(bh * sk * d, sk * d), sdv.range(bh * sk * d, sk * d))
-                    };
-                    gemm(dvh, Mat::rows(&p, sq, sk).t(), gm, T::one(), false, false)?;
-                    gemm(&mut dp, gm, Mat::rows(&v[bh * sk * d..], sk, d).t(), T::one(), false, false)?;
+                    let gm = lay[3].mat(go, bh, h, sq, d)?;
+                    // SAFETY (each `put` below): one head per index.
+                    unsafe { dv.put(bh, h, (sk, d), &mut scratch, Mat::rows(&p, sq, sk).t(), gm, T::one())? };
+                    gemm(&mut dp, gm, lay[2].mat(v, bh, h, sk, d)?.t(), T::one(), false, false)?;
                     // dS = P ∘ (dP − Σ_j P∘dP), into `dp`.
                     for (prow, drow) in p.chunks(sk).zip(dp.chunks_mut(sk)) {
                         let dot = T::of(dot(prow, drow));
                         drow.iter_mut().zip(prow).for_each(|(g, pv)| *g = *pv * (*g - dot));
                     }
-                    gemm(dqh, Mat::rows(&dp, sq, sk), Mat::rows(&k[bh * sk * d..], sk, d), scale, false, false)?;
-                    gemm(dkh, Mat::rows(&dp, sq, sk).t(), Mat::rows(&q[bh * sq * d..], sq, d), scale, false, false)
+                    let (km, qm) = (lay[1].mat(k, bh, h, sk, d)?, lay[0].mat(q, bh, h, sq, d)?);
+                    unsafe { dq.put(bh, h, (sq, d), &mut scratch, Mat::rows(&dp, sq, sk), km, scale)? };
+                    unsafe { dk.put(bh, h, (sk, d), &mut scratch, Mat::rows(&dp, sq, sk).t(), qm, scale) }
                 };
                 if let Err(e) = run() {
                     *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
@@ -174,8 +251,12 @@ impl Attention {
         });
         match failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
             Some(e) => Err(e),
-            None => Ok([dq, dk, dv]),
+            None => Ok(()),
         }
+    }
+
+    fn apart(h: usize, sq: usize, sk: usize, d: usize) -> Layouts {
+        [Heads::apart(h, sq, d), Heads::apart(h, sk, d), Heads::apart(h, sk, d), Heads::apart(h, sq, d)]
     }
 
     fn cpu<T: Real>(
@@ -187,17 +268,34 @@ impl Attention {
         sv: &CpuStorage,
         lv: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let dims = dims(lq.shape(), lk.shape(), lv.shape())?;
+        let dims @ (_, h, s_q, s_k, d) = dims(lq.shape(), lk.shape(), lv.shape())?;
         let (q, k, v) = (read::<T>(sq, lq)?, read::<T>(sk, lk)?, read::<T>(sv, lv)?);
-        let (out, lse) = self.fwd(&q, &k, &v, dims)?;
+        let (out, lse) = self.fwd((&q, &k, &v), &Attention::apart(h, s_q, s_k, d), dims)?;
         *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
         Ok((T::storage(out, sq.dtype())?, lq.shape().clone()))
     }
 
     fn grads<T: Real>(&self, q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor) -> Result<[Tensor; 3]> {
-        let dims = dims(q.shape(), k.shape(), v.shape())?;
+        let dims @ (_, h, s_q, s_k, d) = dims(q.shape(), k.shape(), v.shape())?;
+        let lay = Attention::apart(h, s_q, s_k, d);
         let [dq, dk, dv] = with::<T, _>(q, |qs| {
-            with::<T, _>(k, |ks| with::<T, _>(v, |vs| with::<T, _>(g, |gs| self.bwd(qs, ks, vs, gs, dims))))
+            with::<T, _>(k, |ks| {
+                with::<T, _>(v, |vs| {
+                    with::<T, _>(g, |gs| {
+                        let (mut dq, mut dk, mut dv) =
+                            (vec![T::zero(); qs.len()], vec![T::zero(); ks.len()], vec![T::zero(); vs.len()]);
+                        let (sdq, sdk, sdv) =
+                            (SharedMut::new(&mut dq), SharedMut::new(&mut dk), SharedMut::new(&mut dv));
+                        let targets = [
+                            Target { data: &sdq, layout: lay[0] },
+                            Target { data: &sdk, layout: lay[1] },
+                            Target { data: &sdv, layout: lay[2] },
+                        ];
+                        self.bwd((qs, ks, vs, gs), &lay, dims, targets)?;
+                        Ok([dq, dk, dv])
+                    })
+                })
+            })
         })?;
         Ok([tensor(dq, q.shape(), q.dtype())?, tensor(dk, k.shape(), k.dtype())?, tensor(dv, v.shape(), v.dtype())?])
     }
@@ -237,6 +335,78 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> R
     let bias = bias.map(|t| Bias::new(t, [b, h, sq, sk])).transpose()?;
     let op = Attention { bias, lse: Mutex::new(Vec::new()) };
     super::apply3(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// Self-attention over q, k and v packed in one (B, S, 3·H·D) tensor, as a fused projection
+/// writes them; the output is (B, S, H·D) with the heads side by side, ready for the output
+/// projection.
+struct Packed {
+    attention: Attention,
+    heads: usize,
+}
+
+/// (batch, seq, head_dim) of a packed (B, S, 3·heads·D) input.
+fn packed_dims(shape: &Shape, heads: usize) -> Result<(usize, usize, usize)> {
+    match shape.dims() {
+        &[b, s, e] if heads > 0 && e > 0 && e % (3 * heads) == 0 => Ok((b, s, e / (3 * heads))),
+        d => Err(err(format!("attention: packed q, k, v {d:?} are not (batch, seq, 3·{heads}·head_dim)"))),
+    }
+}
+
+impl Packed {
+    fn layouts(&self, seq: usize, d: usize) -> Layouts {
+        let h = self.heads;
+        [
+            Heads::packed(0, 3, h, seq, d),
+            Heads::packed(1, 3, h, seq, d),
+            Heads::packed(2, 3, h, seq, d),
+            Heads::packed(0, 1, h, seq, d),
+        ]
+    }
+
+    fn cpu<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, seq, d) = packed_dims(l.shape(), self.heads)?;
+        let qkv = read::<T>(s, l)?;
+        let dims = (b, self.heads, seq, seq, d);
+        let (out, lse) = self.attention.fwd((&qkv, &qkv, &qkv), &self.layouts(seq, d), dims)?;
+        *self.attention.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
+        Ok((T::storage(out, s.dtype())?, Shape::from((b, seq, self.heads * d))))
+    }
+
+    fn grad<T: Real>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let (b, seq, d) = packed_dims(x.shape(), self.heads)?;
+        let lay = self.layouts(seq, d);
+        let dqkv = with::<T, _>(x, |qkv| {
+            with::<T, _>(g, |go| {
+                let mut dqkv = vec![T::zero(); qkv.len()];
+                let sd = SharedMut::new(&mut dqkv);
+                let targets = [0, 1, 2].map(|i| Target { data: &sd, layout: lay[i] });
+                self.attention.bwd((qkv, qkv, qkv, go), &lay, (b, self.heads, seq, seq, d), targets)?;
+                Ok(dqkv)
+            })
+        })?;
+        tensor(dqkv, x.shape(), x.dtype())
+    }
+}
+
+impl CustomOp1 for Packed {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        by_real!(s.dtype(), T => self.cpu::<T>(s, l))
+    }
+    fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        by_real!(x.dtype(), T => self.grad::<T>(x, g).map(Some))
+    }
+}
+
+/// Self-attention of `qkv` (B, S, 3·H·D: q, k and v side by side, each with its heads side by
+/// side) into (B, S, H·D) on the CPU (see [`crate::ops::attention_packed`]).
+pub fn attention_packed(qkv: &Tensor, heads: usize, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (b, s, _) = packed_dims(qkv.shape(), heads)?;
+    let bias = bias.map(|t| Bias::new(t, [b, heads, s, s])).transpose()?;
+    super::apply1(&qkv.contiguous()?, Packed { attention: Attention { bias, lse: Mutex::new(Vec::new()) }, heads })
 }
 
 /// Rotary embedding of (…, seq, head_dim) with tables (seq, head_dim/2), rotating pairs
