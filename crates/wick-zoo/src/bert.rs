@@ -159,14 +159,12 @@ fn param_dtype(name: &str, dtype: DType) -> DType {
 
 /// One post-norm encoder layer; `w` holds the parameters in [`layer_shapes`] order.
 fn encoder_layer(x: &Tensor, w: &[Tensor], bias: &Tensor, heads: usize, eps: f64) -> candle_core::Result<Tensor> {
-    let (batch, seq, hidden) = x.dims3()?;
-    let hd = hidden / heads;
     let linear = |t: &Tensor, i: usize| ops::linear(t, &w[i], Some(&w[i + 1]));
-    let split = |t: Tensor| -> candle_core::Result<Tensor> {
-        t.reshape((batch, seq, heads, hd))?.transpose(1, 2)?.contiguous()
-    };
-    let (q, k, v) = (split(linear(x, 0)?)?, split(linear(x, 2)?)?, split(linear(x, 4)?)?);
-    let ctx = ops::attention(&q, &k, &v, Some(bias))?.transpose(1, 2)?.reshape((batch, seq, hidden))?;
+    // Q, K and V as one projection (their weights stacked, a parameter-sized copy): the hidden
+    // states feed one op instead of three, so backward sums no three gradients for them, and
+    // attention reads the packed result in place.
+    let (wqkv, bqkv) = (Tensor::cat(&[&w[0], &w[2], &w[4]], 0)?, Tensor::cat(&[&w[1], &w[3], &w[5]], 0)?);
+    let ctx = ops::attention_packed(&ops::linear(x, &wqkv, Some(&bqkv))?, heads, Some(bias))?;
     let x = ops::layer_norm(&(linear(&ctx, 6)? + x)?, &w[8], &w[9], eps)?;
     let inter = ops::gelu(&linear(&x, 10)?)?;
     ops::layer_norm(&(linear(&inter, 12)? + &x)?, &w[14], &w[15], eps)

@@ -433,9 +433,9 @@ fn bf16_conversions_round_to_nearest_even() {
     }
 }
 
-/// The element-wise ops and batch norm read and write bf16 directly (no widened copies): their
+/// The element-wise ops and the norms read and write bf16 directly (no widened copies): their
 /// outputs and input gradients are, bit for bit, the f32 computation on the same values rounded
-/// once to bf16 (widening bf16 is exact, so the f32 path sees the same inputs), and batch norm's
+/// once to bf16 (widening bf16 is exact, so the f32 path sees the same inputs), and the norms'
 /// f32 parameter gradients are the f32 path's own. Backward runs through a weighted sum whose
 /// weights are bf16 values, so both paths receive the same output gradient.
 #[test]
@@ -466,6 +466,18 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
         ("gelu", Box::new(|t: &[Tensor]| kernels::act::gelu(&t[0])), vec![vec![66_000]], 1),
         ("silu_mul", Box::new(|t: &[Tensor]| kernels::act::silu_mul(&t[0], &t[1])), vec![vec![40_000]; 2], 2),
         ("add_relu", Box::new(|t: &[Tensor]| kernels::act::add_relu(&t[0], &t[1])), vec![vec![2, 3, 50, 400]; 2], 2),
+        (
+            "layer_norm",
+            Box::new(|t: &[Tensor]| kernels::norm::layer_norm(&t[0], &t[1], &t[2], 1e-5)),
+            vec![vec![6, 7, 48], vec![48], vec![48]],
+            1,
+        ),
+        (
+            "rms_norm",
+            Box::new(|t: &[Tensor]| kernels::norm::rms_norm(&t[0], &t[1], 1e-6)),
+            vec![vec![5, 40], vec![40]],
+            1,
+        ),
         ("batch_norm", bn(Activation::Identity), vec![vec![3, 4, 9, 11], vec![4], vec![4]], 1),
         ("batch_norm+relu", bn(Activation::Relu), vec![vec![3, 4, 9, 11], vec![4], vec![4]], 1),
         ("batch_norm+relu6", bn(Activation::Relu6), vec![vec![2, 3, 40, 41], vec![3], vec![3]], 1),

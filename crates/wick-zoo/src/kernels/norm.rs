@@ -337,95 +337,33 @@ struct RowNorm {
 }
 
 impl RowNorm {
-    fn fwd<T: Real>(&self, sx: &CpuStorage, lx: &Layout, w: &[T], b: Option<&[T]>) -> Result<(CpuStorage, Shape)> {
-        let x = read::<T>(sx, lx)?;
+    fn fwd<T: Real, E: Elem<T>>(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        w: &[T],
+        b: Option<&[T]>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = elems::<T, E>(sx, lx)?;
         let d = lx.shape().dims().last().copied().unwrap_or(1).max(1);
         if w.len() != d || b.is_some_and(|b| b.len() != d) {
             return Err(err(format!("norm: rows of {d}, {} weights", w.len())));
         }
-        let rows = x.len() / d;
-        let mut y = vec![T::zero(); x.len()];
-        let mut stats = vec![(0.0, 0.0); rows];
-        let (out, st) = (SharedMut::new(&mut y), SharedMut::new(&mut stats));
-        par_ranges(rows, 16, |r| {
-            for row in r {
-                let xr = &x[row * d..(row + 1) * d];
-                let mean = if self.rms { 0.0 } else { sum(xr) / d as f64 };
-                let var = sum_sq_dev(xr, mean) / d as f64;
-                let inv = 1.0 / (var + self.eps).sqrt();
-                // SAFETY: one row per index.
-                unsafe { st.range(row, 1)[0] = (mean, inv) };
-                let (m, i) = (T::of(mean), T::of(inv));
-                // SAFETY: as above.
-                let dst = unsafe { out.range(row * d, d) };
-                match b {
-                    Some(b) => dst.iter_mut().enumerate().for_each(|(j, o)| *o = (xr[j] - m) * i * w[j] + b[j]),
-                    None => dst.iter_mut().enumerate().for_each(|(j, o)| *o = xr[j] * i * w[j]),
-                }
-            }
-        });
+        let (y, stats) = row_norm_forward::<T, E>(x, w, b, d, self.rms, self.eps);
         *self.stats.lock().unwrap_or_else(|p| p.into_inner()) = stats;
-        Ok((T::storage(y, sx.dtype())?, lx.shape().clone()))
+        Ok((E::into_storage(y), lx.shape().clone()))
     }
 
     /// (dx, dweight, dbias).
-    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Vec<T>, Vec<T>, Vec<T>)> {
+    fn bwd<T: Real, E: Elem<T>>(&self, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Vec<E>, Vec<T>, Vec<T>)> {
         let stats = self.stats.lock().unwrap_or_else(|p| p.into_inner()).clone();
         let d = x.dims().last().copied().unwrap_or(1).max(1);
-        with::<T, _>(x, |x| {
-            with::<T, _>(w, |w| {
-                with::<T, _>(g, |g| {
-                    let rows = x.len() / d;
-                    if stats.len() != rows {
-                        return Err(err(format!("norm backward: {} rows kept, {rows} now", stats.len())));
-                    }
-                    let mut dx = vec![T::zero(); x.len()];
-                    let sdx = SharedMut::new(&mut dx);
-                    // Per-chunk partial sums of dweight and dbias (f64), added at the end in
-                    // the chunks' order, so the result does not depend on which thread ends
-                    // first (the same inputs give the same bits on every run).
-                    let partial = Mutex::new(Vec::new());
-                    par_ranges(rows, 16, |r| {
-                        let first = r.start;
-                        let mut acc = vec![0.0f64; 2 * d];
-                        for row in r {
-                            let (mean, inv) = stats[row];
-                            let (xr, gr) = (&x[row * d..(row + 1) * d], &g[row * d..(row + 1) * d]);
-                            let (mut s1, mut s2) = (0.0f64, 0.0f64);
-                            for j in 0..d {
-                                let xhat = (T::wide(xr[j]) - mean) * inv;
-                                let gw = T::wide(gr[j]) * T::wide(w[j]);
-                                s1 += gw;
-                                s2 += gw * xhat;
-                                acc[j] += T::wide(gr[j]) * xhat;
-                                acc[d + j] += T::wide(gr[j]);
-                            }
-                            let (m1, m2) = (if self.rms { 0.0 } else { s1 / d as f64 }, s2 / d as f64);
-                            // SAFETY: one row per index.
-                            let dst = unsafe { sdx.range(row * d, d) };
-                            for j in 0..d {
-                                let xhat = (T::wide(xr[j]) - mean) * inv;
-                                let gw = T::wide(gr[j]) * T::wide(w[j]);
-                                dst[j] = T::of(inv * (gw - m1 - xhat * m2));
-                            }
-                        }
-                        partial.lock().unwrap_or_else(|p| p.into_inner()).push((first, acc));
-                    });
-                    let mut parts = partial.into_inner().unwrap_or_else(|p| p.into_inner());
-                    parts.sort_by_key(|(first, _)| *first);
-                    let mut sums = vec![0.0f64; 2 * d];
-                    for (_, acc) in &parts {
-                        sums.iter_mut().zip(acc).for_each(|(t, a)| *t += a);
-                    }
-                    let dw = sums[..d].iter().map(|v| T::of(*v)).collect();
-                    let db = sums[d..].iter().map(|v| T::of(*v)).collect();
-                    Ok((dx, dw, db))
-                })
-            })
+        with_elems::<T, E, _>(x, |x| {
+            with::<T, _>(w, |w| with_elems::<T, E, _>(g, |g| row_norm_backward::<T, E>(x, w, g, d, self.rms, &stats)))
         })
     }
 
-    fn cpu<T: Real>(
+    fn cpu<T: Real, E: Elem<T>>(
         &self,
         sx: &CpuStorage,
         lx: &Layout,
@@ -435,17 +373,115 @@ impl RowNorm {
     ) -> Result<(CpuStorage, Shape)> {
         let w = read::<T>(sw, lw)?;
         match b {
-            Some((sb, lb)) => self.fwd::<T>(sx, lx, &w, Some(&read::<T>(sb, lb)?)),
-            None => self.fwd::<T>(sx, lx, &w, None),
+            Some((sb, lb)) => self.fwd::<T, E>(sx, lx, &w, Some(&read::<T>(sb, lb)?)),
+            None => self.fwd::<T, E>(sx, lx, &w, None),
         }
     }
 
     fn grads(&self, x: &Tensor, w: &Tensor, g: &Tensor, bias_dtype: DType) -> Result<(Tensor, Tensor, Tensor)> {
         let d = w.elem_count();
-        Ok(by_real!(x.dtype(), T => {
-            let (dx, dw, db) = self.bwd::<T>(x, w, g)?;
-            (tensor(dx, x.shape(), x.dtype())?, tensor(dw, d, w.dtype())?, tensor(db, d, bias_dtype)?)
-        }))
+        by_elem!(x.dtype(), T, E => {
+            let (dx, dw, db) = self.bwd::<T, E>(x, w, g)?;
+            Ok((elem_tensor::<T, E>(dx, x.shape())?, tensor(dw, d, w.dtype())?, tensor(db, d, bias_dtype)?))
+        })
+    }
+}
+
+wide_kernel! {
+    /// Layer norm (with `b`; RMS norm with `rms`) of each `d`-long row of `x` with weights `w`:
+    /// the output and each row's (mean, inverse deviation).
+    fn row_norm_forward<T, E>(
+        x: &[E],
+        w: &[T],
+        b: Option<&[T]>,
+        d: usize,
+        rms: bool,
+        eps: f64,
+    ) -> (Vec<E>, Vec<(f64, f64)>) {
+        let rows = x.len() / d;
+        let mut y = vec![E::store(T::zero()); x.len()];
+        let mut stats = vec![(0.0, 0.0); rows];
+        let (out, st) = (SharedMut::new(&mut y), SharedMut::new(&mut stats));
+        par_ranges(rows, 16, |r| {
+            for row in r {
+                let xr = &x[row * d..(row + 1) * d];
+                let mean = if rms { 0.0 } else { sum::<T, E>(xr) / d as f64 };
+                let var = sum_sq_dev::<T, E>(xr, mean) / d as f64;
+                let inv = 1.0 / (var + eps).sqrt();
+                // SAFETY: one row per index.
+                unsafe { st.range(row, 1)[0] = (mean, inv) };
+                let (m, i) = (T::of(mean), T::of(inv));
+                // SAFETY: as above.
+                let dst = unsafe { out.range(row * d, d) };
+                match b {
+                    Some(b) => {
+                        dst.iter_mut().enumerate().for_each(|(j, o)| *o = E::store((xr[j].load() - m) * i * w[j] + b[j]))
+                    }
+                    None => dst.iter_mut().enumerate().for_each(|(j, o)| *o = E::store(xr[j].load() * i * w[j])),
+                }
+            }
+        });
+        (y, stats)
+    }
+}
+
+wide_kernel! {
+    /// The row norm's (dx, dweight, dbias) from its input `x`, weights `w`, output gradient `g`
+    /// and the forward pass's per-row statistics.
+    fn row_norm_backward<T, E>(
+        x: &[E],
+        w: &[T],
+        g: &[E],
+        d: usize,
+        rms: bool,
+        stats: &[(f64, f64)],
+    ) -> Result<(Vec<E>, Vec<T>, Vec<T>)> {
+        let rows = x.len() / d;
+        if stats.len() != rows {
+            return Err(err(format!("norm backward: {} rows kept, {rows} now", stats.len())));
+        }
+        let mut dx = vec![E::store(T::zero()); x.len()];
+        let sdx = SharedMut::new(&mut dx);
+        // Per-chunk partial sums of dweight and dbias (f64), added at the end in
+        // the chunks' order, so the result does not depend on which thread ends
+        // first (the same inputs give the same bits on every run).
+        let partial = Mutex::new(Vec::new());
+        par_ranges(rows, 16, |r| {
+            let first = r.start;
+            let mut acc = vec![0.0f64; 2 * d];
+            for row in r {
+                let (mean, inv) = stats[row];
+                let (xr, gr) = (&x[row * d..(row + 1) * d], &g[row * d..(row + 1) * d]);
+                let (mut s1, mut s2) = (0.0f64, 0.0f64);
+                for j in 0..d {
+                    let (xv, gv) = (T::wide(xr[j].load()), T::wide(gr[j].load()));
+                    let xhat = (xv - mean) * inv;
+                    let gw = gv * T::wide(w[j]);
+                    s1 += gw;
+                    s2 += gw * xhat;
+                    acc[j] += gv * xhat;
+                    acc[d + j] += gv;
+                }
+                let (m1, m2) = (if rms { 0.0 } else { s1 / d as f64 }, s2 / d as f64);
+                // SAFETY: one row per index.
+                let dst = unsafe { sdx.range(row * d, d) };
+                for j in 0..d {
+                    let xhat = (T::wide(xr[j].load()) - mean) * inv;
+                    let gw = T::wide(gr[j].load()) * T::wide(w[j]);
+                    dst[j] = E::store(T::of(inv * (gw - m1 - xhat * m2)));
+                }
+            }
+            partial.lock().unwrap_or_else(|p| p.into_inner()).push((first, acc));
+        });
+        let mut parts = partial.into_inner().unwrap_or_else(|p| p.into_inner());
+        parts.sort_by_key(|(first, _)| *first);
+        let mut sums = vec![0.0f64; 2 * d];
+        for (_, acc) in &parts {
+            sums.iter_mut().zip(acc).for_each(|(t, a)| *t += a);
+        }
+        let dw = sums[..d].iter().map(|v| T::of(*v)).collect();
+        let db = sums[d..].iter().map(|v| T::of(*v)).collect();
+        Ok((dx, dw, db))
     }
 }
 
@@ -462,7 +498,7 @@ impl CustomOp3 for RowNorm {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        by_real!(sx.dtype(), T => self.cpu::<T>(sx, lx, sw, lw, Some((sb, lb))))
+        by_elem!(sx.dtype(), T, E => self.cpu::<T, E>(sx, lx, sw, lw, Some((sb, lb))))
     }
     fn bwd(
         &self,
@@ -482,7 +518,7 @@ impl CustomOp2 for RowNorm {
         "rms_norm"
     }
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_real!(sx.dtype(), T => self.cpu::<T>(sx, lx, sw, lw, None))
+        by_elem!(sx.dtype(), T, E => self.cpu::<T, E>(sx, lx, sw, lw, None))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = self.grads(x, w, g, w.dtype())?;
