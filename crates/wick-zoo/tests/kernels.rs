@@ -319,7 +319,7 @@ fn attention_and_rope_match_their_composed_forms() {
     for (name, bias) in [("attention (packed)", None), ("attention (packed, padding bias)", Some(&padding))] {
         check(
             name,
-            &[qkv.clone()],
+            std::slice::from_ref(&qkv),
             |t| kernels::attention::attention_packed(&t[0], 2, bias),
             |t| merged(ops::attention_composed(&split(&t[0], 0)?, &split(&t[0], 1)?, &split(&t[0], 2)?, bias)?),
         );

@@ -232,7 +232,7 @@ impl Attention {
                         row.iter_mut().for_each(|v| *v = T::exp_(*v - l));
                     }
                     let gm = lay[3].mat(go, bh, h, sq, d)?;
-                    // SAFETY (each `put` below): one head per index.
+                    // SAFETY: one head per index (each thread its own heads).
                     unsafe { dv.put(bh, h, (sk, d), &mut scratch, Mat::rows(&p, sq, sk).t(), gm, T::one())? };
                     gemm(&mut dp, gm, lay[2].mat(v, bh, h, sk, d)?.t(), T::one(), false, false)?;
                     // dS = P ∘ (dP − Σ_j P∘dP), into `dp`.
@@ -241,7 +241,9 @@ impl Attention {
                         drow.iter_mut().zip(prow).for_each(|(g, pv)| *g = *pv * (*g - dot));
                     }
                     let (km, qm) = (lay[1].mat(k, bh, h, sk, d)?, lay[0].mat(q, bh, h, sq, d)?);
+                    // SAFETY: as for dv.
                     unsafe { dq.put(bh, h, (sq, d), &mut scratch, Mat::rows(&dp, sq, sk), km, scale)? };
+                    // SAFETY: as for dv.
                     unsafe { dk.put(bh, h, (sk, d), &mut scratch, Mat::rows(&dp, sq, sk).t(), qm, scale) }
                 };
                 if let Err(e) = run() {
