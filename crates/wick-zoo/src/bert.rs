@@ -165,9 +165,9 @@ fn encoder_layer(x: &Tensor, w: &[Tensor], bias: &Tensor, heads: usize, eps: f64
     // attention reads the packed result in place.
     let (wqkv, bqkv) = (Tensor::cat(&[&w[0], &w[2], &w[4]], 0)?, Tensor::cat(&[&w[1], &w[3], &w[5]], 0)?);
     let ctx = ops::attention_packed(&ops::linear(x, &wqkv, Some(&bqkv))?, heads, Some(bias))?;
-    let x = ops::layer_norm(&(linear(&ctx, 6)? + x)?, &w[8], &w[9], eps)?;
+    let x = ops::layer_norm(&ops::add(&linear(&ctx, 6)?, x)?, &w[8], &w[9], eps)?;
     let inter = ops::gelu(&linear(&x, 10)?)?;
-    ops::layer_norm(&(linear(&inter, 12)? + &x)?, &w[14], &w[15], eps)
+    ops::layer_norm(&ops::add(&linear(&inter, 12)?, &x)?, &w[14], &w[15], eps)
 }
 
 /// (name suffix, shape) of every parameter of one encoder layer.

@@ -44,10 +44,10 @@ fn decoder_layer(
     let k = ops::rope(&split(proj(&h, &w[2])?)?, cos, sin)?;
     let v = split(proj(&h, &w[3])?)?;
     let attn = ops::attention(&q, &k, &v, Some(mask))?.transpose(1, 2)?.reshape((batch, seq, hidden))?;
-    let x = (x + proj(&attn, &w[4])?)?;
+    let x = ops::add(x, &proj(&attn, &w[4])?)?;
     let h = ops::rms_norm(&x, &w[5], c.rms_eps)?;
     let gated = ops::silu_mul(&proj(&h, &w[6])?, &proj(&h, &w[7])?)?;
-    x + proj(&gated, &w[8])?
+    ops::add(&x, &proj(&gated, &w[8])?)
 }
 
 /// Architecture of the decoder.

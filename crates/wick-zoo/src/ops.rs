@@ -86,6 +86,18 @@ pub fn relu6(x: &Tensor) -> Result<Tensor> {
     node("relu6", &[x], x.dtype(), x.dtype(), |t| relu_composed(&t[0], Some(6.0)))
 }
 
+/// `a + b` (a residual connection). On the CPU, for same-shaped bf16 or f16 inputs, one op that
+/// computes the sum in f32 inside its vectorised loop (candle's bf16 addition converts eight
+/// elements per out-of-line call); the same values, rounded once. candle's `+` otherwise (in
+/// f32 it is as fast, without a custom op's overhead).
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let low = matches!(a.dtype(), DType::BF16 | DType::F16);
+    if low && kernels::serves(a) && a.shape() == b.shape() && a.dtype() == b.dtype() {
+        return kernels::act::add(a, b);
+    }
+    a + b
+}
+
 /// `relu(a + b)` (the end of a residual block) with PyTorch's gradient: one op on the CPU that
 /// neither stores nor keeps the sum (backward recomputes it); `relu(a + b)` elsewhere.
 pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {

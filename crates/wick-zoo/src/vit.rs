@@ -33,10 +33,10 @@ fn encoder_layer(z: &Tensor, w: &[Tensor], heads: usize) -> candle_core::Result<
     let linear = |x: &Tensor, i: usize| ops::linear(x, &w[i], Some(&w[i + 1]));
     let y = ops::layer_norm(z, &w[0], &w[1], 1e-6)?;
     let attn = ops::attention_packed(&linear(&y, 2)?, heads, None)?;
-    let z = (z + linear(&attn, 4)?)?;
+    let z = ops::add(z, &linear(&attn, 4)?)?;
     let y = ops::layer_norm(&z, &w[6], &w[7], 1e-6)?;
     let y = ops::gelu(&linear(&y, 8)?)?;
-    z + linear(&y, 10)?
+    ops::add(&z, &linear(&y, 10)?)
 }
 
 /// Architecture.

@@ -338,6 +338,8 @@ fn activations_match_candles() {
     check("gelu", std::slice::from_ref(&a), |t| kernels::act::gelu(&t[0]), gelu_composed);
     check("silu_mul", &[a, b], |t| kernels::act::silu_mul(&t[0], &t[1]), |t| t[0].silu()? * &t[1]);
     let (a, b) = (randn(&[4, 9], 32), randn(&[4, 9], 33));
+    check("add", &[a.clone(), b.clone()], |t| kernels::act::add(&t[0], &t[1]), |t| &t[0] + &t[1]);
+    assert!(kernels::act::add(&a, &b.narrow(1, 0, 8).unwrap()).is_err(), "shapes differ");
     check(
         "add_relu",
         &[a, b],
@@ -466,6 +468,7 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
         ("gelu", Box::new(|t: &[Tensor]| kernels::act::gelu(&t[0])), vec![vec![66_000]], 1),
         ("silu_mul", Box::new(|t: &[Tensor]| kernels::act::silu_mul(&t[0], &t[1])), vec![vec![40_000]; 2], 2),
         ("add_relu", Box::new(|t: &[Tensor]| kernels::act::add_relu(&t[0], &t[1])), vec![vec![2, 3, 50, 400]; 2], 2),
+        ("add", Box::new(|t: &[Tensor]| kernels::act::add(&t[0], &t[1])), vec![vec![3, 70_000]; 2], 2),
         (
             "layer_norm",
             Box::new(|t: &[Tensor]| kernels::norm::layer_norm(&t[0], &t[1], &t[2], 1e-5)),
