@@ -469,6 +469,32 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
         ("silu_mul", Box::new(|t: &[Tensor]| kernels::act::silu_mul(&t[0], &t[1])), vec![vec![40_000]; 2], 2),
         ("add_relu", Box::new(|t: &[Tensor]| kernels::act::add_relu(&t[0], &t[1])), vec![vec![2, 3, 50, 400]; 2], 2),
         ("add", Box::new(|t: &[Tensor]| kernels::act::add(&t[0], &t[1])), vec![vec![3, 70_000]; 2], 2),
+        // Convolutions gather bf16 images straight into their f32 columns (a 1×1 stride-1 one
+        // widens the image first); the same f32 products, rounded once.
+        (
+            "conv 3×3",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 1, 1)),
+            vec![vec![2, 3, 9, 9], vec![4, 3, 3, 3]],
+            1,
+        ),
+        (
+            "conv 3×3 /2",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 1, 2)),
+            vec![vec![2, 3, 10, 10], vec![5, 3, 3, 3]],
+            1,
+        ),
+        (
+            "conv 1×1",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 0, 1)),
+            vec![vec![2, 6, 5, 5], vec![4, 6, 1, 1]],
+            1,
+        ),
+        (
+            "conv 1×1 /2",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 0, 2)),
+            vec![vec![3, 6, 6, 6], vec![4, 6, 1, 1]],
+            1,
+        ),
         (
             "layer_norm",
             Box::new(|t: &[Tensor]| kernels::norm::layer_norm(&t[0], &t[1], &t[2], 1e-5)),

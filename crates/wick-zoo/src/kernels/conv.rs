@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
+use super::elem::{by_elem, elems, with_elems, Elem};
 use super::pool::out_len;
 use super::{gemm, read, with, Mat, Real, SharedMut};
 
@@ -93,10 +94,10 @@ impl Geometry {
             .collect()
     }
 
-    /// Unfolds one image (C_in × H × W) into columns `at..at + cols` of `col`, a matrix with
-    /// `ld` elements per row.
+    /// Unfolds one image (C_in × H × W, stored as `E`) into columns `at..at + cols` of `col`, a
+    /// matrix with `ld` elements per row (widening each element as it is gathered).
     #[inline(always)]
-    fn im2col<T: Real>(&self, img: &[T], col: &mut [T], ld: usize, at: usize) {
+    fn im2col<T: Real, E: Elem<T>>(&self, img: &[E], col: &mut [T], ld: usize, at: usize) {
         let (k, l) = (self.k, self.cols());
         // Worked out once: the divisions in `valid` per row were a third of the unfolding's time.
         let taps = self.taps();
@@ -118,19 +119,19 @@ impl Geometry {
                         }
                         if self.stride == 1 {
                             // One shifted copy.
-                            dst[r.clone()].copy_from_slice(&src[*first..*first + r.len()]);
+                            E::widen_into(&src[*first..*first + r.len()], &mut dst[r.clone()]);
                         } else if self.stride == 2 {
                             // Every other input: pairs, so the compiler vectorises the gather.
                             let (n, d) = (r.len(), &mut dst[r.clone()]);
                             for (v, pair) in
                                 d[..n - 1].iter_mut().zip(src[*first..*first + 2 * (n - 1)].chunks_exact(2))
                             {
-                                *v = pair[0];
+                                *v = pair[0].load();
                             }
-                            d[n - 1] = src[*first + 2 * (n - 1)];
+                            d[n - 1] = src[*first + 2 * (n - 1)].load();
                         } else {
                             for (v, s) in dst[r.clone()].iter_mut().zip(src[*first..].iter().step_by(self.stride)) {
-                                *v = *s;
+                                *v = s.load();
                             }
                         }
                     }
@@ -235,23 +236,42 @@ struct Conv2d {
 
 impl Conv2d {
     /// Unfolds the images of `range` side by side into `col` ((C_in·k·k) × (images·OH·OW)).
-    fn unfold<T: Real>(g: &Geometry, x: &[T], range: std::ops::Range<usize>, col: &mut [T]) {
-        unfold_images(*g, x, range, col)
+    fn unfold<T: Real, E: Elem<T>>(g: &Geometry, x: &[E], range: std::ops::Range<usize>, col: &mut [T]) {
+        unfold_images::<T, E>(*g, x, range, col)
     }
 
-    fn fwd<T: Real>(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+    /// True when the images `x` must be widened to the compute type first: a 1×1 stride-1
+    /// convolution multiplies the image itself, which the gemm reads in `T` only. Any other
+    /// convolution widens each element as im2col gathers it (no widened copy of the input).
+    fn widen_first<T: Real, E: Elem<T>>(g: &Geometry, x: &[E]) -> bool {
+        g.pointwise() && E::compute_slice(x).is_none()
+    }
+
+    fn fwd<T: Real, E: Elem<T>>(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, false)?;
-        let y = Self::forward(&g, &read::<T>(sx, lx)?, &read::<T>(sw, lw)?)?;
+        let (x, w) = (elems::<T, E>(sx, lx)?, read::<T>(sw, lw)?);
+        let y = if Self::widen_first(&g, x) {
+            Self::forward(&g, &read::<T>(sx, lx)?, &w)?
+        } else {
+            Self::forward(&g, x, &w)?
+        };
         Ok((T::storage(y, sx.dtype())?, Shape::from((g.n, g.c_out, g.oh, g.ow))))
     }
 
     /// The convolution of images `x` with weights `w` (row-major (C_out, C_in·k·k)).
-    fn forward<T: Real>(g: &Geometry, x: &[T], w: &[T]) -> Result<Vec<T>> {
+    fn forward<T: Real, E: Elem<T>>(g: &Geometry, x: &[E], w: &[T]) -> Result<Vec<T>> {
         Self::forward_by(g, x, Mat::rows(w, g.c_out, g.rows()))
     }
 
-    /// [`Conv2d::forward`] with the weights as any (C_out × C_in·k·k) matrix view.
-    fn forward_by<T: Real>(g: &Geometry, x: &[T], wm: Mat<'_, T>) -> Result<Vec<T>> {
+    /// [`Conv2d::forward`] with the weights as any (C_out × C_in·k·k) matrix view. A 1×1
+    /// stride-1 convolution's images must be in the compute type ([`Conv2d::widen_first`]).
+    fn forward_by<T: Real, E: Elem<T>>(g: &Geometry, x: &[E], wm: Mat<'_, T>) -> Result<Vec<T>> {
         let (rows, cols, img) = (g.rows(), g.cols(), g.c_in * g.h * g.w);
         let mut y = vec![T::zero(); g.n * g.c_out * cols];
         let out = SharedMut::new(&mut y);
@@ -266,7 +286,8 @@ impl Conv2d {
             let ld = range.len() * cols;
             let mut col = col.get(worker)?;
             let cm: &[T] = if direct && g.pointwise() {
-                &x[range.start * img..range.end * img]
+                E::compute_slice(&x[range.start * img..range.end * img])
+                    .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()))?
             } else {
                 Self::unfold(g, x, range.clone(), &mut col);
                 &col
@@ -328,11 +349,36 @@ impl Conv2d {
     }
 
     /// (dx when wanted, dw).
-    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Vec<T>>, Vec<T>)> {
+    fn bwd<T: Real, E: Elem<T>>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        dy: &Tensor,
+        want_dx: bool,
+    ) -> Result<(Option<Vec<T>>, Vec<T>)> {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
+        with_elems::<T, E, _>(x, |xe| {
+            if Self::widen_first(&g, xe) {
+                with::<T, _>(x, |x| self.bwd_from::<T, T>(&g, x, w, dy, want_dx))
+            } else {
+                self.bwd_from::<T, E>(&g, xe, w, dy, want_dx)
+            }
+        })
+    }
+
+    /// [`Conv2d::bwd`] from the images as stored (`E`) or widened.
+    fn bwd_from<T: Real, E: Elem<T>>(
+        &self,
+        g: &Geometry,
+        x: &[E],
+        w: &Tensor,
+        dy: &Tensor,
+        want_dx: bool,
+    ) -> Result<(Option<Vec<T>>, Vec<T>)> {
+        let g = *g;
         let (rows, cols, img) = (g.rows(), g.cols(), g.c_in * g.h * g.w);
         let plan = Plan::new(&g);
-        with::<T, _>(x, |x| {
+        {
             with::<T, _>(w, |w| {
                 with::<T, _>(dy, |dy| {
                     let width = plan.size * cols;
@@ -353,7 +399,8 @@ impl Conv2d {
                         // A 1×1 stride-1 convolution's columns are the image itself (one image
                         // per group): no copy.
                         let cm: &[T] = if direct {
-                            &x[range.start * img..range.end * img]
+                            E::compute_slice(&x[range.start * img..range.end * img])
+                                .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()))?
                         } else {
                             Self::unfold(&g, x, range.clone(), &mut col);
                             &col[..rows * ld]
@@ -396,14 +443,14 @@ impl Conv2d {
                     Ok((dx, dw))
                 })
             })
-        })
+        }
     }
 }
 
 wide_kernel! {
     /// [`Conv2d::unfold`], compiled for the CPU's widest vectors (its zero fills and strided
     /// gathers are loops of their own; the short row copies stay `memcpy` calls).
-    fn unfold_images<T>(g: Geometry, x: &[T], range: std::ops::Range<usize>, col: &mut [T]) {
+    fn unfold_images<T, E>(g: Geometry, x: &[E], range: std::ops::Range<usize>, col: &mut [T]) {
         let (img, l, ld) = (g.c_in * g.h * g.w, g.cols(), range.len() * g.cols());
         for (j, b) in range.enumerate() {
             g.im2col(&x[b * img..(b + 1) * img], col, ld, j * l);
@@ -416,12 +463,12 @@ impl CustomOp2 for Conv2d {
         "conv2d"
     }
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_real!(sx.dtype(), T => self.fwd::<T>(sx, lx, sw, lw))
+        by_elem!(sx.dtype(), T, E => self.fwd::<T, E>(sx, lx, sw, lw))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // The input image of a network needs no gradient: skip backward-input for it.
         let want_dx = x.track_op();
-        by_real!(x.dtype(), T => super::input_weight_grads::<T>(x, w, self.bwd::<T>(x, w, dy, want_dx)?))
+        by_elem!(x.dtype(), T, E => super::input_weight_grads::<T>(x, w, self.bwd::<T, E>(x, w, dy, want_dx)?))
     }
 }
 

@@ -28,6 +28,13 @@ pub trait Elem<T>: Copy + Send + Sync + 'static {
     fn of_storage(s: &CpuStorage) -> Option<&[Self]>;
     /// `v` as storage.
     fn into_storage(v: Vec<Self>) -> CpuStorage;
+    /// `v` itself when this is the compute type (no conversion needed).
+    fn compute_slice(v: &[Self]) -> Option<&[T]>;
+    /// `src` widened into `dst` (the same length).
+    #[inline(always)]
+    fn widen_into(src: &[Self], dst: &mut [T]) {
+        dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.load());
+    }
 }
 
 impl Elem<f32> for f32 {
@@ -48,6 +55,13 @@ impl Elem<f32> for f32 {
     }
     fn into_storage(v: Vec<f32>) -> CpuStorage {
         CpuStorage::F32(v)
+    }
+    fn compute_slice(v: &[f32]) -> Option<&[f32]> {
+        Some(v)
+    }
+    #[inline(always)]
+    fn widen_into(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
     }
 }
 
@@ -70,6 +84,13 @@ impl Elem<f64> for f64 {
     fn into_storage(v: Vec<f64>) -> CpuStorage {
         CpuStorage::F64(v)
     }
+    fn compute_slice(v: &[f64]) -> Option<&[f64]> {
+        Some(v)
+    }
+    #[inline(always)]
+    fn widen_into(src: &[f64], dst: &mut [f64]) {
+        dst.copy_from_slice(src)
+    }
 }
 
 impl Elem<f32> for bf16 {
@@ -91,6 +112,9 @@ impl Elem<f32> for bf16 {
     fn into_storage(v: Vec<bf16>) -> CpuStorage {
         CpuStorage::BF16(v)
     }
+    fn compute_slice(_: &[bf16]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl Elem<f32> for f16 {
@@ -111,6 +135,9 @@ impl Elem<f32> for f16 {
     }
     fn into_storage(v: Vec<f16>) -> CpuStorage {
         CpuStorage::F16(v)
+    }
+    fn compute_slice(_: &[f16]) -> Option<&[f32]> {
+        None
     }
 }
 
