@@ -10,7 +10,6 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
-use super::math::vectorized;
 use super::Real;
 
 /// Elements per parallel chunk: below this a thread's start-up costs more than the work.
@@ -24,54 +23,154 @@ fn par_out<E: Send>(len: usize, f: impl Fn(usize, &mut [MaybeUninit<E>]) + Send 
     out
 }
 
-/// `f` of every element of `x`, in parallel chunks (slices, so the loops vectorise).
-fn map1<T: Real, E: Elem<T>>(x: &[E], f: impl Fn(T) -> T + Send + Sync) -> Vec<E> {
-    let mut out = par_out(x.len(), |i, o| {
-        let x = &x[i * CHUNK..][..o.len()];
-        vectorized(|| o.iter_mut().zip(x).for_each(|(d, v)| _ = d.write(E::store(f(v.load())))))
-    });
-    // SAFETY: `par_out` split the first `x.len()` elements into chunks, and each chunk's loop
-    // above wrote every element of it (it zips the chunk with an equally long part of `x`).
-    unsafe { out.set_len(x.len()) };
-    out
+/// An element-wise function of `N` inputs. The maps' loops, compiled for the CPU's widest
+/// vectors, call it through this trait's `#[inline(always)]` method: a closure's body is a
+/// function of its own, which the compiler did not inline into such a loop (GELU's backward
+/// then ran one out-of-line scalar call per element, 3× slower).
+trait Pointwise<T, const N: usize>: Send + Sync {
+    fn at(&self, v: [T; N]) -> T;
 }
 
-/// `f` of every pair of elements of `a` and `b` (same length, checked), in parallel chunks.
-fn map2<T: Real, E: Elem<T>>(what: &str, a: &[E], b: &[E], f: impl Fn(T, T) -> T + Send + Sync) -> Result<Vec<E>> {
-    same_len(what, a.len(), b.len())?;
-    let mut out = par_out(a.len(), |i, o| {
-        let (a, b) = (&a[i * CHUNK..][..o.len()], &b[i * CHUNK..][..o.len()]);
-        vectorized(|| o.iter_mut().zip(a).zip(b).for_each(|((d, x), y)| _ = d.write(E::store(f(x.load(), y.load())))))
-    });
-    // SAFETY: as in `map1`: every element of every chunk was written (`a` and `b` are as long
-    // as the output).
-    unsafe { out.set_len(a.len()) };
-    Ok(out)
-}
-
-/// `f` of every triple of elements of `a`, `b` and `c` (same length, checked), in parallel
-/// chunks.
-fn map3<T: Real, E: Elem<T>>(
-    what: &str,
-    a: &[E],
-    b: &[E],
-    c: &[E],
-    f: impl Fn(T, T, T) -> T + Send + Sync,
-) -> Result<Vec<E>> {
-    same_len(what, a.len(), b.len())?;
-    same_len(what, a.len(), c.len())?;
-    let mut out = par_out(a.len(), |i, o| {
-        let (a, b, c) = (&a[i * CHUNK..][..o.len()], &b[i * CHUNK..][..o.len()], &c[i * CHUNK..][..o.len()]);
-        vectorized(|| {
-            for (((d, x), y), z) in o.iter_mut().zip(a).zip(b).zip(c) {
-                d.write(E::store(f(x.load(), y.load(), z.load())));
+/// Defines a unit struct that is a [`Pointwise`] function of `N` inputs.
+macro_rules! pointwise {
+    ($(#[$m:meta])* $name:ident, $n:literal, |$v:pat_param| $body:expr) => {
+        $(#[$m])*
+        struct $name;
+        impl<T: Real> Pointwise<T, $n> for $name {
+            #[inline(always)]
+            fn at(&self, $v: [T; $n]) -> T {
+                $body
             }
-        })
-    });
-    // SAFETY: as in `map1`: every element of every chunk was written (`a`, `b` and `c` are as
-    // long as the output).
-    unsafe { out.set_len(a.len()) };
-    Ok(out)
+        }
+    };
+}
+
+pointwise!(
+    /// ReLU by comparison (NaN fails it and passes through; +0 for negative inputs).
+    Relu, 1, |[v]| if v <= T::zero() { T::zero() } else { v }
+);
+pointwise!(
+    /// GELU, erf form.
+    GeluF, 1, |[v]| gelu_of(v)
+);
+pointwise!(
+    /// GELU's gradient at `v` times `g`.
+    GeluGrad, 2, |[v, g]| gelu_grad(v, g)
+);
+pointwise!(
+    /// `silu(a)·b`.
+    SiluMulF, 2, |[a, b]| a * sigmoid(a) * b
+);
+pointwise!(
+    /// `silu(a)·b`'s gradient with respect to `a`, times `g`.
+    SiluMulGradA, 3, |[a, b, g]| {
+        let s = sigmoid(a);
+        g * b * s * (T::one() + a * (T::one() - s))
+    }
+);
+pointwise!(
+    /// `silu(a)·b`'s gradient with respect to `b`, times `g`.
+    SiluMulGradB, 2, |[a, g]| g * a * sigmoid(a)
+);
+pointwise!(
+    /// `a + b`.
+    AddF, 2, |[a, b]| a + b
+);
+pointwise!(
+    /// `relu(a + b)`.
+    AddReluF, 2, |[a, b]| {
+        let v = a + b;
+        if v <= T::zero() {
+            T::zero()
+        } else {
+            v
+        }
+    }
+);
+pointwise!(
+    /// `relu(a + b)`'s gradient (PyTorch's, `[a + b > 0]`) times `g`.
+    AddReluGrad, 3, |[a, b, g]| if a + b > T::zero() { g } else { T::zero() }
+);
+
+/// ReLU6-style clamp to `[0, max]` by comparisons (NaN passes through).
+struct ClampMax<T>(T);
+
+impl<T: Real> Pointwise<T, 1> for ClampMax<T> {
+    #[inline(always)]
+    fn at(&self, [v]: [T; 1]) -> T {
+        if v <= T::zero() {
+            T::zero()
+        } else if v >= self.0 {
+            self.0
+        } else {
+            v
+        }
+    }
+}
+
+/// The clamp's gradient: `g` where `0 < v < max` (PyTorch's rule at the kinks).
+struct ClampGrad<T>(T);
+
+impl<T: Real> Pointwise<T, 2> for ClampGrad<T> {
+    #[inline(always)]
+    fn at(&self, [v, g]: [T; 2]) -> T {
+        if v > T::zero() && v < self.0 {
+            g
+        } else {
+            T::zero()
+        }
+    }
+}
+
+wide_kernel! {
+    /// `f` of every element of `x`, in parallel chunks, compiled for the CPU's widest vectors
+    /// (the loop itself: a loop in a closure handed to such a function stayed baseline code
+    /// when the closure was not inlined, as with a bf16 SiLU's conversions and exponential).
+    fn map1<T, E>(x: &[E], f: impl Pointwise<T, 1>) -> Vec<E> {
+        let mut out = par_out(x.len(), |i, o| {
+            let x = &x[i * CHUNK..][..o.len()];
+            o.iter_mut().zip(x).for_each(|(d, v)| _ = d.write(E::store(f.at([v.load()]))))
+        });
+        // SAFETY: `par_out` split the first `x.len()` elements into chunks, and each chunk's
+        // loop above wrote every element of it (it zips the chunk with an equally long part of
+        // `x`).
+        unsafe { out.set_len(x.len()) };
+        out
+    }
+}
+
+wide_kernel! {
+    /// `f` of every pair of elements of `a` and `b` (same length, checked), in parallel chunks.
+    fn map2<T, E>(what: &str, a: &[E], b: &[E], f: impl Pointwise<T, 2>) -> Result<Vec<E>> {
+        same_len(what, a.len(), b.len())?;
+        let mut out = par_out(a.len(), |i, o| {
+            let (a, b) = (&a[i * CHUNK..][..o.len()], &b[i * CHUNK..][..o.len()]);
+            o.iter_mut().zip(a).zip(b).for_each(|((d, x), y)| _ = d.write(E::store(f.at([x.load(), y.load()]))))
+        });
+        // SAFETY: as in `map1`: every element of every chunk was written (`a` and `b` are as
+        // long as the output).
+        unsafe { out.set_len(a.len()) };
+        Ok(out)
+    }
+}
+
+wide_kernel! {
+    /// `f` of every triple of elements of `a`, `b` and `c` (same length, checked), in parallel
+    /// chunks.
+    fn map3<T, E>(what: &str, a: &[E], b: &[E], c: &[E], f: impl Pointwise<T, 3>) -> Result<Vec<E>> {
+        same_len(what, a.len(), b.len())?;
+        same_len(what, a.len(), c.len())?;
+        let mut out = par_out(a.len(), |i, o| {
+            let (a, b, c) = (&a[i * CHUNK..][..o.len()], &b[i * CHUNK..][..o.len()], &c[i * CHUNK..][..o.len()]);
+            for (((d, x), y), z) in o.iter_mut().zip(a).zip(b).zip(c) {
+                d.write(E::store(f.at([x.load(), y.load(), z.load()])));
+            }
+        });
+        // SAFETY: as in `map1`: every element of every chunk was written (`a`, `b` and `c` are
+        // as long as the output).
+        unsafe { out.set_len(a.len()) };
+        Ok(out)
+    }
 }
 
 fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
@@ -93,27 +192,16 @@ impl Clamp {
         let x = elems::<T, E>(s, l)?;
         let y = match self.max.map(T::of) {
             // Selections, so NaN (which fails every comparison) passes through.
-            Some(m) => map1(x, move |v: T| {
-                if v <= T::zero() {
-                    T::zero()
-                } else if v >= m {
-                    m
-                } else {
-                    v
-                }
-            }),
-            None => map1(x, move |v: T| if v <= T::zero() { T::zero() } else { v }),
+            Some(m) => map1(x, ClampMax(m)),
+            None => map1(x, Relu),
         };
         Ok((E::into_storage(y), l.shape().clone()))
     }
 
     fn bwd<T: Real, E: Elem<T>>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
         let max = self.max.map(T::of).unwrap_or(T::infinity());
-        let dx = with_elems::<T, E, _>(x, |x| {
-            with_elems::<T, E, _>(g, |g| {
-                map2("relu backward", x, g, move |v: T, g| if v > T::zero() && v < max { g } else { T::zero() })
-            })
-        })?;
+        let dx =
+            with_elems::<T, E, _>(x, |x| with_elems::<T, E, _>(g, |g| map2("relu backward", x, g, ClampGrad(max))))?;
         elem_tensor::<T, E>(dx, x.shape())
     }
 }
@@ -147,25 +235,32 @@ pub fn relu6(x: &Tensor) -> Result<Tensor> {
 /// GELU, erf form: `x·Φ(x)`.
 struct Gelu;
 
+/// GELU of `v` (erf form). A function, not a closure, so that it is inlined into the map's
+/// vectorised loop (a closure with the error function and an exponential was not, and ran as
+/// one out-of-line call per element).
+#[inline(always)]
+fn gelu_of<T: Real>(v: T) -> T {
+    let (half, r2) = (T::of(0.5), T::of(std::f64::consts::FRAC_1_SQRT_2));
+    (T::erf_(v * r2) + T::one()) * half * v
+}
+
+/// GELU's gradient at `v` times `g`.
+#[inline(always)]
+fn gelu_grad<T: Real>(v: T, g: T) -> T {
+    let (half, r2) = (T::of(0.5), T::of(std::f64::consts::FRAC_1_SQRT_2));
+    let pdf = T::of(0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2);
+    let cdf = (T::erf_(v * r2) + T::one()) * half;
+    g * (cdf + v * pdf * T::exp_(-(v * v) * half))
+}
+
 impl Gelu {
     fn fwd<T: Real, E: Elem<T>>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x = elems::<T, E>(s, l)?;
-        let (half, r2) = (T::of(0.5), T::of(std::f64::consts::FRAC_1_SQRT_2));
-        let y = map1(x, move |v: T| (T::erf_(v * r2) + T::one()) * half * v);
+        let y = map1(elems::<T, E>(s, l)?, GeluF);
         Ok((E::into_storage(y), l.shape().clone()))
     }
 
     fn bwd<T: Real, E: Elem<T>>(x: &Tensor, g: &Tensor) -> Result<Tensor> {
-        let (half, r2) = (T::of(0.5), T::of(std::f64::consts::FRAC_1_SQRT_2));
-        let pdf = T::of(0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2);
-        let dx = with_elems::<T, E, _>(x, |x| {
-            with_elems::<T, E, _>(g, |g| {
-                map2("gelu backward", x, g, move |v: T, g| {
-                    let cdf = (T::erf_(v * r2) + T::one()) * half;
-                    g * (cdf + v * pdf * T::exp_(-(v * v) * half))
-                })
-            })
-        })?;
+        let dx = with_elems::<T, E, _>(x, |x| with_elems::<T, E, _>(g, |g| map2("gelu backward", x, g, GeluGrad)))?;
         elem_tensor::<T, E>(dx, x.shape())
     }
 }
@@ -203,7 +298,7 @@ impl SiluMul {
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (a, b) = (elems::<T, E>(sa, la)?, elems::<T, E>(sb, lb)?);
-        let y = map2("silu_mul", a, b, move |a: T, b| a * sigmoid(a) * b)?;
+        let y = map2("silu_mul", a, b, SiluMulF)?;
         Ok((E::into_storage(y), la.shape().clone()))
     }
 
@@ -211,11 +306,8 @@ impl SiluMul {
         let (da, db) = with_elems::<T, E, _>(a, |a| {
             with_elems::<T, E, _>(b, |b| {
                 with_elems::<T, E, _>(g, |g| {
-                    let da = map3("silu_mul backward", a, b, g, move |a: T, b, g| {
-                        let s = sigmoid(a);
-                        g * b * s * (T::one() + a * (T::one() - s))
-                    })?;
-                    let db = map2("silu_mul backward", a, g, move |a: T, g| g * a * sigmoid(a))?;
+                    let da = map3("silu_mul backward", a, b, g, SiluMulGradA)?;
+                    let db = map2("silu_mul backward", a, g, SiluMulGradB)?;
                     Ok((da, db))
                 })
             })
@@ -262,7 +354,7 @@ impl CustomOp2 for Add {
     }
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
         by_elem!(sa.dtype(), T, E => {
-            let y = map2("add", elems::<T, E>(sa, la)?, elems::<T, E>(sb, lb)?, |a: T, b| a + b)?;
+            let y = map2("add", elems::<T, E>(sa, la)?, elems::<T, E>(sb, lb)?, AddF)?;
             Ok((E::into_storage(y), la.shape().clone()))
         })
     }
@@ -297,25 +389,14 @@ impl AddRelu {
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (a, b) = (elems::<T, E>(sa, la)?, elems::<T, E>(sb, lb)?);
-        let y = map2("add_relu", a, b, move |a: T, b| {
-            let v = a + b;
-            if v <= T::zero() {
-                T::zero()
-            } else {
-                v
-            }
-        })?;
+        let y = map2("add_relu", a, b, AddReluF)?;
         Ok((E::into_storage(y), la.shape().clone()))
     }
 
     /// The gradient both inputs receive (the same values: one tensor, handed to both).
     fn bwd<T: Real, E: Elem<T>>(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
         let d = with_elems::<T, E, _>(a, |a| {
-            with_elems::<T, E, _>(b, |b| {
-                with_elems::<T, E, _>(g, |g| {
-                    map3("add_relu backward", a, b, g, move |a: T, b, g| if a + b > T::zero() { g } else { T::zero() })
-                })
-            })
+            with_elems::<T, E, _>(b, |b| with_elems::<T, E, _>(g, |g| map3("add_relu backward", a, b, g, AddReluGrad)))
         })?;
         elem_tensor::<T, E>(d, a.shape())
     }
