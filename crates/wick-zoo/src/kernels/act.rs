@@ -19,7 +19,14 @@ const CHUNK: usize = 1 << 15;
 fn par_out<E: Send>(len: usize, f: impl Fn(usize, &mut [MaybeUninit<E>]) + Send + Sync) -> Vec<E> {
     use rayon::prelude::*;
     let mut out = Vec::with_capacity(len);
-    out.spare_capacity_mut()[..len].par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| f(i, o));
+    let spare = &mut out.spare_capacity_mut()[..len];
+    if len <= CHUNK {
+        // One chunk: no hand-over to the thread pool (waking a worker and waiting for it cost
+        // more than a small op).
+        f(0, spare);
+    } else {
+        spare.par_chunks_mut(CHUNK).enumerate().for_each(|(i, o)| f(i, o));
+    }
     out
 }
 

@@ -147,23 +147,31 @@ fn widen<T: Copy>(v: &[T], start: usize, len: usize, f: impl Fn(T) -> f32) -> Re
 /// Elements per parallel chunk of the dtype conversions.
 const CONVERT_CHUNK: usize = 1 << 16;
 
+/// `f` over `dst` and `src` (the same length) in chunks of [`CONVERT_CHUNK`], in parallel when
+/// there is more than one (a single chunk runs here: waking a pool thread and waiting for it
+/// cost more than converting a small tensor), each compiled for the CPU's widest vectors.
+fn convert<S: Sync, D: Send>(dst: &mut [D], src: &[S], f: impl Fn(&mut [D], &[S]) + Send + Sync) {
+    use rayon::prelude::*;
+    if dst.len() <= CONVERT_CHUNK {
+        math::vectorized(|| f(dst, src));
+    } else {
+        dst.par_chunks_mut(CONVERT_CHUNK)
+            .zip(src.par_chunks(CONVERT_CHUNK))
+            .for_each(|(o, i)| math::vectorized(|| f(o, i)));
+    }
+}
+
 /// bf16 → f32 (exact: the bf16 bits are the f32's upper half), parallel and vectorised.
 fn widen_bf16(v: &[bf16], start: usize, len: usize) -> Result<Vec<f32>> {
-    use rayon::prelude::*;
     let src = range(v, start, len)?;
     // Written, not zero-filled first: a reused heap block asked for zeroed is cleared by a pass
     // of its own.
     let mut out = Vec::<f32>::with_capacity(len);
-    let spare = &mut out.spare_capacity_mut()[..len];
-    spare.par_chunks_mut(CONVERT_CHUNK).zip(src.par_chunks(CONVERT_CHUNK)).for_each(|(o, i)| {
-        math::vectorized(|| {
-            for (d, b) in o.iter_mut().zip(i) {
-                d.write(f32::from_bits((b.to_bits() as u32) << 16));
-            }
-        })
+    convert(&mut out.spare_capacity_mut()[..len], src, |o, i| {
+        o.iter_mut().zip(i).for_each(|(d, b)| _ = d.write(f32::from_bits((b.to_bits() as u32) << 16)))
     });
-    // SAFETY: `spare` is the first `len` elements of the capacity, split into the same chunks
-    // as `src` (also `len` long), and every element of every chunk was written above.
+    // SAFETY: `convert` split the first `len` elements of the capacity into the same chunks as
+    // `src` (also `len` long), and every element of every chunk was written above.
     unsafe { out.set_len(len) };
     Ok(out)
 }
@@ -181,23 +189,17 @@ pub(crate) fn round_bf16(x: f32) -> bf16 {
 
 /// `src` rounded into `dst` (the same length), parallel and vectorised.
 pub(crate) fn narrow_bf16_into(src: &[f32], dst: &mut [bf16]) {
-    use rayon::prelude::*;
-    dst.par_chunks_mut(CONVERT_CHUNK)
-        .zip(src.par_chunks(CONVERT_CHUNK))
-        .for_each(|(o, i)| math::vectorized(|| o.iter_mut().zip(i).for_each(|(d, x)| *d = round_bf16(*x))));
+    convert(dst, src, |o, i| o.iter_mut().zip(i).for_each(|(d, x)| *d = round_bf16(*x)));
 }
 
 /// f32 → bf16 ([`round_bf16`]), parallel and vectorised.
 fn narrow_bf16(v: &[f32]) -> Vec<bf16> {
-    use rayon::prelude::*;
     let mut out = Vec::<bf16>::with_capacity(v.len());
-    let spare = &mut out.spare_capacity_mut()[..v.len()];
-    spare
-        .par_chunks_mut(CONVERT_CHUNK)
-        .zip(v.par_chunks(CONVERT_CHUNK))
-        .for_each(|(o, i)| math::vectorized(|| o.iter_mut().zip(i).for_each(|(d, x)| _ = d.write(round_bf16(*x)))));
-    // SAFETY: `spare` is the first `v.len()` elements of the capacity, split into the same
-    // chunks as `v`, and every element of every chunk was written above.
+    convert(&mut out.spare_capacity_mut()[..v.len()], v, |o, i| {
+        o.iter_mut().zip(i).for_each(|(d, x)| _ = d.write(round_bf16(*x)))
+    });
+    // SAFETY: `convert` split the first `v.len()` elements of the capacity into the same chunks
+    // as `v`, and every element of every chunk was written above.
     unsafe { out.set_len(v.len()) };
     out
 }
