@@ -469,6 +469,17 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
         ("silu_mul", Box::new(|t: &[Tensor]| kernels::act::silu_mul(&t[0], &t[1])), vec![vec![40_000]; 2], 2),
         ("add_relu", Box::new(|t: &[Tensor]| kernels::act::add_relu(&t[0], &t[1])), vec![vec![2, 3, 50, 400]; 2], 2),
         ("add", Box::new(|t: &[Tensor]| kernels::act::add(&t[0], &t[1])), vec![vec![3, 70_000]; 2], 2),
+        // Rows copied as stored; each used row's gradient summed in f32 (id 3 three times) and
+        // rounded once, the padding row (1) getting none.
+        (
+            "embedding",
+            Box::new(|t: &[Tensor]| {
+                let ids = Tensor::new(&[3u32, 1, 3, 0, 6, 3, 1], &Device::Cpu)?;
+                kernels::loss::embedding(&t[0], &ids, Some(1))
+            }),
+            vec![vec![7, 5]],
+            1,
+        ),
         // Convolutions gather bf16 images straight into their f32 columns (a 1×1 stride-1 one
         // widens the image first); the same f32 products, rounded once.
         (

@@ -6,6 +6,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
+use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::{par_ranges, read, tensor, with, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
@@ -96,29 +97,42 @@ struct Embedding {
 }
 
 impl Embedding {
-    fn fwd<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+    /// The rows, copied as stored (a bf16 table is not widened: the rows are its values).
+    fn fwd<T: Real, E: Elem<T>>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let &[v, d] = l.shape().dims() else { return Err(err(format!("embedding: table {:?}", l.shape()))) };
         if let Some(bad) = self.ids.iter().find(|i| **i >= v) {
             return Err(err(format!("embedding: id {bad} outside a table of {v} rows")));
         }
-        let table = read::<T>(s, l)?;
-        let y: Vec<T> = self.ids.iter().flat_map(|i| table[i * d..(i + 1) * d].iter().copied()).collect();
-        Ok((T::storage(y, s.dtype())?, Shape::from((self.ids.len(), d))))
+        let table = elems::<T, E>(s, l)?;
+        let y: Vec<E> = self.ids.iter().flat_map(|i| table[i * d..(i + 1) * d].iter().copied()).collect();
+        Ok((E::into_storage(y), Shape::from((self.ids.len(), d))))
     }
 
-    fn bwd<T: Real>(&self, table: &Tensor, g: &Tensor) -> Result<Tensor> {
+    /// The table's gradient: each used row the f32 sum of its rows of `g` (in their order),
+    /// rounded once; every other row zero (written as stored: a bf16 table's gradient is never
+    /// a whole f32 table narrowed).
+    fn bwd<T: Real, E: Elem<T>>(&self, table: &Tensor, g: &Tensor) -> Result<Tensor> {
         let (v, d) = table.dims2()?;
-        let dt = with::<T, _>(g, |g| {
-            let mut dt = vec![T::zero(); v * d];
-            for (k, id) in self.ids.iter().enumerate() {
-                if Some(*id) == self.padding {
-                    continue;
+        let dt = with_elems::<T, E, _>(g, |g| {
+            if g.len() != self.ids.len() * d {
+                return Err(err(format!("embedding backward: {} gradients for {} rows", g.len(), self.ids.len())));
+            }
+            let mut dt = vec![E::store(T::zero()); v * d];
+            // The positions of each id, in order (a stable sort keeps each row's sum in order).
+            let mut order: Vec<usize> = (0..self.ids.len()).filter(|k| Some(self.ids[*k]) != self.padding).collect();
+            order.sort_by_key(|k| self.ids[*k]);
+            let mut acc = vec![T::zero(); d];
+            for run in order.chunk_by(|a, b| self.ids[*a] == self.ids[*b]) {
+                acc.fill(T::zero());
+                for k in run {
+                    acc.iter_mut().zip(&g[k * d..(k + 1) * d]).for_each(|(a, b)| *a = *a + b.load());
                 }
-                dt[id * d..(id + 1) * d].iter_mut().zip(&g[k * d..(k + 1) * d]).for_each(|(a, b)| *a = *a + *b);
+                let id = self.ids[run[0]];
+                dt[id * d..(id + 1) * d].iter_mut().zip(&acc).for_each(|(o, a)| *o = E::store(*a));
             }
             Ok(dt)
         })?;
-        tensor(dt, table.shape(), table.dtype())
+        elem_tensor::<T, E>(dt, table.shape())
     }
 }
 
@@ -127,10 +141,10 @@ impl CustomOp1 for Embedding {
         "embedding"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_real!(s.dtype(), T => self.fwd::<T>(s, l))
+        by_elem!(s.dtype(), T, E => self.fwd::<T, E>(s, l))
     }
     fn bwd(&self, table: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(by_real!(table.dtype(), T => self.bwd::<T>(table, g)?)))
+        by_elem!(table.dtype(), T, E => self.bwd::<T, E>(table, g).map(Some))
     }
 }
 
