@@ -180,6 +180,17 @@ wide_kernel! {
     }
 }
 
+/// A two-input element-wise op's forward: `f` of the two storages' elements, as stored.
+fn binary<T: Real, E: Elem<T>>(
+    what: &str,
+    (sa, la): (&CpuStorage, &Layout),
+    (sb, lb): (&CpuStorage, &Layout),
+    f: impl Pointwise<T, 2>,
+) -> Result<(CpuStorage, Shape)> {
+    let y = map2(what, elems::<T, E>(sa, la)?, elems::<T, E>(sb, lb)?, f)?;
+    Ok((E::into_storage(y), la.shape().clone()))
+}
+
 fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
     if a == b {
         Ok(())
@@ -298,17 +309,6 @@ fn sigmoid<T: Real>(v: T) -> T {
 }
 
 impl SiluMul {
-    fn fwd<T: Real, E: Elem<T>>(
-        sa: &CpuStorage,
-        la: &Layout,
-        sb: &CpuStorage,
-        lb: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (a, b) = (elems::<T, E>(sa, la)?, elems::<T, E>(sb, lb)?);
-        let y = map2("silu_mul", a, b, SiluMulF)?;
-        Ok((E::into_storage(y), la.shape().clone()))
-    }
-
     fn bwd<T: Real, E: Elem<T>>(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
         let (da, db) = with_elems::<T, E, _>(a, |a| {
             with_elems::<T, E, _>(b, |b| {
@@ -328,7 +328,7 @@ impl CustomOp2 for SiluMul {
         "silu_mul"
     }
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_elem!(sa.dtype(), T, E => SiluMul::fwd::<T, E>(sa, la, sb, lb))
+        by_elem!(sa.dtype(), T, E => binary::<T, E>("silu_mul", (sa, la), (sb, lb), SiluMulF))
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (da, db) = by_elem!(a.dtype(), T, E => SiluMul::bwd::<T, E>(a, b, g))?;
@@ -360,10 +360,7 @@ impl CustomOp2 for Add {
         "add"
     }
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_elem!(sa.dtype(), T, E => {
-            let y = map2("add", elems::<T, E>(sa, la)?, elems::<T, E>(sb, lb)?, AddF)?;
-            Ok((E::into_storage(y), la.shape().clone()))
-        })
+        by_elem!(sa.dtype(), T, E => binary::<T, E>("add", (sa, la), (sb, lb), AddF))
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         Ok((a.track_op().then(|| g.clone()), b.track_op().then(|| g.clone())))
@@ -389,17 +386,6 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 struct AddRelu;
 
 impl AddRelu {
-    fn fwd<T: Real, E: Elem<T>>(
-        sa: &CpuStorage,
-        la: &Layout,
-        sb: &CpuStorage,
-        lb: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (a, b) = (elems::<T, E>(sa, la)?, elems::<T, E>(sb, lb)?);
-        let y = map2("add_relu", a, b, AddReluF)?;
-        Ok((E::into_storage(y), la.shape().clone()))
-    }
-
     /// The gradient both inputs receive (the same values: one tensor, handed to both).
     fn bwd<T: Real, E: Elem<T>>(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
         let d = with_elems::<T, E, _>(a, |a| {
@@ -414,7 +400,7 @@ impl CustomOp2 for AddRelu {
         "add_relu"
     }
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_elem!(sa.dtype(), T, E => AddRelu::fwd::<T, E>(sa, la, sb, lb))
+        by_elem!(sa.dtype(), T, E => binary::<T, E>("add_relu", (sa, la), (sb, lb), AddReluF))
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // Tensors are immutable: both gradient entries may share the one result.
