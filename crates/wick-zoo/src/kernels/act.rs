@@ -1,8 +1,8 @@
 //! Element-wise activations as single ops with closed-form gradients: ReLU and ReLU6 with
 //! PyTorch's gradient at the kinks (`[x > 0]`, `[0 < x < 6]`; NaN propagates), GELU (erf form)
-//! and SwiGLU's `silu(a)·b`. Each keeps its inputs only. They read and write their tensors'
-//! own element types ([`Elem`]): a bf16 op computes in f32 inside the loop and moves half the
-//! bytes of an f32 one.
+//! and SwiGLU's `silu(a)·b`. Each keeps its inputs only. They read and write their tensors' own
+//! element types (the crate's `kernels::elem`): a bf16 op computes in f32 inside the loop and
+//! moves half the bytes of an f32 one.
 
 use std::mem::MaybeUninit;
 
