@@ -4,6 +4,7 @@
 //! element types (the crate's `kernels::elem`): a bf16 op computes in f32 inside the loop and
 //! moves half the bytes of an f32 one.
 
+use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI};
 use std::mem::MaybeUninit;
 
 use candle_core::backend::BackendStorage;
@@ -57,12 +58,17 @@ pointwise!(
     Relu, 1, |[v]| if v <= T::zero() { T::zero() } else { v }
 );
 pointwise!(
-    /// GELU, erf form.
-    GeluF, 1, |[v]| gelu_of(v)
+    /// GELU, erf form: `x·Φ(x)`.
+    GeluF, 1, |[v]| (T::erf_(v * T::of(FRAC_1_SQRT_2)) + T::one()) * T::of(0.5) * v
 );
 pointwise!(
     /// GELU's gradient at `v` times `g`.
-    GeluGrad, 2, |[v, g]| gelu_grad(v, g)
+    GeluGrad, 2, |[v, g]| {
+        let (half, r2) = (T::of(0.5), T::of(FRAC_1_SQRT_2));
+        let pdf = T::of(0.5 * FRAC_2_SQRT_PI * FRAC_1_SQRT_2);
+        let cdf = (T::erf_(v * r2) + T::one()) * half;
+        g * (cdf + v * pdf * T::exp_(-(v * v) * half))
+    }
 );
 pointwise!(
     /// `silu(a)·b`.
@@ -85,14 +91,7 @@ pointwise!(
 );
 pointwise!(
     /// `relu(a + b)`.
-    AddReluF, 2, |[a, b]| {
-        let v = a + b;
-        if v <= T::zero() {
-            T::zero()
-        } else {
-            v
-        }
-    }
+    AddReluF, 2, |[a, b]| Relu.at([a + b])
 );
 pointwise!(
     /// `relu(a + b)`'s gradient (PyTorch's, `[a + b > 0]`) times `g`.
@@ -191,6 +190,21 @@ fn binary<T: Real, E: Elem<T>>(
     Ok((E::into_storage(y), la.shape().clone()))
 }
 
+/// Applies a two-input element-wise `op` to same-shaped, same-dtype `a` and `b` (anything else
+/// is an error naming `what`).
+fn apply_same<C: CustomOp2 + Send + Sync + 'static>(what: &str, a: &Tensor, b: &Tensor, op: C) -> Result<Tensor> {
+    if a.shape() != b.shape() || a.dtype() != b.dtype() {
+        return Err(candle_core::Error::Msg(format!(
+            "{what}: {:?} {:?} vs {:?} {:?}",
+            a.shape(),
+            a.dtype(),
+            b.shape(),
+            b.dtype()
+        )));
+    }
+    super::apply2(&a.contiguous()?, &b.contiguous()?, op)
+}
+
 fn same_len(what: &str, a: usize, b: usize) -> Result<()> {
     if a == b {
         Ok(())
@@ -252,24 +266,6 @@ pub fn relu6(x: &Tensor) -> Result<Tensor> {
 
 /// GELU, erf form: `x·Φ(x)`.
 struct Gelu;
-
-/// GELU of `v` (erf form). A function, not a closure, so that it is inlined into the map's
-/// vectorised loop (a closure with the error function and an exponential was not, and ran as
-/// one out-of-line call per element).
-#[inline(always)]
-fn gelu_of<T: Real>(v: T) -> T {
-    let (half, r2) = (T::of(0.5), T::of(std::f64::consts::FRAC_1_SQRT_2));
-    (T::erf_(v * r2) + T::one()) * half * v
-}
-
-/// GELU's gradient at `v` times `g`.
-#[inline(always)]
-fn gelu_grad<T: Real>(v: T, g: T) -> T {
-    let (half, r2) = (T::of(0.5), T::of(std::f64::consts::FRAC_1_SQRT_2));
-    let pdf = T::of(0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2);
-    let cdf = (T::erf_(v * r2) + T::one()) * half;
-    g * (cdf + v * pdf * T::exp_(-(v * v) * half))
-}
 
 impl Gelu {
     fn fwd<T: Real, E: Elem<T>>(s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
@@ -338,16 +334,7 @@ impl CustomOp2 for SiluMul {
 
 /// `silu(a)·b` for same-shaped `a` and `b` on the CPU, computed in f32 (f64 for f64).
 pub fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if a.shape() != b.shape() || a.dtype() != b.dtype() {
-        return Err(candle_core::Error::Msg(format!(
-            "silu_mul: {:?} {:?} vs {:?} {:?}",
-            a.shape(),
-            a.dtype(),
-            b.shape(),
-            b.dtype()
-        )));
-    }
-    super::apply2(&a.contiguous()?, &b.contiguous()?, SiluMul)
+    apply_same("silu_mul", a, b, SiluMul)
 }
 
 /// `a + b` (a residual connection): candle's own bf16 addition converts eight elements per
@@ -369,16 +356,7 @@ impl CustomOp2 for Add {
 
 /// `a + b` for same-shaped, same-dtype `a` and `b` on the CPU (see [`crate::ops::add`]).
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if a.shape() != b.shape() || a.dtype() != b.dtype() {
-        return Err(candle_core::Error::Msg(format!(
-            "add: {:?} {:?} vs {:?} {:?}",
-            a.shape(),
-            a.dtype(),
-            b.shape(),
-            b.dtype()
-        )));
-    }
-    super::apply2(&a.contiguous()?, &b.contiguous()?, Add)
+    apply_same("add", a, b, Add)
 }
 
 /// `relu(a + b)` (a residual connection's end), the sum neither stored nor kept: backward
@@ -411,14 +389,5 @@ impl CustomOp2 for AddRelu {
 
 /// `relu(a + b)` for same-shaped `a` and `b` on the CPU (see [`crate::ops::add_relu`]).
 pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if a.shape() != b.shape() || a.dtype() != b.dtype() {
-        return Err(candle_core::Error::Msg(format!(
-            "add_relu: {:?} {:?} vs {:?} {:?}",
-            a.shape(),
-            a.dtype(),
-            b.shape(),
-            b.dtype()
-        )));
-    }
-    super::apply2(&a.contiguous()?, &b.contiguous()?, AddRelu)
+    apply_same("add_relu", a, b, AddRelu)
 }

@@ -359,9 +359,9 @@ impl Conv2d {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
         with_elems::<T, E, _>(x, |xe| {
             if Self::widen_first(&g, xe) {
-                with::<T, _>(x, |x| self.bwd_from::<T, T>(&g, x, w, dy, want_dx))
+                with::<T, _>(x, |x| self.bwd_from::<T, T>(g, x, w, dy, want_dx))
             } else {
-                self.bwd_from::<T, E>(&g, xe, w, dy, want_dx)
+                self.bwd_from::<T, E>(g, xe, w, dy, want_dx)
             }
         })
     }
@@ -369,81 +369,78 @@ impl Conv2d {
     /// [`Conv2d::bwd`] from the images as stored (`E`) or widened.
     fn bwd_from<T: Real, E: Elem<T>>(
         &self,
-        g: &Geometry,
+        g: Geometry,
         x: &[E],
         w: &Tensor,
         dy: &Tensor,
         want_dx: bool,
     ) -> Result<(Option<Vec<T>>, Vec<T>)> {
-        let g = *g;
         let (rows, cols, img) = (g.rows(), g.cols(), g.c_in * g.h * g.w);
         let plan = Plan::new(&g);
-        {
-            with::<T, _>(w, |w| {
-                with::<T, _>(dy, |dy| {
-                    let width = plan.size * cols;
-                    let direct = plan.size == 1 && g.pointwise();
-                    let col = Scratch::<T>::new(plan.workers, if direct { 0 } else { rows * width });
-                    let gbuf = Scratch::<T>::new(plan.workers, if plan.size == 1 { 0 } else { g.c_out * width });
-                    // Stride 1: the input gradient is a convolution of its own (below).
-                    let by_columns = want_dx && !(g.stride == 1 && g.pad < g.k);
-                    let dcol = Scratch::<T>::new(plan.workers, if by_columns { rows * width } else { 0 });
-                    // dW: one partial sum per worker, added at the end.
-                    let dws = Scratch::<T>::new(plan.workers, g.c_out * rows);
-                    let mut dx = if by_columns { vec![T::zero(); x.len()] } else { Vec::new() };
-                    let sdx = SharedMut::new(&mut dx);
-                    plan.run(|worker, group, parallel| {
-                        let range = plan.images(group, g.n);
-                        let ld = range.len() * cols;
-                        let (mut col, mut gb, mut dw) = (col.get(worker)?, gbuf.get(worker)?, dws.get(worker)?);
-                        // A 1×1 stride-1 convolution's columns are the image itself (one image
-                        // per group): no copy.
-                        let cm: &[T] = if direct {
-                            E::compute_slice(&x[range.start * img..range.end * img])
-                                .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()))?
-                        } else {
-                            Self::unfold(&g, x, range.clone(), &mut col);
-                            &col[..rows * ld]
-                        };
-                        // The group's output gradient as (C_out × images·positions): one image's
-                        // is its own slice.
-                        let gm = if range.len() == 1 {
-                            Mat::rows(&dy[range.start * g.c_out * cols..range.end * g.c_out * cols], g.c_out, cols)
-                        } else {
-                            for (j, b) in range.clone().enumerate() {
-                                let src = &dy[b * g.c_out * cols..(b + 1) * g.c_out * cols];
-                                for (c, row) in src.chunks(cols).enumerate() {
-                                    gb[c * ld + j * cols..][..cols].copy_from_slice(row);
-                                }
-                            }
-                            Mat::rows(&gb[..g.c_out * ld], g.c_out, ld)
-                        };
-                        gemm(&mut dw, gm, Mat::rows(cm, rows, ld).t(), T::one(), true, parallel)?;
-                        if by_columns {
-                            let mut dc = dcol.get(worker)?;
-                            gemm(&mut dc, Mat::rows(w, g.c_out, rows).t(), gm, T::one(), false, parallel)?;
-                            for (j, b) in range.enumerate() {
-                                // SAFETY: image `b` belongs to this group only.
-                                let dst = unsafe { sdx.range(b * img, img) };
-                                g.col2im(&dc, ld, j * cols, dst);
+        with::<T, _>(w, |w| {
+            with::<T, _>(dy, |dy| {
+                let width = plan.size * cols;
+                let direct = plan.size == 1 && g.pointwise();
+                let col = Scratch::<T>::new(plan.workers, if direct { 0 } else { rows * width });
+                let gbuf = Scratch::<T>::new(plan.workers, if plan.size == 1 { 0 } else { g.c_out * width });
+                // Stride 1: the input gradient is a convolution of its own (below).
+                let by_columns = want_dx && !(g.stride == 1 && g.pad < g.k);
+                let dcol = Scratch::<T>::new(plan.workers, if by_columns { rows * width } else { 0 });
+                // dW: one partial sum per worker, added at the end.
+                let dws = Scratch::<T>::new(plan.workers, g.c_out * rows);
+                let mut dx = if by_columns { vec![T::zero(); x.len()] } else { Vec::new() };
+                let sdx = SharedMut::new(&mut dx);
+                plan.run(|worker, group, parallel| {
+                    let range = plan.images(group, g.n);
+                    let ld = range.len() * cols;
+                    let (mut col, mut gb, mut dw) = (col.get(worker)?, gbuf.get(worker)?, dws.get(worker)?);
+                    // A 1×1 stride-1 convolution's columns are the image itself (one image
+                    // per group): no copy.
+                    let cm: &[T] = if direct {
+                        E::compute_slice(&x[range.start * img..range.end * img])
+                            .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()))?
+                    } else {
+                        Self::unfold(&g, x, range.clone(), &mut col);
+                        &col[..rows * ld]
+                    };
+                    // The group's output gradient as (C_out × images·positions): one image's
+                    // is its own slice.
+                    let gm = if range.len() == 1 {
+                        Mat::rows(&dy[range.start * g.c_out * cols..range.end * g.c_out * cols], g.c_out, cols)
+                    } else {
+                        for (j, b) in range.clone().enumerate() {
+                            let src = &dy[b * g.c_out * cols..(b + 1) * g.c_out * cols];
+                            for (c, row) in src.chunks(cols).enumerate() {
+                                gb[c * ld + j * cols..][..cols].copy_from_slice(row);
                             }
                         }
-                        Ok(())
-                    })?;
-                    let mut parts = dws.0.into_iter().map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()));
-                    let mut dw = parts.next().unwrap_or_else(|| vec![T::zero(); g.c_out * rows]);
-                    for p in parts {
-                        dw.iter_mut().zip(&p).for_each(|(a, b)| *a = *a + *b);
-                    }
-                    let dx = match (want_dx, by_columns) {
-                        (false, _) => None,
-                        (true, true) => Some(dx),
-                        (true, false) => Some(Self::input_gradient(&g, w, dy)?),
+                        Mat::rows(&gb[..g.c_out * ld], g.c_out, ld)
                     };
-                    Ok((dx, dw))
-                })
+                    gemm(&mut dw, gm, Mat::rows(cm, rows, ld).t(), T::one(), true, parallel)?;
+                    if by_columns {
+                        let mut dc = dcol.get(worker)?;
+                        gemm(&mut dc, Mat::rows(w, g.c_out, rows).t(), gm, T::one(), false, parallel)?;
+                        for (j, b) in range.enumerate() {
+                            // SAFETY: image `b` belongs to this group only.
+                            let dst = unsafe { sdx.range(b * img, img) };
+                            g.col2im(&dc, ld, j * cols, dst);
+                        }
+                    }
+                    Ok(())
+                })?;
+                let mut parts = dws.0.into_iter().map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()));
+                let mut dw = parts.next().unwrap_or_else(|| vec![T::zero(); g.c_out * rows]);
+                for p in parts {
+                    dw.iter_mut().zip(&p).for_each(|(a, b)| *a = *a + *b);
+                }
+                let dx = match (want_dx, by_columns) {
+                    (false, _) => None,
+                    (true, true) => Some(dx),
+                    (true, false) => Some(Self::input_gradient(&g, w, dy)?),
+                };
+                Ok((dx, dw))
             })
-        }
+        })
     }
 }
 

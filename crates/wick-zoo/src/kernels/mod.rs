@@ -104,8 +104,9 @@ use std::cell::Cell;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
-use half::{bf16, f16};
+use half::bf16;
 
+use elem::Elem;
 pub(crate) use gemm::{gemm, Mat};
 
 /// A compute type of the kernels: f32 (for f32, bf16 and f16 tensors) or f64.
@@ -140,10 +141,6 @@ fn range<T>(v: &[T], start: usize, len: usize) -> Result<&[T]> {
         .ok_or_else(|| candle_core::Error::Msg(format!("kernel input: {len} elements at {start} exceed the storage")))
 }
 
-fn widen<T: Copy>(v: &[T], start: usize, len: usize, f: impl Fn(T) -> f32) -> Result<Vec<f32>> {
-    Ok(range(v, start, len)?.iter().map(|x| f(*x)).collect())
-}
-
 /// Elements per parallel chunk of the dtype conversions.
 const CONVERT_CHUNK: usize = 1 << 16;
 
@@ -161,14 +158,15 @@ fn convert<S: Sync, D: Send>(dst: &mut [D], src: &[S], f: impl Fn(&mut [D], &[S]
     }
 }
 
-/// bf16 → f32 (exact: the bf16 bits are the f32's upper half), parallel and vectorised.
-fn widen_bf16(v: &[bf16], start: usize, len: usize) -> Result<Vec<f32>> {
+/// A low-precision storage's elements `start..start + len` widened to f32 ([`Elem::load`]:
+/// exact), parallel and vectorised.
+fn widen_elems<E: Elem<f32>>(v: &[E], start: usize, len: usize) -> Result<Vec<f32>> {
     let src = range(v, start, len)?;
     // Written, not zero-filled first: a reused heap block asked for zeroed is cleared by a pass
     // of its own.
     let mut out = Vec::<f32>::with_capacity(len);
     convert(&mut out.spare_capacity_mut()[..len], src, |o, i| {
-        o.iter_mut().zip(i).for_each(|(d, b)| _ = d.write(f32::from_bits((b.to_bits() as u32) << 16)))
+        o.iter_mut().zip(i).for_each(|(d, e)| _ = d.write(e.load()))
     });
     // SAFETY: `convert` split the first `len` elements of the capacity into the same chunks as
     // `src` (also `len` long), and every element of every chunk was written above.
@@ -187,16 +185,16 @@ pub(crate) fn round_bf16(x: f32) -> bf16 {
     bf16::from_bits(if x.is_nan() { nan } else { rounded })
 }
 
-/// `src` rounded into `dst` (the same length), parallel and vectorised.
-pub(crate) fn narrow_bf16_into(src: &[f32], dst: &mut [bf16]) {
-    convert(dst, src, |o, i| o.iter_mut().zip(i).for_each(|(d, x)| *d = round_bf16(*x)));
+/// `src` rounded into `dst` (the same length; [`Elem::store`]), parallel and vectorised.
+pub(crate) fn narrow_into<E: Elem<f32>>(src: &[f32], dst: &mut [E]) {
+    convert(dst, src, |o, i| o.iter_mut().zip(i).for_each(|(d, x)| *d = E::store(*x)));
 }
 
-/// f32 → bf16 ([`round_bf16`]), parallel and vectorised.
-fn narrow_bf16(v: &[f32]) -> Vec<bf16> {
-    let mut out = Vec::<bf16>::with_capacity(v.len());
+/// `v` rounded to a low-precision type ([`Elem::store`]), parallel and vectorised.
+fn narrow_elems<E: Elem<f32>>(v: &[f32]) -> Vec<E> {
+    let mut out = Vec::<E>::with_capacity(v.len());
     convert(&mut out.spare_capacity_mut()[..v.len()], v, |o, i| {
-        o.iter_mut().zip(i).for_each(|(d, x)| _ = d.write(round_bf16(*x)))
+        o.iter_mut().zip(i).for_each(|(d, x)| _ = d.write(E::store(*x)))
     });
     // SAFETY: `convert` split the first `v.len()` elements of the capacity into the same chunks
     // as `v`, and every element of every chunk was written above.
@@ -208,8 +206,8 @@ impl Real for f32 {
     fn slice(s: &CpuStorage, start: usize, len: usize) -> Result<Cow<'_, [f32]>> {
         Ok(match s {
             CpuStorage::F32(v) => Cow::Borrowed(range(v, start, len)?),
-            CpuStorage::BF16(v) => Cow::Owned(widen_bf16(v, start, len)?),
-            CpuStorage::F16(v) => Cow::Owned(widen(v, start, len, f16::to_f32)?),
+            CpuStorage::BF16(v) => Cow::Owned(widen_elems(v, start, len)?),
+            CpuStorage::F16(v) => Cow::Owned(widen_elems(v, start, len)?),
             CpuStorage::F64(v) => Cow::Owned(range(v, start, len)?.iter().map(|x| *x as f32).collect()),
             other => return Err(unsupported(other.dtype())),
         })
@@ -217,8 +215,8 @@ impl Real for f32 {
     fn storage(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
         Ok(match dtype {
             DType::F32 => CpuStorage::F32(values),
-            DType::BF16 => CpuStorage::BF16(narrow_bf16(&values)),
-            DType::F16 => CpuStorage::F16(values.iter().map(|v| f16::from_f32(*v)).collect()),
+            DType::BF16 => CpuStorage::BF16(narrow_elems(&values)),
+            DType::F16 => CpuStorage::F16(narrow_elems(&values)),
             DType::F64 => CpuStorage::F64(values.iter().map(|v| *v as f64).collect()),
             other => return Err(unsupported(other)),
         })
@@ -491,6 +489,7 @@ impl<T> SharedMut<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::f16;
 
     /// Every rounding case against the `half` crate's conversion: ties both ways, the largest
     /// finite values (rounding up to infinity), infinities, subnormals, signed zeros, NaNs of
@@ -522,21 +521,25 @@ mod tests {
     }
 
     /// The parallel conversions over several chunks and a ragged tail, from an offset, against
-    /// per-element `half` conversions.
+    /// per-element `half` conversions, in bf16 and f16.
     #[test]
     fn widen_and_narrow_match_elementwise_conversion() -> Result<()> {
         let n = 2 * CONVERT_CHUNK + 123;
         let wide: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.377).sin() * 1e3 / (1.0 + i as f32)).collect();
-        let narrow = narrow_bf16(&wide);
+        let narrow: Vec<bf16> = narrow_elems(&wide);
         assert_eq!(narrow.len(), n);
         assert!(narrow.iter().zip(&wide).all(|(a, b)| a.to_bits() == bf16::from_f32(*b).to_bits()));
         let mut into = vec![bf16::ONE; n];
-        narrow_bf16_into(&wide, &mut into);
+        narrow_into(&wide, &mut into);
         assert_eq!(into, narrow);
-        let back = widen_bf16(&narrow, 7, n - 7)?;
+        let back = widen_elems(&narrow, 7, n - 7)?;
         assert_eq!(back.len(), n - 7);
         assert!(back.iter().zip(&narrow[7..]).all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
-        assert!(widen_bf16(&narrow, 8, n).is_err(), "a range past the end is refused");
+        assert!(widen_elems(&narrow, 8, n).is_err(), "a range past the end is refused");
+        let half: Vec<f16> = narrow_elems(&wide);
+        assert!(half.iter().zip(&wide).all(|(a, b)| a.to_bits() == f16::from_f32(*b).to_bits()));
+        let back = widen_elems(&half, 0, n)?;
+        assert!(back.iter().zip(&half).all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
         Ok(())
     }
 }

@@ -9,6 +9,7 @@ use std::sync::Mutex;
 
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
 
+use super::elem::{elems, Elem};
 use super::{par_ranges, read, with, SharedMut};
 
 /// An optimizer's update rule and hyper-parameters.
@@ -70,30 +71,17 @@ impl InplaceOp2 for Update<'_> {
         // A low-precision gradient (an AMP model's) is read as it is, each element widened where
         // the update uses it: a widened copy of every gradient was a pass and an allocation of
         // its own.
-        fn grads<'a, G>(g: &'a [G], sl: &Layout, len: usize) -> Result<&'a [G]> {
-            sl.contiguous_offsets().filter(|(a, b)| b - a == len).and_then(|(a, b)| g.get(a..b)).ok_or_else(|| {
-                candle_core::Error::Msg(format!("optimizer step: {len} values, gradient {:?}", sl.shape()))
-            })
-        }
-        let n = p.len();
         match src {
-            CpuStorage::BF16(g) => {
-                self.apply(p, grads(g, sl, n)?, |g: half::bf16| f32::from_bits((g.to_bits() as u32) << 16))
-            }
-            CpuStorage::F16(g) => self.apply(p, grads(g, sl, n)?, half::f16::to_f32),
-            _ => self.apply(p, &read::<f32>(src, sl)?, |g: f32| g),
+            CpuStorage::BF16(_) => self.apply(p, elems::<f32, half::bf16>(src, sl)?),
+            CpuStorage::F16(_) => self.apply(p, elems::<f32, half::f16>(src, sl)?),
+            _ => self.apply(p, &read::<f32>(src, sl)?),
         }
     }
 }
 
 impl Update<'_> {
-    /// The update of `p` from `g`, each gradient element read through `widen`.
-    fn apply<G: Copy + Send + Sync>(
-        &self,
-        p: &mut [f32],
-        g: &[G],
-        widen: impl Fn(G) -> f32 + Send + Sync,
-    ) -> Result<()> {
+    /// The update of `p` from `g`, each gradient element widened where it is used.
+    fn apply<G: Elem<f32>>(&self, p: &mut [f32], g: &[G]) -> Result<()> {
         let n = p.len();
         if g.len() != n || self.state.len() != self.rule.states() || self.state.iter().any(|s| s.len() != n) {
             return Err(candle_core::Error::Msg(format!("optimizer step: {n} values, {} gradients", g.len())));
@@ -108,7 +96,7 @@ impl Update<'_> {
                 let p = unsafe { pp.range(r.start, r.len()) };
                 // SAFETY: as above.
                 let out: Vec<&mut [f32]> = outs.iter().map(|o| unsafe { o.range(r.start, r.len()) }).collect();
-                let g = g[r.clone()].iter().map(|g| widen(*g));
+                let g = g[r.clone()].iter().map(|g| g.load());
                 let mut out = out.into_iter();
                 match rule {
                     Optimizer::SgdMomentum { lr, momentum } => {
@@ -183,10 +171,8 @@ pub fn copy_into(target: &Tensor, source: &Tensor) -> Result<()> {
             };
             match dst {
                 CpuStorage::F32(d) => d[start..end].copy_from_slice(&s),
-                CpuStorage::BF16(d) => super::narrow_bf16_into(&s, &mut d[start..end]),
-                CpuStorage::F16(d) => {
-                    d[start..end].iter_mut().zip(s.iter()).for_each(|(d, v)| *d = half::f16::from_f32(*v))
-                }
+                CpuStorage::BF16(d) => super::narrow_into(&s, &mut d[start..end]),
+                CpuStorage::F16(d) => super::narrow_into(&s, &mut d[start..end]),
                 CpuStorage::F64(d) => d[start..end].iter_mut().zip(s.iter()).for_each(|(d, v)| *d = *v as f64),
                 _ => return Err(candle_core::Error::Msg("copy_rounded: not a float tensor".into())),
             }
