@@ -567,3 +567,90 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
         assert!(values(&g_low[0]).iter().any(|v| *v != 0.0), "{name}: zero gradient");
     }
 }
+
+/// With every operand in bf16 (AMP's case), linear layers and convolutions multiply bf16 values
+/// with f32 sums (AVX512-BF16 where the CPU has it, widened f32 products elsewhere): outputs and
+/// every gradient within one bf16 spacing of the f32 products on the same values (each side
+/// rounds its own f32 sum once; the sums differ only in their f32 rounding), over the geometries
+/// whose code paths differ: 1×1 stride 1 (the image is the column matrix), 3×3 stride 1 (input
+/// gradient as a convolution), 3×3 stride 2 and 7×7 stride 2 (col2im), and images grouped per
+/// gemm (few output positions).
+#[test]
+fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
+    type Op = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
+    let cases: Vec<(&str, Op, Vec<Vec<usize>>)> = vec![
+        (
+            "linear",
+            Box::new(|t: &[Tensor]| kernels::linear::linear(&t[0], &t[1], Some(&t[2]))),
+            vec![vec![3, 37, 70], vec![45, 70], vec![45]],
+        ),
+        (
+            "conv 1×1",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 0, 1)),
+            vec![vec![2, 24, 9, 9], vec![40, 24, 1, 1]],
+        ),
+        (
+            "conv 3×3",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 1, 1)),
+            vec![vec![2, 13, 12, 12], vec![16, 13, 3, 3]],
+        ),
+        (
+            "conv 3×3 /2",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 1, 2)),
+            vec![vec![3, 8, 11, 11], vec![20, 8, 3, 3]],
+        ),
+        (
+            "conv 7×7 /2",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 3, 2)),
+            vec![vec![2, 3, 20, 20], vec![8, 3, 7, 7]],
+        ),
+        (
+            "conv grouped",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 1, 1)),
+            vec![vec![9, 32, 4, 4], vec![24, 32, 3, 3]],
+        ),
+    ];
+    for (name, op, shapes) in cases {
+        // The same bf16 values as bf16 and as f32 tensors.
+        let inputs: Vec<Tensor> =
+            shapes.iter().enumerate().map(|(i, s)| randn(s, 40 + i as u64).to_dtype(DType::BF16).unwrap()).collect();
+        let run = |dtype: DType| {
+            let vars: Vec<candle_core::Var> =
+                inputs.iter().map(|t| candle_core::Var::from_tensor(&t.to_dtype(dtype).unwrap()).unwrap()).collect();
+            let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let y = op(&ts).unwrap();
+            assert_eq!(y.dtype(), dtype, "{name}: output dtype");
+            // Output-gradient weights that bf16 holds exactly: both runs backpropagate the same.
+            let n = y.elem_count() as u32;
+            let weights =
+                Tensor::arange(1u32, n + 1, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().sin().unwrap();
+            let weights =
+                weights.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap().reshape(y.shape()).unwrap();
+            let loss = (y.to_dtype(DType::F32).unwrap() * weights).unwrap().sum_all().unwrap();
+            let grads = loss.backward().unwrap();
+            let g: Vec<Tensor> =
+                vars.iter().map(|v| grads.get(v).unwrap_or_else(|| panic!("{name}: no gradient")).clone()).collect();
+            (y, g)
+        };
+        let ((y_low, g_low), (y_ref, g_ref)) = (run(DType::BF16), run(DType::F32));
+        let close = |what: &str, low: &Tensor, reference: &Tensor| {
+            assert_eq!(low.dtype(), DType::BF16, "{name} {what}: dtype");
+            // The reference rounded to bf16 as the low-precision path rounds its own sum.
+            let r = values(&reference.to_dtype(DType::BF16).unwrap());
+            let scale = r.iter().fold(0f64, |m, v| m.max(v.abs()));
+            for (i, (a, b)) in values(low).iter().zip(&r).enumerate() {
+                // One bf16 spacing (2⁻⁷ relative) where the f32 sums round to neighbours, plus a
+                // floor for sums that cancel to far below the tensor's scale.
+                assert!(
+                    (a - b).abs() <= b.abs() * 2f64.powi(-7) + scale * 2f64.powi(-16),
+                    "{name} {what}[{i}]: {a} vs {b}"
+                );
+            }
+            assert!(scale > 0.0, "{name} {what}: all zero");
+        };
+        close("forward", &y_low, &y_ref);
+        for (i, (a, b)) in g_low.iter().zip(&g_ref).enumerate() {
+            close(&format!("gradient {i}"), a, b);
+        }
+    }
+}

@@ -721,13 +721,13 @@ impl GradStore {
         self.0.insert(id, grad)
     }
 
-    /// Adds `grad` to the gradient of `tensor`: the first gradient reaching a node is stored as
-    /// it is (contiguous), later ones are added to it.
+    /// Adds `grad` to the gradient of `tensor` (the first one stored as it is, detached and
+    /// contiguous; later ones added), so a stored gradient never keeps a backward graph alive.
     fn accumulate(&mut self, tensor: &Tensor, grad: &Tensor) -> Result<()> {
         match self.0.entry(tensor.id()) {
             Entry::Occupied(mut entry) => {
                 let sum = entry.get_mut();
-                *sum = sum.add(grad)?;
+                *sum = sum.add(grad)?.detach();
             }
             Entry::Vacant(entry) => {
                 if grad.shape() != tensor.shape() {
@@ -746,7 +746,7 @@ impl GradStore {
                     }
                     .bt());
                 }
-                entry.insert(grad.contiguous()?);
+                entry.insert(grad.detach().contiguous()?);
             }
         }
         Ok(())

@@ -14,8 +14,10 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::elem::{by_elem, elems, with_elems, Elem};
+use super::gemm::Operand;
 use super::pool::out_len;
-use super::{gemm, read, with, Mat, Real, SharedMut};
+use super::{read, with, Mat, Real, SharedMut};
+use half::bf16;
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -95,9 +97,9 @@ impl Geometry {
     }
 
     /// Unfolds one image (C_in × H × W, stored as `E`) into columns `at..at + cols` of `col`, a
-    /// matrix with `ld` elements per row (widening each element as it is gathered).
+    /// matrix of operands `P` with `ld` elements per row (each element converted as gathered).
     #[inline(always)]
-    fn im2col<T: Real, E: Elem<T>>(&self, img: &[E], col: &mut [T], ld: usize, at: usize) {
+    fn im2col<P: Copy + Default, E: Gather<P>>(&self, img: &[E], col: &mut [P], ld: usize, at: usize) {
         let (k, l) = (self.k, self.cols());
         // Worked out once: the divisions in `valid` per row were a third of the unfolding's time.
         let taps = self.taps();
@@ -108,30 +110,30 @@ impl Geometry {
                     let row = &mut col[((ci * k + dy) * k + dx) * ld + at..][..l];
                     for (oy, dst) in row.chunks_exact_mut(self.ow).enumerate() {
                         let Some(iy) = self.source(oy, dy, self.h) else {
-                            dst.fill(T::zero());
+                            dst.fill(P::default());
                             continue;
                         };
                         let src = &plane[iy * self.w..(iy + 1) * self.w];
-                        dst[..r.start].fill(T::zero());
-                        dst[r.end..].fill(T::zero());
+                        dst[..r.start].fill(P::default());
+                        dst[r.end..].fill(P::default());
                         if r.is_empty() {
                             continue;
                         }
                         if self.stride == 1 {
                             // One shifted copy.
-                            E::widen_into(&src[*first..*first + r.len()], &mut dst[r.clone()]);
+                            E::gather_into(&src[*first..*first + r.len()], &mut dst[r.clone()]);
                         } else if self.stride == 2 {
                             // Every other input: pairs, so the compiler vectorises the gather.
                             let (n, d) = (r.len(), &mut dst[r.clone()]);
                             for (v, pair) in
                                 d[..n - 1].iter_mut().zip(src[*first..*first + 2 * (n - 1)].chunks_exact(2))
                             {
-                                *v = pair[0].load();
+                                *v = pair[0].gather();
                             }
-                            d[n - 1] = src[*first + 2 * (n - 1)].load();
+                            d[n - 1] = src[*first + 2 * (n - 1)].gather();
                         } else {
                             for (v, s) in dst[r.clone()].iter_mut().zip(src[*first..].iter().step_by(self.stride)) {
-                                *v = s.load();
+                                *v = s.gather();
                             }
                         }
                     }
@@ -218,9 +220,9 @@ impl Plan {
 /// Per-worker scratch buffers, taken by one worker at a time.
 struct Scratch<T>(Vec<Mutex<Vec<T>>>);
 
-impl<T: Real> Scratch<T> {
+impl<T: Copy + Default> Scratch<T> {
     fn new(workers: usize, len: usize) -> Self {
-        Scratch((0..workers).map(|_| Mutex::new(vec![T::zero(); len])).collect())
+        Scratch((0..workers).map(|_| Mutex::new(vec![T::default(); len])).collect())
     }
 
     fn get(&self, worker: usize) -> Result<std::sync::MutexGuard<'_, Vec<T>>> {
@@ -229,17 +231,69 @@ impl<T: Real> Scratch<T> {
     }
 }
 
+/// An image element type gathered into product operands `P`: widened to the compute type, or
+/// bf16 kept as bf16 for bf16 products ([`Operand`]).
+trait Gather<P>: Copy + Send + Sync + 'static {
+    /// The element as an operand.
+    fn gather(self) -> P;
+    /// `src` gathered into `dst` (the same length).
+    fn gather_into(src: &[Self], dst: &mut [P]);
+    /// `v` itself when its elements are operands already (a 1×1 stride-1 convolution multiplies
+    /// the image itself).
+    fn as_operands(v: &[Self]) -> Option<&[P]>;
+    /// Unfolds the images of `range` side by side into `col` ((C_in·k·k) × (images·OH·OW)).
+    fn unfold(g: Geometry, x: &[Self], range: std::ops::Range<usize>, col: &mut [P]);
+}
+
+impl<T: Real, E: Elem<T>> Gather<T> for E {
+    #[inline(always)]
+    fn gather(self) -> T {
+        self.load()
+    }
+    #[inline(always)]
+    fn gather_into(src: &[E], dst: &mut [T]) {
+        E::widen_into(src, dst)
+    }
+    fn as_operands(v: &[E]) -> Option<&[T]> {
+        E::compute_slice(v)
+    }
+    fn unfold(g: Geometry, x: &[E], range: std::ops::Range<usize>, col: &mut [T]) {
+        unfold_images::<T, E>(g, x, range, col)
+    }
+}
+
+impl Gather<bf16> for bf16 {
+    #[inline(always)]
+    fn gather(self) -> bf16 {
+        self
+    }
+    #[inline(always)]
+    fn gather_into(src: &[bf16], dst: &mut [bf16]) {
+        dst.copy_from_slice(src)
+    }
+    fn as_operands(v: &[bf16]) -> Option<&[bf16]> {
+        Some(v)
+    }
+    fn unfold(g: Geometry, x: &[bf16], range: std::ops::Range<usize>, col: &mut [bf16]) {
+        // Copies and strided gathers of 16-bit values: no widening to vectorise.
+        let (img, l, ld) = (g.c_in * g.h * g.w, g.cols(), range.len() * g.cols());
+        for (j, b) in range.enumerate() {
+            g.im2col(&x[b * img..(b + 1) * img], col, ld, j * l);
+        }
+    }
+}
+
+/// True when bf16 tensors are multiplied as bf16 ([`super::gemm_bf16`]).
+fn bf16_products(dtype: candle_core::DType) -> bool {
+    dtype == candle_core::DType::BF16 && super::gemm_bf16::available()
+}
+
 struct Conv2d {
     stride: usize,
     pad: usize,
 }
 
 impl Conv2d {
-    /// Unfolds the images of `range` side by side into `col` ((C_in·k·k) × (images·OH·OW)).
-    fn unfold<T: Real, E: Elem<T>>(g: &Geometry, x: &[E], range: std::ops::Range<usize>, col: &mut [T]) {
-        unfold_images::<T, E>(*g, x, range, col)
-    }
-
     /// True when the images `x` must be widened to the compute type first: a 1×1 stride-1
     /// convolution multiplies the image itself, which the gemm reads in `T` only. Any other
     /// convolution widens each element as im2col gathers it (no widened copy of the input).
@@ -264,14 +318,22 @@ impl Conv2d {
         Ok((T::storage(y, sx.dtype())?, Shape::from((g.n, g.c_out, g.oh, g.ow))))
     }
 
+    /// [`Conv2d::fwd`] for bf16 images and weights, multiplied as bf16 (f32 sums).
+    fn fwd_bf16(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, false)?;
+        let (x, w) = (elems::<f32, bf16>(sx, lx)?, elems::<f32, bf16>(sw, lw)?);
+        let y = Self::forward::<f32, bf16, bf16>(&g, x, w)?;
+        Ok((f32::storage(y, sx.dtype())?, Shape::from((g.n, g.c_out, g.oh, g.ow))))
+    }
+
     /// The convolution of images `x` with weights `w` (row-major (C_out, C_in·k·k)).
-    fn forward<T: Real, E: Elem<T>>(g: &Geometry, x: &[E], w: &[T]) -> Result<Vec<T>> {
+    fn forward<T: Real, E: Gather<P>, P: Operand<T>>(g: &Geometry, x: &[E], w: &[P]) -> Result<Vec<T>> {
         Self::forward_by(g, x, Mat::rows(w, g.c_out, g.rows()))
     }
 
     /// [`Conv2d::forward`] with the weights as any (C_out × C_in·k·k) matrix view. A 1×1
-    /// stride-1 convolution's images must be in the compute type ([`Conv2d::widen_first`]).
-    fn forward_by<T: Real, E: Elem<T>>(g: &Geometry, x: &[E], wm: Mat<'_, T>) -> Result<Vec<T>> {
+    /// stride-1 convolution's images must be operands already ([`Conv2d::widen_first`]).
+    fn forward_by<T: Real, E: Gather<P>, P: Operand<T>>(g: &Geometry, x: &[E], wm: Mat<'_, P>) -> Result<Vec<T>> {
         let (rows, cols, img) = (g.rows(), g.cols(), g.c_in * g.h * g.w);
         let mut y = vec![T::zero(); g.n * g.c_out * cols];
         let out = SharedMut::new(&mut y);
@@ -279,26 +341,26 @@ impl Conv2d {
         // One image at a time writes straight into the output; a group goes through a
         // (C_out × images·positions) buffer.
         let direct = plan.size == 1;
-        let col = Scratch::<T>::new(plan.workers, if direct && g.pointwise() { 0 } else { rows * plan.size * cols });
+        let col = Scratch::<P>::new(plan.workers, if direct && g.pointwise() { 0 } else { rows * plan.size * cols });
         let ybuf = Scratch::<T>::new(plan.workers, if direct { 0 } else { g.c_out * plan.size * cols });
         plan.run(|worker, group, parallel| {
             let range = plan.images(group, g.n);
             let ld = range.len() * cols;
             let mut col = col.get(worker)?;
-            let cm: &[T] = if direct && g.pointwise() {
-                E::compute_slice(&x[range.start * img..range.end * img])
+            let cm: &[P] = if direct && g.pointwise() {
+                E::as_operands(&x[range.start * img..range.end * img])
                     .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()))?
             } else {
-                Self::unfold(g, x, range.clone(), &mut col);
+                E::unfold(*g, x, range.clone(), &mut col);
                 &col
             };
             if direct {
                 // SAFETY: one image's output per group.
                 let dst = unsafe { out.range(range.start * g.c_out * cols, g.c_out * cols) };
-                return gemm(dst, wm, Mat::rows(cm, rows, cols), T::one(), false, parallel);
+                return P::product(dst, wm, Mat::rows(cm, rows, cols), T::one(), false, parallel);
             }
             let mut yb = ybuf.get(worker)?;
-            gemm(&mut yb, wm, Mat::rows(cm, rows, ld), T::one(), false, parallel)?;
+            P::product(&mut yb, wm, Mat::rows(cm, rows, ld), T::one(), false, parallel)?;
             for (j, b) in range.enumerate() {
                 // SAFETY: image `b` belongs to this group only.
                 let dst = unsafe { out.range(b * g.c_out * cols, g.c_out * cols) };
@@ -315,7 +377,7 @@ impl Conv2d {
     /// with the weights transposed (C_in ↔ C_out) and flipped, padded by `k − 1 − pad`: its gemm
     /// sums over C_out·k·k, where the col2im route's sums over C_out only (a short inner
     /// dimension that gemm runs at half speed) and then scatters k² copies back.
-    fn input_gradient<T: Real>(g: &Geometry, w: &[T], dy: &[T]) -> Result<Vec<T>> {
+    fn input_gradient<T: Real, P: Operand<T> + Gather<P>>(g: &Geometry, w: &[P], dy: &[P]) -> Result<Vec<T>> {
         let (k, kk) = (g.k, g.k * g.k);
         let back = Geometry {
             n: g.n,
@@ -336,7 +398,7 @@ impl Conv2d {
         }
         // Written in order (each source run of k² taps read whole): the other loop order
         // scattered every write across the output.
-        let mut flipped = vec![T::zero(); w.len()];
+        let mut flipped = vec![P::default(); w.len()];
         for (ci, dst) in flipped.chunks_exact_mut(g.c_out * kk).enumerate() {
             for (co, taps) in dst.chunks_exact_mut(kk).enumerate() {
                 let src = &w[(co * g.c_in + ci) * kk..][..kk];
@@ -357,32 +419,46 @@ impl Conv2d {
         want_dx: bool,
     ) -> Result<(Option<Vec<T>>, Vec<T>)> {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
-        with_elems::<T, E, _>(x, |xe| {
-            if Self::widen_first(&g, xe) {
-                with::<T, _>(x, |x| self.bwd_from::<T, T>(g, x, w, dy, want_dx))
-            } else {
-                self.bwd_from::<T, E>(g, xe, w, dy, want_dx)
-            }
+        with::<T, _>(w, |w| {
+            with::<T, _>(dy, |dy| {
+                with_elems::<T, E, _>(x, |xe| {
+                    if Self::widen_first(&g, xe) {
+                        with::<T, _>(x, |x| Self::bwd_from::<T, T, T>(g, x, w, dy, want_dx))
+                    } else {
+                        Self::bwd_from::<T, E, T>(g, xe, w, dy, want_dx)
+                    }
+                })
+            })
         })
     }
 
-    /// [`Conv2d::bwd`] from the images as stored (`E`) or widened.
-    fn bwd_from<T: Real, E: Elem<T>>(
-        &self,
+    /// [`Conv2d::bwd`] for bf16 images, weights and output gradients, multiplied as bf16.
+    fn bwd_bf16(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Vec<f32>>, Vec<f32>)> {
+        let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
+        with_elems::<f32, bf16, _>(w, |w| {
+            with_elems::<f32, bf16, _>(dy, |dy| {
+                with_elems::<f32, bf16, _>(x, |x| Self::bwd_from::<f32, bf16, bf16>(g, x, w, dy, want_dx))
+            })
+        })
+    }
+
+    /// [`Conv2d::bwd`] from the images as stored (`E`) or widened, with weights and output
+    /// gradients as operands `P`.
+    fn bwd_from<T: Real, E: Gather<P>, P: Operand<T> + Gather<P>>(
         g: Geometry,
         x: &[E],
-        w: &Tensor,
-        dy: &Tensor,
+        w: &[P],
+        dy: &[P],
         want_dx: bool,
     ) -> Result<(Option<Vec<T>>, Vec<T>)> {
         let (rows, cols, img) = (g.rows(), g.cols(), g.c_in * g.h * g.w);
         let plan = Plan::new(&g);
-        with::<T, _>(w, |w| {
-            with::<T, _>(dy, |dy| {
+        {
+            {
                 let width = plan.size * cols;
                 let direct = plan.size == 1 && g.pointwise();
-                let col = Scratch::<T>::new(plan.workers, if direct { 0 } else { rows * width });
-                let gbuf = Scratch::<T>::new(plan.workers, if plan.size == 1 { 0 } else { g.c_out * width });
+                let col = Scratch::<P>::new(plan.workers, if direct { 0 } else { rows * width });
+                let gbuf = Scratch::<P>::new(plan.workers, if plan.size == 1 { 0 } else { g.c_out * width });
                 // Stride 1: the input gradient is a convolution of its own (below).
                 let by_columns = want_dx && !(g.stride == 1 && g.pad < g.k);
                 let dcol = Scratch::<T>::new(plan.workers, if by_columns { rows * width } else { 0 });
@@ -396,11 +472,11 @@ impl Conv2d {
                     let (mut col, mut gb, mut dw) = (col.get(worker)?, gbuf.get(worker)?, dws.get(worker)?);
                     // A 1×1 stride-1 convolution's columns are the image itself (one image
                     // per group): no copy.
-                    let cm: &[T] = if direct {
-                        E::compute_slice(&x[range.start * img..range.end * img])
+                    let cm: &[P] = if direct {
+                        E::as_operands(&x[range.start * img..range.end * img])
                             .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()))?
                     } else {
-                        Self::unfold(&g, x, range.clone(), &mut col);
+                        E::unfold(g, x, range.clone(), &mut col);
                         &col[..rows * ld]
                     };
                     // The group's output gradient as (C_out × images·positions): one image's
@@ -416,10 +492,10 @@ impl Conv2d {
                         }
                         Mat::rows(&gb[..g.c_out * ld], g.c_out, ld)
                     };
-                    gemm(&mut dw, gm, Mat::rows(cm, rows, ld).t(), T::one(), true, parallel)?;
+                    P::product(&mut dw, gm, Mat::rows(cm, rows, ld).t(), T::one(), true, parallel)?;
                     if by_columns {
                         let mut dc = dcol.get(worker)?;
-                        gemm(&mut dc, Mat::rows(w, g.c_out, rows).t(), gm, T::one(), false, parallel)?;
+                        P::product(&mut dc, Mat::rows(w, g.c_out, rows).t(), gm, T::one(), false, parallel)?;
                         for (j, b) in range.enumerate() {
                             // SAFETY: image `b` belongs to this group only.
                             let dst = unsafe { sdx.range(b * img, img) };
@@ -439,13 +515,13 @@ impl Conv2d {
                     (true, false) => Some(Self::input_gradient(&g, w, dy)?),
                 };
                 Ok((dx, dw))
-            })
-        })
+            }
+        }
     }
 }
 
 wide_kernel! {
-    /// [`Conv2d::unfold`], compiled for the CPU's widest vectors (its zero fills and strided
+    /// [`Gather::unfold`] into the compute type, compiled for the CPU's widest vectors (its zero fills and strided
     /// gathers are loops of their own; the short row copies stay `memcpy` calls).
     fn unfold_images<T, E>(g: Geometry, x: &[E], range: std::ops::Range<usize>, col: &mut [T]) {
         let (img, l, ld) = (g.c_in * g.h * g.w, g.cols(), range.len() * g.cols());
@@ -460,11 +536,17 @@ impl CustomOp2 for Conv2d {
         "conv2d"
     }
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        if bf16_products(sx.dtype()) && sw.dtype() == sx.dtype() {
+            return self.fwd_bf16(sx, lx, sw, lw);
+        }
         by_elem!(sx.dtype(), T, E => self.fwd::<T, E>(sx, lx, sw, lw))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // The input image of a network needs no gradient: skip backward-input for it.
         let want_dx = x.track_op();
+        if bf16_products(x.dtype()) && w.dtype() == x.dtype() && dy.dtype() == x.dtype() {
+            return super::input_weight_grads::<f32>(x, w, self.bwd_bf16(x, w, dy, want_dx)?);
+        }
         by_elem!(x.dtype(), T, E => super::input_weight_grads::<T>(x, w, self.bwd::<T, E>(x, w, dy, want_dx)?))
     }
 }

@@ -28,7 +28,7 @@ impl<'a, T> Mat<'a, T> {
     }
 
     /// True when every element lies inside `data`.
-    fn fits(&self) -> bool {
+    pub(crate) fn fits(&self) -> bool {
         if self.rows == 0 || self.cols == 0 {
             return true;
         }
@@ -99,6 +99,40 @@ pub(crate) fn gemm<T: Real>(
         );
     }
     Ok(())
+}
+
+/// The element type of a product's operands for the compute type `T`: `T` itself (the `gemm`
+/// crate), or bf16 with f32 sums ([`super::gemm_bf16`], for bf16 tensors on CPUs with
+/// AVX512-BF16), so an op generic over it multiplies its matrices as stored.
+pub(crate) trait Operand<T>: Copy + Default + Send + Sync + 'static {
+    /// `dst = beta·a·b + (dst if accumulate)` (see [`gemm`]).
+    fn product(
+        dst: &mut [T],
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+        beta: T,
+        accumulate: bool,
+        parallel: bool,
+    ) -> Result<()>;
+}
+
+impl<T: Real> Operand<T> for T {
+    fn product(dst: &mut [T], a: Mat<'_, T>, b: Mat<'_, T>, beta: T, accumulate: bool, parallel: bool) -> Result<()> {
+        gemm(dst, a, b, beta, accumulate, parallel)
+    }
+}
+
+impl Operand<f32> for half::bf16 {
+    fn product(
+        dst: &mut [f32],
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+        beta: f32,
+        accumulate: bool,
+        parallel: bool,
+    ) -> Result<()> {
+        super::gemm_bf16::gemm_bf16(dst, a, b, beta, accumulate, parallel)
+    }
 }
 
 #[cfg(test)]

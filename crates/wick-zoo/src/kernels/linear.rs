@@ -6,6 +6,11 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
+use candle_core::DType;
+use half::bf16;
+
+use super::elem::{elems, with_elems};
+use super::gemm_bf16::{self, gemm_bf16};
 use super::{gemm, par_ranges, read, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
@@ -37,9 +42,34 @@ impl Linear {
         bias: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
         let (m, k, n) = dims(lx.shape(), lw.shape())?;
-        let (x, w) = (read::<T>(sx, lx)?, read::<T>(sw, lw)?);
         let mut y = vec![T::zero(); m * n];
+        let (x, w) = (read::<T>(sx, lx)?, read::<T>(sw, lw)?);
         gemm(&mut y, Mat::rows(&x, m, k), Mat::rows(&w, n, k).t(), T::one(), false, true)?;
+        Self::finish(y, lx, sx.dtype(), n, bias)
+    }
+
+    /// [`Linear::fwd`] for bf16 x and W with bf16 products (f32 sums, no widened copies).
+    fn fwd_bf16(
+        (x, w): (&[bf16], &[bf16]),
+        lx: &Layout,
+        lw: &Layout,
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, k, n) = dims(lx.shape(), lw.shape())?;
+        let mut y = vec![0f32; m * n];
+        gemm_bf16(&mut y, Mat::rows(x, m, k), Mat::rows(w, n, k).t(), 1.0, false, true)?;
+        Self::finish(y, lx, DType::BF16, n, bias)
+    }
+
+    /// `y` (rows × n) plus the bias, as storage of `dtype` with x's shape but n columns.
+    fn finish<T: Real>(
+        mut y: Vec<T>,
+        lx: &Layout,
+        dtype: DType,
+        n: usize,
+        bias: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let m = y.len() / n.max(1);
         if let Some((sb, lb)) = bias {
             let b = read::<T>(sb, lb)?;
             if b.len() != n {
@@ -58,7 +88,36 @@ impl Linear {
         if let Some(last) = shape.last_mut() {
             *last = n;
         }
-        Ok((T::storage(y, sx.dtype())?, Shape::from(shape)))
+        Ok((T::storage(y, dtype)?, Shape::from(shape)))
+    }
+
+    /// [`Linear::bwd`] for bf16 x, W and g with bf16 products (f32 sums, rounded once).
+    fn bwd_bf16(x: &Tensor, w: &Tensor, g: &Tensor, want_dx: bool, want_db: bool) -> Result<Grads<f32>> {
+        let (m, k, n) = dims(x.shape(), w.shape())?;
+        with_elems::<f32, bf16, _>(x, |x| {
+            with_elems::<f32, bf16, _>(w, |w| {
+                with_elems::<f32, bf16, _>(g, |g| {
+                    let gm = Mat::rows(g, m, n);
+                    let dx = if want_dx {
+                        let mut dx = vec![0f32; m * k];
+                        gemm_bf16(&mut dx, gm, Mat::rows(w, n, k), 1.0, false, true)?;
+                        Some(dx)
+                    } else {
+                        None
+                    };
+                    let mut dw = vec![0f32; n * k];
+                    gemm_bf16(&mut dw, gm.t(), Mat::rows(x, m, k), 1.0, false, true)?;
+                    let db = want_db.then(|| {
+                        let mut db = vec![0f32; n];
+                        for row in g.chunks(n) {
+                            db.iter_mut().zip(row).for_each(|(d, v)| *d += v.to_f32());
+                        }
+                        db
+                    });
+                    Ok((dx, dw, db))
+                })
+            })
+        })
     }
 
     /// (dx when wanted, dw, db when wanted).
@@ -97,15 +156,25 @@ impl Linear {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (want_dx, want_db) = (x.track_op(), b.is_some_and(|b| b.track_op()));
-        Ok(by_real!(x.dtype(), T => {
-            let (dx, dw, db) = Linear::bwd::<T>(x, w, g, want_dx, want_db)?;
-            let dx = dx.map(|v| tensor(v, x.shape(), x.dtype())).transpose()?;
-            let db = match (db, b) {
-                (Some(v), Some(b)) => Some(tensor(v, b.shape(), b.dtype())?),
-                _ => None,
-            };
-            (dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?, db)
-        }))
+        if [x, w, g].iter().all(|t| t.dtype() == DType::BF16) && gemm_bf16::available() {
+            return Self::tensors(Linear::bwd_bf16(x, w, g, want_dx, want_db)?, x, w, b);
+        }
+        by_real!(x.dtype(), T => Self::tensors(Linear::bwd::<T>(x, w, g, want_dx, want_db)?, x, w, b))
+    }
+
+    /// The gradients as tensors of their inputs' shapes and dtypes (rounded once).
+    fn tensors<T: Real>(
+        (dx, dw, db): Grads<T>,
+        x: &Tensor,
+        w: &Tensor,
+        b: Option<&Tensor>,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let dx = dx.map(|v| tensor(v, x.shape(), x.dtype())).transpose()?;
+        let db = match (db, b) {
+            (Some(v), Some(b)) => Some(tensor(v, b.shape(), b.dtype())?),
+            _ => None,
+        };
+        Ok((dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?, db))
     }
 }
 
@@ -114,6 +183,9 @@ impl CustomOp2 for Linear {
         "linear"
     }
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        if let Some(xw) = bf16_operands(sx, lx, sw, lw)? {
+            return Linear::fwd_bf16(xw, lx, lw, None);
+        }
         by_real!(sx.dtype(), T => Linear::fwd::<T>(sx, lx, sw, lw, None))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -135,6 +207,9 @@ impl CustomOp3 for Linear {
         sb: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        if let Some(xw) = bf16_operands(sx, lx, sw, lw)? {
+            return Linear::fwd_bf16(xw, lx, lw, Some((sb, lb)));
+        }
         by_real!(sx.dtype(), T => Linear::fwd::<T>(sx, lx, sw, lw, Some((sb, lb))))
     }
     fn bwd(
@@ -147,6 +222,19 @@ impl CustomOp3 for Linear {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         Linear::grads(x, w, Some(b), g)
     }
+}
+
+/// x and W as stored when both are bf16 and the CPU multiplies bf16 ([`gemm_bf16`]).
+fn bf16_operands<'a>(
+    sx: &'a CpuStorage,
+    lx: &Layout,
+    sw: &'a CpuStorage,
+    lw: &Layout,
+) -> Result<Option<(&'a [bf16], &'a [bf16])>> {
+    if sx.dtype() != DType::BF16 || sw.dtype() != DType::BF16 || !gemm_bf16::available() {
+        return Ok(None);
+    }
+    Ok(Some((elems::<f32, bf16>(sx, lx)?, elems::<f32, bf16>(sw, lw)?)))
 }
 
 /// `x·weightᵀ (+ bias)` on the CPU (see [`crate::ops::linear`]).

@@ -91,6 +91,7 @@ pub mod conv;
 pub mod depthwise;
 pub(crate) mod elem;
 mod gemm;
+mod gemm_bf16;
 pub mod linear;
 pub mod loss;
 pub mod math;

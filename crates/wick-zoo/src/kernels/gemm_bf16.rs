@@ -1,0 +1,337 @@
+//! bf16 × bf16 → f32 matrix products with AVX512-BF16's `vdpbf16ps` (two bf16 products per
+//! f32 lane, added to an f32 accumulator), the CPU counterpart of the tensor-core products
+//! autocast uses on a GPU and of oneDNN's bf16 kernels behind PyTorch's CPU autocast.
+//!
+//! Why a kernel of our own: the `gemm` crate (candle's CPU matmul, used for f32/f64 in
+//! [`super::gemm`]) has no bf16 kernel, so AMP's linear layers and convolutions widened both
+//! operands to f32 first and multiplied at f32 speed — the reason AMP steps were slower than f32
+//! ones. `vdpbf16ps` does twice the multiply-adds of an f32 FMA per instruction and reads half
+//! the bytes.
+//!
+//! Layout (BLIS): the product runs over blocks of `MC` rows × `NC` columns of the destination,
+//! each block over `KC` deep slices; a slice of `a` is packed into `MR`-row panels and one of `b`
+//! into `NR`-column panels, both as consecutive k-pairs (the instruction's operand: element
+//! 2p in the low half of a 32-bit lane, 2p+1 in the high), zero-padded at ragged edges. The
+//! micro-kernel keeps an `MR × NR` tile of f32 sums in 24 registers.
+//!
+//! Numerics: the products of two bf16 values are exact in f32; the sums are f32 (the pair is
+//! added as one, then to the accumulator, rounding to nearest even), and the instruction treats
+//! subnormal inputs and results as zero — as oneDNN's and the GPU's bf16 products do, and within
+//! the tolerance autocast accepts. Tests compare with an f64 product.
+
+use half::bf16;
+
+use super::gemm::Mat;
+use candle_core::Result;
+
+/// Rows of the micro-tile (one broadcast each).
+const MR: usize = 12;
+/// Columns of the micro-tile (two 16-lane registers).
+const NR: usize = 32;
+/// Depth of a packed slice, in k-pairs (512 bf16 values of k).
+const KC: usize = 256;
+/// Rows of a block (its packed `a` stays in the L2 cache).
+const MC: usize = 144;
+/// Columns of a block.
+const NC: usize = 512;
+
+/// True when this CPU runs [`gemm_bf16`] (AVX512-BF16, with AVX-512F).
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512bf16") && std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+fn mismatch(a: &Mat<'_, bf16>, b: &Mat<'_, bf16>, len: usize) -> candle_core::Error {
+    candle_core::Error::Msg(format!(
+        "wick bf16 gemm: ({}×{})·({}×{}) into {len} elements",
+        a.rows, a.cols, b.rows, b.cols
+    ))
+}
+
+/// `dst (m × n, row-major f32) = beta·a·b + (dst if accumulate)` with bf16 operands, parallel
+/// over blocks of the destination when `parallel`. An error when the shapes do not fit their
+/// slices or the CPU lacks AVX512-BF16 (check [`available`] first).
+pub(crate) fn gemm_bf16(
+    dst: &mut [f32],
+    a: Mat<'_, bf16>,
+    b: Mat<'_, bf16>,
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<()> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if b.rows != k || !a.fits() || !b.fits() || m.checked_mul(n).is_none_or(|mn| mn > dst.len()) {
+        return Err(mismatch(&a, &b, dst.len()));
+    }
+    if !available() {
+        return Err(candle_core::Error::Msg("wick bf16 gemm: this CPU has no AVX512-BF16".into()));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].iter_mut().for_each(|v| *v = 0.0);
+        }
+        return Ok(());
+    }
+    let threads = if parallel { rayon::current_num_threads().max(1) } else { 1 };
+    let av = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
+    let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
+    let out = super::SharedMut::new(&mut dst[..m * n]);
+    let whole = Part { out: &out, n, rows: 0..m, cols: 0..n };
+    // Parallel: one part per thread, each packing its own operands. Splitting the rows makes
+    // every part pack all of `b`, splitting the columns all of `a`: the smaller is repacked.
+    let (split_rows, unit, len) = if m * k >= k * n { (false, NR, n) } else { (true, MR, m) };
+    let parts = threads.min(len.div_ceil(unit)).min((m * n * k / MIN_PART_MACS).max(1));
+    if parts <= 1 {
+        whole.product(&av, &bv, k, beta, accumulate);
+        return Ok(());
+    }
+    let step = len.div_ceil(parts).next_multiple_of(unit);
+    use rayon::prelude::*;
+    (0..len.div_ceil(step)).into_par_iter().for_each(|i| {
+        let range = i * step..((i + 1) * step).min(len);
+        let part =
+            if split_rows { Part { rows: range, ..whole.clone() } } else { Part { cols: range, ..whole.clone() } };
+        part.product(&av, &bv, k, beta, accumulate);
+    });
+    Ok(())
+}
+
+/// Multiply-adds below which a product is not split between threads.
+const MIN_PART_MACS: usize = 1 << 17;
+
+/// A matrix read along k: element (r, q) — r a row of `a` or a column of `b`, q the depth
+/// index — at `r · outer + q · step`.
+struct KMajor<'a> {
+    data: &'a [bf16],
+    outer: usize,
+    step: usize,
+}
+
+/// Rows × columns of the destination (row-major, `n` columns) one thread computes.
+#[derive(Clone)]
+struct Part<'a> {
+    out: &'a super::SharedMut<f32>,
+    n: usize,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+}
+
+impl Part<'_> {
+    /// This part of `beta·a·b (+ dst)`, block by block.
+    fn product(&self, a: &KMajor<'_>, b: &KMajor<'_>, k: usize, beta: f32, accumulate: bool) {
+        let (mut pa, mut pb) = (Vec::new(), Vec::new());
+        let mut tile = [0f32; MR * NR];
+        let m = self.rows.len();
+        for c0 in self.cols.clone().step_by(NC) {
+            let cols = NC.min(self.cols.end - c0);
+            for (slice, k0) in (0..k).step_by(2 * KC).enumerate() {
+                let depth = (2 * KC).min(k - k0);
+                let pairs = depth.div_ceil(2);
+                pack(a, self.rows.start, m, k0, depth, MR, &mut pa);
+                pack(b, c0, cols, k0, depth, NR, &mut pb);
+                let add = accumulate || slice > 0;
+                for r0 in (0..m.div_ceil(MR)).step_by(MC / MR) {
+                    for jp in 0..cols.div_ceil(NR) {
+                        let bp = &pb[jp * NR * pairs..][..NR * pairs];
+                        let width = NR.min(cols - jp * NR);
+                        for ip in r0..(r0 + MC / MR).min(m.div_ceil(MR)) {
+                            let ap = &pa[ip * MR * pairs..][..MR * pairs];
+                            // SAFETY: `gemm_bf16` checked `available()`; the panels hold
+                            // `pairs` k-pairs of MR (NR) lanes (sliced above).
+                            unsafe { micro_kernel(pairs, ap, bp, &mut tile) };
+                            for i in 0..MR.min(m - ip * MR) {
+                                let row = self.rows.start + ip * MR + i;
+                                // SAFETY: parts are disjoint rectangles of the destination, and
+                                // within one part each (row, column panel) is written once at a
+                                // time.
+                                let dst = unsafe { self.out.range(row * self.n + c0 + jp * NR, width) };
+                                let sums = &tile[i * NR..][..width];
+                                if add {
+                                    dst.iter_mut().zip(sums).for_each(|(d, s)| *d += beta * s);
+                                } else {
+                                    dst.iter_mut().zip(sums).for_each(|(d, s)| *d = beta * s);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Packs rows `r0..r0+count` of `v`, depths `k0..k0+depth`, as `width`-lane panels of k-pairs:
+/// lane i of pair p of panel P holds row P·width+i's depths 2p (low half) and 2p+1 (high half);
+/// lanes past `count` and the odd depth's missing partner are zero.
+fn pack(v: &KMajor<'_>, r0: usize, count: usize, k0: usize, depth: usize, width: usize, out: &mut Vec<u32>) {
+    let pairs = depth.div_ceil(2);
+    let panel = width * pairs;
+    out.clear();
+    out.resize(count.div_ceil(width) * panel, 0);
+    for (index, lanes) in out.chunks_mut(panel).enumerate() {
+        let first = r0 + index * width;
+        let live = width.min(r0 + count - first);
+        if v.step == 1 {
+            // Each row's pairs are two neighbours: one 32-bit read.
+            for i in 0..live {
+                let row = &v.data[(first + i) * v.outer + k0..][..depth];
+                let mut two = row.chunks_exact(2);
+                for (p, t) in (&mut two).enumerate() {
+                    lanes[p * width + i] = pair(t[0], t[1]);
+                }
+                if let [last] = two.remainder() {
+                    lanes[(pairs - 1) * width + i] = pair(*last, bf16::ZERO);
+                }
+            }
+        } else if v.outer == 1 {
+            // Rows are neighbours in memory: interleave depth 2p's and 2p+1's runs.
+            for (p, dst) in lanes.chunks_exact_mut(width).enumerate() {
+                let even = &v.data[first + (k0 + 2 * p) * v.step..][..live];
+                if 2 * p + 1 < depth {
+                    let odd = &v.data[first + (k0 + 2 * p + 1) * v.step..][..live];
+                    dst.iter_mut().zip(even.iter().zip(odd)).for_each(|(d, (e, o))| *d = pair(*e, *o));
+                } else {
+                    dst.iter_mut().zip(even).for_each(|(d, e)| *d = pair(*e, bf16::ZERO));
+                }
+            }
+        } else {
+            for (p, dst) in lanes.chunks_exact_mut(width).enumerate() {
+                let at = |q: usize, i: usize| v.data[(first + i) * v.outer + (k0 + q) * v.step];
+                for (i, d) in dst[..live].iter_mut().enumerate() {
+                    let odd = if 2 * p + 1 < depth { at(2 * p + 1, i) } else { bf16::ZERO };
+                    *d = pair(at(2 * p, i), odd);
+                }
+            }
+        }
+    }
+}
+
+/// Two bf16 values as one 32-bit lane: `lo` in the low half (the instruction's even element).
+#[inline(always)]
+fn pair(lo: bf16, hi: bf16) -> u32 {
+    u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
+}
+
+/// `tile (MR × NR) = ap · bp` over `pairs` k-pairs.
+///
+/// # Safety
+/// The CPU has AVX512-BF16 and AVX-512F; `ap` holds `pairs · MR` lanes and `bp` `pairs · NR`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512bf16,avx512f")]
+unsafe fn micro_kernel(pairs: usize, ap: &[u32], bp: &[u32], tile: &mut [f32; MR * NR]) {
+    use std::arch::x86_64::*;
+    debug_assert!(ap.len() >= pairs * MR && bp.len() >= pairs * NR);
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let (mut a, mut b) = (ap.as_ptr(), bp.as_ptr());
+    for _ in 0..pairs {
+        // SAFETY: `b` points at NR lanes (two 64-byte loads), `a` at MR lanes, inside the
+        // panels (checked lengths above).
+        unsafe {
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.cast()));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(16).cast()));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(i) as i32));
+                row[0] = _mm512_dpbf16_ps(row[0], ai, b0);
+                row[1] = _mm512_dpbf16_ps(row[1], ai, b1);
+            }
+            a = a.add(MR);
+            b = b.add(NR);
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        // SAFETY: row i of the tile has NR = 32 floats.
+        unsafe {
+            _mm512_storeu_ps(tile[i * NR..].as_mut_ptr(), row[0]);
+            _mm512_storeu_ps(tile[i * NR + 16..].as_mut_ptr(), row[1]);
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro_kernel(_: usize, _: &[u32], _: &[u32], _: &mut [f32; MR * NR]) {
+    unreachable!("gemm_bf16 checks available() first")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<bf16> {
+        (0..n).map(|i| bf16::from_f32(((i as f32 + seed as f32) * 0.7137).sin() * 2.0)).collect()
+    }
+
+    fn reference(a: Mat<'_, bf16>, b: Mat<'_, bf16>) -> Vec<f64> {
+        let mut out = vec![0.0; a.rows * b.cols];
+        for i in 0..a.rows {
+            for j in 0..b.cols {
+                out[i * b.cols + j] = (0..a.cols)
+                    .map(|p| {
+                        f64::from(a.data[i * a.row_stride + p * a.col_stride].to_f32())
+                            * f64::from(b.data[p * b.row_stride + j * b.col_stride].to_f32())
+                    })
+                    .sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn products_match_an_f64_product_at_ragged_shapes_and_transposes() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Ragged in every dimension (odd k, partial tiles, several k-slices and blocks).
+        for &(m, k, n) in &[(1, 1, 1), (13, 7, 33), (150, 1031, 70), (40, 64, 600), (5, 2, 3)] {
+            let (av, bv) = (values(m * k, 1), values(k * n, 2));
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                let ma = if ta { Mat::rows(&av, k, m).t() } else { Mat::rows(&av, m, k) };
+                let mb = if tb { Mat::rows(&bv, n, k).t() } else { Mat::rows(&bv, k, n) };
+                let expected = reference(ma, mb);
+                let bound = |i: usize| {
+                    // f32 sums of k exact products: k·2⁻²⁴·Σ|products| bounds the rounding.
+                    let abs: f64 = (0..k)
+                        .map(|p| {
+                            let (r, c) = (i / n, i % n);
+                            (f64::from(ma.data[r * ma.row_stride + p * ma.col_stride].to_f32())
+                                * f64::from(mb.data[p * mb.row_stride + c * mb.col_stride].to_f32()))
+                            .abs()
+                        })
+                        .sum();
+                    abs * (k as f64 + 1.0) * f64::from(f32::EPSILON) + 1e-30
+                };
+                for parallel in [false, true] {
+                    let mut out = vec![7.0f32; m * n];
+                    gemm_bf16(&mut out, ma, mb, 1.0, false, parallel).unwrap();
+                    for (i, (x, y)) in out.iter().zip(&expected).enumerate() {
+                        assert!((f64::from(*x) - y).abs() <= bound(i), "{m}×{k}×{n} {ta} {tb}: {x} vs {y} at {i}");
+                    }
+                    // Accumulating adds beta times the product to what is there.
+                    gemm_bf16(&mut out, ma, mb, -0.5, true, parallel).unwrap();
+                    for (i, (x, y)) in out.iter().zip(&expected).enumerate() {
+                        assert!((f64::from(*x) - 0.5 * y).abs() <= 2.0 * bound(i), "accumulate at {i}: {x} vs {y}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_are_errors() {
+        let a = vec![bf16::ONE; 6];
+        let mut out = vec![0f32; 4];
+        assert!(gemm_bf16(&mut out, Mat::rows(&a, 2, 3), Mat::rows(&a, 2, 3), 1.0, false, false).is_err());
+        assert!(gemm_bf16(&mut out, Mat::rows(&a, 3, 2), Mat::rows(&a, 2, 3), 1.0, false, false).is_err());
+        let short = Mat { data: &a[..5], rows: 2, cols: 3, row_stride: 3, col_stride: 1 };
+        assert!(gemm_bf16(&mut out, short, Mat::rows(&a, 3, 2), 1.0, false, false).is_err());
+    }
+}
