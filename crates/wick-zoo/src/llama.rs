@@ -33,17 +33,12 @@ fn decoder_layer(
     sin: &Tensor,
     mask: &Tensor,
 ) -> candle_core::Result<Tensor> {
-    let (batch, seq, hidden) = x.dims3()?;
-    let (heads, hd) = (c.num_heads, hidden / c.num_heads);
+    let heads = c.num_heads;
     let proj = |t: &Tensor, m: &Tensor| ops::linear(t, m, None);
-    let split = |t: Tensor| -> candle_core::Result<Tensor> {
-        t.reshape((batch, seq, heads, hd))?.transpose(1, 2)?.contiguous()
-    };
     let h = ops::rms_norm(x, &w[0], c.rms_eps)?;
-    let q = ops::rope(&split(proj(&h, &w[1])?)?, cos, sin)?;
-    let k = ops::rope(&split(proj(&h, &w[2])?)?, cos, sin)?;
-    let v = split(proj(&h, &w[3])?)?;
-    let attn = ops::attention(&q, &k, &v, Some(mask))?.transpose(1, 2)?.reshape((batch, seq, hidden))?;
+    // q, k and v from one projection (the three weights stacked), rotated and attended in place.
+    let qkv = proj(&h, &Tensor::cat(&[&w[1], &w[2], &w[3]], 0)?)?;
+    let attn = ops::attention_packed(&ops::rope_packed(&qkv, heads, cos, sin)?, heads, Some(mask))?;
     let x = ops::add(x, &proj(&attn, &w[4])?)?;
     let h = ops::rms_norm(&x, &w[5], c.rms_eps)?;
     let gated = ops::silu_mul(&proj(&h, &w[6])?, &proj(&h, &w[7])?)?;

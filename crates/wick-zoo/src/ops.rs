@@ -228,6 +228,24 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     })
 }
 
+/// [`rope`] of the q and k inside a packed (B, S, 3·H·D) projection (q, k and v side by side,
+/// each with its `heads` side by side, as [`attention_packed`] reads it); v passes through. One
+/// fused projection, rotation and attention instead of three projections, their head splits and
+/// two rotations (whose input, used three times, had its gradient summed by candle).
+pub fn rope_packed(qkv: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if kernels::serves(qkv) {
+        return kernels::attention::rope_packed(qkv, heads, cos, sin);
+    }
+    let (n, t, e) = qkv.dims3()?;
+    if heads == 0 || e % (3 * heads) != 0 {
+        candle_core::bail!("rope: packed q, k, v of width {e} do not split into 3 × {heads} heads");
+    }
+    let (h, hd) = (e / 3, e / (3 * heads));
+    let part = |i: usize| qkv.narrow(2, i * h, h)?.reshape((n, t, heads, hd))?.transpose(1, 2);
+    let rotated = |i: usize| rope(&part(i)?.contiguous()?, cos, sin)?.transpose(1, 2)?.reshape((n, t, h));
+    Tensor::cat(&[rotated(0)?, rotated(1)?, qkv.narrow(2, 2 * h, h)?], 2)
+}
+
 /// [`rope`] composed from primitive ops.
 pub fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;

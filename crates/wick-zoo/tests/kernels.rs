@@ -327,6 +327,27 @@ fn attention_and_rope_match_their_composed_forms() {
     assert!(kernels::attention::attention_packed(&qkv, 4, None).is_err(), "18 is not 3 × 4 heads × a width");
     assert!(kernels::attention::attention_packed(&qkv, 0, None).is_err(), "no heads");
     check("rope", &[q], |t| kernels::attention::rope(&t[0], &cos, &sin), |t| ops::rope_composed(&t[0], &cos, &sin));
+    // q and k rotated inside a packed (2, 6, 3·2·4) projection, v passed through, against
+    // splitting the heads out, rotating q and k alone and packing them back.
+    let qkv = randn(&[2, 6, 24], 41);
+    let part = |t: &Tensor, i: usize| t.narrow(2, i * 8, 8)?.reshape((2, 6, 2, 4))?.transpose(1, 2)?.contiguous();
+    let back = |t: Tensor| t.transpose(1, 2)?.reshape((2, 6, 8));
+    check(
+        "rope (packed)",
+        &[qkv],
+        |t| kernels::attention::rope_packed(&t[0], 2, &cos, &sin),
+        |t| {
+            let q = back(ops::rope_composed(&part(&t[0], 0)?, &cos, &sin)?)?;
+            let k = back(ops::rope_composed(&part(&t[0], 1)?, &cos, &sin)?)?;
+            Tensor::cat(&[q, k, t[0].narrow(2, 16, 8)?], 2)
+        },
+    );
+    let wrong = randn(&[2, 6, 20], 42);
+    assert!(kernels::attention::rope_packed(&wrong, 2, &cos, &sin).is_err(), "20 is not 3 × 2 heads × a width");
+    assert!(
+        kernels::attention::rope_packed(&randn(&[2, 5, 24], 43), 2, &cos, &sin).is_err(),
+        "5 positions, 6 in the tables"
+    );
 }
 
 #[test]
@@ -478,6 +499,35 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
                 kernels::loss::embedding(&t[0], &ids, Some(1))
             }),
             vec![vec![7, 5]],
+            1,
+        ),
+        // Depthwise convolutions widen images and output gradients as they read them.
+        (
+            "depthwise 3×3",
+            Box::new(|t: &[Tensor]| kernels::depthwise::depthwise_conv2d(&t[0], &t[1], 1, 1)),
+            vec![vec![2, 5, 9, 9], vec![5, 1, 3, 3]],
+            1,
+        ),
+        (
+            "depthwise 3×3 /2",
+            Box::new(|t: &[Tensor]| kernels::depthwise::depthwise_conv2d(&t[0], &t[1], 1, 2)),
+            vec![vec![2, 5, 10, 10], vec![5, 1, 3, 3]],
+            1,
+        ),
+        (
+            "depthwise 3×3 /3",
+            Box::new(|t: &[Tensor]| kernels::depthwise::depthwise_conv2d(&t[0], &t[1], 1, 3)),
+            vec![vec![2, 4, 10, 10], vec![4, 1, 3, 3]],
+            1,
+        ),
+        // Rotations of the packed q and k (v copied as stored).
+        (
+            "rope (packed)",
+            Box::new(|t: &[Tensor]| {
+                let (cos, sin) = ops::rope_tables(5, 4, 10_000.0, DType::F32, &Device::Cpu)?;
+                kernels::attention::rope_packed(&t[0], 2, &cos, &sin)
+            }),
+            vec![vec![3, 5, 24]],
             1,
         ),
         // Convolutions gather bf16 images straight into their f32 columns (a 1×1 stride-1 one

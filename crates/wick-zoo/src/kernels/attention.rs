@@ -10,6 +10,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
+use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::{dot, gemm, par_ranges, read, sum, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
@@ -412,36 +413,52 @@ pub fn attention_packed(qkv: &Tensor, heads: usize, bias: Option<&Tensor>) -> Re
 }
 
 /// Rotary embedding of (…, seq, head_dim) with tables (seq, head_dim/2), rotating pairs
-/// (i, i + head_dim/2).
+/// (i, i + head_dim/2); or, `packed` with H heads, of the q and k of a (B, S, 3·H·D) fused
+/// projection (q, k and v side by side, heads side by side in each), v passed through.
 struct Rope {
     cos: Vec<f64>,
     sin: Vec<f64>,
+    packed: Option<usize>,
 }
 
 impl Rope {
-    /// Rotates `x` by the tables (`sign` −1: by their inverse, the backward pass).
-    fn rotate<T: Real>(&self, x: &[T], shape: &Shape, sign: f64) -> Result<Vec<T>> {
+    /// (head_dim, positions, row width, rotated heads per row) of an input of `shape`.
+    fn geometry(&self, shape: &Shape) -> Result<(usize, usize, usize, usize)> {
         let dims = shape.dims();
-        let (Some(&d), Some(&seq)) = (dims.last(), dims.len().checked_sub(2).and_then(|i| dims.get(i))) else {
-            return Err(err(format!("rope: input {shape:?}")));
+        let (d, seq, width, rotated) = match (self.packed, dims) {
+            (Some(h), &[_, s, e]) if h > 0 && e % (3 * h) == 0 => (e / (3 * h), s, e, 2 * h),
+            (None, [.., s, d]) => (*d, *s, *d, 1),
+            _ => return Err(err(format!("rope: input {shape:?}"))),
         };
-        let half = d / 2;
-        if d % 2 != 0 || self.cos.len() != seq * half {
+        if d % 2 != 0 || self.cos.len() != seq * (d / 2) {
             return Err(err(format!("rope: input {shape:?} does not fit tables of {} values", self.cos.len())));
         }
-        let mut y = vec![T::zero(); x.len()];
+        Ok((d, seq, width, rotated))
+    }
+
+    /// Rotates `x` (stored as `E`) by the tables (`sign` −1: by their inverse, the backward
+    /// pass), each element rounded once.
+    fn rotate<T: Real, E: Elem<T>>(&self, x: &[E], shape: &Shape, sign: f64) -> Result<Vec<E>> {
+        let (d, seq, width, rotated) = self.geometry(shape)?;
+        let half = d / 2;
+        let mut y = x.to_vec();
         let out = SharedMut::new(&mut y);
-        let rows = x.len() / d;
-        par_ranges(rows, 64, |r| {
+        let (cos, sin): (Vec<T>, Vec<T>) =
+            self.cos.iter().zip(&self.sin).map(|(c, s)| (T::of(*c), T::of(sign * s))).unzip();
+        par_ranges(x.len() / width.max(1), 64, |r| {
             // SAFETY: disjoint row ranges.
-            let dst = unsafe { out.range(r.start * d, r.len() * d) };
-            for (row, yr) in r.zip(dst.chunks_mut(d)) {
-                let (xr, pos) = (&x[row * d..(row + 1) * d], row % seq);
-                for i in 0..half {
-                    let (c, s) = (T::of(self.cos[pos * half + i]), T::of(sign * self.sin[pos * half + i]));
-                    let (a, b) = (xr[i], xr[i + half]);
-                    yr[i] = a * c - b * s;
-                    yr[i + half] = a * s + b * c;
+            let dst = unsafe { out.range(r.start * width, r.len() * width) };
+            for (row, yr) in r.zip(dst.chunks_mut(width)) {
+                let pos = row % seq;
+                let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
+                // The first `rotated` heads of the row (v, if packed, stays as copied).
+                for head in yr[..rotated * d].chunks_exact_mut(d) {
+                    let (lo, hi) = head.split_at_mut(half);
+                    for (((a, b), c), s) in lo.iter_mut().zip(hi.iter_mut()).zip(c).zip(s) {
+                        let (x1, x2) = (a.load(), b.load());
+                        *a = E::store(x1 * *c - x2 * *s);
+                        *b = E::store(x1 * *s + x2 * *c);
+                    }
                 }
             }
         });
@@ -454,17 +471,30 @@ impl CustomOp1 for Rope {
         "rope"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = by_real!(s.dtype(), T => T::storage(self.rotate(&read::<T>(s, l)?, l.shape(), 1.0)?, s.dtype())?);
+        let y = by_elem!(s.dtype(), T, E => self.rotate::<T, E>(elems::<T, E>(s, l)?, l.shape(), 1.0).map(E::into_storage))?;
         Ok((y, l.shape().clone()))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        let dx = by_real!(x.dtype(), T => tensor(with::<T, _>(g, |g| self.rotate(g, x.shape(), -1.0))?, x.shape(), x.dtype())?);
+        let dx = by_elem!(x.dtype(), T, E => with_elems::<T, E, _>(g, |g| self.rotate::<T, E>(g, x.shape(), -1.0))
+            .and_then(|d| elem_tensor::<T, E>(d, x.shape())))?;
         Ok(Some(dx))
     }
 }
 
+fn tables(cos: &Tensor, sin: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
+    let table = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1() };
+    Ok((table(cos)?, table(sin)?))
+}
+
 /// Rotary position embedding on the CPU (see [`crate::ops::rope`]).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let table = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1() };
-    super::apply1(&x.contiguous()?, Rope { cos: table(cos)?, sin: table(sin)? })
+    let (cos, sin) = tables(cos, sin)?;
+    super::apply1(&x.contiguous()?, Rope { cos, sin, packed: None })
+}
+
+/// Rotary position embedding of the q and k in a packed (B, S, 3·H·D) projection on the CPU (see
+/// [`crate::ops::rope_packed`]).
+pub fn rope_packed(qkv: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (cos, sin) = tables(cos, sin)?;
+    super::apply1(&qkv.contiguous()?, Rope { cos, sin, packed: Some(heads) })
 }

@@ -8,18 +8,19 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::conv::Geometry;
+use super::elem::{by_elem, elems, with_elems, Elem};
 use super::{dot, par_ranges, read, with, Real, SharedMut};
 
-/// Writes a row's even columns to `split[..half]` and its odd ones to `split[half..]`, so that a
-/// stride-2 tap reads (and writes) a contiguous run.
+/// Writes a row's even columns to `split[..half]` and its odd ones to `split[half..]` (widened
+/// to the compute type), so that a stride-2 tap reads (and writes) a contiguous run.
 #[inline(always)]
-fn split_even_odd<T: Copy>(row: &[T], split: &mut [T], half: usize) {
+fn split_even_odd<T: Real, E: Elem<T>>(row: &[E], split: &mut [T], half: usize) {
     let (even, odd) = split.split_at_mut(half);
     for (j, v) in row.iter().enumerate() {
         if j % 2 == 0 {
-            even[j / 2] = *v;
+            even[j / 2] = v.load();
         } else {
-            odd[j / 2] = *v;
+            odd[j / 2] = v.load();
         }
     }
 }
@@ -30,25 +31,38 @@ struct Depthwise {
 }
 
 impl Depthwise {
-    fn fwd<T: Real>(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn fwd<T: Real, E: Elem<T>>(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, true)?;
-        let (x, w) = (read::<T>(sx, lx)?, read::<T>(sw, lw)?);
-        let y = depthwise_forward::<T>(&x, &w, g);
+        let (x, w) = (elems::<T, E>(sx, lx)?, read::<T>(sw, lw)?);
+        let y = depthwise_forward::<T, E>(x, &w, g);
         Ok((T::storage(y, sx.dtype())?, Shape::from((g.n, g.c_in, g.oh, g.ow))))
     }
 
     /// (dx when wanted, dw).
-    fn bwd<T: Real>(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Vec<T>>, Vec<T>)> {
+    fn bwd<T: Real, E: Elem<T>>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        dy: &Tensor,
+        want_dx: bool,
+    ) -> Result<(Option<Vec<T>>, Vec<T>)> {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, true)?;
-        with::<T, _>(x, |x| {
-            with::<T, _>(w, |w| with::<T, _>(dy, |dy| Ok(depthwise_backward::<T>(x, w, dy, g, want_dx))))
+        with_elems::<T, E, _>(x, |x| {
+            with::<T, _>(w, |w| with_elems::<T, E, _>(dy, |dy| Ok(depthwise_backward::<T, E>(x, w, dy, g, want_dx))))
         })
     }
 }
 
 wide_kernel! {
-    /// The depthwise convolution of images `x` with filters `w` (C, k·k).
-    fn depthwise_forward<T>(x: &[T], w: &[T], g: Geometry) -> Vec<T> {
+    /// The depthwise convolution of images `x` (stored as `E`, widened as read) with filters `w`
+    /// (C, k·k).
+    fn depthwise_forward<T, E>(x: &[E], w: &[T], g: Geometry) -> Vec<T> {
         let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
         let mut y = vec![T::zero(); g.n * g.c_in * ohw];
         let out = SharedMut::new(&mut y);
@@ -71,7 +85,7 @@ wide_kernel! {
                 let dst = unsafe { out.range(p * ohw, ohw) };
                 if flat {
                     for (iy, src) in plane.chunks(g.w).enumerate() {
-                        padded[(iy + g.pad) * pw + g.pad..][..g.w].copy_from_slice(src);
+                        E::widen_into(src, &mut padded[(iy + g.pad) * pw + g.pad..][..g.w]);
                     }
                     wide.iter_mut().for_each(|v| *v = T::zero());
                     for dy in 0..g.k {
@@ -98,19 +112,15 @@ wide_kernel! {
                         }
                         for (dx, (r, first)) in taps.iter().enumerate() {
                             let f = filter[dy * g.k + dx];
-                            let run: &[T] = match g.stride {
-                                1 => &src[*first..*first + r.len()],
-                                2 => &split[(first % 2) * half + first / 2..][..r.len()],
-                                _ => &[],
-                            };
-                            if g.stride <= 2 {
+                            if g.stride == 2 {
+                                let run = &split[(first % 2) * half + first / 2..][..r.len()];
                                 // Contiguous on both sides: vectorises.
                                 for (v, s) in row[r.clone()].iter_mut().zip(run) {
                                     *v = *v + f * *s;
                                 }
                             } else {
                                 for (v, ix) in row[r.clone()].iter_mut().zip((*first..).step_by(g.stride)) {
-                                    *v = *v + f * src[ix];
+                                    *v = *v + f * src[ix].load();
                                 }
                             }
                         }
@@ -123,11 +133,14 @@ wide_kernel! {
 }
 
 wide_kernel! {
-    /// (dx when wanted, dw) of the depthwise convolution.
-    fn depthwise_backward<T>(x: &[T], w: &[T], dy: &[T], g: Geometry, want_dx: bool) -> (Option<Vec<T>>, Vec<T>) {
+    /// (dx when wanted, dw) of the depthwise convolution (images and output gradients stored as
+    /// `E`, widened as read).
+    fn depthwise_backward<T, E>(x: &[E], w: &[T], dy: &[E], g: Geometry, want_dx: bool) -> (Option<Vec<T>>, Vec<T>) {
         let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
         let taps = g.taps();
         let mut dx = if want_dx { vec![T::zero(); x.len()] } else { Vec::new() };
+        // Stride 2 and more read each output-gradient row widened.
+        let grow_len = if g.stride == 1 { 0 } else { g.ow };
         let mut dw = vec![T::zero(); g.c_in * kk];
         let (sdx, sdw) = (SharedMut::new(&mut dx), SharedMut::new(&mut dw));
         // Parallel over channels: each channel's filter gradient sums over images.
@@ -144,6 +157,7 @@ wide_kernel! {
             let half = g.w.div_ceil(2);
             let stride2 = |n: usize| if g.stride == 2 { n } else { 0 };
             let (mut split, mut dsplit) = (vec![T::zero(); stride2(2 * half)], vec![T::zero(); stride2(2 * half)]);
+            let mut grow = vec![T::zero(); grow_len];
             for c in r {
                 let filter = &w[c * kk..][..kk];
                 // SAFETY: one channel per index.
@@ -155,10 +169,10 @@ wide_kernel! {
                     let mut dplane = want_dx.then(|| unsafe { sdx.range(p * hw, hw) });
                     if flat {
                         for (iy, src) in plane.chunks(g.w).enumerate() {
-                            padded[(iy + g.pad) * pw + g.pad..][..g.w].copy_from_slice(src);
+                            E::widen_into(src, &mut padded[(iy + g.pad) * pw + g.pad..][..g.w]);
                         }
                         for (oy, src) in gp.chunks(g.ow).enumerate() {
-                            wide[oy * pw..oy * pw + g.ow].copy_from_slice(src);
+                            E::widen_into(src, &mut wide[oy * pw..oy * pw + g.ow]);
                         }
                         if want_dx {
                             dpadded.iter_mut().for_each(|v| *v = T::zero());
@@ -187,7 +201,7 @@ wide_kernel! {
                         // contiguous elements; a row's input gradient gathers in its split form
                         // and is added back once.
                         for oy in 0..g.oh {
-                            let grow = &gp[oy * g.ow..(oy + 1) * g.ow];
+                            E::widen_into(&gp[oy * g.ow..(oy + 1) * g.ow], &mut grow);
                             for dy_ in 0..g.k {
                                 let Some(iy) = g.source(oy, dy_, g.h) else { continue };
                                 let src = &plane[iy * g.w..(iy + 1) * g.w];
@@ -219,7 +233,7 @@ wide_kernel! {
                     }
                     // Strides of 3 and more (stride 1 and 2 took the paths above).
                     for oy in 0..g.oh {
-                        let grow = &gp[oy * g.ow..(oy + 1) * g.ow];
+                        E::widen_into(&gp[oy * g.ow..(oy + 1) * g.ow], &mut grow);
                         for dy_ in 0..g.k {
                             let Some(iy) = g.source(oy, dy_, g.h) else { continue };
                             let src = &plane[iy * g.w..(iy + 1) * g.w];
@@ -227,7 +241,7 @@ wide_kernel! {
                                 let f = filter[dy_ * g.k + dx_];
                                 let mut acc = T::zero();
                                 for (gv, ix) in grow[r.clone()].iter().zip((*first..).step_by(g.stride)) {
-                                    acc = acc + *gv * src[ix];
+                                    acc = acc + *gv * src[ix].load();
                                 }
                                 dwc[dy_ * g.k + dx_] = dwc[dy_ * g.k + dx_] + acc;
                                 if let Some(d) = dplane.as_deref_mut() {
@@ -251,11 +265,11 @@ impl CustomOp2 for Depthwise {
         "depthwise_conv2d"
     }
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_real!(sx.dtype(), T => self.fwd::<T>(sx, lx, sw, lw))
+        by_elem!(sx.dtype(), T, E => self.fwd::<T, E>(sx, lx, sw, lw))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let want_dx = x.track_op();
-        by_real!(x.dtype(), T => super::input_weight_grads::<T>(x, w, self.bwd::<T>(x, w, dy, want_dx)?))
+        by_elem!(x.dtype(), T, E => super::input_weight_grads::<T>(x, w, self.bwd::<T, E>(x, w, dy, want_dx)?))
     }
 }
 

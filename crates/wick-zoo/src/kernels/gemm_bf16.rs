@@ -145,10 +145,22 @@ impl Part<'_> {
                         let width = NR.min(cols - jp * NR);
                         for ip in r0..(r0 + MC / MR).min(m.div_ceil(MR)) {
                             let ap = &pa[ip * MR * pairs..][..MR * pairs];
-                            // SAFETY: `gemm_bf16` checked `available()`; the panels hold
-                            // `pairs` k-pairs of MR (NR) lanes (sliced above).
-                            unsafe { micro_kernel(pairs, ap, bp, &mut tile) };
-                            for i in 0..MR.min(m - ip * MR) {
+                            let height = MR.min(m - ip * MR);
+                            if height == MR && width == NR {
+                                // A whole tile: the sums go straight into the destination rows.
+                                let rows: [&mut [f32]; MR] = std::array::from_fn(|i| {
+                                    let row = self.rows.start + ip * MR + i;
+                                    // SAFETY: as below (one row segment per tile row).
+                                    unsafe { self.out.range(row * self.n + c0 + jp * NR, NR) }
+                                });
+                                // SAFETY: `gemm_bf16` checked `available()`; the panels hold
+                                // `pairs` k-pairs of MR (NR) lanes and every row NR elements.
+                                unsafe { micro_kernel(pairs, ap, bp, Sink::Rows(rows, beta, add)) };
+                                continue;
+                            }
+                            // SAFETY: as above, into the tile.
+                            unsafe { micro_kernel(pairs, ap, bp, Sink::Tile(&mut tile)) };
+                            for i in 0..height {
                                 let row = self.rows.start + ip * MR + i;
                                 // SAFETY: parts are disjoint rectangles of the destination, and
                                 // within one part each (row, column panel) is written once at a
@@ -171,44 +183,84 @@ impl Part<'_> {
 
 /// Packs rows `r0..r0+count` of `v`, depths `k0..k0+depth`, as `width`-lane panels of k-pairs:
 /// lane i of pair p of panel P holds row P·width+i's depths 2p (low half) and 2p+1 (high half);
-/// lanes past `count` and the odd depth's missing partner are zero.
+/// lanes past `count` and the odd depth's missing partner are zero. Every lane is written (no
+/// zero fill first). Compiled for AVX-512 where the CPU has it (the interleaving vectorises).
 fn pack(v: &KMajor<'_>, r0: usize, count: usize, k0: usize, depth: usize, width: usize, out: &mut Vec<u32>) {
+    let len = count.div_ceil(width) * width * depth.div_ceil(2);
+    // Grown with zeros only when longer than before; `pack_into` writes every lane.
+    if out.len() < len {
+        out.resize(len, 0);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx512bw") {
+        #[target_feature(enable = "avx512f,avx512bw")]
+        fn wide(v: &KMajor<'_>, r0: usize, count: usize, k0: usize, depth: usize, width: usize, out: &mut [u32]) {
+            pack_into(v, r0, count, k0, depth, width, out)
+        }
+        // SAFETY: the CPU has AVX-512F and AVX-512BW.
+        return unsafe { wide(v, r0, count, k0, depth, width, &mut out[..len]) };
+    }
+    pack_into(v, r0, count, k0, depth, width, &mut out[..len])
+}
+
+/// Pairs per block of [`pack_into`]'s row-major transposition.
+const PACK_BLOCK: usize = 16;
+
+#[inline(always)]
+fn pack_into(v: &KMajor<'_>, r0: usize, count: usize, k0: usize, depth: usize, width: usize, out: &mut [u32]) {
     let pairs = depth.div_ceil(2);
+    let whole = depth / 2;
     let panel = width * pairs;
-    out.clear();
-    out.resize(count.div_ceil(width) * panel, 0);
-    for (index, lanes) in out.chunks_mut(panel).enumerate() {
+    for (index, lanes) in out.chunks_exact_mut(panel).enumerate() {
         let first = r0 + index * width;
         let live = width.min(r0 + count - first);
         if v.step == 1 {
-            // Each row's pairs are two neighbours: one 32-bit read.
-            for i in 0..live {
-                let row = &v.data[(first + i) * v.outer + k0..][..depth];
-                let mut two = row.chunks_exact(2);
-                for (p, t) in (&mut two).enumerate() {
-                    lanes[p * width + i] = pair(t[0], t[1]);
+            // Each row's pairs are neighbours: transposed a block of pairs at a time (reads
+            // along rows, writes along lanes).
+            let mut block = [[0u32; PACK_BLOCK]; NR];
+            for p0 in (0..pairs).step_by(PACK_BLOCK) {
+                let np = PACK_BLOCK.min(pairs - p0);
+                for (i, b) in block.iter_mut().enumerate().take(width) {
+                    if i >= live {
+                        b[..np].fill(0);
+                        continue;
+                    }
+                    let row = &v.data[(first + i) * v.outer + k0..][..depth];
+                    let full = np.min(whole.saturating_sub(p0));
+                    for (d, t) in b[..full].iter_mut().zip(row[2 * p0..2 * (p0 + full)].chunks_exact(2)) {
+                        *d = pair(t[0], t[1]);
+                    }
+                    if full < np {
+                        b[full] = pair(row[depth - 1], bf16::ZERO);
+                    }
                 }
-                if let [last] = two.remainder() {
-                    lanes[(pairs - 1) * width + i] = pair(*last, bf16::ZERO);
+                for p in 0..np {
+                    for (d, b) in lanes[(p0 + p) * width..][..width].iter_mut().zip(&block) {
+                        *d = b[p];
+                    }
                 }
             }
         } else if v.outer == 1 {
             // Rows are neighbours in memory: interleave depth 2p's and 2p+1's runs.
             for (p, dst) in lanes.chunks_exact_mut(width).enumerate() {
                 let even = &v.data[first + (k0 + 2 * p) * v.step..][..live];
-                if 2 * p + 1 < depth {
+                if p < whole {
                     let odd = &v.data[first + (k0 + 2 * p + 1) * v.step..][..live];
                     dst.iter_mut().zip(even.iter().zip(odd)).for_each(|(d, (e, o))| *d = pair(*e, *o));
                 } else {
                     dst.iter_mut().zip(even).for_each(|(d, e)| *d = pair(*e, bf16::ZERO));
                 }
+                dst[live..].fill(0);
             }
         } else {
             for (p, dst) in lanes.chunks_exact_mut(width).enumerate() {
                 let at = |q: usize, i: usize| v.data[(first + i) * v.outer + (k0 + q) * v.step];
-                for (i, d) in dst[..live].iter_mut().enumerate() {
-                    let odd = if 2 * p + 1 < depth { at(2 * p + 1, i) } else { bf16::ZERO };
-                    *d = pair(at(2 * p, i), odd);
+                for (i, d) in dst.iter_mut().enumerate() {
+                    *d = if i >= live {
+                        0
+                    } else {
+                        pair(at(2 * p, i), if p < whole { at(2 * p + 1, i) } else { bf16::ZERO })
+                    };
                 }
             }
         }
@@ -221,13 +273,22 @@ fn pair(lo: bf16, hi: bf16) -> u32 {
     u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
 }
 
-/// `tile (MR × NR) = ap · bp` over `pairs` k-pairs.
+/// Where a micro-tile's sums go.
+enum Sink<'a> {
+    /// Stored into an MR × NR buffer.
+    Tile(&'a mut [f32; MR * NR]),
+    /// Into MR destination rows of NR elements each: `row = beta·sums (+ row when the flag)`.
+    Rows([&'a mut [f32]; MR], f32, bool),
+}
+
+/// The `MR × NR` product `ap · bp` over `pairs` k-pairs, into `sink`.
 ///
 /// # Safety
-/// The CPU has AVX512-BF16 and AVX-512F; `ap` holds `pairs · MR` lanes and `bp` `pairs · NR`.
+/// The CPU has AVX512-BF16 and AVX-512F; `ap` holds `pairs · MR` lanes and `bp` `pairs · NR`;
+/// a `Sink::Rows` row holds at least NR elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512bf16,avx512f")]
-unsafe fn micro_kernel(pairs: usize, ap: &[u32], bp: &[u32], tile: &mut [f32; MR * NR]) {
+unsafe fn micro_kernel(pairs: usize, ap: &[u32], bp: &[u32], sink: Sink<'_>) {
     use std::arch::x86_64::*;
     debug_assert!(ap.len() >= pairs * MR && bp.len() >= pairs * NR);
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
@@ -247,17 +308,40 @@ unsafe fn micro_kernel(pairs: usize, ap: &[u32], bp: &[u32], tile: &mut [f32; MR
             b = b.add(NR);
         }
     }
-    for (i, row) in acc.iter().enumerate() {
-        // SAFETY: row i of the tile has NR = 32 floats.
-        unsafe {
-            _mm512_storeu_ps(tile[i * NR..].as_mut_ptr(), row[0]);
-            _mm512_storeu_ps(tile[i * NR + 16..].as_mut_ptr(), row[1]);
+    match sink {
+        Sink::Tile(tile) => {
+            for (i, row) in acc.iter().enumerate() {
+                // SAFETY: row i of the tile has NR = 32 floats.
+                unsafe {
+                    _mm512_storeu_ps(tile[i * NR..].as_mut_ptr(), row[0]);
+                    _mm512_storeu_ps(tile[i * NR + 16..].as_mut_ptr(), row[1]);
+                }
+            }
+        }
+        Sink::Rows(rows, beta, add) => {
+            let scale = _mm512_set1_ps(beta);
+            for (dst, sums) in rows.into_iter().zip(&acc) {
+                assert!(dst.len() >= NR, "gemm_bf16: a destination row shorter than a tile");
+                let p = dst.as_mut_ptr();
+                // SAFETY: `dst` has NR = 32 floats (checked).
+                unsafe {
+                    for (half, sum) in sums.iter().enumerate() {
+                        let at = p.add(16 * half);
+                        let v = if add {
+                            _mm512_fmadd_ps(*sum, scale, _mm512_loadu_ps(at))
+                        } else {
+                            _mm512_mul_ps(*sum, scale)
+                        };
+                        _mm512_storeu_ps(at, v);
+                    }
+                }
+            }
         }
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_kernel(_: usize, _: &[u32], _: &[u32], _: &mut [f32; MR * NR]) {
+unsafe fn micro_kernel(_: usize, _: &[u32], _: &[u32], _: Sink<'_>) {
     unreachable!("gemm_bf16 checks available() first")
 }
 
