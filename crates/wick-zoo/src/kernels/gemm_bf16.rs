@@ -24,10 +24,16 @@ use half::bf16;
 use super::gemm::Mat;
 use candle_core::Result;
 
-/// Rows of the micro-tile (one broadcast each).
-const MR: usize = 12;
-/// Columns of the micro-tile (two 16-lane registers).
-const NR: usize = 32;
+/// Micro-tile shapes, rows × 16-lane registers per row (12 × 32, 8 × 48, 24 × 16 sums: 24 of
+/// the 32 vector registers each), with their relative cost per tile element: 24 × 16 loads a
+/// broadcast per multiply-add and ran 1.5× slower than 12 × 32 (measured, 144×24×784), 8 × 48
+/// about as fast. The cheapest for the padded destination is used: a product with 16 columns (a
+/// dW of 16 input channels) fills a 24 × 16 tile whole but half of a 12 × 32 one.
+const TILES: [(usize, usize, usize); 3] = [(12, 2, 20), (8, 3, 21), (24, 1, 30)];
+/// Elements of every micro-tile (12·32 = 24·16 = 8·48).
+const TILE: usize = 384;
+/// The widest tile's columns.
+const MAX_NR: usize = 48;
 /// Depth of a packed slice, in k-pairs (512 bf16 values of k).
 const KC: usize = 256;
 /// Rows of a block (its packed `a` stays in the L2 cache).
@@ -81,6 +87,28 @@ pub(crate) fn gemm_bf16(
         }
         return Ok(());
     }
+    let cost = |&(mr, nv, weight): &(usize, usize, usize)| {
+        m.next_multiple_of(mr).saturating_mul(n.next_multiple_of(16 * nv)).saturating_mul(weight)
+    };
+    let shape = TILES.iter().min_by_key(|t| cost(t)).map_or((12, 2), |t| (t.0, t.1));
+    match shape {
+        (24, 1) => product::<24, 1>(dst, (a, b), beta, accumulate, parallel),
+        (8, 3) => product::<8, 3>(dst, (a, b), beta, accumulate, parallel),
+        _ => product::<12, 2>(dst, (a, b), beta, accumulate, parallel),
+    }
+    Ok(())
+}
+
+/// [`gemm_bf16`] (shapes checked) with `MR × 16·NV` micro-tiles.
+fn product<const MR: usize, const NV: usize>(
+    dst: &mut [f32],
+    (a, b): (Mat<'_, bf16>, Mat<'_, bf16>),
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let nr = 16 * NV;
     let threads = if parallel { rayon::current_num_threads().max(1) } else { 1 };
     let av = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
     let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
@@ -88,11 +116,11 @@ pub(crate) fn gemm_bf16(
     let whole = Part { out: &out, n, rows: 0..m, cols: 0..n };
     // Parallel: one part per thread, each packing its own operands. Splitting the rows makes
     // every part pack all of `b`, splitting the columns all of `a`: the smaller is repacked.
-    let (split_rows, unit, len) = if m * k >= k * n { (false, NR, n) } else { (true, MR, m) };
+    let (split_rows, unit, len) = if m * k >= k * n { (false, nr, n) } else { (true, MR, m) };
     let parts = threads.min(len.div_ceil(unit)).min((m * n * k / MIN_PART_MACS).max(1));
     if parts <= 1 {
-        whole.product(&av, &bv, k, beta, accumulate);
-        return Ok(());
+        whole.product::<MR, NV>(&av, &bv, k, beta, accumulate);
+        return;
     }
     let step = len.div_ceil(parts).next_multiple_of(unit);
     use rayon::prelude::*;
@@ -100,9 +128,8 @@ pub(crate) fn gemm_bf16(
         let range = i * step..((i + 1) * step).min(len);
         let part =
             if split_rows { Part { rows: range, ..whole.clone() } } else { Part { cols: range, ..whole.clone() } };
-        part.product(&av, &bv, k, beta, accumulate);
+        part.product::<MR, NV>(&av, &bv, k, beta, accumulate);
     });
-    Ok(())
 }
 
 /// Multiply-adds below which a product is not split between threads.
@@ -127,9 +154,17 @@ struct Part<'a> {
 
 impl Part<'_> {
     /// This part of `beta·a·b (+ dst)`, block by block.
-    fn product(&self, a: &KMajor<'_>, b: &KMajor<'_>, k: usize, beta: f32, accumulate: bool) {
+    fn product<const MR: usize, const NV: usize>(
+        &self,
+        a: &KMajor<'_>,
+        b: &KMajor<'_>,
+        k: usize,
+        beta: f32,
+        accumulate: bool,
+    ) {
+        let nr = 16 * NV;
         let (mut pa, mut pb) = (Vec::new(), Vec::new());
-        let mut tile = [0f32; MR * NR];
+        let mut tile = [0f32; TILE];
         let m = self.rows.len();
         for c0 in self.cols.clone().step_by(NC) {
             let cols = NC.min(self.cols.end - c0);
@@ -137,36 +172,36 @@ impl Part<'_> {
                 let depth = (2 * KC).min(k - k0);
                 let pairs = depth.div_ceil(2);
                 pack(a, self.rows.start, m, k0, depth, MR, &mut pa);
-                pack(b, c0, cols, k0, depth, NR, &mut pb);
+                pack(b, c0, cols, k0, depth, nr, &mut pb);
                 let add = accumulate || slice > 0;
                 for r0 in (0..m.div_ceil(MR)).step_by(MC / MR) {
-                    for jp in 0..cols.div_ceil(NR) {
-                        let bp = &pb[jp * NR * pairs..][..NR * pairs];
-                        let width = NR.min(cols - jp * NR);
+                    for jp in 0..cols.div_ceil(nr) {
+                        let bp = &pb[jp * nr * pairs..][..nr * pairs];
+                        let width = nr.min(cols - jp * nr);
                         for ip in r0..(r0 + MC / MR).min(m.div_ceil(MR)) {
                             let ap = &pa[ip * MR * pairs..][..MR * pairs];
                             let height = MR.min(m - ip * MR);
-                            if height == MR && width == NR {
+                            if height == MR && width == nr {
                                 // A whole tile: the sums go straight into the destination rows.
                                 let rows: [&mut [f32]; MR] = std::array::from_fn(|i| {
                                     let row = self.rows.start + ip * MR + i;
                                     // SAFETY: as below (one row segment per tile row).
-                                    unsafe { self.out.range(row * self.n + c0 + jp * NR, NR) }
+                                    unsafe { self.out.range(row * self.n + c0 + jp * nr, nr) }
                                 });
                                 // SAFETY: `gemm_bf16` checked `available()`; the panels hold
-                                // `pairs` k-pairs of MR (NR) lanes and every row NR elements.
-                                unsafe { micro_kernel(pairs, ap, bp, Sink::Rows(rows, beta, add)) };
+                                // `pairs` k-pairs of MR (nr) lanes and every row nr elements.
+                                unsafe { micro_kernel::<MR, NV>(pairs, ap, bp, Sink::Rows(rows, beta, add)) };
                                 continue;
                             }
-                            // SAFETY: as above, into the tile.
-                            unsafe { micro_kernel(pairs, ap, bp, Sink::Tile(&mut tile)) };
+                            // SAFETY: as above, into the tile (MR·nr = TILE elements).
+                            unsafe { micro_kernel::<MR, NV>(pairs, ap, bp, Sink::Tile(&mut tile)) };
                             for i in 0..height {
                                 let row = self.rows.start + ip * MR + i;
                                 // SAFETY: parts are disjoint rectangles of the destination, and
                                 // within one part each (row, column panel) is written once at a
                                 // time.
-                                let dst = unsafe { self.out.range(row * self.n + c0 + jp * NR, width) };
-                                let sums = &tile[i * NR..][..width];
+                                let dst = unsafe { self.out.range(row * self.n + c0 + jp * nr, width) };
+                                let sums = &tile[i * nr..][..width];
                                 if add {
                                     dst.iter_mut().zip(sums).for_each(|(d, s)| *d += beta * s);
                                 } else {
@@ -217,7 +252,7 @@ fn pack_into(v: &KMajor<'_>, r0: usize, count: usize, k0: usize, depth: usize, w
         if v.step == 1 {
             // Each row's pairs are neighbours: transposed a block of pairs at a time (reads
             // along rows, writes along lanes).
-            let mut block = [[0u32; PACK_BLOCK]; NR];
+            let mut block = [[0u32; PACK_BLOCK]; MAX_NR];
             for p0 in (0..pairs).step_by(PACK_BLOCK) {
                 let np = PACK_BLOCK.min(pairs - p0);
                 for (i, b) in block.iter_mut().enumerate().take(width) {
@@ -273,66 +308,67 @@ fn pair(lo: bf16, hi: bf16) -> u32 {
     u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
 }
 
-/// Where a micro-tile's sums go.
-enum Sink<'a> {
-    /// Stored into an MR × NR buffer.
-    Tile(&'a mut [f32; MR * NR]),
-    /// Into MR destination rows of NR elements each: `row = beta·sums (+ row when the flag)`.
+/// Where an MR-row micro-tile's sums go.
+enum Sink<'a, const MR: usize> {
+    /// Stored row after row into a [`TILE`]-element buffer.
+    Tile(&'a mut [f32; TILE]),
+    /// Into MR destination rows of a tile's width each: `row = beta·sums (+ row when the flag)`.
     Rows([&'a mut [f32]; MR], f32, bool),
 }
 
-/// The `MR × NR` product `ap · bp` over `pairs` k-pairs, into `sink`.
+/// The `MR × 16·NV` product `ap · bp` over `pairs` k-pairs, into `sink`.
 ///
 /// # Safety
-/// The CPU has AVX512-BF16 and AVX-512F; `ap` holds `pairs · MR` lanes and `bp` `pairs · NR`;
-/// a `Sink::Rows` row holds at least NR elements.
+/// The CPU has AVX512-BF16 and AVX-512F; `ap` holds `pairs · MR` lanes and `bp` `pairs · 16·NV`;
+/// MR · 16·NV is at most [`TILE`]; a `Sink::Rows` row holds at least 16·NV elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512bf16,avx512f")]
-unsafe fn micro_kernel(pairs: usize, ap: &[u32], bp: &[u32], sink: Sink<'_>) {
+unsafe fn micro_kernel<const MR: usize, const NV: usize>(pairs: usize, ap: &[u32], bp: &[u32], sink: Sink<'_, MR>) {
     use std::arch::x86_64::*;
-    debug_assert!(ap.len() >= pairs * MR && bp.len() >= pairs * NR);
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    let nr = 16 * NV;
+    assert!(ap.len() >= pairs * MR && bp.len() >= pairs * nr && MR * nr <= TILE, "gemm_bf16: short panels");
+    let mut acc = [[_mm512_setzero_ps(); NV]; MR];
     let (mut a, mut b) = (ap.as_ptr(), bp.as_ptr());
     for _ in 0..pairs {
-        // SAFETY: `b` points at NR lanes (two 64-byte loads), `a` at MR lanes, inside the
-        // panels (checked lengths above).
+        // SAFETY: `b` points at nr lanes (NV 64-byte loads), `a` at MR lanes, inside the panels
+        // (checked lengths above).
         unsafe {
-            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.cast()));
-            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(16).cast()));
+            let bv: [__m512bh; NV] =
+                std::array::from_fn(|v| std::mem::transmute(_mm512_loadu_si512(b.add(16 * v).cast())));
             for (i, row) in acc.iter_mut().enumerate() {
                 let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(i) as i32));
-                row[0] = _mm512_dpbf16_ps(row[0], ai, b0);
-                row[1] = _mm512_dpbf16_ps(row[1], ai, b1);
+                for (sum, bv) in row.iter_mut().zip(&bv) {
+                    *sum = _mm512_dpbf16_ps(*sum, ai, *bv);
+                }
             }
             a = a.add(MR);
-            b = b.add(NR);
+            b = b.add(nr);
         }
     }
     match sink {
         Sink::Tile(tile) => {
             for (i, row) in acc.iter().enumerate() {
-                // SAFETY: row i of the tile has NR = 32 floats.
-                unsafe {
-                    _mm512_storeu_ps(tile[i * NR..].as_mut_ptr(), row[0]);
-                    _mm512_storeu_ps(tile[i * NR + 16..].as_mut_ptr(), row[1]);
+                for (v, sum) in row.iter().enumerate() {
+                    // SAFETY: row i of the tile, register v: inside MR·nr ≤ TILE floats.
+                    unsafe { _mm512_storeu_ps(tile[i * nr + 16 * v..].as_mut_ptr(), *sum) };
                 }
             }
         }
         Sink::Rows(rows, beta, add) => {
             let scale = _mm512_set1_ps(beta);
             for (dst, sums) in rows.into_iter().zip(&acc) {
-                assert!(dst.len() >= NR, "gemm_bf16: a destination row shorter than a tile");
+                assert!(dst.len() >= nr, "gemm_bf16: a destination row shorter than a tile");
                 let p = dst.as_mut_ptr();
-                // SAFETY: `dst` has NR = 32 floats (checked).
-                unsafe {
-                    for (half, sum) in sums.iter().enumerate() {
-                        let at = p.add(16 * half);
-                        let v = if add {
+                for (v, sum) in sums.iter().enumerate() {
+                    // SAFETY: `dst` has nr = 16·NV floats (checked).
+                    unsafe {
+                        let at = p.add(16 * v);
+                        let x = if add {
                             _mm512_fmadd_ps(*sum, scale, _mm512_loadu_ps(at))
                         } else {
                             _mm512_mul_ps(*sum, scale)
                         };
-                        _mm512_storeu_ps(at, v);
+                        _mm512_storeu_ps(at, x);
                     }
                 }
             }
@@ -341,7 +377,7 @@ unsafe fn micro_kernel(pairs: usize, ap: &[u32], bp: &[u32], sink: Sink<'_>) {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_kernel(_: usize, _: &[u32], _: &[u32], _: Sink<'_>) {
+unsafe fn micro_kernel<const MR: usize, const NV: usize>(_: usize, _: &[u32], _: &[u32], _: Sink<'_, MR>) {
     unreachable!("gemm_bf16 checks available() first")
 }
 
@@ -374,8 +410,11 @@ mod tests {
             eprintln!("SKIPPED: this CPU has no AVX512-BF16");
             return;
         }
-        // Ragged in every dimension (odd k, partial tiles, several k-slices and blocks).
-        for &(m, k, n) in &[(1, 1, 1), (13, 7, 33), (150, 1031, 70), (40, 64, 600), (5, 2, 3)] {
+        // Ragged in every dimension (odd k, partial tiles, several k-slices and blocks), over
+        // every tile shape: 12 × 32 (150×70, 5×3, 1×1), 8 × 48 (13×33, 40×600), 24 × 16 (24×16,
+        // 50×15).
+        let shapes = [(1, 1, 1), (13, 7, 33), (150, 1031, 70), (40, 64, 600), (5, 2, 3), (24, 77, 16), (50, 300, 15)];
+        for &(m, k, n) in &shapes {
             let (av, bv) = (values(m * k, 1), values(k * n, 2));
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                 let ma = if ta { Mat::rows(&av, k, m).t() } else { Mat::rows(&av, m, k) };
