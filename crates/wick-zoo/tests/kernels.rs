@@ -659,6 +659,29 @@ fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
             Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 1, 1)),
             vec![vec![9, 32, 4, 4], vec![24, 32, 3, 3]],
         ),
+        // Deeper than one slice of the product (576 > 512): f32 sums, rounded afterwards.
+        (
+            "conv deep",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 1, 1)),
+            vec![vec![2, 64, 5, 5], vec![8, 64, 3, 3]],
+        ),
+        // Without a bias the sums are rounded as stored; deeper than a slice, afterwards.
+        (
+            "linear (no bias)",
+            Box::new(|t: &[Tensor]| kernels::linear::linear(&t[0], &t[1], None)),
+            vec![vec![2, 19, 70], vec![33, 70]],
+        ),
+        (
+            "linear (deep)",
+            Box::new(|t: &[Tensor]| kernels::linear::linear(&t[0], &t[1], None)),
+            vec![vec![5, 600], vec![20, 600]],
+        ),
+        // A weight gradient summed over 600 rows (deeper than a slice).
+        (
+            "linear (many rows)",
+            Box::new(|t: &[Tensor]| kernels::linear::linear(&t[0], &t[1], None)),
+            vec![vec![2, 300, 16], vec![8, 16]],
+        ),
     ];
     for (name, op, shapes) in cases {
         // The same bf16 values as bf16 and as f32 tensors.

@@ -283,6 +283,25 @@ impl Gather<bf16> for bf16 {
     }
 }
 
+/// The element type a convolution's output is written in by a product of operands `P`: the
+/// compute type `T`, or bf16 with each sum rounded as it is stored.
+trait Out<T, P>: Copy + Default + Send + Sync + 'static {
+    /// `dst = a·b`.
+    fn product(dst: &mut [Self], a: Mat<'_, P>, b: Mat<'_, P>, parallel: bool) -> Result<()>;
+}
+
+impl<T: Real, P: Operand<T>> Out<T, P> for T {
+    fn product(dst: &mut [T], a: Mat<'_, P>, b: Mat<'_, P>, parallel: bool) -> Result<()> {
+        P::product(dst, a, b, T::one(), false, parallel)
+    }
+}
+
+impl Out<f32, bf16> for bf16 {
+    fn product(dst: &mut [bf16], a: Mat<'_, bf16>, b: Mat<'_, bf16>, parallel: bool) -> Result<()> {
+        super::gemm_bf16::gemm_bf16_rounded(dst, a, b, parallel)
+    }
+}
+
 /// True when bf16 tensors are multiplied as bf16 ([`super::gemm_bf16`]).
 fn bf16_products(dtype: candle_core::DType) -> bool {
     dtype == candle_core::DType::BF16 && super::gemm_bf16::available()
@@ -322,27 +341,36 @@ impl Conv2d {
     fn fwd_bf16(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, false)?;
         let (x, w) = (elems::<f32, bf16>(sx, lx)?, elems::<f32, bf16>(sw, lw)?);
-        let y = Self::forward::<f32, bf16, bf16>(&g, x, w)?;
-        Ok((f32::storage(y, sx.dtype())?, Shape::from((g.n, g.c_out, g.oh, g.ow))))
+        let y = if super::gemm_bf16::rounds_directly(g.rows()) {
+            // Each sum rounded as the product stores it: no f32 output, no rounding pass.
+            CpuStorage::BF16(Self::forward::<f32, bf16, bf16, bf16>(&g, x, w)?)
+        } else {
+            f32::storage(Self::forward::<f32, bf16, bf16, f32>(&g, x, w)?, sx.dtype())?
+        };
+        Ok((y, Shape::from((g.n, g.c_out, g.oh, g.ow))))
     }
 
     /// The convolution of images `x` with weights `w` (row-major (C_out, C_in·k·k)).
-    fn forward<T: Real, E: Gather<P>, P: Operand<T>>(g: &Geometry, x: &[E], w: &[P]) -> Result<Vec<T>> {
+    fn forward<T: Real, E: Gather<P>, P: Operand<T>, O: Out<T, P>>(g: &Geometry, x: &[E], w: &[P]) -> Result<Vec<O>> {
         Self::forward_by(g, x, Mat::rows(w, g.c_out, g.rows()))
     }
 
     /// [`Conv2d::forward`] with the weights as any (C_out × C_in·k·k) matrix view. A 1×1
     /// stride-1 convolution's images must be operands already ([`Conv2d::widen_first`]).
-    fn forward_by<T: Real, E: Gather<P>, P: Operand<T>>(g: &Geometry, x: &[E], wm: Mat<'_, P>) -> Result<Vec<T>> {
+    fn forward_by<T: Real, E: Gather<P>, P: Operand<T>, O: Out<T, P>>(
+        g: &Geometry,
+        x: &[E],
+        wm: Mat<'_, P>,
+    ) -> Result<Vec<O>> {
         let (rows, cols, img) = (g.rows(), g.cols(), g.c_in * g.h * g.w);
-        let mut y = vec![T::zero(); g.n * g.c_out * cols];
+        let mut y = vec![O::default(); g.n * g.c_out * cols];
         let out = SharedMut::new(&mut y);
         let plan = Plan::new(g);
         // One image at a time writes straight into the output; a group goes through a
         // (C_out × images·positions) buffer.
         let direct = plan.size == 1;
         let col = Scratch::<P>::new(plan.workers, if direct && g.pointwise() { 0 } else { rows * plan.size * cols });
-        let ybuf = Scratch::<T>::new(plan.workers, if direct { 0 } else { g.c_out * plan.size * cols });
+        let ybuf = Scratch::<O>::new(plan.workers, if direct { 0 } else { g.c_out * plan.size * cols });
         plan.run(|worker, group, parallel| {
             let range = plan.images(group, g.n);
             let ld = range.len() * cols;
@@ -357,10 +385,10 @@ impl Conv2d {
             if direct {
                 // SAFETY: one image's output per group.
                 let dst = unsafe { out.range(range.start * g.c_out * cols, g.c_out * cols) };
-                return P::product(dst, wm, Mat::rows(cm, rows, cols), T::one(), false, parallel);
+                return O::product(dst, wm, Mat::rows(cm, rows, cols), parallel);
             }
             let mut yb = ybuf.get(worker)?;
-            P::product(&mut yb, wm, Mat::rows(cm, rows, ld), T::one(), false, parallel)?;
+            O::product(&mut yb, wm, Mat::rows(cm, rows, ld), parallel)?;
             for (j, b) in range.enumerate() {
                 // SAFETY: image `b` belongs to this group only.
                 let dst = unsafe { out.range(b * g.c_out * cols, g.c_out * cols) };

@@ -71,6 +71,84 @@ pub(crate) fn gemm_bf16(
     accumulate: bool,
     parallel: bool,
 ) -> Result<()> {
+    gemm_into(dst, a, b, beta, accumulate, parallel)
+}
+
+/// True when [`gemm_bf16_rounded`] takes a product of depth `k` (its sums are rounded as they
+/// are stored, so all of k must be summed in one slice).
+pub(crate) fn rounds_directly(k: usize) -> bool {
+    k <= 2 * KC
+}
+
+/// `dst (m × n, row-major bf16) = a·b`, each f32 sum rounded once as it is stored (no f32
+/// result and no separate rounding pass). An error unless [`rounds_directly`] holds for the
+/// depth, and as [`gemm_bf16`].
+pub(crate) fn gemm_bf16_rounded(dst: &mut [bf16], a: Mat<'_, bf16>, b: Mat<'_, bf16>, parallel: bool) -> Result<()> {
+    if !rounds_directly(a.cols) {
+        return Err(candle_core::Error::Msg(format!("wick bf16 gemm: depth {} is summed in slices", a.cols)));
+    }
+    gemm_into(dst, a, b, 1.0, false, parallel)
+}
+
+/// A destination element type: f32 sums, or bf16 (rounded once, never accumulated into).
+trait Dest: Copy + Default + Send + Sync + 'static {
+    /// `dst = beta·sums (+ dst when add)`.
+    fn put(dst: &mut [Self], sums: &[f32], beta: f32, add: bool);
+    /// The same for 16 sums in a register, at `at`.
+    ///
+    /// # Safety
+    /// `at` points at 16 writable elements; the CPU has AVX512-BF16 and AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn put16(at: *mut Self, sums: std::arch::x86_64::__m512, beta: std::arch::x86_64::__m512, add: bool);
+}
+
+impl Dest for f32 {
+    fn put(dst: &mut [f32], sums: &[f32], beta: f32, add: bool) {
+        if add {
+            dst.iter_mut().zip(sums).for_each(|(d, s)| *d += beta * s);
+        } else {
+            dst.iter_mut().zip(sums).for_each(|(d, s)| *d = beta * s);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn put16(at: *mut f32, sums: std::arch::x86_64::__m512, beta: std::arch::x86_64::__m512, add: bool) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let x = if add { _mm512_fmadd_ps(sums, beta, _mm512_loadu_ps(at)) } else { _mm512_mul_ps(sums, beta) };
+            _mm512_storeu_ps(at, x);
+        }
+    }
+}
+
+impl Dest for bf16 {
+    fn put(dst: &mut [bf16], sums: &[f32], beta: f32, _add: bool) {
+        dst.iter_mut().zip(sums).for_each(|(d, s)| *d = super::round_bf16(beta * s));
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn put16(at: *mut bf16, sums: std::arch::x86_64::__m512, beta: std::arch::x86_64::__m512, _add: bool) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract. `vcvtneps2bf16` rounds to nearest even, as
+        // `round_bf16` does (f32 subnormals, far below any sum here, become zero).
+        unsafe {
+            let h: __m256bh = _mm512_cvtneps_pbh(_mm512_mul_ps(sums, beta));
+            _mm256_storeu_si256(at.cast(), std::mem::transmute::<__m256bh, __m256i>(h));
+        }
+    }
+}
+
+/// [`gemm_bf16`] and [`gemm_bf16_rounded`]: checks, then the product with the micro-tile that
+/// suits the shape.
+fn gemm_into<D: Dest>(
+    dst: &mut [D],
+    a: Mat<'_, bf16>,
+    b: Mat<'_, bf16>,
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<()> {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     if b.rows != k || !a.fits() || !b.fits() || m.checked_mul(n).is_none_or(|mn| mn > dst.len()) {
         return Err(mismatch(&a, &b, dst.len()));
@@ -83,7 +161,7 @@ pub(crate) fn gemm_bf16(
     }
     if k == 0 {
         if !accumulate {
-            dst[..m * n].iter_mut().for_each(|v| *v = 0.0);
+            dst[..m * n].iter_mut().for_each(|v| *v = D::default());
         }
         return Ok(());
     }
@@ -92,16 +170,16 @@ pub(crate) fn gemm_bf16(
     };
     let shape = TILES.iter().min_by_key(|t| cost(t)).map_or((12, 2), |t| (t.0, t.1));
     match shape {
-        (24, 1) => product::<24, 1>(dst, (a, b), beta, accumulate, parallel),
-        (8, 3) => product::<8, 3>(dst, (a, b), beta, accumulate, parallel),
-        _ => product::<12, 2>(dst, (a, b), beta, accumulate, parallel),
+        (24, 1) => product::<D, 24, 1>(dst, (a, b), beta, accumulate, parallel),
+        (8, 3) => product::<D, 8, 3>(dst, (a, b), beta, accumulate, parallel),
+        _ => product::<D, 12, 2>(dst, (a, b), beta, accumulate, parallel),
     }
     Ok(())
 }
 
 /// [`gemm_bf16`] (shapes checked) with `MR × 16·NV` micro-tiles.
-fn product<const MR: usize, const NV: usize>(
-    dst: &mut [f32],
+fn product<D: Dest, const MR: usize, const NV: usize>(
+    dst: &mut [D],
     (a, b): (Mat<'_, bf16>, Mat<'_, bf16>),
     beta: f32,
     accumulate: bool,
@@ -145,14 +223,14 @@ struct KMajor<'a> {
 
 /// Rows × columns of the destination (row-major, `n` columns) one thread computes.
 #[derive(Clone)]
-struct Part<'a> {
-    out: &'a super::SharedMut<f32>,
+struct Part<'a, D> {
+    out: &'a super::SharedMut<D>,
     n: usize,
     rows: std::ops::Range<usize>,
     cols: std::ops::Range<usize>,
 }
 
-impl Part<'_> {
+impl<D: Dest> Part<'_, D> {
     /// This part of `beta·a·b (+ dst)`, block by block.
     fn product<const MR: usize, const NV: usize>(
         &self,
@@ -183,18 +261,18 @@ impl Part<'_> {
                             let height = MR.min(m - ip * MR);
                             if height == MR && width == nr {
                                 // A whole tile: the sums go straight into the destination rows.
-                                let rows: [&mut [f32]; MR] = std::array::from_fn(|i| {
+                                let rows: [&mut [D]; MR] = std::array::from_fn(|i| {
                                     let row = self.rows.start + ip * MR + i;
                                     // SAFETY: as below (one row segment per tile row).
                                     unsafe { self.out.range(row * self.n + c0 + jp * nr, nr) }
                                 });
                                 // SAFETY: `gemm_bf16` checked `available()`; the panels hold
                                 // `pairs` k-pairs of MR (nr) lanes and every row nr elements.
-                                unsafe { micro_kernel::<MR, NV>(pairs, ap, bp, Sink::Rows(rows, beta, add)) };
+                                unsafe { micro_kernel::<D, MR, NV>(pairs, ap, bp, Sink::Rows(rows, beta, add)) };
                                 continue;
                             }
                             // SAFETY: as above, into the tile (MR·nr = TILE elements).
-                            unsafe { micro_kernel::<MR, NV>(pairs, ap, bp, Sink::Tile(&mut tile)) };
+                            unsafe { micro_kernel::<D, MR, NV>(pairs, ap, bp, Sink::Tile(&mut tile)) };
                             for i in 0..height {
                                 let row = self.rows.start + ip * MR + i;
                                 // SAFETY: parts are disjoint rectangles of the destination, and
@@ -202,11 +280,7 @@ impl Part<'_> {
                                 // time.
                                 let dst = unsafe { self.out.range(row * self.n + c0 + jp * nr, width) };
                                 let sums = &tile[i * nr..][..width];
-                                if add {
-                                    dst.iter_mut().zip(sums).for_each(|(d, s)| *d += beta * s);
-                                } else {
-                                    dst.iter_mut().zip(sums).for_each(|(d, s)| *d = beta * s);
-                                }
+                                D::put(dst, sums, beta, add);
                             }
                         }
                     }
@@ -309,11 +383,11 @@ fn pair(lo: bf16, hi: bf16) -> u32 {
 }
 
 /// Where an MR-row micro-tile's sums go.
-enum Sink<'a, const MR: usize> {
+enum Sink<'a, D, const MR: usize> {
     /// Stored row after row into a [`TILE`]-element buffer.
     Tile(&'a mut [f32; TILE]),
     /// Into MR destination rows of a tile's width each: `row = beta·sums (+ row when the flag)`.
-    Rows([&'a mut [f32]; MR], f32, bool),
+    Rows([&'a mut [D]; MR], f32, bool),
 }
 
 /// The `MR × 16·NV` product `ap · bp` over `pairs` k-pairs, into `sink`.
@@ -323,7 +397,12 @@ enum Sink<'a, const MR: usize> {
 /// MR · 16·NV is at most [`TILE`]; a `Sink::Rows` row holds at least 16·NV elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512bf16,avx512f")]
-unsafe fn micro_kernel<const MR: usize, const NV: usize>(pairs: usize, ap: &[u32], bp: &[u32], sink: Sink<'_, MR>) {
+unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(
+    pairs: usize,
+    ap: &[u32],
+    bp: &[u32],
+    sink: Sink<'_, D, MR>,
+) {
     use std::arch::x86_64::*;
     let nr = 16 * NV;
     assert!(ap.len() >= pairs * MR && bp.len() >= pairs * nr && MR * nr <= TILE, "gemm_bf16: short panels");
@@ -360,16 +439,9 @@ unsafe fn micro_kernel<const MR: usize, const NV: usize>(pairs: usize, ap: &[u32
                 assert!(dst.len() >= nr, "gemm_bf16: a destination row shorter than a tile");
                 let p = dst.as_mut_ptr();
                 for (v, sum) in sums.iter().enumerate() {
-                    // SAFETY: `dst` has nr = 16·NV floats (checked).
-                    unsafe {
-                        let at = p.add(16 * v);
-                        let x = if add {
-                            _mm512_fmadd_ps(*sum, scale, _mm512_loadu_ps(at))
-                        } else {
-                            _mm512_mul_ps(*sum, scale)
-                        };
-                        _mm512_storeu_ps(at, x);
-                    }
+                    // SAFETY: `dst` has nr = 16·NV elements (checked); the CPU's features are
+                    // this function's.
+                    unsafe { D::put16(p.add(16 * v), *sum, scale, add) };
                 }
             }
         }
@@ -377,7 +449,7 @@ unsafe fn micro_kernel<const MR: usize, const NV: usize>(pairs: usize, ap: &[u32
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_kernel<const MR: usize, const NV: usize>(_: usize, _: &[u32], _: &[u32], _: Sink<'_, MR>) {
+unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(_: usize, _: &[u32], _: &[u32], _: Sink<'_, D, MR>) {
     unreachable!("gemm_bf16 checks available() first")
 }
 
@@ -446,6 +518,34 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Rounding as the product stores its sums equals rounding the f32 product once (whole
+    /// tiles through `vcvtneps2bf16`, ragged ones through `round_bf16`); deeper products than
+    /// one slice are refused.
+    #[test]
+    fn rounded_products_are_the_f32_products_rounded_once() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU has no AVX512-BF16");
+            return;
+        }
+        for &(m, k, n) in &[(13, 7, 33), (150, 300, 70), (24, 512, 16), (40, 64, 600)] {
+            let (av, bv) = (values(m * k, 3), values(k * n, 4));
+            let (ma, mb) = (Mat::rows(&av, m, k), Mat::rows(&bv, k, n));
+            let mut wide = vec![0f32; m * n];
+            gemm_bf16(&mut wide, ma, mb, 1.0, false, true).unwrap();
+            let mut rounded = vec![bf16::ONE; m * n];
+            gemm_bf16_rounded(&mut rounded, ma, mb, true).unwrap();
+            for (i, (r, w)) in rounded.iter().zip(&wide).enumerate() {
+                assert_eq!(r.to_bits(), super::super::round_bf16(*w).to_bits(), "{m}×{k}×{n} at {i}: {r} vs {w}");
+            }
+        }
+        let deep = values(2 * (2 * KC + 1), 5);
+        let mut out = vec![bf16::ZERO; 4];
+        assert!(!rounds_directly(2 * KC + 1));
+        let too_deep =
+            gemm_bf16_rounded(&mut out, Mat::rows(&deep, 2, 2 * KC + 1), Mat::rows(&deep, 2 * KC + 1, 2), false);
+        assert!(too_deep.is_err());
     }
 
     #[test]

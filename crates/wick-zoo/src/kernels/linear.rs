@@ -9,7 +9,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 use candle_core::DType;
 use half::bf16;
 
-use super::elem::{elems, with_elems};
+use super::elem::{elem_tensor, elems, with_elems};
 use super::gemm_bf16::{self, gemm_bf16};
 use super::{gemm, par_ranges, read, tensor, with, Mat, Real, SharedMut};
 
@@ -56,8 +56,12 @@ impl Linear {
         bias: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
         let (m, k, n) = dims(lx.shape(), lw.shape())?;
+        let (xm, wm) = (Mat::rows(x, m, k), Mat::rows(w, n, k).t());
+        if bias.is_none() {
+            return Self::finish_storage(CpuStorage::BF16(rounded_product(xm, wm)?), lx, n);
+        }
         let mut y = vec![0f32; m * n];
-        gemm_bf16(&mut y, Mat::rows(x, m, k), Mat::rows(w, n, k).t(), 1.0, false, true)?;
+        gemm_bf16(&mut y, xm, wm, 1.0, false, true)?;
         Self::finish(y, lx, DType::BF16, n, bias)
     }
 
@@ -84,29 +88,28 @@ impl Linear {
                 }
             });
         }
+        Self::finish_storage(T::storage(y, dtype)?, lx, n)
+    }
+
+    /// `y` with x's shape but n columns.
+    fn finish_storage(y: CpuStorage, lx: &Layout, n: usize) -> Result<(CpuStorage, Shape)> {
         let mut shape = lx.shape().dims().to_vec();
         if let Some(last) = shape.last_mut() {
             *last = n;
         }
-        Ok((T::storage(y, dtype)?, Shape::from(shape)))
+        Ok((y, Shape::from(shape)))
     }
 
-    /// [`Linear::bwd`] for bf16 x, W and g with bf16 products (f32 sums, rounded once).
-    fn bwd_bf16(x: &Tensor, w: &Tensor, g: &Tensor, want_dx: bool, want_db: bool) -> Result<Grads<f32>> {
+    /// [`Linear::bwd`] for bf16 x, W and g with bf16 products (f32 sums, rounded once): dx and
+    /// dW in bf16, db in f32.
+    fn bwd_bf16(x: &Tensor, w: &Tensor, g: &Tensor, want_dx: bool, want_db: bool) -> Result<Bf16Grads> {
         let (m, k, n) = dims(x.shape(), w.shape())?;
         with_elems::<f32, bf16, _>(x, |x| {
             with_elems::<f32, bf16, _>(w, |w| {
                 with_elems::<f32, bf16, _>(g, |g| {
                     let gm = Mat::rows(g, m, n);
-                    let dx = if want_dx {
-                        let mut dx = vec![0f32; m * k];
-                        gemm_bf16(&mut dx, gm, Mat::rows(w, n, k), 1.0, false, true)?;
-                        Some(dx)
-                    } else {
-                        None
-                    };
-                    let mut dw = vec![0f32; n * k];
-                    gemm_bf16(&mut dw, gm.t(), Mat::rows(x, m, k), 1.0, false, true)?;
+                    let dx = want_dx.then(|| rounded_product(gm, Mat::rows(w, n, k))).transpose()?;
+                    let dw = rounded_product(gm.t(), Mat::rows(x, m, k))?;
                     let db = want_db.then(|| {
                         let mut db = vec![0f32; n];
                         for row in g.chunks(n) {
@@ -157,7 +160,14 @@ impl Linear {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (want_dx, want_db) = (x.track_op(), b.is_some_and(|b| b.track_op()));
         if [x, w, g].iter().all(|t| t.dtype() == DType::BF16) && gemm_bf16::available() {
-            return Self::tensors(Linear::bwd_bf16(x, w, g, want_dx, want_db)?, x, w, b);
+            let (dx, dw, db) = Linear::bwd_bf16(x, w, g, want_dx, want_db)?;
+            let dx = dx.map(|v| elem_tensor::<f32, bf16>(v, x.shape())).transpose()?;
+            let dw = w.track_op().then(|| elem_tensor::<f32, bf16>(dw, w.shape())).transpose()?;
+            let db = match (db, b) {
+                (Some(v), Some(b)) => Some(tensor(v, b.shape(), b.dtype())?),
+                _ => None,
+            };
+            return Ok((dx, dw, db));
         }
         by_real!(x.dtype(), T => Self::tensors(Linear::bwd::<T>(x, w, g, want_dx, want_db)?, x, w, b))
     }
@@ -221,6 +231,27 @@ impl CustomOp3 for Linear {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         Linear::grads(x, w, Some(b), g)
+    }
+}
+
+/// bf16 input and weight gradients, f32 bias gradient.
+type Bf16Grads = (Option<Vec<bf16>>, Vec<bf16>, Option<Vec<f32>>);
+
+/// `a·b` rounded to bf16: each sum as the product stores it when the depth allows
+/// ([`gemm_bf16::rounds_directly`]: no f32 result, no rounding pass), else summed in f32 and
+/// rounded once afterwards.
+fn rounded_product(a: Mat<'_, bf16>, b: Mat<'_, bf16>) -> Result<Vec<bf16>> {
+    let len = a.rows * b.cols;
+    if gemm_bf16::rounds_directly(a.cols) {
+        let mut y = vec![bf16::ZERO; len];
+        gemm_bf16::gemm_bf16_rounded(&mut y, a, b, true)?;
+        return Ok(y);
+    }
+    let mut y = vec![0f32; len];
+    gemm_bf16(&mut y, a, b, 1.0, false, true)?;
+    match f32::storage(y, DType::BF16)? {
+        CpuStorage::BF16(v) => Ok(v),
+        other => Err(err(format!("linear: rounding gave {:?}", other.dtype()))),
     }
 }
 
