@@ -8,8 +8,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::conv::Geometry;
-use super::elem::{by_elem, elems, with_elems, Elem};
-use super::{dot, par_ranges, read, with, Real, SharedMut};
+use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
+use super::{dot, par_ranges, read, tensor, with, Real, SharedMut};
 
 /// Writes a row's even columns to `split[..half]` and its odd ones to `split[half..]` (widened
 /// to the compute type), so that a stride-2 tap reads (and writes) a contiguous run.
@@ -41,7 +41,7 @@ impl Depthwise {
         let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, true)?;
         let (x, w) = (elems::<T, E>(sx, lx)?, read::<T>(sw, lw)?);
         let y = depthwise_forward::<T, E>(x, &w, g);
-        Ok((T::storage(y, sx.dtype())?, Shape::from((g.n, g.c_in, g.oh, g.ow))))
+        Ok((E::into_storage(y), Shape::from((g.n, g.c_in, g.oh, g.ow))))
     }
 
     /// (dx when wanted, dw).
@@ -51,20 +51,24 @@ impl Depthwise {
         w: &Tensor,
         dy: &Tensor,
         want_dx: bool,
-    ) -> Result<(Option<Vec<T>>, Vec<T>)> {
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, true)?;
         with_elems::<T, E, _>(x, |x| {
             with::<T, _>(w, |w| with_elems::<T, E, _>(dy, |dy| Ok(depthwise_backward::<T, E>(x, w, dy, g, want_dx))))
+        })
+        .and_then(|(dx, dw)| {
+            let dx = dx.map(|dx| elem_tensor::<T, E>(dx, x.shape())).transpose()?;
+            Ok((dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?))
         })
     }
 }
 
 wide_kernel! {
     /// The depthwise convolution of images `x` (stored as `E`, widened as read) with filters `w`
-    /// (C, k·k).
-    fn depthwise_forward<T, E>(x: &[E], w: &[T], g: Geometry) -> Vec<T> {
+    /// (C, k·k), each output summed in `T` and stored (rounded once) as `E`.
+    fn depthwise_forward<T, E>(x: &[E], w: &[T], g: Geometry) -> Vec<E> {
         let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
-        let mut y = vec![T::zero(); g.n * g.c_in * ohw];
+        let mut y = vec![E::store(T::zero()); g.n * g.c_in * ohw];
         let out = SharedMut::new(&mut y);
         // Per kernel column: the output columns it reaches and their first input column.
         let taps = g.taps();
@@ -79,6 +83,8 @@ wide_kernel! {
             let flat = g.stride == 1;
             let mut padded = vec![T::zero(); if flat { ph * pw + g.k } else { 0 }];
             let mut wide = vec![T::zero(); if flat { g.oh * pw } else { 0 }];
+            // Strides of 2 and more: one output row's sums.
+            let mut sums = vec![T::zero(); if flat { 0 } else { g.ow }];
             for p in r {
                 let (plane, filter) = (&x[p * hw..(p + 1) * hw], &w[(p % g.c_in) * kk..][..kk]);
                 // SAFETY: one plane per index.
@@ -98,12 +104,13 @@ wide_kernel! {
                         }
                     }
                     for (oy, row) in dst.chunks_mut(g.ow).enumerate() {
-                        row.copy_from_slice(&wide[oy * pw..oy * pw + g.ow]);
+                        row.iter_mut().zip(&wide[oy * pw..oy * pw + g.ow]).for_each(|(d, v)| *d = E::store(*v));
                     }
                     continue;
                 }
                 for oy in 0..g.oh {
-                    let row = &mut dst[oy * g.ow..(oy + 1) * g.ow];
+                    let row = &mut sums[..];
+                    row.iter_mut().for_each(|v| *v = T::zero());
                     for dy in 0..g.k {
                         let Some(iy) = g.source(oy, dy, g.h) else { continue };
                         let src = &plane[iy * g.w..(iy + 1) * g.w];
@@ -125,6 +132,8 @@ wide_kernel! {
                             }
                         }
                     }
+                    let out_row = &mut dst[oy * g.ow..(oy + 1) * g.ow];
+                    out_row.iter_mut().zip(row.iter()).for_each(|(d, v)| *d = E::store(*v));
                 }
             }
         });
@@ -134,11 +143,11 @@ wide_kernel! {
 
 wide_kernel! {
     /// (dx when wanted, dw) of the depthwise convolution (images and output gradients stored as
-    /// `E`, widened as read).
-    fn depthwise_backward<T, E>(x: &[E], w: &[T], dy: &[E], g: Geometry, want_dx: bool) -> (Option<Vec<T>>, Vec<T>) {
+    /// `E`, widened as read; dx summed in `T` and stored, rounded once, as `E`).
+    fn depthwise_backward<T, E>(x: &[E], w: &[T], dy: &[E], g: Geometry, want_dx: bool) -> (Option<Vec<E>>, Vec<T>) {
         let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
         let taps = g.taps();
-        let mut dx = if want_dx { vec![T::zero(); x.len()] } else { Vec::new() };
+        let mut dx = if want_dx { vec![E::store(T::zero()); x.len()] } else { Vec::new() };
         // Stride 2 and more read each output-gradient row widened.
         let grow_len = if g.stride == 1 { 0 } else { g.ow };
         let mut dw = vec![T::zero(); g.c_in * kk];
@@ -158,6 +167,8 @@ wide_kernel! {
             let stride2 = |n: usize| if g.stride == 2 { n } else { 0 };
             let (mut split, mut dsplit) = (vec![T::zero(); stride2(2 * half)], vec![T::zero(); stride2(2 * half)]);
             let mut grow = vec![T::zero(); grow_len];
+            // Strides of 2 and more: a plane's input gradient summed here, then stored.
+            let mut dacc = vec![T::zero(); if !flat && want_dx { hw } else { 0 }];
             for c in r {
                 let filter = &w[c * kk..][..kk];
                 // SAFETY: one channel per index.
@@ -167,6 +178,7 @@ wide_kernel! {
                     let (plane, gp) = (&x[p * hw..(p + 1) * hw], &dy[p * ohw..(p + 1) * ohw]);
                     // SAFETY: plane `p` belongs to channel `c` only.
                     let mut dplane = want_dx.then(|| unsafe { sdx.range(p * hw, hw) });
+                    dacc.iter_mut().for_each(|v| *v = T::zero());
                     if flat {
                         for (iy, src) in plane.chunks(g.w).enumerate() {
                             E::widen_into(src, &mut padded[(iy + g.pad) * pw + g.pad..][..g.w]);
@@ -190,7 +202,8 @@ wide_kernel! {
                         }
                         if let Some(d) = dplane.as_deref_mut() {
                             for (iy, row) in d.chunks_mut(g.w).enumerate() {
-                                row.copy_from_slice(&dpadded[(iy + g.pad) * pw + g.pad..][..g.w]);
+                                let src = &dpadded[(iy + g.pad) * pw + g.pad..][..g.w];
+                                row.iter_mut().zip(src).for_each(|(d, v)| *d = E::store(*v));
                             }
                         }
                         continue;
@@ -222,15 +235,14 @@ wide_kernel! {
                                         }
                                     }
                                 }
-                                if let Some(d) = dplane.as_deref_mut() {
-                                    for (j, dv) in d[iy * g.w..(iy + 1) * g.w].iter_mut().enumerate() {
+                                if want_dx {
+                                    for (j, dv) in dacc[iy * g.w..(iy + 1) * g.w].iter_mut().enumerate() {
                                         *dv = *dv + dsplit[(j % 2) * half + j / 2];
                                     }
                                 }
                             }
                         }
-                        continue;
-                    }
+                    } else {
                     // Strides of 3 and more (stride 1 and 2 took the paths above).
                     for oy in 0..g.oh {
                         E::widen_into(&gp[oy * g.ow..(oy + 1) * g.ow], &mut grow);
@@ -244,14 +256,18 @@ wide_kernel! {
                                     acc = acc + *gv * src[ix].load();
                                 }
                                 dwc[dy_ * g.k + dx_] = dwc[dy_ * g.k + dx_] + acc;
-                                if let Some(d) = dplane.as_deref_mut() {
-                                    let drow = &mut d[iy * g.w..(iy + 1) * g.w];
+                                if want_dx {
+                                    let drow = &mut dacc[iy * g.w..(iy + 1) * g.w];
                                     for (gv, ix) in grow[r.clone()].iter().zip((*first..).step_by(g.stride)) {
                                         drow[ix] = drow[ix] + f * *gv;
                                     }
                                 }
                             }
                         }
+                    }
+                    }
+                    if let Some(d) = dplane.as_deref_mut() {
+                        d.iter_mut().zip(&dacc).for_each(|(d, v)| *d = E::store(*v));
                     }
                 }
             }
@@ -269,7 +285,7 @@ impl CustomOp2 for Depthwise {
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let want_dx = x.track_op();
-        by_elem!(x.dtype(), T, E => super::input_weight_grads::<T>(x, w, self.bwd::<T, E>(x, w, dy, want_dx)?))
+        by_elem!(x.dtype(), T, E => self.bwd::<T, E>(x, w, dy, want_dx))
     }
 }
 
