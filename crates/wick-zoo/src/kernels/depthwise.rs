@@ -243,30 +243,30 @@ wide_kernel! {
                             }
                         }
                     } else {
-                    // Strides of 3 and more (stride 1 and 2 took the paths above).
-                    for oy in 0..g.oh {
-                        E::widen_into(&gp[oy * g.ow..(oy + 1) * g.ow], &mut grow);
-                        for dy_ in 0..g.k {
-                            let Some(iy) = g.source(oy, dy_, g.h) else { continue };
-                            let src = &plane[iy * g.w..(iy + 1) * g.w];
-                            for (dx_, (r, first)) in taps.iter().enumerate() {
-                                let f = filter[dy_ * g.k + dx_];
-                                let mut acc = T::zero();
-                                for (gv, ix) in grow[r.clone()].iter().zip((*first..).step_by(g.stride)) {
-                                    acc = acc + *gv * src[ix].load();
-                                }
-                                dwc[dy_ * g.k + dx_] = dwc[dy_ * g.k + dx_] + acc;
-                                if want_dx {
-                                    let drow = &mut dacc[iy * g.w..(iy + 1) * g.w];
+                        // Strides of 3 and more (stride 1 and 2 took the paths above).
+                        for oy in 0..g.oh {
+                            E::widen_into(&gp[oy * g.ow..(oy + 1) * g.ow], &mut grow);
+                            for dy_ in 0..g.k {
+                                let Some(iy) = g.source(oy, dy_, g.h) else { continue };
+                                let src = &plane[iy * g.w..(iy + 1) * g.w];
+                                for (dx_, (r, first)) in taps.iter().enumerate() {
+                                    let f = filter[dy_ * g.k + dx_];
+                                    let mut acc = T::zero();
                                     for (gv, ix) in grow[r.clone()].iter().zip((*first..).step_by(g.stride)) {
-                                        drow[ix] = drow[ix] + f * *gv;
+                                        acc = acc + *gv * src[ix].load();
+                                    }
+                                    dwc[dy_ * g.k + dx_] = dwc[dy_ * g.k + dx_] + acc;
+                                    if want_dx {
+                                        let drow = &mut dacc[iy * g.w..(iy + 1) * g.w];
+                                        for (gv, ix) in grow[r.clone()].iter().zip((*first..).step_by(g.stride)) {
+                                            drow[ix] = drow[ix] + f * *gv;
+                                        }
                                     }
                                 }
                             }
                         }
                     }
-                    }
-                    if let Some(d) = dplane.as_deref_mut() {
+                    if let Some(d) = dplane {
                         d.iter_mut().zip(&dacc).for_each(|(d, v)| *d = E::store(*v));
                     }
                 }
