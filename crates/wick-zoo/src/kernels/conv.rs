@@ -5,6 +5,8 @@
 //! `W · col`. Backward: `dW = Σ_images dY · colᵀ` (the columns are unfolded again, not kept) and,
 //! only when the input needs a gradient, `dcol = Wᵀ · dY` folded back onto the image (col2im).
 //! Images run in parallel, one gemm per thread, when there are at least as many as threads.
+//! With bf16 images, weights and gradients on a CPU with AVX512-BF16 the columns stay bf16 and
+//! the products are bf16 with f32 sums (`gemm_bf16`; the `Operand`, `Gather` and `Out` traits).
 //!
 //! Depthwise convolutions are in [`super::depthwise`].
 

@@ -1,7 +1,8 @@
 //! `y = x·Wᵀ + b` over every row of `x` (…, in) as one 2-D gemm, with backward `dx = g·W`,
-//! `dW = gᵀ·x` and `db = Σ_rows g` (three gemm-class passes, nothing recomputed). Computed in f32
-//! (f64 for f64) whatever the dtype, so bf16 inputs are multiplied and accumulated in f32 and
-//! rounded once, and weight and bias gradients are sums in f32.
+//! `dW = gᵀ·x` and `db = Σ_rows g` (three gemm-class passes, nothing recomputed). Summed in f32
+//! (f64 for f64) whatever the dtype and rounded once: bf16 x, W and g are multiplied as bf16 with
+//! f32 sums where the CPU has AVX512-BF16 (`gemm_bf16`; the products of two bf16 values
+//! are exact in f32), widened to f32 elsewhere; bias gradients are sums in f32.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};

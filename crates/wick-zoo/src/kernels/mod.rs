@@ -31,7 +31,9 @@
 //!
 //! Precision: f64 inputs compute in f64; f32, bf16 and f16 in f32 (low-precision inputs are
 //! widened inside the op and its result rounded once, autocast's f32-class behaviour, and every
-//! gradient sum is accumulated in f32). These kernels are the CPU implementations; on CUDA the
+//! gradient sum is accumulated in f32). Linear layers and dense convolutions whose operands are
+//! all bf16 multiply them as bf16 with f32 sums on CPUs with AVX512-BF16 (`gemm_bf16`, as
+//! oneDNN's bf16 kernels do under PyTorch's CPU autocast). These kernels are the CPU implementations; on CUDA the
 //! callers keep candle's own ops (cuBLAS, cuDNN) in the composed form.
 
 /// Runs `$body` with `$t` the compute type of `$dtype`: f64 for f64 tensors, f32 for the others
