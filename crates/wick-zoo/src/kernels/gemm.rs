@@ -28,7 +28,7 @@ impl<'a, T> Mat<'a, T> {
     }
 
     /// True when every element lies inside `data`.
-    pub(crate) fn fits(&self) -> bool {
+    fn fits(&self) -> bool {
         if self.rows == 0 || self.cols == 0 {
             return true;
         }
@@ -37,6 +37,19 @@ impl<'a, T> Mat<'a, T> {
             .and_then(|a| (self.cols - 1).checked_mul(self.col_stride).and_then(|b| a.checked_add(b)));
         last.is_some_and(|l| l < self.data.len())
     }
+}
+
+/// (m, k, n) of `a·b` into a row-major destination of `len` elements: an error unless the inner
+/// dimensions agree and every element of `a`, `b` and the m × n destination lies inside its slice.
+pub(crate) fn product_dims<T>(what: &str, a: &Mat<'_, T>, b: &Mat<'_, T>, len: usize) -> Result<(usize, usize, usize)> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    if b.rows != k || !a.fits() || !b.fits() || m.checked_mul(n).is_none_or(|mn| mn > len) {
+        return Err(candle_core::Error::Msg(format!(
+            "{what}: ({}×{})·({}×{}) into {len} elements",
+            a.rows, a.cols, b.rows, b.cols
+        )));
+    }
+    Ok((m, k, n))
 }
 
 /// `dst (m × n, row-major) = beta·a·b + (dst if accumulate)`, parallel inside the product when
@@ -49,17 +62,7 @@ pub(crate) fn gemm<T: Real>(
     accumulate: bool,
     parallel: bool,
 ) -> Result<()> {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    if b.rows != k || !a.fits() || !b.fits() || m.checked_mul(n).is_none_or(|mn| mn > dst.len()) {
-        return Err(candle_core::Error::Msg(format!(
-            "wick gemm: ({}×{})·({}×{}) into {} elements",
-            a.rows,
-            a.cols,
-            b.rows,
-            b.cols,
-            dst.len()
-        )));
-    }
+    let (m, k, n) = product_dims("wick gemm", &a, &b, dst.len())?;
     if m == 0 || n == 0 {
         return Ok(());
     }

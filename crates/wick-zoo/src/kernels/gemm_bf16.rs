@@ -53,13 +53,6 @@ pub(crate) fn available() -> bool {
     }
 }
 
-fn mismatch(a: &Mat<'_, bf16>, b: &Mat<'_, bf16>, len: usize) -> candle_core::Error {
-    candle_core::Error::Msg(format!(
-        "wick bf16 gemm: ({}×{})·({}×{}) into {len} elements",
-        a.rows, a.cols, b.rows, b.cols
-    ))
-}
-
 /// `dst (m × n, row-major f32) = beta·a·b + (dst if accumulate)` with bf16 operands, parallel
 /// over blocks of the destination when `parallel`. An error when the shapes do not fit their
 /// slices or the CPU lacks AVX512-BF16 (check [`available`] first).
@@ -149,10 +142,7 @@ fn gemm_into<D: Dest>(
     accumulate: bool,
     parallel: bool,
 ) -> Result<()> {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    if b.rows != k || !a.fits() || !b.fits() || m.checked_mul(n).is_none_or(|mn| mn > dst.len()) {
-        return Err(mismatch(&a, &b, dst.len()));
-    }
+    let (m, k, n) = super::gemm::product_dims("wick bf16 gemm", &a, &b, dst.len())?;
     if !available() {
         return Err(candle_core::Error::Msg("wick bf16 gemm: this CPU has no AVX512-BF16".into()));
     }
