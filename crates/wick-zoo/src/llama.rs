@@ -41,7 +41,8 @@ fn decoder_layer(
     let attn = ops::attention_packed(&ops::rope_packed(&qkv, heads, cos, sin)?, heads, Some(mask))?;
     let x = ops::add(x, &proj(&attn, &w[4])?)?;
     let h = ops::rms_norm(&x, &w[5], c.rms_eps)?;
-    let gated = ops::silu_mul(&proj(&h, &w[6])?, &proj(&h, &w[7])?)?;
+    // Gate and up from one projection (the two weights stacked).
+    let gated = ops::silu_mul_packed(&proj(&h, &Tensor::cat(&[&w[6], &w[7]], 0)?)?)?;
     ops::add(&x, &proj(&gated, &w[8])?)
 }
 

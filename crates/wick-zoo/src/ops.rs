@@ -116,6 +116,17 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
     x.gelu_erf()
 }
 
+/// [`silu_mul`] of the two halves of a packed (…, 2·I) tensor (`a` then `b` along the last
+/// dimension), as one fused gate-and-up projection writes them: one projection instead of two,
+/// and no gradient of their shared input summed by candle.
+pub fn silu_mul_packed(u: &Tensor) -> Result<Tensor> {
+    if kernels::serves(u) {
+        return kernels::act::silu_mul_packed(u);
+    }
+    let half = u.dim(D::Minus1)? / 2;
+    silu_mul(&u.narrow(D::Minus1, 0, half)?, &u.narrow(D::Minus1, half, half)?)
+}
+
 /// `silu(a)·b` (SwiGLU's gate) as one op keeping `a` and `b`: computed in f32 (f64 for f64) on
 /// the CPU; candle's `silu` and `mul` elsewhere.
 pub fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {

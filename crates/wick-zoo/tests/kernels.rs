@@ -358,6 +358,15 @@ fn activations_match_candles() {
     let gelu_composed = |t: &[Tensor]| (&t[0] * 0.5)? * ((&t[0] / 2f64.sqrt())?.erf()? + 1.0)?;
     check("gelu", std::slice::from_ref(&a), |t| kernels::act::gelu(&t[0]), gelu_composed);
     check("silu_mul", &[a, b], |t| kernels::act::silu_mul(&t[0], &t[1]), |t| t[0].silu()? * &t[1]);
+    // The halves of a packed (…, 2·I) projection, against narrowing them apart.
+    let u = randn(&[2, 3, 10], 44);
+    check(
+        "silu_mul (packed)",
+        &[u],
+        |t| kernels::act::silu_mul_packed(&t[0]),
+        |t| t[0].narrow(2, 0, 5)?.silu()? * t[0].narrow(2, 5, 5)?,
+    );
+    assert!(kernels::act::silu_mul_packed(&randn(&[2, 7], 45)).is_err(), "an odd last dimension does not halve");
     let (a, b) = (randn(&[4, 9], 32), randn(&[4, 9], 33));
     check("add", &[a.clone(), b.clone()], |t| kernels::act::add(&t[0], &t[1]), |t| &t[0] + &t[1]);
     assert!(kernels::act::add(&a, &b.narrow(1, 0, 8).unwrap()).is_err(), "shapes differ");
@@ -488,6 +497,7 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
         ("relu6", Box::new(|t: &[Tensor]| kernels::act::relu6(&(&t[0] * 4.0)?)), vec![vec![3, 5, 7]], 1),
         ("gelu", Box::new(|t: &[Tensor]| kernels::act::gelu(&t[0])), vec![vec![66_000]], 1),
         ("silu_mul", Box::new(|t: &[Tensor]| kernels::act::silu_mul(&t[0], &t[1])), vec![vec![40_000]; 2], 2),
+        ("silu_mul (packed)", Box::new(|t: &[Tensor]| kernels::act::silu_mul_packed(&t[0])), vec![vec![30, 1_000]], 1),
         ("add_relu", Box::new(|t: &[Tensor]| kernels::act::add_relu(&t[0], &t[1])), vec![vec![2, 3, 50, 400]; 2], 2),
         ("add", Box::new(|t: &[Tensor]| kernels::act::add(&t[0], &t[1])), vec![vec![3, 70_000]; 2], 2),
         // Rows copied as stored; each used row's gradient summed in f32 (id 3 three times) and

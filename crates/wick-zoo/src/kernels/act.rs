@@ -337,6 +337,97 @@ pub fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     apply_same("silu_mul", a, b, SiluMul)
 }
 
+wide_kernel! {
+    /// `silu(a)·b` of every row of `u`, rows of `2·width` elements holding `a` then `b`, in
+    /// parallel over rows.
+    fn silu_mul_rows<T, E>(u: &[E], width: usize) -> Vec<E> {
+        let rows = u.len() / (2 * width).max(1);
+        let mut out = vec![E::store(T::zero()); rows * width];
+        let shared = super::SharedMut::new(&mut out);
+        super::par_ranges(rows, 8, |r| {
+            // SAFETY: disjoint row ranges.
+            let dst = unsafe { shared.range(r.start * width, r.len() * width) };
+            for (row, o) in r.zip(dst.chunks_exact_mut(width)) {
+                let (a, b) = u[row * 2 * width..(row + 1) * 2 * width].split_at(width);
+                for ((d, a), b) in o.iter_mut().zip(a).zip(b) {
+                    *d = E::store(SiluMulF.at([a.load(), b.load()]));
+                }
+            }
+        });
+        out
+    }
+}
+
+wide_kernel! {
+    /// The gradient of [`silu_mul_rows`] for the output gradient `g` (rows of `width`): each
+    /// row's `a` part, then its `b` part.
+    fn silu_mul_rows_grad<T, E>(u: &[E], g: &[E], width: usize) -> Vec<E> {
+        let rows = u.len() / (2 * width).max(1);
+        let mut du = vec![E::store(T::zero()); u.len()];
+        let shared = super::SharedMut::new(&mut du);
+        super::par_ranges(rows, 8, |r| {
+            // SAFETY: disjoint row ranges.
+            let dst = unsafe { shared.range(r.start * 2 * width, r.len() * 2 * width) };
+            for (row, d) in r.zip(dst.chunks_exact_mut(2 * width)) {
+                let (a, b) = u[row * 2 * width..(row + 1) * 2 * width].split_at(width);
+                let gr = &g[row * width..(row + 1) * width];
+                let (da, db) = d.split_at_mut(width);
+                for ((((da, db), a), b), g) in da.iter_mut().zip(db.iter_mut()).zip(a).zip(b).zip(gr) {
+                    let (a, b, g) = (a.load(), b.load(), g.load());
+                    *da = E::store(SiluMulGradA.at([a, b, g]));
+                    *db = E::store(SiluMulGradB.at([a, g]));
+                }
+            }
+        });
+        du
+    }
+}
+
+/// `silu(a)·b` of a packed (…, 2·I) tensor holding `a` and `b` side by side, as one fused gate
+/// and up projection writes them; the output is (…, I).
+struct SiluMulPacked;
+
+/// Half the last dimension of a packed `shape`, and the output shape.
+fn packed_half(shape: &Shape) -> Result<(usize, Shape)> {
+    let mut dims = shape.dims().to_vec();
+    match dims.last_mut() {
+        Some(last) if *last > 0 && *last % 2 == 0 => {
+            *last /= 2;
+            Ok((*last, Shape::from(dims)))
+        }
+        _ => Err(candle_core::Error::Msg(format!("silu_mul: packed input {shape:?} has no even last dimension"))),
+    }
+}
+
+impl CustomOp1 for SiluMulPacked {
+    fn name(&self) -> &'static str {
+        "silu_mul"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (width, shape) = packed_half(l.shape())?;
+        let y =
+            by_elem!(s.dtype(), T, E => elems::<T, E>(s, l).map(|u| E::into_storage(silu_mul_rows::<T, E>(u, width))))?;
+        Ok((y, shape))
+    }
+    fn bwd(&self, u: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let (width, out) = packed_half(u.shape())?;
+        if g.shape() != &out || g.dtype() != u.dtype() {
+            return Err(candle_core::Error::Msg(format!("silu_mul: gradient {:?} for output {out:?}", g.shape())));
+        }
+        let du = by_elem!(u.dtype(), T, E => with_elems::<T, E, _>(u, |uv| {
+            with_elems::<T, E, _>(g, |gv| Ok(silu_mul_rows_grad::<T, E>(uv, gv, width)))
+        })
+        .and_then(|d| elem_tensor::<T, E>(d, u.shape())))?;
+        Ok(Some(du))
+    }
+}
+
+/// `silu(a)·b` of the halves of a packed (…, 2·I) tensor on the CPU (see
+/// [`crate::ops::silu_mul_packed`]).
+pub fn silu_mul_packed(u: &Tensor) -> Result<Tensor> {
+    super::apply1(&u.contiguous()?, SiluMulPacked)
+}
+
 /// `a + b` (a residual connection): candle's own bf16 addition converts eight elements per
 /// out-of-line call, several times slower than an f32 one; this one widens and rounds inside
 /// its vectorised loop. Backward hands the output gradient to both inputs (one tensor, shared).
