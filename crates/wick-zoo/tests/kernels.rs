@@ -675,6 +675,12 @@ fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
             Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 1, 1)),
             vec![vec![2, 64, 5, 5], vec![8, 64, 3, 3]],
         ),
+        // An input gradient summed over 64·9 = 576 > 512 output channels and taps.
+        (
+            "conv deep input gradient",
+            Box::new(|t: &[Tensor]| kernels::conv::conv2d(&t[0], &t[1], 1, 1)),
+            vec![vec![2, 8, 5, 5], vec![64, 8, 3, 3]],
+        ),
         // Without a bias the sums are rounded as stored; deeper than a slice, afterwards.
         (
             "linear (no bias)",

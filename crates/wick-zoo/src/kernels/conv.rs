@@ -15,10 +15,10 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
-use super::elem::{by_elem, elems, with_elems, Elem};
+use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::gemm::Operand;
 use super::pool::out_len;
-use super::{read, with, Mat, Real, SharedMut};
+use super::{read, tensor, with, Mat, Real, SharedMut};
 use half::bf16;
 
 fn err(msg: String) -> candle_core::Error {
@@ -407,7 +407,11 @@ impl Conv2d {
     /// with the weights transposed (C_in ↔ C_out) and flipped, padded by `k − 1 − pad`: its gemm
     /// sums over C_out·k·k, where the col2im route's sums over C_out only (a short inner
     /// dimension that gemm runs at half speed) and then scatters k² copies back.
-    fn input_gradient<T: Real, P: Operand<T> + Gather<P>>(g: &Geometry, w: &[P], dy: &[P]) -> Result<Vec<T>> {
+    fn input_gradient<T: Real, P: Operand<T> + Gather<P>, O: Out<T, P>>(
+        g: &Geometry,
+        w: &[P],
+        dy: &[P],
+    ) -> Result<Vec<O>> {
         let (k, kk) = (g.k, g.k * g.k);
         let back = Geometry {
             n: g.n,
@@ -463,13 +467,36 @@ impl Conv2d {
     }
 
     /// [`Conv2d::bwd`] for bf16 images, weights and output gradients, multiplied as bf16.
-    fn bwd_bf16(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Vec<f32>>, Vec<f32>)> {
+    ///
+    /// A stride-1 input gradient whose sums fit one slice of the product is written in bf16 as
+    /// it is computed (no f32 result, no rounding pass).
+    fn bwd_bf16(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
-        with_elems::<f32, bf16, _>(w, |w| {
+        let direct_dx =
+            want_dx && Self::dx_by_convolution(&g) && super::gemm_bf16::rounds_directly(g.c_out * g.k * g.k);
+        let (dx, dw) = with_elems::<f32, bf16, _>(w, |w| {
             with_elems::<f32, bf16, _>(dy, |dy| {
-                with_elems::<f32, bf16, _>(x, |x| Self::bwd_from::<f32, bf16, bf16>(g, x, w, dy, want_dx))
+                let (dx, dw) = with_elems::<f32, bf16, _>(x, |x| {
+                    Self::bwd_from::<f32, bf16, bf16>(g, x, w, dy, want_dx && !direct_dx)
+                })?;
+                let dx = match dx {
+                    Some(dx) => Some(tensor(dx, x.shape(), x.dtype())?),
+                    None if direct_dx => {
+                        let dx = Self::input_gradient::<f32, bf16, bf16>(&g, w, dy)?;
+                        Some(elem_tensor::<f32, bf16>(dx, x.shape())?)
+                    }
+                    None => None,
+                };
+                Ok((dx, dw))
             })
-        })
+        })?;
+        Ok((dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?))
+    }
+
+    /// True when the input gradient is a convolution of its own ([`Conv2d::input_gradient`]:
+    /// stride 1) rather than columns folded back onto the image.
+    fn dx_by_convolution(g: &Geometry) -> bool {
+        g.stride == 1 && g.pad < g.k
     }
 
     /// [`Conv2d::bwd`] from the images as stored (`E`) or widened, with weights and output
@@ -490,7 +517,7 @@ impl Conv2d {
                 let col = Scratch::<P>::new(plan.workers, if direct { 0 } else { rows * width });
                 let gbuf = Scratch::<P>::new(plan.workers, if plan.size == 1 { 0 } else { g.c_out * width });
                 // Stride 1: the input gradient is a convolution of its own (below).
-                let by_columns = want_dx && !(g.stride == 1 && g.pad < g.k);
+                let by_columns = want_dx && !Self::dx_by_convolution(&g);
                 let dcol = Scratch::<T>::new(plan.workers, if by_columns { rows * width } else { 0 });
                 // dW: one partial sum per worker, added at the end.
                 let dws = Scratch::<T>::new(plan.workers, g.c_out * rows);
@@ -575,7 +602,7 @@ impl CustomOp2 for Conv2d {
         // The input image of a network needs no gradient: skip backward-input for it.
         let want_dx = x.track_op();
         if bf16_products(x.dtype()) && w.dtype() == x.dtype() && dy.dtype() == x.dtype() {
-            return super::input_weight_grads::<f32>(x, w, self.bwd_bf16(x, w, dy, want_dx)?);
+            return self.bwd_bf16(x, w, dy, want_dx);
         }
         by_elem!(x.dtype(), T, E => super::input_weight_grads::<T>(x, w, self.bwd::<T, E>(x, w, dy, want_dx)?))
     }
