@@ -6,7 +6,8 @@
 //! only when the input needs a gradient, `dcol = Wᵀ · dY` folded back onto the image (col2im).
 //! Images run in parallel, one gemm per thread, when there are at least as many as threads.
 //! With bf16 images, weights and gradients on a CPU with AVX512-BF16 the columns stay bf16 and
-//! the products are bf16 with f32 sums (`gemm_bf16`; the `Operand`, `Gather` and `Out` traits).
+//! the products are bf16 with f32 sums (`gemm_bf16`; the `Gather` trait here, `Operand` and `Out`
+//! in `gemm`).
 //!
 //! Depthwise convolutions are in [`super::depthwise`].
 
@@ -16,7 +17,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
-use super::gemm::Operand;
+use super::gemm::{Operand, Out};
 use super::pool::out_len;
 use super::{read, tensor, with, Mat, Real, SharedMut};
 use half::bf16;
@@ -285,25 +286,6 @@ impl Gather<bf16> for bf16 {
     }
 }
 
-/// The element type a convolution's output is written in by a product of operands `P`: the
-/// compute type `T`, or bf16 with each sum rounded as it is stored.
-trait Out<T, P>: Copy + Default + Send + Sync + 'static {
-    /// `dst = a·b`.
-    fn product(dst: &mut [Self], a: Mat<'_, P>, b: Mat<'_, P>, parallel: bool) -> Result<()>;
-}
-
-impl<T: Real, P: Operand<T>> Out<T, P> for T {
-    fn product(dst: &mut [T], a: Mat<'_, P>, b: Mat<'_, P>, parallel: bool) -> Result<()> {
-        P::product(dst, a, b, T::one(), false, parallel)
-    }
-}
-
-impl Out<f32, bf16> for bf16 {
-    fn product(dst: &mut [bf16], a: Mat<'_, bf16>, b: Mat<'_, bf16>, parallel: bool) -> Result<()> {
-        super::gemm_bf16::gemm_bf16_rounded(dst, a, b, parallel)
-    }
-}
-
 /// True when bf16 tensors are multiplied as bf16 ([`super::gemm_bf16`]).
 fn bf16_products(dtype: candle_core::DType) -> bool {
     dtype == candle_core::DType::BF16 && super::gemm_bf16::available()
@@ -490,7 +472,7 @@ impl Conv2d {
                 Ok((dx, dw))
             })
         })?;
-        Ok((dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?))
+        Ok((dx, super::weight_grad(w, dw)?))
     }
 
     /// True when the input gradient is a convolution of its own ([`Conv2d::input_gradient`]:

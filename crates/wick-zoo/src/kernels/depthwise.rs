@@ -9,7 +9,7 @@ use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::conv::Geometry;
 use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
-use super::{dot, par_ranges, read, tensor, with, Real, SharedMut};
+use super::{dot, par_ranges, read, with, Real, SharedMut};
 
 /// Writes a row's even columns to `split[..half]` and its odd ones to `split[half..]` (widened
 /// to the compute type), so that a stride-2 tap reads (and writes) a contiguous run.
@@ -58,7 +58,7 @@ impl Depthwise {
         })
         .and_then(|(dx, dw)| {
             let dx = dx.map(|dx| elem_tensor::<T, E>(dx, x.shape())).transpose()?;
-            Ok((dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?))
+            Ok((dx, super::weight_grad(w, dw)?))
         })
     }
 }

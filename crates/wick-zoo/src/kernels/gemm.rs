@@ -39,17 +39,28 @@ impl<'a, T> Mat<'a, T> {
     }
 }
 
-/// (m, k, n) of `a·b` into a row-major destination of `len` elements: an error unless the inner
-/// dimensions agree and every element of `a`, `b` and the m × n destination lies inside its slice.
-pub(crate) fn product_dims<T>(what: &str, a: &Mat<'_, T>, b: &Mat<'_, T>, len: usize) -> Result<(usize, usize, usize)> {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
+/// (m, k, n) of `a·b` into the row-major destination `dst`, or None when the product is empty
+/// (m or n is 0; k = 0 leaves zeros, or `dst` as it is when accumulating). An error unless the
+/// inner dimensions agree and every element of `a`, `b` and the m × n destination lies inside its
+/// slice.
+pub(crate) fn product_dims<T, D: Copy + Default>(
+    what: &str,
+    a: &Mat<'_, T>,
+    b: &Mat<'_, T>,
+    dst: &mut [D],
+    accumulate: bool,
+) -> Result<Option<(usize, usize, usize)>> {
+    let (m, k, n, len) = (a.rows, a.cols, b.cols, dst.len());
     if b.rows != k || !a.fits() || !b.fits() || m.checked_mul(n).is_none_or(|mn| mn > len) {
         return Err(candle_core::Error::Msg(format!(
             "{what}: ({}×{})·({}×{}) into {len} elements",
             a.rows, a.cols, b.rows, b.cols
         )));
     }
-    Ok((m, k, n))
+    if k == 0 && !accumulate {
+        dst[..m * n].fill(D::default());
+    }
+    Ok((m > 0 && n > 0 && k > 0).then_some((m, k, n)))
 }
 
 /// `dst (m × n, row-major) = beta·a·b + (dst if accumulate)`, parallel inside the product when
@@ -62,16 +73,9 @@ pub(crate) fn gemm<T: Real>(
     accumulate: bool,
     parallel: bool,
 ) -> Result<()> {
-    let (m, k, n) = product_dims("wick gemm", &a, &b, dst.len())?;
-    if m == 0 || n == 0 {
+    let Some((m, k, n)) = product_dims("wick gemm", &a, &b, dst, accumulate)? else {
         return Ok(());
-    }
-    if k == 0 {
-        if !accumulate {
-            dst[..m * n].iter_mut().for_each(|v| *v = T::zero());
-        }
-        return Ok(());
-    }
+    };
     let threads = rayon::current_num_threads();
     let parallelism =
         if parallel && threads > 1 { ::gemm::Parallelism::Rayon(threads) } else { ::gemm::Parallelism::None };
@@ -135,6 +139,25 @@ impl Operand<f32> for half::bf16 {
         parallel: bool,
     ) -> Result<()> {
         super::gemm_bf16::gemm_bf16(dst, a, b, beta, accumulate, parallel)
+    }
+}
+
+/// The element type a product of operands `P` is written in: the compute type `T`, or bf16 with
+/// each sum rounded as it is stored ([`super::gemm_bf16::gemm_bf16_rounded`]).
+pub(crate) trait Out<T, P>: Copy + Default + Send + Sync + 'static {
+    /// `dst = a·b`.
+    fn product(dst: &mut [Self], a: Mat<'_, P>, b: Mat<'_, P>, parallel: bool) -> Result<()>;
+}
+
+impl<T: Real, P: Operand<T>> Out<T, P> for T {
+    fn product(dst: &mut [T], a: Mat<'_, P>, b: Mat<'_, P>, parallel: bool) -> Result<()> {
+        P::product(dst, a, b, T::one(), false, parallel)
+    }
+}
+
+impl Out<f32, half::bf16> for half::bf16 {
+    fn product(dst: &mut [Self], a: Mat<'_, Self>, b: Mat<'_, Self>, parallel: bool) -> Result<()> {
+        super::gemm_bf16::gemm_bf16_rounded(dst, a, b, parallel)
     }
 }
 

@@ -142,19 +142,12 @@ fn gemm_into<D: Dest>(
     accumulate: bool,
     parallel: bool,
 ) -> Result<()> {
-    let (m, k, n) = super::gemm::product_dims("wick bf16 gemm", &a, &b, dst.len())?;
     if !available() {
         return Err(candle_core::Error::Msg("wick bf16 gemm: this CPU has no AVX512-BF16".into()));
     }
-    if m == 0 || n == 0 {
+    let Some((m, _, n)) = super::gemm::product_dims("wick bf16 gemm", &a, &b, dst, accumulate)? else {
         return Ok(());
-    }
-    if k == 0 {
-        if !accumulate {
-            dst[..m * n].iter_mut().for_each(|v| *v = D::default());
-        }
-        return Ok(());
-    }
+    };
     let cost = |&(mr, nv, weight): &(usize, usize, usize)| {
         m.next_multiple_of(mr).saturating_mul(n.next_multiple_of(16 * nv)).saturating_mul(weight)
     };

@@ -185,7 +185,7 @@ impl Linear {
             (Some(v), Some(b)) => Some(tensor(v, b.shape(), b.dtype())?),
             _ => None,
         };
-        Ok((dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?, db))
+        Ok((dx, super::weight_grad(w, dw)?, db))
     }
 }
 

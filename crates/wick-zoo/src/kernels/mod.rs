@@ -296,7 +296,6 @@ pub(crate) fn with<T: Real, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) ->
     }
 }
 
-/// A CPU tensor of `dtype` holding `values` (shape `shape`), with no graph.
 /// The input and weight gradients of a convolution-like op as tensors shaped like `x` and `w`:
 /// the input's only when computed (`dx`), the weight's only when `w` needs one.
 pub(crate) fn input_weight_grads<T: Real>(
@@ -305,9 +304,16 @@ pub(crate) fn input_weight_grads<T: Real>(
     (dx, dw): (Option<Vec<T>>, Vec<T>),
 ) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let dx = dx.map(|dx| tensor(dx, x.shape(), x.dtype())).transpose()?;
-    Ok((dx, w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()?))
+    Ok((dx, weight_grad(w, dw)?))
 }
 
+/// A weight gradient as a tensor shaped like `w` (rounded once to its dtype), only when `w`
+/// needs one.
+pub(crate) fn weight_grad<T: Real>(w: &Tensor, dw: Vec<T>) -> Result<Option<Tensor>> {
+    w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()
+}
+
+/// A CPU tensor of `dtype` holding `values` (shape `shape`), with no graph.
 pub(crate) fn tensor<T: Real>(values: Vec<T>, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
     let shape = shape.into();
     if values.len() != shape.elem_count() {
