@@ -35,11 +35,11 @@ const TILE: usize = 384;
 /// The widest tile's columns.
 const MAX_NR: usize = 48;
 /// Depth of a packed slice, in k-pairs (512 bf16 values of k).
-const KC: usize = 256;
+pub(super) const KC: usize = 256;
 /// Rows of a block (its packed `a` stays in the L2 cache).
 const MC: usize = 144;
 /// Columns of a block.
-const NC: usize = 512;
+pub(super) const NC: usize = 512;
 
 /// True when this CPU runs [`gemm_bf16`] (AVX512-BF16, with AVX-512F).
 pub(crate) fn available() -> bool {
@@ -64,7 +64,7 @@ pub(crate) fn gemm_bf16(
     accumulate: bool,
     parallel: bool,
 ) -> Result<()> {
-    gemm_into(dst, a, b, beta, accumulate, parallel)
+    gemm_into(dst, a, b, beta, accumulate, parallel, super::gemm_amx::available())
 }
 
 /// True when [`gemm_bf16_rounded`] takes a product of depth `k` (its sums are rounded as they
@@ -80,11 +80,11 @@ pub(crate) fn gemm_bf16_rounded(dst: &mut [bf16], a: Mat<'_, bf16>, b: Mat<'_, b
     if !rounds_directly(a.cols) {
         return Err(candle_core::Error::Msg(format!("wick bf16 gemm: depth {} is summed in slices", a.cols)));
     }
-    gemm_into(dst, a, b, 1.0, false, parallel)
+    gemm_into(dst, a, b, 1.0, false, parallel, super::gemm_amx::available())
 }
 
 /// A destination element type: f32 sums, or bf16 (rounded once, never accumulated into).
-trait Dest: Copy + Default + Send + Sync + 'static {
+pub(super) trait Dest: Copy + Default + Send + Sync + 'static {
     /// `dst = beta·sums (+ dst when add)`.
     fn put(dst: &mut [Self], sums: &[f32], beta: f32, add: bool);
     /// The same for 16 sums in a register, at `at`.
@@ -132,8 +132,8 @@ impl Dest for bf16 {
     }
 }
 
-/// [`gemm_bf16`] and [`gemm_bf16_rounded`]: checks, then the product with the micro-tile that
-/// suits the shape.
+/// [`gemm_bf16`] and [`gemm_bf16_rounded`]: checks, then the product on the tile unit when
+/// `amx` ([`super::gemm_amx`]), else with `vdpbf16ps` and the micro-tile that suits the shape.
 fn gemm_into<D: Dest>(
     dst: &mut [D],
     a: Mat<'_, bf16>,
@@ -141,27 +141,26 @@ fn gemm_into<D: Dest>(
     beta: f32,
     accumulate: bool,
     parallel: bool,
+    amx: bool,
 ) -> Result<()> {
     if !available() {
         return Err(candle_core::Error::Msg("wick bf16 gemm: this CPU has no AVX512-BF16".into()));
     }
-    let Some((m, _, n)) = super::gemm::product_dims("wick bf16 gemm", &a, &b, dst, accumulate)? else {
+    let Some((_, k, _)) = super::gemm::product_dims("wick bf16 gemm", &a, &b, dst, accumulate)? else {
         return Ok(());
     };
-    let cost = |&(mr, nv, weight): &(usize, usize, usize)| {
-        m.next_multiple_of(mr).saturating_mul(n.next_multiple_of(16 * nv)).saturating_mul(weight)
-    };
-    let shape = TILES.iter().min_by_key(|t| cost(t)).map_or((12, 2), |t| (t.0, t.1));
-    match shape {
-        (24, 1) => product::<D, 24, 1>(dst, (a, b), beta, accumulate, parallel),
-        (8, 3) => product::<D, 8, 3>(dst, (a, b), beta, accumulate, parallel),
-        _ => product::<D, 12, 2>(dst, (a, b), beta, accumulate, parallel),
+    if amx {
+        split(dst, (a, b), parallel, (super::gemm_amx::MR, super::gemm_amx::NR), |part, a, b| {
+            part.product_amx(a, b, k, beta, accumulate)
+        });
+        return Ok(());
     }
+    products_avx512(dst, (a, b), beta, accumulate, parallel);
     Ok(())
 }
 
-/// [`gemm_bf16`] (shapes checked) with `MR × 16·NV` micro-tiles.
-fn product<D: Dest, const MR: usize, const NV: usize>(
+/// [`gemm_into`] (shapes checked) with `vdpbf16ps` and the micro-tile that suits the shape.
+fn products_avx512<D: Dest>(
     dst: &mut [D],
     (a, b): (Mat<'_, bf16>, Mat<'_, bf16>),
     beta: f32,
@@ -169,7 +168,28 @@ fn product<D: Dest, const MR: usize, const NV: usize>(
     parallel: bool,
 ) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    let nr = 16 * NV;
+    let cost = |&(mr, nv, weight): &(usize, usize, usize)| {
+        m.next_multiple_of(mr).saturating_mul(n.next_multiple_of(16 * nv)).saturating_mul(weight)
+    };
+    let shape = TILES.iter().min_by_key(|t| cost(t)).map_or((12, 2), |t| (t.0, t.1));
+    let run = |(mr, nv): (usize, usize), part: &Part<'_, D>, a: &KMajor<'_>, b: &KMajor<'_>| match (mr, nv) {
+        (24, 1) => part.product::<24, 1>(a, b, k, beta, accumulate),
+        (8, 3) => part.product::<8, 3>(a, b, k, beta, accumulate),
+        _ => part.product::<12, 2>(a, b, k, beta, accumulate),
+    };
+    split(dst, (a, b), parallel, (shape.0, 16 * shape.1), |part, a, b| run(shape, part, a, b));
+}
+
+/// The product `a·b` into `dst` (shapes checked) as parts of whole `mr × nr` micro-tiles, one
+/// per thread when `parallel`, each computed by `run`.
+fn split<D: Dest>(
+    dst: &mut [D],
+    (a, b): (Mat<'_, bf16>, Mat<'_, bf16>),
+    parallel: bool,
+    (mr, nr): (usize, usize),
+    run: impl Fn(&Part<'_, D>, &KMajor<'_>, &KMajor<'_>) + Sync,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
     let threads = if parallel { rayon::current_num_threads().max(1) } else { 1 };
     let av = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
     let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
@@ -177,10 +197,10 @@ fn product<D: Dest, const MR: usize, const NV: usize>(
     let whole = Part { out: &out, n, rows: 0..m, cols: 0..n };
     // Parallel: one part per thread, each packing its own operands. Splitting the rows makes
     // every part pack all of `b`, splitting the columns all of `a`: the smaller is repacked.
-    let (split_rows, unit, len) = if m * k >= k * n { (false, nr, n) } else { (true, MR, m) };
+    let (split_rows, unit, len) = if m >= n { (true, mr, m) } else { (false, nr, n) };
     let parts = threads.min(len.div_ceil(unit)).min((m * n * k / MIN_PART_MACS).max(1));
     if parts <= 1 {
-        whole.product::<MR, NV>(&av, &bv, k, beta, accumulate);
+        run(&whole, &av, &bv);
         return;
     }
     let step = len.div_ceil(parts).next_multiple_of(unit);
@@ -189,7 +209,7 @@ fn product<D: Dest, const MR: usize, const NV: usize>(
         let range = i * step..((i + 1) * step).min(len);
         let part =
             if split_rows { Part { rows: range, ..whole.clone() } } else { Part { cols: range, ..whole.clone() } };
-        part.product::<MR, NV>(&av, &bv, k, beta, accumulate);
+        run(&part, &av, &bv);
     });
 }
 
@@ -198,19 +218,19 @@ const MIN_PART_MACS: usize = 1 << 17;
 
 /// A matrix read along k: element (r, q) — r a row of `a` or a column of `b`, q the depth
 /// index — at `r · outer + q · step`.
-struct KMajor<'a> {
-    data: &'a [bf16],
-    outer: usize,
-    step: usize,
+pub(super) struct KMajor<'a> {
+    pub(super) data: &'a [bf16],
+    pub(super) outer: usize,
+    pub(super) step: usize,
 }
 
 /// Rows × columns of the destination (row-major, `n` columns) one thread computes.
 #[derive(Clone)]
-struct Part<'a, D> {
-    out: &'a super::SharedMut<D>,
-    n: usize,
-    rows: std::ops::Range<usize>,
-    cols: std::ops::Range<usize>,
+pub(super) struct Part<'a, D> {
+    pub(super) out: &'a super::SharedMut<D>,
+    pub(super) n: usize,
+    pub(super) rows: std::ops::Range<usize>,
+    pub(super) cols: std::ops::Range<usize>,
 }
 
 impl<D: Dest> Part<'_, D> {
@@ -232,8 +252,8 @@ impl<D: Dest> Part<'_, D> {
             for (slice, k0) in (0..k).step_by(2 * KC).enumerate() {
                 let depth = (2 * KC).min(k - k0);
                 let pairs = depth.div_ceil(2);
-                pack(a, self.rows.start, m, k0, depth, MR, &mut pa);
-                pack(b, c0, cols, k0, depth, nr, &mut pb);
+                pack(a, (self.rows.start, m), (k0, depth), MR, pairs, &mut pa);
+                pack(b, (c0, cols), (k0, depth), nr, pairs, &mut pb);
                 let add = accumulate || slice > 0;
                 for r0 in (0..m.div_ceil(MR)).step_by(MC / MR) {
                     for jp in 0..cols.div_ceil(nr) {
@@ -277,8 +297,19 @@ impl<D: Dest> Part<'_, D> {
 /// lane i of pair p of panel P holds row P·width+i's depths 2p (low half) and 2p+1 (high half);
 /// lanes past `count` and the odd depth's missing partner are zero. Every lane is written (no
 /// zero fill first). Compiled for AVX-512 where the CPU has it (the interleaving vectorises).
-fn pack(v: &KMajor<'_>, r0: usize, count: usize, k0: usize, depth: usize, width: usize, out: &mut Vec<u32>) {
-    let len = count.div_ceil(width) * width * depth.div_ceil(2);
+///
+/// `padded` (at least `depth.div_ceil(2)`) is the k-pairs of every panel; those past the depth are zero
+/// (the AMX kernel's depth steps are 16 pairs).
+pub(super) fn pack(
+    v: &KMajor<'_>,
+    (r0, count): (usize, usize),
+    (k0, depth): (usize, usize),
+    width: usize,
+    padded: usize,
+    out: &mut Vec<u32>,
+) {
+    let padded = padded.max(depth.div_ceil(2));
+    let len = count.div_ceil(width) * width * padded;
     // Grown with zeros only when longer than before; `pack_into` writes every lane.
     if out.len() < len {
         out.resize(len, 0);
@@ -302,8 +333,14 @@ const PACK_BLOCK: usize = 16;
 fn pack_into(v: &KMajor<'_>, r0: usize, count: usize, k0: usize, depth: usize, width: usize, out: &mut [u32]) {
     let pairs = depth.div_ceil(2);
     let whole = depth / 2;
-    let panel = width * pairs;
+    let panels = count.div_ceil(width);
+    if panels == 0 || out.is_empty() {
+        return;
+    }
+    let panel = out.len() / panels;
     for (index, lanes) in out.chunks_exact_mut(panel).enumerate() {
+        let (lanes, padding) = lanes.split_at_mut(width * pairs);
+        padding.fill(0);
         let first = r0 + index * width;
         let live = width.min(r0 + count - first);
         if v.step == 1 {
@@ -459,6 +496,16 @@ mod tests {
         out
     }
 
+    /// (parallel, on the tile unit) for every kernel this CPU runs: the AVX-512 one always (the
+    /// tests skip without it), AMX's where [`super::super::gemm_amx::available`].
+    fn kernels() -> Vec<(bool, bool)> {
+        let amx = super::super::gemm_amx::available();
+        if !amx {
+            eprintln!("note: no AMX tile unit here (or WICK_CPU_AMX=0): only the AVX-512 kernel is tested");
+        }
+        [(false, false), (true, false), (false, true), (true, true)].into_iter().filter(|&(_, t)| !t || amx).collect()
+    }
+
     #[test]
     fn products_match_an_f64_product_at_ragged_shapes_and_transposes() {
         if !available() {
@@ -487,14 +534,15 @@ mod tests {
                         .sum();
                     abs * (k as f64 + 1.0) * f64::from(f32::EPSILON) + 1e-30
                 };
-                for parallel in [false, true] {
+                for (parallel, amx) in kernels() {
                     let mut out = vec![7.0f32; m * n];
-                    gemm_bf16(&mut out, ma, mb, 1.0, false, parallel).unwrap();
+                    gemm_into(&mut out, ma, mb, 1.0, false, parallel, amx).unwrap();
                     for (i, (x, y)) in out.iter().zip(&expected).enumerate() {
-                        assert!((f64::from(*x) - y).abs() <= bound(i), "{m}×{k}×{n} {ta} {tb}: {x} vs {y} at {i}");
+                        let at = format!("{m}×{k}×{n} {ta} {tb} amx {amx}");
+                        assert!((f64::from(*x) - y).abs() <= bound(i), "{at}: {x} vs {y} at {i}");
                     }
                     // Accumulating adds beta times the product to what is there.
-                    gemm_bf16(&mut out, ma, mb, -0.5, true, parallel).unwrap();
+                    gemm_into(&mut out, ma, mb, -0.5, true, parallel, amx).unwrap();
                     for (i, (x, y)) in out.iter().zip(&expected).enumerate() {
                         assert!((f64::from(*x) - 0.5 * y).abs() <= 2.0 * bound(i), "accumulate at {i}: {x} vs {y}");
                     }
@@ -515,12 +563,15 @@ mod tests {
         for &(m, k, n) in &[(13, 7, 33), (150, 300, 70), (24, 512, 16), (40, 64, 600)] {
             let (av, bv) = (values(m * k, 3), values(k * n, 4));
             let (ma, mb) = (Mat::rows(&av, m, k), Mat::rows(&bv, k, n));
-            let mut wide = vec![0f32; m * n];
-            gemm_bf16(&mut wide, ma, mb, 1.0, false, true).unwrap();
-            let mut rounded = vec![bf16::ONE; m * n];
-            gemm_bf16_rounded(&mut rounded, ma, mb, true).unwrap();
-            for (i, (r, w)) in rounded.iter().zip(&wide).enumerate() {
-                assert_eq!(r.to_bits(), super::super::round_bf16(*w).to_bits(), "{m}×{k}×{n} at {i}: {r} vs {w}");
+            for (parallel, amx) in kernels() {
+                let mut wide = vec![0f32; m * n];
+                gemm_into(&mut wide, ma, mb, 1.0, false, parallel, amx).unwrap();
+                let mut rounded = vec![bf16::ONE; m * n];
+                gemm_into(&mut rounded, ma, mb, 1.0, false, parallel, amx).unwrap();
+                for (i, (r, w)) in rounded.iter().zip(&wide).enumerate() {
+                    let want = super::super::round_bf16(*w).to_bits();
+                    assert_eq!(r.to_bits(), want, "{m}×{k}×{n} amx {amx} at {i}: {r} vs {w}");
+                }
             }
         }
         let deep = values(2 * (2 * KC + 1), 5);

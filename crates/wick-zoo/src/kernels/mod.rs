@@ -93,6 +93,7 @@ pub mod conv;
 pub mod depthwise;
 pub(crate) mod elem;
 mod gemm;
+mod gemm_amx;
 mod gemm_bf16;
 pub mod linear;
 pub mod loss;
