@@ -39,7 +39,7 @@ const STEP: usize = 16;
 const MC: usize = 128;
 
 /// True when [`Part::product_amx`] can run: x86-64 Linux, a CPU with AMX-TILE, AMX-BF16,
-/// AVX-512F and AVX512-BF16 (the sums are stored with them), the OS's permission for the tile
+/// AVX-512F, AVX-512BW and AVX512-BF16 (packing and the stores use them), the OS's permission for the tile
 /// state, and `WICK_CPU_AMX` not `0`. Decided once per process.
 pub(crate) fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -52,7 +52,10 @@ fn detect() -> bool {
     if std::env::var_os("WICK_CPU_AMX").is_some_and(|v| v == "0") {
         return false;
     }
-    if !(std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16")) {
+    if !(std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512bf16"))
+    {
         return false;
     }
     // CPUID leaf 7, sub-leaf 0, EDX: bit 22 AMX-BF16, bit 24 AMX-TILE.
@@ -260,19 +263,36 @@ impl<D: Dest> Part<'_, D> {
 /// Packs rows `r0..r0+count` of `v`, depths `k0..k0+depth`, as panels of [`MR`] rows, each row
 /// `padded` k-pairs (depth 2p in the low half of pair p, 2p+1 in the high): the rows of the
 /// tile unit's `a` operand. Pairs past the depth and rows past `count` are zero.
-fn pack_rows(
+fn pack_rows(v: &KMajor<'_>, rows: (usize, usize), depths: (usize, usize), padded: usize, out: &mut Vec<u32>) {
+    let len = rows.1.div_ceil(MR) * MR * padded;
+    if out.len() < len {
+        out.resize(len, 0);
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw")]
+        fn wide(v: &KMajor<'_>, rows: (usize, usize), depths: (usize, usize), padded: usize, out: &mut [u32]) {
+            pack_rows_into(v, rows, depths, padded, out)
+        }
+        // SAFETY: callers run only when available(), which requires AVX-512F and AVX-512BW.
+        unsafe { wide(v, rows, depths, padded, &mut out[..len]) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    pack_rows_into(v, rows, depths, padded, &mut out[..len])
+}
+
+/// Rows (and pairs) per block of [`pack_rows_into`]'s transposition.
+const BLOCK: usize = 16;
+
+#[inline(always)]
+fn pack_rows_into(
     v: &KMajor<'_>,
     (r0, count): (usize, usize),
     (k0, depth): (usize, usize),
     padded: usize,
-    out: &mut Vec<u32>,
+    out: &mut [u32],
 ) {
-    let len = count.div_ceil(MR) * MR * padded;
-    if out.len() < len {
-        out.resize(len, 0);
-    }
-    let out = &mut out[..len];
-    let whole = depth / 2;
+    let (pairs, whole) = (depth.div_ceil(2), depth / 2);
     let pair = |lo: bf16, hi: bf16| u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16);
     if v.step == 1 {
         // A row's depths are neighbours: its pairs are its elements two by two.
@@ -282,27 +302,42 @@ fn pack_rows(
                 continue;
             }
             let row = &v.data[(r0 + i) * v.outer + k0..][..depth];
-            for (d, t) in dst.iter_mut().zip(row.chunks_exact(2)) {
+            for (d, t) in dst[..whole].iter_mut().zip(row.chunks_exact(2)) {
                 *d = pair(t[0], t[1]);
             }
-            let rest = &mut dst[whole..];
             if depth % 2 == 1 {
-                rest[0] = pair(row[depth - 1], bf16::ZERO);
-                rest[1..].fill(0);
-            } else {
-                rest.fill(0);
+                dst[whole] = pair(row[depth - 1], bf16::ZERO);
             }
+            dst[pairs..].fill(0);
         }
         return;
     }
-    // Rows at any other stride (`outer == 1`: a transposed operand, rows neighbours along each
-    // depth): gathered pair by pair, written across the panel's rows.
-    out.fill(0);
-    for p in 0..depth.div_ceil(2) {
-        let (even, odd) = (k0 + 2 * p, k0 + 2 * p + 1);
-        for i in 0..count {
-            let at = |q: usize| v.data[(r0 + i) * v.outer + q * v.step];
-            out[i * padded + p] = pair(at(even), if p < whole { at(odd) } else { bf16::ZERO });
+    // Rows at any other stride (`outer == 1`: a transposed operand, the rows neighbours along
+    // each depth): a block of pairs × rows gathered along the rows, then written along the pairs.
+    let at = |r: usize, q: usize| v.data[r * v.outer + q * v.step];
+    let mut block = [[0u32; BLOCK]; BLOCK];
+    for i0 in (0..count).step_by(BLOCK) {
+        let live = BLOCK.min(count - i0);
+        for p0 in (0..pairs).step_by(BLOCK) {
+            let np = BLOCK.min(pairs - p0);
+            for (p, lanes) in block.iter_mut().enumerate().take(np) {
+                let q = k0 + 2 * (p0 + p);
+                let odd = p0 + p < whole;
+                for (i, lane) in lanes.iter_mut().enumerate().take(live) {
+                    let r = r0 + i0 + i;
+                    *lane = pair(at(r, q), if odd { at(r, q + 1) } else { bf16::ZERO });
+                }
+            }
+            for i in 0..live {
+                let dst = &mut out[(i0 + i) * padded + p0..][..np];
+                for (p, d) in dst.iter_mut().enumerate() {
+                    *d = block[p][i];
+                }
+            }
+        }
+        for i in 0..live {
+            out[(i0 + i) * padded + pairs..(i0 + i + 1) * padded].fill(0);
         }
     }
+    out[count * padded..].fill(0);
 }

@@ -1,0 +1,49 @@
+//! The vendored candle-core's bf16 addition (`vendor/candle-core.patch`: an AVX-512 path with
+//! the conversions inline) against `half`'s own addition, element by element and bit for bit:
+//! widen both to f32, add, round to nearest even — NaN, infinities, subnormals and ties included.
+
+use candle_core::{Device, Tensor};
+use half::bf16;
+
+/// A deterministic spread of bf16 bit patterns: every special class, then pseudo-random ones.
+fn patterns(n: usize, seed: u64) -> Vec<bf16> {
+    let special = [
+        0x0000u16, 0x8000, 0x0001, 0x8001, 0x007f, 0x0080, 0x3f80, 0xbf80, 0x7f7f, 0xff7f, 0x7f80, 0xff80, 0x7fc0,
+        0x7f81, 0xffc1, 0x4000, 0x3f81, 0x3b80, 0x4b00,
+    ];
+    let mut state = seed;
+    (0..n)
+        .map(|i| {
+            if i < special.len() {
+                return bf16::from_bits(special[(i + seed as usize) % special.len()]);
+            }
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let bits = (state >> 33) as u16;
+            // Half of them near 1.0 in magnitude, so that sums round at ties and carry.
+            if i % 2 == 0 {
+                bf16::from_bits((bits & 0x807f) | 0x3f80)
+            } else {
+                bf16::from_bits(bits)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn bf16_addition_is_halfs_addition_bit_for_bit() {
+    // Lengths around the 16-wide vector steps, so that the tail loop runs as well.
+    for (len, seed) in [(1usize, 1u64), (15, 2), (16, 3), (17, 4), (4099, 5), (65_536, 6)] {
+        let (a, b) = (patterns(len, seed), patterns(len, seed + 100));
+        let ta = Tensor::from_vec(a.clone(), len, &Device::Cpu).unwrap();
+        let tb = Tensor::from_vec(b.clone(), len, &Device::Cpu).unwrap();
+        let sum = ta.add(&tb).unwrap().to_vec1::<bf16>().unwrap();
+        for (i, ((x, y), s)) in a.iter().zip(&b).zip(&sum).enumerate() {
+            let want = bf16::from_f32(x.to_f32() + y.to_f32());
+            if want.is_nan() {
+                assert!(s.is_nan(), "{x:?} + {y:?}: {s:?}, want NaN (at {i} of {len})");
+            } else {
+                assert_eq!(s.to_bits(), want.to_bits(), "{x:?} + {y:?}: {s:?}, want {want:?} (at {i} of {len})");
+            }
+        }
+    }
+}
