@@ -137,6 +137,7 @@ enum JobAction {
 fn main() -> Result<()> {
     // SAFETY: first thing in `main`, before any thread starts.
     unsafe { wick::cpu_threads::park_candle_workers() };
+    wick::cpu_threads::kernels_on_main_thread()?;
     match Cli::parse().command {
         Command::Info { json } => {
             let info = wick::machine::MachineInfo::probe();

@@ -104,6 +104,7 @@ fn mib(bytes: usize) -> String {
 fn main() -> Result<()> {
     // SAFETY: first thing in `main`, before any thread starts.
     unsafe { wick::cpu_threads::park_candle_workers() };
+    wick::cpu_threads::kernels_on_main_thread()?;
     let args = Args::parse();
     if args.steps == 0 || args.batch == 0 || args.seq < 2 {
         bail!("need at least one step, one sequence and two tokens per sequence");

@@ -233,6 +233,7 @@ fn write_history(engine: &wick::Engine, dir: &std::path::Path, name: &str, mode:
 fn main() -> Result<()> {
     // SAFETY: first thing in `main`, before any thread starts.
     unsafe { wick::cpu_threads::park_candle_workers() };
+    wick::cpu_threads::kernels_on_main_thread()?;
     let args = Args::parse();
     if args.list {
         println!("{}", serde_json::to_string_pretty(&configs())?);
