@@ -6,7 +6,8 @@
 //! [`super::gemm`]) has no bf16 kernel, so AMP's linear layers and convolutions widened both
 //! operands to f32 first and multiplied at f32 speed — the reason AMP steps were slower than f32
 //! ones. `vdpbf16ps` does twice the multiply-adds of an f32 FMA per instruction and reads half
-//! the bytes.
+//! the bytes — faster on AMD's cores; Intel's issue it on one port (no faster than f32 FMAs), and
+//! where they have AMX's tile unit the same blocking runs on it instead ([`super::gemm_amx`]).
 //!
 //! Layout (BLIS): the product runs over blocks of `MC` rows × `NC` columns of the destination,
 //! each block over `KC` deep slices; a slice of `a` is packed into `MR`-row panels and one of `b`
