@@ -7,6 +7,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
+use super::bn_sums::Through;
 use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::{par_ranges, read, sum, sum_sq_dev, tensor, with, Real, SharedMut};
 
@@ -211,8 +212,12 @@ wide_kernel! {
                 for start in planes() {
                     let (gp, xp) = (&g[start..start + hw], &x[start..start + hw]);
                     let (sg, sgx) = match upper {
-                        Some(u) => plane_sums(gp, xp, mean, |gv, xv| masked(gv, xv * a + t, u)),
-                        None => plane_sums(gp, xp, mean, |gv, _| gv),
+                        Some(u) => {
+                            let f = |v: T| T::wide(v) as f32;
+                            let fast = Through::Masked { a: f(a), t: f(t), upper: f(u) };
+                            plane_sums(gp, xp, mean, |gv, xv| masked(gv, xv * a + t, u), fast)
+                        }
+                        None => plane_sums(gp, xp, mean, |gv, _| gv, Through::Identity),
                     };
                     sum_g += sg;
                     sum_gx += sgx * invstd;
@@ -252,8 +257,19 @@ fn masked<T: Real>(g: T, y: T, upper: T) -> T {
 /// `(Σ g', Σ g'·(x − mean))` over one plane in f64, `g' = through(g, x)`, in the lanes and order
 /// of `kernels::sum` ([`super::lane_sums`]; the per-index form ran scalar: batch norm's backward
 /// on ResNet-18, 39 ms per step before).
+/// `fast` is `through` for [`super::bn_sums`], which takes f32 compute over f32 or bf16 with
+/// AVX-512 (the same sums to the bit).
 #[inline(always)]
-fn plane_sums<T: Real, E: Elem<T>>(g: &[E], x: &[E], mean: f64, through: impl Fn(T, T) -> T) -> (f64, f64) {
+fn plane_sums<T: Real, E: Elem<T>>(
+    g: &[E],
+    x: &[E],
+    mean: f64,
+    through: impl Fn(T, T) -> T,
+    fast: Through,
+) -> (f64, f64) {
+    if let Some(sums) = super::bn_sums::plane_sums::<T, E>(g, x, mean, fast) {
+        return sums;
+    }
     let [sum_g, sum_gx] = super::lane_sums(g, x, |gv, xv| {
         let (gv, xv) = (gv.load(), xv.load());
         let gv = T::wide(through(gv, xv));
