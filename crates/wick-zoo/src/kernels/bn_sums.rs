@@ -9,8 +9,10 @@
 //! mask as a select of g or +0, widened, subtracted, multiplied, added; the lanes summed in
 //! order, then the tail), so the sums are the same to the bit — a test compares them.
 
+#[cfg(target_arch = "x86_64")]
 use std::any::TypeId;
 
+#[cfg(target_arch = "x86_64")]
 use half::bf16;
 
 /// What reaches the sums from `g`: `g` itself, or `g` where the normalised value `x·a + t` lies
@@ -29,33 +31,29 @@ pub(super) fn plane_sums<T: 'static, E: 'static>(g: &[E], x: &[E], mean: f64, th
         if TypeId::of::<T>() != TypeId::of::<f32>() || !std::is_x86_feature_detected!("avx512f") {
             return None;
         }
-        let n = g.len().min(x.len());
-        let (g, x) = (g[..n].as_ptr(), x[..n].as_ptr());
-        if TypeId::of::<E>() == TypeId::of::<f32>() {
-            // SAFETY: `E` is f32 (same type: the slices reinterpret as themselves); AVX-512F
-            // checked above.
-            return Some(unsafe {
-                sums(
-                    std::slice::from_raw_parts(g.cast::<f32>(), n),
-                    std::slice::from_raw_parts(x.cast::<f32>(), n),
-                    mean,
-                    through,
-                )
-            });
-        }
-        if TypeId::of::<E>() == TypeId::of::<bf16>() {
-            // SAFETY: as above, `E` is bf16.
-            return Some(unsafe {
-                sums(
-                    std::slice::from_raw_parts(g.cast::<bf16>(), n),
-                    std::slice::from_raw_parts(x.cast::<bf16>(), n),
-                    mean,
-                    through,
-                )
-            });
-        }
+        // SAFETY: AVX-512F (checked above).
+        unsafe { sums_as::<E, f32>(g, x, mean, through).or_else(|| sums_as::<E, bf16>(g, x, mean, through)) }
     }
+    #[cfg(not(target_arch = "x86_64"))]
     None
+}
+
+/// [`sums`] over `g` and `x` when their element type `E` is `L`; None otherwise.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+unsafe fn sums_as<E: 'static, L: Load8 + 'static>(g: &[E], x: &[E], mean: f64, through: Through) -> Option<(f64, f64)> {
+    if TypeId::of::<E>() != TypeId::of::<L>() {
+        return None;
+    }
+    let n = g.len().min(x.len());
+    // SAFETY: `E` is `L` (the same type: the slices reinterpret as themselves), n elements each.
+    let (g, x) = unsafe {
+        (std::slice::from_raw_parts(g.as_ptr().cast::<L>(), n), std::slice::from_raw_parts(x.as_ptr().cast::<L>(), n))
+    };
+    // SAFETY: AVX-512F (the caller's contract); the same length.
+    Some(unsafe { sums(g, x, mean, through) })
 }
 
 /// A stored element type, loaded eight at a time as f32.
@@ -148,7 +146,7 @@ unsafe fn sums<L: Load8>(g: &[L], x: &[L], mean: f64, through: Through) -> (f64,
     (lanes_g.iter().sum::<f64>() + tail_g, lanes_gx.iter().sum::<f64>() + tail_gx)
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
 

@@ -27,7 +27,7 @@
 
 use half::bf16;
 
-use super::gemm_bf16::{pack, Dest, KMajor, Part, KC, NC};
+use super::gemm_bf16::{pack, pair, Dest, KMajor, Part, KC, NC};
 
 /// Rows of a micro-tile (two 16-row tiles).
 pub(super) const MR: usize = 32;
@@ -293,7 +293,6 @@ fn pack_rows_into(
     out: &mut [u32],
 ) {
     let (pairs, whole) = (depth.div_ceil(2), depth / 2);
-    let pair = |lo: bf16, hi: bf16| u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16);
     if v.step == 1 {
         // A row's depths are neighbours: its pairs are its elements two by two.
         for (i, dst) in out.chunks_exact_mut(padded).enumerate() {

@@ -399,7 +399,7 @@ fn pack_into(v: &KMajor<'_>, r0: usize, count: usize, k0: usize, depth: usize, w
 
 /// Two bf16 values as one 32-bit lane: `lo` in the low half (the instruction's even element).
 #[inline(always)]
-fn pair(lo: bf16, hi: bf16) -> u32 {
+pub(super) fn pair(lo: bf16, hi: bf16) -> u32 {
     u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
 }
 
