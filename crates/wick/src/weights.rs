@@ -1,6 +1,10 @@
-//! Reading what weight files will cost before loading them.
+//! Weight files: what they will cost before loading them, and writing them whole.
 
+use std::collections::HashMap;
 use std::io::Read;
+use std::path::Path;
+
+use candle_core::Tensor;
 
 use wick_memory::MemoryError;
 
@@ -35,6 +39,22 @@ pub fn safetensors_payload_bytes(path: &std::path::Path) -> Result<usize, Memory
     Ok(end)
 }
 
+/// Writes `tensors` as a safetensors file at `path` atomically ([`crate::files::write_atomic`])
+/// and returns the file's bytes (for a checksum without reading it back).
+///
+/// Why not candle's `safetensors::save`: it writes through a `.tmpXXXXXX` file of its own next
+/// to the destination, which a process killed mid-write leaves behind under a name no sweep of
+/// wick's own temporary files knows. Serialising in memory costs one copy of the payload, as
+/// much as reading the file back for its checksum did.
+pub fn write_safetensors<K>(path: &Path, tensors: &HashMap<K, Tensor>) -> std::io::Result<Vec<u8>>
+where
+    K: AsRef<str> + Ord + std::fmt::Display,
+{
+    let bytes = safetensors::serialize(tensors, None).map_err(std::io::Error::other)?;
+    crate::files::write_atomic(path, &bytes)?;
+    Ok(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -54,6 +74,26 @@ mod tests {
         let err = safetensors_payload_bytes(&garbage).unwrap_err().to_string();
         assert!(err.contains("bad.safetensors"), "{err}");
         assert!(safetensors_payload_bytes(&dir.join("missing.safetensors")).is_err());
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn written_tensor_files_read_back_as_candle_reads_them_and_leave_nothing_else() {
+        let dir = std::env::temp_dir().join(format!("wick-weights-write-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let a = Tensor::arange(0f32, 12.0, &Device::Cpu).unwrap().reshape((3, 4)).unwrap();
+        let b = Tensor::new(&[7i64, -1], &Device::Cpu).unwrap();
+        let path = dir.join("t.safetensors");
+        let bytes = write_safetensors(&path, &HashMap::from([("a", a.clone()), ("b", b.clone())])).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), bytes);
+        let back = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+        assert_eq!(back["a"].to_vec2::<f32>().unwrap(), a.to_vec2::<f32>().unwrap());
+        assert_eq!(back["b"].to_vec1::<i64>().unwrap(), vec![7, -1]);
+        let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("t.safetensors")]);
+        // A folder that does not exist: an error, not a panic.
+        assert!(write_safetensors(&dir.join("no/such/t.safetensors"), &HashMap::from([("a", a)])).is_err());
         std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -79,10 +79,7 @@ fn write_start(dir: &Path, model: &str, t: &Task, device: &Device) -> Result<()>
 
 /// Saves tensors atomically (no truncated file on failure).
 fn save(tensors: &HashMap<String, Tensor>, path: &std::path::Path) -> Result<()> {
-    wick::files::write_atomic_with(path, |tmp| {
-        candle_core::safetensors::save(tensors, tmp).map_err(|e| std::io::Error::other(e.to_string()))
-    })
-    .with_context(|| format!("writing {}", path.display()))
+    wick::weights::write_safetensors(path, tensors).map(drop).with_context(|| format!("writing {}", path.display()))
 }
 
 fn main() -> Result<()> {

@@ -161,10 +161,8 @@ pub fn convert_to_safetensors(pth: &Path, out: &Path) -> Result<usize, ZooError>
     let count = tensors.len();
     let map: HashMap<String, Tensor> = tensors.into_iter().collect();
     // Atomically: a failed or interrupted conversion never leaves a truncated file at `out`.
-    wick::files::write_atomic_with(out, |tmp| {
-        candle_core::safetensors::save(&map, tmp).map_err(|e| std::io::Error::other(e.to_string()))
-    })
-    .map_err(|e| ZooError::File { path: out.to_path_buf(), message: e.to_string() })?;
+    wick::weights::write_safetensors(out, &map)
+        .map_err(|e| ZooError::File { path: out.to_path_buf(), message: e.to_string() })?;
     Ok(count)
 }
 

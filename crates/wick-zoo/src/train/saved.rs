@@ -154,15 +154,10 @@ impl CheckpointDir {
     pub fn write(&self, mut manifest: Manifest, tensors: &HashMap<String, Tensor>) -> Result<PathBuf, ZooError> {
         let stem = Self::stem(manifest.step);
         let tensor_path = self.dir.join(format!("{stem}.safetensors"));
-        let mut digest = None;
-        wick::files::write_atomic_with(&tensor_path, |tmp| -> std::io::Result<()> {
-            candle_core::safetensors::save(tensors, tmp).map_err(std::io::Error::other)?;
-            let bytes = std::fs::read(tmp)?;
-            digest = Some((bytes.len() as u64, hex(&Sha256::digest(&bytes))));
-            Ok(())
-        })
-        .map_err(|e| file_error(&tensor_path, e))?;
-        let (bytes, sha256) = digest.ok_or_else(|| file_error(&tensor_path, "no checksum was computed"))?;
+        let written =
+            wick::weights::write_safetensors(&tensor_path, tensors).map_err(|e| file_error(&tensor_path, e))?;
+        let (bytes, sha256) = (written.len() as u64, hex(&Sha256::digest(&written)));
+        drop(written);
         manifest.format = FORMAT.into();
         manifest.version = VERSION;
         manifest.tensors = format!("{stem}.safetensors");
