@@ -8,21 +8,36 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::conv::Geometry;
-use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
+use super::elem::{by_elem, elem_tensor, elems, store_rows, widened, with_elems, Elem};
 use super::{dot, par_ranges, read, with, Real, SharedMut};
 
-/// Writes a row's even columns to `split[..half]` and its odd ones to `split[half..]` (widened
-/// to the compute type), so that a stride-2 tap reads (and writes) a contiguous run.
+/// Writes a row's even columns to `split[..half]` and its odd ones to `split[half..]`, so that a
+/// stride-2 tap reads (and writes) a contiguous run.
 #[inline(always)]
-fn split_even_odd<T: Real, E: Elem<T>>(row: &[E], split: &mut [T], half: usize) {
+fn split_even_odd<T: Real>(row: &[T], split: &mut [T], half: usize) {
     let (even, odd) = split.split_at_mut(half);
     for (j, v) in row.iter().enumerate() {
         if j % 2 == 0 {
-            even[j / 2] = v.load();
+            even[j / 2] = *v;
         } else {
-            odd[j / 2] = v.load();
+            odd[j / 2] = *v;
         }
     }
+}
+
+/// Runs `f` on a plane of `T` that becomes `dst`: `dst` itself when stored as `T`, else
+/// `scratch`, rounded into `dst` afterwards in one pass.
+#[inline(always)]
+fn into_plane<T: Real, E: Elem<T>>(dst: &mut [E], scratch: &mut Vec<T>, f: impl FnOnce(&mut [T])) {
+    if let Some(same) = E::compute_slice_mut(dst) {
+        return f(same);
+    }
+    if scratch.len() < dst.len() {
+        scratch.resize(dst.len(), T::zero());
+    }
+    let plane = &mut scratch[..dst.len()];
+    f(plane);
+    dst.iter_mut().zip(plane.iter()).for_each(|(d, v)| *d = E::store(*v));
 }
 
 struct Depthwise {
@@ -83,15 +98,16 @@ wide_kernel! {
             let flat = g.stride == 1;
             let mut padded = vec![T::zero(); if flat { ph * pw + g.k } else { 0 }];
             let mut wide = vec![T::zero(); if flat { g.oh * pw } else { 0 }];
-            // Strides of 2 and more: one output row's sums.
-            let mut sums = vec![T::zero(); if flat { 0 } else { g.ow }];
+            // Planes stored as bf16/f16 are widened (and outputs rounded) whole, not row by row.
+            let (mut xs, mut ys) = (Vec::new(), Vec::new());
             for p in r {
-                let (plane, filter) = (&x[p * hw..(p + 1) * hw], &w[(p % g.c_in) * kk..][..kk]);
+                let filter = &w[(p % g.c_in) * kk..][..kk];
+                let plane = widened(&x[p * hw..(p + 1) * hw], &mut xs);
                 // SAFETY: one plane per index.
                 let dst = unsafe { out.range(p * ohw, ohw) };
                 if flat {
                     for (iy, src) in plane.chunks(g.w).enumerate() {
-                        E::widen_into(src, &mut padded[(iy + g.pad) * pw + g.pad..][..g.w]);
+                        padded[(iy + g.pad) * pw + g.pad..][..g.w].copy_from_slice(src);
                     }
                     wide.iter_mut().for_each(|v| *v = T::zero());
                     for dy in 0..g.k {
@@ -103,38 +119,35 @@ wide_kernel! {
                             }
                         }
                     }
-                    for (oy, row) in dst.chunks_mut(g.ow).enumerate() {
-                        row.iter_mut().zip(&wide[oy * pw..oy * pw + g.ow]).for_each(|(d, v)| *d = E::store(*v));
-                    }
+                    store_rows(dst, &wide, g.ow, pw, &mut ys);
                     continue;
                 }
-                for oy in 0..g.oh {
-                    let row = &mut sums[..];
-                    row.iter_mut().for_each(|v| *v = T::zero());
-                    for dy in 0..g.k {
-                        let Some(iy) = g.source(oy, dy, g.h) else { continue };
-                        let src = &plane[iy * g.w..(iy + 1) * g.w];
-                        if g.stride == 2 {
-                            split_even_odd(src, &mut split, half);
-                        }
-                        for (dx, (r, first)) in taps.iter().enumerate() {
-                            let f = filter[dy * g.k + dx];
+                into_plane(dst, &mut ys, |sums| {
+                    for (oy, row) in sums.chunks_mut(g.ow).enumerate() {
+                        row.iter_mut().for_each(|v| *v = T::zero());
+                        for dy in 0..g.k {
+                            let Some(iy) = g.source(oy, dy, g.h) else { continue };
+                            let src = &plane[iy * g.w..(iy + 1) * g.w];
                             if g.stride == 2 {
-                                let run = &split[(first % 2) * half + first / 2..][..r.len()];
-                                // Contiguous on both sides: vectorises.
-                                for (v, s) in row[r.clone()].iter_mut().zip(run) {
-                                    *v = *v + f * *s;
-                                }
-                            } else {
-                                for (v, ix) in row[r.clone()].iter_mut().zip((*first..).step_by(g.stride)) {
-                                    *v = *v + f * src[ix].load();
+                                split_even_odd(src, &mut split, half);
+                            }
+                            for (dx, (r, first)) in taps.iter().enumerate() {
+                                let f = filter[dy * g.k + dx];
+                                if g.stride == 2 {
+                                    let run = &split[(first % 2) * half + first / 2..][..r.len()];
+                                    // Contiguous on both sides: vectorises.
+                                    for (v, s) in row[r.clone()].iter_mut().zip(run) {
+                                        *v = *v + f * *s;
+                                    }
+                                } else {
+                                    for (v, ix) in row[r.clone()].iter_mut().zip((*first..).step_by(g.stride)) {
+                                        *v = *v + f * src[ix];
+                                    }
                                 }
                             }
                         }
                     }
-                    let out_row = &mut dst[oy * g.ow..(oy + 1) * g.ow];
-                    out_row.iter_mut().zip(row.iter()).for_each(|(d, v)| *d = E::store(*v));
-                }
+                });
             }
         });
         y
@@ -148,8 +161,6 @@ wide_kernel! {
         let (hw, ohw, kk) = (g.h * g.w, g.cols(), g.k * g.k);
         let taps = g.taps();
         let mut dx = if want_dx { vec![E::store(T::zero()); x.len()] } else { Vec::new() };
-        // Stride 2 and more read each output-gradient row widened.
-        let grow_len = if g.stride == 1 { 0 } else { g.ow };
         let mut dw = vec![T::zero(); g.c_in * kk];
         let (sdx, sdw) = (SharedMut::new(&mut dx), SharedMut::new(&mut dw));
         // Parallel over channels: each channel's filter gradient sums over images.
@@ -166,7 +177,8 @@ wide_kernel! {
             let half = g.w.div_ceil(2);
             let stride2 = |n: usize| if g.stride == 2 { n } else { 0 };
             let (mut split, mut dsplit) = (vec![T::zero(); stride2(2 * half)], vec![T::zero(); stride2(2 * half)]);
-            let mut grow = vec![T::zero(); grow_len];
+            // Planes stored as bf16/f16 are widened (and input gradients rounded) whole.
+            let (mut xs, mut gs, mut ys) = (Vec::new(), Vec::new(), Vec::new());
             // Strides of 2 and more: a plane's input gradient summed here, then stored.
             let mut dacc = vec![T::zero(); if !flat && want_dx { hw } else { 0 }];
             for c in r {
@@ -175,16 +187,17 @@ wide_kernel! {
                 let dwc = unsafe { sdw.range(c * kk, kk) };
                 for b in 0..g.n {
                     let p = b * g.c_in + c;
-                    let (plane, gp) = (&x[p * hw..(p + 1) * hw], &dy[p * ohw..(p + 1) * ohw]);
+                    let plane = widened(&x[p * hw..(p + 1) * hw], &mut xs);
+                    let gp = widened(&dy[p * ohw..(p + 1) * ohw], &mut gs);
                     // SAFETY: plane `p` belongs to channel `c` only.
                     let mut dplane = want_dx.then(|| unsafe { sdx.range(p * hw, hw) });
                     dacc.iter_mut().for_each(|v| *v = T::zero());
                     if flat {
                         for (iy, src) in plane.chunks(g.w).enumerate() {
-                            E::widen_into(src, &mut padded[(iy + g.pad) * pw + g.pad..][..g.w]);
+                            padded[(iy + g.pad) * pw + g.pad..][..g.w].copy_from_slice(src);
                         }
                         for (oy, src) in gp.chunks(g.ow).enumerate() {
-                            E::widen_into(src, &mut wide[oy * pw..oy * pw + g.ow]);
+                            wide[oy * pw..oy * pw + g.ow].copy_from_slice(src);
                         }
                         if want_dx {
                             dpadded.iter_mut().for_each(|v| *v = T::zero());
@@ -201,10 +214,7 @@ wide_kernel! {
                             }
                         }
                         if let Some(d) = dplane.as_deref_mut() {
-                            for (iy, row) in d.chunks_mut(g.w).enumerate() {
-                                let src = &dpadded[(iy + g.pad) * pw + g.pad..][..g.w];
-                                row.iter_mut().zip(src).for_each(|(d, v)| *d = E::store(*v));
-                            }
+                            store_rows(d, &dpadded[g.pad * pw + g.pad..], g.w, pw, &mut ys);
                         }
                         continue;
                     }
@@ -214,7 +224,7 @@ wide_kernel! {
                         // contiguous elements; a row's input gradient gathers in its split form
                         // and is added back once.
                         for oy in 0..g.oh {
-                            E::widen_into(&gp[oy * g.ow..(oy + 1) * g.ow], &mut grow);
+                            let grow = &gp[oy * g.ow..(oy + 1) * g.ow];
                             for dy_ in 0..g.k {
                                 let Some(iy) = g.source(oy, dy_, g.h) else { continue };
                                 let src = &plane[iy * g.w..(iy + 1) * g.w];
@@ -245,7 +255,7 @@ wide_kernel! {
                     } else {
                         // Strides of 3 and more (stride 1 and 2 took the paths above).
                         for oy in 0..g.oh {
-                            E::widen_into(&gp[oy * g.ow..(oy + 1) * g.ow], &mut grow);
+                            let grow = &gp[oy * g.ow..(oy + 1) * g.ow];
                             for dy_ in 0..g.k {
                                 let Some(iy) = g.source(oy, dy_, g.h) else { continue };
                                 let src = &plane[iy * g.w..(iy + 1) * g.w];
@@ -253,7 +263,7 @@ wide_kernel! {
                                     let f = filter[dy_ * g.k + dx_];
                                     let mut acc = T::zero();
                                     for (gv, ix) in grow[r.clone()].iter().zip((*first..).step_by(g.stride)) {
-                                        acc = acc + *gv * src[ix].load();
+                                        acc = acc + *gv * src[ix];
                                     }
                                     dwc[dy_ * g.k + dx_] = dwc[dy_ * g.k + dx_] + acc;
                                     if want_dx {

@@ -30,6 +30,8 @@ pub trait Elem<T>: Copy + Send + Sync + 'static {
     fn into_storage(v: Vec<Self>) -> CpuStorage;
     /// `v` itself when this is the compute type (no conversion needed).
     fn compute_slice(v: &[Self]) -> Option<&[T]>;
+    /// `v` itself, writable, when this is the compute type.
+    fn compute_slice_mut(v: &mut [Self]) -> Option<&mut [T]>;
     /// `src` widened into `dst` (the same length).
     #[inline(always)]
     fn widen_into(src: &[Self], dst: &mut [T]) {
@@ -57,6 +59,9 @@ impl Elem<f32> for f32 {
         CpuStorage::F32(v)
     }
     fn compute_slice(v: &[f32]) -> Option<&[f32]> {
+        Some(v)
+    }
+    fn compute_slice_mut(v: &mut [f32]) -> Option<&mut [f32]> {
         Some(v)
     }
     #[inline(always)]
@@ -87,6 +92,9 @@ impl Elem<f64> for f64 {
     fn compute_slice(v: &[f64]) -> Option<&[f64]> {
         Some(v)
     }
+    fn compute_slice_mut(v: &mut [f64]) -> Option<&mut [f64]> {
+        Some(v)
+    }
     #[inline(always)]
     fn widen_into(src: &[f64], dst: &mut [f64]) {
         dst.copy_from_slice(src)
@@ -115,6 +123,9 @@ impl Elem<f32> for bf16 {
     fn compute_slice(_: &[bf16]) -> Option<&[f32]> {
         None
     }
+    fn compute_slice_mut(_: &mut [bf16]) -> Option<&mut [f32]> {
+        None
+    }
 }
 
 impl Elem<f32> for f16 {
@@ -139,6 +150,55 @@ impl Elem<f32> for f16 {
     fn compute_slice(_: &[f16]) -> Option<&[f32]> {
         None
     }
+    fn compute_slice_mut(_: &mut [f16]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
+/// `src` in the compute type: itself when stored as `T`, else widened into `scratch` (grown as
+/// needed) in one pass. Kernels that lay a plane out row by row (padded, split) copy its rows
+/// from here: widening rows of 7–56 elements one at a time leaves most of them to scalar tails.
+#[inline(always)]
+pub(crate) fn widened<'a, T: super::Real, E: Elem<T>>(src: &'a [E], scratch: &'a mut Vec<T>) -> &'a [T] {
+    if let Some(same) = E::compute_slice(src) {
+        return same;
+    }
+    if scratch.len() < src.len() {
+        scratch.resize(src.len(), T::zero());
+    }
+    let dst = &mut scratch[..src.len()];
+    E::widen_into(src, dst);
+    dst
+}
+
+/// Stores `dst.len() / width` rows of `width` values, row `r` read from `src[r * stride..]`,
+/// into `dst` (contiguous rows), each rounded once. Rows stored as `T` are copied; otherwise they
+/// are gathered into `scratch` first and rounded in one pass (for the reason [`widened`] gives).
+#[inline(always)]
+pub(crate) fn store_rows<T: super::Real, E: Elem<T>>(
+    dst: &mut [E],
+    src: &[T],
+    width: usize,
+    stride: usize,
+    scratch: &mut Vec<T>,
+) {
+    if width == 0 {
+        return;
+    }
+    if let Some(same) = E::compute_slice_mut(dst) {
+        for (r, row) in same.chunks_mut(width).enumerate() {
+            row.copy_from_slice(&src[r * stride..][..width]);
+        }
+        return;
+    }
+    if scratch.len() < dst.len() {
+        scratch.resize(dst.len(), T::zero());
+    }
+    let rows = &mut scratch[..dst.len()];
+    for (r, row) in rows.chunks_mut(width).enumerate() {
+        row.copy_from_slice(&src[r * stride..][..width]);
+    }
+    dst.iter_mut().zip(rows.iter()).for_each(|(d, v)| *d = E::store(*v));
 }
 
 /// Runs `$body` with `$t` the compute type and `$e` the storage element type of `$dtype` (a
