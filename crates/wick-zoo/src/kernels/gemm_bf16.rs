@@ -22,6 +22,7 @@
 
 use half::bf16;
 
+use super::bf16_pack::pack;
 use super::gemm::Mat;
 use candle_core::Result;
 
@@ -33,8 +34,6 @@ use candle_core::Result;
 const TILES: [(usize, usize, usize); 3] = [(12, 2, 20), (8, 3, 21), (24, 1, 30)];
 /// Elements of every micro-tile (12·32 = 24·16 = 8·48).
 const TILE: usize = 384;
-/// The widest tile's columns.
-const MAX_NR: usize = 48;
 /// Depth of a packed slice, in k-pairs (512 bf16 values of k).
 pub(super) const KC: usize = 256;
 /// Rows of a block (its packed `a` stays in the L2 cache).
@@ -292,115 +291,6 @@ impl<D: Dest> Part<'_, D> {
             }
         }
     }
-}
-
-/// Packs rows `r0..r0+count` of `v`, depths `k0..k0+depth`, as `width`-lane panels of k-pairs:
-/// lane i of pair p of panel P holds row P·width+i's depths 2p (low half) and 2p+1 (high half);
-/// lanes past `count` and the odd depth's missing partner are zero. Every lane is written (no
-/// zero fill first). Compiled for AVX-512 where the CPU has it (the interleaving vectorises).
-///
-/// `padded` (at least `depth.div_ceil(2)`) is the k-pairs of every panel; those past the depth are zero
-/// (the AMX kernel's depth steps are 16 pairs).
-pub(super) fn pack(
-    v: &KMajor<'_>,
-    (r0, count): (usize, usize),
-    (k0, depth): (usize, usize),
-    width: usize,
-    padded: usize,
-    out: &mut Vec<u32>,
-) {
-    let padded = padded.max(depth.div_ceil(2));
-    let len = count.div_ceil(width) * width * padded;
-    // Grown with zeros only when longer than before; `pack_into` writes every lane.
-    if out.len() < len {
-        out.resize(len, 0);
-    }
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx512bw") {
-        #[target_feature(enable = "avx512f,avx512bw")]
-        fn wide(v: &KMajor<'_>, r0: usize, count: usize, k0: usize, depth: usize, width: usize, out: &mut [u32]) {
-            pack_into(v, r0, count, k0, depth, width, out)
-        }
-        // SAFETY: the CPU has AVX-512F and AVX-512BW.
-        return unsafe { wide(v, r0, count, k0, depth, width, &mut out[..len]) };
-    }
-    pack_into(v, r0, count, k0, depth, width, &mut out[..len])
-}
-
-/// Pairs per block of [`pack_into`]'s row-major transposition.
-const PACK_BLOCK: usize = 16;
-
-#[inline(always)]
-fn pack_into(v: &KMajor<'_>, r0: usize, count: usize, k0: usize, depth: usize, width: usize, out: &mut [u32]) {
-    let pairs = depth.div_ceil(2);
-    let whole = depth / 2;
-    let panels = count.div_ceil(width);
-    if panels == 0 || out.is_empty() {
-        return;
-    }
-    let panel = out.len() / panels;
-    for (index, lanes) in out.chunks_exact_mut(panel).enumerate() {
-        let (lanes, padding) = lanes.split_at_mut(width * pairs);
-        padding.fill(0);
-        let first = r0 + index * width;
-        let live = width.min(r0 + count - first);
-        if v.step == 1 {
-            // Each row's pairs are neighbours: transposed a block of pairs at a time (reads
-            // along rows, writes along lanes).
-            let mut block = [[0u32; PACK_BLOCK]; MAX_NR];
-            for p0 in (0..pairs).step_by(PACK_BLOCK) {
-                let np = PACK_BLOCK.min(pairs - p0);
-                for (i, b) in block.iter_mut().enumerate().take(width) {
-                    if i >= live {
-                        b[..np].fill(0);
-                        continue;
-                    }
-                    let row = &v.data[(first + i) * v.outer + k0..][..depth];
-                    let full = np.min(whole.saturating_sub(p0));
-                    for (d, t) in b[..full].iter_mut().zip(row[2 * p0..2 * (p0 + full)].chunks_exact(2)) {
-                        *d = pair(t[0], t[1]);
-                    }
-                    if full < np {
-                        b[full] = pair(row[depth - 1], bf16::ZERO);
-                    }
-                }
-                for p in 0..np {
-                    for (d, b) in lanes[(p0 + p) * width..][..width].iter_mut().zip(&block) {
-                        *d = b[p];
-                    }
-                }
-            }
-        } else if v.outer == 1 {
-            // Rows are neighbours in memory: interleave depth 2p's and 2p+1's runs.
-            for (p, dst) in lanes.chunks_exact_mut(width).enumerate() {
-                let even = &v.data[first + (k0 + 2 * p) * v.step..][..live];
-                if p < whole {
-                    let odd = &v.data[first + (k0 + 2 * p + 1) * v.step..][..live];
-                    dst.iter_mut().zip(even.iter().zip(odd)).for_each(|(d, (e, o))| *d = pair(*e, *o));
-                } else {
-                    dst.iter_mut().zip(even).for_each(|(d, e)| *d = pair(*e, bf16::ZERO));
-                }
-                dst[live..].fill(0);
-            }
-        } else {
-            for (p, dst) in lanes.chunks_exact_mut(width).enumerate() {
-                let at = |q: usize, i: usize| v.data[(first + i) * v.outer + (k0 + q) * v.step];
-                for (i, d) in dst.iter_mut().enumerate() {
-                    *d = if i >= live {
-                        0
-                    } else {
-                        pair(at(2 * p, i), if p < whole { at(2 * p + 1, i) } else { bf16::ZERO })
-                    };
-                }
-            }
-        }
-    }
-}
-
-/// Two bf16 values as one 32-bit lane: `lo` in the low half (the instruction's even element).
-#[inline(always)]
-pub(super) fn pair(lo: bf16, hi: bf16) -> u32 {
-    u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
 }
 
 /// Where an MR-row micro-tile's sums go.
