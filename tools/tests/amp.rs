@@ -144,11 +144,21 @@ fn compare(low: Autocast) {
         let miss = MISSES.iter().find(|(m, d, _)| *m == model && *d == amp.dtype);
         match miss {
             Some((_, _, bound)) => {
-                println!(
-                    "|   ↳ {model} {}: loss target missed ({:.2} % > 2 %), a known gap (see MISSES) | | | | | |",
-                    amp.dtype,
-                    100.0 * diff
-                );
+                if diff > 0.02 {
+                    println!(
+                        "|   ↳ {model} {}: loss target missed ({:.2} % > 2 %), a known gap (see MISSES) | | | | | |",
+                        amp.dtype,
+                        100.0 * diff
+                    );
+                } else {
+                    // The allowance stays for CPUs whose products widen to f32 (a larger gap).
+                    println!(
+                        "|   ↳ {model} {}: within 2 % here ({:.2} %; MISSES allows {:.1} %) | | | | | |",
+                        amp.dtype,
+                        100.0 * diff,
+                        100.0 * bound
+                    );
+                }
                 if diff > *bound {
                     failures.push(format!(
                         "{model}: loss gap {:.2} % grew past its recorded {:.0} %",
