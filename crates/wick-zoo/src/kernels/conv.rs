@@ -50,6 +50,10 @@ impl Geometry {
         if wc != expected_wc || kh != kw || (depthwise && c_out != c_in) {
             return Err(err(format!("conv2d: weight {weight:?} does not fit input {x:?}")));
         }
+        // As PyTorch: no rows or columns is an error (padding alone would give it an output).
+        if h == 0 || w == 0 {
+            return Err(err(format!("conv2d: input {x:?} has an empty spatial dimension")));
+        }
         let (oh, ow) = (out_len(h, kh, stride, pad)?, out_len(w, kw, stride, pad)?);
         Ok(Geometry { n, c_in, h, w, c_out, k: kh, stride, pad, oh, ow })
     }

@@ -322,3 +322,18 @@ impl CustomOp2 for Depthwise {
 pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
     super::apply2(&x.contiguous()?, &weight.contiguous()?, Depthwise { stride, pad })
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    #[test]
+    fn empty_images_are_refused_not_walked() {
+        let w = Tensor::ones((2, 1, 3, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        for shape in [(1, 2, 0, 5), (1, 2, 5, 0)] {
+            let x = Tensor::ones(shape, candle_core::DType::F32, &Device::Cpu).unwrap();
+            let err = super::depthwise_conv2d(&x, &w, 1, 1).unwrap_err().to_string();
+            assert!(err.contains("empty spatial dimension"), "{err}");
+        }
+    }
+}
