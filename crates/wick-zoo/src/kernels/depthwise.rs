@@ -8,7 +8,7 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::conv::Geometry;
-use super::elem::{by_elem, elem_tensor, elems, store_rows, widened, with_elems, Elem};
+use super::elem::{by_elem, elem_tensor, elems, into_plane, store_rows, widened, with_elems, Elem};
 use super::{dot, par_ranges, read, with, Real, SharedMut};
 
 /// Writes a row's even columns to `split[..half]` and its odd ones to `split[half..]`, so that a
@@ -40,21 +40,6 @@ fn add_even_odd<T: Real>(row: &mut [T], split: &[T], half: usize) {
     if let [last] = pairs.into_remainder() {
         *last = *last + even[len / 2];
     }
-}
-
-/// Runs `f` on a plane of `T` that becomes `dst`: `dst` itself when stored as `T`, else
-/// `scratch`, rounded into `dst` afterwards in one pass.
-#[inline(always)]
-fn into_plane<T: Real, E: Elem<T>>(dst: &mut [E], scratch: &mut Vec<T>, f: impl FnOnce(&mut [T])) {
-    if let Some(same) = E::compute_slice_mut(dst) {
-        return f(same);
-    }
-    if scratch.len() < dst.len() {
-        scratch.resize(dst.len(), T::zero());
-    }
-    let plane = &mut scratch[..dst.len()];
-    f(plane);
-    dst.iter_mut().zip(plane.iter()).for_each(|(d, v)| *d = E::store(*v));
 }
 
 struct Depthwise {

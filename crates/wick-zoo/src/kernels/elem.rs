@@ -155,6 +155,15 @@ impl Elem<f32> for f16 {
     }
 }
 
+/// The first `n` elements of `scratch`, grown with zeros when shorter.
+#[inline(always)]
+fn scratch_prefix<T: super::Real>(scratch: &mut Vec<T>, n: usize) -> &mut [T] {
+    if scratch.len() < n {
+        scratch.resize(n, T::zero());
+    }
+    &mut scratch[..n]
+}
+
 /// `src` in the compute type: itself when stored as `T`, else widened into `scratch` (grown as
 /// needed) in one pass. Kernels that lay a plane out row by row (padded, split) copy its rows
 /// from here: widening rows of 7–56 elements one at a time leaves most of them to scalar tails.
@@ -163,17 +172,25 @@ pub(crate) fn widened<'a, T: super::Real, E: Elem<T>>(src: &'a [E], scratch: &'a
     if let Some(same) = E::compute_slice(src) {
         return same;
     }
-    if scratch.len() < src.len() {
-        scratch.resize(src.len(), T::zero());
-    }
-    let dst = &mut scratch[..src.len()];
+    let dst = scratch_prefix(scratch, src.len());
     E::widen_into(src, dst);
     dst
 }
 
+/// Runs `f` on a plane of `T` that becomes `dst`: `dst` itself when stored as `T`, else
+/// `scratch`, rounded into `dst` afterwards in one pass (for the reason [`widened`] gives).
+#[inline(always)]
+pub(crate) fn into_plane<T: super::Real, E: Elem<T>>(dst: &mut [E], scratch: &mut Vec<T>, f: impl FnOnce(&mut [T])) {
+    if let Some(same) = E::compute_slice_mut(dst) {
+        return f(same);
+    }
+    let plane = scratch_prefix(scratch, dst.len());
+    f(plane);
+    dst.iter_mut().zip(plane.iter()).for_each(|(d, v)| *d = E::store(*v));
+}
+
 /// Stores `dst.len() / width` rows of `width` values, row `r` read from `src[r * stride..]`,
-/// into `dst` (contiguous rows), each rounded once. Rows stored as `T` are copied; otherwise they
-/// are gathered into `scratch` first and rounded in one pass (for the reason [`widened`] gives).
+/// into `dst` (contiguous rows), each rounded once ([`into_plane`]).
 #[inline(always)]
 pub(crate) fn store_rows<T: super::Real, E: Elem<T>>(
     dst: &mut [E],
@@ -185,20 +202,11 @@ pub(crate) fn store_rows<T: super::Real, E: Elem<T>>(
     if width == 0 {
         return;
     }
-    if let Some(same) = E::compute_slice_mut(dst) {
-        for (r, row) in same.chunks_mut(width).enumerate() {
+    into_plane(dst, scratch, |rows| {
+        for (r, row) in rows.chunks_mut(width).enumerate() {
             row.copy_from_slice(&src[r * stride..][..width]);
         }
-        return;
-    }
-    if scratch.len() < dst.len() {
-        scratch.resize(dst.len(), T::zero());
-    }
-    let rows = &mut scratch[..dst.len()];
-    for (r, row) in rows.chunks_mut(width).enumerate() {
-        row.copy_from_slice(&src[r * stride..][..width]);
-    }
-    dst.iter_mut().zip(rows.iter()).for_each(|(d, v)| *d = E::store(*v));
+    });
 }
 
 /// Runs `$body` with `$t` the compute type and `$e` the storage element type of `$dtype` (a
