@@ -72,15 +72,16 @@ fn pack_into<const WIDE: bool>(
         padding.fill(0);
         let first = r0 + index * width;
         let live = width.min(r0 + count - first);
+        // Pairs the fast paths below wrote; the rest lane by lane.
+        let mut done = 0;
         if v.step == 1 {
             // Each row's pairs are neighbours: the panel is their transposition, 8 lanes × 8
             // pairs at a time in registers (lanes past `live` read as zero rows; a panel edge of
-            // fewer than 8 lanes goes through a buffer), the pairs past the last whole 8 lane
-            // by lane.
-            let row = |i: usize| &v.data[(first + i) * v.outer + k0..][..depth];
+            // fewer than 8 lanes goes through a buffer).
             let pairs8 = if WIDE && cfg!(target_arch = "x86_64") { whole / T8 * T8 } else { 0 };
             #[cfg(target_arch = "x86_64")]
             if pairs8 > 0 {
+                let row = |i: usize| &v.data[(first + i) * v.outer + k0..][..depth];
                 let zeros = [bf16::ZERO; 2 * T8];
                 let mut edge = [0u32; T8 * T8];
                 for i0 in (0..width).step_by(T8) {
@@ -108,18 +109,7 @@ fn pack_into<const WIDE: bool>(
                     }
                 }
             }
-            for (p, dst) in lanes.chunks_exact_mut(width).enumerate().skip(pairs8) {
-                for (i, d) in dst.iter_mut().enumerate() {
-                    *d = if i >= live {
-                        0
-                    } else if p < whole {
-                        let r = row(i);
-                        pair(r[2 * p], r[2 * p + 1])
-                    } else {
-                        pair(row(i)[depth - 1], bf16::ZERO)
-                    };
-                }
-            }
+            done = pairs8;
         } else if v.outer == 1 {
             // Rows are neighbours in memory: interleave depth 2p's and 2p+1's runs.
             for (p, dst) in lanes.chunks_exact_mut(width).enumerate() {
@@ -132,16 +122,16 @@ fn pack_into<const WIDE: bool>(
                 }
                 dst[live..].fill(0);
             }
-        } else {
-            for (p, dst) in lanes.chunks_exact_mut(width).enumerate() {
-                let at = |q: usize, i: usize| v.data[(first + i) * v.outer + (k0 + q) * v.step];
-                for (i, d) in dst.iter_mut().enumerate() {
-                    *d = if i >= live {
-                        0
-                    } else {
-                        pair(at(2 * p, i), if p < whole { at(2 * p + 1, i) } else { bf16::ZERO })
-                    };
-                }
+            done = pairs;
+        }
+        let at = |q: usize, i: usize| v.data[(first + i) * v.outer + (k0 + q) * v.step];
+        for (p, dst) in lanes.chunks_exact_mut(width).enumerate().skip(done) {
+            for (i, d) in dst.iter_mut().enumerate() {
+                *d = if i >= live {
+                    0
+                } else {
+                    pair(at(2 * p, i), if p < whole { at(2 * p + 1, i) } else { bf16::ZERO })
+                };
             }
         }
     }
