@@ -253,7 +253,7 @@ def ensemble(directory, count, binary):
 
 def write_reference(path, directories):
     """Writes PyTorch's f64 and autocast-bf16 losses of each exported trial to `path` (JSON), the
-    reference `crates/wick-zoo/tests/amp.rs` checks wick's f32 training against."""
+    reference `tools/tests/amp.rs` checks wick's f32 training against."""
     models = {}
     for directory in directories:
         cfg, runs = compare(directory, modes=("f64", "autocast-bf16"), quiet=True)

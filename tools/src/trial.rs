@@ -4,16 +4,19 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 
-use wick_zoo::amp::{master_step, scaled_backward, Autocast, GradScaler, MasterOptimizer, MasterWeights, StepOutcome};
+use wick_nn::graph::graph_bytes;
+use wick_nn::params::normal_tensor;
+use wick_nn::Autocast;
+use wick_nn::NnError;
+use wick_nn::{Labelled, Model};
+use wick_train::amp::{master_step, scaled_backward, GradScaler, MasterWeights, StepOutcome};
+use wick_train::Optimizer;
 use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
-use wick_zoo::estimate::graph_bytes;
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::mobilenet::MobileNetV2;
-use wick_zoo::params::normal_tensor;
 use wick_zoo::resnet::{ResNet, ResNetDepth};
 use wick_zoo::vit::{Vit, VitConfig};
 use wick_zoo::ZooError;
-use wick_zoo::{Labelled, Model};
 
 /// A model with its loss on a fixed batch.
 pub struct Task {
@@ -140,10 +143,9 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
             ("mobilenet_v2", parts(model, images()?))
         }
         other => {
-            return Err(ZooError::Invalid {
-                what: "amp trial".into(),
-                message: format!("unknown model `{other}` (expected one of {MODELS:?})"),
-            })
+            return Err(
+                NnError::invalid("amp trial", format!("unknown model `{other}` (expected one of {MODELS:?})")).into()
+            )
         }
     };
     // The f32 values the parameters start from: the same model built in f32 (the same seed),
@@ -153,10 +155,11 @@ pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Res
     } else {
         let originals = task(name, Autocast::off(), device)?;
         if originals.names != names {
-            return Err(ZooError::Invalid {
-                what: "amp trial".into(),
-                message: format!("{name}: the f32 build has other parameters than the {dtype:?} build"),
-            });
+            return Err(NnError::invalid(
+                "amp trial",
+                format!("{name}: the f32 build has other parameters than the {dtype:?} build"),
+            )
+            .into());
         }
         originals.vars.iter().map(|v| v.as_tensor().clone()).collect()
     };
@@ -188,7 +191,7 @@ pub struct TrialReport {
 /// when `autocast` needs it (f16). Steps the scaler skips (non-finite gradients while the scale
 /// is still too high) are not training steps: they are counted, and more are run, up to
 /// `steps` more attempts.
-pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOptimizer) -> Result<TrialReport> {
+pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: Optimizer) -> Result<TrialReport> {
     let mut masters = MasterWeights::with_masters(&task.vars, Some(&task.masters), optimizer)?;
     let mut scaler = autocast.needs_loss_scaling().then(GradScaler::new);
     let refs: Vec<&Var> = task.vars.iter().collect();
@@ -238,6 +241,6 @@ pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: MasterOpt
 }
 
 /// The AdamW settings the trials use.
-pub fn trial_optimizer() -> MasterOptimizer {
-    MasterOptimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+pub fn trial_optimizer() -> Optimizer {
+    Optimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
 }

@@ -5,12 +5,10 @@
 //! installs the counting allocator so the peaks are exact; its tests take turns.
 
 use candle_core::{DType, Device};
-use wick::CountingAllocator;
+use wick_nn::Autocast;
 use wick_tools::trial::{task, train, trial_optimizer, TrialReport, MODELS};
-use wick_zoo::amp::Autocast;
 
-#[global_allocator]
-static ALLOC: CountingAllocator = CountingAllocator;
+wick::heap!(counting);
 
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -206,15 +204,15 @@ fn master_weight_steps_do_not_accumulate_memory() {
     for model in ["resnet18", "llama"] {
         for autocast in [Autocast::bf16(), Autocast::f16()] {
             let t = task(model, autocast, &Device::Cpu).unwrap();
-            let mut masters = wick_zoo::amp::MasterWeights::new(&t.vars, trial_optimizer()).unwrap();
-            let mut scaler = autocast.needs_loss_scaling().then(wick_zoo::amp::GradScaler::new);
+            let mut masters = wick_train::amp::MasterWeights::new(&t.vars, trial_optimizer()).unwrap();
+            let mut scaler = autocast.needs_loss_scaling().then(wick_train::amp::GradScaler::new);
             let refs: Vec<&candle_core::Var> = t.vars.iter().collect();
             let mut after = Vec::new();
             for _ in 0..4 {
                 let loss = (t.loss)().unwrap();
-                let mut grads = wick_zoo::amp::scaled_backward(&loss, scaler.as_ref()).unwrap();
+                let mut grads = wick_train::amp::scaled_backward(&loss, scaler.as_ref()).unwrap();
                 drop(loss);
-                wick_zoo::amp::master_step(&mut grads, &mut masters, scaler.as_mut(), &refs).unwrap();
+                wick_train::amp::master_step(&mut grads, &mut masters, scaler.as_mut(), &refs).unwrap();
                 drop(grads);
                 after.push(wick::host_memory::counted_heap().unwrap());
             }

@@ -1,8 +1,8 @@
 //! Reproducibility of a training step on every zoo model (the trial's tasks).
 
 use candle_core::Device;
+use wick_nn::Autocast;
 use wick_tools::trial::{task, MODELS};
-use wick_zoo::amp::Autocast;
 
 /// The parallel kernels add their partial sums in a fixed order: the same step twice gives the
 /// same gradients to the last bit (exact resume and reproducible runs depend on it).

@@ -10,15 +10,15 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
+use wick_nn::checkpoint::Checkpointing;
+use wick_nn::params::Params;
+use wick_nn::{Labelled, Model};
 use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
-use wick_zoo::checkpoint::Checkpointing;
 use wick_zoo::estimate::{estimate_bytes, ActivationProfile, Estimate, Mode, ParamBytes};
 use wick_zoo::llama::LlamaConfig;
 use wick_zoo::mobilenet::MobileNetV2;
-use wick_zoo::params::Params;
 use wick_zoo::resnet::{ResNet, ResNetDepth};
 use wick_zoo::vit::{Vit, VitConfig};
-use wick_zoo::{Labelled, Model};
 
 use crate::llama_size;
 
@@ -128,7 +128,7 @@ fn measure(built: &Built, batch: usize, mode: Mode, checkpointing: bool) -> Resu
     let Some((before, _)) = exact_heap() else { return Ok(None) };
     reset_exact_peak();
     match mode {
-        Mode::Inference => drop(wick_zoo::no_grad(|| (built.loss)(batch, None))?),
+        Mode::Inference => drop(wick_nn::no_grad(|| (built.loss)(batch, None))?),
         Mode::TrainSgd => {
             let checkpoint = checkpointing.then(Checkpointing::new);
             let loss = (built.loss)(batch, checkpoint.as_ref())?;

@@ -7,10 +7,10 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
-use wick_zoo::checkpoint::Checkpointing;
+use wick_nn::checkpoint::Checkpointing;
+use wick_nn::Model;
 use wick_zoo::estimate::{ActivationProfile, ParamBytes};
 use wick_zoo::llama::{Llama, LlamaConfig};
-use wick_zoo::Model;
 
 use crate::estimate::{leak, token_ids, Built};
 
@@ -89,7 +89,7 @@ pub fn param_bytes(config: &LlamaConfig, dtype: DType) -> Result<ParamBytes> {
 /// The whole decoder, built to run (`--measure`).
 pub fn build(config: LlamaConfig, dtype: DType, seq: usize, what: String) -> Result<Built> {
     let config = LlamaConfig { max_seq: seq, ..config };
-    wick_zoo::params::preflight_parameters(config.parameter_count(), dtype, &Device::Cpu, "the LLaMA model")?;
+    wick_nn::params::preflight_parameters(config.parameter_count(), dtype, &Device::Cpu, "the LLaMA model")?;
     let model = leak(Llama::new(config, dtype, &Device::Cpu)?);
     Ok(Built {
         params: &model.params,

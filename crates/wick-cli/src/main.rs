@@ -31,11 +31,6 @@ use wick_memory::format_bytes;
 use wick_memory::{AllocatorConfig, CachingAllocator, HostBackend};
 use wick_trace::{replay, replay_simulated, workloads, ReplayReport, Trace};
 
-/// Large buffers (candle's tensors) come from wick's caching allocator: they stay mapped and are
-/// reused, and the training progress reports its exact allocated, peak and reserved bytes.
-#[global_allocator]
-static HEAP: wick_memory::CachingHeap = wick_memory::CachingHeap::new();
-
 #[derive(Parser)]
 #[command(name = "wick", version, about = "wick: memory tools and long training runs")]
 struct Cli {
@@ -108,7 +103,7 @@ enum Command {
     /// Train a LLaMA-style decoder on a seeded synthetic language with checkpoints: `--resume`
     /// continues exactly from the newest; SIGTERM saves and exits 0.
     Train(train::TrainArgs),
-    /// List the jobs started with `--detach` (or `wick::jobs::Job::spawn`), or act on one.
+    /// List the jobs started with `--detach` (or `wick_train::jobs::Job::spawn`), or act on one.
     Jobs {
         #[command(subcommand)]
         action: Option<JobAction>,
@@ -134,10 +129,7 @@ enum JobAction {
     },
 }
 
-fn main() -> Result<()> {
-    // SAFETY: first thing in `main`, before any thread starts.
-    unsafe { wick::cpu_threads::park_candle_workers() };
-    wick::cpu_threads::kernels_on_main_thread()?;
+fn run() -> Result<()> {
     match Cli::parse().command {
         Command::Info { json } => {
             let info = wick::machine::MachineInfo::probe();
@@ -195,7 +187,7 @@ fn main() -> Result<()> {
         Command::Report(args) => report::run(&args)?,
         Command::Monitor(args) => monitor::run(&args)?,
         Command::Jobs { action: None } => {
-            let jobs = wick::jobs::Job::list()?;
+            let jobs = wick_train::jobs::Job::list()?;
             if jobs.is_empty() {
                 println!("no jobs");
             }
@@ -204,15 +196,15 @@ fn main() -> Result<()> {
             }
         }
         Command::Jobs { action: Some(JobAction::Stop { id }) } => {
-            let mut job = wick::jobs::Job::attach(&id)?;
+            let mut job = wick_train::jobs::Job::attach(&id)?;
             job.stop()?;
             println!("asked job {id} to checkpoint and exit");
         }
         Command::Jobs { action: Some(JobAction::Status { id }) } => {
-            println!("{}", serde_json::to_string_pretty(&wick::jobs::Job::attach(&id)?.status()?)?);
+            println!("{}", serde_json::to_string_pretty(&wick_train::jobs::Job::attach(&id)?.status()?)?);
         }
         Command::Jobs { action: Some(JobAction::Forget { id }) } => {
-            let mut job = wick::jobs::Job::attach(&id)?;
+            let mut job = wick_train::jobs::Job::attach(&id)?;
             if job.is_running() {
                 bail!("job {id} is running: stop it first");
             }
@@ -283,3 +275,7 @@ fn print_table(reports: &[ReplayReport]) {
         );
     }
 }
+
+// Large buffers (candle's tensors) come from wick's caching allocator: they stay mapped and are
+// reused, and the training progress reports its exact allocated, peak and reserved bytes.
+wick::main!(run);

@@ -19,9 +19,9 @@ use ratatui::text::Line;
 use ratatui::widgets::{Block, Borders, Paragraph, Row, Sparkline, Table, Wrap};
 use wick::engine_status::{live_engines, EngineStatus};
 use wick::gpu::{GpuReport, Gpus};
-use wick::jobs::{Job, JobStatus};
 use wick::machine::HostInfo;
 use wick_memory::format_bytes;
+use wick_train::jobs::{Job, JobStatus};
 
 /// `wick monitor` arguments.
 #[derive(Debug, Args)]

@@ -16,12 +16,16 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use sha2::{Digest, Sha256};
-use wick::data::{Dataset, Epoch, Loader, LoaderConfig, Position, TokenFile};
-use wick::jobs::{write_status, Progress};
-use wick_zoo::amp::{masters_by_name, Autocast, MasterOptimizer};
+use wick_nn::Autocast;
+use wick_nn::Model;
+use wick_train::amp::masters_by_name;
+use wick_train::data::{Dataset, Epoch, Loader, LoaderConfig, Position, TokenFile};
+use wick_train::jobs::{write_status, Progress};
+use wick_train::optim::LrSchedule;
+use wick_train::trainer::{TrainOptions, Trainer};
+use wick_train::CheckpointDir;
+use wick_train::Optimizer;
 use wick_zoo::llama::{Llama, LlamaConfig};
-use wick_zoo::train::{CheckpointDir, LrSchedule, TrainOptions, Trainer};
-use wick_zoo::Model;
 
 /// Settings of `wick train`.
 #[derive(Args, Debug, Clone)]
@@ -243,7 +247,7 @@ fn detach(args: &TrainArgs) -> Result<()> {
     let argv: Vec<String> = std::env::args().skip(1).filter(|a| a != "--detach").collect();
     let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
     let exe = std::env::current_exe().context("finding the wick binary")?;
-    let job = wick::jobs::Job::spawn(&exe, &argv, &args.dir)?;
+    let job = wick_train::jobs::Job::spawn(&exe, &argv, &args.dir)?;
     println!(
         "started job {} (pid {}); log in {}",
         job.id(),
@@ -300,7 +304,7 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         None
     };
     let options = TrainOptions {
-        optimizer: MasterOptimizer::AdamW { lr: args.lr, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 },
+        optimizer: Optimizer::AdamW { lr: args.lr, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 },
         schedule: LrSchedule::WarmupCosine { warmup: args.warmup, total: args.steps, min_factor: 0.1 },
         autocast,
         activation_checkpointing: args.checkpointing,
@@ -378,7 +382,7 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
             "step": record.step, "loss": record.loss, "lr": record.lr, "ms": ms, "rss_bytes": rss, "heap": heap,
         });
         if args.eval_every > 0 && record.step % args.eval_every == 0 {
-            let eval = wick_zoo::no_grad(|| trainer.model().loss(&held_out))?;
+            let eval = wick_nn::no_grad(|| trainer.model().loss(&held_out))?;
             line["eval_loss"] = serde_json::json!(eval.to_dtype(DType::F32)?.to_scalar::<f32>()?);
         }
         writeln!(metrics, "{line}").and_then(|()| metrics.flush()).context("writing metrics")?;

@@ -15,9 +15,8 @@ fn wick(args: &[&str]) -> (bool, String, String) {
     )
 }
 
-/// The recorded-run test records this process's heap.
-#[global_allocator]
-static ALLOC: wick::CountingAllocator = wick::CountingAllocator;
+// The recorded-run test records this process's heap.
+wick::heap!(counting);
 
 fn dir(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("wick-report-test-{name}-{}", std::process::id()));

@@ -7,12 +7,13 @@ use wick::memory::push_label;
 
 use candle_core::{DType, Device, Tensor, D};
 
-use crate::checkpoint::Checkpointing;
 use crate::error::ZooError;
-use crate::model::Model;
-use crate::ops;
-use crate::params::{Init, Params};
 use crate::weights::WeightFile;
+use wick_nn::checkpoint::Checkpointing;
+use wick_nn::model::Model;
+use wick_nn::ops;
+use wick_nn::params::{Init, Params};
+use wick_nn::NnError;
 
 /// The architecture, as in a Hugging Face `config.json`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -89,7 +90,7 @@ impl BertConfig {
         // Q, K, V, output (h×h + h each), FFN in and out, two layer norms.
         let per_layer =
             h.checked_mul(h)?.checked_mul(4)?.checked_add(i.checked_mul(h)?.checked_mul(2)?)?.checked_add(h * 9 + i)?;
-        crate::params::layered_count(Some(embeddings), Some(per_layer), self.num_hidden_layers)
+        wick_nn::params::layered_count(Some(embeddings), Some(per_layer), self.num_hidden_layers)
     }
 
     /// Reads and checks a `config.json`: unknown keys, or values wick does not implement
@@ -151,7 +152,7 @@ pub struct Bert {
 /// the autocast policy).
 fn param_dtype(name: &str, dtype: DType) -> DType {
     if name.contains("LayerNorm") {
-        crate::autocast::norm_param_dtype(dtype)
+        wick_nn::autocast::norm_param_dtype(dtype)
     } else {
         dtype
     }
@@ -213,8 +214,8 @@ fn all_shapes(c: &BertConfig) -> Vec<(String, Vec<usize>, Init)> {
 
 impl Bert {
     /// A freshly initialised model (normal(0, 0.02) weights, as BERT's initialiser).
-    pub fn new(config: BertConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
-        crate::params::preflight_parameters(config.parameter_count(), dtype, device, "BERT")?;
+    pub fn new(config: BertConfig, dtype: DType, device: &Device) -> Result<Self, NnError> {
+        wick_nn::params::preflight_parameters(config.parameter_count(), dtype, device, "BERT")?;
         let mut params = Params::default();
         for (name, shape, init) in all_shapes(&config) {
             params.create(&name, &shape, init, param_dtype(&name, dtype), device)?;
@@ -222,7 +223,7 @@ impl Bert {
         if let Some(pad) = config.pad_token_id {
             let vocab = config.vocab_size;
             if pad as usize >= vocab {
-                return Err(ZooError::Invalid {
+                return Err(NnError::Invalid {
                     what: "BertConfig".into(),
                     message: format!("pad_token_id {pad} is outside the vocabulary of {vocab}"),
                 });
@@ -230,7 +231,7 @@ impl Bert {
             // Hugging Face initialises the padding row to zeros.
             let table = params
                 .get("embeddings.word_embeddings.weight")
-                .ok_or_else(|| ZooError::Invalid { what: "BertConfig".into(), message: "no word embeddings".into() })?;
+                .ok_or_else(|| NnError::Invalid { what: "BertConfig".into(), message: "no word embeddings".into() })?;
             let keep: Vec<f32> = (0..vocab).map(|i| if i == pad as usize { 0.0 } else { 1.0 }).collect();
             let keep = Tensor::from_vec(keep, (vocab, 1), device)?.to_dtype(table.dtype())?;
             table.set(&table.as_tensor().broadcast_mul(&keep)?)?;
@@ -261,18 +262,18 @@ impl Bert {
         Ok(Bert { config, params, dtype })
     }
 
-    fn p(&self, name: &str) -> Result<Tensor, ZooError> {
+    fn p(&self, name: &str) -> Result<Tensor, NnError> {
         self.params.tensor(name)
     }
 
-    fn norm(&self, x: &Tensor, prefix: &str) -> Result<Tensor, ZooError> {
+    fn norm(&self, x: &Tensor, prefix: &str) -> Result<Tensor, NnError> {
         let (w, b) = (self.p(&format!("{prefix}.weight"))?, self.p(&format!("{prefix}.bias"))?);
         Ok(ops::layer_norm(x, &w, &b, self.config.layer_norm_eps)?)
     }
 
     /// Hidden states (batch, seq, hidden) for `input_ids` (batch, seq) and `attention_mask`
     /// (batch, seq; 1 for tokens, 0 for padding).
-    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor, ZooError> {
+    pub fn forward(&self, input_ids: &Tensor, attention_mask: &Tensor) -> Result<Tensor, NnError> {
         self.forward_with(input_ids, attention_mask, None)
     }
 
@@ -282,11 +283,11 @@ impl Bert {
         input_ids: &Tensor,
         attention_mask: &Tensor,
         checkpoint: Option<&Checkpointing>,
-    ) -> Result<Tensor, ZooError> {
+    ) -> Result<Tensor, NnError> {
         let c = &self.config;
         let (batch, seq) = input_ids.dims2()?;
         if seq > c.max_position_embeddings {
-            return Err(ZooError::Invalid {
+            return Err(NnError::Invalid {
                 what: "input".into(),
                 message: format!(
                     "sequence of {seq} tokens exceeds max_position_embeddings {}",
@@ -326,15 +327,15 @@ impl Bert {
 
     /// Mean of the token states under the mask (sentence-transformers' mean pooling), reduced
     /// in f32 (an f32-class op under autocast); the result is f32 (f64 for f64 states).
-    pub fn mean_pool(hidden: &Tensor, attention_mask: &Tensor) -> Result<Tensor, ZooError> {
-        let hidden = hidden.to_dtype(crate::autocast::fp32_compute(hidden.dtype()))?;
+    pub fn mean_pool(hidden: &Tensor, attention_mask: &Tensor) -> Result<Tensor, NnError> {
+        let hidden = hidden.to_dtype(wick_nn::autocast::fp32_compute(hidden.dtype()))?;
         let mask = attention_mask.to_dtype(hidden.dtype())?.unsqueeze(D::Minus1)?;
         let summed = hidden.broadcast_mul(&mask)?.sum(1)?;
         Ok(summed.broadcast_div(&mask.sum(1)?.clamp(1e-9, f64::MAX)?)?)
     }
 
     /// L2 normalisation of each row.
-    pub fn normalize(x: &Tensor) -> Result<Tensor, ZooError> {
+    pub fn normalize(x: &Tensor) -> Result<Tensor, NnError> {
         Ok(x.broadcast_div(&x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.clamp(1e-12, f64::MAX)?)?)
     }
 }
@@ -363,7 +364,7 @@ impl Model for Bert {
         &self.params
     }
 
-    fn loss_with(&self, batch: &SentenceBatch, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
+    fn loss_with(&self, batch: &SentenceBatch, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         let hidden = self.forward_with(&batch.ids, &batch.mask, checkpoint)?;
         let pooled = Bert::mean_pool(&hidden, &batch.mask)?;
         Ok(ops::cross_entropy(&pooled.matmul(&batch.readout)?, &batch.labels)?)
@@ -494,6 +495,6 @@ impl SentenceEmbedder {
         let input = Tensor::from_vec(flat, (ids.len(), len), &device)?;
         let mask = Tensor::from_vec(mask, (ids.len(), len), &device)?;
         let hidden = self.bert.forward(&input, &mask)?;
-        Bert::normalize(&Bert::mean_pool(&hidden, &mask)?)
+        Ok(Bert::normalize(&Bert::mean_pool(&hidden, &mask)?)?)
     }
 }

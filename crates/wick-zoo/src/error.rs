@@ -2,7 +2,11 @@
 
 use std::path::PathBuf;
 
-/// What went wrong loading or running a zoo model.
+use wick_nn::NnError;
+
+/// What went wrong loading a zoo model, its weights, configuration or tokenizer. Building and
+/// running a model fails as [`NnError`] (wrapped here as [`ZooError::Nn`] where a loader builds
+/// one).
 #[derive(Debug, thiserror::Error)]
 pub enum ZooError {
     /// A file is missing or unreadable.
@@ -21,15 +25,6 @@ pub enum ZooError {
         /// What is wrong.
         message: String,
     },
-    /// A setting, an argument or an input is outside what the model or operation supports (no
-    /// file is involved; `what` names the thing: a configuration type, an input, a step).
-    #[error("{what}: {message}")]
-    Invalid {
-        /// What was given.
-        what: String,
-        /// What is wrong with it.
-        message: String,
-    },
     /// A tensor in a weight file is missing or has the wrong shape or dtype.
     #[error("{path}: tensor `{tensor}`: {message}")]
     Tensor {
@@ -40,17 +35,23 @@ pub enum ZooError {
         /// What is wrong.
         message: String,
     },
-    /// Memory for the model cannot be had: refused by pre-flight before anything was allocated
-    /// (out of memory, with advice), or a size that cannot be represented.
-    #[error("{0}")]
-    Memory(#[from] wick::memory::MemoryError),
-    /// candle failed while running the model.
-    #[error("candle: {0}")]
-    Candle(#[from] candle_core::Error),
-    /// The loss scaler was used out of order or set up with a value out of range.
-    #[error("loss scaler: {0}")]
-    Scaler(#[from] crate::amp::ScalerError),
     /// The tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// Building or running the model failed: an invalid configuration, memory refused by
+    /// pre-flight, or candle underneath.
+    #[error(transparent)]
+    Nn(#[from] NnError),
+}
+
+impl From<candle_core::Error> for ZooError {
+    fn from(e: candle_core::Error) -> Self {
+        ZooError::Nn(NnError::Candle(e))
+    }
+}
+
+impl From<wick::memory::MemoryError> for ZooError {
+    fn from(e: wick::memory::MemoryError) -> Self {
+        ZooError::Nn(NnError::Memory(e))
+    }
 }

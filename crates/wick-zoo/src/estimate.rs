@@ -14,12 +14,11 @@
 //! heap as the global allocator), read between and beyond the profiled batches by [`Piecewise`]. Without one, training estimates use
 //! a lower bound (two gradients of the largest activation) and say so.
 
-use std::collections::HashMap;
-
 use candle_core::{Result, Tensor};
 
-use crate::checkpoint::Checkpointing;
-use crate::params::Params;
+use wick_nn::checkpoint::Checkpointing;
+use wick_nn::graph::graph_bytes;
+use wick_nn::params::Params;
 
 /// What a training step keeps per parameter byte besides the parameter itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -44,41 +43,6 @@ impl Mode {
     }
 }
 
-/// Bytes of the graph behind a tensor: every non-parameter node's storage, counted once.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct GraphBytes {
-    /// Sum over distinct storages.
-    pub total: usize,
-    /// The largest single storage.
-    pub largest: usize,
-}
-
-/// Counts the storages an output keeps alive through its autograd graph (parameters excluded).
-pub fn graph_bytes(output: &Tensor) -> GraphBytes {
-    let nodes = output.sorted_nodes();
-    let key = |t: &Tensor| std::ptr::from_ref(&*t.storage_and_layout().0).addr();
-    // Views of a parameter (its transpose, a broadcast, an embedding table's slice) share the
-    // parameter's storage: they are parameter memory, not activations.
-    let parameter_storages: std::collections::HashSet<usize> =
-        nodes.iter().filter(|n| n.is_variable()).map(|n| key(n)).collect();
-    let mut storages: HashMap<usize, usize> = HashMap::new();
-    for node in nodes {
-        let (storage, layout) = node.storage_and_layout();
-        let key = std::ptr::from_ref(&*storage).addr();
-        if parameter_storages.contains(&key) {
-            continue;
-        }
-        // The highest element a view reaches; the base tensor of a storage reaches its end.
-        let reach = layout.start_offset()
-            + layout.dims().iter().zip(layout.stride()).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>()
-            + 1;
-        let bytes = reach * node.dtype().size_in_bytes();
-        let entry = storages.entry(key).or_insert(0);
-        *entry = (*entry).max(bytes);
-    }
-    GraphBytes { total: storages.values().sum(), largest: storages.values().copied().max().unwrap_or(0) }
-}
-
 /// The estimate, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Estimate {
@@ -95,7 +59,7 @@ pub struct Estimate {
     /// f32 master weights (mixed-precision training with [`crate::amp::MasterWeights`]; 0 otherwise).
     pub master_weights: usize,
     /// Tensors the forward pass keeps for backward (0 for inference profiled under
-    /// [`crate::no_grad`]: its whole peak is transient, in `workspace`).
+    /// [`wick_nn::no_grad`]: its whole peak is transient, in `workspace`).
     pub activations: usize,
     /// Transient memory: gradients in flight during backward, or the optimizer's temporaries
     /// beyond the activations (the update runs after the graph is freed), whichever is larger.
@@ -205,7 +169,7 @@ pub struct ActivationProfile {
     /// it follows the last segment, the steepest for convex values; an op that dominates only at
     /// larger batches is not seen.
     pub backward_workspace: Option<Piecewise>,
-    /// Peak bytes of a forward pass under [`crate::no_grad`] (inference as it is run: nothing
+    /// Peak bytes of a forward pass under [`wick_nn::no_grad`] (inference as it is run: nothing
     /// kept for backward), profiled like the workspace when an exact heap is installed.
     pub inference_peak: Option<Piecewise>,
 }
@@ -263,7 +227,7 @@ impl ActivationProfile {
         for (index, batch) in std::iter::once(1).chain(PROFILE_BATCHES).enumerate() {
             let before = wick::host_memory::exact_heap().map(|(b, _)| b);
             wick::host_memory::reset_exact_peak();
-            drop(crate::no_grad(|| forward(batch, None))?);
+            drop(wick_nn::no_grad(|| forward(batch, None))?);
             if let (Some(before), Some((peak, _)), true) = (before, wick::host_memory::exact_peak(), index > 0) {
                 inference.push(peak.saturating_sub(before));
             }

@@ -4,12 +4,13 @@
 use candle_core::{DType, Device, Module, Tensor};
 use wick::memory::push_label;
 
-use crate::autocast::norm_param_dtype;
-use crate::checkpoint::Checkpointing;
-use crate::error::ZooError;
-use crate::model::{to_candle, Model};
-use crate::ops;
-use crate::params::{Init, Params};
+use wick_nn::autocast::norm_param_dtype;
+use wick_nn::checkpoint::Checkpointing;
+use wick_nn::model::Model;
+use wick_nn::ops;
+use wick_nn::params::{Init, Params};
+use wick_nn::to_candle;
+use wick_nn::NnError;
 
 /// Parameters of one decoder layer, in the order [`decoder_layer`] takes them.
 const LAYER_PARAMS: [&str; 9] = [
@@ -90,15 +91,15 @@ impl LlamaConfig {
         // Q, K, V, O (h×h), two RMSNorm scales, gate, up and down (i×h).
         let per_layer =
             h.checked_mul(h)?.checked_mul(4)?.checked_add(i.checked_mul(h)?.checked_mul(3)?)?.checked_add(2 * h)?;
-        crate::params::layered_count(Some(fixed), Some(per_layer), self.num_layers)
+        wick_nn::params::layered_count(Some(fixed), Some(per_layer), self.num_layers)
     }
 
-    fn check(&self) -> Result<(), ZooError> {
+    fn check(&self) -> Result<(), NnError> {
         if self.num_heads == 0
             || !self.hidden_size.is_multiple_of(self.num_heads)
             || !(self.hidden_size / self.num_heads).is_multiple_of(2)
         {
-            return Err(ZooError::Invalid {
+            return Err(NnError::Invalid {
                 what: "llama config".into(),
                 message: format!(
                     "hidden_size {} must split into an even head size over {} heads",
@@ -121,9 +122,9 @@ pub struct Llama {
 
 impl Llama {
     /// A freshly initialised model.
-    pub fn new(config: LlamaConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
+    pub fn new(config: LlamaConfig, dtype: DType, device: &Device) -> Result<Self, NnError> {
         config.check()?;
-        crate::params::preflight_parameters(config.parameter_count(), dtype, device, "LLaMA")?;
+        wick_nn::params::preflight_parameters(config.parameter_count(), dtype, device, "LLaMA")?;
         let (h, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
         let std = 0.02;
         let mut params = Params::default();
@@ -150,25 +151,25 @@ impl Llama {
         Ok(Llama { config, params, dtype })
     }
 
-    fn p(&self, name: &str) -> Result<Tensor, ZooError> {
+    fn p(&self, name: &str) -> Result<Tensor, NnError> {
         self.params.tensor(name)
     }
 
-    fn proj(&self, x: &Tensor, name: &str) -> Result<Tensor, ZooError> {
+    fn proj(&self, x: &Tensor, name: &str) -> Result<Tensor, NnError> {
         Ok(ops::linear(x, &self.p(name)?, None)?)
     }
 
     /// Logits (batch, seq, vocab) for token ids (batch, seq).
-    pub fn forward(&self, ids: &Tensor) -> Result<Tensor, ZooError> {
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor, NnError> {
         self.forward_with(ids, None)
     }
 
     /// As [`Llama::forward`], with each decoder layer checkpointed when `checkpoint` is given.
-    pub fn forward_with(&self, ids: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
+    pub fn forward_with(&self, ids: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         let c = self.config;
         let (batch, seq) = ids.dims2()?;
         if seq > c.max_seq {
-            return Err(ZooError::Invalid {
+            return Err(NnError::Invalid {
                 what: "input".into(),
                 message: format!("sequence {seq} exceeds max_seq {}", c.max_seq),
             });
@@ -208,10 +209,10 @@ impl Model for Llama {
         &self.params
     }
 
-    fn loss_with(&self, ids: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
+    fn loss_with(&self, ids: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         let (batch, seq) = ids.dims2()?;
         if seq < 2 {
-            return Err(ZooError::Invalid {
+            return Err(NnError::Invalid {
                 what: "input".into(),
                 message: format!("next-token loss needs at least 2 tokens per sequence, got {seq}"),
             });

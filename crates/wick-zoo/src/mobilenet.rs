@@ -8,11 +8,12 @@ use wick::memory::push_label;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::autocast::norm_param_dtype;
-use crate::checkpoint::{run_stateful, Checkpointing};
-use crate::cnn::{conv2d, depthwise_conv2d, global_avg_pool, Activation, BatchNorm, RunningStats};
 use crate::error::ZooError;
-use crate::params::{Init, Params};
+use wick_nn::autocast::norm_param_dtype;
+use wick_nn::checkpoint::{run_stateful, Checkpointing};
+use wick_nn::cnn::{conv2d, depthwise_conv2d, global_avg_pool, Activation, BatchNorm, RunningStats};
+use wick_nn::params::{Init, Params};
+use wick_nn::NnError;
 
 /// torchvision's `_make_divisible`.
 fn make_divisible(v: f64, divisor: usize) -> usize {
@@ -221,7 +222,7 @@ impl MobileNetV2 {
     /// The residual-block counterpart of torchvision ResNet's `zero_init_residual=True`: the
     /// projection norm's scale of every block with a skip connection starts at zero, so those
     /// blocks start as the identity.
-    pub fn zero_init_residual(&self) -> Result<(), ZooError> {
+    pub fn zero_init_residual(&self) -> Result<(), NnError> {
         for block in self.blocks.iter().filter(|b| b.spec.residual) {
             let n = block.weights.len();
             let scale = &block.weights[n - 2];
@@ -233,18 +234,13 @@ impl MobileNetV2 {
     }
 
     /// Logits (N, classes) for images (N, 3, H, W), normalised as torchvision expects.
-    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ZooError> {
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, NnError> {
         self.forward_with(x, train, None)
     }
 
     /// As [`MobileNetV2::forward`], with each inverted-residual block checkpointed when
     /// `checkpoint` is given (batch-norm statistics move once, in the forward pass).
-    pub fn forward_with(
-        &self,
-        x: &Tensor,
-        train: bool,
-        checkpoint: Option<&Checkpointing>,
-    ) -> Result<Tensor, ZooError> {
+    pub fn forward_with(&self, x: &Tensor, train: bool, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         let stem = push_label("features.0");
         let mut x = self.stem.1.forward_act(&conv2d(x, &self.stem.0, 1, 2)?, train, Activation::Relu6)?;
         drop(stem);
@@ -258,11 +254,11 @@ impl MobileNetV2 {
         let x = self.last.1.forward_act(&conv2d(&x, &self.last.0, 0, 1)?, train, Activation::Relu6)?;
         drop(last);
         let _head = push_label("classifier");
-        Ok(crate::ops::linear(&global_avg_pool(&x)?, &self.classifier.0, Some(&self.classifier.1))?)
+        Ok(wick_nn::ops::linear(&global_avg_pool(&x)?, &self.classifier.0, Some(&self.classifier.1))?)
     }
 }
 
-crate::model::cnn_classifier!(MobileNetV2);
+crate::classifier::cnn_classifier!(MobileNetV2);
 
 #[cfg(test)]
 mod tests {

@@ -4,11 +4,11 @@
 use candle_core::{DType, Device, Tensor};
 use wick::memory::push_label;
 
-use crate::checkpoint::{run_stateful, Checkpointing};
-use crate::cnn::{conv2d, global_avg_pool, max_pool2d, Activation, BatchNorm, RunningStats};
-use crate::error::ZooError;
-use crate::ops::add_relu;
-use crate::params::{Init, Params};
+use wick_nn::checkpoint::{run_stateful, Checkpointing};
+use wick_nn::cnn::{conv2d, global_avg_pool, max_pool2d, Activation, BatchNorm, RunningStats};
+use wick_nn::ops::add_relu;
+use wick_nn::params::{Init, Params};
+use wick_nn::NnError;
 
 /// Which ResNet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,7 +122,7 @@ impl ResNet {
         width: usize,
         dtype: DType,
         device: &Device,
-    ) -> Result<Self, ZooError> {
+    ) -> Result<Self, NnError> {
         let mut params = Params::default();
         let p = &mut params;
         let stem = (
@@ -184,7 +184,7 @@ impl ResNet {
     /// freshly initialised deep ResNet amplifies small perturbations on the way back (at the
     /// test sizes here, bf16's rounding alone turns ResNet-50's parameter gradient by more than
     /// 80° from the f32 one); with it the two agree to a cosine of 0.998.
-    pub fn zero_init_residual(&self) -> Result<(), ZooError> {
+    pub fn zero_init_residual(&self) -> Result<(), NnError> {
         let last = if self.depth.bottleneck() { "bn3.weight" } else { "bn2.weight" };
         for (name, var) in self.params.iter() {
             if name.starts_with("layer") && name.ends_with(last) {
@@ -195,18 +195,13 @@ impl ResNet {
     }
 
     /// Logits (N, classes) for images (N, 3, H, W).
-    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, ZooError> {
+    pub fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor, NnError> {
         self.forward_with(x, train, None)
     }
 
     /// As [`ResNet::forward`], with each residual block checkpointed when `checkpoint` is given
     /// (its batch-norm statistics move once, in the forward pass, not again when recomputed).
-    pub fn forward_with(
-        &self,
-        x: &Tensor,
-        train: bool,
-        checkpoint: Option<&Checkpointing>,
-    ) -> Result<Tensor, ZooError> {
+    pub fn forward_with(&self, x: &Tensor, train: bool, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         let stem = push_label("stem");
         let x = self.stem.1.forward_act(&self.stem.0.forward(x)?, train, Activation::Relu)?;
         let mut x = max_pool2d(&x, 3, 2, 1)?;
@@ -219,8 +214,8 @@ impl ResNet {
         }
         let _head = push_label("fc");
         let pooled = global_avg_pool(&x)?;
-        Ok(crate::ops::linear(&pooled, &self.fc.0, Some(&self.fc.1))?)
+        Ok(wick_nn::ops::linear(&pooled, &self.fc.0, Some(&self.fc.1))?)
     }
 }
 
-crate::model::cnn_classifier!(ResNet);
+crate::classifier::cnn_classifier!(ResNet);

@@ -5,12 +5,13 @@
 use candle_core::{DType, Device, Module, Tensor};
 use wick::memory::push_label;
 
-use crate::autocast::norm_param_dtype;
-use crate::checkpoint::Checkpointing;
-use crate::error::ZooError;
-use crate::model::{to_candle, Labelled, Model};
-use crate::ops;
-use crate::params::{Init, Params};
+use wick_nn::autocast::norm_param_dtype;
+use wick_nn::checkpoint::Checkpointing;
+use wick_nn::model::{Labelled, Model};
+use wick_nn::ops;
+use wick_nn::params::{Init, Params};
+use wick_nn::to_candle;
+use wick_nn::NnError;
 
 /// Parameters of one encoder layer, in the order [`encoder_layer`] takes them.
 const LAYER_PARAMS: [&str; 12] = [
@@ -105,7 +106,7 @@ impl VitConfig {
         // In-projection (3h×h + 3h), out-projection (h×h + h), two norms, MLP (m×h + m, h×m + h).
         let per_layer =
             h.checked_mul(h)?.checked_mul(4)?.checked_add(m.checked_mul(h)?.checked_mul(2)?)?.checked_add(9 * h + m)?;
-        crate::params::layered_count(Some(fixed), Some(per_layer), self.layers)
+        wick_nn::params::layered_count(Some(fixed), Some(per_layer), self.layers)
     }
 }
 
@@ -119,14 +120,14 @@ pub struct Vit {
 
 impl Vit {
     /// A fresh model.
-    pub fn new(config: VitConfig, dtype: DType, device: &Device) -> Result<Self, ZooError> {
+    pub fn new(config: VitConfig, dtype: DType, device: &Device) -> Result<Self, NnError> {
         let c = config;
         if c.patch_size == 0
             || !c.image_size.is_multiple_of(c.patch_size)
             || c.heads == 0
             || !c.hidden.is_multiple_of(c.heads)
         {
-            return Err(ZooError::Invalid {
+            return Err(NnError::Invalid {
                 what: "vit config".into(),
                 message: format!(
                     "image {} must be a multiple of patch {} and hidden {} of heads {}",
@@ -134,7 +135,7 @@ impl Vit {
                 ),
             });
         }
-        crate::params::preflight_parameters(c.parameter_count(), dtype, device, "ViT")?;
+        wick_nn::params::preflight_parameters(c.parameter_count(), dtype, device, "ViT")?;
         let (h, m) = (c.hidden, c.mlp_dim);
         let mut p = Params::default();
         let fan_in = 3 * c.patch_size * c.patch_size;
@@ -178,32 +179,32 @@ impl Vit {
         Ok(Vit { config, params: p })
     }
 
-    fn p(&self, name: &str) -> Result<Tensor, ZooError> {
+    fn p(&self, name: &str) -> Result<Tensor, NnError> {
         self.params.tensor(name)
     }
 
-    fn linear(&self, x: &Tensor, w: &str, b: &str) -> Result<Tensor, ZooError> {
+    fn linear(&self, x: &Tensor, w: &str, b: &str) -> Result<Tensor, NnError> {
         Ok(ops::linear(x, &self.p(w)?, Some(&self.p(b)?))?)
     }
 
     /// Logits (N, classes) for images (N, 3, image_size, image_size).
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor, ZooError> {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor, NnError> {
         self.forward_with(x, None)
     }
 
     /// As [`Vit::forward`], with each encoder layer checkpointed when `checkpoint` is given.
-    pub fn forward_with(&self, x: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
+    pub fn forward_with(&self, x: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         let c = &self.config;
         let n = x.dim(0)?;
         let (h, heads) = (c.hidden, c.heads);
         let embed = push_label("embed");
         let patches =
-            crate::cnn::conv2d_bias(x, &self.p("conv_proj.weight")?, &self.p("conv_proj.bias")?, 0, c.patch_size)?;
+            wick_nn::cnn::conv2d_bias(x, &self.p("conv_proj.weight")?, &self.p("conv_proj.bias")?, 0, c.patch_size)?;
         let tokens = patches.flatten_from(2)?.transpose(1, 2)?; // (N, patches, h)
                                                                 // Class token and position embedding as one node: their gradients are sums over the
                                                                 // batch, which candle's CPU reductions would accumulate in bf16 under autocast.
         let (cls, pos) = (self.p("class_token")?, self.p("encoder.pos_embedding")?);
-        let mut z = crate::fused::node("embed", &[&tokens, &cls, &pos], tokens.dtype(), tokens.dtype(), move |t| {
+        let mut z = wick_nn::fused::node("embed", &[&tokens, &cls, &pos], tokens.dtype(), tokens.dtype(), move |t| {
             Tensor::cat(&[&t[1].broadcast_as((n, 1, h))?, &t[0]], 1)?.broadcast_add(&t[2])
         })?;
         drop(embed);
@@ -233,7 +234,7 @@ impl Model for Vit {
         &self.params
     }
 
-    fn loss_with(&self, batch: &Labelled, checkpoint: Option<&Checkpointing>) -> Result<Tensor, ZooError> {
+    fn loss_with(&self, batch: &Labelled, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         Ok(ops::cross_entropy(&self.forward_with(&batch.inputs, checkpoint)?, &batch.labels)?)
     }
 }

@@ -30,7 +30,7 @@ impl WeightFile {
             };
             ZooError::File { path: path.to_path_buf(), message: format!("not a readable safetensors file: {why}") }
         })?;
-        crate::params::preflight_bytes(Some(payload), device, &format!("weights {}", path.display()))?;
+        wick_nn::params::preflight_bytes(Some(payload), device, &format!("weights {}", path.display()))?;
         let tensors = candle_core::safetensors::load(path, device).map_err(|e| ZooError::File {
             path: path.to_path_buf(),
             message: format!("not a readable safetensors file: {e}"),

@@ -3,13 +3,11 @@
 
 use candle_core::{DType, Device, Tensor};
 use wick::host_memory::{counted_heap, counted_peak, reset_counted_peak};
-use wick::CountingAllocator;
-use wick_zoo::checkpoint::Checkpointing;
+use wick_nn::checkpoint::Checkpointing;
+use wick_nn::Model;
 use wick_zoo::llama::{Llama, LlamaConfig};
-use wick_zoo::Model;
 
-#[global_allocator]
-static ALLOC: CountingAllocator = CountingAllocator;
+wick::heap!(counting);
 
 /// The heap counters are process-wide, so the tests of this binary take turns.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -69,7 +67,7 @@ fn llama_checkpointing_same_gradients_less_memory() {
 }
 
 /// Gradients of `loss(None)` and `loss(Some(ckpt))` agree for every parameter.
-fn same_gradients(params: &wick_zoo::params::Params, loss: impl Fn(Option<&Checkpointing>) -> Tensor) {
+fn same_gradients(params: &wick_nn::params::Params, loss: impl Fn(Option<&Checkpointing>) -> Tensor) {
     let plain = loss(None).backward().unwrap();
     let ckpt = Checkpointing::new();
     let l = loss(Some(&ckpt));
@@ -86,12 +84,12 @@ fn same_gradients(params: &wick_zoo::params::Params, loss: impl Fn(Option<&Check
 /// Peak heap of one forward+backward and the activations the graph keeps after the forward
 /// pass, plain vs checkpointed: ((peak, kept) plain, (peak, kept) checkpointed).
 type Measured = ((usize, usize), (usize, usize));
-fn peaks(params: &wick_zoo::params::Params, loss: impl Fn(Option<&Checkpointing>) -> Tensor) -> Measured {
+fn peaks(params: &wick_nn::params::Params, loss: impl Fn(Option<&Checkpointing>) -> Tensor) -> Measured {
     let run = |ckpt: Option<&Checkpointing>| {
         let base = counted_heap().unwrap();
         reset_counted_peak();
         let l = loss(ckpt);
-        let kept = wick_zoo::estimate::graph_bytes(&l).total;
+        let kept = wick_nn::graph::graph_bytes(&l).total;
         let g = match ckpt {
             Some(c) => c.backward(&l, params).unwrap(),
             None => l.backward().unwrap(),
@@ -105,14 +103,14 @@ fn peaks(params: &wick_zoo::params::Params, loss: impl Fn(Option<&Checkpointing>
 #[test]
 fn checkpointing_works_on_every_zoo_model() {
     let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    use wick_nn::ops::cross_entropy;
     use wick_zoo::bert::{Bert, BertConfig};
     use wick_zoo::mobilenet::MobileNetV2;
-    use wick_zoo::ops::cross_entropy;
     use wick_zoo::resnet::{ResNet, ResNetDepth};
     use wick_zoo::vit::{Vit, VitConfig};
     let dev = Device::Cpu;
     let labels = Tensor::new(&[0u32, 1, 0, 1], &dev).unwrap();
-    let images = |dtype| wick_zoo::params::normal_tensor(&[4, 3, 64, 64], 1.0, 11, dtype, &dev).unwrap();
+    let images = |dtype| wick_nn::params::normal_tensor(&[4, 3, 64, 64], 1.0, 11, dtype, &dev).unwrap();
     let mut report = Vec::new();
     for dtype in [DType::F64, DType::F32] {
         let bert = Bert::new(

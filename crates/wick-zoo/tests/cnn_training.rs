@@ -2,9 +2,9 @@
 //! autograd agrees with finite differences on tiny widths, and a few steps lower the loss.
 
 use candle_core::{DType, Device, Tensor, Var};
+use wick_nn::ops::cross_entropy;
+use wick_nn::params::Params;
 use wick_zoo::mobilenet::MobileNetV2;
-use wick_zoo::ops::cross_entropy;
-use wick_zoo::params::Params;
 use wick_zoo::resnet::{ResNet, ResNetDepth};
 
 /// Finite differences need the loss to be reproducible to ~1e-13; candle's CPU kernels split
@@ -99,7 +99,7 @@ fn train(forward: impl Fn(&Tensor) -> Tensor, params: &Params, lr: f64, steps: u
 
 /// Gaussian inputs for the finite-difference checks.
 fn smooth_batch() -> (Tensor, Tensor) {
-    let x = wick_zoo::params::normal_tensor(&[8, 3, 32, 32], 1.0, 7, DType::F64, &Device::Cpu).unwrap();
+    let x = wick_nn::params::normal_tensor(&[8, 3, 32, 32], 1.0, 7, DType::F64, &Device::Cpu).unwrap();
     (x, Tensor::new(&[0u32, 1, 0, 1, 0, 1, 0, 1], &Device::Cpu).unwrap())
 }
 

@@ -7,6 +7,7 @@ mod common;
 
 use candle_core::{DType, Device};
 use wick::memory::MemoryError;
+use wick_nn::NnError;
 use wick_zoo::bert::{Bert, BertConfig, SentenceEmbedder};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::vit::{Vit, VitConfig};
@@ -42,12 +43,12 @@ fn parameter_counts_match_the_models_built() {
 }
 
 /// The error must be out-of-memory from pre-flight (or a size that cannot be represented).
-fn refused(result: Result<impl Sized, ZooError>) {
+fn refused(result: Result<impl Sized, NnError>) {
     match result {
-        Err(ZooError::Memory(MemoryError::OutOfMemory(oom))) => {
+        Err(NnError::Memory(MemoryError::OutOfMemory(oom))) => {
             assert!(oom.device.contains("parameters"), "{}", oom.device)
         }
-        Err(ZooError::Memory(MemoryError::TooLarge { .. })) => {}
+        Err(NnError::Memory(MemoryError::TooLarge { .. })) => {}
         Err(other) => panic!("expected a pre-flight refusal, got: {other}"),
         Ok(_) => panic!("an impossible model was built"),
     }
@@ -66,7 +67,7 @@ fn impossible_configurations_are_refused_before_allocating() {
     // A zero patch size divided by zero.
     assert!(matches!(
         Vit::new(VitConfig { patch_size: 0, ..vit_config() }, DType::F32, &cpu),
-        Err(ZooError::Invalid { .. })
+        Err(NnError::Invalid { .. })
     ));
 }
 
@@ -114,7 +115,7 @@ fn a_weight_file_is_preflighted_from_its_header() {
     let result = wick_zoo::weights::WeightFile::open(&path, &Device::Cpu);
     std::fs::remove_file(&path).ok();
     match result {
-        Err(ZooError::Memory(MemoryError::OutOfMemory(oom))) => {
+        Err(ZooError::Nn(NnError::Memory(MemoryError::OutOfMemory(oom)))) => {
             assert!(oom.device.contains("wick-huge"), "{}", oom.device)
         }
         Err(other) => panic!("expected out of memory, got: {other}"),

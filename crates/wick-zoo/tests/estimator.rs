@@ -1,17 +1,15 @@
 //! The memory estimator against measured peaks (counting allocator, CPU, f32) for every zoo model
-//! in inference and a training step (SGD), and for mixed-precision training (bf16 models, f32
-//! masters and AdamW state): within ±15 %. The heap counters are process-wide, so the tests of
+//! in inference and a training step (SGD): within ±15 % (mixed-precision training is checked
+//! beside the f32 masters it counts, in wick-train's `estimate_amp` test). The heap counters are process-wide, so the tests of
 //! this binary take turns.
 
 use candle_core::{DType, Device, Tensor};
 use wick::host_memory::{counted_heap, counted_peak, reset_counted_peak};
-use wick::CountingAllocator;
+use wick_nn::params::Params;
+use wick_nn::Model;
 use wick_zoo::estimate::{estimate, largest_batch, ActivationProfile, Mode};
-use wick_zoo::params::Params;
-use wick_zoo::Model;
 
-#[global_allocator]
-static ALLOC: CountingAllocator = CountingAllocator;
+wick::heap!(counting);
 
 /// Above every profiled batch (2, 4, 8, 16): the estimate extrapolates.
 const BATCH: usize = 24;
@@ -25,7 +23,7 @@ fn measure(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize, mode: M
     reset_counted_peak();
     if mode == Mode::Inference {
         // Inference as it is run: under no_grad.
-        drop(wick_zoo::no_grad(|| run(batch)));
+        drop(wick_nn::no_grad(|| run(batch)));
     } else {
         let out = run(batch);
         let grads = out.backward().unwrap();
@@ -56,15 +54,15 @@ fn check(name: &str, params: &Params, run: &dyn Fn(usize) -> Tensor) -> (String,
 #[test]
 fn estimates_are_within_15_percent_of_measured_peaks() {
     let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    use wick_nn::ops::cross_entropy;
     use wick_zoo::bert::{Bert, BertConfig};
     use wick_zoo::llama::{Llama, LlamaConfig};
     use wick_zoo::mobilenet::MobileNetV2;
-    use wick_zoo::ops::cross_entropy;
     use wick_zoo::resnet::{ResNet, ResNetDepth};
     use wick_zoo::vit::{Vit, VitConfig};
     let dev = Device::Cpu;
     let f = DType::F32;
-    let images = wick_zoo::params::normal_tensor(&[BATCH, 3, 64, 64], 1.0, 13, f, &dev).unwrap();
+    let images = wick_nn::params::normal_tensor(&[BATCH, 3, 64, 64], 1.0, 13, f, &dev).unwrap();
     let labels = Tensor::from_vec((0..BATCH as u32).map(|i| i % 2).collect::<Vec<_>>(), BATCH, &dev).unwrap();
     let tokens =
         Tensor::from_vec((0..BATCH * 64).map(|i| (i * 7 % 100) as u32).collect::<Vec<_>>(), (BATCH, 64), &dev).unwrap();
@@ -151,82 +149,4 @@ fn estimates_are_within_15_percent_of_measured_peaks() {
         println!("{row}");
     }
     assert!(rows.iter().all(|(_, ok)| *ok), "an estimate is outside ±15 % of its measurement");
-}
-
-/// Peak of a steady-state mixed-precision AdamW step (the second one) at `batch`, counting the
-/// model's parameters, the f32 masters and state, and nothing else resident.
-fn measure_amp(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize) -> usize {
-    use wick_zoo::amp::{MasterOptimizer, MasterWeights};
-    let parameters: usize = params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
-    let base = counted_heap().unwrap() - parameters;
-    let vars: Vec<_> = params.iter().map(|(_, v)| v.clone()).collect();
-    let opt = MasterOptimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
-    let mut masters = MasterWeights::new(&vars, opt).unwrap();
-    let mut step = || {
-        let grads = run(batch).backward().unwrap();
-        masters.step(&grads).unwrap();
-    };
-    step();
-    reset_counted_peak();
-    step();
-    counted_peak().unwrap() - base
-}
-
-#[test]
-fn amp_training_estimates_are_within_15_percent_of_measured_peaks() {
-    let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    use wick_zoo::estimate::estimate_amp;
-    use wick_zoo::llama::{Llama, LlamaConfig};
-    use wick_zoo::ops::cross_entropy;
-    use wick_zoo::resnet::{ResNet, ResNetDepth};
-    let dev = Device::Cpu;
-    let bf = DType::BF16;
-    let take = |t: &Tensor, b: usize| t.narrow(0, 0, b).unwrap();
-    let tokens =
-        Tensor::from_vec((0..BATCH * 64).map(|i| (i * 7 % 100) as u32).collect::<Vec<_>>(), (BATCH, 64), &dev).unwrap();
-    let images = wick_zoo::params::normal_tensor(&[BATCH, 3, 64, 64], 1.0, 13, bf, &dev).unwrap();
-    let labels = Tensor::from_vec((0..BATCH as u32).map(|i| i % 2).collect::<Vec<_>>(), BATCH, &dev).unwrap();
-    let config = LlamaConfig {
-        vocab_size: 100,
-        hidden_size: 128,
-        num_layers: 4,
-        intermediate_size: 512,
-        ..LlamaConfig::tiny(100)
-    };
-    let llama = Llama::new(config, bf, &dev).unwrap();
-    let resnet = ResNet::new(ResNetDepth::R18, 2, 16, bf, &dev).unwrap();
-    let llama_run = |b: usize| llama.loss(&take(&tokens, b)).unwrap();
-    let resnet_run =
-        |b: usize| cross_entropy(&resnet.forward(&take(&images, b), true).unwrap(), &take(&labels, b)).unwrap();
-    type Case<'a> = (&'a str, &'a Params, &'a dyn Fn(usize) -> Tensor);
-    let cases: [Case; 2] = [
-        ("LLaMA 4×128, seq 64, bf16", &llama.params, &llama_run),
-        ("ResNet-18 w16, 64², bf16", &resnet.params, &resnet_run),
-    ];
-    println!("\n| model (batch {BATCH}, AdamW on f32 masters) | estimate / measured MiB | params / masters / state / activations / workspace MiB |");
-    println!("|---|---|---|");
-    let mut ok = true;
-    for (name, params, run) in cases {
-        let profile = ActivationProfile::measure(params, |b| Ok(run(b))).unwrap();
-        let e = estimate_amp(params, &profile, BATCH, Mode::TrainAdamW);
-        // The masters and state are f32 whatever the model's dtype.
-        let numel: usize = params.iter().map(|(_, v)| v.elem_count()).sum();
-        assert_eq!((e.master_weights, e.optimizer_state), (4 * numel, 8 * numel), "{name}");
-        let m = measure_amp(params, run, BATCH);
-        let ratio = e.total as f64 / m as f64;
-        ok &= (0.85..=1.15).contains(&ratio);
-        let mib = |b: usize| b as f64 / 1048576.0;
-        println!(
-            "| {name} | {:.1} / {:.1} ({:+.1} %) | {:.1} / {:.1} / {:.1} / {:.1} / {:.1} |",
-            mib(e.total),
-            mib(m),
-            (ratio - 1.0) * 100.0,
-            mib(e.parameters),
-            mib(e.master_weights),
-            mib(e.optimizer_state),
-            mib(e.activations),
-            mib(e.workspace)
-        );
-    }
-    assert!(ok, "an AMP estimate is outside ±15 % of its measurement");
 }

@@ -145,7 +145,7 @@ fn minilm_under_autocast_matches_f32() {
         "a",
     ];
     let reference = SentenceEmbedder::load(&dir, DType::F32, &Device::Cpu).unwrap().embed(&texts).unwrap();
-    for autocast in [wick_zoo::amp::Autocast::bf16(), wick_zoo::amp::Autocast::f16()] {
+    for autocast in [wick_nn::Autocast::bf16(), wick_nn::Autocast::f16()] {
         let model = SentenceEmbedder::load(&dir, autocast.model_dtype(), &Device::Cpu).unwrap();
         let e = model.embed(&texts).unwrap().to_dtype(DType::F32).unwrap();
         for (i, text) in texts.iter().enumerate() {

@@ -67,7 +67,7 @@ fn pth_and_converted_safetensors_classify_identically() {
     let diff = (a - &b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
     assert_eq!(diff, 0.0, "bit-identical logits");
     // The weights are real: predictions are confident and differ between images.
-    let probs = wick_zoo::ops::softmax_last_dim(&b).unwrap();
+    let probs = wick_nn::ops::softmax_last_dim(&b).unwrap();
     let max_p: Vec<f32> = probs.max(1).unwrap().to_vec1().unwrap();
     assert!(max_p.iter().any(|p| *p > 0.2), "an untrained net would give ~0.001 everywhere: {max_p:?}");
     println!("top-1 classes {top_a:?}, confidences {max_p:?}");

@@ -1,16 +1,15 @@
-//! The `Model` trait, the candle traits and the `Updater` against what each model's own methods
-//! compute: the same loss to the bit, the same logits, the same update as the pieces under it.
+//! The `Model` trait and the candle traits against what each model's own methods compute: the
+//! same loss to the bit, the same logits.
 
-use candle_core::{DType, Device, Module, ModuleT, Tensor, Var};
-use wick_zoo::amp::{master_step, scaled_backward, Autocast, MasterOptimizer, MasterWeights, StepOutcome, Updater};
+use candle_core::{DType, Device, Module, ModuleT, Tensor};
+use wick_nn::ops::cross_entropy;
+use wick_nn::params::normal_tensor;
+use wick_nn::{Labelled, Model};
 use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::mobilenet::MobileNetV2;
-use wick_zoo::ops::cross_entropy;
-use wick_zoo::params::normal_tensor;
 use wick_zoo::resnet::{ResNet, ResNetDepth};
 use wick_zoo::vit::{Vit, VitConfig};
-use wick_zoo::{Labelled, Model};
 
 fn scalar(t: &Tensor) -> f64 {
     t.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
@@ -129,45 +128,11 @@ fn checkpointed_trait_loss_gives_the_plain_gradients() {
     let batch = images();
     let batch = Labelled { inputs: batch.inputs.to_dtype(DType::F64).unwrap(), labels: batch.labels };
     let plain = vit.loss(&batch).unwrap().backward().unwrap();
-    let ckpt = wick_zoo::checkpoint::Checkpointing::new();
+    let ckpt = wick_nn::checkpoint::Checkpointing::new();
     let loss = vit.loss_with(&batch, Some(&ckpt)).unwrap();
     let grads = ckpt.backward(&loss, vit.params()).unwrap();
     for v in vit.vars() {
         let (a, b) = (plain.get(v.as_tensor()).unwrap(), grads.get(v.as_tensor()).unwrap());
         assert!(max_diff(a, b) < 1e-12);
     }
-}
-
-#[test]
-fn the_updater_makes_the_update_its_parts_make() {
-    let engine = wick::Engine::cpu();
-    let cpu = engine.device().clone();
-    let adamw = MasterOptimizer::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
-    let ids = llama_batch();
-    let (a, b) = (
-        Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap(),
-        Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap(),
-    );
-    let start: Vec<Tensor> = a.vars().iter().map(|v| v.as_tensor().copy().unwrap()).collect();
-    let mut updater = Updater::new(&engine, &a.vars(), &start, adamw, Autocast::off()).unwrap();
-    assert!(!updater.fused() && updater.scale().unwrap().is_none());
-    let mut masters = MasterWeights::with_masters(&b.vars(), Some(&start), adamw).unwrap();
-    let refs: Vec<Var> = b.vars();
-    let refs: Vec<&Var> = refs.iter().collect();
-    let mut called = false;
-    for _ in 0..3 {
-        let outcome = updater.step(&a.loss(&ids).unwrap(), &a.vars(), || called = true).unwrap();
-        assert_eq!(outcome, StepOutcome::Applied);
-        let mut grads = scaled_backward(&b.loss(&ids).unwrap(), None).unwrap();
-        master_step(&mut grads, &mut masters, None, &refs).unwrap();
-    }
-    assert!(called);
-    for (x, y) in a.vars().iter().zip(b.vars()) {
-        assert_eq!(max_diff(x.as_tensor(), y.as_tensor()), 0.0);
-    }
-    assert_eq!(updater.memory_bytes(), masters.memory_bytes());
-    // f16 scales its loss, with PyTorch's initial scale 2^16.
-    let c = Llama::new(LlamaConfig::tiny(48), DType::F16, &cpu).unwrap();
-    let f16 = Updater::new(&engine, &c.vars(), &start, adamw, Autocast::new(DType::F16).unwrap()).unwrap();
-    assert_eq!(f16.scale().unwrap(), Some(65536.0));
 }

@@ -2,10 +2,10 @@
 //! finite differences on a tiny configuration; a few steps on a synthetic task lower the loss.
 
 use candle_core::{DType, Device, Tensor, Var};
+use wick_nn::params::Params;
+use wick_nn::Model;
 use wick_zoo::bert::{Bert, BertConfig};
 use wick_zoo::llama::{Llama, LlamaConfig};
-use wick_zoo::params::Params;
-use wick_zoo::Model;
 
 fn tiny_bert() -> BertConfig {
     BertConfig {
@@ -66,7 +66,7 @@ fn bert_batch() -> (Tensor, Tensor) {
 fn bert_trains_every_parameter() {
     let model = Bert::new(tiny_bert(), DType::F64, &Device::Cpu).unwrap();
     let (ids, mask) = bert_batch();
-    let target = wick_zoo::params::normal_tensor(&[2, 16], 1.0, 5, DType::F64, &Device::Cpu).unwrap();
+    let target = wick_nn::params::normal_tensor(&[2, 16], 1.0, 5, DType::F64, &Device::Cpu).unwrap();
     let loss_of = |m: &Bert| -> Tensor {
         let pooled = Bert::mean_pool(&m.forward(&ids, &mask).unwrap(), &mask).unwrap();
         (pooled - &target).unwrap().sqr().unwrap().mean_all().unwrap()

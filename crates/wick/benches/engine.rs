@@ -7,10 +7,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor, Var};
 use wick::host_memory::{counted_peak, reset_counted_peak};
-use wick::{CountingAllocator, Engine, Error};
-
-#[global_allocator]
-static ALLOC: CountingAllocator = CountingAllocator;
+use wick::{Engine, Error};
 
 struct Model {
     w1: Var,
@@ -35,7 +32,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() -> Result<(), Error> {
+fn run() -> Result<(), Error> {
     let device = Device::Cpu;
     let x = Tensor::randn(0f32, 1.0, (256, 512), &device)?;
     let y = Tensor::randn(0f32, 1.0, (256, 1), &device)?;
@@ -76,3 +73,5 @@ fn main() -> Result<(), Error> {
     );
     Ok(())
 }
+
+wick::main!(run, heap = counting);

@@ -42,3 +42,19 @@ pub unsafe fn park_candle_workers() {
 pub fn kernels_on_main_thread() -> Result<(), rayon::ThreadPoolBuildError> {
     rayon::ThreadPoolBuilder::new().use_current_thread().build_global()
 }
+
+/// What [`crate::main!`] runs first in `main`: [`park_candle_workers`], then
+/// [`kernels_on_main_thread`] (whose only failure, a global pool that already exists, is
+/// reported on stderr and otherwise ignored: the program runs, only slower).
+///
+/// # Safety
+/// As [`park_candle_workers`]: no other thread may read or write the environment while it runs.
+/// [`crate::main!`] calls it as the first statement of the `main` it writes, before the program's
+/// own code can start a thread, which is what makes the macro safe to use.
+pub unsafe fn enter_main() {
+    // SAFETY: the caller's contract.
+    unsafe { park_candle_workers() };
+    if let Err(e) = kernels_on_main_thread() {
+        eprintln!("wick: the kernels' thread pool was set up before `main` ran ({e}); continuing");
+    }
+}

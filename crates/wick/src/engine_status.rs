@@ -75,7 +75,7 @@ fn publishing_enabled() -> bool {
 
 /// Whether process `pid` is alive and is the one that started at `start_ticks`.
 fn alive(pid: u32, start_ticks: u64) -> bool {
-    matches!(crate::jobs::proc_stat(pid), Some((t, zombie)) if t == start_ticks && !zombie)
+    matches!(crate::machine::proc_stat(pid), Some((t, zombie)) if t == start_ticks && !zombie)
 }
 
 /// The engines whose processes run, oldest process first. Status files of processes that are
@@ -89,7 +89,7 @@ pub fn live_engines() -> std::io::Result<Vec<EngineStatus>> {
         if let Some(tmp) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".json.tmp")) {
             // A temporary: its writer's pid starts the name; remove it once that process is gone.
             let pid = tmp.split('-').next().and_then(|p| p.parse::<u32>().ok());
-            if pid.is_some_and(|pid| crate::jobs::proc_stat(pid).is_none()) {
+            if pid.is_some_and(|pid| crate::machine::proc_stat(pid).is_none()) {
                 let _ = std::fs::remove_file(entry.path());
             }
             continue;
@@ -158,7 +158,7 @@ impl Publisher {
         }
         let dir = engines_dir().ok()?;
         let pid = std::process::id();
-        let start_ticks = crate::jobs::proc_stat(pid).map_or(0, |(t, _)| t);
+        let start_ticks = crate::machine::proc_stat(pid).map_or(0, |(t, _)| t);
         let id = format!("{pid}-{:016x}", token());
         let path = dir.join(format!("{id}.json"));
         let signal = Arc::new(Signal::default());

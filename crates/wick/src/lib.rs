@@ -5,7 +5,8 @@
 //! tensors and report it, out-of-memory recovery (retry, largest-batch finder), and reports
 //! (text, HTML, evcxr rich display). With feature `cuda`, candle's CUDA allocations are drawn from
 //! a capped wick pool (`cuda::GovernedCuda`, feature `cuda`). Every engine publishes its figures
-//! for `wick monitor` while it lives ([`engine_status`]).
+//! for `wick monitor` while it lives ([`engine_status`]). A program sets itself up for all of it
+//! with one line, [`main!`].
 
 pub use wick_memory as memory;
 
@@ -24,16 +25,15 @@ mod cupti_abi;
 #[cfg(feature = "cuda")]
 pub use cuda_pool::DriverPool;
 pub mod cpu_threads;
-pub mod data;
 pub mod engine;
 pub mod engine_status;
 mod figure;
 pub mod files;
 pub mod gpu;
 pub mod host_memory;
-pub mod jobs;
 pub mod leaks;
 pub mod machine;
+pub mod main_macro;
 pub mod memory_history;
 pub mod pool_stack;
 pub mod recovery;

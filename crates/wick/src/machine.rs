@@ -293,6 +293,15 @@ impl fmt::Display for MachineInfo {
     }
 }
 
+/// The start time of process `pid` (field 22 of `/proc/PID/stat`) and whether it is a zombie.
+pub fn proc_stat(pid: u32) -> Option<(u64, bool)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name is in parentheses and may contain spaces: fields start after the last ')'.
+    let rest = &text[text.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some((fields.get(19)?.parse().ok()?, fields.first() == Some(&"Z")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -211,7 +211,9 @@ impl HistoryReport {
     }
 }
 
-pub(crate) fn display(text: &str, html: &str) {
+/// Shows `text` and `html` as an evcxr notebook cell's rich output (both forms: the notebook
+/// picks HTML, a terminal the text).
+pub fn display(text: &str, html: &str) {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "EVCXR_BEGIN_CONTENT text/plain\n{text}\nEVCXR_END_CONTENT");

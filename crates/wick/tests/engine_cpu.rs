@@ -3,11 +3,10 @@
 //! and therefore run one at a time.
 
 use candle_core::{DType, Tensor, Var};
-use wick::{CountingAllocator, Engine, Error, FigureSource};
+use wick::{Engine, Error, FigureSource};
 use wick_memory::{MemoryError, MemoryLimit};
 
-#[global_allocator]
-static ALLOC: CountingAllocator = CountingAllocator;
+wick::heap!(counting);
 
 const MIB: usize = 1 << 20;
 

@@ -3,10 +3,8 @@
 //! PyTorch-named statistics being the heap's own.
 
 use wick::{Engine, FigureSource};
-use wick_memory::CachingHeap;
 
-#[global_allocator]
-static HEAP: CachingHeap = CachingHeap::new();
+wick::heap!(caching);
 
 #[test]
 fn cpu_figures_come_from_the_caching_heap() {
@@ -22,10 +20,10 @@ fn cpu_figures_come_from_the_caching_heap() {
     assert!(peak.bytes >= (16 << 20) + (8 << 20), "both buffers are under the peak: {peak:?}");
     drop((buffer, second));
     // The freed buffers stay cached until the engine empties the cache.
-    let reserved = HEAP.memory_stats().reserved_bytes.all.current;
+    let reserved = WICK_HEAP.memory_stats().reserved_bytes.all.current;
     assert!(reserved >= 24 << 20, "cached after the drop: {reserved}");
     engine.empty_cache().unwrap_or_else(|e| panic!("{e}"));
-    let after = HEAP.memory_stats().reserved_bytes.all.current;
+    let after = WICK_HEAP.memory_stats().reserved_bytes.all.current;
     assert!(after <= reserved - (24 << 20), "the unused segments went back: {reserved} → {after}");
 }
 
@@ -34,7 +32,7 @@ fn engine_statistics_are_the_caching_heaps_own() {
     let engine = Engine::cpu();
     let buffer = vec![3u8; 12 << 20];
     let ours = engine.memory_stats();
-    let heap = HEAP.memory_stats().to_map();
+    let heap = WICK_HEAP.memory_stats().to_map();
     // Every key of the cache is there, with the same values for what did not move in between.
     for key in heap.keys() {
         assert!(ours.contains_key(key), "{key} missing");
@@ -45,7 +43,7 @@ fn engine_statistics_are_the_caching_heaps_own() {
     assert!(ours["allocated_bytes.all.current"] >= 12 << 20, "the live buffer: {ours:?}");
     let reserved = engine.max_memory_reserved().expect("the cache reserves segments");
     assert!(reserved >= 12 << 20 && reserved as i64 >= heap["reserved_bytes.all.current"]);
-    assert_eq!(engine.max_memory_allocated(), usize::try_from(HEAP.memory_stats().allocated_bytes.all.peak).ok());
+    assert_eq!(engine.max_memory_allocated(), usize::try_from(WICK_HEAP.memory_stats().allocated_bytes.all.peak).ok());
     let summary = engine.memory_summary();
     let reserved_row = summary.lines().find(|l| l.starts_with("| Reserved memory")).expect("the PyTorch layout");
     assert!(!reserved_row.contains(" - "), "the cache knows its reservation: {reserved_row}");

@@ -9,8 +9,7 @@ use wick::host_memory::counted_heap;
 use wick::Engine;
 use wick_memory::heap_history;
 
-#[global_allocator]
-static ALLOC: wick::CountingAllocator = wick::CountingAllocator;
+wick::heap!(counting);
 
 fn counted() -> usize {
     counted_heap().unwrap_or_else(|| panic!("the counting allocator is installed"))

@@ -3,10 +3,8 @@
 //! its own, so no other test's buffers move the figures).
 
 use wick::Engine;
-use wick_memory::CachingHeap;
 
-#[global_allocator]
-static HEAP: CachingHeap = CachingHeap::new();
+wick::heap!(caching);
 
 #[test]
 fn a_step_whose_scaled_peak_cannot_fit_is_refused_before_it_runs() {

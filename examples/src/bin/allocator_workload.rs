@@ -10,7 +10,7 @@ use wick_memory::{AllocateExt, AllocatorConfig, CachingAllocator, HostBackend, M
 use wick_trace::replay_simulated;
 use wick_trace::workloads::{self, TransformerShape};
 
-fn main() -> Result<()> {
+fn run() -> Result<()> {
     // A small decoder (4 layers, 256 wide, batch 4, seq 128) trained for 3 steps on host memory,
     // with a 1 GiB cap. Every block is written to, as a real kernel would.
     let shape =
@@ -72,3 +72,5 @@ fn main() -> Result<()> {
     }
     Ok(())
 }
+
+wick::main!(run);

@@ -12,16 +12,13 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use wick_zoo::amp::{masters_by_name, Autocast, MasterOptimizer, StepOutcome, Updater};
-use wick_zoo::estimate::graph_bytes;
+use wick_nn::graph::graph_bytes;
+use wick_nn::params::normal_tensor;
+use wick_nn::Autocast;
+use wick_nn::Model;
+use wick_train::amp::{masters_by_name, StepOutcome, Updater};
+use wick_train::Optimizer;
 use wick_zoo::llama::{Llama, LlamaConfig};
-use wick_zoo::params::normal_tensor;
-use wick_zoo::Model;
-
-/// candle's tensor buffers come from wick's caching allocator (exact heap figures in the summary,
-/// no map/unmap per buffer).
-#[global_allocator]
-static HEAP: wick_memory::CachingHeap = wick_memory::CachingHeap::new();
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a zoo decoder with AMP and show where the memory went")]
@@ -101,10 +98,7 @@ fn mib(bytes: usize) -> String {
     format!("{:.2} MiB", bytes as f64 / 1048576.0)
 }
 
-fn main() -> Result<()> {
-    // SAFETY: first thing in `main`, before any thread starts.
-    unsafe { wick::cpu_threads::park_candle_workers() };
-    wick::cpu_threads::kernels_on_main_thread()?;
+fn run() -> Result<()> {
     let args = Args::parse();
     if args.steps == 0 || args.batch == 0 || args.seq < 2 {
         bail!("need at least one step, one sequence and two tokens per sequence");
@@ -133,7 +127,7 @@ fn main() -> Result<()> {
     } else {
         vars.iter().map(|v| v.as_tensor().clone()).collect()
     };
-    let optimizer = MasterOptimizer::AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
+    let optimizer = Optimizer::AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
     let mut updater = Updater::new(&engine, &vars, &masters, optimizer, autocast)?;
     if engine.device().is_cuda() {
         println!("{}", updater.describe());
@@ -212,3 +206,7 @@ fn main() -> Result<()> {
     println!("HTML memory report: {}", path.display());
     Ok(())
 }
+
+// candle's tensor buffers come from wick's caching allocator (exact heap figures in the
+// summary, no map/unmap per buffer); candle's workers parked, `main` a worker of the kernels' pool.
+wick::main!(run);

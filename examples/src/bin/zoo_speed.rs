@@ -22,19 +22,16 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use clap::{Parser, ValueEnum};
 use serde_json::json;
-use wick_zoo::amp::{Autocast, MasterOptimizer, MasterWeights};
+use wick_nn::params::normal_tensor;
+use wick_nn::Autocast;
+use wick_nn::{Labelled, Model};
+use wick_train::amp::MasterWeights;
+use wick_train::Optimizer;
 use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::mobilenet::MobileNetV2;
-use wick_zoo::params::normal_tensor;
 use wick_zoo::resnet::{ResNet, ResNetDepth};
 use wick_zoo::vit::{Vit, VitConfig};
-use wick_zoo::{Labelled, Model};
-
-/// The heap: candle's tensor buffers served by wick's caching allocator (`WICK_HEAP=system` in
-/// the environment: by the system allocator, for comparison).
-#[global_allocator]
-static HEAP: wick_memory::CachingHeap = wick_memory::CachingHeap::new();
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Mode {
@@ -149,7 +146,7 @@ struct Bench {
     vars: Vec<Var>,
     loss: Box<dyn Fn() -> Result<Tensor>>,
     eval: Box<dyn Fn() -> Result<Tensor>>,
-    optimizer: MasterOptimizer,
+    optimizer: Optimizer,
 }
 
 /// A model's bench: its training loss on `batch`, and `eval(model)` for the eval pass.
@@ -157,7 +154,7 @@ fn bench<M: Model + 'static>(
     model: M,
     batch: M::Batch,
     eval: impl Fn(&M) -> Result<Tensor> + 'static,
-    optimizer: MasterOptimizer,
+    optimizer: Optimizer,
 ) -> Bench
 where
     M::Batch: 'static,
@@ -173,8 +170,8 @@ where
 }
 
 fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
-    let adamw = MasterOptimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
-    let sgd = MasterOptimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
+    let adamw = Optimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+    let sgd = Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
     let images = || -> Result<Labelled> {
         let x = normal_tensor(&[IMAGES, 3, IMAGE, IMAGE], 1.0, 11, DType::F32, device)?.to_dtype(dtype)?;
         Ok(Labelled { inputs: x, labels: labels(IMAGES, CLASSES, device)? })
@@ -230,10 +227,7 @@ fn write_history(engine: &wick::Engine, dir: &std::path::Path, name: &str, mode:
     Ok(())
 }
 
-fn main() -> Result<()> {
-    // SAFETY: first thing in `main`, before any thread starts.
-    unsafe { wick::cpu_threads::park_candle_workers() };
-    wick::cpu_threads::kernels_on_main_thread()?;
+fn run() -> Result<()> {
     let args = Args::parse();
     if args.list {
         println!("{}", serde_json::to_string_pretty(&configs())?);
@@ -261,7 +255,7 @@ fn main() -> Result<()> {
     let engine = wick::Engine::cpu();
     for step in 0..args.warmup + args.steps {
         if step == args.warmup {
-            wick_zoo::kernels::profile::reset();
+            wick_nn::cpu::profile::reset();
             if args.record_history.is_some() {
                 engine.record_memory_history_with(1 << 21, args.history_min_size)?;
             }
@@ -293,7 +287,7 @@ fn main() -> Result<()> {
                 last_loss = Some(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
             }
             None => {
-                let out = wick_zoo::no_grad(|| (bench.eval)())?;
+                let out = wick_nn::no_grad(|| (bench.eval)())?;
                 // Make sure the result is computed (it always is on the CPU) and cheap to keep.
                 let _ = out.flatten_all()?.narrow(0, 0, 1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             }
@@ -325,8 +319,13 @@ fn main() -> Result<()> {
         line["ms_on"] = json!(times.iter().skip(1).step_by(2).collect::<Vec<_>>());
     }
     println!("{line}");
-    if wick_zoo::kernels::profile::enabled() {
-        eprintln!("{}", wick_zoo::kernels::profile::report());
+    if wick_nn::cpu::profile::enabled() {
+        eprintln!("{}", wick_nn::cpu::profile::report());
     }
     Ok(())
 }
+
+// The heap: candle's tensor buffers served by wick's caching allocator (`WICK_HEAP=system` in
+// the environment: by the system allocator, for comparison); candle's workers parked, `main` a
+// worker of the kernels' pool.
+wick::main!(run);

@@ -9,8 +9,8 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use wick_kernels::reference::{adamw_master, unscale_and_check, update_scale, AdamWStep, ScaleState};
-use wick_zoo::amp::cuda_kernels::AmpKernels;
-use wick_zoo::params::normal_tensor;
+use wick_nn::params::normal_tensor;
+use wick_train::amp::cuda::AmpKernels;
 
 /// `values` in `dtype` on `dev` (converted on the host).
 fn upload(values: &[f32], dtype: DType, dev: &Device) -> Result<Tensor> {
@@ -53,7 +53,7 @@ fn check(name: &str, ok: bool, detail: String, failures: &mut usize) {
     }
 }
 
-fn main() -> Result<()> {
+fn run() -> Result<()> {
     let engine = wick::Engine::cuda(0, None).context("opening cuda:0")?;
     let dev = engine.device().clone();
     let kernels = AmpKernels::load(&dev)?;
@@ -163,3 +163,5 @@ fn main() -> Result<()> {
     println!("all AMP kernel checks passed");
     Ok(())
 }
+
+wick::main!(run);

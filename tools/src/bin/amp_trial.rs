@@ -16,8 +16,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
+use wick_nn::Autocast;
 use wick_tools::trial::{bert_batch, llama_batch, task, train, trial_optimizer, vision_batch, Task};
-use wick_zoo::amp::{Autocast, MasterOptimizer};
+use wick_train::Optimizer;
 
 #[derive(Parser, Debug)]
 #[command(about = "Run one model's AMP trial and export its start for a reference framework")]
@@ -82,7 +83,7 @@ fn save(tensors: &HashMap<String, Tensor>, path: &std::path::Path) -> Result<()>
     wick::weights::write_safetensors(path, tensors).map(drop).with_context(|| format!("writing {}", path.display()))
 }
 
-fn main() -> Result<()> {
+fn run() -> Result<()> {
     let args = Args::parse();
     if !wick_tools::trial::MODELS.contains(&args.model.as_str()) {
         bail!("--model {}: expected one of {:?}", args.model, wick_tools::trial::MODELS);
@@ -135,7 +136,7 @@ fn main() -> Result<()> {
         runs.insert(report.dtype.clone(), serde_json::json!(report.losses));
     }
     if let Some(dir) = &args.out {
-        let MasterOptimizer::AdamW { lr, beta1, beta2, eps, weight_decay } = trial_optimizer() else {
+        let Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } = trial_optimizer() else {
             bail!("the trial optimizer is expected to be AdamW");
         };
         let json = serde_json::json!({
@@ -154,3 +155,5 @@ fn main() -> Result<()> {
     }
     Ok(())
 }
+
+wick::main!(run);

@@ -167,7 +167,7 @@ fn cuda_history(engine: &wick::Engine) -> bool {
     )
 }
 
-fn main() {
+fn run() {
     let mut all_ok = true;
     println!("| check | result | figures |");
     println!("|---|---|---|");
@@ -352,3 +352,5 @@ fn main() {
     }
     std::process::exit(if all_ok { 0 } else { 1 });
 }
+
+wick::main!(run);

@@ -9,19 +9,16 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use wick::data::{DataError, Dataset, Loader, LoaderConfig, Position};
-use wick::CountingAllocator;
+use wick_nn::{Labelled, Model};
 use wick_tools::trial::{bert_batch, llama_batch, llama_config, vision_batch, BERT, VIT};
+use wick_train::data::{DataError, Dataset, Loader, LoaderConfig, Position};
+use wick_train::trainer::{TrainOptions, Trainer};
+use wick_train::CheckpointDir;
 use wick_zoo::bert::Bert;
 use wick_zoo::llama::Llama;
 use wick_zoo::mobilenet::MobileNetV2;
 use wick_zoo::resnet::{ResNet, ResNetDepth};
-use wick_zoo::train::{CheckpointDir, TrainOptions, Trainer};
 use wick_zoo::vit::Vit;
-use wick_zoo::{Labelled, Model};
-
-#[global_allocator]
-static ALLOC: CountingAllocator = CountingAllocator;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -50,7 +47,7 @@ fn bench<M: Model>(name: &str, model: M, batch: M::Batch) -> Result<serde_json::
     for _ in 0..3 {
         let (path, t) = ms(|| Ok(trainer.save(&checkpoints, serde_json::Value::Null)?))?;
         save.push(t);
-        let manifest: wick_zoo::train::Manifest = serde_json::from_slice(&std::fs::read(&path)?)?;
+        let manifest: wick_train::checkpoint::Manifest = serde_json::from_slice(&std::fs::read(&path)?)?;
         bytes = manifest.bytes + std::fs::metadata(&path)?.len();
         let pending = trainer.save_in_background(&checkpoints, serde_json::Value::Null)?;
         stall.push(pending.stall_s * 1e3);
@@ -147,7 +144,7 @@ fn image_folder_figures() -> Result<Vec<serde_json::Value>> {
             img.save(root.join(class).join(format!("{k:04}.png")))?;
         }
     }
-    let folder = wick::data::ImageFolder::open(&root, 32, 32)?;
+    let folder = wick_train::data::ImageFolder::open(&root, 32, 32)?;
     let n = folder.len();
     let mut plain = Vec::new();
     for _ in 0..3 {
@@ -190,13 +187,13 @@ fn image_folder_figures() -> Result<Vec<serde_json::Value>> {
         let t = median(times);
         rows.push(serde_json::json!({"images": format!("wick::data, {workers} workers"), "ms_per_epoch": t,
             "samples_per_s": n as f64 / t * 1e3, "vs_plain": plain / t}));
-        folder = Some(wick::data::ImageFolder::open(&root, 32, 32)?);
+        folder = Some(wick_train::data::ImageFolder::open(&root, 32, 32)?);
     }
     let _ = std::fs::remove_dir_all(&root);
     Ok(rows)
 }
 
-fn main() -> Result<()> {
+fn run() -> Result<()> {
     let cpu = Device::Cpu;
     let (x, labels) = vision_batch(&cpu)?;
     let images = Labelled { inputs: x, labels };
@@ -230,3 +227,5 @@ fn main() -> Result<()> {
     }
     Ok(())
 }
+
+wick::main!(run, heap = counting);

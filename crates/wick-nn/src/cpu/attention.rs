@@ -1,0 +1,500 @@
+//! Scaled dot-product attention and rotary position embeddings with closed-form backward passes.
+//!
+//! Attention over (batch, heads, seq, head_dim) keeps q, k, v and one log-sum-exp per query row;
+//! backward recomputes the scores from q and k (one gemm per head) instead of keeping any
+//! seq × seq tensor, as flash attention does. Everything computes in f32 (f64 for f64), softmax
+//! included; bf16 inputs are widened once and the output rounded once.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+
+use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
+use super::{dot, gemm, par_ranges, read, sum, tensor, with, Mat, Real, SharedMut};
+
+fn err(msg: String) -> candle_core::Error {
+    candle_core::Error::Msg(msg)
+}
+
+/// An additive bias broadcast to (batch, heads, seq_q, seq_k): its values and strides.
+struct Bias {
+    values: Vec<f64>,
+    strides: [usize; 4],
+}
+
+impl Bias {
+    fn new(bias: &Tensor, dims: [usize; 4]) -> Result<Self> {
+        let b = bias.to_dtype(candle_core::DType::F64)?.broadcast_as(dims.to_vec())?;
+        let (storage, layout) = b.storage_and_layout();
+        let Storage::Cpu(CpuStorage::F64(all)) = &*storage else {
+            return Err(err("attention: the bias is not on the CPU".into()));
+        };
+        let (start, stride) = (layout.start_offset(), layout.stride());
+        let extent: usize = dims.iter().zip(stride).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>() + 1;
+        let values = all.get(start..start + extent).ok_or_else(|| err("attention: bias out of range".into()))?.to_vec();
+        Ok(Bias { values, strides: [stride[0], stride[1], stride[2], stride[3]] })
+    }
+
+    /// The bias row for (b, h, i) and its stride along keys.
+    fn row(&self, b: usize, h: usize, i: usize) -> (&[f64], usize) {
+        let start = b * self.strides[0] + h * self.strides[1] + i * self.strides[2];
+        (&self.values[start..], self.strides[3])
+    }
+}
+
+struct Attention {
+    bias: Option<Bias>,
+    /// Log-sum-exp of each query row's scaled, biased scores, from the forward pass.
+    lse: Mutex<Vec<f64>>,
+}
+
+/// (batch, heads, seq_q, seq_k, head_dim) of q (B, H, Sq, D) and k, v (B, H, Sk, D).
+fn dims(q: &Shape, k: &Shape, v: &Shape) -> Result<(usize, usize, usize, usize, usize)> {
+    match (q.dims(), k.dims(), v.dims()) {
+        (&[b, h, sq, d], &[b2, h2, sk, d2], &[b3, h3, sk3, d3])
+            if (b, h, d) == (b2, h2, d2) && (b, h, sk, d) == (b3, h3, sk3, d3) =>
+        {
+            Ok((b, h, sq, sk, d))
+        }
+        _ => Err(err(format!("attention: q {q:?}, k {k:?}, v {v:?} do not fit"))),
+    }
+}
+
+/// Where an operand's rows lie: row `i` of head (b, h) starts at `base + b·batch + h·head +
+/// i·row`, its head_dim elements contiguous. Heads apart ((B, H, S, D)) or packed along the last
+/// axis of (B, S, parts·H·D), as a projection writes them: the packed form needs no split and
+/// transposed copies of q, k and v, nor their gradients' reassembly.
+#[derive(Clone, Copy, Debug)]
+struct Heads {
+    base: usize,
+    batch: usize,
+    head: usize,
+    row: usize,
+}
+
+impl Heads {
+    /// (B, H, S, D), contiguous.
+    fn apart(heads: usize, seq: usize, d: usize) -> Self {
+        Heads { base: 0, batch: heads * seq * d, head: seq * d, row: d }
+    }
+
+    /// Part `which` of `parts` packed along the last axis of (B, S, parts·H·D).
+    fn packed(which: usize, parts: usize, heads: usize, seq: usize, d: usize) -> Self {
+        let width = parts * heads * d;
+        Heads { base: which * heads * d, batch: seq * width, head: d, row: width }
+    }
+
+    /// Where head `bh` (batch-major) starts.
+    fn start(&self, bh: usize, heads: usize) -> usize {
+        self.base + (bh / heads) * self.batch + (bh % heads) * self.head
+    }
+
+    /// Head `bh`'s `rows × d` matrix in `data`.
+    fn mat<'a, T>(&self, data: &'a [T], bh: usize, heads: usize, rows: usize, d: usize) -> Result<Mat<'a, T>> {
+        let data = data.get(self.start(bh, heads)..).ok_or_else(|| err("attention: operand out of range".into()))?;
+        Ok(Mat { data, rows, cols: d, row_stride: self.row, col_stride: 1 })
+    }
+}
+
+/// A result buffer shared by the heads' threads and where each head's rows go in it.
+struct Target<'a, T> {
+    data: &'a SharedMut<'a, T>,
+    layout: Heads,
+}
+
+impl<T: Real> Target<'_, T> {
+    /// `gemm` of head `bh`'s `rows × d` result into its places: straight in when the head's
+    /// rows are one block, through `scratch` otherwise.
+    ///
+    /// # Safety
+    /// No other call writes head `bh` of this target at the same time.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn put(
+        &self,
+        bh: usize,
+        heads: usize,
+        (rows, d): (usize, usize),
+        scratch: &mut [T],
+        a: Mat<'_, T>,
+        b: Mat<'_, T>,
+        alpha: T,
+    ) -> Result<()> {
+        let start = self.layout.start(bh, heads);
+        if self.layout.row == d {
+            // SAFETY: head `bh`'s block, written by this call only (the caller's contract).
+            return gemm(unsafe { self.data.range(start, rows * d) }, a, b, alpha, false, false);
+        }
+        let block = &mut scratch[..rows * d];
+        gemm(block, a, b, alpha, false, false)?;
+        for (i, r) in block.chunks_exact(d).enumerate() {
+            // SAFETY: row `i` of head `bh`, written by this call only (the caller's contract);
+            // the heads' rows of a packed layout do not overlap.
+            unsafe { self.data.range(start + i * self.layout.row, d) }.copy_from_slice(r);
+        }
+        Ok(())
+    }
+}
+
+/// The layouts of q, k, v and the output.
+type Layouts = [Heads; 4];
+
+impl Attention {
+    /// Scaled, biased scores of head `bh` into `s` (Sq × Sk).
+    #[allow(clippy::too_many_arguments)]
+    fn scores<T: Real>(
+        &self,
+        q: &[T],
+        k: &[T],
+        lay: &Layouts,
+        bh: usize,
+        heads: usize,
+        (sq, sk, d): (usize, usize, usize),
+        s: &mut [T],
+    ) -> Result<()> {
+        let scale = T::of(1.0 / (d as f64).sqrt());
+        gemm(s, lay[0].mat(q, bh, heads, sq, d)?, lay[1].mat(k, bh, heads, sk, d)?.t(), scale, false, false)?;
+        if let Some(bias) = &self.bias {
+            for i in 0..sq {
+                let (row, stride) = bias.row(bh / heads, bh % heads, i);
+                for (j, v) in s[i * sk..(i + 1) * sk].iter_mut().enumerate() {
+                    *v = *v + T::of(row[j * stride]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The output (laid out as `lay[3]`) and each query row's log-sum-exp.
+    fn fwd<T: Real>(
+        &self,
+        (q, k, v): (&[T], &[T], &[T]),
+        lay: &Layouts,
+        (b, h, sq, sk, d): (usize, usize, usize, usize, usize),
+    ) -> Result<(Vec<T>, Vec<f64>)> {
+        let mut out = vec![T::zero(); b * h * sq * d];
+        let mut lse = vec![0.0; b * h * sq];
+        let (so, sl) = (SharedMut::new(&mut out), SharedMut::new(&mut lse));
+        let target = Target { data: &so, layout: lay[3] };
+        let failure = Mutex::new(None);
+        par_ranges(b * h, 1, |r| {
+            let (mut s, mut scratch) = (vec![T::zero(); sq * sk], vec![T::zero(); sq * d]);
+            for bh in r {
+                let mut run = || -> Result<()> {
+                    self.scores(q, k, lay, bh, h, (sq, sk, d), &mut s)?;
+                    // SAFETY: one head's rows per index.
+                    let l = unsafe { sl.range(bh * sq, sq) };
+                    for (i, row) in s.chunks_mut(sk).enumerate() {
+                        let max = row.iter().fold(T::neg_infinity(), |m, v| m.max(*v));
+                        row.iter_mut().for_each(|v| *v = T::exp_(*v - max));
+                        let sum = sum::<T, T>(row);
+                        let inv = T::of(1.0 / sum);
+                        row.iter_mut().for_each(|v| *v = *v * inv);
+                        l[i] = T::wide(max) + sum.ln();
+                    }
+                    let vm = lay[2].mat(v, bh, h, sk, d)?;
+                    // SAFETY: one head per index.
+                    unsafe { target.put(bh, h, (sq, d), &mut scratch, Mat::rows(&s, sq, sk), vm, T::one()) }
+                };
+                if let Err(e) = run() {
+                    *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                }
+            }
+        });
+        match failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok((out, lse)),
+        }
+    }
+
+    /// dq, dk and dv into `grads` (each buffer `b·h·s·d` long where its layout puts it).
+    fn bwd<T: Real>(
+        &self,
+        (q, k, v, go): (&[T], &[T], &[T], &[T]),
+        lay: &Layouts,
+        (b, h, sq, sk, d): (usize, usize, usize, usize, usize),
+        [dq, dk, dv]: [Target<'_, T>; 3],
+    ) -> Result<()> {
+        let lse = self.lse.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if lse.len() != b * h * sq {
+            return Err(err("attention backward: no forward statistics".into()));
+        }
+        let scale = T::of(1.0 / (d as f64).sqrt());
+        let failure = Mutex::new(None);
+        par_ranges(b * h, 1, |r| {
+            let (mut p, mut dp) = (vec![T::zero(); sq * sk], vec![T::zero(); sq * sk]);
+            let mut scratch = vec![T::zero(); sq.max(sk) * d];
+            for bh in r {
+                let mut run = || -> Result<()> {
+                    // P = exp(S − lse), recomputed.
+                    self.scores(q, k, lay, bh, h, (sq, sk, d), &mut p)?;
+                    for (i, row) in p.chunks_mut(sk).enumerate() {
+                        let l = T::of(lse[bh * sq + i]);
+                        row.iter_mut().for_each(|v| *v = T::exp_(*v - l));
+                    }
+                    let gm = lay[3].mat(go, bh, h, sq, d)?;
+                    // SAFETY: one head per index (each thread its own heads).
+                    unsafe { dv.put(bh, h, (sk, d), &mut scratch, Mat::rows(&p, sq, sk).t(), gm, T::one())? };
+                    gemm(&mut dp, gm, lay[2].mat(v, bh, h, sk, d)?.t(), T::one(), false, false)?;
+                    // dS = P ∘ (dP − Σ_j P∘dP), into `dp`.
+                    for (prow, drow) in p.chunks(sk).zip(dp.chunks_mut(sk)) {
+                        let dot = T::of(dot(prow, drow));
+                        drow.iter_mut().zip(prow).for_each(|(g, pv)| *g = *pv * (*g - dot));
+                    }
+                    let (km, qm) = (lay[1].mat(k, bh, h, sk, d)?, lay[0].mat(q, bh, h, sq, d)?);
+                    // SAFETY: as for dv.
+                    unsafe { dq.put(bh, h, (sq, d), &mut scratch, Mat::rows(&dp, sq, sk), km, scale)? };
+                    // SAFETY: as for dv.
+                    unsafe { dk.put(bh, h, (sk, d), &mut scratch, Mat::rows(&dp, sq, sk).t(), qm, scale) }
+                };
+                if let Err(e) = run() {
+                    *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                }
+            }
+        });
+        match failure.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn apart(h: usize, sq: usize, sk: usize, d: usize) -> Layouts {
+        [Heads::apart(h, sq, d), Heads::apart(h, sk, d), Heads::apart(h, sk, d), Heads::apart(h, sq, d)]
+    }
+
+    fn cpu<T: Real>(
+        &self,
+        sq: &CpuStorage,
+        lq: &Layout,
+        sk: &CpuStorage,
+        lk: &Layout,
+        sv: &CpuStorage,
+        lv: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims @ (_, h, s_q, s_k, d) = dims(lq.shape(), lk.shape(), lv.shape())?;
+        let (q, k, v) = (read::<T>(sq, lq)?, read::<T>(sk, lk)?, read::<T>(sv, lv)?);
+        let (out, lse) = self.fwd((&q, &k, &v), &Attention::apart(h, s_q, s_k, d), dims)?;
+        *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
+        Ok((T::storage(out, sq.dtype())?, lq.shape().clone()))
+    }
+
+    fn grads<T: Real>(&self, q: &Tensor, k: &Tensor, v: &Tensor, g: &Tensor) -> Result<[Tensor; 3]> {
+        let dims @ (_, h, s_q, s_k, d) = dims(q.shape(), k.shape(), v.shape())?;
+        let lay = Attention::apart(h, s_q, s_k, d);
+        let [dq, dk, dv] = with::<T, _>(q, |qs| {
+            with::<T, _>(k, |ks| {
+                with::<T, _>(v, |vs| {
+                    with::<T, _>(g, |gs| {
+                        let (mut dq, mut dk, mut dv) =
+                            (vec![T::zero(); qs.len()], vec![T::zero(); ks.len()], vec![T::zero(); vs.len()]);
+                        let (sdq, sdk, sdv) =
+                            (SharedMut::new(&mut dq), SharedMut::new(&mut dk), SharedMut::new(&mut dv));
+                        let targets = [
+                            Target { data: &sdq, layout: lay[0] },
+                            Target { data: &sdk, layout: lay[1] },
+                            Target { data: &sdv, layout: lay[2] },
+                        ];
+                        self.bwd((qs, ks, vs, gs), &lay, dims, targets)?;
+                        Ok([dq, dk, dv])
+                    })
+                })
+            })
+        })?;
+        Ok([tensor(dq, q.shape(), q.dtype())?, tensor(dk, k.shape(), k.dtype())?, tensor(dv, v.shape(), v.dtype())?])
+    }
+}
+
+impl CustomOp3 for Attention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+    fn cpu_fwd(
+        &self,
+        sq: &CpuStorage,
+        lq: &Layout,
+        sk: &CpuStorage,
+        lk: &Layout,
+        sv: &CpuStorage,
+        lv: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        by_real!(sq.dtype(), T => self.cpu::<T>(sq, lq, sk, lk, sv, lv))
+    }
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let [dq, dk, dv] = by_real!(q.dtype(), T => self.grads::<T>(q, k, v, g)?);
+        Ok((q.track_op().then_some(dq), k.track_op().then_some(dk), v.track_op().then_some(dv)))
+    }
+}
+
+/// Scaled dot-product attention on the CPU (see [`crate::ops::attention`]).
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (b, h, sq, sk, _) = dims(q.shape(), k.shape(), v.shape())?;
+    let bias = bias.map(|t| Bias::new(t, [b, h, sq, sk])).transpose()?;
+    let op = Attention { bias, lse: Mutex::new(Vec::new()) };
+    super::apply3(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// Self-attention over q, k and v packed in one (B, S, 3·H·D) tensor, as a fused projection
+/// writes them; the output is (B, S, H·D) with the heads side by side, ready for the output
+/// projection.
+struct Packed {
+    attention: Attention,
+    heads: usize,
+}
+
+/// (batch, seq, head_dim) of a packed (B, S, 3·heads·D) input.
+fn packed_dims(shape: &Shape, heads: usize) -> Result<(usize, usize, usize)> {
+    match shape.dims() {
+        &[b, s, e] if heads > 0 && e > 0 && e % (3 * heads) == 0 => Ok((b, s, e / (3 * heads))),
+        d => Err(err(format!("attention: packed q, k, v {d:?} are not (batch, seq, 3·{heads}·head_dim)"))),
+    }
+}
+
+impl Packed {
+    fn layouts(&self, seq: usize, d: usize) -> Layouts {
+        let h = self.heads;
+        [
+            Heads::packed(0, 3, h, seq, d),
+            Heads::packed(1, 3, h, seq, d),
+            Heads::packed(2, 3, h, seq, d),
+            Heads::packed(0, 1, h, seq, d),
+        ]
+    }
+
+    fn cpu<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, seq, d) = packed_dims(l.shape(), self.heads)?;
+        let qkv = read::<T>(s, l)?;
+        let dims = (b, self.heads, seq, seq, d);
+        let (out, lse) = self.attention.fwd((&qkv, &qkv, &qkv), &self.layouts(seq, d), dims)?;
+        *self.attention.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
+        Ok((T::storage(out, s.dtype())?, Shape::from((b, seq, self.heads * d))))
+    }
+
+    fn grad<T: Real>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+        let (b, seq, d) = packed_dims(x.shape(), self.heads)?;
+        let lay = self.layouts(seq, d);
+        let dqkv = with::<T, _>(x, |qkv| {
+            with::<T, _>(g, |go| {
+                let mut dqkv = vec![T::zero(); qkv.len()];
+                let sd = SharedMut::new(&mut dqkv);
+                let targets = [0, 1, 2].map(|i| Target { data: &sd, layout: lay[i] });
+                self.attention.bwd((qkv, qkv, qkv, go), &lay, (b, self.heads, seq, seq, d), targets)?;
+                Ok(dqkv)
+            })
+        })?;
+        tensor(dqkv, x.shape(), x.dtype())
+    }
+}
+
+impl CustomOp1 for Packed {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        by_real!(s.dtype(), T => self.cpu::<T>(s, l))
+    }
+    fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        by_real!(x.dtype(), T => self.grad::<T>(x, g).map(Some))
+    }
+}
+
+/// Self-attention of `qkv` (B, S, 3·H·D: q, k and v side by side, each with its heads side by
+/// side) into (B, S, H·D) on the CPU (see [`crate::ops::attention_packed`]).
+pub fn attention_packed(qkv: &Tensor, heads: usize, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (b, s, _) = packed_dims(qkv.shape(), heads)?;
+    let bias = bias.map(|t| Bias::new(t, [b, heads, s, s])).transpose()?;
+    super::apply1(&qkv.contiguous()?, Packed { attention: Attention { bias, lse: Mutex::new(Vec::new()) }, heads })
+}
+
+/// Rotary embedding of (…, seq, head_dim) with tables (seq, head_dim/2), rotating pairs
+/// (i, i + head_dim/2); or, `packed` with H heads, of the q and k of a (B, S, 3·H·D) fused
+/// projection (q, k and v side by side, heads side by side in each), v passed through.
+struct Rope {
+    cos: Vec<f64>,
+    sin: Vec<f64>,
+    packed: Option<usize>,
+}
+
+impl Rope {
+    /// (head_dim, positions, row width, rotated heads per row) of an input of `shape`.
+    fn geometry(&self, shape: &Shape) -> Result<(usize, usize, usize, usize)> {
+        let dims = shape.dims();
+        let (d, seq, width, rotated) = match (self.packed, dims) {
+            (Some(h), &[_, s, e]) if h > 0 && e % (3 * h) == 0 => (e / (3 * h), s, e, 2 * h),
+            (None, [.., s, d]) => (*d, *s, *d, 1),
+            _ => return Err(err(format!("rope: input {shape:?}"))),
+        };
+        if d % 2 != 0 || self.cos.len() != seq * (d / 2) {
+            return Err(err(format!("rope: input {shape:?} does not fit tables of {} values", self.cos.len())));
+        }
+        Ok((d, seq, width, rotated))
+    }
+
+    /// Rotates `x` (stored as `E`) by the tables (`sign` −1: by their inverse, the backward
+    /// pass), each element rounded once.
+    fn rotate<T: Real, E: Elem<T>>(&self, x: &[E], shape: &Shape, sign: f64) -> Result<Vec<E>> {
+        let (d, seq, width, rotated) = self.geometry(shape)?;
+        let half = d / 2;
+        let mut y = x.to_vec();
+        let out = SharedMut::new(&mut y);
+        let (cos, sin): (Vec<T>, Vec<T>) =
+            self.cos.iter().zip(&self.sin).map(|(c, s)| (T::of(*c), T::of(sign * s))).unzip();
+        par_ranges(x.len() / width.max(1), 64, |r| {
+            // SAFETY: disjoint row ranges.
+            let dst = unsafe { out.range(r.start * width, r.len() * width) };
+            for (row, yr) in r.zip(dst.chunks_mut(width)) {
+                let pos = row % seq;
+                let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
+                // The first `rotated` heads of the row (v, if packed, stays as copied).
+                for head in yr[..rotated * d].chunks_exact_mut(d) {
+                    let (lo, hi) = head.split_at_mut(half);
+                    for (((a, b), c), s) in lo.iter_mut().zip(hi.iter_mut()).zip(c).zip(s) {
+                        let (x1, x2) = (a.load(), b.load());
+                        *a = E::store(x1 * *c - x2 * *s);
+                        *b = E::store(x1 * *s + x2 * *c);
+                    }
+                }
+            }
+        });
+        Ok(y)
+    }
+}
+
+impl CustomOp1 for Rope {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let y = by_elem!(s.dtype(), T, E => self.rotate::<T, E>(elems::<T, E>(s, l)?, l.shape(), 1.0).map(E::into_storage))?;
+        Ok((y, l.shape().clone()))
+    }
+    fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        let dx = by_elem!(x.dtype(), T, E => with_elems::<T, E, _>(g, |g| self.rotate::<T, E>(g, x.shape(), -1.0))
+            .and_then(|d| elem_tensor::<T, E>(d, x.shape())))?;
+        Ok(Some(dx))
+    }
+}
+
+fn tables(cos: &Tensor, sin: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
+    let table = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1() };
+    Ok((table(cos)?, table(sin)?))
+}
+
+/// Rotary position embedding on the CPU (see [`crate::ops::rope`]).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (cos, sin) = tables(cos, sin)?;
+    super::apply1(&x.contiguous()?, Rope { cos, sin, packed: None })
+}
+
+/// Rotary position embedding of the q and k in a packed (B, S, 3·H·D) projection on the CPU (see
+/// [`crate::ops::rope_packed`]).
+pub fn rope_packed(qkv: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (cos, sin) = tables(cos, sin)?;
+    super::apply1(&qkv.contiguous()?, Rope { cos, sin, packed: Some(heads) })
+}

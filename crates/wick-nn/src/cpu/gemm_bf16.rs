@@ -1,0 +1,485 @@
+//! bf16 × bf16 → f32 matrix products with AVX512-BF16's `vdpbf16ps` (two bf16 products per
+//! f32 lane, added to an f32 accumulator), the CPU counterpart of the tensor-core products
+//! autocast uses on a GPU and of oneDNN's bf16 kernels behind PyTorch's CPU autocast.
+//!
+//! Why a kernel of our own: the `gemm` crate (candle's CPU matmul, used for f32/f64 in
+//! [`super::gemm`]) has no bf16 kernel, so AMP's linear layers and convolutions widened both
+//! operands to f32 first and multiplied at f32 speed — the reason AMP steps were slower than f32
+//! ones. `vdpbf16ps` does twice the multiply-adds of an f32 FMA per instruction and reads half
+//! the bytes — faster on AMD's cores; Intel's issue it on one port (no faster than f32 FMAs), and
+//! where they have AMX's tile unit the same blocking runs on it instead ([`super::gemm_amx`]).
+//!
+//! Layout (BLIS): the product runs over blocks of `MC` rows × `NC` columns of the destination,
+//! each block over `KC` deep slices; a slice of `a` is packed into `MR`-row panels and one of `b`
+//! into `NR`-column panels, both as consecutive k-pairs (the instruction's operand: element
+//! 2p in the low half of a 32-bit lane, 2p+1 in the high), zero-padded at ragged edges. The
+//! micro-kernel keeps an `MR × NR` tile of f32 sums in 24 registers.
+//!
+//! Numerics: the products of two bf16 values are exact in f32; the sums are f32 (the pair is
+//! added as one, then to the accumulator, rounding to nearest even), and the instruction treats
+//! subnormal inputs and results as zero — as oneDNN's and the GPU's bf16 products do, and within
+//! the tolerance autocast accepts. Tests compare with an f64 product.
+
+use half::bf16;
+
+use super::bf16_pack::pack;
+use super::gemm::Mat;
+use candle_core::Result;
+
+/// Micro-tile shapes, rows × 16-lane registers per row (12 × 32, 8 × 48, 24 × 16 sums: 24 of
+/// the 32 vector registers each), with their relative cost per tile element: 24 × 16 loads a
+/// broadcast per multiply-add and ran 1.5× slower than 12 × 32 (measured, 144×24×784), 8 × 48
+/// about as fast. The cheapest for the padded destination is used: a product with 16 columns (a
+/// dW of 16 input channels) fills a 24 × 16 tile whole but half of a 12 × 32 one.
+const TILES: [(usize, usize, usize); 3] = [(12, 2, 20), (8, 3, 21), (24, 1, 30)];
+/// Elements of every micro-tile (12·32 = 24·16 = 8·48).
+const TILE: usize = 384;
+/// Depth of a packed slice, in k-pairs (512 bf16 values of k).
+pub(super) const KC: usize = 256;
+/// Rows of a block (its packed `a` stays in the L2 cache).
+const MC: usize = 144;
+/// Columns of a block.
+pub(super) const NC: usize = 512;
+
+/// True when this CPU runs [`gemm_bf16`] (AVX512-BF16, with AVX-512F).
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512bf16") && std::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `dst (m × n, row-major f32) = beta·a·b + (dst if accumulate)` with bf16 operands, parallel
+/// over blocks of the destination when `parallel`. An error when the shapes do not fit their
+/// slices or the CPU lacks AVX512-BF16 (check [`available`] first).
+pub(crate) fn gemm_bf16(
+    dst: &mut [f32],
+    a: Mat<'_, bf16>,
+    b: Mat<'_, bf16>,
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<()> {
+    gemm_into(dst, a, b, beta, accumulate, parallel, super::gemm_amx::available())
+}
+
+/// True when [`gemm_bf16_rounded`] takes a product of depth `k` (its sums are rounded as they
+/// are stored, so all of k must be summed in one slice).
+pub(crate) fn rounds_directly(k: usize) -> bool {
+    k <= 2 * KC
+}
+
+/// `dst (m × n, row-major bf16) = a·b`, each f32 sum rounded once as it is stored (no f32
+/// result and no separate rounding pass). An error unless [`rounds_directly`] holds for the
+/// depth, and as [`gemm_bf16`].
+pub(crate) fn gemm_bf16_rounded(dst: &mut [bf16], a: Mat<'_, bf16>, b: Mat<'_, bf16>, parallel: bool) -> Result<()> {
+    if !rounds_directly(a.cols) {
+        return Err(candle_core::Error::Msg(format!("wick bf16 gemm: depth {} is summed in slices", a.cols)));
+    }
+    gemm_into(dst, a, b, 1.0, false, parallel, super::gemm_amx::available())
+}
+
+/// A destination element type: f32 sums, or bf16 (rounded once, never accumulated into).
+pub(super) trait Dest: Copy + Default + Send + Sync + 'static {
+    /// `dst = beta·sums (+ dst when add)`.
+    fn put(dst: &mut [Self], sums: &[f32], beta: f32, add: bool);
+    /// The same for 16 sums in a register, at `at`.
+    ///
+    /// # Safety
+    /// `at` points at 16 writable elements; the CPU has AVX512-BF16 and AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn put16(at: *mut Self, sums: std::arch::x86_64::__m512, beta: std::arch::x86_64::__m512, add: bool);
+}
+
+impl Dest for f32 {
+    fn put(dst: &mut [f32], sums: &[f32], beta: f32, add: bool) {
+        if add {
+            dst.iter_mut().zip(sums).for_each(|(d, s)| *d += beta * s);
+        } else {
+            dst.iter_mut().zip(sums).for_each(|(d, s)| *d = beta * s);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn put16(at: *mut f32, sums: std::arch::x86_64::__m512, beta: std::arch::x86_64::__m512, add: bool) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract.
+        unsafe {
+            let x = if add { _mm512_fmadd_ps(sums, beta, _mm512_loadu_ps(at)) } else { _mm512_mul_ps(sums, beta) };
+            _mm512_storeu_ps(at, x);
+        }
+    }
+}
+
+impl Dest for bf16 {
+    fn put(dst: &mut [bf16], sums: &[f32], beta: f32, _add: bool) {
+        dst.iter_mut().zip(sums).for_each(|(d, s)| *d = super::round_bf16(beta * s));
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn put16(at: *mut bf16, sums: std::arch::x86_64::__m512, beta: std::arch::x86_64::__m512, _add: bool) {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract. `vcvtneps2bf16` rounds to nearest even, as
+        // `round_bf16` does (f32 subnormals, far below any sum here, become zero).
+        unsafe {
+            let h: __m256bh = _mm512_cvtneps_pbh(_mm512_mul_ps(sums, beta));
+            _mm256_storeu_si256(at.cast(), std::mem::transmute::<__m256bh, __m256i>(h));
+        }
+    }
+}
+
+/// [`gemm_bf16`] and [`gemm_bf16_rounded`]: checks, then the product on the tile unit when
+/// `amx` ([`super::gemm_amx`]), else with `vdpbf16ps` and the micro-tile that suits the shape.
+fn gemm_into<D: Dest>(
+    dst: &mut [D],
+    a: Mat<'_, bf16>,
+    b: Mat<'_, bf16>,
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+    amx: bool,
+) -> Result<()> {
+    if !available() {
+        return Err(candle_core::Error::Msg("wick bf16 gemm: this CPU has no AVX512-BF16".into()));
+    }
+    let Some((_, k, _)) = super::gemm::product_dims("wick bf16 gemm", &a, &b, dst, accumulate)? else {
+        return Ok(());
+    };
+    if amx {
+        split(dst, (a, b), parallel, (super::gemm_amx::MR, super::gemm_amx::NR), |part, a, b| {
+            part.product_amx(a, b, k, beta, accumulate)
+        });
+        return Ok(());
+    }
+    products_avx512(dst, (a, b), beta, accumulate, parallel);
+    Ok(())
+}
+
+/// [`gemm_into`] (shapes checked) with `vdpbf16ps` and the micro-tile that suits the shape.
+fn products_avx512<D: Dest>(
+    dst: &mut [D],
+    (a, b): (Mat<'_, bf16>, Mat<'_, bf16>),
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let cost = |&(mr, nv, weight): &(usize, usize, usize)| {
+        m.next_multiple_of(mr).saturating_mul(n.next_multiple_of(16 * nv)).saturating_mul(weight)
+    };
+    let shape = TILES.iter().min_by_key(|t| cost(t)).map_or((12, 2), |t| (t.0, t.1));
+    let run = |(mr, nv): (usize, usize), part: &Part<'_, D>, a: &KMajor<'_>, b: &KMajor<'_>| match (mr, nv) {
+        (24, 1) => part.product::<24, 1>(a, b, k, beta, accumulate),
+        (8, 3) => part.product::<8, 3>(a, b, k, beta, accumulate),
+        _ => part.product::<12, 2>(a, b, k, beta, accumulate),
+    };
+    split(dst, (a, b), parallel, (shape.0, 16 * shape.1), |part, a, b| run(shape, part, a, b));
+}
+
+/// The product `a·b` into `dst` (shapes checked) as parts of whole `mr × nr` micro-tiles, one
+/// per thread when `parallel`, each computed by `run`.
+fn split<D: Dest>(
+    dst: &mut [D],
+    (a, b): (Mat<'_, bf16>, Mat<'_, bf16>),
+    parallel: bool,
+    (mr, nr): (usize, usize),
+    run: impl Fn(&Part<'_, D>, &KMajor<'_>, &KMajor<'_>) + Sync,
+) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let threads = if parallel { rayon::current_num_threads().max(1) } else { 1 };
+    let av = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
+    let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
+    let out = super::SharedMut::new(&mut dst[..m * n]);
+    let whole = Part { out: &out, n, rows: 0..m, cols: 0..n };
+    // Parallel: one part per thread, each packing its own operands. Splitting the rows makes
+    // every part pack all of `b`, splitting the columns all of `a`: the smaller is repacked.
+    let (split_rows, unit, len) = if m >= n { (true, mr, m) } else { (false, nr, n) };
+    let parts = threads.min(len.div_ceil(unit)).min((m * n * k / MIN_PART_MACS).max(1));
+    if parts <= 1 {
+        run(&whole, &av, &bv);
+        return;
+    }
+    let step = len.div_ceil(parts).next_multiple_of(unit);
+    use rayon::prelude::*;
+    (0..len.div_ceil(step)).into_par_iter().for_each(|i| {
+        let range = i * step..((i + 1) * step).min(len);
+        let part =
+            if split_rows { Part { rows: range, ..whole.clone() } } else { Part { cols: range, ..whole.clone() } };
+        run(&part, &av, &bv);
+    });
+}
+
+/// Multiply-adds below which a product is not split between threads.
+const MIN_PART_MACS: usize = 1 << 17;
+
+/// A matrix read along k: element (r, q) — r a row of `a` or a column of `b`, q the depth
+/// index — at `r · outer + q · step`.
+pub(super) struct KMajor<'a> {
+    pub(super) data: &'a [bf16],
+    pub(super) outer: usize,
+    pub(super) step: usize,
+}
+
+/// Rows × columns of the destination (row-major, `n` columns) one thread computes.
+#[derive(Clone)]
+pub(super) struct Part<'a, D> {
+    pub(super) out: &'a super::SharedMut<'a, D>,
+    pub(super) n: usize,
+    pub(super) rows: std::ops::Range<usize>,
+    pub(super) cols: std::ops::Range<usize>,
+}
+
+impl<D: Dest> Part<'_, D> {
+    /// This part of `beta·a·b (+ dst)`, block by block.
+    fn product<const MR: usize, const NV: usize>(
+        &self,
+        a: &KMajor<'_>,
+        b: &KMajor<'_>,
+        k: usize,
+        beta: f32,
+        accumulate: bool,
+    ) {
+        let nr = 16 * NV;
+        let (mut pa, mut pb) = (Vec::new(), Vec::new());
+        let mut tile = [0f32; TILE];
+        let m = self.rows.len();
+        for c0 in self.cols.clone().step_by(NC) {
+            let cols = NC.min(self.cols.end - c0);
+            for (slice, k0) in (0..k).step_by(2 * KC).enumerate() {
+                let depth = (2 * KC).min(k - k0);
+                let pairs = depth.div_ceil(2);
+                pack(a, (self.rows.start, m), (k0, depth), MR, pairs, &mut pa);
+                pack(b, (c0, cols), (k0, depth), nr, pairs, &mut pb);
+                let add = accumulate || slice > 0;
+                for r0 in (0..m.div_ceil(MR)).step_by(MC / MR) {
+                    for jp in 0..cols.div_ceil(nr) {
+                        let bp = &pb[jp * nr * pairs..][..nr * pairs];
+                        let width = nr.min(cols - jp * nr);
+                        for ip in r0..(r0 + MC / MR).min(m.div_ceil(MR)) {
+                            let ap = &pa[ip * MR * pairs..][..MR * pairs];
+                            let height = MR.min(m - ip * MR);
+                            if height == MR && width == nr {
+                                // A whole tile: the sums go straight into the destination rows.
+                                let rows: [&mut [D]; MR] = std::array::from_fn(|i| {
+                                    let row = self.rows.start + ip * MR + i;
+                                    // SAFETY: as below (one row segment per tile row).
+                                    unsafe { self.out.range(row * self.n + c0 + jp * nr, nr) }
+                                });
+                                // SAFETY: `gemm_bf16` checked `available()`; the panels hold
+                                // `pairs` k-pairs of MR (nr) lanes and every row nr elements.
+                                unsafe { micro_kernel::<D, MR, NV>(pairs, ap, bp, Sink::Rows(rows, beta, add)) };
+                                continue;
+                            }
+                            // SAFETY: as above, into the tile (MR·nr = TILE elements).
+                            unsafe { micro_kernel::<D, MR, NV>(pairs, ap, bp, Sink::Tile(&mut tile)) };
+                            for i in 0..height {
+                                let row = self.rows.start + ip * MR + i;
+                                // SAFETY: parts are disjoint rectangles of the destination, and
+                                // within one part each (row, column panel) is written once at a
+                                // time.
+                                let dst = unsafe { self.out.range(row * self.n + c0 + jp * nr, width) };
+                                let sums = &tile[i * nr..][..width];
+                                D::put(dst, sums, beta, add);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Where an MR-row micro-tile's sums go.
+enum Sink<'a, D, const MR: usize> {
+    /// Stored row after row into a [`TILE`]-element buffer.
+    Tile(&'a mut [f32; TILE]),
+    /// Into MR destination rows of a tile's width each: `row = beta·sums (+ row when the flag)`.
+    Rows([&'a mut [D]; MR], f32, bool),
+}
+
+/// The `MR × 16·NV` product `ap · bp` over `pairs` k-pairs, into `sink`.
+///
+/// # Safety
+/// The CPU has AVX512-BF16 and AVX-512F; `ap` holds `pairs · MR` lanes and `bp` `pairs · 16·NV`;
+/// MR · 16·NV is at most [`TILE`]; a `Sink::Rows` row holds at least 16·NV elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512bf16,avx512f")]
+unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(
+    pairs: usize,
+    ap: &[u32],
+    bp: &[u32],
+    sink: Sink<'_, D, MR>,
+) {
+    use std::arch::x86_64::*;
+    let nr = 16 * NV;
+    assert!(ap.len() >= pairs * MR && bp.len() >= pairs * nr && MR * nr <= TILE, "gemm_bf16: short panels");
+    let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+    let (mut a, mut b) = (ap.as_ptr(), bp.as_ptr());
+    for _ in 0..pairs {
+        // SAFETY: `b` points at nr lanes (NV 64-byte loads), `a` at MR lanes, inside the panels
+        // (checked lengths above).
+        unsafe {
+            let bv: [__m512bh; NV] =
+                std::array::from_fn(|v| std::mem::transmute(_mm512_loadu_si512(b.add(16 * v).cast())));
+            for (i, row) in acc.iter_mut().enumerate() {
+                let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(i) as i32));
+                for (sum, bv) in row.iter_mut().zip(&bv) {
+                    *sum = _mm512_dpbf16_ps(*sum, ai, *bv);
+                }
+            }
+            a = a.add(MR);
+            b = b.add(nr);
+        }
+    }
+    match sink {
+        Sink::Tile(tile) => {
+            for (i, row) in acc.iter().enumerate() {
+                for (v, sum) in row.iter().enumerate() {
+                    // SAFETY: row i of the tile, register v: inside MR·nr ≤ TILE floats.
+                    unsafe { _mm512_storeu_ps(tile[i * nr + 16 * v..].as_mut_ptr(), *sum) };
+                }
+            }
+        }
+        Sink::Rows(rows, beta, add) => {
+            let scale = _mm512_set1_ps(beta);
+            for (dst, sums) in rows.into_iter().zip(&acc) {
+                assert!(dst.len() >= nr, "gemm_bf16: a destination row shorter than a tile");
+                let p = dst.as_mut_ptr();
+                for (v, sum) in sums.iter().enumerate() {
+                    // SAFETY: `dst` has nr = 16·NV elements (checked); the CPU's features are
+                    // this function's.
+                    unsafe { D::put16(p.add(16 * v), *sum, scale, add) };
+                }
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(_: usize, _: &[u32], _: &[u32], _: Sink<'_, D, MR>) {
+    unreachable!("gemm_bf16 checks available() first")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<bf16> {
+        (0..n).map(|i| bf16::from_f32(((i as f32 + seed as f32) * 0.7137).sin() * 2.0)).collect()
+    }
+
+    fn reference(a: Mat<'_, bf16>, b: Mat<'_, bf16>) -> Vec<f64> {
+        let mut out = vec![0.0; a.rows * b.cols];
+        for i in 0..a.rows {
+            for j in 0..b.cols {
+                out[i * b.cols + j] = (0..a.cols)
+                    .map(|p| {
+                        f64::from(a.data[i * a.row_stride + p * a.col_stride].to_f32())
+                            * f64::from(b.data[p * b.row_stride + j * b.col_stride].to_f32())
+                    })
+                    .sum();
+            }
+        }
+        out
+    }
+
+    /// (parallel, on the tile unit) for every kernel this CPU runs: the AVX-512 one always (the
+    /// tests skip without it), AMX's where [`super::super::gemm_amx::available`].
+    fn kernels() -> Vec<(bool, bool)> {
+        let amx = super::super::gemm_amx::available();
+        if !amx {
+            eprintln!("note: no AMX tile unit here (or WICK_CPU_AMX=0): only the AVX-512 kernel is tested");
+        }
+        [(false, false), (true, false), (false, true), (true, true)].into_iter().filter(|&(_, t)| !t || amx).collect()
+    }
+
+    #[test]
+    fn products_match_an_f64_product_at_ragged_shapes_and_transposes() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU has no AVX512-BF16");
+            return;
+        }
+        // Ragged in every dimension (odd k, partial tiles, several k-slices and blocks), over
+        // every tile shape: 12 × 32 (150×70, 5×3, 1×1), 8 × 48 (13×33, 40×600), 24 × 16 (24×16,
+        // 50×15).
+        let shapes = [(1, 1, 1), (13, 7, 33), (150, 1031, 70), (40, 64, 600), (5, 2, 3), (24, 77, 16), (50, 300, 15)];
+        for &(m, k, n) in &shapes {
+            let (av, bv) = (values(m * k, 1), values(k * n, 2));
+            for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                let ma = if ta { Mat::rows(&av, k, m).t() } else { Mat::rows(&av, m, k) };
+                let mb = if tb { Mat::rows(&bv, n, k).t() } else { Mat::rows(&bv, k, n) };
+                let expected = reference(ma, mb);
+                let bound = |i: usize| {
+                    // f32 sums of k exact products: k·2⁻²⁴·Σ|products| bounds the rounding.
+                    let abs: f64 = (0..k)
+                        .map(|p| {
+                            let (r, c) = (i / n, i % n);
+                            (f64::from(ma.data[r * ma.row_stride + p * ma.col_stride].to_f32())
+                                * f64::from(mb.data[p * mb.row_stride + c * mb.col_stride].to_f32()))
+                            .abs()
+                        })
+                        .sum();
+                    abs * (k as f64 + 1.0) * f64::from(f32::EPSILON) + 1e-30
+                };
+                for (parallel, amx) in kernels() {
+                    let mut out = vec![7.0f32; m * n];
+                    gemm_into(&mut out, ma, mb, 1.0, false, parallel, amx).unwrap();
+                    for (i, (x, y)) in out.iter().zip(&expected).enumerate() {
+                        let at = format!("{m}×{k}×{n} {ta} {tb} amx {amx}");
+                        assert!((f64::from(*x) - y).abs() <= bound(i), "{at}: {x} vs {y} at {i}");
+                    }
+                    // Accumulating adds beta times the product to what is there.
+                    gemm_into(&mut out, ma, mb, -0.5, true, parallel, amx).unwrap();
+                    for (i, (x, y)) in out.iter().zip(&expected).enumerate() {
+                        assert!((f64::from(*x) - 0.5 * y).abs() <= 2.0 * bound(i), "accumulate at {i}: {x} vs {y}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rounding as the product stores its sums equals rounding the f32 product once (whole
+    /// tiles through `vcvtneps2bf16`, ragged ones through `round_bf16`); deeper products than
+    /// one slice are refused.
+    #[test]
+    fn rounded_products_are_the_f32_products_rounded_once() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU has no AVX512-BF16");
+            return;
+        }
+        for &(m, k, n) in &[(13, 7, 33), (150, 300, 70), (24, 512, 16), (40, 64, 600)] {
+            let (av, bv) = (values(m * k, 3), values(k * n, 4));
+            let (ma, mb) = (Mat::rows(&av, m, k), Mat::rows(&bv, k, n));
+            for (parallel, amx) in kernels() {
+                let mut wide = vec![0f32; m * n];
+                gemm_into(&mut wide, ma, mb, 1.0, false, parallel, amx).unwrap();
+                let mut rounded = vec![bf16::ONE; m * n];
+                gemm_into(&mut rounded, ma, mb, 1.0, false, parallel, amx).unwrap();
+                for (i, (r, w)) in rounded.iter().zip(&wide).enumerate() {
+                    let want = super::super::round_bf16(*w).to_bits();
+                    assert_eq!(r.to_bits(), want, "{m}×{k}×{n} amx {amx} at {i}: {r} vs {w}");
+                }
+            }
+        }
+        let deep = values(2 * (2 * KC + 1), 5);
+        let mut out = vec![bf16::ZERO; 4];
+        assert!(!rounds_directly(2 * KC + 1));
+        let too_deep =
+            gemm_bf16_rounded(&mut out, Mat::rows(&deep, 2, 2 * KC + 1), Mat::rows(&deep, 2 * KC + 1, 2), false);
+        assert!(too_deep.is_err());
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_are_errors() {
+        let a = vec![bf16::ONE; 6];
+        let mut out = vec![0f32; 4];
+        assert!(gemm_bf16(&mut out, Mat::rows(&a, 2, 3), Mat::rows(&a, 2, 3), 1.0, false, false).is_err());
+        assert!(gemm_bf16(&mut out, Mat::rows(&a, 3, 2), Mat::rows(&a, 2, 3), 1.0, false, false).is_err());
+        let short = Mat { data: &a[..5], rows: 2, cols: 3, row_stride: 3, col_stride: 1 };
+        assert!(gemm_bf16(&mut out, short, Mat::rows(&a, 3, 2), 1.0, false, false).is_err());
+    }
+}

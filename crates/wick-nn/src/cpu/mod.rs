@@ -1,0 +1,536 @@
+//! CPU kernels with closed-form backward passes, and the graph ops built on them.
+//!
+//! The zoo's differentiable building blocks ([`crate::ops`], [`crate::cnn`]) were first composed
+//! from candle's primitive ops under candle's autograd, and then wrapped as single graph nodes
+//! that recompute their forward pass during backward ([`crate::fused`]). That is correct and
+//! lean in memory, but slow on the CPU: every op allocates, strided reductions run on one core,
+//! every broadcast is differentiated, and backward recomputes each node with autograd on
+//! (profiled on ResNet-18: batch norm 1266 ms per step against PyTorch's 35, convolutions 2045 ms
+//! against 303). Each op here is one candle custom op whose forward and backward are written out
+//! over plain slices, parallel over independent rows, channels or images with rayon, with the
+//! matrix products in the `gemm` crate (candle's own CPU matmul, here with AVX-512 kernels):
+//!
+//! - [`conv`]: dense convolution (im2col + one gemm per image; backward-input only when the input
+//!   needs a gradient; 1×1 stride-1 convolutions without im2col); [`depthwise`] convolution;
+//! - [`norm`]: batch norm (statistics once, mean and inverse deviation kept per channel; fused
+//!   with a following ReLU/ReLU6, whose input is then neither stored nor kept), layer norm and
+//!   RMS norm (per-row statistics kept);
+//! - [`pool`]: max pooling (the first maximum of a window, as PyTorch) and global average pooling;
+//! - [`act`]: ReLU/ReLU6 with PyTorch's gradient at the kinks, a residual `relu(a + b)`, GELU,
+//!   SiLU·mul;
+//! - [`linear`]: `x·Wᵀ + b` as one 2-D gemm over all rows;
+//! - [`attention`]: scaled dot-product attention that keeps q, k, v and one log-sum-exp per row
+//!   (backward recomputes the scores; never an s×s tensor kept) and rotary embeddings;
+//! - [`loss`]: cross-entropy and embedding lookups with f32 gradient sums;
+//! - [`profile`]: per-op times (`WICK_PROFILE_OPS=1`).
+//!
+//! What each op keeps for backward is what the composed node kept (its inputs), plus per-row or
+//! per-channel statistics where stated; the gradients are the composed versions' (each op's
+//! tests check them against the composed form, kept as the oracle, and finite differences).
+//!
+//! Precision: f64 inputs compute in f64; f32, bf16 and f16 in f32 (low-precision inputs are
+//! widened inside the op and its result rounded once, autocast's f32-class behaviour, and every
+//! gradient sum is accumulated in f32). Linear layers and dense convolutions whose operands are
+//! all bf16 multiply them as bf16 with f32 sums on CPUs with AVX512-BF16 (`gemm_bf16`, as
+//! oneDNN's bf16 kernels do under PyTorch's CPU autocast). These kernels are the CPU implementations; on CUDA the
+//! callers keep candle's own ops (cuBLAS, cuDNN) in the composed form.
+
+/// Runs `$body` with `$t` the compute type of `$dtype`: f64 for f64 tensors, f32 for the others
+/// (every op dispatches its generic forward and backward this way).
+macro_rules! by_real {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        if $crate::cpu::is_f64($dtype) {
+            type $t = f64;
+            $body
+        } else {
+            type $t = f32;
+            $body
+        }
+    };
+}
+
+/// Defines a kernel function generic over `T: Real` (and optionally a storage type
+/// `E: Elem<T>`) whose body — with every closure written in
+/// it, `par_ranges` bodies included — is compiled three times: for AVX-512, for AVX2 + FMA, and
+/// for the baseline, the widest the CPU has chosen at run time. Closures inherit the target
+/// features of the function they are written in, not of the function they are inlined into:
+/// a large `par_ranges` body handed to `math::vectorized` stays baseline SSE2 code, 4 lanes at
+/// a time with scalar conversions (measured: batch norm's backward ran at a third of its
+/// AVX-512 speed). Parameters are `name: Type` (no patterns). Check what it makes of a loop:
+/// a loop the compiler cannot vectorise may come out slower (batch norm's forward did, 10×,
+/// until its per-element activation branch became a select).
+macro_rules! wide_kernel {
+    ($(#[$m:meta])* $vis:vis fn $name:ident<$t:ident $(, $e:ident)?>($($a:ident: $ty:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
+        $(#[$m])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name<$t: $crate::cpu::Real $(, $e: $crate::cpu::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn v4<$t: $crate::cpu::Real $(, $e: $crate::cpu::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? $body
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn v3<$t: $crate::cpu::Real $(, $e: $crate::cpu::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? $body
+                if std::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has AVX-512F (and with it AVX2 and FMA).
+                    return unsafe { v4::<$t $(, $e)?>($($a),*) };
+                }
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                    // SAFETY: the CPU has AVX2 and FMA.
+                    return unsafe { v3::<$t $(, $e)?>($($a),*) };
+                }
+            }
+            $body
+        }
+    };
+}
+
+pub mod act;
+pub mod attention;
+mod bf16_pack;
+mod bn_sums;
+pub mod conv;
+pub mod depthwise;
+pub mod elem;
+mod gemm;
+mod gemm_amx;
+mod gemm_bf16;
+pub mod linear;
+pub mod loss;
+pub mod math;
+pub mod norm;
+pub mod pool;
+pub mod profile;
+
+use std::borrow::Cow;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use half::bf16;
+
+use elem::Elem;
+
+use crate::grad::grad_enabled;
+pub(crate) use gemm::{gemm, Mat};
+
+/// A compute type of the kernels: f32 (for f32, bf16 and f16 tensors) or f64.
+pub trait Real:
+    num_traits::Float
+    + num_traits::FromPrimitive
+    + std::iter::Sum
+    + Send
+    + Sync
+    + Copy
+    + Default
+    + elem::Elem<Self>
+    + 'static
+{
+    /// This type's elements of `s` (of any float dtype) between `start` and `start + len`,
+    /// borrowed when `s` holds this type, converted otherwise.
+    fn slice(s: &CpuStorage, start: usize, len: usize) -> Result<Cow<'_, [Self]>>;
+    /// `values` as storage of `dtype` (rounded once when narrower).
+    fn storage(values: Vec<Self>, dtype: DType) -> Result<CpuStorage>;
+    /// `v` as f64 (for error messages and tests).
+    fn wide(v: Self) -> f64;
+    /// `v` as this type.
+    fn of(v: f64) -> Self;
+    /// `e^v` (vectorisable in f32: [`math::exp_f32`]).
+    fn exp_(v: Self) -> Self;
+    /// The error function (vectorisable in f32: [`math::erf_f32`]).
+    fn erf_(v: Self) -> Self;
+}
+
+fn range<T>(v: &[T], start: usize, len: usize) -> Result<&[T]> {
+    v.get(start..start + len)
+        .ok_or_else(|| candle_core::Error::Msg(format!("kernel input: {len} elements at {start} exceed the storage")))
+}
+
+/// Elements per parallel chunk of the dtype conversions.
+const CONVERT_CHUNK: usize = 1 << 16;
+
+/// `f` over `dst` and `src` (the same length) in chunks of [`CONVERT_CHUNK`], in parallel when
+/// there is more than one (a single chunk runs here: waking a pool thread and waiting for it
+/// cost more than converting a small tensor), each compiled for the CPU's widest vectors.
+fn convert<S: Sync, D: Send>(dst: &mut [D], src: &[S], f: impl Fn(&mut [D], &[S]) + Send + Sync) {
+    use rayon::prelude::*;
+    if dst.len() <= CONVERT_CHUNK {
+        math::vectorized(|| f(dst, src));
+    } else {
+        dst.par_chunks_mut(CONVERT_CHUNK)
+            .zip(src.par_chunks(CONVERT_CHUNK))
+            .for_each(|(o, i)| math::vectorized(|| f(o, i)));
+    }
+}
+
+/// A low-precision storage's elements `start..start + len` widened to f32 ([`Elem::load`]:
+/// exact), parallel and vectorised.
+fn widen_elems<E: Elem<f32>>(v: &[E], start: usize, len: usize) -> Result<Vec<f32>> {
+    let src = range(v, start, len)?;
+    // Written, not zero-filled first: a reused heap block asked for zeroed is cleared by a pass
+    // of its own.
+    let mut out = Vec::<f32>::with_capacity(len);
+    convert(&mut out.spare_capacity_mut()[..len], src, |o, i| {
+        o.iter_mut().zip(i).for_each(|(d, e)| _ = d.write(e.load()))
+    });
+    // SAFETY: `convert` split the first `len` elements of the capacity into the same chunks as
+    // `src` (also `len` long), and every element of every chunk was written above.
+    unsafe { out.set_len(len) };
+    Ok(out)
+}
+
+/// `x` rounded to bf16, to nearest even; a NaN keeps its sign and becomes quiet (rounding
+/// could carry its payload to ±inf). The same result as `half::bf16::from_f32`, in a form that
+/// vectorises.
+#[inline(always)]
+pub(crate) fn round_bf16(x: f32) -> bf16 {
+    let bits = x.to_bits();
+    let rounded = (bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16;
+    let nan = ((bits >> 16) as u16) | 0x0040;
+    bf16::from_bits(if x.is_nan() { nan } else { rounded })
+}
+
+/// `src` rounded into `dst` (the same length; [`Elem::store`]), parallel and vectorised.
+pub fn narrow_into<E: Elem<f32>>(src: &[f32], dst: &mut [E]) {
+    convert(dst, src, |o, i| o.iter_mut().zip(i).for_each(|(d, x)| *d = E::store(*x)));
+}
+
+/// `v` rounded to a low-precision type ([`Elem::store`]), parallel and vectorised.
+fn narrow_elems<E: Elem<f32>>(v: &[f32]) -> Vec<E> {
+    let mut out = Vec::<E>::with_capacity(v.len());
+    convert(&mut out.spare_capacity_mut()[..v.len()], v, |o, i| {
+        o.iter_mut().zip(i).for_each(|(d, x)| _ = d.write(E::store(*x)))
+    });
+    // SAFETY: `convert` split the first `v.len()` elements of the capacity into the same chunks
+    // as `v`, and every element of every chunk was written above.
+    unsafe { out.set_len(v.len()) };
+    out
+}
+
+impl Real for f32 {
+    fn slice(s: &CpuStorage, start: usize, len: usize) -> Result<Cow<'_, [f32]>> {
+        Ok(match s {
+            CpuStorage::F32(v) => Cow::Borrowed(range(v, start, len)?),
+            CpuStorage::BF16(v) => Cow::Owned(widen_elems(v, start, len)?),
+            CpuStorage::F16(v) => Cow::Owned(widen_elems(v, start, len)?),
+            CpuStorage::F64(v) => Cow::Owned(range(v, start, len)?.iter().map(|x| *x as f32).collect()),
+            other => return Err(unsupported(other.dtype())),
+        })
+    }
+    fn storage(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
+        Ok(match dtype {
+            DType::F32 => CpuStorage::F32(values),
+            DType::BF16 => CpuStorage::BF16(narrow_elems(&values)),
+            DType::F16 => CpuStorage::F16(narrow_elems(&values)),
+            DType::F64 => CpuStorage::F64(values.iter().map(|v| *v as f64).collect()),
+            other => return Err(unsupported(other)),
+        })
+    }
+    fn wide(v: f32) -> f64 {
+        v as f64
+    }
+    fn of(v: f64) -> f32 {
+        v as f32
+    }
+    #[inline(always)]
+    fn exp_(v: f32) -> f32 {
+        math::exp_f32(v)
+    }
+    #[inline(always)]
+    fn erf_(v: f32) -> f32 {
+        math::erf_f32(v)
+    }
+}
+
+impl Real for f64 {
+    fn slice(s: &CpuStorage, start: usize, len: usize) -> Result<Cow<'_, [f64]>> {
+        Ok(match s {
+            CpuStorage::F64(v) => Cow::Borrowed(range(v, start, len)?),
+            CpuStorage::F32(v) => Cow::Owned(range(v, start, len)?.iter().map(|x| *x as f64).collect()),
+            other => return Err(unsupported(other.dtype())),
+        })
+    }
+    fn storage(values: Vec<f64>, dtype: DType) -> Result<CpuStorage> {
+        match dtype {
+            DType::F64 => Ok(CpuStorage::F64(values)),
+            DType::F32 => Ok(CpuStorage::F32(values.iter().map(|v| *v as f32).collect())),
+            other => Err(unsupported(other)),
+        }
+    }
+    fn wide(v: f64) -> f64 {
+        v
+    }
+    fn of(v: f64) -> f64 {
+        v
+    }
+    fn exp_(v: f64) -> f64 {
+        v.exp()
+    }
+    fn erf_(v: f64) -> f64 {
+        candle_core::cpu::erf::erf_f64(v)
+    }
+}
+
+pub(crate) fn unsupported(dtype: DType) -> candle_core::Error {
+    candle_core::Error::Msg(format!("wick kernels: dtype {dtype:?} is not a floating-point type they compute in"))
+}
+
+/// The compute type of a dtype: f64 for f64, f32 for the others.
+pub fn is_f64(dtype: DType) -> bool {
+    dtype == DType::F64
+}
+
+/// The contiguous elements of a storage under `layout` in compute type `T`.
+pub fn read<'a, T: Real>(s: &'a CpuStorage, layout: &Layout) -> Result<Cow<'a, [T]>> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => T::slice(s, start, end - start),
+        None => Err(candle_core::Error::Msg("wick kernels: input is not contiguous".into())),
+    }
+}
+
+/// Runs `f` on the contiguous elements of a CPU tensor `t` in compute type `T`.
+pub fn with<T: Real, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(s) => f(&read::<T>(s, layout)?),
+        _ => Err(candle_core::Error::Msg("wick kernels: tensor is not on the CPU".into())),
+    }
+}
+
+/// The input and weight gradients of a convolution-like op as tensors shaped like `x` and `w`:
+/// the input's only when computed (`dx`), the weight's only when `w` needs one.
+pub(crate) fn input_weight_grads<T: Real>(
+    x: &Tensor,
+    w: &Tensor,
+    (dx, dw): (Option<Vec<T>>, Vec<T>),
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let dx = dx.map(|dx| tensor(dx, x.shape(), x.dtype())).transpose()?;
+    Ok((dx, weight_grad(w, dw)?))
+}
+
+/// A weight gradient as a tensor shaped like `w` (rounded once to its dtype), only when `w`
+/// needs one.
+pub(crate) fn weight_grad<T: Real>(w: &Tensor, dw: Vec<T>) -> Result<Option<Tensor>> {
+    w.track_op().then(|| tensor(dw, w.shape(), w.dtype())).transpose()
+}
+
+/// A CPU tensor of `dtype` holding `values` (shape `shape`), with no graph.
+pub fn tensor<T: Real>(values: Vec<T>, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+    let shape = shape.into();
+    if values.len() != shape.elem_count() {
+        return Err(candle_core::Error::Msg(format!("wick kernels: {} values for shape {shape:?}", values.len())));
+    }
+    let storage = Storage::Cpu(T::storage(values, dtype)?);
+    Ok(Tensor::from_storage(storage, shape, candle_core::op::BackpropOp::none(), false))
+}
+
+/// Applies a one-input op, recording it for backward unless inside [`no_grad`].
+pub(crate) fn apply1<C: candle_core::CustomOp1 + Send + Sync + 'static>(x: &Tensor, op: C) -> Result<Tensor> {
+    let op = profile::Profiled(op);
+    if grad_enabled() {
+        x.apply_op1(op)
+    } else {
+        x.apply_op1_no_bwd(&op)
+    }
+}
+
+/// Applies a two-input op, recording it for backward unless inside [`no_grad`].
+pub(crate) fn apply2<C: candle_core::CustomOp2 + Send + Sync + 'static>(
+    a: &Tensor,
+    b: &Tensor,
+    op: C,
+) -> Result<Tensor> {
+    let op = profile::Profiled(op);
+    if grad_enabled() {
+        a.apply_op2(b, op)
+    } else {
+        a.apply_op2_no_bwd(b, &op)
+    }
+}
+
+/// Applies a three-input op, recording it for backward unless inside [`no_grad`].
+pub(crate) fn apply3<C: candle_core::CustomOp3 + Send + Sync + 'static>(
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    op: C,
+) -> Result<Tensor> {
+    let op = profile::Profiled(op);
+    if grad_enabled() {
+        a.apply_op3(b, c, op)
+    } else {
+        a.apply_op3_no_bwd(b, c, &op)
+    }
+}
+
+/// True when the fast CPU kernels serve tensors like `t`: on the CPU, in a float dtype.
+pub fn serves(t: &Tensor) -> bool {
+    matches!(t.device(), Device::Cpu) && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+}
+
+/// Lanes of the f64 sums below: independent accumulators, so the loops vectorise (a single
+/// running float sum cannot be reordered by the compiler).
+pub(crate) const LANES: usize = 8;
+
+/// `K` sums at once, `Σ f(a[i], b[i])[k]` over the common length in f64: for each sum, element
+/// `i` is added into accumulator `i mod LANES`, the remainder after the last whole group of
+/// lanes summed apart, and the lanes then summed. Fixed-width chunks, so that where it is inlined
+/// into code compiled for wide vectors the loop vectorises (the per-index form kept its bounds
+/// checks and ran scalar). Sums taken together equal the same sums taken alone, to the bit.
+#[inline(always)]
+pub(crate) fn lane_sums<const K: usize, T: Copy>(a: &[T], b: &[T], f: impl Fn(T, T) -> [f64; K]) -> [f64; K] {
+    let n = a.len().min(b.len());
+    let (ac, bc) = (a[..n].chunks_exact(LANES), b[..n].chunks_exact(LANES));
+    let (ar, br) = (ac.remainder(), bc.remainder());
+    let mut acc = [[0.0f64; LANES]; K];
+    for (xa, xb) in ac.zip(bc) {
+        for j in 0..LANES {
+            let terms = f(xa[j], xb[j]);
+            for k in 0..K {
+                acc[k][j] += terms[k];
+            }
+        }
+    }
+    let mut tail = [-0.0f64; K];
+    for (x, y) in ar.iter().zip(br) {
+        let terms = f(*x, *y);
+        for k in 0..K {
+            tail[k] += terms[k];
+        }
+    }
+    std::array::from_fn(|k| acc[k].iter().sum::<f64>() + tail[k])
+}
+
+/// `Σ f(a[i], b[i])` in f64: [`lane_sums`] of one sum.
+#[inline(always)]
+fn lane_sum<T: Copy>(a: &[T], b: &[T], f: impl Fn(T, T) -> f64) -> f64 {
+    let [sum] = lane_sums(a, b, |x, y| [f(x, y)]);
+    sum
+}
+
+/// `Σ x` in f64.
+#[inline(always)]
+pub(crate) fn sum<T: Real, E: elem::Elem<T>>(x: &[E]) -> f64 {
+    lane_sum(x, x, |v, _| T::wide(v.load()))
+}
+
+/// `Σ (x − m)²` in f64.
+#[inline(always)]
+pub(crate) fn sum_sq_dev<T: Real, E: elem::Elem<T>>(x: &[E], m: f64) -> f64 {
+    lane_sum(x, x, |v, _| {
+        let d = T::wide(v.load()) - m;
+        d * d
+    })
+}
+
+/// `Σ a·b` in f64 (over the common length of `a` and `b`).
+#[inline(always)]
+pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> f64 {
+    lane_sum(a, b, |x, y| T::wide(x) * T::wide(y))
+}
+
+/// Splits `0..n` into about one chunk per thread (at least `min` items each) and runs `f` on
+/// each chunk's range in parallel, compiled for the CPU's widest vector instructions.
+pub fn par_ranges(n: usize, min: usize, f: impl Fn(std::ops::Range<usize>) + Send + Sync) {
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = n.div_ceil(threads).max(min.max(1));
+    let chunks = n.div_ceil(chunk);
+    if chunks <= 1 {
+        // Too little work to share: no hand-over to the thread pool.
+        return math::vectorized(|| f(0..n));
+    }
+    // Each chunk runs compiled for the CPU's widest vectors (see `math::vectorized`).
+    (0..chunks).into_par_iter().for_each(|c| math::vectorized(|| f(c * chunk..((c + 1) * chunk).min(n))));
+}
+
+/// A mutable slice shared between threads that write disjoint parts of it. It borrows the slice
+/// for `'a`, so the slice outlives every part handed out (only their disjointness is left to
+/// [`SharedMut::range`]'s caller).
+pub struct SharedMut<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    borrow: std::marker::PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: users write disjoint ranges only (each `range` call's contract).
+unsafe impl<T: Send> Send for SharedMut<'_, T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
+
+impl<'a, T> SharedMut<'a, T> {
+    /// Shares `v` for the parts to be handed out.
+    pub fn new(v: &'a mut [T]) -> Self {
+        SharedMut { ptr: v.as_mut_ptr(), len: v.len(), borrow: std::marker::PhantomData }
+    }
+
+    /// The elements `start..start + len`.
+    ///
+    /// # Safety
+    /// No two live slices obtained from this value overlap.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn range(&self, start: usize, len: usize) -> &mut [T] {
+        assert!(start.checked_add(len).is_some_and(|end| end <= self.len), "SharedMut: range out of bounds");
+        // SAFETY: in bounds (checked); exclusivity is the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+
+    /// Every rounding case against the `half` crate's conversion: ties both ways, the largest
+    /// finite values (rounding up to infinity), infinities, subnormals, signed zeros, NaNs of
+    /// both signs with payloads that rounding would carry out of the mantissa, and a sweep.
+    #[test]
+    fn bf16_rounding_is_halfs() {
+        let mut bits: Vec<u32> = vec![
+            0x0000_0000,
+            0x8000_0000,
+            0x3F80_8000,
+            0x3F81_8000,
+            0x3F80_8001,
+            0x7F7F_FFFF,
+            0xFF7F_FFFF,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x0000_0001,
+            0x8000_8000,
+            0x7F80_0001,
+            0xFFFF_FFFF,
+            0x7FC0_0000,
+            0x7FBF_FFFF,
+        ];
+        bits.extend((0..=u32::MAX).step_by(65_537));
+        for b in bits {
+            let x = f32::from_bits(b);
+            assert_eq!(round_bf16(x).to_bits(), bf16::from_f32(x).to_bits(), "{b:#010x}");
+        }
+    }
+
+    /// The parallel conversions over several chunks and a ragged tail, from an offset, against
+    /// per-element `half` conversions, in bf16 and f16.
+    #[test]
+    fn widen_and_narrow_match_elementwise_conversion() -> Result<()> {
+        let n = 2 * CONVERT_CHUNK + 123;
+        let wide: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.377).sin() * 1e3 / (1.0 + i as f32)).collect();
+        let narrow: Vec<bf16> = narrow_elems(&wide);
+        assert_eq!(narrow.len(), n);
+        assert!(narrow.iter().zip(&wide).all(|(a, b)| a.to_bits() == bf16::from_f32(*b).to_bits()));
+        let mut into = vec![bf16::ONE; n];
+        narrow_into(&wide, &mut into);
+        assert_eq!(into, narrow);
+        let back = widen_elems(&narrow, 7, n - 7)?;
+        assert_eq!(back.len(), n - 7);
+        assert!(back.iter().zip(&narrow[7..]).all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
+        assert!(widen_elems(&narrow, 8, n).is_err(), "a range past the end is refused");
+        let half: Vec<f16> = narrow_elems(&wide);
+        assert!(half.iter().zip(&wide).all(|(a, b)| a.to_bits() == f16::from_f32(*b).to_bits()));
+        let back = widen_elems(&half, 0, n)?;
+        assert!(back.iter().zip(&half).all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
+        Ok(())
+    }
+}

@@ -1,0 +1,40 @@
+//! # wick-nn
+//!
+//! The differentiable layer of wick, between the engine (`wick`: governed devices and memory) and
+//! training (`wick-train`) or the models (`wick-zoo`): what candle-nn, burn-nn/burn-core's
+//! `module` and `torch.nn` + `torch.autograd` are to their stacks. Every op here has a written-out
+//! backward pass, so no gradient is lost silently (candle's fast fused ops drop theirs).
+//!
+//! | module | what it owns |
+//! |---|---|
+//! | [`ops`] | differentiable ops: linear, attention (plain and packed q/k/v), RoPE, norms, activations, cross-entropy, embeddings, residual adds |
+//! | [`cnn`] | convolution, depthwise convolution, batch norm with running statistics, pooling |
+//! | [`fused`] | composite ops as single graph nodes that recompute their forward during backward |
+//! | [`cpu`] | the CPU implementations of those ops: candle custom ops over plain slices (gemm f32/bf16/AMX, convolutions, norms, attention …), and per-op timing ([`cpu::profile`]) |
+//! | [`params`] | named parameters with pre-flighted creation and the initialisers |
+//! | [`autocast`] | the mixed-precision op policy ([`Autocast`]: which ops run in bf16/f16, which in f32) |
+//! | [`checkpoint`] | activation checkpointing ([`Checkpointing`]: blocks recomputed in backward instead of kept) |
+//! | [`grad`] | [`no_grad`] and [`grad_enabled`] |
+//! | [`graph`] | what an output's autograd graph keeps alive ([`graph::graph_bytes`]) |
+//! | [`model`] | the [`Model`] trait every trainable model implements, and [`Labelled`] batches |
+//! | [`error`] | [`NnError`] |
+//!
+//! Training checkpoints (files a run resumes from) are `wick-train`'s, not [`checkpoint`]'s.
+
+pub mod autocast;
+pub mod checkpoint;
+pub mod cnn;
+pub mod cpu;
+pub mod error;
+pub mod fused;
+pub mod grad;
+pub mod graph;
+pub mod model;
+pub mod ops;
+pub mod params;
+
+pub use autocast::Autocast;
+pub use checkpoint::Checkpointing;
+pub use error::{to_candle, NnError};
+pub use grad::{grad_enabled, no_grad};
+pub use model::{Labelled, Model};

@@ -1,0 +1,213 @@
+//! The fused AMP kernels on a CUDA device (feature `cuda`): multi-tensor unscale with inf/NaN
+//! check, the loss-scale update, and AdamW on f32 masters writing the model's low-precision copy,
+//! compiled and embedded by the wick-kernels crate. Their CPU references are
+//! `wick_kernels::reference`; the `amp-gpu-check` tool compares the two.
+//!
+//! The kernels work in place on the tensors they are given, on candle's stream of the device
+//! (so they are ordered after the ops that produced their inputs). Give them tensors that own
+//! their storage (gradients, masters, moments, parameters), not views into another tensor.
+
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::CudaStorageSlice;
+use candle_core::{DType, Device, Storage, Tensor};
+
+use crate::error::TrainError;
+use wick_kernels::reference::AdamWStep;
+
+fn err(message: impl Into<String>) -> TrainError {
+    TrainError::Invalid { what: "amp cuda kernels".into(), message: message.into() }
+}
+
+use wick_kernels::fatbin;
+
+/// The AMP kernels loaded on one device.
+pub struct AmpKernels {
+    stream: std::sync::Arc<CudaStream>,
+    /// f32, f16, bf16.
+    unscale: [CudaFunction; 3],
+    update_scale: CudaFunction,
+    /// f32, f16, bf16.
+    adamw: [CudaFunction; 3],
+}
+
+fn dtype_index(dtype: DType) -> Result<usize, TrainError> {
+    match dtype {
+        DType::F32 => Ok(0),
+        DType::F16 => Ok(1),
+        DType::BF16 => Ok(2),
+        other => Err(err(format!("the AMP kernels take f32, f16 or bf16 tensors, not {other:?}"))),
+    }
+}
+
+/// The device address of `t`'s first element (contiguous tensors only).
+fn address(t: &Tensor, stream: &CudaStream) -> Result<u64, TrainError> {
+    let (storage, layout) = t.storage_and_layout();
+    if !layout.is_contiguous() {
+        return Err(err("the AMP kernels need contiguous tensors"));
+    }
+    let Storage::Cuda(cuda) = &*storage else {
+        return Err(err(format!("tensor is on {:?}, not a CUDA device", t.device().location())));
+    };
+    // The read event the pointer guard records is not needed: every launch here is on the same
+    // stream as the ops that use these tensors, which orders them.
+    let base = match &cuda.slice {
+        CudaStorageSlice::F32(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::F16(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::BF16(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::I32(s) => s.device_ptr(stream).0,
+        _ => return Err(err(format!("unsupported dtype {:?}", t.dtype()))),
+    };
+    Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
+fn check_scalar(t: &Tensor, dtype: DType, what: &str) -> Result<(), TrainError> {
+    if t.dtype() != dtype || t.elem_count() != 1 {
+        return Err(err(format!("{what} must be a one-element {dtype:?} tensor, got {:?} {:?}", t.dtype(), t.shape())));
+    }
+    Ok(())
+}
+
+fn blocks(n: usize) -> u32 {
+    n.div_ceil(256).clamp(1, 1024) as u32
+}
+
+impl AmpKernels {
+    /// Loads the kernels on `device` (a CUDA device). Errors when the crate was built without
+    /// `WICK_KERNELS_NVCC` or the driver rejects the module.
+    pub fn load(device: &Device) -> Result<Self, TrainError> {
+        let Device::Cuda(cuda) = device else {
+            return Err(err(format!("the AMP kernels need a CUDA device, not {:?}", device.location())));
+        };
+        let stream = cuda.cuda_stream();
+        let module = |name: &str| {
+            let bytes = fatbin(name).ok_or_else(|| {
+                err("wick-zoo was built without its CUDA kernels: build with WICK_KERNELS_NVCC=<path to nvcc>")
+            })?;
+            stream
+                .context()
+                .load_module(candle_core::cuda_backend::cudarc::nvrtc::Ptx::from_binary(bytes.to_vec()))
+                .map_err(|e| err(format!("loading {name}: {e}")))
+        };
+        let (unscale, update, adamw) = (module("amp_unscale")?, module("amp_update_scale")?, module("amp_adamw")?);
+        let f = |m: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaModule>, name: &str| {
+            m.load_function(name).map_err(|e| err(format!("{name}: {e}")))
+        };
+        Ok(AmpKernels {
+            unscale: [
+                f(&unscale, "wick_amp_unscale_f32")?,
+                f(&unscale, "wick_amp_unscale_f16")?,
+                f(&unscale, "wick_amp_unscale_bf16")?,
+            ],
+            update_scale: f(&update, "wick_amp_update_scale")?,
+            adamw: [
+                f(&adamw, "wick_amp_adamw_f32")?,
+                f(&adamw, "wick_amp_adamw_f16")?,
+                f(&adamw, "wick_amp_adamw_bf16")?,
+            ],
+            stream,
+        })
+    }
+
+    /// Multiplies every gradient by `inv_scale` (a one-element f32 tensor on the device) in
+    /// place and sets `found_inf` (one-element f32, not cleared here) to 1 if any result is inf
+    /// or NaN: one launch per dtype, covering all tensors of that dtype.
+    pub fn unscale_(&self, grads: &[&Tensor], inv_scale: &Tensor, found_inf: &Tensor) -> Result<(), TrainError> {
+        check_scalar(inv_scale, DType::F32, "inv_scale")?;
+        check_scalar(found_inf, DType::F32, "found_inf")?;
+        let (inv, flag) = (address(inv_scale, &self.stream)?, address(found_inf, &self.stream)?);
+        for (index, func) in self.unscale.iter().enumerate() {
+            let mut ptrs = Vec::new();
+            let mut lens = Vec::new();
+            for g in grads {
+                if dtype_index(g.dtype())? == index {
+                    ptrs.push(address(g, &self.stream)?);
+                    lens.push(g.elem_count() as i64);
+                }
+            }
+            if ptrs.is_empty() {
+                continue;
+            }
+            let longest = lens.iter().copied().max().unwrap_or(1) as usize;
+            let ptrs_dev = self.stream.clone_htod(&ptrs).map_err(|e| err(e.to_string()))?;
+            let lens_dev = self.stream.clone_htod(&lens).map_err(|e| err(e.to_string()))?;
+            let n = ptrs.len() as i32;
+            let config = LaunchConfig {
+                grid_dim: (blocks(longest).min(64), (ptrs.len() as u32).min(65_535), 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = self.stream.launch_builder(func);
+            launch.arg(&ptrs_dev).arg(&lens_dev).arg(&n).arg(&flag).arg(&inv);
+            // SAFETY: the arguments match the kernel's signature; every pointer is a live
+            // device buffer of the stated length, kept alive by the caller's tensors.
+            unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// The scale update on the device: `scale` (one-element f32), `growth_tracker`
+    /// (one-element i32) and `found_inf` (one-element f32) as PyTorch's `_amp_update_scale_`.
+    pub fn update_scale_(
+        &self,
+        scale: &Tensor,
+        growth_tracker: &Tensor,
+        found_inf: &Tensor,
+        growth_factor: f32,
+        backoff_factor: f32,
+        growth_interval: i32,
+    ) -> Result<(), TrainError> {
+        check_scalar(scale, DType::F32, "scale")?;
+        check_scalar(growth_tracker, DType::I32, "growth_tracker")?;
+        check_scalar(found_inf, DType::F32, "found_inf")?;
+        let (s, g, f) =
+            (address(scale, &self.stream)?, address(growth_tracker, &self.stream)?, address(found_inf, &self.stream)?);
+        let mut launch = self.stream.launch_builder(&self.update_scale);
+        launch.arg(&s).arg(&g).arg(&f).arg(&growth_factor).arg(&backoff_factor).arg(&growth_interval);
+        // SAFETY: three one-element device buffers of the kernel's types, kept alive by the caller.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(1)) }.map_err(|e| err(e.to_string()))?;
+        Ok(())
+    }
+
+    /// One fused AdamW step: `master`, `m`, `v` (f32, same length as `grad`) are updated in
+    /// place from `grad` × `inv_scale`, and `model` (the compute copy, `grad`'s dtype) receives
+    /// the new masters rounded; nothing happens when `found_inf` is set.
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw_(
+        &self,
+        master: &Tensor,
+        m: &Tensor,
+        v: &Tensor,
+        grad: &Tensor,
+        model: &Tensor,
+        hyper: AdamWStep,
+        inv_scale: &Tensor,
+        found_inf: &Tensor,
+    ) -> Result<(), TrainError> {
+        let n = grad.elem_count();
+        for (t, what) in [(master, "master"), (m, "m"), (v, "v")] {
+            if t.dtype() != DType::F32 || t.elem_count() != n {
+                return Err(err(format!("{what} must be f32 with {n} elements")));
+            }
+        }
+        if model.dtype() != grad.dtype() || model.elem_count() != n {
+            return Err(err("model must have the gradient's dtype and length"));
+        }
+        check_scalar(inv_scale, DType::F32, "inv_scale")?;
+        check_scalar(found_inf, DType::F32, "found_inf")?;
+        let func = &self.adamw[dtype_index(grad.dtype())?];
+        let p = |t: &Tensor| address(t, &self.stream);
+        let (pm, pm1, pv, pg, pmodel, pinv, pflag) =
+            (p(master)?, p(m)?, p(v)?, p(grad)?, p(model)?, p(inv_scale)?, p(found_inf)?);
+        let (bc1, bc2) = hyper.bias_corrections();
+        let len = n as i64;
+        let mut launch = self.stream.launch_builder(func);
+        launch.arg(&pm).arg(&pm1).arg(&pv).arg(&pg).arg(&pmodel).arg(&len);
+        launch.arg(&hyper.lr).arg(&hyper.beta1).arg(&hyper.beta2).arg(&hyper.eps).arg(&hyper.weight_decay);
+        launch.arg(&bc1).arg(&bc2).arg(&pinv).arg(&pflag);
+        let config = LaunchConfig { grid_dim: (blocks(n), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: argument types and order match `wick_amp_adamw_*`; every buffer holds `n`
+        // elements of the stated type and is kept alive by the caller's tensors.
+        unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
+        Ok(())
+    }
+}

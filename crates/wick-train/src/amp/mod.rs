@@ -1,0 +1,50 @@
+//! Mixed precision: the loss scaler ([`GradScaler`]), fp32 master weights with fp32 optimizer
+//! state ([`MasterWeights`]), the update that runs them on the host or fused on a CUDA device
+//! ([`Updater`]; the fused kernels of the wick-kernels crate are launched by `cuda` and
+//! `device_step` with the `cuda` feature). The autocast switch, the op policy the models
+//! follow, is the network layer's (`wick_nn::Autocast`). The AMP-vs-f32
+//! trial that checks all of it is a harness, in `tools/` (wick-tools).
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod device_step;
+mod grad_scaler;
+mod master;
+mod updater;
+
+pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, ScalerState, StepOutcome};
+pub use master::{masters_by_name, MasterState, MasterWeights};
+pub use updater::Updater;
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+
+/// Back-propagates `loss`, multiplied by the loss scale first when there is a scaler (f16).
+pub fn scaled_backward(loss: &Tensor, scaler: Option<&GradScaler>) -> Result<GradStore, ScalerError> {
+    match scaler {
+        Some(s) => Ok(s.scale_loss(loss)?.backward()?),
+        None => Ok(loss.backward()?),
+    }
+}
+
+/// One update of `masters` from the gradients of `vars`: through the scaler when there is one
+/// (unscale, skip on inf/NaN, update the scale), directly otherwise.
+pub fn master_step(
+    grads: &mut GradStore,
+    masters: &mut MasterWeights,
+    scaler: Option<&mut GradScaler>,
+    vars: &[&Var],
+) -> Result<StepOutcome, ScalerError> {
+    match scaler {
+        Some(s) => {
+            let outcome = s.step(grads, vars, |g| masters.step(g))?;
+            s.update()?;
+            Ok(outcome)
+        }
+        None => {
+            masters.step(grads)?;
+            Ok(StepOutcome::Applied)
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! The optimizer step of a training run, placed where it runs best: on a CUDA device with
+//! wick-kernels' fused kernels compiled in, the fused device step ([`super::device_step`]: loss
+//! scale and inf flag on the device, no host round trip); elsewhere f32 [`MasterWeights`] and the
+//! host-side [`GradScaler`]. Callers hold one [`Updater`] and never ask which it is (the choice,
+//! and why the fused step was not taken, is in [`Updater::describe`]).
+
+use candle_core::{Tensor, Var};
+
+use super::{master_step, scaled_backward, GradScaler, MasterWeights, StepOutcome};
+use crate::error::TrainError;
+use crate::optim::Optimizer;
+use wick_nn::Autocast;
+
+enum Path {
+    Host {
+        masters: MasterWeights,
+        scaler: Option<GradScaler>,
+        why: Option<String>,
+    },
+    #[cfg(feature = "cuda")]
+    Device(super::device_step::DeviceAmp),
+}
+
+/// Backward and the optimizer step of a (mixed-precision) training run: f32 masters and
+/// optimizer state for the parameters, loss scaling when `autocast` needs it (f16).
+pub struct Updater {
+    path: Path,
+}
+
+impl Updater {
+    /// An updater for `vars` (the model's compute copies), whose f32 masters start at `masters`
+    /// (the f32 values the parameters were made from; see [`MasterWeights::with_masters`]), with
+    /// its memory accounted in `engine`'s report. On a CUDA engine the fused device step is
+    /// tried first; when it cannot be had (kernels not compiled in, an optimizer other than
+    /// AdamW) the host path runs and [`Updater::describe`] says why.
+    pub fn new(
+        engine: &wick::Engine,
+        vars: &[Var],
+        masters: &[Tensor],
+        optimizer: Optimizer,
+        autocast: Autocast,
+    ) -> Result<Self, TrainError> {
+        let mut why = None;
+        #[cfg(feature = "cuda")]
+        if engine.device().is_cuda() {
+            let scaler = autocast.needs_loss_scaling().then(super::GradScalerConfig::default);
+            match super::device_step::DeviceAmp::new(engine.device(), vars, Some(masters), optimizer, scaler) {
+                Ok(amp) => {
+                    amp.account(engine);
+                    return Ok(Updater { path: Path::Device(amp) });
+                }
+                Err(e) => why = Some(e.to_string()),
+            }
+        }
+        let masters = MasterWeights::with_masters(vars, Some(masters), optimizer)?;
+        masters.account(engine);
+        let scaler = autocast.needs_loss_scaling().then(GradScaler::new);
+        Ok(Updater { path: Path::Host { masters, scaler, why: why.take() } })
+    }
+
+    /// Back-propagates `loss` (scaled when there is a loss scaler), calls `after_backward` (the
+    /// graph is gone by then: the moment to read a step's peak), and updates the parameters.
+    /// A step whose gradients are not finite is skipped (and the scale lowered), as PyTorch's
+    /// `GradScaler` does.
+    pub fn step(
+        &mut self,
+        loss: &Tensor,
+        vars: &[Var],
+        after_backward: impl FnOnce(),
+    ) -> Result<StepOutcome, TrainError> {
+        match &mut self.path {
+            Path::Host { masters, scaler, .. } => {
+                let mut grads = scaled_backward(loss, scaler.as_ref())?;
+                after_backward();
+                let refs: Vec<&Var> = vars.iter().collect();
+                Ok(master_step(&mut grads, masters, scaler.as_mut(), &refs)?)
+            }
+            #[cfg(feature = "cuda")]
+            Path::Device(amp) => {
+                let grads = amp.scale_loss(loss)?.backward()?;
+                after_backward();
+                let flag = amp.step(&grads)?.to_device(&candle_core::Device::Cpu)?.to_vec1::<f32>()?;
+                Ok(if flag.first().is_some_and(|f| *f != 0.0) { StepOutcome::Skipped } else { StepOutcome::Applied })
+            }
+        }
+    }
+
+    /// The current loss scale, when the run scales its loss.
+    pub fn scale(&self) -> Result<Option<f64>, TrainError> {
+        match &self.path {
+            Path::Host { scaler, .. } => Ok(scaler.as_ref().map(|s| s.scale())),
+            #[cfg(feature = "cuda")]
+            Path::Device(amp) => Ok(amp.scale()?.map(f64::from)),
+        }
+    }
+
+    /// Bytes of the f32 masters and of the optimizer state.
+    pub fn memory_bytes(&self) -> (usize, usize) {
+        match &self.path {
+            Path::Host { masters, .. } => masters.memory_bytes(),
+            #[cfg(feature = "cuda")]
+            Path::Device(amp) => amp.memory_bytes(),
+        }
+    }
+
+    /// True when the fused device step runs.
+    pub fn fused(&self) -> bool {
+        !matches!(self.path, Path::Host { .. })
+    }
+
+    /// One line for the user: which step runs, and why the fused one does not when it was tried.
+    pub fn describe(&self) -> String {
+        match &self.path {
+            Path::Host { why: Some(why), .. } => {
+                format!("Fused AMP kernels unavailable ({why}); the update runs with host-side masters.")
+            }
+            Path::Host { why: None, .. } => "The update runs with f32 masters on the host path.".into(),
+            #[cfg(feature = "cuda")]
+            Path::Device(_) => "Fused AMP kernels loaded: the step runs on the device without host round trips.".into(),
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! Training checkpoints on disk: everything a run needs to continue, as one safetensors file of
+//! tensors and a small JSON manifest beside it (format and version, the step, what the model is,
+//! every parameter's and buffer's name, shape and dtype, the optimizer, the loss scaler, the data position,
+//! and the tensor file's size and SHA-256).
+//!
+//! Both files are written atomically ([`wick::files::write_atomic`]: a temporary file in the
+//! same folder, flushed, renamed, the folder flushed), the tensors first and the manifest last,
+//! so a manifest names only a complete tensor file: a run killed at any moment leaves the
+//! previous checkpoints intact and at worst an orphaned tensor file that no manifest names.
+//! Loading checks the manifest, the size and the checksum, and falls back to the previous
+//! checkpoint when the newest is damaged, saying why.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use sha2::{Digest, Sha256};
+
+use crate::amp::ScalerState;
+use crate::error::TrainError;
+
+/// The manifest's `format` field.
+pub const FORMAT: &str = "wick-training-checkpoint";
+
+/// The manifest version this build writes and reads.
+pub const VERSION: u32 = 1;
+
+/// One parameter as a manifest records it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ParamInfo {
+    /// The parameter's name.
+    pub name: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its dtype (`f32`, `bf16`, ...).
+    pub dtype: String,
+}
+
+/// What a checkpoint holds and how to check it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Manifest {
+    /// [`FORMAT`].
+    pub format: String,
+    /// [`VERSION`].
+    pub version: u32,
+    /// Training steps taken when it was saved (the data position of the run's batches).
+    pub step: u64,
+    /// Optimizer updates applied (fewer than `step` when a loss scaler skipped some).
+    pub optimizer_steps: u64,
+    /// What the run says its model is (kind and configuration), compared on resume.
+    pub model: serde_json::Value,
+    /// Every parameter, in the model's order.
+    pub params: Vec<ParamInfo>,
+    /// Every buffer (state changed in training but not learned: batch norm's running
+    /// statistics), in name order.
+    #[serde(default)]
+    pub buffers: Vec<ParamInfo>,
+    /// The optimizer and its settings.
+    pub optimizer: String,
+    /// The loss scaler's state (f16 runs).
+    pub scaler: Option<ScalerState>,
+    /// The data position and anything else the run needs to continue (its own JSON).
+    pub data: serde_json::Value,
+    /// The tensor file, in the same folder.
+    pub tensors: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// Its SHA-256, hex.
+    pub sha256: String,
+}
+
+/// A checkpoint read back: its manifest and its tensors by name.
+#[derive(Debug)]
+pub struct Saved {
+    /// The manifest.
+    pub manifest: Manifest,
+    /// The tensors.
+    pub tensors: HashMap<String, Tensor>,
+}
+
+/// The newest loadable checkpoint of a folder, and why newer ones were passed over.
+#[derive(Debug)]
+pub struct Latest {
+    /// The checkpoint.
+    pub saved: Saved,
+    /// One line per newer checkpoint that could not be used (damaged, truncated, unreadable).
+    pub skipped: Vec<String>,
+}
+
+/// The checkpoints of one run: `step-NNNNNNNNNN.safetensors` and `step-NNNNNNNNNN.json` in one
+/// folder, of which the newest `keep` are kept.
+#[derive(Debug, Clone)]
+pub struct CheckpointDir {
+    dir: PathBuf,
+    keep: usize,
+}
+
+fn file_error(path: &Path, message: impl std::fmt::Display) -> TrainError {
+    TrainError::File { path: path.to_path_buf(), message: message.to_string() }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl CheckpointDir {
+    /// The checkpoints in `dir` (created when missing), keeping the newest `keep` (at least 1).
+    /// Temporary files a killed writer left behind are removed (one run writes to a folder).
+    pub fn new(dir: &Path, keep: usize) -> Result<Self, TrainError> {
+        std::fs::create_dir_all(dir).map_err(|e| file_error(dir, e))?;
+        let entries = std::fs::read_dir(dir).map_err(|e| file_error(dir, e))?;
+        for entry in entries.filter_map(|e| e.ok()) {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(".step-") && name.contains(".tmp-") {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        Ok(CheckpointDir { dir: dir.to_path_buf(), keep: keep.max(1) })
+    }
+
+    /// The folder.
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    fn stem(step: u64) -> String {
+        format!("step-{step:010}")
+    }
+
+    /// The manifest path of the checkpoint at `step`.
+    pub fn manifest_path(&self, step: u64) -> PathBuf {
+        self.dir.join(format!("{}.json", Self::stem(step)))
+    }
+
+    /// The steps that have a manifest, oldest first (complete or not: [`CheckpointDir::load`]
+    /// checks).
+    pub fn steps(&self) -> Result<Vec<u64>, TrainError> {
+        let entries = std::fs::read_dir(&self.dir).map_err(|e| file_error(&self.dir, e))?;
+        let mut steps: Vec<u64> = entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                name.strip_prefix("step-")?.strip_suffix(".json")?.parse().ok()
+            })
+            .collect();
+        steps.sort_unstable();
+        Ok(steps)
+    }
+
+    /// Writes a checkpoint: `tensors` to its safetensors file, then `manifest` (whose `step`
+    /// names it; its file fields are filled in here) — each atomically — and removes all but the
+    /// newest `keep` checkpoints. Returns the manifest's path.
+    pub fn write(&self, mut manifest: Manifest, tensors: &HashMap<String, Tensor>) -> Result<PathBuf, TrainError> {
+        let stem = Self::stem(manifest.step);
+        let tensor_path = self.dir.join(format!("{stem}.safetensors"));
+        let written =
+            wick::weights::write_safetensors(&tensor_path, tensors).map_err(|e| file_error(&tensor_path, e))?;
+        let (bytes, sha256) = (written.len() as u64, hex(&Sha256::digest(&written)));
+        drop(written);
+        manifest.format = FORMAT.into();
+        manifest.version = VERSION;
+        manifest.tensors = format!("{stem}.safetensors");
+        manifest.bytes = bytes;
+        manifest.sha256 = sha256;
+        let path = self.manifest_path(manifest.step);
+        let json = serde_json::to_vec_pretty(&manifest).map_err(|e| file_error(&path, e))?;
+        wick::files::write_atomic(&path, &json).map_err(|e| file_error(&path, e))?;
+        self.prune()?;
+        Ok(path)
+    }
+
+    /// Removes all but the newest `keep` checkpoints (the manifest first: a crash in between
+    /// leaves an orphaned tensor file, never a manifest without its tensors), and tensor files
+    /// no manifest names that are older than the oldest kept checkpoint.
+    fn prune(&self) -> Result<(), TrainError> {
+        let steps = self.steps()?;
+        let cut = steps.len().saturating_sub(self.keep);
+        for &step in &steps[..cut] {
+            let stem = Self::stem(step);
+            let manifest = self.manifest_path(step);
+            std::fs::remove_file(&manifest).map_err(|e| file_error(&manifest, e))?;
+            let _ = std::fs::remove_file(self.dir.join(format!("{stem}.safetensors")));
+        }
+        Ok(())
+    }
+
+    /// Reads and checks the checkpoint at `step`: the manifest parses and is this format and
+    /// version, and the tensor file has the recorded size and SHA-256.
+    pub fn load(&self, step: u64, device: &Device) -> Result<Saved, TrainError> {
+        let path = self.manifest_path(step);
+        let text = std::fs::read(&path).map_err(|e| file_error(&path, e))?;
+        let manifest: Manifest =
+            serde_json::from_slice(&text).map_err(|e| file_error(&path, format!("not a checkpoint manifest: {e}")))?;
+        if manifest.format != FORMAT || manifest.version != VERSION {
+            return Err(file_error(
+                &path,
+                format!(
+                    "format {} version {}; this build reads {FORMAT} version {VERSION}",
+                    manifest.format, manifest.version
+                ),
+            ));
+        }
+        if manifest.tensors.contains(['/', '\\']) || manifest.tensors.starts_with('.') {
+            return Err(file_error(&path, format!("tensor file `{}` is not a file in this folder", manifest.tensors)));
+        }
+        let tensor_path = self.dir.join(&manifest.tensors);
+        let bytes = std::fs::read(&tensor_path).map_err(|e| file_error(&tensor_path, e))?;
+        if bytes.len() as u64 != manifest.bytes {
+            return Err(file_error(
+                &tensor_path,
+                format!("{} bytes, the manifest says {} (truncated or replaced)", bytes.len(), manifest.bytes),
+            ));
+        }
+        let sha256 = hex(&Sha256::digest(&bytes));
+        if sha256 != manifest.sha256 {
+            return Err(file_error(&tensor_path, "checksum mismatch: the file is damaged"));
+        }
+        let tensors = candle_core::safetensors::load_buffer(&bytes, device)?;
+        Ok(Saved { manifest, tensors })
+    }
+
+    /// The newest checkpoint that loads, with a line for each newer one that did not; `None`
+    /// when the folder has no checkpoint at all. When every checkpoint is damaged, the error
+    /// lists why each was refused.
+    pub fn load_latest(&self, device: &Device) -> Result<Option<Latest>, TrainError> {
+        let mut skipped = Vec::new();
+        for step in self.steps()?.into_iter().rev() {
+            match self.load(step, device) {
+                Ok(saved) => return Ok(Some(Latest { saved, skipped })),
+                Err(e) => skipped.push(format!("step {step}: {e}")),
+            }
+        }
+        if skipped.is_empty() {
+            Ok(None)
+        } else {
+            Err(file_error(&self.dir, format!("no usable checkpoint: {}", skipped.join("; "))))
+        }
+    }
+}

@@ -1,0 +1,31 @@
+//! # wick-train
+//!
+//! Training on top of the network layer (`wick-nn`): what burn-optim + burn-train and
+//! `torch.optim` + `torch.amp` + `torch.utils.data` are to their stacks. Multi-process training
+//! will live here too.
+//!
+//! | module | what it owns |
+//! |---|---|
+//! | [`optim`] | the optimizer rules ([`Optimizer`]: SGD with momentum, AdamW) applied in one in-place pass, and the step that rounds f32 masters into a model's compute copies |
+//! | [`amp`] | mixed precision: the loss scaler ([`amp::GradScaler`]), f32 master weights with f32 optimizer state ([`amp::MasterWeights`]), the update on the host or fused on a CUDA device ([`amp::Updater`]; feature `cuda` launches wick-kernels' fused kernels) |
+//! | [`trainer`] | [`Trainer`]: a training run over any [`wick_nn::Model`] (precision, LR schedule, accumulation, activation checkpointing) that saves and resumes bit-exactly |
+//! | [`checkpoint`] | training checkpoints on disk ([`CheckpointDir`]: tensors and manifest written atomically, checked and fallen back on when damaged) |
+//! | [`data`] | the data loader ([`data::Loader`]: worker threads, pinned order, resumable positions) and its datasets |
+//! | [`jobs`] | detached runs ([`jobs::Job`]: a process in its own session, its status file, attach and stop) |
+//! | [`error`] | [`TrainError`] |
+//!
+//! Activation checkpointing (recompute instead of keep) is the network layer's
+//! (`wick_nn::checkpoint`); a "checkpoint" in this crate is always a training checkpoint.
+
+pub mod amp;
+pub mod checkpoint;
+pub mod data;
+pub mod error;
+pub mod jobs;
+pub mod optim;
+pub mod trainer;
+
+pub use checkpoint::CheckpointDir;
+pub use error::TrainError;
+pub use optim::Optimizer;
+pub use trainer::Trainer;

@@ -1,0 +1,218 @@
+//! Optimizer updates in one pass: AdamW and SGD with momentum applied in place to an f32 tensor
+//! (a parameter, or the f32 master of a low-precision one) from its gradient, reading the old
+//! optimizer state and writing the new. The composed form (one candle op per term: a dozen
+//! passes over every parameter, each allocating) cost a tenth of some training steps; this is
+//! one read of parameter, gradient and state and one write of parameter and state, computed in
+//! f32 in PyTorch's order of operations (its AdamW on f32 parameters), vectorised.
+
+use std::sync::Mutex;
+
+use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
+
+use wick_nn::cpu::elem::{elems, Elem};
+use wick_nn::cpu::{narrow_into, par_ranges, read, tensor, with, SharedMut};
+
+/// An optimizer's update rule and hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Optimizer {
+    /// SGD with momentum (PyTorch's form: `b = μ·b + g`, `p -= lr·b`).
+    SgdMomentum {
+        /// Learning rate.
+        lr: f64,
+        /// Momentum μ.
+        momentum: f64,
+    },
+    /// AdamW (decoupled weight decay, bias-corrected moments).
+    AdamW {
+        /// Learning rate.
+        lr: f64,
+        /// β1.
+        beta1: f64,
+        /// β2.
+        beta2: f64,
+        /// ε.
+        eps: f64,
+        /// Weight decay.
+        weight_decay: f64,
+    },
+}
+
+impl Optimizer {
+    /// State vectors per parameter element (momentum buffer; first and second moments).
+    pub fn states(&self) -> usize {
+        match self {
+            Optimizer::SgdMomentum { .. } => 1,
+            Optimizer::AdamW { .. } => 2,
+        }
+    }
+}
+
+struct Update<'a> {
+    rule: Optimizer,
+    /// The step number, from 1 (AdamW's bias correction).
+    step: i32,
+    state: Vec<&'a [f32]>,
+    next: Mutex<Vec<Vec<f32>>>,
+}
+
+impl InplaceOp2 for Update<'_> {
+    fn name(&self) -> &'static str {
+        "optimizer_step"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dl: &Layout, src: &CpuStorage, sl: &Layout) -> Result<()> {
+        let CpuStorage::F32(p) = dst else {
+            return Err(candle_core::Error::Msg("optimizer step: the updated tensor is not f32".into()));
+        };
+        let Some((start, end)) = dl.contiguous_offsets() else {
+            return Err(candle_core::Error::Msg("optimizer step: the updated tensor is not contiguous".into()));
+        };
+        let p = p.get_mut(start..end).ok_or_else(|| candle_core::Error::Msg("optimizer step: out of range".into()))?;
+        // A low-precision gradient (an AMP model's) is read as it is, each element widened where
+        // the update uses it: a widened copy of every gradient was a pass and an allocation of
+        // its own.
+        match src {
+            CpuStorage::BF16(_) => self.apply(p, elems::<f32, half::bf16>(src, sl)?),
+            CpuStorage::F16(_) => self.apply(p, elems::<f32, half::f16>(src, sl)?),
+            _ => self.apply(p, &read::<f32>(src, sl)?),
+        }
+    }
+}
+
+impl Update<'_> {
+    /// The update of `p` from `g`, each gradient element widened where it is used.
+    fn apply<G: Elem<f32>>(&self, p: &mut [f32], g: &[G]) -> Result<()> {
+        let n = p.len();
+        if g.len() != n || self.state.len() != self.rule.states() || self.state.iter().any(|s| s.len() != n) {
+            return Err(candle_core::Error::Msg(format!("optimizer step: {n} values, {} gradients", g.len())));
+        }
+        let mut next: Vec<Vec<f32>> = (0..self.rule.states()).map(|_| vec![0f32; n]).collect();
+        {
+            let pp = SharedMut::new(p);
+            let outs: Vec<SharedMut<f32>> = next.iter_mut().map(|v| SharedMut::new(v)).collect();
+            let (rule, step) = (self.rule, self.step);
+            par_ranges(n, 1 << 14, |r| {
+                // SAFETY: `par_ranges` hands out disjoint ranges.
+                let p = unsafe { pp.range(r.start, r.len()) };
+                // SAFETY: as above.
+                let out: Vec<&mut [f32]> = outs.iter().map(|o| unsafe { o.range(r.start, r.len()) }).collect();
+                let g = g[r.clone()].iter().map(|g| g.load());
+                let mut out = out.into_iter();
+                match rule {
+                    Optimizer::SgdMomentum { lr, momentum } => {
+                        let Some(new) = out.next() else { return };
+                        let (lr, momentum) = (lr as f32, momentum as f32);
+                        let old = &self.state[0][r.clone()];
+                        for (((p, b_new), b_old), g) in p.iter_mut().zip(new.iter_mut()).zip(old).zip(g) {
+                            let b = momentum * *b_old + g;
+                            *b_new = b;
+                            *p -= lr * b;
+                        }
+                    }
+                    Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+                        let (Some(m_new), Some(v_new)) = (out.next(), out.next()) else { return };
+                        // The step's constants in f64, the per-element arithmetic in f32 (as
+                        // PyTorch's AdamW on f32 parameters), so that the loop vectorises.
+                        let (bc1, bc2) = (1.0 - beta1.powi(step), 1.0 - beta2.powi(step));
+                        let step_size = (lr / bc1) as f32;
+                        let inv_bc2_sqrt = (1.0 / bc2.sqrt()) as f32;
+                        let decay = (1.0 - lr * weight_decay) as f32;
+                        let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
+                        let (c1, c2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
+                        let (m_old, v_old) = (&self.state[0][r.clone()], &self.state[1][r.clone()]);
+                        let moments = m_new.iter_mut().zip(v_new.iter_mut()).zip(m_old).zip(v_old);
+                        for ((p, (((mn, vn), mo), vo)), g) in p.iter_mut().zip(moments).zip(g) {
+                            let m = b1 * *mo + c1 * g;
+                            let v = b2 * *vo + c2 * g * g;
+                            let denom = v.sqrt() * inv_bc2_sqrt + eps;
+                            *p = *p * decay - step_size * m / denom;
+                            (*mn, *vn) = (m, v);
+                        }
+                    }
+                }
+            });
+        }
+        *self.next.lock().unwrap_or_else(|e| e.into_inner()) = next;
+        Ok(())
+    }
+}
+
+/// Applies step number `step` (from 1) of `rule` in place to `target` (an f32 CPU tensor) from
+/// `grad` (any float dtype, same element count) and the old `state` tensors (f32,
+/// `rule.states()` of them); returns the new state tensors.
+pub fn step(target: &Tensor, grad: &Tensor, state: &[Tensor], rule: Optimizer, step: i32) -> Result<Vec<Tensor>> {
+    let grad = grad.contiguous()?;
+    let next = match state {
+        [s] => with::<f32, _>(s, |s| run(target, &grad, vec![s], rule, step))?,
+        [m, v] => with::<f32, _>(m, |m| with::<f32, _>(v, |v| run(target, &grad, vec![m, v], rule, step)))?,
+        _ => return Err(candle_core::Error::Msg(format!("optimizer step: {} state tensors", state.len()))),
+    };
+    next.into_iter().map(|v| tensor(v, target.shape(), candle_core::DType::F32)).collect()
+}
+
+fn run(target: &Tensor, grad: &Tensor, state: Vec<&[f32]>, rule: Optimizer, step: i32) -> Result<Vec<Vec<f32>>> {
+    let op = Update { rule, step, state, next: Mutex::new(Vec::new()) };
+    target.inplace_op2(grad, &op)?;
+    Ok(op.next.into_inner().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// Writes `source` (f32) into `target` (same element count, any float dtype) in place, rounded
+/// to `target`'s dtype: the compute copy of a master weight.
+pub fn copy_into(target: &Tensor, source: &Tensor) -> Result<()> {
+    struct Cast;
+    impl InplaceOp2 for Cast {
+        fn name(&self) -> &'static str {
+            "copy_rounded"
+        }
+        fn cpu_fwd(&self, dst: &mut CpuStorage, dl: &Layout, src: &CpuStorage, sl: &Layout) -> Result<()> {
+            let s = read::<f32>(src, sl)?;
+            let Some((start, end)) = dl.contiguous_offsets().filter(|(a, b)| b - a == s.len()) else {
+                return Err(candle_core::Error::Msg("copy_rounded: layouts do not match".into()));
+            };
+            match dst {
+                CpuStorage::F32(d) => d[start..end].copy_from_slice(&s),
+                CpuStorage::BF16(d) => narrow_into(&s, &mut d[start..end]),
+                CpuStorage::F16(d) => narrow_into(&s, &mut d[start..end]),
+                CpuStorage::F64(d) => d[start..end].iter_mut().zip(s.iter()).for_each(|(d, v)| *d = *v as f64),
+                _ => return Err(candle_core::Error::Msg("copy_rounded: not a float tensor".into())),
+            }
+            Ok(())
+        }
+    }
+    target.inplace_op2(&source.contiguous()?, &Cast)
+}
+
+/// How the learning rate moves with the step (a factor of the optimizer's rate).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum LrSchedule {
+    /// The optimizer's rate throughout.
+    Constant,
+    /// Linear warm-up over `warmup` steps to the optimizer's rate, then cosine decay to
+    /// `min_factor` of it at step `total` (and `min_factor` after): PyTorch's `LinearLR`
+    /// followed by `CosineAnnealingLR`.
+    WarmupCosine {
+        /// Warm-up steps.
+        warmup: u64,
+        /// The step the decay ends at.
+        total: u64,
+        /// The final factor.
+        min_factor: f64,
+    },
+}
+
+impl LrSchedule {
+    /// The factor for the update that follows `step` updates.
+    pub fn factor(&self, step: u64) -> f64 {
+        match *self {
+            LrSchedule::Constant => 1.0,
+            LrSchedule::WarmupCosine { warmup, total, min_factor } => {
+                if step < warmup {
+                    return (step + 1) as f64 / warmup as f64;
+                }
+                let span = total.saturating_sub(warmup).max(1) as f64;
+                let progress = ((step - warmup) as f64 / span).min(1.0);
+                min_factor + (1.0 - min_factor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
+        }
+    }
+}

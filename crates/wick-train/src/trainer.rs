@@ -1,0 +1,398 @@
+//! Training runs that can stop and continue: a [`Trainer`] over any zoo [`Model`] (f32 or mixed
+//! precision with f32 masters and the loss scaler, a learning-rate schedule, gradient
+//! accumulation, activation checkpointing) whose whole state — f32 masters (the parameters),
+//! the model's buffers (batch norm's running statistics), optimizer state, loss-scaler state,
+//! the step and the run's data position — is saved as a
+//! training checkpoint ([`crate::checkpoint`]) and restored exactly: on the CPU a resumed run takes the same
+//! steps, to the bit, as one that was never interrupted (the kernels sum in a fixed order).
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use wick_zoo::llama::{Llama, LlamaConfig};
+//! use wick_train::trainer::{TrainOptions, Trainer};
+//! use wick_train::CheckpointDir;
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let dir = std::env::temp_dir().join(format!("wick-doc-train-{}", std::process::id()));
+//! let config = LlamaConfig::tiny(16);
+//! let describe = serde_json::json!({"kind": "llama", "config": config});
+//! let ids = Tensor::new(&[[1u32, 2, 3, 4, 5, 6]], &Device::Cpu)?;
+//! let model = Llama::new(config, DType::F32, &Device::Cpu)?;
+//! let mut trainer = Trainer::new(model, describe.clone(), None, TrainOptions::default())?;
+//! trainer.train_step(std::slice::from_ref(&ids))?;
+//! let checkpoints = CheckpointDir::new(&dir, 2)?;
+//! trainer.save(&checkpoints, serde_json::json!({"position": 1}))?;
+//!
+//! // Later, in another process: the same model, built the same way, continues from step 1.
+//! let model = Llama::new(config, DType::F32, &Device::Cpu)?;
+//! let mut again = Trainer::new(model, describe, None, TrainOptions::default())?;
+//! let resumed = again.resume(&checkpoints)?;
+//! assert_eq!((resumed.step, again.step()), (1, 1));
+//! # std::fs::remove_dir_all(&dir)?;
+//! # Ok(())
+//! # }
+//! ```
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Instant;
+use wick::memory::push_label;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+
+use crate::checkpoint::{CheckpointDir, Latest, Manifest, ParamInfo};
+
+use crate::amp::{GradScaler, MasterState, MasterWeights, StepOutcome};
+use crate::error::TrainError;
+use crate::optim::{LrSchedule, Optimizer};
+use wick_nn::checkpoint::Checkpointing;
+use wick_nn::model::Model;
+use wick_nn::Autocast;
+
+/// What a [`Trainer`] does each step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TrainOptions {
+    /// The update rule and its (base) learning rate.
+    pub optimizer: Optimizer,
+    /// The learning-rate schedule.
+    pub schedule: LrSchedule,
+    /// Mixed precision: must match the dtype the model was built in (the loss scaler runs for
+    /// f16).
+    pub autocast: Autocast,
+    /// Recompute each block in backward instead of keeping its activations.
+    pub activation_checkpointing: bool,
+}
+
+impl Default for TrainOptions {
+    /// AdamW (lr 1e-3, β 0.9/0.999, ε 1e-8, no decay), constant rate, f32, no checkpointing.
+    fn default() -> Self {
+        TrainOptions {
+            optimizer: Optimizer::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
+            schedule: LrSchedule::Constant,
+            autocast: Autocast::off(),
+            activation_checkpointing: false,
+        }
+    }
+}
+
+/// One training step's outcome.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepRecord {
+    /// The step number (1 for the first).
+    pub step: u64,
+    /// The mean loss over the step's micro-batches.
+    pub loss: f32,
+    /// The learning rate the update used.
+    pub lr: f64,
+    /// Whether the update ran (skipped when the loss scaler found inf/NaN gradients).
+    pub outcome: StepOutcome,
+}
+
+/// Where [`Trainer::resume`] continued from.
+#[derive(Debug, Clone)]
+pub struct Resumed {
+    /// The step the run continues after.
+    pub step: u64,
+    /// The run's own data saved with it (e.g. its data loader's position).
+    pub data: serde_json::Value,
+    /// The manifest that was loaded.
+    pub manifest: PathBuf,
+    /// Newer checkpoints that were damaged and passed over, with why.
+    pub skipped: Vec<String>,
+}
+
+/// A checkpoint being written by a background thread ([`Trainer::save_in_background`]).
+pub struct PendingSave {
+    thread: std::thread::JoinHandle<Result<PathBuf, TrainError>>,
+    /// How long the training thread was held (copying the state), in seconds.
+    pub stall_s: f64,
+}
+
+impl PendingSave {
+    /// Waits for the write; the manifest's path.
+    pub fn wait(self) -> Result<PathBuf, TrainError> {
+        self.thread.join().unwrap_or_else(|_| {
+            Err(TrainError::Invalid { what: "checkpoint".into(), message: "the writer thread panicked".into() })
+        })
+    }
+}
+
+/// A training run over `M`: the model, its f32 masters and optimizer state, the loss scaler
+/// (f16), and the step count.
+pub struct Trainer<M: Model> {
+    model: M,
+    description: serde_json::Value,
+    vars: Vec<Var>,
+    masters: MasterWeights,
+    scaler: Option<GradScaler>,
+    options: TrainOptions,
+    base_lr: f64,
+    step: u64,
+}
+
+fn invalid(what: &str, message: String) -> TrainError {
+    TrainError::Invalid { what: what.into(), message }
+}
+
+fn base_lr(optimizer: &Optimizer) -> f64 {
+    match optimizer {
+        Optimizer::SgdMomentum { lr, .. } | Optimizer::AdamW { lr, .. } => *lr,
+    }
+}
+
+/// What differs first between the `kind`s (parameters or buffers) a checkpoint records
+/// (`theirs`) and this run's (`mine`), if anything.
+fn first_difference(kind: &str, theirs: &[ParamInfo], mine: &[ParamInfo]) -> Option<String> {
+    if theirs == mine {
+        return None;
+    }
+    let by_name: HashMap<&str, &ParamInfo> = theirs.iter().map(|p| (p.name.as_str(), p)).collect();
+    let differs = mine.iter().find_map(|p| match by_name.get(p.name.as_str()) {
+        None => Some(format!("it has no {kind} `{}`", p.name)),
+        Some(t) if *t != p => {
+            Some(format!("`{}` is {:?} {} there, {:?} {} here", p.name, t.shape, t.dtype, p.shape, p.dtype))
+        }
+        _ => None,
+    });
+    Some(differs.unwrap_or_else(|| format!("{} {kind}s there, {} here", theirs.len(), mine.len())))
+}
+
+fn dtype_name(dtype: DType) -> String {
+    format!("{dtype:?}").to_lowercase()
+}
+
+impl<M: Model> Trainer<M> {
+    /// A run of `model`, described by `description` (what it is — kind and configuration — as
+    /// the checkpoints record it and a resume compares it), with f32 masters starting at `start`
+    /// (the f32 values of a low-precision model's parameters; see
+    /// [`MasterWeights::with_masters`]) or at the parameters.
+    pub fn new(
+        model: M,
+        description: serde_json::Value,
+        start: Option<&[Tensor]>,
+        options: TrainOptions,
+    ) -> Result<Self, TrainError> {
+        let vars = model.vars();
+        let masters = MasterWeights::with_masters(&vars, start, options.optimizer)?;
+        let scaler = options.autocast.needs_loss_scaling().then(GradScaler::new);
+        Ok(Trainer {
+            model,
+            description,
+            vars,
+            masters,
+            scaler,
+            base_lr: base_lr(&options.optimizer),
+            options,
+            step: 0,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    /// The masters and optimizer state.
+    pub fn masters(&self) -> &MasterWeights {
+        &self.masters
+    }
+
+    /// Steps taken.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// One step over `micro_batches` (gradient accumulation: each micro-batch's loss counts
+    /// `1/n`, the gradients are summed in order, then one update).
+    pub fn train_step(&mut self, micro_batches: &[M::Batch]) -> Result<StepRecord, TrainError> {
+        if micro_batches.is_empty() {
+            return Err(invalid("train step", "no micro-batches".into()));
+        }
+        let n = micro_batches.len() as f64;
+        // What is allocated is recorded under the step and its phase (a history names them).
+        let _step = push_label("train_step");
+        let (mut total, mut loss_sum) = (None::<GradStore>, 0f64);
+        for batch in micro_batches {
+            let ckpt = self.options.activation_checkpointing.then(Checkpointing::new);
+            let forward = push_label("forward");
+            let loss = self.model.loss_with(batch, ckpt.as_ref())?;
+            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            let mut loss = if n > 1.0 { (loss / n)? } else { loss };
+            if let Some(s) = &self.scaler {
+                loss = s.scale_loss(&loss)?;
+            }
+            drop(forward);
+            let _backward = push_label("backward");
+            let grads = match &ckpt {
+                Some(c) => c.backward(&loss, self.model.params())?,
+                None => loss.backward()?,
+            };
+            total = Some(match total {
+                None => grads,
+                Some(mut sum) => {
+                    for v in &self.vars {
+                        if let Some(g) = grads.get(v.as_tensor()) {
+                            let next = match sum.remove(v.as_tensor()) {
+                                Some(s) => (s + g)?,
+                                None => g.clone(),
+                            };
+                            sum.insert(v.as_tensor(), next);
+                        }
+                    }
+                    sum
+                }
+            });
+        }
+        let mut grads = total.ok_or_else(|| invalid("train step", "no gradients".into()))?;
+        let _optimizer = push_label("optimizer");
+        let lr = self.base_lr * self.options.schedule.factor(self.step);
+        self.masters.set_learning_rate(lr);
+        let refs: Vec<&Var> = self.vars.iter().collect();
+        let outcome = crate::amp::master_step(&mut grads, &mut self.masters, self.scaler.as_mut(), &refs)?;
+        self.step += 1;
+        Ok(StepRecord { step: self.step, loss: (loss_sum / n) as f32, lr, outcome })
+    }
+
+    /// The parameters as a manifest records them.
+    pub fn param_infos(&self) -> Vec<ParamInfo> {
+        self.model
+            .params()
+            .iter()
+            .map(|(name, v)| ParamInfo { name: name.clone(), shape: v.dims().to_vec(), dtype: dtype_name(v.dtype()) })
+            .collect()
+    }
+
+    /// The buffers as a manifest records them.
+    pub fn buffer_infos(&self) -> Vec<ParamInfo> {
+        self.model
+            .params()
+            .buffers()
+            .map(|(name, b)| {
+                let t = b.get();
+                ParamInfo { name: name.clone(), shape: t.dims().to_vec(), dtype: dtype_name(t.dtype()) }
+            })
+            .collect()
+    }
+
+    /// The checkpoint's manifest (file fields empty) and tensors: every master and optimizer
+    /// state, copied (later steps do not change them).
+    fn snapshot(&self, data: serde_json::Value) -> Result<(Manifest, HashMap<String, Tensor>), TrainError> {
+        let state = self.masters.state()?;
+        let mut tensors = HashMap::new();
+        for (((name, _), master), states) in self.model.params().iter().zip(state.masters).zip(state.states) {
+            tensors.insert(format!("master/{name}"), master);
+            for (k, t) in states.into_iter().enumerate() {
+                tensors.insert(format!("state{k}/{name}"), t);
+            }
+        }
+        // A buffer's tensor is never changed in place (an update replaces it), so holding the
+        // current one is a snapshot.
+        for (name, buffer) in self.model.params().buffers() {
+            tensors.insert(format!("buffer/{name}"), buffer.get());
+        }
+        let manifest = Manifest {
+            format: String::new(),
+            version: 0,
+            step: self.step,
+            optimizer_steps: state.step,
+            model: self.description.clone(),
+            params: self.param_infos(),
+            buffers: self.buffer_infos(),
+            optimizer: format!("{:?}", self.options.optimizer),
+            scaler: self.scaler.as_ref().map(GradScaler::state),
+            data,
+            tensors: String::new(),
+            bytes: 0,
+            sha256: String::new(),
+        };
+        Ok((manifest, tensors))
+    }
+
+    /// Saves a checkpoint of the run now, with `data` (the run's own position: its data
+    /// loader's, its random generators'); returns the manifest's path.
+    pub fn save(&self, dir: &CheckpointDir, data: serde_json::Value) -> Result<PathBuf, TrainError> {
+        let (manifest, tensors) = self.snapshot(data)?;
+        dir.write(manifest, &tensors)
+    }
+
+    /// As [`Trainer::save`], with the write in a background thread: training is held only while
+    /// the state is copied ([`PendingSave::stall_s`]). Wait for one save before starting the
+    /// next.
+    pub fn save_in_background(&self, dir: &CheckpointDir, data: serde_json::Value) -> Result<PendingSave, TrainError> {
+        let start = Instant::now();
+        let (manifest, tensors) = self.snapshot(data)?;
+        let stall_s = start.elapsed().as_secs_f64();
+        let dir = dir.clone();
+        let thread = std::thread::Builder::new()
+            .name("wick-checkpoint".into())
+            .spawn(move || dir.write(manifest, &tensors))
+            .map_err(|e| invalid("checkpoint", format!("cannot start the writer thread: {e}")))?;
+        Ok(PendingSave { thread, stall_s })
+    }
+
+    /// Continues from the newest usable checkpoint in `dir`: the masters (and so the
+    /// parameters), the optimizer state and step count, the loss scaler and the step. A damaged
+    /// newest checkpoint is passed over (said in [`Resumed::skipped`]); none at all, or one made
+    /// for another model, optimizer or precision, is an error saying what differs, and nothing
+    /// changes.
+    pub fn resume(&mut self, dir: &CheckpointDir) -> Result<Resumed, TrainError> {
+        let device = self.vars.first().map_or(candle_core::Device::Cpu, |v| v.device().clone());
+        let Latest { saved, skipped } = dir
+            .load_latest(&device)?
+            .ok_or_else(|| invalid("resume", format!("no checkpoint in {}", dir.path().display())))?;
+        let manifest = dir.manifest_path(saved.manifest.step);
+        let m = &saved.manifest;
+        let refuse =
+            |what: String| invalid("resume", format!("{} was made for another run: {what}", manifest.display()));
+        let mine = self.param_infos();
+        if let Some(differs) = first_difference("parameter", &m.params, &mine) {
+            return Err(refuse(differs));
+        }
+        let my_buffers = self.buffer_infos();
+        if let Some(differs) = first_difference("buffer", &m.buffers, &my_buffers) {
+            return Err(refuse(differs));
+        }
+        if m.model != self.description {
+            return Err(refuse(format!("its model is {}, this run's {}", m.model, self.description)));
+        }
+        let optimizer = format!("{:?}", self.options.optimizer);
+        if m.optimizer != optimizer {
+            return Err(refuse(format!("its optimizer is {}, this run's {optimizer}", m.optimizer)));
+        }
+        if m.scaler.is_some() != self.scaler.is_some() {
+            return Err(refuse("one scales its loss (f16) and the other does not".into()));
+        }
+        if let Some(s) = m.scaler.filter(|s| !(s.scale.is_finite() && s.scale > 0.0)) {
+            return Err(refuse(format!("its loss scale {} is not a positive number", s.scale)));
+        }
+        let take = |key: String| -> Result<Tensor, TrainError> {
+            saved.tensors.get(&key).cloned().ok_or_else(|| refuse(format!("it lacks the tensor `{key}`")))
+        };
+        let states = self.options.optimizer.states();
+        let mut state = MasterState { step: m.optimizer_steps, masters: Vec::new(), states: Vec::new() };
+        for p in &mine {
+            state.masters.push(take(format!("master/{}", p.name))?);
+            state.states.push((0..states).map(|k| take(format!("state{k}/{}", p.name))).collect::<Result<_, _>>()?);
+        }
+        let mut buffers = Vec::with_capacity(my_buffers.len());
+        for b in &my_buffers {
+            let t = take(format!("buffer/{}", b.name))?;
+            if t.dims() != b.shape.as_slice() || dtype_name(t.dtype()) != b.dtype {
+                let found = format!("{:?} {}", t.dims(), dtype_name(t.dtype()));
+                return Err(refuse(format!("its buffer `{}` is {found}, expected {:?} {}", b.name, b.shape, b.dtype)));
+            }
+            buffers.push(t);
+        }
+        // Everything is checked before anything changes (the masters check their own state).
+        self.masters.load_state(&state)?;
+        for ((_, buffer), t) in self.model.params().buffers().zip(&buffers) {
+            buffer.set(t)?;
+        }
+        if let (Some(s), Some(saved)) = (self.scaler.as_mut(), m.scaler) {
+            s.load_state(saved)?;
+        }
+        self.step = m.step;
+        Ok(Resumed { step: m.step, data: m.data.clone(), manifest, skipped })
+    }
+}
