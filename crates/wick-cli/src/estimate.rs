@@ -21,6 +21,7 @@ use wick_zoo::resnet::{ResNet, ResNetDepth};
 use wick_zoo::vit::{Vit, VitConfig};
 
 use crate::llama_size;
+use crate::models::{leak, token_ids, Built};
 
 /// A model the command knows by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -145,31 +146,10 @@ fn measure(built: &Built, batch: usize, mode: Mode, checkpointing: bool) -> Resu
     Ok(exact_peak().map(|(peak, _)| peak.saturating_sub(before) + ParamBytes::of(built.params).total))
 }
 
-/// A model's loss at a batch size, its blocks checkpointed in the context when one is given.
-pub type LossFn = dyn Fn(usize, Option<&Checkpointing>) -> candle_core::Result<Tensor>;
-
-/// A model built for profiling: its parameters and its loss at a batch size.
-pub struct Built {
-    /// Its parameters.
-    pub params: &'static Params,
-    /// Its loss at a batch size (the batch made inside), its blocks checkpointed in the given
-    /// context.
-    pub loss: Box<LossFn>,
-    /// What it is, for the report.
-    pub what: String,
-}
-
 fn images(batch: usize, side: usize, classes: u32, dtype: DType) -> candle_core::Result<Labelled> {
     let inputs = Tensor::randn(0f32, 1.0, (batch, 3, side, side), &Device::Cpu)?.to_dtype(dtype)?;
     let labels: Vec<u32> = (0..batch as u32).map(|i| i % classes).collect();
     Ok(Labelled { inputs, labels: Tensor::new(labels, &Device::Cpu)? })
-}
-
-/// Token ids (batch, seq) spread over a vocabulary (a multiplicative hash of the position).
-pub fn token_ids(batch: usize, seq: usize, vocab: usize) -> candle_core::Result<Tensor> {
-    let vocab = vocab.max(1) as u32;
-    let ids: Vec<u32> = (0..batch * seq).map(|i| (i as u32).wrapping_mul(2_654_435_761) % vocab).collect();
-    Tensor::from_vec(ids, (batch, seq), &Device::Cpu)
 }
 
 fn sentences(batch: usize, seq: usize, config: &BertConfig) -> candle_core::Result<SentenceBatch> {
@@ -179,12 +159,6 @@ fn sentences(batch: usize, seq: usize, config: &BertConfig) -> candle_core::Resu
         readout: Tensor::randn(0f32, 0.05, (config.hidden_size, 2), &Device::Cpu)?,
         labels: Tensor::new((0..batch as u32).map(|i| i % 2).collect::<Vec<_>>(), &Device::Cpu)?,
     })
-}
-
-/// Leaks the model: it lives as long as the command (one model per process), which lets the
-/// profile's closures borrow it without a self-referential struct.
-pub fn leak<M: Model + 'static>(model: M) -> &'static M {
-    Box::leak(Box::new(model))
 }
 
 fn bert_base() -> BertConfig {

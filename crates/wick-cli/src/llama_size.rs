@@ -12,7 +12,7 @@ use wick_nn::Model;
 use wick_zoo::estimate::{ActivationProfile, ParamBytes};
 use wick_zoo::llama::{Llama, LlamaConfig};
 
-use crate::estimate::{leak, token_ids, Built};
+use crate::models::{leak, token_ids, Built};
 
 /// Llama-2-7B's shapes (multi-head attention, as the zoo's decoder).
 pub fn llama2_7b() -> LlamaConfig {

@@ -19,6 +19,7 @@
 mod estimate;
 mod fit;
 mod llama_size;
+mod models;
 mod monitor;
 mod report;
 mod train;

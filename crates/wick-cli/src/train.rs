@@ -76,7 +76,7 @@ pub struct TrainArgs {
     #[arg(long)]
     checkpointing: bool,
     /// Train on this token file (little-endian u16 ids below 32, windows of --seq tokens, shuffled
-    /// by --seed, read by `wick::data`) instead of the synthetic language.
+    /// by --seed, read by `wick_train::data`) instead of the synthetic language.
     #[arg(long)]
     data: Option<PathBuf>,
     /// Every this many steps, the loss on a fixed held-out batch (0: never), in the metrics.

@@ -53,7 +53,7 @@ pub enum MemoryError {
     /// The backend (driver) failed in a way that is not out-of-memory (kept as its typed
     /// [`BackendError`](crate::BackendError), which is the error's source).
     #[error("backend error: {0}")]
-    Backend(#[from] crate::backend::BackendError),
+    Backend(#[from] BackendError),
     /// The device or driver is missing or too old.
     #[error("device unavailable: {0}")]
     Unavailable(String),
@@ -230,6 +230,29 @@ impl std::fmt::Display for OutOfMemory {
 
 /// Result type of this crate.
 pub type Result<T, E = MemoryError> = std::result::Result<T, E>;
+
+/// Why a backend call failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendError {
+    /// The device has no memory left for this segment (transient).
+    OutOfMemory,
+    /// The stream does not exist.
+    UnknownStream(StreamId),
+    /// Any other driver failure, with its message.
+    Other(String),
+}
+
+impl std::fmt::Display for BackendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BackendError::OutOfMemory => write!(f, "device out of memory"),
+            BackendError::UnknownStream(s) => write!(f, "unknown stream {s}"),
+            BackendError::Other(msg) => write!(f, "{msg}"),
+        }
+    }
+}
+
+impl std::error::Error for BackendError {}
 
 #[cfg(test)]
 mod tests {

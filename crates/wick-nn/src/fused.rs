@@ -8,7 +8,7 @@
 //! and back-propagates through it (a vector–Jacobian product), so the gradients are candle's own
 //! gradients of the same computation, accumulated in f32.
 //!
-//! This is how the zoo keeps AMP's saved activations in the low-precision dtype while softmax,
+//! This is how the models keep AMP's saved activations in the low-precision dtype while softmax,
 //! normalisation and losses compute in f32 (the autocast policy of [`crate::Autocast`]), and how composite
 //! ops (attention, pooling, batch norm) cost one saved input instead of every intermediate.
 

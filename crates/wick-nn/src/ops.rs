@@ -1,5 +1,5 @@
 //! Differentiable building blocks. candle's fused `softmax_last_dim`, `layer_norm`, `rms_norm`,
-//! `rope` and `sdpa` compute the right values but drop gradients without an error, so the zoo
+//! `rope` and `sdpa` compute the right values but drop gradients without an error, so wick
 //! composes these from primitive ops, each of which has a backward pass in candle. Norms,
 //! attention, RoPE and the loss are then wrapped as single graph nodes ([`crate::fused::node`]):
 //! the graph keeps their inputs, not their intermediates, and the f32-class ones compute in f32

@@ -111,7 +111,7 @@ fn loader_figures() -> Result<Vec<serde_json::Value>> {
             times.push(t);
         }
         let t = median(times);
-        rows.push(serde_json::json!({"loader": format!("wick::data, {workers} workers"), "ms_per_epoch": t,
+        rows.push(serde_json::json!({"loader": format!("wick_train::data, {workers} workers"), "ms_per_epoch": t,
             "samples_per_s": n as f64 / t * 1e3, "vs_plain": plain_ms / t}));
         // Heap after each of 20 epochs with this loader (the first loader only).
         if workers == 2 {
@@ -185,7 +185,7 @@ fn image_folder_figures() -> Result<Vec<serde_json::Value>> {
             );
         }
         let t = median(times);
-        rows.push(serde_json::json!({"images": format!("wick::data, {workers} workers"), "ms_per_epoch": t,
+        rows.push(serde_json::json!({"images": format!("wick_train::data, {workers} workers"), "ms_per_epoch": t,
             "samples_per_s": n as f64 / t * 1e3, "vs_plain": plain / t}));
         folder = Some(wick_train::data::ImageFolder::open(&root, 32, 32)?);
     }

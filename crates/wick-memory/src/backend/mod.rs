@@ -20,33 +20,11 @@ pub use host::{host_memory_budget, meminfo_bytes, HostBackend};
 pub use simulated::SimulatedBackend;
 pub use simulated_streams::SimulatedStreams;
 
+pub use crate::error::BackendError;
 use crate::stream::{EventId, StreamId};
 
 /// Granularity in which expandable segments are mapped and unmapped.
 pub const MAP_GRANULARITY: usize = 2 << 20;
-
-/// Why a backend call failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum BackendError {
-    /// The device has no memory left for this segment (transient).
-    OutOfMemory,
-    /// The stream does not exist.
-    UnknownStream(StreamId),
-    /// Any other driver failure, with its message.
-    Other(String),
-}
-
-impl std::fmt::Display for BackendError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            BackendError::OutOfMemory => write!(f, "device out of memory"),
-            BackendError::UnknownStream(s) => write!(f, "unknown stream {s}"),
-            BackendError::Other(msg) => write!(f, "{msg}"),
-        }
-    }
-}
-
-impl std::error::Error for BackendError {}
 
 /// Source of raw segments. Implementations are thread-safe; the allocator serialises its own
 /// calls but several allocators may share a device.

@@ -10,7 +10,7 @@
 
 use half::bf16;
 
-use super::gemm_bf16::KMajor;
+use super::bf16_blocking::KMajor;
 
 /// Packs rows `r0..r0+count` of `v`, depths `k0..k0+depth`, as `width`-lane panels of k-pairs:
 /// lane i of pair p of panel P holds row P·width+i's depths 2p (low half) and 2p+1 (high half);

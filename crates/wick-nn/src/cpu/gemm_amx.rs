@@ -27,8 +27,8 @@
 
 use half::bf16;
 
+use super::bf16_blocking::{Dest, KMajor, Part, KC, NC};
 use super::bf16_pack::{pack, pair};
-use super::gemm_bf16::{Dest, KMajor, Part, KC, NC};
 
 /// Rows of a micro-tile (two 16-row tiles).
 pub(super) const MR: usize = 32;

@@ -22,6 +22,7 @@
 
 use half::bf16;
 
+use super::bf16_blocking::{Dest, KMajor, Part, KC, NC};
 use super::bf16_pack::pack;
 use super::gemm::Mat;
 use candle_core::Result;
@@ -34,13 +35,8 @@ use candle_core::Result;
 const TILES: [(usize, usize, usize); 3] = [(12, 2, 20), (8, 3, 21), (24, 1, 30)];
 /// Elements of every micro-tile (12·32 = 24·16 = 8·48).
 const TILE: usize = 384;
-/// Depth of a packed slice, in k-pairs (512 bf16 values of k).
-pub(super) const KC: usize = 256;
 /// Rows of a block (its packed `a` stays in the L2 cache).
 const MC: usize = 144;
-/// Columns of a block.
-pub(super) const NC: usize = 512;
-
 /// True when this CPU runs [`gemm_bf16`] (AVX512-BF16, with AVX-512F).
 pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -81,55 +77,6 @@ pub(crate) fn gemm_bf16_rounded(dst: &mut [bf16], a: Mat<'_, bf16>, b: Mat<'_, b
         return Err(candle_core::Error::Msg(format!("wick bf16 gemm: depth {} is summed in slices", a.cols)));
     }
     gemm_into(dst, a, b, 1.0, false, parallel, super::gemm_amx::available())
-}
-
-/// A destination element type: f32 sums, or bf16 (rounded once, never accumulated into).
-pub(super) trait Dest: Copy + Default + Send + Sync + 'static {
-    /// `dst = beta·sums (+ dst when add)`.
-    fn put(dst: &mut [Self], sums: &[f32], beta: f32, add: bool);
-    /// The same for 16 sums in a register, at `at`.
-    ///
-    /// # Safety
-    /// `at` points at 16 writable elements; the CPU has AVX512-BF16 and AVX-512F.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn put16(at: *mut Self, sums: std::arch::x86_64::__m512, beta: std::arch::x86_64::__m512, add: bool);
-}
-
-impl Dest for f32 {
-    fn put(dst: &mut [f32], sums: &[f32], beta: f32, add: bool) {
-        if add {
-            dst.iter_mut().zip(sums).for_each(|(d, s)| *d += beta * s);
-        } else {
-            dst.iter_mut().zip(sums).for_each(|(d, s)| *d = beta * s);
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn put16(at: *mut f32, sums: std::arch::x86_64::__m512, beta: std::arch::x86_64::__m512, add: bool) {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract.
-        unsafe {
-            let x = if add { _mm512_fmadd_ps(sums, beta, _mm512_loadu_ps(at)) } else { _mm512_mul_ps(sums, beta) };
-            _mm512_storeu_ps(at, x);
-        }
-    }
-}
-
-impl Dest for bf16 {
-    fn put(dst: &mut [bf16], sums: &[f32], beta: f32, _add: bool) {
-        dst.iter_mut().zip(sums).for_each(|(d, s)| *d = super::round_bf16(beta * s));
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn put16(at: *mut bf16, sums: std::arch::x86_64::__m512, beta: std::arch::x86_64::__m512, _add: bool) {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract. `vcvtneps2bf16` rounds to nearest even, as
-        // `round_bf16` does (f32 subnormals, far below any sum here, become zero).
-        unsafe {
-            let h: __m256bh = _mm512_cvtneps_pbh(_mm512_mul_ps(sums, beta));
-            _mm256_storeu_si256(at.cast(), std::mem::transmute::<__m256bh, __m256i>(h));
-        }
-    }
 }
 
 /// [`gemm_bf16`] and [`gemm_bf16_rounded`]: checks, then the product on the tile unit when
@@ -215,23 +162,6 @@ fn split<D: Dest>(
 
 /// Multiply-adds below which a product is not split between threads.
 const MIN_PART_MACS: usize = 1 << 17;
-
-/// A matrix read along k: element (r, q) — r a row of `a` or a column of `b`, q the depth
-/// index — at `r · outer + q · step`.
-pub(super) struct KMajor<'a> {
-    pub(super) data: &'a [bf16],
-    pub(super) outer: usize,
-    pub(super) step: usize,
-}
-
-/// Rows × columns of the destination (row-major, `n` columns) one thread computes.
-#[derive(Clone)]
-pub(super) struct Part<'a, D> {
-    pub(super) out: &'a super::SharedMut<'a, D>,
-    pub(super) n: usize,
-    pub(super) rows: std::ops::Range<usize>,
-    pub(super) cols: std::ops::Range<usize>,
-}
 
 impl<D: Dest> Part<'_, D> {
     /// This part of `beta·a·b (+ dst)`, block by block.

@@ -88,6 +88,7 @@ macro_rules! wide_kernel {
 
 pub mod act;
 pub mod attention;
+mod bf16_blocking;
 mod bf16_pack;
 mod bn_sums;
 pub mod conv;

@@ -81,7 +81,7 @@ impl AmpKernels {
         let stream = cuda.cuda_stream();
         let module = |name: &str| {
             let bytes = fatbin(name).ok_or_else(|| {
-                err("wick-zoo was built without its CUDA kernels: build with WICK_KERNELS_NVCC=<path to nvcc>")
+                err("wick-train was built without its CUDA kernels: build with WICK_KERNELS_NVCC=<path to nvcc>")
             })?;
             stream
                 .context()
