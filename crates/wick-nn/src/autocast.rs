@@ -7,7 +7,7 @@
 //! ([`fp32_compute`]), where half precision overflows or loses the small terms of long sums;
 //! element-wise ops, reshapes, pooling and embeddings run in their input's dtype. The ops of this
 //! crate apply the classes themselves — each f32-class op widens its inputs with
-//! [`fp32_compute`], each convolution asks [`conv_compute`] — so these functions are the policy's
+//! [`fp32_compute`], each convolution asks `conv_compute` — so these functions are the policy's
 //! one source of truth.
 //!
 //! How the models apply it. The switch is the model's dtype: a model built in bf16 or f16 holds

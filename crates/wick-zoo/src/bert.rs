@@ -1,5 +1,5 @@
 //! BERT encoders (MiniLM sentence embeddings with mean pooling), trainable end to end: built on
-//! [`crate::ops`], so every parameter gets its gradient (candle-transformers' `BertModel` trains
+//! [`wick_nn::ops`], so every parameter gets its gradient (candle-transformers' `BertModel` trains
 //! 0 of its 101 parameters, and gives NaN in f16/bf16 from its `f32::MIN` mask).
 
 use std::path::Path;

@@ -56,7 +56,7 @@ pub struct Estimate {
     pub gradients: usize,
     /// Optimizer state.
     pub optimizer_state: usize,
-    /// f32 master weights (mixed-precision training with [`crate::amp::MasterWeights`]; 0 otherwise).
+    /// f32 master weights (mixed-precision training with `wick_train::amp::MasterWeights`; 0 otherwise).
     pub master_weights: usize,
     /// Tensors the forward pass keeps for backward (0 for inference profiled under
     /// [`wick_nn::no_grad`]: its whole peak is transient, in `workspace`).
@@ -284,9 +284,9 @@ pub fn estimate(params: &Params, profile: &ActivationProfile, batch: usize, mode
     estimate_with(params, profile, batch, mode, false)
 }
 
-/// As [`estimate`], for mixed-precision training with [`crate::amp::MasterWeights`]: every
+/// As [`estimate`], for mixed-precision training with `wick_train::amp::MasterWeights`: every
 /// parameter also has an f32 master, the optimizer state is f32, and the update's temporaries are
-/// f32 (for a model built in bf16/f16 by [`crate::amp::Autocast`]; its activations and gradients
+/// f32 (for a model built in bf16/f16 by [`wick_nn::Autocast`]; its activations and gradients
 /// are counted in the model's dtypes as profiled).
 pub fn estimate_amp(params: &Params, profile: &ActivationProfile, batch: usize, mode: Mode) -> Estimate {
     estimate_with(params, profile, batch, mode, true)

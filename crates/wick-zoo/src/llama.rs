@@ -1,5 +1,5 @@
 //! A small LLaMA-style decoder trainable from scratch: RMSNorm, rotary positions, causal
-//! attention and a SwiGLU feed-forward, all from [`crate::ops`] so every parameter trains.
+//! attention and a SwiGLU feed-forward, all from [`wick_nn::ops`] so every parameter trains.
 
 use candle_core::{DType, Device, Module, Tensor};
 use wick::memory::push_label;

@@ -1,5 +1,5 @@
 //! Vision Transformer with torchvision's parameter names (`vit_b_16` layout), trainable: layer
-//! norms, attention and softmax from [`crate::ops`], so every parameter gets its gradient
+//! norms, attention and softmax from [`wick_nn::ops`], so every parameter gets its gradient
 //! (candle-transformers' ViT trains 2 of its 200).
 
 use candle_core::{DType, Device, Module, Tensor};

@@ -34,11 +34,11 @@
 //! allocator nor its `main` is the notebook's, and it runs threads of its own before the first
 //! cell (so setting the environment is not sound there). Candle's workers spin between ops and
 //! the kernels' pool hands each op to its workers; results are the same, steps slower on few
-//! cores (README, "Notebooks").
+//! cores (README, "Use wick in your project").
 
 /// Declares the process's `#[global_allocator]`: `heap!(caching)` for
 /// [`crate::memory::CachingHeap`], `heap!(counting)` for [`crate::CountingAllocator`]. The one
-/// spelling of both, for [`main!`] and for binaries that cannot use it (a test harness, whose
+/// spelling of both, for [`crate::main!`] and for binaries that cannot use it (a test harness, whose
 /// `main` libtest writes). The static is named `WICK_HEAP` (for its statistics, as
 /// `WICK_HEAP.memory_stats()`).
 #[macro_export]

@@ -6,7 +6,7 @@
 //! residual add) those two passes cost more than the op, and made AMP's element-wise ops
 //! 1.7–1.9× slower than the same ops in f32 (ResNet-50's `add_relu`). An [`Elem`] is read and
 //! written where the kernel's loop uses it — a bf16 element is widened by a shift and rounded by
-//! [`round_bf16`] inside the vectorised loop — so a bf16 op moves half the bytes of an f32 one.
+//! `round_bf16` inside the vectorised loop — so a bf16 op moves half the bytes of an f32 one.
 //! The results are the same values the widen-compute-round path gives: the widening is exact and
 //! the rounding is the same single rounding.
 

@@ -1,6 +1,6 @@
 //! CPU kernels with closed-form backward passes, and the graph ops built on them.
 //!
-//! The zoo's differentiable building blocks ([`crate::ops`], [`crate::cnn`]) were first composed
+//! wick-nn's differentiable building blocks ([`crate::ops`], [`crate::cnn`]) were first composed
 //! from candle's primitive ops under candle's autograd, and then wrapped as single graph nodes
 //! that recompute their forward pass during backward ([`crate::fused`]). That is correct and
 //! lean in memory, but slow on the CPU: every op allocates, strided reductions run on one core,
