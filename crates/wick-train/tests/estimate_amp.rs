@@ -1,6 +1,6 @@
 //! The memory estimator for mixed-precision training (bf16 models, f32 masters and AdamW state)
 //! against the measured peak of the real update (`MasterWeights`), counting allocator, CPU:
-//! within ±15 %. The heap counters are process-wide, so the tests of this binary take turns.
+//! within ±15 %. The heap counters are process-wide: this binary holds this one test.
 
 use candle_core::{DType, Device, Tensor};
 use wick::host_memory::{counted_heap, counted_peak, reset_counted_peak};
@@ -17,8 +17,6 @@ wick::heap!(counting);
 
 /// Above every profiled batch (2, 4, 8, 16): the estimate extrapolates.
 const BATCH: usize = 24;
-
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Peak of a steady-state mixed-precision AdamW step (the second one) at `batch`, counting the
 /// model's parameters, the f32 masters and state, and nothing else resident.
@@ -40,7 +38,6 @@ fn measure_amp(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize) -> 
 
 #[test]
 fn amp_training_estimates_are_within_15_percent_of_measured_peaks() {
-    let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let dev = Device::Cpu;
     let bf = DType::BF16;
     let take = |t: &Tensor, b: usize| t.narrow(0, 0, b).unwrap();

@@ -1,7 +1,7 @@
 //! The memory estimator against measured peaks (counting allocator, CPU, f32) for every zoo model
 //! in inference and a training step (SGD): within ±15 % (mixed-precision training is checked
-//! beside the f32 masters it counts, in wick-train's `estimate_amp` test). The heap counters are process-wide, so the tests of
-//! this binary take turns.
+//! beside the f32 masters it counts, in wick-train's `estimate_amp` test). The heap counters are
+//! process-wide: this binary holds this one test.
 
 use candle_core::{DType, Device, Tensor};
 use wick::host_memory::{counted_heap, counted_peak, reset_counted_peak};
@@ -13,8 +13,6 @@ wick::heap!(counting);
 
 /// Above every profiled batch (2, 4, 8, 16): the estimate extrapolates.
 const BATCH: usize = 24;
-
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Peak of `mode` at `batch`, counting the parameters but no other resident data.
 fn measure(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize, mode: Mode) -> usize {
@@ -53,7 +51,6 @@ fn check(name: &str, params: &Params, run: &dyn Fn(usize) -> Tensor) -> (String,
 
 #[test]
 fn estimates_are_within_15_percent_of_measured_peaks() {
-    let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     use wick_nn::ops::cross_entropy;
     use wick_zoo::bert::{Bert, BertConfig};
     use wick_zoo::llama::{Llama, LlamaConfig};
