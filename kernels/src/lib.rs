@@ -1,17 +1,24 @@
 //! # wick-kernels
 //!
-//! wick's CUDA C kernels and what goes with them, as candle keeps its own in `candle-kernels`:
-//! the `.cu` sources (`src/*.cu`: the fused AMP step — multi-tensor unscale with inf/NaN check,
-//! the loss-scale update, AdamW on f32 masters writing the model's low-precision copy), the build
-//! script that compiles them, the compiled fatbins embedded in this crate ([`fatbin`]), and their
-//! CPU references ([`mod@reference`]). Loading and launching them on candle's CUDA device is
-//! wick-zoo's `amp::cuda_kernels`; this crate has no dependencies.
+//! wick's compute kernels, without candle's types, as candle keeps its own in `candle-kernels`:
+//!
+//! - [`cpu`]: the CPU kernels over plain slices (matrix products f32/f64 and bf16 with f32 sums on
+//!   AVX512-BF16 or AMX, vectorised `exp`/`erf`, batch norm's backward sums, the optimizer
+//!   updates) and the helpers they share; wick-nn and wick-train wrap them as candle ops;
+//! - the CUDA C kernels: the `.cu` sources (`src/*.cu`: the fused AMP step — multi-tensor
+//!   unscale with inf/NaN check, the loss-scale update, AdamW on f32 masters writing the model's
+//!   low-precision copy), the build script that compiles them, the compiled fatbins embedded in
+//!   this crate ([`fatbin`]), and their CPU references ([`mod@reference`]). Loading and launching
+//!   them on candle's CUDA device is wick-train's `amp::cuda`.
+//!
+//! This crate depends on no candle or CUDA crate.
 //!
 //! With the `cuda` feature and `WICK_KERNELS_NVCC` naming a real nvcc (e.g. from
 //! `../shared/tools/cuda-toolkit-pypi.sh`) at build time, each kernel is compiled to a fatbin
 //! with SASS for sm_80 and sm_90 plus compute_90 PTX; otherwise [`fatbin`] answers `None` and
 //! [`COMPILED`] is false, and callers report that the kernels were not compiled in.
 
+pub mod cpu;
 pub mod reference;
 
 /// The kernels, by the name of their source file (without `.cu`).

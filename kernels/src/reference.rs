@@ -1,7 +1,9 @@
 //! CPU references of the kernels: the same arithmetic, element by element in f32, on plain
 //! slices. The GPU check runs each kernel and its reference on the same random data (NaN and inf
-//! cases included) and compares; wick-zoo's tests tie the references to its `GradScaler` and
+//! cases included) and compares; wick-train's tests tie the references to its `GradScaler` and
 //! `MasterWeights`.
+
+use crate::cpu::optim::AdamW;
 
 /// `amp_unscale.cu`: multiplies every element of every tensor by `inv_scale` in place and
 /// returns whether any product is inf or NaN.
@@ -44,53 +46,35 @@ pub fn update_scale(state: &mut ScaleState, found_inf: bool, growth_factor: f32,
     }
 }
 
-/// AdamW's settings for one step of [`adamw_master`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AdamWStep {
-    /// Learning rate.
-    pub lr: f32,
-    /// β1.
-    pub beta1: f32,
-    /// β2.
-    pub beta2: f32,
-    /// ε.
-    pub eps: f32,
-    /// Decoupled weight decay.
-    pub weight_decay: f32,
-    /// The step number, from 1 (for the bias corrections).
-    pub step: i32,
-}
-
-impl AdamWStep {
-    /// `(1 - β1^t, 1 - β2^t)`, computed on the host and passed to the kernel.
-    pub fn bias_corrections(&self) -> (f32, f32) {
-        (1.0 - self.beta1.powi(self.step), 1.0 - self.beta2.powi(self.step))
-    }
-}
-
-/// `amp_adamw.cu`: one AdamW step on f32 masters and moments from the (scaled)
-/// gradient; returns the new masters (the kernel also writes them, rounded, into the model's
-/// compute copy). Nothing changes when `found_inf`.
+/// `amp_adamw.cu`: AdamW step `step` (from 1) on f32 masters and moments from the (scaled)
+/// gradient, with `hyper` in f32 and its bias corrections computed in f64 as the launcher passes
+/// them ([`AdamW::bias_corrections`]); returns the new masters (the kernel also writes them,
+/// rounded, into the model's compute copy). Nothing changes when `found_inf`.
+#[allow(clippy::too_many_arguments)]
 pub fn adamw_master(
     master: &mut [f32],
     m: &mut [f32],
     v: &mut [f32],
     grad: &[f32],
-    hyper: AdamWStep,
+    hyper: &AdamW,
+    step: i32,
     inv_scale: f32,
     found_inf: bool,
 ) {
     if found_inf {
         return;
     }
-    let (bc1, bc2) = hyper.bias_corrections();
+    let (bc1, bc2) = hyper.bias_corrections(step);
+    let (bc1, bc2) = (bc1 as f32, bc2 as f32);
+    let (lr, beta1, beta2, eps, weight_decay) =
+        (hyper.lr as f32, hyper.beta1 as f32, hyper.beta2 as f32, hyper.eps as f32, hyper.weight_decay as f32);
     for i in 0..master.len() {
         let g = grad[i] * inv_scale;
-        let mi = hyper.beta1 * m[i] + (1.0 - hyper.beta1) * g;
-        let vi = hyper.beta2 * v[i] + (1.0 - hyper.beta2) * g * g;
+        let mi = beta1 * m[i] + (1.0 - beta1) * g;
+        let vi = beta2 * v[i] + (1.0 - beta2) * g * g;
         let (m_hat, v_hat) = (mi / bc1, vi / bc2);
         m[i] = mi;
         v[i] = vi;
-        master[i] = master[i] * (1.0 - hyper.lr * hyper.weight_decay) - hyper.lr * m_hat / (v_hat.sqrt() + hyper.eps);
+        master[i] = master[i] * (1.0 - lr * weight_decay) - lr * m_hat / (v_hat.sqrt() + eps);
     }
 }

@@ -7,7 +7,7 @@ use wick::{Engine, Error};
 use wick_nn::Autocast;
 use wick_nn::Model;
 use wick_train::amp::{master_step, masters_by_name, scaled_backward, MasterWeights};
-use wick_train::Optimizer;
+use wick_train::optim::{AdamW, Optimizer};
 use wick_zoo::llama::{Llama, LlamaConfig};
 
 #[test]
@@ -21,7 +21,7 @@ fn a_capped_engine_trains_a_zoo_model_with_amp_and_refuses_what_cannot_fit() {
     let f32_start = masters_by_name(&model.params, &Llama::new(config, DType::F32, &device).unwrap().params).unwrap();
     let vars: Vec<Var> = model.params.iter().map(|(_, v)| v.clone()).collect();
     let var_refs: Vec<&Var> = vars.iter().collect();
-    let adamw = Optimizer::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 };
+    let adamw = Optimizer::AdamW(AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 });
     let mut masters = MasterWeights::with_masters(&vars, Some(&f32_start), adamw).unwrap();
     masters.account(&engine);
     // A fixed batch of a repeating sequence: the loss must fall as the model memorises it.

@@ -10,7 +10,7 @@ use wick_nn::Autocast;
 use wick_nn::NnError;
 use wick_nn::{Labelled, Model};
 use wick_train::amp::{master_step, scaled_backward, GradScaler, MasterWeights, StepOutcome};
-use wick_train::Optimizer;
+use wick_train::optim::{AdamW, Optimizer};
 use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::mobilenet::MobileNetV2;
@@ -242,5 +242,5 @@ pub fn train(task: &Task, autocast: Autocast, steps: usize, optimizer: Optimizer
 
 /// The AdamW settings the trials use.
 pub fn trial_optimizer() -> Optimizer {
-    Optimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+    Optimizer::AdamW(AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 })
 }

@@ -21,7 +21,7 @@ use wick_nn::Model;
 use wick_train::amp::masters_by_name;
 use wick_train::data::{Dataset, Epoch, Loader, LoaderConfig, Position, TokenFile};
 use wick_train::jobs::{write_status, Progress};
-use wick_train::optim::LrSchedule;
+use wick_train::optim::{AdamW, LrSchedule};
 use wick_train::trainer::{TrainOptions, Trainer};
 use wick_train::CheckpointDir;
 use wick_train::Optimizer;
@@ -304,7 +304,7 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         None
     };
     let options = TrainOptions {
-        optimizer: Optimizer::AdamW { lr: args.lr, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 },
+        optimizer: Optimizer::AdamW(AdamW { lr: args.lr, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 }),
         schedule: LrSchedule::WarmupCosine { warmup: args.warmup, total: args.steps, min_factor: 0.1 },
         autocast,
         activation_checkpointing: args.checkpointing,

@@ -1,19 +1,23 @@
-//! Optimizer updates in one pass: AdamW and SGD with momentum applied in place to an f32 tensor
-//! (a parameter, or the f32 master of a low-precision one) from its gradient, reading the old
-//! optimizer state and writing the new. The composed form (one candle op per term: a dozen
-//! passes over every parameter, each allocating) cost a tenth of some training steps; this is
-//! one read of parameter, gradient and state and one write of parameter and state, computed in
-//! f32 in PyTorch's order of operations (its AdamW on f32 parameters), vectorised.
+//! The optimizers ([`Optimizer`]: SGD with momentum, AdamW) and the learning-rate schedule
+//! ([`LrSchedule`]), and their updates on candle tensors: applied in place to an f32 tensor (a
+//! parameter, or the f32 master of a low-precision one) from its gradient, reading the old
+//! optimizer state and writing the new, in one pass (`wick_kernels::cpu::optim`'s loops, in
+//! parallel over ranges). The composed form (one candle op per term: a dozen passes over every
+//! parameter, each allocating) cost a tenth of some training steps; this is one read of
+//! parameter, gradient and state and one write of parameter and state.
 
 use std::sync::Mutex;
 
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
 
-use wick_nn::cpu::elem::{elems, Elem};
-use wick_nn::cpu::{narrow_into, par_ranges, read, tensor, with, SharedMut};
+use wick_kernels::cpu::{optim, par_ranges, SharedMut};
+use wick_nn::cpu::elem::elems;
+use wick_nn::cpu::{narrow_into, read, tensor, with};
+
+pub use wick_kernels::cpu::optim::AdamW;
 
 /// An optimizer's update rule and hyper-parameters.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Clone, Copy, PartialEq)]
 pub enum Optimizer {
     /// SGD with momentum (PyTorch's form: `b = μ·b + g`, `p -= lr·b`).
     SgdMomentum {
@@ -23,18 +27,7 @@ pub enum Optimizer {
         momentum: f64,
     },
     /// AdamW (decoupled weight decay, bias-corrected moments).
-    AdamW {
-        /// Learning rate.
-        lr: f64,
-        /// β1.
-        beta1: f64,
-        /// β2.
-        beta2: f64,
-        /// ε.
-        eps: f64,
-        /// Weight decay.
-        weight_decay: f64,
-    },
+    AdamW(AdamW),
 }
 
 impl Optimizer {
@@ -42,7 +35,42 @@ impl Optimizer {
     pub fn states(&self) -> usize {
         match self {
             Optimizer::SgdMomentum { .. } => 1,
-            Optimizer::AdamW { .. } => 2,
+            Optimizer::AdamW(_) => 2,
+        }
+    }
+
+    /// The learning rate.
+    pub fn lr(&self) -> f64 {
+        match self {
+            Optimizer::SgdMomentum { lr, .. } | Optimizer::AdamW(AdamW { lr, .. }) => *lr,
+        }
+    }
+
+    /// Sets the learning rate (a schedule's step).
+    pub fn set_lr(&mut self, rate: f64) {
+        match self {
+            Optimizer::SgdMomentum { lr, .. } | Optimizer::AdamW(AdamW { lr, .. }) => *lr = rate,
+        }
+    }
+}
+
+/// The form training checkpoints record (`SgdMomentum { lr: .., momentum: .. }`, `AdamW { lr:
+/// .., beta1: .., .. }`) and compare on resume: written out rather than derived, so that
+/// checkpoints saved before AdamW's settings became a struct of their own still resume.
+impl std::fmt::Debug for Optimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Optimizer::SgdMomentum { lr, momentum } => {
+                f.debug_struct("SgdMomentum").field("lr", lr).field("momentum", momentum).finish()
+            }
+            Optimizer::AdamW(AdamW { lr, beta1, beta2, eps, weight_decay }) => f
+                .debug_struct("AdamW")
+                .field("lr", lr)
+                .field("beta1", beta1)
+                .field("beta2", beta2)
+                .field("eps", eps)
+                .field("weight_decay", weight_decay)
+                .finish(),
         }
     }
 }
@@ -81,7 +109,7 @@ impl InplaceOp2 for Update<'_> {
 
 impl Update<'_> {
     /// The update of `p` from `g`, each gradient element widened where it is used.
-    fn apply<G: Elem<f32>>(&self, p: &mut [f32], g: &[G]) -> Result<()> {
+    fn apply<G: Copy + Into<f32> + Sync>(&self, p: &mut [f32], g: &[G]) -> Result<()> {
         let n = p.len();
         if g.len() != n || self.state.len() != self.rule.states() || self.state.iter().any(|s| s.len() != n) {
             return Err(candle_core::Error::Msg(format!("optimizer step: {n} values, {} gradients", g.len())));
@@ -96,38 +124,17 @@ impl Update<'_> {
                 let p = unsafe { pp.range(r.start, r.len()) };
                 // SAFETY: as above.
                 let out: Vec<&mut [f32]> = outs.iter().map(|o| unsafe { o.range(r.start, r.len()) }).collect();
-                let g = g[r.clone()].iter().map(|g| g.load());
+                let g = &g[r.clone()];
                 let mut out = out.into_iter();
                 match rule {
                     Optimizer::SgdMomentum { lr, momentum } => {
                         let Some(new) = out.next() else { return };
-                        let (lr, momentum) = (lr as f32, momentum as f32);
-                        let old = &self.state[0][r.clone()];
-                        for (((p, b_new), b_old), g) in p.iter_mut().zip(new.iter_mut()).zip(old).zip(g) {
-                            let b = momentum * *b_old + g;
-                            *b_new = b;
-                            *p -= lr * b;
-                        }
+                        optim::sgd_momentum(p, g, &self.state[0][r.clone()], new, lr, momentum);
                     }
-                    Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+                    Optimizer::AdamW(hyper) => {
                         let (Some(m_new), Some(v_new)) = (out.next(), out.next()) else { return };
-                        // The step's constants in f64, the per-element arithmetic in f32 (as
-                        // PyTorch's AdamW on f32 parameters), so that the loop vectorises.
-                        let (bc1, bc2) = (1.0 - beta1.powi(step), 1.0 - beta2.powi(step));
-                        let step_size = (lr / bc1) as f32;
-                        let inv_bc2_sqrt = (1.0 / bc2.sqrt()) as f32;
-                        let decay = (1.0 - lr * weight_decay) as f32;
-                        let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
-                        let (c1, c2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
-                        let (m_old, v_old) = (&self.state[0][r.clone()], &self.state[1][r.clone()]);
-                        let moments = m_new.iter_mut().zip(v_new.iter_mut()).zip(m_old).zip(v_old);
-                        for ((p, (((mn, vn), mo), vo)), g) in p.iter_mut().zip(moments).zip(g) {
-                            let m = b1 * *mo + c1 * g;
-                            let v = b2 * *vo + c2 * g * g;
-                            let denom = v.sqrt() * inv_bc2_sqrt + eps;
-                            *p = *p * decay - step_size * m / denom;
-                            (*mn, *vn) = (m, v);
-                        }
+                        let old = (&self.state[0][r.clone()], &self.state[1][r.clone()]);
+                        optim::adamw(p, g, old, (m_new, v_new), &hyper, step);
                     }
                 }
             });

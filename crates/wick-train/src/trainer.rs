@@ -45,7 +45,7 @@ use crate::checkpoint::{CheckpointDir, Latest, Manifest, ParamInfo};
 
 use crate::amp::{GradScaler, MasterState, MasterWeights, StepOutcome};
 use crate::error::TrainError;
-use crate::optim::{LrSchedule, Optimizer};
+use crate::optim::{AdamW, LrSchedule, Optimizer};
 use wick_nn::checkpoint::Checkpointing;
 use wick_nn::model::Model;
 use wick_nn::Autocast;
@@ -68,7 +68,7 @@ impl Default for TrainOptions {
     /// AdamW (lr 1e-3, β 0.9/0.999, ε 1e-8, no decay), constant rate, f32, no checkpointing.
     fn default() -> Self {
         TrainOptions {
-            optimizer: Optimizer::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 },
+            optimizer: Optimizer::AdamW(AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }),
             schedule: LrSchedule::Constant,
             autocast: Autocast::off(),
             activation_checkpointing: false,
@@ -135,12 +135,6 @@ fn invalid(what: &str, message: String) -> TrainError {
     TrainError::Invalid { what: what.into(), message }
 }
 
-fn base_lr(optimizer: &Optimizer) -> f64 {
-    match optimizer {
-        Optimizer::SgdMomentum { lr, .. } | Optimizer::AdamW { lr, .. } => *lr,
-    }
-}
-
 /// What differs first between the `kind`s (parameters or buffers) a checkpoint records
 /// (`theirs`) and this run's (`mine`), if anything.
 fn first_difference(kind: &str, theirs: &[ParamInfo], mine: &[ParamInfo]) -> Option<String> {
@@ -176,16 +170,7 @@ impl<M: Model> Trainer<M> {
         let vars = model.vars();
         let masters = MasterWeights::with_masters(&vars, start, options.optimizer)?;
         let scaler = options.autocast.needs_loss_scaling().then(GradScaler::new);
-        Ok(Trainer {
-            model,
-            description,
-            vars,
-            masters,
-            scaler,
-            base_lr: base_lr(&options.optimizer),
-            options,
-            step: 0,
-        })
+        Ok(Trainer { model, description, vars, masters, scaler, base_lr: options.optimizer.lr(), options, step: 0 })
     }
 
     /// The model.

@@ -8,7 +8,7 @@ use wick_nn::ops::cross_entropy;
 use wick_nn::params::Params;
 use wick_nn::Model;
 use wick_train::amp::MasterWeights;
-use wick_train::Optimizer;
+use wick_train::optim::{AdamW, Optimizer};
 use wick_zoo::estimate::{estimate_amp, ActivationProfile, Mode};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::resnet::{ResNet, ResNetDepth};
@@ -24,7 +24,7 @@ fn measure_amp(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize) -> 
     let parameters: usize = params.iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
     let base = counted_heap().unwrap() - parameters;
     let vars: Vec<_> = params.iter().map(|(_, v)| v.clone()).collect();
-    let opt = Optimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 };
+    let opt = Optimizer::AdamW(AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 });
     let mut masters = MasterWeights::new(&vars, opt).unwrap();
     let mut step = || {
         let grads = run(batch).backward().unwrap();

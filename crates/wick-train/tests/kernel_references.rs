@@ -3,9 +3,9 @@
 //! `MasterWeights`. (The GPU check compares the kernels themselves with these references.)
 
 use candle_core::{DType, Device, Tensor, Var};
-use wick_kernels::reference::{adamw_master, unscale_and_check, update_scale, AdamWStep, ScaleState};
+use wick_kernels::reference::{adamw_master, unscale_and_check, update_scale, ScaleState};
 use wick_train::amp::{GradScaler, GradScalerConfig, MasterWeights};
-use wick_train::Optimizer;
+use wick_train::optim::{AdamW, Optimizer};
 
 /// The update kernel's reference and `GradScaler` agree over a long random run.
 #[test]
@@ -52,14 +52,16 @@ fn adamw_reference_matches_master_weights() {
     let n = 257;
     let start = wick_nn::params::normal_tensor(&[n], 1.0, 3, DType::F32, &dev).unwrap();
     let var = Var::from_tensor(&start).unwrap();
-    let (lr, beta1, beta2, eps, weight_decay) = (1e-2f32, 0.9f32, 0.999f32, 1e-8f32, 0.01f32);
-    let opt = Optimizer::AdamW {
-        lr: lr as f64,
-        beta1: beta1 as f64,
-        beta2: beta2 as f64,
-        eps: eps as f64,
-        weight_decay: weight_decay as f64,
+    // One description of AdamW for the host path and the reference, in values exact in f32 (the
+    // reference computes in f32 as the kernel does).
+    let hyper = AdamW {
+        lr: 1e-2f32 as f64,
+        beta1: 0.9f32 as f64,
+        beta2: 0.999f32 as f64,
+        eps: 1e-8f32 as f64,
+        weight_decay: 0.01f32 as f64,
     };
+    let opt = Optimizer::AdamW(hyper);
     let mut masters = MasterWeights::new(std::slice::from_ref(&var), opt).unwrap();
     let mut master: Vec<f32> = start.to_vec1().unwrap();
     let (mut m, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
@@ -69,8 +71,7 @@ fn adamw_reference_matches_master_weights() {
         masters.step(&loss.backward().unwrap()).unwrap();
         let scale = 256.0f32;
         let scaled: Vec<f32> = (g * scale as f64).unwrap().to_vec1().unwrap();
-        let hyper = AdamWStep { lr, beta1, beta2, eps, weight_decay, step };
-        adamw_master(&mut master, &mut m, &mut v, &scaled, hyper, 1.0 / scale, false);
+        adamw_master(&mut master, &mut m, &mut v, &scaled, &hyper, step, 1.0 / scale, false);
         let expected: Vec<f32> = masters.master(0).unwrap().to_vec1().unwrap();
         for i in 0..n {
             assert!((master[i] - expected[i]).abs() <= 1e-6 * (1.0 + expected[i].abs()), "step {step} [{i}]");
@@ -78,7 +79,6 @@ fn adamw_reference_matches_master_weights() {
     }
     // A skipped step changes nothing.
     let before = master.clone();
-    let hyper = AdamWStep { lr, beta1, beta2, eps, weight_decay, step: 6 };
-    adamw_master(&mut master, &mut m, &mut v, &vec![f32::NAN; n], hyper, 1.0, true);
+    adamw_master(&mut master, &mut m, &mut v, &vec![f32::NAN; n], &hyper, 6, 1.0, true);
     assert_eq!(master, before);
 }

@@ -10,7 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use wick_nn::Autocast;
 use wick_nn::{Labelled, Model};
 use wick_train::amp::{masters_by_name, StepOutcome};
-use wick_train::optim::LrSchedule;
+use wick_train::optim::{AdamW, LrSchedule};
 use wick_train::trainer::{TrainOptions, Trainer};
 use wick_train::CheckpointDir;
 use wick_train::Optimizer;
@@ -97,7 +97,7 @@ fn resume_matches(name: &str, options: TrainOptions, micro: usize) {
 
 #[test]
 fn a_resumed_run_takes_the_same_steps_to_the_bit() {
-    let adamw = Optimizer::AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
+    let adamw = Optimizer::AdamW(AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 });
     let cosine = LrSchedule::WarmupCosine { warmup: 2, total: 7, min_factor: 0.1 };
     let f32_options = TrainOptions { optimizer: adamw, schedule: cosine, ..TrainOptions::default() };
     resume_matches("f32-adamw-cosine", f32_options, 1);

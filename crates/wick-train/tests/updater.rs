@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 use wick_nn::{Autocast, Model};
 use wick_train::amp::{master_step, scaled_backward, MasterWeights, StepOutcome, Updater};
-use wick_train::Optimizer;
+use wick_train::optim::{AdamW, Optimizer};
 use wick_zoo::llama::{Llama, LlamaConfig};
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -21,7 +21,7 @@ fn llama_batch() -> Tensor {
 fn the_updater_makes_the_update_its_parts_make() {
     let engine = wick::Engine::cpu();
     let cpu = engine.device().clone();
-    let adamw = Optimizer::AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
+    let adamw = Optimizer::AdamW(AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 });
     let ids = llama_batch();
     let (a, b) = (
         Llama::new(LlamaConfig::tiny(48), DType::F32, &cpu).unwrap(),

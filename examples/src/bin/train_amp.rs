@@ -17,7 +17,7 @@ use wick_nn::params::normal_tensor;
 use wick_nn::Autocast;
 use wick_nn::Model;
 use wick_train::amp::{masters_by_name, StepOutcome, Updater};
-use wick_train::Optimizer;
+use wick_train::optim::{AdamW, Optimizer};
 use wick_zoo::llama::{Llama, LlamaConfig};
 
 #[derive(Parser, Debug)]
@@ -127,7 +127,7 @@ fn run() -> Result<()> {
     } else {
         vars.iter().map(|v| v.as_tensor().clone()).collect()
     };
-    let optimizer = Optimizer::AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 };
+    let optimizer = Optimizer::AdamW(AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 });
     let mut updater = Updater::new(&engine, &vars, &masters, optimizer, autocast)?;
     if engine.device().is_cuda() {
         println!("{}", updater.describe());

@@ -26,7 +26,7 @@ use wick_nn::params::normal_tensor;
 use wick_nn::Autocast;
 use wick_nn::{Labelled, Model};
 use wick_train::amp::MasterWeights;
-use wick_train::Optimizer;
+use wick_train::optim::{AdamW, Optimizer};
 use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
 use wick_zoo::llama::{Llama, LlamaConfig};
 use wick_zoo::mobilenet::MobileNetV2;
@@ -170,7 +170,7 @@ where
 }
 
 fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
-    let adamw = Optimizer::AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+    let adamw = Optimizer::AdamW(AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
     let sgd = Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
     let images = || -> Result<Labelled> {
         let x = normal_tensor(&[IMAGES, 3, IMAGE, IMAGE], 1.0, 11, DType::F32, device)?.to_dtype(dtype)?;

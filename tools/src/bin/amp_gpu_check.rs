@@ -8,9 +8,10 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
-use wick_kernels::reference::{adamw_master, unscale_and_check, update_scale, AdamWStep, ScaleState};
+use wick_kernels::reference::{adamw_master, unscale_and_check, update_scale, ScaleState};
 use wick_nn::params::normal_tensor;
 use wick_train::amp::cuda::AmpKernels;
+use wick_train::optim::AdamW;
 
 /// `values` in `dtype` on `dev` (converted on the host).
 fn upload(values: &[f32], dtype: DType, dev: &Device) -> Result<Tensor> {
@@ -131,24 +132,23 @@ fn run() -> Result<()> {
         let (mut cm, mut cmm, mut cv) = (start.clone(), vec![0.0f32; n], vec![0.0f32; n]);
         let mut err = 0.0f32;
         let mut model_err = 0.0f32;
+        let hyper = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
         for step in 1..=3 {
             let g: Vec<f32> = (normal_tensor(&[n], 1.0, 70 + step as u64, DType::F32, &Device::Cpu)? * 1024.0)?
                 .to_dtype(dtype)?
                 .to_dtype(DType::F32)?
                 .to_vec1()?;
             let grad = upload(&g, dtype, &dev)?;
-            let hyper = AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, step };
-            kernels.adamw_(&master, &m, &v, &grad, &model, hyper, &scalar(1.0 / 1024.0)?, &scalar(0.0)?)?;
-            adamw_master(&mut cm, &mut cmm, &mut cv, &g, hyper, 1.0 / 1024.0, false);
+            kernels.adamw_(&master, &m, &v, &grad, &model, &hyper, step, &scalar(1.0 / 1024.0)?, &scalar(0.0)?)?;
+            adamw_master(&mut cm, &mut cmm, &mut cv, &g, &hyper, step, 1.0 / 1024.0, false);
             err = err.max(max_rel_err(&host(&master)?, &cm));
             let rounded: Vec<f32> =
                 Tensor::new(cm.as_slice(), &Device::Cpu)?.to_dtype(dtype)?.to_dtype(DType::F32)?.to_vec1()?;
             model_err = model_err.max(max_rel_err(&host(&model)?, &rounded));
         }
         let before = host(&master)?;
-        let hyper = AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, step: 4 };
         let nan = upload(&vec![f32::NAN; n], dtype, &dev)?;
-        kernels.adamw_(&master, &m, &v, &nan, &model, hyper, &scalar(1.0)?, &scalar(1.0)?)?;
+        kernels.adamw_(&master, &m, &v, &nan, &model, &hyper, 4, &scalar(1.0)?, &scalar(1.0)?)?;
         let skipped = host(&master)? == before;
         check(
             &format!("adamw {dtype:?}"),

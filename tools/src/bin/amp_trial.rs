@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use wick_nn::Autocast;
 use wick_tools::trial::{bert_batch, llama_batch, task, train, trial_optimizer, vision_batch, Task};
-use wick_train::Optimizer;
+use wick_train::optim::{AdamW, Optimizer};
 
 #[derive(Parser, Debug)]
 #[command(about = "Run one model's AMP trial and export its start for a reference framework")]
@@ -136,7 +136,7 @@ fn run() -> Result<()> {
         runs.insert(report.dtype.clone(), serde_json::json!(report.losses));
     }
     if let Some(dir) = &args.out {
-        let Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } = trial_optimizer() else {
+        let Optimizer::AdamW(AdamW { lr, beta1, beta2, eps, weight_decay }) = trial_optimizer() else {
             bail!("the trial optimizer is expected to be AdamW");
         };
         let json = serde_json::json!({

@@ -88,18 +88,12 @@ macro_rules! wide_kernel {
 
 pub mod act;
 pub mod attention;
-mod bf16_blocking;
-mod bf16_pack;
-mod bn_sums;
 pub mod conv;
 pub mod depthwise;
 pub mod elem;
 mod gemm;
-mod gemm_amx;
-mod gemm_bf16;
 pub mod linear;
 pub mod loss;
-pub mod math;
 pub mod norm;
 pub mod pool;
 pub mod profile;
@@ -108,16 +102,17 @@ use std::borrow::Cow;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
-use half::bf16;
 
 use elem::Elem;
 
 use crate::grad::grad_enabled;
-pub(crate) use gemm::{gemm, Mat};
+pub(crate) use gemm::{gemm, gemm_bf16, Mat};
+pub(crate) use wick_kernels::cpu::{lane_sums, math, par_ranges, round_bf16, SharedMut};
 
 /// A compute type of the kernels: f32 (for f32, bf16 and f16 tensors) or f64.
 pub trait Real:
-    num_traits::Float
+    wick_kernels::cpu::gemm::Scalar
+    + num_traits::Float
     + num_traits::FromPrimitive
     + std::iter::Sum
     + Send
@@ -178,17 +173,6 @@ fn widen_elems<E: Elem<f32>>(v: &[E], start: usize, len: usize) -> Result<Vec<f3
     // `src` (also `len` long), and every element of every chunk was written above.
     unsafe { out.set_len(len) };
     Ok(out)
-}
-
-/// `x` rounded to bf16, to nearest even; a NaN keeps its sign and becomes quiet (rounding
-/// could carry its payload to ±inf). The same result as `half::bf16::from_f32`, in a form that
-/// vectorises.
-#[inline(always)]
-pub(crate) fn round_bf16(x: f32) -> bf16 {
-    let bits = x.to_bits();
-    let rounded = (bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16;
-    let nan = ((bits >> 16) as u16) | 0x0040;
-    bf16::from_bits(if x.is_nan() { nan } else { rounded })
 }
 
 /// `src` rounded into `dst` (the same length; [`Elem::store`]), parallel and vectorised.
@@ -370,39 +354,6 @@ pub fn serves(t: &Tensor) -> bool {
     matches!(t.device(), Device::Cpu) && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
 }
 
-/// Lanes of the f64 sums below: independent accumulators, so the loops vectorise (a single
-/// running float sum cannot be reordered by the compiler).
-pub(crate) const LANES: usize = 8;
-
-/// `K` sums at once, `Σ f(a[i], b[i])[k]` over the common length in f64: for each sum, element
-/// `i` is added into accumulator `i mod LANES`, the remainder after the last whole group of
-/// lanes summed apart, and the lanes then summed. Fixed-width chunks, so that where it is inlined
-/// into code compiled for wide vectors the loop vectorises (the per-index form kept its bounds
-/// checks and ran scalar). Sums taken together equal the same sums taken alone, to the bit.
-#[inline(always)]
-pub(crate) fn lane_sums<const K: usize, T: Copy>(a: &[T], b: &[T], f: impl Fn(T, T) -> [f64; K]) -> [f64; K] {
-    let n = a.len().min(b.len());
-    let (ac, bc) = (a[..n].chunks_exact(LANES), b[..n].chunks_exact(LANES));
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    let mut acc = [[0.0f64; LANES]; K];
-    for (xa, xb) in ac.zip(bc) {
-        for j in 0..LANES {
-            let terms = f(xa[j], xb[j]);
-            for k in 0..K {
-                acc[k][j] += terms[k];
-            }
-        }
-    }
-    let mut tail = [-0.0f64; K];
-    for (x, y) in ar.iter().zip(br) {
-        let terms = f(*x, *y);
-        for k in 0..K {
-            tail[k] += terms[k];
-        }
-    }
-    std::array::from_fn(|k| acc[k].iter().sum::<f64>() + tail[k])
-}
-
 /// `Σ f(a[i], b[i])` in f64: [`lane_sums`] of one sum.
 #[inline(always)]
 fn lane_sum<T: Copy>(a: &[T], b: &[T], f: impl Fn(T, T) -> f64) -> f64 {
@@ -431,86 +382,10 @@ pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> f64 {
     lane_sum(a, b, |x, y| T::wide(x) * T::wide(y))
 }
 
-/// Splits `0..n` into about one chunk per thread (at least `min` items each) and runs `f` on
-/// each chunk's range in parallel, compiled for the CPU's widest vector instructions.
-pub fn par_ranges(n: usize, min: usize, f: impl Fn(std::ops::Range<usize>) + Send + Sync) {
-    use rayon::prelude::*;
-    let threads = rayon::current_num_threads().max(1);
-    let chunk = n.div_ceil(threads).max(min.max(1));
-    let chunks = n.div_ceil(chunk);
-    if chunks <= 1 {
-        // Too little work to share: no hand-over to the thread pool.
-        return math::vectorized(|| f(0..n));
-    }
-    // Each chunk runs compiled for the CPU's widest vectors (see `math::vectorized`).
-    (0..chunks).into_par_iter().for_each(|c| math::vectorized(|| f(c * chunk..((c + 1) * chunk).min(n))));
-}
-
-/// A mutable slice shared between threads that write disjoint parts of it. It borrows the slice
-/// for `'a`, so the slice outlives every part handed out (only their disjointness is left to
-/// [`SharedMut::range`]'s caller).
-pub struct SharedMut<'a, T> {
-    ptr: *mut T,
-    len: usize,
-    borrow: std::marker::PhantomData<&'a mut [T]>,
-}
-
-// SAFETY: users write disjoint ranges only (each `range` call's contract).
-unsafe impl<T: Send> Send for SharedMut<'_, T> {}
-// SAFETY: as above.
-unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
-
-impl<'a, T> SharedMut<'a, T> {
-    /// Shares `v` for the parts to be handed out.
-    pub fn new(v: &'a mut [T]) -> Self {
-        SharedMut { ptr: v.as_mut_ptr(), len: v.len(), borrow: std::marker::PhantomData }
-    }
-
-    /// The elements `start..start + len`.
-    ///
-    /// # Safety
-    /// No two live slices obtained from this value overlap.
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn range(&self, start: usize, len: usize) -> &mut [T] {
-        assert!(start.checked_add(len).is_some_and(|end| end <= self.len), "SharedMut: range out of bounds");
-        // SAFETY: in bounds (checked); exclusivity is the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::f16;
-
-    /// Every rounding case against the `half` crate's conversion: ties both ways, the largest
-    /// finite values (rounding up to infinity), infinities, subnormals, signed zeros, NaNs of
-    /// both signs with payloads that rounding would carry out of the mantissa, and a sweep.
-    #[test]
-    fn bf16_rounding_is_halfs() {
-        let mut bits: Vec<u32> = vec![
-            0x0000_0000,
-            0x8000_0000,
-            0x3F80_8000,
-            0x3F81_8000,
-            0x3F80_8001,
-            0x7F7F_FFFF,
-            0xFF7F_FFFF,
-            0x7F80_0000,
-            0xFF80_0000,
-            0x0000_0001,
-            0x8000_8000,
-            0x7F80_0001,
-            0xFFFF_FFFF,
-            0x7FC0_0000,
-            0x7FBF_FFFF,
-        ];
-        bits.extend((0..=u32::MAX).step_by(65_537));
-        for b in bits {
-            let x = f32::from_bits(b);
-            assert_eq!(round_bf16(x).to_bits(), bf16::from_f32(x).to_bits(), "{b:#010x}");
-        }
-    }
+    use half::{bf16, f16};
 
     /// The parallel conversions over several chunks and a ragged tail, from an offset, against
     /// per-element `half` conversions, in bf16 and f16.

@@ -7,9 +7,9 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::bn_sums::Through;
 use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::{par_ranges, read, sum, sum_sq_dev, tensor, with, Real, SharedMut};
+use wick_kernels::cpu::bn_sums::{self, Through};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -255,9 +255,9 @@ fn masked<T: Real>(g: T, y: T, upper: T) -> T {
 }
 
 /// `(Σ g', Σ g'·(x − mean))` over one plane in f64, `g' = through(g, x)`, in the lanes and order
-/// of `kernels::sum` ([`super::lane_sums`]; the per-index form ran scalar: batch norm's backward
+/// of `sum` ([`super::lane_sums`]; the per-index form ran scalar: batch norm's backward
 /// on ResNet-18, 39 ms per step before).
-/// `fast` is `through` for [`super::bn_sums`], which takes f32 compute over f32 or bf16 with
+/// `fast` is `through` for [`bn_sums`], which takes f32 compute over f32 or bf16 with
 /// AVX-512 (the same sums to the bit).
 #[inline(always)]
 fn plane_sums<T: Real, E: Elem<T>>(
@@ -267,7 +267,7 @@ fn plane_sums<T: Real, E: Elem<T>>(
     through: impl Fn(T, T) -> T,
     fast: Through,
 ) -> (f64, f64) {
-    if let Some(sums) = super::bn_sums::plane_sums::<T, E>(g, x, mean, fast) {
+    if let Some(sums) = bn_sums::plane_sums::<T, E>(g, x, mean, fast) {
         return sums;
     }
     let [sum_g, sum_gx] = super::lane_sums(g, x, |gv, xv| {

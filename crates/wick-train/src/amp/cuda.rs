@@ -12,7 +12,7 @@ use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{DType, Device, Storage, Tensor};
 
 use crate::error::TrainError;
-use wick_kernels::reference::AdamWStep;
+use crate::optim::AdamW;
 
 fn err(message: impl Into<String>) -> TrainError {
     TrainError::Invalid { what: "amp cuda kernels".into(), message: message.into() }
@@ -168,9 +168,11 @@ impl AmpKernels {
         Ok(())
     }
 
-    /// One fused AdamW step: `master`, `m`, `v` (f32, same length as `grad`) are updated in
-    /// place from `grad` × `inv_scale`, and `model` (the compute copy, `grad`'s dtype) receives
-    /// the new masters rounded; nothing happens when `found_inf` is set.
+    /// Fused AdamW step `step` (from 1): `master`, `m`, `v` (f32, same length as `grad`) are
+    /// updated in place from `grad` × `inv_scale`, and `model` (the compute copy, `grad`'s dtype)
+    /// receives the new masters rounded; nothing happens when `found_inf` is set. The kernel
+    /// takes `hyper` in f32 and its bias corrections computed in f64, as its CPU reference does
+    /// (`wick_kernels::reference::adamw_master`).
     #[allow(clippy::too_many_arguments)]
     pub fn adamw_(
         &self,
@@ -179,7 +181,8 @@ impl AmpKernels {
         v: &Tensor,
         grad: &Tensor,
         model: &Tensor,
-        hyper: AdamWStep,
+        hyper: &AdamW,
+        step: i32,
         inv_scale: &Tensor,
         found_inf: &Tensor,
     ) -> Result<(), TrainError> {
@@ -198,11 +201,14 @@ impl AmpKernels {
         let p = |t: &Tensor| address(t, &self.stream);
         let (pm, pm1, pv, pg, pmodel, pinv, pflag) =
             (p(master)?, p(m)?, p(v)?, p(grad)?, p(model)?, p(inv_scale)?, p(found_inf)?);
-        let (bc1, bc2) = hyper.bias_corrections();
+        let (bc1, bc2) = hyper.bias_corrections(step);
+        let (bc1, bc2) = (bc1 as f32, bc2 as f32);
+        let (lr, beta1, beta2, eps, weight_decay) =
+            (hyper.lr as f32, hyper.beta1 as f32, hyper.beta2 as f32, hyper.eps as f32, hyper.weight_decay as f32);
         let len = n as i64;
         let mut launch = self.stream.launch_builder(func);
         launch.arg(&pm).arg(&pm1).arg(&pv).arg(&pg).arg(&pmodel).arg(&len);
-        launch.arg(&hyper.lr).arg(&hyper.beta1).arg(&hyper.beta2).arg(&hyper.eps).arg(&hyper.weight_decay);
+        launch.arg(&lr).arg(&beta1).arg(&beta2).arg(&eps).arg(&weight_decay);
         launch.arg(&bc1).arg(&bc2).arg(&pinv).arg(&pflag);
         let config = LaunchConfig { grid_dim: (blocks(n), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: argument types and order match `wick_amp_adamw_*`; every buffer holds `n`

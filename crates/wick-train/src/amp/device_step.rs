@@ -6,13 +6,13 @@
 //! `GradScaler` + fused `AdamW` arrangement; the host-side [`super::GradScaler`] and
 //! [`super::MasterWeights::step`] compute the same thing with candle tensor ops.
 
+use crate::optim::AdamW;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::cuda::AmpKernels;
 use super::GradScalerConfig;
 use crate::error::TrainError;
-use wick_kernels::reference::AdamWStep;
 
 /// One parameter: the model's compute copy, its f32 master and the f32 AdamW moments.
 struct Slot {
@@ -28,8 +28,8 @@ pub struct DeviceAmp {
     slots: Vec<Slot>,
     /// The optimizer as given (for the memory summary's names).
     optimizer: crate::optim::Optimizer,
-    /// Its settings in f32, as the kernels take them (the step count is filled in per step).
-    adamw: AdamWStep,
+    /// AdamW's settings.
+    adamw: AdamW,
     step: i32,
     scaler: Option<(GradScalerConfig, Tensor, Tensor)>,
     one: Tensor,
@@ -50,16 +50,12 @@ impl DeviceAmp {
         optimizer: crate::optim::Optimizer,
         scaler: Option<GradScalerConfig>,
     ) -> Result<Self, TrainError> {
-        let crate::optim::Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } = optimizer else {
+        let crate::optim::Optimizer::AdamW(adamw) = optimizer else {
             return Err(TrainError::Invalid {
                 what: "device AMP step".into(),
                 message: format!("the fused device step implements AdamW, not {optimizer:?}"),
             });
         };
-        // The kernels compute in f32.
-        let (lr, beta1, beta2, eps, weight_decay) =
-            (lr as f32, beta1 as f32, beta2 as f32, eps as f32, weight_decay as f32);
-        let adamw = AdamWStep { lr, beta1, beta2, eps, weight_decay, step: 0 };
         let kernels = AmpKernels::load(device)?;
         // Own copies: the kernels write them in place.
         let slots = vars
@@ -127,10 +123,19 @@ impl DeviceAmp {
             let refs: Vec<&Tensor> = present.iter().map(|(_, g)| g).collect();
             self.kernels.unscale_(&refs, &inv, &found_inf)?;
         }
-        let hyper = AdamWStep { step: self.step, ..self.adamw };
         for (i, g) in &present {
             let s = &self.slots[*i];
-            self.kernels.adamw_(&s.master, &s.m, &s.v, g, s.model.as_tensor(), hyper, &self.one, &found_inf)?;
+            self.kernels.adamw_(
+                &s.master,
+                &s.m,
+                &s.v,
+                g,
+                s.model.as_tensor(),
+                &self.adamw,
+                self.step,
+                &self.one,
+                &found_inf,
+            )?;
         }
         if let Some((config, scale, tracker)) = &self.scaler {
             self.kernels.update_scale_(

@@ -8,7 +8,7 @@ use candle_core::{DType, Result, Tensor, Var};
 
 use wick_nn::params::Params;
 
-use crate::optim::Optimizer;
+use crate::optim::{AdamW, Optimizer};
 
 struct Entry {
     model: Var,
@@ -102,7 +102,7 @@ pub(crate) fn account<'a>(
     engine.account("master weights (f32)", master);
     let name = match optimizer {
         Optimizer::SgdMomentum { .. } => "optimizer state (f32 momentum)",
-        Optimizer::AdamW { .. } => "optimizer state (f32 AdamW moments)",
+        Optimizer::AdamW(_) => "optimizer state (f32 AdamW moments)",
     };
     engine.account(name, state);
 }
@@ -195,7 +195,7 @@ impl MasterWeights {
                     e.master = (&e.master - (&b * lr)?)?;
                     e.state[0] = b;
                 }
-                Optimizer::AdamW { lr, beta1, beta2, eps, weight_decay } => {
+                Optimizer::AdamW(AdamW { lr, beta1, beta2, eps, weight_decay }) => {
                     let m = ((&e.state[0] * beta1)? + (&g * (1.0 - beta1))?)?;
                     let v = ((&e.state[1] * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
                     let m_hat = (&m / (1.0 - beta1.powi(t)))?;
@@ -243,9 +243,7 @@ impl MasterWeights {
     /// Sets the learning rate of the next steps (a schedule's step; the rest of the settings
     /// stay).
     pub fn set_learning_rate(&mut self, rate: f64) {
-        match &mut self.optimizer {
-            Optimizer::SgdMomentum { lr, .. } | Optimizer::AdamW { lr, .. } => *lr = rate,
-        }
+        self.optimizer.set_lr(rate);
     }
 
     /// A copy of the whole state (own storage: later steps do not change it).
@@ -326,7 +324,7 @@ mod tests {
         let init: Vec<f32> = vec![0.5, -1.25, 2.0, 0.003];
         let param =
             Var::from_tensor(&Tensor::new(init.as_slice(), &dev).unwrap().to_dtype(DType::BF16).unwrap()).unwrap();
-        let opt = Optimizer::AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 };
+        let opt = Optimizer::AdamW(AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
         let mut masters = MasterWeights::new(std::slice::from_ref(&param), opt).unwrap();
         let mut w: Vec<f64> = param.as_tensor().to_dtype(DType::F64).unwrap().to_vec1().unwrap();
         let (mut m, mut v) = (vec![0.0; 4], vec![0.0; 4]);

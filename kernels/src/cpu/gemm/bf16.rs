@@ -7,7 +7,7 @@
 //! operands to f32 first and multiplied at f32 speed — the reason AMP steps were slower than f32
 //! ones. `vdpbf16ps` does twice the multiply-adds of an f32 FMA per instruction and reads half
 //! the bytes — faster on AMD's cores; Intel's issue it on one port (no faster than f32 FMAs), and
-//! where they have AMX's tile unit the same blocking runs on it instead ([`super::gemm_amx`]).
+//! where they have AMX's tile unit the same blocking runs on it instead (`amx`).
 //!
 //! Layout (BLIS): the product runs over blocks of `MC` rows × `NC` columns of the destination,
 //! each block over `KC` deep slices; a slice of `a` is packed into `MR`-row panels and one of `b`
@@ -22,10 +22,10 @@
 
 use half::bf16;
 
-use super::bf16_blocking::{Dest, KMajor, Part, KC, NC};
-use super::bf16_pack::pack;
-use super::gemm::Mat;
-use candle_core::Result;
+use super::blocking::{product_dims, Mat};
+use super::blocking::{Dest, KMajor, Part, KC, NC};
+use super::pack::pack;
+use crate::cpu::{KernelError, SharedMut};
 
 /// Micro-tile shapes, rows × 16-lane registers per row (12 × 32, 8 × 48, 24 × 16 sums: 24 of
 /// the 32 vector registers each), with their relative cost per tile element: 24 × 16 loads a
@@ -38,7 +38,7 @@ const TILE: usize = 384;
 /// Rows of a block (its packed `a` stays in the L2 cache).
 const MC: usize = 144;
 /// True when this CPU runs [`gemm_bf16`] (AVX512-BF16, with AVX-512F).
-pub(crate) fn available() -> bool {
+pub fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::is_x86_feature_detected!("avx512bf16") && std::is_x86_feature_detected!("avx512f")
@@ -52,35 +52,40 @@ pub(crate) fn available() -> bool {
 /// `dst (m × n, row-major f32) = beta·a·b + (dst if accumulate)` with bf16 operands, parallel
 /// over blocks of the destination when `parallel`. An error when the shapes do not fit their
 /// slices or the CPU lacks AVX512-BF16 (check [`available`] first).
-pub(crate) fn gemm_bf16(
+pub fn gemm_bf16(
     dst: &mut [f32],
     a: Mat<'_, bf16>,
     b: Mat<'_, bf16>,
     beta: f32,
     accumulate: bool,
     parallel: bool,
-) -> Result<()> {
-    gemm_into(dst, a, b, beta, accumulate, parallel, super::gemm_amx::available())
+) -> Result<(), KernelError> {
+    gemm_into(dst, a, b, beta, accumulate, parallel, super::amx::available())
 }
 
 /// True when [`gemm_bf16_rounded`] takes a product of depth `k` (its sums are rounded as they
 /// are stored, so all of k must be summed in one slice).
-pub(crate) fn rounds_directly(k: usize) -> bool {
+pub fn rounds_directly(k: usize) -> bool {
     k <= 2 * KC
 }
 
 /// `dst (m × n, row-major bf16) = a·b`, each f32 sum rounded once as it is stored (no f32
 /// result and no separate rounding pass). An error unless [`rounds_directly`] holds for the
 /// depth, and as [`gemm_bf16`].
-pub(crate) fn gemm_bf16_rounded(dst: &mut [bf16], a: Mat<'_, bf16>, b: Mat<'_, bf16>, parallel: bool) -> Result<()> {
+pub fn gemm_bf16_rounded(
+    dst: &mut [bf16],
+    a: Mat<'_, bf16>,
+    b: Mat<'_, bf16>,
+    parallel: bool,
+) -> Result<(), KernelError> {
     if !rounds_directly(a.cols) {
-        return Err(candle_core::Error::Msg(format!("wick bf16 gemm: depth {} is summed in slices", a.cols)));
+        return Err(KernelError { kernel: "wick bf16 gemm", message: format!("depth {} is summed in slices", a.cols) });
     }
-    gemm_into(dst, a, b, 1.0, false, parallel, super::gemm_amx::available())
+    gemm_into(dst, a, b, 1.0, false, parallel, super::amx::available())
 }
 
 /// [`gemm_bf16`] and [`gemm_bf16_rounded`]: checks, then the product on the tile unit when
-/// `amx` ([`super::gemm_amx`]), else with `vdpbf16ps` and the micro-tile that suits the shape.
+/// `amx` (`amx`), else with `vdpbf16ps` and the micro-tile that suits the shape.
 fn gemm_into<D: Dest>(
     dst: &mut [D],
     a: Mat<'_, bf16>,
@@ -89,15 +94,15 @@ fn gemm_into<D: Dest>(
     accumulate: bool,
     parallel: bool,
     amx: bool,
-) -> Result<()> {
+) -> Result<(), KernelError> {
     if !available() {
-        return Err(candle_core::Error::Msg("wick bf16 gemm: this CPU has no AVX512-BF16".into()));
+        return Err(KernelError { kernel: "wick bf16 gemm", message: "this CPU has no AVX512-BF16".into() });
     }
-    let Some((_, k, _)) = super::gemm::product_dims("wick bf16 gemm", &a, &b, dst, accumulate)? else {
+    let Some((_, k, _)) = product_dims("wick bf16 gemm", &a, &b, dst, accumulate)? else {
         return Ok(());
     };
     if amx {
-        split(dst, (a, b), parallel, (super::gemm_amx::MR, super::gemm_amx::NR), |part, a, b| {
+        split(dst, (a, b), parallel, (super::amx::MR, super::amx::NR), |part, a, b| {
             part.product_amx(a, b, k, beta, accumulate)
         });
         return Ok(());
@@ -140,7 +145,7 @@ fn split<D: Dest>(
     let threads = if parallel { rayon::current_num_threads().max(1) } else { 1 };
     let av = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
     let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
-    let out = super::SharedMut::new(&mut dst[..m * n]);
+    let out = SharedMut::new(&mut dst[..m * n]);
     let whole = Part { out: &out, n, rows: 0..m, cols: 0..n };
     // Parallel: one part per thread, each packing its own operands. Splitting the rows makes
     // every part pack all of `b`, splitting the columns all of `a`: the smaller is repacked.
@@ -318,9 +323,9 @@ mod tests {
     }
 
     /// (parallel, on the tile unit) for every kernel this CPU runs: the AVX-512 one always (the
-    /// tests skip without it), AMX's where [`super::super::gemm_amx::available`].
+    /// tests skip without it), AMX's where [`super::super::amx::available`].
     fn kernels() -> Vec<(bool, bool)> {
-        let amx = super::super::gemm_amx::available();
+        let amx = super::super::amx::available();
         if !amx {
             eprintln!("note: no AMX tile unit here (or WICK_CPU_AMX=0): only the AVX-512 kernel is tested");
         }
@@ -390,7 +395,7 @@ mod tests {
                 let mut rounded = vec![bf16::ONE; m * n];
                 gemm_into(&mut rounded, ma, mb, 1.0, false, parallel, amx).unwrap();
                 for (i, (r, w)) in rounded.iter().zip(&wide).enumerate() {
-                    let want = super::super::round_bf16(*w).to_bits();
+                    let want = crate::cpu::round_bf16(*w).to_bits();
                     assert_eq!(r.to_bits(), want, "{m}×{k}×{n} amx {amx} at {i}: {r} vs {w}");
                 }
             }

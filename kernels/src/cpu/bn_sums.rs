@@ -18,14 +18,23 @@ use half::bf16;
 /// What reaches the sums from `g`: `g` itself, or `g` where the normalised value `x·a + t` lies
 /// strictly inside (0, `upper`) and +0 elsewhere (the gradient through a ReLU or ReLU6).
 #[derive(Clone, Copy)]
-pub(super) enum Through {
+pub enum Through {
+    /// `g` itself.
     Identity,
-    Masked { a: f32, t: f32, upper: f32 },
+    /// `g` where `x·a + t` lies strictly inside (0, `upper`), +0 elsewhere.
+    Masked {
+        /// The normalised value's scale.
+        a: f32,
+        /// Its shift.
+        t: f32,
+        /// The activation's upper kink (ReLU6: 6; ReLU: +∞).
+        upper: f32,
+    },
 }
 
 /// The sums for f32 compute (`T`) over f32 or bf16 storage (`E`) on a CPU with AVX-512F; None
 /// for any other types or CPU (the caller then takes the generic form).
-pub(super) fn plane_sums<T: 'static, E: 'static>(g: &[E], x: &[E], mean: f64, through: Through) -> Option<(f64, f64)> {
+pub fn plane_sums<T: 'static, E: 'static>(g: &[E], x: &[E], mean: f64, through: Through) -> Option<(f64, f64)> {
     #[cfg(target_arch = "x86_64")]
     {
         if TypeId::of::<T>() != TypeId::of::<f32>() || !std::is_x86_feature_detected!("avx512f") {
@@ -152,7 +161,7 @@ mod tests {
 
     /// The generic form, as batch norm's backward took it before.
     fn generic<E: Copy + Into<f32>>(g: &[E], x: &[E], mean: f64, through: Through) -> (f64, f64) {
-        let [a, b] = super::super::lane_sums(g, x, |gv, xv| {
+        let [a, b] = crate::cpu::lane_sums(g, x, |gv, xv| {
             let (gv, xv): (f32, f32) = (gv.into(), xv.into());
             let gv = match through {
                 Through::Identity => gv,

@@ -1,5 +1,5 @@
-//! Packing bf16 operands into the k-pair panels of [`super::gemm_bf16`] and
-//! [`super::gemm_amx`]: lane i of pair p of a panel holds one row's depths 2p (low half) and
+//! Packing bf16 operands into the k-pair panels of [`super::bf16`] and
+//! [`super::amx`]: lane i of pair p of a panel holds one row's depths 2p (low half) and
 //! 2p+1 (high half), `width` lanes per pair.
 //!
 //! Where a row's depths are neighbours in memory (`step == 1`: a weight in (out, in) layout, a
@@ -10,7 +10,7 @@
 
 use half::bf16;
 
-use super::bf16_blocking::KMajor;
+use super::blocking::KMajor;
 
 /// Packs rows `r0..r0+count` of `v`, depths `k0..k0+depth`, as `width`-lane panels of k-pairs:
 /// lane i of pair p of panel P holds row P·width+i's depths 2p (low half) and 2p+1 (high half);

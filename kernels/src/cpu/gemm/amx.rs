@@ -1,5 +1,5 @@
 //! bf16 × bf16 → f32 products on Intel's AMX tile unit (`tdpbf16ps`; Sapphire Rapids and later
-//! Xeons), the kernel [`super::gemm_bf16`] runs where the CPU and the OS offer it.
+//! Xeons), the kernel [`super::bf16`] runs where the CPU and the OS offer it.
 //!
 //! Why: on these CPUs `vdpbf16ps` issues on one port, so the AVX-512 bf16 kernel does no more
 //! multiply-adds per cycle than the f32 FMAs it replaces, and AMP steps were 1.25–1.6× slower
@@ -9,7 +9,7 @@
 //! bound by packing and memory rather than arithmetic. oneDNN's bf16 kernels behind PyTorch's
 //! CPU autocast use the same unit.
 //!
-//! Layout: the blocking of [`super::gemm_bf16`] (`KC`-deep slices, `NC`-column blocks, parts
+//! Layout: the blocking of [`super::bf16`] (`KC`-deep slices, `NC`-column blocks, parts
 //! per thread), with 32 × 32 micro-tiles (2 × 2 tiles of sums in `tmm0..3`, two tiles of `a` in
 //! `tmm4..5`, two of `b` in `tmm6..7`). `b` is packed as there (k-pairs × 32 lanes: the rows of
 //! a `b` tile); `a` row by row (a row's k-pairs consecutive: the rows of an `a` tile). Both are
@@ -27,8 +27,8 @@
 
 use half::bf16;
 
-use super::bf16_blocking::{Dest, KMajor, Part, KC, NC};
-use super::bf16_pack::{pack, pair};
+use super::blocking::{Dest, KMajor, Part, KC, NC};
+use super::pack::{pack, pair};
 
 /// Rows of a micro-tile (two 16-row tiles).
 pub(super) const MR: usize = 32;

@@ -1,0 +1,110 @@
+//! Optimizer updates over slices, in one pass: AdamW and SGD with momentum applied in place to
+//! f32 parameters (or the f32 masters of low-precision ones) from their gradients, reading the
+//! old optimizer state and writing the new, in f32 in PyTorch's order of operations (its AdamW on
+//! f32 parameters), vectorised. [`AdamW`] is the one description of AdamW's settings: this
+//! update, the fused CUDA update's launcher and its CPU reference
+//! ([`crate::reference::adamw_master`]) all take it.
+
+/// AdamW's settings: decoupled weight decay, bias-corrected moments.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamW {
+    /// Learning rate.
+    pub lr: f64,
+    /// β1.
+    pub beta1: f64,
+    /// β2.
+    pub beta2: f64,
+    /// ε.
+    pub eps: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+}
+
+impl AdamW {
+    /// `(1 − β1^t, 1 − β2^t)` for step `t` (from 1), in f64.
+    pub fn bias_corrections(&self, step: i32) -> (f64, f64) {
+        (1.0 - self.beta1.powi(step), 1.0 - self.beta2.powi(step))
+    }
+}
+
+/// One AdamW step of `p` from `g` (each element widened to f32 where it is used) and the old
+/// moments `(m, v)`, writing the new moments into `(m_new, v_new)`; every slice the same length
+/// (the caller checks). The step's constants in f64, the per-element arithmetic in f32.
+#[inline(always)]
+pub fn adamw<G: Copy + Into<f32>>(
+    p: &mut [f32],
+    g: &[G],
+    (m, v): (&[f32], &[f32]),
+    (m_new, v_new): (&mut [f32], &mut [f32]),
+    hyper: &AdamW,
+    step: i32,
+) {
+    let AdamW { lr, beta1, beta2, eps, weight_decay } = *hyper;
+    let (bc1, bc2) = hyper.bias_corrections(step);
+    let step_size = (lr / bc1) as f32;
+    let inv_bc2_sqrt = (1.0 / bc2.sqrt()) as f32;
+    let decay = (1.0 - lr * weight_decay) as f32;
+    let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
+    let (c1, c2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
+    let moments = m_new.iter_mut().zip(v_new.iter_mut()).zip(m).zip(v);
+    for ((p, (((mn, vn), mo), vo)), g) in p.iter_mut().zip(moments).zip(g) {
+        let g: f32 = (*g).into();
+        let m = b1 * *mo + c1 * g;
+        let v = b2 * *vo + c2 * g * g;
+        let denom = v.sqrt() * inv_bc2_sqrt + eps;
+        *p = *p * decay - step_size * m / denom;
+        (*mn, *vn) = (m, v);
+    }
+}
+
+/// One step of SGD with momentum μ (PyTorch's form: `b = μ·b + g`, `p −= lr·b`) from `g` and the
+/// old buffer `b`, writing the new buffer into `b_new`; every slice the same length.
+#[inline(always)]
+pub fn sgd_momentum<G: Copy + Into<f32>>(p: &mut [f32], g: &[G], b: &[f32], b_new: &mut [f32], lr: f64, momentum: f64) {
+    let (lr, momentum) = (lr as f32, momentum as f32);
+    for (((p, b_new), b_old), g) in p.iter_mut().zip(b_new.iter_mut()).zip(b).zip(g) {
+        let b = momentum * *b_old + (*g).into();
+        *b_new = b;
+        *p -= lr * b;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// AdamW against its textbook form in f64 (the moments bias-corrected, then the update),
+    /// over bf16 and f32 gradients: within f32 rounding.
+    #[test]
+    fn adamw_is_the_textbook_update() {
+        let hyper = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+        let n = 37;
+        let g: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.7).sin()).collect();
+        let gb: Vec<half::bf16> = g.iter().map(|&x| half::bf16::from_f32(x)).collect();
+        let (m0, v0): (Vec<f32>, Vec<f32>) = ((0..n).map(|i| i as f32 * 1e-3).collect(), vec![1e-4; n]);
+        for step in [1, 7] {
+            let mut p: Vec<f32> = (0..n).map(|i| 1.0 - i as f32 * 0.01).collect();
+            let p0 = p.clone();
+            let (mut m1, mut v1) = (vec![0f32; n], vec![0f32; n]);
+            adamw(&mut p, &gb, (&m0, &v0), (&mut m1, &mut v1), &hyper, step);
+            let (bc1, bc2) = hyper.bias_corrections(step);
+            for i in 0..n {
+                let gi = f64::from(f32::from(gb[i]));
+                let m = 0.9 * m0[i] as f64 + 0.1 * gi;
+                let v = 0.95 * v0[i] as f64 + 0.05 * gi * gi;
+                let want = p0[i] as f64 * (1.0 - 1e-2 * 0.1) - 1e-2 * (m / bc1) / ((v / bc2).sqrt() + 1e-8);
+                assert!((p[i] as f64 - want).abs() < 1e-6, "step {step} [{i}]: {} vs {want}", p[i]);
+                assert!((m1[i] as f64 - m).abs() < 1e-6 && (v1[i] as f64 - v).abs() < 1e-7);
+            }
+        }
+    }
+
+    #[test]
+    fn sgd_momentum_is_pytorchs_form() {
+        let (mut p, g, b) = (vec![1.0f32, -2.0], vec![0.5f32, 0.25], vec![0.1f32, -0.2]);
+        let mut b_new = vec![0f32; 2];
+        sgd_momentum(&mut p, &g, &b, &mut b_new, 0.1, 0.9);
+        assert_eq!(b_new, vec![0.9 * 0.1 + 0.5, 0.9 * -0.2 + 0.25]);
+        assert_eq!(p, vec![1.0 - 0.1 * b_new[0], -2.0 - 0.1 * b_new[1]]);
+    }
+}
