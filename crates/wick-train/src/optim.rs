@@ -223,3 +223,21 @@ impl LrSchedule {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The form checkpoints saved before AdamW's settings became a struct recorded (the derived
+    /// `Debug` of the struct variants): resume compares it as text.
+    #[test]
+    fn the_recorded_form_is_the_one_earlier_checkpoints_hold() {
+        let adamw = Optimizer::AdamW(AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 });
+        assert_eq!(format!("{adamw:?}"), "AdamW { lr: 0.001, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }");
+        let sgd = Optimizer::SgdMomentum { lr: 0.1, momentum: 0.9 };
+        assert_eq!(format!("{sgd:?}"), "SgdMomentum { lr: 0.1, momentum: 0.9 }");
+        let mut scheduled = adamw;
+        scheduled.set_lr(0.5);
+        assert_eq!((adamw.lr(), scheduled.lr(), scheduled.states()), (1e-3, 0.5, 2));
+    }
+}
