@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Result, Tensor, Var};
+use rand_xoshiro::rand_core::{Rng, SeedableRng};
+use rand_xoshiro::SplitMix64;
 
 /// How a fresh parameter is initialised.
 #[derive(Debug, Clone, Copy)]
@@ -24,15 +26,9 @@ pub enum Init {
 /// model initialisation and test data are reproducible (candle's CPU generator cannot be seeded).
 pub fn normal_tensor(shape: &[usize], std: f64, seed: u64, dtype: DType, device: &Device) -> Result<Tensor> {
     let n: usize = shape.iter().product();
-    let mut state = seed;
-    let mut next = || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        // 53 random bits in (0, 1].
-        (((z ^ (z >> 31)) >> 11) as f64 + 1.0) / (1u64 << 53) as f64
-    };
+    let mut rng = SplitMix64::seed_from_u64(seed);
+    // 53 random bits in (0, 1].
+    let mut next = || ((rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
     let mut values = Vec::with_capacity(n + 1);
     while values.len() < n {
         let (u1, u2) = (next(), next());

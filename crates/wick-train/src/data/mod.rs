@@ -37,6 +37,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use candle_core::Tensor;
+use rand_xoshiro::rand_core::{Rng, SeedableRng};
+use rand_xoshiro::SplitMix64;
 
 pub use sources::{ImageFolder, TensorFile, TokenFile};
 
@@ -163,16 +165,6 @@ impl Batch {
     }
 }
 
-/// SplitMix64: the permutation's random numbers (fixed, so an epoch's order never changes
-/// between versions or machines).
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// A loader over a dataset.
 pub struct Loader<D: Dataset> {
     dataset: Arc<D>,
@@ -196,9 +188,10 @@ impl<D: Dataset> Loader<D> {
     pub fn order(&self, epoch: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.dataset.len()).collect();
         if self.config.shuffle {
-            let mut state = self.config.seed ^ epoch.wrapping_mul(0xD1B5_4A32_D192_ED03);
+            // SplitMix64: fixed, so an epoch's order never changes between versions or machines.
+            let mut rng = SplitMix64::seed_from_u64(self.config.seed ^ epoch.wrapping_mul(0xD1B5_4A32_D192_ED03));
             for i in (1..order.len()).rev() {
-                let j = (splitmix(&mut state) % (i as u64 + 1)) as usize;
+                let j = (rng.next_u64() % (i as u64 + 1)) as usize;
                 order.swap(i, j);
             }
         }
