@@ -86,16 +86,16 @@ macro_rules! wide_kernel {
     };
 }
 
-pub mod act;
-pub mod attention;
-pub mod conv;
-pub mod depthwise;
+pub(crate) mod act;
+pub(crate) mod attention;
+pub(crate) mod conv;
+pub(crate) mod depthwise;
 pub mod elem;
 mod gemm;
-pub mod linear;
-pub mod loss;
-pub mod norm;
-pub mod pool;
+pub(crate) mod linear;
+pub(crate) mod loss;
+pub(crate) mod norm;
+pub(crate) mod pool;
 pub mod profile;
 
 use std::borrow::Cow;
@@ -383,30 +383,4 @@ pub(crate) fn dot<T: Real>(a: &[T], b: &[T]) -> f64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use half::{bf16, f16};
-
-    /// The parallel conversions over several chunks and a ragged tail, from an offset, against
-    /// per-element `half` conversions, in bf16 and f16.
-    #[test]
-    fn widen_and_narrow_match_elementwise_conversion() -> Result<()> {
-        let n = 2 * CONVERT_CHUNK + 123;
-        let wide: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.377).sin() * 1e3 / (1.0 + i as f32)).collect();
-        let narrow: Vec<bf16> = narrow_elems(&wide);
-        assert_eq!(narrow.len(), n);
-        assert!(narrow.iter().zip(&wide).all(|(a, b)| a.to_bits() == bf16::from_f32(*b).to_bits()));
-        let mut into = vec![bf16::ONE; n];
-        narrow_into(&wide, &mut into);
-        assert_eq!(into, narrow);
-        let back = widen_elems(&narrow, 7, n - 7)?;
-        assert_eq!(back.len(), n - 7);
-        assert!(back.iter().zip(&narrow[7..]).all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
-        assert!(widen_elems(&narrow, 8, n).is_err(), "a range past the end is refused");
-        let half: Vec<f16> = narrow_elems(&wide);
-        assert!(half.iter().zip(&wide).all(|(a, b)| a.to_bits() == f16::from_f32(*b).to_bits()));
-        let back = widen_elems(&half, 0, n)?;
-        assert!(back.iter().zip(&half).all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
-        Ok(())
-    }
-}
+mod tests;
