@@ -161,30 +161,6 @@ fn sentences(batch: usize, seq: usize, config: &BertConfig) -> candle_core::Resu
     })
 }
 
-fn bert_base() -> BertConfig {
-    BertConfig {
-        vocab_size: 30_522,
-        hidden_size: 768,
-        num_hidden_layers: 12,
-        num_attention_heads: 12,
-        intermediate_size: 3072,
-        max_position_embeddings: 512,
-        type_vocab_size: 2,
-        layer_norm_eps: 1e-12,
-        pad_token_id: Some(0),
-    }
-}
-
-fn minilm() -> BertConfig {
-    BertConfig {
-        hidden_size: 384,
-        num_hidden_layers: 6,
-        num_attention_heads: 12,
-        intermediate_size: 1536,
-        ..bert_base()
-    }
-}
-
 fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
     let dev = Device::Cpu;
     let (image, seq) = (args.image, args.seq);
@@ -235,8 +211,8 @@ fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
                 what: format!("ViT-B/16, {}²", config.image_size),
             }
         }
-        (Some(ModelName::BertBase), _) => bert(bert_base(), "BERT-base".into())?,
-        (Some(ModelName::Minilm), _) => bert(minilm(), "all-MiniLM-L6-v2".into())?,
+        (Some(ModelName::BertBase), _) => bert(BertConfig::base(), "BERT-base".into())?,
+        (Some(ModelName::Minilm), _) => bert(BertConfig::minilm_l6(), "all-MiniLM-L6-v2".into())?,
         (None, None) => bail!("name a model or give --config"),
     })
 }
@@ -317,9 +293,9 @@ pub struct Profiled {
 
 fn llama_of(args: &ModelArgs) -> Result<Option<(LlamaConfig, String)>> {
     Ok(match (args.model, &args.config) {
-        (Some(ModelName::Llama2_7b), _) => Some((llama_size::llama2_7b(), "LLaMA (Llama-2-7B shapes)".into())),
-        (Some(ModelName::Llama2_13b), _) => Some((llama_size::llama2_13b(), "LLaMA (Llama-2-13B shapes)".into())),
-        (_, Some(path)) => llama_size::from_file(path)?.map(|c| (c, format!("LLaMA from {}", path.display()))),
+        (Some(ModelName::Llama2_7b), _) => Some((LlamaConfig::llama2_7b(), "LLaMA (Llama-2-7B shapes)".into())),
+        (Some(ModelName::Llama2_13b), _) => Some((LlamaConfig::llama2_13b(), "LLaMA (Llama-2-13B shapes)".into())),
+        (_, Some(path)) => LlamaConfig::from_hf_config(path)?.map(|c| (c, format!("LLaMA from {}", path.display()))),
         _ => None,
     })
 }

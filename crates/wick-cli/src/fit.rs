@@ -5,31 +5,9 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
-use wick_zoo::estimate::{largest_fitting, Mode};
+use wick_zoo::estimate::{fit_margin, largest_fitting, Mode};
 
 use crate::estimate::{ModelArgs, Profiled};
-
-/// The estimator's margin for a "fits" decision on a training step: the estimate is multiplied
-/// by `1 + FIT_MARGIN`. Measured against real peaks at batches no profile ran (`wick estimate
-/// --measure` and the estimator test, f32 SGD): −0.5 % to +2.3 % at real widths (ResNet-18/34/50,
-/// MobileNetV2, MiniLM, LLaMA configurations), −1.8 % at the worst small model (ResNet-18 at
-/// width 16 on 64² images, batch 24, where the convolution's image grouping makes the workspace
-/// step with the batch).
-pub const FIT_MARGIN: f64 = 0.03;
-
-/// The margin for inference (a forward pass under no_grad, whose whole peak is transient and so
-/// follows the kernels' grouping more closely): measured −4.1 % (ResNet-18 at 224², batch 32) to
-/// +0.0 % at real widths, −6.2 % at the worst small model.
-pub const FIT_MARGIN_INFERENCE: f64 = 0.07;
-
-/// The margin that applies to `mode`.
-pub fn fit_margin(mode: Mode) -> f64 {
-    if mode == Mode::Inference {
-        FIT_MARGIN_INFERENCE
-    } else {
-        FIT_MARGIN
-    }
-}
 
 /// Memory the CUDA context and the kernels' images take on a device before any tensor (PyTorch's
 /// context is 300–500 MiB on recent GPUs); subtracted from a `--gpu` size.

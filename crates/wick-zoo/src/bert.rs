@@ -78,6 +78,33 @@ impl BertConfig {
         }
     }
 
+    /// BERT-base, uncased (Hugging Face's `bert-base-uncased`: 12 × 768, 30 522 tokens; 109 M
+    /// parameters).
+    pub const fn base() -> Self {
+        BertConfig {
+            vocab_size: 30_522,
+            hidden_size: 768,
+            num_hidden_layers: 12,
+            num_attention_heads: 12,
+            intermediate_size: 3072,
+            max_position_embeddings: 512,
+            type_vocab_size: 2,
+            layer_norm_eps: 1e-12,
+            pad_token_id: Some(0),
+        }
+    }
+
+    /// all-MiniLM-L6-v2's encoder (6 × 384 on BERT-base's vocabulary; 22.7 M parameters).
+    pub const fn minilm_l6() -> Self {
+        BertConfig {
+            hidden_size: 384,
+            num_hidden_layers: 6,
+            num_attention_heads: 12,
+            intermediate_size: 1536,
+            ..BertConfig::base()
+        }
+    }
+
     /// Parameters of the encoder this configuration describes (`None` when the count overflows).
     pub fn parameter_count(&self) -> Option<usize> {
         let (h, i) = (self.hidden_size, self.intermediate_size);

@@ -1,6 +1,8 @@
 //! A small LLaMA-style decoder trainable from scratch: RMSNorm, rotary positions, causal
 //! attention and a SwiGLU feed-forward, all from [`wick_nn::ops`] so every parameter trains.
 
+use std::path::Path;
+
 use candle_core::{DType, Device, Module, Tensor};
 use wick::memory::push_label;
 
@@ -11,6 +13,8 @@ use wick_nn::ops;
 use wick_nn::params::{Init, Params};
 use wick_nn::to_candle;
 use wick_nn::NnError;
+
+use crate::error::ZooError;
 
 /// Parameters of one decoder layer, in the order [`decoder_layer`] takes them.
 const LAYER_PARAMS: [&str; 9] = [
@@ -81,6 +85,66 @@ impl LlamaConfig {
             rms_eps: 1e-6,
             rope_theta: 10_000.0,
         }
+    }
+
+    /// Llama-2-7B's shapes (multi-head attention, as the zoo's decoder; 6.7 B parameters).
+    pub fn llama2_7b() -> Self {
+        LlamaConfig {
+            vocab_size: 32_000,
+            hidden_size: 4096,
+            num_layers: 32,
+            num_heads: 32,
+            intermediate_size: 11_008,
+            max_seq: 4096,
+            rms_eps: 1e-5,
+            rope_theta: 10_000.0,
+        }
+    }
+
+    /// Llama-2-13B's shapes (13 B parameters).
+    pub fn llama2_13b() -> Self {
+        LlamaConfig { hidden_size: 5120, num_layers: 40, num_heads: 40, intermediate_size: 13_824, ..Self::llama2_7b() }
+    }
+
+    /// A Hugging Face LLaMA `config.json` (`model_type: llama`), or `None` for another model
+    /// type. Grouped-query attention, sizes that overflow and zero layers are errors naming the
+    /// file.
+    pub fn from_hf_config(path: &Path) -> Result<Option<Self>, ZooError> {
+        let config = |message: String| ZooError::Config { path: path.to_path_buf(), message };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ZooError::File { path: path.to_path_buf(), message: e.to_string() })?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| config(format!("not JSON: {e}")))?;
+        if v.get("model_type").and_then(|t| t.as_str()) != Some("llama") {
+            return Ok(None);
+        }
+        let number = |key: &str| -> Result<usize, ZooError> {
+            v.get(key)
+                .and_then(|n| n.as_u64())
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or_else(|| config(format!("`{key}` must be a whole number")))
+        };
+        let heads = number("num_attention_heads")?;
+        if let Some(kv) = v.get("num_key_value_heads").and_then(|n| n.as_u64()) {
+            if kv != heads as u64 {
+                return Err(config(format!(
+                    "grouped-query attention ({kv} key/value heads for {heads}) is not in the zoo's LLaMA"
+                )));
+            }
+        }
+        let parsed = LlamaConfig {
+            vocab_size: number("vocab_size")?,
+            hidden_size: number("hidden_size")?,
+            num_layers: number("num_hidden_layers")?,
+            num_heads: heads,
+            intermediate_size: number("intermediate_size")?,
+            max_seq: number("max_position_embeddings").unwrap_or(4096),
+            rms_eps: v.get("rms_norm_eps").and_then(|n| n.as_f64()).unwrap_or(1e-6),
+            rope_theta: v.get("rope_theta").and_then(|n| n.as_f64()).unwrap_or(10_000.0),
+        };
+        if parsed.parameter_count().is_none() || parsed.num_layers == 0 {
+            return Err(config("the sizes overflow or there are no layers".into()));
+        }
+        Ok(Some(parsed))
     }
 
     /// Parameters of the decoder this configuration describes (`None` when the count overflows).

@@ -122,3 +122,37 @@ fn a_weight_file_is_preflighted_from_its_header() {
         Ok(_) => panic!("a 1 PiB file was loaded"),
     }
 }
+
+/// The named configurations against their published parameter counts (Meta's Llama 2 release:
+/// 6,738,415,616 and 13,015,864,320; `bert-base-uncased`: 109,482,240 with the pooler's 590,592,
+/// which the zoo's encoder does not have).
+#[test]
+fn named_configurations_have_their_published_sizes() {
+    assert_eq!(LlamaConfig::llama2_7b().parameter_count(), Some(6_738_415_616));
+    assert_eq!(LlamaConfig::llama2_13b().parameter_count(), Some(13_015_864_320));
+    assert_eq!(BertConfig::base().parameter_count(), Some(109_482_240 - 590_592));
+}
+
+/// A Hugging Face `config.json`: a LLaMA one read, another model type passed over, and a
+/// grouped-query one refused naming the file.
+#[test]
+fn llama_hf_configs_are_read_or_refused_naming_the_file() {
+    let dir = std::env::temp_dir().join(format!("wick-llama-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, json: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, json).unwrap();
+        path
+    };
+    let llama = r#"{"model_type": "llama", "vocab_size": 8000, "hidden_size": 384, "num_hidden_layers": 6,
+        "num_attention_heads": 6, "intermediate_size": 1024, "max_position_embeddings": 512}"#;
+    let read = LlamaConfig::from_hf_config(&write("llama.json", llama)).unwrap().expect("a llama config");
+    assert_eq!((read.vocab_size, read.hidden_size, read.num_layers, read.max_seq), (8000, 384, 6, 512));
+    assert!(LlamaConfig::from_hf_config(&write("bert.json", r#"{"model_type": "bert"}"#)).unwrap().is_none());
+    let gqa = llama.replace("\"num_attention_heads\": 6", "\"num_attention_heads\": 6, \"num_key_value_heads\": 2");
+    let err = LlamaConfig::from_hf_config(&write("gqa.json", &gqa)).unwrap_err().to_string();
+    assert!(err.contains("gqa.json") && err.contains("grouped-query"), "{err}");
+    let err = LlamaConfig::from_hf_config(&dir.join("missing.json")).unwrap_err().to_string();
+    assert!(err.contains("missing.json"), "{err}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -86,17 +86,7 @@ const DECODER: LlamaConfig = LlamaConfig {
 };
 
 /// all-MiniLM-L6-v2's shapes (a BERT encoder, 6 × 384) at 128 tokens.
-const MINILM: BertConfig = BertConfig {
-    vocab_size: 30522,
-    hidden_size: 384,
-    num_hidden_layers: 6,
-    num_attention_heads: 12,
-    intermediate_size: 1536,
-    max_position_embeddings: 512,
-    type_vocab_size: 2,
-    layer_norm_eps: 1e-12,
-    pad_token_id: Some(0),
-};
+const MINILM: BertConfig = BertConfig::minilm_l6();
 
 /// ViT-S/16 (DeiT-S's shapes) on 112² images.
 const VIT_S16: VitConfig =
