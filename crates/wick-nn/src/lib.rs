@@ -10,7 +10,7 @@
 //! | [`ops`] | differentiable ops: linear, attention (plain and packed q/k/v), RoPE, norms, activations, cross-entropy, embeddings, residual adds |
 //! | [`cnn`] | convolution, depthwise convolution, batch norm with running statistics, pooling |
 //! | [`fused`] | composite ops as single graph nodes that recompute their forward during backward |
-//! | [`cpu`] | the CPU implementations of those ops: candle custom ops over plain slices (gemm f32/bf16/AMX, convolutions, norms, attention …), and per-op timing ([`cpu::profile`]) |
+//! | [`cpu`] | the CPU implementations of those ops: candle custom ops whose forward and backward passes run over plain slices (convolutions, norms, attention, activations, losses …) on `wick_kernels::cpu` (matrix products f32/bf16/AMX, vectorised math, batch-norm sums), and per-op timing ([`cpu::profile`]) |
 //! | [`params`] | named parameters with pre-flighted creation and the initialisers |
 //! | [`autocast`] | the mixed-precision op policy ([`Autocast`]: which ops run in bf16/f16, which in f32) |
 //! | [`checkpoint`] | activation checkpointing ([`Checkpointing`]: blocks recomputed in backward instead of kept) |

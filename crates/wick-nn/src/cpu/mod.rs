@@ -8,7 +8,8 @@
 //! (profiled on ResNet-18: batch norm 1266 ms per step against PyTorch's 35, convolutions 2045 ms
 //! against 303). Each op here is one candle custom op whose forward and backward are written out
 //! over plain slices, parallel over independent rows, channels or images with rayon, with the
-//! matrix products in the `gemm` crate (candle's own CPU matmul, here with AVX-512 kernels):
+//! matrix products, the vectorised math and batch norm's sums from `wick_kernels::cpu` (the
+//! products through the `gemm` crate, candle's own CPU matmul, with its AVX-512 kernels):
 //!
 //! - [`conv`]: dense convolution (im2col + one gemm per image; backward-input only when the input
 //!   needs a gradient; 1×1 stride-1 convolutions without im2col); [`depthwise`] convolution;
