@@ -15,6 +15,7 @@
 //! | [`autocast`] | the mixed-precision op policy ([`Autocast`]: which ops run in bf16/f16, which in f32) |
 //! | [`checkpoint`] | activation checkpointing ([`Checkpointing`]: blocks recomputed in backward instead of kept) |
 //! | [`grad`] | [`no_grad`] and [`grad_enabled`] |
+//! | `gradcheck` | central finite differences against autograd, for gradient tests (feature `testing`) |
 //! | [`graph`] | what an output's autograd graph keeps alive ([`graph::graph_bytes`]) |
 //! | [`model`] | the [`Model`] trait every trainable model implements, and [`Labelled`] batches |
 //! | [`error`] | [`NnError`] |
@@ -28,6 +29,8 @@ pub mod cpu;
 pub mod error;
 pub mod fused;
 pub mod grad;
+#[cfg(any(test, feature = "testing"))]
+pub mod gradcheck;
 pub mod graph;
 pub mod model;
 pub mod ops;

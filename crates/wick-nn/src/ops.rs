@@ -348,25 +348,19 @@ mod tests {
         let grads = y.backward().unwrap();
         let analytic: Vec<f64> = grads.get(&x).expect("gradient reaches x").flatten_all().unwrap().to_vec1().unwrap();
         let base: Vec<f64> = x.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
-        let h = 1e-5;
         let again = f(&Tensor::from_vec(base.clone(), shape, &dev).unwrap()).unwrap().to_scalar::<f64>().unwrap();
         let first = y.to_scalar::<f64>().unwrap();
         assert!((again - first).abs() < 1e-9, "f is not deterministic: {first} vs {again}");
-        for i in 0..base.len() {
-            let eval = |delta: f64| {
-                let mut v = base.clone();
-                v[i] += delta;
-                let t = Tensor::from_vec(v, shape, &dev).unwrap();
-                f(&t).unwrap().to_scalar::<f64>().unwrap()
-            };
-            let numeric = (eval(h) - eval(-h)) / (2.0 * h);
+        let entries: Vec<usize> = (0..base.len()).collect();
+        let numeric = crate::gradcheck::central_differences(&base, &entries, &[1e-5], &analytic, |v| {
+            f(&Tensor::from_vec(v.to_vec(), shape, &dev).unwrap()).unwrap().to_scalar::<f64>().unwrap()
+        });
+        for (i, numeric) in numeric.into_iter().enumerate() {
             let err = (numeric - analytic[i]).abs();
             assert!(
                 err < 1e-6 * (1.0 + numeric.abs()),
-                "d/dx[{i}] of {shape:?}: numeric {numeric}, autograd {}, f(x+h) {} f(x-h) {}",
-                analytic[i],
-                eval(h),
-                eval(-h)
+                "d/dx[{i}] of {shape:?}: numeric {numeric}, autograd {}",
+                analytic[i]
             );
         }
         assert!(analytic.iter().any(|g| g.abs() > 1e-8), "gradient is not identically zero");

@@ -2,6 +2,7 @@
 //! autograd agrees with finite differences on tiny widths, and a few steps lower the loss.
 
 use candle_core::{DType, Device, Tensor, Var};
+use wick_nn::gradcheck::central_differences;
 use wick_nn::ops::cross_entropy;
 use wick_nn::params::Params;
 use wick_zoo::mobilenet::MobileNetV2;
@@ -57,23 +58,15 @@ fn finite_difference(what: &str, var: &Var, analytic: &Tensor, entries: &[usize]
     let shape = var.as_tensor().dims().to_vec();
     let base: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
     let analytic: Vec<f64> = analytic.flatten_all().unwrap().to_vec1().unwrap();
-    for &i in entries {
-        let at = |d: f64| {
-            let mut v = base.clone();
-            v[i] += d;
-            var.set(&Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).unwrap()).unwrap();
-            loss()
-        };
-        // ReLU, ReLU6 and max-pool make these losses piecewise smooth with many kinks: a step
-        // that carries one activation across its kink spoils that central difference, and the
-        // error shrinks as the step does. So the derivative counts as confirmed when central
-        // differences at some step of 1e-6..1e-8 agree with autograd; a wrong gradient
-        // disagrees at every step.
-        let best = [1e-6, 1e-7, 1e-8]
-            .iter()
-            .map(|h| (at(*h) - at(-*h)) / (2.0 * h))
-            .min_by(|a, b| (a - analytic[i]).abs().total_cmp(&(b - analytic[i]).abs()))
-            .unwrap_or(f64::NAN);
+    // ReLU, ReLU6 and max-pool make these losses piecewise smooth with many kinks: a step that
+    // carries one activation across its kink spoils that central difference, and the error
+    // shrinks as the step does. So the derivative counts as confirmed when central differences
+    // at some step of 1e-6..1e-8 agree with autograd; a wrong gradient disagrees at every step.
+    let closest = central_differences(&base, entries, &[1e-6, 1e-7, 1e-8], &analytic, |v| {
+        var.set(&Tensor::from_vec(v.to_vec(), shape.as_slice(), &Device::Cpu).unwrap()).unwrap();
+        loss()
+    });
+    for (&i, best) in entries.iter().zip(closest) {
         assert!(
             (best - analytic[i]).abs() <= 1e-6 + 1e-3 * analytic[i].abs(),
             "{what} entry {i}: closest central difference {best}, autograd {}",

@@ -2,6 +2,7 @@
 //! finite differences on a tiny configuration; a few steps on a synthetic task lower the loss.
 
 use candle_core::{DType, Device, Tensor, Var};
+use wick_nn::gradcheck::central_differences;
 use wick_nn::params::Params;
 use wick_nn::Model;
 use wick_zoo::bert::{Bert, BertConfig};
@@ -41,15 +42,11 @@ fn finite_difference(var: &Var, loss: impl Fn() -> f64, analytic: &Tensor, entri
     let shape = var.as_tensor().dims().to_vec();
     let base: Vec<f64> = var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
     let analytic: Vec<f64> = analytic.flatten_all().unwrap().to_vec1().unwrap();
-    let h = 1e-6;
-    for &i in entries {
-        let set = |delta: f64| {
-            let mut v = base.clone();
-            v[i] += delta;
-            var.set(&Tensor::from_vec(v, shape.as_slice(), &Device::Cpu).unwrap()).unwrap();
-            loss()
-        };
-        let numeric = (set(h) - set(-h)) / (2.0 * h);
+    let numeric = central_differences(&base, entries, &[1e-6], &analytic, |v| {
+        var.set(&Tensor::from_vec(v.to_vec(), shape.as_slice(), &Device::Cpu).unwrap()).unwrap();
+        loss()
+    });
+    for (&i, numeric) in entries.iter().zip(numeric) {
         let err = (numeric - analytic[i]).abs();
         assert!(err <= 1e-6 + 1e-4 * numeric.abs(), "entry {i}: numeric {numeric}, autograd {}", analytic[i]);
     }

@@ -11,18 +11,18 @@
 //! matrix products, the vectorised math and batch norm's sums from `wick_kernels::cpu` (the
 //! products through the `gemm` crate, candle's own CPU matmul, with its AVX-512 kernels):
 //!
-//! - [`conv`]: dense convolution (im2col + one gemm per image; backward-input only when the input
-//!   needs a gradient; 1×1 stride-1 convolutions without im2col); [`depthwise`] convolution;
-//! - [`norm`]: batch norm (statistics once, mean and inverse deviation kept per channel; fused
+//! - `conv`: dense convolution (im2col + one gemm per image; backward-input only when the input
+//!   needs a gradient; 1×1 stride-1 convolutions without im2col); `depthwise` convolution;
+//! - `norm`: batch norm (statistics once, mean and inverse deviation kept per channel; fused
 //!   with a following ReLU/ReLU6, whose input is then neither stored nor kept), layer norm and
 //!   RMS norm (per-row statistics kept);
-//! - [`pool`]: max pooling (the first maximum of a window, as PyTorch) and global average pooling;
-//! - [`act`]: ReLU/ReLU6 with PyTorch's gradient at the kinks, a residual `relu(a + b)`, GELU,
+//! - `pool`: max pooling (the first maximum of a window, as PyTorch) and global average pooling;
+//! - `act`: ReLU/ReLU6 with PyTorch's gradient at the kinks, a residual `relu(a + b)`, GELU,
 //!   SiLU·mul;
-//! - [`linear`]: `x·Wᵀ + b` as one 2-D gemm over all rows;
-//! - [`attention`]: scaled dot-product attention that keeps q, k, v and one log-sum-exp per row
+//! - `linear`: `x·Wᵀ + b` as one 2-D gemm over all rows;
+//! - `attention`: scaled dot-product attention that keeps q, k, v and one log-sum-exp per row
 //!   (backward recomputes the scores; never an s×s tensor kept) and rotary embeddings;
-//! - [`loss`]: cross-entropy and embedding lookups with f32 gradient sums;
+//! - `loss`: cross-entropy and embedding lookups with f32 gradient sums;
 //! - [`profile`]: per-op times (`WICK_PROFILE_OPS=1`).
 //!
 //! What each op keeps for backward is what the composed node kept (its inputs), plus per-row or

@@ -69,17 +69,14 @@ fn check_finite_differences(name: &str, inputs: &[Tensor], kernel: impl Fn(&[Ten
     for (i, v) in vars.iter().enumerate() {
         let a = values(grads.get(v).unwrap_or_else(|| panic!("{name}: no gradient for input {i}")));
         let base = values(&inputs[i]);
-        let h = 1e-6;
-        for p in 0..probes.min(base.len()) {
-            let at = p * base.len() / probes.min(base.len());
-            let eval = |delta: f64| {
-                let mut moved: Vec<Tensor> = inputs.to_vec();
-                let mut vals = base.clone();
-                vals[at] += delta;
-                moved[i] = Tensor::from_vec(vals, inputs[i].shape(), &Device::Cpu).unwrap();
-                weighted_sum(&kernel(&moved).unwrap()).unwrap().to_scalar::<f64>().unwrap()
-            };
-            let numeric = (eval(h) - eval(-h)) / (2.0 * h);
+        let entries: Vec<usize> =
+            (0..probes.min(base.len())).map(|p| p * base.len() / probes.min(base.len())).collect();
+        let numeric = crate::gradcheck::central_differences(&base, &entries, &[1e-6], &a, |vals| {
+            let mut moved: Vec<Tensor> = inputs.to_vec();
+            moved[i] = Tensor::from_vec(vals.to_vec(), inputs[i].shape(), &Device::Cpu).unwrap();
+            weighted_sum(&kernel(&moved).unwrap()).unwrap().to_scalar::<f64>().unwrap()
+        });
+        for (&at, numeric) in entries.iter().zip(numeric) {
             assert!(
                 (numeric - a[at]).abs() < 1e-5 * (1.0 + numeric.abs()),
                 "{name}: d/d input {i}[{at}]: finite difference {numeric}, kernel {}",
