@@ -155,7 +155,7 @@ impl CheckpointDir {
         let stem = Self::stem(manifest.step);
         let tensor_path = self.dir.join(format!("{stem}.safetensors"));
         let written =
-            wick::weights::write_safetensors(&tensor_path, tensors).map_err(|e| file_error(&tensor_path, e))?;
+            wick::tensor_files::write_safetensors(&tensor_path, tensors).map_err(|e| file_error(&tensor_path, e))?;
         let (bytes, sha256) = (written.len() as u64, hex(&Sha256::digest(&written)));
         drop(written);
         manifest.format = FORMAT.into();

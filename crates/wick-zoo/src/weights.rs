@@ -23,7 +23,7 @@ impl WeightFile {
         }
         // Pre-flight from the header alone: the payload is copied into tensors, and a CPU copy
         // larger than the host can give would abort the process.
-        let payload = wick::weights::safetensors_payload_bytes(path).map_err(|e| {
+        let payload = wick::tensor_files::safetensors_payload_bytes(path).map_err(|e| {
             let why = match e {
                 wick::memory::MemoryError::InvalidFile { message, .. } => message,
                 other => other.to_string(),

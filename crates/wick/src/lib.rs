@@ -1,12 +1,33 @@
 //! # wick — the engine
 //!
-//! candle devices whose memory wick governs: figures with their sources ([`Engine`]), caps
-//! enforced by pre-flight checks before anything is allocated, step scopes that release a step's
-//! tensors and report it, out-of-memory recovery (retry, largest-batch finder), and reports
-//! (text, HTML, evcxr rich display). With feature `cuda`, candle's CUDA allocations are drawn from
-//! a capped wick pool (`cuda::GovernedCuda`, feature `cuda`). Every engine publishes its figures
-//! for `wick monitor` while it lives ([`engine_status`]). A program sets itself up for all of it
-//! with one line, [`main!`].
+//! Memory governance for candle: devices whose memory wick accounts for, caps and reports. It owns
+//! the figures and their sources ([`Engine`]), caps enforced by pre-flight checks before anything
+//! is allocated, step scopes that release a step's tensors and report it, out-of-memory recovery
+//! (retry, largest-batch finder), reports (text, HTML, evcxr rich display), the allocation history,
+//! and the one-line set-up of a program ([`main!`]). With feature `cuda`, candle's CUDA allocations
+//! are drawn from a capped wick pool. What runs on the devices is other crates': ops and layers
+//! (`wick-nn`), training (`wick-train`), models (`wick-zoo`).
+//!
+//! | module | what it owns |
+//! |---|---|
+//! | [`engine`] | [`Engine`]: a governed candle device, its figures, budget, labels and history |
+//! | [`tensors`] | tensors made through the engine, pre-flighted (an over-budget CPU tensor is an `Err`, not an abort) |
+//! | [`step`] | step scopes ([`StepReport`]) |
+//! | [`recovery`] | retry after freeing the cache, the largest batch that fits ([`BatchPlan`]) |
+//! | [`host_memory`] | exact host figures ([`CountingAllocator`], the caching heap's), host pre-flight |
+//! | [`leaks`] | the leak finder of training loops ([`LeakFinder`]) |
+//! | [`memory_history`] | the recorded history with its labels, what is held at the peak ([`MemoryHistory`]) |
+//! | [`report`] | text and HTML reports ([`MemoryReport`], [`HistoryReport`]) and evcxr display |
+//! | [`engine_status`] | the status file every live engine keeps for `wick monitor` |
+//! | [`cuda`], [`pool_stack`] | the governed CUDA device and its pools (feature `cuda`; a stand-in without it) |
+//! | [`machine`], [`gpu`] | what the machine offers: CPU, memory, cgroup, GPUs through NVML |
+//! | [`cpu_threads`] | candle's CPU workers and the kernels' thread pool |
+//! | [`main_macro`] | [`main!`] and [`heap!`]: the program's set-up in one line |
+//! | [`files`] | atomic writes and the output folder |
+//! | [`tensor_files`] | safetensors files: their cost from the header, written whole and atomically |
+//! | `error` | [`Error`] and [`is_out_of_memory`] |
+//!
+//! The allocator itself is `wick-memory`, re-exported as [`memory`].
 
 pub use wick_memory as memory;
 
@@ -27,6 +48,7 @@ pub use cuda_pool::DriverPool;
 pub mod cpu_threads;
 pub mod engine;
 pub mod engine_status;
+mod error;
 mod figure;
 pub mod files;
 pub mod gpu;
@@ -39,37 +61,22 @@ pub mod pool_stack;
 pub mod recovery;
 pub mod report;
 pub mod step;
+pub mod tensor_files;
 pub mod tensors;
-pub mod weights;
+
+/// Moved to [`tensor_files`] (the zoo's `weights` loads model weights; this module reads and
+/// writes any tensor file).
+#[deprecated(since = "0.1.0", note = "moved to `wick::tensor_files`")]
+pub mod weights {
+    pub use crate::tensor_files::*;
+}
 
 pub use engine::Engine;
+pub use error::{is_out_of_memory, Error};
 pub use figure::{Figure, FigureSource};
 pub use host_memory::CountingAllocator;
 pub use leaks::{LeakFinder, LeakReport};
 pub use memory_history::{HeldAtPeak, MemoryHistory};
 pub use recovery::BatchPlan;
 pub use report::{HistoryReport, Holding, MemoryReport};
-pub use step::{Error, StepReport};
-
-/// True when a candle error is (or wraps) CUDA's out-of-memory. candle reports it as
-/// `Error::Cuda(..)` holding cudarc's `DriverError(CUDA_ERROR_OUT_OF_MEMORY, ..)` (candle #1241)
-/// and exposes no typed accessor, so the error text is inspected, including wrapped context.
-pub fn is_out_of_memory(err: &candle_core::Error) -> bool {
-    let text = format!("{err} {err:?}");
-    text.contains("CUDA_ERROR_OUT_OF_MEMORY") || text.contains("out of memory")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn recognises_cuda_oom_text_only() {
-        let oom = candle_core::Error::Msg("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into());
-        assert!(is_out_of_memory(&oom));
-        let wrapped = oom.context("while allocating a (4096, 4096) f32 tensor");
-        assert!(is_out_of_memory(&wrapped));
-        let other = candle_core::Error::Msg("shape mismatch".into());
-        assert!(!is_out_of_memory(&other));
-    }
-}
+pub use step::StepReport;

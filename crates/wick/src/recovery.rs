@@ -3,7 +3,7 @@
 //! the gradient-accumulation steps that keep the effective batch.
 
 use crate::engine::Engine;
-use crate::step::Error;
+use crate::error::Error;
 
 /// The batch that fits and how to keep the effective batch with it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]

@@ -3,8 +3,6 @@
 //! closure returns leaves the step, which is how a value is kept on purpose. The engine measures
 //! what the step used and freed.
 
-use wick_memory::MemoryError;
-
 use crate::engine::Engine;
 
 /// What one step did to memory.
@@ -94,32 +92,5 @@ impl Engine {
             self.step_growth.lock().unwrap_or_else(|p| p.into_inner()).insert(label.to_string(), (batch, growth));
         }
         result.map(|value| (value, report))
-    }
-}
-
-/// Errors of engine operations: wick's memory errors and candle's own.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// A memory error (out-of-memory included).
-    #[error(transparent)]
-    Memory(#[from] MemoryError),
-    /// candle failed (CUDA out-of-memory included: [`Error::is_out_of_memory`] recognises it).
-    #[error("candle: {0}")]
-    Candle(candle_core::Error),
-}
-
-impl From<candle_core::Error> for Error {
-    fn from(e: candle_core::Error) -> Self {
-        Error::Candle(e)
-    }
-}
-
-impl Error {
-    /// True for out-of-memory, whether wick's or candle's.
-    pub fn is_out_of_memory(&self) -> bool {
-        match self {
-            Error::Memory(e) => e.is_out_of_memory(),
-            Error::Candle(e) => crate::is_out_of_memory(e),
-        }
     }
 }

@@ -19,7 +19,7 @@ use candle_core::{DType, Tensor, WithDType};
 use wick_memory::MemoryError;
 
 use crate::engine::Engine;
-use crate::step::Error;
+use crate::error::Error;
 
 /// Bytes of a tensor of `shape` in `dtype`, `usize::MAX` when that does not fit in a `usize`
 /// (pre-flight then refuses it).
@@ -35,7 +35,7 @@ impl Engine {
 
     /// Pre-flight for loading a safetensors file: the sum of its tensors, read from its header only.
     pub fn preflight_safetensors(&self, path: &std::path::Path) -> Result<usize, MemoryError> {
-        let bytes = crate::weights::safetensors_payload_bytes(path)?;
+        let bytes = crate::tensor_files::safetensors_payload_bytes(path)?;
         self.preflight(bytes, &format!("weights {}", path.display()))?;
         Ok(bytes)
     }

@@ -80,7 +80,9 @@ fn write_start(dir: &Path, model: &str, t: &Task, device: &Device) -> Result<()>
 
 /// Saves tensors atomically (no truncated file on failure).
 fn save(tensors: &HashMap<String, Tensor>, path: &std::path::Path) -> Result<()> {
-    wick::weights::write_safetensors(path, tensors).map(drop).with_context(|| format!("writing {}", path.display()))
+    wick::tensor_files::write_safetensors(path, tensors)
+        .map(drop)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 fn run() -> Result<()> {

@@ -24,7 +24,7 @@ pub struct TensorFile {
 impl TensorFile {
     /// The tensors `fields` of `path`, in that order.
     pub fn open(path: &Path, fields: &[&str]) -> Result<Self, DataError> {
-        let bytes = wick::weights::safetensors_payload_bytes(path).map_err(|e| source(path, e))?;
+        let bytes = wick::tensor_files::safetensors_payload_bytes(path).map_err(|e| source(path, e))?;
         wick::host_memory::preflight_host(bytes, &format!("dataset {}", path.display()))
             .map_err(|e| source(path, e))?;
         let mut tensors = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| source(path, e))?;

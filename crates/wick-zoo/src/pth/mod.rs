@@ -161,7 +161,7 @@ pub fn convert_to_safetensors(pth: &Path, out: &Path) -> Result<usize, ZooError>
     let count = tensors.len();
     let map: HashMap<String, Tensor> = tensors.into_iter().collect();
     // Atomically: a failed or interrupted conversion never leaves a truncated file at `out`.
-    wick::weights::write_safetensors(out, &map)
+    wick::tensor_files::write_safetensors(out, &map)
         .map_err(|e| ZooError::File { path: out.to_path_buf(), message: e.to_string() })?;
     Ok(count)
 }

@@ -1,4 +1,5 @@
-//! Weight files: what they will cost before loading them, and writing them whole.
+//! Tensor files (safetensors: weights, checkpoints, datasets): what they will cost before
+//! loading them, from the header alone, and writing them whole and atomically.
 
 use std::collections::HashMap;
 use std::io::Read;
