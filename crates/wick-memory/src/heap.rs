@@ -3,12 +3,12 @@
 //! candle's CPU tensors are heap `Vec`s. Through the system allocator (glibc), every buffer above
 //! the mmap threshold is mapped on allocation and unmapped on free: each munmap interrupts the
 //! other cores to flush their TLBs, and every page of the next buffer faults in again. A training
-//! step allocates and frees hundreds of such buffers, and on a 2-core machine that cost 18–22 % of
-//! every zoo model's step (kernel time was 29 % of the process's CPU time). [`CachingHeap`] serves
-//! those buffers from a [`CachingAllocator`] over host memory — PyTorch's caching policy, the
-//! same code that serves devices — so a freed buffer stays mapped and is handed to the next
-//! request of a similar size, and the figures of the heap are the allocator's own
-//! (PyTorch-named statistics, [`CachingHeap::memory_summary`], and an
+//! step allocates and frees hundreds of such buffers, and on a 2-core machine that cost a fifth
+//! of every zoo model's step (BENCHMARKS.md, "Speed": "What was done, and what each bought").
+//! [`CachingHeap`] serves those buffers from a [`CachingAllocator`] over host memory — PyTorch's
+//! caching policy, the same code that serves devices — so a freed buffer stays mapped and is
+//! handed to the next request of a similar size, and the figures of the heap are the
+//! allocator's own (PyTorch-named statistics, [`CachingHeap::memory_summary`], and an
 //! [`CachingHeap::empty_cache`] that really returns memory to the operating system).
 //!
 //! ```no_run

@@ -5,9 +5,9 @@
 //! kernels and the `gemm` crate run on rayon's threads; on a machine with few cores a candle
 //! worker that is still spinning takes a core from them, so every op that follows a candle op
 //! runs short of a thread. Parking at once costs a wake-up (a futex call) at the next candle op
-//! instead. Measured with `zoo-speed` (training steps, interleaved, 2 cores, BENCHMARKS.md
-//! "Speed"): the main job's decoder 1.35×, ResNet-18 1.20×, MobileNetV2 1.16×, ResNet-50 1.05×
-//! faster; BERT and ViT unchanged.
+//! instead. It made the decoder's and the CNNs' training steps faster on 2 cores and left BERT
+//! and ViT unchanged: the interleaved figures are in BENCHMARKS.md ("Speed", "On an AMD EPYC
+//! machine", the list of what the session changed).
 
 /// The variable candle reads, once, when its CPU pool starts.
 pub const CANDLE_SPIN_LIMIT_VAR: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
@@ -33,9 +33,8 @@ pub unsafe fn park_candle_workers() {
 /// issued from `main` hands its work to them, sleeps, and is woken when they finish — two
 /// context switches per op, each costing more than a small op's work on a machine with few
 /// cores. As a worker, the main thread runs its share of every op itself and only the other
-/// workers are woken. Measured (`zoo-speed`, interleaved, 2-core Xeon, BENCHMARKS.md "Speed"):
-/// MobileNetV2 eval 1.19× faster, ResNet-18 and MobileNetV2 training 1.08×; the decoder
-/// unchanged within noise.
+/// workers are woken. The interleaved figures (faster MobileNetV2 eval and CNN training, the
+/// decoder unchanged within noise) are in BENCHMARKS.md ("Speed", "On a Xeon with AMX").
 ///
 /// Work that other threads hand to the pool is run by the other workers (and by this thread
 /// only while it is itself inside a parallel op). An error when the global pool already exists.
