@@ -11,11 +11,11 @@ use wick_nn::NnError;
 use wick_nn::{Labelled, Model};
 use wick_train::amp::{master_step, scaled_backward, GradScaler, MasterWeights, StepOutcome};
 use wick_train::optim::{AdamW, Optimizer};
-use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
-use wick_zoo::llama::{Llama, LlamaConfig};
-use wick_zoo::mobilenet::MobileNetV2;
-use wick_zoo::resnet::{ResNet, ResNetDepth};
-use wick_zoo::vit::{Vit, VitConfig};
+use wick_zoo::bert::{BertConfig, SentenceBatch};
+use wick_zoo::llama::LlamaConfig;
+use wick_zoo::registry::{ModelSpec, ZooBatch, ZooModel};
+use wick_zoo::resnet::ResNetDepth;
+use wick_zoo::vit::VitConfig;
 use wick_zoo::ZooError;
 
 /// A model with its loss on a fixed batch.
@@ -103,51 +103,55 @@ pub const VIT: VitConfig = VitConfig::tiny(CLASSES);
 /// Names of the models [`task`] builds.
 pub const MODELS: [&str; 6] = ["llama", "bert", "vit", "resnet18", "resnet50", "mobilenet_v2"];
 
-/// The parts of a [`Task`] for `model` trained on `batch`.
-type Parts = (Vec<Var>, Vec<String>, Box<dyn Fn() -> Result<Tensor>>);
+/// The model `name` (one of [`MODELS`]) at the trial's size, as the zoo's registry builds it.
+pub fn spec(name: &str) -> Option<ModelSpec> {
+    let cnn = |depth| ModelSpec::ResNet { depth, classes: CLASSES, width: 16, image: 32 };
+    Some(match name {
+        "llama" => ModelSpec::Llama { config: llama_config(), seq: 33 },
+        "bert" => ModelSpec::Bert { config: BERT, seq: 32 },
+        "vit" => ModelSpec::Vit(VIT),
+        "resnet18" => cnn(ResNetDepth::R18),
+        "resnet50" => cnn(ResNetDepth::R50),
+        "mobilenet_v2" => ModelSpec::MobileNetV2 { classes: CLASSES, width_mult: 0.5, image: 32 },
+        _ => return None,
+    })
+}
 
-fn parts<M: Model + 'static>(model: M, batch: M::Batch) -> Parts
-where
-    M::Batch: 'static,
-{
-    let (vars, names) = model.params().iter().map(|(n, v)| (v.clone(), n.clone())).unzip();
-    let loss = move || model.loss(&batch).map_err(candle_core::Error::wrap);
-    (vars, names, Box::new(loss))
+/// The model `name` (one of [`MODELS`]) built in `dtype` by the registry, with its CNNs'
+/// residual branches zeroed, and the trial's fixed batch for it (see [`task`]).
+pub fn model_and_batch(
+    name: &str,
+    dtype: DType,
+    device: &Device,
+) -> std::result::Result<(&'static str, ZooModel, ZooBatch), ZooError> {
+    let Some((name, spec)) = MODELS.into_iter().find(|m| *m == name).zip(spec(name)) else {
+        return Err(
+            NnError::invalid("amp trial", format!("unknown model `{name}` (expected one of {MODELS:?})")).into()
+        );
+    };
+    let model = spec.build(dtype, device)?;
+    model.zero_init_residual()?;
+    let batch = match spec {
+        ModelSpec::Llama { .. } => ZooBatch::Tokens(llama_batch(device)?),
+        ModelSpec::Bert { .. } => ZooBatch::Sentences(bert_batch(device)?),
+        _ => {
+            let (x, labels) = vision_batch(device)?;
+            ZooBatch::Images(Labelled { inputs: x.to_dtype(dtype)?, labels })
+        }
+    };
+    Ok((name, model, batch))
 }
 
 /// The model `name` (one of [`MODELS`]), built in `autocast`'s model dtype from the same seeded
 /// initial values whatever the dtype, with its loss on a fixed synthetic batch: next-token
 /// prediction of a seeded random sequence (LLaMA), classification of token sequences with
 /// padding into seeded labels through a fixed readout (BERT), and [`synthetic_images`] (the
-/// vision models). The CNNs use `zero_init_residual` (see [`ResNet::zero_init_residual`]).
+/// vision models). The CNNs use `zero_init_residual` (see [`ZooModel::zero_init_residual`](wick_zoo::registry::ZooModel::zero_init_residual)).
 pub fn task(name: &str, autocast: Autocast, device: &Device) -> std::result::Result<Task, ZooError> {
     let dtype = autocast.model_dtype();
-    let images = || -> std::result::Result<Labelled, ZooError> {
-        let (x, labels) = vision_batch(device)?;
-        Ok(Labelled { inputs: x.to_dtype(dtype)?, labels })
-    };
-    let (name, (vars, names, loss)): (&'static str, Parts) = match name {
-        "llama" => ("llama", parts(Llama::new(llama_config(), dtype, device)?, llama_batch(device)?)),
-        "bert" => ("bert", parts(Bert::new(BERT, dtype, device)?, bert_batch(device)?)),
-        "vit" => ("vit", parts(Vit::new(VIT, dtype, device)?, images()?)),
-        "resnet18" | "resnet50" => {
-            let (depth, name) =
-                if name == "resnet18" { (ResNetDepth::R18, "resnet18") } else { (ResNetDepth::R50, "resnet50") };
-            let model = ResNet::new(depth, CLASSES, 16, dtype, device)?;
-            model.zero_init_residual()?;
-            (name, parts(model, images()?))
-        }
-        "mobilenet_v2" => {
-            let model = MobileNetV2::new(CLASSES, 0.5, dtype, device)?;
-            model.zero_init_residual()?;
-            ("mobilenet_v2", parts(model, images()?))
-        }
-        other => {
-            return Err(
-                NnError::invalid("amp trial", format!("unknown model `{other}` (expected one of {MODELS:?})")).into()
-            )
-        }
-    };
+    let (name, model, batch) = model_and_batch(name, dtype, device)?;
+    let (vars, names): (Vec<Var>, Vec<String>) = model.params().iter().map(|(n, v)| (v.clone(), n.clone())).unzip();
+    let loss = Box::new(move || model.loss(&batch).map_err(candle_core::Error::wrap));
     // The f32 values the parameters start from: the same model built in f32 (the same seed),
     // so that the masters of a low-precision model are not its rounded values.
     let masters = if dtype == DType::F32 {

@@ -11,44 +11,15 @@ use candle_core::{DType, Device, Tensor};
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
 use wick_nn::checkpoint::Checkpointing;
-use wick_nn::params::Params;
-use wick_nn::{Labelled, Model};
-use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
+use wick_nn::Model;
 use wick_zoo::estimate::{estimate_bytes, ActivationProfile, Estimate, Mode, ParamBytes};
-use wick_zoo::llama::LlamaConfig;
-use wick_zoo::mobilenet::MobileNetV2;
-use wick_zoo::resnet::{ResNet, ResNetDepth};
-use wick_zoo::vit::{Vit, VitConfig};
+use wick_zoo::registry::{Input, ModelSpec, ZooModel, NAMED};
 
-use crate::llama_size;
-use crate::models::{leak, token_ids, Built};
-
-/// A model the command knows by name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum ModelName {
-    /// torchvision's ResNet-18 (11.7 M parameters).
-    Resnet18,
-    /// torchvision's ResNet-34 (21.8 M).
-    Resnet34,
-    /// torchvision's ResNet-50 (25.6 M).
-    Resnet50,
-    /// torchvision's MobileNetV2, width 1.0 (3.5 M).
-    #[value(name = "mobilenet_v2")]
-    MobilenetV2,
-    /// torchvision's ViT-B/16 (86.6 M) at 224².
-    #[value(name = "vit_b_16")]
-    VitB16,
-    /// BERT-base, uncased vocabulary (109 M), with a two-class readout.
-    BertBase,
-    /// all-MiniLM-L6-v2's encoder (22.7 M).
-    Minilm,
-    /// A LLaMA-style decoder with Llama-2-7B's shapes (6.7 B), profiled through one and two
-    /// layers.
-    #[value(name = "llama2-7b")]
-    Llama2_7b,
-    /// With Llama-2-13B's shapes (13 B).
-    #[value(name = "llama2-13b")]
-    Llama2_13b,
+/// The zoo's published models as `clap` values, each with its help line.
+fn model_names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(
+        NAMED.iter().map(|n| clap::builder::PossibleValue::new(n.name).help(n.about)),
+    )
 }
 
 /// The precision of the run.
@@ -79,8 +50,8 @@ pub enum ModeArg {
 #[derive(Debug, Args)]
 pub struct ModelArgs {
     /// A zoo model by name.
-    #[arg(value_enum, required_unless_present = "config")]
-    pub model: Option<ModelName>,
+    #[arg(value_parser = model_names(), required_unless_present = "config")]
+    pub model: Option<String>,
     /// A Hugging Face `config.json` (BERT, or LLaMA with `model_type: llama`) instead of a name.
     #[arg(long, conflicts_with = "model")]
     pub config: Option<PathBuf>,
@@ -129,120 +100,64 @@ fn measure(built: &Built, batch: usize, mode: Mode, checkpointing: bool) -> Resu
     let Some((before, _)) = exact_heap() else { return Ok(None) };
     reset_exact_peak();
     match mode {
-        Mode::Inference => drop(wick_nn::no_grad(|| (built.loss)(batch, None))?),
+        Mode::Inference => drop(wick_nn::no_grad(|| built.loss(batch, None))?),
         Mode::TrainSgd => {
             let checkpoint = checkpointing.then(Checkpointing::new);
-            let loss = (built.loss)(batch, checkpoint.as_ref())?;
+            let loss = built.loss(batch, checkpoint.as_ref())?;
             let grads = match &checkpoint {
-                Some(c) => c.backward(&loss, built.params)?,
+                Some(c) => c.backward(&loss, built.model.params())?,
                 None => loss.backward()?,
             };
             // The graph goes before the update, as in the trainer.
             drop(loss);
-            built.params.sgd_step(&grads, 1e-6)?;
+            built.model.params().sgd_step(&grads, 1e-6)?;
         }
         _ => return Ok(None),
     }
-    Ok(exact_peak().map(|(peak, _)| peak.saturating_sub(before) + ParamBytes::of(built.params).total))
+    Ok(exact_peak().map(|(peak, _)| peak.saturating_sub(before) + ParamBytes::of(built.model.params()).total))
 }
 
-fn images(batch: usize, side: usize, classes: u32, dtype: DType) -> candle_core::Result<Labelled> {
-    let inputs = Tensor::randn(0f32, 1.0, (batch, 3, side, side), &Device::Cpu)?.to_dtype(dtype)?;
-    let labels: Vec<u32> = (0..batch as u32).map(|i| i % classes).collect();
-    Ok(Labelled { inputs, labels: Tensor::new(labels, &Device::Cpu)? })
+/// A model built whole on the CPU, with its synthetic batches.
+pub struct Built {
+    spec: ModelSpec,
+    model: ZooModel,
+    dtype: DType,
 }
 
-fn sentences(batch: usize, seq: usize, config: &BertConfig) -> candle_core::Result<SentenceBatch> {
-    Ok(SentenceBatch {
-        ids: token_ids(batch, seq, config.vocab_size)?,
-        mask: Tensor::ones((batch, seq), DType::U32, &Device::Cpu)?,
-        readout: Tensor::randn(0f32, 0.05, (config.hidden_size, 2), &Device::Cpu)?,
-        labels: Tensor::new((0..batch as u32).map(|i| i % 2).collect::<Vec<_>>(), &Device::Cpu)?,
-    })
-}
-
-fn build(args: &ModelArgs, dtype: DType) -> Result<Built> {
-    let dev = Device::Cpu;
-    let (image, seq) = (args.image, args.seq);
-    if image < 32 || seq == 0 {
-        bail!("--image must be at least 32 and --seq at least 1");
+impl Built {
+    fn new(spec: ModelSpec, dtype: DType) -> Result<Self> {
+        let model = spec.build(dtype, &Device::Cpu)?;
+        Ok(Built { spec, model, dtype })
     }
-    let cnn = |model: &'static dyn CnnModel, what: String| Built {
-        params: model.params_ref(),
-        loss: Box::new(move |b, c| model.loss_at(b, image, dtype, c)),
-        what,
-    };
-    let bert = |config: BertConfig, what: String| -> Result<Built> {
-        if seq > config.max_position_embeddings {
-            bail!("--seq {seq} is longer than the model's {} positions", config.max_position_embeddings);
+
+    /// The loss of a synthetic batch of `batch`, checkpointed in `c` when given.
+    fn loss(&self, batch: usize, c: Option<&Checkpointing>) -> Result<Tensor> {
+        Ok(self.model.loss_with(&self.spec.batch(batch, self.dtype, &Device::Cpu)?, c)?)
+    }
+}
+
+/// The model the arguments name, and what it is in words.
+fn spec_of(args: &ModelArgs) -> Result<(ModelSpec, String)> {
+    let input = Input { image: args.image, seq: args.seq };
+    let (spec, what) = match (&args.model, &args.config) {
+        (_, Some(path)) => {
+            let spec = ModelSpec::from_hf_config(path, args.seq)?;
+            let kind = if spec.profiled_by_layers() { "LLaMA" } else { "BERT" };
+            (spec, format!("{kind} from {}", path.display()))
         }
-        let model = leak(Bert::new(config.clone(), dtype, &dev)?);
-        Ok(Built {
-            params: model.params(),
-            loss: Box::new(move |b, c| {
-                model.loss_with(&sentences(b, seq, &config)?, c).map_err(candle_core::Error::wrap)
-            }),
-            what: format!("{what}, sequence {seq}"),
-        })
-    };
-    Ok(match (args.model, &args.config) {
-        (_, Some(path)) => bert(BertConfig::from_file(path)?, format!("BERT from {}", path.display()))?,
-        (Some(ModelName::Llama2_7b | ModelName::Llama2_13b), _) => bail!("LLaMA sizes are profiled by layers"),
-        (Some(ModelName::Resnet18), _) => {
-            cnn(leak(ResNet::new(ResNetDepth::R18, 1000, 64, dtype, &dev)?), format!("ResNet-18, {image}²"))
+        (Some(name), None) => {
+            let spec = ModelSpec::named(name, input)?;
+            let title = NAMED.iter().find(|n| n.name == name).map_or(name.as_str(), |n| n.title);
+            (spec, title.to_string())
         }
-        (Some(ModelName::Resnet34), _) => {
-            cnn(leak(ResNet::new(ResNetDepth::R34, 1000, 64, dtype, &dev)?), format!("ResNet-34, {image}²"))
-        }
-        (Some(ModelName::Resnet50), _) => {
-            cnn(leak(ResNet::new(ResNetDepth::R50, 1000, 64, dtype, &dev)?), format!("ResNet-50, {image}²"))
-        }
-        (Some(ModelName::MobilenetV2), _) => {
-            cnn(leak(MobileNetV2::new(1000, 1.0, dtype, &dev)?), format!("MobileNetV2, {image}²"))
-        }
-        (Some(ModelName::VitB16), _) => {
-            let config = VitConfig::b16();
-            let model = leak(Vit::new(config, dtype, &dev)?);
-            Built {
-                params: model.params(),
-                loss: Box::new(move |b, c| {
-                    model.loss_with(&images(b, config.image_size, 1000, dtype)?, c).map_err(candle_core::Error::wrap)
-                }),
-                what: format!("ViT-B/16, {}²", config.image_size),
-            }
-        }
-        (Some(ModelName::BertBase), _) => bert(BertConfig::base(), "BERT-base".into())?,
-        (Some(ModelName::Minilm), _) => bert(BertConfig::minilm_l6(), "all-MiniLM-L6-v2".into())?,
         (None, None) => bail!("name a model or give --config"),
-    })
-}
-
-/// The CNN classifiers, through one object-safe door.
-trait CnnModel {
-    fn params_ref(&self) -> &Params;
-    fn loss_at(
-        &self,
-        batch: usize,
-        side: usize,
-        dtype: DType,
-        c: Option<&Checkpointing>,
-    ) -> candle_core::Result<Tensor>;
-}
-
-impl<M: Model<Batch = Labelled>> CnnModel for M {
-    fn params_ref(&self) -> &Params {
-        self.params()
-    }
-
-    fn loss_at(
-        &self,
-        batch: usize,
-        side: usize,
-        dtype: DType,
-        c: Option<&Checkpointing>,
-    ) -> candle_core::Result<Tensor> {
-        self.loss_with(&images(batch, side, 1000, dtype)?, c).map_err(candle_core::Error::wrap)
-    }
+    };
+    let what = match &spec {
+        ModelSpec::Llama { config, .. } => format!("{what}, {} layers × {}", config.num_layers, config.hidden_size),
+        _ => what,
+    };
+    let what = format!("{what}, {}", spec.input_words());
+    Ok((spec, what))
 }
 
 /// A spinner saying `message`, ticking on its own while the work runs.
@@ -285,19 +200,12 @@ pub struct Profiled {
     pub precision: Precision,
     /// Whether training was profiled with activation checkpointing.
     pub checkpointing: bool,
+    /// The model's architecture and size.
+    spec: ModelSpec,
+    /// Its dtype.
+    dtype: DType,
     /// The model, when it was built whole (not the LLaMA sizes, profiled through two layers).
-    pub built: Option<Built>,
-    /// A LLaMA configuration to build whole for `--measure`.
-    llama: Option<(LlamaConfig, DType, usize)>,
-}
-
-fn llama_of(args: &ModelArgs) -> Result<Option<(LlamaConfig, String)>> {
-    Ok(match (args.model, &args.config) {
-        (Some(ModelName::Llama2_7b), _) => Some((LlamaConfig::llama2_7b(), "LLaMA (Llama-2-7B shapes)".into())),
-        (Some(ModelName::Llama2_13b), _) => Some((LlamaConfig::llama2_13b(), "LLaMA (Llama-2-13B shapes)".into())),
-        (_, Some(path)) => LlamaConfig::from_hf_config(path)?.map(|c| (c, format!("LLaMA from {}", path.display()))),
-        _ => None,
-    })
+    built: Option<Built>,
 }
 
 impl Profiled {
@@ -308,48 +216,41 @@ impl Profiled {
             Precision::AmpBf16 => DType::BF16,
         };
         let spinner = spinner("building the model on the CPU".into());
-        if let Some((config, what)) = llama_of(args)? {
-            if args.seq == 0 || args.seq > config.max_seq {
-                bail!("--seq must be between 1 and the model's {} positions", config.max_seq);
-            }
-            let what = format!("{what}, {} layers × {}, sequence {}", config.num_layers, config.hidden_size, args.seq);
+        let (spec, what) = spec_of(args)?;
+        let started;
+        let (profile, built, numel, param_bytes) = if spec.profiled_by_layers() {
             spinner.set_message(format!("profiling {what} through one and two layers on the CPU"));
-            let started = Instant::now();
-            let profile =
-                llama_size::profile(config, dtype, args.seq, args.checkpointing).context("profiling the model")?;
-            spinner.finish_and_clear();
-            return Ok(Profiled {
-                what,
-                numel: config.parameter_count().unwrap_or(usize::MAX),
-                param_bytes: llama_size::param_bytes(&config, dtype)?,
-                profile,
-                seconds: started.elapsed().as_secs_f64(),
-                precision: args.precision,
-                checkpointing: args.checkpointing,
-                built: None,
-                llama: Some((config, dtype, args.seq)),
-            });
-        }
-        let built = build(args, dtype).context("building the model")?;
-        spinner.set_message(format!(
-            "profiling {} at batches {} on the CPU",
-            built.what,
-            batch_list(args.checkpointing)
-        ));
-        let started = Instant::now();
-        let profile = ActivationProfile::measure_with(built.params, &*built.loss, args.checkpointing)
+            started = Instant::now();
+            let profile = spec.profile(dtype, args.checkpointing).context("profiling the model")?;
+            let numel = spec.parameter_count().context("the parameter count overflows")?;
+            let bytes = spec.param_bytes(dtype).context("the parameter bytes overflow")?;
+            (profile, None, numel, bytes)
+        } else {
+            let built = Built::new(spec.clone(), dtype).context("building the model")?;
+            spinner.set_message(format!("profiling {what} at batches {} on the CPU", batch_list(args.checkpointing)));
+            started = Instant::now();
+            let params = built.model.params();
+            let profile = ActivationProfile::measure_with(
+                params,
+                |b, c| built.loss(b, c).map_err(candle_core::Error::wrap),
+                args.checkpointing,
+            )
             .context("profiling the model")?;
+            let (numel, bytes) = (params.numel(), ParamBytes::of(params));
+            (profile, Some(built), numel, bytes)
+        };
         spinner.finish_and_clear();
         Ok(Profiled {
-            what: built.what.clone(),
-            numel: built.params.numel(),
-            param_bytes: ParamBytes::of(built.params),
+            what,
+            numel,
+            param_bytes,
             profile,
             seconds: started.elapsed().as_secs_f64(),
             precision: args.precision,
             checkpointing: args.checkpointing,
-            built: Some(built),
-            llama: None,
+            spec,
+            dtype,
+            built,
         })
     }
 
@@ -358,18 +259,16 @@ impl Profiled {
         estimate_bytes(self.param_bytes, &self.profile, batch, mode, self.precision == Precision::AmpBf16)
     }
 
-    /// The whole model, built now, for one profiled through fewer layers (a LLaMA size).
-    fn build_whole(&self) -> Result<Built> {
-        let Some((config, dtype, seq)) = self.llama else { bail!("{} has no other form to build", self.what) };
-        llama_size::build(config, dtype, seq, self.what.clone())
-    }
-
     /// How the profile was made, in a sentence.
     pub fn how(&self) -> String {
         let batches = format!(
             "at batches {}{}",
             batch_list(self.checkpointing),
-            if self.llama.is_some() { " with one and with two layers, extrapolated to the depth," } else { "" }
+            if self.spec.profiled_by_layers() {
+                " with one and with two layers, extrapolated to the depth,"
+            } else {
+                ""
+            }
         );
         format!(
             "profiled on the CPU {batches} in {:.1} s (activations from the graph's tensors{}; backward \
@@ -398,7 +297,9 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         let built = match &p.built {
             Some(built) => built,
             None => {
-                whole = p.build_whole()?;
+                // A model profiled through fewer layers, built whole now (pre-flight refuses
+                // one that does not fit).
+                whole = Built::new(p.spec.clone(), p.dtype).context("building the whole model")?;
                 &whole
             }
         };

@@ -18,8 +18,6 @@
 
 mod estimate;
 mod fit;
-mod llama_size;
-mod models;
 mod monitor;
 mod report;
 mod train;

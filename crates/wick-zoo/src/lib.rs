@@ -14,6 +14,7 @@
 //! | [`mobilenet`] | MobileNetV2 (torchvision's layout and ImageNet weights) |
 //! | [`weights`] | safetensors weight files checked by name, shape and dtype; the offline hub cache |
 //! | [`pth`] | PyTorch's legacy `.pth` files, read without executing pickle, and their conversion |
+//! | [`registry`] | the zoo by name and size: [`registry::ModelSpec`] → a built [`registry::ZooModel`] with synthetic batches and its memory profile |
 //! | [`estimate`] | the memory estimator: parameters, gradients, optimizer state, masters and profiled activations per batch |
 //! | [`error`] | [`ZooError`] (files, configurations, tensors, tokenizers; [`wick_nn::NnError`] inside) |
 //!
@@ -26,6 +27,7 @@ pub mod estimate;
 pub mod llama;
 pub mod mobilenet;
 pub mod pth;
+pub mod registry;
 pub mod resnet;
 pub mod vit;
 pub mod weights;

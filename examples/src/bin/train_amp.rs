@@ -12,6 +12,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use wick_examples::{DECODER, VOCAB};
 use wick_nn::graph::graph_bytes;
 use wick_nn::params::normal_tensor;
 use wick_nn::Autocast;
@@ -42,8 +43,6 @@ struct Args {
     #[arg(long)]
     report: Option<PathBuf>,
 }
-
-const VOCAB: usize = 64;
 
 /// A synthetic language: each token is followed by one of four successors (a fixed, seeded
 /// table), so the best possible loss is ln 4 ≈ 1.386 and a model that learns gets close to it.
@@ -109,14 +108,7 @@ fn run() -> Result<()> {
         Some(p) => Autocast::parse(p)?,
         None => Autocast::default_for(&device),
     };
-    let config = LlamaConfig {
-        hidden_size: 128,
-        num_layers: 4,
-        num_heads: 4,
-        intermediate_size: 256,
-        ..LlamaConfig::tiny(VOCAB)
-    };
-    let config = LlamaConfig { max_seq: config.max_seq.max(args.seq), ..config };
+    let config = LlamaConfig { max_seq: DECODER.max_seq.max(args.seq), ..DECODER };
     engine.mark("start");
     let model = Llama::new(config, autocast.model_dtype(), &device)?;
     let vars: Vec<_> = model.params.iter().map(|(_, v)| v.clone()).collect();

@@ -15,23 +15,23 @@
 //! `scripts/torch-reference/zoo_speed.py` reads the same configurations, runs PyTorch on them in
 //! turn with this binary, and prints the side-by-side table of BENCHMARKS.md.
 
-use std::rc::Rc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
 use serde_json::json;
+use wick_examples::DECODER;
 use wick_nn::params::normal_tensor;
 use wick_nn::Autocast;
 use wick_nn::{Labelled, Model};
 use wick_train::amp::MasterWeights;
 use wick_train::optim::{AdamW, Optimizer};
-use wick_zoo::bert::{Bert, BertConfig, SentenceBatch};
-use wick_zoo::llama::{Llama, LlamaConfig};
-use wick_zoo::mobilenet::MobileNetV2;
-use wick_zoo::resnet::{ResNet, ResNetDepth};
-use wick_zoo::vit::{Vit, VitConfig};
+use wick_zoo::bert::{BertConfig, SentenceBatch};
+use wick_zoo::llama::LlamaConfig;
+use wick_zoo::registry::{ModelSpec, ZooBatch, ZooModel};
+use wick_zoo::resnet::ResNetDepth;
+use wick_zoo::vit::VitConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Mode {
@@ -72,18 +72,6 @@ struct Args {
     #[arg(long, conflicts_with = "record_history")]
     history_overhead: bool,
 }
-
-/// The decoder of the main job (`train-amp`).
-const DECODER: LlamaConfig = LlamaConfig {
-    vocab_size: 64,
-    hidden_size: 128,
-    num_layers: 4,
-    num_heads: 4,
-    intermediate_size: 256,
-    max_seq: 64,
-    rms_eps: 1e-6,
-    rope_theta: 10_000.0,
-};
 
 /// all-MiniLM-L6-v2's shapes (a BERT encoder, 6 × 384) at 128 tokens.
 const MINILM: BertConfig = BertConfig::minilm_l6();
@@ -130,74 +118,56 @@ fn labels(n: usize, classes: usize, device: &Device) -> Result<Tensor> {
     Ok(Tensor::new(ids, device)?)
 }
 
-/// A model at its benchmark size: its parameters, the training loss and the eval forward.
+/// A model at its benchmark size, built by the zoo's registry: the model, its training batch,
+/// its eval batch and its optimizer.
 struct Bench {
-    /// Parameters in name order (the same order in every dtype).
-    vars: Vec<Var>,
-    loss: Box<dyn Fn() -> Result<Tensor>>,
-    eval: Box<dyn Fn() -> Result<Tensor>>,
+    model: ZooModel,
+    batch: ZooBatch,
+    eval: ZooBatch,
     optimizer: Optimizer,
-}
-
-/// A model's bench: its training loss on `batch`, and `eval(model)` for the eval pass.
-fn bench<M: Model + 'static>(
-    model: M,
-    batch: M::Batch,
-    eval: impl Fn(&M) -> Result<Tensor> + 'static,
-    optimizer: Optimizer,
-) -> Bench
-where
-    M::Batch: 'static,
-{
-    let model = Rc::new(model);
-    let m = model.clone();
-    Bench {
-        vars: model.vars(),
-        loss: Box::new(move || Ok(m.loss(&batch)?)),
-        eval: Box::new(move || eval(&model)),
-        optimizer,
-    }
 }
 
 fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
     let adamw = Optimizer::AdamW(AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
     let sgd = Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
-    let images = || -> Result<Labelled> {
-        let x = normal_tensor(&[IMAGES, 3, IMAGE, IMAGE], 1.0, 11, DType::F32, device)?.to_dtype(dtype)?;
-        Ok(Labelled { inputs: x, labels: labels(IMAGES, CLASSES, device)? })
-    };
-    Ok(match name {
+    let cnn = |depth| ModelSpec::ResNet { depth, classes: CLASSES, width: 64, image: IMAGE };
+    let (spec, optimizer) = match name {
+        // The decoder trains on DECODER_TOKENS + 1 ids (next-token prediction of DECODER_TOKENS;
+        // the one more position changes only the length of the rotary tables).
         "decoder" => {
-            let ids = token_ids(SEQUENCES, DECODER_TOKENS + 1, DECODER.vocab_size, device)?;
-            let inputs = ids.narrow(1, 0, DECODER_TOKENS)?;
-            bench(Llama::new(DECODER, dtype, device)?, ids, move |m| Ok(m.forward(&inputs)?), adamw)
+            let seq = DECODER_TOKENS + 1;
+            (ModelSpec::Llama { config: LlamaConfig { max_seq: seq, ..DECODER }, seq }, adamw)
         }
-        "bert" => {
-            let ids = token_ids(SEQUENCES, BERT_TOKENS, MINILM.vocab_size, device)?;
-            let mask = Tensor::ones((SEQUENCES, BERT_TOKENS), DType::U32, device)?;
-            let readout = normal_tensor(&[MINILM.hidden_size, 2], 0.5, 5, DType::F32, device)?;
-            let batch =
-                SentenceBatch { ids: ids.clone(), mask: mask.clone(), readout, labels: labels(SEQUENCES, 2, device)? };
-            bench(Bert::new(MINILM, dtype, device)?, batch, move |m| Ok(m.forward(&ids, &mask)?), adamw)
-        }
-        "vit" => {
-            let batch = images()?;
-            let x = batch.inputs.clone();
-            bench(Vit::new(VIT_S16, dtype, device)?, batch, move |m| Ok(m.forward(&x)?), adamw)
-        }
-        "resnet18" | "resnet50" => {
-            let depth = if name == "resnet18" { ResNetDepth::R18 } else { ResNetDepth::R50 };
-            let batch = images()?;
-            let x = batch.inputs.clone();
-            bench(ResNet::new(depth, CLASSES, 64, dtype, device)?, batch, move |m| Ok(m.forward(&x, false)?), sgd)
-        }
-        "mobilenet_v2" => {
-            let batch = images()?;
-            let x = batch.inputs.clone();
-            bench(MobileNetV2::new(CLASSES, 1.0, dtype, device)?, batch, move |m| Ok(m.forward(&x, false)?), sgd)
-        }
+        "bert" => (ModelSpec::Bert { config: MINILM, seq: BERT_TOKENS }, adamw),
+        "vit" => (ModelSpec::Vit(VIT_S16), adamw),
+        "resnet18" => (cnn(ResNetDepth::R18), sgd),
+        "resnet50" => (cnn(ResNetDepth::R50), sgd),
+        "mobilenet_v2" => (ModelSpec::MobileNetV2 { classes: CLASSES, width_mult: 1.0, image: IMAGE }, sgd),
         other => bail!("unknown model `{other}`; --list shows the configurations"),
-    })
+    };
+    let model = spec.build(dtype, device)?;
+    let (batch, eval) = match &spec {
+        ModelSpec::Llama { config, seq } => {
+            let ids = token_ids(SEQUENCES, *seq, config.vocab_size, device)?;
+            let inputs = ids.narrow(1, 0, seq - 1)?;
+            (ZooBatch::Tokens(ids), ZooBatch::Tokens(inputs))
+        }
+        ModelSpec::Bert { config, seq } => {
+            let batch = SentenceBatch {
+                ids: token_ids(SEQUENCES, *seq, config.vocab_size, device)?,
+                mask: Tensor::ones((SEQUENCES, *seq), DType::U32, device)?,
+                readout: normal_tensor(&[config.hidden_size, 2], 0.5, 5, DType::F32, device)?,
+                labels: labels(SEQUENCES, 2, device)?,
+            };
+            (ZooBatch::Sentences(batch.clone()), ZooBatch::Sentences(batch))
+        }
+        _ => {
+            let x = normal_tensor(&[IMAGES, 3, IMAGE, IMAGE], 1.0, 11, DType::F32, device)?.to_dtype(dtype)?;
+            let batch = ZooBatch::Images(Labelled { inputs: x, labels: labels(IMAGES, CLASSES, device)? });
+            (batch.clone(), batch)
+        }
+    };
+    Ok(Bench { model, batch, eval, optimizer })
 }
 
 /// Writes the recorded history as JSON, a wick trace, a memory_viz snapshot and the HTML report.
@@ -232,11 +202,18 @@ fn run() -> Result<()> {
     } else {
         // Under autocast the masters start at the f32 values (the same seeded model in f32).
         let start = if autocast.enabled() {
-            Some(build(&name, DType::F32, &device)?.vars.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())
+            Some(
+                build(&name, DType::F32, &device)?
+                    .model
+                    .vars()
+                    .iter()
+                    .map(|v| v.as_tensor().clone())
+                    .collect::<Vec<_>>(),
+            )
         } else {
             None
         };
-        Some(MasterWeights::with_masters(&bench.vars, start.as_deref(), bench.optimizer)?)
+        Some(MasterWeights::with_masters(&bench.model.vars(), start.as_deref(), bench.optimizer)?)
     };
     let mut times = Vec::new();
     // Forward, backward and optimizer milliseconds of the timed steps.
@@ -259,7 +236,7 @@ fn run() -> Result<()> {
         match masters.as_mut() {
             Some(masters) => {
                 let phase = engine.label("forward");
-                let loss = (bench.loss)()?;
+                let loss = bench.model.loss(&bench.batch)?;
                 let forward = start.elapsed();
                 drop(phase);
                 let phase = engine.label("backward");
@@ -277,7 +254,7 @@ fn run() -> Result<()> {
                 last_loss = Some(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?);
             }
             None => {
-                let out = wick_nn::no_grad(|| (bench.eval)())?;
+                let out = wick_nn::no_grad(|| bench.model.forward(&bench.eval))?;
                 // Make sure the result is computed (it always is on the CPU) and cheap to keep.
                 let _ = out.flatten_all()?.narrow(0, 0, 1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
             }

@@ -9,16 +9,11 @@ use std::time::Instant;
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use wick_nn::{Labelled, Model};
-use wick_tools::trial::{bert_batch, llama_batch, llama_config, vision_batch, BERT, VIT};
+use wick_nn::Model;
+use wick_tools::trial::{model_and_batch, MODELS};
 use wick_train::data::{DataError, Dataset, Loader, LoaderConfig, Position};
 use wick_train::trainer::{TrainOptions, Trainer};
 use wick_train::CheckpointDir;
-use wick_zoo::bert::Bert;
-use wick_zoo::llama::Llama;
-use wick_zoo::mobilenet::MobileNetV2;
-use wick_zoo::resnet::{ResNet, ResNetDepth};
-use wick_zoo::vit::Vit;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -195,16 +190,11 @@ fn image_folder_figures() -> Result<Vec<serde_json::Value>> {
 
 fn run() -> Result<()> {
     let cpu = Device::Cpu;
-    let (x, labels) = vision_batch(&cpu)?;
-    let images = Labelled { inputs: x, labels };
-    let mut rows = vec![
-        bench("llama", Llama::new(llama_config(), DType::F32, &cpu)?, llama_batch(&cpu)?)?,
-        bench("bert", Bert::new(BERT, DType::F32, &cpu)?, bert_batch(&cpu)?)?,
-        bench("vit", Vit::new(VIT, DType::F32, &cpu)?, images.clone())?,
-        bench("resnet18", ResNet::new(ResNetDepth::R18, 10, 16, DType::F32, &cpu)?, images.clone())?,
-        bench("resnet50", ResNet::new(ResNetDepth::R50, 10, 16, DType::F32, &cpu)?, images.clone())?,
-        bench("mobilenet_v2", MobileNetV2::new(10, 0.5, DType::F32, &cpu)?, images)?,
-    ];
+    let mut rows = Vec::new();
+    for name in MODELS {
+        let (name, model, batch) = model_and_batch(name, DType::F32, &cpu)?;
+        rows.push(bench(name, model, batch)?);
+    }
     rows.extend(loader_figures()?);
     rows.extend(image_folder_figures()?);
     for r in &rows {

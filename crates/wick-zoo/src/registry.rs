@@ -1,0 +1,419 @@
+//! The zoo by name and size: one place that turns "ResNet-50 at 224²" or "BERT-base at 128
+//! tokens" into a built model with one interface, instead of a `match` on model names in every
+//! binary. [`ModelSpec`] is an architecture at a size (its configuration and its input shape);
+//! [`ModelSpec::named`] knows the published ones ([`NAMED`]: torchvision's ResNet-18/34/50,
+//! MobileNetV2 and ViT-B/16, BERT-base, all-MiniLM-L6-v2 and Llama-2-7B/13B shapes);
+//! [`ModelSpec::build`] makes a [`ZooModel`], which trains and evaluates on a [`ZooBatch`] like
+//! any [`Model`]; [`ModelSpec::batch`] makes a deterministic synthetic batch of any size and
+//! [`ModelSpec::profile`] the estimator's memory profile (a LLaMA through one and two layers,
+//! extrapolated to its depth, since a 7B model does not fit here as an f32 model to profile).
+//!
+//! Benchmarks and trials that need other sizes write their own [`ModelSpec`] (a struct literal)
+//! and their own batches; they still build through [`ModelSpec::build`].
+//!
+//! ```
+//! use candle_core::{DType, Device};
+//! use wick_nn::Model;
+//! use wick_zoo::registry::{Input, ModelSpec};
+//!
+//! # fn main() -> Result<(), wick_zoo::ZooError> {
+//! let spec = ModelSpec::named("resnet18", Input { image: 32, ..Input::default() })?;
+//! let model = spec.build(DType::F32, &Device::Cpu)?;
+//! assert_eq!(model.params().numel(), 11_689_512); // torchvision's count
+//! let loss = model.loss(&spec.batch(2, DType::F32, &Device::Cpu)?)?;
+//! assert!(loss.to_scalar::<f32>()?.is_finite());
+//! # Ok(())
+//! # }
+//! ```
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use wick_nn::checkpoint::Checkpointing;
+use wick_nn::params::{normal_tensor, Params};
+use wick_nn::{Labelled, Model, NnError};
+
+use crate::bert::{Bert, BertConfig, SentenceBatch};
+use crate::error::ZooError;
+use crate::estimate::{ActivationProfile, ParamBytes};
+use crate::llama::{Llama, LlamaConfig};
+use crate::mobilenet::MobileNetV2;
+use crate::resnet::{ResNet, ResNetDepth};
+use crate::vit::{Vit, VitConfig};
+
+/// A model known by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Named {
+    /// The name a command line takes (`resnet18`, `bert-base`, ...).
+    pub name: &'static str,
+    /// What it is, for a report ("ResNet-18").
+    pub title: &'static str,
+    /// Where its shapes come from and how large it is, for `--help`.
+    pub about: &'static str,
+}
+
+/// The published models [`ModelSpec::named`] builds, in the order a help text lists them.
+pub const NAMED: [Named; 9] = [
+    Named { name: "resnet18", title: "ResNet-18", about: "torchvision's ResNet-18 (11.7 M parameters)" },
+    Named { name: "resnet34", title: "ResNet-34", about: "torchvision's ResNet-34 (21.8 M)" },
+    Named { name: "resnet50", title: "ResNet-50", about: "torchvision's ResNet-50 (25.6 M)" },
+    Named { name: "mobilenet_v2", title: "MobileNetV2", about: "torchvision's MobileNetV2, width 1.0 (3.5 M)" },
+    Named { name: "vit_b_16", title: "ViT-B/16", about: "torchvision's ViT-B/16 (86.6 M) at 224²" },
+    Named {
+        name: "bert-base",
+        title: "BERT-base",
+        about: "BERT-base, uncased vocabulary (109 M), with a two-class readout",
+    },
+    Named { name: "minilm", title: "all-MiniLM-L6-v2", about: "all-MiniLM-L6-v2's encoder (22.7 M)" },
+    Named {
+        name: "llama2-7b",
+        title: "LLaMA (Llama-2-7B shapes)",
+        about: "a LLaMA-style decoder with Llama-2-7B's shapes (6.7 B), profiled through one and two layers",
+    },
+    Named { name: "llama2-13b", title: "LLaMA (Llama-2-13B shapes)", about: "with Llama-2-13B's shapes (13 B)" },
+];
+
+/// The input size of a named model: the image side of the CNNs (ViT keeps its configured
+/// size) and the sequence length of the text models.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Input {
+    /// Image side, at least 32 (the CNNs downsample 32×).
+    pub image: usize,
+    /// Tokens per sequence, at least 1 (2 for a decoder's next-token loss).
+    pub seq: usize,
+}
+
+impl Default for Input {
+    /// ImageNet's 224² and 128 tokens.
+    fn default() -> Self {
+        Input { image: 224, seq: 128 }
+    }
+}
+
+/// An architecture at a size: its configuration and its input shape.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelSpec {
+    /// A ResNet on `image`² RGB images; `width` is the first stage's (64 in torchvision's).
+    ResNet {
+        /// Which depth.
+        depth: ResNetDepth,
+        /// Output classes.
+        classes: usize,
+        /// The first stage's width.
+        width: usize,
+        /// Image side.
+        image: usize,
+    },
+    /// MobileNetV2 on `image`² RGB images.
+    MobileNetV2 {
+        /// Output classes.
+        classes: usize,
+        /// The width multiplier (1.0 in torchvision's).
+        width_mult: f64,
+        /// Image side.
+        image: usize,
+    },
+    /// A vision transformer on its configured image size.
+    Vit(VitConfig),
+    /// A BERT encoder on `seq`-token sentences, classified into two classes through a readout.
+    Bert {
+        /// The encoder.
+        config: BertConfig,
+        /// Tokens per sentence.
+        seq: usize,
+    },
+    /// A LLaMA-style decoder trained on next-token prediction of `seq`-token sequences.
+    Llama {
+        /// The decoder (its `max_seq` is set to `seq` when built).
+        config: LlamaConfig,
+        /// Tokens per sequence.
+        seq: usize,
+    },
+}
+
+impl ModelSpec {
+    /// The published model `name` (one of [`NAMED`]) at `input`, or an error listing the names.
+    pub fn named(name: &str, input: Input) -> Result<Self, ZooError> {
+        let (image, seq) = (input.image, input.seq);
+        let cnn = |depth| ModelSpec::ResNet { depth, classes: 1000, width: 64, image };
+        let spec = match name {
+            "resnet18" => cnn(ResNetDepth::R18),
+            "resnet34" => cnn(ResNetDepth::R34),
+            "resnet50" => cnn(ResNetDepth::R50),
+            "mobilenet_v2" => ModelSpec::MobileNetV2 { classes: 1000, width_mult: 1.0, image },
+            "vit_b_16" => ModelSpec::Vit(VitConfig::b16()),
+            "bert-base" => ModelSpec::Bert { config: BertConfig::base(), seq },
+            "minilm" => ModelSpec::Bert { config: BertConfig::minilm_l6(), seq },
+            "llama2-7b" => ModelSpec::Llama { config: LlamaConfig::llama2_7b(), seq },
+            "llama2-13b" => ModelSpec::Llama { config: LlamaConfig::llama2_13b(), seq },
+            other => {
+                let names: Vec<&str> = NAMED.iter().map(|n| n.name).collect();
+                return Err(invalid(format!("no model named `{other}` (the zoo has {})", names.join(", "))));
+            }
+        };
+        spec.check()?;
+        Ok(spec)
+    }
+
+    /// The model a Hugging Face `config.json` describes (`model_type: llama` for the decoder,
+    /// BERT otherwise) at `seq` tokens.
+    pub fn from_hf_config(path: &Path, seq: usize) -> Result<Self, ZooError> {
+        let spec = match LlamaConfig::from_hf_config(path)? {
+            Some(config) => ModelSpec::Llama { config, seq },
+            None => ModelSpec::Bert { config: BertConfig::from_file(path)?, seq },
+        };
+        spec.check()?;
+        Ok(spec)
+    }
+
+    /// Whether the input fits the architecture: images of at least 32², sequences within the
+    /// model's positions (and of at least two tokens for a decoder).
+    pub fn check(&self) -> Result<(), ZooError> {
+        match self {
+            ModelSpec::ResNet { image, .. } | ModelSpec::MobileNetV2 { image, .. } if *image < 32 => {
+                Err(invalid(format!("an image side of {image} is below the 32 the CNNs downsample by")))
+            }
+            ModelSpec::Bert { config, seq } if *seq == 0 || *seq > config.max_position_embeddings => {
+                Err(invalid(format!(
+                    "a sequence of {seq} is not between 1 and the model's {} positions",
+                    config.max_position_embeddings
+                )))
+            }
+            ModelSpec::Llama { config, seq } if *seq < 2 || *seq > config.max_seq => Err(invalid(format!(
+                "a sequence of {seq} is not between 2 (next-token prediction) and the model's {} positions",
+                config.max_seq
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The input size in words ("224²", "sequence 128").
+    pub fn input_words(&self) -> String {
+        match self {
+            ModelSpec::ResNet { image, .. } | ModelSpec::MobileNetV2 { image, .. } => format!("{image}²"),
+            ModelSpec::Vit(config) => format!("{}²", config.image_size),
+            ModelSpec::Bert { seq, .. } | ModelSpec::Llama { seq, .. } => format!("sequence {seq}"),
+        }
+    }
+
+    /// Parameters of the model from its configuration, without building it: the transformers'
+    /// closed forms (`None` when the count overflows); `None` for the CNNs, whose count is a
+    /// built model's [`Params::numel`].
+    pub fn parameter_count(&self) -> Option<usize> {
+        match self {
+            ModelSpec::Vit(config) => config.parameter_count(),
+            ModelSpec::Bert { config, .. } => config.parameter_count(),
+            ModelSpec::Llama { config, .. } => config.parameter_count(),
+            ModelSpec::ResNet { .. } | ModelSpec::MobileNetV2 { .. } => None,
+        }
+    }
+
+    /// Builds the model with fresh seeded parameters in `dtype` on `device` (pre-flight
+    /// refuses one that does not fit).
+    pub fn build(&self, dtype: DType, device: &Device) -> Result<ZooModel, ZooError> {
+        self.check()?;
+        Ok(match self {
+            ModelSpec::ResNet { depth, classes, width, .. } => {
+                ZooModel::ResNet(ResNet::new(*depth, *classes, *width, dtype, device)?)
+            }
+            ModelSpec::MobileNetV2 { classes, width_mult, .. } => {
+                ZooModel::MobileNetV2(MobileNetV2::new(*classes, *width_mult, dtype, device)?)
+            }
+            ModelSpec::Vit(config) => ZooModel::Vit(Vit::new(*config, dtype, device)?),
+            ModelSpec::Bert { config, .. } => ZooModel::Bert(Bert::new(config.clone(), dtype, device)?),
+            ModelSpec::Llama { config, seq } => {
+                ZooModel::Llama(Llama::new(LlamaConfig { max_seq: *seq, ..*config }, dtype, device)?)
+            }
+        })
+    }
+
+    /// A synthetic batch of `n` examples in `dtype` (the images; ids and labels are u32), the
+    /// same for the same arguments: seeded normal images with labels `i % classes`; token ids
+    /// spread over the whole vocabulary (a multiplicative hash of the position, so every row of
+    /// a real-sized embedding table is reached) with a full attention mask and a seeded
+    /// two-class readout for BERT.
+    pub fn batch(&self, n: usize, dtype: DType, device: &Device) -> Result<ZooBatch, ZooError> {
+        let labels = |classes: usize| -> Result<Tensor, ZooError> {
+            let classes = classes.max(1);
+            Ok(Tensor::new((0..n).map(|i| (i % classes) as u32).collect::<Vec<_>>(), device)?)
+        };
+        let images = |side: usize, classes: usize| -> Result<ZooBatch, ZooError> {
+            let shape = [n, 3, side, side];
+            Ok(ZooBatch::Images(Labelled {
+                inputs: normal_tensor(&shape, 1.0, 11, DType::F32, device)?.to_dtype(dtype)?,
+                labels: labels(classes)?,
+            }))
+        };
+        Ok(match self {
+            ModelSpec::ResNet { classes, image, .. } | ModelSpec::MobileNetV2 { classes, image, .. } => {
+                images(*image, *classes)?
+            }
+            ModelSpec::Vit(config) => images(config.image_size, config.num_classes)?,
+            ModelSpec::Bert { config, seq } => ZooBatch::Sentences(SentenceBatch {
+                ids: token_ids(n, *seq, config.vocab_size, device)?,
+                mask: Tensor::ones((n, *seq), DType::U32, device)?,
+                readout: normal_tensor(&[config.hidden_size, 2], 0.05, 5, DType::F32, device)?,
+                labels: labels(2)?,
+            }),
+            ModelSpec::Llama { config, seq } => ZooBatch::Tokens(token_ids(n, *seq, config.vocab_size, device)?),
+        })
+    }
+
+    /// The model's parameter bytes in `dtype` without building it (under autocast the norm
+    /// scales of a decoder stay f32), for the models too large to build here; `None` for the
+    /// CNNs and when a count overflows.
+    pub fn param_bytes(&self, dtype: DType) -> Option<ParamBytes> {
+        let ModelSpec::Llama { config, .. } = self else { return None };
+        let count = config.parameter_count()?;
+        let (h, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
+        let norms = (2 * config.num_layers + 1).saturating_mul(h);
+        let largest = v.saturating_mul(h).max(i.saturating_mul(h));
+        let size = dtype.size_in_bytes();
+        Some(ParamBytes {
+            total: (count - norms).saturating_mul(size).saturating_add(norms.saturating_mul(4)),
+            largest: largest.saturating_mul(size),
+            f32_total: count.saturating_mul(4),
+            largest_f32: largest.saturating_mul(4),
+        })
+    }
+
+    /// Whether [`ModelSpec::profile`] profiles through one and two layers and extrapolates to
+    /// the depth instead of building the whole model (the decoders).
+    pub fn profiled_by_layers(&self) -> bool {
+        matches!(self, ModelSpec::Llama { .. })
+    }
+
+    /// The estimator's memory profile of the model in `dtype` on the CPU (training with each
+    /// block checkpointed when `checkpointing`), from the whole model, or for a decoder from
+    /// one- and two-layer models of its widths ([`ActivationProfile::with_layers`]).
+    pub fn profile(&self, dtype: DType, checkpointing: bool) -> Result<ActivationProfile, ZooError> {
+        let profile_of = |spec: &ModelSpec| -> Result<ActivationProfile, ZooError> {
+            let model = spec.build(dtype, &Device::Cpu)?;
+            let loss = |b: usize, c: Option<&Checkpointing>| {
+                model
+                    .loss_with(&spec.batch(b, dtype, &Device::Cpu).map_err(to_candle)?, c)
+                    .map_err(candle_core::Error::wrap)
+            };
+            Ok(ActivationProfile::measure_with(model.params(), loss, checkpointing)?)
+        };
+        match self {
+            ModelSpec::Llama { config, seq } => {
+                let layers = |n| ModelSpec::Llama { config: LlamaConfig { num_layers: n, ..*config }, seq: *seq };
+                let (one, two) = (profile_of(&layers(1))?, profile_of(&layers(2))?);
+                Ok(ActivationProfile::with_layers(&one, &two, config.num_layers))
+            }
+            _ => profile_of(self),
+        }
+    }
+}
+
+/// Token ids (`batch`, `seq`) spread over `vocab` (a multiplicative hash of the position).
+fn token_ids(batch: usize, seq: usize, vocab: usize, device: &Device) -> Result<Tensor, ZooError> {
+    let n = batch.checked_mul(seq).ok_or_else(|| invalid(format!("{batch} × {seq} tokens overflow")))?;
+    let vocab = u32::try_from(vocab.max(1)).unwrap_or(u32::MAX);
+    let ids: Vec<u32> = (0..n).map(|i| (i as u32).wrapping_mul(2_654_435_761) % vocab).collect();
+    Ok(Tensor::from_vec(ids, (batch, seq), device)?)
+}
+
+fn invalid(message: String) -> ZooError {
+    NnError::invalid("model", message).into()
+}
+
+fn to_candle(e: ZooError) -> candle_core::Error {
+    candle_core::Error::wrap(e)
+}
+
+/// A built zoo model: one of the zoo's architectures behind one interface.
+pub enum ZooModel {
+    /// A ResNet.
+    ResNet(ResNet),
+    /// A MobileNetV2.
+    MobileNetV2(MobileNetV2),
+    /// A vision transformer.
+    Vit(Vit),
+    /// A BERT encoder.
+    Bert(Bert),
+    /// A LLaMA-style decoder.
+    Llama(Llama),
+}
+
+/// A batch for a [`ZooModel`]: the batch type of the architecture inside.
+#[derive(Debug, Clone)]
+pub enum ZooBatch {
+    /// Labelled images, for the CNNs and ViT.
+    Images(Labelled),
+    /// Classified sentences, for BERT.
+    Sentences(SentenceBatch),
+    /// Token ids (batch, seq), u32, for the decoder's next-token prediction.
+    Tokens(Tensor),
+}
+
+impl ZooModel {
+    /// The model's output for `batch` in evaluation mode (batch norm on its running
+    /// statistics): logits for the classifiers and the decoder (of every position of the ids),
+    /// the last hidden states for BERT.
+    pub fn forward(&self, batch: &ZooBatch) -> Result<Tensor, NnError> {
+        match (self, batch) {
+            (ZooModel::ResNet(m), ZooBatch::Images(b)) => m.forward(&b.inputs, false),
+            (ZooModel::MobileNetV2(m), ZooBatch::Images(b)) => m.forward(&b.inputs, false),
+            (ZooModel::Vit(m), ZooBatch::Images(b)) => m.forward(&b.inputs),
+            (ZooModel::Bert(m), ZooBatch::Sentences(b)) => m.forward(&b.ids, &b.mask),
+            (ZooModel::Llama(m), ZooBatch::Tokens(ids)) => m.forward(ids),
+            (model, batch) => Err(mismatch(model, batch)),
+        }
+    }
+
+    /// Zeroes the last batch norm of every residual branch (torchvision's
+    /// `zero_init_residual`) in the CNNs; the transformers have none, and are left as built.
+    pub fn zero_init_residual(&self) -> Result<(), NnError> {
+        match self {
+            ZooModel::ResNet(m) => m.zero_init_residual(),
+            ZooModel::MobileNetV2(m) => m.zero_init_residual(),
+            ZooModel::Vit(_) | ZooModel::Bert(_) | ZooModel::Llama(_) => Ok(()),
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            ZooModel::ResNet(_) => "ResNet",
+            ZooModel::MobileNetV2(_) => "MobileNetV2",
+            ZooModel::Vit(_) => "ViT",
+            ZooModel::Bert(_) => "BERT",
+            ZooModel::Llama(_) => "LLaMA",
+        }
+    }
+}
+
+fn mismatch(model: &ZooModel, batch: &ZooBatch) -> NnError {
+    let batch = match batch {
+        ZooBatch::Images(_) => "images",
+        ZooBatch::Sentences(_) => "sentences",
+        ZooBatch::Tokens(_) => "token ids",
+    };
+    NnError::invalid("batch", format!("a {} model does not take a batch of {batch}", model.kind()))
+}
+
+impl Model for ZooModel {
+    type Batch = ZooBatch;
+
+    fn params(&self) -> &Params {
+        match self {
+            ZooModel::ResNet(m) => m.params(),
+            ZooModel::MobileNetV2(m) => m.params(),
+            ZooModel::Vit(m) => m.params(),
+            ZooModel::Bert(m) => m.params(),
+            ZooModel::Llama(m) => m.params(),
+        }
+    }
+
+    fn loss_with(&self, batch: &ZooBatch, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
+        match (self, batch) {
+            (ZooModel::ResNet(m), ZooBatch::Images(b)) => m.loss_with(b, checkpoint),
+            (ZooModel::MobileNetV2(m), ZooBatch::Images(b)) => m.loss_with(b, checkpoint),
+            (ZooModel::Vit(m), ZooBatch::Images(b)) => m.loss_with(b, checkpoint),
+            (ZooModel::Bert(m), ZooBatch::Sentences(b)) => m.loss_with(b, checkpoint),
+            (ZooModel::Llama(m), ZooBatch::Tokens(ids)) => m.loss_with(ids, checkpoint),
+            (model, batch) => Err(mismatch(model, batch)),
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! What the example programs share: the decoder of the main job (`train-amp`), which
+//! `zoo-speed` also times.
+
+use wick_zoo::llama::LlamaConfig;
+
+/// The main job's vocabulary: a synthetic language of 64 tokens.
+pub const VOCAB: usize = 64;
+
+/// The main job's decoder (`train-amp`): 4 layers 128 wide with 4 heads, a SwiGLU of 256, on
+/// [`VOCAB`] tokens and 64 positions.
+pub const DECODER: LlamaConfig = LlamaConfig {
+    vocab_size: VOCAB,
+    hidden_size: 128,
+    num_layers: 4,
+    num_heads: 4,
+    intermediate_size: 256,
+    max_seq: 64,
+    rms_eps: 1e-6,
+    rope_theta: 10_000.0,
+};
