@@ -57,8 +57,8 @@ fn out_size(len: usize, kernel: usize, stride: usize, pad: usize) -> usize {
 /// Max pooling with any kernel, stride and padding (padding never wins the max), as one graph
 /// node in `x`'s dtype. The gradient of each output goes to the first maximum of its window in
 /// row-major order, as in PyTorch; candle's `max` backward gives it to every tied maximum, and in
-/// bf16 ties are common (that doubled gradients into ResNet's stem: its first bf16 gradients
-/// were 3.5 % from PyTorch autocast's there and bit-identical elsewhere).
+/// bf16 ties are common (that doubled gradients into ResNet's stem, the one place its first bf16
+/// gradients differed from PyTorch autocast's: BENCHMARKS.md, "Mixed precision (issue 6)").
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
     if cpu::serves(x) {
         return cpu::pool::max_pool2d(x, kernel, stride, pad);
@@ -133,8 +133,9 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<
 /// [`conv2d`] plus a per-channel `bias` (C_out). In bf16/f16 it is one node: the bias is added
 /// before the single rounding to the activation dtype (as in a convolution with bias), and its
 /// gradient — a sum over batch and positions — is accumulated in f32 (a bias added in bf16
-/// outside the node had its gradient summed in bf16 by candle's CPU reductions: 3× PyTorch
-/// autocast's error on ViT's patch-embedding bias).
+/// outside the node had its gradient summed in bf16 by candle's CPU reductions, several times
+/// PyTorch autocast's error on ViT's patch-embedding bias: BENCHMARKS.md, "Mixed precision
+/// (issue 6)").
 pub fn conv2d_bias(x: &Tensor, weight: &Tensor, bias: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
     let channels = (1, bias.elem_count(), 1, 1);
     if matches!(x.dtype(), DType::F32 | DType::F64) {

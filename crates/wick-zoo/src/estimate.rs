@@ -94,15 +94,15 @@ impl Affine {
 /// the largest, along the last segment's line (never below the larger of its two points).
 ///
 /// Rationale: a backward pass's transient memory is a maximum over its ops, each affine in the
-/// batch, so it is convex and its slope can grow with the batch (measured: ResNet-18 at 224² has
-/// 8.8 MB per sample between batches 2 and 4 and 13.4 MB from 4 on, so a line through 2 and 4 put
-/// its training step 10 % low at batch 32). For convex values the last segment is the steepest
+/// batch, so it is convex and its slope can grow with the batch (ResNet-18 at 224² needs more
+/// per sample from batch 4 on than between 2 and 4, so a line through 2 and 4 put its training
+/// step low at batch 32: BENCHMARKS.md, "Zoo (issue 5)"). For convex values the last segment is the steepest
 /// and the best line beyond the profile. The profiled values also carry scheduling noise: the
 /// CPU kernels' parallel chunks overlap differently from run to run (a 16-wide ResNet-18 at 64²
 /// moves by one 384 KiB buffer at batch 2, 4 or 8), and the noise makes the values locally
 /// non-convex. The upper envelope of every segment's line, used before, then extrapolated an
-/// early, steep segment from batch 2 or 4 to batch 24 (11× the noise: +16 % on that ResNet about
-/// one run in ten); interpolating keeps each value's noise to its own segments.
+/// early, steep segment from batch 2 or 4 to batch 24, multiplying the noise (same section);
+/// interpolating keeps each value's noise to its own segments.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Piecewise {
     /// `(batch, bytes)`, batches increasing.
@@ -143,8 +143,7 @@ pub const PROFILE_BATCHES: [usize; 4] = [2, 4, 8, 16];
 /// the batch-independent transients (a large embedding's gradient, added to in place of
 /// nothing) stay the largest up to larger batches, and the recomputed block's transients, which
 /// grow with the batch, overtake them later: all-MiniLM-L6-v2 at sequence 128 crosses over at
-/// batch 16 (2.8 MiB per sample below it, 11.1 above), which a profile ending at 16 cannot see
-/// (−16.5 % at batch 24, measured).
+/// batch 16, which a profile ending at 16 cannot see (BENCHMARKS.md, "Zoo (issue 5)").
 pub const CHECKPOINTED_PROFILE_BATCHES: [usize; 4] = [4, 8, 16, 32];
 
 /// The batches a training profile runs, with or without checkpointing.
@@ -395,16 +394,15 @@ pub fn largest_fitting(max_batch: usize, fits: impl Fn(usize) -> bool) -> usize 
 }
 
 /// The estimator's margin for a "fits" decision on a training step: the estimate is multiplied
-/// by `1 + FIT_MARGIN`. Measured against real peaks at batches no profile ran (`wick estimate
-/// --measure` and the estimator test, f32 SGD): −0.5 % to +2.3 % at real widths (ResNet-18/34/50,
-/// MobileNetV2, MiniLM, LLaMA configurations), −1.8 % at the worst small model (ResNet-18 at
-/// width 16 on 64² images, batch 24, where the convolution's image grouping makes the workspace
-/// step with the batch).
+/// by `1 + FIT_MARGIN`. It covers the worst shortfall measured against real peaks at batches no
+/// profile ran (`wick estimate --measure` and the estimator test, f32 SGD), a small ResNet-18 on
+/// 64² images where the convolution's image grouping makes the workspace step with the batch
+/// (BENCHMARKS.md, "Zoo (issue 5)").
 pub const FIT_MARGIN: f64 = 0.03;
 
 /// The margin for inference (a forward pass under no_grad, whose whole peak is transient and so
-/// follows the kernels' grouping more closely): measured −4.1 % (ResNet-18 at 224², batch 32) to
-/// +0.0 % at real widths, −6.2 % at the worst small model.
+/// follows the kernels' grouping more closely), covering the worst inference shortfall
+/// measured (BENCHMARKS.md, "Zoo (issue 5)").
 pub const FIT_MARGIN_INFERENCE: f64 = 0.07;
 
 /// The margin that applies to `mode`.

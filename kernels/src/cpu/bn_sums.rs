@@ -3,7 +3,7 @@
 //!
 //! Why: the generic form ([`super::lane_sums`]: eight f64 accumulators per sum) compiles to
 //! scalar code — LLVM does not vectorise its f32 → f64 widening, even for AVX-512 — and was the
-//! largest single cost of MobileNetV2's training step (20 % of its samples, perf, 2-core Xeon).
+//! largest single cost of MobileNetV2's training step (BENCHMARKS.md, "On a Xeon with AMX").
 //! Here one 8-lane f64 register holds each sum's eight accumulators. The arithmetic is the
 //! generic form's, operation for operation (the normalised value as a multiply then an add, the
 //! mask as a select of g or +0, widened, subtracted, multiplied, added; the lanes summed in

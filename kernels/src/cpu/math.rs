@@ -52,7 +52,8 @@ pub fn exp_f32(x: f32) -> f32 {
     // Below LO the result is 0 (selected at the end); computing it from x = 0 instead of from
     // LO keeps the scaling below from producing a subnormal product, which Intel cores finish in
     // a microcode assist (~100 cycles): a causal mask's −∞ scores, half of every softmax row,
-    // made attention's forward 3× slower on a Xeon.
+    // made attention's forward several times slower on a Xeon (BENCHMARKS.md, "On a Xeon with
+    // AMX").
     let xc = if x < LO { 0.0 } else { x.min(HI) };
     let t = xc * std::f32::consts::LOG2_E + ROUND;
     let n = t - ROUND;

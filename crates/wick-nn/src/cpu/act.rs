@@ -34,7 +34,8 @@ fn par_out<E: Send>(len: usize, f: impl Fn(usize, &mut [MaybeUninit<E>]) + Send 
 /// An element-wise function of `N` inputs. The maps' loops, compiled for the CPU's widest
 /// vectors, call it through this trait's `#[inline(always)]` method: a closure's body is a
 /// function of its own, which the compiler did not inline into such a loop (GELU's backward
-/// then ran one out-of-line scalar call per element, 3× slower).
+/// then ran one out-of-line scalar call per element, several times slower: BENCHMARKS.md,
+/// "Kernel design measurements").
 trait Pointwise<T, const N: usize>: Send + Sync {
     fn at(&self, v: [T; N]) -> T;
 }

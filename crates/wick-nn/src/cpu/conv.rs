@@ -175,9 +175,9 @@ impl Geometry {
 
 /// Columns per gemm below which images are grouped: deep layers have few positions per image
 /// (ResNet's last stage at 112² has 16), and gemm runs a 16-column product far below its
-/// speed. Measured on ResNet-18 (112², batch 16): groups of up to 64 columns 835 ms per step,
-/// one image at a time 888 ms; groups of 256 or 1024 columns were slower than either (their
-/// column matrices no longer fit the caches).
+/// speed. On ResNet-18 (112², batch 16) groups of up to 64 columns beat one image at a time,
+/// and groups of 256 or 1024 columns were slower than either (their column matrices no longer
+/// fit the caches): BENCHMARKS.md, "Kernel design measurements".
 const GROUP_COLUMNS: usize = 64;
 
 /// How the images of a batch are split: `size` images per group, `groups` groups, `workers`
@@ -413,7 +413,7 @@ impl Conv2d {
         };
         if kk == 1 {
             // Nothing to flip: the transposed weights are a view (the copy was a strided
-            // transpose of every 1×1 weight, 4 % of a ResNet-50 step).
+            // transpose of every 1×1 weight, a visible share of a ResNet-50 step).
             return Self::forward_by(&back, dy, Mat::rows(w, g.c_out, g.c_in).t());
         }
         // Written in order (each source run of k² taps read whole): the other loop order

@@ -4,7 +4,8 @@
 //! general path ([`super::read`], [`super::with`]) widens a low-precision input into a fresh f32
 //! buffer and rounds the f32 result into another: for a memory-bound op (an activation, a
 //! residual add) those two passes cost more than the op, and made AMP's element-wise ops
-//! 1.7–1.9× slower than the same ops in f32 (ResNet-50's `add_relu`). An [`Elem`] is read and
+//! slower than the same ops in f32 (ResNet-50's `add_relu`; BENCHMARKS.md, "Kernel design
+//! measurements"). An [`Elem`] is read and
 //! written where the kernel's loop uses it — a bf16 element is widened by a shift and rounded by
 //! `round_bf16` inside the vectorised loop — so a bf16 op moves half the bytes of an f32 one.
 //! The results are the same values the widen-compute-round path gives: the widening is exact and

@@ -5,8 +5,8 @@
 //! that recompute their forward pass during backward ([`crate::fused`]). That is correct and
 //! lean in memory, but slow on the CPU: every op allocates, strided reductions run on one core,
 //! every broadcast is differentiated, and backward recomputes each node with autograd on
-//! (profiled on ResNet-18: batch norm 1266 ms per step against PyTorch's 35, convolutions 2045 ms
-//! against 303). Each op here is one candle custom op whose forward and backward are written out
+//! (profiled on ResNet-18, batch norm and the convolutions were each tens of times PyTorch's:
+//! BENCHMARKS.md, "Kernel design measurements"). Each op here is one candle custom op whose forward and backward are written out
 //! over plain slices, parallel over independent rows, channels or images with rayon, with the
 //! matrix products, the vectorised math and batch norm's sums from `wick_kernels::cpu` (the
 //! products through the `gemm` crate, candle's own CPU matmul, with its AVX-512 kernels):
@@ -56,10 +56,11 @@ macro_rules! by_real {
 /// for the baseline, the widest the CPU has chosen at run time. Closures inherit the target
 /// features of the function they are written in, not of the function they are inlined into:
 /// a large `par_ranges` body handed to `math::vectorized` stays baseline SSE2 code, 4 lanes at
-/// a time with scalar conversions (measured: batch norm's backward ran at a third of its
-/// AVX-512 speed). Parameters are `name: Type` (no patterns). Check what it makes of a loop:
-/// a loop the compiler cannot vectorise may come out slower (batch norm's forward did, 10×,
-/// until its per-element activation branch became a select).
+/// a time with scalar conversions (batch norm's backward ran far below its AVX-512 speed).
+/// Parameters are `name: Type` (no patterns). Check what it makes of a loop: a loop the
+/// compiler cannot vectorise may come out slower (batch norm's forward did, until its
+/// per-element activation branch became a select). Figures: BENCHMARKS.md, "Kernel design
+/// measurements".
 macro_rules! wide_kernel {
     ($(#[$m:meta])* $vis:vis fn $name:ident<$t:ident $(, $e:ident)?>($($a:ident: $ty:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
         $(#[$m])*

@@ -255,8 +255,8 @@ fn masked<T: Real>(g: T, y: T, upper: T) -> T {
 }
 
 /// `(Σ g', Σ g'·(x − mean))` over one plane in f64, `g' = through(g, x)`, in the lanes and order
-/// of `sum` ([`super::lane_sums`]; the per-index form ran scalar: batch norm's backward
-/// on ResNet-18, 39 ms per step before).
+/// of `sum` ([`super::lane_sums`]; the per-index form ran scalar: BENCHMARKS.md, "Kernel
+/// design measurements").
 /// `fast` is `through` for [`bn_sums`], which takes f32 compute over f32 or bf16 with
 /// AVX-512 (the same sums to the bit).
 #[inline(always)]

@@ -73,7 +73,7 @@ impl MaxPool {
     /// (`lo..hi`) sweep the window one tap at a time across the whole row with branch-free
     /// selects: consecutive outputs are independent work, where one compare chain per output
     /// was latency-bound and its random compares mispredicted (the first version: max pooling
-    /// forward + backward on ResNet's stem, 27 ms per step). A tap replaces the maximum only
+    /// forward + backward on ResNet's stem; BENCHMARKS.md, "Kernel design measurements"). A tap replaces the maximum only
     /// when strictly greater, so the first maximum in row-major order wins, as in `argmax`.
     #[allow(clippy::too_many_arguments)]
     fn row<T: Real>(

@@ -122,8 +122,8 @@ impl MasterWeights {
     /// so an update smaller than half a bf16 spacing leaves every compute copy where it was until
     /// updates add up to half a spacing — the model trains late. Masters that start at the f32
     /// values lie anywhere between grid points, and small updates move a fair share of the
-    /// copies at once (measured on MobileNetV2: a 5 % higher loss after 12 AdamW steps from
-    /// rounded masters, in wick and in PyTorch alike; BENCHMARKS.md).
+    /// copies at once (measured on MobileNetV2: a higher loss after 12 AdamW steps from rounded
+    /// masters, in wick and in PyTorch alike; BENCHMARKS.md, "Mixed precision (issue 6)").
     pub fn new(vars: &[Var], optimizer: Optimizer) -> Result<Self> {
         Self::with_masters(vars, None, optimizer)
     }

@@ -2,11 +2,11 @@
 //! Xeons), the kernel [`super::bf16`] runs where the CPU and the OS offer it.
 //!
 //! Why: on these CPUs `vdpbf16ps` issues on one port, so the AVX-512 bf16 kernel does no more
-//! multiply-adds per cycle than the f32 FMAs it replaces, and AMP steps were 1.25–1.6× slower
-//! than f32 ones (measured on a 2-core Xeon with AMX, 2026-12-02). One `tdpbf16ps` multiplies a
-//! 16 × 32 tile of `a` by a 32 × 16 tile of `b` into 16 × 16 f32 sums (8 192 multiply-adds):
-//! about 3 TFLOP/s on one core here against ~170 GFLOP/s for f32 FMAs, so the products become
-//! bound by packing and memory rather than arithmetic. oneDNN's bf16 kernels behind PyTorch's
+//! multiply-adds per cycle than the f32 FMAs it replaces, and AMP steps were slower than f32
+//! ones. One `tdpbf16ps` multiplies a 16 × 32 tile of `a` by a 32 × 16 tile of `b` into 16 × 16
+//! f32 sums (8 192 multiply-adds), over ten times the f32 FMAs' rate on one core, so the
+//! products become bound by packing and memory rather than arithmetic (figures: BENCHMARKS.md,
+//! "On a Xeon with AMX"). oneDNN's bf16 kernels behind PyTorch's
 //! CPU autocast use the same unit.
 //!
 //! Layout: the blocking of [`super::bf16`] (`KC`-deep slices, `NC`-column blocks, parts

@@ -29,8 +29,8 @@ use crate::cpu::{KernelError, SharedMut};
 
 /// Micro-tile shapes, rows × 16-lane registers per row (12 × 32, 8 × 48, 24 × 16 sums: 24 of
 /// the 32 vector registers each), with their relative cost per tile element: 24 × 16 loads a
-/// broadcast per multiply-add and ran 1.5× slower than 12 × 32 (measured, 144×24×784), 8 × 48
-/// about as fast. The cheapest for the padded destination is used: a product with 16 columns (a
+/// broadcast per multiply-add and ran clearly slower than 12 × 32, 8 × 48 about as fast
+/// (BENCHMARKS.md, "Kernel design measurements"). The cheapest for the padded destination is used: a product with 16 columns (a
 /// dW of 16 input channels) fills a 24 × 16 tile whole but half of a 12 × 32 one.
 const TILES: [(usize, usize, usize); 3] = [(12, 2, 20), (8, 3, 21), (24, 1, 30)];
 /// Elements of every micro-tile (12·32 = 24·16 = 8·48).

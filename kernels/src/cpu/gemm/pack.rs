@@ -6,7 +6,8 @@
 //! transposed operand), a panel is the transposition of its rows' pairs. That runs as 8 × 8
 //! transpositions of 32-bit lanes in AVX2 registers (8 row loads, 24 shuffles, 8 stores per 64
 //! lanes). Why not the compiler's: the former block-buffer form compiled to a gather per 8 lanes,
-//! slow on AMD's cores — 12 % of a ResNet-18 AMP step went to packing, most of it there.
+//! slow on AMD's cores, where packing, most of it there, was a visible share of a ResNet-18 AMP
+//! step (BENCHMARKS.md, "Kernel design measurements").
 
 use half::bf16;
 
