@@ -12,8 +12,10 @@ use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
 use wick_nn::checkpoint::Checkpointing;
 use wick_nn::Model;
-use wick_zoo::estimate::{estimate_bytes, ActivationProfile, Estimate, Mode, ParamBytes};
+use wick_zoo::estimate::{estimate_bytes, ActivationProfile, Estimate, Mode, ParamBytes, Update};
 use wick_zoo::registry::{Input, ModelSpec, ZooModel, NAMED};
+
+use crate::measure;
 
 /// The zoo's published models as `clap` values, each with its help line.
 fn model_names() -> clap::builder::PossibleValuesParser {
@@ -29,6 +31,15 @@ pub enum Precision {
     F32,
     /// bf16 autocast: a bf16 model with f32 masters and f32 optimizer state.
     AmpBf16,
+}
+
+/// The device the step will run on, which decides how the optimizer's update runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Target {
+    /// The CPU: wick-train updates each parameter in one pass, in place.
+    Cpu,
+    /// A CUDA GPU: the masters' update runs as tensor ops, each result a new tensor.
+    Cuda,
 }
 
 /// Which estimates to print.
@@ -83,38 +94,18 @@ pub struct EstimateArgs {
     /// Mode(s).
     #[arg(long, value_enum, default_value = "all")]
     pub mode: ModeArg,
-    /// Also run the step once at `--batch` on the CPU and print its measured peak beside the
-    /// estimate (inference under no_grad, and SGD; the model's memory: parameters, batch, graph,
-    /// gradients, transients).
+    /// The device the step will run on (the optimizer's update differs).
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub on: Target,
+    /// Also run each mode's step once at `--batch` on the CPU as wick runs it and print its
+    /// measured peak beside the estimate (inference under no_grad; plain SGD; momentum and AdamW
+    /// as one trainer step with their state and, under AMP, the f32 masters; the model's memory:
+    /// parameters, batch, graph, gradients, optimizer, transients).
     #[arg(long)]
     pub measure: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
-}
-
-/// The model's peak heap bytes over one `mode` step at `batch` (parameters included, nothing
-/// else the process held before), from the caching heap's exact counters.
-fn measure(built: &Built, batch: usize, mode: Mode, checkpointing: bool) -> Result<Option<usize>> {
-    use wick::host_memory::{exact_heap, exact_peak, reset_exact_peak};
-    let Some((before, _)) = exact_heap() else { return Ok(None) };
-    reset_exact_peak();
-    match mode {
-        Mode::Inference => drop(wick_nn::no_grad(|| built.loss(batch, None))?),
-        Mode::TrainSgd => {
-            let checkpoint = checkpointing.then(Checkpointing::new);
-            let loss = built.loss(batch, checkpoint.as_ref())?;
-            let grads = match &checkpoint {
-                Some(c) => c.backward(&loss, built.model.params())?,
-                None => loss.backward()?,
-            };
-            // The graph goes before the update, as in the trainer.
-            drop(loss);
-            built.model.params().sgd_step(&grads, 1e-6)?;
-        }
-        _ => return Ok(None),
-    }
-    Ok(exact_peak().map(|(peak, _)| peak.saturating_sub(before) + ParamBytes::of(built.model.params()).total))
 }
 
 /// A model built whole on the CPU, with its synthetic batches.
@@ -180,11 +171,11 @@ fn modes(arg: ModeArg) -> Vec<Mode> {
 
 /// The batches a profile runs, in words ("2, 4, 8 and 16").
 fn batch_list(checkpointing: bool) -> String {
-    let batches = wick_zoo::estimate::profile_batches(checkpointing).map(|b| b.to_string());
+    let batches = wick_zoo::estimate::profile_batches(checkpointing).iter().map(|b| b.to_string()).collect::<Vec<_>>();
     format!("{} and {}", batches[..batches.len() - 1].join(", "), batches[batches.len() - 1])
 }
 
-/// A model's profile, and the model itself where it was built whole.
+/// A model's profile.
 pub struct Profiled {
     /// What it is.
     pub what: String,
@@ -202,10 +193,6 @@ pub struct Profiled {
     pub checkpointing: bool,
     /// The model's architecture and size.
     spec: ModelSpec,
-    /// Its dtype.
-    dtype: DType,
-    /// The model, when it was built whole (not the LLaMA sizes, profiled through two layers).
-    built: Option<Built>,
 }
 
 impl Profiled {
@@ -218,13 +205,13 @@ impl Profiled {
         let spinner = spinner("building the model on the CPU".into());
         let (spec, what) = spec_of(args)?;
         let started;
-        let (profile, built, numel, param_bytes) = if spec.profiled_by_layers() {
+        let (profile, numel, param_bytes) = if spec.profiled_by_layers() {
             spinner.set_message(format!("profiling {what} through one and two layers on the CPU"));
             started = Instant::now();
             let profile = spec.profile(dtype, args.checkpointing).context("profiling the model")?;
             let numel = spec.parameter_count().context("the parameter count overflows")?;
             let bytes = spec.param_bytes(dtype).context("the parameter bytes overflow")?;
-            (profile, None, numel, bytes)
+            (profile, numel, bytes)
         } else {
             let built = Built::new(spec.clone(), dtype).context("building the model")?;
             spinner.set_message(format!("profiling {what} at batches {} on the CPU", batch_list(args.checkpointing)));
@@ -237,7 +224,7 @@ impl Profiled {
             )
             .context("profiling the model")?;
             let (numel, bytes) = (params.numel(), ParamBytes::of(params));
-            (profile, Some(built), numel, bytes)
+            (profile, numel, bytes)
         };
         spinner.finish_and_clear();
         Ok(Profiled {
@@ -249,14 +236,16 @@ impl Profiled {
             precision: args.precision,
             checkpointing: args.checkpointing,
             spec,
-            dtype,
-            built,
         })
     }
 
-    /// The estimate of `mode` at `batch`.
-    pub fn estimate(&self, batch: usize, mode: Mode) -> Estimate {
-        estimate_bytes(self.param_bytes, &self.profile, batch, mode, self.precision == Precision::AmpBf16)
+    /// The estimate of `mode` at `batch`, its update run on `on`.
+    pub fn estimate(&self, batch: usize, mode: Mode, on: Target) -> Estimate {
+        let update = match on {
+            Target::Cpu => Update::InPlace,
+            Target::Cuda => Update::OutOfPlace,
+        };
+        estimate_bytes(self.param_bytes, &self.profile, batch, mode, self.precision == Precision::AmpBf16, update)
     }
 
     /// How the profile was made, in a sentence.
@@ -287,26 +276,16 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     }
     let p = Profiled::new(&args.model)?;
     let (profile, profile_s) = (&p.profile, p.seconds);
-    let estimates: Vec<Estimate> = modes(args.mode).into_iter().map(|mode| p.estimate(args.batch, mode)).collect();
-    if args.measure && args.model.precision != Precision::F32 {
-        bail!("--measure runs f32 steps only (a mixed-precision step needs its masters and optimizer)");
+    let estimates: Vec<Estimate> =
+        modes(args.mode).into_iter().map(|mode| p.estimate(args.batch, mode, args.on)).collect();
+    if args.measure && args.on != Target::Cpu {
+        bail!("--measure runs the step on the CPU: estimate --on cpu");
     }
     let measured: Vec<Option<usize>> = if args.measure {
         let spinner = spinner(format!("running batch {} on the CPU to measure its peak", args.batch));
-        let whole;
-        let built = match &p.built {
-            Some(built) => built,
-            None => {
-                // A model profiled through fewer layers, built whole now (pre-flight refuses
-                // one that does not fit).
-                whole = Built::new(p.spec.clone(), p.dtype).context("building the whole model")?;
-                &whole
-            }
-        };
-        let m = estimates
-            .iter()
-            .map(|e| measure(built, args.batch, e.mode, p.checkpointing))
-            .collect::<Result<Vec<_>>>()?;
+        let step =
+            measure::Step { spec: &p.spec, amp: p.precision == Precision::AmpBf16, checkpointing: p.checkpointing };
+        let m = estimates.iter().map(|e| measure::peak(&step, args.batch, e.mode)).collect::<Result<Vec<_>>>()?;
         spinner.finish_and_clear();
         m
     } else {
@@ -339,14 +318,14 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     let checkpointed = if p.checkpointing { ", activation checkpointing" } else { "" };
     println!("{} — {} parameters, {:?}{checkpointed}, batch {}", p.what, p.numel, args.model.precision, args.batch);
     println!(
-        "| {:<18} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} |",
-        "mode", "parameters", "gradients", "optimizer", "masters", "activations", "workspace", "total"
+        "| {:<18} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} |",
+        "mode", "parameters", "gradients", "optimizer", "masters", "activations", "workspace", "allowance", "total"
     );
-    println!("|{}|", "-".repeat(124));
+    println!("|{}|", "-".repeat(138));
     let b = |n: usize| format_bytes(n as u64);
     for e in &estimates {
         println!(
-            "| {:<18} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} |",
+            "| {:<18} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} |",
             format!("{:?}", e.mode),
             b(e.parameters),
             b(e.gradients),
@@ -354,6 +333,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             b(e.master_weights),
             b(e.activations),
             b(e.workspace),
+            b(e.allowance),
             b(e.total)
         );
     }
@@ -361,6 +341,10 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         if let Some(m) = m {
             let off = (e.total as f64 / *m as f64 - 1.0) * 100.0;
             println!("measured {:?} at batch {}: {} (the estimate is {off:+.1} %)", e.mode, args.batch, b(*m));
+        } else if let Some(why) =
+            args.measure.then(|| measure::unmeasured(e.mode, args.model.precision == Precision::AmpBf16)).flatten()
+        {
+            println!("not measured {:?}: {why}", e.mode);
         }
     }
     println!("{how}");

@@ -7,7 +7,7 @@ use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
 use wick_zoo::estimate::{fit_margin, largest_fitting, Mode};
 
-use crate::estimate::{ModelArgs, Profiled};
+use crate::estimate::{ModelArgs, Profiled, Target};
 
 /// Memory the CUDA context and the kernels' images take on a device before any tensor (PyTorch's
 /// context is 300–500 MiB on recent GPUs); subtracted from a `--gpu` size.
@@ -89,7 +89,8 @@ pub struct FitArgs {
     /// The model.
     #[command(flatten)]
     pub model: ModelArgs,
-    /// A memory budget: `24GiB`, `80GB`, `512MiB`, or bytes.
+    /// A memory budget: `24GiB`, `80GB`, `512MiB`, or bytes (planned for a step on the CPU,
+    /// whose update runs in place; `--gpu` and `--device` plan a GPU's).
     #[arg(long, required_unless_present_any = ["gpu", "device"], conflicts_with_all = ["gpu", "device"])]
     pub budget: Option<String>,
     /// A GPU by name: its memory less a CUDA context reserve.
@@ -183,10 +184,13 @@ pub fn run(args: &FitArgs) -> Result<()> {
         FitMode::Adamw => Mode::TrainAdamW,
     };
     let p = Profiled::new(&args.model)?;
-    let margin = fit_margin(mode);
-    let fits = |b: usize| (p.estimate(b, mode).total as f64 * (1.0 + margin)) <= budget as f64;
+    // A GPU's budget plans a GPU's update (and keeps the GPU's margin); a budget in bytes, the
+    // CPU's.
+    let on = if args.budget.is_some() { Target::Cpu } else { Target::Cuda };
+    let margin = fit_margin(on == Target::Cuda);
+    let fits = |b: usize| (p.estimate(b, mode, on).total as f64 * (1.0 + margin)) <= budget as f64;
     let largest = largest_fitting(args.max_batch.max(1), fits);
-    let at = p.estimate(largest.max(1), mode);
+    let at = p.estimate(largest.max(1), mode, on);
     let plan = args.target_batch.map(|t| accumulation(t, largest));
     if args.json {
         let out = serde_json::json!({

@@ -18,6 +18,7 @@
 
 mod estimate;
 mod fit;
+mod measure;
 mod monitor;
 mod report;
 mod train;

@@ -15,8 +15,11 @@ use wick_zoo::resnet::{ResNet, ResNetDepth};
 
 wick::heap!(counting);
 
-/// Above every profiled batch (2, 4, 8, 16): the estimate extrapolates.
+/// Above every profiled training batch (1 to 16): the estimate extrapolates.
 const BATCH: usize = 24;
+
+/// Samples in the data, enough for the largest profiled batch (inference runs up to 32).
+const SAMPLES: usize = 32;
 
 /// Peak of a steady-state mixed-precision AdamW step (the second one) at `batch`, counting the
 /// model's parameters, the f32 masters and state, and nothing else resident.
@@ -42,9 +45,10 @@ fn amp_training_estimates_are_within_15_percent_of_measured_peaks() {
     let bf = DType::BF16;
     let take = |t: &Tensor, b: usize| t.narrow(0, 0, b).unwrap();
     let tokens =
-        Tensor::from_vec((0..BATCH * 64).map(|i| (i * 7 % 100) as u32).collect::<Vec<_>>(), (BATCH, 64), &dev).unwrap();
-    let images = wick_nn::params::normal_tensor(&[BATCH, 3, 64, 64], 1.0, 13, bf, &dev).unwrap();
-    let labels = Tensor::from_vec((0..BATCH as u32).map(|i| i % 2).collect::<Vec<_>>(), BATCH, &dev).unwrap();
+        Tensor::from_vec((0..SAMPLES * 64).map(|i| (i * 7 % 100) as u32).collect::<Vec<_>>(), (SAMPLES, 64), &dev)
+            .unwrap();
+    let images = wick_nn::params::normal_tensor(&[SAMPLES, 3, 64, 64], 1.0, 13, bf, &dev).unwrap();
+    let labels = Tensor::from_vec((0..SAMPLES as u32).map(|i| i % 2).collect::<Vec<_>>(), SAMPLES, &dev).unwrap();
     let config = LlamaConfig {
         vocab_size: 100,
         hidden_size: 128,

@@ -287,22 +287,26 @@ impl ModelSpec {
     /// block checkpointed when `checkpointing`), from the whole model, or for a decoder from
     /// one- and two-layer models of its widths ([`ActivationProfile::with_layers`]).
     pub fn profile(&self, dtype: DType, checkpointing: bool) -> Result<ActivationProfile, ZooError> {
-        let profile_of = |spec: &ModelSpec| -> Result<ActivationProfile, ZooError> {
+        // The profile and the parameters' bytes.
+        let profile_of = |spec: &ModelSpec| -> Result<(ActivationProfile, usize), ZooError> {
             let model = spec.build(dtype, &Device::Cpu)?;
             let loss = |b: usize, c: Option<&Checkpointing>| {
                 model
                     .loss_with(&spec.batch(b, dtype, &Device::Cpu).map_err(to_candle)?, c)
                     .map_err(candle_core::Error::wrap)
             };
-            Ok(ActivationProfile::measure_with(model.params(), loss, checkpointing)?)
+            let profile = ActivationProfile::measure_with(model.params(), loss, checkpointing)?;
+            Ok((profile, ParamBytes::of(model.params()).total))
         };
         match self {
             ModelSpec::Llama { config, seq } => {
                 let layers = |n| ModelSpec::Llama { config: LlamaConfig { num_layers: n, ..*config }, seq: *seq };
-                let (one, two) = (profile_of(&layers(1))?, profile_of(&layers(2))?);
-                Ok(ActivationProfile::with_layers(&one, &two, config.num_layers))
+                let ((one, one_bytes), (two, two_bytes)) = (profile_of(&layers(1))?, profile_of(&layers(2))?);
+                // A parameter's gradient has its parameter's size.
+                let layer_gradients = two_bytes.saturating_sub(one_bytes);
+                Ok(ActivationProfile::with_layers(&one, &two, config.num_layers, layer_gradients))
             }
-            _ => profile_of(self),
+            _ => profile_of(self).map(|(profile, _)| profile),
         }
     }
 }

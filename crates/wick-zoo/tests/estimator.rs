@@ -11,8 +11,11 @@ use wick_zoo::estimate::{estimate, largest_batch, ActivationProfile, Mode};
 
 wick::heap!(counting);
 
-/// Above every profiled batch (2, 4, 8, 16): the estimate extrapolates.
+/// Above every profiled training batch (1 to 16): the estimate extrapolates.
 const BATCH: usize = 24;
+
+/// Samples in the data, enough for the largest profiled batch (inference runs up to 32).
+const SAMPLES: usize = 32;
 
 /// Peak of `mode` at `batch`, counting the parameters but no other resident data.
 fn measure(params: &Params, run: &dyn Fn(usize) -> Tensor, batch: usize, mode: Mode) -> usize {
@@ -59,11 +62,12 @@ fn estimates_are_within_15_percent_of_measured_peaks() {
     use wick_zoo::vit::{Vit, VitConfig};
     let dev = Device::Cpu;
     let f = DType::F32;
-    let images = wick_nn::params::normal_tensor(&[BATCH, 3, 64, 64], 1.0, 13, f, &dev).unwrap();
-    let labels = Tensor::from_vec((0..BATCH as u32).map(|i| i % 2).collect::<Vec<_>>(), BATCH, &dev).unwrap();
+    let images = wick_nn::params::normal_tensor(&[SAMPLES, 3, 64, 64], 1.0, 13, f, &dev).unwrap();
+    let labels = Tensor::from_vec((0..SAMPLES as u32).map(|i| i % 2).collect::<Vec<_>>(), SAMPLES, &dev).unwrap();
     let tokens =
-        Tensor::from_vec((0..BATCH * 64).map(|i| (i * 7 % 100) as u32).collect::<Vec<_>>(), (BATCH, 64), &dev).unwrap();
-    let mask = Tensor::ones((BATCH, 64), DType::U32, &dev).unwrap();
+        Tensor::from_vec((0..SAMPLES * 64).map(|i| (i * 7 % 100) as u32).collect::<Vec<_>>(), (SAMPLES, 64), &dev)
+            .unwrap();
+    let mask = Tensor::ones((SAMPLES, 64), DType::U32, &dev).unwrap();
     let take = |t: &Tensor, b: usize| t.narrow(0, 0, b).unwrap();
     let mut rows = Vec::new();
 

@@ -682,6 +682,19 @@ impl Tensor {
                 };
             }
         }
+        // wick: the paths that still go through `or_insert` (subtractions, scatters, `where`,
+        // the unary ops) store a sum computed from tracked tensors (`grad.mul(lhs)` with `lhs` in
+        // the graph), which carries that computation's graph. The entries no later node removes
+        // (the variables, and arguments that lead to none, such as a mask's sum) would keep the
+        // whole forward graph alive for as long as the store lives: every activation through the
+        // optimizer's update. Stored gradients are detached, as `accumulate` stores them.
+        if !CANDLE_GRAD_DO_NOT_DETACH.with(|b| *b) {
+            for grad in grads.0.values_mut() {
+                if grad.track_op() {
+                    *grad = grad.detach();
+                }
+            }
+        }
         Ok(grads)
     }
 }
