@@ -159,14 +159,19 @@ fn spinner(message: String) -> indicatif::ProgressBar {
     spinner
 }
 
-fn modes(arg: ModeArg) -> Vec<Mode> {
-    match arg {
+/// The modes `arg` asks for, at `precision`: plain SGD is not a mixed-precision mode (wick's
+/// masters update with momentum or AdamW), so `all` leaves it out under AMP and `sgd` is refused.
+pub fn modes(arg: ModeArg, precision: Precision) -> Result<Vec<Mode>> {
+    let amp = precision == Precision::AmpBf16;
+    Ok(match arg {
         ModeArg::Inference => vec![Mode::Inference],
+        ModeArg::Sgd if amp => bail!("{}", measure::PLAIN_SGD_UNDER_AMP),
         ModeArg::Sgd => vec![Mode::TrainSgd],
         ModeArg::SgdMomentum => vec![Mode::TrainSgdMomentum],
         ModeArg::Adamw => vec![Mode::TrainAdamW],
+        ModeArg::All if amp => vec![Mode::Inference, Mode::TrainSgdMomentum, Mode::TrainAdamW],
         ModeArg::All => vec![Mode::Inference, Mode::TrainSgd, Mode::TrainSgdMomentum, Mode::TrainAdamW],
-    }
+    })
 }
 
 /// The batches a profile runs, in words ("2, 4, 8 and 16").
@@ -196,8 +201,9 @@ pub struct Profiled {
 }
 
 impl Profiled {
-    /// Builds the model on the CPU and profiles it (a spinner meanwhile).
-    pub fn new(args: &ModelArgs) -> Result<Self> {
+    /// Builds the model on the CPU and profiles it (a spinner meanwhile), the batches of
+    /// `extra` inside the profiled range too (see `ActivationProfile::measure_at`).
+    pub fn new(args: &ModelArgs, extra: &[usize]) -> Result<Self> {
         let dtype = match args.precision {
             Precision::F32 => DType::F32,
             Precision::AmpBf16 => DType::BF16,
@@ -208,7 +214,7 @@ impl Profiled {
         let (profile, numel, param_bytes) = if spec.profiled_by_layers() {
             spinner.set_message(format!("profiling {what} through one and two layers on the CPU"));
             started = Instant::now();
-            let profile = spec.profile(dtype, args.checkpointing).context("profiling the model")?;
+            let profile = spec.profile(dtype, args.checkpointing, extra).context("profiling the model")?;
             let numel = spec.parameter_count().context("the parameter count overflows")?;
             let bytes = spec.param_bytes(dtype).context("the parameter bytes overflow")?;
             (profile, numel, bytes)
@@ -217,10 +223,11 @@ impl Profiled {
             spinner.set_message(format!("profiling {what} at batches {} on the CPU", batch_list(args.checkpointing)));
             started = Instant::now();
             let params = built.model.params();
-            let profile = ActivationProfile::measure_with(
+            let profile = ActivationProfile::measure_at(
                 params,
                 |b, c| built.loss(b, c).map_err(candle_core::Error::wrap),
                 args.checkpointing,
+                extra,
             )
             .context("profiling the model")?;
             let (numel, bytes) = (params.numel(), ParamBytes::of(params));
@@ -274,10 +281,11 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     if args.batch == 0 {
         bail!("--batch must be at least 1");
     }
-    let p = Profiled::new(&args.model)?;
+    let wanted = modes(args.mode, args.model.precision)?;
+    // The batch asked for is profiled too when it lies between two profiled batches.
+    let p = Profiled::new(&args.model, &[args.batch])?;
     let (profile, profile_s) = (&p.profile, p.seconds);
-    let estimates: Vec<Estimate> =
-        modes(args.mode).into_iter().map(|mode| p.estimate(args.batch, mode, args.on)).collect();
+    let estimates: Vec<Estimate> = wanted.into_iter().map(|mode| p.estimate(args.batch, mode, args.on)).collect();
     if args.measure && args.on != Target::Cpu {
         bail!("--measure runs the step on the CPU: estimate --on cpu");
     }
@@ -295,7 +303,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     let verb = if batches.contains(&args.batch) {
         "read at"
     } else if batches[0] < args.batch && args.batch < batches[batches.len() - 1] {
-        "interpolated to"
+        "profiled at"
     } else {
         "extrapolated to"
     };
@@ -341,10 +349,6 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         if let Some(m) = m {
             let off = (e.total as f64 / *m as f64 - 1.0) * 100.0;
             println!("measured {:?} at batch {}: {} (the estimate is {off:+.1} %)", e.mode, args.batch, b(*m));
-        } else if let Some(why) =
-            args.measure.then(|| measure::unmeasured(e.mode, args.model.precision == Precision::AmpBf16)).flatten()
-        {
-            println!("not measured {:?}: {why}", e.mode);
         }
     }
     println!("{how}");

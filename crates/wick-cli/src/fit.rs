@@ -5,7 +5,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
-use wick_zoo::estimate::{fit_margin, largest_fitting, Mode};
+use wick_zoo::estimate::{fit_margin, largest_fitting, profile_batches, Mode, INFERENCE_PROFILE_BATCHES};
 
 use crate::estimate::{ModelArgs, Profiled, Target};
 
@@ -179,17 +179,36 @@ pub fn run(args: &FitArgs) -> Result<()> {
     let (budget, source) = budget(args)?;
     let mode = match args.mode {
         FitMode::Inference => Mode::Inference,
+        FitMode::Sgd if args.model.precision == crate::estimate::Precision::AmpBf16 => {
+            bail!("{}", crate::measure::PLAIN_SGD_UNDER_AMP)
+        }
         FitMode::Sgd => Mode::TrainSgd,
         FitMode::SgdMomentum => Mode::TrainSgdMomentum,
         FitMode::Adamw => Mode::TrainAdamW,
     };
-    let p = Profiled::new(&args.model)?;
     // A GPU's budget plans a GPU's update (and keeps the GPU's margin); a budget in bytes, the
     // CPU's.
     let on = if args.budget.is_some() { Target::Cpu } else { Target::Cuda };
     let margin = fit_margin(on == Target::Cuda);
-    let fits = |b: usize| (p.estimate(b, mode, on).total as f64 * (1.0 + margin)) <= budget as f64;
-    let largest = largest_fitting(args.max_batch.max(1), fits);
+    // The decision is about the largest batch that fits and the one above it: where they lie
+    // between two profiled batches they are profiled too, and the search runs again on that
+    // profile (until it stops moving; the kernels' scratch does not follow a line between
+    // profiled batches exactly).
+    let mut extra: Vec<usize> = Vec::new();
+    let (p, largest) = loop {
+        let p = Profiled::new(&args.model, &extra)?;
+        let fits = |b: usize| (p.estimate(b, mode, on).total as f64 * (1.0 + margin)) <= budget as f64;
+        let largest = largest_fitting(args.max_batch.max(1), fits);
+        let profiled =
+            if mode == Mode::Inference { INFERENCE_PROFILE_BATCHES } else { profile_batches(args.model.checkpointing) };
+        let last = profiled[profiled.len() - 1];
+        let next: Vec<usize> =
+            [largest.max(1), largest + 1].into_iter().filter(|b| *b < last && !profiled.contains(b)).collect();
+        if extra.len() >= 6 || next.iter().all(|b| extra.contains(b)) {
+            break (p, largest);
+        }
+        extra.extend(next);
+    };
     let at = p.estimate(largest.max(1), mode, on);
     let plan = args.target_batch.map(|t| accumulation(t, largest));
     if args.json {

@@ -26,18 +26,18 @@ pub struct Step<'a> {
     pub checkpointing: bool,
 }
 
-/// Why a mode is not measured, when it is not.
-pub fn unmeasured(mode: Mode, amp: bool) -> Option<&'static str> {
-    (mode == Mode::TrainSgd && amp)
-        .then_some("plain SGD is not a mixed-precision mode wick trains (the masters' update takes momentum or AdamW)")
-}
+/// Why plain SGD is neither estimated nor measured under mixed precision.
+pub const PLAIN_SGD_UNDER_AMP: &str =
+    "plain SGD is not a mixed-precision mode wick trains (the f32 masters update with momentum or AdamW)";
 
 /// The peak heap bytes of one `mode` step at `batch` — the model's parameters, the batch, the
 /// graph, the gradients, the optimizer's state and masters, the transients — over what the
-/// process held before; `None` without an exact heap (wick's caching heap or counting allocator)
-/// or for a mode [`unmeasured`] names.
+/// process held before; `None` without an exact heap (wick's caching heap or counting allocator).
 pub fn peak(step: &Step, batch: usize, mode: Mode) -> Result<Option<usize>> {
-    if exact_heap().is_none() || unmeasured(mode, step.amp).is_some() {
+    if mode == Mode::TrainSgd && step.amp {
+        anyhow::bail!("{PLAIN_SGD_UNDER_AMP}");
+    }
+    if exact_heap().is_none() {
         return Ok(None);
     }
     let dtype = if step.amp { DType::BF16 } else { DType::F32 };

@@ -284,9 +284,10 @@ impl ModelSpec {
     }
 
     /// The estimator's memory profile of the model in `dtype` on the CPU (training with each
-    /// block checkpointed when `checkpointing`), from the whole model, or for a decoder from
-    /// one- and two-layer models of its widths ([`ActivationProfile::with_layers`]).
-    pub fn profile(&self, dtype: DType, checkpointing: bool) -> Result<ActivationProfile, ZooError> {
+    /// block checkpointed when `checkpointing`; the batches of `extra` inside the profiled range
+    /// profiled too, see [`ActivationProfile::measure_at`]), from the whole model, or for a
+    /// decoder from one- and two-layer models of its widths ([`ActivationProfile::with_layers`]).
+    pub fn profile(&self, dtype: DType, checkpointing: bool, extra: &[usize]) -> Result<ActivationProfile, ZooError> {
         // The profile and the parameters' bytes.
         let profile_of = |spec: &ModelSpec| -> Result<(ActivationProfile, usize), ZooError> {
             let model = spec.build(dtype, &Device::Cpu)?;
@@ -295,7 +296,7 @@ impl ModelSpec {
                     .loss_with(&spec.batch(b, dtype, &Device::Cpu).map_err(to_candle)?, c)
                     .map_err(candle_core::Error::wrap)
             };
-            let profile = ActivationProfile::measure_with(model.params(), loss, checkpointing)?;
+            let profile = ActivationProfile::measure_at(model.params(), loss, checkpointing, extra)?;
             Ok((profile, ParamBytes::of(model.params()).total))
         };
         match self {
