@@ -7,13 +7,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::DType;
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
-use wick_nn::checkpoint::Checkpointing;
-use wick_nn::Model;
 use wick_zoo::estimate::{estimate_bytes, ActivationProfile, Estimate, Mode, ParamBytes, Update};
-use wick_zoo::registry::{Input, ModelSpec, ZooModel, NAMED};
+use wick_zoo::registry::{Input, ModelSpec, NAMED};
 
 use crate::measure;
 
@@ -108,25 +106,6 @@ pub struct EstimateArgs {
     pub json: bool,
 }
 
-/// A model built whole on the CPU, with its synthetic batches.
-pub struct Built {
-    spec: ModelSpec,
-    model: ZooModel,
-    dtype: DType,
-}
-
-impl Built {
-    fn new(spec: ModelSpec, dtype: DType) -> Result<Self> {
-        let model = spec.build(dtype, &Device::Cpu)?;
-        Ok(Built { spec, model, dtype })
-    }
-
-    /// The loss of a synthetic batch of `batch`, checkpointed in `c` when given.
-    fn loss(&self, batch: usize, c: Option<&Checkpointing>) -> Result<Tensor> {
-        Ok(self.model.loss_with(&self.spec.batch(batch, self.dtype, &Device::Cpu)?, c)?)
-    }
-}
-
 /// The model the arguments name, and what it is in words.
 fn spec_of(args: &ModelArgs) -> Result<(ModelSpec, String)> {
     let input = Input { image: args.image, seq: args.seq };
@@ -210,29 +189,16 @@ impl Profiled {
         };
         let spinner = spinner("building the model on the CPU".into());
         let (spec, what) = spec_of(args)?;
-        let started;
-        let (profile, numel, param_bytes) = if spec.profiled_by_layers() {
-            spinner.set_message(format!("profiling {what} through one and two layers on the CPU"));
-            started = Instant::now();
-            let profile = spec.profile(dtype, args.checkpointing, extra).context("profiling the model")?;
-            let numel = spec.parameter_count().context("the parameter count overflows")?;
-            let bytes = spec.param_bytes(dtype).context("the parameter bytes overflow")?;
-            (profile, numel, bytes)
+        let how = if spec.profiled_by_layers() {
+            "through one and two layers".to_string()
         } else {
-            let built = Built::new(spec.clone(), dtype).context("building the model")?;
-            spinner.set_message(format!("profiling {what} at batches {} on the CPU", batch_list(args.checkpointing)));
-            started = Instant::now();
-            let params = built.model.params();
-            let profile = ActivationProfile::measure_at(
-                params,
-                |b, c| built.loss(b, c).map_err(candle_core::Error::wrap),
-                args.checkpointing,
-                extra,
-            )
-            .context("profiling the model")?;
-            let (numel, bytes) = (params.numel(), ParamBytes::of(params));
-            (profile, numel, bytes)
+            format!("at batches {}", batch_list(args.checkpointing))
         };
+        spinner.set_message(format!("profiling {what} {how} on the CPU"));
+        let started = Instant::now();
+        let (profile, param_bytes) = spec.profile(dtype, args.checkpointing, extra).context("profiling the model")?;
+        // Every parameter at 4 bytes: the count.
+        let numel = param_bytes.f32_total / 4;
         spinner.finish_and_clear();
         Ok(Profiled {
             what,

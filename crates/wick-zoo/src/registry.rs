@@ -286,10 +286,16 @@ impl ModelSpec {
     /// The estimator's memory profile of the model in `dtype` on the CPU (training with each
     /// block checkpointed when `checkpointing`; the batches of `extra` inside the profiled range
     /// profiled too, see [`ActivationProfile::measure_at`]), from the whole model, or for a
-    /// decoder from one- and two-layer models of its widths ([`ActivationProfile::with_layers`]).
-    pub fn profile(&self, dtype: DType, checkpointing: bool, extra: &[usize]) -> Result<ActivationProfile, ZooError> {
+    /// decoder from one- and two-layer models of its widths ([`ActivationProfile::with_layers`]);
+    /// with the whole model's parameter bytes (a decoder's from its configuration).
+    pub fn profile(
+        &self,
+        dtype: DType,
+        checkpointing: bool,
+        extra: &[usize],
+    ) -> Result<(ActivationProfile, ParamBytes), ZooError> {
         // The profile and the parameters' bytes.
-        let profile_of = |spec: &ModelSpec| -> Result<(ActivationProfile, usize), ZooError> {
+        let profile_of = |spec: &ModelSpec| -> Result<(ActivationProfile, ParamBytes), ZooError> {
             let model = spec.build(dtype, &Device::Cpu)?;
             let loss = |b: usize, c: Option<&Checkpointing>| {
                 model
@@ -297,17 +303,18 @@ impl ModelSpec {
                     .map_err(candle_core::Error::wrap)
             };
             let profile = ActivationProfile::measure_at(model.params(), loss, checkpointing, extra)?;
-            Ok((profile, ParamBytes::of(model.params()).total))
+            Ok((profile, ParamBytes::of(model.params())))
         };
         match self {
             ModelSpec::Llama { config, seq } => {
                 let layers = |n| ModelSpec::Llama { config: LlamaConfig { num_layers: n, ..*config }, seq: *seq };
                 let ((one, one_bytes), (two, two_bytes)) = (profile_of(&layers(1))?, profile_of(&layers(2))?);
                 // A parameter's gradient has its parameter's size.
-                let layer_gradients = two_bytes.saturating_sub(one_bytes);
-                Ok(ActivationProfile::with_layers(&one, &two, config.num_layers, layer_gradients))
+                let layer_gradients = two_bytes.total.saturating_sub(one_bytes.total);
+                let bytes = self.param_bytes(dtype).ok_or_else(|| invalid("the parameter count overflows".into()))?;
+                Ok((ActivationProfile::with_layers(&one, &two, config.num_layers, layer_gradients), bytes))
             }
-            _ => profile_of(self).map(|(profile, _)| profile),
+            _ => profile_of(self),
         }
     }
 }
