@@ -30,6 +30,10 @@ pub enum TrainError {
     /// The loss scaler was used out of order or set up with a value out of range.
     #[error("loss scaler: {0}")]
     Scaler(#[from] ScalerError),
+    /// Between processes: ranks that disagree, a collective the group cannot carry, a step
+    /// another rank failed.
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
     /// The model's forward or backward pass, or memory for it, failed.
     #[error(transparent)]
     Nn(#[from] NnError),

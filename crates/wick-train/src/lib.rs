@@ -1,8 +1,7 @@
 //! # wick-train
 //!
 //! Training on top of the network layer (`wick-nn`): what burn-optim + burn-train and
-//! `torch.optim` + `torch.amp` + `torch.utils.data` are to their stacks. Multi-process training
-//! will live here too.
+//! `torch.optim` + `torch.amp` + `torch.utils.data` + `torch.distributed` are to their stacks.
 //!
 //! | module | what it owns |
 //! |---|---|
@@ -11,6 +10,7 @@
 //! | [`trainer`] | [`Trainer`]: a training run over any [`wick_nn::Model`] (precision, LR schedule, accumulation, activation checkpointing) that saves and resumes bit-exactly |
 //! | [`checkpoint`] | training checkpoints on disk ([`CheckpointDir`]: tensors and manifest written atomically, checked and fallen back on when damaged) |
 //! | [`data`] | the data loader ([`data::Loader`]: worker threads, pinned order, resumable positions) and its datasets |
+//! | [`dist`] | more than one process: the [`dist::ProcessGroup`] (MPI through rsmpi, feature `mpi`), collectives over tensors, gradient buckets, ZeRO sharding of the optimizer state |
 //! | [`jobs`] | detached runs ([`jobs::Job`]: a process in its own session, its status file, attach and stop) |
 //! | [`error`] | [`TrainError`] |
 //!
@@ -20,6 +20,7 @@
 pub mod amp;
 pub mod checkpoint;
 pub mod data;
+pub mod dist;
 pub mod error;
 pub mod jobs;
 pub mod optim;

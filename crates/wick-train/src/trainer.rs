@@ -44,6 +44,9 @@ use candle_core::{DType, Tensor, Var};
 use crate::checkpoint::{CheckpointDir, Latest, Manifest, ParamInfo};
 
 use crate::amp::{GradScaler, MasterState, MasterWeights, StepOutcome};
+use crate::dist::buckets::ReduceStats;
+use crate::dist::parallel::{broadcast_buffers, Parallel};
+use crate::dist::{DataParallelOptions, ProcessGroup};
 use crate::error::TrainError;
 use crate::optim::{AdamW, LrSchedule, Optimizer};
 use wick_nn::checkpoint::Checkpointing;
@@ -129,6 +132,7 @@ pub struct Trainer<M: Model> {
     options: TrainOptions,
     base_lr: f64,
     step: u64,
+    parallel: Option<Parallel>,
 }
 
 fn invalid(what: &str, message: String) -> TrainError {
@@ -170,7 +174,17 @@ impl<M: Model> Trainer<M> {
         let vars = model.vars();
         let masters = MasterWeights::with_masters(&vars, start, options.optimizer)?;
         let scaler = options.autocast.needs_loss_scaling().then(GradScaler::new);
-        Ok(Trainer { model, description, vars, masters, scaler, base_lr: options.optimizer.lr(), options, step: 0 })
+        Ok(Trainer {
+            model,
+            description,
+            vars,
+            masters,
+            scaler,
+            base_lr: options.optimizer.lr(),
+            options,
+            step: 0,
+            parallel: None,
+        })
     }
 
     /// The model.
@@ -178,7 +192,8 @@ impl<M: Model> Trainer<M> {
         &self.model
     }
 
-    /// The masters and optimizer state.
+    /// The masters and optimizer state (empty when a data-parallel run shards them: see
+    /// [`Trainer::optimizer_bytes`]).
     pub fn masters(&self) -> &MasterWeights {
         &self.masters
     }
@@ -188,15 +203,97 @@ impl<M: Model> Trainer<M> {
         self.step
     }
 
+    /// Trains data-parallel in `group` from now on: each rank's micro-batches are its share of
+    /// the step, gradients are summed over ranks (buckets of `options.bucket_bytes`), and every
+    /// rank applies the same update — or, sharded ([`crate::dist::Sharding`]), its shard of it.
+    ///
+    /// Refused on every rank, naming the field, unless every rank runs the same model,
+    /// parameters, buffers, options, step and scaler state. Then rank 0's masters, optimizer
+    /// state and buffers become every rank's (resume, if at all, before this). Sharded, each
+    /// rank keeps only its shard of masters and state ([`Trainer::masters`] is then empty).
+    pub fn data_parallel(mut self, group: ProcessGroup, options: DataParallelOptions) -> Result<Self, TrainError> {
+        let setup = serde_json::json!({
+            "model": self.description,
+            "params": self.param_infos(),
+            "buffers": self.buffer_infos(),
+            "options": format!("{:?}", self.options),
+            "step": self.step,
+            "scaler": self.scaler.as_ref().map(GradScaler::state),
+        });
+        let parallel = Parallel::start(group, options, setup, &self.vars, &mut self.masters, self.model.params())?;
+        self.parallel = Some(parallel);
+        Ok(self)
+    }
+
+    /// This rank's bytes of f32 masters and of optimizer state (its shard when sharded): the
+    /// shards of all ranks add up to one process's figures exactly (padding holds no state).
+    pub fn optimizer_bytes(&self) -> (usize, usize) {
+        self.parallel.as_ref().and_then(Parallel::shard_bytes).unwrap_or_else(|| self.masters.memory_bytes())
+    }
+
+    /// Puts what the run holds in `engine`'s memory summary: the parameters, the f32 masters
+    /// and the optimizer state (this rank's shard when sharded), and under a process group the
+    /// gradient buckets (the reduced gradients live in them).
+    pub fn account(&self, engine: &wick::Engine) {
+        let (master, state) = self.optimizer_bytes();
+        crate::amp::account_holdings(engine, self.vars.iter(), master, &self.options.optimizer, state);
+        if let Some(p) = &self.parallel {
+            let what = format!("gradient buckets (f32, {} of {} ranks)", p.group.rank(), p.group.world_size());
+            engine.account(&what, p.bucket_bytes());
+        }
+    }
+
+    /// The process group the run trains in (`None`: alone).
+    pub fn group(&self) -> Option<&ProcessGroup> {
+        self.parallel.as_ref().map(|p| &p.group)
+    }
+
+    /// What the last step's gradient reduction did (buckets, bytes, seconds communicating).
+    pub fn last_reduce(&self) -> Option<ReduceStats> {
+        self.parallel.as_ref().map(|p| p.last)
+    }
+
     /// One step over `micro_batches` (gradient accumulation: each micro-batch's loss counts
-    /// `1/n`, the gradients are summed in order, then one update).
+    /// `1/n`, the gradients are summed in order, then one update). Data-parallel, every rank
+    /// passes its own `n` micro-batches and each counts `1/(n × world size)`: two ranks with one
+    /// micro-batch each take the same step, to the bit, as one process with both. A failure on
+    /// any rank stops the step on every rank before anything is applied.
     pub fn train_step(&mut self, micro_batches: &[M::Batch]) -> Result<StepRecord, TrainError> {
         if micro_batches.is_empty() {
             return Err(invalid("train step", "no micro-batches".into()));
         }
-        let n = micro_batches.len() as f64;
+        let world = self.parallel.as_ref().map_or(1, |p| p.group.world_size());
+        let n = micro_batches.len() as f64 * world as f64;
         // What is allocated is recorded under the step and its phase (a history names them).
         let _step = push_label("train_step");
+        if let Some(p) = &self.parallel {
+            broadcast_buffers(&p.group, self.model.params())?;
+        }
+        let local = self.accumulate(micro_batches, n);
+        let (mut grads, loss_sum) = match &self.parallel {
+            Some(p) => {
+                let (grads, loss) = p.agree(local)?;
+                (grads, p.group.sum_f64(&[loss])?[0])
+            }
+            None => local?,
+        };
+        let _optimizer = push_label("optimizer");
+        let lr = self.base_lr * self.options.schedule.factor(self.step);
+        let outcome = match self.parallel.as_mut() {
+            Some(p) => p.update(&mut grads, &self.vars, &mut self.masters, self.scaler.as_mut(), lr)?,
+            None => {
+                self.masters.set_learning_rate(lr);
+                let refs: Vec<&Var> = self.vars.iter().collect();
+                crate::amp::master_step(&mut grads, &mut self.masters, self.scaler.as_mut(), &refs)?
+            }
+        };
+        self.step += 1;
+        Ok(StepRecord { step: self.step, loss: (loss_sum / n) as f32, lr, outcome })
+    }
+
+    /// This rank's forward and backward passes over `micro_batches`, each loss divided by `n`:
+    /// the summed gradients and the summed (undivided) losses.
+    fn accumulate(&self, micro_batches: &[M::Batch], n: f64) -> Result<(GradStore, f64), TrainError> {
         let (mut total, mut loss_sum) = (None::<GradStore>, 0f64);
         for batch in micro_batches {
             let ckpt = self.options.activation_checkpointing.then(Checkpointing::new);
@@ -229,14 +326,8 @@ impl<M: Model> Trainer<M> {
                 }
             });
         }
-        let mut grads = total.ok_or_else(|| invalid("train step", "no gradients".into()))?;
-        let _optimizer = push_label("optimizer");
-        let lr = self.base_lr * self.options.schedule.factor(self.step);
-        self.masters.set_learning_rate(lr);
-        let refs: Vec<&Var> = self.vars.iter().collect();
-        let outcome = crate::amp::master_step(&mut grads, &mut self.masters, self.scaler.as_mut(), &refs)?;
-        self.step += 1;
-        Ok(StepRecord { step: self.step, loss: (loss_sum / n) as f32, lr, outcome })
+        let grads = total.ok_or_else(|| invalid("train step", "no gradients".into()))?;
+        Ok((grads, loss_sum))
     }
 
     /// The parameters as a manifest records them.
@@ -296,16 +387,46 @@ impl<M: Model> Trainer<M> {
 
     /// Saves a checkpoint of the run now, with `data` (the run's own position: its data
     /// loader's, its random generators'); returns the manifest's path.
+    ///
+    /// Data-parallel, rank 0 writes (every rank holds the same state) and every rank returns
+    /// once the checkpoint is complete, or fails with rank 0's error; sharded runs cannot save
+    /// yet (each rank would write its shard: not built).
     pub fn save(&self, dir: &CheckpointDir, data: serde_json::Value) -> Result<PathBuf, TrainError> {
-        let (manifest, tensors) = self.snapshot(data)?;
-        dir.write(manifest, &tensors)
+        let Some(p) = &self.parallel else {
+            let (manifest, tensors) = self.snapshot(data)?;
+            return dir.write(manifest, &tensors);
+        };
+        if p.sharded() {
+            return Err(invalid(
+                "checkpoint",
+                "a sharded (ZeRO) run cannot save yet: sharded checkpoints are not built".into(),
+            ));
+        }
+        let written = if p.group.is_root() {
+            self.snapshot(data).and_then(|(manifest, tensors)| dir.write(manifest, &tensors))
+        } else {
+            Ok(dir.manifest_path(self.step))
+        };
+        p.agree(written)
     }
 
     /// As [`Trainer::save`], with the write in a background thread: training is held only while
     /// the state is copied ([`PendingSave::stall_s`]). Wait for one save before starting the
     /// next.
+    ///
+    /// Under a process group the save is [`Trainer::save`]'s, done before this returns (the
+    /// ranks must agree that it completed).
     pub fn save_in_background(&self, dir: &CheckpointDir, data: serde_json::Value) -> Result<PendingSave, TrainError> {
         let start = Instant::now();
+        if self.parallel.is_some() {
+            let written = self.save(dir, data);
+            let stall_s = start.elapsed().as_secs_f64();
+            let thread = std::thread::Builder::new()
+                .name("wick-checkpoint".into())
+                .spawn(move || written)
+                .map_err(|e| invalid("checkpoint", format!("cannot start the writer thread: {e}")))?;
+            return Ok(PendingSave { thread, stall_s });
+        }
         let (manifest, tensors) = self.snapshot(data)?;
         let stall_s = start.elapsed().as_secs_f64();
         let dir = dir.clone();
@@ -322,6 +443,9 @@ impl<M: Model> Trainer<M> {
     /// for another model, optimizer or precision, is an error saying what differs, and nothing
     /// changes.
     pub fn resume(&mut self, dir: &CheckpointDir) -> Result<Resumed, TrainError> {
+        if self.parallel.as_ref().is_some_and(Parallel::sharded) {
+            return Err(invalid("resume", "resume before sharding the run (`data_parallel`), not after".into()));
+        }
         let device = self.vars.first().map_or(candle_core::Device::Cpu, |v| v.device().clone());
         let Latest { saved, skipped } = dir
             .load_latest(&device)?

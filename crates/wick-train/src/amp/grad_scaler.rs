@@ -143,6 +143,13 @@ impl GradScaler {
         Ok(found_inf)
     }
 
+    /// Replaces this step's inf/NaN finding with `found`: the decision a process group agreed
+    /// on (an all-reduce MAX of every rank's finding), so that every rank skips or applies the
+    /// same step. Counts as this step's unscale.
+    pub fn set_found_inf(&mut self, found: bool) {
+        self.found_inf = Some(found);
+    }
+
     /// Unscales (if not done yet) and runs `optimizer_step` unless a gradient was non-finite.
     pub fn step(
         &mut self,

@@ -14,6 +14,7 @@ mod master;
 mod updater;
 
 pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, ScalerState, StepOutcome};
+pub(crate) use master::account as account_holdings;
 pub use master::{masters_by_name, MasterState, MasterWeights};
 pub use updater::Updater;
 

@@ -1,0 +1,245 @@
+//! One rank of the multi-process checks (`tests/multi_rank.rs` starts it under `mpirun`, and
+//! alone as the one-process reference). What it runs comes from the environment:
+//!
+//! - `WICK_DIST_SCENARIO`: `train` (steps of a model; alone it takes both micro-batches of a
+//!   step itself, as gradient accumulation), `inf` (f16 with the loss scaler, an inf loss on
+//!   rank 1 only at step 2), `oom` (a memory cap on rank 1 only refuses step 2's activations),
+//!   `collectives` (each collective against a recomputation, and the refusals);
+//! - `WICK_DIST_MODEL` `decoder`|`cnn`, `WICK_DIST_PRECISION` `f32`|`bf16`|`f16`,
+//!   `WICK_DIST_ZERO` `0`|`1`|`2`, `WICK_DIST_STEPS`;
+//! - `WICK_DIST_OUT`: where rank 0 writes what happened (JSON).
+
+use std::cell::Cell;
+
+use anyhow::{bail, ensure, Context, Result};
+use candle_core::{DType, Device, Tensor};
+use sha2::{Digest, Sha256};
+use wick_nn::checkpoint::Checkpointing;
+use wick_nn::params::Params;
+use wick_nn::{Autocast, Model, NnError};
+use wick_train::dist::{DataParallelOptions, DistError, ProcessGroup, ReduceOp, Sharding};
+use wick_train::trainer::{TrainOptions, Trainer};
+use wick_train::{Optimizer, TrainError};
+use wick_zoo::registry::{ModelSpec, ZooBatch, ZooModel};
+use wick_zoo::resnet::ResNetDepth;
+
+fn env(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+/// The model with a fault on one rank at one step (none for `train`).
+struct Faulty {
+    inner: ZooModel,
+    fault: Option<(&'static str, u64)>,
+    calls: Cell<u64>,
+    engine: wick::Engine,
+}
+
+impl Model for Faulty {
+    type Batch = ZooBatch;
+
+    fn params(&self) -> &Params {
+        self.inner.params()
+    }
+
+    fn loss_with(&self, batch: &ZooBatch, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
+        let call = self.calls.get() + 1;
+        self.calls.set(call);
+        match self.fault {
+            Some(("oom", at)) if at == call => self.engine.preflight(1 << 40, "activations")?,
+            _ => {}
+        }
+        let loss = self.inner.loss_with(batch, checkpoint)?;
+        match self.fault {
+            Some(("inf", at)) if at == call => Ok((loss * f64::INFINITY)?),
+            _ => Ok(loss),
+        }
+    }
+}
+
+fn spec(model: &str) -> Result<ModelSpec> {
+    Ok(match model {
+        "decoder" => ModelSpec::Llama { config: wick_zoo::llama::LlamaConfig::tiny(64), seq: 8 },
+        "cnn" => ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 8, image: 32 },
+        m => bail!("unknown model {m}"),
+    })
+}
+
+/// Micro-batch `k` (of `micro` examples) out of a batch of `n × micro`.
+fn micro_batch(all: &ZooBatch, k: usize, micro: usize) -> Result<ZooBatch> {
+    Ok(match all {
+        ZooBatch::Tokens(t) => ZooBatch::Tokens(t.narrow(0, k * micro, micro)?),
+        ZooBatch::Images(l) => {
+            let mut l = l.clone();
+            l.inputs = l.inputs.narrow(0, k * micro, micro)?;
+            l.labels = l.labels.narrow(0, k * micro, micro)?;
+            ZooBatch::Images(l)
+        }
+        ZooBatch::Sentences(_) => bail!("not used here"),
+    })
+}
+
+fn param_hash(params: &Params) -> Result<String> {
+    let mut h = Sha256::new();
+    for (name, v) in params.iter() {
+        h.update(name.as_bytes());
+        let t = v.as_tensor().flatten_all()?.to_dtype(DType::F32)?;
+        for x in t.to_vec1::<f32>()? {
+            h.update(x.to_bits().to_le_bytes());
+        }
+    }
+    Ok(format!("{:x}", h.finalize()))
+}
+
+fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
+    let (rank, world) = (group.rank(), group.world_size());
+    let model_name = env("WICK_DIST_MODEL", "decoder");
+    let precision = env("WICK_DIST_PRECISION", "f32");
+    let zero: u8 = env("WICK_DIST_ZERO", "0").parse()?;
+    let steps: usize = env("WICK_DIST_STEPS", "4").parse()?;
+    let micro = 2;
+    let spec = spec(&model_name)?;
+    let (dtype, autocast) = match precision.as_str() {
+        "f32" => (DType::F32, Autocast::off()),
+        "bf16" => (DType::BF16, Autocast::bf16()),
+        "f16" => (DType::F16, Autocast::f16()),
+        p => bail!("unknown precision {p}"),
+    };
+    let fault = match scenario {
+        "inf" if rank == 1 => Some(("inf", 2)),
+        "oom" if rank == 1 => Some(("oom", 2)),
+        _ => None,
+    };
+    let mut engine = wick::Engine::cpu();
+    if fault.is_some_and(|f| f.0 == "oom") {
+        engine.set_memory_limit(Some(wick::memory::MemoryLimit::Bytes(1 << 30)))?;
+    }
+    let inner = spec.build(dtype, &Device::Cpu)?;
+    let model = Faulty { inner, fault, calls: Cell::new(0), engine };
+    let options = TrainOptions {
+        optimizer: Optimizer::AdamW(wick_train::optim::AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }),
+        autocast,
+        ..TrainOptions::default()
+    };
+    let describe = serde_json::json!({ "model": model_name, "precision": precision });
+    let mut trainer = Trainer::new(model, describe, None, options)?;
+    if world > 1 || zero > 0 {
+        let options = DataParallelOptions {
+            sharding: Sharding::from_stage(zero)?,
+            // Small buckets so that even the test models span several (and a parameter
+            // straddles two ranks' blocks under ZeRO).
+            bucket_bytes: 16 << 10,
+            first_bucket_bytes: 4 << 10,
+        };
+        trainer = trainer.data_parallel(group.clone(), options)?;
+    }
+    let all = spec.batch(steps * 2 * micro, dtype, &Device::Cpu)?;
+    let (mut losses, mut hashes, mut outcomes, mut errors) = (vec![], vec![], vec![], vec![]);
+    for step in 0..steps {
+        let mine: Vec<ZooBatch> = if world == 1 {
+            vec![micro_batch(&all, 2 * step, micro)?, micro_batch(&all, 2 * step + 1, micro)?]
+        } else {
+            vec![micro_batch(&all, 2 * step + rank, micro)?]
+        };
+        match trainer.train_step(&mine) {
+            Ok(record) => {
+                losses.push(record.loss.to_bits());
+                outcomes.push(format!("{:?}", record.outcome));
+                errors.push(String::new());
+            }
+            Err(e) => {
+                losses.push(0);
+                outcomes.push("Error".to_string());
+                errors.push(match &e {
+                    TrainError::Dist(DistError::PeerFailed { rank, .. }) => format!("peer {rank}"),
+                    other => format!("own: {other}"),
+                });
+            }
+        }
+        let hash = param_hash(trainer.model().params())?;
+        // Every rank's parameters must be the same after every step.
+        let bytes = Tensor::from_vec(hash.as_bytes().to_vec(), hash.len(), &Device::Cpu)?;
+        let gathered = group.all_gather(&bytes)?.to_vec1::<u8>()?;
+        ensure!(gathered.chunks(hash.len()).all(|c| c == hash.as_bytes()), "ranks differ after step {step}");
+        hashes.push(hash);
+    }
+    let (master, state) = trainer.optimizer_bytes();
+    let per_rank = group.all_gather(&Tensor::new(&[master as u64 as f64, state as u64 as f64], &Device::Cpu)?)?;
+    Ok(serde_json::json!({
+        "losses": losses,
+        "hashes": hashes,
+        "outcomes": outcomes,
+        "errors": errors,
+        "optimizer_bytes": per_rank.to_vec1::<f64>()?,
+        "reduce": trainer.last_reduce().map(|r| r.buckets),
+    }))
+}
+
+fn collectives(group: &ProcessGroup) -> Result<serde_json::Value> {
+    let (rank, world) = (group.rank(), group.world_size());
+    let r = rank as f32;
+    let dev = Device::Cpu;
+    let t = Tensor::new(&[[1f32 + r, 2. * r], [3., -r]], &dev)?;
+    // Recomputed on every rank from the formula each rank used.
+    let ranks: Vec<f32> = (0..world).map(|k| k as f32).collect();
+    let sum: Vec<f32> = vec![
+        ranks.iter().map(|k| 1. + k).sum(),
+        ranks.iter().map(|k| 2. * k).sum(),
+        3. * world as f32,
+        ranks.iter().map(|k| -k).sum(),
+    ];
+    ensure!(group.all_reduce(&t, ReduceOp::Sum)?.flatten_all()?.to_vec1::<f32>()? == sum, "sum");
+    let avg: Vec<f32> = sum.iter().map(|s| s / world as f32).collect();
+    ensure!(group.all_reduce(&t, ReduceOp::Avg)?.flatten_all()?.to_vec1::<f32>()? == avg, "avg");
+    let max = vec![world as f32, 2. * (world - 1) as f32, 3., 0.];
+    ensure!(group.all_reduce(&t, ReduceOp::Max)?.flatten_all()?.to_vec1::<f32>()? == max, "max");
+    let bf = group.all_reduce(&t.to_dtype(DType::BF16)?, ReduceOp::Sum)?;
+    ensure!(bf.dtype() == DType::BF16 && bf.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()? == sum, "bf16");
+    let ids = Tensor::new(&[rank as u32 * 10, 7], &dev)?;
+    let b = group.broadcast(&ids, world - 1)?.to_vec1::<u32>()?;
+    ensure!(b == vec![(world as u32 - 1) * 10, 7], "broadcast {b:?}");
+    let g = group.all_gather(&Tensor::new(&[r, r + 0.5], &dev)?)?.to_vec1::<f32>()?;
+    ensure!(g == ranks.iter().flat_map(|k| [*k, k + 0.5]).collect::<Vec<_>>(), "all_gather {g:?}");
+    let long = Tensor::arange(0f32, (4 * world) as f32, &dev)?.reshape((2 * world, 2))?;
+    let rs = group.reduce_scatter(&(&long + r as f64)?, ReduceOp::Sum)?.flatten_all()?.to_vec1::<f32>()?;
+    let expect: Vec<f32> =
+        (4 * rank..4 * rank + 4).map(|i| i as f32 * world as f32 + ranks.iter().sum::<f32>()).collect();
+    ensure!(rs == expect, "reduce_scatter {rs:?} vs {expect:?}");
+    let uneven = group.reduce_scatter(&Tensor::zeros(2 * world + 1, DType::F32, &dev)?, ReduceOp::Sum);
+    let uneven = uneven.err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(world == 1 || uneven.contains("pad it"), "uneven reduce_scatter: {uneven}");
+    // Shapes that differ between ranks: an error on every rank naming each rank's shape.
+    let odd = Tensor::zeros(3 + rank, DType::F32, &dev)?;
+    let mismatch = group.all_reduce(&odd, ReduceOp::Sum).err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(world == 1 || (mismatch.contains("rank 0: all_reduce F32 [3]") && mismatch.contains("[4]")), "{mismatch}");
+    // A setting that differs: refused naming the field.
+    let setting = serde_json::json!({"model": "decoder", "options": {"lr": 1e-3 * (1 + rank) as f64}});
+    let differs = group.check_same("training setup", &setting).err().map(|e| e.to_string()).unwrap_or_default();
+    ensure!(world == 1 || differs.contains("`options.lr`"), "{differs}");
+    group.barrier();
+    Ok(serde_json::json!({ "world": world, "mismatch": mismatch, "differs": differs }))
+}
+
+fn main() -> Result<()> {
+    let group = ProcessGroup::from_env().context("joining the process group")?;
+    let scenario = env("WICK_DIST_SCENARIO", "train");
+    let out = match scenario.as_str() {
+        "collectives" => collectives(&group)?,
+        "train" | "inf" | "oom" => train(&group, &scenario)?,
+        s => bail!("unknown scenario {s}"),
+    };
+    if group.is_root() {
+        if let Ok(path) = std::env::var("WICK_DIST_OUT") {
+            let tmp = format!("{path}.tmp");
+            std::fs::write(&tmp, serde_json::to_vec_pretty(&out)?)?;
+            std::fs::rename(&tmp, &path)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,211 @@
+//! Gradient buckets: which parameters are reduced together, and the data-parallel reduction
+//! that sums every rank's gradients into them.
+//!
+//! Policy (PyTorch DDP's, `torch/nn/parallel/distributed.py` and `reducer.hpp`): parameters in
+//! reverse registration order — roughly the order backward produces their gradients — packed
+//! into buckets of at most [`BUCKET_BYTES`] (25 MiB), the first one capped at
+//! [`FIRST_BUCKET_BYTES`] (1 MiB) so the first-ready gradients do not wait in a large bucket.
+//! A parameter is never split; one larger than the cap has a bucket of its own.
+//!
+//! Rationale for reducing after backward rather than during it: candle's backward returns all
+//! gradients at once (there is no per-gradient hook to launch a bucket's all-reduce from), so the
+//! buckets are reduced one after another right after backward; each bucket's all-reduce is one
+//! blocking MPI call (with one thread per rank, a non-blocking call would make no progress
+//! until waited on). The time it costs is measured and reported ([`ReduceStats`]).
+//!
+//! Rationale for f32 buckets: MPI has no bf16/f16 sum. A bucket holds f32; an f32 gradient
+//! becomes a view into its bucket (no second copy: the bucket *is* the gradient's storage, as
+//! with PyTorch's `gradient_as_bucket_view`), a low-precision gradient is rounded back to its
+//! dtype (for two ranks that equals candle's own low-precision addition: see
+//! [`super::ProcessGroup`]).
+
+use std::time::Instant;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::error::DistError;
+use super::{ProcessGroup, ReduceOp};
+
+/// PyTorch DDP's default bucket cap (`bucket_cap_mb=25`).
+pub const BUCKET_BYTES: usize = 25 << 20;
+/// PyTorch DDP's first-bucket cap (`_DEFAULT_FIRST_BUCKET_BYTES`).
+pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
+
+/// The parameters (indices into the model's parameter list) of each bucket, in the order the
+/// buckets are reduced: reverse parameter order, the first at most `first` bytes, the rest at
+/// most `cap` (f32 bytes; a parameter over the cap alone in its bucket).
+pub fn assign_buckets(elems: &[usize], first: usize, cap: usize) -> Vec<Vec<usize>> {
+    let mut buckets: Vec<Vec<usize>> = Vec::new();
+    let (mut current, mut bytes) = (Vec::new(), 0usize);
+    for i in (0..elems.len()).rev() {
+        let b = elems[i].saturating_mul(4);
+        let limit = if buckets.is_empty() { first } else { cap };
+        if !current.is_empty() && bytes.saturating_add(b) > limit {
+            buckets.push(std::mem::take(&mut current));
+            bytes = 0;
+        }
+        current.push(i);
+        bytes = bytes.saturating_add(b);
+    }
+    if !current.is_empty() {
+        buckets.push(current);
+    }
+    buckets
+}
+
+/// What the last reduction did.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReduceStats {
+    /// Buckets reduced.
+    pub buckets: usize,
+    /// Bytes each rank sent into the all-reduces.
+    pub bytes: usize,
+    /// Seconds in MPI calls.
+    pub comm_s: f64,
+    /// Seconds copying gradients into buckets and back.
+    pub pack_s: f64,
+}
+
+/// Which of `vars` have a gradient on any rank (all-reduce MAX of the local presence): a
+/// parameter no rank computed stays without one, as in one process; one computed on some ranks
+/// only counts zeros for the others.
+pub(crate) fn agreed_presence(group: &ProcessGroup, grads: &GradStore, vars: &[Var]) -> Result<Vec<bool>, DistError> {
+    let local: Vec<u8> = vars.iter().map(|v| grads.get(v.as_tensor()).is_some() as u8).collect();
+    let mut any = vec![0u8; local.len()];
+    group.comm().all_reduce(&local, &mut any, ReduceOp::Max)?;
+    Ok(any.into_iter().map(|p| p != 0).collect())
+}
+
+/// Appends `t`'s values, widened to f32, to `out`.
+pub(crate) fn append_f32(t: &Tensor, out: &mut Vec<f32>) -> Result<(), DistError> {
+    let t = t.detach().flatten_all()?;
+    match t.dtype() {
+        DType::F32 => {
+            let (storage, layout) = t.storage_and_layout();
+            if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) =
+                (&*storage, layout.contiguous_offsets())
+            {
+                out.extend_from_slice(&v[a..b]);
+                return Ok(());
+            }
+            drop(storage);
+            out.extend(t.to_vec1::<f32>()?);
+        }
+        DType::BF16 => out.extend(t.to_vec1::<half::bf16>()?.into_iter().map(f32::from)),
+        DType::F16 => out.extend(t.to_vec1::<half::f16>()?.into_iter().map(f32::from)),
+        d => return Err(DistError::unsupported("gradient reduction", format!("a {d:?} gradient"))),
+    }
+    Ok(())
+}
+
+/// The data-parallel reduction: every rank's gradients summed, bucket by bucket, back into
+/// `grads` (f32 ones as views of their bucket).
+pub(crate) struct GradBuckets {
+    plan: Vec<Vec<usize>>,
+    /// f32 bytes of all buckets (the reduced gradients' storage).
+    bytes: usize,
+}
+
+impl GradBuckets {
+    pub(crate) fn new(vars: &[Var], first: usize, cap: usize) -> Self {
+        let elems: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+        let bytes = elems.iter().fold(0usize, |a, &e| a.saturating_add(e.saturating_mul(4)));
+        GradBuckets { plan: assign_buckets(&elems, first, cap), bytes }
+    }
+
+    pub(crate) fn plan(&self) -> &[Vec<usize>] {
+        &self.plan
+    }
+
+    /// f32 bytes of every bucket together.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Sums `grads` over ranks in place.
+    pub(crate) fn reduce(
+        &self,
+        group: &ProcessGroup,
+        grads: &mut GradStore,
+        vars: &[Var],
+    ) -> Result<ReduceStats, DistError> {
+        let present = agreed_presence(group, grads, vars)?;
+        let mut stats = ReduceStats::default();
+        for bucket in &self.plan {
+            let members: Vec<usize> = bucket.iter().copied().filter(|&i| present[i]).collect();
+            let n: usize = members.iter().map(|&i| vars[i].elem_count()).sum();
+            if n == 0 {
+                continue;
+            }
+            let t0 = Instant::now();
+            let mut send = Vec::with_capacity(n);
+            for &i in &members {
+                match grads.remove(vars[i].as_tensor()) {
+                    Some(g) => append_f32(&g, &mut send)?,
+                    None => send.resize(send.len() + vars[i].elem_count(), 0.0),
+                }
+            }
+            let t1 = Instant::now();
+            let mut recv = vec![0f32; n];
+            group.comm().all_reduce(&send, &mut recv, ReduceOp::Sum)?;
+            drop(send);
+            let t2 = Instant::now();
+            let bucket = Tensor::from_vec(recv, n, &Device::Cpu)?;
+            let mut at = 0;
+            for &i in &members {
+                let v = &vars[i];
+                let view = bucket.narrow(0, at, v.elem_count())?.reshape(v.dims())?;
+                at += v.elem_count();
+                let g = if v.dtype() == DType::F32 { view } else { view.to_dtype(v.dtype())? };
+                grads.insert(v.as_tensor(), g);
+            }
+            stats.buckets += 1;
+            stats.bytes += n * 4;
+            stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
+            stats.comm_s += (t2 - t1).as_secs_f64();
+        }
+        Ok(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_follow_pytorchs_policy() {
+        // 1 MiB = 262144 f32 elements. Reverse order; the first bucket closes before 1 MiB.
+        let mib = 1 << 18;
+        let elems = [mib * 30, 10, mib / 2, mib / 2, 100];
+        let plan = assign_buckets(&elems, FIRST_BUCKET_BYTES, BUCKET_BYTES);
+        assert_eq!(plan, vec![vec![4, 3], vec![2, 1], vec![0]]);
+        // Every parameter exactly once.
+        let mut all: Vec<usize> = plan.concat();
+        all.sort();
+        assert_eq!(all, (0..elems.len()).collect::<Vec<_>>());
+        assert!(assign_buckets(&[], 1, 1).is_empty());
+    }
+
+    #[test]
+    fn one_rank_reduction_keeps_gradients_and_makes_views() {
+        let group = ProcessGroup::single();
+        let a = Var::from_tensor(&Tensor::new(&[1f32, 2., 3.], &Device::Cpu).unwrap()).unwrap();
+        let b = Var::from_tensor(&Tensor::new(&[[4f32, 5.], [6., 7.]], &Device::Cpu).unwrap()).unwrap();
+        let loss = ((a.as_tensor().sqr().unwrap().sum_all().unwrap() + b.as_tensor().sum_all().unwrap()).unwrap()
+            * 3.0)
+            .unwrap();
+        let mut grads = loss.backward().unwrap();
+        let vars = vec![a.clone(), b.clone()];
+        let buckets = GradBuckets::new(&vars, FIRST_BUCKET_BYTES, BUCKET_BYTES);
+        let stats = buckets.reduce(&group, &mut grads, &vars).unwrap();
+        assert_eq!((stats.buckets, stats.bytes), (1, 7 * 4));
+        assert_eq!(grads.get(&a).unwrap().to_vec1::<f32>().unwrap(), vec![6., 12., 18.]);
+        assert_eq!(grads.get(&b).unwrap().to_vec2::<f32>().unwrap(), vec![vec![3., 3.], vec![3., 3.]]);
+        // Views of one bucket: the same storage.
+        let (sa, _) = grads.get(&a).unwrap().storage_and_layout();
+        let (sb, lb) = grads.get(&b).unwrap().storage_and_layout();
+        assert!(std::ptr::eq(&*sa, &*sb), "both gradients live in the bucket");
+        assert_eq!(lb.start_offset(), 0, "b is reduced first (reverse order), so it starts the bucket");
+    }
+}

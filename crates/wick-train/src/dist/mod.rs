@@ -1,0 +1,48 @@
+//! More than one process: a [`ProcessGroup`] of ranks started by a launcher (`mpirun`, `srun`),
+//! collectives over candle tensors between them, and data-parallel training
+//! ([`crate::Trainer::data_parallel`]) with optional sharding of the optimizer's state
+//! ([`Sharding`]).
+//!
+//! The transport is an existing engine, never wick's own: MPI through rsmpi (feature `mpi`, over
+//! the system's MPI — Open MPI or MPICH), which also runs on one host over shared memory.
+//! Without the feature a group is the process alone, and the same code trains on one rank.
+//!
+//! | module | what it owns |
+//! |---|---|
+//! | [`launch`] | who this process is, from the launcher's environment ([`Launch`]) |
+//! | [`group`] | [`ProcessGroup`]: rank, world size, and `all_reduce`/`broadcast`/`all_gather`/`reduce_scatter`/`barrier` over tensors, with every rank agreeing on dtypes and shapes first |
+//! | [`buckets`] | gradient buckets (PyTorch DDP's sizes and order) and the data-parallel gradient sum |
+//! | [`parallel`] | what a [`crate::Trainer`] holds under a group: the options ([`DataParallelOptions`]), the start-up checks and broadcasts, the step's agreement on failures, the sharded update ([`Sharding`]) |
+//! | `zero` | ZeRO stages 1 and 2: a rank's shard of masters and optimizer state, the reduce-scatter, the sharded update and the all-gather |
+//! | [`error`] | [`DistError`] |
+//!
+//! A rank that dies cannot become an error here: rsmpi runs MPI with its errors-are-fatal
+//! handler, so mpirun ends the whole job and names the rank; resilience is the trainer's
+//! checkpoints (a resumed run continues bit-exactly).
+
+pub mod buckets;
+mod comm;
+pub mod error;
+pub mod group;
+pub mod launch;
+pub mod parallel;
+mod zero;
+
+pub use comm::Element;
+pub use error::DistError;
+pub use group::ProcessGroup;
+pub use launch::Launch;
+pub use parallel::{DataParallelOptions, Sharding};
+
+/// How a collective combines the ranks' values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// The sum.
+    Sum,
+    /// The mean (the sum divided by the world size; floats only).
+    Avg,
+    /// The largest.
+    Max,
+    /// The smallest.
+    Min,
+}

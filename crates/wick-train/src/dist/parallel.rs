@@ -1,0 +1,220 @@
+//! What a [`crate::Trainer`] holds when it trains data-parallel: the group, the gradient
+//! buckets, the sharded optimizer (ZeRO) when the state is sharded, and the steps every rank
+//! takes together — the start-up check that all ranks run the same thing, rank 0's state
+//! broadcast to all, the agreement on a step that failed on any rank, the buffers each step
+//! starts from.
+
+use candle_core::backprop::GradStore;
+use candle_core::{Tensor, Var};
+use wick_nn::params::Params;
+
+use super::buckets::{GradBuckets, ReduceStats, BUCKET_BYTES, FIRST_BUCKET_BYTES};
+use super::error::DistError;
+use super::group::{from_bytes, to_bytes};
+use super::zero::ZeroOptimizer;
+use super::ProcessGroup;
+use crate::amp::{GradScaler, MasterState, MasterWeights, StepOutcome};
+use crate::error::TrainError;
+
+/// How much of the training state each rank keeps whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Sharding {
+    /// Every rank holds everything (plain data parallel, PyTorch DDP).
+    None,
+    /// ZeRO stage 1: the f32 masters and the optimizer state are sharded; gradients are
+    /// all-reduced whole.
+    OptimizerState,
+    /// ZeRO stage 2: as stage 1, and gradients are reduce-scattered (a rank keeps its shard).
+    Gradients,
+}
+
+impl Sharding {
+    /// The ZeRO stage (0 for none).
+    pub fn stage(self) -> u8 {
+        match self {
+            Sharding::None => 0,
+            Sharding::OptimizerState => 1,
+            Sharding::Gradients => 2,
+        }
+    }
+
+    /// The sharding of ZeRO stage `stage` (0, 1 or 2).
+    pub fn from_stage(stage: u8) -> Result<Self, DistError> {
+        match stage {
+            0 => Ok(Sharding::None),
+            1 => Ok(Sharding::OptimizerState),
+            2 => Ok(Sharding::Gradients),
+            s => Err(DistError::unsupported(
+                "sharding",
+                format!("ZeRO stage {s}: stages 0, 1 and 2 are built (stage 3 gathers parameters per layer, not yet)"),
+            )),
+        }
+    }
+}
+
+/// Data-parallel settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DataParallelOptions {
+    /// What is sharded.
+    pub sharding: Sharding,
+    /// The gradient bucket cap in bytes (PyTorch's 25 MiB).
+    pub bucket_bytes: usize,
+    /// The first bucket's cap (PyTorch's 1 MiB).
+    pub first_bucket_bytes: usize,
+}
+
+impl Default for DataParallelOptions {
+    fn default() -> Self {
+        DataParallelOptions {
+            sharding: Sharding::None,
+            bucket_bytes: BUCKET_BYTES,
+            first_bucket_bytes: FIRST_BUCKET_BYTES,
+        }
+    }
+}
+
+/// A trainer's data-parallel state.
+pub(crate) struct Parallel {
+    pub(crate) group: ProcessGroup,
+    buckets: GradBuckets,
+    zero: Option<ZeroOptimizer>,
+    pub(crate) last: ReduceStats,
+}
+
+impl Parallel {
+    /// Joins the group: refuses unless `setup` (the model, its parameters and the training
+    /// options) is the same on every rank, then takes rank 0's masters, optimizer state and
+    /// buffers everywhere; with sharding, keeps only this rank's shard of them (`masters` is
+    /// left empty).
+    pub(crate) fn start(
+        group: ProcessGroup,
+        options: DataParallelOptions,
+        setup: serde_json::Value,
+        vars: &[Var],
+        masters: &mut MasterWeights,
+        params: &Params,
+    ) -> Result<Self, TrainError> {
+        if options.bucket_bytes == 0 || options.first_bucket_bytes == 0 {
+            return Err(DistError::unsupported("data parallel", "bucket caps must be positive").into());
+        }
+        let setup = serde_json::json!({
+            "setup": setup,
+            "sharding": options.sharding,
+            "bucket_bytes": options.bucket_bytes,
+            "first_bucket_bytes": options.first_bucket_bytes,
+        });
+        group.check_same("training setup", &setup)?;
+        let state = masters.state()?;
+        let state = MasterState {
+            step: state.step,
+            masters: state.masters.iter().map(|t| group.broadcast(t, 0)).collect::<Result<_, _>>()?,
+            states: state
+                .states
+                .iter()
+                .map(|s| s.iter().map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>, _>>())
+                .collect::<Result<_, _>>()?,
+        };
+        masters.load_state(&state)?;
+        broadcast_buffers(&group, params)?;
+        let buckets = GradBuckets::new(vars, options.first_bucket_bytes, options.bucket_bytes);
+        let zero = match options.sharding {
+            Sharding::None => None,
+            stage => {
+                let z = ZeroOptimizer::new(&group, vars, buckets.plan(), stage, masters.optimizer(), &state)?;
+                *masters = MasterWeights::new(&[], masters.optimizer())?;
+                Some(z)
+            }
+        };
+        Ok(Parallel { group, buckets, zero, last: ReduceStats::default() })
+    }
+
+    /// Whether the optimizer state is sharded.
+    pub(crate) fn sharded(&self) -> bool {
+        self.zero.is_some()
+    }
+
+    /// This rank's bytes of f32 masters and optimizer state when sharded.
+    pub(crate) fn shard_bytes(&self) -> Option<(usize, usize)> {
+        self.zero.as_ref().map(ZeroOptimizer::memory_bytes)
+    }
+
+    /// f32 bytes of all gradient buckets.
+    pub(crate) fn bucket_bytes(&self) -> usize {
+        self.buckets.bytes()
+    }
+
+    /// Every rank's outcome of its local part of a step: its own when it failed, a
+    /// [`DistError::PeerFailed`] naming the first rank that failed when another did, the value
+    /// when none did. Every rank calls it once per step, so none waits in a collective the
+    /// others never reach.
+    pub(crate) fn agree<T>(&self, local: Result<T, TrainError>) -> Result<T, TrainError> {
+        let message = local.as_ref().err().map(ToString::to_string);
+        match (self.group.first_failure(message.as_deref())?, local) {
+            (None, Ok(v)) => Ok(v),
+            (Some((r, _)), Err(e)) if r == self.group.rank() => Err(e),
+            (Some((rank, message)), _) => Err(DistError::PeerFailed { rank, message }.into()),
+            (None, Err(e)) => Err(e),
+        }
+    }
+
+    /// The update: gradients summed over ranks (bucket by bucket), the inf/NaN decision of the
+    /// loss scaler agreed, then the replicated update (`masters`) or this rank's sharded one.
+    pub(crate) fn update(
+        &mut self,
+        grads: &mut GradStore,
+        vars: &[Var],
+        masters: &mut MasterWeights,
+        scaler: Option<&mut GradScaler>,
+        lr: f64,
+    ) -> Result<StepOutcome, TrainError> {
+        if let Some(z) = self.zero.as_mut() {
+            z.set_learning_rate(lr);
+            let (outcome, stats) = z.step(&self.group, grads, vars, scaler)?;
+            self.last = stats;
+            return Ok(outcome);
+        }
+        self.last = self.buckets.reduce(&self.group, grads, vars)?;
+        masters.set_learning_rate(lr);
+        let refs: Vec<&Var> = vars.iter().collect();
+        let scaler = match scaler {
+            Some(s) => {
+                // Every rank holds the same summed gradients, so the finding is the same; it is
+                // agreed all the same, one byte, before any rank acts on it.
+                let found = s.unscale(grads, &refs)?;
+                s.set_found_inf(self.group.any(found)?);
+                Some(s)
+            }
+            None => None,
+        };
+        Ok(crate::amp::master_step(grads, masters, scaler, &refs)?)
+    }
+}
+
+/// Rank 0's buffers (batch norm's running statistics) into every rank's, in one broadcast —
+/// PyTorch DDP's `broadcast_buffers=True`, done when a run joins and before each step.
+pub(crate) fn broadcast_buffers(group: &ProcessGroup, params: &Params) -> Result<(), TrainError> {
+    if group.world_size() == 1 {
+        return Ok(());
+    }
+    let buffers: Vec<_> = params.buffers().map(|(_, b)| b).collect();
+    if buffers.is_empty() {
+        return Ok(());
+    }
+    let values: Vec<Tensor> = buffers.iter().map(|b| b.get()).collect();
+    let mut bytes = Vec::new();
+    let mut lens = Vec::with_capacity(values.len());
+    for t in &values {
+        let b = to_bytes(t)?;
+        lens.push(b.len());
+        bytes.extend_from_slice(&b);
+    }
+    // The same buffers everywhere was checked when the run joined (`check_same` of the setup).
+    group.comm().broadcast(&mut bytes, 0)?;
+    let mut at = 0;
+    for ((buffer, t), len) in buffers.iter().zip(&values).zip(lens) {
+        let value = from_bytes(bytes[at..at + len].to_vec(), t.dtype(), t.dims())?;
+        at += len;
+        buffer.set(&value.to_device(t.device())?)?;
+    }
+    Ok(())
+}

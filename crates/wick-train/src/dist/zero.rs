@@ -1,0 +1,241 @@
+//! ZeRO stages 1 and 2 (Rajbhandari et al., SC'20): the optimizer's state and the f32 masters
+//! sharded over the ranks, each rank updating only its shard, the updated shards all-gathered
+//! into every rank's parameters.
+//!
+//! Layout: the gradient buckets ([`super::buckets`]), each padded to a multiple of the world size
+//! and cut into equal blocks; rank `r` owns block `r` of every bucket (DeepSpeed's flat
+//! partition, so a parameter may straddle two ranks and any world size shards any model — the
+//! padding is at most `world − 1` elements per bucket). Within its block a rank keeps one state
+//! entry per parameter piece, so the update is the same element-wise rule on the same values as
+//! the replicated one: ZeRO and plain data parallel give the same parameters to the bit.
+//!
+//! Stage 1 all-reduces each bucket (every rank holds the whole reduced gradient until the
+//! update); stage 2 reduce-scatters it (a rank keeps only its block, the rest is freed bucket by
+//! bucket). candle's backward hands over all gradients at once, so the two stages differ after
+//! backward, not during it: the peak at the end of backward holds every local gradient in both.
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::buckets::{agreed_presence, append_f32, ReduceStats};
+use super::error::DistError;
+use super::parallel::Sharding;
+use super::{ProcessGroup, ReduceOp};
+use crate::amp::{GradScaler, MasterState, StepOutcome};
+use crate::error::TrainError;
+use crate::optim::Optimizer;
+
+/// A piece of parameter `param` (`len` elements from `offset`) at `at` in its bucket's block,
+/// with its f32 master when the parameter is not f32 (an f32 parameter is its own master).
+struct Piece {
+    param: usize,
+    offset: usize,
+    len: usize,
+    at: usize,
+    master: Option<Tensor>,
+}
+
+struct ShardBucket {
+    /// Parameters, in bucket order, with where each starts in the bucket.
+    members: Vec<(usize, usize)>,
+    /// Elements in each rank's block (the bucket padded to a multiple of the world size).
+    block: usize,
+    pieces: Vec<Piece>,
+    /// Optimizer state of each piece.
+    states: Vec<Vec<Tensor>>,
+}
+
+/// A rank's shard of the optimizer: masters and state of its blocks, and the step count.
+pub(crate) struct ZeroOptimizer {
+    stage: Sharding,
+    optimizer: Optimizer,
+    step: u64,
+    buckets: Vec<ShardBucket>,
+}
+
+fn rounded(values: &mut [f32], dtype: DType) {
+    match dtype {
+        DType::BF16 => values.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+        DType::F16 => values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+        _ => {}
+    }
+}
+
+fn vec_f32(t: &Tensor) -> Result<Vec<f32>, DistError> {
+    let mut out = Vec::with_capacity(t.elem_count());
+    append_f32(t, &mut out)?;
+    Ok(out)
+}
+
+impl ZeroOptimizer {
+    /// This rank's shard of `full` (every parameter's master and state, as
+    /// [`crate::amp::MasterWeights::state`] gives it) over the buckets `plan`.
+    pub(crate) fn new(
+        group: &ProcessGroup,
+        vars: &[Var],
+        plan: &[Vec<usize>],
+        stage: Sharding,
+        optimizer: Optimizer,
+        full: &MasterState,
+    ) -> Result<Self, TrainError> {
+        let (rank, world) = (group.rank(), group.world_size());
+        let mut buckets = Vec::with_capacity(plan.len());
+        for members in plan {
+            let mut at = 0usize;
+            let mut placed = Vec::with_capacity(members.len());
+            for &i in members {
+                placed.push((i, at));
+                at =
+                    at.checked_add(vars[i].elem_count()).ok_or_else(|| DistError::internal("bucket size overflows"))?;
+            }
+            let elems = at;
+            let block = elems.div_ceil(world).max(1);
+            let (lo, hi) = (rank * block, ((rank + 1) * block).min(elems));
+            let mut pieces = Vec::new();
+            let mut states = Vec::new();
+            for &(i, start) in &placed {
+                let end = start + vars[i].elem_count();
+                let (a, b) = (start.max(lo), end.min(hi));
+                if a >= b {
+                    continue;
+                }
+                let (offset, len) = (a - start, b - a);
+                let take = |t: &Tensor| -> Result<Tensor, TrainError> {
+                    Ok(t.flatten_all()?.narrow(0, offset, len)?.to_dtype(DType::F32)?.copy()?)
+                };
+                let master = (vars[i].dtype() != DType::F32).then(|| take(&full.masters[i])).transpose()?;
+                states.push(full.states[i].iter().map(take).collect::<Result<Vec<_>, _>>()?);
+                pieces.push(Piece { param: i, offset, len, at: a - lo, master });
+            }
+            buckets.push(ShardBucket { members: placed, block, pieces, states });
+        }
+        Ok(ZeroOptimizer { stage, optimizer, step: full.step, buckets })
+    }
+
+    /// Bytes of this rank's f32 masters and optimizer state.
+    pub(crate) fn memory_bytes(&self) -> (usize, usize) {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let master =
+            self.buckets.iter().flat_map(|b| b.pieces.iter().filter_map(|p| p.master.as_ref())).map(bytes).sum();
+        let state = self.buckets.iter().flat_map(|b| b.states.iter().flatten()).map(bytes).sum();
+        (master, state)
+    }
+
+    pub(crate) fn set_learning_rate(&mut self, lr: f64) {
+        self.optimizer.set_lr(lr);
+    }
+
+    /// One sharded step from this rank's local gradients `grads` (consumed): reduce each bucket
+    /// (all-reduce for stage 1, reduce-scatter for stage 2), unscale and agree on inf/NaN
+    /// through the scaler, update this rank's pieces, all-gather the blocks into the parameters.
+    pub(crate) fn step(
+        &mut self,
+        group: &ProcessGroup,
+        grads: &mut GradStore,
+        vars: &[Var],
+        scaler: Option<&mut GradScaler>,
+    ) -> Result<(StepOutcome, ReduceStats), TrainError> {
+        let (rank, world) = (group.rank(), group.world_size());
+        let present = agreed_presence(group, grads, vars)?;
+        let mut stats = ReduceStats::default();
+        // Each bucket's reduced gradient block (stage 1: inside the whole reduced bucket).
+        let mut blocks: Vec<(Tensor, usize)> = Vec::with_capacity(self.buckets.len());
+        for b in &self.buckets {
+            let t0 = std::time::Instant::now();
+            let padded = b.block * world;
+            let mut send = Vec::with_capacity(padded);
+            for &(i, _) in &b.members {
+                match grads.remove(vars[i].as_tensor()) {
+                    Some(g) if present[i] => append_f32(&g, &mut send)?,
+                    _ => send.resize(send.len() + vars[i].elem_count(), 0.0),
+                }
+            }
+            send.resize(padded, 0.0);
+            let t1 = std::time::Instant::now();
+            let (mut values, at) = match self.stage {
+                Sharding::OptimizerState => {
+                    let mut recv = vec![0f32; padded];
+                    group.comm().all_reduce(&send, &mut recv, ReduceOp::Sum)?;
+                    (recv, rank * b.block)
+                }
+                _ => {
+                    let mut recv = vec![0f32; b.block];
+                    group.comm().reduce_scatter(&send, &mut recv, ReduceOp::Sum)?;
+                    (recv, 0)
+                }
+            };
+            drop(send);
+            let t2 = std::time::Instant::now();
+            // A low-precision gradient is rounded to its dtype, as the replicated path does.
+            for p in &b.pieces {
+                rounded(&mut values[at + p.at..at + p.at + p.len], vars[p.param].dtype());
+            }
+            stats.buckets += 1;
+            stats.bytes += padded * 4;
+            stats.comm_s += (t2 - t1).as_secs_f64();
+            stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
+            let n = values.len();
+            blocks.push((Tensor::from_vec(values, n, &Device::Cpu)?, at));
+        }
+        // The loss scaler (f16): unscale this rank's pieces, then every rank takes the same
+        // decision from the all-reduced finding before anything changes.
+        if let Some(s) = scaler {
+            let inv = (1.0 / s.scale()) as f32;
+            let mut found = false;
+            for (b, (block, at)) in self.buckets.iter().zip(blocks.iter_mut()) {
+                let mut values = vec_f32(block)?;
+                for p in b.pieces.iter().filter(|p| present[p.param]) {
+                    let piece = &mut values[*at + p.at..*at + p.at + p.len];
+                    piece.iter_mut().for_each(|v| *v *= inv);
+                    rounded(piece, vars[p.param].dtype());
+                    found |= piece.iter().any(|v| !v.is_finite());
+                }
+                let n = values.len();
+                *block = Tensor::from_vec(values, n, &Device::Cpu)?;
+            }
+            let agreed = group.any(found)?;
+            s.set_found_inf(agreed);
+            let outcome = if agreed { StepOutcome::Skipped } else { self.update(group, vars, &blocks, &present)? };
+            s.update()?;
+            return Ok((outcome, stats));
+        }
+        Ok((self.update(group, vars, &blocks, &present)?, stats))
+    }
+
+    fn update(
+        &mut self,
+        group: &ProcessGroup,
+        vars: &[Var],
+        blocks: &[(Tensor, usize)],
+        present: &[bool],
+    ) -> Result<StepOutcome, TrainError> {
+        let world = group.world_size();
+        self.step += 1;
+        let t = self.step as i32;
+        for (b, (grad, at)) in self.buckets.iter_mut().zip(blocks) {
+            // Each piece's master: its own f32 copy, or the f32 parameter itself (updated in
+            // place, as the replicated update does).
+            let mut mine = vec![0f32; b.block];
+            for (p, state) in b.pieces.iter().zip(b.states.iter_mut()) {
+                let target = match &p.master {
+                    Some(m) => m.clone(),
+                    None => vars[p.param].as_tensor().flatten_all()?.narrow(0, p.offset, p.len)?,
+                };
+                if present[p.param] {
+                    let g = grad.narrow(0, at + p.at, p.len)?;
+                    *state = crate::optim::step(&target, &g, state, self.optimizer, t)?;
+                }
+                mine[p.at..p.at + p.len].copy_from_slice(&vec_f32(&target)?);
+            }
+            let mut full = vec![0f32; b.block * world];
+            group.comm().all_gather(&mine, &mut full)?;
+            drop(mine);
+            for &(i, start) in &b.members {
+                let v = &vars[i];
+                let values = Tensor::from_slice(&full[start..start + v.elem_count()], v.dims(), &Device::Cpu)?;
+                crate::optim::copy_into(v.as_tensor(), &values)?;
+            }
+        }
+        Ok(StepOutcome::Applied)
+    }
+}

@@ -1,0 +1,158 @@
+//! Multi-process training under a real `mpirun` (2 ranks × 1 thread, oversubscribed): each test
+//! starts `examples/dist_ranks.rs` (built here with the `mpi` feature) as two ranks and as one
+//! process, and compares what they did. Skipped, loudly, where `mpirun` or MPI's compiler
+//! wrapper is missing (`.ci/run` installs Debian's Open MPI).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+fn which(cmd: &str) -> bool {
+    Command::new("sh").arg("-c").arg(format!("command -v {cmd}")).output().is_ok_and(|o| o.status.success())
+}
+
+/// The rank program, built once per test run; `None` (and a SKIPPED line) without MPI.
+fn ranks_binary() -> Option<&'static Path> {
+    static BINARY: OnceLock<Option<PathBuf>> = OnceLock::new();
+    BINARY
+        .get_or_init(|| {
+            if !(which("mpirun") && which("mpicc")) {
+                eprintln!(
+                    "SKIPPED: the multi-process tests need MPI (mpirun, mpicc) and libclang: \
+                     apt-get install openmpi-bin libopenmpi-dev libclang-dev"
+                );
+                return None;
+            }
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let status = Command::new(cargo)
+                .args(["build", "--quiet", "-p", "wick-train", "--features", "mpi", "--example", "dist_ranks"])
+                .status()
+                .expect("cargo runs");
+            assert!(status.success(), "building the rank program with `--features mpi` failed");
+            let target = std::env::var("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
+            Some(target.join("debug/examples/dist_ranks"))
+        })
+        .as_deref()
+}
+
+/// Runs the rank program with `vars` as `ranks` processes under mpirun (or alone for 1) and
+/// returns what rank 0 wrote.
+fn run(ranks: usize, vars: &[(&str, &str)]) -> Option<serde_json::Value> {
+    let binary = ranks_binary()?;
+    let out = std::env::temp_dir().join(format!(
+        "wick-ranks-{}-{ranks}-{}.json",
+        std::process::id(),
+        vars.iter().map(|(k, v)| format!("{}{v}", &k[10..11])).collect::<String>()
+    ));
+    let mut cmd = if ranks == 1 {
+        Command::new(binary)
+    } else {
+        let mut c = Command::new("mpirun");
+        c.args(["-n", &ranks.to_string(), "--oversubscribe", "--bind-to", "none"]);
+        for (k, _) in vars.iter().chain(&[("WICK_DIST_OUT", ""), ("RAYON_NUM_THREADS", "")]) {
+            c.args(["-x", k]);
+        }
+        c.arg(binary);
+        c
+    };
+    // As root Open MPI asks for both variables (its advice against running as root).
+    cmd.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    cmd.env("RAYON_NUM_THREADS", "1").env("WICK_DIST_OUT", &out);
+    for (k, v) in vars {
+        cmd.env(k, v);
+    }
+    let output = cmd.output().expect("the rank program starts");
+    assert!(
+        output.status.success(),
+        "{ranks} rank(s) with {vars:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = std::fs::read(&out).expect("rank 0 wrote its result");
+    let _ = std::fs::remove_file(&out);
+    Some(serde_json::from_slice(&text).expect("JSON"))
+}
+
+#[test]
+fn collectives_match_a_recomputation_and_mismatches_are_named() {
+    let Some(v) = run(2, &[("WICK_DIST_SCENARIO", "collectives")]) else { return };
+    assert_eq!(v["world"], 2);
+    assert!(v["mismatch"].as_str().unwrap().contains("rank 1: all_reduce F32 [4]"), "{v}");
+    assert!(v["differs"].as_str().unwrap().contains("0.001 on rank 0 and 0.002 on rank 1"), "{v}");
+}
+
+/// Two ranks with one micro-batch each, plain and ZeRO-1/2, against one process taking both
+/// micro-batches as gradient accumulation: the same losses and parameters (SHA-256) after every
+/// step, to the bit; the optimizer's bytes of the ranks add up to the one process's exactly.
+fn two_ranks_equal_accumulation(model: &str, precision: &str) {
+    let base = [("WICK_DIST_MODEL", model), ("WICK_DIST_PRECISION", precision), ("WICK_DIST_STEPS", "3")];
+    let Some(alone) = run(1, &base) else { return };
+    let steps = alone["hashes"].as_array().unwrap();
+    assert_eq!(steps.len(), 3);
+    assert!(steps.windows(2).all(|w| w[0] != w[1]), "the parameters move every step");
+    let single: Vec<f64> = serde_json::from_value(alone["optimizer_bytes"].clone()).unwrap();
+    for zero in ["0", "1", "2"] {
+        let mut vars = base.to_vec();
+        vars.push(("WICK_DIST_ZERO", zero));
+        let two = run(2, &vars).unwrap();
+        assert_eq!(two["losses"], alone["losses"], "{model} {precision} ZeRO-{zero}: losses");
+        assert_eq!(two["hashes"], alone["hashes"], "{model} {precision} ZeRO-{zero}: parameters");
+        assert!(two["reduce"].as_u64().unwrap() > 2, "several buckets");
+        let per_rank: Vec<f64> = serde_json::from_value(two["optimizer_bytes"].clone()).unwrap();
+        let sum = [per_rank[0] + per_rank[2], per_rank[1] + per_rank[3]];
+        if zero == "0" {
+            assert_eq!(per_rank[..2], single[..], "replicated: each rank holds it all");
+        } else {
+            assert_eq!(sum, [single[0], single[1]], "ZeRO-{zero}: the shards add up to one process's");
+            assert!(per_rank[1] < single[1] * 0.55, "ZeRO-{zero}: about half the state per rank");
+        }
+    }
+}
+
+#[test]
+fn decoder_f32_two_ranks_equal_one_process_accumulating() {
+    two_ranks_equal_accumulation("decoder", "f32");
+}
+
+#[test]
+fn decoder_bf16_two_ranks_equal_one_process_accumulating() {
+    two_ranks_equal_accumulation("decoder", "bf16");
+}
+
+#[test]
+fn cnn_f32_two_ranks_equal_one_process_accumulating() {
+    two_ranks_equal_accumulation("cnn", "f32");
+}
+
+#[test]
+fn cnn_bf16_two_ranks_equal_one_process_accumulating() {
+    two_ranks_equal_accumulation("cnn", "bf16");
+}
+
+/// An inf loss on rank 1 only (f16, the loss scaler): both ranks skip that step and stay equal
+/// (the program checks every rank's parameters after every step).
+#[test]
+fn an_inf_on_one_rank_skips_the_step_on_both() {
+    for zero in ["0", "2"] {
+        let vars = [("WICK_DIST_SCENARIO", "inf"), ("WICK_DIST_PRECISION", "f16"), ("WICK_DIST_ZERO", zero)];
+        let Some(v) = run(2, &vars) else { return };
+        assert_eq!(v["outcomes"], serde_json::json!(["Applied", "Skipped", "Applied", "Applied"]), "ZeRO-{zero}");
+        let h = v["hashes"].as_array().unwrap();
+        assert!(h[0] == h[1] && h[1] != h[2], "the skipped step changed nothing: {h:?}");
+    }
+}
+
+/// A memory cap on rank 1 only refuses its step 2: rank 0 stops that step too (naming rank 1),
+/// nothing is applied anywhere, and both go on.
+#[test]
+fn a_typed_oom_on_one_rank_stops_the_step_on_both() {
+    for zero in ["0", "1"] {
+        let Some(v) = run(2, &[("WICK_DIST_SCENARIO", "oom"), ("WICK_DIST_ZERO", zero)]) else { return };
+        assert_eq!(v["outcomes"], serde_json::json!(["Applied", "Error", "Applied", "Applied"]), "ZeRO-{zero}");
+        assert_eq!(v["errors"][1], "peer 1");
+        let h = v["hashes"].as_array().unwrap();
+        assert!(h[0] == h[1] && h[1] != h[2], "nothing applied at the failed step: {h:?}");
+    }
+}
