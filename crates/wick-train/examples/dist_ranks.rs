@@ -226,7 +226,7 @@ fn collectives(group: &ProcessGroup) -> Result<serde_json::Value> {
     Ok(serde_json::json!({ "world": world, "mismatch": mismatch, "differs": differs }))
 }
 
-fn main() -> Result<()> {
+fn run() -> Result<()> {
     let group = ProcessGroup::from_env().context("joining the process group")?;
     let scenario = env("WICK_DIST_SCENARIO", "train");
     let out = match scenario.as_str() {
@@ -243,3 +243,5 @@ fn main() -> Result<()> {
     }
     Ok(())
 }
+
+wick::main!(run);

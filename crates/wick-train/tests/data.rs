@@ -244,3 +244,54 @@ fn file_datasets_read_what_was_written_and_refuse_what_does_not_fit() {
     assert!(err.starts_with("sample 3:") && err.contains("1.png"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Sharded by rank: the ranks' batches together are the epoch (every sample once when the
+/// batches divide by the world size; the padding repeats the epoch's first batches otherwise, or
+/// is dropped with `drop_last`), rank r's j-th batch is the one-process epoch's batch
+/// `r + j·world`, and a rank resumed mid-epoch reads the same batches as one that never stopped.
+#[test]
+fn sharded_epochs_split_the_epoch_between_ranks_and_resume_mid_epoch() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let config = LoaderConfig { batch_size: 3, shuffle: true, seed: 7, drop_last: false, workers: 0, ..Default::default() };
+    let whole = labels(&Loader::new(numbers(24), config), Position::start(2));
+    assert_eq!(whole.len(), 8);
+    for world in [1, 2, 4] {
+        let mut union = Vec::new();
+        for rank in 0..world {
+            let loader = Loader::new(numbers(24), config).sharded(rank, world).unwrap();
+            assert_eq!(loader.batches_per_epoch(), 8 / world);
+            let mine = labels(&loader, Position::start(2));
+            for (j, batch) in mine.iter().enumerate() {
+                assert_eq!(batch, &whole[rank + j * world], "world {world} rank {rank} batch {j}");
+            }
+            // Resumed at its third batch: the rest of the same epoch.
+            if mine.len() > 2 {
+                assert_eq!(labels(&loader, Position { epoch: 2, batch: 2 }), mine[2..].to_vec());
+            }
+            union.extend(mine.into_iter().flatten());
+        }
+        union.sort();
+        assert_eq!(union, (0..24).collect::<Vec<u32>>(), "world {world}: every sample once");
+    }
+    // 8 batches over 3 ranks: 3 turns, the last completed by the epoch's first batch.
+    let (mut union, mut counts) = (Vec::new(), HashMap::new());
+    for rank in 0..3 {
+        let loader = Loader::new(numbers(24), config).sharded(rank, 3).unwrap();
+        assert_eq!(loader.batches_per_epoch(), 3);
+        union.extend(labels(&loader, Position::start(2)).into_iter().flatten());
+    }
+    for s in &union {
+        *counts.entry(*s).or_insert(0) += 1;
+    }
+    assert_eq!(union.len(), 27);
+    assert!((0..24u32).all(|s| counts.get(&s).is_some()), "every sample at least once");
+    let twice: Vec<u32> = counts.iter().filter(|(_, &c)| c == 2).map(|(&s, _)| s).collect();
+    let mut first = whole[0].clone();
+    first.sort();
+    let mut twice_sorted = twice.clone();
+    twice_sorted.sort();
+    assert_eq!(twice_sorted, first, "the padding is the epoch's first batch");
+    let dropped = LoaderConfig { drop_last: true, ..config };
+    assert_eq!(Loader::new(numbers(24), dropped).sharded(2, 3).unwrap().batches_per_epoch(), 2);
+    assert!(matches!(Loader::new(numbers(4), config).sharded(2, 2), Err(DataError::Shard { rank: 2, world: 2 })));
+}

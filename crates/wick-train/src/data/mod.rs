@@ -76,6 +76,14 @@ pub enum DataError {
         /// The batch's place in its epoch.
         batch: usize,
     },
+    /// A rank's share asked for is impossible (rank not below the world size, a world of 0).
+    #[error("loader shard: rank {rank} of {world}")]
+    Shard {
+        /// The rank asked for.
+        rank: usize,
+        /// The world size asked for.
+        world: usize,
+    },
     /// A dataset could not be opened.
     #[error("{path}: {message}")]
     Source {
@@ -169,13 +177,29 @@ impl Batch {
 pub struct Loader<D: Dataset> {
     dataset: Arc<D>,
     config: LoaderConfig,
+    /// (rank, world size) of a data-parallel run's share.
+    shard: (usize, usize),
 }
 
 impl<D: Dataset> Loader<D> {
     /// A loader over `dataset` (a batch size of 0 counts as 1).
     pub fn new(dataset: D, config: LoaderConfig) -> Self {
         let config = LoaderConfig { batch_size: config.batch_size.max(1), ..config };
-        Loader { dataset: Arc::new(dataset), config }
+        Loader { dataset: Arc::new(dataset), config, shard: (0, 1) }
+    }
+
+    /// Rank `rank`'s share of every epoch in a data-parallel run of `world` ranks: the epoch's
+    /// batches, as one process makes them, dealt in turn — rank `r` takes batches `r`,
+    /// `r + world`, `r + 2·world`, … — so that `world` ranks with one batch each see what one
+    /// process sees in one step of `world` accumulated batches. When the epoch's batches do not
+    /// divide by `world`, the last turn is completed from the epoch's first batches (as PyTorch's
+    /// `DistributedSampler` pads from the epoch's start), or dropped with `drop_last`; every
+    /// rank has the same number of batches. [`Position::batch`] counts this rank's batches.
+    pub fn sharded(self, rank: usize, world: usize) -> Result<Self, DataError> {
+        if world == 0 || rank >= world {
+            return Err(DataError::Shard { rank, world });
+        }
+        Ok(Loader { shard: (rank, world), ..self })
     }
 
     /// The dataset.
@@ -198,13 +222,21 @@ impl<D: Dataset> Loader<D> {
         order
     }
 
-    /// Batches in an epoch.
+    /// Batches in an epoch (this rank's, when sharded).
     pub fn batches_per_epoch(&self) -> usize {
         let (n, b) = (self.dataset.len(), self.config.batch_size);
-        if self.config.drop_last {
-            n / b
+        let all = if self.config.drop_last { n / b } else { n.div_ceil(b) };
+        self.rank_turns(all)
+    }
+
+    /// This rank's batches of an epoch of `all`: whole turns, the last one padded unless
+    /// `drop_last` (an empty epoch stays empty).
+    fn rank_turns(&self, all: usize) -> usize {
+        let world = self.shard.1;
+        if self.config.drop_last || all == 0 {
+            all / world
         } else {
-            n.div_ceil(b)
+            all.div_ceil(world)
         }
     }
 
@@ -215,6 +247,13 @@ impl<D: Dataset> Loader<D> {
         let b = self.config.batch_size;
         let batches: Vec<Vec<usize>> =
             order.chunks(b).filter(|c| !self.config.drop_last || c.len() == b).map(<[usize]>::to_vec).collect();
+        let (rank, world) = self.shard;
+        let batches: Vec<Vec<usize>> = if world == 1 {
+            batches
+        } else {
+            let turns = self.rank_turns(batches.len());
+            (0..turns).map(|j| batches[(rank + j * world) % batches.len()].clone()).collect()
+        };
         let jobs: Vec<(Position, Vec<usize>)> = batches
             .into_iter()
             .enumerate()

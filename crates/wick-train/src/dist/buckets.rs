@@ -13,6 +13,15 @@
 //! blocking MPI call (with one thread per rank, a non-blocking call would make no progress
 //! until waited on). The time it costs is measured and reported ([`ReduceStats`]).
 //!
+//! Rationale for reducing large gradients where they lie: a bucket is one contiguous buffer
+//! for MPI, so its gradients are first copied into it — for the large ones that copy cost a
+//! quarter of the all-reduce's own time here (BENCHMARKS.md, "More than one process"). An f32
+//! gradient of at least [`DIRECT_BYTES`] is therefore all-reduced straight from its own storage
+//! into its reduced tensor, in its bucket's turn; the small ones of the bucket are still packed
+//! and reduced together (the latency saving buckets exist for). Which gradients go direct is
+//! decided from what every rank knows alike (dtype, size, agreed presence), so all ranks make
+//! the same calls in the same order.
+//!
 //! Rationale for f32 buckets: MPI has no bf16/f16 sum. A bucket holds f32; an f32 gradient
 //! becomes a view into its bucket (no second copy: the bucket *is* the gradient's storage, as
 //! with PyTorch's `gradient_as_bucket_view`), a low-precision gradient is rounded back to its
@@ -31,6 +40,8 @@ use super::{ProcessGroup, ReduceOp};
 pub const BUCKET_BYTES: usize = 25 << 20;
 /// PyTorch DDP's first-bucket cap (`_DEFAULT_FIRST_BUCKET_BYTES`).
 pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
+/// f32 gradients this large are reduced from their own storage instead of being packed.
+pub const DIRECT_BYTES: usize = 256 << 10;
 
 /// The parameters (indices into the model's parameter list) of each bucket, in the order the
 /// buckets are reduced: reverse parameter order, the first at most `first` bytes, the rest at
@@ -100,31 +111,36 @@ pub(crate) fn append_f32(t: &Tensor, out: &mut Vec<f32>) -> Result<(), DistError
 }
 
 /// The data-parallel reduction: every rank's gradients summed, bucket by bucket, back into
-/// `grads` (f32 ones as views of their bucket).
-pub(crate) struct GradBuckets {
+/// `grads` (f32 ones as views of their bucket). [`crate::Trainer::data_parallel`] uses it; a
+/// training loop of one's own can too.
+pub struct GradBuckets {
     plan: Vec<Vec<usize>>,
     /// f32 bytes of all buckets (the reduced gradients' storage).
     bytes: usize,
 }
 
 impl GradBuckets {
-    pub(crate) fn new(vars: &[Var], first: usize, cap: usize) -> Self {
+    /// The buckets of `vars` (the model's parameters in registration order), the first at most
+    /// `first` bytes, the others at most `cap`.
+    pub fn new(vars: &[Var], first: usize, cap: usize) -> Self {
         let elems: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
         let bytes = elems.iter().fold(0usize, |a, &e| a.saturating_add(e.saturating_mul(4)));
         GradBuckets { plan: assign_buckets(&elems, first, cap), bytes }
     }
 
-    pub(crate) fn plan(&self) -> &[Vec<usize>] {
+    /// The parameters (indices into `vars`) of each bucket, in reduction order.
+    pub fn plan(&self) -> &[Vec<usize>] {
         &self.plan
     }
 
     /// f32 bytes of every bucket together.
-    pub(crate) fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         self.bytes
     }
 
-    /// Sums `grads` over ranks in place.
-    pub(crate) fn reduce(
+    /// Sums `grads` (of `vars`, as given to [`GradBuckets::new`]) over ranks in place: every
+    /// rank calls it with its own gradients and gets the sum.
+    pub fn reduce(
         &self,
         group: &ProcessGroup,
         grads: &mut GradStore,
@@ -134,38 +150,80 @@ impl GradBuckets {
         let mut stats = ReduceStats::default();
         for bucket in &self.plan {
             let members: Vec<usize> = bucket.iter().copied().filter(|&i| present[i]).collect();
-            let n: usize = members.iter().map(|&i| vars[i].elem_count()).sum();
-            if n == 0 {
-                continue;
-            }
-            let t0 = Instant::now();
-            let mut send = Vec::with_capacity(n);
-            for &i in &members {
-                match grads.remove(vars[i].as_tensor()) {
-                    Some(g) => append_f32(&g, &mut send)?,
-                    None => send.resize(send.len() + vars[i].elem_count(), 0.0),
-                }
-            }
-            let t1 = Instant::now();
-            let mut recv = vec![0f32; n];
-            group.comm().all_reduce(&send, &mut recv, ReduceOp::Sum)?;
-            drop(send);
-            let t2 = Instant::now();
-            let bucket = Tensor::from_vec(recv, n, &Device::Cpu)?;
-            let mut at = 0;
-            for &i in &members {
+            let direct = |i: usize| vars[i].dtype() == DType::F32 && vars[i].elem_count() * 4 >= DIRECT_BYTES;
+            let (direct, packed): (Vec<usize>, Vec<usize>) = members.into_iter().partition(|&i| direct(i));
+            self.reduce_packed(group, grads, vars, &packed, &mut stats)?;
+            for i in direct {
                 let v = &vars[i];
-                let view = bucket.narrow(0, at, v.elem_count())?.reshape(v.dims())?;
-                at += v.elem_count();
-                let g = if v.dtype() == DType::F32 { view } else { view.to_dtype(v.dtype())? };
-                grads.insert(v.as_tensor(), g);
+                let t0 = Instant::now();
+                let local = match grads.remove(v.as_tensor()) {
+                    Some(g) => g.detach().contiguous()?,
+                    None => v.as_tensor().zeros_like()?,
+                };
+                let mut recv = vec![0f32; v.elem_count()];
+                let t1 = Instant::now();
+                {
+                    let (storage, layout) = local.storage_and_layout();
+                    let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(values)), Some((a, b))) =
+                        (&*storage, layout.contiguous_offsets())
+                    else {
+                        return Err(DistError::internal("a contiguous f32 host gradient was expected"));
+                    };
+                    group.comm().all_reduce(&values[a..b], &mut recv, ReduceOp::Sum)?;
+                }
+                drop(local);
+                let t2 = Instant::now();
+                grads.insert(v.as_tensor(), Tensor::from_vec(recv, v.dims(), &Device::Cpu)?);
+                stats.buckets += 1;
+                stats.bytes += v.elem_count() * 4;
+                stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
+                stats.comm_s += (t2 - t1).as_secs_f64();
             }
-            stats.buckets += 1;
-            stats.bytes += n * 4;
-            stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
-            stats.comm_s += (t2 - t1).as_secs_f64();
         }
         Ok(stats)
+    }
+
+    /// Packs the gradients of `members` into one buffer, reduces it, and hands them back as
+    /// views of the reduced buffer.
+    fn reduce_packed(
+        &self,
+        group: &ProcessGroup,
+        grads: &mut GradStore,
+        vars: &[Var],
+        members: &[usize],
+        stats: &mut ReduceStats,
+    ) -> Result<(), DistError> {
+        let n: usize = members.iter().map(|&i| vars[i].elem_count()).sum();
+        if n == 0 {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let mut send = Vec::with_capacity(n);
+        for &i in members {
+            match grads.remove(vars[i].as_tensor()) {
+                Some(g) => append_f32(&g, &mut send)?,
+                None => send.resize(send.len() + vars[i].elem_count(), 0.0),
+            }
+        }
+        let t1 = Instant::now();
+        let mut recv = vec![0f32; n];
+        group.comm().all_reduce(&send, &mut recv, ReduceOp::Sum)?;
+        drop(send);
+        let t2 = Instant::now();
+        let bucket = Tensor::from_vec(recv, n, &Device::Cpu)?;
+        let mut at = 0;
+        for &i in members {
+            let v = &vars[i];
+            let view = bucket.narrow(0, at, v.elem_count())?.reshape(v.dims())?;
+            at += v.elem_count();
+            let g = if v.dtype() == DType::F32 { view } else { view.to_dtype(v.dtype())? };
+            grads.insert(v.as_tensor(), g);
+        }
+        stats.buckets += 1;
+        stats.bytes += n * 4;
+        stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
+        stats.comm_s += (t2 - t1).as_secs_f64();
+        Ok(())
     }
 }
 

@@ -155,6 +155,13 @@ impl ProcessGroup {
         Ok(Some((r, String::from_utf8_lossy(&all[start..end]).into_owned())))
     }
 
+    /// `op` over ranks of `send` into `recv` (same lengths; `Avg` sums): the transport's own
+    /// all-reduce on plain slices, with no check that the ranks agree on the length — for
+    /// callers that checked that themselves, and to measure the transport.
+    pub fn all_reduce_slice<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<(), DistError> {
+        self.inner.comm.all_reduce(send, recv, op)
+    }
+
     /// Element-wise sums of `values` over ranks (f64: losses, counts).
     pub fn sum_f64(&self, values: &[f64]) -> Result<Vec<f64>, DistError> {
         let mut out = vec![0f64; values.len()];

@@ -1,0 +1,162 @@
+//! Data-parallel speed: one process or one rank of `mpirun`, timing training steps of a zoo
+//! model at a global batch split over the ranks, or the all-reduce of wick's gradient buckets
+//! against one plain MPI all-reduce of the same bytes. Prints one JSON line (rank 0).
+//!
+//! ```text
+//! dist_bench train --model decoder|resnet18 --batch 8 [--image 224] [--steps 5] [--warmup 2]
+//! dist_bench allreduce --mb 1,4,25,100 [--reps 5]
+//! ```
+//! (`scripts/torch-reference/ddp_bench.py` runs it next to PyTorch DDP.)
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use wick_train::dist::buckets::{GradBuckets, BUCKET_BYTES, FIRST_BUCKET_BYTES};
+use wick_train::dist::{DataParallelOptions, ProcessGroup, ReduceOp};
+use wick_train::optim::AdamW;
+use wick_train::trainer::{TrainOptions, Trainer};
+use wick_train::Optimizer;
+use wick_zoo::registry::{ModelSpec, ZooBatch};
+use wick_zoo::resnet::ResNetDepth;
+
+fn arg(args: &[String], name: &str, default: &str) -> String {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.into())
+}
+
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb = status.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1));
+    kb.and_then(|k| k.parse::<f64>().ok()).unwrap_or(0.0) / 1024.0
+}
+
+fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
+    let (rank, world) = (group.rank(), group.world_size());
+    let model = arg(args, "--model", "decoder");
+    let batch: usize = arg(args, "--batch", "8").parse()?;
+    let image: usize = arg(args, "--image", "224").parse()?;
+    let (steps, warmup): (usize, usize) = (arg(args, "--steps", "5").parse()?, arg(args, "--warmup", "2").parse()?);
+    if batch % world != 0 {
+        bail!("a global batch of {batch} does not split over {world} ranks");
+    }
+    let (spec, optimizer) = match model.as_str() {
+        // zoo-speed's decoder (the main job's) and optimizer.
+        "decoder" => (
+            ModelSpec::Llama {
+                config: wick_zoo::llama::LlamaConfig {
+                    vocab_size: 64,
+                    hidden_size: 128,
+                    num_layers: 4,
+                    num_heads: 4,
+                    intermediate_size: 256,
+                    max_seq: 64,
+                    rms_eps: 1e-6,
+                    rope_theta: 10_000.0,
+                },
+                seq: 64,
+            },
+            Optimizer::AdamW(AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }),
+        ),
+        "resnet18" => (
+            ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 64, image },
+            Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 },
+        ),
+        m => bail!("unknown model {m}"),
+    };
+    let net = spec.build(DType::F32, &Device::Cpu)?;
+    let options = TrainOptions { optimizer, ..TrainOptions::default() };
+    let mut trainer = Trainer::new(net, serde_json::json!({"model": model}), None, options)?;
+    if world > 1 {
+        trainer = trainer.data_parallel(group.clone(), DataParallelOptions::default())?;
+    }
+    let per_rank = batch / world;
+    let all = spec.batch(batch, DType::F32, &Device::Cpu)?;
+    let mine = match &all {
+        ZooBatch::Tokens(t) => ZooBatch::Tokens(t.narrow(0, rank * per_rank, per_rank)?),
+        ZooBatch::Images(l) => {
+            let mut l = l.clone();
+            l.inputs = l.inputs.narrow(0, rank * per_rank, per_rank)?;
+            l.labels = l.labels.narrow(0, rank * per_rank, per_rank)?;
+            ZooBatch::Images(l)
+        }
+        ZooBatch::Sentences(_) => bail!("not used"),
+    };
+    let (mut ms, mut comm_ms) = (Vec::new(), Vec::new());
+    for i in 0..warmup + steps {
+        group.barrier();
+        let start = Instant::now();
+        let record = trainer.train_step(std::slice::from_ref(&mine))?;
+        let t = start.elapsed().as_secs_f64() * 1e3;
+        if !record.loss.is_finite() {
+            bail!("loss {}", record.loss);
+        }
+        if i >= warmup {
+            ms.push(t);
+            comm_ms.push(trainer.last_reduce().map_or(0.0, |r| r.comm_s * 1e3));
+        }
+    }
+    let peaks = group.all_gather(&Tensor::new(&[peak_rss_mib()], &Device::Cpu)?)?.to_vec1::<f64>()?;
+    Ok(serde_json::json!({"model": model, "batch": batch, "world": world, "ms": ms, "comm_ms": comm_ms, "peak_rss_mib": peaks}))
+}
+
+fn allreduce(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
+    let reps: usize = arg(args, "--reps", "5").parse()?;
+    let mut rows = Vec::new();
+    for mb in arg(args, "--mb", "1,4,25,100").split(',') {
+        let mb: usize = mb.parse().context("--mb")?;
+        let n = mb * (1 << 20) / 4;
+        // Raw: one MPI all-reduce of n f32.
+        let send = vec![1f32; n];
+        let mut recv = vec![0f32; n];
+        let mut raw = Vec::new();
+        for _ in 0..reps {
+            group.barrier();
+            let t = Instant::now();
+            group.all_reduce_slice(&send, &mut recv, ReduceOp::Sum)?;
+            raw.push(t.elapsed().as_secs_f64());
+        }
+        drop((send, recv));
+        // wick's path: gradients of 8 parameters of n/8 values each (a backward's result),
+        // packed into 25 MiB buckets (1 MiB first), reduced, handed back as bucket views.
+        let vars: Vec<Var> =
+            (0..8).map(|_| Var::from_tensor(&Tensor::ones(n / 8, DType::F32, &Device::Cpu)?)).collect::<Result<_, _>>()?;
+        let buckets = GradBuckets::new(&vars, FIRST_BUCKET_BYTES, BUCKET_BYTES);
+        let (mut bucketed, mut comm, mut pack) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..reps {
+            let loss = vars.iter().map(|v| v.as_tensor().sum_all()).collect::<Result<Vec<_>, _>>()?;
+            let mut grads = Tensor::stack(&loss, 0)?.sum_all()?.backward()?;
+            group.barrier();
+            let t = Instant::now();
+            let stats = buckets.reduce(group, &mut grads, &vars)?;
+            bucketed.push(t.elapsed().as_secs_f64());
+            comm.push(stats.comm_s);
+            pack.push(stats.pack_s);
+        }
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (r, b) = (median(&mut raw), median(&mut bucketed));
+        let bytes = (n * 4) as f64;
+        rows.push(serde_json::json!({"mb": mb, "raw_s": r, "bucketed_s": b,
+            "raw_gbps": bytes / r / 1e9, "bucketed_gbps": bytes / b / 1e9, "buckets": buckets.plan().len(),
+            "comm_s": median(&mut comm), "pack_s": median(&mut pack)}));
+    }
+    Ok(serde_json::json!({"world": group.world_size(), "allreduce": rows}))
+}
+
+fn run() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let group = ProcessGroup::from_env()?;
+    let out = match args.get(1).map(String::as_str) {
+        Some("train") => train(&group, &args)?,
+        Some("allreduce") => allreduce(&group, &args)?,
+        _ => bail!("usage: dist_bench train|allreduce ..."),
+    };
+    if group.is_root() {
+        println!("{out}");
+    }
+    Ok(())
+}
+
+wick::main!(run);
