@@ -96,7 +96,9 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
         }
     }
     let peaks = group.all_gather(&Tensor::new(&[peak_rss_mib()], &Device::Cpu)?)?.to_vec1::<f64>()?;
-    Ok(serde_json::json!({"model": model, "batch": batch, "world": world, "ms": ms, "comm_ms": comm_ms, "peak_rss_mib": peaks}))
+    Ok(
+        serde_json::json!({"model": model, "batch": batch, "world": world, "ms": ms, "comm_ms": comm_ms, "peak_rss_mib": peaks}),
+    )
 }
 
 fn allreduce(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
@@ -118,8 +120,9 @@ fn allreduce(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value>
         drop((send, recv));
         // wick's path: gradients of 8 parameters of n/8 values each (a backward's result),
         // packed into 25 MiB buckets (1 MiB first), reduced, handed back as bucket views.
-        let vars: Vec<Var> =
-            (0..8).map(|_| Var::from_tensor(&Tensor::ones(n / 8, DType::F32, &Device::Cpu)?)).collect::<Result<_, _>>()?;
+        let vars: Vec<Var> = (0..8)
+            .map(|_| Var::from_tensor(&Tensor::ones(n / 8, DType::F32, &Device::Cpu)?))
+            .collect::<Result<_, _>>()?;
         let buckets = GradBuckets::new(&vars, FIRST_BUCKET_BYTES, BUCKET_BYTES);
         let (mut bucketed, mut comm, mut pack) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..reps {

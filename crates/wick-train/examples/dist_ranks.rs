@@ -4,7 +4,8 @@
 //! - `WICK_DIST_SCENARIO`: `train` (steps of a model; alone it takes both micro-batches of a
 //!   step itself, as gradient accumulation), `inf` (f16 with the loss scaler, an inf loss on
 //!   rank 1 only at step 2), `oom` (a memory cap on rank 1 only refuses step 2's activations),
-//!   `collectives` (each collective against a recomputation, and the refusals);
+//!   `collectives` (each collective against a recomputation, and the refusals), `memory` (one
+//!   AdamW step's measured peak on each rank beside the estimator's per-rank figure);
 //! - `WICK_DIST_MODEL` `decoder`|`cnn`, `WICK_DIST_PRECISION` `f32`|`bf16`|`f16`,
 //!   `WICK_DIST_ZERO` `0`|`1`|`2`, `WICK_DIST_STEPS`;
 //! - `WICK_DIST_OUT`: where rank 0 writes what happened (JSON).
@@ -181,6 +182,80 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
     }))
 }
 
+/// One AdamW step at 4 examples per rank: each rank's measured peak (the caching heap's, from
+/// the step's start, plus what the run held then: parameters, masters, optimizer state) and the
+/// estimator's per-rank figure.
+fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
+    use wick::host_memory::{exact_heap, exact_peak, reset_exact_peak};
+    use wick_zoo::estimate::{estimate_per_rank, Mode, Ranks, Update};
+    let world = group.world_size();
+    let model_name = env("WICK_DIST_MODEL", "decoder");
+    let amp = env("WICK_DIST_PRECISION", "f32") == "bf16";
+    let zero: u8 = env("WICK_DIST_ZERO", "0").parse()?;
+    let batch = 4;
+    let spec = match model_name.as_str() {
+        "decoder" => ModelSpec::Llama {
+            config: wick_zoo::llama::LlamaConfig {
+                vocab_size: 4096,
+                hidden_size: 128,
+                num_layers: 4,
+                num_heads: 4,
+                intermediate_size: 256,
+                max_seq: 64,
+                rms_eps: 1e-6,
+                rope_theta: 10_000.0,
+            },
+            seq: 64,
+        },
+        _ => ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 16, image: 64 },
+    };
+    let (dtype, autocast) = if amp { (DType::BF16, Autocast::bf16()) } else { (DType::F32, Autocast::off()) };
+    let (profile, bytes) = spec.profile(dtype, false, &[batch])?;
+    let model = spec.build(dtype, &Device::Cpu)?;
+    let largest_bucket = wick_train::dist::buckets::largest_buffer(
+        &model.params().iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
+        wick_train::dist::buckets::FIRST_BUCKET_BYTES,
+        wick_train::dist::buckets::BUCKET_BYTES,
+        zero > 0,
+        world,
+    );
+    let ranks = Ranks { ranks: world, zero_stage: zero, largest_bucket };
+    let estimate = estimate_per_rank(bytes, &profile, batch, Mode::TrainAdamW, amp, Update::InPlace, ranks);
+    let options = TrainOptions {
+        optimizer: Optimizer::AdamW(wick_train::optim::AdamW {
+            lr: 1e-6,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }),
+        autocast,
+        ..TrainOptions::default()
+    };
+    let mut trainer = Trainer::new(model, serde_json::json!({}), None, options)?;
+    if world > 1 || zero > 0 {
+        let options = DataParallelOptions { sharding: Sharding::from_stage(zero)?, ..Default::default() };
+        trainer = trainer.data_parallel(group.clone(), options)?;
+    }
+    let params: usize = trainer.model().params().iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
+    let (master, state) = trainer.optimizer_bytes();
+    let engine = wick::Engine::cpu();
+    trainer.account(&engine);
+    let summary = engine.memory_report().to_string();
+    let Some((before, _)) = exact_heap() else { bail!("no exact heap") };
+    reset_exact_peak();
+    let batch = spec.batch(batch, dtype, &Device::Cpu)?;
+    trainer.train_step(std::slice::from_ref(&batch))?;
+    let Some((peak, _)) = exact_peak() else { bail!("no exact heap") };
+    let measured = (peak.saturating_sub(before) + params + master + state) as f64;
+    let figures = group.all_gather(&Tensor::new(&[estimate.estimate.total as f64, measured], &Device::Cpu)?)?;
+    Ok(serde_json::json!({
+        "per_rank": figures.to_vec1::<f64>()?,
+        "estimate": estimate,
+        "summary": summary,
+    }))
+}
+
 fn collectives(group: &ProcessGroup) -> Result<serde_json::Value> {
     let (rank, world) = (group.rank(), group.world_size());
     let r = rank as f32;
@@ -232,6 +307,7 @@ fn run() -> Result<()> {
     let out = match scenario.as_str() {
         "collectives" => collectives(&group)?,
         "train" | "inf" | "oom" => train(&group, &scenario)?,
+        "memory" => memory(&group)?,
         s => bail!("unknown scenario {s}"),
     };
     if group.is_root() {

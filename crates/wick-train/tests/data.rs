@@ -252,7 +252,8 @@ fn file_datasets_read_what_was_written_and_refuse_what_does_not_fit() {
 #[test]
 fn sharded_epochs_split_the_epoch_between_ranks_and_resume_mid_epoch() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let config = LoaderConfig { batch_size: 3, shuffle: true, seed: 7, drop_last: false, workers: 0, ..Default::default() };
+    let config =
+        LoaderConfig { batch_size: 3, shuffle: true, seed: 7, drop_last: false, workers: 0, ..Default::default() };
     let whole = labels(&Loader::new(numbers(24), config), Position::start(2));
     assert_eq!(whole.len(), 8);
     for world in [1, 2, 4] {

@@ -156,3 +156,35 @@ fn a_typed_oom_on_one_rank_stops_the_step_on_both() {
         assert!(h[0] == h[1] && h[1] != h[2], "nothing applied at the failed step: {h:?}");
     }
 }
+
+/// Each rank's measured peak of one AdamW step (the caching heap's, plus what the run held at
+/// its start) beside the estimator's per-rank figure (`wick_zoo::estimate::estimate_per_rank`),
+/// plain and ZeRO-1/2, f32 and bf16 AMP. Within ±5 %, except the bf16 CNN under ZeRO, which the
+/// estimate overstates by up to 11 % (the reduction's buffers at its peak are not modelled to
+/// that precision yet; BENCHMARKS.md, "More than one process"); never under.
+#[test]
+fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
+    for (model, precision) in [("decoder", "f32"), ("decoder", "bf16"), ("cnn", "f32"), ("cnn", "bf16")] {
+        for zero in ["0", "1", "2"] {
+            let vars = [
+                ("WICK_DIST_SCENARIO", "memory"),
+                ("WICK_DIST_MODEL", model),
+                ("WICK_DIST_PRECISION", precision),
+                ("WICK_DIST_ZERO", zero),
+            ];
+            let Some(v) = run(2, &vars) else { return };
+            let f: Vec<f64> = serde_json::from_value(v["per_rank"].clone()).unwrap();
+            let over = if model == "cnn" && precision == "bf16" && zero != "0" { 1.12 } else { 1.05 };
+            for rank in 0..2 {
+                let (estimate, measured) = (f[2 * rank], f[2 * rank + 1]);
+                let ratio = estimate / measured;
+                assert!(
+                    (0.99..=over).contains(&ratio),
+                    "{model} {precision} ZeRO-{zero} rank {rank}: estimate {estimate}, measured {measured}"
+                );
+            }
+            let summary = v["summary"].as_str().unwrap();
+            assert!(summary.contains("gradient buckets"), "the memory summary names the buckets: {summary}");
+        }
+    }
+}

@@ -65,6 +65,24 @@ pub fn assign_buckets(elems: &[usize], first: usize, cap: usize) -> Vec<Vec<usiz
     buckets
 }
 
+/// Bytes of the largest buffer a reduction of `vars` fills (what the estimator's per-rank figure
+/// needs): replicated, a packed bucket or a large f32 gradient reduced on its own; sharded,
+/// a whole bucket padded to the world size.
+pub fn largest_buffer(vars: &[Var], first: usize, cap: usize, sharded: bool, world: usize) -> usize {
+    let elems: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+    let direct = |i: usize| !sharded && vars[i].dtype() == DType::F32 && elems[i] * 4 >= DIRECT_BYTES;
+    assign_buckets(&elems, first, cap)
+        .iter()
+        .map(|bucket| {
+            let packed: usize = bucket.iter().filter(|&&i| !direct(i)).map(|&i| elems[i]).sum();
+            let packed = if sharded { packed.div_ceil(world.max(1)) * world.max(1) } else { packed };
+            let alone = bucket.iter().filter(|&&i| direct(i)).map(|&i| elems[i]).max().unwrap_or(0);
+            packed.max(alone) * 4
+        })
+        .max()
+        .unwrap_or(0)
+}
+
 /// What the last reduction did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ReduceStats {
@@ -140,12 +158,7 @@ impl GradBuckets {
 
     /// Sums `grads` (of `vars`, as given to [`GradBuckets::new`]) over ranks in place: every
     /// rank calls it with its own gradients and gets the sum.
-    pub fn reduce(
-        &self,
-        group: &ProcessGroup,
-        grads: &mut GradStore,
-        vars: &[Var],
-    ) -> Result<ReduceStats, DistError> {
+    pub fn reduce(&self, group: &ProcessGroup, grads: &mut GradStore, vars: &[Var]) -> Result<ReduceStats, DistError> {
         let present = agreed_presence(group, grads, vars)?;
         let mut stats = ReduceStats::default();
         for bucket in &self.plan {

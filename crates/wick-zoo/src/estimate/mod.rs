@@ -14,6 +14,10 @@
 //! heap as the global allocator), read between and beyond the profiled batches by [`Piecewise`]. Without one, training estimates use
 //! a lower bound (two gradients of the largest activation) and say so.
 
+mod ranks;
+
+pub use ranks::{estimate_per_rank, RankEstimate, Ranks};
+
 use candle_core::{Result, Tensor};
 
 use wick_nn::checkpoint::Checkpointing;
