@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
-use wick_zoo::estimate::{estimate_bytes, ActivationProfile, Estimate, Mode, ParamBytes, Update};
+use wick_zoo::estimate::{estimate_per_rank, ActivationProfile, Estimate, Mode, ParamBytes, Ranks, Update};
 use wick_zoo::registry::{Input, ModelSpec, NAMED};
 
 use crate::measure;
@@ -78,6 +78,14 @@ pub struct ModelArgs {
     /// --checkpointing` run it.
     #[arg(long)]
     pub checkpointing: bool,
+    /// Data-parallel ranks (`wick train --ranks N`, or `mpirun -n N`): the figures are one
+    /// rank's, at `--batch` examples per rank.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    pub ranks: u64,
+    /// ZeRO stage of a data-parallel run: 0 replicates everything, 1 shards the optimizer's
+    /// state and the f32 masters over the ranks, 2 also reduce-scatters the gradients.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    pub zero: u8,
 }
 
 /// `wick estimate` arguments.
@@ -175,6 +183,8 @@ pub struct Profiled {
     pub precision: Precision,
     /// Whether training was profiled with activation checkpointing.
     pub checkpointing: bool,
+    /// The data-parallel layout the figures are one rank's of.
+    pub ranks: Ranks,
     /// The model's architecture and size.
     spec: ModelSpec,
 }
@@ -208,6 +218,9 @@ impl Profiled {
             seconds: started.elapsed().as_secs_f64(),
             precision: args.precision,
             checkpointing: args.checkpointing,
+            // The largest reduction buffer is bounded from the parameter bytes: the zoo's large
+            // models are estimated without being built.
+            ranks: Ranks::bounded(args.ranks as usize, args.zero, 25 << 20, param_bytes),
             spec,
         })
     }
@@ -218,7 +231,8 @@ impl Profiled {
             Target::Cpu => Update::InPlace,
             Target::Cuda => Update::OutOfPlace,
         };
-        estimate_bytes(self.param_bytes, &self.profile, batch, mode, self.precision == Precision::AmpBf16, update)
+        let amp = self.precision == Precision::AmpBf16;
+        estimate_per_rank(self.param_bytes, &self.profile, batch, mode, amp, update, self.ranks).estimate
     }
 
     /// How the profile was made, in a sentence.
@@ -255,6 +269,12 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     if args.measure && args.on != Target::Cpu {
         bail!("--measure runs the step on the CPU: estimate --on cpu");
     }
+    if args.measure && (args.model.ranks > 1 || args.model.zero > 0) {
+        bail!(
+            "--measure runs one process; a data-parallel step's per-rank peak is measured under mpirun \
+             (wick-train's tests/multi_rank.rs)"
+        );
+    }
     let measured: Vec<Option<usize>> = if args.measure {
         let spinner = spinner(format!("running batch {} on the CPU to measure its peak", args.batch));
         let step =
@@ -280,6 +300,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             "precision": format!("{:?}", args.model.precision),
             "checkpointing": p.checkpointing,
             "batch": args.batch,
+            "ranks": p.ranks,
             "parameters": p.numel,
             "profile": profile,
             "profile_seconds": profile_s,
@@ -290,7 +311,20 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         return Ok(());
     }
     let checkpointed = if p.checkpointing { ", activation checkpointing" } else { "" };
-    println!("{} — {} parameters, {:?}{checkpointed}, batch {}", p.what, p.numel, args.model.precision, args.batch);
+    let per_rank = if p.ranks.ranks > 1 || p.ranks.zero_stage > 0 {
+        format!(
+            " per rank (global {}), {} ranks, ZeRO stage {}",
+            args.batch.saturating_mul(p.ranks.ranks),
+            p.ranks.ranks,
+            p.ranks.zero_stage
+        )
+    } else {
+        String::new()
+    };
+    println!(
+        "{} — {} parameters, {:?}{checkpointed}, batch {}{per_rank}",
+        p.what, p.numel, args.model.precision, args.batch
+    );
     println!(
         "| {:<18} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} | {:>11} |",
         "mode", "parameters", "gradients", "optimizer", "masters", "activations", "workspace", "allowance", "total"

@@ -280,3 +280,34 @@ fn the_estimate_is_never_under_the_measured_peak_and_at_most_3_percent_over() {
     std::fs::remove_dir_all(&dir).ok();
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// `--ranks N --zero S`: one rank's figures — the optimizer's state and the f32 masters divided
+/// over the ranks from stage 1 on (rounded up), parameters and gradients whole, the reduction's
+/// buffers in the workspace; a bad stage or rank count refused.
+#[test]
+fn ranks_and_zero_stages_give_one_ranks_share() {
+    let args = ["resnet18", "--image", "64", "--batch", "4", "--mode", "adamw", "--precision", "amp-bf16"];
+    let one = estimate(&args);
+    let e1 = &one["estimates"][0];
+    for (zero, shared) in [("0", 1u64), ("1", 4), ("2", 4)] {
+        let mut a = args.to_vec();
+        a.extend(["--ranks", "4", "--zero", zero]);
+        let out = estimate(&a);
+        assert_eq!(out["ranks"]["ranks"], 4);
+        let e = &out["estimates"][0];
+        for k in ["parameters", "gradients", "activations"] {
+            assert_eq!(field(e, k), field(e1, k), "ZeRO-{zero}: {k} stays whole");
+        }
+        for k in ["optimizer_state", "master_weights"] {
+            assert_eq!(field(e, k), field(e1, k).div_ceil(shared), "ZeRO-{zero}: {k}");
+        }
+        assert!(field(e, "workspace") >= field(e1, "workspace"), "the reduction's buffers come on top");
+    }
+    for bad in [["--ranks", "0"], ["--zero", "3"]] {
+        let mut a = args.to_vec();
+        a.extend(bad);
+        a.insert(0, "estimate");
+        let (ok, _, err) = wick(&a);
+        assert!(!ok && err.contains(bad[0]), "{err}");
+    }
+}
