@@ -20,6 +20,7 @@ mod estimate;
 mod fit;
 mod measure;
 mod monitor;
+mod ranks;
 mod report;
 mod train;
 

@@ -20,7 +20,8 @@ use wick_nn::Autocast;
 use wick_nn::Model;
 use wick_train::amp::masters_by_name;
 use wick_train::data::{Dataset, Epoch, Loader, LoaderConfig, Position, TokenFile};
-use wick_train::jobs::{write_status, Progress};
+use wick_train::dist::{DataParallelOptions, ProcessGroup};
+use wick_train::jobs::{write_status, Progress, RankFigures};
 use wick_train::optim::{AdamW, LrSchedule};
 use wick_train::trainer::{TrainOptions, Trainer};
 use wick_train::CheckpointDir;
@@ -90,6 +91,11 @@ pub struct TrainArgs {
     /// kernel; output in DIR/log.txt), print its id and return (`wick jobs` lists it).
     #[arg(long)]
     detach: bool,
+    /// Train data-parallel on this many ranks, started under the system's `mpirun` (each rank
+    /// takes `--accumulate` micro-batches of `--batch`: the global batch is ranks × accumulate ×
+    /// batch). Under `mpirun -n N wick train ...` leave it out: each process joins by itself.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    ranks: u64,
 }
 
 const VOCAB: usize = 32;
@@ -142,7 +148,9 @@ enum Source {
 }
 
 impl Source {
-    fn open(args: &TrainArgs) -> Result<Source> {
+    /// The run's data; with several ranks, this rank's share of each epoch (ranks hold the same
+    /// position, so rank 0's, saved with a checkpoint, is every rank's).
+    fn open(args: &TrainArgs, rank: usize, world: usize) -> Result<Source> {
         let Some(path) = &args.data else { return Ok(Source::Synthetic) };
         let tokens = TokenFile::open(path, 2, args.seq - 1)?;
         if let Some((at, t)) = tokens.tokens().iter().enumerate().find(|(_, t)| **t as usize >= VOCAB) {
@@ -156,7 +164,7 @@ impl Source {
             workers: 1,
             prefetch_bytes: 16 << 20,
         };
-        let loader = Box::new(Loader::new(tokens, config));
+        let loader = Box::new(Loader::new(tokens, config).sharded(rank, world)?);
         if loader.batches_per_epoch() == 0 {
             bail!("{}: fewer than {} windows of {} tokens", path.display(), args.batch, args.seq);
         }
@@ -244,10 +252,14 @@ fn masters_digest(trainer: &Trainer<Llama>) -> Result<String> {
 
 /// Starts this same command without `--detach` as a job; prints its id.
 fn detach(args: &TrainArgs) -> Result<()> {
-    let argv: Vec<String> = std::env::args().skip(1).filter(|a| a != "--detach").collect();
-    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
     let exe = std::env::current_exe().context("finding the wick binary")?;
-    let job = wick_train::jobs::Job::spawn(&exe, &argv, &args.dir)?;
+    let (program, argv) = if args.ranks > 1 {
+        crate::ranks::mpirun(args.ranks as usize, &exe, &crate::ranks::forwarded_args())?
+    } else {
+        (exe, std::env::args().skip(1).filter(|a| a != "--detach").collect())
+    };
+    let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+    let job = wick_train::jobs::Job::spawn(&program, &argv, &args.dir)?;
     println!(
         "started job {} (pid {}); log in {}",
         job.id(),
@@ -260,23 +272,52 @@ fn detach(args: &TrainArgs) -> Result<()> {
 
 /// Runs `wick train`, reporting the run's state in DIR/status.json (and why it ended).
 pub fn run(args: &TrainArgs) -> Result<()> {
+    let launched = wick_train::dist::Launch::from_env()?;
+    if args.ranks > 1 && launched.world_size > 1 {
+        bail!(
+            "--ranks {} under a launcher that started {} ranks already: give one or the other",
+            args.ranks,
+            launched.world_size
+        );
+    }
+    if args.ranks > 1 && !cfg!(feature = "mpi") {
+        bail!("--ranks needs a wick built with MPI: cargo build --release -p wick-cli --features mpi");
+    }
     if args.detach {
         return detach(args);
     }
+    if args.ranks > 1 {
+        let exe = std::env::current_exe().context("finding the wick binary")?;
+        let (program, argv) = crate::ranks::mpirun(args.ranks as usize, &exe, &crate::ranks::forwarded_args())?;
+        let status = std::process::Command::new(&program).args(&argv).status().context("starting mpirun")?;
+        if !status.success() {
+            bail!("the {}-rank run failed ({status}); mpirun's message above names the rank", args.ranks);
+        }
+        return Ok(());
+    }
+    let group = wick_train::dist::ProcessGroup::from_env()?;
     let mut progress = Progress { steps: args.steps, state: "running".into(), ..Progress::default() };
-    let result = train(args, &mut progress);
+    let result = train(args, &mut progress, &group);
     if let Err(e) = &result {
         progress.state = "failed".into();
-        progress.exit_reason = Some(format!("{e:#}"));
+        progress.exit_reason =
+            Some(if group.world_size() > 1 { format!("rank {}: {e:#}", group.rank()) } else { format!("{e:#}") });
     }
     // The run folder may be what failed; the status is then only best effort.
-    if args.dir.is_dir() {
+    if (group.is_root() || result.is_err()) && args.dir.is_dir() {
         let _ = write_status(&args.dir, &progress);
+    }
+    if let (Err(e), true) = (&result, group.world_size() > 1) {
+        // A rank that fails outside a step would leave the others waiting in their next
+        // collective: it ends the whole job instead, after saying why (mpirun names the rank).
+        eprintln!("rank {} of {}: {e:#}", group.rank(), group.world_size());
+        group.abort(1);
     }
     result
 }
 
-fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
+fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Result<()> {
+    let (rank, world, root) = (group.rank(), group.world_size(), group.is_root());
     if args.steps == 0 || args.batch == 0 || args.seq < 2 || args.accumulate == 0 || args.save_every == 0 {
         bail!("need at least one step, one sequence of two tokens, one micro-batch and --save-every ≥ 1");
     }
@@ -291,8 +332,8 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
     };
     let data = args.data.as_ref().map(|p| p.display().to_string());
     let describe = serde_json::json!({"kind": "llama", "config": config, "seed": args.seed, "batch": args.batch,
-        "seq": args.seq, "accumulate": args.accumulate, "steps": args.steps, "warmup": args.warmup, "data": data});
-    let mut source = Source::open(args)?;
+        "seq": args.seq, "micro_batches_per_step": args.accumulate * world, "steps": args.steps, "warmup": args.warmup, "data": data});
+    let mut source = Source::open(args, rank, world)?;
     // The device the run trains on: while it lives, `wick monitor` lists this process among the
     // engines (allocated, peak, reserved, budget), beside its job row.
     let engine = wick::Engine::cpu();
@@ -313,7 +354,7 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
     let checkpoints = CheckpointDir::new(&args.dir, args.keep)?;
     let metrics_path = args.dir.join("metrics.jsonl");
     // Temporary files of a run killed while rewriting its metrics or summary.
-    for entry in std::fs::read_dir(&args.dir)?.filter_map(|e| e.ok()) {
+    for entry in std::fs::read_dir(&args.dir)?.filter_map(|e| e.ok()).filter(|_| root) {
         let name = entry.file_name().to_string_lossy().into_owned();
         if (name.starts_with(".metrics.jsonl.tmp-") || name.starts_with(".final.json.tmp-")) && entry.path().is_file() {
             let _ = std::fs::remove_file(entry.path());
@@ -326,7 +367,9 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         }
         eprintln!("resumed from {} (step {})", resumed.manifest.display(), resumed.step);
         source.seek(&resumed.data["loader"])?;
-        truncate_metrics(&metrics_path, resumed.step)?;
+        if root {
+            truncate_metrics(&metrics_path, resumed.step)?;
+        }
     } else {
         // A fresh run: nothing of an earlier one may be mistaken for its own.
         if !checkpoints.steps()?.is_empty() {
@@ -335,15 +378,29 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
                 args.dir.display()
             );
         }
-        let _ = std::fs::remove_file(&metrics_path);
+        if root {
+            let _ = std::fs::remove_file(&metrics_path);
+        }
+    }
+    if world > 1 {
+        // After the resume: every rank then continues from rank 0's state (checked the same).
+        trainer = trainer.data_parallel(group.clone(), DataParallelOptions::default())?;
     }
     on_sigterm()?;
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&metrics_path)
-        .with_context(|| format!("opening {}", metrics_path.display()))?;
-    let bar = indicatif::ProgressBar::new(args.steps).with_style(
+    // Rank 0 writes the run's files and shows the progress; the others train.
+    let mut metrics: Box<dyn Write> = if root {
+        Box::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&metrics_path)
+                .with_context(|| format!("opening {}", metrics_path.display()))?,
+        )
+    } else {
+        Box::new(std::io::sink())
+    };
+    let bar = if root { indicatif::ProgressBar::new(args.steps) } else { indicatif::ProgressBar::hidden() };
+    let bar = bar.with_style(
         indicatif::ProgressStyle::with_template("{pos}/{len} [{bar:24}] {elapsed_precise} eta {eta} · {msg}")
             .context("the progress bar's template")?,
     );
@@ -353,10 +410,12 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         Ok(trainer.save(&checkpoints, data)?)
     };
     let held_out = source.held_out(args)?;
-    let tokens_per_step = (args.batch * args.seq * args.accumulate) as f64;
+    let tokens_per_step = (args.batch * args.seq * args.accumulate * world) as f64;
     progress.step = trainer.step();
     progress.last_checkpoint = checkpoints.steps()?.last().map(|s| checkpoints.manifest_path(*s).display().to_string());
-    write_status(&args.dir, progress)?;
+    if root {
+        write_status(&args.dir, progress)?;
+    }
     let budget = wick::host_memory::host_budget().0;
     let mut reported = Instant::now();
     let mut last_loss = f32::NAN;
@@ -372,12 +431,31 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
             engine.record_memory_history(Some(1 << 20))?;
         }
         let started = Instant::now();
-        let batches = (0..args.accumulate).map(|m| source.next(args, step, m)).collect::<Result<Vec<_>>>()?;
+        // Rank r's m-th micro-batch is the step's (m·ranks + r)-th: the ranks together take what
+        // one process accumulating ranks × accumulate micro-batches takes.
+        let batches =
+            (0..args.accumulate).map(|m| source.next(args, step, m * world + rank)).collect::<Result<Vec<_>>>()?;
         let record = trainer.train_step(&batches)?;
         let ms = started.elapsed().as_secs_f64() * 1e3;
         last_loss = record.loss;
         let rss = wick::host_memory::process_rss();
         let heap = wick::host_memory::heap_figures(budget);
+        if world > 1 {
+            // Every rank's memory, every step (a fixed point of the step, so the ranks meet).
+            let mine = [rss, heap.map(|h| h.allocated), heap.map(|h| h.peak)].map(|v| v.map_or(-1.0, |v| v as f64));
+            let all = group.all_gather(&Tensor::new(&mine, &Device::Cpu)?)?.to_vec1::<f64>()?;
+            let figure = |v: f64| (v >= 0.0).then_some(v as usize);
+            progress.ranks = all
+                .chunks(3)
+                .enumerate()
+                .map(|(r, c)| RankFigures {
+                    rank: r,
+                    rss_bytes: figure(c[0]),
+                    heap_allocated: figure(c[1]),
+                    heap_peak: figure(c[2]),
+                })
+                .collect();
+        }
         let mut line = serde_json::json!({
             "step": record.step, "loss": record.loss, "lr": record.lr, "ms": ms, "rss_bytes": rss, "heap": heap,
         });
@@ -395,6 +473,8 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
         bar.set_message(format!("loss {:.4} · {:.0} tok/s{memory}", record.loss, tokens_per_step / ms * 1e3));
         if args.record_history > 0 && record.step == record_to {
             engine.record_memory_history(None)?;
+        }
+        if args.record_history > 0 && record.step == record_to && root {
             write_history(&engine, &args.dir, record_from, record_to)?;
             bar.println(format!("memory history of steps {}–{record_to} in {}", record_from + 1, args.dir.display()));
         }
@@ -402,7 +482,8 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
             bar.println(format!("step {}: {report}", record.step));
             leak_reported = true;
         }
-        let stopping = STOP.load(Ordering::SeqCst);
+        // Every rank stops after the same step (mpirun passes SIGTERM to each, not at once).
+        let stopping = group.any(STOP.load(Ordering::SeqCst))?;
         (progress.step, progress.loss, progress.rss_bytes, progress.heap) =
             (record.step, Some(f64::from(record.loss)), rss, heap);
         let saved = record.step % args.save_every == 0 || record.step == args.steps || stopping;
@@ -414,10 +495,12 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
             progress.state = "stopped".into();
             progress.exit_reason =
                 Some(format!("SIGTERM: checkpoint saved at step {}; --resume continues", record.step));
-            println!("stopped by SIGTERM after step {} (checkpoint saved)", record.step);
+            if root {
+                println!("stopped by SIGTERM after step {} (checkpoint saved)", record.step);
+            }
             return Ok(());
         }
-        if saved || reported.elapsed().as_secs_f64() >= 0.5 {
+        if root && (saved || reported.elapsed().as_secs_f64() >= 0.5) {
             write_status(&args.dir, progress)?;
             reported = Instant::now();
         }
@@ -428,6 +511,9 @@ fn train(args: &TrainArgs, progress: &mut Progress) -> Result<()> {
     let summary =
         serde_json::json!({"steps": trainer.step(), "loss": last_loss, "masters_sha256": masters_digest(&trainer)?});
     let path = args.dir.join("final.json");
+    if !root {
+        return Ok(());
+    }
     wick::files::write_atomic(&path, serde_json::to_string_pretty(&summary)?.as_bytes())?;
     println!("trained {} steps; final loss {last_loss:.4}; summary in {}", trainer.step(), path.display());
     Ok(())

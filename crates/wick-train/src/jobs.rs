@@ -79,6 +79,22 @@ pub struct Progress {
     pub state: String,
     /// Why it ended (the error, or how it stopped).
     pub exit_reason: Option<String>,
+    /// Each rank's figures when the run has several (rank 0 writes them all).
+    #[serde(default)]
+    pub ranks: Vec<RankFigures>,
+}
+
+/// One rank's figures in a multi-rank run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RankFigures {
+    /// The rank.
+    pub rank: usize,
+    /// Resident memory of its process, bytes.
+    pub rss_bytes: Option<usize>,
+    /// Its heap's allocated bytes (the `wick` binary's caching heap).
+    pub heap_allocated: Option<usize>,
+    /// Its heap's peak.
+    pub heap_peak: Option<usize>,
 }
 
 /// The environment variable through which [`Job::spawn`] tells the program where its own status
@@ -309,6 +325,17 @@ impl std::fmt::Display for JobStatus {
         }
         if let Some(why) = &p.exit_reason {
             write!(f, " ({why})")?;
+        }
+        let b = |n: Option<usize>| n.map_or_else(|| "-".to_string(), |n| wick::memory::format_bytes(n as u64));
+        for r in p.ranks.iter().filter(|_| p.ranks.len() > 1) {
+            write!(
+                f,
+                "\n    rank {}: allocated {} peak {} rss {}",
+                r.rank,
+                b(r.heap_allocated),
+                b(r.heap_peak),
+                b(r.rss_bytes)
+            )?;
         }
         Ok(())
     }

@@ -1,0 +1,136 @@
+//! `wick train` on two ranks under a real `mpirun` (2 × 1 thread): the same final weights, to
+//! the bit, as one process accumulating both ranks' micro-batches; a rank killed with SIGKILL
+//! ends the job non-zero within seconds, naming the rank, and `--resume` — on two ranks or on
+//! one — finishes with the uninterrupted run's weights. Needs a wick built with `--features
+//! mpi` (built here); skipped, loudly, without MPI.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn which(cmd: &str) -> bool {
+    Command::new("sh").arg("-c").arg(format!("command -v {cmd}")).output().is_ok_and(|o| o.status.success())
+}
+
+/// A wick with MPI, copied out of the target folder (a later plain build replaces that one).
+fn wick_mpi(tmp: &Path) -> Option<PathBuf> {
+    if !(which("mpirun") && which("mpicc")) {
+        eprintln!(
+            "SKIPPED: multi-rank `wick train` needs MPI: apt-get install openmpi-bin libopenmpi-dev libclang-dev"
+        );
+        return None;
+    }
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "--quiet", "-p", "wick-cli", "--features", "mpi", "--bin", "wick"])
+        .status()
+        .expect("cargo runs");
+    assert!(status.success(), "building wick with --features mpi");
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
+    let copy = tmp.join("wick-mpi");
+    std::fs::copy(target.join("debug/wick"), &copy).expect("copying wick");
+    Some(copy)
+}
+
+fn train(wick: &Path, dir: &Path, extra: &[&str]) -> Command {
+    let mut c = Command::new(wick);
+    c.args(["train", "--dir"]).arg(dir);
+    c.args(["--steps", "12", "--save-every", "2", "--hidden", "128", "--layers", "4", "--seq", "64"]);
+    c.args(extra);
+    c.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1").env("RAYON_NUM_THREADS", "1");
+    c
+}
+
+fn finish(mut c: Command) -> String {
+    let out = c.output().expect("wick runs");
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let dir = c.get_args().skip_while(|a| *a != "--dir").nth(1).expect("--dir").to_owned();
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(Path::new(&dir).join("final.json")).expect("final.json")).unwrap();
+    summary["masters_sha256"].as_str().expect("digest").to_string()
+}
+
+/// The ranks' pids: `wick-mpi train` processes on `dir` (the launcher, which has `--ranks`, and
+/// mpirun excepted).
+fn rank_pids(dir: &Path) -> Vec<u32> {
+    let needle = dir.display().to_string();
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+        let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains("wick-mpi train")
+            && cmd.contains(&needle)
+            && !cmd.contains("mpirun")
+            && !cmd.contains("--ranks")
+        {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn steps_done(dir: &Path) -> usize {
+    std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |m| m.lines().count())
+}
+
+fn wait(child: &mut Child, limit: Duration) -> Option<std::process::ExitStatus> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if let Some(status) = child.try_wait().expect("wait") {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+#[test]
+fn two_ranks_train_as_one_process_and_survive_a_killed_rank() {
+    let tmp = std::env::temp_dir().join(format!("wick-ranks-cli-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let Some(wick) = wick_mpi(&tmp) else { return };
+    let reference = finish(train(&wick, &tmp.join("alone"), &["--accumulate", "2"]));
+    let two = finish(train(&wick, &tmp.join("two"), &["--ranks", "2"]));
+    assert_eq!(two, reference, "2 ranks × 1 micro-batch = 1 process × 2, bit for bit");
+    let status: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(tmp.join("two/status.json")).unwrap()).unwrap();
+    assert_eq!(status["ranks"].as_array().map(Vec::len), Some(2), "per-rank figures: {status}");
+
+    // Kill rank 1 mid-run.
+    let dir = tmp.join("killed");
+    let mut run = train(&wick, &dir, &["--ranks", "2"]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let start = Instant::now();
+    while steps_done(&dir) < 5 && start.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let pids = rank_pids(&dir);
+    assert_eq!(pids.len(), 2, "two ranks run: {pids:?}");
+    let victim = *pids.iter().max().unwrap();
+    let killed_at = Instant::now();
+    // SAFETY: kill has no memory-safety preconditions.
+    assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+    let status = wait(&mut run, Duration::from_secs(30)).expect("the job ends within 30 s of a rank's death");
+    let ended_in = killed_at.elapsed();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(run.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(!status.success(), "a killed rank fails the job");
+    assert!(stderr.contains("rank"), "the message names the rank: {stderr}");
+    eprintln!("killed rank (pid {victim}) ended the job in {ended_in:?}");
+
+    // Resume on two ranks, and (from a copy) on one accumulating two: both finish as the
+    // uninterrupted run did.
+    let one = tmp.join("one");
+    std::fs::create_dir_all(&one).unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+        if entry.file_name().to_string_lossy().starts_with("step-") {
+            std::fs::copy(entry.path(), one.join(entry.file_name())).unwrap();
+        }
+    }
+    assert_eq!(finish(train(&wick, &dir, &["--ranks", "2", "--resume"])), reference, "resumed on 2 ranks");
+    assert_eq!(finish(train(&wick, &one, &["--accumulate", "2", "--resume"])), reference, "resumed on 1 rank");
+    let _ = std::fs::remove_dir_all(&tmp);
+}
