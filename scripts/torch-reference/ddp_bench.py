@@ -118,10 +118,17 @@ def last_json(text):
     return json.loads(text.strip().splitlines()[-1])
 
 
-def run(cmd, env):
+def run(cmd, env, timeout=900):
+    """The command's JSON line; a run that hangs (seen once with gloo: one DDP worker gone, the
+    other waiting in a collective) is killed after `timeout` seconds and tried once more."""
     full = dict(os.environ, **ROOT_ENV, **env)
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=full)
-    return last_json(out.stdout)
+    for attempt in range(2):
+        try:
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=full, timeout=timeout)
+            return last_json(out.stdout)
+        except subprocess.TimeoutExpired:
+            print(f"(timed out after {timeout} s, attempt {attempt + 1}: {' '.join(cmd[:6])} ...)", flush=True)
+    raise SystemExit("the command hung twice")
 
 
 def main():

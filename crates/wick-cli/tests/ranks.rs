@@ -15,6 +15,7 @@ fn which(cmd: &str) -> bool {
 /// A wick with MPI, copied out of the target folder (a later plain build replaces that one).
 fn wick_mpi(tmp: &Path) -> Option<PathBuf> {
     if !(which("mpirun") && which("mpicc")) {
+        assert!(std::env::var_os("WICK_REQUIRE_MPI").is_none(), "WICK_REQUIRE_MPI is set and MPI is missing");
         eprintln!(
             "SKIPPED: multi-rank `wick train` needs MPI: apt-get install openmpi-bin libopenmpi-dev libclang-dev"
         );

@@ -36,7 +36,7 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     let batch: usize = arg(args, "--batch", "8").parse()?;
     let image: usize = arg(args, "--image", "224").parse()?;
     let (steps, warmup): (usize, usize) = (arg(args, "--steps", "5").parse()?, arg(args, "--warmup", "2").parse()?);
-    if batch % world != 0 {
+    if !batch.is_multiple_of(world) {
         bail!("a global batch of {batch} does not split over {world} ranks");
     }
     let (spec, optimizer) = match model.as_str() {
@@ -83,7 +83,7 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     };
     let (mut ms, mut comm_ms) = (Vec::new(), Vec::new());
     for i in 0..warmup + steps {
-        group.barrier();
+        group.barrier()?;
         let start = Instant::now();
         let record = trainer.train_step(std::slice::from_ref(&mine))?;
         let t = start.elapsed().as_secs_f64() * 1e3;
@@ -112,7 +112,7 @@ fn allreduce(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value>
         let mut recv = vec![0f32; n];
         let mut raw = Vec::new();
         for _ in 0..reps {
-            group.barrier();
+            group.barrier()?;
             let t = Instant::now();
             group.all_reduce_slice(&send, &mut recv, ReduceOp::Sum)?;
             raw.push(t.elapsed().as_secs_f64());
@@ -128,7 +128,7 @@ fn allreduce(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value>
         for _ in 0..reps {
             let loss = vars.iter().map(|v| v.as_tensor().sum_all()).collect::<Result<Vec<_>, _>>()?;
             let mut grads = Tensor::stack(&loss, 0)?.sum_all()?.backward()?;
-            group.barrier();
+            group.barrier()?;
             let t = Instant::now();
             let stats = buckets.reduce(group, &mut grads, &vars)?;
             bucketed.push(t.elapsed().as_secs_f64());

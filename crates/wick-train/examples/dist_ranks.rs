@@ -297,7 +297,7 @@ fn collectives(group: &ProcessGroup) -> Result<serde_json::Value> {
     let setting = serde_json::json!({"model": "decoder", "options": {"lr": 1e-3 * (1 + rank) as f64}});
     let differs = group.check_same("training setup", &setting).err().map(|e| e.to_string()).unwrap_or_default();
     ensure!(world == 1 || differs.contains("`options.lr`"), "{differs}");
-    group.barrier();
+    group.barrier()?;
     Ok(serde_json::json!({ "world": world, "mismatch": mismatch, "differs": differs }))
 }
 

@@ -285,7 +285,7 @@ fn sharded_epochs_split_the_epoch_between_ranks_and_resume_mid_epoch() {
         *counts.entry(*s).or_insert(0) += 1;
     }
     assert_eq!(union.len(), 27);
-    assert!((0..24u32).all(|s| counts.get(&s).is_some()), "every sample at least once");
+    assert!((0..24u32).all(|s| counts.contains_key(&s)), "every sample at least once");
     let twice: Vec<u32> = counts.iter().filter(|(_, &c)| c == 2).map(|(&s, _)| s).collect();
     let mut first = whole[0].clone();
     first.sort();

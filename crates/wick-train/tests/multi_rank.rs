@@ -17,6 +17,7 @@ fn ranks_binary() -> Option<&'static Path> {
     BINARY
         .get_or_init(|| {
             if !(which("mpirun") && which("mpicc")) {
+                assert!(std::env::var_os("WICK_REQUIRE_MPI").is_none(), "WICK_REQUIRE_MPI is set and MPI is missing");
                 eprintln!(
                     "SKIPPED: the multi-process tests need MPI (mpirun, mpicc) and libclang: \
                      apt-get install openmpi-bin libopenmpi-dev libclang-dev"

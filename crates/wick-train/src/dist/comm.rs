@@ -40,21 +40,54 @@ pub(crate) enum Comm {
 #[cfg(feature = "mpi")]
 pub(crate) struct MpiWorld {
     world: mpi::topology::SimpleCommunicator,
+    /// Held during every MPI call: calls never overlap (`MPI_THREAD_SERIALIZED`'s rule).
+    lock: std::sync::Mutex<()>,
+    /// The thread that initialised MPI, when the library granted less than serialized calls
+    /// from any thread: only it may call.
+    only: Option<std::thread::ThreadId>,
+    /// This process's rank and the world size, read once.
+    rank_and_size: (usize, usize),
     // Dropped last: `MPI_Finalize`.
     _universe: mpi::environment::Universe,
 }
 
+// SAFETY: the communicator is a handle that MPI allows any thread to use under
+// MPI_THREAD_SERIALIZED as long as calls do not overlap; every call goes through `MpiWorld::call`,
+// which holds `lock` for its duration, and when the library granted less than serialized access,
+// refuses calls from any thread but the one that initialised MPI.
+#[cfg(feature = "mpi")]
+unsafe impl Send for MpiWorld {}
+// SAFETY: as above: shared use is serialised by `lock`.
+#[cfg(feature = "mpi")]
+unsafe impl Sync for MpiWorld {}
+
 #[cfg(feature = "mpi")]
 impl MpiWorld {
-    /// Initialises MPI (calls from any thread, one at a time: `MPI_THREAD_SERIALIZED`).
+    /// Initialises MPI, asking for calls from any thread one at a time (`MPI_THREAD_SERIALIZED`).
     pub(crate) fn init() -> Result<Self, DistError> {
-        let Some((universe, _provided)) = mpi::initialize_with_threading(mpi::Threading::Serialized) else {
+        let Some((universe, provided)) = mpi::initialize_with_threading(mpi::Threading::Serialized) else {
             return Err(DistError::Launch {
                 message: "MPI is initialised already in this process (one process group per process)".into(),
             });
         };
+        let serialized = matches!(provided, mpi::Threading::Serialized | mpi::Threading::Multiple);
+        let only = (!serialized).then(|| std::thread::current().id());
         let world = universe.world();
-        Ok(MpiWorld { world, _universe: universe })
+        use mpi::traits::Communicator;
+        let rank_and_size = (world.rank().max(0) as usize, world.size().max(1) as usize);
+        Ok(MpiWorld { world, lock: std::sync::Mutex::new(()), only, rank_and_size, _universe: universe })
+    }
+
+    /// Runs `f` on the communicator, alone.
+    fn call<R>(&self, f: impl FnOnce(&mpi::topology::SimpleCommunicator) -> R) -> Result<R, DistError> {
+        if self.only.is_some_and(|t| t != std::thread::current().id()) {
+            return Err(DistError::unsupported(
+                "collective",
+                "this MPI library allows calls from the thread that initialised it only",
+            ));
+        }
+        let _alone = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(f(&self.world))
     }
 }
 
@@ -74,21 +107,18 @@ impl Comm {
         match self {
             Comm::Single => (0, 1),
             #[cfg(feature = "mpi")]
-            Comm::Mpi(m) => {
-                use mpi::traits::Communicator;
-                (m.world.rank().max(0) as usize, m.world.size().max(1) as usize)
-            }
+            Comm::Mpi(m) => m.rank_and_size,
         }
     }
 
     /// Waits for every rank.
-    pub(crate) fn barrier(&self) {
+    pub(crate) fn barrier(&self) -> Result<(), DistError> {
         match self {
-            Comm::Single => {}
+            Comm::Single => Ok(()),
             #[cfg(feature = "mpi")]
             Comm::Mpi(m) => {
                 use mpi::traits::CommunicatorCollectives;
-                m.world.barrier()
+                m.call(|w| w.barrier())
             }
         }
     }
@@ -106,9 +136,11 @@ impl Comm {
             #[cfg(feature = "mpi")]
             Comm::Mpi(m) => {
                 use mpi::traits::CommunicatorCollectives;
-                for (s, r) in send.chunks(MAX_COUNT).zip(recv.chunks_mut(MAX_COUNT)) {
-                    m.world.all_reduce_into(s, r, system_op(op));
-                }
+                m.call(|w| {
+                    for (s, r) in send.chunks(MAX_COUNT).zip(recv.chunks_mut(MAX_COUNT)) {
+                        w.all_reduce_into(s, r, system_op(op));
+                    }
+                })?;
             }
         }
         Ok(())
@@ -123,10 +155,12 @@ impl Comm {
             #[cfg(feature = "mpi")]
             Comm::Mpi(m) => {
                 use mpi::traits::{Communicator, Root};
-                let root = m.world.process_at_rank(root as i32);
-                for piece in buf.chunks_mut(MAX_COUNT) {
-                    root.broadcast_into(piece);
-                }
+                m.call(|w| {
+                    let root = w.process_at_rank(root as i32);
+                    for piece in buf.chunks_mut(MAX_COUNT) {
+                        root.broadcast_into(piece);
+                    }
+                })?;
             }
         }
         Ok(())
@@ -147,21 +181,23 @@ impl Comm {
             #[cfg(feature = "mpi")]
             Comm::Mpi(m) => {
                 use mpi::traits::CommunicatorCollectives;
-                if n <= MAX_COUNT / size.max(1) {
-                    m.world.all_gather_into(send, recv);
-                } else {
+                m.call(|w| {
+                    if n <= MAX_COUNT / size.max(1) {
+                        w.all_gather_into(send, recv);
+                        return;
+                    }
                     // Piece by piece: piece k of every rank, then placed at the rank's offset.
                     let piece = MAX_COUNT / size.max(1);
                     let mut scratch = vec![T::default(); piece * size];
                     for start in (0..n).step_by(piece) {
                         let len = piece.min(n - start);
                         let got = &mut scratch[..len * size];
-                        m.world.all_gather_into(&send[start..start + len], got);
+                        w.all_gather_into(&send[start..start + len], got);
                         for r in 0..size {
                             recv[r * n + start..r * n + start + len].copy_from_slice(&got[r * len..(r + 1) * len]);
                         }
                     }
-                }
+                })?;
             }
         }
         Ok(())
@@ -186,7 +222,7 @@ impl Comm {
                 let displs: Vec<i32> =
                     counts.iter().scan(0i32, |acc, &c| Some(std::mem::replace(acc, *acc + c))).collect();
                 let mut partition = PartitionMut::new(&mut out[..], counts, &displs[..]);
-                m.world.all_gather_varcount_into(send, &mut partition);
+                m.call(|w| w.all_gather_varcount_into(send, &mut partition))?;
             }
         }
         Ok((out, lens))
@@ -207,9 +243,11 @@ impl Comm {
             #[cfg(feature = "mpi")]
             Comm::Mpi(m) => {
                 use mpi::traits::CommunicatorCollectives;
-                if n <= MAX_COUNT / size.max(1) {
-                    m.world.reduce_scatter_block_into(send, recv, system_op(op));
-                } else {
+                m.call(|w| {
+                    if n <= MAX_COUNT / size.max(1) {
+                        w.reduce_scatter_block_into(send, recv, system_op(op));
+                        return;
+                    }
                     // Block-wise pieces: piece k of every rank's block, gathered into one send.
                     let piece = MAX_COUNT / size.max(1);
                     let mut scratch = vec![T::default(); piece * size];
@@ -218,13 +256,13 @@ impl Comm {
                         for r in 0..size {
                             scratch[r * len..(r + 1) * len].copy_from_slice(&send[r * n + start..r * n + start + len]);
                         }
-                        m.world.reduce_scatter_block_into(
+                        w.reduce_scatter_block_into(
                             &scratch[..len * size],
                             &mut recv[start..start + len],
                             system_op(op),
                         );
                     }
-                }
+                })?;
             }
         }
         Ok(())
@@ -237,6 +275,7 @@ impl Comm {
             #[cfg(feature = "mpi")]
             Comm::Mpi(m) => {
                 use mpi::traits::Communicator;
+                // No lock: another thread may be inside a collective that will never finish.
                 m.world.abort(code)
             }
         }

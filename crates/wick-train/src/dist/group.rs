@@ -115,7 +115,7 @@ impl ProcessGroup {
     }
 
     /// Waits until every rank has called it.
-    pub fn barrier(&self) {
+    pub fn barrier(&self) -> Result<(), DistError> {
         self.inner.comm.barrier()
     }
 
@@ -292,7 +292,7 @@ impl ProcessGroup {
         host(what, t)?;
         let world = self.world_size();
         let d0 = t.dims().first().copied().unwrap_or(0);
-        if t.rank() == 0 || d0 % world != 0 {
+        if t.rank() == 0 || !d0.is_multiple_of(world) {
             return Err(DistError::unsupported(
                 what,
                 format!("a first axis of {d0} does not split over {world} ranks (pad it to a multiple of {world})"),
