@@ -96,6 +96,11 @@ pub struct TrainArgs {
     /// batch). Under `mpirun -n N wick train ...` leave it out: each process joins by itself.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
     ranks: u64,
+    /// ZeRO stage of a multi-rank run: 1 shards the f32 masters and the optimizer state over the
+    /// ranks, 2 also reduce-scatters the gradients; checkpoints are then written a shard per rank
+    /// and resume at any number of ranks. Ignored on one rank.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    zero: u8,
 }
 
 const VOCAB: usize = 32;
@@ -239,12 +244,28 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
 }
 
 /// SHA-256 over every f32 master, in parameter order.
-fn masters_digest(trainer: &Trainer<Llama>) -> Result<String> {
+/// SHA-256 of the f32 masters, in order; `None` when a sharded run holds only its share.
+fn masters_digest(trainer: &Trainer<Llama>) -> Result<Option<String>> {
+    if trainer.masters().master(0).is_none() {
+        return Ok(None);
+    }
     let mut hash = Sha256::new();
     for i in 0.. {
         let Some(m) = trainer.masters().master(i) else { break };
         for v in m.flatten_all()?.to_vec1::<f32>()? {
             hash.update(v.to_le_bytes());
+        }
+    }
+    Ok(Some(hash.finalize().iter().map(|b| format!("{b:02x}")).collect()))
+}
+
+/// SHA-256 of the model's parameters, widened to f32, in order (every rank holds them whole;
+/// for an f32 run they are the masters).
+fn params_digest(trainer: &Trainer<Llama>) -> Result<String> {
+    let mut hash = Sha256::new();
+    for (_, v) in trainer.model().params().iter() {
+        for x in v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()? {
+            hash.update(x.to_le_bytes());
         }
     }
     Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
@@ -384,7 +405,8 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
     }
     if world > 1 {
         // After the resume: every rank then continues from rank 0's state (checked the same).
-        trainer = trainer.data_parallel(group.clone(), DataParallelOptions::default())?;
+        let sharding = wick_train::dist::Sharding::from_stage(args.zero)?;
+        trainer = trainer.data_parallel(group.clone(), DataParallelOptions { sharding, ..Default::default() })?;
     }
     on_sigterm()?;
     // Rank 0 writes the run's files and shows the progress; the others train.
@@ -508,8 +530,8 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
     bar.finish();
     progress.state = "finished".into();
     progress.exit_reason = Some(format!("completed {} steps", trainer.step()));
-    let summary =
-        serde_json::json!({"steps": trainer.step(), "loss": last_loss, "masters_sha256": masters_digest(&trainer)?});
+    let summary = serde_json::json!({"steps": trainer.step(), "loss": last_loss, "masters_sha256": masters_digest(&trainer)?,
+        "params_sha256": params_digest(&trainer)?});
     let path = args.dir.join("final.json");
     if !root {
         return Ok(());

@@ -1,7 +1,8 @@
 //! `wick train` on two ranks under a real `mpirun` (2 × 1 thread): the same final weights, to
 //! the bit, as one process accumulating both ranks' micro-batches; a rank killed with SIGKILL
 //! ends the job non-zero within seconds, naming the rank, and `--resume` — on two ranks or on
-//! one — finishes with the uninterrupted run's weights. Needs a wick built with `--features
+//! one — finishes with the uninterrupted run's weights, replicated and ZeRO-2 (a checkpoint
+//! shard per rank). Needs a wick built with `--features
 //! mpi` (built here); skipped, loudly, without MPI.
 
 use std::path::{Path, PathBuf};
@@ -50,7 +51,7 @@ fn finish(mut c: Command) -> String {
     let dir = c.get_args().skip_while(|a| *a != "--dir").nth(1).expect("--dir").to_owned();
     let summary: serde_json::Value =
         serde_json::from_slice(&std::fs::read(Path::new(&dir).join("final.json")).expect("final.json")).unwrap();
-    summary["masters_sha256"].as_str().expect("digest").to_string()
+    summary["params_sha256"].as_str().expect("digest").to_string()
 }
 
 /// The ranks' pids: `wick-mpi train` processes on `dir` (the launcher, which has `--ranks`, and
@@ -101,15 +102,27 @@ fn two_ranks_train_as_one_process_and_survive_a_killed_rank() {
         serde_json::from_slice(&std::fs::read(tmp.join("two/status.json")).unwrap()).unwrap();
     assert_eq!(status["ranks"].as_array().map(Vec::len), Some(2), "per-rank figures: {status}");
 
-    // Kill rank 1 mid-run.
-    let dir = tmp.join("killed");
-    let mut run = train(&wick, &dir, &["--ranks", "2"]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    // Kill rank 1 mid-run, replicated and ZeRO-2 (a shard per rank in each checkpoint).
+    for (name, extra) in [("killed", vec![]), ("killed-zero2", vec!["--zero", "2"])] {
+        kill_and_resume(&wick, &tmp, name, &extra, &reference);
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// Runs 2 ranks with `extra` flags, kills one with SIGKILL after step 5, checks that the job
+/// ends non-zero within 30 s naming the rank, then resumes on 2 ranks and (from a copy) on 1
+/// accumulating 2: both must end with `reference`'s parameters.
+fn kill_and_resume(wick: &Path, tmp: &Path, name: &str, extra: &[&str], reference: &str) {
+    let dir = tmp.join(name);
+    let mut args = vec!["--ranks", "2"];
+    args.extend_from_slice(extra);
+    let mut run = train(wick, &dir, &args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     let start = Instant::now();
     while steps_done(&dir) < 5 && start.elapsed() < Duration::from_secs(120) {
         std::thread::sleep(Duration::from_millis(20));
     }
     let pids = rank_pids(&dir);
-    assert_eq!(pids.len(), 2, "two ranks run: {pids:?}");
+    assert_eq!(pids.len(), 2, "{name}: two ranks run: {pids:?}");
     let victim = *pids.iter().max().unwrap();
     let killed_at = Instant::now();
     // SAFETY: kill has no memory-safety preconditions.
@@ -118,20 +131,17 @@ fn two_ranks_train_as_one_process_and_survive_a_killed_rank() {
     let ended_in = killed_at.elapsed();
     let mut stderr = String::new();
     std::io::Read::read_to_string(run.stderr.as_mut().unwrap(), &mut stderr).unwrap();
-    assert!(!status.success(), "a killed rank fails the job");
-    assert!(stderr.contains("rank"), "the message names the rank: {stderr}");
-    eprintln!("killed rank (pid {victim}) ended the job in {ended_in:?}");
-
-    // Resume on two ranks, and (from a copy) on one accumulating two: both finish as the
-    // uninterrupted run did.
-    let one = tmp.join("one");
+    assert!(!status.success(), "{name}: a killed rank fails the job");
+    assert!(stderr.contains("rank"), "{name}: the message names the rank: {stderr}");
+    eprintln!("{name}: killed rank (pid {victim}) ended the job in {ended_in:?}");
+    let one = tmp.join(format!("{name}-one"));
     std::fs::create_dir_all(&one).unwrap();
     for entry in std::fs::read_dir(&dir).unwrap().flatten() {
         if entry.file_name().to_string_lossy().starts_with("step-") {
             std::fs::copy(entry.path(), one.join(entry.file_name())).unwrap();
         }
     }
-    assert_eq!(finish(train(&wick, &dir, &["--ranks", "2", "--resume"])), reference, "resumed on 2 ranks");
-    assert_eq!(finish(train(&wick, &one, &["--accumulate", "2", "--resume"])), reference, "resumed on 1 rank");
-    let _ = std::fs::remove_dir_all(&tmp);
+    args.push("--resume");
+    assert_eq!(finish(train(wick, &dir, &args)), reference, "{name}: resumed on 2 ranks");
+    assert_eq!(finish(train(wick, &one, &["--accumulate", "2", "--resume"])), reference, "{name}: resumed on 1 rank");
 }

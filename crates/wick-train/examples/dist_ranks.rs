@@ -8,6 +8,8 @@
 //!   AdamW step's measured peak on each rank beside the estimator's per-rank figure);
 //! - `WICK_DIST_MODEL` `decoder`|`cnn`, `WICK_DIST_PRECISION` `f32`|`bf16`|`f16`,
 //!   `WICK_DIST_ZERO` `0`|`1`|`2`, `WICK_DIST_STEPS`;
+//! - `WICK_DIST_CKPT`: a checkpoint folder; with `WICK_DIST_SAVE_AT=k` the run saves after step
+//!   k and stops there, with `WICK_DIST_RESUME=1` it resumes from the folder first;
 //! - `WICK_DIST_OUT`: where rank 0 writes what happened (JSON).
 
 use std::cell::Cell;
@@ -130,6 +132,13 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
     };
     let describe = serde_json::json!({ "model": model_name, "precision": precision });
     let mut trainer = Trainer::new(model, describe, None, options)?;
+    let checkpoints =
+        std::env::var("WICK_DIST_CKPT").ok().map(|d| wick_train::CheckpointDir::new(d.as_ref(), 3)).transpose()?;
+    let save_at: Option<usize> = std::env::var("WICK_DIST_SAVE_AT").ok().map(|s| s.parse()).transpose()?;
+    if let (Some(dir), true) = (&checkpoints, env("WICK_DIST_RESUME", "0") == "1") {
+        // Before joining: the run continues from the whole state, then shards it again.
+        trainer.resume(dir)?;
+    }
     if world > 1 || zero > 0 {
         let options = DataParallelOptions {
             sharding: Sharding::from_stage(zero)?,
@@ -142,7 +151,7 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
     }
     let all = spec.batch(steps * 2 * micro, dtype, &Device::Cpu)?;
     let (mut losses, mut hashes, mut outcomes, mut errors) = (vec![], vec![], vec![], vec![]);
-    for step in 0..steps {
+    for step in trainer.step() as usize..steps {
         let mine: Vec<ZooBatch> = if world == 1 {
             vec![micro_batch(&all, 2 * step, micro)?, micro_batch(&all, 2 * step + 1, micro)?]
         } else {
@@ -169,6 +178,12 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
         let gathered = group.all_gather(&bytes)?.to_vec1::<u8>()?;
         ensure!(gathered.chunks(hash.len()).all(|c| c == hash.as_bytes()), "ranks differ after step {step}");
         hashes.push(hash);
+        if let (Some(dir), Some(at)) = (&checkpoints, save_at) {
+            if step + 1 == at {
+                trainer.save(dir, serde_json::json!({}))?;
+                break;
+            }
+        }
     }
     let (master, state) = trainer.optimizer_bytes();
     let per_rank = group.all_gather(&Tensor::new(&[master as u64 as f64, state as u64 as f64], &Device::Cpu)?)?;

@@ -67,6 +67,22 @@ pub struct Manifest {
     pub bytes: u64,
     /// Its SHA-256, hex.
     pub sha256: String,
+    /// A sharded checkpoint's tensor files, one per rank in rank order (then `tensors` is empty):
+    /// a data-parallel run whose optimizer state is sharded (ZeRO) writes each rank's share
+    /// itself, and rank 0 writes this manifest once every shard is complete.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<ShardFile>,
+}
+
+/// One rank's tensor file of a sharded checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ShardFile {
+    /// The file, in the checkpoint's folder.
+    pub file: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// Its SHA-256, hex.
+    pub sha256: String,
 }
 
 /// A checkpoint read back: its manifest and its tensors by name.
@@ -153,16 +169,51 @@ impl CheckpointDir {
     /// newest `keep` checkpoints. Returns the manifest's path.
     pub fn write(&self, mut manifest: Manifest, tensors: &HashMap<String, Tensor>) -> Result<PathBuf, TrainError> {
         let stem = Self::stem(manifest.step);
-        let tensor_path = self.dir.join(format!("{stem}.safetensors"));
+        let file = self.write_tensors(&format!("{stem}.safetensors"), tensors)?;
+        manifest.tensors = file.file;
+        manifest.bytes = file.bytes;
+        manifest.sha256 = file.sha256;
+        manifest.shards.clear();
+        self.commit(manifest)
+    }
+
+    /// Writes rank `rank`'s share of the sharded checkpoint at `step` (of `world` ranks),
+    /// atomically; the manifest comes later ([`CheckpointDir::write_sharded`]), once every rank's
+    /// is written.
+    pub fn write_shard(
+        &self,
+        step: u64,
+        rank: usize,
+        world: usize,
+        tensors: &HashMap<String, Tensor>,
+    ) -> Result<ShardFile, TrainError> {
+        self.write_tensors(&format!("{}.shard-{rank}-of-{world}.safetensors", Self::stem(step)), tensors)
+    }
+
+    /// Writes the manifest of a sharded checkpoint whose `shards` are all written: the commit
+    /// point (a checkpoint without it is never read), then removes all but the newest `keep`.
+    pub fn write_sharded(&self, mut manifest: Manifest, shards: Vec<ShardFile>) -> Result<PathBuf, TrainError> {
+        if shards.is_empty() {
+            return Err(file_error(&self.dir, "a sharded checkpoint needs its shards"));
+        }
+        manifest.tensors = String::new();
+        manifest.bytes = 0;
+        manifest.sha256 = String::new();
+        manifest.shards = shards;
+        self.commit(manifest)
+    }
+
+    fn write_tensors(&self, name: &str, tensors: &HashMap<String, Tensor>) -> Result<ShardFile, TrainError> {
+        let tensor_path = self.dir.join(name);
         let written =
             wick::tensor_files::write_safetensors(&tensor_path, tensors).map_err(|e| file_error(&tensor_path, e))?;
-        let (bytes, sha256) = (written.len() as u64, hex(&Sha256::digest(&written)));
-        drop(written);
+        Ok(ShardFile { file: name.to_string(), bytes: written.len() as u64, sha256: hex(&Sha256::digest(&written)) })
+    }
+
+    /// Writes `manifest` (format and version filled in) atomically and prunes.
+    fn commit(&self, mut manifest: Manifest) -> Result<PathBuf, TrainError> {
         manifest.format = FORMAT.into();
         manifest.version = VERSION;
-        manifest.tensors = format!("{stem}.safetensors");
-        manifest.bytes = bytes;
-        manifest.sha256 = sha256;
         let path = self.manifest_path(manifest.step);
         let json = serde_json::to_vec_pretty(&manifest).map_err(|e| file_error(&path, e))?;
         wick::files::write_atomic(&path, &json).map_err(|e| file_error(&path, e))?;
@@ -181,6 +232,12 @@ impl CheckpointDir {
             let manifest = self.manifest_path(step);
             std::fs::remove_file(&manifest).map_err(|e| file_error(&manifest, e))?;
             let _ = std::fs::remove_file(self.dir.join(format!("{stem}.safetensors")));
+            let shards = format!("{stem}.shard-");
+            for entry in std::fs::read_dir(&self.dir).map_err(|e| file_error(&self.dir, e))?.filter_map(|e| e.ok()) {
+                if entry.file_name().to_string_lossy().starts_with(&shards) {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+            }
         }
         Ok(())
     }
@@ -201,23 +258,44 @@ impl CheckpointDir {
                 ),
             ));
         }
-        if manifest.tensors.contains(['/', '\\']) || manifest.tensors.starts_with('.') {
-            return Err(file_error(&path, format!("tensor file `{}` is not a file in this folder", manifest.tensors)));
+        // A sharded checkpoint's files are read one after another into one set of tensors
+        // (its pieces are named `kind/param#offset`; the trainer joins them).
+        let files = if manifest.shards.is_empty() {
+            vec![ShardFile { file: manifest.tensors.clone(), bytes: manifest.bytes, sha256: manifest.sha256.clone() }]
+        } else {
+            manifest.shards.clone()
+        };
+        let mut tensors = HashMap::new();
+        for file in &files {
+            tensors.extend(self.read_checked(&path, file, device)?);
         }
-        let tensor_path = self.dir.join(&manifest.tensors);
+        Ok(Saved { manifest, tensors })
+    }
+
+    /// The tensors of `file` (named by the manifest at `manifest`) once its size and checksum
+    /// are the recorded ones.
+    fn read_checked(
+        &self,
+        manifest: &Path,
+        file: &ShardFile,
+        device: &Device,
+    ) -> Result<HashMap<String, Tensor>, TrainError> {
+        if file.file.is_empty() || file.file.contains(['/', '\\']) || file.file.starts_with('.') {
+            return Err(file_error(manifest, format!("tensor file `{}` is not a file in this folder", file.file)));
+        }
+        let tensor_path = self.dir.join(&file.file);
         let bytes = std::fs::read(&tensor_path).map_err(|e| file_error(&tensor_path, e))?;
-        if bytes.len() as u64 != manifest.bytes {
+        if bytes.len() as u64 != file.bytes {
             return Err(file_error(
                 &tensor_path,
-                format!("{} bytes, the manifest says {} (truncated or replaced)", bytes.len(), manifest.bytes),
+                format!("{} bytes, the manifest says {} (truncated or replaced)", bytes.len(), file.bytes),
             ));
         }
         let sha256 = hex(&Sha256::digest(&bytes));
-        if sha256 != manifest.sha256 {
+        if sha256 != file.sha256 {
             return Err(file_error(&tensor_path, "checksum mismatch: the file is damaged"));
         }
-        let tensors = candle_core::safetensors::load_buffer(&bytes, device)?;
-        Ok(Saved { manifest, tensors })
+        Ok(candle_core::safetensors::load_buffer(&bytes, device)?)
     }
 
     /// The newest checkpoint that loads, with a line for each newer one that did not; `None`

@@ -156,6 +156,38 @@ fn first_difference(kind: &str, theirs: &[ParamInfo], mine: &[ParamInfo]) -> Opt
     Some(differs.unwrap_or_else(|| format!("{} {kind}s there, {} here", theirs.len(), mine.len())))
 }
 
+/// The tensor `key` of a sharded checkpoint, joined from its pieces `key#OFFSET` (flat, in
+/// order; they must cover it from 0 without gaps or overlaps); `None` when it has no pieces.
+fn join_pieces(tensors: &HashMap<String, Tensor>, key: &str) -> Result<Option<Tensor>, TrainError> {
+    let prefix = format!("{key}#");
+    let mut pieces: Vec<(usize, &Tensor)> = Vec::new();
+    for (name, t) in tensors {
+        if let Some(offset) = name.strip_prefix(&prefix) {
+            let offset = offset
+                .parse()
+                .map_err(|_| invalid("resume", format!("the checkpoint's piece `{name}` has no offset")))?;
+            pieces.push((offset, t));
+        }
+    }
+    if pieces.is_empty() {
+        return Ok(None);
+    }
+    pieces.sort_by_key(|(offset, _)| *offset);
+    let mut at = 0usize;
+    let mut flat = Vec::with_capacity(pieces.len());
+    for (offset, t) in pieces {
+        if offset != at {
+            return Err(invalid(
+                "resume",
+                format!("`{key}`: a piece starts at {offset}, the pieces before end at {at}"),
+            ));
+        }
+        at += t.elem_count();
+        flat.push(t.flatten_all()?);
+    }
+    Ok(Some(Tensor::cat(&flat, 0)?))
+}
+
 fn dtype_name(dtype: DType) -> String {
     format!("{dtype:?}").to_lowercase()
 }
@@ -355,6 +387,7 @@ impl<M: Model> Trainer<M> {
     /// state, copied (later steps do not change them).
     fn snapshot(&self, data: serde_json::Value) -> Result<(Manifest, HashMap<String, Tensor>), TrainError> {
         let state = self.masters.state()?;
+        let manifest = self.manifest(data, state.step);
         let mut tensors = HashMap::new();
         for (((name, _), master), states) in self.model.params().iter().zip(state.masters).zip(state.states) {
             tensors.insert(format!("master/{name}"), master);
@@ -367,11 +400,16 @@ impl<M: Model> Trainer<M> {
         for (name, buffer) in self.model.params().buffers() {
             tensors.insert(format!("buffer/{name}"), buffer.get());
         }
-        let manifest = Manifest {
+        Ok((manifest, tensors))
+    }
+
+    /// The manifest of a checkpoint at this step (file fields empty).
+    fn manifest(&self, data: serde_json::Value, optimizer_steps: u64) -> Manifest {
+        Manifest {
             format: String::new(),
             version: 0,
             step: self.step,
-            optimizer_steps: state.step,
+            optimizer_steps,
             model: self.description.clone(),
             params: self.param_infos(),
             buffers: self.buffer_infos(),
@@ -381,26 +419,57 @@ impl<M: Model> Trainer<M> {
             tensors: String::new(),
             bytes: 0,
             sha256: String::new(),
+            shards: Vec::new(),
+        }
+    }
+
+    /// A sharded run's checkpoint: each rank writes its share of masters and optimizer state
+    /// (rank 0 also the f32 parameters whole and the buffers — every rank holds those), every
+    /// rank's file is complete before rank 0 writes the manifest that names them all, and every
+    /// rank learns whether that worked. Nothing gathers the sharded state on one rank.
+    fn save_sharded(&self, p: &Parallel, dir: &CheckpointDir, data: serde_json::Value) -> Result<PathBuf, TrainError> {
+        let names: Vec<String> = self.model.params().iter().map(|(n, _)| n.clone()).collect();
+        let (rank, world) = (p.group.rank(), p.group.world_size());
+        let written = (|| {
+            let mut tensors = p.shard_tensors(&self.vars, &names)?.unwrap_or_default();
+            if p.group.is_root() {
+                for (name, buffer) in self.model.params().buffers() {
+                    tensors.insert(format!("buffer/{name}"), buffer.get());
+                }
+            }
+            dir.write_shard(self.step, rank, world, &tensors)
+        })();
+        let shard = p.agree(written)?;
+        let text = serde_json::to_vec(&shard).map_err(|e| invalid("checkpoint", e.to_string()))?;
+        let shards = p
+            .group
+            .all_gather_bytes(&text)?
+            .iter()
+            .map(|b| serde_json::from_slice(b).map_err(|e| invalid("checkpoint", e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let committed = if p.group.is_root() {
+            let steps = p.sharded_steps().unwrap_or(0);
+            dir.write_sharded(self.manifest(data, steps), shards)
+        } else {
+            Ok(dir.manifest_path(self.step))
         };
-        Ok((manifest, tensors))
+        p.agree(committed)
     }
 
     /// Saves a checkpoint of the run now, with `data` (the run's own position: its data
     /// loader's, its random generators'); returns the manifest's path.
     ///
     /// Data-parallel, rank 0 writes (every rank holds the same state) and every rank returns
-    /// once the checkpoint is complete, or fails with rank 0's error; sharded runs cannot save
-    /// yet (each rank would write its shard: not built).
+    /// once the checkpoint is complete, or fails with rank 0's error; sharded (ZeRO), each rank
+    /// writes its shard and rank 0 the manifest once all are written. Either resumes at any
+    /// world size ([`Trainer::resume`], before [`Trainer::data_parallel`]).
     pub fn save(&self, dir: &CheckpointDir, data: serde_json::Value) -> Result<PathBuf, TrainError> {
         let Some(p) = &self.parallel else {
             let (manifest, tensors) = self.snapshot(data)?;
             return dir.write(manifest, &tensors);
         };
         if p.sharded() {
-            return Err(invalid(
-                "checkpoint",
-                "a sharded (ZeRO) run cannot save yet: sharded checkpoints are not built".into(),
-            ));
+            return self.save_sharded(p, dir, data);
         }
         let written = if p.group.is_root() {
             self.snapshot(data).and_then(|(manifest, tensors)| dir.write(manifest, &tensors))
@@ -475,14 +544,19 @@ impl<M: Model> Trainer<M> {
         if let Some(s) = m.scaler.filter(|s| !(s.scale.is_finite() && s.scale > 0.0)) {
             return Err(refuse(format!("its loss scale {} is not a positive number", s.scale)));
         }
+        // A tensor whole, or joined from a sharded checkpoint's pieces (`key#offset`).
         let take = |key: String| -> Result<Tensor, TrainError> {
-            saved.tensors.get(&key).cloned().ok_or_else(|| refuse(format!("it lacks the tensor `{key}`")))
+            if let Some(t) = saved.tensors.get(&key) {
+                return Ok(t.clone());
+            }
+            join_pieces(&saved.tensors, &key)?.ok_or_else(|| refuse(format!("it lacks the tensor `{key}`")))
         };
         let states = self.options.optimizer.states();
         let mut state = MasterState { step: m.optimizer_steps, masters: Vec::new(), states: Vec::new() };
         for p in &mine {
-            state.masters.push(take(format!("master/{}", p.name))?);
-            state.states.push((0..states).map(|k| take(format!("state{k}/{}", p.name))).collect::<Result<_, _>>()?);
+            let shaped = |key: String| -> Result<Tensor, TrainError> { Ok(take(key)?.reshape(p.shape.as_slice())?) };
+            state.masters.push(shaped(format!("master/{}", p.name))?);
+            state.states.push((0..states).map(|k| shaped(format!("state{k}/{}", p.name))).collect::<Result<_, _>>()?);
         }
         let mut buffers = Vec::with_capacity(my_buffers.len());
         for b in &my_buffers {

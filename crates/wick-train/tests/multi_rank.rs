@@ -42,11 +42,9 @@ fn ranks_binary() -> Option<&'static Path> {
 /// returns what rank 0 wrote.
 fn run(ranks: usize, vars: &[(&str, &str)]) -> Option<serde_json::Value> {
     let binary = ranks_binary()?;
-    let out = std::env::temp_dir().join(format!(
-        "wick-ranks-{}-{ranks}-{}.json",
-        std::process::id(),
-        vars.iter().map(|(k, v)| format!("{}{v}", &k[10..11])).collect::<String>()
-    ));
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let out = std::env::temp_dir().join(format!("wick-ranks-{}-{n}.json", std::process::id()));
     let mut cmd = if ranks == 1 {
         Command::new(binary)
     } else {
@@ -188,4 +186,60 @@ fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
             assert!(summary.contains("gradient buckets"), "the memory summary names the buckets: {summary}");
         }
     }
+}
+
+/// A sharded (ZeRO-2) run saved after step 2 of 4 by both ranks (each its own shard, rank 0 the
+/// manifest last) continues on 2 ranks, on 2 ranks at ZeRO-1, and on 1 process accumulating,
+/// each ending with the uninterrupted run's parameters; the shards split the state.
+#[test]
+fn sharded_checkpoints_resume_at_any_world_size() {
+    let base = [("WICK_DIST_MODEL", "decoder"), ("WICK_DIST_PRECISION", "bf16"), ("WICK_DIST_STEPS", "4")];
+    let with = |extra: &[(&'static str, String)]| -> Vec<(&'static str, String)> {
+        base.iter().map(|(k, v)| (*k, v.to_string())).chain(extra.iter().cloned()).collect()
+    };
+    let call = |ranks: usize, vars: Vec<(&'static str, String)>| {
+        let vars: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        run(ranks, &vars)
+    };
+    let Some(whole) = call(2, with(&[("WICK_DIST_ZERO", "2".into())])) else { return };
+    let last = whole["hashes"][3].clone();
+    let dir = std::env::temp_dir().join(format!("wick-sharded-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ckpt = dir.display().to_string();
+    let saved = call(
+        2,
+        with(&[("WICK_DIST_ZERO", "2".into()), ("WICK_DIST_CKPT", ckpt.clone()), ("WICK_DIST_SAVE_AT", "2".into())]),
+    )
+    .unwrap();
+    assert_eq!(saved["hashes"].as_array().unwrap().len(), 2, "stopped after the save");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("step-0000000002.json")).unwrap()).unwrap();
+    let shards = manifest["shards"].as_array().unwrap();
+    assert_eq!(shards.len(), 2, "{manifest}");
+    let sizes: Vec<u64> = shards.iter().map(|s| s["bytes"].as_u64().unwrap()).collect();
+    // The decoder's AdamW state and bf16 masters are 3 × 4 bytes a parameter; each shard holds
+    // about half.
+    let whole_state = 12 * whole_state_params(&whole);
+    assert!(sizes.iter().all(|&b| b < whole_state * 6 / 10), "each shard about half of {whole_state}: {sizes:?}");
+    for (ranks, zero) in [(2, "2"), (2, "1"), (1, "0")] {
+        let resumed = call(
+            ranks,
+            with(&[
+                ("WICK_DIST_ZERO", zero.into()),
+                ("WICK_DIST_CKPT", ckpt.clone()),
+                ("WICK_DIST_RESUME", "1".into()),
+            ]),
+        )
+        .unwrap();
+        let h = resumed["hashes"].as_array().unwrap();
+        assert_eq!(h.len(), 2, "steps 3 and 4 only");
+        assert_eq!(h[1], last, "resumed on {ranks} rank(s) at ZeRO-{zero}: the uninterrupted run's parameters");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Parameters of the run (its optimizer bytes: two f32 AdamW states per parameter, both ranks').
+fn whole_state_params(v: &serde_json::Value) -> u64 {
+    let b: Vec<f64> = serde_json::from_value(v["optimizer_bytes"].clone()).unwrap();
+    ((b[1] + b[3]) / 8.0) as u64
 }

@@ -162,6 +162,20 @@ impl ProcessGroup {
         self.inner.comm.all_reduce(send, recv, op)
     }
 
+    /// Every rank's `bytes` (lengths may differ), in rank order.
+    pub fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>, DistError> {
+        let (all, lens) = self.inner.comm.all_gather_var(bytes)?;
+        let mut at = 0;
+        Ok(lens
+            .into_iter()
+            .map(|len| {
+                let part = all[at..at + len].to_vec();
+                at += len;
+                part
+            })
+            .collect())
+    }
+
     /// Element-wise sums of `values` over ranks (f64: losses, counts).
     pub fn sum_f64(&self, values: &[f64]) -> Result<Vec<f64>, DistError> {
         let mut out = vec![0f64; values.len()];

@@ -133,6 +133,22 @@ impl Parallel {
         self.zero.is_some()
     }
 
+    /// The sharded optimizer's steps, when sharded.
+    pub(crate) fn sharded_steps(&self) -> Option<u64> {
+        self.zero.as_ref().map(ZeroOptimizer::steps)
+    }
+
+    /// This rank's share of a sharded checkpoint (see `ZeroOptimizer::checkpoint_tensors`;
+    /// rank 0 adds the f32 parameters whole).
+    pub(crate) fn shard_tensors(
+        &self,
+        vars: &[Var],
+        names: &[String],
+    ) -> Result<Option<std::collections::HashMap<String, Tensor>>, TrainError> {
+        let root = self.group.is_root();
+        self.zero.as_ref().map(|z| z.checkpoint_tensors(vars, names, root)).transpose()
+    }
+
     /// This rank's bytes of f32 masters and optimizer state when sharded.
     pub(crate) fn shard_bytes(&self) -> Option<(usize, usize)> {
         self.zero.as_ref().map(ZeroOptimizer::memory_bytes)

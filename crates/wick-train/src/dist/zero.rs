@@ -121,6 +121,39 @@ impl ZeroOptimizer {
         (master, state)
     }
 
+    /// Optimizer steps taken.
+    pub(crate) fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// This rank's share of a checkpoint: each piece's master (low-precision parameters) and
+    /// state, named `master/NAME#OFFSET` and `stateK/NAME#OFFSET` (offsets in the parameter's
+    /// elements); with `whole_f32`, also each f32 parameter whole as `master/NAME` (every rank
+    /// holds those, so one writes them).
+    pub(crate) fn checkpoint_tensors(
+        &self,
+        vars: &[Var],
+        names: &[String],
+        whole_f32: bool,
+    ) -> Result<std::collections::HashMap<String, Tensor>, TrainError> {
+        let mut out = std::collections::HashMap::new();
+        for b in &self.buckets {
+            for (p, state) in b.pieces.iter().zip(&b.states) {
+                let name = &names[p.param];
+                if let Some(m) = &p.master {
+                    out.insert(format!("master/{name}#{}", p.offset), m.copy()?);
+                }
+                for (k, t) in state.iter().enumerate() {
+                    out.insert(format!("state{k}/{name}#{}", p.offset), t.copy()?);
+                }
+            }
+        }
+        for (v, name) in vars.iter().zip(names).filter(|(v, _)| whole_f32 && v.dtype() == DType::F32) {
+            out.insert(format!("master/{name}"), v.as_tensor().copy()?);
+        }
+        Ok(out)
+    }
+
     pub(crate) fn set_learning_rate(&mut self, lr: f64) {
         self.optimizer.set_lr(lr);
     }
