@@ -28,6 +28,9 @@ cargo check --workspace --all-targets --features "$features"
 cargo clippy --workspace --all-targets --features "$features" -- -D warnings
 ls target/debug/build/wick-kernels-*/out/*.fatbin >/dev/null || { echo "!! the kernels were not compiled into wick-kernels"; exit 1; }
 
+echo "-- the NCCL path (wick-train feature nccl: cudarc's nccl, bootstrapped over MPI) type-checked"
+cargo clippy -p wick-train --all-targets --features wick-train/nccl -- -D warnings
+
 echo "-- no-driver path: test binary linked against failing stubs"
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-empty
 # Builds the CUDA test binary with the libraries found in $1 and prints its path (from cargo's
