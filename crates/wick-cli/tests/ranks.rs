@@ -145,3 +145,76 @@ fn kill_and_resume(wick: &Path, tmp: &Path, name: &str, extra: &[&str], referenc
     assert_eq!(finish(train(wick, &dir, &args)), reference, "{name}: resumed on 2 ranks");
     assert_eq!(finish(train(wick, &one, &["--accumulate", "2", "--resume"])), reference, "{name}: resumed on 1 rank");
 }
+
+/// `wick` with the job registry in `registry`; success and stdout + stderr.
+fn wick_at(wick: &Path, registry: &Path, args: &[&str]) -> (bool, String) {
+    let out = Command::new(wick)
+        .args(args)
+        .env("WICK_OUTPUT_DIR", registry)
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .expect("wick runs");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// A detached 2-rank run is one job (mpirun's) whose status carries both ranks' memory; `wick
+/// jobs stop` reaches every rank through mpirun, they agree on the step to stop after, rank 0
+/// saves, the job ends "stopped", and `--resume` continues from that step.
+#[test]
+fn a_detached_two_rank_job_is_listed_with_its_ranks_and_stops_cleanly() {
+    let tmp = std::env::temp_dir().join(format!("wick-ranks-job-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir_all(&tmp).unwrap();
+    let Some(wick) = wick_mpi(&tmp) else { return };
+    let (registry, dir) = (tmp.join("registry"), tmp.join("run"));
+    let d = dir.to_str().unwrap();
+    let (ok, text) = wick_at(
+        &wick,
+        &registry,
+        &["train", "--dir", d, "--steps", "400", "--save-every", "50", "--ranks", "2", "--detach"],
+    );
+    assert!(ok, "{text}");
+    let id = text.split_whitespace().nth(2).unwrap().to_string();
+    let status = |id: &str| -> serde_json::Value {
+        let (ok, text) = wick_at(&wick, &registry, &["jobs", "status", id]);
+        assert!(ok, "{text}");
+        serde_json::from_str(&text).unwrap()
+    };
+    let start = Instant::now();
+    let running = loop {
+        let s = status(&id);
+        if s["progress"]["step"].as_u64().unwrap_or(0) >= 3
+            && s["progress"]["ranks"].as_array().is_some_and(|r| r.len() == 2)
+        {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "the job never got going: {s}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(running["progress"]["state"], "running");
+    let (ok, list) = wick_at(&wick, &registry, &["jobs"]);
+    assert!(ok && list.contains(&id) && list.contains("rank 1:"), "{list}");
+    let (ok, text) = wick_at(&wick, &registry, &["jobs", "stop", &id]);
+    assert!(ok, "{text}");
+    let start = Instant::now();
+    let stopped = loop {
+        let s = status(&id);
+        if s["running"] == false {
+            break s;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "the job did not stop: {s}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(stopped["progress"]["state"], "stopped", "{stopped}");
+    let step = stopped["progress"]["step"].as_u64().unwrap();
+    assert!(dir.join(format!("step-{step:010}.json")).is_file(), "rank 0 saved at the agreed step {step}");
+    assert!(step < 400, "stopped before the end: {stopped}");
+    let resume = ["train", "--dir", d, "--steps", "400", "--save-every", "50", "--ranks", "2", "--resume"];
+    let (ok, text) = wick_at(&wick, &registry, &resume);
+    assert!(ok && text.contains(&format!("step {step}")) && text.contains("trained 400 steps"), "{text}");
+    assert!(wick_at(&wick, &registry, &["jobs", "forget", &id]).0);
+    let _ = std::fs::remove_dir_all(&tmp);
+}

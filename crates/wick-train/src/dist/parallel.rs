@@ -12,45 +12,9 @@ use super::buckets::{GradBuckets, ReduceStats, BUCKET_BYTES, FIRST_BUCKET_BYTES}
 use super::error::DistError;
 use super::group::{from_bytes, to_bytes};
 use super::zero::ZeroOptimizer;
-use super::ProcessGroup;
+use super::{ProcessGroup, Sharding};
 use crate::amp::{GradScaler, MasterState, MasterWeights, StepOutcome};
 use crate::error::TrainError;
-
-/// How much of the training state each rank keeps whole.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum Sharding {
-    /// Every rank holds everything (plain data parallel, PyTorch DDP).
-    None,
-    /// ZeRO stage 1: the f32 masters and the optimizer state are sharded; gradients are
-    /// all-reduced whole.
-    OptimizerState,
-    /// ZeRO stage 2: as stage 1, and gradients are reduce-scattered (a rank keeps its shard).
-    Gradients,
-}
-
-impl Sharding {
-    /// The ZeRO stage (0 for none).
-    pub fn stage(self) -> u8 {
-        match self {
-            Sharding::None => 0,
-            Sharding::OptimizerState => 1,
-            Sharding::Gradients => 2,
-        }
-    }
-
-    /// The sharding of ZeRO stage `stage` (0, 1 or 2).
-    pub fn from_stage(stage: u8) -> Result<Self, DistError> {
-        match stage {
-            0 => Ok(Sharding::None),
-            1 => Ok(Sharding::OptimizerState),
-            2 => Ok(Sharding::Gradients),
-            s => Err(DistError::unsupported(
-                "sharding",
-                format!("ZeRO stage {s}: stages 0, 1 and 2 are built (stage 3 gathers parameters per layer, not yet)"),
-            )),
-        }
-    }
-}
 
 /// Data-parallel settings.
 #[derive(Debug, Clone, Copy, PartialEq)]

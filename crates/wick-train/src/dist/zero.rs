@@ -19,8 +19,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::buckets::{agreed_presence, append_f32, ReduceStats};
 use super::error::DistError;
-use super::parallel::Sharding;
-use super::{ProcessGroup, ReduceOp};
+use super::{ProcessGroup, ReduceOp, Sharding};
 use crate::amp::{GradScaler, MasterState, StepOutcome};
 use crate::error::TrainError;
 use crate::optim::Optimizer;
