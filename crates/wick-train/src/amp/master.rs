@@ -171,6 +171,11 @@ impl MasterWeights {
         self.entries.get(i).map(|e| &e.master)
     }
 
+    /// The optimizer state of the `i`-th parameter (f32; empty for plain SGD).
+    pub(crate) fn state_of(&self, i: usize) -> Option<&[Tensor]> {
+        self.entries.get(i).map(|e| e.state.as_slice())
+    }
+
     /// One update from `grads` (already unscaled), in f32; parameters without a gradient keep
     /// their values. The model's parameters are then refreshed from the masters.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {

@@ -68,27 +68,47 @@ impl Parallel {
             "first_bucket_bytes": options.first_bucket_bytes,
         });
         group.check_same("training setup", &setup)?;
-        let state = masters.state()?;
-        let state = MasterState {
-            step: state.step,
-            masters: state.masters.iter().map(|t| group.broadcast(t, 0)).collect::<Result<_, _>>()?,
-            states: state
-                .states
-                .iter()
-                .map(|s| s.iter().map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>, _>>())
-                .collect::<Result<_, _>>()?,
-        };
-        masters.load_state(&state)?;
-        broadcast_buffers(&group, params)?;
         let buckets = GradBuckets::new(vars, options.first_bucket_bytes, options.bucket_bytes);
-        let zero = match options.sharding {
-            Sharding::None => None,
-            stage => {
-                let z = ZeroOptimizer::new(&group, vars, buckets.plan(), stage, masters.optimizer(), &state)?;
-                *masters = MasterWeights::new(&[], masters.optimizer())?;
-                Some(z)
-            }
+        let zero = if options.sharding == Sharding::None {
+            // Replicated: every rank takes rank 0's whole state.
+            let state = masters.state()?;
+            let state = MasterState {
+                step: state.step,
+                masters: state.masters.iter().map(|t| group.broadcast(t, 0)).collect::<Result<_, _>>()?,
+                states: state
+                    .states
+                    .iter()
+                    .map(|s| s.iter().map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>, _>>())
+                    .collect::<Result<_, _>>()?,
+            };
+            masters.load_state(&state)?;
+            None
+        } else {
+            // Sharded: parameter by parameter, rank 0's master and state broadcast, every rank's
+            // parameter set from the master, this rank's pieces kept; then the whole state goes.
+            let optimizer = masters.optimizer();
+            let mut fetch = |i: usize| -> Result<(Tensor, Vec<Tensor>), TrainError> {
+                let invalid = || DistError::internal(format!("no master for parameter {i}"));
+                let master = group.broadcast(masters.master(i).ok_or_else(invalid)?, 0)?;
+                let state = masters.state_of(i).ok_or_else(invalid)?;
+                let state = state.iter().map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>, _>>()?;
+                let v = &vars[i];
+                v.set(&master.to_dtype(v.dtype())?)?;
+                Ok((master, state))
+            };
+            let z = ZeroOptimizer::new(
+                &group,
+                vars,
+                buckets.plan(),
+                options.sharding,
+                optimizer,
+                masters.steps(),
+                &mut fetch,
+            )?;
+            *masters = MasterWeights::new(&[], optimizer)?;
+            Some(z)
         };
+        broadcast_buffers(&group, params)?;
         Ok(Parallel { group, buckets, zero, last: ReduceStats::default() })
     }
 

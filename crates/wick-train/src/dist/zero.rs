@@ -20,7 +20,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::buckets::{agreed_presence, append_f32, ReduceStats};
 use super::error::DistError;
 use super::{ProcessGroup, ReduceOp, Sharding};
-use crate::amp::{GradScaler, MasterState, StepOutcome};
+use crate::amp::{GradScaler, StepOutcome};
 use crate::error::TrainError;
 use crate::optim::Optimizer;
 
@@ -67,15 +67,18 @@ fn vec_f32(t: &Tensor) -> Result<Vec<f32>, DistError> {
 }
 
 impl ZeroOptimizer {
-    /// This rank's shard of `full` (every parameter's master and state, as
-    /// [`crate::amp::MasterWeights::state`] gives it) over the buckets `plan`.
+    /// This rank's shard over the buckets `plan`, from each parameter's f32 master and state as
+    /// `fetch(i)` gives them — called for every parameter, in bucket order, on every rank (it may
+    /// run collectives) — after `steps` optimizer steps. Only one parameter's whole tensors are
+    /// held at a time.
     pub(crate) fn new(
         group: &ProcessGroup,
         vars: &[Var],
         plan: &[Vec<usize>],
         stage: Sharding,
         optimizer: Optimizer,
-        full: &MasterState,
+        steps: u64,
+        fetch: &mut dyn FnMut(usize) -> Result<(Tensor, Vec<Tensor>), TrainError>,
     ) -> Result<Self, TrainError> {
         let (rank, world) = (group.rank(), group.world_size());
         let mut buckets = Vec::with_capacity(plan.len());
@@ -93,6 +96,7 @@ impl ZeroOptimizer {
             let mut pieces = Vec::new();
             let mut states = Vec::new();
             for &(i, start) in &placed {
+                let (master, state) = fetch(i)?;
                 let end = start + vars[i].elem_count();
                 let (a, b) = (start.max(lo), end.min(hi));
                 if a >= b {
@@ -102,13 +106,13 @@ impl ZeroOptimizer {
                 let take = |t: &Tensor| -> Result<Tensor, TrainError> {
                     Ok(t.flatten_all()?.narrow(0, offset, len)?.to_dtype(DType::F32)?.copy()?)
                 };
-                let master = (vars[i].dtype() != DType::F32).then(|| take(&full.masters[i])).transpose()?;
-                states.push(full.states[i].iter().map(take).collect::<Result<Vec<_>, _>>()?);
+                let master = (vars[i].dtype() != DType::F32).then(|| take(&master)).transpose()?;
+                states.push(state.iter().map(take).collect::<Result<Vec<_>, _>>()?);
                 pieces.push(Piece { param: i, offset, len, at: a - lo, master });
             }
             buckets.push(ShardBucket { members: placed, block, pieces, states });
         }
-        Ok(ZeroOptimizer { stage, optimizer, step: full.step, buckets })
+        Ok(ZeroOptimizer { stage, optimizer, step: steps, buckets })
     }
 
     /// Bytes of this rank's f32 masters and optimizer state.
