@@ -13,27 +13,40 @@ fn which(cmd: &str) -> bool {
     Command::new("sh").arg("-c").arg(format!("command -v {cmd}")).output().is_ok_and(|o| o.status.success())
 }
 
-/// A wick with MPI, copied out of the target folder (a later plain build replaces that one).
-fn wick_mpi(tmp: &Path) -> Option<PathBuf> {
-    if !(which("mpirun") && which("mpicc")) {
-        assert!(std::env::var_os("WICK_REQUIRE_MPI").is_none(), "WICK_REQUIRE_MPI is set and MPI is missing");
-        eprintln!(
-            "SKIPPED: multi-rank `wick train` needs MPI: apt-get install openmpi-bin libopenmpi-dev libclang-dev"
-        );
-        return None;
-    }
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = Command::new(cargo)
-        .args(["build", "--quiet", "-p", "wick-cli", "--features", "mpi", "--bin", "wick"])
-        .status()
-        .expect("cargo runs");
-    assert!(status.success(), "building wick with --features mpi");
-    let target = std::env::var("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
-    let copy = tmp.join("wick-mpi");
-    std::fs::copy(target.join("debug/wick"), &copy).expect("copying wick");
-    Some(copy)
+/// A wick with MPI, built once per test run and copied out of the target folder. The build
+/// replaces `target/debug/wick`, which the other test binaries run as the plain (MPI-less) wick:
+/// that one is put back.
+fn wick_mpi(_tmp: &Path) -> Option<PathBuf> {
+    static BINARY: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    BINARY
+        .get_or_init(|| {
+            if !(which("mpirun") && which("mpicc")) {
+                assert!(std::env::var_os("WICK_REQUIRE_MPI").is_none(), "WICK_REQUIRE_MPI is set and MPI is missing");
+                eprintln!(
+                    "SKIPPED: multi-rank `wick train` needs MPI: apt-get install openmpi-bin libopenmpi-dev libclang-dev"
+                );
+                return None;
+            }
+            let plain = PathBuf::from(env!("CARGO_BIN_EXE_wick"));
+            let dir = std::env::temp_dir().join(format!("wick-mpi-bin-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("a folder for the binaries");
+            let saved = dir.join("wick-plain");
+            std::fs::copy(&plain, &saved).expect("keeping the plain wick");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let status = Command::new(cargo)
+                .args(["build", "--quiet", "-p", "wick-cli", "--features", "mpi", "--bin", "wick"])
+                .status()
+                .expect("cargo runs");
+            assert!(status.success(), "building wick with --features mpi");
+            let copy = dir.join("wick-mpi");
+            std::fs::copy(&plain, &copy).expect("copying wick");
+            // Put back through a rename, so a binary being run is never overwritten in place.
+            let back = plain.with_file_name(format!(".wick-plain-{}", std::process::id()));
+            std::fs::copy(&saved, &back).expect("restoring the plain wick");
+            std::fs::rename(&back, &plain).expect("restoring the plain wick");
+            Some(copy)
+        })
+        .clone()
 }
 
 fn train(wick: &Path, dir: &Path, extra: &[&str]) -> Command {

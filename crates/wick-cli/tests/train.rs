@@ -300,3 +300,32 @@ fn a_run_on_a_token_file_resumes_its_data_loader_exactly_and_reports_eval_loss()
     assert!(!ok && text.contains("token 1 is 40"), "{text}");
     let _ = std::fs::remove_dir_all(&data);
 }
+
+/// Bad multi-process settings are refused before anything starts: `--ranks` in a build without
+/// MPI (this test binary's `wick` has no `mpi` feature) or under a launcher that started ranks
+/// already, a ZeRO stage that does not exist, a torchrun-style world without MPI.
+#[test]
+fn bad_multi_process_settings_say_what_to_do() {
+    let dir = temp_dir("ranks-refused");
+    let d = dir.to_str().unwrap();
+    let run = |args: &[&str], env: &[(&str, &str)]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_wick"));
+        c.args(["train", "--dir", d, "--steps", "2"]).args(args);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        let out = c.output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, err) = run(&["--ranks", "2"], &[]);
+    assert!(!ok && err.contains("--features mpi"), "{err}");
+    let (ok, err) = run(&["--ranks", "2"], &[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")]);
+    assert!(!ok && err.contains("give one or the other"), "{err}");
+    let (ok, err) = run(&["--zero", "3"], &[]);
+    assert!(!ok && err.contains("--zero"), "{err}");
+    let (ok, err) = run(&[], &[("RANK", "0"), ("WORLD_SIZE", "2")]);
+    assert!(!ok && err.contains("mpirun -n 2"), "{err}");
+    let (ok, err) = run(&[], &[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")]);
+    assert!(!ok && err.contains("without the `mpi` feature"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

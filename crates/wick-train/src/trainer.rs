@@ -579,3 +579,27 @@ impl<M: Model> Trainer<M> {
         Ok(Resumed { step: m.step, data: m.data.clone(), manifest, skipped })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// A sharded checkpoint's pieces join in offset order; a gap, an overlap or a piece without
+    /// an offset is refused naming the tensor.
+    #[test]
+    fn pieces_join_in_order_and_gaps_are_refused() {
+        let t = |v: &[f32]| Tensor::new(v, &Device::Cpu).unwrap();
+        let mut m = HashMap::new();
+        m.insert("state0/w#3".to_string(), t(&[4., 5.]));
+        m.insert("state0/w#0".to_string(), t(&[1., 2., 3.]));
+        let joined = join_pieces(&m, "state0/w").unwrap().unwrap();
+        assert_eq!(joined.to_vec1::<f32>().unwrap(), vec![1., 2., 3., 4., 5.]);
+        assert!(join_pieces(&m, "state1/w").unwrap().is_none());
+        m.insert("state0/w#6".to_string(), t(&[7.]));
+        let gap = join_pieces(&m, "state0/w").unwrap_err().to_string();
+        assert!(gap.contains("`state0/w`: a piece starts at 6, the pieces before end at 5"), "{gap}");
+        m.insert("state0/v#x".to_string(), t(&[1.]));
+        assert!(join_pieces(&m, "state0/v").unwrap_err().to_string().contains("no offset"));
+    }
+}
