@@ -9,6 +9,12 @@
 //! previous checkpoints intact and at worst an orphaned tensor file that no manifest names.
 //! Loading checks the manifest, the size and the checksum, and falls back to the previous
 //! checkpoint when the newest is damaged, saying why.
+//!
+//! A sharded run (ZeRO, `crate::dist`) writes one tensor file per rank instead
+//! (`step-N.shard-R-of-W.safetensors`, its pieces named `kind/param#offset`), and rank 0 writes
+//! the manifest, which lists every shard with its size and SHA-256, once all are complete: the
+//! manifest is still the commit point. [`join_pieces`] puts a tensor back together from its
+//! pieces.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -314,5 +320,61 @@ impl CheckpointDir {
         } else {
             Err(file_error(&self.dir, format!("no usable checkpoint: {}", skipped.join("; "))))
         }
+    }
+}
+
+/// The tensor `key` of a sharded checkpoint, joined from its pieces `key#OFFSET` (flat, in
+/// order; they must cover it from 0 without gaps or overlaps); `None` when it has no pieces.
+pub fn join_pieces(tensors: &HashMap<String, Tensor>, key: &str) -> Result<Option<Tensor>, TrainError> {
+    let prefix = format!("{key}#");
+    let mut pieces: Vec<(usize, &Tensor)> = Vec::new();
+    for (name, t) in tensors {
+        if let Some(offset) = name.strip_prefix(&prefix) {
+            let offset = offset.parse().map_err(|_| TrainError::Invalid {
+                what: "resume".into(),
+                message: format!("the checkpoint's piece `{name}` has no offset"),
+            })?;
+            pieces.push((offset, t));
+        }
+    }
+    if pieces.is_empty() {
+        return Ok(None);
+    }
+    pieces.sort_by_key(|(offset, _)| *offset);
+    let mut at = 0usize;
+    let mut flat = Vec::with_capacity(pieces.len());
+    for (offset, t) in pieces {
+        if offset != at {
+            return Err(TrainError::Invalid {
+                what: "resume".into(),
+                message: format!("`{key}`: a piece starts at {offset}, the pieces before end at {at}"),
+            });
+        }
+        at += t.elem_count();
+        flat.push(t.flatten_all()?);
+    }
+    Ok(Some(Tensor::cat(&flat, 0)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sharded checkpoint's pieces join in offset order; a gap, an overlap or a piece without
+    /// an offset is refused naming the tensor.
+    #[test]
+    fn pieces_join_in_order_and_gaps_are_refused() {
+        let t = |v: &[f32]| Tensor::new(v, &Device::Cpu).unwrap();
+        let mut m = HashMap::new();
+        m.insert("state0/w#3".to_string(), t(&[4., 5.]));
+        m.insert("state0/w#0".to_string(), t(&[1., 2., 3.]));
+        let joined = join_pieces(&m, "state0/w").unwrap().unwrap();
+        assert_eq!(joined.to_vec1::<f32>().unwrap(), vec![1., 2., 3., 4., 5.]);
+        assert!(join_pieces(&m, "state1/w").unwrap().is_none());
+        m.insert("state0/w#6".to_string(), t(&[7.]));
+        let gap = join_pieces(&m, "state0/w").unwrap_err().to_string();
+        assert!(gap.contains("`state0/w`: a piece starts at 6, the pieces before end at 5"), "{gap}");
+        m.insert("state0/v#x".to_string(), t(&[1.]));
+        assert!(join_pieces(&m, "state0/v").unwrap_err().to_string().contains("no offset"));
     }
 }
