@@ -266,6 +266,7 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     let figures = group.all_gather(&Tensor::new(&[estimate.estimate.total as f64, measured], &Device::Cpu)?)?;
     Ok(serde_json::json!({
         "per_rank": figures.to_vec1::<f64>()?,
+        "held": [params, master, state],
         "estimate": estimate,
         "summary": summary,
     }))
