@@ -110,6 +110,27 @@ fn job_cells(j: &JobStatus) -> [String; 9] {
     ]
 }
 
+/// A job's rows: its own, then one per rank of a multi-rank run (each rank's heap).
+fn job_rows(j: &JobStatus) -> Vec<[String; 9]> {
+    let b = |n: Option<usize>| n.map_or_else(|| "-".to_string(), |n| format_bytes(n as u64));
+    let mut rows = vec![job_cells(j)];
+    for r in j.progress.ranks.iter().filter(|_| j.progress.ranks.len() > 1) {
+        let dash = || "-".to_string();
+        rows.push([
+            format!("  rank {}", r.rank),
+            dash(),
+            dash(),
+            dash(),
+            dash(),
+            b(r.heap_allocated.or(r.rss_bytes)),
+            b(r.heap_peak),
+            dash(),
+            dash(),
+        ]);
+    }
+    rows
+}
+
 const JOB_HEADER: [&str; 9] = ["job", "pid", "state", "step", "loss", "allocated", "peak", "reserved", "budget"];
 
 /// The columns of an engine row.
@@ -139,8 +160,8 @@ fn text_frame(f: &Frame) -> String {
     } else {
         out.push_str(&JOB_HEADER.join("\t"));
         out.push('\n');
-        for j in &f.jobs {
-            out.push_str(&job_cells(j).join("\t"));
+        for row in f.jobs.iter().flat_map(job_rows) {
+            out.push_str(&row.join("\t"));
             out.push('\n');
         }
     }
@@ -224,7 +245,7 @@ fn draw(frame: &mut ratatui::Frame, f: &Frame, history: &History) {
     let gpus: Vec<Line> = gpu_lines.into_iter().map(Line::from).collect();
     let gpus = Paragraph::new(gpus).wrap(Wrap { trim: true });
     frame.render_widget(gpus.block(Block::default().borders(Borders::ALL).title(" GPUs ")), areas[1]);
-    let rows: Vec<Row> = f.jobs.iter().map(|j| Row::new(job_cells(j))).collect();
+    let rows: Vec<Row> = f.jobs.iter().flat_map(job_rows).map(Row::new).collect();
     let widths = [
         Constraint::Length(16),
         Constraint::Length(8),
@@ -322,4 +343,37 @@ pub fn run(args: &MonitorArgs) -> Result<()> {
     })();
     ratatui::try_restore()?;
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wick_train::jobs::{Progress, RankFigures};
+
+    /// A multi-rank job gets a row per rank under its own, each with that rank's heap; a
+    /// one-process job stays one row.
+    #[test]
+    fn a_multi_rank_job_shows_a_row_per_rank() {
+        let rank = |r: usize, allocated: usize| RankFigures {
+            rank: r,
+            rss_bytes: Some(1 << 30),
+            heap_allocated: Some(allocated),
+            heap_peak: Some(allocated * 2),
+        };
+        let progress = Progress {
+            step: 3,
+            steps: 10,
+            state: "running".into(),
+            ranks: vec![rank(0, 3 << 20), rank(1, 5 << 20)],
+            ..Progress::default()
+        };
+        let job = JobStatus { id: "j1".into(), pid: 7, running: true, progress };
+        let rows = job_rows(&job);
+        assert_eq!(rows.len(), 3);
+        assert_eq!(rows[0][0], "j1");
+        assert_eq!((rows[2][0].as_str(), rows[2][5].as_str()), ("  rank 1", format_bytes(5 << 20).as_str()));
+        assert_eq!(rows[1][6], format_bytes(6 << 20));
+        let alone = JobStatus { progress: Progress { ranks: vec![rank(0, 1)], ..job.progress.clone() }, ..job };
+        assert_eq!(job_rows(&alone).len(), 1);
+    }
 }
