@@ -28,8 +28,8 @@ cargo check --workspace --all-targets --features "$features"
 cargo clippy --workspace --all-targets --features "$features" -- -D warnings
 ls target/debug/build/wick-kernels-*/out/*.fatbin >/dev/null || { echo "!! the kernels were not compiled into wick-kernels"; exit 1; }
 
-echo "-- the NCCL path (wick-train feature nccl: cudarc's nccl, bootstrapped over MPI) type-checked"
-cargo clippy -p wick-train --all-targets --features wick-train/nccl -- -D warnings
+echo "-- the NCCL path (wick-train features nccl + mpi: cudarc's nccl, bootstrapped over MPI) type-checked"
+cargo clippy -p wick-train --all-targets --features wick-train/nccl,wick-train/mpi -- -D warnings
 
 echo "-- no-driver path: test binary linked against failing stubs"
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-empty

@@ -7,7 +7,8 @@
 #   - allocation traces through wick's CUDA allocator vs raw cuMemAllocAsync vs PyTorch;
 #   - the fused AMP kernels (kernels/src/*.cu) against their CPU references;
 #   - the AMP training example on CUDA (f16 with loss scaling, then bf16), through the fused
-#     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh).
+#     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh);
+#   - a one-rank NCCL communicator: all-reduce of CUDA tensors against the input, and its time.
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
 # .devbuild/ (this machine may have no Rust toolchain); the real driver and the CUDA 13 libraries
 # of PyTorch's wheels are found here and put on the loader path under the names the binaries need.
@@ -31,6 +32,8 @@ link libcublasLt.so libcublasLt.so.13
 link libcurand.so libcurand.so.10
 link libnvrtc.so libnvrtc.so.13
 link libcudart.so libcudart.so.13
+# NCCL for the one-rank communicator check (PyTorch's wheels carry nvidia-nccl).
+link libnccl.so libnccl.so.2
 # CUPTI for the CUDA memory history (PyTorch's wheels carry one; wick opens it at run time).
 link libcupti.so libcupti.so && export WICK_CUPTI="$libs/libcupti.so"
 export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
@@ -60,6 +63,9 @@ if [ -x "$bin/train-amp" ]; then
 else
   echo "!! SKIPPED: $bin/train-amp not built (scripts/build-gpu-binaries.sh with WICK_CANDLE_NVCC=fake leaves it out)"
 fi
+echo "== NCCL, one rank (a single GPU cannot host two ranks of a communicator)"
+timeout 120 "$bin/nccl_check" 2>&1 | tail -30 | tee "$out/gpu-nccl.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
 echo "== conformance suite on the CUDA backend"
 WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-10000} timeout 240 "$bin/conformance_cuda" --nocapture 2>&1 \
   | tail -20 | tee "$out/gpu-conformance.txt"

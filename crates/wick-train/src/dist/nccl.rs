@@ -1,7 +1,8 @@
-//! NCCL for CUDA tensors (feature `nccl`: cudarc's `nccl`, the library loaded at run time), one
-//! communicator per rank on the rank's GPU, bootstrapped through the MPI group: rank 0 makes the
-//! NCCL id and MPI broadcasts its 128 bytes (candle's multi-process example passes it through a
-//! file instead). The collectives run on the device's stream, in place on a copy of the tensor.
+//! NCCL for CUDA tensors (feature `nccl`: cudarc's `nccl`), one communicator per rank on the
+//! rank's GPU, bootstrapped through the process group: rank 0 makes the NCCL id and the group
+//! broadcasts its 128 bytes (over MPI with the `mpi` feature; a one-rank group needs none;
+//! candle's multi-process example passes it through a file instead). The collectives run on the
+//! device's stream, in place on a copy of the tensor.
 //!
 //! One GPU cannot hold two ranks of one communicator (NCCL refuses a duplicate device), so on a
 //! single-GPU machine only a one-rank communicator can run (`scripts/gpu-check.sh`); two-rank

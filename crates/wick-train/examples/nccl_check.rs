@@ -1,0 +1,57 @@
+//! The one-rank NCCL check of `scripts/gpu-check.sh`: a communicator of one rank on GPU 0 (the
+//! id made and "broadcast" through the process group alone), its all-reduce of CUDA tensors
+//! against the input (one rank's sum, mean, maximum and minimum are the input itself, to the
+//! bit), and its time beside a device copy of the same bytes. One GPU cannot host two ranks of a
+//! communicator (NCCL refuses a duplicate device), so two-rank correctness is the MPI tests'.
+//! Prints one JSON line; exits 1 when a check fails.
+
+use std::time::Instant;
+
+use anyhow::{ensure, Result};
+use candle_core::{DType, Device, Tensor};
+use wick_train::dist::nccl::NcclGroup;
+use wick_train::dist::{ProcessGroup, ReduceOp};
+
+fn run() -> Result<()> {
+    let group = ProcessGroup::from_env()?;
+    ensure!(group.world_size() == 1, "the check runs as one rank (not under mpirun)");
+    let device = Device::new_cuda(0)?;
+    let nccl = NcclGroup::new(&group, &device)?;
+    let mut checks = Vec::new();
+    for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+        let x = Tensor::randn(0f32, 1.0, (257, 33), &device)?.to_dtype(dtype)?;
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            let y = nccl.all_reduce(&x, op)?;
+            let same = y.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
+                == x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            checks.push(serde_json::json!({"dtype": format!("{dtype:?}"), "op": format!("{op:?}"), "same": same}));
+            ensure!(same, "{dtype:?} {op:?}: one rank's all-reduce changed the tensor");
+        }
+    }
+    let host = Tensor::zeros(4, DType::F32, &Device::Cpu)?;
+    ensure!(nccl.all_reduce(&host, ReduceOp::Sum).is_err(), "a host tensor must be refused");
+    let mut timings = Vec::new();
+    for mb in [1usize, 4, 25, 100] {
+        let n = mb * (1 << 20) / 4;
+        let x = Tensor::ones(n, DType::F32, &device)?;
+        let time = |f: &dyn Fn() -> Result<Tensor>| -> Result<f64> {
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                device.synchronize()?;
+                let t = Instant::now();
+                let y = f()?;
+                device.synchronize()?;
+                best = best.min(t.elapsed().as_secs_f64());
+                drop(y);
+            }
+            Ok(best)
+        };
+        let reduce = time(&|| Ok(nccl.all_reduce(&x, ReduceOp::Sum)?))?;
+        let copy = time(&|| Ok(x.copy()?))?;
+        timings.push(serde_json::json!({"mb": mb, "all_reduce_ms": reduce * 1e3, "copy_ms": copy * 1e3}));
+    }
+    println!("{}", serde_json::json!({"nccl": format!("{nccl:?}"), "checks": checks, "timings": timings}));
+    Ok(())
+}
+
+wick::main!(run);
