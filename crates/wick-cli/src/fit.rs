@@ -210,7 +210,10 @@ pub fn run(args: &FitArgs) -> Result<()> {
         extra.extend(next);
     };
     let at = p.estimate(largest.max(1), mode, on);
-    let plan = args.target_batch.map(|t| accumulation(t, largest));
+    // With several ranks the effective batch is split between them first: each rank accumulates
+    // its share (which must divide evenly).
+    let ranks = args.model.ranks as usize;
+    let plan = args.target_batch.map(|t| if t.is_multiple_of(ranks) { accumulation(t / ranks, largest) } else { None });
     if args.json {
         let out = serde_json::json!({
             "model": p.what,
@@ -219,6 +222,7 @@ pub fn run(args: &FitArgs) -> Result<()> {
             "budget_source": source,
             "margin": margin,
             "largest_batch": largest,
+            "ranks": ranks,
             "estimate": at,
             "target_batch": args.target_batch,
             "micro_batch": plan.flatten().map(|p| p.0),
@@ -251,8 +255,14 @@ pub fn run(args: &FitArgs) -> Result<()> {
         );
     }
     match (args.target_batch, plan.flatten()) {
+        (Some(t), Some((micro, steps))) if ranks > 1 => println!(
+            "effective batch {t} over {ranks} ranks: on each, {steps} accumulation step(s) of micro-batch {micro}"
+        ),
         (Some(t), Some((micro, steps))) => {
             println!("effective batch {t}: {steps} accumulation step(s) of micro-batch {micro}")
+        }
+        (Some(t), None) if ranks > 1 && !t.is_multiple_of(ranks) => {
+            println!("effective batch {t}: does not split over {ranks} ranks")
         }
         (Some(t), None) => println!("effective batch {t}: not reachable (no micro-batch fits)"),
         (None, _) => {}

@@ -311,3 +311,41 @@ fn ranks_and_zero_stages_give_one_ranks_share() {
         assert!(!ok && err.contains(bad[0]), "{err}");
     }
 }
+
+/// `fit-batch --ranks N --zero S`: the largest batch per rank under one rank's estimate (ZeRO-1's
+/// smaller share of the AdamW state fits at least as large a batch as replicated), and an
+/// effective batch split over the ranks first, each accumulating its share; one that does not
+/// split evenly is not reachable.
+#[test]
+fn fit_batch_plans_per_rank() {
+    let fit = |ranks: &str, zero: &str, target: &str| -> serde_json::Value {
+        let args = [
+            "fit-batch",
+            "resnet18",
+            "--image",
+            "64",
+            "--mode",
+            "adamw",
+            "--budget",
+            "400MiB",
+            "--ranks",
+            ranks,
+            "--zero",
+            zero,
+            "--target-batch",
+            target,
+            "--json",
+        ];
+        let (ok, out, err) = wick(&args);
+        assert!(ok, "{err}");
+        serde_json::from_str(&out).unwrap()
+    };
+    let replicated = fit("2", "0", "96");
+    let sharded = fit("2", "1", "96");
+    assert_eq!(sharded["ranks"], 2);
+    let (r, s) = (replicated["largest_batch"].as_u64().unwrap(), sharded["largest_batch"].as_u64().unwrap());
+    assert!(s >= r && r > 0, "replicated {r}, ZeRO-1 {s}");
+    let (micro, steps) = (sharded["micro_batch"].as_u64().unwrap(), sharded["accumulation_steps"].as_u64().unwrap());
+    assert!(micro * steps * 2 == 96 && micro <= s, "{sharded}");
+    assert!(fit("2", "1", "95")["micro_batch"].is_null(), "95 does not split over 2 ranks");
+}
