@@ -8,16 +8,17 @@
 //! ```
 //! (`scripts/torch-reference/ddp_bench.py` runs it next to PyTorch DDP.)
 
+mod common;
+
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use wick_train::dist::buckets::{GradBuckets, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 use wick_train::dist::{DataParallelOptions, ProcessGroup, ReduceOp};
-use wick_train::optim::AdamW;
 use wick_train::trainer::{TrainOptions, Trainer};
 use wick_train::Optimizer;
-use wick_zoo::registry::{ModelSpec, ZooBatch};
+use wick_zoo::registry::ModelSpec;
 use wick_zoo::resnet::ResNetDepth;
 
 fn arg(args: &[String], name: &str, default: &str) -> String {
@@ -41,22 +42,7 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     }
     let (spec, optimizer) = match model.as_str() {
         // zoo-speed's decoder (the main job's) and optimizer.
-        "decoder" => (
-            ModelSpec::Llama {
-                config: wick_zoo::llama::LlamaConfig {
-                    vocab_size: 64,
-                    hidden_size: 128,
-                    num_layers: 4,
-                    num_heads: 4,
-                    intermediate_size: 256,
-                    max_seq: 64,
-                    rms_eps: 1e-6,
-                    rope_theta: 10_000.0,
-                },
-                seq: 64,
-            },
-            Optimizer::AdamW(AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }),
-        ),
+        "decoder" => (ModelSpec::Llama { config: common::main_job_decoder(64), seq: 64 }, common::adamw(1e-4)),
         "resnet18" => (
             ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 64, image },
             Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 },
@@ -71,16 +57,7 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     }
     let per_rank = batch / world;
     let all = spec.batch(batch, DType::F32, &Device::Cpu)?;
-    let mine = match &all {
-        ZooBatch::Tokens(t) => ZooBatch::Tokens(t.narrow(0, rank * per_rank, per_rank)?),
-        ZooBatch::Images(l) => {
-            let mut l = l.clone();
-            l.inputs = l.inputs.narrow(0, rank * per_rank, per_rank)?;
-            l.labels = l.labels.narrow(0, rank * per_rank, per_rank)?;
-            ZooBatch::Images(l)
-        }
-        ZooBatch::Sentences(_) => bail!("not used"),
-    };
+    let mine = all.narrow(rank * per_rank, per_rank)?;
     let (mut ms, mut comm_ms) = (Vec::new(), Vec::new());
     for i in 0..warmup + steps {
         group.barrier()?;

@@ -12,6 +12,8 @@
 //!   k and stops there, with `WICK_DIST_RESUME=1` it resumes from the folder first;
 //! - `WICK_DIST_OUT`: where rank 0 writes what happened (JSON).
 
+mod common;
+
 use std::cell::Cell;
 
 use anyhow::{bail, ensure, Context, Result};
@@ -22,7 +24,7 @@ use wick_nn::params::Params;
 use wick_nn::{Autocast, Model, NnError};
 use wick_train::dist::{DataParallelOptions, DistError, ProcessGroup, ReduceOp, Sharding};
 use wick_train::trainer::{TrainOptions, Trainer};
-use wick_train::{Optimizer, TrainError};
+use wick_train::TrainError;
 use wick_zoo::registry::{ModelSpec, ZooBatch, ZooModel};
 use wick_zoo::resnet::ResNetDepth;
 
@@ -68,20 +70,6 @@ fn spec(model: &str) -> Result<ModelSpec> {
     })
 }
 
-/// Micro-batch `k` (of `micro` examples) out of a batch of `n × micro`.
-fn micro_batch(all: &ZooBatch, k: usize, micro: usize) -> Result<ZooBatch> {
-    Ok(match all {
-        ZooBatch::Tokens(t) => ZooBatch::Tokens(t.narrow(0, k * micro, micro)?),
-        ZooBatch::Images(l) => {
-            let mut l = l.clone();
-            l.inputs = l.inputs.narrow(0, k * micro, micro)?;
-            l.labels = l.labels.narrow(0, k * micro, micro)?;
-            ZooBatch::Images(l)
-        }
-        ZooBatch::Sentences(_) => bail!("not used here"),
-    })
-}
-
 fn param_hash(params: &Params) -> Result<String> {
     let mut h = Sha256::new();
     for (name, v) in params.iter() {
@@ -119,17 +107,7 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
     }
     let inner = spec.build(dtype, &Device::Cpu)?;
     let model = Faulty { inner, fault, calls: Cell::new(0), engine };
-    let options = TrainOptions {
-        optimizer: Optimizer::AdamW(wick_train::optim::AdamW {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        }),
-        autocast,
-        ..TrainOptions::default()
-    };
+    let options = TrainOptions { optimizer: common::adamw(1e-3), autocast, ..TrainOptions::default() };
     let describe = serde_json::json!({ "model": model_name, "precision": precision });
     let mut trainer = Trainer::new(model, describe, None, options)?;
     let checkpoints =
@@ -153,9 +131,9 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
     let (mut losses, mut hashes, mut outcomes, mut errors) = (vec![], vec![], vec![], vec![]);
     for step in trainer.step() as usize..steps {
         let mine: Vec<ZooBatch> = if world == 1 {
-            vec![micro_batch(&all, 2 * step, micro)?, micro_batch(&all, 2 * step + 1, micro)?]
+            vec![all.narrow(2 * step * micro, micro)?, all.narrow((2 * step + 1) * micro, micro)?]
         } else {
-            vec![micro_batch(&all, 2 * step + rank, micro)?]
+            vec![all.narrow((2 * step + rank) * micro, micro)?]
         };
         match trainer.train_step(&mine) {
             Ok(record) => {
@@ -209,19 +187,7 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     let zero: u8 = env("WICK_DIST_ZERO", "0").parse()?;
     let batch = 4;
     let spec = match model_name.as_str() {
-        "decoder" => ModelSpec::Llama {
-            config: wick_zoo::llama::LlamaConfig {
-                vocab_size: 4096,
-                hidden_size: 128,
-                num_layers: 4,
-                num_heads: 4,
-                intermediate_size: 256,
-                max_seq: 64,
-                rms_eps: 1e-6,
-                rope_theta: 10_000.0,
-            },
-            seq: 64,
-        },
+        "decoder" => ModelSpec::Llama { config: common::main_job_decoder(4096), seq: 64 },
         _ => ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 16, image: 64 },
     };
     let (dtype, autocast) = if amp { (DType::BF16, Autocast::bf16()) } else { (DType::F32, Autocast::off()) };
@@ -236,17 +202,7 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     );
     let ranks = Ranks { ranks: world, zero_stage: zero, largest_bucket };
     let estimate = estimate_per_rank(bytes, &profile, batch, Mode::TrainAdamW, amp, Update::InPlace, ranks);
-    let options = TrainOptions {
-        optimizer: Optimizer::AdamW(wick_train::optim::AdamW {
-            lr: 1e-6,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        }),
-        autocast,
-        ..TrainOptions::default()
-    };
+    let options = TrainOptions { optimizer: common::adamw(1e-6), autocast, ..TrainOptions::default() };
     let mut trainer = Trainer::new(model, serde_json::json!({}), None, options)?;
     if world > 1 || zero > 0 {
         let options = DataParallelOptions { sharding: Sharding::from_stage(zero)?, ..Default::default() };

@@ -360,6 +360,27 @@ pub enum ZooBatch {
     Tokens(Tensor),
 }
 
+impl ZooBatch {
+    /// Examples `start..start + len` of the batch (views, no copy): a micro-batch for gradient
+    /// accumulation, or one rank's share of a data-parallel batch. BERT's readout is shared by
+    /// every example and stays whole.
+    pub fn narrow(&self, start: usize, len: usize) -> Result<ZooBatch, ZooError> {
+        Ok(match self {
+            ZooBatch::Tokens(ids) => ZooBatch::Tokens(ids.narrow(0, start, len)?),
+            ZooBatch::Images(l) => ZooBatch::Images(Labelled {
+                inputs: l.inputs.narrow(0, start, len)?,
+                labels: l.labels.narrow(0, start, len)?,
+            }),
+            ZooBatch::Sentences(s) => ZooBatch::Sentences(SentenceBatch {
+                ids: s.ids.narrow(0, start, len)?,
+                mask: s.mask.narrow(0, start, len)?,
+                readout: s.readout.clone(),
+                labels: s.labels.narrow(0, start, len)?,
+            }),
+        })
+    }
+}
+
 impl ZooModel {
     /// The model's output for `batch` in evaluation mode (batch norm on its running
     /// statistics): logits for the classifiers and the decoder (of every position of the ids),

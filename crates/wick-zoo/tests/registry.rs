@@ -129,3 +129,35 @@ fn what_does_not_fit_is_refused_by_name() {
     assert!(e.contains("ViT") && e.contains("token ids"), "{e}");
     assert!(model.forward(&tokens).is_err());
 }
+
+/// `ZooBatch::narrow` takes examples out of a batch: the parts are the whole's rows, BERT's
+/// readout is shared, and a range past the batch is refused.
+#[test]
+fn batches_narrow_to_their_examples() {
+    let specs = [
+        ModelSpec::Llama { config: LlamaConfig::tiny(32), seq: 6 },
+        ModelSpec::named("resnet18", Input { image: 32, seq: 8 }).unwrap(),
+        ModelSpec::named("minilm", Input { image: 32, seq: 8 }).unwrap(),
+    ];
+    let rows = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    for spec in specs {
+        let whole = spec.batch(4, DType::F32, &Device::Cpu).unwrap();
+        let (first, second) = (whole.narrow(0, 1).unwrap(), whole.narrow(1, 3).unwrap());
+        let parts = |b: &ZooBatch| -> Vec<Tensor> {
+            match b {
+                ZooBatch::Tokens(ids) => vec![ids.clone()],
+                ZooBatch::Images(l) => vec![l.inputs.clone(), l.labels.clone()],
+                ZooBatch::Sentences(s) => vec![s.ids.clone(), s.mask.clone(), s.labels.clone(), s.readout.clone()],
+            }
+        };
+        for (k, ((w, a), b)) in parts(&whole).iter().zip(parts(&first)).zip(parts(&second)).enumerate() {
+            if matches!(whole, ZooBatch::Sentences(_)) && k == 3 {
+                assert_eq!((rows(&a), rows(&b)), (rows(w), rows(w)), "the readout stays whole");
+                continue;
+            }
+            assert_eq!([rows(&a), rows(&b)].concat(), rows(w), "{spec:?} part {k}");
+            assert_eq!((a.dims()[0], b.dims()[0]), (1, 3));
+        }
+        assert!(whole.narrow(3, 2).is_err(), "past the batch");
+    }
+}
