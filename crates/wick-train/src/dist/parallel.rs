@@ -69,42 +69,36 @@ impl Parallel {
         });
         group.check_same("training setup", &setup)?;
         let buckets = GradBuckets::new(vars, options.first_bucket_bytes, options.bucket_bytes);
+        // Rank 0's f32 master and optimizer state of parameter `i`, on every rank.
+        let from_root = |i: usize| -> Result<(Tensor, Vec<Tensor>), TrainError> {
+            let missing = || DistError::internal(format!("no master for parameter {i}"));
+            let master = group.broadcast(masters.master(i).ok_or_else(missing)?, 0)?;
+            let state = masters.state_of(i).ok_or_else(missing)?;
+            Ok((master, state.iter().map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>, _>>()?))
+        };
+        let (steps, optimizer) = (masters.steps(), masters.optimizer());
         let zero = if options.sharding == Sharding::None {
             // Replicated: every rank takes rank 0's whole state.
-            let state = masters.state()?;
-            let state = MasterState {
-                step: state.step,
-                masters: state.masters.iter().map(|t| group.broadcast(t, 0)).collect::<Result<_, _>>()?,
-                states: state
-                    .states
-                    .iter()
-                    .map(|s| s.iter().map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>, _>>())
-                    .collect::<Result<_, _>>()?,
-            };
-            masters.load_state(&state)?;
+            let (all_masters, states) =
+                (0..vars.len()).map(from_root).collect::<Result<Vec<_>, _>>()?.into_iter().unzip();
+            // Rank 0 holds them already.
+            if !group.is_root() {
+                masters.load_state(&MasterState { step: steps, masters: all_masters, states })?;
+            }
             None
         } else {
-            // Sharded: parameter by parameter, rank 0's master and state broadcast, every rank's
-            // parameter set from the master, this rank's pieces kept; then the whole state goes.
-            let optimizer = masters.optimizer();
+            // Sharded: parameter by parameter, every rank's parameter set from rank 0's master
+            // and this rank's pieces kept; then the whole state goes.
             let mut fetch = |i: usize| -> Result<(Tensor, Vec<Tensor>), TrainError> {
-                let invalid = || DistError::internal(format!("no master for parameter {i}"));
-                let master = group.broadcast(masters.master(i).ok_or_else(invalid)?, 0)?;
-                let state = masters.state_of(i).ok_or_else(invalid)?;
-                let state = state.iter().map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>, _>>()?;
-                let v = &vars[i];
-                v.set(&master.to_dtype(v.dtype())?)?;
+                let (master, state) = from_root(i)?;
+                // Rank 0's parameters are its masters (rounded) already.
+                if !group.is_root() {
+                    let v = &vars[i];
+                    v.set(&master.to_dtype(v.dtype())?)?;
+                }
                 Ok((master, state))
             };
-            let z = ZeroOptimizer::new(
-                &group,
-                vars,
-                buckets.plan(),
-                options.sharding,
-                optimizer,
-                masters.steps(),
-                &mut fetch,
-            )?;
+            let z = ZeroOptimizer::new(&group, vars, buckets.plan(), options.sharding, optimizer, steps, &mut fetch)?;
             *masters = MasterWeights::new(&[], optimizer)?;
             Some(z)
         };
