@@ -279,7 +279,7 @@ impl ProcessGroup {
         }
         let mut bytes = to_bytes(t)?;
         self.inner.comm.broadcast(&mut bytes, root)?;
-        from_bytes(bytes, t.dtype(), t.dims())
+        Ok(Tensor::from_raw_buffer(&bytes, t.dtype(), t.dims(), &Device::Cpu)?)
     }
 
     /// Every rank's `t` concatenated along its first axis in rank order (a scalar gathers into
@@ -296,7 +296,7 @@ impl ProcessGroup {
         let bytes = to_bytes(&t)?;
         let mut out = vec![0u8; bytes.len() * self.world_size()];
         self.inner.comm.all_gather(&bytes, &mut out)?;
-        from_bytes(out, t.dtype(), &dims)
+        Ok(Tensor::from_raw_buffer(&out, t.dtype(), &dims, &Device::Cpu)?)
     }
 
     /// The reduction over ranks of `t`, split along its first axis: rank `r` gets block `r`.
@@ -392,28 +392,6 @@ pub(crate) fn to_bytes(t: &Tensor) -> Result<Vec<u8>, DistError> {
         DType::F16 => raw::<half::f16>(&t),
         DType::F32 => raw::<f32>(&t),
         DType::F64 => raw::<f64>(&t),
-        d => Err(DistError::unsupported("collective", format!("{d:?} tensors"))),
-    }
-}
-
-/// A host tensor of `dtype` and `dims` from its bytes.
-pub(crate) fn from_bytes(bytes: Vec<u8>, dtype: DType, dims: &[usize]) -> Result<Tensor, DistError> {
-    fn typed<T: candle_core::WithDType + Default>(bytes: &[u8], dims: &[usize]) -> Result<Tensor, DistError> {
-        let size = std::mem::size_of::<T>();
-        let mut v = vec![T::default(); bytes.len() / size];
-        // SAFETY: `v` holds `bytes.len() / size` elements of `size` bytes each; every bit
-        // pattern is a valid value of candle's element types.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr() as *mut u8, v.len() * size) };
-        Ok(Tensor::from_vec(v, dims, &Device::Cpu)?)
-    }
-    match dtype {
-        DType::U8 => typed::<u8>(&bytes, dims),
-        DType::U32 => typed::<u32>(&bytes, dims),
-        DType::I64 => typed::<i64>(&bytes, dims),
-        DType::BF16 => typed::<half::bf16>(&bytes, dims),
-        DType::F16 => typed::<half::f16>(&bytes, dims),
-        DType::F32 => typed::<f32>(&bytes, dims),
-        DType::F64 => typed::<f64>(&bytes, dims),
         d => Err(DistError::unsupported("collective", format!("{d:?} tensors"))),
     }
 }

@@ -10,7 +10,7 @@ use wick_nn::params::Params;
 
 use super::buckets::{GradBuckets, ReduceStats, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 use super::error::DistError;
-use super::group::{from_bytes, to_bytes};
+use super::group::to_bytes;
 use super::zero::ZeroOptimizer;
 use super::{ProcessGroup, Sharding};
 use crate::amp::{GradScaler, MasterState, MasterWeights, StepOutcome};
@@ -206,9 +206,9 @@ pub(crate) fn broadcast_buffers(group: &ProcessGroup, params: &Params) -> Result
     group.comm().broadcast(&mut bytes, 0)?;
     let mut at = 0;
     for ((buffer, t), len) in buffers.iter().zip(&values).zip(lens) {
-        let value = from_bytes(bytes[at..at + len].to_vec(), t.dtype(), t.dims())?;
+        let value = Tensor::from_raw_buffer(&bytes[at..at + len], t.dtype(), t.dims(), t.device())?;
         at += len;
-        buffer.set(&value.to_device(t.device())?)?;
+        buffer.set(&value)?;
     }
     Ok(())
 }
