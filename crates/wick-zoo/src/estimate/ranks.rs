@@ -16,7 +16,7 @@
 //!   the largest parameter's copy out of it.
 
 use super::ActivationProfile;
-use super::{estimate_bytes, Estimate, Mode, ParamBytes, Update, NOISE_ALLOWANCE, NOISE_ALLOWANCE_FLOOR};
+use super::{estimate_bytes, Estimate, Mode, ParamBytes, Update};
 
 /// How a data-parallel run is laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -85,13 +85,6 @@ pub fn estimate_per_rank(
         ),
     };
     e.workspace = e.workspace.max(reduction.saturating_sub(e.activations));
-    let sum = [e.parameters, e.gradients, e.optimizer_state, e.master_weights, e.activations, e.workspace]
-        .into_iter()
-        .fold(0usize, usize::saturating_add);
-    let allowance = (e.activations.saturating_add(e.workspace) as f64 * NOISE_ALLOWANCE)
-        .max(sum as f64 * NOISE_ALLOWANCE_FLOOR)
-        .ceil() as usize;
-    e.allowance = allowance;
-    e.total = sum.saturating_add(allowance);
+    e.add_up();
     RankEstimate { ranks, estimate: e, reduction }
 }
