@@ -244,31 +244,30 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
 }
 
 /// SHA-256 over every f32 master, in parameter order.
-/// SHA-256 of the f32 masters, in order; `None` when a sharded run holds only its share.
-fn masters_digest(trainer: &Trainer<Llama>) -> Result<Option<String>> {
-    if trainer.masters().master(0).is_none() {
-        return Ok(None);
-    }
+/// SHA-256 of `tensors`' values widened to f32, in order (little-endian), hex.
+fn f32_digest<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<String> {
     let mut hash = Sha256::new();
-    for i in 0.. {
-        let Some(m) = trainer.masters().master(i) else { break };
-        for v in m.flatten_all()?.to_vec1::<f32>()? {
-            hash.update(v.to_le_bytes());
+    for t in tensors {
+        for x in t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()? {
+            hash.update(x.to_le_bytes());
         }
     }
-    Ok(Some(hash.finalize().iter().map(|b| format!("{b:02x}")).collect()))
+    Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// SHA-256 of the f32 masters, in order; `None` when a sharded run holds only its share.
+fn masters_digest(trainer: &Trainer<Llama>) -> Result<Option<String>> {
+    let masters: Vec<&Tensor> = (0..).map_while(|i| trainer.masters().master(i)).collect();
+    if masters.is_empty() {
+        return Ok(None);
+    }
+    f32_digest(masters).map(Some)
 }
 
 /// SHA-256 of the model's parameters, widened to f32, in order (every rank holds them whole;
 /// for an f32 run they are the masters).
 fn params_digest(trainer: &Trainer<Llama>) -> Result<String> {
-    let mut hash = Sha256::new();
-    for (_, v) in trainer.model().params().iter() {
-        for x in v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()? {
-            hash.update(x.to_le_bytes());
-        }
-    }
-    Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    f32_digest(trainer.model().params().iter().map(|(_, v)| v.as_tensor()))
 }
 
 /// Starts this same command without `--detach` as a job; prints its id.

@@ -16,7 +16,7 @@ fn which(cmd: &str) -> bool {
 /// A wick with MPI, built once per test run and copied out of the target folder. The build
 /// replaces `target/debug/wick`, which the other test binaries run as the plain (MPI-less) wick:
 /// that one is put back.
-fn wick_mpi(_tmp: &Path) -> Option<PathBuf> {
+fn wick_mpi() -> Option<PathBuf> {
     static BINARY: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
     BINARY
         .get_or_init(|| {
@@ -107,7 +107,7 @@ fn two_ranks_train_as_one_process_and_survive_a_killed_rank() {
     let tmp = std::env::temp_dir().join(format!("wick-ranks-cli-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).unwrap();
-    let Some(wick) = wick_mpi(&tmp) else { return };
+    let Some(wick) = wick_mpi() else { return };
     let reference = finish(train(&wick, &tmp.join("alone"), &["--accumulate", "2"]));
     let two = finish(train(&wick, &tmp.join("two"), &["--ranks", "2"]));
     assert_eq!(two, reference, "2 ranks × 1 micro-batch = 1 process × 2, bit for bit");
@@ -181,7 +181,7 @@ fn a_detached_two_rank_job_is_listed_with_its_ranks_and_stops_cleanly() {
     let tmp = std::env::temp_dir().join(format!("wick-ranks-job-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir_all(&tmp).unwrap();
-    let Some(wick) = wick_mpi(&tmp) else { return };
+    let Some(wick) = wick_mpi() else { return };
     let (registry, dir) = (tmp.join("registry"), tmp.join("run"));
     let d = dir.to_str().unwrap();
     let (ok, text) = wick_at(
