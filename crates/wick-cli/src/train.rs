@@ -370,7 +370,15 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         autocast,
         activation_checkpointing: args.checkpointing,
     };
-    let mut trainer = Trainer::new(model, describe, start.as_deref(), options)?;
+    // Several ranks start in their group: sharded (ZeRO), each rank makes only its shard of the
+    // masters and optimizer state, and a resume reads only its share.
+    let mut trainer = if world > 1 {
+        let sharding = wick_train::dist::Sharding::from_stage(args.zero)?;
+        let parallel = DataParallelOptions { sharding, ..Default::default() };
+        Trainer::new_data_parallel(model, describe, start.as_deref(), options, group.clone(), parallel)?
+    } else {
+        Trainer::new(model, describe, start.as_deref(), options)?
+    };
     let checkpoints = CheckpointDir::new(&args.dir, args.keep)?;
     let metrics_path = args.dir.join("metrics.jsonl");
     // Temporary files of a run killed while rewriting its metrics or summary.
@@ -401,11 +409,6 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         if root {
             let _ = std::fs::remove_file(&metrics_path);
         }
-    }
-    if world > 1 {
-        // After the resume: every rank then continues from rank 0's state (checked the same).
-        let sharding = wick_train::dist::Sharding::from_stage(args.zero)?;
-        trainer = trainer.data_parallel(group.clone(), DataParallelOptions { sharding, ..Default::default() })?;
     }
     on_sigterm()?;
     // Rank 0 writes the run's files and shows the progress; the others train.

@@ -1,8 +1,8 @@
 //! `wick train` on two ranks under a real `mpirun` (2 × 1 thread): the same final weights, to
 //! the bit, as one process accumulating both ranks' micro-batches; a rank killed with SIGKILL
-//! ends the job non-zero within seconds, naming the rank, and `--resume` — on two ranks or on
-//! one — finishes with the uninterrupted run's weights, replicated and ZeRO-2 (a checkpoint
-//! shard per rank). Needs a wick built with `--features
+//! at a random moment (in a step or in a save) ends the job non-zero within seconds, naming the
+//! rank, and `--resume` — on two ranks or on one, after one kill or several — finishes with the
+//! uninterrupted run's weights, replicated and ZeRO-2 (a checkpoint shard per rank). Needs a wick built with `--features
 //! mpi` (built here); skipped, loudly, without MPI.
 
 use std::path::{Path, PathBuf};
@@ -52,7 +52,10 @@ fn wick_mpi() -> Option<PathBuf> {
 fn train(wick: &Path, dir: &Path, extra: &[&str]) -> Command {
     let mut c = Command::new(wick);
     c.args(["train", "--dir"]).arg(dir);
-    c.args(["--steps", "12", "--save-every", "2", "--hidden", "128", "--layers", "4", "--seq", "64"]);
+    c.args(["--steps", "12", "--hidden", "128", "--layers", "4", "--seq", "64"]);
+    if !extra.contains(&"--save-every") {
+        c.args(["--save-every", "2"]);
+    }
     c.args(extra);
     c.env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1").env("RAYON_NUM_THREADS", "1");
     c
@@ -115,38 +118,79 @@ fn two_ranks_train_as_one_process_and_survive_a_killed_rank() {
         serde_json::from_slice(&std::fs::read(tmp.join("two/status.json")).unwrap()).unwrap();
     assert_eq!(status["ranks"].as_array().map(Vec::len), Some(2), "per-rank figures: {status}");
 
-    // Kill rank 1 mid-run, replicated and ZeRO-2 (a shard per rank in each checkpoint).
-    for (name, extra) in [("killed", vec![]), ("killed-zero2", vec!["--zero", "2"])] {
-        kill_and_resume(&wick, &tmp, name, &extra, &reference);
-    }
+    // Kill a rank at random moments, replicated (once) and ZeRO-2 (three times in a row, saving
+    // every step, so kills land in saves too: a shard per rank in each checkpoint).
+    let mut rng = Moments::new();
+    kill_and_resume(&wick, &tmp, "killed", &[], 1, &mut rng, &reference);
+    kill_and_resume(&wick, &tmp, "killed-zero2", &["--zero", "2", "--save-every", "1"], 3, &mut rng, &reference);
     let _ = std::fs::remove_dir_all(&tmp);
 }
 
-/// Runs 2 ranks with `extra` flags, kills one with SIGKILL after step 5, checks that the job
-/// ends non-zero within 30 s naming the rank, then resumes on 2 ranks and (from a copy) on 1
-/// accumulating 2: both must end with `reference`'s parameters.
-fn kill_and_resume(wick: &Path, tmp: &Path, name: &str, extra: &[&str], reference: &str) {
+/// Random kill moments (xorshift), seeded from the clock or `WICK_TEST_SEED`; the seed is
+/// printed so that a failing run can be repeated.
+struct Moments(u64);
+
+impl Moments {
+    fn new() -> Self {
+        let seed = std::env::var("WICK_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+        });
+        eprintln!("kill moments: WICK_TEST_SEED={seed}");
+        Moments(seed | 1)
+    }
+
+    /// A number in `0..n`.
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Runs 2 ranks with `extra` flags and kills one of them (chosen at random) with SIGKILL at a
+/// random moment — 1 to 3 steps on (at most step 8 of 12), then up to 300 ms into the next step or save — `kills`
+/// times, each run resuming the one before; checks that each job ends non-zero within 30 s
+/// naming the rank. Then resumes on 2 ranks and (from a copy) on 1 accumulating 2: both must
+/// end with `reference`'s parameters.
+fn kill_and_resume(
+    wick: &Path,
+    tmp: &Path,
+    name: &str,
+    extra: &[&str],
+    kills: usize,
+    rng: &mut Moments,
+    reference: &str,
+) {
     let dir = tmp.join(name);
     let mut args = vec!["--ranks", "2"];
     args.extend_from_slice(extra);
-    let mut run = train(wick, &dir, &args).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let start = Instant::now();
-    while steps_done(&dir) < 5 && start.elapsed() < Duration::from_secs(120) {
-        std::thread::sleep(Duration::from_millis(20));
+    for k in 0..kills {
+        let mut this = args.clone();
+        if k > 0 {
+            this.push("--resume");
+        }
+        let mut run = train(wick, &dir, &this).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+        let start = Instant::now();
+        let target = (steps_done(&dir) + 1 + rng.below(3) as usize).min(8);
+        while (steps_done(&dir) < target || rank_pids(&dir).len() < 2) && start.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(rng.below(300)));
+        let pids = rank_pids(&dir);
+        assert_eq!(pids.len(), 2, "{name}: two ranks run: {pids:?}");
+        let victim = pids[rng.below(2) as usize];
+        let (at, killed_at) = (steps_done(&dir), Instant::now());
+        // SAFETY: kill has no memory-safety preconditions.
+        assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+        let status = wait(&mut run, Duration::from_secs(30)).expect("the job ends within 30 s of a rank's death");
+        let ended_in = killed_at.elapsed();
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(run.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+        assert!(!status.success(), "{name}: a killed rank fails the job");
+        assert!(stderr.contains("rank"), "{name}: the message names the rank: {stderr}");
+        eprintln!("{name}: a rank (pid {victim}) killed after step {at} ended the job in {ended_in:?}");
     }
-    let pids = rank_pids(&dir);
-    assert_eq!(pids.len(), 2, "{name}: two ranks run: {pids:?}");
-    let victim = *pids.iter().max().unwrap();
-    let killed_at = Instant::now();
-    // SAFETY: kill has no memory-safety preconditions.
-    assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
-    let status = wait(&mut run, Duration::from_secs(30)).expect("the job ends within 30 s of a rank's death");
-    let ended_in = killed_at.elapsed();
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(run.stderr.as_mut().unwrap(), &mut stderr).unwrap();
-    assert!(!status.success(), "{name}: a killed rank fails the job");
-    assert!(stderr.contains("rank"), "{name}: the message names the rank: {stderr}");
-    eprintln!("{name}: killed rank (pid {victim}) ended the job in {ended_in:?}");
     let one = tmp.join(format!("{name}-one"));
     std::fs::create_dir_all(&one).unwrap();
     for entry in std::fs::read_dir(&dir).unwrap().flatten() {

@@ -9,7 +9,10 @@
 //! - `WICK_DIST_MODEL` `decoder`|`cnn`, `WICK_DIST_PRECISION` `f32`|`bf16`|`f16`,
 //!   `WICK_DIST_ZERO` `0`|`1`|`2`, `WICK_DIST_STEPS`;
 //! - `WICK_DIST_CKPT`: a checkpoint folder; with `WICK_DIST_SAVE_AT=k` the run saves after step
-//!   k and stops there, with `WICK_DIST_RESUME=1` it resumes from the folder first;
+//!   k and stops there, with `WICK_DIST_RESUME=1` it resumes from the folder first (and with
+//!   `WICK_DIST_SAVE_NOW=1` saves again at once, at its own world size, and stops);
+//!   `WICK_DIST_JOIN=1` builds the whole state and joins the group after resuming instead of
+//!   starting in the group (sharded from the start);
 //! - `WICK_DIST_OUT`: where rank 0 writes what happened (JSON).
 
 mod common;
@@ -109,23 +112,43 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
     let model = Faulty { inner, fault, calls: Cell::new(0), engine };
     let options = TrainOptions { optimizer: common::adamw(1e-3), autocast, ..TrainOptions::default() };
     let describe = serde_json::json!({ "model": model_name, "precision": precision });
-    let mut trainer = Trainer::new(model, describe, None, options)?;
     let checkpoints =
         std::env::var("WICK_DIST_CKPT").ok().map(|d| wick_train::CheckpointDir::new(d.as_ref(), 3)).transpose()?;
     let save_at: Option<usize> = std::env::var("WICK_DIST_SAVE_AT").ok().map(|s| s.parse()).transpose()?;
-    if let (Some(dir), true) = (&checkpoints, env("WICK_DIST_RESUME", "0") == "1") {
-        // Before joining: the run continues from the whole state, then shards it again.
-        trainer.resume(dir)?;
+    let resume = checkpoints.as_ref().filter(|_| env("WICK_DIST_RESUME", "0") == "1");
+    let parallel = DataParallelOptions {
+        sharding: Sharding::from_stage(zero)?,
+        // Small buckets so that even the test models span several (and a parameter straddles
+        // two ranks' blocks under ZeRO).
+        bucket_bytes: 16 << 10,
+        first_bucket_bytes: 4 << 10,
+    };
+    let distributed = world > 1 || zero > 0;
+    // `WICK_DIST_JOIN=1`: the whole state first (and the resume into it), then joining the group;
+    // otherwise the run starts in the group (sharded from the start) and resumes its share.
+    let join = env("WICK_DIST_JOIN", "0") == "1" || !distributed;
+    let mut trainer = if join {
+        Trainer::new(model, describe, None, options)?
+    } else {
+        Trainer::new_data_parallel(model, describe, None, options, group.clone(), parallel)?
+    };
+    let mut resumed = None;
+    if let Some(dir) = resume {
+        use wick::host_memory::{exact_heap, exact_peak, reset_exact_peak};
+        let before = exact_heap().map_or(0, |h| h.0);
+        reset_exact_peak();
+        let r = trainer.resume(dir)?;
+        let peak = exact_peak().map_or(0, |p| p.0).saturating_sub(before);
+        resumed = Some(serde_json::json!({"step": r.step, "skipped": r.skipped, "peak": peak}));
     }
-    if world > 1 || zero > 0 {
-        let options = DataParallelOptions {
-            sharding: Sharding::from_stage(zero)?,
-            // Small buckets so that even the test models span several (and a parameter
-            // straddles two ranks' blocks under ZeRO).
-            bucket_bytes: 16 << 10,
-            first_bucket_bytes: 4 << 10,
-        };
-        trainer = trainer.data_parallel(group.clone(), options)?;
+    let save_now = env("WICK_DIST_SAVE_NOW", "0") == "1";
+    if join && distributed {
+        trainer = trainer.data_parallel(group.clone(), parallel)?;
+    }
+    if let (Some(dir), true) = (&checkpoints, save_now) {
+        // Saved again as this world size's shards, no step taken.
+        trainer.save(dir, serde_json::json!({}))?;
+        return Ok(serde_json::json!({ "saved": trainer.step() }));
     }
     let all = spec.batch(steps * 2 * micro, dtype, &Device::Cpu)?;
     let (mut losses, mut hashes, mut outcomes, mut errors) = (vec![], vec![], vec![], vec![]);
@@ -164,6 +187,8 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
         }
     }
     let (master, state) = trainer.optimizer_bytes();
+    let peak = resumed.as_ref().and_then(|r| r["peak"].as_f64()).unwrap_or(0.0);
+    let resume_peaks = group.all_gather(&Tensor::new(&[peak], &Device::Cpu)?)?.to_vec1::<f64>()?;
     let per_rank = group.all_gather(&Tensor::new(&[master as u64 as f64, state as u64 as f64], &Device::Cpu)?)?;
     Ok(serde_json::json!({
         "losses": losses,
@@ -172,6 +197,8 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
         "errors": errors,
         "optimizer_bytes": per_rank.to_vec1::<f64>()?,
         "reduce": trainer.last_reduce().map(|r| r.buckets),
+        "resumed": resumed,
+        "resume_peaks": resume_peaks,
     }))
 }
 
@@ -203,26 +230,59 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     let ranks = Ranks { ranks: world, zero_stage: zero, largest_bucket };
     let estimate = estimate_per_rank(bytes, &profile, batch, Mode::TrainAdamW, amp, Update::InPlace, ranks);
     let options = TrainOptions { optimizer: common::adamw(1e-6), autocast, ..TrainOptions::default() };
-    let mut trainer = Trainer::new(model, serde_json::json!({}), None, options)?;
-    if world > 1 || zero > 0 {
-        let options = DataParallelOptions { sharding: Sharding::from_stage(zero)?, ..Default::default() };
-        trainer = trainer.data_parallel(group.clone(), options)?;
-    }
+    // How much the start holds at its peak (the whole state, or only this rank's shard).
+    let before = exact_heap().map_or(0, |h| h.0);
+    reset_exact_peak();
+    let parallel = DataParallelOptions { sharding: Sharding::from_stage(zero)?, ..Default::default() };
+    let mut trainer = if world == 1 && zero == 0 {
+        Trainer::new(model, serde_json::json!({}), None, options)?
+    } else if env("WICK_DIST_JOIN", "0") == "1" {
+        Trainer::new(model, serde_json::json!({}), None, options)?.data_parallel(group.clone(), parallel)?
+    } else {
+        Trainer::new_data_parallel(model, serde_json::json!({}), None, options, group.clone(), parallel)?
+    };
+    let start_peak = exact_peak().map_or(0, |p| p.0).saturating_sub(before);
+    // One process's f32 masters (low-precision parameters) and AdamW state, and the largest
+    // parameter in f32: what a sharded start may hold besides its shard.
+    let vars: Vec<_> = trainer.model().params().iter().map(|(_, v)| v.clone()).collect();
+    let whole_state: usize = vars.iter().map(|v| v.elem_count() * 4 * (2 + usize::from(v.dtype() != DType::F32))).sum();
+    let largest_f32 = vars.iter().map(|v| v.elem_count() * 4).max().unwrap_or(0);
     let params: usize = trainer.model().params().iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
+    // The second step is measured: a sharded start makes its optimizer state at the first.
+    let batch = spec.batch(batch, dtype, &Device::Cpu)?;
+    trainer.train_step(std::slice::from_ref(&batch))?;
     let (master, state) = trainer.optimizer_bytes();
     let engine = wick::Engine::cpu();
     trainer.account(&engine);
     let summary = engine.memory_report().to_string();
     let Some((before, _)) = exact_heap() else { bail!("no exact heap") };
     reset_exact_peak();
-    let batch = spec.batch(batch, dtype, &Device::Cpu)?;
     trainer.train_step(std::slice::from_ref(&batch))?;
     let Some((peak, _)) = exact_peak() else { bail!("no exact heap") };
     let measured = (peak.saturating_sub(before) + params + master + state) as f64;
+    // With a checkpoint folder: saved, and resumed by a fresh run started in the group; its
+    // peak while resuming.
+    let mut resume_peak = 0;
+    if let Ok(dir) = std::env::var("WICK_DIST_CKPT") {
+        let dir = wick_train::CheckpointDir::new(dir.as_ref(), 1)?;
+        trainer.save(&dir, serde_json::json!({}))?;
+        drop(trainer);
+        let model = spec.build(dtype, &Device::Cpu)?;
+        let mut again =
+            Trainer::new_data_parallel(model, serde_json::json!({}), None, options, group.clone(), parallel)?;
+        let before = exact_heap().map_or(0, |h| h.0);
+        reset_exact_peak();
+        again.resume(&dir)?;
+        resume_peak = exact_peak().map_or(0, |p| p.0).saturating_sub(before);
+    }
     let figures = group.all_gather(&Tensor::new(&[estimate.estimate.total as f64, measured], &Device::Cpu)?)?;
     Ok(serde_json::json!({
         "per_rank": figures.to_vec1::<f64>()?,
         "held": [params, master, state],
+        "start_peak": start_peak,
+        "whole_state": whole_state,
+        "largest_f32": largest_f32,
+        "resume_peak": resume_peak,
         "estimate": estimate,
         "summary": summary,
     }))
@@ -277,10 +337,19 @@ fn run() -> Result<()> {
     let group = ProcessGroup::from_env().context("joining the process group")?;
     let scenario = env("WICK_DIST_SCENARIO", "train");
     let out = match scenario.as_str() {
-        "collectives" => collectives(&group)?,
-        "train" | "inf" | "oom" => train(&group, &scenario)?,
-        "memory" => memory(&group)?,
-        s => bail!("unknown scenario {s}"),
+        "collectives" => collectives(&group),
+        "train" | "inf" | "oom" => train(&group, &scenario),
+        "memory" => memory(&group),
+        s => Err(anyhow::anyhow!("unknown scenario {s}")),
+    };
+    // A rank that fails outside the trainer's agreed steps ends the whole job: the others would
+    // wait for it in their next collective.
+    let out = match out {
+        Ok(out) => out,
+        Err(e) => {
+            eprintln!("rank {}: {e:#}", group.rank());
+            group.abort(1);
+        }
     };
     if group.is_root() {
         if let Ok(path) = std::env::var("WICK_DIST_OUT") {

@@ -158,9 +158,11 @@ fn a_typed_oom_on_one_rank_stops_the_step_on_both() {
 
 /// Each rank's measured peak of one AdamW step (the caching heap's, plus what the run held at
 /// its start) beside the estimator's per-rank figure (`wick_zoo::estimate::estimate_per_rank`),
-/// plain and ZeRO-1/2, f32 and bf16 AMP. Within ±5 %, except the bf16 CNN under ZeRO, which the
-/// estimate overstates by up to 11 % (the reduction's buffers at its peak are not modelled to
-/// that precision yet; BENCHMARKS.md, "More than one process"); never under.
+/// plain and ZeRO-1/2, f32 and bf16 AMP: within ±5 % (measured: −0.7 … +0.7 %).
+///
+/// And the start itself (`Trainer::new_data_parallel`): sharded, its peak stays below one
+/// process's masters and optimizer state — the shard plus a parameter's f32 value at a time —
+/// while the replicated start holds all of it (the test's own check that it measures).
 #[test]
 fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
     for (model, precision) in [("decoder", "f32"), ("decoder", "bf16"), ("cnn", "f32"), ("cnn", "bf16")] {
@@ -171,15 +173,42 @@ fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
                 ("WICK_DIST_PRECISION", precision),
                 ("WICK_DIST_ZERO", zero),
             ];
+            let dir =
+                std::env::temp_dir().join(format!("wick-memory-{}-{model}-{precision}-{zero}", std::process::id()));
+            let ckpt = dir.display().to_string();
+            let mut vars = vars.to_vec();
+            if zero != "0" {
+                vars.push(("WICK_DIST_CKPT", &ckpt));
+            }
             let Some(v) = run(2, &vars) else { return };
+            let _ = std::fs::remove_dir_all(&dir);
             let f: Vec<f64> = serde_json::from_value(v["per_rank"].clone()).unwrap();
-            let over = if model == "cnn" && precision == "bf16" && zero != "0" { 1.12 } else { 1.05 };
             for rank in 0..2 {
                 let (estimate, measured) = (f[2 * rank], f[2 * rank + 1]);
                 let ratio = estimate / measured;
                 assert!(
-                    (0.99..=over).contains(&ratio),
+                    (0.99..=1.05).contains(&ratio),
                     "{model} {precision} ZeRO-{zero} rank {rank}: estimate {estimate}, measured {measured}"
+                );
+            }
+            let n = |k: &str| v[k].as_u64().unwrap();
+            let held: Vec<u64> = serde_json::from_value(v["held"].clone()).unwrap();
+            let (start, whole) = (n("start_peak"), n("whole_state"));
+            if zero == "0" {
+                assert!(start >= whole, "{model} {precision}: the replicated start holds {start} < {whole}");
+            } else {
+                // The shard (masters and state) and a parameter's f32 value a few times over.
+                let bound = held[1] + held[2] + 2 * n("largest_f32");
+                assert!(
+                    start < whole && start <= bound,
+                    "{model} {precision} ZeRO-{zero}: the start's peak {start}, one process's state {whole}, \
+                     the shard and two of the largest parameter {bound}"
+                );
+                // Resuming: the shard read, beside the start's masters, and the read buffers.
+                let resume = n("resume_peak");
+                assert!(
+                    resume > held[2] / 2 && resume < whole && resume <= bound + held[1] + (2 << 20),
+                    "{model} {precision} ZeRO-{zero}: resuming held {resume}, one process's state {whole}"
                 );
             }
             let summary = v["summary"].as_str().unwrap();
@@ -189,8 +218,10 @@ fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
 }
 
 /// A sharded (ZeRO-2) run saved after step 2 of 4 by both ranks (each its own shard, rank 0 the
-/// manifest last) continues on 2 ranks, on 2 ranks at ZeRO-1, and on 1 process accumulating,
-/// each ending with the uninterrupted run's parameters; the shards split the state.
+/// manifest last) continues on 2 ranks (started sharded and reading their shares, or joining
+/// from the whole state), on 2 ranks at ZeRO-1 and on 1 process accumulating, and after being
+/// re-saved by 3 ranks as 3 shards, each ending with the uninterrupted run's parameters; the shards split the state. A damaged shard of the newest checkpoint is passed
+/// over by every rank.
 #[test]
 fn sharded_checkpoints_resume_at_any_world_size() {
     let base = [("WICK_DIST_MODEL", "decoder"), ("WICK_DIST_PRECISION", "bf16"), ("WICK_DIST_STEPS", "4")];
@@ -221,20 +252,72 @@ fn sharded_checkpoints_resume_at_any_world_size() {
     // about half.
     let whole_state = 12 * whole_state_params(&whole);
     assert!(sizes.iter().all(|&b| b < whole_state * 6 / 10), "each shard about half of {whole_state}: {sizes:?}");
-    for (ranks, zero) in [(2, "2"), (2, "1"), (1, "0")] {
+    // Re-sharded at 3 ranks (another partition: each rank's pieces read across both files) and
+    // saved as 3 shards, with no step taken: the copy then resumes like the original.
+    let dir3 = dir.with_extension("three");
+    let _ = std::fs::remove_dir_all(&dir3);
+    std::fs::create_dir_all(&dir3).unwrap();
+    for entry in std::fs::read_dir(&dir).unwrap().flatten() {
+        std::fs::copy(entry.path(), dir3.join(entry.file_name())).unwrap();
+    }
+    let ckpt3 = dir3.display().to_string();
+    let three = [("WICK_DIST_ZERO", "2".into()), ("WICK_DIST_CKPT", ckpt3.clone()), ("WICK_DIST_RESUME", "1".into())];
+    let mut save_now = three.to_vec();
+    save_now.push(("WICK_DIST_SAVE_NOW", "1".into()));
+    assert_eq!(call(3, with(&save_now)).unwrap()["saved"], 2);
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir3.join("step-0000000002.json")).unwrap()).unwrap();
+    assert_eq!(manifest["shards"].as_array().map(Vec::len), Some(3), "{manifest}");
+    for ranks in [2, 1] {
+        let zero = if ranks == 2 { "2" } else { "0" };
+        let vars =
+            [("WICK_DIST_ZERO", zero.into()), ("WICK_DIST_CKPT", ckpt3.clone()), ("WICK_DIST_RESUME", "1".into())];
+        let resumed = call(ranks, with(&vars)).unwrap();
+        assert_eq!(resumed["hashes"][1], last, "3 shards resumed on {ranks} rank(s)");
+    }
+    let _ = std::fs::remove_dir_all(&dir3);
+    for (ranks, zero, join) in [(2, "2", "0"), (2, "2", "1"), (2, "1", "0"), (1, "0", "0")] {
         let resumed = call(
             ranks,
             with(&[
                 ("WICK_DIST_ZERO", zero.into()),
                 ("WICK_DIST_CKPT", ckpt.clone()),
                 ("WICK_DIST_RESUME", "1".into()),
+                ("WICK_DIST_JOIN", join.into()),
             ]),
         )
         .unwrap();
+        let what = format!("resumed on {ranks} rank(s) at ZeRO-{zero} (join {join})");
         let h = resumed["hashes"].as_array().unwrap();
-        assert_eq!(h.len(), 2, "steps 3 and 4 only");
-        assert_eq!(h[1], last, "resumed on {ranks} rank(s) at ZeRO-{zero}: the uninterrupted run's parameters");
+        assert_eq!(h.len(), 2, "{what}: steps 3 and 4 only");
+        assert_eq!(h[1], last, "{what}: the uninterrupted run's parameters");
     }
+    // The newest checkpoint damaged in rank 1's shard: every rank passes over it to the one
+    // before, and the run still ends where the uninterrupted one did.
+    let _ = call(
+        2,
+        with(&[
+            ("WICK_DIST_ZERO", "2".into()),
+            ("WICK_DIST_CKPT", ckpt.clone()),
+            ("WICK_DIST_RESUME", "1".into()),
+            ("WICK_DIST_SAVE_AT", "3".into()),
+        ]),
+    )
+    .unwrap();
+    let shard = dir.join("step-0000000003.shard-1-of-2.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let at = bytes.len() - 5;
+    bytes[at] ^= 0x40;
+    std::fs::write(&shard, bytes).unwrap();
+    let resumed = call(
+        2,
+        with(&[("WICK_DIST_ZERO", "2".into()), ("WICK_DIST_CKPT", ckpt.clone()), ("WICK_DIST_RESUME", "1".into())]),
+    )
+    .unwrap();
+    assert_eq!(resumed["resumed"]["step"], 2, "{resumed}");
+    let skipped = resumed["resumed"]["skipped"].to_string();
+    assert!(skipped.contains("step 3") && skipped.contains("checksum mismatch"), "{skipped}");
+    assert_eq!(resumed["hashes"].as_array().unwrap().last().unwrap(), &last);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

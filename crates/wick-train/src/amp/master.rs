@@ -16,24 +16,32 @@ struct Entry {
     state: Vec<Tensor>,
 }
 
-/// f32 masters for `vars`: own copies of `masters` (checked: one per var, same shapes) or of the
-/// vars' values, with each var set to its master rounded to the var's dtype.
-pub(crate) fn initial_masters(vars: &[Var], masters: Option<&[Tensor]>) -> Result<Vec<Tensor>> {
-    let sources: Vec<&Tensor> = match masters {
-        Some(m) if m.len() != vars.len() => {
-            candle_core::bail!("{} master values for {} parameters", m.len(), vars.len())
-        }
-        Some(m) => m.iter().collect(),
-        None => vars.iter().map(|v| v.as_tensor()).collect(),
-    };
-    // Everything is checked before any parameter is touched: a refused call changes nothing.
-    for (i, (source, v)) in sources.iter().zip(vars).enumerate() {
+/// Checks that `masters` can start the masters of `vars`: one per var, same shapes, floats.
+pub(crate) fn check_masters(vars: &[Var], masters: &[Tensor]) -> Result<()> {
+    if masters.len() != vars.len() {
+        candle_core::bail!("{} master values for {} parameters", masters.len(), vars.len())
+    }
+    for (i, (source, v)) in masters.iter().zip(vars).enumerate() {
         if source.dims() != v.dims() {
             candle_core::bail!("master {i} has shape {:?}, its parameter {:?}", source.dims(), v.dims());
         }
         if !source.dtype().is_float() {
             candle_core::bail!("master {i} has dtype {:?}, not a floating-point type", source.dtype());
         }
+    }
+    Ok(())
+}
+
+/// f32 masters for `vars`: own copies of `masters` (checked: one per var, same shapes) or of the
+/// vars' values, with each var set to its master rounded to the var's dtype.
+pub(crate) fn initial_masters(vars: &[Var], masters: Option<&[Tensor]>) -> Result<Vec<Tensor>> {
+    let sources: Vec<&Tensor> = match masters {
+        Some(m) => m.iter().collect(),
+        None => vars.iter().map(|v| v.as_tensor()).collect(),
+    };
+    // Everything is checked before any parameter is touched: a refused call changes nothing.
+    if let Some(m) = masters {
+        check_masters(vars, m)?;
     }
     // Own copies (the update writes them), on the parameter's device; an f32 parameter is its
     // own master (a copy would only double its memory).

@@ -15,6 +15,7 @@ mod updater;
 
 pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, ScalerState, StepOutcome};
 pub(crate) use master::account as account_holdings;
+pub(crate) use master::check_masters;
 pub use master::{masters_by_name, MasterState, MasterWeights};
 pub use updater::Updater;
 

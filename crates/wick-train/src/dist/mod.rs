@@ -30,7 +30,7 @@ pub mod launch;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod parallel;
-mod zero;
+pub(crate) mod zero;
 
 pub use comm::Element;
 pub use error::DistError;

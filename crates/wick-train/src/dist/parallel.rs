@@ -5,16 +5,18 @@
 //! starts from.
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 use wick_nn::params::Params;
 
 use super::buckets::{GradBuckets, ReduceStats, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 use super::error::DistError;
 use super::group::to_bytes;
-use super::zero::ZeroOptimizer;
+use super::zero::{PieceInit, PieceRequest, ZeroOptimizer};
 use super::{ProcessGroup, Sharding};
 use crate::amp::{GradScaler, MasterState, MasterWeights, StepOutcome};
+use crate::checkpoint::CheckpointReader;
 use crate::error::TrainError;
+use crate::optim::Optimizer;
 
 /// Data-parallel settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -46,18 +48,15 @@ pub(crate) struct Parallel {
 }
 
 impl Parallel {
-    /// Joins the group: refuses unless `setup` (the model, its parameters and the training
-    /// options) is the same on every rank, then takes rank 0's masters, optimizer state and
-    /// buffers everywhere; with sharding, keeps only this rank's shard of them (`masters` is
-    /// left empty).
-    pub(crate) fn start(
-        group: ProcessGroup,
+    /// The group and the buckets, once `setup` (the model, its parameters and the training
+    /// options) and `options` are the same on every rank (refused on every rank, naming the
+    /// field, when not).
+    fn prepare(
+        group: &ProcessGroup,
         options: DataParallelOptions,
         setup: serde_json::Value,
         vars: &[Var],
-        masters: &mut MasterWeights,
-        params: &Params,
-    ) -> Result<Self, TrainError> {
+    ) -> Result<GradBuckets, TrainError> {
         if options.bucket_bytes == 0 || options.first_bucket_bytes == 0 {
             return Err(DistError::unsupported("data parallel", "bucket caps must be positive").into());
         }
@@ -68,7 +67,21 @@ impl Parallel {
             "first_bucket_bytes": options.first_bucket_bytes,
         });
         group.check_same("training setup", &setup)?;
-        let buckets = GradBuckets::new(vars, options.first_bucket_bytes, options.bucket_bytes);
+        Ok(GradBuckets::new(vars, options.first_bucket_bytes, options.bucket_bytes))
+    }
+
+    /// Joins the group with the whole state in `masters`: refuses unless `setup` is the same on
+    /// every rank, then takes rank 0's masters, optimizer state and buffers everywhere; with
+    /// sharding, keeps only this rank's shard of them (`masters` is left empty).
+    pub(crate) fn start(
+        group: ProcessGroup,
+        options: DataParallelOptions,
+        setup: serde_json::Value,
+        vars: &[Var],
+        masters: &mut MasterWeights,
+        params: &Params,
+    ) -> Result<Self, TrainError> {
+        let buckets = Self::prepare(&group, options, setup, vars)?;
         // Rank 0's f32 master and optimizer state of parameter `i`, on every rank.
         let from_root = |i: usize| -> Result<(Tensor, Vec<Tensor>), TrainError> {
             let missing = || DistError::internal(format!("no master for parameter {i}"));
@@ -89,14 +102,15 @@ impl Parallel {
         } else {
             // Sharded: parameter by parameter, every rank's parameter set from rank 0's master
             // and this rank's pieces kept; then the whole state goes.
-            let mut fetch = |i: usize| -> Result<(Tensor, Vec<Tensor>), TrainError> {
+            let mut fetch = |request: &PieceRequest| -> Result<PieceInit, TrainError> {
+                let i = request.param;
                 let (master, state) = from_root(i)?;
                 // Rank 0's parameters are its masters (rounded) already.
                 if !group.is_root() {
                     let v = &vars[i];
                     v.set(&master.to_dtype(v.dtype())?)?;
                 }
-                Ok((master, state))
+                PieceInit::narrowed(request, &master, Some(&state))
             };
             let z = ZeroOptimizer::new(&group, vars, buckets.plan(), options.sharding, optimizer, steps, &mut fetch)?;
             *masters = MasterWeights::new(&[], optimizer)?;
@@ -104,6 +118,75 @@ impl Parallel {
         };
         broadcast_buffers(&group, params)?;
         Ok(Parallel { group, buckets, zero, last: ReduceStats::default() })
+    }
+
+    /// Starts a sharded run (`options.sharding` is not `None`) without the whole state ever
+    /// existing: parameter by parameter, rank 0's f32 value — its `start` (the f32 values of a
+    /// low-precision model's parameters, checked by the caller) or the parameter — is
+    /// broadcast, every rank's parameter set from it, and this rank keeps its piece of it as the
+    /// master; the optimizer state is made, zeroed, at the first update. Then rank 0's buffers
+    /// everywhere.
+    pub(crate) fn start_sharded(
+        group: ProcessGroup,
+        options: DataParallelOptions,
+        setup: serde_json::Value,
+        vars: &[Var],
+        start: Option<&[Tensor]>,
+        optimizer: Optimizer,
+        params: &Params,
+    ) -> Result<Self, TrainError> {
+        if options.sharding == Sharding::None {
+            return Err(DistError::internal("a sharded start without sharding").into());
+        }
+        let buckets = Self::prepare(&group, options, setup, vars)?;
+        let mut fetch = |request: &PieceRequest| -> Result<PieceInit, TrainError> {
+            let v = &vars[request.param];
+            let own = match start {
+                Some(s) => s[request.param].to_device(v.device())?.to_dtype(DType::F32)?,
+                None => v.as_tensor().to_dtype(DType::F32)?,
+            };
+            let value = group.broadcast(&own, 0)?;
+            // Rank 0's parameter is this value already, unless it starts from `start`.
+            if !group.is_root() || start.is_some() {
+                v.set(&value.to_dtype(v.dtype())?.copy()?)?;
+            }
+            PieceInit::narrowed(request, &value, None)
+        };
+        let z = ZeroOptimizer::new(&group, vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?;
+        broadcast_buffers(&group, params)?;
+        Ok(Parallel { group, buckets, zero: Some(z), last: ReduceStats::default() })
+    }
+
+    /// This rank's shard of a sharded run as the checkpoint `reader` holds it (saved at any
+    /// world size, sharded or not): its pieces of the f32 masters and of the optimizer state,
+    /// read by range. Nothing changes here (see [`Parallel::set_shard`]); no collective runs.
+    pub(crate) fn read_shard(
+        &self,
+        vars: &[Var],
+        names: &[String],
+        reader: &mut CheckpointReader,
+    ) -> Result<Option<ZeroOptimizer>, TrainError> {
+        let Some(z) = &self.zero else { return Ok(None) };
+        let (stage, optimizer) = (z.stage(), z.optimizer());
+        let steps = reader.manifest().optimizer_steps;
+        let mut fetch = |request: &PieceRequest| -> Result<PieceInit, TrainError> {
+            let Some((offset, len)) = request.range else { return Ok(PieceInit::default()) };
+            let name = &names[request.param];
+            let device = vars[request.param].device();
+            let mut read = |key: String| -> Result<Tensor, TrainError> {
+                Ok(Tensor::from_vec(reader.read_f32(&key, offset, len)?, len, device)?)
+            };
+            let master = request.master.then(|| read(format!("master/{name}"))).transpose()?;
+            let state = (0..optimizer.states()).map(|k| read(format!("state{k}/{name}"))).collect::<Result<_, _>>()?;
+            Ok(PieceInit { master, state })
+        };
+        let plan = self.buckets.plan();
+        Ok(Some(ZeroOptimizer::new(&self.group, vars, plan, stage, optimizer, steps, &mut fetch)?))
+    }
+
+    /// Puts a shard [`Parallel::read_shard`] read in place of this rank's.
+    pub(crate) fn set_shard(&mut self, shard: ZeroOptimizer) {
+        self.zero = Some(shard);
     }
 
     /// Whether the optimizer state is sharded.

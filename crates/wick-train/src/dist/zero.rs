@@ -66,11 +66,50 @@ fn vec_f32(t: &Tensor) -> Result<Vec<f32>, DistError> {
     Ok(out)
 }
 
+/// What [`ZeroOptimizer::new`] asks for one parameter.
+pub(crate) struct PieceRequest {
+    /// The parameter.
+    pub(crate) param: usize,
+    /// This rank's piece of it, `(offset, len)` in its flat elements (`None`: it holds none).
+    pub(crate) range: Option<(usize, usize)>,
+    /// Whether the piece needs its own f32 master (a low-precision parameter).
+    pub(crate) master: bool,
+}
+
+/// What a source gives for a [`PieceRequest`]: the piece's f32 master when asked for, and its
+/// optimizer state (f32, `len` elements each; none for a fresh start: the first update makes it
+/// zeroed, as PyTorch's optimizers make their state at their first step); empty when the rank
+/// holds no piece.
+#[derive(Default)]
+pub(crate) struct PieceInit {
+    pub(crate) master: Option<Tensor>,
+    pub(crate) state: Vec<Tensor>,
+}
+
+impl PieceInit {
+    /// The request's piece of whole tensors: `master` (any float dtype) and `state` (`None`:
+    /// a fresh start).
+    pub(crate) fn narrowed(
+        request: &PieceRequest,
+        master: &Tensor,
+        state: Option<&[Tensor]>,
+    ) -> Result<Self, TrainError> {
+        let Some((offset, len)) = request.range else {
+            return Ok(PieceInit::default());
+        };
+        let take = |t: &Tensor| -> Result<Tensor, TrainError> {
+            Ok(t.flatten_all()?.narrow(0, offset, len)?.to_dtype(DType::F32)?.copy()?)
+        };
+        let state = state.unwrap_or_default().iter().map(take).collect::<Result<Vec<_>, _>>()?;
+        Ok(PieceInit { master: request.master.then(|| take(master)).transpose()?, state })
+    }
+}
+
 impl ZeroOptimizer {
-    /// This rank's shard over the buckets `plan`, from each parameter's f32 master and state as
-    /// `fetch(i)` gives them — called for every parameter, in bucket order, on every rank (it may
-    /// run collectives) — after `steps` optimizer steps. Only one parameter's whole tensors are
-    /// held at a time.
+    /// This rank's shard over the buckets `plan`, from what `fetch` gives for each parameter's
+    /// piece — called for every parameter, in bucket order, on every rank (it may run
+    /// collectives) — after `steps` optimizer steps. Only one parameter's tensors are asked for
+    /// at a time.
     pub(crate) fn new(
         group: &ProcessGroup,
         vars: &[Var],
@@ -78,7 +117,7 @@ impl ZeroOptimizer {
         stage: Sharding,
         optimizer: Optimizer,
         steps: u64,
-        fetch: &mut dyn FnMut(usize) -> Result<(Tensor, Vec<Tensor>), TrainError>,
+        fetch: &mut dyn FnMut(&PieceRequest) -> Result<PieceInit, TrainError>,
     ) -> Result<Self, TrainError> {
         let (rank, world) = (group.rank(), group.world_size());
         let mut buckets = Vec::with_capacity(plan.len());
@@ -96,19 +135,24 @@ impl ZeroOptimizer {
             let mut pieces = Vec::new();
             let mut states = Vec::new();
             for &(i, start) in &placed {
-                let (master, state) = fetch(i)?;
                 let end = start + vars[i].elem_count();
                 let (a, b) = (start.max(lo), end.min(hi));
-                if a >= b {
-                    continue;
+                let range = (a < b).then_some((a - start, b - a));
+                let request = PieceRequest { param: i, range, master: vars[i].dtype() != DType::F32 };
+                let init = fetch(&request)?;
+                let Some((offset, len)) = range else { continue };
+                let fits = |t: &Tensor| t.dtype() == DType::F32 && t.elem_count() == len;
+                if init.master.is_some() != request.master
+                    || !init.master.iter().all(fits)
+                    || !(init.state.is_empty() || init.state.len() == optimizer.states())
+                    || !init.state.iter().all(fits)
+                {
+                    return Err(
+                        DistError::internal(format!("the shard's source gave parameter {i} a wrong piece")).into()
+                    );
                 }
-                let (offset, len) = (a - start, b - a);
-                let take = |t: &Tensor| -> Result<Tensor, TrainError> {
-                    Ok(t.flatten_all()?.narrow(0, offset, len)?.to_dtype(DType::F32)?.copy()?)
-                };
-                let master = (vars[i].dtype() != DType::F32).then(|| take(&master)).transpose()?;
-                states.push(state.iter().map(take).collect::<Result<Vec<_>, _>>()?);
-                pieces.push(Piece { param: i, offset, len, at: a - lo, master });
+                states.push(init.state);
+                pieces.push(Piece { param: i, offset, len, at: a - lo, master: init.master });
             }
             buckets.push(ShardBucket { members: placed, block, pieces, states });
         }
@@ -122,6 +166,16 @@ impl ZeroOptimizer {
             self.buckets.iter().flat_map(|b| b.pieces.iter().filter_map(|p| p.master.as_ref())).map(bytes).sum();
         let state = self.buckets.iter().flat_map(|b| b.states.iter().flatten()).map(bytes).sum();
         (master, state)
+    }
+
+    /// What is sharded.
+    pub(crate) fn stage(&self) -> Sharding {
+        self.stage
+    }
+
+    /// The update rule (its current learning rate).
+    pub(crate) fn optimizer(&self) -> Optimizer {
+        self.optimizer
     }
 
     /// Optimizer steps taken.
@@ -146,8 +200,13 @@ impl ZeroOptimizer {
                 if let Some(m) = &p.master {
                     out.insert(format!("master/{name}#{}", p.offset), m.copy()?);
                 }
-                for (k, t) in state.iter().enumerate() {
-                    out.insert(format!("state{k}/{name}#{}", p.offset), t.copy()?);
+                for k in 0..self.optimizer.states() {
+                    // Before the first update a fresh start's state is zero.
+                    let t = match state.get(k) {
+                        Some(t) => t.copy()?,
+                        None => Tensor::zeros(p.len, DType::F32, &Device::Cpu)?,
+                    };
+                    out.insert(format!("state{k}/{name}#{}", p.offset), t);
                 }
             }
         }
@@ -258,6 +317,10 @@ impl ZeroOptimizer {
                     None => vars[p.param].as_tensor().flatten_all()?.narrow(0, p.offset, p.len)?,
                 };
                 if present[p.param] {
+                    if state.is_empty() {
+                        let zeros = |_| Tensor::zeros(p.len, DType::F32, &Device::Cpu);
+                        *state = (0..self.optimizer.states()).map(zeros).collect::<Result<_, _>>()?;
+                    }
                     let g = grad.narrow(0, at + p.at, p.len)?;
                     *state = crate::optim::step(&target, &g, state, self.optimizer, t)?;
                 }

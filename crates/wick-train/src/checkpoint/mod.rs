@@ -15,6 +15,11 @@
 //! the manifest, which lists every shard with its size and SHA-256, once all are complete: the
 //! manifest is still the commit point. [`join_pieces`] puts a tensor back together from its
 //! pieces.
+//!
+//! | module | what it holds |
+//! |---|---|
+//! | this one | [`CheckpointDir`]: writing, pruning, loading whole ([`CheckpointDir::load`]) |
+//! | [`reader`] | [`CheckpointReader`] ([`CheckpointDir::open`]): a checkpoint read by element range, each file checked on first use — how a sharded run resumes its own share |
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -24,6 +29,9 @@ use sha2::{Digest, Sha256};
 
 use crate::amp::ScalerState;
 use crate::error::TrainError;
+
+pub mod reader;
+pub use reader::CheckpointReader;
 
 /// The manifest's `format` field.
 pub const FORMAT: &str = "wick-training-checkpoint";
@@ -251,6 +259,31 @@ impl CheckpointDir {
     /// Reads and checks the checkpoint at `step`: the manifest parses and is this format and
     /// version, and the tensor file has the recorded size and SHA-256.
     pub fn load(&self, step: u64, device: &Device) -> Result<Saved, TrainError> {
+        let (path, manifest) = self.read_manifest(step)?;
+        // A sharded checkpoint's files are read one after another into one set of tensors
+        // (its pieces are named `kind/param#offset`; the trainer joins them).
+        let files = if manifest.shards.is_empty() {
+            vec![ShardFile { file: manifest.tensors.clone(), bytes: manifest.bytes, sha256: manifest.sha256.clone() }]
+        } else {
+            manifest.shards.clone()
+        };
+        let mut tensors = HashMap::new();
+        for file in &files {
+            tensors.extend(self.read_checked(&path, file, device)?);
+        }
+        Ok(Saved { manifest, tensors })
+    }
+
+    /// Opens the checkpoint at `step` for reading by range ([`CheckpointReader`]): its manifest
+    /// and its files' headers are read and checked now, each file's checksum when it is first
+    /// read from.
+    pub fn open(&self, step: u64) -> Result<CheckpointReader, TrainError> {
+        let (path, manifest) = self.read_manifest(step)?;
+        CheckpointReader::open(&self.dir, path, manifest)
+    }
+
+    /// The manifest at `step`, checked to be this format and version, and its path.
+    fn read_manifest(&self, step: u64) -> Result<(PathBuf, Manifest), TrainError> {
         let path = self.manifest_path(step);
         let text = std::fs::read(&path).map_err(|e| file_error(&path, e))?;
         let manifest: Manifest =
@@ -264,18 +297,7 @@ impl CheckpointDir {
                 ),
             ));
         }
-        // A sharded checkpoint's files are read one after another into one set of tensors
-        // (its pieces are named `kind/param#offset`; the trainer joins them).
-        let files = if manifest.shards.is_empty() {
-            vec![ShardFile { file: manifest.tensors.clone(), bytes: manifest.bytes, sha256: manifest.sha256.clone() }]
-        } else {
-            manifest.shards.clone()
-        };
-        let mut tensors = HashMap::new();
-        for file in &files {
-            tensors.extend(self.read_checked(&path, file, device)?);
-        }
-        Ok(Saved { manifest, tensors })
+        Ok((path, manifest))
     }
 
     /// The tensors of `file` (named by the manifest at `manifest`) once its size and checksum

@@ -41,17 +41,19 @@ use wick::memory::push_label;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use crate::checkpoint::{join_pieces, CheckpointDir, Latest, Manifest, ParamInfo};
+use crate::checkpoint::{CheckpointDir, Manifest, ParamInfo};
 
-use crate::amp::{GradScaler, MasterState, MasterWeights, StepOutcome};
+use crate::amp::{GradScaler, MasterWeights, StepOutcome};
 use crate::dist::buckets::ReduceStats;
 use crate::dist::parallel::{broadcast_buffers, Parallel};
-use crate::dist::{DataParallelOptions, ProcessGroup};
+use crate::dist::{DataParallelOptions, ProcessGroup, Sharding};
 use crate::error::TrainError;
 use crate::optim::{AdamW, LrSchedule, Optimizer};
 use wick_nn::checkpoint::Checkpointing;
 use wick_nn::model::Model;
 use wick_nn::Autocast;
+
+mod resume;
 
 /// What a [`Trainer`] does each step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -139,23 +141,6 @@ fn invalid(what: &str, message: String) -> TrainError {
     TrainError::Invalid { what: what.into(), message }
 }
 
-/// What differs first between the `kind`s (parameters or buffers) a checkpoint records
-/// (`theirs`) and this run's (`mine`), if anything.
-fn first_difference(kind: &str, theirs: &[ParamInfo], mine: &[ParamInfo]) -> Option<String> {
-    if theirs == mine {
-        return None;
-    }
-    let by_name: HashMap<&str, &ParamInfo> = theirs.iter().map(|p| (p.name.as_str(), p)).collect();
-    let differs = mine.iter().find_map(|p| match by_name.get(p.name.as_str()) {
-        None => Some(format!("it has no {kind} `{}`", p.name)),
-        Some(t) if *t != p => {
-            Some(format!("`{}` is {:?} {} there, {:?} {} here", p.name, t.shape, t.dtype, p.shape, p.dtype))
-        }
-        _ => None,
-    });
-    Some(differs.unwrap_or_else(|| format!("{} {kind}s there, {} here", theirs.len(), mine.len())))
-}
-
 fn dtype_name(dtype: DType) -> String {
     format!("{dtype:?}").to_lowercase()
 }
@@ -212,17 +197,63 @@ impl<M: Model> Trainer<M> {
     /// state and buffers become every rank's (resume, if at all, before this). Sharded, each
     /// rank keeps only its shard of masters and state ([`Trainer::masters`] is then empty).
     pub fn data_parallel(mut self, group: ProcessGroup, options: DataParallelOptions) -> Result<Self, TrainError> {
-        let setup = serde_json::json!({
+        let setup = self.setup();
+        let parallel = Parallel::start(group, options, setup, &self.vars, &mut self.masters, self.model.params())?;
+        self.parallel = Some(parallel);
+        Ok(self)
+    }
+
+    /// A run of `model` that trains data-parallel in `group` from the start: as
+    /// [`Trainer::new`] followed by [`Trainer::data_parallel`], except that a sharded run
+    /// ([`crate::dist::Sharding`]) never holds the whole optimizer state, nor the whole f32
+    /// masters of a low-precision model — each rank keeps only its shard of rank 0's parameters
+    /// (or `start`), broadcast one at a time, and makes its shard of the optimizer state at the
+    /// first update. A model whose optimizer state fits only
+    /// when sharded starts this way. Resume after it ([`Trainer::resume`]: each rank then reads
+    /// only its share).
+    pub fn new_data_parallel(
+        model: M,
+        description: serde_json::Value,
+        start: Option<&[Tensor]>,
+        options: TrainOptions,
+        group: ProcessGroup,
+        parallel: DataParallelOptions,
+    ) -> Result<Self, TrainError> {
+        if parallel.sharding == Sharding::None {
+            return Self::new(model, description, start, options)?.data_parallel(group, parallel);
+        }
+        let vars = model.vars();
+        if let Some(s) = start {
+            crate::amp::check_masters(&vars, s)?;
+        }
+        let mut trainer = Trainer {
+            model,
+            description,
+            vars,
+            masters: MasterWeights::new(&[], options.optimizer)?,
+            scaler: options.autocast.needs_loss_scaling().then(GradScaler::new),
+            base_lr: options.optimizer.lr(),
+            options,
+            step: 0,
+            parallel: None,
+        };
+        let setup = trainer.setup();
+        let params = trainer.model.params();
+        let p = Parallel::start_sharded(group, parallel, setup, &trainer.vars, start, options.optimizer, params)?;
+        trainer.parallel = Some(p);
+        Ok(trainer)
+    }
+
+    /// What every rank of a process group must agree on to train together.
+    fn setup(&self) -> serde_json::Value {
+        serde_json::json!({
             "model": self.description,
             "params": self.param_infos(),
             "buffers": self.buffer_infos(),
             "options": format!("{:?}", self.options),
             "step": self.step,
             "scaler": self.scaler.as_ref().map(GradScaler::state),
-        });
-        let parallel = Parallel::start(group, options, setup, &self.vars, &mut self.masters, self.model.params())?;
-        self.parallel = Some(parallel);
-        Ok(self)
+        })
     }
 
     /// This rank's bytes of f32 masters and of optimizer state (its shard when sharded): the
@@ -472,78 +503,5 @@ impl<M: Model> Trainer<M> {
             .spawn(move || dir.write(manifest, &tensors))
             .map_err(|e| invalid("checkpoint", format!("cannot start the writer thread: {e}")))?;
         Ok(PendingSave { thread, stall_s })
-    }
-
-    /// Continues from the newest usable checkpoint in `dir`: the masters (and so the
-    /// parameters), the optimizer state and step count, the loss scaler and the step. A damaged
-    /// newest checkpoint is passed over (said in [`Resumed::skipped`]); none at all, or one made
-    /// for another model, optimizer or precision, is an error saying what differs, and nothing
-    /// changes.
-    pub fn resume(&mut self, dir: &CheckpointDir) -> Result<Resumed, TrainError> {
-        if self.parallel.as_ref().is_some_and(Parallel::sharded) {
-            return Err(invalid("resume", "resume before sharding the run (`data_parallel`), not after".into()));
-        }
-        let device = self.vars.first().map_or(candle_core::Device::Cpu, |v| v.device().clone());
-        let Latest { saved, skipped } = dir
-            .load_latest(&device)?
-            .ok_or_else(|| invalid("resume", format!("no checkpoint in {}", dir.path().display())))?;
-        let manifest = dir.manifest_path(saved.manifest.step);
-        let m = &saved.manifest;
-        let refuse =
-            |what: String| invalid("resume", format!("{} was made for another run: {what}", manifest.display()));
-        let mine = self.param_infos();
-        if let Some(differs) = first_difference("parameter", &m.params, &mine) {
-            return Err(refuse(differs));
-        }
-        let my_buffers = self.buffer_infos();
-        if let Some(differs) = first_difference("buffer", &m.buffers, &my_buffers) {
-            return Err(refuse(differs));
-        }
-        if m.model != self.description {
-            return Err(refuse(format!("its model is {}, this run's {}", m.model, self.description)));
-        }
-        let optimizer = format!("{:?}", self.options.optimizer);
-        if m.optimizer != optimizer {
-            return Err(refuse(format!("its optimizer is {}, this run's {optimizer}", m.optimizer)));
-        }
-        if m.scaler.is_some() != self.scaler.is_some() {
-            return Err(refuse("one scales its loss (f16) and the other does not".into()));
-        }
-        if let Some(s) = m.scaler.filter(|s| !(s.scale.is_finite() && s.scale > 0.0)) {
-            return Err(refuse(format!("its loss scale {} is not a positive number", s.scale)));
-        }
-        // A tensor whole, or joined from a sharded checkpoint's pieces (`key#offset`).
-        let take = |key: String| -> Result<Tensor, TrainError> {
-            if let Some(t) = saved.tensors.get(&key) {
-                return Ok(t.clone());
-            }
-            join_pieces(&saved.tensors, &key)?.ok_or_else(|| refuse(format!("it lacks the tensor `{key}`")))
-        };
-        let states = self.options.optimizer.states();
-        let mut state = MasterState { step: m.optimizer_steps, masters: Vec::new(), states: Vec::new() };
-        for p in &mine {
-            let shaped = |key: String| -> Result<Tensor, TrainError> { Ok(take(key)?.reshape(p.shape.as_slice())?) };
-            state.masters.push(shaped(format!("master/{}", p.name))?);
-            state.states.push((0..states).map(|k| shaped(format!("state{k}/{}", p.name))).collect::<Result<_, _>>()?);
-        }
-        let mut buffers = Vec::with_capacity(my_buffers.len());
-        for b in &my_buffers {
-            let t = take(format!("buffer/{}", b.name))?;
-            if t.dims() != b.shape.as_slice() || dtype_name(t.dtype()) != b.dtype {
-                let found = format!("{:?} {}", t.dims(), dtype_name(t.dtype()));
-                return Err(refuse(format!("its buffer `{}` is {found}, expected {:?} {}", b.name, b.shape, b.dtype)));
-            }
-            buffers.push(t);
-        }
-        // Everything is checked before anything changes (the masters check their own state).
-        self.masters.load_state(&state)?;
-        for ((_, buffer), t) in self.model.params().buffers().zip(&buffers) {
-            buffer.set(t)?;
-        }
-        if let (Some(s), Some(saved)) = (self.scaler.as_mut(), m.scaler) {
-            s.load_state(saved)?;
-        }
-        self.step = m.step;
-        Ok(Resumed { step: m.step, data: m.data.clone(), manifest, skipped })
     }
 }
