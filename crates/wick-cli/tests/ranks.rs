@@ -149,7 +149,7 @@ impl Moments {
 }
 
 /// Runs 2 ranks with `extra` flags and kills one of them (chosen at random) with SIGKILL at a
-/// random moment — 1 to 3 steps on (at most step 8 of 12), then up to 300 ms into the next step or save — `kills`
+/// random moment — once a checkpoint exists, 1 to 3 steps on (at most step 8 of 12), then up to 300 ms into the next step or save — `kills`
 /// times, each run resuming the one before; checks that each job ends non-zero within 30 s
 /// naming the rank. Then resumes on 2 ranks and (from a copy) on 1 accumulating 2: both must
 /// end with `reference`'s parameters.
@@ -172,6 +172,14 @@ fn kill_and_resume(
         }
         let mut run = train(wick, &dir, &this).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
         let start = Instant::now();
+        // Once the first checkpoint is complete (before it there is nothing to resume).
+        let saved = || std::fs::read_dir(&dir).into_iter().flatten().flatten().any(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with("step-") && n.ends_with(".json")
+        });
+        while !saved() && start.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let target = (steps_done(&dir) + 1 + rng.below(3) as usize).min(8);
         while (steps_done(&dir) < target || rank_pids(&dir).len() < 2) && start.elapsed() < Duration::from_secs(120) {
             std::thread::sleep(Duration::from_millis(10));
