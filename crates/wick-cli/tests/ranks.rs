@@ -173,10 +173,12 @@ fn kill_and_resume(
         let mut run = train(wick, &dir, &this).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
         let start = Instant::now();
         // Once the first checkpoint is complete (before it there is nothing to resume).
-        let saved = || std::fs::read_dir(&dir).into_iter().flatten().flatten().any(|e| {
-            let n = e.file_name().to_string_lossy().into_owned();
-            n.starts_with("step-") && n.ends_with(".json")
-        });
+        let saved = || {
+            std::fs::read_dir(&dir).into_iter().flatten().flatten().any(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                n.starts_with("step-") && n.ends_with(".json")
+            })
+        };
         while !saved() && start.elapsed() < Duration::from_secs(120) {
             std::thread::sleep(Duration::from_millis(10));
         }

@@ -3,7 +3,9 @@
 //! against the input (one rank's sum, mean, maximum and minimum are the input itself, to the
 //! bit), and its time beside a device copy of the same bytes. One GPU cannot host two ranks of a
 //! communicator (NCCL refuses a duplicate device), so two-rank correctness is the MPI tests'.
-//! Prints one JSON line; exits 1 when a check fails.
+//! Then the trainer on the GPU: alone and data-parallel in a one-rank group (gradients through
+//! NCCL's buckets), the same parameters to the bit. Prints one JSON line; exits 1 when a check
+//! fails.
 
 use std::time::Instant;
 
@@ -50,8 +52,61 @@ fn run() -> Result<()> {
         let copy = time(&|| Ok(x.copy()?))?;
         timings.push(serde_json::json!({"mb": mb, "all_reduce_ms": reduce * 1e3, "copy_ms": copy * 1e3}));
     }
-    println!("{}", serde_json::json!({"nccl": format!("{nccl:?}"), "checks": checks, "timings": timings}));
+    let trainer = trainer_on_nccl(&group, &device)?;
+    println!(
+        "{}",
+        serde_json::json!({"nccl": format!("{nccl:?}"), "checks": checks, "timings": timings, "trainer": trainer})
+    );
     Ok(())
+}
+
+/// A decoder's AdamW steps on the GPU, alone and data-parallel in a one-rank group (its
+/// gradients through NCCL's buckets): the same parameters to the bit (one rank's sum is its
+/// own gradient). ZeRO with GPU parameters is refused.
+fn trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Value> {
+    use wick_nn::Model;
+    use wick_train::dist::{DataParallelOptions, Sharding};
+    use wick_train::trainer::{TrainOptions, Trainer};
+    use wick_zoo::llama::{Llama, LlamaConfig};
+    let config = LlamaConfig::tiny(64);
+    let ids = Tensor::arange(0u32, 32, device)?.reshape((2, 16))?;
+    let digest = |t: &Trainer<Llama>| -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        for (_, v) in t.model().params().iter() {
+            out.extend(
+                v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()),
+            );
+        }
+        Ok(out)
+    };
+    // The same initial values for both runs (the zoo's initialisation is seeded on the host).
+    let build = || -> Result<Llama> { Ok(Llama::new(config, DType::F32, device)?) };
+    let mut alone = Trainer::new(build()?, serde_json::json!({}), None, TrainOptions::default())?;
+    let parallel = DataParallelOptions::default();
+    let mut grouped = Trainer::new_data_parallel(
+        build()?,
+        serde_json::json!({}),
+        None,
+        TrainOptions::default(),
+        group.clone(),
+        parallel,
+    )?;
+    let mut losses = Vec::new();
+    for _ in 0..3 {
+        let a = alone.train_step(std::slice::from_ref(&ids))?;
+        let b = grouped.train_step(std::slice::from_ref(&ids))?;
+        losses.push((a.loss, b.loss));
+    }
+    let same = digest(&alone)? == digest(&grouped)?;
+    ensure!(same, "one-rank NCCL data parallel differs from the plain trainer: {losses:?}");
+    let zero = DataParallelOptions { sharding: Sharding::Gradients, ..DataParallelOptions::default() };
+    let refused =
+        Trainer::new_data_parallel(build()?, serde_json::json!({}), None, TrainOptions::default(), group.clone(), zero)
+            .err()
+            .map(|e| e.to_string());
+    ensure!(refused.is_some(), "ZeRO with GPU parameters must be refused");
+    let reduce = grouped.last_reduce().map(|r| serde_json::json!({"buckets": r.buckets, "comm_s": r.comm_s}));
+    Ok(serde_json::json!({"same_parameters": same, "losses": losses, "reduce": reduce, "zero_refused": refused}))
 }
 
 wick::main!(run);

@@ -38,6 +38,15 @@ pub enum DistError {
         /// What it reported.
         message: String,
     },
+    /// A collective did not complete within its timeout (NCCL: a peer that never joined it);
+    /// the communicator was aborted and cannot be used again.
+    #[error("{what} did not complete within {seconds} s: the communicator was aborted (a rank stopped or hangs)")]
+    Timeout {
+        /// The collective.
+        what: String,
+        /// The timeout.
+        seconds: f64,
+    },
     /// A tensor operation failed.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

@@ -39,12 +39,37 @@ impl Default for DataParallelOptions {
     }
 }
 
+/// The communicator for gradients on a GPU.
+#[cfg(feature = "nccl")]
+type GpuComm = super::nccl::NcclGroup;
+/// Without the `nccl` feature there is none (GPU parameters are refused).
+#[cfg(not(feature = "nccl"))]
+enum GpuComm {}
+
 /// A trainer's data-parallel state.
 pub(crate) struct Parallel {
     pub(crate) group: ProcessGroup,
     buckets: GradBuckets,
     zero: Option<ZeroOptimizer>,
+    /// NCCL, when the parameters are on a GPU.
+    gpu: Option<GpuComm>,
     pub(crate) last: ReduceStats,
+}
+
+/// NCCL for `vars` when they are on a GPU (replicated only), `None` for host parameters.
+fn gpu_comm(group: &ProcessGroup, options: &DataParallelOptions, vars: &[Var]) -> Result<Option<GpuComm>, TrainError> {
+    let Some(device) = vars.iter().map(|v| v.device()).find(|d| d.is_cuda()) else { return Ok(None) };
+    if options.sharding != Sharding::None {
+        let message = "ZeRO shards host state: GPU parameters train replicated (Sharding::None) over NCCL";
+        return Err(DistError::unsupported("data parallel", message).into());
+    }
+    #[cfg(feature = "nccl")]
+    return Ok(Some(super::nccl::NcclGroup::new(group, device)?));
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = (group, device);
+        Err(DistError::unsupported("data parallel", "GPU parameters need wick-train's `nccl` feature").into())
+    }
 }
 
 impl Parallel {
@@ -56,7 +81,7 @@ impl Parallel {
         options: DataParallelOptions,
         setup: serde_json::Value,
         vars: &[Var],
-    ) -> Result<GradBuckets, TrainError> {
+    ) -> Result<(GradBuckets, Option<GpuComm>), TrainError> {
         if options.bucket_bytes == 0 || options.first_bucket_bytes == 0 {
             return Err(DistError::unsupported("data parallel", "bucket caps must be positive").into());
         }
@@ -67,7 +92,8 @@ impl Parallel {
             "first_bucket_bytes": options.first_bucket_bytes,
         });
         group.check_same("training setup", &setup)?;
-        Ok(GradBuckets::new(vars, options.first_bucket_bytes, options.bucket_bytes))
+        let gpu = gpu_comm(group, &options, vars)?;
+        Ok((GradBuckets::new(vars, options.first_bucket_bytes, options.bucket_bytes), gpu))
     }
 
     /// Joins the group with the whole state in `masters`: refuses unless `setup` is the same on
@@ -81,13 +107,17 @@ impl Parallel {
         masters: &mut MasterWeights,
         params: &Params,
     ) -> Result<Self, TrainError> {
-        let buckets = Self::prepare(&group, options, setup, vars)?;
-        // Rank 0's f32 master and optimizer state of parameter `i`, on every rank.
+        let (buckets, gpu) = Self::prepare(&group, options, setup, vars)?;
+        // Rank 0's f32 master and optimizer state of parameter `i`, on every rank (a GPU's
+        // through the host, once).
         let from_root = |i: usize| -> Result<(Tensor, Vec<Tensor>), TrainError> {
             let missing = || DistError::internal(format!("no master for parameter {i}"));
-            let master = group.broadcast(masters.master(i).ok_or_else(missing)?, 0)?;
+            let root = |t: &Tensor| -> Result<Tensor, TrainError> {
+                Ok(group.broadcast(&t.to_device(&candle_core::Device::Cpu)?, 0)?.to_device(t.device())?)
+            };
+            let master = root(masters.master(i).ok_or_else(missing)?)?;
             let state = masters.state_of(i).ok_or_else(missing)?;
-            Ok((master, state.iter().map(|t| group.broadcast(t, 0)).collect::<Result<Vec<_>, _>>()?))
+            Ok((master, state.iter().map(root).collect::<Result<Vec<_>, _>>()?))
         };
         let (steps, optimizer) = (masters.steps(), masters.optimizer());
         let zero = if options.sharding == Sharding::None {
@@ -117,7 +147,7 @@ impl Parallel {
             Some(z)
         };
         broadcast_buffers(&group, params)?;
-        Ok(Parallel { group, buckets, zero, last: ReduceStats::default() })
+        Ok(Parallel { group, buckets, zero, gpu, last: ReduceStats::default() })
     }
 
     /// Starts a sharded run (`options.sharding` is not `None`) without the whole state ever
@@ -138,7 +168,8 @@ impl Parallel {
         if options.sharding == Sharding::None {
             return Err(DistError::internal("a sharded start without sharding").into());
         }
-        let buckets = Self::prepare(&group, options, setup, vars)?;
+        // Sharded runs are on the host (`gpu_comm` refuses GPU parameters with ZeRO).
+        let (buckets, _) = Self::prepare(&group, options, setup, vars)?;
         let mut fetch = |request: &PieceRequest| -> Result<PieceInit, TrainError> {
             let v = &vars[request.param];
             let own = match start {
@@ -154,7 +185,7 @@ impl Parallel {
         };
         let z = ZeroOptimizer::new(&group, vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?;
         broadcast_buffers(&group, params)?;
-        Ok(Parallel { group, buckets, zero: Some(z), last: ReduceStats::default() })
+        Ok(Parallel { group, buckets, zero: Some(z), gpu: None, last: ReduceStats::default() })
     }
 
     /// This rank's shard of a sharded run as the checkpoint `reader` holds it (saved at any
@@ -250,7 +281,13 @@ impl Parallel {
             self.last = stats;
             return Ok(outcome);
         }
-        self.last = self.buckets.reduce(&self.group, grads, vars)?;
+        self.last = match &self.gpu {
+            None => self.buckets.reduce(&self.group, grads, vars)?,
+            #[cfg(feature = "nccl")]
+            Some(nccl) => nccl.reduce_gradients(&self.group, self.buckets.plan(), grads, vars)?,
+            #[cfg(not(feature = "nccl"))]
+            Some(never) => match *never {},
+        };
         masters.set_learning_rate(lr);
         let refs: Vec<&Var> = vars.iter().collect();
         let scaler = match scaler {
