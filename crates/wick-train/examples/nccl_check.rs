@@ -30,6 +30,21 @@ fn run() -> Result<()> {
             ensure!(same, "{dtype:?} {op:?}: one rank's all-reduce changed the tensor");
         }
     }
+    // One rank's broadcast, all-gather and reduce-scatter are the input itself.
+    let x = Tensor::randn(0f32, 1.0, (64, 3), &device)?;
+    let bits = |t: &Tensor| -> Result<Vec<u32>> {
+        Ok(t.flatten_all()?.to_vec1::<f32>()?.iter().map(|v| v.to_bits()).collect())
+    };
+    for (name, y) in [
+        ("broadcast", nccl.broadcast(&x, 0)?),
+        ("all_gather", nccl.all_gather(&x)?),
+        ("reduce_scatter", nccl.reduce_scatter(&x, ReduceOp::Sum)?),
+    ] {
+        let same = y.dims() == x.dims() && bits(&y)? == bits(&x)?;
+        checks.push(serde_json::json!({"dtype": "F32", "op": name, "same": same}));
+        ensure!(same, "one rank's {name} changed the tensor");
+    }
+    ensure!(nccl.broadcast(&x, 1).is_err(), "a root outside the group must be refused");
     let host = Tensor::zeros(4, DType::F32, &Device::Cpu)?;
     ensure!(nccl.all_reduce(&host, ReduceOp::Sum).is_err(), "a host tensor must be refused");
     let mut timings = Vec::new();

@@ -15,7 +15,7 @@
 //! | [`buckets`] | gradient buckets (PyTorch DDP's sizes and order) and the data-parallel gradient sum |
 //! | [`parallel`] | what a [`crate::Trainer`] holds under a group: the options ([`DataParallelOptions`]), the start-up checks and broadcasts, the step's agreement on failures, the update (replicated, or sharded as [`Sharding`] says) |
 //! | `zero` | ZeRO stages 1 and 2: a rank's shard of masters and optimizer state, the reduce-scatter, the sharded update and the all-gather |
-//! | `nccl` | (feature `nccl`) `NcclGroup`: an NCCL communicator per rank on its GPU, its id broadcast through the group (MPI for several ranks), `all_reduce` of CUDA tensors |
+//! | `nccl` | (feature `nccl`) `NcclGroup`: an NCCL communicator per rank on its GPU, its id broadcast through the group (MPI for several ranks); `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter` of CUDA tensors, each with a deadline; the trainer's GPU gradient buckets |
 //! | [`error`] | [`DistError`] |
 //!
 //! A rank that dies cannot become an error here: rsmpi runs MPI with its errors-are-fatal

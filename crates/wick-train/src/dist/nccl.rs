@@ -20,8 +20,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CudaStorage, DType, Device, InplaceOp1, Layout, Tensor};
-use cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
+use candle_core::cuda::CudaDType;
+use candle_core::{CudaStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
+use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclOp};
 
 use candle_core::backprop::GradStore;
 use candle_core::Var;
@@ -121,19 +122,67 @@ impl NcclGroup {
     /// The sum, mean, maximum or minimum over ranks of `t` (a CUDA tensor of f32, f64, bf16 or
     /// f16), a new tensor on every rank, once it is complete (or [`DistError::Timeout`]).
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor, DistError> {
-        let what = "NCCL all_reduce";
-        let Device::Cuda(device) = t.device() else {
+        let out = t.contiguous()?.copy()?;
+        self.run(Kind::AllReduce(op), &out, None)?;
+        Ok(out)
+    }
+
+    /// `root`'s `t` on every rank (each passes a tensor of the same shape and dtype).
+    pub fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor, DistError> {
+        if root >= self.world {
+            return Err(DistError::unsupported("NCCL broadcast", format!("root {root} in a group of {}", self.world)));
+        }
+        let out = t.contiguous()?.copy()?;
+        self.run(Kind::Broadcast(root), &out, None)?;
+        Ok(out)
+    }
+
+    /// Every rank's `t` concatenated along the first axis, in rank order.
+    pub fn all_gather(&self, t: &Tensor) -> Result<Tensor, DistError> {
+        let mut dims = t.dims().to_vec();
+        let first = dims.first_mut().ok_or_else(|| DistError::unsupported("NCCL all_gather", "a scalar tensor"))?;
+        *first = first.checked_mul(self.world).ok_or_else(|| DistError::internal("all_gather: size overflows"))?;
+        let out = Tensor::zeros(dims, t.dtype(), t.device())?;
+        self.run(Kind::AllGather, &out, Some(&t.contiguous()?))?;
+        Ok(out)
+    }
+
+    /// The reduction over ranks of `t`, cut along its first axis into one block per rank: this
+    /// rank's block (the first axis must split evenly: pad it).
+    pub fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor, DistError> {
+        let mut dims = t.dims().to_vec();
+        let Some(first) = dims.first_mut().filter(|f| **f % self.world == 0) else {
+            let message =
+                format!("a first axis of {:?} does not split over {} ranks (pad it)", t.dims().first(), self.world);
+            return Err(DistError::unsupported("NCCL reduce_scatter", message));
+        };
+        *first /= self.world;
+        let out = Tensor::zeros(dims, t.dtype(), t.device())?;
+        self.run(Kind::ReduceScatter(op), &out, Some(&t.contiguous()?))?;
+        Ok(out)
+    }
+
+    /// Enqueues `kind` on `out` (from `input`, for the collectives with two buffers) and waits
+    /// for it with the deadline.
+    fn run(&self, kind: Kind, out: &Tensor, input: Option<&Tensor>) -> Result<(), DistError> {
+        let what = kind.name();
+        let Device::Cuda(device) = out.device() else {
             return Err(DistError::unsupported(what, "a host tensor (the MPI group carries those)"));
         };
-        let out = t.contiguous()?.copy()?;
+        if input.is_some_and(|t| !t.device().same_device(out.device()) || t.dtype() != out.dtype()) {
+            return Err(DistError::unsupported(what, "the input is on another device or of another dtype"));
+        }
         {
             let guard =
                 self.comm.lock().map_err(|_| DistError::internal("the NCCL communicator's lock is poisoned"))?;
             let comm = guard.as_ref().ok_or_else(|| aborted(what))?;
-            out.inplace_op1(&AllReduce { comm, op })?;
+            let op = Collective { comm, kind };
+            match input {
+                None => out.inplace_op1(&op)?,
+                Some(t) => out.inplace_op2(t, &op)?,
+            }
         }
-        self.wait(what, device)?;
-        Ok(out)
+        self.wait(what, device)
     }
 
     /// Waits for what is enqueued on `device`'s stream, polling its completion with the
@@ -213,47 +262,127 @@ fn aborted(what: &str) -> DistError {
     DistError::unsupported(what, "the communicator was aborted after a timeout; start a new group")
 }
 
-struct AllReduce<'a> {
-    comm: &'a Comm,
-    op: ReduceOp,
+/// One collective on one buffer (`In`) or from one into another (`Into`).
+#[derive(Clone, Copy)]
+enum Kind {
+    AllReduce(ReduceOp),
+    Broadcast(usize),
+    AllGather,
+    ReduceScatter(ReduceOp),
 }
 
-impl AllReduce<'_> {
-    fn op(&self) -> NcclOp {
-        match self.op {
-            ReduceOp::Sum => NcclOp::Sum,
-            ReduceOp::Avg => NcclOp::Avg,
-            ReduceOp::Max => NcclOp::Max,
-            ReduceOp::Min => NcclOp::Min,
+struct Collective<'a> {
+    comm: &'a Comm,
+    kind: Kind,
+}
+
+fn nccl_op(op: ReduceOp) -> NcclOp {
+    match op {
+        ReduceOp::Sum => NcclOp::Sum,
+        ReduceOp::Avg => NcclOp::Avg,
+        ReduceOp::Max => NcclOp::Max,
+        ReduceOp::Min => NcclOp::Min,
+    }
+}
+
+fn contiguous(layout: &Layout) -> candle_core::Result<(usize, usize)> {
+    layout.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("NCCL: a contiguous tensor was expected".into()))
+}
+
+impl Collective<'_> {
+    /// `kind` in place on `dst[a..b]`.
+    fn in_place<T: CudaDType + NcclType>(
+        &self,
+        dst: &mut CudaStorage,
+        (a, b): (usize, usize),
+    ) -> candle_core::Result<()> {
+        let mut view = dst.as_cuda_slice_mut::<T>()?.slice_mut(a..b);
+        let done = match self.kind {
+            Kind::AllReduce(op) => self.comm.all_reduce_in_place(&mut view, &nccl_op(op)),
+            Kind::Broadcast(root) => self.comm.broadcast_in_place(&mut view, root as i32),
+            _ => candle_core::bail!("NCCL: this collective needs two buffers"),
+        };
+        done.map(|_| ()).map_err(|e| candle_core::Error::Msg(format!("NCCL {}: {e:?}", self.name())))
+    }
+
+    /// `kind` from `src[c..d]` into `dst[a..b]`.
+    fn into<T: CudaDType + NcclType>(
+        &self,
+        dst: &mut CudaStorage,
+        (a, b): (usize, usize),
+        src: &CudaStorage,
+        (c, d): (usize, usize),
+    ) -> candle_core::Result<()> {
+        let from = src.as_cuda_slice::<T>()?.slice(c..d);
+        let mut to = dst.as_cuda_slice_mut::<T>()?.slice_mut(a..b);
+        let done = match self.kind {
+            Kind::AllGather => self.comm.all_gather(&from, &mut to),
+            Kind::ReduceScatter(op) => self.comm.reduce_scatter(&from, &mut to, &nccl_op(op)),
+            _ => candle_core::bail!("NCCL: this collective runs in place"),
+        };
+        done.map(|_| ()).map_err(|e| candle_core::Error::Msg(format!("NCCL {}: {e:?}", self.name())))
+    }
+
+    fn name(&self) -> &'static str {
+        self.kind.name()
+    }
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce(_) => "nccl_all_reduce",
+            Kind::Broadcast(_) => "nccl_broadcast",
+            Kind::AllGather => "nccl_all_gather",
+            Kind::ReduceScatter(_) => "nccl_reduce_scatter",
         }
     }
 }
 
-impl InplaceOp1 for AllReduce<'_> {
+impl InplaceOp1 for Collective<'_> {
     fn name(&self) -> &'static str {
-        "nccl_all_reduce"
+        Collective::name(self)
     }
 
     fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        candle_core::bail!("NCCL reduces CUDA tensors")
+        candle_core::bail!("NCCL carries CUDA tensors")
     }
 
     fn cuda_fwd(&self, storage: &mut CudaStorage, layout: &Layout) -> candle_core::Result<()> {
-        let Some((a, b)) = layout.contiguous_offsets() else {
-            candle_core::bail!("nccl_all_reduce: a contiguous tensor was expected")
-        };
-        let op = self.op();
-        let done = match storage.dtype() {
-            DType::F32 => self.comm.all_reduce_in_place(&mut storage.as_cuda_slice_mut::<f32>()?.slice_mut(a..b), &op),
-            DType::F64 => self.comm.all_reduce_in_place(&mut storage.as_cuda_slice_mut::<f64>()?.slice_mut(a..b), &op),
-            DType::BF16 => {
-                self.comm.all_reduce_in_place(&mut storage.as_cuda_slice_mut::<half::bf16>()?.slice_mut(a..b), &op)
-            }
-            DType::F16 => {
-                self.comm.all_reduce_in_place(&mut storage.as_cuda_slice_mut::<half::f16>()?.slice_mut(a..b), &op)
-            }
-            d => candle_core::bail!("nccl_all_reduce: {d:?} tensors are not reduced"),
-        };
-        done.map(|_| ()).map_err(|e| candle_core::Error::Msg(format!("ncclAllReduce: {e:?}")))
+        let range = contiguous(layout)?;
+        match storage.dtype() {
+            DType::F32 => self.in_place::<f32>(storage, range),
+            DType::F64 => self.in_place::<f64>(storage, range),
+            DType::BF16 => self.in_place::<half::bf16>(storage, range),
+            DType::F16 => self.in_place::<half::f16>(storage, range),
+            d => candle_core::bail!("{}: {d:?} tensors are not carried", self.name()),
+        }
+    }
+}
+
+impl InplaceOp2 for Collective<'_> {
+    fn name(&self) -> &'static str {
+        Collective::name(self)
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &mut candle_core::CpuStorage,
+        _: &Layout,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<()> {
+        candle_core::bail!("NCCL carries CUDA tensors")
+    }
+
+    fn cuda_fwd(&self, dst: &mut CudaStorage, dl: &Layout, src: &CudaStorage, sl: &Layout) -> candle_core::Result<()> {
+        let (to, from) = (contiguous(dl)?, contiguous(sl)?);
+        match dst.dtype() {
+            DType::F32 => self.into::<f32>(dst, to, src, from),
+            DType::F64 => self.into::<f64>(dst, to, src, from),
+            DType::BF16 => self.into::<half::bf16>(dst, to, src, from),
+            DType::F16 => self.into::<half::f16>(dst, to, src, from),
+            d => candle_core::bail!("{}: {d:?} tensors are not carried", self.name()),
+        }
     }
 }
