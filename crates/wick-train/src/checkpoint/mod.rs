@@ -99,6 +99,45 @@ pub struct ShardFile {
     pub sha256: String,
 }
 
+impl Manifest {
+    /// Its tensor files: the one file, or a sharded checkpoint's shards in rank order.
+    pub fn files(&self) -> Vec<ShardFile> {
+        if self.shards.is_empty() {
+            vec![ShardFile { file: self.tensors.clone(), bytes: self.bytes, sha256: self.sha256.clone() }]
+        } else {
+            self.shards.clone()
+        }
+    }
+}
+
+impl ShardFile {
+    /// Its path in `dir`, when its name is a plain file name there (a manifest, at `manifest`,
+    /// that names anything else is refused).
+    fn path_in(&self, dir: &Path, manifest: &Path) -> Result<PathBuf, TrainError> {
+        if self.file.is_empty() || self.file.contains(['/', '\\']) || self.file.starts_with('.') {
+            return Err(file_error(manifest, format!("tensor file `{}` is not a file in this folder", self.file)));
+        }
+        Ok(dir.join(&self.file))
+    }
+
+    /// Checks that the file at `path` has the recorded size.
+    fn check_len(&self, path: &Path, len: u64) -> Result<(), TrainError> {
+        if len != self.bytes {
+            let message = format!("{len} bytes, the manifest says {} (truncated or replaced)", self.bytes);
+            return Err(file_error(path, message));
+        }
+        Ok(())
+    }
+
+    /// Checks that the file at `path`, whose SHA-256 is `digest`, has the recorded one.
+    fn check_sha256(&self, path: &Path, digest: &[u8]) -> Result<(), TrainError> {
+        if hex(digest) != self.sha256 {
+            return Err(file_error(path, "checksum mismatch: the file is damaged"));
+        }
+        Ok(())
+    }
+}
+
 /// A checkpoint read back: its manifest and its tensors by name.
 #[derive(Debug)]
 pub struct Saved {
@@ -261,14 +300,9 @@ impl CheckpointDir {
     pub fn load(&self, step: u64, device: &Device) -> Result<Saved, TrainError> {
         let (path, manifest) = self.read_manifest(step)?;
         // A sharded checkpoint's files are read one after another into one set of tensors
-        // (its pieces are named `kind/param#offset`; the trainer joins them).
-        let files = if manifest.shards.is_empty() {
-            vec![ShardFile { file: manifest.tensors.clone(), bytes: manifest.bytes, sha256: manifest.sha256.clone() }]
-        } else {
-            manifest.shards.clone()
-        };
+        // (its pieces are named `kind/param#offset`; [`join_pieces`] joins them).
         let mut tensors = HashMap::new();
-        for file in &files {
+        for file in &manifest.files() {
             tensors.extend(self.read_checked(&path, file, device)?);
         }
         Ok(Saved { manifest, tensors })
@@ -308,21 +342,10 @@ impl CheckpointDir {
         file: &ShardFile,
         device: &Device,
     ) -> Result<HashMap<String, Tensor>, TrainError> {
-        if file.file.is_empty() || file.file.contains(['/', '\\']) || file.file.starts_with('.') {
-            return Err(file_error(manifest, format!("tensor file `{}` is not a file in this folder", file.file)));
-        }
-        let tensor_path = self.dir.join(&file.file);
+        let tensor_path = file.path_in(&self.dir, manifest)?;
         let bytes = std::fs::read(&tensor_path).map_err(|e| file_error(&tensor_path, e))?;
-        if bytes.len() as u64 != file.bytes {
-            return Err(file_error(
-                &tensor_path,
-                format!("{} bytes, the manifest says {} (truncated or replaced)", bytes.len(), file.bytes),
-            ));
-        }
-        let sha256 = hex(&Sha256::digest(&bytes));
-        if sha256 != file.sha256 {
-            return Err(file_error(&tensor_path, "checksum mismatch: the file is damaged"));
-        }
+        file.check_len(&tensor_path, bytes.len() as u64)?;
+        file.check_sha256(&tensor_path, &Sha256::digest(&bytes))?;
         Ok(candle_core::safetensors::load_buffer(&bytes, device)?)
     }
 

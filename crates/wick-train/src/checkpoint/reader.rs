@@ -24,7 +24,7 @@ use safetensors::tensor::Metadata;
 use safetensors::Dtype;
 use sha2::{Digest, Sha256};
 
-use super::{file_error, hex, Manifest, ShardFile};
+use super::{file_error, Manifest, ShardFile};
 use crate::error::TrainError;
 
 /// The most header bytes a checkpoint's tensor file may have (safetensors' own cap).
@@ -85,20 +85,19 @@ fn split_name(name: &str) -> Result<(&str, usize), String> {
 }
 
 impl TensorFile {
-    /// Opens `record` in `dir` and indexes its tensors into `index` (as file number `n`).
+    /// Opens `record` in `dir` (named by the manifest at `manifest`) and indexes its tensors
+    /// into `index` (as file number `n`).
     fn open(
         dir: &Path,
+        manifest: &Path,
         record: &ShardFile,
         n: usize,
         index: &mut HashMap<String, Vec<Part>>,
     ) -> Result<TensorFile, TrainError> {
-        let path = dir.join(&record.file);
+        let path = record.path_in(dir, manifest)?;
         let mut file = File::open(&path).map_err(|e| file_error(&path, e))?;
         let len = file.metadata().map_err(|e| file_error(&path, e))?.len();
-        if len != record.bytes {
-            let message = format!("{len} bytes, the manifest says {} (truncated or replaced)", record.bytes);
-            return Err(file_error(&path, message));
-        }
+        record.check_len(&path, len)?;
         let damaged = |why: String| file_error(&path, format!("not a safetensors file: {why}"));
         let mut n_len = [0u8; 8];
         file.read_exact(&mut n_len).map_err(|e| damaged(e.to_string()))?;
@@ -143,9 +142,7 @@ impl TensorFile {
             }
             hasher.update(&buf[..n]);
         }
-        if hex(&hasher.finalize()) != self.record.sha256 {
-            return Err(file_error(path, "checksum mismatch: the file is damaged"));
-        }
+        self.record.check_sha256(path, &hasher.finalize())?;
         self.verified = true;
         Ok(())
     }
@@ -163,19 +160,11 @@ impl TensorFile {
 
 impl CheckpointReader {
     pub(super) fn open(dir: &Path, manifest_path: PathBuf, manifest: Manifest) -> Result<Self, TrainError> {
-        let records = if manifest.shards.is_empty() {
-            vec![ShardFile { file: manifest.tensors.clone(), bytes: manifest.bytes, sha256: manifest.sha256.clone() }]
-        } else {
-            manifest.shards.clone()
-        };
+        let records = manifest.files();
         let mut index = HashMap::new();
         let mut files = Vec::with_capacity(records.len());
         for (n, record) in records.iter().enumerate() {
-            if record.file.is_empty() || record.file.contains(['/', '\\']) || record.file.starts_with('.') {
-                let message = format!("tensor file `{}` is not a file in this folder", record.file);
-                return Err(file_error(&manifest_path, message));
-            }
-            files.push(TensorFile::open(dir, record, n, &mut index)?);
+            files.push(TensorFile::open(dir, &manifest_path, record, n, &mut index)?);
         }
         for (key, parts) in index.iter_mut() {
             parts.sort_by_key(|p| p.offset);

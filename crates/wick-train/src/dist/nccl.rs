@@ -20,12 +20,10 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda::CudaDType;
-use candle_core::{CudaStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor};
-use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclOp};
-
 use candle_core::backprop::GradStore;
-use candle_core::Var;
+use candle_core::cuda::CudaDType;
+use candle_core::{CudaStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor, Var};
+use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclOp};
 
 use super::buckets::{agreed_presence, ReduceStats};
 use super::error::DistError;
@@ -122,7 +120,7 @@ impl NcclGroup {
     /// The sum, mean, maximum or minimum over ranks of `t` (a CUDA tensor of f32, f64, bf16 or
     /// f16), a new tensor on every rank, once it is complete (or [`DistError::Timeout`]).
     pub fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor, DistError> {
-        let out = t.contiguous()?.copy()?;
+        let out = own_copy(t)?;
         self.run(Kind::AllReduce(op), &out, None)?;
         Ok(out)
     }
@@ -132,7 +130,7 @@ impl NcclGroup {
         if root >= self.world {
             return Err(DistError::unsupported("NCCL broadcast", format!("root {root} in a group of {}", self.world)));
         }
-        let out = t.contiguous()?.copy()?;
+        let out = own_copy(t)?;
         self.run(Kind::Broadcast(root), &out, None)?;
         Ok(out)
     }
@@ -206,9 +204,7 @@ impl NcclGroup {
             std::thread::sleep(Duration::from_micros(20));
         }
     }
-}
 
-impl NcclGroup {
     /// Sums `grads` (of `vars`, on this rank's GPU) over the ranks, bucket by bucket as `plan`
     /// groups the parameters: each bucket's gradients flattened into one f32 tensor on the GPU,
     /// all-reduced in place, and each gradient put back as a view of it (rounded to its
@@ -234,11 +230,16 @@ impl NcclGroup {
                     _ => Tensor::zeros(v.elem_count(), DType::F32, v.device())?,
                 });
             }
-            let flat = Tensor::cat(&parts, 0)?;
+            // A tensor of its own, reduced in place with no second copy (`cat` of several parts
+            // makes one; of one part it hands back that part, which may share a gradient's
+            // storage).
+            let reduced = match parts.as_slice() {
+                [one] => own_copy(one)?,
+                _ => Tensor::cat(&parts, 0)?,
+            };
             drop(parts);
             let t1 = Instant::now();
-            let reduced = self.all_reduce(&flat, ReduceOp::Sum)?;
-            drop(flat);
+            self.run(Kind::AllReduce(ReduceOp::Sum), &reduced, None)?;
             let t2 = Instant::now();
             let mut at = 0;
             for &i in bucket {
@@ -256,6 +257,12 @@ impl NcclGroup {
         }
         Ok(stats)
     }
+}
+
+/// `t`'s values in a contiguous tensor of its own (the collectives write their result into it):
+/// one copy, whether `t` is contiguous or not.
+fn own_copy(t: &Tensor) -> Result<Tensor, DistError> {
+    Ok(if t.is_contiguous() { t.copy()? } else { t.contiguous()? })
 }
 
 fn aborted(what: &str) -> DistError {

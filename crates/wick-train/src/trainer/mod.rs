@@ -158,18 +158,28 @@ impl<M: Model> Trainer<M> {
     ) -> Result<Self, TrainError> {
         let vars = model.vars();
         let masters = MasterWeights::with_masters(&vars, start, options.optimizer)?;
-        let scaler = options.autocast.needs_loss_scaling().then(GradScaler::new);
-        Ok(Trainer {
+        Ok(Self::assemble(model, description, vars, masters, options))
+    }
+
+    /// A run at step 0 alone, holding `masters`.
+    fn assemble(
+        model: M,
+        description: serde_json::Value,
+        vars: Vec<Var>,
+        masters: MasterWeights,
+        options: TrainOptions,
+    ) -> Self {
+        Trainer {
             model,
             description,
             vars,
             masters,
-            scaler,
+            scaler: options.autocast.needs_loss_scaling().then(GradScaler::new),
             base_lr: options.optimizer.lr(),
             options,
             step: 0,
             parallel: None,
-        })
+        }
     }
 
     /// The model.
@@ -226,17 +236,9 @@ impl<M: Model> Trainer<M> {
         if let Some(s) = start {
             crate::amp::check_masters(&vars, s)?;
         }
-        let mut trainer = Trainer {
-            model,
-            description,
-            vars,
-            masters: MasterWeights::new(&[], options.optimizer)?,
-            scaler: options.autocast.needs_loss_scaling().then(GradScaler::new),
-            base_lr: options.optimizer.lr(),
-            options,
-            step: 0,
-            parallel: None,
-        };
+        // The masters and state are the shards `Parallel::start_sharded` makes.
+        let masters = MasterWeights::new(&[], options.optimizer)?;
+        let mut trainer = Self::assemble(model, description, vars, masters, options);
         let setup = trainer.setup();
         let params = trainer.model.params();
         let p = Parallel::start_sharded(group, parallel, setup, &trainer.vars, start, options.optimizer, params)?;
