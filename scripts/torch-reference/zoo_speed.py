@@ -10,7 +10,8 @@ drifts of a noisy machine hit both. The figure per side is the median over every
 every round; the ratio is PyTorch's time over wick's (above 1: wick is faster).
 
     python scripts/torch-reference/zoo_speed.py --wick target/release/zoo-speed \\
-        [--models resnet18,decoder] [--modes train,amp,eval] [--rounds 3] [--steps 3] [--threads 2]
+        [--models resnet18,decoder] [--modes train,amp,eval] [--rounds 3] [--steps 3] [--threads 2] \\
+        [--image 224] [--batches 1,8,32]
 
 Needs torch 2.5.1, torchvision 0.20.1 and transformers 4.46.3 (CPU is enough); not part of CI.
 """
@@ -132,8 +133,9 @@ def torch_times(spec, mode, steps, warmup):
     return times
 
 
-def wick_times(binary, model, mode, steps, warmup):
-    out = subprocess.run([binary, "--model", model, "--mode", mode, "--steps", str(steps), "--warmup", str(warmup)],
+def wick_times(binary, model, mode, steps, warmup, sizes):
+    out = subprocess.run([binary, "--model", model, "--mode", mode, "--steps", str(steps), "--warmup", str(warmup)]
+                         + sizes,
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])["ms"]
 
@@ -148,23 +150,35 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the raw figures here")
+    ap.add_argument("--image", type=int, default=None, help="side of the vision models' images (zoo-speed's default: 112)")
+    ap.add_argument("--batches", default=None,
+                    help="comma-separated images per batch for the vision models, one table row each (default: zoo-speed's 16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    configs = json.loads(subprocess.run([args.wick, "--list"], check=True, capture_output=True, text=True).stdout)
-    models = args.models.split(",") if args.models else list(configs)
-    rows, raw = [], []
+    image = ["--image", str(args.image)] if args.image else []
+    batches = [["--batch", b] for b in args.batches.split(",")] if args.batches else [[]]
+    raw = []
     print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, {args.threads} threads")
-    print("| model | mode | wick ms | PyTorch ms | ratio (PyTorch / wick) |")
-    print("|---|---|---|---|---|")
-    for model in models:
-        for mode in args.modes.split(","):
-            w, t = [], []
-            for _ in range(args.rounds):
-                w += wick_times(args.wick, model, mode, args.steps, args.warmup)
-                t += torch_times(configs[model], mode, args.steps, args.warmup)
-            wm, tm = statistics.median(w), statistics.median(t)
-            raw.append({"model": model, "mode": mode, "wick_ms": w, "torch_ms": t})
-            print(f"| {model} | {mode} | {wm:.1f} | {tm:.1f} | {tm / wm:.2f}x |", flush=True)
+    print("| model | image | batch | mode | wick ms | PyTorch ms | ratio (PyTorch / wick) |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in batches:
+        sizes = image + batch
+        configs = json.loads(subprocess.run([args.wick, "--list"] + sizes, check=True, capture_output=True,
+                                            text=True).stdout)
+        models = args.models.split(",") if args.models else list(configs)
+        for model in models:
+            spec = configs[model]
+            shape = (spec["image"], spec["batch"]) if "image" in spec else ("-", spec["batch"])
+            for mode in args.modes.split(","):
+                w, t = [], []
+                for _ in range(args.rounds):
+                    w += wick_times(args.wick, model, mode, args.steps, args.warmup, sizes)
+                    t += torch_times(spec, mode, args.steps, args.warmup)
+                wm, tm = statistics.median(w), statistics.median(t)
+                raw.append({"model": model, "image": shape[0], "batch": shape[1], "mode": mode, "wick_ms": w,
+                            "torch_ms": t})
+                print(f"| {model} | {shape[0]} | {shape[1]} | {mode} | {wm:.1f} | {tm:.1f} | {tm / wm:.2f}x |",
+                      flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)

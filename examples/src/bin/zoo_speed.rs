@@ -4,6 +4,7 @@
 //! ```text
 //! zoo-speed --list                                  # the configurations, as JSON
 //! zoo-speed --model resnet18 --mode train --steps 5 # one JSON line: milliseconds per step
+//! zoo-speed --model resnet50 --image 224 --batch 8   # the vision models at other sizes
 //! WICK_PROFILE_OPS=1 zoo-speed --model vit           # and each kernel op's time, on stderr
 //! zoo-speed --model resnet18 --record-history DIR   # and the timed steps' allocation history
 //! ```
@@ -71,26 +72,37 @@ struct Args {
     /// each time, made outside the timing); prints `ms_off` and `ms_on`.
     #[arg(long, conflicts_with = "record_history")]
     history_overhead: bool,
+    /// Side of the vision models' square images (ViT's patch size, 16, must divide it).
+    #[arg(long, default_value_t = 112)]
+    image: usize,
+    /// Images per batch for the vision models.
+    #[arg(long, default_value_t = 16)]
+    batch: usize,
+}
+
+/// The vision models' input size: side of the square images and images per batch.
+#[derive(Clone, Copy)]
+struct Vision {
+    image: usize,
+    images: usize,
 }
 
 /// all-MiniLM-L6-v2's shapes (a BERT encoder, 6 × 384) at 128 tokens.
 const MINILM: BertConfig = BertConfig::minilm_l6();
 
-/// ViT-S/16 (DeiT-S's shapes) on 112² images.
-const VIT_S16: VitConfig =
-    VitConfig { image_size: 112, patch_size: 16, hidden: 384, layers: 12, heads: 6, mlp_dim: 1536, num_classes: 10 };
-
-const IMAGE: usize = 112;
-const IMAGES: usize = 16;
+/// ViT-S/16 (DeiT-S's shapes) on `image`² images.
+fn vit_s16(image: usize) -> VitConfig {
+    VitConfig { image_size: image, patch_size: 16, hidden: 384, layers: 12, heads: 6, mlp_dim: 1536, num_classes: 10 }
+}
 const CLASSES: usize = 10;
 const SEQUENCES: usize = 8;
 const BERT_TOKENS: usize = 128;
 const DECODER_TOKENS: usize = 64;
 
 /// The benchmark configurations, as the PyTorch script reads them.
-fn configs() -> serde_json::Value {
+fn configs(sizes: Vision) -> serde_json::Value {
     let vision = |extra: serde_json::Value| {
-        let mut v = json!({"batch": IMAGES, "image": IMAGE, "classes": CLASSES, "optimizer": "sgd"});
+        let mut v = json!({"batch": sizes.images, "image": sizes.image, "classes": CLASSES, "optimizer": "sgd"});
         if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
             v.extend(extra.clone());
         }
@@ -99,7 +111,7 @@ fn configs() -> serde_json::Value {
     json!({
         "decoder": {"kind": "llama", "config": DECODER, "batch": SEQUENCES, "seq": DECODER_TOKENS, "optimizer": "adamw"},
         "bert": {"kind": "bert", "config": MINILM, "batch": SEQUENCES, "seq": BERT_TOKENS, "optimizer": "adamw"},
-        "vit": vision(json!({"kind": "vit", "config": VIT_S16, "optimizer": "adamw"})),
+        "vit": vision(json!({"kind": "vit", "config": vit_s16(sizes.image), "optimizer": "adamw"})),
         "resnet18": vision(json!({"kind": "resnet", "depth": 18, "width": 64})),
         "resnet50": vision(json!({"kind": "resnet", "depth": 50, "width": 64})),
         "mobilenet_v2": vision(json!({"kind": "mobilenet_v2", "width_mult": 1.0})),
@@ -127,10 +139,11 @@ struct Bench {
     optimizer: Optimizer,
 }
 
-fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
+fn build(name: &str, sizes: Vision, dtype: DType, device: &Device) -> Result<Bench> {
+    let Vision { image, images } = sizes;
     let adamw = Optimizer::AdamW(AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
     let sgd = Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
-    let cnn = |depth| ModelSpec::ResNet { depth, classes: CLASSES, width: 64, image: IMAGE };
+    let cnn = |depth| ModelSpec::ResNet { depth, classes: CLASSES, width: 64, image };
     let (spec, optimizer) = match name {
         // The decoder trains on DECODER_TOKENS + 1 ids (next-token prediction of DECODER_TOKENS;
         // the one more position changes only the length of the rotary tables).
@@ -139,10 +152,10 @@ fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
             (ModelSpec::Llama { config: LlamaConfig { max_seq: seq, ..DECODER }, seq }, adamw)
         }
         "bert" => (ModelSpec::Bert { config: MINILM, seq: BERT_TOKENS }, adamw),
-        "vit" => (ModelSpec::Vit(VIT_S16), adamw),
+        "vit" => (ModelSpec::Vit(vit_s16(image)), adamw),
         "resnet18" => (cnn(ResNetDepth::R18), sgd),
         "resnet50" => (cnn(ResNetDepth::R50), sgd),
-        "mobilenet_v2" => (ModelSpec::MobileNetV2 { classes: CLASSES, width_mult: 1.0, image: IMAGE }, sgd),
+        "mobilenet_v2" => (ModelSpec::MobileNetV2 { classes: CLASSES, width_mult: 1.0, image }, sgd),
         other => bail!("unknown model `{other}`; --list shows the configurations"),
     };
     let model = spec.build(dtype, device)?;
@@ -162,8 +175,8 @@ fn build(name: &str, dtype: DType, device: &Device) -> Result<Bench> {
             (ZooBatch::Sentences(batch.clone()), ZooBatch::Sentences(batch))
         }
         _ => {
-            let x = normal_tensor(&[IMAGES, 3, IMAGE, IMAGE], 1.0, 11, DType::F32, device)?.to_dtype(dtype)?;
-            let batch = ZooBatch::Images(Labelled { inputs: x, labels: labels(IMAGES, CLASSES, device)? });
+            let x = normal_tensor(&[images, 3, image, image], 1.0, 11, DType::F32, device)?.to_dtype(dtype)?;
+            let batch = ZooBatch::Images(Labelled { inputs: x, labels: labels(images, CLASSES, device)? });
             (batch.clone(), batch)
         }
     };
@@ -189,21 +202,25 @@ fn write_history(engine: &wick::Engine, dir: &std::path::Path, name: &str, mode:
 
 fn run() -> Result<()> {
     let args = Args::parse();
+    if args.image == 0 || args.batch == 0 {
+        bail!("--image and --batch must be at least 1");
+    }
+    let sizes = Vision { image: args.image, images: args.batch };
     if args.list {
-        println!("{}", serde_json::to_string_pretty(&configs())?);
+        println!("{}", serde_json::to_string_pretty(&configs(sizes))?);
         return Ok(());
     }
     let name = args.model.context("--model is required (see --list)")?;
     let device = Device::Cpu;
     let autocast = if args.mode == Mode::Amp { Autocast::default_for(&device) } else { Autocast::off() };
-    let bench = build(&name, autocast.model_dtype(), &device)?;
+    let bench = build(&name, sizes, autocast.model_dtype(), &device)?;
     let mut masters = if args.mode == Mode::Eval {
         None
     } else {
         // Under autocast the masters start at the f32 values (the same seeded model in f32).
         let start = if autocast.enabled() {
             Some(
-                build(&name, DType::F32, &device)?
+                build(&name, sizes, DType::F32, &device)?
                     .model
                     .vars()
                     .iter()

@@ -200,6 +200,41 @@ fn convolutions_match_candles() {
 
 /// Max pooling composed from candle ops: the padded input's kernel² strided windows, stacked, and
 /// their maximum (candle's `max` backward sends the gradient to every tied maximum).
+/// Images large enough to be cut into chunks of output rows (the smallest chunk, 64 columns:
+/// 7 rows of 9 here, the last one ragged), at batch 1 (one image split between workers; col2im
+/// by one worker per image) and 2: against candle's convolution and finite differences in f64,
+/// and against the unchunked kernel (kept as the oracle) in f32.
+#[test]
+fn chunked_convolutions_match_candles_and_the_unchunked_kernel() {
+    for n in [1, 2] {
+        for (k, stride, pad) in [(3, 1, 1), (3, 2, 1), (7, 2, 3), (1, 2, 0)] {
+            let side = if stride == 1 { 9 } else { 17 };
+            let (x, w) = (randn(&[n, 3, 17, side], 40), randn(&[4, 3, k, k], 41));
+            let name = format!("chunked conv2d k{k} s{stride} p{pad} batch {n}");
+            check(
+                &name,
+                &[x.clone(), w.clone()],
+                |t| cpu::conv::conv2d_chunked(&t[0], &t[1], pad, stride, 1),
+                |t| t[0].conv2d(&t[1], pad, stride, 1, 1),
+            );
+            let (x, w) = (x.to_dtype(DType::F32).unwrap(), w.to_dtype(DType::F32).unwrap());
+            let run = |chunk: usize| {
+                let (xv, wv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap());
+                let y = cpu::conv::conv2d_chunked(xv.as_tensor(), wv.as_tensor(), pad, stride, chunk).unwrap();
+                let g = weighted_sum(&y.to_dtype(DType::F64).unwrap()).unwrap().backward().unwrap();
+                let grad = |v: &Var| values(g.get(v).unwrap());
+                (values(&y), grad(&xv), grad(&wv))
+            };
+            let (chunked, whole) = (run(1), run(usize::MAX));
+            // The same products over the same depths: equal values and input gradients; the
+            // weight gradient's sums over positions are split at the chunks (f32 rounding).
+            assert!(max_rel_diff(&chunked.0, &whole.0) < 1e-6, "{name}: values");
+            assert!(max_rel_diff(&chunked.1, &whole.1) < 1e-6, "{name}: input gradients");
+            assert!(max_rel_diff(&chunked.2, &whole.2) < 1e-5, "{name}: weight gradients");
+        }
+    }
+}
+
 fn max_pool2d_composed(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> candle_core::Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     let out = |len: usize| (len + 2 * pad - kernel) / stride + 1;

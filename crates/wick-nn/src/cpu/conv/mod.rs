@@ -1,0 +1,372 @@
+//! Convolutions with closed-form backward passes.
+//!
+//! Dense (groups = 1): each image's windows are unfolded into a (C_in·k·k) × (OH·OW) column
+//! matrix (im2col, [`unfold`]; a 1×1 stride-1 convolution uses the image itself), and the output
+//! is `W · col`. Backward: `dW = Σ_images dY · colᵀ` (the columns are unfolded again, not kept)
+//! and, only when the input needs a gradient, either a convolution of its own (stride 1) or
+//! `dcol = Wᵀ · dY` folded back onto the image (col2im). A large image's columns are unfolded
+//! and multiplied in chunks of output rows that stay in the cache, small images' in groups
+//! ([`plan`]). With bf16 images, weights and gradients on a CPU with AVX512-BF16 the columns stay
+//! bf16 and the products are bf16 with f32 sums (`gemm_bf16`; the `Gather` trait in [`unfold`],
+//! `Operand` and `Out` in `gemm`).
+//!
+//! Depthwise convolutions are in [`super::depthwise`].
+
+mod plan;
+mod unfold;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use half::bf16;
+
+use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
+use super::gemm::{Operand, Out};
+use super::{read, tensor, with, Mat, Real, SharedMut};
+use plan::{Plan, Scratch, CHUNK_BYTES};
+use unfold::Gather;
+pub(super) use unfold::Geometry;
+
+fn err(msg: String) -> candle_core::Error {
+    candle_core::Error::Msg(msg)
+}
+
+/// True when bf16 tensors are multiplied as bf16 ([`super::gemm_bf16`]).
+fn bf16_products(dtype: candle_core::DType) -> bool {
+    dtype == candle_core::DType::BF16 && super::gemm_bf16::available()
+}
+
+struct Conv2d {
+    stride: usize,
+    pad: usize,
+    /// Bytes of column matrix per chunk of an image ([`plan::CHUNK_BYTES`]; tests make it small).
+    chunk: usize,
+}
+
+impl Conv2d {
+    /// Bytes of column matrix per chunk with operands `P`: bf16 columns are not cut (the bf16
+    /// product packs its own cache-sized panels, and cut into chunks ResNet-18's AMP step at 224²
+    /// was 2–25 % slower at batch 1 and 8: BENCHMARKS.md, "Convolutional networks at every size
+    /// (issue 30)").
+    fn chunk_for<P: 'static>(&self) -> usize {
+        if std::any::TypeId::of::<P>() == std::any::TypeId::of::<bf16>() {
+            usize::MAX
+        } else {
+            self.chunk
+        }
+    }
+
+    /// True when the images `x` must be widened to the compute type first: a 1×1 stride-1
+    /// convolution multiplies the image itself, which the gemm reads in `T` only. Any other
+    /// convolution widens each element as im2col gathers it (no widened copy of the input).
+    fn widen_first<T: Real, E: Elem<T>>(g: &Geometry, x: &[E]) -> bool {
+        g.pointwise() && E::compute_slice(x).is_none()
+    }
+
+    fn fwd<T: Real, E: Elem<T>>(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, false)?;
+        let (x, w) = (elems::<T, E>(sx, lx)?, read::<T>(sw, lw)?);
+        let y = if Self::widen_first(&g, x) {
+            self.forward(&g, &read::<T>(sx, lx)?, &w)?
+        } else {
+            self.forward(&g, x, &w)?
+        };
+        Ok((T::storage(y, sx.dtype())?, Shape::from((g.n, g.c_out, g.oh, g.ow))))
+    }
+
+    /// [`Conv2d::fwd`] for bf16 images and weights, multiplied as bf16 (f32 sums).
+    fn fwd_bf16(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, false)?;
+        let (x, w) = (elems::<f32, bf16>(sx, lx)?, elems::<f32, bf16>(sw, lw)?);
+        let y = if super::gemm_bf16::rounds_directly(g.rows()) {
+            // Each sum rounded as the product stores it: no f32 output, no rounding pass.
+            CpuStorage::BF16(self.forward::<f32, bf16, bf16, bf16>(&g, x, w)?)
+        } else {
+            f32::storage(self.forward::<f32, bf16, bf16, f32>(&g, x, w)?, sx.dtype())?
+        };
+        Ok((y, Shape::from((g.n, g.c_out, g.oh, g.ow))))
+    }
+
+    /// The convolution of images `x` with weights `w` (row-major (C_out, C_in·k·k)).
+    fn forward<T: Real, E: Gather<P>, P: Operand<T>, O: Out<T, P>>(
+        &self,
+        g: &Geometry,
+        x: &[E],
+        w: &[P],
+    ) -> Result<Vec<O>> {
+        self.forward_by(g, x, Mat::rows(w, g.c_out, g.rows()))
+    }
+
+    /// [`Conv2d::forward`] with the weights as any (C_out × C_in·k·k) matrix view. A 1×1
+    /// stride-1 convolution's images must be operands already ([`Conv2d::widen_first`]).
+    fn forward_by<T: Real, E: Gather<P>, P: Operand<T>, O: Out<T, P>>(
+        &self,
+        g: &Geometry,
+        x: &[E],
+        wm: Mat<'_, P>,
+    ) -> Result<Vec<O>> {
+        let (rows, cols, img) = (g.rows(), g.cols(), g.c_in * g.h * g.w);
+        let mut y = vec![O::default(); g.n * g.c_out * cols];
+        let out = SharedMut::new(&mut y);
+        let plan = Plan::new(g, size_of::<P>(), self.chunk_for::<P>(), false);
+        // A whole image at a time writes straight into the output; a group or a chunk goes
+        // through a (C_out × columns) buffer.
+        let direct = plan.size == 1 && plan.chunks == 1;
+        let width = plan.width(g);
+        let col = Scratch::<P>::new(plan.workers, if direct && g.pointwise() { 0 } else { rows * width });
+        let ybuf = Scratch::<O>::new(plan.workers, if direct { 0 } else { g.c_out * width });
+        plan.run(|worker, group, chunks, parallel| {
+            let range = plan.images(group, g.n);
+            for chunk in chunks {
+                let out_rows = plan.out_rows(chunk, g.oh);
+                let (p0, l) = (out_rows.start * g.ow, out_rows.len() * g.ow);
+                let ld = range.len() * l;
+                let mut col = col.get(worker)?;
+                let cm: &[P] = if direct && g.pointwise() {
+                    E::as_operands(&x[range.start * img..range.end * img])
+                        .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()))?
+                } else {
+                    E::unfold(*g, x, range.clone(), out_rows.clone(), &mut col);
+                    &col[..rows * ld]
+                };
+                if direct {
+                    // SAFETY: one image's output per group.
+                    let dst = unsafe { out.range(range.start * g.c_out * cols, g.c_out * cols) };
+                    O::product(dst, wm, Mat::rows(cm, rows, cols), parallel)?;
+                    continue;
+                }
+                let mut yb = ybuf.get(worker)?;
+                O::product(&mut yb[..g.c_out * ld], wm, Mat::rows(cm, rows, ld), parallel)?;
+                for (j, b) in range.clone().enumerate() {
+                    for c in 0..g.c_out {
+                        // SAFETY: columns p0..p0 + l of image `b` belong to this item only.
+                        let dst = unsafe { out.range((b * g.c_out + c) * cols + p0, l) };
+                        dst.copy_from_slice(&yb[c * ld + j * l..][..l]);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        Ok(y)
+    }
+
+    /// The input gradient of a stride-1 convolution, as a convolution of the output gradient
+    /// with the weights transposed (C_in ↔ C_out) and flipped, padded by `k − 1 − pad`: its gemm
+    /// sums over C_out·k·k, where the col2im route's sums over C_out only (a short inner
+    /// dimension that gemm runs at half speed) and then scatters k² copies back.
+    fn input_gradient<T: Real, P: Operand<T> + Gather<P>, O: Out<T, P>>(
+        &self,
+        g: &Geometry,
+        w: &[P],
+        dy: &[P],
+    ) -> Result<Vec<O>> {
+        let (k, kk) = (g.k, g.k * g.k);
+        let back = Geometry {
+            n: g.n,
+            c_in: g.c_out,
+            h: g.oh,
+            w: g.ow,
+            c_out: g.c_in,
+            k,
+            stride: 1,
+            pad: k - 1 - g.pad,
+            oh: g.h,
+            ow: g.w,
+        };
+        if kk == 1 {
+            // Nothing to flip: the transposed weights are a view (the copy was a strided
+            // transpose of every 1×1 weight, a visible share of a ResNet-50 step).
+            return self.forward_by(&back, dy, Mat::rows(w, g.c_out, g.c_in).t());
+        }
+        // Written in order (each source run of k² taps read whole): the other loop order
+        // scattered every write across the output.
+        let mut flipped = vec![P::default(); w.len()];
+        for (ci, dst) in flipped.chunks_exact_mut(g.c_out * kk).enumerate() {
+            for (co, taps) in dst.chunks_exact_mut(kk).enumerate() {
+                let src = &w[(co * g.c_in + ci) * kk..][..kk];
+                for (d, s) in taps.iter_mut().zip(src.iter().rev()) {
+                    *d = *s;
+                }
+            }
+        }
+        self.forward(&back, dy, &flipped)
+    }
+
+    /// (dx when wanted, dw).
+    fn bwd<T: Real, E: Elem<T>>(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        dy: &Tensor,
+        want_dx: bool,
+    ) -> Result<(Option<Vec<T>>, Vec<T>)> {
+        let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
+        with::<T, _>(w, |w| {
+            with::<T, _>(dy, |dy| {
+                with_elems::<T, E, _>(x, |xe| {
+                    if Self::widen_first(&g, xe) {
+                        with::<T, _>(x, |x| self.bwd_from::<T, T, T>(g, x, w, dy, want_dx))
+                    } else {
+                        self.bwd_from::<T, E, T>(g, xe, w, dy, want_dx)
+                    }
+                })
+            })
+        })
+    }
+
+    /// [`Conv2d::bwd`] for bf16 images, weights and output gradients, multiplied as bf16.
+    ///
+    /// A stride-1 input gradient whose sums fit one slice of the product is written in bf16 as
+    /// it is computed (no f32 result, no rounding pass).
+    fn bwd_bf16(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
+        let direct_dx =
+            want_dx && Self::dx_by_convolution(&g) && super::gemm_bf16::rounds_directly(g.c_out * g.k * g.k);
+        let (dx, dw) = with_elems::<f32, bf16, _>(w, |w| {
+            with_elems::<f32, bf16, _>(dy, |dy| {
+                let (dx, dw) = with_elems::<f32, bf16, _>(x, |x| {
+                    self.bwd_from::<f32, bf16, bf16>(g, x, w, dy, want_dx && !direct_dx)
+                })?;
+                let dx = match dx {
+                    Some(dx) => Some(tensor(dx, x.shape(), x.dtype())?),
+                    None if direct_dx => {
+                        let dx = self.input_gradient::<f32, bf16, bf16>(&g, w, dy)?;
+                        Some(elem_tensor::<f32, bf16>(dx, x.shape())?)
+                    }
+                    None => None,
+                };
+                Ok((dx, dw))
+            })
+        })?;
+        Ok((dx, super::weight_grad(w, dw)?))
+    }
+
+    /// True when the input gradient is a convolution of its own ([`Conv2d::input_gradient`]:
+    /// stride 1) rather than columns folded back onto the image.
+    fn dx_by_convolution(g: &Geometry) -> bool {
+        g.stride == 1 && g.pad < g.k
+    }
+
+    /// [`Conv2d::bwd`] from the images as stored (`E`) or widened, with weights and output
+    /// gradients as operands `P`.
+    fn bwd_from<T: Real, E: Gather<P>, P: Operand<T> + Gather<P>>(
+        &self,
+        g: Geometry,
+        x: &[E],
+        w: &[P],
+        dy: &[P],
+        want_dx: bool,
+    ) -> Result<(Option<Vec<T>>, Vec<T>)> {
+        let (rows, cols, img) = (g.rows(), g.cols(), g.c_in * g.h * g.w);
+        // Stride 1: the input gradient is a convolution of its own (below). Folded back from
+        // columns, an image's chunks overlap in the input rows they touch: one worker each.
+        let by_columns = want_dx && !Self::dx_by_convolution(&g);
+        let plan = Plan::new(&g, size_of::<P>(), self.chunk_for::<P>(), by_columns);
+        let width = plan.width(&g);
+        let direct = plan.size == 1 && g.pointwise();
+        let col = Scratch::<P>::new(plan.workers, if direct { 0 } else { rows * width });
+        let gbuf = Scratch::<P>::new(plan.workers, if plan.size == 1 { 0 } else { g.c_out * width });
+        let dcol = Scratch::<T>::new(plan.workers, if by_columns { rows * width } else { 0 });
+        // dW: one partial sum per worker, added at the end.
+        let dws = Scratch::<T>::new(plan.workers, g.c_out * rows);
+        let mut dx = if by_columns { vec![T::zero(); x.len()] } else { Vec::new() };
+        let sdx = SharedMut::new(&mut dx);
+        plan.run(|worker, group, chunks, parallel| {
+            let range = plan.images(group, g.n);
+            for chunk in chunks {
+                let out_rows = plan.out_rows(chunk, g.oh);
+                let (p0, l) = (out_rows.start * g.ow, out_rows.len() * g.ow);
+                let ld = range.len() * l;
+                let (mut col, mut gb, mut dw) = (col.get(worker)?, gbuf.get(worker)?, dws.get(worker)?);
+                // A 1×1 stride-1 convolution's columns are the image itself (one image per
+                // group): no copy.
+                let cm: &[P] = if direct {
+                    E::as_operands(&x[range.start * img..range.end * img])
+                        .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()))?
+                } else {
+                    E::unfold(g, x, range.clone(), out_rows.clone(), &mut col);
+                    &col[..rows * ld]
+                };
+                // The item's output gradient as (C_out × columns): one image's is a view of its
+                // own (its rows `cols` apart), a group's is copied side by side.
+                let gm = if range.len() == 1 {
+                    let at = range.start * g.c_out * cols;
+                    Mat {
+                        data: &dy[at + p0..at + g.c_out * cols],
+                        rows: g.c_out,
+                        cols: l,
+                        row_stride: cols,
+                        col_stride: 1,
+                    }
+                } else {
+                    for (j, b) in range.clone().enumerate() {
+                        let src = &dy[b * g.c_out * cols..(b + 1) * g.c_out * cols];
+                        for (c, row) in src.chunks(cols).enumerate() {
+                            gb[c * ld + j * cols..][..cols].copy_from_slice(row);
+                        }
+                    }
+                    Mat::rows(&gb[..g.c_out * ld], g.c_out, ld)
+                };
+                P::product(&mut dw, gm, Mat::rows(cm, rows, ld).t(), T::one(), true, parallel)?;
+                if by_columns {
+                    let mut dc = dcol.get(worker)?;
+                    P::product(&mut dc[..rows * ld], Mat::rows(w, g.c_out, rows).t(), gm, T::one(), false, parallel)?;
+                    for (j, b) in range.clone().enumerate() {
+                        // SAFETY: image `b` belongs to this item's worker only (`whole_images`).
+                        let dst = unsafe { sdx.range(b * img, img) };
+                        g.col2im(&dc, (ld, j * l), out_rows.clone(), dst);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        let mut parts = dws.0.into_iter().map(|m| m.into_inner().unwrap_or_else(|p| p.into_inner()));
+        let mut dw = parts.next().unwrap_or_else(|| vec![T::zero(); g.c_out * rows]);
+        for p in parts {
+            dw.iter_mut().zip(&p).for_each(|(a, b)| *a = *a + *b);
+        }
+        let dx = match (want_dx, by_columns) {
+            (false, _) => None,
+            (true, true) => Some(dx),
+            (true, false) => Some(self.input_gradient(&g, w, dy)?),
+        };
+        Ok((dx, dw))
+    }
+}
+
+impl CustomOp2 for Conv2d {
+    fn name(&self) -> &'static str {
+        "conv2d"
+    }
+    fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        if bf16_products(sx.dtype()) && sw.dtype() == sx.dtype() {
+            return self.fwd_bf16(sx, lx, sw, lw);
+        }
+        by_elem!(sx.dtype(), T, E => self.fwd::<T, E>(sx, lx, sw, lw))
+    }
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        // The input image of a network needs no gradient: skip backward-input for it.
+        let want_dx = x.track_op();
+        if bf16_products(x.dtype()) && w.dtype() == x.dtype() && dy.dtype() == x.dtype() {
+            return self.bwd_bf16(x, w, dy, want_dx);
+        }
+        by_elem!(x.dtype(), T, E => super::input_weight_grads::<T>(x, w, self.bwd::<T, E>(x, w, dy, want_dx)?))
+    }
+}
+
+/// A dense convolution on the CPU (`weight` (C_out, C_in, k, k), square stride and padding),
+/// computed in f32 (f64 for f64) and returned in `x`'s dtype.
+pub fn conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
+    conv2d_chunked(x, weight, pad, stride, CHUNK_BYTES)
+}
+
+/// [`conv2d`] with an image's columns cut into chunks of about `chunk` bytes (tests: small
+/// chunks on small images; `usize::MAX`: never cut, the unchunked kernel kept as an oracle).
+pub(crate) fn conv2d_chunked(x: &Tensor, weight: &Tensor, pad: usize, stride: usize, chunk: usize) -> Result<Tensor> {
+    super::apply2(&x.contiguous()?, &weight.contiguous()?, Conv2d { stride, pad, chunk })
+}
