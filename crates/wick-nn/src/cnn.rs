@@ -215,6 +215,44 @@ impl RunningStats {
         }
     }
 
+    /// `act(batch_norm(conv2d(x, w, pad, stride)) + residual)` for `conv = (w, pad, stride)`
+    /// and `norm = (weight, bias)`: the residual, when given, is added before `act`; batch norm
+    /// as [`RunningStats::normalize`] with `(train, update)`. Inference on the CPU (`!train`,
+    /// f32 or f64, no gradient wanted: inside [`crate::no_grad`] or no input tracked) runs as
+    /// one pass over the convolution's output (the norm, residual and activation applied as it
+    /// is written), with the outputs of the separate ops bit for bit; anything else runs them
+    /// one by one.
+    pub fn conv_normalize_act(
+        &self,
+        x: &Tensor,
+        (w, pad, stride): (&Tensor, usize, usize),
+        (weight, bias): (&Tensor, &Tensor),
+        (train, update): (bool, bool),
+        residual: Option<&Tensor>,
+        act: Activation,
+    ) -> Result<Tensor> {
+        let eps = 1e-5;
+        let no_grad_wanted =
+            !crate::grad::grad_enabled() || ![x, w, weight, bias].iter().chain(residual.as_ref()).any(|t| t.track_op());
+        if !train && no_grad_wanted && cpu::serves(x) {
+            let (mean, var) = self.get();
+            let norm = cpu::conv::EvalNorm { weight, bias, mean: &mean, var: &var, eps };
+            if let Some(y) = cpu::conv::conv_norm_eval(x, w, (pad, stride), norm, residual, act)? {
+                return Ok(y);
+            }
+        }
+        let h = conv2d(x, w, pad, stride)?;
+        let Some(r) = residual else {
+            return self.normalize_act(&h, weight, bias, train, update, act);
+        };
+        let h = self.normalize(&h, weight, bias, train, update)?;
+        match act {
+            Activation::Relu => crate::ops::add_relu(&h, r),
+            Activation::Identity => h + r,
+            Activation::Relu6 => crate::ops::relu6(&(h + r)?),
+        }
+    }
+
     /// Batch norm as graph nodes over candle's ops (CUDA).
     #[allow(clippy::too_many_arguments)]
     fn normalize_composed(
@@ -359,6 +397,18 @@ impl BatchNorm {
     /// [`BatchNorm::forward`] followed by `act`, as one op on the CPU.
     pub fn forward_act(&self, x: &Tensor, train: bool, act: Activation) -> Result<Tensor> {
         self.running.normalize_act(x, &self.weight, &self.bias, train, true, act)
+    }
+
+    /// `act(self(conv2d(x, w, pad, stride)))`, one pass for inference on the CPU
+    /// ([`RunningStats::conv_normalize_act`]).
+    pub fn conv_forward_act(
+        &self,
+        x: &Tensor,
+        conv: (&Tensor, usize, usize),
+        train: bool,
+        act: Activation,
+    ) -> Result<Tensor> {
+        self.running.conv_normalize_act(x, conv, (&self.weight, &self.bias), (train, true), None, act)
     }
 }
 

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::error::ZooError;
 use wick_nn::autocast::norm_param_dtype;
 use wick_nn::checkpoint::{run_stateful, Checkpointing};
-use wick_nn::cnn::{conv2d, depthwise_conv2d, global_avg_pool, Activation, BatchNorm, RunningStats};
+use wick_nn::cnn::{depthwise_conv2d, global_avg_pool, Activation, BatchNorm, RunningStats};
 use wick_nn::params::{Init, Params};
 use wick_nn::NnError;
 
@@ -107,7 +107,14 @@ impl BlockSpec {
     fn apply(&self, x: &Tensor, w: &[Tensor], train: bool, update: bool) -> candle_core::Result<Tensor> {
         let (mut h, mut i) = (x.clone(), 0);
         if let Some(stats) = &self.expand {
-            h = stats.normalize_act(&conv2d(&h, &w[0], 0, 1)?, &w[1], &w[2], train, update, Activation::Relu6)?;
+            h = stats.conv_normalize_act(
+                &h,
+                (&w[0], 0, 1),
+                (&w[1], &w[2]),
+                (train, update),
+                None,
+                Activation::Relu6,
+            )?;
             i = 3;
         }
         h = self.depthwise.normalize_act(
@@ -118,12 +125,9 @@ impl BlockSpec {
             update,
             Activation::Relu6,
         )?;
-        h = self.project.normalize(&conv2d(&h, &w[i + 3], 0, 1)?, &w[i + 4], &w[i + 5], train, update)?;
-        if self.residual {
-            h + x
-        } else {
-            Ok(h)
-        }
+        let residual = self.residual.then_some(x);
+        let (conv, norm) = ((&w[i + 3], 0, 1), (&w[i + 4], &w[i + 5]));
+        self.project.conv_normalize_act(&h, conv, norm, (train, update), residual, Activation::Identity)
     }
 }
 
@@ -242,7 +246,7 @@ impl MobileNetV2 {
     /// `checkpoint` is given (batch-norm statistics move once, in the forward pass).
     pub fn forward_with(&self, x: &Tensor, train: bool, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         let stem = push_label("features.0");
-        let mut x = self.stem.1.forward_act(&conv2d(x, &self.stem.0, 1, 2)?, train, Activation::Relu6)?;
+        let mut x = self.stem.1.conv_forward_act(x, (&self.stem.0, 1, 2), train, Activation::Relu6)?;
         drop(stem);
         for block in &self.blocks {
             let _block = push_label(&block.name);
@@ -251,7 +255,7 @@ impl MobileNetV2 {
             })?;
         }
         let last = push_label("features.last");
-        let x = self.last.1.forward_act(&conv2d(&x, &self.last.0, 0, 1)?, train, Activation::Relu6)?;
+        let x = self.last.1.conv_forward_act(&x, (&self.last.0, 0, 1), train, Activation::Relu6)?;
         drop(last);
         let _head = push_label("classifier");
         Ok(wick_nn::ops::linear(&global_avg_pool(&x)?, &self.classifier.0, Some(&self.classifier.1))?)

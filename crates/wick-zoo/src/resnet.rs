@@ -5,8 +5,7 @@ use candle_core::{DType, Device, Tensor};
 use wick::memory::push_label;
 
 use wick_nn::checkpoint::{run_stateful, Checkpointing};
-use wick_nn::cnn::{conv2d, global_avg_pool, max_pool2d, Activation, BatchNorm, RunningStats};
-use wick_nn::ops::add_relu;
+use wick_nn::cnn::{global_avg_pool, max_pool2d, Activation, BatchNorm, RunningStats};
 use wick_nn::params::{Init, Params};
 use wick_nn::NnError;
 
@@ -55,10 +54,6 @@ impl Conv {
         let weight = params.create(&format!("{name}.weight"), &shape, Init::Normal(std), dtype, device)?;
         Ok(Conv { weight, stride, pad })
     }
-
-    pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        conv2d(x, &self.weight, self.pad, self.stride)
-    }
 }
 
 /// The fixed part of a residual block: strides, paddings and batch-norm statistics. Its
@@ -77,21 +72,23 @@ impl BlockSpec {
     /// shortcut's convolution weight, norm weight and bias.
     fn apply(&self, x: &Tensor, w: &[Tensor], train: bool, update: bool) -> candle_core::Result<Tensor> {
         let k = self.convs.len();
+        let mode = (train, update);
         let identity = match &self.downsample {
             Some((stride, stats)) => {
-                let base = 3 * k;
-                stats.normalize(&conv2d(x, &w[base], 0, *stride)?, &w[base + 1], &w[base + 2], train, update)?
+                let (base, act) = (3 * k, Activation::Identity);
+                stats.conv_normalize_act(x, (&w[base], 0, *stride), (&w[base + 1], &w[base + 2]), mode, None, act)?
             }
             None => x.clone(),
         };
         let mut h = x.clone();
         for (i, ((stride, pad), stats)) in self.convs.iter().zip(&self.norms).enumerate() {
-            // Every norm but the last is followed by a ReLU (one op on the CPU).
-            let act = if i + 1 < k { Activation::Relu } else { Activation::Identity };
-            let (nw, nb) = (&w[k + 2 * i], &w[k + 2 * i + 1]);
-            h = stats.normalize_act(&conv2d(&h, &w[i], *pad, *stride)?, nw, nb, train, update, act)?;
+            // Every norm is followed by a ReLU, the last one's after the residual is added
+            // (one pass in inference on the CPU; norm and ReLU one op in training).
+            let residual = (i + 1 == k).then_some(&identity);
+            let norm = (&w[k + 2 * i], &w[k + 2 * i + 1]);
+            h = stats.conv_normalize_act(&h, (&w[i], *pad, *stride), norm, mode, residual, Activation::Relu)?;
         }
-        add_relu(&h, &identity)
+        Ok(h)
     }
 }
 
@@ -203,7 +200,8 @@ impl ResNet {
     /// (its batch-norm statistics move once, in the forward pass, not again when recomputed).
     pub fn forward_with(&self, x: &Tensor, train: bool, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         let stem = push_label("stem");
-        let x = self.stem.1.forward_act(&self.stem.0.forward(x)?, train, Activation::Relu)?;
+        let conv = &self.stem.0;
+        let x = self.stem.1.conv_forward_act(x, (&conv.weight, conv.pad, conv.stride), train, Activation::Relu)?;
         let mut x = max_pool2d(&x, 3, 2, 1)?;
         drop(stem);
         for block in &self.blocks {

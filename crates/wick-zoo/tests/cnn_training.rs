@@ -166,3 +166,50 @@ fn vit_trains_every_parameter() {
     let b16 = Vit::new(VitConfig::b16(), DType::F32, &Device::Cpu).unwrap();
     assert_eq!(b16.params.numel(), 86_567_656, "torchvision's vit_b_16 has 86,567,656 parameters");
 }
+
+/// Inference inside `no_grad` runs each convolution, batch norm (running statistics),
+/// residual and activation as one pass over the convolution's output; with gradients on (the
+/// parameters are tracked) the same forward runs them as separate ops. The logits are equal
+/// bit for bit (the bound is zero: the same operations in the same order), in f32 and f64, at
+/// an image size where the stem's columns are cut into chunks, after a few training passes have
+/// moved the running statistics away from (0, 1).
+#[test]
+fn inference_in_one_pass_equals_the_separate_ops() {
+    let _turn = serial();
+    let x32 = wick_nn::params::normal_tensor(&[2, 3, 112, 112], 1.0, 3, DType::F32, &Device::Cpu).unwrap();
+    for dtype in [DType::F32, DType::F64] {
+        let x = x32.to_dtype(dtype).unwrap();
+        let resnet = ResNet::new(ResNetDepth::R18, 10, 16, dtype, &Device::Cpu).unwrap();
+        let mobilenet = MobileNetV2::new(10, 0.5, dtype, &Device::Cpu).unwrap();
+        let models: [(&str, Box<dyn Fn(bool) -> Tensor>); 2] = [
+            ("ResNet-18", Box::new(|train| resnet.forward(&x, train).unwrap())),
+            ("MobileNetV2", Box::new(|train| mobilenet.forward(&x, train).unwrap())),
+        ];
+        for (name, forward) in models {
+            for _ in 0..3 {
+                forward(true);
+            }
+            let fused = wick_nn::no_grad(|| forward(false));
+            let separate = forward(false);
+            let bits = |t: &Tensor| -> Vec<u64> {
+                t.to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f64>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            assert_eq!(fused.dims(), &[2, 10]);
+            assert_eq!(
+                bits(&fused),
+                bits(&separate),
+                "{name} {dtype:?}: fused inference differs from the separate ops"
+            );
+            let spread = separate.to_dtype(DType::F64).unwrap().var(1).unwrap().sum_all().unwrap();
+            assert!(spread.to_scalar::<f64>().unwrap() > 0.0, "{name} {dtype:?}: constant logits check nothing");
+        }
+    }
+}

@@ -73,7 +73,7 @@ impl Activation {
     /// The activation of `y` (selections: NaN passes through). Selects, not branches: the
     /// signs of normalised values are random.
     #[inline(always)]
-    fn apply<T: Real>(self, y: T) -> T {
+    pub(crate) fn apply<T: Real>(self, y: T) -> T {
         use std::hint::select_unpredictable as select;
         match self {
             Activation::Identity => y,
@@ -86,15 +86,31 @@ impl Activation {
     }
 }
 
+/// `1 / √(var + ε)` per channel.
+pub(crate) fn inverse_deviations(var: &[f64], eps: f64) -> Vec<f64> {
+    var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect()
+}
+
+/// Batch norm's per-channel `(scale, shift)` with `y = x·scale + shift`, from the weight `w`
+/// and bias `b` (each element in f64), the mean and the inverse deviation.
+pub(crate) fn affine<T: Real>(
+    w: impl Fn(usize) -> f64,
+    b: impl Fn(usize) -> f64,
+    mean: &[f64],
+    invstd: &[f64],
+) -> (Vec<T>, Vec<T>) {
+    (0..mean.len())
+        .map(|c| {
+            let scale = w(c) * invstd[c];
+            (T::of(scale), T::of(b(c) - mean[c] * scale))
+        })
+        .unzip()
+}
+
 impl BatchNorm {
     /// Per-channel `(scale, shift)` with `y = x·scale + shift`.
     fn affine<T: Real>(&self, w: &[T], b: &[T]) -> (Vec<T>, Vec<T>) {
-        (0..self.mean.len())
-            .map(|c| {
-                let scale = T::wide(w[c]) * self.invstd[c];
-                (T::of(scale), T::of(T::wide(b[c]) - self.mean[c] * scale))
-            })
-            .unzip()
+        affine(|c| T::wide(w[c]), |c| T::wide(b[c]), &self.mean, &self.invstd)
     }
 
     fn fwd<T: Real, E: Elem<T>>(
@@ -339,7 +355,7 @@ pub fn batch_norm(
     batch: bool,
     act: Activation,
 ) -> Result<Tensor> {
-    let invstd = var.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+    let invstd = inverse_deviations(var, eps);
     let op = BatchNorm { mean: mean.to_vec(), invstd, batch, act };
     super::apply3(&x.contiguous()?, &weight.contiguous()?, &bias.contiguous()?, op)
 }

@@ -12,6 +12,7 @@
 //!
 //! Depthwise convolutions are in [`super::depthwise`].
 
+mod fused;
 mod plan;
 mod unfold;
 
@@ -22,6 +23,8 @@ use half::bf16;
 use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::gemm::{Operand, Out};
 use super::{read, tensor, with, Mat, Real, SharedMut};
+pub(crate) use fused::{conv_norm_eval, EvalNorm};
+use fused::{Epilogue, Plain};
 use plan::{Plan, Scratch, CHUNK_BYTES};
 use unfold::Gather;
 pub(super) use unfold::Geometry;
@@ -99,16 +102,18 @@ impl Conv2d {
         x: &[E],
         w: &[P],
     ) -> Result<Vec<O>> {
-        self.forward_by(g, x, Mat::rows(w, g.c_out, g.rows()))
+        self.forward_by(g, x, Mat::rows(w, g.c_out, g.rows()), &Plain)
     }
 
-    /// [`Conv2d::forward`] with the weights as any (C_out × C_in·k·k) matrix view. A 1×1
-    /// stride-1 convolution's images must be operands already ([`Conv2d::widen_first`]).
-    fn forward_by<T: Real, E: Gather<P>, P: Operand<T>, O: Out<T, P>>(
+    /// [`Conv2d::forward`] with the weights as any (C_out × C_in·k·k) matrix view, and
+    /// `epilogue` applied to each run of outputs as it is written (while it is in the cache).
+    /// A 1×1 stride-1 convolution's images must be operands already ([`Conv2d::widen_first`]).
+    fn forward_by<T: Real, E: Gather<P>, P: Operand<T>, O: Out<T, P>, F: Epilogue<O>>(
         &self,
         g: &Geometry,
         x: &[E],
         wm: Mat<'_, P>,
+        epilogue: &F,
     ) -> Result<Vec<O>> {
         let (rows, cols, img) = (g.rows(), g.cols(), g.c_in * g.h * g.w);
         let mut y = vec![O::default(); g.n * g.c_out * cols];
@@ -138,6 +143,18 @@ impl Conv2d {
                     // SAFETY: one image's output per group.
                     let dst = unsafe { out.range(range.start * g.c_out * cols, g.c_out * cols) };
                     O::product(dst, wm, Mat::rows(cm, rows, cols), parallel)?;
+                    if F::ACTIVE && parallel {
+                        // The lone worker: the pass over the output is shared as the product was.
+                        use rayon::prelude::*;
+                        let b = range.start;
+                        dst.par_chunks_exact_mut(cols)
+                            .enumerate()
+                            .for_each(|(c, run)| epilogue.write(b, c, 0, None, run));
+                    } else if F::ACTIVE {
+                        for (c, run) in dst.chunks_exact_mut(cols).enumerate() {
+                            epilogue.write(range.start, c, 0, None, run);
+                        }
+                    }
                     continue;
                 }
                 let mut yb = ybuf.get(worker)?;
@@ -146,7 +163,7 @@ impl Conv2d {
                     for c in 0..g.c_out {
                         // SAFETY: columns p0..p0 + l of image `b` belong to this item only.
                         let dst = unsafe { out.range((b * g.c_out + c) * cols + p0, l) };
-                        dst.copy_from_slice(&yb[c * ld + j * l..][..l]);
+                        epilogue.write(b, c, p0, Some(&yb[c * ld + j * l..][..l]), dst);
                     }
                 }
             }
@@ -181,7 +198,7 @@ impl Conv2d {
         if kk == 1 {
             // Nothing to flip: the transposed weights are a view (the copy was a strided
             // transpose of every 1×1 weight, a visible share of a ResNet-50 step).
-            return self.forward_by(&back, dy, Mat::rows(w, g.c_out, g.c_in).t());
+            return self.forward_by(&back, dy, Mat::rows(w, g.c_out, g.c_in).t(), &Plain);
         }
         // Written in order (each source run of k² taps read whole): the other loop order
         // scattered every write across the output.

@@ -448,3 +448,24 @@ fn widen_and_narrow_match_elementwise_conversion() -> Result<()> {
     assert!(back.iter().zip(&f16s).all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
     Ok(())
 }
+
+/// The one-pass inference op refuses a residual of another shape and norm parameters of
+/// another width (errors, not panics), and leaves bf16 images to the separate ops.
+#[test]
+fn fused_inference_refuses_what_does_not_fit() -> Result<()> {
+    let (x, w) = (randn(&[1, 2, 8, 8], 50).to_dtype(DType::F32)?, randn(&[3, 2, 3, 3], 51).to_dtype(DType::F32)?);
+    let ones = |c: usize| Tensor::ones(c, DType::F32, &Device::Cpu);
+    let (o3, z3, o4) = (ones(3)?, ones(3)?.zeros_like()?, ones(4)?);
+    let norm = |weight| cpu::conv::EvalNorm { weight, bias: &z3, mean: &z3, var: &o3, eps: 1e-5 };
+    let act = Activation::Relu;
+    let wrong = Tensor::zeros((1, 3, 7, 8), DType::F32, &Device::Cpu)?;
+    assert!(cpu::conv::conv_norm_eval(&x, &w, (1, 1), norm(&o3), Some(&wrong), act).is_err());
+    assert!(cpu::conv::conv_norm_eval(&x, &w, (1, 1), norm(&o4), None, act).is_err());
+    let (xb, wb) = (x.to_dtype(DType::BF16)?, w.to_dtype(DType::BF16)?);
+    assert!(cpu::conv::conv_norm_eval(&xb, &wb, (1, 1), norm(&o3), None, act)?.is_none());
+    // What it computes: with unit scale, zero shift and ReLU, the ReLU of the convolution.
+    let y = cpu::conv::conv_norm_eval(&x, &w, (1, 1), norm(&o3), None, act)?.expect("f32 is taken");
+    let reference = cpu::conv::conv2d(&x, &w, 1, 1)?.relu()?.affine(1.0 / (1.0f64 + 1e-5).sqrt(), 0.0)?;
+    assert!(max_rel_diff(&values(&y), &values(&reference)) < 1e-6);
+    Ok(())
+}
