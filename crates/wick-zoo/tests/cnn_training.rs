@@ -181,7 +181,8 @@ fn inference_in_one_pass_equals_the_separate_ops() {
         let x = x32.to_dtype(dtype).unwrap();
         let resnet = ResNet::new(ResNetDepth::R18, 10, 16, dtype, &Device::Cpu).unwrap();
         let mobilenet = MobileNetV2::new(10, 0.5, dtype, &Device::Cpu).unwrap();
-        let models: [(&str, Box<dyn Fn(bool) -> Tensor>); 2] = [
+        type Forward<'a> = Box<dyn Fn(bool) -> Tensor + 'a>;
+        let models: [(&str, Forward); 2] = [
             ("ResNet-18", Box::new(|train| resnet.forward(&x, train).unwrap())),
             ("MobileNetV2", Box::new(|train| mobilenet.forward(&x, train).unwrap())),
         ];

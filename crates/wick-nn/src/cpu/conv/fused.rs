@@ -128,7 +128,7 @@ impl ConvNorm {
         let epilogue =
             NormAct { scale, shift, residual: r.as_deref(), act: self.act, channels: g.c_out, cols: g.cols() };
         let conv = Conv2d { stride: self.stride, pad: self.pad, chunk: CHUNK_BYTES };
-        let y: Vec<T> = conv.forward_by(&g, &*x, Mat::rows(&w, g.c_out, g.rows()), &epilogue)?;
+        let y: Vec<T> = conv.forward_by(&g, &x, Mat::rows(&w, g.c_out, g.rows()), &epilogue)?;
         Ok((T::storage(y, sx.dtype())?, shape))
     }
 
