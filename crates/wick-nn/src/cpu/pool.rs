@@ -139,16 +139,26 @@ impl MaxPool {
         let x = read::<T>(s, l)?;
         let mut y = vec![T::zero(); n * c * oh * ow];
         let out = SharedMut::new(&mut y);
-        let inner = self.interior(w, ow);
+        let (lo, hi) = self.interior(w, ow);
         par_ranges(n * c, 1, |r| {
-            let mut at = vec![0usize; ow];
             for p in r {
                 let plane = &x[p * h * w..(p + 1) * h * w];
                 // SAFETY: one plane per index.
                 let dst = unsafe { out.range(p * oh * ow, oh * ow) };
+                // The interior of a plane without NaN: values only (the window's first maximum
+                // matters for the gradient, not for the value); the edges and any plane with a
+                // NaN take `argmax`'s exact path.
                 let clean = !plane.iter().any(|v| v.is_nan());
+                let (lo, hi) = if clean { (lo, hi) } else { (ow, ow) };
                 for (oy, ys) in rows.iter().enumerate() {
-                    self.row(plane, w, *ys, &cols, inner, clean, &mut dst[oy * ow..(oy + 1) * ow], &mut at);
+                    let best = &mut dst[oy * ow..(oy + 1) * ow];
+                    for ox in (0..lo).chain(hi..ow) {
+                        best[ox] = plane[Self::argmax(plane, w, *ys, cols[ox])];
+                    }
+                    if lo < hi {
+                        let x0 = lo * self.stride - self.pad;
+                        max_interior(plane, w, *ys, x0, self.stride, self.kernel, &mut best[lo..hi]);
+                    }
                 }
             }
         });
@@ -187,6 +197,33 @@ impl MaxPool {
             })
         })?;
         tensor(dx, x.shape(), x.dtype())
+    }
+}
+
+wide_kernel! {
+    /// The maxima of consecutive interior outputs `best` of one output row of a plane without
+    /// NaN (window rows `ys`, the first window's first input column `x0`, stride `s`, kernel
+    /// `k`), values only, one tap at a time across the row (independent lanes), compiled for
+    /// the CPU's widest vectors. Max pooling's forward pass ran its index-tracking sweep in
+    /// baseline SSE2: BENCHMARKS.md, "Convolutional networks at every size (issue 30)".
+    fn max_interior<T>(plane: &[T], w: usize, ys: (usize, usize), x0: usize, s: usize, k: usize, best: &mut [T]) {
+        let n = best.len();
+        for iy in ys.0..ys.1 {
+            let row = &plane[iy * w + x0..(iy + 1) * w];
+            for dx in 0..k {
+                let taps = row[dx..].iter().step_by(s).take(n);
+                if iy == ys.0 && dx == 0 {
+                    best.iter_mut().zip(taps).for_each(|(b, v)| *b = *v);
+                } else if s == 2 && row.len() >= dx + 2 * n {
+                    // Pairs: the compiler vectorises the even lanes' gather.
+                    for (b, pair) in best.iter_mut().zip(row[dx..dx + 2 * n].chunks_exact(2)) {
+                        *b = if pair[0] > *b { pair[0] } else { *b };
+                    }
+                } else {
+                    best.iter_mut().zip(taps).for_each(|(b, v)| *b = if *v > *b { *v } else { *b });
+                }
+            }
+        }
     }
 }
 
