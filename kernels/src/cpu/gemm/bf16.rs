@@ -207,10 +207,10 @@ impl<D: Dest> Part<'_, D> {
                                 // destination (checked); parts are disjoint rectangles and
                                 // within one part each tile is written once at a time.
                                 let at = unsafe { self.out.span(row * self.n + c0 + jp * nr, (MR - 1) * self.n + nr) };
+                                let sink = Sink::Rows(at, self.n, beta, add);
                                 // SAFETY: `gemm_bf16` checked `available()`; the panels hold
                                 // `pairs` k-pairs of MR (nr) lanes; the tile's rows are inside
                                 // the span above.
-                                let sink = Sink::Rows(at, self.n, beta, add);
                                 unsafe { micro_kernel::<D, MR, NV>(pairs, ap, bp, sink) };
                                 continue;
                             }
@@ -265,12 +265,11 @@ unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(
         // SAFETY: `b` points at nr lanes (NV 64-byte loads), `a` at MR lanes, inside the panels
         // (checked lengths above).
         unsafe {
-            // A loop, not `std::array::from_fn`: its closure, compiled with this function's
-            // features, cannot be inlined into `from_fn` (compiled without them), and every
-            // load became a call returning through memory (5 % of a ResNet-18 AMP step).
-            let mut bv: [__m512bh; NV] = [std::mem::transmute(_mm512_setzero_si512()); NV];
+            // A loop, not `std::array::from_fn`, whose closure (compiled with this function's
+            // features) need not be inlined into it (see `pack`).
+            let mut bv: [__m512bh; NV] = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); NV];
             for (v, reg) in bv.iter_mut().enumerate() {
-                *reg = std::mem::transmute(_mm512_loadu_si512(b.add(16 * v).cast()));
+                *reg = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b.add(16 * v).cast()));
             }
             for (i, row) in acc.iter_mut().enumerate() {
                 let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(i) as i32));
