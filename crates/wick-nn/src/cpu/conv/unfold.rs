@@ -165,6 +165,39 @@ impl Geometry {
     }
 }
 
+/// `dst.copy_from_slice(src)` (the same length) for im2col's runs — an image row, 7 to 224
+/// elements in ResNet — as fixed-size moves (16, 8 or 4 elements, the last one overlapping the
+/// one before) instead of a call to `memmove` per run, whose cost on runs this short was most of
+/// the copying (3–4 % of a ResNet-18 training step at 224²).
+#[inline(always)]
+fn copy_run<T: Copy>(src: &[T], dst: &mut [T]) {
+    #[inline(always)]
+    fn block<T: Copy, const N: usize>(src: &[T], dst: &mut [T], at: usize) {
+        let mut run = [src[at]; N];
+        run.copy_from_slice(&src[at..at + N]);
+        dst[at..at + N].copy_from_slice(&run);
+    }
+    let n = dst.len().min(src.len());
+    if n >= 16 {
+        for at in (0..n - 15).step_by(16) {
+            block::<T, 16>(src, dst, at);
+        }
+        if n % 16 != 0 {
+            block::<T, 16>(src, dst, n - 16);
+        }
+    } else if n >= 8 {
+        block::<T, 8>(src, dst, 0);
+        block::<T, 8>(src, dst, n - 8);
+    } else if n >= 4 {
+        block::<T, 4>(src, dst, 0);
+        block::<T, 4>(src, dst, n - 4);
+    } else {
+        for (d, s) in dst[..n].iter_mut().zip(src) {
+            *d = *s;
+        }
+    }
+}
+
 /// An image element type gathered into product operands `P`: widened to the compute type, or
 /// bf16 kept as bf16 for bf16 products ([`Operand`]).
 pub(super) trait Gather<P>: Copy + Send + Sync + 'static {
@@ -187,7 +220,10 @@ impl<T: Real, E: Elem<T>> Gather<T> for E {
     }
     #[inline(always)]
     fn gather_into(src: &[E], dst: &mut [T]) {
-        E::widen_into(src, dst)
+        match E::compute_slice(src) {
+            Some(src) => copy_run(src, dst),
+            None => E::widen_into(src, dst),
+        }
     }
     fn as_operands(v: &[E]) -> Option<&[T]> {
         E::compute_slice(v)
@@ -204,7 +240,7 @@ impl Gather<bf16> for bf16 {
     }
     #[inline(always)]
     fn gather_into(src: &[bf16], dst: &mut [bf16]) {
-        dst.copy_from_slice(src)
+        copy_run(src, dst)
     }
     fn as_operands(v: &[bf16]) -> Option<&[bf16]> {
         Some(v)
