@@ -182,7 +182,7 @@ fn copy_run<T: Copy>(src: &[T], dst: &mut [T]) {
         for at in (0..n - 15).step_by(16) {
             block::<T, 16>(src, dst, at);
         }
-        if n % 16 != 0 {
+        if !n.is_multiple_of(16) {
             block::<T, 16>(src, dst, n - 16);
         }
     } else if n >= 8 {
