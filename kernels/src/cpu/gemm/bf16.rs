@@ -199,9 +199,8 @@ impl<D: Dest> Part<'_, D> {
                             let height = MR.min(m - ip * MR);
                             if height == MR && width == nr {
                                 // A whole tile: the sums go straight into the destination
-                                // rows, `n` apart from the tile's first element (a pointer
-                                // checked once: an array of MR row slices built per tile was
-                                // 5 % of a ResNet-18 AMP step).
+                                // rows, `n` apart from the tile's first element (one pointer
+                                // checked once per tile, not an array of MR row slices).
                                 let row = self.rows.start + ip * MR;
                                 // SAFETY: the span of the tile's rows lies inside the
                                 // destination (checked); parts are disjoint rectangles and

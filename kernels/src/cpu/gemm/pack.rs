@@ -89,8 +89,8 @@ fn pack_into<const WIDE: bool>(
                     let n = T8.min(width - i0);
                     for p0 in (0..pairs8).step_by(T8) {
                         // A loop, not `std::array::from_fn`: its closure, compiled with the
-                        // caller's AVX-512, is not inlined into `from_fn` (compiled without),
-                        // and the calls were 5 % of a ResNet-18 AMP step.
+                        // caller's AVX-512, is not inlined into `from_fn` (compiled without):
+                        // a call per row (BENCHMARKS.md, "Kernel design measurements").
                         let mut src: [&[bf16]; T8] = [&zeros[..]; T8];
                         for (r, s) in src.iter_mut().enumerate().take(live.saturating_sub(i0)) {
                             *s = &row(i0 + r)[2 * p0..2 * (p0 + T8)];

@@ -47,9 +47,9 @@ struct Conv2d {
 
 impl Conv2d {
     /// Bytes of column matrix per chunk with operands `P`: bf16 columns are not cut (the bf16
-    /// product packs its own cache-sized panels, and cut into chunks ResNet-18's AMP step at 224²
-    /// was 2–25 % slower at batch 1 and 8: BENCHMARKS.md, "Convolutional networks at every size
-    /// (issue 30)").
+    /// product repacks its weights per call, a fifth more packing per chunk of ResNet's first
+    /// stage; in chunks ResNet-18's AMP step at 224² was slower or no faster: BENCHMARKS.md,
+    /// "Convolutional networks at every size (issue 30)").
     fn chunk_for<P: 'static>(&self) -> usize {
         if std::any::TypeId::of::<P>() == std::any::TypeId::of::<bf16>() {
             usize::MAX

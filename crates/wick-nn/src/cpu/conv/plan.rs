@@ -25,10 +25,9 @@ const GROUP_COLUMNS: usize = 64;
 /// image went through memory twice (written by im2col, read back by the product's packing): at
 /// 224² ResNet's first stage unfolds 7.2 MB per image and its stem 7.4 MB, far past a core's L2
 /// cache (1 MB here). Chunks of whole output rows of about this size are unfolded and multiplied
-/// one after the other, and give a batch of one image work for every thread (ResNet-18's eval
-/// pass at 224², batch 1: 0.79× the unchunked time). 128 KB, 384 KB, 768 KB and 1 MB were
-/// tried; 384–768 KB were the fastest at batch 8, within the machine's noise of each other.
-/// BENCHMARKS.md, "Convolutional networks at every size (issue 30)".
+/// one after the other, and give a batch of one image work for every thread. 128 KB to 1 MB
+/// were tried; 384–768 KB were the fastest at batch 8, within the machine's noise of each
+/// other (BENCHMARKS.md, "Convolutional networks at every size (issue 30)").
 pub(super) const CHUNK_BYTES: usize = 768 << 10;
 
 /// The split of a convolution's work (see the module documentation).

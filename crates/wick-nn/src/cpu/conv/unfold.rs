@@ -168,7 +168,7 @@ impl Geometry {
 /// `dst.copy_from_slice(src)` (the same length) for im2col's runs — an image row, 7 to 224
 /// elements in ResNet — as fixed-size moves (16, 8 or 4 elements, the last one overlapping the
 /// one before) instead of a call to `memmove` per run, whose cost on runs this short was most of
-/// the copying (3–4 % of a ResNet-18 training step at 224²).
+/// the copying (BENCHMARKS.md, "Kernel design measurements").
 #[inline(always)]
 fn copy_run<T: Copy>(src: &[T], dst: &mut [T]) {
     #[inline(always)]
