@@ -115,7 +115,7 @@ impl Conv2d {
         wm: Mat<'_, P>,
         epilogue: &F,
     ) -> Result<Vec<O>> {
-        let (rows, cols, img) = (g.rows(), g.cols(), g.c_in * g.h * g.w);
+        let (rows, cols) = (g.rows(), g.cols());
         let mut y = vec![O::default(); g.n * g.c_out * cols];
         let out = SharedMut::new(&mut y);
         let plan = Plan::new(g, size_of::<P>(), self.chunk_for::<P>(), false);
@@ -132,13 +132,7 @@ impl Conv2d {
                 let (p0, l) = (out_rows.start * g.ow, out_rows.len() * g.ow);
                 let ld = range.len() * l;
                 let mut col = col.get(worker)?;
-                let cm: &[P] = if direct && g.pointwise() {
-                    E::as_operands(&x[range.start * img..range.end * img])
-                        .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()))?
-                } else {
-                    E::unfold(*g, x, range.clone(), out_rows.clone(), &mut col);
-                    &col[..rows * ld]
-                };
+                let cm = columns(g, x, (range.clone(), out_rows.clone()), direct && g.pointwise(), &mut col)?;
                 if direct {
                     // SAFETY: one image's output per group.
                     let dst = unsafe { out.range(range.start * g.c_out * cols, g.c_out * cols) };
@@ -300,15 +294,7 @@ impl Conv2d {
                 let (p0, l) = (out_rows.start * g.ow, out_rows.len() * g.ow);
                 let ld = range.len() * l;
                 let (mut col, mut gb, mut dw) = (col.get(worker)?, gbuf.get(worker)?, dws.get(worker)?);
-                // A 1×1 stride-1 convolution's columns are the image itself (one image per
-                // group): no copy.
-                let cm: &[P] = if direct {
-                    E::as_operands(&x[range.start * img..range.end * img])
-                        .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()))?
-                } else {
-                    E::unfold(g, x, range.clone(), out_rows.clone(), &mut col);
-                    &col[..rows * ld]
-                };
+                let cm = columns(&g, x, (range.clone(), out_rows.clone()), direct, &mut col)?;
                 // The item's output gradient as (C_out × columns): one image's is a view of its
                 // own (its rows `cols` apart), a group's is copied side by side.
                 let gm = if range.len() == 1 {
@@ -354,6 +340,26 @@ impl Conv2d {
         };
         Ok((dx, dw))
     }
+}
+
+/// An item's column matrix ((C_in·k·k) × (images·rows·OW)): the images of `range` themselves
+/// when `itself` (a 1×1 stride-1 convolution, one whole image per item: no copy), else output
+/// rows `out_rows` of them unfolded into `col`.
+fn columns<'a, P, E: Gather<P>>(
+    g: &Geometry,
+    x: &'a [E],
+    (range, out_rows): (std::ops::Range<usize>, std::ops::Range<usize>),
+    itself: bool,
+    col: &'a mut [P],
+) -> Result<&'a [P]> {
+    if itself {
+        let img = g.c_in * g.h * g.w;
+        return E::as_operands(&x[range.start * img..range.end * img])
+            .ok_or_else(|| err("conv2d: a 1×1 convolution's images were not widened".into()));
+    }
+    let len = g.rows() * range.len() * out_rows.len() * g.ow;
+    E::unfold(*g, x, range, out_rows, col);
+    Ok(&col[..len])
 }
 
 impl CustomOp2 for Conv2d {
