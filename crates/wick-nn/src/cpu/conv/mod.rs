@@ -125,40 +125,33 @@ impl Conv2d {
         let width = plan.width(g);
         let col = Scratch::<P>::new(plan.workers, if direct && g.pointwise() { 0 } else { rows * width });
         let ybuf = Scratch::<O>::new(plan.workers, if direct { 0 } else { g.c_out * width });
-        plan.run(|worker, group, chunks, parallel| {
-            let range = plan.images(group, g.n);
-            for chunk in chunks {
-                let out_rows = plan.out_rows(chunk, g.oh);
-                let (p0, l) = (out_rows.start * g.ow, out_rows.len() * g.ow);
-                let ld = range.len() * l;
-                let mut col = col.get(worker)?;
-                let cm = columns(g, x, (range.clone(), out_rows.clone()), direct && g.pointwise(), &mut col)?;
-                if direct {
-                    // SAFETY: one image's output per group.
-                    let dst = unsafe { out.range(range.start * g.c_out * cols, g.c_out * cols) };
-                    O::product(dst, wm, Mat::rows(cm, rows, cols), parallel)?;
-                    if F::ACTIVE && parallel {
-                        // The lone worker: the pass over the output is shared as the product was.
-                        use rayon::prelude::*;
-                        let b = range.start;
-                        dst.par_chunks_exact_mut(cols)
-                            .enumerate()
-                            .for_each(|(c, run)| epilogue.write(b, c, 0, None, run));
-                    } else if F::ACTIVE {
-                        for (c, run) in dst.chunks_exact_mut(cols).enumerate() {
-                            epilogue.write(range.start, c, 0, None, run);
-                        }
+        plan.run(g, |worker, item, parallel| {
+            let (range, l, p0, ld) = (item.images.clone(), item.len, item.at, item.width());
+            let mut col = col.get(worker)?;
+            let cm = columns(g, x, (range.clone(), item.out_rows), direct && g.pointwise(), &mut col)?;
+            if direct {
+                // SAFETY: one image's output per group.
+                let dst = unsafe { out.range(range.start * g.c_out * cols, g.c_out * cols) };
+                O::product(dst, wm, Mat::rows(cm, rows, cols), parallel)?;
+                if F::ACTIVE && parallel {
+                    // The lone worker: the pass over the output is shared as the product was.
+                    use rayon::prelude::*;
+                    let b = range.start;
+                    dst.par_chunks_exact_mut(cols).enumerate().for_each(|(c, run)| epilogue.write(b, c, 0, None, run));
+                } else if F::ACTIVE {
+                    for (c, run) in dst.chunks_exact_mut(cols).enumerate() {
+                        epilogue.write(range.start, c, 0, None, run);
                     }
-                    continue;
                 }
-                let mut yb = ybuf.get(worker)?;
-                O::product(&mut yb[..g.c_out * ld], wm, Mat::rows(cm, rows, ld), parallel)?;
-                for (j, b) in range.clone().enumerate() {
-                    for c in 0..g.c_out {
-                        // SAFETY: columns p0..p0 + l of image `b` belong to this item only.
-                        let dst = unsafe { out.range((b * g.c_out + c) * cols + p0, l) };
-                        epilogue.write(b, c, p0, Some(&yb[c * ld + j * l..][..l]), dst);
-                    }
+                return Ok(());
+            }
+            let mut yb = ybuf.get(worker)?;
+            O::product(&mut yb[..g.c_out * ld], wm, Mat::rows(cm, rows, ld), parallel)?;
+            for (j, b) in range.enumerate() {
+                for c in 0..g.c_out {
+                    // SAFETY: columns p0..p0 + l of image `b` belong to this item only.
+                    let dst = unsafe { out.range((b * g.c_out + c) * cols + p0, l) };
+                    epilogue.write(b, c, p0, Some(&yb[c * ld + j * l..][..l]), dst);
                 }
             }
             Ok(())
@@ -287,43 +280,32 @@ impl Conv2d {
         let dws = Scratch::<T>::new(plan.workers, g.c_out * rows);
         let mut dx = if by_columns { vec![T::zero(); x.len()] } else { Vec::new() };
         let sdx = SharedMut::new(&mut dx);
-        plan.run(|worker, group, chunks, parallel| {
-            let range = plan.images(group, g.n);
-            for chunk in chunks {
-                let out_rows = plan.out_rows(chunk, g.oh);
-                let (p0, l) = (out_rows.start * g.ow, out_rows.len() * g.ow);
-                let ld = range.len() * l;
-                let (mut col, mut gb, mut dw) = (col.get(worker)?, gbuf.get(worker)?, dws.get(worker)?);
-                let cm = columns(&g, x, (range.clone(), out_rows.clone()), direct, &mut col)?;
-                // The item's output gradient as (C_out × columns): one image's is a view of its
-                // own (its rows `cols` apart), a group's is copied side by side.
-                let gm = if range.len() == 1 {
-                    let at = range.start * g.c_out * cols;
-                    Mat {
-                        data: &dy[at + p0..at + g.c_out * cols],
-                        rows: g.c_out,
-                        cols: l,
-                        row_stride: cols,
-                        col_stride: 1,
+        plan.run(&g, |worker, item, parallel| {
+            let (range, l, p0, ld) = (item.images.clone(), item.len, item.at, item.width());
+            let (mut col, mut gb, mut dw) = (col.get(worker)?, gbuf.get(worker)?, dws.get(worker)?);
+            let cm = columns(&g, x, (range.clone(), item.out_rows.clone()), direct, &mut col)?;
+            // The item's output gradient as (C_out × columns): one image's is a view of its
+            // own (its rows `cols` apart), a group's is copied side by side.
+            let gm = if range.len() == 1 {
+                let at = range.start * g.c_out * cols;
+                Mat { data: &dy[at + p0..at + g.c_out * cols], rows: g.c_out, cols: l, row_stride: cols, col_stride: 1 }
+            } else {
+                for (j, b) in range.clone().enumerate() {
+                    let src = &dy[b * g.c_out * cols..(b + 1) * g.c_out * cols];
+                    for (c, row) in src.chunks(cols).enumerate() {
+                        gb[c * ld + j * cols..][..cols].copy_from_slice(row);
                     }
-                } else {
-                    for (j, b) in range.clone().enumerate() {
-                        let src = &dy[b * g.c_out * cols..(b + 1) * g.c_out * cols];
-                        for (c, row) in src.chunks(cols).enumerate() {
-                            gb[c * ld + j * cols..][..cols].copy_from_slice(row);
-                        }
-                    }
-                    Mat::rows(&gb[..g.c_out * ld], g.c_out, ld)
-                };
-                P::product(&mut dw, gm, Mat::rows(cm, rows, ld).t(), T::one(), true, parallel)?;
-                if by_columns {
-                    let mut dc = dcol.get(worker)?;
-                    P::product(&mut dc[..rows * ld], Mat::rows(w, g.c_out, rows).t(), gm, T::one(), false, parallel)?;
-                    for (j, b) in range.clone().enumerate() {
-                        // SAFETY: image `b` belongs to this item's worker only (`whole_images`).
-                        let dst = unsafe { sdx.range(b * img, img) };
-                        g.col2im(&dc, (ld, j * l), out_rows.clone(), dst);
-                    }
+                }
+                Mat::rows(&gb[..g.c_out * ld], g.c_out, ld)
+            };
+            P::product(&mut dw, gm, Mat::rows(cm, rows, ld).t(), T::one(), true, parallel)?;
+            if by_columns {
+                let mut dc = dcol.get(worker)?;
+                P::product(&mut dc[..rows * ld], Mat::rows(w, g.c_out, rows).t(), gm, T::one(), false, parallel)?;
+                for (j, b) in range.enumerate() {
+                    // SAFETY: image `b` belongs to this item's worker only (`whole_images`).
+                    let dst = unsafe { sdx.range(b * img, img) };
+                    g.col2im(&dc, (ld, j * l), item.out_rows.clone(), dst);
                 }
             }
             Ok(())

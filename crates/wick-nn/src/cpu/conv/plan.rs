@@ -67,24 +67,14 @@ impl Plan {
         Plan { size, groups, rows, chunks, workers: items.min(rayon::current_num_threads()).max(1), whole_images }
     }
 
-    /// The images of group `i`.
-    pub(super) fn images(&self, i: usize, n: usize) -> Range<usize> {
-        i * self.size..((i + 1) * self.size).min(n)
-    }
-
-    /// The output rows of chunk `c` of an image `oh` rows high.
-    pub(super) fn out_rows(&self, c: usize, oh: usize) -> Range<usize> {
-        (c * self.rows).min(oh)..((c + 1) * self.rows).min(oh)
-    }
-
     /// Columns of the largest item's matrix (images × rows × OW).
     pub(super) fn width(&self, g: &Geometry) -> usize {
         self.size * self.rows * g.ow
     }
 
-    /// Runs `f(worker, group, chunks, parallel_gemm)` for every item, `workers` at a time (a
-    /// worker's items are consecutive: an image's chunks in order); the first error is returned.
-    pub(super) fn run(&self, f: impl Fn(usize, usize, Range<usize>, bool) -> Result<()> + Send + Sync) -> Result<()> {
+    /// Runs `f(worker, item, parallel_gemm)` for every item, `workers` at a time (a worker's
+    /// items are consecutive: an image's chunks in order); the first error is returned.
+    pub(super) fn run(&self, g: &Geometry, f: impl Fn(usize, Item, bool) -> Result<()> + Send + Sync) -> Result<()> {
         let failure = Mutex::new(None);
         let parallel = self.workers == 1;
         let (items, per_item) =
@@ -98,9 +88,14 @@ impl Plan {
                 } else {
                     (item / self.chunks, item % self.chunks..item % self.chunks + 1)
                 };
-                if let Err(e) = f(w, group, chunks, parallel) {
-                    *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                    return;
+                for chunk in chunks {
+                    let out_rows = (chunk * self.rows).min(g.oh)..((chunk + 1) * self.rows).min(g.oh);
+                    let images = group * self.size..((group + 1) * self.size).min(g.n);
+                    let item = Item { at: out_rows.start * g.ow, len: out_rows.len() * g.ow, images, out_rows };
+                    if let Err(e) = f(w, item, parallel) {
+                        *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                        return;
+                    }
                 }
             }
         });
@@ -108,6 +103,22 @@ impl Plan {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+/// One item of work: output rows `out_rows` of the images `images`, that is the `len`
+/// positions from position `at` of each.
+pub(super) struct Item {
+    pub(super) images: Range<usize>,
+    pub(super) out_rows: Range<usize>,
+    pub(super) at: usize,
+    pub(super) len: usize,
+}
+
+impl Item {
+    /// Columns of the item's matrices (images × positions).
+    pub(super) fn width(&self) -> usize {
+        self.images.len() * self.len
     }
 }
 
