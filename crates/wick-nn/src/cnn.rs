@@ -241,11 +241,11 @@ impl RunningStats {
                 return Ok(y);
             }
         }
-        let h = conv2d(x, w, pad, stride)?;
         let Some(r) = residual else {
-            return self.normalize_act(&h, weight, bias, train, update, act);
+            return self.normalize_act(&conv2d(x, w, pad, stride)?, weight, bias, train, update, act);
         };
-        let h = self.normalize(&h, weight, bias, train, update)?;
+        // The convolution's output is a temporary, dropped before the residual is added.
+        let h = self.normalize(&conv2d(x, w, pad, stride)?, weight, bias, train, update)?;
         match act {
             Activation::Relu => crate::ops::add_relu(&h, r),
             Activation::Identity => h + r,

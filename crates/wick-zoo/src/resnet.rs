@@ -201,8 +201,14 @@ impl ResNet {
     pub fn forward_with(&self, x: &Tensor, train: bool, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         let stem = push_label("stem");
         let conv = &self.stem.0;
-        let x = self.stem.1.conv_forward_act(x, (&conv.weight, conv.pad, conv.stride), train, Activation::Relu)?;
-        let mut x = max_pool2d(&x, 3, 2, 1)?;
+        // The stem's output is dropped once pooled (a shadowed binding would hold it, a quarter of
+        // ResNet-18's inference peak, to the end of the forward pass).
+        let mut x = max_pool2d(
+            &self.stem.1.conv_forward_act(x, (&conv.weight, conv.pad, conv.stride), train, Activation::Relu)?,
+            3,
+            2,
+            1,
+        )?;
         drop(stem);
         for block in &self.blocks {
             let _block = push_label(&block.name);
