@@ -156,6 +156,9 @@ pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     node("mean", &[x], fp32_compute(x.dtype()), x.dtype(), |t| t[0].mean(D::Minus1)?.mean(D::Minus1))
 }
 
+/// Batch norm's ε, PyTorch's default (added to the variance).
+const BN_EPS: f64 = 1e-5;
+
 /// Running statistics of a batch norm: two [`Buffer`]s, shared (cheaply cloned) with
 /// checkpointed segments and with the [`Params`] store that saves them.
 #[derive(Clone)]
@@ -203,7 +206,7 @@ impl RunningStats {
         update: bool,
         act: Activation,
     ) -> Result<Tensor> {
-        let (eps, momentum) = (1e-5, 0.1);
+        let (eps, momentum) = (BN_EPS, 0.1);
         if cpu::serves(x) {
             return self.normalize_cpu(x, weight, bias, (train, update, act), eps, momentum);
         }
@@ -231,7 +234,7 @@ impl RunningStats {
         residual: Option<&Tensor>,
         act: Activation,
     ) -> Result<Tensor> {
-        let eps = 1e-5;
+        let eps = BN_EPS;
         let no_grad_wanted =
             !crate::grad::grad_enabled() || ![x, w, weight, bias].iter().chain(residual.as_ref()).any(|t| t.track_op());
         if !train && no_grad_wanted && cpu::serves(x) {

@@ -120,19 +120,6 @@ impl<'a, T> SharedMut<'a, T> {
         // SAFETY: in bounds (checked); exclusivity is the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
     }
-
-    /// A pointer to element `start` of a span of `len` elements (checked to lie inside), for
-    /// writes through strided rows of the span, where slices of the rows would be many and the
-    /// span's other elements may belong to others.
-    ///
-    /// # Safety
-    /// The elements written through the pointer are written by no one else meanwhile, and none
-    /// outside `start..start + len` is touched.
-    pub unsafe fn span(&self, start: usize, len: usize) -> *mut T {
-        assert!(start.checked_add(len).is_some_and(|end| end <= self.len), "SharedMut: span out of bounds");
-        // SAFETY: in bounds (checked).
-        unsafe { self.ptr.add(start) }
-    }
 }
 
 #[cfg(test)]

@@ -198,19 +198,15 @@ impl<D: Dest> Part<'_, D> {
                             let ap = &pa[ip * MR * pairs..][..MR * pairs];
                             let height = MR.min(m - ip * MR);
                             if height == MR && width == nr {
-                                // A whole tile: the sums go straight into the destination
-                                // rows, `n` apart from the tile's first element (one pointer
-                                // checked once per tile, not an array of MR row slices).
-                                let row = self.rows.start + ip * MR;
-                                // SAFETY: the span of the tile's rows lies inside the
-                                // destination (checked); parts are disjoint rectangles and
-                                // within one part each tile is written once at a time.
-                                let at = unsafe { self.out.span(row * self.n + c0 + jp * nr, (MR - 1) * self.n + nr) };
-                                let sink = Sink::Rows(at, self.n, beta, add);
+                                // A whole tile: the sums go straight into the destination rows.
+                                let rows: [&mut [D]; MR] = std::array::from_fn(|i| {
+                                    let row = self.rows.start + ip * MR + i;
+                                    // SAFETY: as below (one row segment per tile row).
+                                    unsafe { self.out.range(row * self.n + c0 + jp * nr, nr) }
+                                });
                                 // SAFETY: `gemm_bf16` checked `available()`; the panels hold
-                                // `pairs` k-pairs of MR (nr) lanes; the tile's rows are inside
-                                // the span above.
-                                unsafe { micro_kernel::<D, MR, NV>(pairs, ap, bp, sink) };
+                                // `pairs` k-pairs of MR (nr) lanes and every row nr elements.
+                                unsafe { micro_kernel::<D, MR, NV>(pairs, ap, bp, Sink::Rows(rows, beta, add)) };
                                 continue;
                             }
                             // SAFETY: as above, into the tile (MR·nr = TILE elements).
@@ -236,17 +232,15 @@ impl<D: Dest> Part<'_, D> {
 enum Sink<'a, D, const MR: usize> {
     /// Stored row after row into a [`TILE`]-element buffer.
     Tile(&'a mut [f32; TILE]),
-    /// Into MR destination rows of a tile's width each, the first at the pointer and each
-    /// the given number of elements after the one before: `row = beta·sums (+ row when the flag)`.
-    Rows(*mut D, usize, f32, bool),
+    /// Into MR destination rows of a tile's width each: `row = beta·sums (+ row when the flag)`.
+    Rows([&'a mut [D]; MR], f32, bool),
 }
 
 /// The `MR × 16·NV` product `ap · bp` over `pairs` k-pairs, into `sink`.
 ///
 /// # Safety
 /// The CPU has AVX512-BF16 and AVX-512F; `ap` holds `pairs · MR` lanes and `bp` `pairs · 16·NV`;
-/// MR · 16·NV is at most [`TILE`]; `Sink::Rows`' MR rows of 16·NV elements each are writable
-/// and written by no one else meanwhile.
+/// MR · 16·NV is at most [`TILE`]; a `Sink::Rows` row holds at least 16·NV elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512bf16,avx512f")]
 unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(
@@ -264,12 +258,8 @@ unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(
         // SAFETY: `b` points at nr lanes (NV 64-byte loads), `a` at MR lanes, inside the panels
         // (checked lengths above).
         unsafe {
-            // A loop, not `std::array::from_fn`, whose closure (compiled with this function's
-            // features) need not be inlined into it (see `pack`).
-            let mut bv: [__m512bh; NV] = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); NV];
-            for (v, reg) in bv.iter_mut().enumerate() {
-                *reg = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(b.add(16 * v).cast()));
-            }
+            let bv: [__m512bh; NV] =
+                std::array::from_fn(|v| std::mem::transmute(_mm512_loadu_si512(b.add(16 * v).cast())));
             for (i, row) in acc.iter_mut().enumerate() {
                 let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(i) as i32));
                 for (sum, bv) in row.iter_mut().zip(&bv) {
@@ -289,13 +279,15 @@ unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(
                 }
             }
         }
-        Sink::Rows(at, stride, beta, add) => {
+        Sink::Rows(rows, beta, add) => {
             let scale = _mm512_set1_ps(beta);
-            for (i, sums) in acc.iter().enumerate() {
+            for (dst, sums) in rows.into_iter().zip(&acc) {
+                assert!(dst.len() >= nr, "gemm_bf16: a destination row shorter than a tile");
+                let p = dst.as_mut_ptr();
                 for (v, sum) in sums.iter().enumerate() {
-                    // SAFETY: row i's nr = 16·NV elements are writable (this function's
-                    // contract); the CPU's features are this function's.
-                    unsafe { D::put16(at.add(i * stride + 16 * v), *sum, scale, add) };
+                    // SAFETY: `dst` has nr = 16·NV elements (checked); the CPU's features are
+                    // this function's.
+                    unsafe { D::put16(p.add(16 * v), *sum, scale, add) };
                 }
             }
         }

@@ -8,7 +8,7 @@
 //! (invalidated whenever a parameter or a running statistic moves), and a product with scaled
 //! weights rounds differently. The affine map costs one multiply-add per output in a pass that
 //! runs anyway, and the outputs are those of the unfused ops bit for bit (f32 and f64; the test
-//! `fused_inference_equals_the_unfused_ops` states it).
+//! `inference_in_one_pass_equals_the_separate_ops` in wick-zoo states it).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
