@@ -198,8 +198,6 @@ fn convolutions_match_candles() {
     }
 }
 
-/// Max pooling composed from candle ops: the padded input's kernel² strided windows, stacked, and
-/// their maximum (candle's `max` backward sends the gradient to every tied maximum).
 /// Images large enough to be cut into chunks of output rows (the smallest chunk, 64 columns:
 /// 7 rows of 9 here, the last one ragged), at batch 1 (one image split between workers; col2im
 /// by one worker per image) and 2: against candle's convolution and finite differences in f64,
@@ -235,6 +233,8 @@ fn chunked_convolutions_match_candles_and_the_unchunked_kernel() {
     }
 }
 
+/// Max pooling composed from candle ops: the padded input's kernel² strided windows, stacked, and
+/// their maximum (candle's `max` backward sends the gradient to every tied maximum).
 fn max_pool2d_composed(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> candle_core::Result<Tensor> {
     let (_, _, h, w) = x.dims4()?;
     let out = |len: usize| (len + 2 * pad - kernel) / stride + 1;
