@@ -36,7 +36,7 @@ pub(crate) mod gemm_bf16 {
 
     use super::{candle, Mat};
 
-    pub(crate) use kernel::{available, rounds_directly};
+    pub(crate) use kernel::{available, rounds_directly, PackedA};
 
     /// [`kernel::gemm_bf16`].
     pub(crate) fn gemm_bf16(
@@ -48,6 +48,42 @@ pub(crate) mod gemm_bf16 {
         parallel: bool,
     ) -> Result<()> {
         kernel::gemm_bf16(dst, a, b, beta, accumulate, parallel).map_err(candle)
+    }
+
+    /// [`kernel::PackedA::new`].
+    pub(crate) fn pack(a: Mat<'_, bf16>, n: usize) -> Result<PackedA> {
+        PackedA::new(a, n).map_err(candle)
+    }
+
+    /// [`kernel::PackedA::from_rows`].
+    pub(crate) fn pack_rows(
+        dims: (usize, usize),
+        n: usize,
+        fill: &(dyn Fn(usize, &mut [bf16]) + Sync),
+    ) -> Result<PackedA> {
+        PackedA::from_rows(dims, n, fill).map_err(candle)
+    }
+
+    /// [`kernel::gemm_bf16_packed`].
+    pub(crate) fn gemm_bf16_packed(
+        dst: &mut [f32],
+        a: &PackedA,
+        b: Mat<'_, bf16>,
+        beta: f32,
+        accumulate: bool,
+        parallel: bool,
+    ) -> Result<()> {
+        kernel::gemm_bf16_packed(dst, a, b, beta, accumulate, parallel).map_err(candle)
+    }
+
+    /// [`kernel::gemm_bf16_packed_rounded`].
+    pub(crate) fn gemm_bf16_packed_rounded(
+        dst: &mut [bf16],
+        a: &PackedA,
+        b: Mat<'_, bf16>,
+        parallel: bool,
+    ) -> Result<()> {
+        kernel::gemm_bf16_packed_rounded(dst, a, b, parallel).map_err(candle)
     }
 
     /// [`kernel::gemm_bf16_rounded`].
@@ -65,6 +101,10 @@ pub(crate) mod gemm_bf16 {
 /// crate), or bf16 with f32 sums ([`super::gemm_bf16`], for bf16 tensors on CPUs with
 /// AVX512-BF16), so an op generic over it multiplies its matrices as stored.
 pub(crate) trait Operand<T>: Copy + Default + Send + Sync + 'static {
+    /// A left operand prepared for many products with it: the matrix itself where the product
+    /// packs its operands per call (the `gemm` crate), packed once for the bf16 kernel.
+    type Lhs<'a>: Sync;
+
     /// `dst = beta·a·b + (dst if accumulate)` (see [`gemm`]).
     fn product(
         dst: &mut [T],
@@ -74,15 +114,86 @@ pub(crate) trait Operand<T>: Copy + Default + Send + Sync + 'static {
         accumulate: bool,
         parallel: bool,
     ) -> Result<()>;
+
+    /// `a` prepared for products with about `n` columns each.
+    fn lhs(a: Mat<'_, Self>, n: usize) -> Result<Self::Lhs<'_>>;
+
+    /// The `m × k` left operand whose row r `fill(r, row)` writes, prepared as [`Operand::lhs`]
+    /// (the bf16 kernel packs it a panel at a time and never stores it whole).
+    fn lhs_rows(
+        dims: (usize, usize),
+        n: usize,
+        fill: &(dyn Fn(usize, &mut [Self]) + Sync),
+    ) -> Result<Self::Lhs<'static>>;
+
+    /// [`Operand::product`] with a prepared `a`.
+    fn product_by(dst: &mut [T], a: &Self::Lhs<'_>, b: Mat<'_, Self>, parallel: bool) -> Result<()>;
+}
+
+/// A matrix the `gemm` crate multiplies: borrowed, or made for the products (rows written by
+/// [`Operand::lhs_rows`]).
+pub(crate) enum MatBuf<'a, T> {
+    Borrowed(Mat<'a, T>),
+    Owned(Vec<T>, usize, usize),
+}
+
+impl<T: Copy> MatBuf<'_, T> {
+    fn mat(&self) -> Mat<'_, T> {
+        match self {
+            MatBuf::Borrowed(m) => *m,
+            MatBuf::Owned(data, rows, cols) => Mat::rows(data, *rows, *cols),
+        }
+    }
 }
 
 impl<T: Real> Operand<T> for T {
+    type Lhs<'a> = MatBuf<'a, T>;
+
     fn product(dst: &mut [T], a: Mat<'_, T>, b: Mat<'_, T>, beta: T, accumulate: bool, parallel: bool) -> Result<()> {
         gemm(dst, a, b, beta, accumulate, parallel)
+    }
+
+    fn lhs(a: Mat<'_, T>, _: usize) -> Result<MatBuf<'_, T>> {
+        Ok(MatBuf::Borrowed(a))
+    }
+
+    fn lhs_rows(
+        (m, k): (usize, usize),
+        _: usize,
+        fill: &(dyn Fn(usize, &mut [T]) + Sync),
+    ) -> Result<MatBuf<'static, T>> {
+        let len = m.checked_mul(k).ok_or_else(|| candle_core::Error::Msg(format!("a {m}×{k} matrix overflows")))?;
+        let mut data = vec![T::zero(); len];
+        for (r, row) in data.chunks_exact_mut(k.max(1)).enumerate().take(m) {
+            fill(r, row);
+        }
+        Ok(MatBuf::Owned(data, m, k))
+    }
+
+    fn product_by(dst: &mut [T], a: &MatBuf<'_, T>, b: Mat<'_, T>, parallel: bool) -> Result<()> {
+        gemm(dst, a.mat(), b, T::one(), false, parallel)
     }
 }
 
 impl Operand<f32> for half::bf16 {
+    type Lhs<'a> = gemm_bf16::PackedA;
+
+    fn lhs(a: Mat<'_, Self>, n: usize) -> Result<gemm_bf16::PackedA> {
+        gemm_bf16::pack(a, n)
+    }
+
+    fn lhs_rows(
+        dims: (usize, usize),
+        n: usize,
+        fill: &(dyn Fn(usize, &mut [Self]) + Sync),
+    ) -> Result<gemm_bf16::PackedA> {
+        gemm_bf16::pack_rows(dims, n, fill)
+    }
+
+    fn product_by(dst: &mut [f32], a: &gemm_bf16::PackedA, b: Mat<'_, Self>, parallel: bool) -> Result<()> {
+        gemm_bf16::gemm_bf16_packed(dst, a, b, 1.0, false, parallel)
+    }
+
     fn product(
         dst: &mut [f32],
         a: Mat<'_, Self>,
@@ -96,20 +207,20 @@ impl Operand<f32> for half::bf16 {
 }
 
 /// The element type a product of operands `P` is written in: the compute type `T`, or bf16 with
-/// each sum rounded as it is stored ([`gemm_bf16::gemm_bf16_rounded`]).
-pub(crate) trait Out<T, P>: Copy + Default + Send + Sync + 'static {
-    /// `dst = a·b`.
-    fn product(dst: &mut [Self], a: Mat<'_, P>, b: Mat<'_, P>, parallel: bool) -> Result<()>;
+/// each sum rounded as it is stored ([`gemm_bf16::gemm_bf16_packed_rounded`]).
+pub(crate) trait Out<T, P: Operand<T>>: Copy + Default + Send + Sync + 'static {
+    /// `dst = a·b` with a prepared `a` ([`Operand::lhs`]).
+    fn product_by(dst: &mut [Self], a: &P::Lhs<'_>, b: Mat<'_, P>, parallel: bool) -> Result<()>;
 }
 
 impl<T: Real, P: Operand<T>> Out<T, P> for T {
-    fn product(dst: &mut [T], a: Mat<'_, P>, b: Mat<'_, P>, parallel: bool) -> Result<()> {
-        P::product(dst, a, b, T::one(), false, parallel)
+    fn product_by(dst: &mut [T], a: &P::Lhs<'_>, b: Mat<'_, P>, parallel: bool) -> Result<()> {
+        P::product_by(dst, a, b, parallel)
     }
 }
 
 impl Out<f32, half::bf16> for half::bf16 {
-    fn product(dst: &mut [Self], a: Mat<'_, Self>, b: Mat<'_, Self>, parallel: bool) -> Result<()> {
-        gemm_bf16::gemm_bf16_rounded(dst, a, b, parallel)
+    fn product_by(dst: &mut [Self], a: &gemm_bf16::PackedA, b: Mat<'_, Self>, parallel: bool) -> Result<()> {
+        gemm_bf16::gemm_bf16_packed_rounded(dst, a, b, parallel)
     }
 }

@@ -22,8 +22,10 @@
 
 use half::bf16;
 
-use super::blocking::{product_dims, Mat};
+use super::blocking::{product_dims, product_dims_of, Mat};
 use super::blocking::{Dest, KMajor, Part, KC, NC};
+use super::operand::Lhs;
+pub use super::operand::PackedA;
 use super::pack::pack;
 use crate::cpu::{KernelError, SharedMut};
 
@@ -102,9 +104,20 @@ fn gemm_into<D: Dest>(
         return Ok(());
     };
     if amx {
-        split(dst, (a, b), parallel, (super::amx::MR, super::amx::NR), |part, a, b| {
-            part.product_amx(a, b, k, beta, accumulate)
-        });
+        let av = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
+        let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
+        let dims = (a.rows, k, b.cols);
+        split(
+            dst,
+            (Lhs::Rows(av, a.rows), bv),
+            dims,
+            parallel,
+            (super::amx::MR, super::amx::NR),
+            |part, a, b| match a {
+                Lhs::Rows(a, _) => part.product_amx(a, b, k, beta, accumulate),
+                Lhs::Packed(_) => unreachable!("packed operands are multiplied with vdpbf16ps only"),
+            },
+        );
         return Ok(());
     }
     products_avx512(dst, (a, b), beta, accumulate, parallel);
@@ -119,32 +132,137 @@ fn products_avx512<D: Dest>(
     accumulate: bool,
     parallel: bool,
 ) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let shape = tile_for(a.rows, b.cols);
+    let av = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
+    let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
+    products_in(dst, (Lhs::Rows(av, a.rows), bv), (b.rows, b.cols), shape, (beta, accumulate), parallel);
+}
+
+/// The micro-tile (rows, 16-lane registers per row) that costs least for an m × n destination.
+fn tile_for(m: usize, n: usize) -> (usize, usize) {
     let cost = |&(mr, nv, weight): &(usize, usize, usize)| {
         m.next_multiple_of(mr).saturating_mul(n.next_multiple_of(16 * nv)).saturating_mul(weight)
     };
-    let shape = TILES.iter().min_by_key(|t| cost(t)).map_or((12, 2), |t| (t.0, t.1));
-    let run = |(mr, nv): (usize, usize), part: &Part<'_, D>, a: &KMajor<'_>, b: &KMajor<'_>| match (mr, nv) {
+    TILES.iter().min_by_key(|t| cost(t)).map_or((12, 2), |t| (t.0, t.1))
+}
+
+/// The product `a·b` with `vdpbf16ps` and the micro-tile `shape` (shapes checked; a packed `a`
+/// was packed for this tile).
+fn products_in<D: Dest>(
+    dst: &mut [D],
+    (a, b): (Lhs<'_>, KMajor<'_>),
+    (k, n): (usize, usize),
+    shape: (usize, usize),
+    (beta, accumulate): (f32, bool),
+    parallel: bool,
+) {
+    let dims = (a.rows(), k, n);
+    let run = |part: &Part<'_, D>, a: &Lhs<'_>, b: &KMajor<'_>| match shape {
         (24, 1) => part.product::<24, 1>(a, b, k, beta, accumulate),
         (8, 3) => part.product::<8, 3>(a, b, k, beta, accumulate),
         _ => part.product::<12, 2>(a, b, k, beta, accumulate),
     };
-    split(dst, (a, b), parallel, (shape.0, 16 * shape.1), |part, a, b| run(shape, part, a, b));
+    split(dst, (a, b), dims, parallel, (shape.0, 16 * shape.1), run);
+}
+
+impl PackedA {
+    /// `a` packed for products with about `n` columns (which chooses the micro-tile). An error
+    /// when `a` does not lie inside its slice or the CPU lacks AVX512-BF16.
+    pub fn new(a: Mat<'_, bf16>, n: usize) -> Result<Self, KernelError> {
+        Self::packed(a, n, super::amx::available())
+    }
+
+    /// The `m × k` operand whose row r `fill(r, row)` writes (`k` elements), packed for
+    /// products with about `n` columns without being stored whole: a convolution's flipped
+    /// weights for its input gradient, straight from the weights. An error when the CPU lacks
+    /// AVX512-BF16 or `m · k` overflows.
+    pub fn from_rows(
+        (m, k): (usize, usize),
+        n: usize,
+        fill: &(dyn Fn(usize, &mut [bf16]) + Sync),
+    ) -> Result<Self, KernelError> {
+        Self::rows_packed((m, k), n, fill, super::amx::available())
+    }
+
+    fn rows_packed(
+        (m, k): (usize, usize),
+        n: usize,
+        fill: &(dyn Fn(usize, &mut [bf16]) + Sync),
+        amx: bool,
+    ) -> Result<Self, KernelError> {
+        if !available() {
+            return Err(KernelError { kernel: "wick bf16 gemm", message: "this CPU has no AVX512-BF16".into() });
+        }
+        if m.checked_add(48).zip(k.checked_add(1)).and_then(|(r, d)| r.checked_mul(d)).is_none() {
+            return Err(KernelError { kernel: "wick bf16 gemm", message: format!("a {m}×{k} operand overflows") });
+        }
+        Ok(PackedA::build_rows((m, k), tile_for(m, n), fill, amx))
+    }
+
+    fn packed(a: Mat<'_, bf16>, n: usize, amx: bool) -> Result<Self, KernelError> {
+        if !available() {
+            return Err(KernelError { kernel: "wick bf16 gemm", message: "this CPU has no AVX512-BF16".into() });
+        }
+        PackedA::build(a, tile_for(a.rows, n), amx)
+    }
+}
+
+/// [`gemm_bf16`] with `a` packed beforehand.
+pub fn gemm_bf16_packed(
+    dst: &mut [f32],
+    a: &PackedA,
+    b: Mat<'_, bf16>,
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<(), KernelError> {
+    packed_into(dst, a, b, beta, accumulate, parallel)
+}
+
+/// [`gemm_bf16_rounded`] with `a` packed beforehand.
+pub fn gemm_bf16_packed_rounded(
+    dst: &mut [bf16],
+    a: &PackedA,
+    b: Mat<'_, bf16>,
+    parallel: bool,
+) -> Result<(), KernelError> {
+    if !rounds_directly(a.k) {
+        return Err(KernelError { kernel: "wick bf16 gemm", message: format!("depth {} is summed in slices", a.k) });
+    }
+    packed_into(dst, a, b, 1.0, false, parallel)
+}
+
+fn packed_into<D: Dest>(
+    dst: &mut [D],
+    a: &PackedA,
+    b: Mat<'_, bf16>,
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<(), KernelError> {
+    if a.on_tiles() {
+        let rows = Mat::rows(&a.rows, a.m, a.k);
+        return gemm_into(dst, rows, b, beta, accumulate, parallel, true);
+    }
+    if product_dims_of("wick bf16 gemm", (a.m, a.k, true), &b, dst, accumulate)?.is_none() {
+        return Ok(());
+    }
+    let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
+    products_in(dst, (Lhs::Packed(a), bv), (b.rows, b.cols), a.tile, (beta, accumulate), parallel);
+    Ok(())
 }
 
 /// The product `a·b` into `dst` (shapes checked) as parts of whole `mr × nr` micro-tiles, one
 /// per thread when `parallel`, each computed by `run`.
 fn split<D: Dest>(
     dst: &mut [D],
-    (a, b): (Mat<'_, bf16>, Mat<'_, bf16>),
+    (av, bv): (Lhs<'_>, KMajor<'_>),
+    (m, k, n): (usize, usize, usize),
     parallel: bool,
     (mr, nr): (usize, usize),
-    run: impl Fn(&Part<'_, D>, &KMajor<'_>, &KMajor<'_>) + Sync,
+    run: impl Fn(&Part<'_, D>, &Lhs<'_>, &KMajor<'_>) + Sync,
 ) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
     let threads = if parallel { rayon::current_num_threads().max(1) } else { 1 };
-    let av = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
-    let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
     let out = SharedMut::new(&mut dst[..m * n]);
     let whole = Part { out: &out, n, rows: 0..m, cols: 0..n };
     // Parallel: one part per thread, each packing its own operands. Splitting the rows makes
@@ -172,22 +290,33 @@ impl<D: Dest> Part<'_, D> {
     /// This part of `beta·a·b (+ dst)`, block by block.
     fn product<const MR: usize, const NV: usize>(
         &self,
-        a: &KMajor<'_>,
+        a: &Lhs<'_>,
         b: &KMajor<'_>,
         k: usize,
         beta: f32,
         accumulate: bool,
     ) {
         let nr = 16 * NV;
-        let (mut pa, mut pb) = (Vec::new(), Vec::new());
+        let (mut sa, mut pb) = (Vec::new(), Vec::new());
         let mut tile = [0f32; TILE];
         let m = self.rows.len();
+        // A part wider than one column block packs its rows of `a` once, not once per block
+        // (a weight gradient's `a` is the output gradient, 2 to 9 blocks wide in ResNet).
+        let (local, local_lhs);
+        let (a, r0) = match a {
+            Lhs::Rows(v, _) if self.cols.len() > NC => {
+                local = PackedA::panels_of(v, (self.rows.start, m), k, (MR, NV), false);
+                local_lhs = Lhs::Packed(&local);
+                (&local_lhs, 0)
+            }
+            _ => (a, self.rows.start),
+        };
         for c0 in self.cols.clone().step_by(NC) {
             let cols = NC.min(self.cols.end - c0);
             for (slice, k0) in (0..k).step_by(2 * KC).enumerate() {
                 let depth = (2 * KC).min(k - k0);
                 let pairs = depth.div_ceil(2);
-                pack(a, (self.rows.start, m), (k0, depth), MR, pairs, &mut pa);
+                let pa = a.panels::<MR>((r0, m), (slice, k0, depth), pairs, &mut sa);
                 pack(b, (c0, cols), (k0, depth), nr, pairs, &mut pb);
                 let add = accumulate || slice > 0;
                 for r0 in (0..m.div_ceil(MR)).step_by(MC / MR) {
@@ -406,6 +535,117 @@ mod tests {
         let too_deep =
             gemm_bf16_rounded(&mut out, Mat::rows(&deep, 2, 2 * KC + 1), Mat::rows(&deep, 2 * KC + 1, 2), false);
         assert!(too_deep.is_err());
+    }
+
+    /// Packed once, `a` gives the same products as packed per product: bit for bit with the
+    /// micro-tile the product would choose itself, within the f32 bound of an f64 product with
+    /// any other (a hint of another width), in parallel parts and rounded to bf16.
+    #[test]
+    fn packed_operands_give_the_products_of_unpacked_ones() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU has no AVX512-BF16");
+            return;
+        }
+        let shapes =
+            [(1, 1, 1), (13, 7, 33), (150, 1031, 70), (40, 64, 600), (64, 576, 700), (24, 77, 16), (50, 300, 15)];
+        for &(m, k, n) in &shapes {
+            let (av, bv) = (values(m * k, 6), values(k * n, 7));
+            for ta in [false, true] {
+                let ma = if ta { Mat::rows(&av, k, m).t() } else { Mat::rows(&av, m, k) };
+                let mb = Mat::rows(&bv, k, n);
+                let expected = reference(ma, mb);
+                for parallel in [false, true] {
+                    let mut want = vec![0f32; m * n];
+                    gemm_into(&mut want, ma, mb, 0.75, false, parallel, false).unwrap();
+                    for hint in [n, 1, 4096] {
+                        let packed = PackedA::packed(ma, hint, false).unwrap();
+                        let mut got = vec![3f32; m * n];
+                        gemm_bf16_packed(&mut got, &packed, mb, 0.75, false, parallel).unwrap();
+                        if packed.tile == tile_for(m, n) {
+                            assert_eq!(got, want, "{m}×{k}×{n} hint {hint}");
+                        }
+                        for (i, (x, y)) in got.iter().zip(&expected).enumerate() {
+                            let bound = 1e-5 * (k as f64) * y.abs().max(1.0);
+                            assert!((f64::from(*x) - 0.75 * y).abs() <= bound, "{m}×{k}×{n} hint {hint} at {i}");
+                        }
+                        // Accumulating, and rounded as stored.
+                        gemm_bf16_packed(&mut got, &packed, mb, -0.75, true, parallel).unwrap();
+                        assert!(got.iter().all(|x| x.abs() <= 1e-5 * k as f32), "{m}×{k}×{n}: {got:?}");
+                        if rounds_directly(k) {
+                            let mut rounded = vec![bf16::ONE; m * n];
+                            gemm_bf16_packed_rounded(&mut rounded, &packed, mb, parallel).unwrap();
+                            let mut wide = vec![0f32; m * n];
+                            gemm_bf16_packed(&mut wide, &packed, mb, 1.0, false, parallel).unwrap();
+                            let want: Vec<u16> = wide.iter().map(|w| crate::cpu::round_bf16(*w).to_bits()).collect();
+                            assert_eq!(rounded.iter().map(|r| r.to_bits()).collect::<Vec<_>>(), want);
+                        }
+                    }
+                }
+            }
+        }
+        // On the tile unit, where there is one, a packed operand is multiplied there.
+        if super::super::amx::available() {
+            let (av, bv) = (values(40 * 64, 8), values(64 * 600, 9));
+            let (ma, mb) = (Mat::rows(&av, 40, 64), Mat::rows(&bv, 64, 600));
+            let mut want = vec![0f32; 40 * 600];
+            gemm_into(&mut want, ma, mb, 1.0, false, true, true).unwrap();
+            let mut got = vec![0f32; 40 * 600];
+            gemm_bf16_packed(&mut got, &PackedA::packed(ma, 600, true).unwrap(), mb, 1.0, false, true).unwrap();
+            assert_eq!(got, want);
+        }
+    }
+
+    /// Packed from rows its owner writes, an operand equals the same matrix packed from
+    /// memory, lane for lane (ragged shapes, deeper than one slice), and so does its product;
+    /// on the tile unit, where there is one, too.
+    #[test]
+    fn operands_packed_from_rows_equal_operands_packed_from_a_matrix() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU has no AVX512-BF16");
+            return;
+        }
+        for &(m, k, n) in &[(1, 1, 1), (13, 7, 33), (150, 1031, 70), (40, 64, 600), (24, 77, 16)] {
+            let av = values(m * k, 13);
+            let fill = |r: usize, row: &mut [bf16]| row.copy_from_slice(&av[r * k..(r + 1) * k]);
+            let (ma, mb) = (Mat::rows(&av, m, k), Mat::rows(&values(k * n, 14), k, n).data.to_vec());
+            let mb = Mat::rows(&mb, k, n);
+            for amx in [false, true].into_iter().filter(|&t| !t || super::super::amx::available()) {
+                let (want, got) =
+                    (PackedA::packed(ma, n, amx).unwrap(), PackedA::rows_packed((m, k), n, &fill, amx).unwrap());
+                assert_eq!(
+                    (got.tile, &got.lanes, &got.rows),
+                    (want.tile, &want.lanes, &want.rows),
+                    "{m}×{k} amx {amx}"
+                );
+                let (mut x, mut y) = (vec![0f32; m * n], vec![1f32; m * n]);
+                gemm_bf16_packed(&mut x, &want, mb, 1.0, false, true).unwrap();
+                gemm_bf16_packed(&mut y, &got, mb, 1.0, false, true).unwrap();
+                assert_eq!(x, y, "{m}×{k}×{n} amx {amx}");
+            }
+        }
+        assert!(PackedA::from_rows((usize::MAX / 2, 3), 1, &|_, _| ()).is_err());
+    }
+
+    #[test]
+    fn packed_operands_that_do_not_fit_are_errors() {
+        if !available() {
+            eprintln!("SKIPPED: this CPU has no AVX512-BF16");
+            return;
+        }
+        let a = vec![bf16::ONE; 6];
+        let short = Mat { data: &a[..5], rows: 2, cols: 3, row_stride: 3, col_stride: 1 };
+        assert!(PackedA::new(short, 8).is_err());
+        let packed = PackedA::new(Mat::rows(&a, 2, 3), 8).unwrap();
+        let mut out = vec![0f32; 4];
+        // Depth 2 against 3, and a destination too short for 2 × 3.
+        assert!(gemm_bf16_packed(&mut out, &packed, Mat::rows(&a, 2, 3), 1.0, false, false).is_err());
+        assert!(gemm_bf16_packed(&mut out, &packed, Mat::rows(&a, 3, 2), 1.0, false, false).is_ok());
+        assert!(gemm_bf16_packed(&mut out[..3], &packed, Mat::rows(&a, 3, 2), 1.0, false, false).is_err());
+        let deep = vec![bf16::ONE; 2 * KC * 2 + 2];
+        let packed = PackedA::new(Mat::rows(&deep, 1, 2 * KC + 1), 1).unwrap();
+        let mut rounded = vec![bf16::ZERO; 1];
+        let column = Mat::rows(&deep[..2 * KC + 1], 2 * KC + 1, 1);
+        assert!(gemm_bf16_packed_rounded(&mut rounded, &packed, column, false).is_err());
     }
 
     #[test]

@@ -36,7 +36,7 @@ impl<'a, T> Mat<'a, T> {
     }
 
     /// True when every element lies inside `data`.
-    fn fits(&self) -> bool {
+    pub(super) fn fits(&self) -> bool {
         if self.rows == 0 || self.cols == 0 {
             return true;
         }
@@ -58,11 +58,23 @@ pub(crate) fn product_dims<T, D: Copy + Default>(
     dst: &mut [D],
     accumulate: bool,
 ) -> Result<Option<(usize, usize, usize)>, KernelError> {
-    let (m, k, n, len) = (a.rows, a.cols, b.cols, dst.len());
-    if b.rows != k || !a.fits() || !b.fits() || m.checked_mul(n).is_none_or(|mn| mn > len) {
+    product_dims_of(what, (a.rows, a.cols, a.fits()), b, dst, accumulate)
+}
+
+/// [`product_dims`] for an `a` of `rows × cols` that lies inside its storage when `fits` (a
+/// packed operand, checked when it was packed).
+pub(crate) fn product_dims_of<T, D: Copy + Default>(
+    what: &'static str,
+    (m, k, fits): (usize, usize, bool),
+    b: &Mat<'_, T>,
+    dst: &mut [D],
+    accumulate: bool,
+) -> Result<Option<(usize, usize, usize)>, KernelError> {
+    let (n, len) = (b.cols, dst.len());
+    if b.rows != k || !fits || !b.fits() || m.checked_mul(n).is_none_or(|mn| mn > len) {
         return Err(KernelError {
             kernel: what,
-            message: format!("({}×{})·({}×{}) into {len} elements", a.rows, a.cols, b.rows, b.cols),
+            message: format!("({m}×{k})·({}×{}) into {len} elements", b.rows, b.cols),
         });
     }
     if k == 0 && !accumulate {

@@ -2,12 +2,14 @@
 //! before any pointer is formed: f32 and f64 through the `gemm` crate (the crate candle's CPU
 //! matmul uses, with its AVX-512 kernels), bf16 × bf16 with f32 sums on CPUs with AVX512-BF16
 //! ([`bf16`], on AMX's tile unit where there is one). The modules form a tree: `blocking` (the
-//! matrix view and the bf16 blocking) is the leaf; `pack` and `amx` use it; [`bf16`] uses all
-//! three and chooses the unit.
+//! matrix view and the bf16 blocking) is the leaf; `pack` and `amx` use it; `operand` (packed
+//! and row-wise operands) uses `blocking` and `pack`; [`bf16`] uses them all and chooses the
+//! unit.
 
 mod amx;
 pub mod bf16;
 mod blocking;
+mod operand;
 mod pack;
 
 pub use blocking::Mat;

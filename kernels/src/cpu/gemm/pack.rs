@@ -28,12 +28,24 @@ pub(super) fn pack(
     padded: usize,
     out: &mut Vec<u32>,
 ) {
-    let padded = padded.max(depth.div_ceil(2));
-    let len = count.div_ceil(width) * width * padded;
+    let len = count.div_ceil(width) * width * padded.max(depth.div_ceil(2));
     // Grown with zeros only when longer than before; `pack_into` writes every lane.
     if out.len() < len {
         out.resize(len, 0);
     }
+    pack_to(v, (r0, count), (k0, depth), width, &mut out[..len])
+}
+
+/// [`pack`] into `out`, whose length (whole panels of `width` lanes) sets the k-pairs of every
+/// panel.
+pub(super) fn pack_to(
+    v: &KMajor<'_>,
+    (r0, count): (usize, usize),
+    (k0, depth): (usize, usize),
+    width: usize,
+    out: &mut [u32],
+) {
+    let len = out.len();
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx512bw") {
         #[target_feature(enable = "avx512f,avx512bw")]

@@ -46,18 +46,6 @@ struct Conv2d {
 }
 
 impl Conv2d {
-    /// Bytes of column matrix per chunk with operands `P`: bf16 columns are not cut (the bf16
-    /// product repacks its weights per call, a fifth more packing per chunk of ResNet's first
-    /// stage; in chunks ResNet-18's AMP step at 224² was slower or no faster: BENCHMARKS.md,
-    /// "Convolutional networks at every size (issue 30)").
-    fn chunk_for<P: 'static>(&self) -> usize {
-        if std::any::TypeId::of::<P>() == std::any::TypeId::of::<bf16>() {
-            usize::MAX
-        } else {
-            self.chunk
-        }
-    }
-
     /// True when the images `x` must be widened to the compute type first: a 1×1 stride-1
     /// convolution multiplies the image itself, which the gemm reads in `T` only. Any other
     /// convolution widens each element as im2col gathers it (no widened copy of the input).
@@ -107,6 +95,8 @@ impl Conv2d {
 
     /// [`Conv2d::forward`] with the weights as any (C_out × C_in·k·k) matrix view, and
     /// `epilogue` applied to each run of outputs as it is written (while it is in the cache).
+    /// The weights are prepared once for every item's product ([`Operand::lhs`]: bf16 weights
+    /// are packed once, not per image or chunk).
     /// A 1×1 stride-1 convolution's images must be operands already ([`Conv2d::widen_first`]).
     fn forward_by<T: Real, E: Gather<P>, P: Operand<T>, O: Out<T, P>, F: Epilogue<O>>(
         &self,
@@ -115,24 +105,41 @@ impl Conv2d {
         wm: Mat<'_, P>,
         epilogue: &F,
     ) -> Result<Vec<O>> {
+        self.forward_with(g, x, &P::lhs(wm, self.item_columns::<P>(g))?, epilogue)
+    }
+
+    /// Columns of the largest item's product (the width the weights are prepared for).
+    fn item_columns<P>(&self, g: &Geometry) -> usize {
+        Plan::new(g, size_of::<P>(), self.chunk, false).width(g)
+    }
+
+    /// [`Conv2d::forward_by`] with the weights prepared ([`Operand::lhs`]).
+    fn forward_with<T: Real, E: Gather<P>, P: Operand<T>, O: Out<T, P>, F: Epilogue<O>>(
+        &self,
+        g: &Geometry,
+        x: &[E],
+        wp: &P::Lhs<'_>,
+        epilogue: &F,
+    ) -> Result<Vec<O>> {
         let (rows, cols) = (g.rows(), g.cols());
         let mut y = vec![O::default(); g.n * g.c_out * cols];
         let out = SharedMut::new(&mut y);
-        let plan = Plan::new(g, size_of::<P>(), self.chunk_for::<P>(), false);
+        let plan = Plan::new(g, size_of::<P>(), self.chunk, false);
         // A whole image at a time writes straight into the output; a group or a chunk goes
         // through a (C_out × columns) buffer.
         let direct = plan.size == 1 && plan.chunks == 1;
         let width = plan.width(g);
-        let col = Scratch::<P>::new(plan.workers, if direct && g.pointwise() { 0 } else { rows * width });
+        let itself = direct && g.pointwise();
+        let col = Scratch::<P>::new(plan.workers, if itself { 0 } else { rows * width });
         let ybuf = Scratch::<O>::new(plan.workers, if direct { 0 } else { g.c_out * width });
         plan.run(g, |worker, item, parallel| {
             let (range, l, p0, ld) = (item.images.clone(), item.len, item.at, item.width());
             let mut col = col.get(worker)?;
-            let cm = columns(g, x, (range.clone(), item.out_rows), direct && g.pointwise(), &mut col)?;
+            let cm = columns(g, x, (range.clone(), item.out_rows), itself, &mut col)?;
             if direct {
                 // SAFETY: one image's output per group.
                 let dst = unsafe { out.range(range.start * g.c_out * cols, g.c_out * cols) };
-                O::product(dst, wm, Mat::rows(cm, rows, cols), parallel)?;
+                O::product_by(dst, wp, Mat::rows(cm, rows, cols), parallel)?;
                 if F::ACTIVE && parallel {
                     // The lone worker: the pass over the output is shared as the product was.
                     use rayon::prelude::*;
@@ -146,7 +153,7 @@ impl Conv2d {
                 return Ok(());
             }
             let mut yb = ybuf.get(worker)?;
-            O::product(&mut yb[..g.c_out * ld], wm, Mat::rows(cm, rows, ld), parallel)?;
+            O::product_by(&mut yb[..g.c_out * ld], wp, Mat::rows(cm, rows, ld), parallel)?;
             for (j, b) in range.enumerate() {
                 for c in 0..g.c_out {
                     // SAFETY: columns p0..p0 + l of image `b` belong to this item only.
@@ -187,18 +194,19 @@ impl Conv2d {
             // transpose of every 1×1 weight, a visible share of a ResNet-50 step).
             return self.forward_by(&back, dy, Mat::rows(w, g.c_out, g.c_in).t(), &Plain);
         }
-        // Written in order (each source run of k² taps read whole): the other loop order
-        // scattered every write across the output.
-        let mut flipped = vec![P::default(); w.len()];
-        for (ci, dst) in flipped.chunks_exact_mut(g.c_out * kk).enumerate() {
-            for (co, taps) in dst.chunks_exact_mut(kk).enumerate() {
+        // Row ci of the flipped weights, written in order (each source run of k² taps read
+        // whole): the other loop order scattered every write across the output. Handed to the
+        // product row by row: bf16 packs them a panel at a time, with no flipped copy.
+        let flip = |ci: usize, row: &mut [P]| {
+            for (co, taps) in row.chunks_exact_mut(kk).enumerate() {
                 let src = &w[(co * g.c_in + ci) * kk..][..kk];
                 for (d, s) in taps.iter_mut().zip(src.iter().rev()) {
                     *d = *s;
                 }
             }
-        }
-        self.forward(&back, dy, &flipped)
+        };
+        let flipped = P::lhs_rows((g.c_in, g.c_out * kk), self.item_columns::<P>(&back), &flip)?;
+        self.forward_with(&back, dy, &flipped, &Plain)
     }
 
     /// (dx when wanted, dw).
@@ -270,12 +278,14 @@ impl Conv2d {
         // Stride 1: the input gradient is a convolution of its own (below). Folded back from
         // columns, an image's chunks overlap in the input rows they touch: one worker each.
         let by_columns = want_dx && !Self::dx_by_convolution(&g);
-        let plan = Plan::new(&g, size_of::<P>(), self.chunk_for::<P>(), by_columns);
+        let plan = Plan::new(&g, size_of::<P>(), self.chunk, by_columns);
         let width = plan.width(&g);
         let direct = plan.size == 1 && g.pointwise();
         let col = Scratch::<P>::new(plan.workers, if direct { 0 } else { rows * width });
         let gbuf = Scratch::<P>::new(plan.workers, if plan.size == 1 { 0 } else { g.c_out * width });
         let dcol = Scratch::<T>::new(plan.workers, if by_columns { rows * width } else { 0 });
+        // Wᵀ, prepared once for every item's dcol = Wᵀ·dY.
+        let wt = P::lhs(Mat::rows(w, g.c_out, rows).t(), width)?;
         // dW: one partial sum per worker, added at the end.
         let dws = Scratch::<T>::new(plan.workers, g.c_out * rows);
         let mut dx = if by_columns { vec![T::zero(); x.len()] } else { Vec::new() };
@@ -301,7 +311,7 @@ impl Conv2d {
             P::product(&mut dw, gm, Mat::rows(cm, rows, ld).t(), T::one(), true, parallel)?;
             if by_columns {
                 let mut dc = dcol.get(worker)?;
-                P::product(&mut dc[..rows * ld], Mat::rows(w, g.c_out, rows).t(), gm, T::one(), false, parallel)?;
+                P::product_by(&mut dc[..rows * ld], &wt, gm, parallel)?;
                 for (j, b) in range.enumerate() {
                     // SAFETY: image `b` belongs to this item's worker only (`whole_images`).
                     let dst = unsafe { sdx.range(b * img, img) };

@@ -27,7 +27,9 @@ const GROUP_COLUMNS: usize = 64;
 /// cache (1 MB here). Chunks of whole output rows of about this size are unfolded and multiplied
 /// one after the other, and give a batch of one image work for every thread. 128 KB to 1 MB
 /// were tried; 384–768 KB were the fastest at batch 8, within the machine's noise of each
-/// other (BENCHMARKS.md, "Convolutional networks at every size (issue 30)").
+/// other (BENCHMARKS.md, "Convolutional networks at every size (issue 30)"). bf16 columns are
+/// cut too, into chunks of twice the columns, since their weights are packed once per call
+/// rather than once per chunk.
 pub(super) const CHUNK_BYTES: usize = 768 << 10;
 
 /// The split of a convolution's work (see the module documentation).
@@ -56,15 +58,24 @@ impl Plan {
         let size = GROUP_COLUMNS.div_ceil(g.cols().max(1)).clamp(1, g.n.max(1));
         let groups = g.n.div_ceil(size);
         let column_bytes = g.rows().saturating_mul(elem).max(1);
+        let threads = rayon::current_num_threads().max(1);
         let (rows, chunks) = if size == 1 && !g.pointwise() && g.oh > 1 {
             let columns = (chunk_bytes / column_bytes).max(GROUP_COLUMNS);
             let rows = (columns / g.ow.max(1)).clamp(1, g.oh);
+            let mut chunks = g.oh.div_ceil(rows);
+            // Fewer images than threads: a whole number of chunks per thread, of even heights
+            // (at batch 1, five bf16 chunks of ResNet's first stage ran as three against two,
+            // and a 14-row plane as 12 rows against 2).
+            if groups < threads && chunks > 1 {
+                chunks = chunks.next_multiple_of(threads).min(g.oh);
+            }
+            let rows = g.oh.div_ceil(chunks);
             (rows, g.oh.div_ceil(rows))
         } else {
             (g.oh, 1)
         };
         let items = if whole_images { groups } else { groups * chunks };
-        Plan { size, groups, rows, chunks, workers: items.min(rayon::current_num_threads()).max(1), whole_images }
+        Plan { size, groups, rows, chunks, workers: items.min(threads).max(1), whole_images }
     }
 
     /// Columns of the largest item's matrix (images × rows × OW).
@@ -133,5 +144,42 @@ impl<T: Copy + Default> Scratch<T> {
     pub(super) fn get(&self, worker: usize) -> Result<std::sync::MutexGuard<'_, Vec<T>>> {
         let slot = self.0.get(worker).ok_or_else(|| err(format!("conv2d: no scratch for worker {worker}")))?;
         Ok(slot.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry(n: usize, c_in: usize, side: usize, k: usize, stride: usize) -> Geometry {
+        let pad = k / 2;
+        let out = (side + 2 * pad - k) / stride + 1;
+        Geometry { n, c_in, h: side, w: side, c_out: 8, k, stride, pad, oh: out, ow: out }
+    }
+
+    /// Chunks cover every output row once, in heights as even as whole rows allow (no other
+    /// count of chunks has a lower tallest chunk); with fewer images than threads, each thread
+    /// gets a whole number of chunks (or every row is a chunk). The plan before this test cut a
+    /// 14-row plane into 12 + 2 rows and a 56-row one into five chunks for two threads.
+    #[test]
+    fn chunks_cover_the_rows_and_share_them_between_threads() {
+        let threads = rayon::current_num_threads().max(1);
+        for (g, elem, bytes) in [
+            (geometry(1, 64, 56, 3, 1), 2, CHUNK_BYTES),
+            (geometry(1, 64, 56, 3, 1), 4, CHUNK_BYTES),
+            (geometry(1, 256, 14, 3, 1), 2, CHUNK_BYTES),
+            (geometry(1, 3, 224, 7, 2), 2, CHUNK_BYTES),
+            (geometry(2, 64, 56, 3, 1), 4, 1 << 14),
+            (geometry(8, 64, 56, 3, 1), 4, CHUNK_BYTES),
+            (geometry(1, 8, 9, 3, 1), 4, 1),
+        ] {
+            let plan = Plan::new(&g, elem, bytes, false);
+            let at = format!("{g:?} {elem} bytes {bytes}: {plan:?}");
+            assert!(plan.rows * plan.chunks >= g.oh && plan.rows * (plan.chunks - 1) < g.oh, "{at}");
+            assert_eq!(plan.rows, g.oh.div_ceil(plan.chunks), "{at}");
+            if plan.size == 1 && g.n < threads && plan.chunks > 1 {
+                assert!(plan.chunks.is_multiple_of(threads) || plan.chunks == g.oh, "{at}");
+            }
+        }
     }
 }
