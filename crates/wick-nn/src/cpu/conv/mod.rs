@@ -285,7 +285,7 @@ impl Conv2d {
         let gbuf = Scratch::<P>::new(plan.workers, if plan.size == 1 { 0 } else { g.c_out * width });
         let dcol = Scratch::<T>::new(plan.workers, if by_columns { rows * width } else { 0 });
         // Wᵀ, prepared once for every item's dcol = Wᵀ·dY.
-        let wt = P::lhs(Mat::rows(w, g.c_out, rows).t(), width)?;
+        let wt = if by_columns { Some(P::lhs(Mat::rows(w, g.c_out, rows).t(), width)?) } else { None };
         // dW: one partial sum per worker, added at the end.
         let dws = Scratch::<T>::new(plan.workers, g.c_out * rows);
         let mut dx = if by_columns { vec![T::zero(); x.len()] } else { Vec::new() };
@@ -309,9 +309,9 @@ impl Conv2d {
                 Mat::rows(&gb[..g.c_out * ld], g.c_out, ld)
             };
             P::product(&mut dw, gm, Mat::rows(cm, rows, ld).t(), T::one(), true, parallel)?;
-            if by_columns {
+            if let Some(wt) = &wt {
                 let mut dc = dcol.get(worker)?;
-                P::product_by(&mut dc[..rows * ld], &wt, gm, parallel)?;
+                P::product_by(&mut dc[..rows * ld], wt, gm, parallel)?;
                 for (j, b) in range.enumerate() {
                     // SAFETY: image `b` belongs to this item's worker only (`whole_images`).
                     let dst = unsafe { sdx.range(b * img, img) };
