@@ -50,42 +50,6 @@ pub(crate) mod gemm_bf16 {
         kernel::gemm_bf16(dst, a, b, beta, accumulate, parallel).map_err(candle)
     }
 
-    /// [`kernel::PackedA::new`].
-    pub(crate) fn pack(a: Mat<'_, bf16>, n: usize) -> Result<PackedA> {
-        PackedA::new(a, n).map_err(candle)
-    }
-
-    /// [`kernel::PackedA::from_rows`].
-    pub(crate) fn pack_rows(
-        dims: (usize, usize),
-        n: usize,
-        fill: &(dyn Fn(usize, &mut [bf16]) + Sync),
-    ) -> Result<PackedA> {
-        PackedA::from_rows(dims, n, fill).map_err(candle)
-    }
-
-    /// [`kernel::gemm_bf16_packed`].
-    pub(crate) fn gemm_bf16_packed(
-        dst: &mut [f32],
-        a: &PackedA,
-        b: Mat<'_, bf16>,
-        beta: f32,
-        accumulate: bool,
-        parallel: bool,
-    ) -> Result<()> {
-        kernel::gemm_bf16_packed(dst, a, b, beta, accumulate, parallel).map_err(candle)
-    }
-
-    /// [`kernel::gemm_bf16_packed_rounded`].
-    pub(crate) fn gemm_bf16_packed_rounded(
-        dst: &mut [bf16],
-        a: &PackedA,
-        b: Mat<'_, bf16>,
-        parallel: bool,
-    ) -> Result<()> {
-        kernel::gemm_bf16_packed_rounded(dst, a, b, parallel).map_err(candle)
-    }
-
     /// [`kernel::gemm_bf16_rounded`].
     pub(crate) fn gemm_bf16_rounded(
         dst: &mut [bf16],
@@ -179,7 +143,7 @@ impl Operand<f32> for half::bf16 {
     type Lhs<'a> = gemm_bf16::PackedA;
 
     fn lhs(a: Mat<'_, Self>, n: usize) -> Result<gemm_bf16::PackedA> {
-        gemm_bf16::pack(a, n)
+        gemm_bf16::PackedA::new(a, n).map_err(candle)
     }
 
     fn lhs_rows(
@@ -187,11 +151,11 @@ impl Operand<f32> for half::bf16 {
         n: usize,
         fill: &(dyn Fn(usize, &mut [Self]) + Sync),
     ) -> Result<gemm_bf16::PackedA> {
-        gemm_bf16::pack_rows(dims, n, fill)
+        gemm_bf16::PackedA::from_rows(dims, n, fill).map_err(candle)
     }
 
     fn product_by(dst: &mut [f32], a: &gemm_bf16::PackedA, b: Mat<'_, Self>, parallel: bool) -> Result<()> {
-        gemm_bf16::gemm_bf16_packed(dst, a, b, 1.0, false, parallel)
+        kernel::bf16::gemm_bf16_packed(dst, a, b, 1.0, false, parallel).map_err(candle)
     }
 
     fn product(
@@ -207,7 +171,7 @@ impl Operand<f32> for half::bf16 {
 }
 
 /// The element type a product of operands `P` is written in: the compute type `T`, or bf16 with
-/// each sum rounded as it is stored ([`gemm_bf16::gemm_bf16_packed_rounded`]).
+/// each sum rounded as it is stored ([`kernel::bf16::gemm_bf16_packed_rounded`]).
 pub(crate) trait Out<T, P: Operand<T>>: Copy + Default + Send + Sync + 'static {
     /// `dst = a·b` with a prepared `a` ([`Operand::lhs`]).
     fn product_by(dst: &mut [Self], a: &P::Lhs<'_>, b: Mat<'_, P>, parallel: bool) -> Result<()>;
@@ -221,6 +185,6 @@ impl<T: Real, P: Operand<T>> Out<T, P> for T {
 
 impl Out<f32, half::bf16> for half::bf16 {
     fn product_by(dst: &mut [Self], a: &gemm_bf16::PackedA, b: Mat<'_, Self>, parallel: bool) -> Result<()> {
-        gemm_bf16::gemm_bf16_packed_rounded(dst, a, b, parallel)
+        kernel::bf16::gemm_bf16_packed_rounded(dst, a, b, parallel).map_err(candle)
     }
 }

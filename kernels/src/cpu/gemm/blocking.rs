@@ -145,6 +145,18 @@ pub(super) struct KMajor<'a> {
     pub(super) step: usize,
 }
 
+impl<'a> KMajor<'a> {
+    /// A left operand read along k: its rows, each along its columns.
+    pub(super) fn rows_of(a: &Mat<'a, bf16>) -> Self {
+        KMajor { data: a.data, outer: a.row_stride, step: a.col_stride }
+    }
+
+    /// A right operand read along k: its columns, each along its rows.
+    pub(super) fn cols_of(b: &Mat<'a, bf16>) -> Self {
+        KMajor { data: b.data, outer: b.col_stride, step: b.row_stride }
+    }
+}
+
 /// Rows × columns of the destination (row-major, `n` columns) one thread computes.
 #[derive(Clone)]
 pub(super) struct Part<'a, D> {

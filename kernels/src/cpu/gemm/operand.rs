@@ -76,15 +76,13 @@ impl PackedA {
         }
         let (m, k) = (a.rows, a.cols);
         if amx {
-            let mut packed = PackedA { m, k, tile, lanes: Vec::new(), rows: Vec::new() };
-            packed.rows = (0..m)
+            let rows = (0..m)
                 .flat_map(|i| (0..k).map(move |j| (i, j)))
                 .map(|(i, j)| a.data[i * a.row_stride + j * a.col_stride])
                 .collect();
-            return Ok(packed);
+            return Ok(PackedA { m, k, tile, lanes: Vec::new(), rows });
         }
-        let v = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
-        Ok(Self::panels_of(&v, (0, m), k, tile, true))
+        Ok(Self::panels_of(&KMajor::rows_of(&a), (0, m), k, tile, true))
     }
 
     /// Rows `r0..r0 + m` of `v` (depth `k`) packed into panels for the micro-tile `tile`; the

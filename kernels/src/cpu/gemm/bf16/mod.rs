@@ -84,6 +84,14 @@ pub fn gemm_bf16_rounded(
     gemm_into(dst, a, b, 1.0, false, parallel, super::amx::available())
 }
 
+/// An error unless this CPU runs the products ([`available`]).
+fn require_cpu() -> Result<(), KernelError> {
+    if available() {
+        return Ok(());
+    }
+    Err(KernelError { kernel: "wick bf16 gemm", message: "this CPU has no AVX512-BF16".into() })
+}
+
 /// An error unless [`rounds_directly`] holds for depth `k`.
 fn rounded_depth(k: usize) -> Result<(), KernelError> {
     if rounds_directly(k) {
@@ -103,27 +111,15 @@ fn gemm_into<D: Dest>(
     parallel: bool,
     amx: bool,
 ) -> Result<(), KernelError> {
-    if !available() {
-        return Err(KernelError { kernel: "wick bf16 gemm", message: "this CPU has no AVX512-BF16".into() });
-    }
+    require_cpu()?;
     let Some((_, k, _)) = product_dims("wick bf16 gemm", &a, &b, dst, accumulate)? else {
         return Ok(());
     };
     if amx {
-        let av = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
-        let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
-        let dims = (a.rows, k, b.cols);
-        split(
-            dst,
-            (Lhs::Rows(av, a.rows), bv),
-            dims,
-            parallel,
-            (super::amx::MR, super::amx::NR),
-            |part, a, b| match a {
-                Lhs::Rows(a, _) => part.product_amx(a, b, k, beta, accumulate),
-                Lhs::Packed(_) => unreachable!("packed operands are multiplied with vdpbf16ps only"),
-            },
-        );
+        let (av, bv, dims) = (KMajor::rows_of(&a), KMajor::cols_of(&b), (a.rows, k, b.cols));
+        split(dst, (av, bv), dims, parallel, (super::amx::MR, super::amx::NR), |part, a, b| {
+            part.product_amx(a, b, k, beta, accumulate)
+        });
         return Ok(());
     }
     products_avx512(dst, (a, b), beta, accumulate, parallel);
@@ -138,10 +134,8 @@ fn products_avx512<D: Dest>(
     accumulate: bool,
     parallel: bool,
 ) {
-    let shape = tile_for(a.rows, b.cols);
-    let av = KMajor { data: a.data, outer: a.row_stride, step: a.col_stride };
-    let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
-    products_in(dst, (Lhs::Rows(av, a.rows), bv), (b.rows, b.cols), shape, (beta, accumulate), parallel);
+    let (av, bv) = (Lhs::Rows(KMajor::rows_of(&a), a.rows), KMajor::cols_of(&b));
+    products_in(dst, (av, bv), (b.rows, b.cols), tile_for(a.rows, b.cols), (beta, accumulate), parallel);
 }
 
 /// The micro-tile (rows, 16-lane registers per row) that costs least for an m × n destination.
@@ -196,9 +190,7 @@ impl PackedA {
         fill: &(dyn Fn(usize, &mut [bf16]) + Sync),
         amx: bool,
     ) -> Result<Self, KernelError> {
-        if !available() {
-            return Err(KernelError { kernel: "wick bf16 gemm", message: "this CPU has no AVX512-BF16".into() });
-        }
+        require_cpu()?;
         if m.checked_add(48).zip(k.checked_add(1)).and_then(|(r, d)| r.checked_mul(d)).is_none() {
             return Err(KernelError { kernel: "wick bf16 gemm", message: format!("a {m}×{k} operand overflows") });
         }
@@ -206,9 +198,7 @@ impl PackedA {
     }
 
     fn packed(a: Mat<'_, bf16>, n: usize, amx: bool) -> Result<Self, KernelError> {
-        if !available() {
-            return Err(KernelError { kernel: "wick bf16 gemm", message: "this CPU has no AVX512-BF16".into() });
-        }
+        require_cpu()?;
         PackedA::build(a, tile_for(a.rows, n), amx)
     }
 }
@@ -251,20 +241,19 @@ fn packed_into<D: Dest>(
     if product_dims_of("wick bf16 gemm", (a.m, a.k, true), &b, dst, accumulate)?.is_none() {
         return Ok(());
     }
-    let bv = KMajor { data: b.data, outer: b.col_stride, step: b.row_stride };
-    products_in(dst, (Lhs::Packed(a), bv), (b.rows, b.cols), a.tile, (beta, accumulate), parallel);
+    products_in(dst, (Lhs::Packed(a), KMajor::cols_of(&b)), (b.rows, b.cols), a.tile, (beta, accumulate), parallel);
     Ok(())
 }
 
 /// The product `a·b` into `dst` (shapes checked) as parts of whole `mr × nr` micro-tiles, one
 /// per thread when `parallel`, each computed by `run`.
-fn split<D: Dest>(
+fn split<D: Dest, A: Sync>(
     dst: &mut [D],
-    (av, bv): (Lhs<'_>, KMajor<'_>),
+    (av, bv): (A, KMajor<'_>),
     (m, k, n): (usize, usize, usize),
     parallel: bool,
     (mr, nr): (usize, usize),
-    run: impl Fn(&Part<'_, D>, &Lhs<'_>, &KMajor<'_>) + Sync,
+    run: impl Fn(&Part<'_, D>, &A, &KMajor<'_>) + Sync,
 ) {
     let threads = if parallel { rayon::current_num_threads().max(1) } else { 1 };
     let out = SharedMut::new(&mut dst[..m * n]);
@@ -307,7 +296,7 @@ impl<D: Dest> Part<'_, D> {
         // A part wider than one column block packs its rows of `a` once, not once per block
         // (a weight gradient's `a` is the output gradient, 2 to 9 blocks wide in ResNet).
         let (local, local_lhs);
-        let (a, r0) = match a {
+        let (a, a_row) = match a {
             Lhs::Rows(v, _) if self.cols.len() > NC => {
                 local = PackedA::panels_of(v, (self.rows.start, m), k, (MR, NV), false);
                 local_lhs = Lhs::Packed(&local);
@@ -320,7 +309,7 @@ impl<D: Dest> Part<'_, D> {
             for (slice, k0) in (0..k).step_by(2 * KC).enumerate() {
                 let depth = (2 * KC).min(k - k0);
                 let pairs = depth.div_ceil(2);
-                let pa = a.panels::<MR>((r0, m), (slice, k0, depth), pairs, &mut sa);
+                let pa = a.panels::<MR>((a_row, m), (slice, k0, depth), pairs, &mut sa);
                 pack(b, (c0, cols), (k0, depth), nr, pairs, &mut pb);
                 let add = accumulate || slice > 0;
                 for r0 in (0..m.div_ceil(MR)).step_by(MC / MR) {
