@@ -192,6 +192,16 @@ fn a_checkpoint_of_another_run_is_refused_with_what_differs_and_nothing_changes(
 fn only_the_newest_checkpoints_are_kept_and_a_background_save_is_the_same() {
     let dir = temp_dir("keep");
     let checkpoints = CheckpointDir::new(&dir, 2).unwrap();
+    // What a killed writer of step 2 left, and a writer of step 9 that may still be at work
+    // (another rank's shard): opening the folder again (as every rank does) removes neither;
+    // the commit of step 2 removes the first, and the second is left.
+    let orphan = ".step-0000000002.safetensors.tmp-1-2";
+    let in_flight = ".step-0000000009.shard-1-of-2.safetensors.tmp-1-3";
+    for name in [orphan, in_flight] {
+        std::fs::write(dir.join(name), b"partial").unwrap();
+    }
+    CheckpointDir::new(&dir, 2).unwrap();
+    assert!(dir.join(orphan).exists() && dir.join(in_flight).exists(), "opening the folder removed a file");
     let mut t = trainer(TrainOptions::default(), CONFIG);
     for s in 0..4 {
         run_steps(&mut t, s..s + 1, 1);
@@ -209,7 +219,13 @@ fn only_the_newest_checkpoints_are_kept_and_a_background_save_is_the_same() {
     files.sort();
     assert_eq!(
         files,
-        ["step-0000000003.json", "step-0000000003.safetensors", "step-0000000004.json", "step-0000000004.safetensors"]
+        [
+            in_flight,
+            "step-0000000003.json",
+            "step-0000000003.safetensors",
+            "step-0000000004.json",
+            "step-0000000004.safetensors"
+        ]
     );
     let mut fresh = trainer(TrainOptions::default(), CONFIG);
     assert_eq!(fresh.resume(&checkpoints).unwrap().step, 4);

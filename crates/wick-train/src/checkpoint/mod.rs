@@ -174,17 +174,14 @@ fn hex(bytes: &[u8]) -> String {
 
 impl CheckpointDir {
     /// The checkpoints in `dir` (created when missing), keeping the newest `keep` (at least 1).
-    /// Temporary files a killed writer left behind are removed (one run writes to a folder).
+    ///
+    /// Opening touches no file: under a process group every rank opens the folder while others
+    /// may already be writing their shards into it. Temporary files a killed writer left behind
+    /// are removed when a checkpoint at their step or later is committed
+    /// ([`CheckpointDir::write`], [`CheckpointDir::write_sharded`]); by then no writer of that
+    /// step is still at work.
     pub fn new(dir: &Path, keep: usize) -> Result<Self, TrainError> {
         std::fs::create_dir_all(dir).map_err(|e| file_error(dir, e))?;
-        let entries = std::fs::read_dir(dir).map_err(|e| file_error(dir, e))?;
-        for entry in entries.filter_map(|e| e.ok()) {
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            if name.starts_with(".step-") && name.contains(".tmp-") {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
         Ok(CheckpointDir { dir: dir.to_path_buf(), keep: keep.max(1) })
     }
 
@@ -271,7 +268,26 @@ impl CheckpointDir {
         let json = serde_json::to_vec_pretty(&manifest).map_err(|e| file_error(&path, e))?;
         wick::files::write_atomic(&path, &json).map_err(|e| file_error(&path, e))?;
         self.prune()?;
+        self.remove_orphans(manifest.step);
         Ok(path)
+    }
+
+    /// Removes the temporary files of checkpoints at `step` or earlier: those a killed writer
+    /// left behind. Called at a commit, when every writer of those steps has finished (a sharded
+    /// save commits once all ranks have written and wait for it; a single process writes one
+    /// checkpoint at a time). A later step's temporary file may belong to a writer still at work
+    /// and is left alone. Best effort: a file that cannot be removed is left.
+    fn remove_orphans(&self, step: u64) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else { return };
+        for entry in entries.filter_map(|e| e.ok()) {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            let Some(rest) = name.strip_prefix(".step-") else { continue };
+            let of_step = rest.get(..10).and_then(|digits| digits.parse::<u64>().ok());
+            if of_step.is_some_and(|s| s <= step) && rest.contains(".tmp-") {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
     }
 
     /// Removes all but the newest `keep` checkpoints (the manifest first: a crash in between
