@@ -16,6 +16,7 @@
 //! | [`recovery`] | retry after freeing the cache, the largest batch that fits ([`BatchPlan`]) |
 //! | [`host_memory`] | exact host figures ([`CountingAllocator`], the caching heap's), host pre-flight |
 //! | [`leaks`] | the leak finder of training loops ([`LeakFinder`]) |
+//! | [`span_labels`] | labels from the `tracing` spans a model's layers enter (candle-transformers') |
 //! | [`memory_history`] | the recorded history with its labels, what is held at the peak ([`MemoryHistory`]) |
 //! | [`report`] | text and HTML reports ([`MemoryReport`], [`HistoryReport`]) and evcxr display |
 //! | [`engine_status`] | the status file every live engine keeps for `wick monitor` |
@@ -60,6 +61,7 @@ pub mod memory_history;
 pub mod pool_stack;
 pub mod recovery;
 pub mod report;
+pub mod span_labels;
 pub mod step;
 pub mod tensor_files;
 pub mod tensors;

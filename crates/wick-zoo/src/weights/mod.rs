@@ -1,5 +1,7 @@
 //! Loading named tensors from safetensors files with errors that name the file and the tensor,
-//! and checking every tensor's shape and dtype against what the model expects.
+//! and checking every tensor's shape and dtype against what the model expects: whole files for
+//! the zoo's models ([`WeightFile`]), and a governed `VarBuilder` for any candle-nn or
+//! candle-transformers model ([`SafetensorsWeights`], in `var_builder.rs`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -7,6 +9,10 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::ZooError;
+
+mod var_builder;
+
+pub use var_builder::SafetensorsWeights;
 
 /// The tensors of one safetensors file.
 pub struct WeightFile {

@@ -1,0 +1,266 @@
+//! A `VarBuilder` for any candle-nn or candle-transformers model, governed by wick: the files are
+//! pre-flighted from their headers before a byte of payload is read, and every tensor is read
+//! under its own label (`weights/<name>`), so the memory history and the held-at-peak table say
+//! which weights hold what.
+//!
+//! Why not candle's `VarBuilder::from_mmaped_safetensors`: mapping a file is `unsafe` (a file
+//! changed or cut short under the map is undefined behaviour, or a `SIGBUS` that kills the
+//! process), and the pages a map touches are charged to no allocation wick can see or label.
+//! Here each tensor is read with plain reads into a buffer reserved fallibly, then made a tensor:
+//! at most one tensor's bytes are held beside the weights, and a file damaged after opening is an
+//! `Err` naming it.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::VarBuilder;
+use safetensors::tensor::Metadata;
+use safetensors::Dtype;
+
+use crate::error::ZooError;
+
+/// The most header bytes a safetensors file may have (the format's own cap).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// Where one tensor's bytes are, and what they are.
+#[derive(Debug, Clone)]
+struct Entry {
+    file: usize,
+    /// `None`: a dtype candle has no type for (refused when the tensor is asked for).
+    dtype: Option<DType>,
+    stored: Dtype,
+    shape: Vec<usize>,
+    start: u64,
+    bytes: usize,
+}
+
+/// The tensors of one or more safetensors files (a model's shards), indexed from their headers
+/// alone; read one tensor at a time through [`SafetensorsWeights::var_builder`].
+#[derive(Debug)]
+pub struct SafetensorsWeights {
+    paths: Vec<PathBuf>,
+    files: Vec<Mutex<File>>,
+    index: HashMap<String, Entry>,
+}
+
+fn candle_dtype(dtype: Dtype) -> Option<DType> {
+    Some(match dtype {
+        Dtype::F32 => DType::F32,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::F64 => DType::F64,
+        Dtype::I64 => DType::I64,
+        Dtype::U32 => DType::U32,
+        Dtype::U8 => DType::U8,
+        _ => return None,
+    })
+}
+
+fn file_error(path: &Path, message: impl std::fmt::Display) -> ZooError {
+    ZooError::File { path: path.to_path_buf(), message: message.to_string() }
+}
+
+impl SafetensorsWeights {
+    /// Opens `paths` and reads their headers (checked: offsets contiguous and matching each
+    /// tensor's dtype and shape, the file exactly as long as its header says). A tensor name in
+    /// two files is an error.
+    pub fn open<P: AsRef<Path>>(paths: &[P]) -> Result<Self, ZooError> {
+        let mut weights = SafetensorsWeights { paths: Vec::new(), files: Vec::new(), index: HashMap::new() };
+        for path in paths {
+            weights.add(path.as_ref())?;
+        }
+        Ok(weights)
+    }
+
+    /// The weights of a model folder as the hub lays it out: the shards that
+    /// `model.safetensors.index.json` names, else `model.safetensors`.
+    pub fn open_dir(dir: &Path) -> Result<Self, ZooError> {
+        let index = dir.join("model.safetensors.index.json");
+        if !index.is_file() {
+            return Self::open(&[dir.join("model.safetensors")]);
+        }
+        let text = std::fs::read_to_string(&index).map_err(|e| file_error(&index, e))?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| file_error(&index, e))?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| file_error(&index, "no `weight_map` object"))?;
+        let mut shards = Vec::new();
+        for (tensor, file) in map {
+            let file = file.as_str().ok_or_else(|| file_error(&index, format!("`{tensor}` names no file")))?;
+            // Shards sit beside the index: a name that climbs out of the folder is refused.
+            let relative = Path::new(file);
+            if relative.components().count() != 1 || relative.is_absolute() || file == ".." || file == "." {
+                return Err(file_error(&index, format!("`{tensor}`: `{file}` is not a file in this folder")));
+            }
+            if !shards.iter().any(|s: &String| s == file) {
+                shards.push(file.to_string());
+            }
+        }
+        shards.sort();
+        let paths: Vec<PathBuf> = shards.iter().map(|s| dir.join(s)).collect();
+        Self::open(&paths)
+    }
+
+    fn add(&mut self, path: &Path) -> Result<(), ZooError> {
+        let mut file = File::open(path).map_err(|e| file_error(path, e))?;
+        let len = file.metadata().map_err(|e| file_error(path, e))?.len();
+        let damaged = |why: String| file_error(path, format!("not a safetensors file: {why}"));
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n).map_err(|e| damaged(format!("no header length ({e})")))?;
+        let header = u64::from_le_bytes(n);
+        if header > MAX_HEADER || header > len - 8 {
+            return Err(damaged(format!("a header of {header} bytes in a file of {len}")));
+        }
+        let mut text = Vec::new();
+        (&mut file).take(header).read_to_end(&mut text).map_err(|e| damaged(e.to_string()))?;
+        let metadata: Metadata = serde_json::from_slice(&text).map_err(|e| damaged(e.to_string()))?;
+        let data_start = 8 + header;
+        if data_start.checked_add(metadata.data_len() as u64) != Some(len) {
+            return Err(damaged(format!(
+                "its header describes {} data bytes, it holds {}",
+                metadata.data_len(),
+                len - data_start
+            )));
+        }
+        let n_file = self.files.len();
+        for (name, info) in metadata.tensors() {
+            let (begin, end) = info.data_offsets;
+            let entry = Entry {
+                file: n_file,
+                dtype: candle_dtype(info.dtype),
+                stored: info.dtype,
+                shape: info.shape.clone(),
+                start: data_start + begin as u64,
+                bytes: end - begin,
+            };
+            if let Some(other) = self.index.insert(name.clone(), entry) {
+                return Err(file_error(
+                    path,
+                    format!("tensor `{name}` is also in {}", self.paths[other.file].display()),
+                ));
+            }
+        }
+        self.paths.push(path.to_path_buf());
+        self.files.push(Mutex::new(file));
+        Ok(())
+    }
+
+    /// The files, in the order they were opened.
+    pub fn paths(&self) -> &[PathBuf] {
+        &self.paths
+    }
+
+    /// The tensor names, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// Bytes of the tensors as stored.
+    pub fn stored_bytes(&self) -> usize {
+        self.index.values().map(|e| e.bytes).sum()
+    }
+
+    /// What loading every tensor as `dtype` holds at its peak: the tensors in `dtype`, and while
+    /// the largest is read, its stored bytes and its tensor before conversion. `None` when the
+    /// figure overflows.
+    pub fn load_bytes(&self, dtype: DType) -> Option<usize> {
+        let mut total = 0usize;
+        let mut largest = 0usize;
+        for e in self.index.values() {
+            let elems = e.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
+            total = total.checked_add(elems.checked_mul(dtype.size_in_bytes())?)?;
+            largest = largest.max(e.bytes);
+        }
+        total.checked_add(largest.checked_mul(2)?)
+    }
+
+    /// A `VarBuilder` over these weights for `engine`'s device, in `dtype`: pre-flighted first
+    /// against what the engine can still give ([`SafetensorsWeights::load_bytes`]; `OutOfMemory`
+    /// with advice, nothing read). candle-nn and candle-transformers models load from it as from
+    /// candle's own; each tensor is read when the model asks for it, under the label
+    /// `weights/<name>`, and converted to the dtype asked for.
+    pub fn var_builder(self, engine: &wick::Engine, dtype: DType) -> Result<VarBuilder<'static>, ZooError> {
+        let what = match self.paths.as_slice() {
+            [one] => format!("weights {}", one.display()),
+            many => format!("weights in {} files", many.len()),
+        };
+        let bytes = self.load_bytes(dtype).ok_or_else(|| wick::memory::MemoryError::TooLarge {
+            requested: usize::MAX,
+            capacity: 0,
+            device: what.clone(),
+        })?;
+        engine.preflight(bytes, &what)?;
+        Ok(VarBuilder::from_backend(Box::new(self), dtype, engine.device().clone()))
+    }
+
+    fn read(&self, name: &str, e: &Entry, device: &Device) -> Result<Tensor, String> {
+        let dtype = e.dtype.ok_or_else(|| format!("its dtype {:?} has no candle type", e.stored))?;
+        let _weights = wick::memory::push_label("weights");
+        let _name = wick::memory::push_label(name);
+        let mut bytes = Vec::new();
+        bytes.try_reserve_exact(e.bytes).map_err(|_| format!("cannot allocate {} bytes to read it", e.bytes))?;
+        {
+            let mut file = self.files[e.file].lock().unwrap_or_else(|p| p.into_inner());
+            file.seek(SeekFrom::Start(e.start)).map_err(|err| err.to_string())?;
+            (&mut *file).take(e.bytes as u64).read_to_end(&mut bytes).map_err(|err| err.to_string())?;
+        }
+        if bytes.len() != e.bytes {
+            return Err(format!("cut short: {} of its {} bytes are in the file", bytes.len(), e.bytes));
+        }
+        Tensor::from_raw_buffer(&bytes, dtype, &e.shape, device).map_err(|err| err.to_string())
+    }
+
+    fn get_checked(
+        &self,
+        name: &str,
+        shape: Option<&Shape>,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        let e = self.index.get(name).ok_or_else(|| candle_core::Error::CannotFindTensor { path: name.to_string() })?;
+        let path = &self.paths[e.file];
+        if let Some(shape) = shape {
+            if shape.dims() != e.shape.as_slice() {
+                return Err(candle_core::Error::Msg(format!(
+                    "{}: tensor `{name}` has shape {:?}, the model expects {:?}",
+                    path.display(),
+                    e.shape,
+                    shape.dims()
+                )));
+            }
+        }
+        let tensor = self
+            .read(name, e, device)
+            .map_err(|why| candle_core::Error::Msg(format!("{}: tensor `{name}`: {why}", path.display())))?;
+        let _weights = wick::memory::push_label("weights");
+        let _name = wick::memory::push_label(name);
+        tensor.to_dtype(dtype)
+    }
+}
+
+impl SimpleBackend for SafetensorsWeights {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _h: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.get_checked(name, Some(&s), dtype, dev)
+    }
+
+    fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.get_checked(name, None, dtype, dev)
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+}
