@@ -1,5 +1,8 @@
 //! What the example programs share: the decoder of the main job (`train-amp`), which
-//! `zoo-speed` also times.
+//! `zoo-speed` also times; the candle-transformers models `byo-model` and `byo-model-alone` time
+//! governed and alone ([`byo_model`]).
+
+pub mod byo_model;
 
 use wick_zoo::llama::LlamaConfig;
 

@@ -12,6 +12,7 @@
 //! | [`vit`] | ViT-B/16 and smaller vision transformers |
 //! | [`resnet`] | ResNet-18/34/50 (torchvision's layout) |
 //! | [`mobilenet`] | MobileNetV2 (torchvision's layout and ImageNet weights) |
+//! | [`hub`] | fetching a model repository from the Hugging Face hub into its cache: pre-flighted, resumed, checksummed, placed atomically |
 //! | [`weights`] | safetensors weight files checked by name, shape and dtype; the offline hub cache |
 //! | [`pth`] | PyTorch's legacy `.pth` files, read without executing pickle, and their conversion |
 //! | [`registry`] | the zoo by name and size: [`registry::ModelSpec`] → a built [`registry::ZooModel`] with synthetic batches and its memory profile |
@@ -24,6 +25,7 @@ pub mod bert;
 mod classifier;
 pub mod error;
 pub mod estimate;
+pub mod hub;
 pub mod llama;
 pub mod mobilenet;
 pub mod pth;

@@ -149,9 +149,11 @@ fn cpu_features() -> Vec<String> {
     Vec::new()
 }
 
-/// (size, free) of the file system at `path`.
-fn filesystem_space(path: &str) -> Option<(u64, u64)> {
-    let c = std::ffi::CString::new(path).ok()?;
+/// (size, bytes an unprivileged process may still write) of the file system holding `path`;
+/// `None` when it cannot be read.
+pub fn filesystem_space(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
     let mut s = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
     // SAFETY: `c` is a NUL-terminated path and `s` a writable statvfs.
     if unsafe { libc::statvfs(c.as_ptr(), s.as_mut_ptr()) } != 0 {
@@ -167,7 +169,7 @@ impl HostInfo {
     /// Reads the host's memory figures now (a few small files; cheap enough to poll).
     pub fn probe() -> Self {
         let cgroup = crate::host_memory::cgroup_memory();
-        let shm = filesystem_space("/dev/shm");
+        let shm = filesystem_space(std::path::Path::new("/dev/shm"));
         HostInfo {
             total_bytes: meminfo_bytes("MemTotal").map(|b| b as u64),
             available_bytes: meminfo_bytes("MemAvailable").map(|b| b as u64),

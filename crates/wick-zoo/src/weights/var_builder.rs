@@ -6,9 +6,8 @@
 //! Why not candle's `VarBuilder::from_mmaped_safetensors`: mapping a file is `unsafe` (a file
 //! changed or cut short under the map is undefined behaviour, or a `SIGBUS` that kills the
 //! process), and the pages a map touches are charged to no allocation wick can see or label.
-//! Here each tensor is read with plain reads into a buffer reserved fallibly, then made a tensor:
-//! at most one tensor's bytes are held beside the weights, and a file damaged after opening is an
-//! `Err` naming it.
+//! Here each tensor is read with plain reads straight into its own buffer, reserved fallibly: no
+//! second copy, and a file damaged after opening is an `Err` naming it.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -167,8 +166,8 @@ impl SafetensorsWeights {
     }
 
     /// What loading every tensor as `dtype` holds at its peak: the tensors in `dtype`, and while
-    /// the largest is read, its stored bytes and its tensor before conversion. `None` when the
-    /// figure overflows.
+    /// the largest is converted, its tensor as stored (twice, for a device other than the CPU:
+    /// the host copy and the device's). `None` when the figure overflows.
     pub fn load_bytes(&self, dtype: DType) -> Option<usize> {
         let mut total = 0usize;
         let mut largest = 0usize;
@@ -203,17 +202,19 @@ impl SafetensorsWeights {
         let dtype = e.dtype.ok_or_else(|| format!("its dtype {:?} has no candle type", e.stored))?;
         let _weights = wick::memory::push_label("weights");
         let _name = wick::memory::push_label(name);
-        let mut bytes = Vec::new();
-        bytes.try_reserve_exact(e.bytes).map_err(|_| format!("cannot allocate {} bytes to read it", e.bytes))?;
-        {
-            let mut file = self.files[e.file].lock().unwrap_or_else(|p| p.into_inner());
-            file.seek(SeekFrom::Start(e.start)).map_err(|err| err.to_string())?;
-            (&mut *file).take(e.bytes as u64).read_to_end(&mut bytes).map_err(|err| err.to_string())?;
+        let mut file = self.files[e.file].lock().unwrap_or_else(|p| p.into_inner());
+        file.seek(SeekFrom::Start(e.start)).map_err(|err| err.to_string())?;
+        let shape = e.shape.as_slice();
+        match dtype {
+            DType::F32 => read_typed::<f32>(&mut file, e.bytes, shape, device),
+            DType::F16 => read_typed::<half::f16>(&mut file, e.bytes, shape, device),
+            DType::BF16 => read_typed::<half::bf16>(&mut file, e.bytes, shape, device),
+            DType::F64 => read_typed::<f64>(&mut file, e.bytes, shape, device),
+            DType::I64 => read_typed::<i64>(&mut file, e.bytes, shape, device),
+            DType::U32 => read_typed::<u32>(&mut file, e.bytes, shape, device),
+            DType::U8 => read_typed::<u8>(&mut file, e.bytes, shape, device),
+            other => Err(format!("its dtype {other:?} is not read")),
         }
-        if bytes.len() != e.bytes {
-            return Err(format!("cut short: {} of its {} bytes are in the file", bytes.len(), e.bytes));
-        }
-        Tensor::from_raw_buffer(&bytes, dtype, &e.shape, device).map_err(|err| err.to_string())
     }
 
     fn get_checked(
@@ -242,6 +243,50 @@ impl SafetensorsWeights {
         let _name = wick::memory::push_label(name);
         tensor.to_dtype(dtype)
     }
+}
+
+/// `bytes` of the file from where it stands, as a tensor of `T`: read straight into the tensor's
+/// own buffer (reserved fallibly), so a tensor costs one copy from the page cache.
+fn read_typed<T: candle_core::WithDType>(
+    file: &mut File,
+    bytes: usize,
+    shape: &[usize],
+    device: &Device,
+) -> Result<Tensor, String> {
+    let size = std::mem::size_of::<T>();
+    if bytes % size != 0 {
+        return Err(format!("{bytes} bytes are not a whole number of {size}-byte elements"));
+    }
+    let n = bytes / size;
+    let mut values: Vec<T> = Vec::new();
+    values.try_reserve_exact(n).map_err(|_| format!("cannot allocate {bytes} bytes to read it"))?;
+    values.resize(n, T::zero());
+    // The file's bytes are little-endian; on a big-endian machine they are converted by candle.
+    if cfg!(target_endian = "little") {
+        // SAFETY: `values` holds `n` initialised elements of `T`, `n * size` bytes; the types
+        // read here (floats, integers) are plain data for which every bit pattern is a value,
+        // so viewing them as bytes and overwriting those bytes is sound.
+        let view = unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<u8>(), bytes) };
+        read_all(file, view)?;
+        return Tensor::from_vec(values, shape, device).map_err(|err| err.to_string());
+    }
+    drop(values);
+    let mut raw = vec![0u8; bytes];
+    read_all(file, &mut raw)?;
+    Tensor::from_raw_buffer(&raw, T::DTYPE, shape, device).map_err(|err| err.to_string())
+}
+
+fn read_all(file: &mut File, into: &mut [u8]) -> Result<(), String> {
+    let mut done = 0;
+    while done < into.len() {
+        match file.read(&mut into[done..]) {
+            Ok(0) => return Err(format!("cut short: {done} of its {} bytes are in the file", into.len())),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(())
 }
 
 impl SimpleBackend for SafetensorsWeights {
