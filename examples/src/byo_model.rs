@@ -56,6 +56,9 @@ pub struct ByoArgs {
     /// Governed only: record the allocation history while timing.
     #[arg(long)]
     pub history: bool,
+    /// Governed only: no span labels (what labelling the layers costs).
+    #[arg(long)]
+    pub no_labels: bool,
 }
 
 /// The LLaMA timed here.

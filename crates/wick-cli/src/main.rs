@@ -12,11 +12,14 @@
 //!   peak allocated, peak reserved, fragmentation, retries, OOMs and ops/s;
 //! - `wick traces DIR`: writes the standard trace suite (realistic workloads) as JSON;
 //! - `wick convert-pth IN.pth OUT.safetensors`: converts a legacy PyTorch checkpoint safely;
+//! - `wick fetch REPO [--file F]… [--all]`: a model repository from the Hugging Face hub into its
+//!   cache, pre-flighted, resumable and checksummed;
 //! - `wick train --dir DIR [--resume] [--detach]`: a training run with checkpoints and exact
 //!   resume, in the foreground or as a job in its own session;
 //! - `wick jobs [stop|status|forget ID]`: the detached runs.
 
 mod estimate;
+mod fetch;
 mod fit;
 mod measure;
 mod monitor;
@@ -101,6 +104,9 @@ enum Command {
         /// The safetensors file to write.
         output: PathBuf,
     },
+    /// Fetch a model repository from the Hugging Face hub into its cache: disk and memory
+    /// checked first, interrupted transfers resumed, every file checksummed before it is placed.
+    Fetch(fetch::FetchArgs),
     /// Train a LLaMA-style decoder on a seeded synthetic language with checkpoints: `--resume`
     /// continues exactly from the newest; SIGTERM saves and exits 0.
     Train(train::TrainArgs),
@@ -183,6 +189,7 @@ fn run() -> Result<()> {
             println!("wrote {n} tensors to {}", output.display());
         }
         Command::Train(args) => train::run(&args)?,
+        Command::Fetch(args) => fetch::run(&args)?,
         Command::Estimate(args) => estimate::run(&args)?,
         Command::FitBatch(args) => fit::run(&args)?,
         Command::Report(args) => report::run(&args)?,

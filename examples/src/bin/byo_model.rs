@@ -7,7 +7,9 @@ use wick_examples::byo_model::{run as time, ByoArgs};
 
 fn run() -> anyhow::Result<()> {
     let args = ByoArgs::parse();
-    wick::span_labels::install()?;
+    if !args.no_labels {
+        wick::span_labels::install()?;
+    }
     let engine = wick::Engine::cpu();
     time(&args, Some(&engine))
 }
