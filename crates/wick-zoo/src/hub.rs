@@ -240,8 +240,7 @@ fn cache_root(options: &FetchOptions) -> Result<PathBuf, ZooError> {
 
 fn selected(listing: &Listing, files: &FileSelection) -> Result<Vec<Wanted>, ZooError> {
     let loadable = |name: &str| {
-        !name.contains('/')
-            && [".json", ".txt", ".model", ".safetensors"].iter().any(|ext| name.ends_with(ext))
+        !name.contains('/') && [".json", ".txt", ".model", ".safetensors"].iter().any(|ext| name.ends_with(ext))
     };
     let mut wanted = Vec::new();
     for s in &listing.siblings {
@@ -324,10 +323,7 @@ pub fn fetch(
     let token = match &options.token {
         Some(t) if t.is_empty() => None,
         Some(t) => Some(t.clone()),
-        None => std::env::var("HF_TOKEN")
-            .ok()
-            .filter(|t| !t.is_empty())
-            .or_else(|| Cache::new(root.clone()).token()),
+        None => std::env::var("HF_TOKEN").ok().filter(|t| !t.is_empty()).or_else(|| Cache::new(root.clone()).token()),
     };
     let endpoint = options
         .endpoint

@@ -204,10 +204,18 @@ fn a_full_disk_is_refused_before_downloading_or_stops_cleanly() {
         // Pre-flight: 90 MB of weights on an 8 MiB file system: nothing is downloaded.
         let err = fetch(REPO, &options(&hub, &cache), None, &mut |_| {}).unwrap_err().to_string();
         assert!(err.contains("not enough disk space") && err.contains("nothing was downloaded"), "{err}");
-        assert!(tree(&cache).iter().all(|f| !f.contains("incomplete") && !f.contains("snapshots")), "{:?}", tree(&cache));
+        assert!(
+            tree(&cache).iter().all(|f| !f.contains("incomplete") && !f.contains("snapshots")),
+            "{:?}",
+            tree(&cache)
+        );
         // Without the pre-flight the disk fills mid-transfer: an error naming the file, the
         // partial download kept where no reader takes it.
-        let opts = FetchOptions { preflight: false, files: FileSelection::Named(vec![WEIGHTS.into()]), ..options(&hub, &cache) };
+        let opts = FetchOptions {
+            preflight: false,
+            files: FileSelection::Named(vec![WEIGHTS.into()]),
+            ..options(&hub, &cache)
+        };
         let err = fetch(REPO, &opts, None, &mut |_| {}).unwrap_err().to_string();
         assert!(err.contains("No space left on device") && err.contains(".incomplete"), "{err}");
         assert!(wick_zoo::weights::hf_cache_snapshot(Some(&cache), REPO, &[WEIGHTS]).is_err());

@@ -72,6 +72,10 @@ pub struct CandleBuild {
     pub avx: bool,
     /// F16C conversions compiled in.
     pub f16c: bool,
+    /// wick's patched candle-core (`vendor/`): gradients stored instead of added into zeros,
+    /// over-memory CPU tensors as `Err` (`crate::host_memory::candle_checks_cpu_allocations`).
+    #[serde(default)]
+    pub patched: bool,
 }
 
 /// Everything `wick info` reports.
@@ -107,6 +111,7 @@ impl MachineInfo {
                 accelerate: candle_core::utils::has_accelerate(),
                 avx: candle_core::utils::with_avx(),
                 f16c: candle_core::utils::with_f16c(),
+                patched: crate::host_memory::candle_checks_cpu_allocations(),
             },
         }
     }
@@ -291,7 +296,16 @@ impl fmt::Display for MachineInfo {
         .iter()
         .filter_map(|(n, v)| v.then_some(*n))
         .collect();
-        write!(f, "candle   built with: {}", if on.is_empty() { "no optional features".into() } else { on.join(", ") })
+        write!(
+            f,
+            "candle   built with: {}",
+            if on.is_empty() { "no optional features".into() } else { on.join(", ") }
+        )?;
+        if k.patched {
+            write!(f, "; wick's patched candle-core (faster backward, over-memory CPU tensors are errors)")
+        } else {
+            write!(f, "; the published candle-core: add the README's [patch] line for a faster backward and over-memory CPU tensors as errors")
+        }
     }
 }
 
@@ -328,6 +342,8 @@ mod tests {
         assert!(m.host.available_bytes.is_some_and(|a| a <= pages as u64 * page as u64));
         assert!(m.cpu.usable_cores >= 1 && m.cpu.logical_cores >= m.cpu.usable_cores);
         assert_eq!(m.candle.cuda, cfg!(feature = "cuda"));
+        // The workspace builds wick's patched candle-core (its `[patch]`).
+        assert!(m.candle.patched);
         let text = m.to_string();
         for line in ["CPU ", "memory ", "cgroup ", "/dev/shm", "GPUs ", "allocator ", "candle "] {
             assert!(text.contains(line), "no `{line}` in\n{text}");

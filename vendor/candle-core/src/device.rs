@@ -361,6 +361,8 @@ impl Device {
     ) -> Result<Storage> {
         match self {
             Device::Cpu => {
+                // wick: checked before allocating (see `check_cpu_alloc`).
+                crate::storage::check_cpu_alloc(&[shape.elem_count()], dtype)?;
                 let storage = CpuDevice.rand_uniform(shape, dtype, lo, up)?;
                 Ok(Storage::Cpu(storage))
             }
@@ -399,6 +401,8 @@ impl Device {
     ) -> Result<Storage> {
         match self {
             Device::Cpu => {
+                // wick: checked before allocating (see `check_cpu_alloc`).
+                crate::storage::check_cpu_alloc(&[shape.elem_count()], dtype)?;
                 let storage = CpuDevice.rand_normal(shape, dtype, mean, std)?;
                 Ok(Storage::Cpu(storage))
             }
@@ -431,6 +435,8 @@ impl Device {
     pub(crate) fn zeros(&self, shape: &Shape, dtype: DType) -> Result<Storage> {
         match self {
             Device::Cpu => {
+                // wick: checked before allocating (see `check_cpu_alloc`).
+                crate::storage::check_cpu_alloc(&[shape.elem_count()], dtype)?;
                 let storage = CpuDevice.zeros_impl(shape, dtype)?;
                 Ok(Storage::Cpu(storage))
             }
@@ -448,6 +454,8 @@ impl Device {
     pub(crate) unsafe fn alloc_uninit(&self, shape: &Shape, dtype: DType) -> Result<Storage> {
         match self {
             Device::Cpu => {
+                // wick: checked before allocating (see `check_cpu_alloc`).
+                crate::storage::check_cpu_alloc(&[shape.elem_count()], dtype)?;
                 let storage = CpuDevice.alloc_uninit(shape, dtype)?;
                 Ok(Storage::Cpu(storage))
             }
@@ -464,7 +472,11 @@ impl Device {
 
     pub(crate) fn storage_from_slice<D: WithDType>(&self, data: &[D]) -> Result<Storage> {
         match self {
-            Device::Cpu => Ok(Storage::Cpu(data.to_cpu_storage())),
+            Device::Cpu => {
+                // wick: checked before copying (see `check_cpu_alloc`).
+                crate::storage::check_cpu_alloc(&[data.len()], D::DTYPE)?;
+                Ok(Storage::Cpu(data.to_cpu_storage()))
+            }
             Device::Cuda(device) => {
                 let storage = device.storage_from_slice(data)?;
                 Ok(Storage::Cuda(storage))

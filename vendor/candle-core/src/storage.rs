@@ -90,6 +90,8 @@ impl Storage {
     pub(crate) fn affine(&self, layout: &Layout, mul: f64, add: f64) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[layout.shape().elem_count()], self.dtype())?;
                 let storage = storage.affine(layout, mul, add)?;
                 Ok(Self::Cpu(storage))
             }
@@ -107,6 +109,8 @@ impl Storage {
     pub(crate) fn powf(&self, layout: &Layout, alpha: f64) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[layout.shape().elem_count()], self.dtype())?;
                 let storage = storage.powf(layout, alpha)?;
                 Ok(Self::Cpu(storage))
             }
@@ -124,6 +128,8 @@ impl Storage {
     pub(crate) fn elu(&self, layout: &Layout, alpha: f64) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[layout.shape().elem_count()], self.dtype())?;
                 let storage = storage.elu(layout, alpha)?;
                 Ok(Self::Cpu(storage))
             }
@@ -149,6 +155,8 @@ impl Storage {
         self.same_dtype(rhs, "cmp")?;
         match (self, rhs) {
             (Storage::Cpu(lhs), Storage::Cpu(rhs)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[lhs_layout.shape().elem_count()], DType::U8)?;
                 let storage = lhs.cmp(op, rhs, lhs_layout, rhs_layout)?;
                 Ok(Self::Cpu(storage))
             }
@@ -176,6 +184,8 @@ impl Storage {
     pub(crate) fn reduce_op(&self, op: ReduceOp, layout: &Layout, s: &[usize]) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&reduced_dims(layout, s), self.dtype())?;
                 let storage = storage.reduce_op(op, layout, s)?;
                 Ok(Self::Cpu(storage))
             }
@@ -193,6 +203,8 @@ impl Storage {
     pub(crate) fn to_dtype(&self, layout: &Layout, dtype: DType) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[layout.shape().elem_count()], dtype)?;
                 let storage = storage.to_dtype(layout, dtype)?;
                 Ok(Self::Cpu(storage))
             }
@@ -326,6 +338,8 @@ impl Storage {
     pub(crate) fn unary_impl<B: op::UnaryOpT>(&self, layout: &Layout) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[layout.shape().elem_count()], self.dtype())?;
                 let storage = storage.unary_impl::<B>(layout)?;
                 Ok(Self::Cpu(storage))
             }
@@ -350,6 +364,8 @@ impl Storage {
         self.same_dtype(rhs, B::NAME)?;
         match (self, rhs) {
             (Storage::Cpu(lhs), Storage::Cpu(rhs)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[lhs_layout.shape().elem_count()], self.dtype())?;
                 let storage = lhs.binary_impl::<B>(rhs, lhs_layout, rhs_layout)?;
                 Ok(Self::Cpu(storage))
             }
@@ -385,6 +401,8 @@ impl Storage {
         self.same_dtype(kernel, "conv1d")?;
         match (self, &kernel) {
             (Storage::Cpu(inp), Storage::Cpu(kernel)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&params.out_dims(), self.dtype())?;
                 let s = inp.conv1d(l, kernel, kernel_l, params)?;
                 Ok(Self::Cpu(s))
             }
@@ -416,6 +434,8 @@ impl Storage {
         self.same_dtype(kernel, "conv-transpose1d")?;
         match (self, &kernel) {
             (Storage::Cpu(inp), Storage::Cpu(kernel)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&params.out_dims(), self.dtype())?;
                 let s = inp.conv_transpose1d(l, kernel, kernel_l, params)?;
                 Ok(Self::Cpu(s))
             }
@@ -447,6 +467,8 @@ impl Storage {
         self.same_dtype(kernel, "conv2d")?;
         match (self, &kernel) {
             (Storage::Cpu(inp), Storage::Cpu(kernel)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&params.out_dims(), self.dtype())?;
                 let s = inp.conv2d(l, kernel, kernel_l, params)?;
                 Ok(Self::Cpu(s))
             }
@@ -478,6 +500,8 @@ impl Storage {
         self.same_dtype(kernel, "conv_transpose2d")?;
         match (self, &kernel) {
             (Storage::Cpu(inp), Storage::Cpu(kernel)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&params.out_dims(), self.dtype())?;
                 let s = inp.conv_transpose2d(l, kernel, kernel_l, params)?;
                 Ok(Self::Cpu(s))
             }
@@ -506,6 +530,8 @@ impl Storage {
     ) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&pool_dims(layout, kernel_size, stride), self.dtype())?;
                 let storage = storage.avg_pool2d(layout, kernel_size, stride)?;
                 Ok(Self::Cpu(storage))
             }
@@ -528,6 +554,8 @@ impl Storage {
     ) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&pool_dims(layout, kernel_size, stride), self.dtype())?;
                 let storage = storage.max_pool2d(layout, kernel_size, stride)?;
                 Ok(Self::Cpu(storage))
             }
@@ -545,6 +573,8 @@ impl Storage {
     pub(crate) fn upsample_nearest1d(&self, layout: &Layout, sz: usize) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[layout.dims()[..layout.dims().len().saturating_sub(1)].iter().product::<usize>(), sz], self.dtype())?;
                 let storage = storage.upsample_nearest1d(layout, sz)?;
                 Ok(Self::Cpu(storage))
             }
@@ -562,6 +592,8 @@ impl Storage {
     pub(crate) fn upsample_nearest2d(&self, layout: &Layout, h: usize, w: usize) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[layout.dims()[..layout.dims().len().saturating_sub(2)].iter().product::<usize>(), h, w], self.dtype())?;
                 let storage = storage.upsample_nearest2d(layout, h, w)?;
                 Ok(Self::Cpu(storage))
             }
@@ -587,6 +619,8 @@ impl Storage {
     ) -> Result<Self> {
         match self {
             Storage::Cpu(storage) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[layout.dims()[..layout.dims().len().saturating_sub(2)].iter().product::<usize>(), h, w], self.dtype())?;
                 let storage =
                     storage.upsample_bilinear2d(layout, h, w, align_corners, scale_h, scale_w)?;
                 Ok(Self::Cpu(storage))
@@ -617,6 +651,8 @@ impl Storage {
         t.same_dtype(f, "where")?;
         match (self, t, f) {
             (Storage::Cpu(cond), Storage::Cpu(t), Storage::Cpu(f)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[layout.shape().elem_count()], t.dtype())?;
                 let storage = cond.where_cond(layout, t, layout_t, f, layout_f)?;
                 Ok(Self::Cpu(storage))
             }
@@ -647,6 +683,8 @@ impl Storage {
         self.same_device(indexes, "index-add")?;
         match (self, indexes) {
             (Self::Cpu(s), Self::Cpu(indexes)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[indexes_l.shape().elem_count()], self.dtype())?;
                 let storage = s.gather(l, indexes, indexes_l, d)?;
                 Ok(Self::Cpu(storage))
             }
@@ -727,6 +765,8 @@ impl Storage {
         self.same_device(source, "index-add")?;
         match (self, indexes, source) {
             (Self::Cpu(s), Self::Cpu(indexes), Self::Cpu(source)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[l.shape().elem_count()], self.dtype())?;
                 let storage = s.index_add(l, indexes, indexes_l, source, source_l, d)?;
                 Ok(Self::Cpu(storage))
             }
@@ -752,6 +792,8 @@ impl Storage {
         self.same_device(rhs, "index-select")?;
         match (self, rhs) {
             (Self::Cpu(lhs), Self::Cpu(rhs)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&index_select_dims(lhs_l, rhs_l, d), self.dtype())?;
                 let storage = lhs.index_select(rhs, lhs_l, rhs_l, d)?;
                 Ok(Self::Cpu(storage))
             }
@@ -783,6 +825,8 @@ impl Storage {
         self.same_dtype(rhs, "matmul")?;
         match (self, rhs) {
             (Self::Cpu(lhs), Self::Cpu(rhs)) => {
+                // wick: a CPU buffer larger than the host can give is an Err, not an abort.
+                check_cpu_alloc(&[bmnk.0, bmnk.1, bmnk.2], self.dtype())?;
                 let storage = lhs.matmul(rhs, bmnk, lhs_layout, rhs_layout)?;
                 Ok(Self::Cpu(storage))
             }
@@ -852,4 +896,44 @@ impl Storage {
             .bt()),
         }
     }
+}
+
+/// wick: asks wick's CPU allocation check (`wick-alloc-check`, installed by wick) before a CPU
+/// buffer of `dims` elements of `dtype` is allocated. candle's CPU storage is an infallible `Vec`:
+/// without this an allocation beyond the host's memory aborts the process. An overflowing size
+/// is refused whether or not a check is installed.
+pub(crate) fn check_cpu_alloc(dims: &[usize], dtype: DType) -> Result<()> {
+    let bytes = dims.iter().try_fold(dtype.size_in_bytes(), |n, &d| n.checked_mul(d));
+    wick_alloc_check::check(bytes).map_err(|m| Error::Msg(m).bt())
+}
+
+/// wick: the dims of a reduction's output (the reduced dims kept as 1).
+fn reduced_dims(layout: &Layout, s: &[usize]) -> Vec<usize> {
+    let mut dims = layout.dims().to_vec();
+    for &d in s {
+        if let Some(v) = dims.get_mut(d) {
+            *v = 1;
+        }
+    }
+    dims
+}
+
+/// wick: the dims of a 2D pooling's output (none when the input is not 4D or the window does
+/// not fit: the backend reports those).
+fn pool_dims(layout: &Layout, (kh, kw): (usize, usize), (sh, sw): (usize, usize)) -> Vec<usize> {
+    match *layout.dims() {
+        [b, c, h, w] if sh > 0 && sw > 0 && h >= kh && w >= kw => {
+            vec![b, c, (h - kh) / sh + 1, (w - kw) / sw + 1]
+        }
+        _ => vec![0],
+    }
+}
+
+/// wick: the dims of `index_select`'s output: the source with dim `d` replaced by the ids.
+fn index_select_dims(src: &Layout, ids: &Layout, d: usize) -> Vec<usize> {
+    let mut dims = src.dims().to_vec();
+    if let Some(v) = dims.get_mut(d) {
+        *v = ids.shape().elem_count();
+    }
+    dims
 }

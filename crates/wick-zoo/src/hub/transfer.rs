@@ -17,7 +17,9 @@ enum Stop {
 
 fn describe(code: u16, what: &str) -> String {
     match code {
-        401 | 403 => format!("{what}: the hub refused access ({code}); a gated or private repository needs a token (HF_TOKEN)"),
+        401 | 403 => {
+            format!("{what}: the hub refused access ({code}); a gated or private repository needs a token (HF_TOKEN)")
+        }
         404 => format!("{what}: not found (404): no such repository, revision or file"),
         _ => format!("{what}: the hub answered {code}"),
     }
@@ -25,7 +27,11 @@ fn describe(code: u16, what: &str) -> String {
 
 /// The repository's listing at the revision, with sizes and checksums (`blobs=true`), through
 /// hf-hub's own API request.
-pub(super) fn listing(repo: &hf_hub::api::sync::ApiRepo, repo_id: &str, timeout: Duration) -> Result<Listing, ZooError> {
+pub(super) fn listing(
+    repo: &hf_hub::api::sync::ApiRepo,
+    repo_id: &str,
+    timeout: Duration,
+) -> Result<Listing, ZooError> {
     let response = match repo.info_request().query("blobs", "true").timeout(timeout).call() {
         Ok(r) => r,
         Err(ureq::Error::Status(code, _)) => return Err(invalid(repo_id, describe(code, "listing the repository"))),
@@ -176,7 +182,10 @@ impl Client {
                 let range = response.header("Content-Range").unwrap_or("");
                 let start = range.strip_prefix("bytes ").and_then(|r| r.split('-').next()).and_then(|s| s.parse().ok());
                 if start != Some(*t.have) {
-                    return Err(Stop::Fail(invalid(url, format!("asked for bytes from {}, the server sent `{range}`", *t.have))));
+                    return Err(Stop::Fail(invalid(
+                        url,
+                        format!("asked for bytes from {}, the server sent `{range}`", *t.have),
+                    )));
                 }
             }
             200 if *t.have > 0 => t.restart(w).map_err(|e| Stop::Fail(file_error(partial, e)))?,
