@@ -227,17 +227,6 @@ fn plain_relative(s: &str) -> bool {
         && Path::new(s).components().all(|c| matches!(c, Component::Normal(_)))
 }
 
-fn cache_root(options: &FetchOptions) -> Result<PathBuf, ZooError> {
-    if let Some(c) = &options.cache {
-        return Ok(c.clone());
-    }
-    std::env::var_os("HF_HUB_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HF_HOME").map(|h| PathBuf::from(h).join("hub")))
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface/hub")))
-        .ok_or_else(|| invalid("~/.cache/huggingface/hub", "no HOME, HF_HOME or HF_HUB_CACHE"))
-}
-
 fn selected(listing: &Listing, files: &FileSelection) -> Result<Vec<Wanted>, ZooError> {
     let loadable = |name: &str| {
         !name.contains('/') && [".json", ".txt", ".model", ".safetensors"].iter().any(|ext| name.ends_with(ext))
@@ -319,7 +308,7 @@ pub fn fetch(
     if !plain_relative(&options.revision) {
         return Err(invalid(&options.revision, "not a revision (a branch, tag or commit)"));
     }
-    let root = cache_root(options)?;
+    let root = crate::weights::hub_cache_root(options.cache.as_deref())?;
     let token = match &options.token {
         Some(t) if t.is_empty() => None,
         Some(t) => Some(t.clone()),

@@ -73,14 +73,11 @@ impl WeightFile {
     }
 }
 
-/// The snapshot directory of `repo_id` in a Hugging Face hub cache (`hub/models--org--name/
-/// snapshots/<commit of refs/main>`), read offline through hf-hub's cache API: nothing is ever
-/// downloaded. `root` is the hub cache (`$HF_HOME/hub`, `~/.cache/huggingface/hub`); `None`
-/// uses `HF_HUB_CACHE`, then `HF_HOME/hub`, then the default under `HOME`. Every file in
-/// `required` must be present.
-pub fn hf_cache_snapshot(root: Option<&Path>, repo_id: &str, required: &[&str]) -> Result<PathBuf, ZooError> {
-    let root = match root {
-        Some(r) => r.to_path_buf(),
+/// The Hugging Face hub cache: `root` when given, else `HF_HUB_CACHE`, then `HF_HOME/hub`, then
+/// `~/.cache/huggingface/hub` (where Python's `huggingface_hub` and hf-hub look).
+pub fn hub_cache_root(root: Option<&Path>) -> Result<PathBuf, ZooError> {
+    match root {
+        Some(r) => Ok(r.to_path_buf()),
         None => std::env::var_os("HF_HUB_CACHE")
             .map(PathBuf::from)
             .or_else(|| std::env::var_os("HF_HOME").map(|h| PathBuf::from(h).join("hub")))
@@ -88,15 +85,24 @@ pub fn hf_cache_snapshot(root: Option<&Path>, repo_id: &str, required: &[&str]) 
             .ok_or_else(|| ZooError::File {
                 path: PathBuf::from("~/.cache/huggingface/hub"),
                 message: "no HOME, HF_HOME or HF_HUB_CACHE".into(),
-            })?,
-    };
+            }),
+    }
+}
+
+/// The snapshot directory of `repo_id` in a Hugging Face hub cache (`hub/models--org--name/
+/// snapshots/<commit of refs/main>`), read offline through hf-hub's cache API: nothing is
+/// downloaded here ([`crate::hub::fetch`] downloads). `root` is the hub cache (`$HF_HOME/hub`, `~/.cache/huggingface/hub`); `None`
+/// uses `HF_HUB_CACHE`, then `HF_HOME/hub`, then the default under `HOME`. Every file in
+/// `required` must be present.
+pub fn hf_cache_snapshot(root: Option<&Path>, repo_id: &str, required: &[&str]) -> Result<PathBuf, ZooError> {
+    let root = hub_cache_root(root)?;
     let repo = hf_hub::Cache::new(root.clone()).model(repo_id.to_string());
     let mut dir = None;
     for file in required {
         let path = repo.get(file).ok_or_else(|| ZooError::File {
             path: root.join(format!("models--{}", repo_id.replace('/', "--"))).join(file),
             message: format!(
-                "`{file}` of {repo_id} is not in the hub cache (wick reads it offline and never downloads)"
+                "`{file}` of {repo_id} is not in the hub cache (this reads it offline; `wick fetch {repo_id}` downloads it)"
             ),
         })?;
         dir = path.parent().map(Path::to_path_buf);
