@@ -30,20 +30,28 @@ build -p wick-tools --features cuda --bin gpu-check
 build -p wick-memory --features cuda --test conformance_cuda
 build -p wick-tools --features cuda --bin amp-gpu-check
 build -p wick-examples --features cuda --bin train-amp
+build -p wick-examples --features cuda --bin byo-model
 build -p wick-train --features nccl --example nccl_check
 test_bin() { ls -t target/release/deps/conformance_cuda-* | grep -v '\.d$' | head -1; }
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-gpu target/release/gpu-check target/release/amp-gpu-check \
-  target/release/train-amp target/release/examples/nccl_check "$(test_bin)"
+  target/release/train-amp target/release/byo-model target/release/examples/nccl_check "$(test_bin)"
 export LIBRARY_PATH="$PWD/target/cuda-stubs-gpu"
 touch tools/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs \
-  tools/src/bin/amp_gpu_check.rs examples/src/bin/train_amp.rs crates/wick-train/examples/nccl_check.rs
+  tools/src/bin/amp_gpu_check.rs examples/src/bin/train_amp.rs examples/src/bin/byo_model.rs \
+  crates/wick-train/examples/nccl_check.rs
 build -p wick-tools --features cuda --bin gpu-check
 build -p wick-memory --features cuda --test conformance_cuda
 build -p wick-tools --features cuda --bin amp-gpu-check
 build -p wick-examples --features cuda --bin train-amp
+build -p wick-examples --features cuda --bin byo-model
 build -p wick-train --features nccl --example nccl_check
 cp target/release/gpu-check target/release/amp-gpu-check target/release/examples/nccl_check .devbuild/
 # train-amp needs candle's kernels: keep it only when they were really compiled.
-if [ "${WICK_CANDLE_NVCC:-real}" = real ]; then cp target/release/train-amp .devbuild/; else rm -f .devbuild/train-amp; fi
+# byo-model (a candle-transformers model) too.
+if [ "${WICK_CANDLE_NVCC:-real}" = real ]; then
+  cp target/release/train-amp target/release/byo-model .devbuild/
+else
+  rm -f .devbuild/train-amp .devbuild/byo-model
+fi
 cp "$(test_bin)" .devbuild/conformance_cuda
 for b in .devbuild/*; do echo "$b needs: $(readelf -d "$b" | awk '/NEEDED/ {print $5}' | tr -d '[]' | tr '\n' ' ')"; done

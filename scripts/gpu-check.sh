@@ -8,6 +8,8 @@
 #   - the fused AMP kernels (kernels/src/*.cu) against their CPU references;
 #   - the AMP training example on CUDA (f16 with loss scaling, then bf16), through the fused
 #     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh);
+#   - a candle-transformers LLaMA under a CUDA engine: its forward time, and out-of-memory as an
+#     error both at loading (pre-flight) and in the forward pass (the pool's cap);
 #   - a one-rank NCCL communicator: all-reduce of CUDA tensors against the input, and its time.
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
 # .devbuild/ (this machine may have no Rust toolchain); the real driver and the CUDA 13 libraries
@@ -62,6 +64,24 @@ if [ -x "$bin/train-amp" ]; then
   done
 else
   echo "!! SKIPPED: $bin/train-amp not built (scripts/build-gpu-binaries.sh with WICK_CANDLE_NVCC=fake leaves it out)"
+fi
+echo "== a candle-transformers model (LLaMA 8x512, vocab 32k) under a CUDA engine (issue 31)"
+if [ -x "$bin/byo-model" ]; then
+  byo=$(mktemp -d)
+  "$bin/byo-model" --model llama --prepare "$byo"
+  timeout 120 "$bin/byo-model" --model llama --dir "$byo" --device cuda --batch 4 --seq 256 --steps 5 2>&1 \
+    | tee "$out/gpu-byo.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # Capped below the weights (221 MiB): refused before loading. Capped above them but below the
+  # forward pass: candle's CUDA out-of-memory as an error. Both must say so and exit non-zero.
+  for cap in "--cap-mib 128" "--cap-mib 260 --batch 8 --seq 512"; do
+    timeout 60 "$bin/byo-model" --model llama --dir "$byo" --device cuda $cap --steps 1 2>&1 | tee -a "$out/gpu-byo.txt"
+    [ "${PIPESTATUS[0]}" != 0 ] || status=1
+  done
+  [ "$(grep -c 'out of memory, as an error' "$out/gpu-byo.txt")" = 2 ] || status=1
+  rm -rf "$byo"
+else
+  echo "!! SKIPPED: $bin/byo-model not built (scripts/build-gpu-binaries.sh with WICK_CANDLE_NVCC=fake leaves it out)"
 fi
 echo "== NCCL, one rank (a single GPU cannot host two ranks of a communicator)"
 timeout 120 "$bin/nccl_check" 2>&1 | tail -30 | tee "$out/gpu-nccl.txt"

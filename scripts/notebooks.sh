@@ -20,13 +20,16 @@ export EVCXR_CONFIG_DIR="$root/target/evcxr-config" XDG_CACHE_HOME="${XDG_CACHE_
 mkdir -p "$EVCXR_CONFIG_DIR" target/notebooks
 printf ':preserve_vars_on_panic 0\n:cache 4000\n' > "$EVCXR_CONFIG_DIR/init.evcxr"
 # evcxr writes its own Cargo.toml, where no `[patch]` applies; cargo also reads `[patch]` from
-# configuration files above the folder it builds in. The kernels build under
-# target/notebook-build, whose .cargo/config.toml puts wick's patched candle-core in place as
-# the workspace's Cargo.toml does (the README's line for any project; see vendor/README.md).
-export EVCXR_TMPDIR="$root/target/notebook-build/evcxr"
-mkdir -p "$EVCXR_TMPDIR" "$root/target/notebook-build/.cargo"
-printf '[patch.crates-io]\ncandle-core = { path = "%s/vendor/candle-core" }\n' "$root" \
-  > "$root/target/notebook-build/.cargo/config.toml"
+# configuration files above the folder it builds in. The kernels build in a folder whose parent's
+# .cargo/config.toml puts wick's patched candle-core in place, as the workspace's Cargo.toml does
+# (the README's line for any project; see vendor/README.md). Outside the repository (under it,
+# cargo would take evcxr's project for a member of this workspace), in a fresh folder under /tmp
+# (a kernel built in a folder under ~/.cache failed to load its code here: "dlopen failed").
+build=$(mktemp -d "${TMPDIR:-/tmp}/wick-notebook-build.XXXXXX")
+trap 'rm -rf "$build"' EXIT
+export EVCXR_TMPDIR="$build/evcxr"
+mkdir -p "$EVCXR_TMPDIR" "$build/.cargo"
+printf '[patch.crates-io]\ncandle-core = { path = "%s/vendor/candle-core" }\n' "$root" > "$build/.cargo/config.toml"
 # The long-jobs notebook starts `wick train` as separate processes.
 cargo build -q -p wick-cli
 export WICK_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/wick"

@@ -59,6 +59,13 @@ pub struct ByoArgs {
     /// Governed only: no span labels (what labelling the layers costs).
     #[arg(long)]
     pub no_labels: bool,
+    /// Governed only: the device (`cpu`, or `cuda` with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Governed only, CUDA: the engine's pool capped at this many MiB (a cap below the weights
+    /// shows the load refused, and a cap below a forward pass's peak its out-of-memory `Err`).
+    #[arg(long)]
+    pub cap_mib: Option<usize>,
 }
 
 /// The LLaMA timed here.
@@ -124,7 +131,7 @@ fn forward(model: &Loaded, ids: &Tensor) -> Result<Tensor> {
     Ok(match model {
         Loaded::Bert(m) => m.forward(ids, &ids.zeros_like()?, None)?,
         Loaded::Llama(m) => {
-            let mut cache = llama::Cache::new(false, DType::F32, &llama_config(), &Device::Cpu)?;
+            let mut cache = llama::Cache::new(false, DType::F32, &llama_config(), ids.device())?;
             m.forward(ids, 0, &mut cache)?
         }
     })
@@ -164,7 +171,8 @@ pub fn run(args: &ByoArgs, engine: Option<&wick::Engine>) -> Result<()> {
     };
     // Token ids spread over the vocabulary, the same in both programs.
     let ids: Vec<u32> = (0..args.batch * args.seq).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
-    let ids = Tensor::from_vec(ids, (args.batch, args.seq), &Device::Cpu)?;
+    let device = engine.map_or(Device::Cpu, |e| e.device().clone());
+    let ids = Tensor::from_vec(ids, (args.batch, args.seq), &device)?;
     forward(&model, &ids)?;
     if let (Some(engine), true) = (engine, args.history) {
         engine.record_memory_history(Some(1_000_000))?;
@@ -188,6 +196,7 @@ pub fn run(args: &ByoArgs, engine: Option<&wick::Engine>) -> Result<()> {
         "step_ms": median,
         "peak_rss_mib": peak_rss_mib(),
         "engine_peak_mib": engine.and_then(|e| e.max_memory_allocated()).map(|b| b as f64 / (1 << 20) as f64),
+        "device": device.is_cuda().then_some("cuda").unwrap_or("cpu"),
     });
     println!("{line}");
     Ok(())

@@ -36,7 +36,10 @@ fn manifest(root: &Path) -> String {
         .lines()
         .filter(|l| {
             let l = l.trim_start();
-            l.starts_with("[dependencies]") || l.starts_with("wick =") || l.starts_with("[patch.crates-io]") || l.starts_with("candle-core =")
+            l.starts_with("[dependencies]")
+                || l.starts_with("wick =")
+                || l.starts_with("[patch.crates-io]")
+                || l.starts_with("candle-core =")
         })
         .collect();
     assert_eq!(kept.len(), 4, "the README's block changed shape: {kept:?}");

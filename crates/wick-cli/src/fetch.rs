@@ -28,7 +28,7 @@ pub struct FetchArgs {
     /// The hub cache (default: `HF_HUB_CACHE`, `HF_HOME/hub`, `~/.cache/huggingface/hub`).
     #[arg(long)]
     pub cache: Option<PathBuf>,
-    /// The hub (default: `HF_ENDPOINT`, else https://huggingface.co).
+    /// The hub (default: `HF_ENDPOINT`, else `https://huggingface.co`).
     #[arg(long)]
     pub endpoint: Option<String>,
     /// Skip the memory check of the weights against this machine (download for elsewhere).

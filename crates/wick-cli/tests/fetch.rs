@@ -3,39 +3,11 @@
 //! is an error on stderr with a failing exit status.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::PathBuf;
+use std::process::Command;
 
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn serve(dir: &Path, repo: &str) -> Option<(Server, String)> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../wick-zoo/tests/support/hub_server.py");
-    let mut child = match Command::new("python3")
-        .arg(script)
-        .args(["--repo", repo, "--dir"])
-        .arg(dir)
-        .stdout(Stdio::piped())
-        .spawn()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("\n!!!!!!!! SKIPPED: cannot start python3 for the hub server ({e})\n");
-            return None;
-        }
-    };
-    let mut line = String::new();
-    BufReader::new(child.stdout.take()?).read_line(&mut line).ok()?;
-    let port = line.trim().strip_prefix("PORT ")?.to_string();
-    Some((Server(child), format!("http://127.0.0.1:{port}")))
-}
+#[path = "../../wick-zoo/tests/support/hub.rs"]
+mod hub;
 
 fn temp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("wick-cli-fetch-{name}-{}", std::process::id()));
@@ -57,7 +29,8 @@ fn wick_fetch_places_a_repository_in_the_hub_cache() {
     let tensors: HashMap<String, candle_core::Tensor> = [("w".to_string(), w)].into();
     wick::tensor_files::write_safetensors(&repo_dir.join("model.safetensors"), &tensors).unwrap();
     std::fs::write(repo_dir.join("pytorch_model.bin"), b"not fetched by default").unwrap();
-    let Some((_server, endpoint)) = serve(&repo_dir, "org/tiny") else { return };
+    let Some(server) = hub::serve(&repo_dir, "org/tiny", &[]) else { return };
+    let endpoint = server.endpoint.clone();
     let cache = temp("cache");
     let cache_s = cache.display().to_string();
     let base = ["fetch", "org/tiny", "--cache", &cache_s, "--endpoint", &endpoint];

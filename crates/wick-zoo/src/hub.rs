@@ -236,7 +236,7 @@ fn selected(listing: &Listing, files: &FileSelection) -> Result<Vec<Wanted>, Zoo
         let keep = match files {
             FileSelection::All => true,
             FileSelection::Loadable => loadable(&s.rfilename),
-            FileSelection::Named(names) => names.iter().any(|n| *n == s.rfilename),
+            FileSelection::Named(names) => names.contains(&s.rfilename),
         };
         if !keep {
             continue;

@@ -6,9 +6,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use wick::memory::MemoryLimit;
 use wick_zoo::hub::{fetch, FetchEvent, FetchOptions, FileSelection};
@@ -16,39 +15,13 @@ use wick_zoo::hub::{fetch, FetchEvent, FetchOptions, FileSelection};
 const REPO: &str = "sentence-transformers/all-MiniLM-L6-v2";
 const WEIGHTS: &str = "model.safetensors";
 
-/// The server, stopped when dropped.
-struct Hub {
-    child: Child,
-    endpoint: String,
-}
+#[path = "support/hub.rs"]
+mod hub;
 
-impl Drop for Hub {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+use hub::Hub;
 
 fn serve(dir: &Path, faults: &[&str]) -> Option<Hub> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/hub_server.py");
-    let mut child = match Command::new("python3")
-        .arg(script)
-        .args(["--repo", REPO, "--dir"])
-        .arg(dir)
-        .args(faults)
-        .stdout(Stdio::piped())
-        .spawn()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("\n!!!!!!!! SKIPPED: cannot start python3 for the hub server ({e})\n");
-            return None;
-        }
-    };
-    let mut line = String::new();
-    BufReader::new(child.stdout.take()?).read_line(&mut line).ok()?;
-    let port = line.trim().strip_prefix("PORT ")?.to_string();
-    Some(Hub { child, endpoint: format!("http://127.0.0.1:{port}") })
+    hub::serve(dir, REPO, faults)
 }
 
 fn temp(name: &str) -> PathBuf {

@@ -1,5 +1,7 @@
 //! Tensor files (safetensors: weights, checkpoints, datasets): what they will cost before
-//! loading them, from the header alone, and writing them whole and atomically.
+//! loading them, from the header alone; their header read and checked without the payload
+//! ([`read_safetensors_header`], for readers that read tensor by tensor); writing them whole
+//! and atomically.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -38,6 +40,55 @@ pub fn safetensors_payload_bytes(path: &std::path::Path) -> Result<usize, Memory
         end = end.max(usize::try_from(stop).map_err(|_| bad(format!("tensor `{name}` is too large")))?);
     }
     Ok(end)
+}
+
+/// The most header bytes a safetensors file may have (the format's own cap).
+pub const MAX_SAFETENSORS_HEADER: u64 = 100_000_000;
+
+/// A safetensors file's header, read and checked by [`read_safetensors_header`].
+#[derive(Debug)]
+pub struct SafetensorsHeader {
+    /// The tensors, parsed by the `safetensors` crate's own `Metadata` (which checks that the
+    /// offsets are contiguous and match each tensor's dtype and shape; its `read_metadata` is not
+    /// used because it wants the whole file in memory).
+    pub metadata: safetensors::tensor::Metadata,
+    /// Where the payload starts in the file (a tensor's offsets count from here).
+    pub data_start: u64,
+}
+
+/// Reads the header of the safetensors file `file` (`len` bytes long) from its start, and checks
+/// that it describes exactly the file's payload. `Err` says why it is not a safetensors file.
+pub fn read_safetensors_header(file: &mut std::fs::File, len: u64) -> Result<SafetensorsHeader, String> {
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n).map_err(|e| format!("no header length ({e})"))?;
+    let header = u64::from_le_bytes(n);
+    if header > MAX_SAFETENSORS_HEADER || header > len.saturating_sub(8) {
+        return Err(format!("a header of {header} bytes in a file of {len}"));
+    }
+    let mut text = Vec::new();
+    file.take(header).read_to_end(&mut text).map_err(|e| e.to_string())?;
+    let metadata: safetensors::tensor::Metadata = serde_json::from_slice(&text).map_err(|e| e.to_string())?;
+    let data_start = 8 + header;
+    if data_start.checked_add(metadata.data_len() as u64) != Some(len) {
+        return Err(format!("its header describes {} data bytes, it holds {}", metadata.data_len(), len - data_start));
+    }
+    Ok(SafetensorsHeader { metadata, data_start })
+}
+
+/// candle's dtype for a safetensors dtype; `None` for those candle has no type for.
+pub fn candle_dtype(dtype: safetensors::Dtype) -> Option<candle_core::DType> {
+    use candle_core::DType;
+    use safetensors::Dtype;
+    Some(match dtype {
+        Dtype::F32 => DType::F32,
+        Dtype::F16 => DType::F16,
+        Dtype::BF16 => DType::BF16,
+        Dtype::F64 => DType::F64,
+        Dtype::I64 => DType::I64,
+        Dtype::U32 => DType::U32,
+        Dtype::U8 => DType::U8,
+        _ => return None,
+    })
 }
 
 /// Writes `tensors` as a safetensors file at `path` atomically ([`crate::files::write_atomic`])

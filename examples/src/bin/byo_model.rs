@@ -10,8 +10,23 @@ fn run() -> anyhow::Result<()> {
     if !args.no_labels {
         wick::span_labels::install()?;
     }
-    let engine = wick::Engine::cpu();
-    time(&args, Some(&engine))
+    let engine = match args.device.as_str() {
+        "cpu" => wick::Engine::cpu(),
+        "cuda" => wick::Engine::cuda(0, args.cap_mib.map(|m| m << 20))?,
+        other => anyhow::bail!("--device {other}: cpu or cuda"),
+    };
+    let result = time(&args, Some(&engine));
+    if let Err(e) = &result {
+        // A refusal or a device out-of-memory is reported as such, with the engine's figures.
+        let oom = e.chain().any(|c| {
+            c.downcast_ref::<candle_core::Error>().is_some_and(wick::is_out_of_memory)
+                || c.downcast_ref::<wick_zoo::ZooError>().is_some_and(
+                    |z| matches!(z, wick_zoo::ZooError::Nn(wick_nn::NnError::Memory(m)) if m.is_out_of_memory()),
+                )
+        });
+        eprintln!("{}: {e:#}\n{}", if oom { "out of memory, as an error" } else { "failed" }, engine.memory_summary());
+    }
+    result
 }
 
 wick::main!(run);

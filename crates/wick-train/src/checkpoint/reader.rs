@@ -10,25 +10,20 @@
 //! touches is not read at all, and what is returned always comes from a file whose checksum
 //! matched.
 //!
-//! The header is parsed by the `safetensors` crate's own `Metadata` (which checks that the
-//! offsets are contiguous and match each tensor's dtype and shape); its `read_metadata` is not
-//! used because it wants the whole file in memory.
+//! The header is read and checked by `wick::tensor_files::read_safetensors_header` (the
+//! `safetensors` crate's own `Metadata`).
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use candle_core::{DType, Device, Tensor};
-use safetensors::tensor::Metadata;
+use candle_core::{Device, Tensor};
 use safetensors::Dtype;
 use sha2::{Digest, Sha256};
 
 use super::{file_error, Manifest, ShardFile};
 use crate::error::TrainError;
-
-/// The most header bytes a checkpoint's tensor file may have (safetensors' own cap).
-const MAX_HEADER: u64 = 100_000_000;
 
 /// How many bytes a read or a checksum pass holds at a time.
 const CHUNK: usize = 1 << 20;
@@ -61,19 +56,6 @@ pub struct CheckpointReader {
     index: HashMap<String, Vec<Part>>,
 }
 
-fn candle_dtype(dtype: Dtype) -> Option<DType> {
-    Some(match dtype {
-        Dtype::F32 => DType::F32,
-        Dtype::F16 => DType::F16,
-        Dtype::BF16 => DType::BF16,
-        Dtype::F64 => DType::F64,
-        Dtype::I64 => DType::I64,
-        Dtype::U32 => DType::U32,
-        Dtype::U8 => DType::U8,
-        _ => return None,
-    })
-}
-
 /// `key` and the piece offset of a stored tensor's name (`key#OFFSET`; 0 for a whole tensor).
 fn split_name(name: &str) -> Result<(&str, usize), String> {
     match name.rsplit_once('#') {
@@ -99,23 +81,8 @@ impl TensorFile {
         let len = file.metadata().map_err(|e| file_error(&path, e))?.len();
         record.check_len(&path, len)?;
         let damaged = |why: String| file_error(&path, format!("not a safetensors file: {why}"));
-        let mut n_len = [0u8; 8];
-        file.read_exact(&mut n_len).map_err(|e| damaged(e.to_string()))?;
-        let header = u64::from_le_bytes(n_len);
-        if header > MAX_HEADER || header > len - 8 {
-            return Err(damaged(format!("a header of {header} bytes in a file of {len}")));
-        }
-        let mut text = vec![0u8; header as usize];
-        file.read_exact(&mut text).map_err(|e| damaged(e.to_string()))?;
-        let metadata: Metadata = serde_json::from_slice(&text).map_err(|e| damaged(e.to_string()))?;
-        let data_start = 8 + header;
-        if data_start.checked_add(metadata.data_len() as u64) != Some(len) {
-            return Err(damaged(format!(
-                "its header describes {} data bytes, it holds {}",
-                metadata.data_len(),
-                len - data_start
-            )));
-        }
+        let header = wick::tensor_files::read_safetensors_header(&mut file, len).map_err(damaged)?;
+        let (metadata, data_start) = (header.metadata, header.data_start);
         for (name, info) in metadata.tensors() {
             let (key, offset) = split_name(&name).map_err(damaged)?;
             let elems = info.shape.iter().product();
@@ -244,7 +211,7 @@ impl CheckpointReader {
         if parts.iter().any(|p| p.dtype != first.dtype) {
             return Err(file_error(&self.manifest_path, format!("the pieces of `{key}` differ in dtype")));
         }
-        let dtype = candle_dtype(first.dtype).ok_or_else(|| {
+        let dtype = wick::tensor_files::candle_dtype(first.dtype).ok_or_else(|| {
             file_error(
                 &self.files[first.file].path,
                 format!("`{key}` is {:?}, a dtype wick does not train in", first.dtype),

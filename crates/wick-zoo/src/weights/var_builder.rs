@@ -18,13 +18,9 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
-use safetensors::tensor::Metadata;
 use safetensors::Dtype;
 
 use crate::error::ZooError;
-
-/// The most header bytes a safetensors file may have (the format's own cap).
-const MAX_HEADER: u64 = 100_000_000;
 
 /// Where one tensor's bytes are, and what they are.
 #[derive(Debug, Clone)]
@@ -45,19 +41,6 @@ pub struct SafetensorsWeights {
     paths: Vec<PathBuf>,
     files: Vec<Mutex<File>>,
     index: HashMap<String, Entry>,
-}
-
-fn candle_dtype(dtype: Dtype) -> Option<DType> {
-    Some(match dtype {
-        Dtype::F32 => DType::F32,
-        Dtype::F16 => DType::F16,
-        Dtype::BF16 => DType::BF16,
-        Dtype::F64 => DType::F64,
-        Dtype::I64 => DType::I64,
-        Dtype::U32 => DType::U32,
-        Dtype::U8 => DType::U8,
-        _ => return None,
-    })
 }
 
 fn file_error(path: &Path, message: impl std::fmt::Display) -> ZooError {
@@ -109,30 +92,15 @@ impl SafetensorsWeights {
     fn add(&mut self, path: &Path) -> Result<(), ZooError> {
         let mut file = File::open(path).map_err(|e| file_error(path, e))?;
         let len = file.metadata().map_err(|e| file_error(path, e))?.len();
-        let damaged = |why: String| file_error(path, format!("not a safetensors file: {why}"));
-        let mut n = [0u8; 8];
-        file.read_exact(&mut n).map_err(|e| damaged(format!("no header length ({e})")))?;
-        let header = u64::from_le_bytes(n);
-        if header > MAX_HEADER || header > len - 8 {
-            return Err(damaged(format!("a header of {header} bytes in a file of {len}")));
-        }
-        let mut text = Vec::new();
-        (&mut file).take(header).read_to_end(&mut text).map_err(|e| damaged(e.to_string()))?;
-        let metadata: Metadata = serde_json::from_slice(&text).map_err(|e| damaged(e.to_string()))?;
-        let data_start = 8 + header;
-        if data_start.checked_add(metadata.data_len() as u64) != Some(len) {
-            return Err(damaged(format!(
-                "its header describes {} data bytes, it holds {}",
-                metadata.data_len(),
-                len - data_start
-            )));
-        }
+        let header = wick::tensor_files::read_safetensors_header(&mut file, len)
+            .map_err(|why| file_error(path, format!("not a safetensors file: {why}")))?;
+        let (metadata, data_start) = (header.metadata, header.data_start);
         let n_file = self.files.len();
         for (name, info) in metadata.tensors() {
             let (begin, end) = info.data_offsets;
             let entry = Entry {
                 file: n_file,
-                dtype: candle_dtype(info.dtype),
+                dtype: wick::tensor_files::candle_dtype(info.dtype),
                 stored: info.dtype,
                 shape: info.shape.clone(),
                 start: data_start + begin as u64,
@@ -254,7 +222,7 @@ fn read_typed<T: candle_core::WithDType>(
     device: &Device,
 ) -> Result<Tensor, String> {
     let size = std::mem::size_of::<T>();
-    if bytes % size != 0 {
+    if !bytes.is_multiple_of(size) {
         return Err(format!("{bytes} bytes are not a whole number of {size}-byte elements"));
     }
     let n = bytes / size;
