@@ -904,7 +904,8 @@ impl Storage {
 /// is refused whether or not a check is installed.
 pub(crate) fn check_cpu_alloc(dims: &[usize], dtype: DType) -> Result<()> {
     let bytes = dims.iter().try_fold(dtype.size_in_bytes(), |n, &d| n.checked_mul(d));
-    wick_alloc_check::check(bytes).map_err(|m| Error::Msg(m).bt())
+    // No backtrace: the refusal says what was asked and what the host has.
+    wick_alloc_check::check(bytes).map_err(Error::Msg)
 }
 
 /// wick: the dims of a reduction's output (the reduced dims kept as 1).
