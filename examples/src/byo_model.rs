@@ -196,7 +196,7 @@ pub fn run(args: &ByoArgs, engine: Option<&wick::Engine>) -> Result<()> {
         "step_ms": median,
         "peak_rss_mib": peak_rss_mib(),
         "engine_peak_mib": engine.and_then(|e| e.max_memory_allocated()).map(|b| b as f64 / (1 << 20) as f64),
-        "device": device.is_cuda().then_some("cuda").unwrap_or("cpu"),
+        "device": if device.is_cuda() { "cuda" } else { "cpu" },
     });
     println!("{line}");
     Ok(())
