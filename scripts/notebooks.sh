@@ -16,7 +16,12 @@ fi
 export JUPYTER_PATH="$venv/share/jupyter" JUPYTER_DATA_DIR="$venv/share/jupyter"
 evcxr_jupyter --install >/dev/null
 # Per evcxr: statics are per cell and a panic must not pass silently; cache builds between runs.
-export EVCXR_CONFIG_DIR="$root/target/evcxr-config" XDG_CACHE_HOME="${XDG_CACHE_HOME:-$HOME/.cache}"
+# evcxr's build cache (`:cache`) lives under XDG_CACHE_HOME/evcxr and keys a crate by its
+# version, not by the content of the patched candle-core under it: one cache per patch, or a
+# crate cached against an older patch is "can't find crate" at the next run.
+patch_key=$(sha256sum vendor/candle-core.patch | cut -c1-12)
+export EVCXR_CONFIG_DIR="$root/target/evcxr-config" XDG_CACHE_HOME="${XDG_CACHE_HOME:-$HOME/.cache}/wick-evcxr-$patch_key"
+mkdir -p "$XDG_CACHE_HOME"
 mkdir -p "$EVCXR_CONFIG_DIR" target/notebooks
 printf ':preserve_vars_on_panic 0\n:cache 4000\n' > "$EVCXR_CONFIG_DIR/init.evcxr"
 # evcxr writes its own Cargo.toml, where no `[patch]` applies; cargo also reads `[patch]` from
