@@ -338,12 +338,15 @@ pub fn fetch(
     let blob = |w: &Wanted| blobs.join(w.check.hex());
     let partial = |w: &Wanted| blobs.join(format!("{}.incomplete", w.check.hex()));
     let cached = |w: &Wanted| std::fs::metadata(blob(w)).is_ok_and(|m| m.len() == w.size);
-    let mut missing = 0u64;
-    for w in wanted.iter().filter(|w| !cached(w)) {
-        let have = std::fs::metadata(partial(w)).map_or(0, |m| m.len()).min(w.size);
-        missing = missing.saturating_add(w.size - have);
+    let (mut missing, mut n_cached) = (0u64, 0);
+    for w in &wanted {
+        if cached(w) {
+            n_cached += 1;
+        } else {
+            let have = std::fs::metadata(partial(w)).map_or(0, |m| m.len()).min(w.size);
+            missing = missing.saturating_add(w.size - have);
+        }
     }
-    let n_cached = wanted.iter().filter(|w| cached(w)).count();
     if options.preflight {
         preflight(&blobs, missing, &wanted, engine, repo_id)?;
     }
@@ -354,6 +357,7 @@ pub fn fetch(
     let mut files = Vec::new();
     let mut downloaded_bytes = 0;
     for w in &wanted {
+        // Asked again: two files of the same content share one blob, placed by the first.
         let was_cached = cached(w);
         if !was_cached {
             let url = commit_repo.url(&w.name);

@@ -166,10 +166,8 @@ impl SafetensorsWeights {
         Ok(VarBuilder::from_backend(Box::new(self), dtype, engine.device().clone()))
     }
 
-    fn read(&self, name: &str, e: &Entry, device: &Device) -> Result<Tensor, String> {
+    fn read(&self, e: &Entry, device: &Device) -> Result<Tensor, String> {
         let dtype = e.dtype.ok_or_else(|| format!("its dtype {:?} has no candle type", e.stored))?;
-        let _weights = wick::memory::push_label("weights");
-        let _name = wick::memory::push_label(name);
         let mut file = self.files[e.file].lock().unwrap_or_else(|p| p.into_inner());
         file.seek(SeekFrom::Start(e.start)).map_err(|err| err.to_string())?;
         let shape = e.shape.as_slice();
@@ -204,11 +202,12 @@ impl SafetensorsWeights {
                 )));
             }
         }
-        let tensor = self
-            .read(name, e, device)
-            .map_err(|why| candle_core::Error::Msg(format!("{}: tensor `{name}`: {why}", path.display())))?;
+        // The read and the conversion are allocated under `weights/<name>`.
         let _weights = wick::memory::push_label("weights");
         let _name = wick::memory::push_label(name);
+        let tensor = self
+            .read(e, device)
+            .map_err(|why| candle_core::Error::Msg(format!("{}: tensor `{name}`: {why}", path.display())))?;
         tensor.to_dtype(dtype)
     }
 }
