@@ -5,6 +5,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
+use super::elem::{by_elem, elem_tensor, elems, into_plane, widened, with_elems, Elem};
 use super::{par_ranges, read, sum, tensor, with, Real, SharedMut};
 
 fn dims4(shape: &Shape) -> Result<(usize, usize, usize, usize)> {
@@ -132,17 +133,22 @@ impl MaxPool {
         Ok((out_len(h, self.kernel, self.stride, self.pad)?, out_len(w, self.kernel, self.stride, self.pad)?))
     }
 
-    fn fwd<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+    /// Reads and writes the tensor's own elements: a bf16 plane is widened into a per-thread
+    /// buffer that stays in the cache and its maxima (input values, exact) stored back as bf16.
+    /// Widening whole tensors cost AMP's ResNet steps two f32 copies of the stem's output
+    /// (BENCHMARKS.md, "Convolutional networks at every size (issue 30)").
+    fn fwd<T: Real, E: Elem<T>>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, c, h, w) = dims4(l.shape())?;
         let (oh, ow) = self.out(h, w)?;
         let (rows, cols) = (self.windows(h, oh), self.windows(w, ow));
-        let x = read::<T>(s, l)?;
-        let mut y = vec![T::zero(); n * c * oh * ow];
+        let x = elems::<T, E>(s, l)?;
+        let mut y = vec![E::store(T::zero()); n * c * oh * ow];
         let out = SharedMut::new(&mut y);
         let (lo, hi) = self.interior(w, ow);
         par_ranges(n * c, 1, |r| {
+            let (mut wide, mut maxima) = (Vec::new(), Vec::new());
             for p in r {
-                let plane = &x[p * h * w..(p + 1) * h * w];
+                let plane = widened::<T, E>(&x[p * h * w..(p + 1) * h * w], &mut wide);
                 // SAFETY: one plane per index.
                 let dst = unsafe { out.range(p * oh * ow, oh * ow) };
                 // The interior of a plane without NaN: values only (the window's first maximum
@@ -150,53 +156,66 @@ impl MaxPool {
                 // NaN take `argmax`'s exact path.
                 let clean = !plane.iter().any(|v| v.is_nan());
                 let (lo, hi) = if clean { (lo, hi) } else { (ow, ow) };
-                for (oy, ys) in rows.iter().enumerate() {
-                    let best = &mut dst[oy * ow..(oy + 1) * ow];
-                    for ox in (0..lo).chain(hi..ow) {
-                        best[ox] = plane[Self::argmax(plane, w, *ys, cols[ox])];
+                into_plane::<T, E>(dst, &mut maxima, |dst| {
+                    for (oy, ys) in rows.iter().enumerate() {
+                        let best = &mut dst[oy * ow..(oy + 1) * ow];
+                        for ox in (0..lo).chain(hi..ow) {
+                            best[ox] = plane[Self::argmax(plane, w, *ys, cols[ox])];
+                        }
+                        if lo < hi {
+                            let x0 = lo * self.stride - self.pad;
+                            max_interior(plane, w, *ys, x0, self.stride, self.kernel, &mut best[lo..hi]);
+                        }
                     }
-                    if lo < hi {
-                        let x0 = lo * self.stride - self.pad;
-                        max_interior(plane, w, *ys, x0, self.stride, self.kernel, &mut best[lo..hi]);
-                    }
-                }
+                });
             }
         });
-        Ok((T::storage(y, s.dtype())?, Shape::from((n, c, oh, ow))))
+        Ok((E::into_storage(y), Shape::from((n, c, oh, ow))))
     }
 
-    fn bwd<T: Real>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    /// As [`MaxPool::fwd`], plane by plane: a bf16 plane's gradient is summed in f32 in a
+    /// per-thread buffer and rounded once into the result, as the whole-tensor f32 path did.
+    fn bwd<T: Real, E: Elem<T>>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
         let (n, c, h, w) = dims4(x.shape())?;
         let (oh, ow) = self.out(h, w)?;
         let (rows, cols) = (self.windows(h, oh), self.windows(w, ow));
-        let dx = with::<T, _>(x, |x| {
-            with::<T, _>(g, |g| {
+        // The result itself is the f32 (f64) sum, zeroed once by its allocation; a bf16 plane's
+        // sum is a reused buffer, zeroed per plane.
+        let in_place = E::compute_slice(&[]).is_some();
+        let dx = with_elems::<T, E, _>(x, |x| {
+            with_elems::<T, E, _>(g, |g| {
                 if g.len() != n * c * oh * ow {
                     return Err(candle_core::Error::Msg("max_pool2d backward: gradient shape".into()));
                 }
-                let mut dx = vec![T::zero(); x.len()];
+                let mut dx = vec![E::store(T::zero()); x.len()];
                 let out = SharedMut::new(&mut dx);
                 let inner = self.interior(w, ow);
                 par_ranges(n * c, 1, |r| {
                     let (mut best, mut at) = (vec![T::zero(); ow], vec![0usize; ow]);
+                    let (mut wide, mut grads, mut sums) = (Vec::new(), Vec::new(), Vec::new());
                     for p in r {
-                        let plane = &x[p * h * w..(p + 1) * h * w];
+                        let plane = widened::<T, E>(&x[p * h * w..(p + 1) * h * w], &mut wide);
+                        let gp = widened::<T, E>(&g[p * oh * ow..(p + 1) * oh * ow], &mut grads);
                         // SAFETY: one plane per index.
                         let dst = unsafe { out.range(p * h * w, h * w) };
                         let clean = !plane.iter().any(|v| v.is_nan());
-                        for (oy, ys) in rows.iter().enumerate() {
-                            self.row(plane, w, *ys, &cols, inner, clean, &mut best, &mut at);
-                            let gr = &g[(p * oh + oy) * ow..(p * oh + oy + 1) * ow];
-                            for (i, gv) in at.iter().zip(gr) {
-                                dst[*i] = dst[*i] + *gv;
+                        into_plane::<T, E>(dst, &mut sums, |dst| {
+                            if !in_place {
+                                dst.fill(T::zero());
                             }
-                        }
+                            for (oy, ys) in rows.iter().enumerate() {
+                                self.row(plane, w, *ys, &cols, inner, clean, &mut best, &mut at);
+                                for (i, gv) in at.iter().zip(&gp[oy * ow..(oy + 1) * ow]) {
+                                    dst[*i] = dst[*i] + *gv;
+                                }
+                            }
+                        });
                     }
                 });
                 Ok(dx)
             })
         })?;
-        tensor(dx, x.shape(), x.dtype())
+        elem_tensor::<T, E>(dx, x.shape())
     }
 }
 
@@ -232,10 +251,10 @@ impl CustomOp1 for MaxPool {
         "max_pool2d"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_real!(s.dtype(), T => self.fwd::<T>(s, l))
+        by_elem!(s.dtype(), T, E => self.fwd::<T, E>(s, l))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(by_real!(x.dtype(), T => self.bwd::<T>(x, g)?)))
+        by_elem!(x.dtype(), T, E => self.bwd::<T, E>(x, g)).map(Some)
     }
 }
 

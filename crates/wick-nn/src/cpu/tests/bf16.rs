@@ -169,6 +169,16 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
             vec![vec![3, 6, 6, 6], vec![4, 6, 1, 1]],
             1,
         ),
+        // Max pooling widens each plane as it reads it; overlapping windows (ResNet's stem: 3×3,
+        // stride 2, padding 1) sum a gradient in f32 from several outputs and round it once.
+        (
+            "max_pool 3×3 /2",
+            Box::new(|t: &[Tensor]| cpu::pool::max_pool2d(&t[0], 3, 2, 1)),
+            vec![vec![2, 3, 17, 16]],
+            1,
+        ),
+        ("max_pool 3×3 /1", Box::new(|t: &[Tensor]| cpu::pool::max_pool2d(&t[0], 3, 1, 1)), vec![vec![1, 2, 9, 40]], 1),
+        ("max_pool 2×2 /2", Box::new(|t: &[Tensor]| cpu::pool::max_pool2d(&t[0], 2, 2, 0)), vec![vec![2, 2, 8, 9]], 1),
         (
             "layer_norm",
             Box::new(|t: &[Tensor]| cpu::norm::layer_norm(&t[0], &t[1], &t[2], 1e-5)),
