@@ -38,6 +38,10 @@ printf '[patch.crates-io]\ncandle-core = { path = "%s/vendor/candle-core" }\n' "
 # The long-jobs notebook starts `wick train` as separate processes.
 cargo build -q -p wick-cli
 export WICK_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/wick"
+# evcxr tells a notebook's own cell crates (never cached) from downloaded ones (cached) by the
+# `incremental=` flag cargo passes to rustc. With CARGO_INCREMENTAL=0 (CI's setting) every cell
+# after the first was served from the cache as an earlier cell's build ("dlsym failed").
+unset CARGO_INCREMENTAL
 status=0
 for nb in examples/notebooks/*.ipynb; do
   name=$(basename "$nb")
