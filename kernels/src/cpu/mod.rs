@@ -7,6 +7,7 @@
 //! their backward passes.
 
 pub mod bn_sums;
+pub mod conv;
 pub mod gemm;
 pub mod math;
 pub mod optim;

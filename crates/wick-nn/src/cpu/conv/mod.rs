@@ -8,10 +8,12 @@
 //! and multiplied in chunks of output rows that stay in the cache, small images' in groups
 //! ([`plan`]). With bf16 images, weights and gradients on a CPU with AVX512-BF16 the columns stay
 //! bf16 and the products are bf16 with f32 sums (`gemm_bf16`; the `Gather` trait in [`unfold`],
-//! `Operand` and `Out` in `gemm`).
+//! `Operand` and `Out` in `gemm`) — except where [`direct`] convolves the bf16 images in place
+//! (the forward pass and a stride-1 input gradient, 16 or more input channels): no columns.
 //!
 //! Depthwise convolutions are in [`super::depthwise`].
 
+mod direct;
 mod fused;
 mod plan;
 mod unfold;
@@ -74,7 +76,9 @@ impl Conv2d {
     fn fwd_bf16(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, false)?;
         let (x, w) = (elems::<f32, bf16>(sx, lx)?, elems::<f32, bf16>(sw, lw)?);
-        let y = if super::gemm_bf16::rounds_directly(g.rows()) {
+        let y = if direct::applies(&g) {
+            CpuStorage::BF16(direct::forward(&g, x, w)?)
+        } else if super::gemm_bf16::rounds_directly(g.rows()) {
             // Each sum rounded as the product stores it: no f32 output, no rounding pass.
             CpuStorage::BF16(self.forward::<f32, bf16, bf16, bf16>(&g, x, w)?)
         } else {
@@ -176,19 +180,8 @@ impl Conv2d {
         w: &[P],
         dy: &[P],
     ) -> Result<Vec<O>> {
-        let (k, kk) = (g.k, g.k * g.k);
-        let back = Geometry {
-            n: g.n,
-            c_in: g.c_out,
-            h: g.oh,
-            w: g.ow,
-            c_out: g.c_in,
-            k,
-            stride: 1,
-            pad: k - 1 - g.pad,
-            oh: g.h,
-            ow: g.w,
-        };
+        let kk = g.k * g.k;
+        let back = g.input_gradient();
         if kk == 1 {
             // Nothing to flip: the transposed weights are a view (the copy was a strided
             // transpose of every 1×1 weight, a visible share of a ResNet-50 step).
@@ -233,12 +226,14 @@ impl Conv2d {
 
     /// [`Conv2d::bwd`] for bf16 images, weights and output gradients, multiplied as bf16.
     ///
-    /// A stride-1 input gradient whose sums fit one slice of the product is written in bf16 as
-    /// it is computed (no f32 result, no rounding pass).
+    /// A stride-1 input gradient is computed directly on the output gradient where
+    /// [`direct::computes_input_gradient`], else, when its sums fit one slice of the product,
+    /// written in bf16 as it is computed (no f32 result, no rounding pass).
     fn bwd_bf16(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
-        let direct_dx =
-            want_dx && Self::dx_by_convolution(&g) && super::gemm_bf16::rounds_directly(g.c_out * g.k * g.k);
+        let by_kernel = want_dx && direct::computes_input_gradient(&g);
+        let direct_dx = by_kernel
+            || want_dx && Self::dx_by_convolution(&g) && super::gemm_bf16::rounds_directly(g.c_out * g.k * g.k);
         let (dx, dw) = with_elems::<f32, bf16, _>(w, |w| {
             with_elems::<f32, bf16, _>(dy, |dy| {
                 let (dx, dw) = with_elems::<f32, bf16, _>(x, |x| {
@@ -246,6 +241,7 @@ impl Conv2d {
                 })?;
                 let dx = match dx {
                     Some(dx) => Some(tensor(dx, x.shape(), x.dtype())?),
+                    None if by_kernel => Some(elem_tensor::<f32, bf16>(direct::input_gradient(&g, w, dy)?, x.shape())?),
                     None if direct_dx => {
                         let dx = self.input_gradient::<f32, bf16, bf16>(&g, w, dy)?;
                         Some(elem_tensor::<f32, bf16>(dx, x.shape())?)

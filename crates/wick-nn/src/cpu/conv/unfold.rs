@@ -58,6 +58,24 @@ impl Geometry {
         self.k == 1 && self.stride == 1 && self.pad == 0
     }
 
+    /// The convolution that computes a stride-1 convolution's input gradient from its output
+    /// gradient: channels swapped, stride 1, padded by `k − 1 − pad` (needs `pad < k`), with the
+    /// weights transposed and flipped.
+    pub(super) fn input_gradient(&self) -> Geometry {
+        Geometry {
+            n: self.n,
+            c_in: self.c_out,
+            h: self.oh,
+            w: self.ow,
+            c_out: self.c_in,
+            k: self.k,
+            stride: 1,
+            pad: self.k - 1 - self.pad,
+            oh: self.h,
+            ow: self.w,
+        }
+    }
+
     /// The input row feeding output row `o` at kernel offset `d`, if inside the image.
     #[inline]
     pub(in crate::cpu) fn source(&self, o: usize, d: usize, len: usize) -> Option<usize> {

@@ -241,8 +241,10 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
 /// every gradient within one bf16 spacing of the f32 products on the same values (each side
 /// rounds its own f32 sum once; the sums differ only in their f32 rounding), over the geometries
 /// whose code paths differ: 1×1 stride 1 (the image is the column matrix), 3×3 stride 1 (input
-/// gradient as a convolution), 3×3 stride 2 and 7×7 stride 2 (col2im), and images grouped per
-/// gemm (few output positions).
+/// gradient as a convolution), 3×3 stride 2 and 7×7 stride 2 (col2im), images grouped per
+/// gemm (few output positions), and the direct convolutions on the images (16 or more input
+/// channels: forward passes at strides 1 and 2, 1×1 stride 2, and stride-1 input gradients
+/// from 16 or more output channels).
 #[test]
 fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
     type Op = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
@@ -271,6 +273,21 @@ fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
             "conv 7×7 /2",
             Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 3, 2)),
             vec![vec![2, 3, 20, 20], vec![8, 3, 7, 7]],
+        ),
+        (
+            "conv 3×3 /2 direct",
+            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 2)),
+            vec![vec![2, 18, 9, 10], vec![36, 18, 3, 3]],
+        ),
+        (
+            "conv 1×1 /2 direct",
+            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 2)),
+            vec![vec![2, 32, 7, 7], vec![40, 32, 1, 1]],
+        ),
+        (
+            "conv 5×5 direct",
+            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 2, 1)),
+            vec![vec![1, 17, 6, 9], vec![20, 17, 5, 5]],
         ),
         (
             "conv grouped",

@@ -1,0 +1,59 @@
+//! bf16 convolutions computed directly on the images (`wick_kernels::cpu::conv`): no column
+//! matrix and no packed copy of the columns. Used for the forward pass and the stride-1 input
+//! gradient of dense bf16 convolutions wide enough to fill its channel pairs.
+
+use candle_core::Result;
+use half::bf16;
+use wick_kernels::cpu::conv::{available, conv_bf16, ChannelsLast, ConvDims, PackedWeights, WeightLayout};
+
+use super::Geometry;
+
+fn candle(e: wick_kernels::cpu::KernelError) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// Input channels below which the im2col products stay (a 3-channel stem would pad its pairs
+/// and repeat each tap's short depth; the direct kernel pays off on ResNet's 64 and wider).
+const MIN_CHANNELS: usize = 16;
+
+/// True when [`forward`] computes this convolution: bf16 on a CPU with AVX512-BF16 (and
+/// AVX-512 BW/VL), at least [`MIN_CHANNELS`] input channels, and not 1×1 stride 1. Those
+/// multiply the images themselves (nothing to unfold), and their depth (the input channels
+/// alone) is too short for this kernel's rearranging and transposed stores to pay: direct,
+/// ResNet-50's AMP step took 1.13–1.19× the time and MobileNetV2's 1.28× (BENCHMARKS.md).
+pub(super) fn applies(g: &Geometry) -> bool {
+    g.c_in >= MIN_CHANNELS && !g.pointwise() && available()
+}
+
+fn dims(g: &Geometry) -> ConvDims {
+    ConvDims { n: g.n, c_in: g.c_in, h: g.h, w: g.w, c_out: g.c_out, k: g.k, stride: g.stride, pad: g.pad }
+}
+
+/// The convolution of images `x` with weights `w` ((C_out, C_in, k, k), contiguous), each sum
+/// rounded to bf16 once.
+pub(super) fn forward(g: &Geometry, x: &[bf16], w: &[bf16]) -> Result<Vec<bf16>> {
+    let d = dims(g);
+    let weights = PackedWeights::new(d, w, WeightLayout::Forward).map_err(candle)?;
+    let images = ChannelsLast::new(x, d).map_err(candle)?;
+    let mut y = vec![bf16::ZERO; g.n * g.c_out * g.oh * g.ow];
+    conv_bf16(&mut y, &images, &weights).map_err(candle)?;
+    Ok(y)
+}
+
+/// The input gradient of a stride-1 convolution `g` from its output gradient `dy`: the
+/// convolution of `dy` with the weights transposed (C_in ↔ C_out) and flipped, padded by
+/// `k − 1 − pad` (packed from the weights as they are: no flipped copy). Only where [`computes_input_gradient`].
+pub(super) fn input_gradient(g: &Geometry, w: &[bf16], dy: &[bf16]) -> Result<Vec<bf16>> {
+    let d = dims(&g.input_gradient());
+    let weights = PackedWeights::new(d, w, WeightLayout::FlippedTransposed).map_err(candle)?;
+    let grads = ChannelsLast::new(dy, d).map_err(candle)?;
+    let mut dx = vec![bf16::ZERO; g.n * g.c_in * g.h * g.w];
+    conv_bf16(&mut dx, &grads, &weights).map_err(candle)?;
+    Ok(dx)
+}
+
+/// True when [`input_gradient`] computes the input gradient of `g`: stride 1 and a padding
+/// below k (a convolution of its own), and [`applies`] to that convolution.
+pub(super) fn computes_input_gradient(g: &Geometry) -> bool {
+    g.stride == 1 && g.pad < g.k && applies(&g.input_gradient())
+}

@@ -1,0 +1,50 @@
+//! The direct bf16 convolution at ResNet-18's 3×3 stride-1 shapes (224², one image, one
+//! thread): multiply-adds a second of the convolution itself, and the time of what each call
+//! prepares (weights packed, images rearranged into channel pairs) beside it. BENCHMARKS.md,
+//! "Convolutional networks at every size (issue 30)", cites its output.
+//!
+//! `cargo bench -p wick-kernels --bench direct_conv`
+
+use half::bf16;
+use wick_kernels::cpu::conv::{available, conv_bf16, ChannelsLast, ConvDims, PackedWeights, WeightLayout};
+
+fn main() {
+    if !available() {
+        println!("this CPU has no AVX512-BF16 with AVX-512 BW/VL: nothing to measure");
+        return;
+    }
+    rayon::ThreadPoolBuilder::new().num_threads(1).build_global().ok();
+    println!("| C_in = C_out, image | convolution | G multiply-adds/s | weights packed | images rearranged |");
+    println!("|---|---|---|---|---|");
+    for (c, hw) in [(64usize, 56usize), (128, 28), (256, 14), (512, 7)] {
+        let d = ConvDims { n: 1, c_in: c, h: hw, w: hw, c_out: c, k: 3, stride: 1, pad: 1 };
+        let w: Vec<bf16> = (0..c * c * 9).map(|i| bf16::from_f32((i % 97) as f32 * 0.01)).collect();
+        let x: Vec<bf16> = (0..c * hw * hw).map(|i| bf16::from_f32((i % 89) as f32 * 0.01)).collect();
+        let best = |f: &mut dyn FnMut()| {
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let t = std::time::Instant::now();
+                for _ in 0..10 {
+                    f();
+                }
+                best = best.min(t.elapsed().as_secs_f64() / 10.0);
+            }
+            best
+        };
+        let (Ok(xs), Ok(ws)) = (ChannelsLast::new(&x, d), PackedWeights::new(d, &w, WeightLayout::Forward)) else {
+            return;
+        };
+        let mut y = vec![bf16::ZERO; c * hw * hw];
+        let conv = best(&mut || drop(conv_bf16(&mut y, &xs, &ws)));
+        let pack = best(&mut || drop(PackedWeights::new(d, &w, WeightLayout::Forward)));
+        let rearrange = best(&mut || drop(ChannelsLast::new(&x, d)));
+        let macs = (c * c * 9 * hw * hw) as f64;
+        println!(
+            "| {c}, {hw}² | {:.3} ms | {:.1} | {:.3} ms | {:.3} ms |",
+            conv * 1e3,
+            macs / conv / 1e9,
+            pack * 1e3,
+            rearrange * 1e3
+        );
+    }
+}

@@ -1,0 +1,199 @@
+use super::*;
+
+/// Deterministic values in about [-1, 1), held exactly by bf16.
+fn values(len: usize, seed: u64) -> Vec<bf16> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            bf16::from_f32(((s >> 40) as f32 / (1u64 << 23) as f32) - 1.0)
+        })
+        .collect()
+}
+
+/// The convolution in f64 from the same bf16 values: (exact sums, sums of magnitudes).
+fn reference(x: &[bf16], w: &[bf16], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
+    let (oh, ow) = d.out_hw().unwrap();
+    let mut out = vec![0.0; d.n * d.c_out * oh * ow];
+    let mut mag = out.clone();
+    for b in 0..d.n {
+        for o in 0..d.c_out {
+            for y in 0..oh {
+                for xx in 0..ow {
+                    let (mut s, mut m) = (0.0, 0.0);
+                    for i in 0..d.c_in {
+                        for ky in 0..d.k {
+                            for kx in 0..d.k {
+                                let (iy, ix) = (
+                                    (y * d.stride + ky) as isize - d.pad as isize,
+                                    (xx * d.stride + kx) as isize - d.pad as isize,
+                                );
+                                if iy < 0 || ix < 0 || iy >= d.h as isize || ix >= d.w as isize {
+                                    continue;
+                                }
+                                let xv = x[((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize].to_f64();
+                                let wv = w[((o * d.c_in + i) * d.k + ky) * d.k + kx].to_f64();
+                                s += xv * wv;
+                                m += (xv * wv).abs();
+                            }
+                        }
+                    }
+                    let at = ((b * d.c_out + o) * oh + y) * ow + xx;
+                    out[at] = s;
+                    mag[at] = m;
+                }
+            }
+        }
+    }
+    (out, mag)
+}
+
+/// Every output within one bf16 rounding of the exact sum, plus the f32 sums' own error:
+/// over strides 1 and 2, paddings 0–2, kernels 1, 3 and 5, odd channel counts (a half-empty
+/// last pair), output channels that leave a block ragged, images smaller than a tile, and the
+/// weights read through a flipped and transposed view (the input gradient's use).
+#[test]
+fn direct_convolutions_match_an_f64_reference() {
+    if !available() {
+        eprintln!("SKIPPED: this CPU has no AVX512-BF16; the direct convolution is not run");
+        return;
+    }
+    let cases = [
+        ConvDims { n: 2, c_in: 16, h: 9, w: 11, c_out: 32, k: 3, stride: 1, pad: 1 },
+        ConvDims { n: 1, c_in: 7, h: 8, w: 8, c_out: 40, k: 3, stride: 2, pad: 1 },
+        ConvDims { n: 3, c_in: 24, h: 5, w: 4, c_out: 8, k: 1, stride: 1, pad: 0 },
+        ConvDims { n: 2, c_in: 10, h: 12, w: 7, c_out: 33, k: 5, stride: 1, pad: 2 },
+        ConvDims { n: 1, c_in: 64, h: 3, w: 3, c_out: 64, k: 3, stride: 1, pad: 1 },
+        ConvDims { n: 2, c_in: 6, h: 10, w: 10, c_out: 16, k: 1, stride: 2, pad: 0 },
+        ConvDims { n: 1, c_in: 3, h: 13, w: 13, c_out: 20, k: 7, stride: 2, pad: 3 },
+    ];
+    for (c, d) in cases.into_iter().enumerate() {
+        let x = values(d.n * d.c_in * d.h * d.w, 2 * c as u64 + 1);
+        let w = values(d.c_out * d.c_in * d.k * d.k, 2 * c as u64 + 2);
+        let (oh, ow) = d.out_hw().unwrap();
+        let mut got = vec![bf16::ZERO; d.n * d.c_out * oh * ow];
+        let wp = PackedWeights::new(d, &w, WeightLayout::Forward).unwrap();
+        conv_bf16(&mut got, &ChannelsLast::new(&x, d).unwrap(), &wp).unwrap();
+        let (exact, mag) = reference(&x, &w, d);
+        let depth = (d.c_in * d.k * d.k) as f64;
+        for (at, ((g, e), m)) in got.iter().zip(&exact).zip(&mag).enumerate() {
+            let bound = e.abs() * 2f64.powi(-8) + m * depth * 2f64.powi(-24);
+            assert!((g.to_f64() - e).abs() <= bound, "{d:?}: output {at}: {g} against {e} (bound {bound})");
+        }
+        // The same weights stored flipped and transposed.
+        let t: Vec<bf16> = (0..w.len())
+            .map(|a| {
+                let (kx, ky, o, i) = (a % d.k, a / d.k % d.k, a / (d.k * d.k) % d.c_out, a / (d.k * d.k * d.c_out));
+                w[((o * d.c_in + i) * d.k + (d.k - 1 - ky)) * d.k + (d.k - 1 - kx)]
+            })
+            .collect();
+        let flipped = PackedWeights::new(d, &t, WeightLayout::FlippedTransposed).unwrap();
+        let mut again = vec![bf16::ZERO; got.len()];
+        conv_bf16(&mut again, &ChannelsLast::new(&x, d).unwrap(), &flipped).unwrap();
+        assert_eq!(again, got, "{d:?}: the flipped view");
+    }
+}
+
+/// Images, weights and outputs that do not fit together are errors, before anything is read.
+#[test]
+fn mismatched_convolutions_are_errors() {
+    let d = ConvDims { n: 1, c_in: 4, h: 5, w: 5, c_out: 4, k: 3, stride: 1, pad: 1 };
+    let x = values(100, 1);
+    assert!(ChannelsLast::new(&x[..99], d).is_err(), "short images");
+    assert!(ChannelsLast::new(&x, ConvDims { k: 8, ..d }).is_err(), "a window wider than the image");
+    assert!(ChannelsLast::new(&x, ConvDims { stride: 0, ..d }).is_err(), "stride 0");
+    let ones = vec![bf16::ONE; 4 * 4 * 9];
+    assert!(PackedWeights::new(ConvDims { c_out: usize::MAX, ..d }, &ones, WeightLayout::Forward).is_err(), "overflow");
+    assert!(PackedWeights::new(d, &ones[1..], WeightLayout::Forward).is_err(), "short weights");
+    if !available() {
+        eprintln!("SKIPPED: this CPU has no AVX512-BF16; the output checks are not run");
+        return;
+    }
+    let xs = ChannelsLast::new(&x, d).unwrap();
+    let ws = PackedWeights::new(d, &ones, WeightLayout::Forward).unwrap();
+    assert!(conv_bf16(&mut [bf16::ZERO; 99], &xs, &ws).is_err(), "short output");
+    let other = PackedWeights::new(ConvDims { c_out: 5, ..d }, &[bf16::ONE; 5 * 4 * 9], WeightLayout::Forward).unwrap();
+    assert!(conv_bf16(&mut [bf16::ZERO; 100], &xs, &other).is_err(), "weights of another convolution");
+    let mut y = [bf16::ZERO; 100];
+    conv_bf16(&mut y, &xs, &ws).unwrap();
+    // All-one weights: each output counts its window's inputs times the four channels' values.
+    assert!(y.iter().any(|v| *v != bf16::ZERO));
+}
+
+/// The register transposition against its definition.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn transposition_of_sixteen_registers() {
+    if !std::is_x86_feature_detected!("avx512f") {
+        eprintln!("SKIPPED: this CPU has no AVX-512");
+        return;
+    }
+    let m: Vec<u32> = (0..256).map(|i| i * 7 + 3).collect();
+    // SAFETY: AVX-512F is present (checked); each row is 16 lanes of `m`, each result 16 lanes of `t`.
+    let t = unsafe {
+        use std::arch::x86_64::*;
+        let mut rows = [_mm512_setzero_si512(); 16];
+        for (i, r) in rows.iter_mut().enumerate() {
+            *r = _mm512_loadu_si512(m[16 * i..].as_ptr().cast());
+        }
+        let out = transpose16(rows);
+        let mut t = vec![0u32; 256];
+        for (j, o) in out.iter().enumerate() {
+            _mm512_storeu_si512(t[16 * j..].as_mut_ptr().cast(), *o);
+        }
+        t
+    };
+    for i in 0..16 {
+        for j in 0..16 {
+            assert_eq!(t[16 * j + i], m[16 * i + j], "lane {i} of result {j}");
+        }
+    }
+}
+
+/// The vectorised channel pairs equal the lane-by-lane ones: widths and pair counts below,
+/// at and past 16, and an odd channel count.
+#[test]
+fn channel_pairs_by_registers_equal_the_plain_ones() {
+    if !available() {
+        eprintln!("SKIPPED: this CPU has no AVX-512 BW/VL; the vectorised rearrangement is not run");
+        return;
+    }
+    for (c, h, w) in [(3, 2, 5), (32, 3, 16), (45, 2, 37), (64, 1, 7)] {
+        let image = values(c * h * w, (c * w) as u64);
+        for y in 0..h {
+            let cp = c.div_ceil(2);
+            let (mut plain, mut wide) = (vec![1u32; w * cp], vec![2u32; w * cp]);
+            pairs_row(&image, (c, h, w), y, &mut plain);
+            // SAFETY: the CPU has AVX-512F, BW and VL (`available`).
+            unsafe { pairs_row_avx512(&image, (c, h, w), y, &mut wide) };
+            assert_eq!(plain, wide, "c {c}, w {w}, row {y}");
+        }
+    }
+}
+
+/// Weights packed by registers equal the lane-by-lane packing, in both layouts: odd channel
+/// counts, ragged blocks, 1×1 and 3×3 kernels.
+#[test]
+fn weights_packed_by_registers_equal_the_plain_packing() {
+    if !available() {
+        eprintln!("SKIPPED: this CPU has no AVX-512 BW/VL; the vectorised packing is not run");
+        return;
+    }
+    for (c_in, c_out, k) in [(7, 40, 3), (64, 64, 3), (33, 17, 1), (16, 96, 3)] {
+        let w = values(c_out * c_in * k * k, (c_in + k) as u64);
+        let kk = k * k;
+        let cp = c_in.div_ceil(2);
+        for (so, si, flipped) in [(c_in * kk, kk, false), (kk, c_out * kk, true)] {
+            let g = BlockGeometry { c_in, c_out, kk, cp, tl: tap_lanes(cp), so, si, flipped };
+            for cb in 0..c_out.div_ceil(NB) {
+                let (mut plain, mut wide) = (vec![0u32; kk * g.tl], vec![0u32; kk * g.tl]);
+                pack_block(&w, cb, &g, &mut plain);
+                // SAFETY: the CPU has AVX-512F, BW and VL (`available`).
+                unsafe { pack_block_avx512(&w, cb, &g, &mut wide) };
+                assert_eq!(plain, wide, "c_in {c_in}, c_out {c_out}, k {k}, flipped {flipped}, block {cb}");
+            }
+        }
+    }
+}
