@@ -1,12 +1,14 @@
-//! The direct bf16 convolution at ResNet-18's 3×3 stride-1 shapes (224², one image, one
-//! thread): multiply-adds a second of the convolution itself, and the time of what each call
-//! prepares (weights packed, images rearranged into channel pairs) beside it. BENCHMARKS.md,
+//! The direct bf16 convolution and weight gradient at ResNet-18's 3×3 stride-1 shapes (224², one
+//! image, one thread): multiply-adds a second of each, and the time of what each call prepares
+//! (weights packed, images rearranged into channel pairs; images padded, output gradients
+//! rearranged into position pairs) beside it. BENCHMARKS.md,
 //! "Convolutional networks at every size (issue 30)", cites its output.
 //!
 //! `cargo bench -p wick-kernels --bench direct_conv`
 
 use half::bf16;
-use wick_kernels::cpu::conv::{available, conv_bf16, ChannelsLast, ConvDims, PackedWeights, WeightLayout};
+use wick_kernels::cpu::conv::{available, conv_bf16, weight_grad_bf16, ChannelsLast, ConvDims, PackedWeights};
+use wick_kernels::cpu::conv::{PaddedImages, PositionPairs, WeightLayout};
 
 fn main() {
     if !available() {
@@ -14,8 +16,10 @@ fn main() {
         return;
     }
     rayon::ThreadPoolBuilder::new().num_threads(1).build_global().ok();
-    println!("| C_in = C_out, image | convolution | G multiply-adds/s | weights packed | images rearranged |");
-    println!("|---|---|---|---|---|");
+    println!(
+        "| C_in = C_out, image | convolution | G multiply-adds/s | weights packed | images rearranged | weight gradient | G multiply-adds/s | its operands rearranged |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for (c, hw) in [(64usize, 56usize), (128, 28), (256, 14), (512, 7)] {
         let d = ConvDims { n: 1, c_in: c, h: hw, w: hw, c_out: c, k: 3, stride: 1, pad: 1 };
         let w: Vec<bf16> = (0..c * c * 9).map(|i| bf16::from_f32((i % 97) as f32 * 0.01)).collect();
@@ -38,13 +42,20 @@ fn main() {
         let conv = best(&mut || drop(conv_bf16(&mut y, &xs, &ws)));
         let pack = best(&mut || drop(PackedWeights::new(d, &w, WeightLayout::Forward)));
         let rearrange = best(&mut || drop(ChannelsLast::new(&x, d)));
+        let (Ok(xp), Ok(gp)) = (PaddedImages::new(&x, d), PositionPairs::new(&y, d)) else { return };
+        let mut dw = vec![0f32; c * c * 9];
+        let grad = best(&mut || drop(weight_grad_bf16(&mut dw, &xp, &gp)));
+        let operands = best(&mut || drop((PaddedImages::new(&x, d), PositionPairs::new(&y, d))));
         let macs = (c * c * 9 * hw * hw) as f64;
         println!(
-            "| {c}, {hw}² | {:.3} ms | {:.1} | {:.3} ms | {:.3} ms |",
+            "| {c}, {hw}² | {:.3} ms | {:.1} | {:.3} ms | {:.3} ms | {:.3} ms | {:.1} | {:.3} ms |",
             conv * 1e3,
             macs / conv / 1e9,
             pack * 1e3,
-            rearrange * 1e3
+            rearrange * 1e3,
+            grad * 1e3,
+            macs / grad / 1e9,
+            operands * 1e3
         );
     }
 }

@@ -1,4 +1,8 @@
+use super::forward::{pairs_row, pairs_row_avx512};
+use super::pack::{pack_block, pack_block_avx512, tap_lanes, BlockGeometry};
+use super::weight_grad::{pair_row, pair_row_avx512};
 use super::*;
+use half::bf16;
 
 /// Deterministic values in about [-1, 1), held exactly by bf16.
 fn values(len: usize, seed: u64) -> Vec<bf16> {
@@ -194,6 +198,102 @@ fn weights_packed_by_registers_equal_the_plain_packing() {
                 unsafe { pack_block_avx512(&w, cb, &g, &mut wide) };
                 assert_eq!(plain, wide, "c_in {c_in}, c_out {c_out}, k {k}, flipped {flipped}, block {cb}");
             }
+        }
+    }
+}
+
+/// The weight gradient in f64 from the same bf16 values: (exact sums, sums of magnitudes).
+fn reference_weight_grad(x: &[bf16], dy: &[bf16], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
+    let (oh, ow) = d.out_hw().unwrap();
+    let kk = d.k * d.k;
+    let (mut out, mut mag) = (vec![0.0; d.c_out * d.c_in * kk], vec![0.0; d.c_out * d.c_in * kk]);
+    for o in 0..d.c_out {
+        for i in 0..d.c_in {
+            for t in 0..kk {
+                let (ky, kx) = (t / d.k, t % d.k);
+                let (mut s, mut m) = (0.0, 0.0);
+                for b in 0..d.n {
+                    for y in 0..oh {
+                        for xx in 0..ow {
+                            let (iy, ix) = ((y + ky) as isize - d.pad as isize, (xx + kx) as isize - d.pad as isize);
+                            if iy < 0 || ix < 0 || iy >= d.h as isize || ix >= d.w as isize {
+                                continue;
+                            }
+                            let xv = x[((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize].to_f64();
+                            let g = dy[((b * d.c_out + o) * oh + y) * ow + xx].to_f64();
+                            s += xv * g;
+                            m += (xv * g).abs();
+                        }
+                    }
+                }
+                out[(o * d.c_in + i) * kk + t] = s;
+                mag[(o * d.c_in + i) * kk + t] = m;
+            }
+        }
+    }
+    (out, mag)
+}
+
+/// Every weight gradient within the f32 sums' own error of the exact sum (they are not rounded
+/// to bf16 here): odd and even output widths (a pair half past a row's end), paddings 0–2,
+/// kernels 1, 3 and 5, ragged blocks of output channels, weight rows not a multiple of the
+/// tile, several images.
+#[test]
+fn direct_weight_gradients_match_an_f64_reference() {
+    if !available() {
+        eprintln!("SKIPPED: this CPU has no AVX512-BF16 with AVX-512 BW/VL; the weight gradient is not run");
+        return;
+    }
+    let cases = [
+        ConvDims { n: 2, c_in: 16, h: 9, w: 11, c_out: 32, k: 3, stride: 1, pad: 1 },
+        ConvDims { n: 1, c_in: 5, h: 8, w: 8, c_out: 40, k: 3, stride: 1, pad: 0 },
+        ConvDims { n: 3, c_in: 7, h: 6, w: 5, c_out: 17, k: 5, stride: 1, pad: 2 },
+        ConvDims { n: 2, c_in: 24, h: 7, w: 7, c_out: 64, k: 3, stride: 1, pad: 1 },
+        ConvDims { n: 1, c_in: 9, h: 4, w: 36, c_out: 8, k: 1, stride: 1, pad: 0 },
+    ];
+    for (c, d) in cases.into_iter().enumerate() {
+        let (oh, ow) = d.out_hw().unwrap();
+        let x = values(d.n * d.c_in * d.h * d.w, 3 * c as u64 + 1);
+        let dy = values(d.n * d.c_out * oh * ow, 3 * c as u64 + 2);
+        let mut got = vec![f32::NAN; d.c_out * d.c_in * d.k * d.k];
+        let (xs, gs) = (PaddedImages::new(&x, d).unwrap(), PositionPairs::new(&dy, d).unwrap());
+        weight_grad_bf16(&mut got, &xs, &gs).unwrap();
+        let (exact, mag) = reference_weight_grad(&x, &dy, d);
+        let depth = (d.n * oh * ow) as f64;
+        for (at, ((g, e), m)) in got.iter().zip(&exact).zip(&mag).enumerate() {
+            let bound = m * depth * 2f64.powi(-24) + 1e-30;
+            assert!((*g as f64 - e).abs() <= bound, "{d:?}: weight {at}: {g} against {e} (bound {bound})");
+        }
+    }
+    // Other strides and mismatched operands are errors.
+    let d = ConvDims { n: 1, c_in: 4, h: 6, w: 6, c_out: 4, k: 3, stride: 1, pad: 1 };
+    let (x, dy) = (values(144, 1), values(144, 2));
+    let (xs, gs) = (PaddedImages::new(&x, d).unwrap(), PositionPairs::new(&dy, d).unwrap());
+    assert!(weight_grad_bf16(&mut [0.0; 143], &xs, &gs).is_err(), "short gradient");
+    let strided = ConvDims { stride: 2, ..d };
+    let (xs2, gs2) = (PaddedImages::new(&x, strided).unwrap(), PositionPairs::new(&dy[..36], strided).unwrap());
+    assert!(weight_grad_bf16(&mut [0.0; 144], &xs2, &gs2).is_err(), "stride 2");
+    assert!(weight_grad_bf16(&mut [0.0; 144], &xs, &gs2).is_err(), "operands of two convolutions");
+    assert!(PositionPairs::new(&dy[..143], d).is_err(), "short output gradients");
+}
+
+/// Output-gradient pairs by registers equal the plain ones: widths odd and even, below and past
+/// 32 values, channel counts below and past 16.
+#[test]
+fn position_pairs_by_registers_equal_the_plain_ones() {
+    if !available() {
+        eprintln!("SKIPPED: this CPU has no AVX-512 BW/VL; the vectorised rearrangement is not run");
+        return;
+    }
+    for (c, oh, ow) in [(3, 2, 5), (32, 3, 32), (45, 2, 37), (17, 1, 64)] {
+        let grads = values(c * oh * ow, (c * ow) as u64);
+        let co = c.div_ceil(32) * 32;
+        for y in 0..oh {
+            let (mut plain, mut wide) = (vec![0u32; ow.div_ceil(2) * co], vec![0u32; ow.div_ceil(2) * co]);
+            pair_row(&grads, (c, oh, ow), y, co, &mut plain);
+            // SAFETY: the CPU has AVX-512F, BW and VL (`available`).
+            unsafe { pair_row_avx512(&grads, (c, oh, ow), y, co, &mut wide) };
+            assert_eq!(plain, wide, "c {c}, ow {ow}, row {y}");
         }
     }
 }

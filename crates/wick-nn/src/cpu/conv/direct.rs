@@ -1,10 +1,12 @@
 //! bf16 convolutions computed directly on the images (`wick_kernels::cpu::conv`): no column
-//! matrix and no packed copy of the columns. Used for the forward pass and the stride-1 input
-//! gradient of dense bf16 convolutions wide enough to fill its channel pairs.
+//! matrix and no packed copy of the columns. Used for the forward pass, the stride-1 input
+//! gradient and the stride-1 weight gradient of dense bf16 convolutions wide enough to fill
+//! their channel pairs.
 
 use candle_core::Result;
 use half::bf16;
-use wick_kernels::cpu::conv::{available, conv_bf16, ChannelsLast, ConvDims, PackedWeights, WeightLayout};
+use wick_kernels::cpu::conv::{available, conv_bf16, weight_grad_bf16, ChannelsLast, ConvDims, PackedWeights};
+use wick_kernels::cpu::conv::{PaddedImages, PositionPairs, WeightLayout};
 
 use super::Geometry;
 
@@ -56,4 +58,20 @@ pub(super) fn input_gradient(g: &Geometry, w: &[bf16], dy: &[bf16]) -> Result<Ve
 /// below k (a convolution of its own), and [`applies`] to that convolution.
 pub(super) fn computes_input_gradient(g: &Geometry) -> bool {
     g.stride == 1 && g.pad < g.k && applies(&g.input_gradient())
+}
+
+/// True when [`weight_gradient`] computes the weight gradient of `g`: stride 1 and [`applies`].
+pub(super) fn computes_weight_gradient(g: &Geometry) -> bool {
+    g.stride == 1 && applies(g)
+}
+
+/// The weight gradient of `g` ((C_out, C_in·k·k), f32 sums) from images `x` and output
+/// gradient `dy`. Only where [`computes_weight_gradient`].
+pub(super) fn weight_gradient(g: &Geometry, x: &[bf16], dy: &[bf16]) -> Result<Vec<f32>> {
+    let d = dims(g);
+    let images = PaddedImages::new(x, d).map_err(candle)?;
+    let grads = PositionPairs::new(dy, d).map_err(candle)?;
+    let mut dw = vec![0f32; g.c_out * g.rows()];
+    weight_grad_bf16(&mut dw, &images, &grads).map_err(candle)?;
+    Ok(dw)
 }

@@ -1,0 +1,141 @@
+//! Direct bf16 convolutions with f32 sums on AVX512-BF16: no column matrix (im2col) and no
+//! packing of the images.
+//!
+//! Why: multiplied as a matrix product, a k×k convolution first unfolds every image into a
+//! column matrix k² times its size, and the product then packs those columns into panels — two
+//! passes over k² copies of the input for each product, a fifth of a ResNet AMP step
+//! (BENCHMARKS.md, issue 30). Here the images are rearranged once per call into a padded
+//! channels-last layout of channel pairs ([`ChannelsLast`]), and the micro-kernel reads them in
+//! place: its tile is `MR` output positions × 32 output channels, and for each tap and input
+//! channel pair it broadcasts the pair straight from the image (`vdpbf16ps` multiplies pairs)
+//! against 32 output channels' weights packed once per call ([`PackedWeights`]). Any stride
+//! works the same way: a position's window starts wherever its offset says.
+//!
+//! The output is NCHW, as the caller's tensors are: each tile's sums are rounded to bf16 once
+//! and written as 32 runs of `MR` consecutive positions (one per output channel).
+//!
+//! Numerics: each output is one f32 sum over all taps and channel pairs, rounded once to bf16
+//! (the pair `(c, c+1)` at one tap added as one by the instruction, which treats subnormal
+//! inputs and results as zero, as the bf16 products of [`super::gemm::bf16`] do).
+//!
+//! Modules: `forward` (the images' channel pairs, the micro-kernel, [`conv_bf16`]), `pack`
+//! (the weights, [`PackedWeights`]), `weight_grad` (a stride-1 convolution's weight gradient,
+//! [`weight_grad_bf16`], summed over pairs of positions instead).
+
+mod forward;
+mod pack;
+mod weight_grad;
+
+pub use forward::{conv_bf16, ChannelsLast};
+pub use pack::{PackedWeights, WeightLayout};
+pub use weight_grad::{weight_grad_bf16, PaddedImages, PositionPairs};
+
+use crate::cpu::KernelError;
+
+/// Output positions of a micro-tile (its rows).
+const MR: usize = 12;
+/// Output channels of a micro-tile (two 16-lane registers): weights are packed in blocks of it.
+const NB: usize = 32;
+
+fn error(message: String) -> KernelError {
+    KernelError { kernel: "wick direct bf16 convolution", message }
+}
+
+/// A convolution's dimensions: images (n, c_in, h, w), weights (c_out, c_in, k, k), the same
+/// stride and zero padding along both axes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConvDims {
+    /// Images.
+    pub n: usize,
+    /// Input channels.
+    pub c_in: usize,
+    /// Image height.
+    pub h: usize,
+    /// Image width.
+    pub w: usize,
+    /// Output channels.
+    pub c_out: usize,
+    /// Kernel size (k × k).
+    pub k: usize,
+    /// Stride.
+    pub stride: usize,
+    /// Zero padding on every side.
+    pub pad: usize,
+}
+
+impl ConvDims {
+    /// Output height and width; an error when the window does not fit or a size overflows.
+    pub fn out_hw(&self) -> Result<(usize, usize), KernelError> {
+        let out = |len: usize| {
+            let padded = self.pad.checked_mul(2).and_then(|p| p.checked_add(len));
+            match padded {
+                Some(p) if self.k > 0 && self.stride > 0 && p >= self.k => Ok((p - self.k) / self.stride + 1),
+                _ => Err(error(format!("a {}×{} window does not fit {len} padded by {}", self.k, self.k, self.pad))),
+            }
+        };
+        Ok((out(self.h)?, out(self.w)?))
+    }
+
+    /// Channel pairs (the last one half zero when `c_in` is odd).
+    fn pairs(&self) -> usize {
+        self.c_in.div_ceil(2)
+    }
+
+    /// (padded height, padded width).
+    fn padded(&self) -> (usize, usize) {
+        (self.h + 2 * self.pad, self.w + 2 * self.pad)
+    }
+}
+
+/// True when this CPU runs [`conv_bf16`] (AVX512-BF16 with AVX-512F, BW and VL).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::gemm::bf16::available()
+            && std::is_x86_feature_detected!("avx512bw")
+            && std::is_x86_feature_detected!("avx512vl")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Sixteen registers of 16 32-bit lanes transposed: lane i of result j is lane j of row i.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn transpose16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64::__m512i; 16] {
+    use std::arch::x86_64::*;
+    let z = _mm512_setzero_si512();
+    // Rows 2k, 2k + 1 interleaved by lane, then rows 4k..4k + 3 by lane pairs: u[4k + m]'s
+    // 128-bit part l holds column 4l + m of rows 4k..4k + 3.
+    let mut t = [z; 16];
+    for k in 0..8 {
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    let mut u = [z; 16];
+    for k in 0..4 {
+        u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    // The 128-bit parts gathered: column 4l + m is part l of u[m], u[4 + m], u[8 + m], u[12 + m].
+    let mut out = [z; 16];
+    for m in 0..4 {
+        let even_a = _mm512_shuffle_i32x4::<0x88>(u[m], u[4 + m]);
+        let even_b = _mm512_shuffle_i32x4::<0x88>(u[8 + m], u[12 + m]);
+        let odd_a = _mm512_shuffle_i32x4::<0xdd>(u[m], u[4 + m]);
+        let odd_b = _mm512_shuffle_i32x4::<0xdd>(u[8 + m], u[12 + m]);
+        out[m] = _mm512_shuffle_i32x4::<0x88>(even_a, even_b);
+        out[8 + m] = _mm512_shuffle_i32x4::<0xdd>(even_a, even_b);
+        out[4 + m] = _mm512_shuffle_i32x4::<0x88>(odd_a, odd_b);
+        out[12 + m] = _mm512_shuffle_i32x4::<0xdd>(odd_a, odd_b);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;
