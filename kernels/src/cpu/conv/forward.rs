@@ -4,7 +4,9 @@
 use half::bf16;
 
 use super::pack::{tap_lanes, PackedWeights};
-use super::{available, error, transpose16, ConvDims, MR, NB};
+#[cfg(target_arch = "x86_64")]
+use super::transpose16;
+use super::{available, buffer_len, error, expect_len, ConvDims, MR, NB};
 use crate::cpu::{par_ranges, KernelError, SharedMut};
 
 /// Images in a padded channels-last layout of channel pairs: element `((b·hp + y)·wp + x)·cp + q`
@@ -21,14 +23,8 @@ impl ChannelsLast {
         dims.out_hw()?;
         let (hp, wp) = dims.padded();
         let cp = dims.pairs();
-        let image = [dims.c_in, dims.h, dims.w].iter().try_fold(dims.n, |a, b| a.checked_mul(*b));
-        if image != Some(x.len()) {
-            return Err(error(format!("{} image elements for {dims:?}", x.len())));
-        }
-        let len = [hp, wp, cp]
-            .iter()
-            .try_fold(dims.n, |a, b| a.checked_mul(*b))
-            .ok_or_else(|| error(format!("the padded images of {dims:?} overflow")))?;
+        expect_len(x.len(), &[dims.n, dims.c_in, dims.h, dims.w], "image elements", &dims)?;
+        let len = buffer_len(&[dims.n, hp, wp, cp], "padded images", &dims)?;
         let mut data = vec![0u32; len];
         let out = SharedMut::new(&mut data);
         let (c, h, w, p) = (dims.c_in, dims.h, dims.w, dims.pad);
@@ -127,9 +123,7 @@ pub fn conv_bf16(dst: &mut [bf16], x: &ChannelsLast, w: &PackedWeights) -> Resul
     let d = x.dims;
     let (oh, ow) = d.out_hw()?;
     let plane = oh * ow;
-    if Some(dst.len()) != [d.c_out, plane].iter().try_fold(d.n, |a, b| a.checked_mul(*b)) {
-        return Err(error(format!("an output of {} elements for {d:?}", dst.len())));
-    }
+    expect_len(dst.len(), &[d.n, d.c_out, plane], "output elements", &d)?;
     let (hp, wp) = d.padded();
     let (cp, taps, blocks) = (d.pairs(), d.k * d.k, d.c_out.div_ceil(NB));
     let block = taps * tap_lanes(cp);

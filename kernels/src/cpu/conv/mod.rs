@@ -41,6 +41,22 @@ fn error(message: String) -> KernelError {
     KernelError { kernel: "wick direct bf16 convolution", message }
 }
 
+/// An error unless `len` is the product of `sizes` (the elements `what` holds for `dims`).
+fn expect_len(len: usize, sizes: &[usize], what: &str, dims: &ConvDims) -> Result<(), KernelError> {
+    match sizes.iter().try_fold(1usize, |a, b| a.checked_mul(*b)) {
+        Some(n) if n == len => Ok(()),
+        _ => Err(error(format!("{len} {what} for {dims:?}"))),
+    }
+}
+
+/// The length of a buffer of `sizes` elements, or an error naming `what` when it overflows.
+fn buffer_len(sizes: &[usize], what: &str, dims: &ConvDims) -> Result<usize, KernelError> {
+    sizes
+        .iter()
+        .try_fold(1usize, |a, b| a.checked_mul(*b))
+        .ok_or_else(|| error(format!("the {what} of {dims:?} overflow")))
+}
+
 /// A convolution's dimensions: images (n, c_in, h, w), weights (c_out, c_in, k, k), the same
 /// stride and zero padding along both axes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2,7 +2,9 @@
 
 use half::bf16;
 
-use super::{available, error, transpose16, ConvDims, NB};
+#[cfg(target_arch = "x86_64")]
+use super::transpose16;
+use super::{available, buffer_len, error, expect_len, ConvDims, NB};
 use crate::cpu::{par_ranges, KernelError, SharedMut};
 
 /// Lanes of one tap in a block of packed weights: the tap's pairs, then 16 unused lanes, so that
@@ -12,9 +14,9 @@ pub(super) fn tap_lanes(cp: usize) -> usize {
     cp * NB + 16
 }
 
-/// Weights packed for [`conv_bf16`] once per call: for each block of 32 output channels, each
-/// tap ([`tap_lanes`] apart), each input channel pair, the 32 channels' pairs side by side
-/// (zeros past `c_out` and `c_in`).
+/// Weights packed for [`super::conv_bf16`] once per call: for each block of 32 output channels,
+/// each tap (16 lanes past the last tap's pairs, see `tap_lanes`), each input channel pair, the
+/// 32 channels' pairs side by side (zeros past `c_out` and `c_in`).
 pub struct PackedWeights {
     pub(super) data: Vec<u32>,
     pub(super) dims: ConvDims,
@@ -25,14 +27,11 @@ impl PackedWeights {
     pub fn new(dims: ConvDims, w: &[bf16], layout: WeightLayout) -> Result<Self, KernelError> {
         dims.out_hw()?;
         let (kk, cp, blocks) = (dims.k * dims.k, dims.pairs(), dims.c_out.div_ceil(NB));
-        let overflow = || error(format!("the weights of {dims:?} overflow"));
-        let block =
-            cp.checked_mul(NB).and_then(|l| l.checked_add(16)).and_then(|l| l.checked_mul(kk)).ok_or_else(overflow)?;
-        let len = block.checked_mul(blocks).ok_or_else(overflow)?;
-        let stored = [dims.c_in, kk].iter().try_fold(dims.c_out, |a, b| a.checked_mul(*b));
-        if stored != Some(w.len()) {
-            return Err(error(format!("{} weights for {dims:?}", w.len())));
-        }
+        let tap = cp.checked_mul(NB).and_then(|l| l.checked_add(16));
+        let tap = tap.ok_or_else(|| error(format!("the weights of {dims:?} overflow")))?;
+        let (block, len) =
+            (buffer_len(&[kk, tap], "weights", &dims)?, buffer_len(&[kk, tap, blocks], "weights", &dims)?);
+        expect_len(w.len(), &[dims.c_out, dims.c_in, kk], "weights", &dims)?;
         let (c_in, c_out) = (dims.c_in, dims.c_out);
         // Weight (o, i, tap s) is at o·so + i·si + s; flipped, tap t is stored as k² − 1 − t.
         let (so, si, flipped) = match layout {

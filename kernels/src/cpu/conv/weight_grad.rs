@@ -12,7 +12,9 @@
 
 use half::bf16;
 
-use super::{available, error, transpose16, ConvDims, MR, NB};
+#[cfg(target_arch = "x86_64")]
+use super::transpose16;
+use super::{available, buffer_len, error, expect_len, ConvDims, MR, NB};
 use crate::cpu::{par_ranges, KernelError, SharedMut};
 
 /// Output gradients as pairs of neighbouring positions: element `((b·oh + y)·mw + m)·co + o`
@@ -28,14 +30,8 @@ impl PositionPairs {
     pub fn new(dy: &[bf16], dims: ConvDims) -> Result<Self, KernelError> {
         let (oh, ow) = dims.out_hw()?;
         let (mw, co) = (ow.div_ceil(2), dims.c_out.div_ceil(NB) * NB);
-        let stored = [dims.c_out, oh, ow].iter().try_fold(dims.n, |a, b| a.checked_mul(*b));
-        if stored != Some(dy.len()) {
-            return Err(error(format!("{} output gradients for {dims:?}", dy.len())));
-        }
-        let len = [oh, mw, co]
-            .iter()
-            .try_fold(dims.n, |a, b| a.checked_mul(*b))
-            .ok_or_else(|| error(format!("the output gradients of {dims:?} overflow")))?;
+        expect_len(dy.len(), &[dims.n, dims.c_out, oh, ow], "output gradients", &dims)?;
+        let len = buffer_len(&[dims.n, oh, mw, co], "output gradients", &dims)?;
         let mut data = vec![0u32; len];
         let out = SharedMut::new(&mut data);
         let wide = available();
@@ -140,14 +136,8 @@ impl PaddedImages {
         let (hp, wp) = dims.padded();
         let wq = wp + 1;
         let (c, h, w, p) = (dims.c_in, dims.h, dims.w, dims.pad);
-        let stored = [c, h, w].iter().try_fold(dims.n, |a, b| a.checked_mul(*b));
-        if stored != Some(x.len()) {
-            return Err(error(format!("{} image elements for {dims:?}", x.len())));
-        }
-        let len = [c, hp, wq]
-            .iter()
-            .try_fold(dims.n, |a, b| a.checked_mul(*b))
-            .ok_or_else(|| error(format!("the padded images of {dims:?} overflow")))?;
+        expect_len(x.len(), &[dims.n, c, h, w], "image elements", &dims)?;
+        let len = buffer_len(&[dims.n, c, hp, wq], "padded images", &dims)?;
         let mut data = vec![bf16::ZERO; len];
         let out = SharedMut::new(&mut data);
         par_ranges(dims.n * c, 4, |planes| {
