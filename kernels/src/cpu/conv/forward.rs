@@ -127,10 +127,10 @@ pub fn conv_bf16(dst: &mut [bf16], x: &ChannelsLast, w: &PackedWeights) -> Resul
     let (hp, wp) = d.padded();
     let (cp, taps, blocks) = (d.pairs(), d.k * d.k, d.c_out.div_ceil(NB));
     let block = taps * tap_lanes(cp);
-    // The last window's last pair lies inside the images (every read below is at most this far).
     if d.n == 0 || plane == 0 || d.c_out == 0 {
         return Ok(());
     }
+    // The last window's last pair lies inside the images (every read below is at most this far).
     let last = ((d.n - 1) * hp + (oh - 1) * d.stride + d.k - 1) * wp + (ow - 1) * d.stride + d.k - 1;
     assert!((last + 1) * cp <= x.data.len() && blocks * block <= w.data.len(), "conv_bf16: short operands");
     // Offsets of the taps from a window's first element, in pairs.
@@ -172,9 +172,9 @@ struct Tile<'a> {
     couts: usize,
 }
 
-/// The `MR × 32` sums of one tile, rounded to bf16 and stored into `tile`: position `i`'s window starts at pair `at[i]` of `x`, tap `t`
-/// `tap_at[t]` further, and the weights run (pair, 32 channels) through `w` from tap `t`'s
-/// start, `t · tap_lanes(cp)`.
+/// The `MR × 32` sums of one tile, rounded to bf16 and stored into `tile`: position `i`'s
+/// window starts at pair `at[i]` of `x`, tap `t` `tap_at[t]` further, and the weights run
+/// (pair, 32 channels) through `w` from tap `t`'s start, `t · tap_lanes(cp)`.
 ///
 /// # Safety
 /// The CPU has AVX512-BF16, AVX-512F, BW and VL; `at[i] + tap_at[t] + cp − 1 < x.len()` for
@@ -233,6 +233,7 @@ unsafe fn micro_kernel(x: &[u32], at: &[usize; MR], tap_at: &[usize], cp: usize,
         }
     }
 }
+
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn micro_kernel(_: &[u32], _: &[usize; MR], _: &[usize], _: usize, _: &[u32], _: Tile<'_>) {
     unreachable!("conv_bf16 checks available() first")

@@ -27,10 +27,10 @@ impl PackedWeights {
     pub fn new(dims: ConvDims, w: &[bf16], layout: WeightLayout) -> Result<Self, KernelError> {
         dims.out_hw()?;
         let (kk, cp, blocks) = (dims.k * dims.k, dims.pairs(), dims.c_out.div_ceil(NB));
-        let tap = cp.checked_mul(NB).and_then(|l| l.checked_add(16));
-        let tap = tap.ok_or_else(|| error(format!("the weights of {dims:?} overflow")))?;
-        let (block, len) =
-            (buffer_len(&[kk, tap], "weights", &dims)?, buffer_len(&[kk, tap, blocks], "weights", &dims)?);
+        // `tap_lanes(cp)`, checked.
+        let tl = cp.checked_mul(NB).and_then(|l| l.checked_add(16));
+        let tl = tl.ok_or_else(|| error(format!("the weights of {dims:?} overflow")))?;
+        let (block, len) = (buffer_len(&[kk, tl], "weights", &dims)?, buffer_len(&[kk, tl, blocks], "weights", &dims)?);
         expect_len(w.len(), &[dims.c_out, dims.c_in, kk], "weights", &dims)?;
         let (c_in, c_out) = (dims.c_in, dims.c_out);
         // Weight (o, i, tap s) is at o·so + i·si + s; flipped, tap t is stored as k² − 1 − t.
@@ -40,7 +40,6 @@ impl PackedWeights {
         };
         let mut data = vec![0u32; len];
         let out = SharedMut::new(&mut data);
-        let tl = tap_lanes(cp);
         let geometry = BlockGeometry { c_in, c_out, kk, cp, tl, so, si, flipped };
         let wide = available() && kk <= 16;
         // One block of output channels per item.

@@ -197,12 +197,10 @@ pub fn weight_grad_bf16(dw: &mut [f32], x: &PaddedImages, dy: &PositionPairs) ->
                 let (ci, t) = (r / kk, r % kk);
                 *a = (ci * hp + t / d.k) * wq + t % d.k;
             }
-            let mut sums = [0f32; MR * NB];
+            let mut by_channel = [0f32; NB * 16];
             // SAFETY: the CPU has AVX512-BF16, AVX-512 BW/VL (checked); every read is inside
             // the operands (the farthest checked above).
-            unsafe { micro_kernel(&x.data, &at, &dy.data[cb * NB..], (d, oh, mw, co), &mut sums) };
-            // SAFETY: as above (AVX-512F).
-            let by_channel = unsafe { transposed(&sums) };
+            unsafe { micro_kernel(&x.data, &at, &dy.data[cb * NB..], (d, oh, mw, co), &mut by_channel) };
             for j in 0..NB.min(d.c_out - cb * NB) {
                 // SAFETY: output channel cb·32 + j's rows r0..r0 + height are this item's only.
                 let run = unsafe { out.range((cb * NB + j) * rows + r0, height) };
@@ -213,45 +211,11 @@ pub fn weight_grad_bf16(dw: &mut [f32], x: &PaddedImages, dy: &PositionPairs) ->
     Ok(())
 }
 
-/// A tile's sums (`MR` rows of 32 output channels) by output channel: channel j's `MR` rows at
-/// `16·j`, transposed in registers (a scalar copy of the 384 sums cost a tenth of the kernel's
-/// time at ResNet's 7×7 layers).
-///
-/// # Safety
-/// The CPU has AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn transposed(sums: &[f32; MR * NB]) -> [f32; NB * 16] {
-    use std::arch::x86_64::*;
-    let mut out = [0f32; NB * 16];
-    for v in 0..2 {
-        let mut rows = [_mm512_setzero_si512(); 16];
-        for (i, r) in rows.iter_mut().enumerate().take(MR) {
-            // SAFETY: 16 floats of row i inside the tile.
-            *r = unsafe { _mm512_loadu_si512(sums[i * NB + 16 * v..].as_ptr().cast()) };
-        }
-        for (jj, col) in transpose16(rows).iter().enumerate() {
-            // SAFETY: 16 floats inside `out`.
-            unsafe { _mm512_storeu_si512(out[(16 * v + jj) * 16..].as_mut_ptr().cast(), *col) };
-        }
-    }
-    out
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn transposed(sums: &[f32; MR * NB]) -> [f32; NB * 16] {
-    let mut out = [0f32; NB * 16];
-    for j in 0..NB {
-        for i in 0..MR {
-            out[j * 16 + i] = sums[i * NB + j];
-        }
-    }
-    out
-}
-
-/// The `MR × 32` sums of one tile over every position pair: weight row i's input for the pair
-/// at (b, y, m) is the 32 bits at `at[i] + b·c_in·hp·wq + y·wq + 2m` of `x`; the pair's 32
-/// output channels the 32 lanes at `((b·oh + y)·mw + m)·co` of `dy`.
+/// The `MR × 32` sums of one tile over every position pair, stored by output channel (channel
+/// j's `MR` rows at `16·j` of `by_channel`, transposed in registers: a scalar copy of the 384
+/// sums cost a tenth of the kernel's time at ResNet's 7×7 layers). Weight row i's input for
+/// the pair at (b, y, m) is the 32 bits at `at[i] + b·c_in·hp·wq + y·wq + 2m` of `x`; the
+/// pair's 32 output channels the 32 lanes at `((b·oh + y)·mw + m)·co` of `dy`.
 ///
 /// # Safety
 /// The CPU has AVX512-BF16 and AVX-512F; every such read lies inside `x` and `dy`.
@@ -262,7 +226,7 @@ unsafe fn micro_kernel(
     at: &[usize; MR],
     dy: &[u32],
     (d, oh, mw, co): (ConvDims, usize, usize, usize),
-    sums: &mut [f32; MR * NB],
+    by_channel: &mut [f32; NB * 16],
 ) {
     use std::arch::x86_64::*;
     let (hp, wq) = (d.h + 2 * d.pad, d.w + 2 * d.pad + 1);
@@ -292,11 +256,14 @@ unsafe fn micro_kernel(
             }
         }
     }
-    for (i, s) in acc.iter().enumerate() {
-        // SAFETY: row i of the tile, 32 floats.
-        unsafe {
-            _mm512_storeu_ps(sums[i * NB..].as_mut_ptr(), s[0]);
-            _mm512_storeu_ps(sums[i * NB + 16..].as_mut_ptr(), s[1]);
+    for v in 0..2 {
+        let mut rows = [_mm512_setzero_si512(); 16];
+        for (r, s) in rows.iter_mut().zip(&acc) {
+            *r = _mm512_castps_si512(s[v]);
+        }
+        for (jj, run) in transpose16(rows).iter().enumerate() {
+            // SAFETY: 16 floats inside `by_channel`.
+            unsafe { _mm512_storeu_si512(by_channel[(16 * v + jj) * 16..].as_mut_ptr().cast(), *run) };
         }
     }
 }
@@ -307,7 +274,7 @@ unsafe fn micro_kernel(
     _: &[usize; MR],
     _: &[u32],
     _: (ConvDims, usize, usize, usize),
-    _: &mut [f32; MR * NB],
+    _: &mut [f32; NB * 16],
 ) {
     unreachable!("weight_grad_bf16 checks available() first")
 }

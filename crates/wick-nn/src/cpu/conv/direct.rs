@@ -34,24 +34,25 @@ fn dims(g: &Geometry) -> ConvDims {
 /// The convolution of images `x` with weights `w` ((C_out, C_in, k, k), contiguous), each sum
 /// rounded to bf16 once.
 pub(super) fn forward(g: &Geometry, x: &[bf16], w: &[bf16]) -> Result<Vec<bf16>> {
-    let d = dims(g);
-    let weights = PackedWeights::new(d, w, WeightLayout::Forward).map_err(candle)?;
-    let images = ChannelsLast::new(x, d).map_err(candle)?;
-    let mut y = vec![bf16::ZERO; g.n * g.c_out * g.oh * g.ow];
-    conv_bf16(&mut y, &images, &weights).map_err(candle)?;
-    Ok(y)
+    convolve(g, x, w, WeightLayout::Forward)
 }
 
 /// The input gradient of a stride-1 convolution `g` from its output gradient `dy`: the
 /// convolution of `dy` with the weights transposed (C_in ↔ C_out) and flipped, padded by
-/// `k − 1 − pad` (packed from the weights as they are: no flipped copy). Only where [`computes_input_gradient`].
+/// `k − 1 − pad` (packed from the weights as they are: no flipped copy). Only where
+/// [`computes_input_gradient`].
 pub(super) fn input_gradient(g: &Geometry, w: &[bf16], dy: &[bf16]) -> Result<Vec<bf16>> {
-    let d = dims(&g.input_gradient());
-    let weights = PackedWeights::new(d, w, WeightLayout::FlippedTransposed).map_err(candle)?;
-    let grads = ChannelsLast::new(dy, d).map_err(candle)?;
-    let mut dx = vec![bf16::ZERO; g.n * g.c_in * g.h * g.w];
-    conv_bf16(&mut dx, &grads, &weights).map_err(candle)?;
-    Ok(dx)
+    convolve(&g.input_gradient(), dy, w, WeightLayout::FlippedTransposed)
+}
+
+/// The convolution `g` of `x` with weights `w` stored as `layout`, each sum rounded once.
+fn convolve(g: &Geometry, x: &[bf16], w: &[bf16], layout: WeightLayout) -> Result<Vec<bf16>> {
+    let d = dims(g);
+    let weights = PackedWeights::new(d, w, layout).map_err(candle)?;
+    let images = ChannelsLast::new(x, d).map_err(candle)?;
+    let mut y = vec![bf16::ZERO; g.n * g.c_out * g.oh * g.ow];
+    conv_bf16(&mut y, &images, &weights).map_err(candle)?;
+    Ok(y)
 }
 
 /// True when [`input_gradient`] computes the input gradient of `g`: stride 1 and a padding

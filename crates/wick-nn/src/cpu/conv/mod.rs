@@ -227,36 +227,24 @@ impl Conv2d {
 
     /// [`Conv2d::bwd`] for bf16 images, weights and output gradients, multiplied as bf16.
     ///
-    /// Where [`direct`] computes a stride-1 convolution's weight gradient (and its input
-    /// gradient, when wanted), both are computed there. Otherwise a stride-1 input gradient is
-    /// computed directly on the output gradient where [`direct::computes_input_gradient`],
-    /// else, when its sums fit one slice of the product, written in bf16 as it is computed (no
-    /// f32 result, no rounding pass).
+    /// A stride-1 input gradient is computed directly on the output gradient where
+    /// [`direct::computes_input_gradient`], else, when its sums fit one slice of the product,
+    /// written in bf16 as it is computed (no f32 result, no rounding pass). The weight gradient
+    /// is computed directly where [`direct::computes_weight_gradient`] and the input gradient,
+    /// when wanted, is direct too.
     fn bwd_bf16(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
-        if direct::computes_weight_gradient(&g) && (!want_dx || direct::computes_input_gradient(&g)) {
-            // Both gradients computed on the images and output gradients in place.
-            let (dx, dw) = with_elems::<f32, bf16, _>(w, |ws| {
-                with_elems::<f32, bf16, _>(dy, |dys| {
-                    with_elems::<f32, bf16, _>(x, |xs| {
-                        let dw = direct::weight_gradient(&g, xs, dys)?;
-                        let dx = match want_dx {
-                            true => Some(elem_tensor::<f32, bf16>(direct::input_gradient(&g, ws, dys)?, x.shape())?),
-                            false => None,
-                        };
-                        Ok((dx, dw))
-                    })
-                })
-            })?;
-            return Ok((dx, super::weight_grad(w, dw)?));
-        }
         let by_kernel = want_dx && direct::computes_input_gradient(&g);
         let direct_dx = by_kernel
             || want_dx && Self::dx_by_convolution(&g) && super::gemm_bf16::rounds_directly(g.c_out * g.k * g.k);
+        // The weight gradient on the images and output gradients in place where the input
+        // gradient, when wanted, is computed there too.
+        let direct_dw = direct::computes_weight_gradient(&g) && (!want_dx || by_kernel);
         let (dx, dw) = with_elems::<f32, bf16, _>(w, |w| {
             with_elems::<f32, bf16, _>(dy, |dy| {
-                let (dx, dw) = with_elems::<f32, bf16, _>(x, |x| {
-                    self.bwd_from::<f32, bf16, bf16>(g, x, w, dy, want_dx && !direct_dx)
+                let (dx, dw) = with_elems::<f32, bf16, _>(x, |x| match direct_dw {
+                    true => Ok((None, direct::weight_gradient(&g, x, dy)?)),
+                    false => self.bwd_from::<f32, bf16, bf16>(g, x, w, dy, want_dx && !direct_dx),
                 })?;
                 let dx = match dx {
                     Some(dx) => Some(tensor(dx, x.shape(), x.dtype())?),
