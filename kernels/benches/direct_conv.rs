@@ -1,29 +1,34 @@
-//! The direct bf16 convolution and weight gradient at ResNet-18's 3×3 stride-1 shapes (224², one
-//! image, one thread): multiply-adds a second of each, and the time of what each call prepares
-//! (weights packed, images rearranged into channel pairs; images padded, output gradients
-//! rearranged into position pairs) beside it. BENCHMARKS.md,
+//! The direct convolution and weight gradient, bf16 and f32, at ResNet-18's 3×3 stride-1 shapes
+//! (224², one image, one thread): multiply-adds a second of each, and the time of what each call
+//! prepares (weights packed, images rearranged into lanes of channels; images padded, output
+//! gradients rearranged into lanes of positions) beside it. BENCHMARKS.md,
 //! "Convolutional networks at every size (issue 30)", cites its output.
 //!
 //! `cargo bench -p wick-kernels --bench direct_conv`
 
 use half::bf16;
-use wick_kernels::cpu::conv::{available, conv_bf16, weight_grad_bf16, ChannelsLast, ConvDims, PackedWeights};
-use wick_kernels::cpu::conv::{PaddedImages, PositionPairs, WeightLayout};
+use wick_kernels::cpu::conv::{available, conv_direct, weight_grad_direct, ChannelsLast, ConvDims, Element};
+use wick_kernels::cpu::conv::{PackedWeights, PaddedImages, PositionLanes, WeightLayout};
 
 fn main() {
-    if !available() {
-        println!("this CPU has no AVX512-BF16 with AVX-512 BW/VL: nothing to measure");
-        return;
-    }
     rayon::ThreadPoolBuilder::new().num_threads(1).build_global().ok();
     println!(
-        "| C_in = C_out, image | convolution | G multiply-adds/s | weights packed | images rearranged | weight gradient | G multiply-adds/s | its operands rearranged |"
+        "| element | C_in = C_out, image | convolution | G multiply-adds/s | weights packed | images rearranged | weight gradient | G multiply-adds/s | its operands rearranged |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    measure::<bf16>("bf16", bf16::from_f32);
+    measure::<f32>("f32", |v| v);
+}
+
+fn measure<E: Element>(name: &str, from: impl Fn(f32) -> E) {
+    if !available::<E>() {
+        println!("this CPU lacks the AVX-512 features of {name}: nothing to measure");
+        return;
+    }
     for (c, hw) in [(64usize, 56usize), (128, 28), (256, 14), (512, 7)] {
         let d = ConvDims { n: 1, c_in: c, h: hw, w: hw, c_out: c, k: 3, stride: 1, pad: 1 };
-        let w: Vec<bf16> = (0..c * c * 9).map(|i| bf16::from_f32((i % 97) as f32 * 0.01)).collect();
-        let x: Vec<bf16> = (0..c * hw * hw).map(|i| bf16::from_f32((i % 89) as f32 * 0.01)).collect();
+        let w: Vec<E> = (0..c * c * 9).map(|i| from((i % 97) as f32 * 0.01)).collect();
+        let x: Vec<E> = (0..c * hw * hw).map(|i| from((i % 89) as f32 * 0.01)).collect();
         let best = |f: &mut dyn FnMut()| {
             let mut best = f64::MAX;
             for _ in 0..5 {
@@ -38,17 +43,17 @@ fn main() {
         let (Ok(xs), Ok(ws)) = (ChannelsLast::new(&x, d), PackedWeights::new(d, &w, WeightLayout::Forward)) else {
             return;
         };
-        let mut y = vec![bf16::ZERO; c * hw * hw];
-        let conv = best(&mut || drop(conv_bf16(&mut y, &xs, &ws)));
+        let mut y = vec![E::ZERO; c * hw * hw];
+        let conv = best(&mut || drop(conv_direct(&mut y, &xs, &ws)));
         let pack = best(&mut || drop(PackedWeights::new(d, &w, WeightLayout::Forward)));
         let rearrange = best(&mut || drop(ChannelsLast::new(&x, d)));
-        let (Ok(xp), Ok(gp)) = (PaddedImages::new(&x, d), PositionPairs::new(&y, d)) else { return };
+        let (Ok(xp), Ok(gp)) = (PaddedImages::new(&x, d), PositionLanes::new(&y, d)) else { return };
         let mut dw = vec![0f32; c * c * 9];
-        let grad = best(&mut || drop(weight_grad_bf16(&mut dw, &xp, &gp)));
-        let operands = best(&mut || drop((PaddedImages::new(&x, d), PositionPairs::new(&y, d))));
+        let grad = best(&mut || drop(weight_grad_direct(&mut dw, &xp, &gp)));
+        let operands = best(&mut || drop((PaddedImages::new(&x, d), PositionLanes::new(&y, d))));
         let macs = (c * c * 9 * hw * hw) as f64;
         println!(
-            "| {c}, {hw}² | {:.3} ms | {:.1} | {:.3} ms | {:.3} ms | {:.3} ms | {:.1} | {:.3} ms |",
+            "| {name} | {c}, {hw}² | {:.3} ms | {:.1} | {:.3} ms | {:.3} ms | {:.3} ms | {:.1} | {:.3} ms |",
             conv * 1e3,
             macs / conv / 1e9,
             pack * 1e3,

@@ -1,34 +1,39 @@
-//! Direct bf16 convolutions with f32 sums on AVX512-BF16: no column matrix (im2col) and no
-//! packing of the images.
+//! Direct convolutions, bf16 with f32 sums on AVX512-BF16 and f32 on AVX-512: no column
+//! matrix (im2col) and no packing of the images.
 //!
 //! Why: multiplied as a matrix product, a k×k convolution first unfolds every image into a
 //! column matrix k² times its size, and the product then packs those columns into panels — two
-//! passes over k² copies of the input for each product, a fifth of a ResNet AMP step
-//! (BENCHMARKS.md, issue 30). Here the images are rearranged once per call into a padded
-//! channels-last layout of channel pairs ([`ChannelsLast`]), and the micro-kernel reads them in
-//! place: its tile is `MR` output positions × 32 output channels, and for each tap and input
-//! channel pair it broadcasts the pair straight from the image (`vdpbf16ps` multiplies pairs)
+//! passes over k² copies of the input for each product, a fifth of a ResNet AMP step and a
+//! sixth of an f32 one (BENCHMARKS.md, issue 30). Here the images are rearranged once per call
+//! into a padded channels-last layout of 32-bit lanes ([`ChannelsLast`]: a lane is a pair of
+//! bf16 channels or one f32 channel, [`Element`]), and the micro-kernel reads them in place: its
+//! tile is `MR` output positions × 32 output channels, and for each tap and lane it broadcasts
+//! the lane straight from the image (`vdpbf16ps` multiplies pairs, `vfmadd231ps` single values)
 //! against 32 output channels' weights packed once per call ([`PackedWeights`]). Any stride
 //! works the same way: a position's window starts wherever its offset says.
 //!
-//! The output is NCHW, as the caller's tensors are: each tile's sums are rounded to bf16 once
-//! and written as 32 runs of `MR` consecutive positions (one per output channel).
+//! The output is NCHW, as the caller's tensors are: each tile's sums are stored (bf16: rounded
+//! once) as 32 runs of `MR` consecutive positions (one per output channel).
 //!
-//! Numerics: each output is one f32 sum over all taps and channel pairs, rounded once to bf16
-//! (the pair `(c, c+1)` at one tap added as one by the instruction, which treats subnormal
+//! Numerics: each output is one f32 sum over all taps and lanes, in a fixed order (bf16: rounded
+//! once; the pair `(c, c+1)` at one tap added as one by the instruction, which treats subnormal
 //! inputs and results as zero, as the bf16 products of [`super::gemm::bf16`] do).
 //!
-//! Modules: `forward` (the images' channel pairs, the micro-kernel, [`conv_bf16`]), `pack`
-//! (the weights, [`PackedWeights`]), `weight_grad` (a stride-1 convolution's weight gradient,
-//! [`weight_grad_bf16`], summed over pairs of positions instead).
+//! Modules: `element` (bf16 and f32, [`Element`]: the only code that differs between them),
+//! `forward` (the images' lanes, the micro-kernel, [`conv_direct`]), `pack` (the weights,
+//! [`PackedWeights`]), `weight_grad` (a stride-1 convolution's weight gradient,
+//! [`weight_grad_direct`], summed over lanes of positions instead).
 
+mod element;
 mod forward;
 mod pack;
 mod weight_grad;
 
-pub use forward::{conv_bf16, ChannelsLast};
+use element::with_features;
+pub use element::Element;
+pub use forward::{conv_direct, ChannelsLast};
 pub use pack::{PackedWeights, WeightLayout};
-pub use weight_grad::{weight_grad_bf16, PaddedImages, PositionPairs};
+pub use weight_grad::{weight_grad_direct, PaddedImages, PositionLanes};
 
 use crate::cpu::KernelError;
 
@@ -38,7 +43,7 @@ const MR: usize = 12;
 const NB: usize = 32;
 
 fn error(message: String) -> KernelError {
-    KernelError { kernel: "wick direct bf16 convolution", message }
+    KernelError { kernel: "wick direct convolution", message }
 }
 
 /// An error unless `len` is the product of `sizes` (the elements `what` holds for `dims`).
@@ -92,9 +97,9 @@ impl ConvDims {
         Ok((out(self.h)?, out(self.w)?))
     }
 
-    /// Channel pairs (the last one half zero when `c_in` is odd).
-    fn pairs(&self) -> usize {
-        self.c_in.div_ceil(2)
+    /// Lanes of input channels (bf16: pairs, the last one half zero when `c_in` is odd).
+    fn lanes<E: Element>(&self) -> usize {
+        self.c_in.div_ceil(E::PER_LANE)
     }
 
     /// (padded height, padded width).
@@ -103,18 +108,9 @@ impl ConvDims {
     }
 }
 
-/// True when this CPU runs [`conv_bf16`] (AVX512-BF16 with AVX-512F, BW and VL).
-pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        super::gemm::bf16::available()
-            && std::is_x86_feature_detected!("avx512bw")
-            && std::is_x86_feature_detected!("avx512vl")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+/// True when this CPU runs the direct kernels for `E` ([`Element::available`]).
+pub fn available<E: Element>() -> bool {
+    E::available()
 }
 
 /// Sixteen registers of 16 32-bit lanes transposed: lane i of result j is lane j of row i.

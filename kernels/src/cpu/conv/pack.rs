@@ -1,32 +1,33 @@
-//! Weights packed for [`super::conv_bf16`], once per call, from either stored layout.
+//! Weights packed for [`super::conv_direct`], once per call, from either stored layout.
 
-use half::bf16;
+use std::marker::PhantomData;
 
 #[cfg(target_arch = "x86_64")]
 use super::transpose16;
-use super::{available, buffer_len, error, expect_len, ConvDims, NB};
+use super::{buffer_len, error, expect_len, with_features, ConvDims, Element, NB};
 use crate::cpu::{par_ranges, KernelError, SharedMut};
 
-/// Lanes of one tap in a block of packed weights: the tap's pairs, then 16 unused lanes, so that
-/// the k² taps of one pair do not lie a multiple of 4 KB apart (with 128 or 256 pairs they did,
+/// Lanes of one tap in a block of packed weights: the tap's lanes, then 16 unused ones, so that
+/// the k² taps of one lane do not lie a multiple of 4 KB apart (with 128 or 256 lanes they did,
 /// all in one set of the L1 cache, and packing missed on every write).
-pub(super) fn tap_lanes(cp: usize) -> usize {
-    cp * NB + 16
+pub(super) fn tap_lanes(cl: usize) -> usize {
+    cl * NB + 16
 }
 
-/// Weights packed for [`super::conv_bf16`] once per call: for each block of 32 output channels,
-/// each tap (16 lanes past the last tap's pairs, see `tap_lanes`), each input channel pair, the
-/// 32 channels' pairs side by side (zeros past `c_out` and `c_in`).
-pub struct PackedWeights {
+/// Weights packed for [`super::conv_direct`] once per call: for each block of 32 output
+/// channels, each tap (16 lanes past the last tap's, see `tap_lanes`), each lane of input
+/// channels, the 32 output channels' lanes side by side (zeros past `c_out` and `c_in`).
+pub struct PackedWeights<E: Element> {
     pub(super) data: Vec<u32>,
     pub(super) dims: ConvDims,
+    element: PhantomData<E>,
 }
 
-impl PackedWeights {
+impl<E: Element> PackedWeights<E> {
     /// The weights `w` as `layout` stores them, packed for the convolution `dims`.
-    pub fn new(dims: ConvDims, w: &[bf16], layout: WeightLayout) -> Result<Self, KernelError> {
+    pub fn new(dims: ConvDims, w: &[E], layout: WeightLayout) -> Result<Self, KernelError> {
         dims.out_hw()?;
-        let (kk, cp, blocks) = (dims.k * dims.k, dims.pairs(), dims.c_out.div_ceil(NB));
+        let (kk, cp, blocks) = (dims.k * dims.k, dims.lanes::<E>(), dims.c_out.div_ceil(NB));
         // `tap_lanes(cp)`, checked.
         let tl = cp.checked_mul(NB).and_then(|l| l.checked_add(16));
         let tl = tl.ok_or_else(|| error(format!("the weights of {dims:?} overflow")))?;
@@ -41,21 +42,21 @@ impl PackedWeights {
         let mut data = vec![0u32; len];
         let out = SharedMut::new(&mut data);
         let geometry = BlockGeometry { c_in, c_out, kk, cp, tl, so, si, flipped };
-        let wide = available() && kk <= 16;
+        let wide = E::available() && kk <= 16;
         // One block of output channels per item.
         par_ranges(blocks, 1, |range| {
             for cb in range {
                 // SAFETY: block `cb` is this item's only.
                 let dst = unsafe { out.range(cb * block, block) };
                 if wide {
-                    // SAFETY: the CPU has AVX-512F, BW and VL (`available`).
-                    unsafe { pack_block_avx512(w, cb, &geometry, dst) };
+                    // SAFETY: the CPU has E's features (`available`).
+                    unsafe { pack_block_wide(w, cb, &geometry, dst) };
                 } else {
                     pack_block(w, cb, &geometry, dst);
                 }
             }
         });
-        Ok(PackedWeights { data, dims })
+        Ok(PackedWeights { data, dims, element: PhantomData })
     }
 }
 
@@ -72,81 +73,79 @@ pub(super) struct BlockGeometry {
     pub(super) flipped: bool,
 }
 
-/// Block `cb` of the packed weights, pair by pair and channel by channel: each channel's two
-/// runs of taps are read whole and spread over the pair's lanes of the k² taps (lines that stay
-/// in the L1 cache for the 32 channels).
-pub(super) fn pack_block(w: &[bf16], cb: usize, g: &BlockGeometry, dst: &mut [u32]) {
+/// Block `cb` of the packed weights, lane by lane and channel by channel: each channel's runs of
+/// taps are read whole and spread over the lane's k² taps (lines that stay in the L1 cache for
+/// the 32 channels).
+pub(super) fn pack_block<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, dst: &mut [u32]) {
     let kk = g.kk;
     for q in 0..g.cp {
-        let hi = 2 * q + 1 < g.c_in;
+        let hi = E::PER_LANE == 2 && 2 * q + 1 < g.c_in;
         for j in 0..NB.min(g.c_out - cb * NB) {
-            let at = (cb * NB + j) * g.so + 2 * q * g.si;
+            let at = (cb * NB + j) * g.so + E::PER_LANE * q * g.si;
             let lo = &w[at..][..kk];
             let high = if hi { &w[at + g.si..][..kk] } else { &[] };
             for t in 0..kk {
                 let s = if g.flipped { kk - 1 - t } else { t };
-                let h = high.get(s).map_or(0, |h| h.to_bits() as u32);
-                dst[t * g.tl + q * NB + j] = lo[s].to_bits() as u32 | (h << 16);
+                dst[t * g.tl + q * NB + j] = E::lane(lo[s], high.get(s).copied().unwrap_or(E::ZERO));
             }
         }
     }
 }
 
-/// [`pack_block`] 16 channels × one pair at a time, for kernels of at most 16 taps: each
-/// channel's two runs of taps loaded into one register and interleaved into (low, high) lanes
-/// tap by tap, the 16 registers transposed into one run of 16 channels per tap.
-///
-/// # Safety
-/// The CPU has AVX-512F, BW and VL.
+with_features! {
+    /// [`pack_block`] 16 channels × one lane at a time, for kernels of at most 16 taps: each
+    /// channel's taps loaded as one register of lanes ([`Element::lanes`]), reversed when
+    /// flipped, the 16 registers transposed into one run of 16 channels per tap.
+    ///
+    /// # Safety
+    /// The CPU has E's features ([`Element::available`]).
+    pub(super) unsafe fn pack_block_wide => pack_block_avx512(
+        w: &[E], cb: usize, g: &BlockGeometry, dst: &mut [u32],
+    )
+}
+
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-pub(super) unsafe fn pack_block_avx512(w: &[bf16], cb: usize, g: &BlockGeometry, dst: &mut [u32]) {
-    use std::arch::x86_64::*;
-    let (kk, couts) = (g.kk, NB.min(g.c_out - cb * NB));
-    assert!(kk <= 16 && dst.len() >= (kk - 1) * g.tl + g.cp * NB, "conv_bf16: a block outside its lanes");
-    // 16-bit lane 2t takes the low run's tap s(t) (lanes 0..16), lane 2t + 1 the high run's
-    // (lanes 16..32).
-    let mut order = [0i16; 32];
-    for t in 0..kk {
-        let s = if g.flipped { kk - 1 - t } else { t };
-        order[2 * t] = s as i16;
-        order[2 * t + 1] = 16 + s as i16;
-    }
-    // SAFETY: 32 i16 values read from the array.
-    let order = unsafe { _mm512_loadu_si512(order.as_ptr().cast()) };
-    let taps = ((1u32 << kk) - 1) as u16;
-    for q in 0..g.cp {
-        let hi = 2 * q + 1 < g.c_in;
-        for j0 in (0..couts).step_by(16) {
-            let lanes = 16.min(couts - j0);
-            let mut rows = [_mm512_setzero_si512(); 16];
-            for (jj, row) in rows.iter_mut().enumerate().take(lanes) {
-                let at = (cb * NB + j0 + jj) * g.so + 2 * q * g.si;
-                let (lo, high) = (&w[at..][..kk], if hi { &w[at + g.si..][..kk] } else { &[][..] });
-                // SAFETY: kk ≤ 16 values of each run (slices checked above); lanes past kk
-                // are not read.
-                unsafe {
-                    let l = _mm256_maskz_loadu_epi16(taps, lo.as_ptr().cast());
-                    let h =
-                        if hi { _mm256_maskz_loadu_epi16(taps, high.as_ptr().cast()) } else { _mm256_setzero_si256() };
-                    *row = _mm512_permutexvar_epi16(order, _mm512_inserti64x4::<1>(_mm512_castsi256_si512(l), h));
+#[inline(always)]
+unsafe fn pack_block_avx512<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, dst: &mut [u32]) {
+    // SAFETY: `with_features` compiles this into a kernel with AVX-512F, BW and VL, run
+    // only where the CPU has them; the reads and writes are checked as they are made.
+    unsafe {
+        use std::arch::x86_64::*;
+        let (kk, couts) = (g.kk, NB.min(g.c_out - cb * NB));
+        assert!(kk <= 16 && dst.len() >= (kk - 1) * g.tl + g.cp * NB, "conv_direct: a block outside its lanes");
+        // Lane t takes the loaded lane s(t).
+        let mut order = [0i32; 16];
+        for (t, o) in order.iter_mut().enumerate().take(kk) {
+            *o = if g.flipped { (kk - 1 - t) as i32 } else { t as i32 };
+        }
+        // SAFETY: 16 i32 values read from the array.
+        let order = _mm512_loadu_si512(order.as_ptr().cast());
+        for q in 0..g.cp {
+            let hi = E::PER_LANE == 2 && 2 * q + 1 < g.c_in;
+            for j0 in (0..couts).step_by(16) {
+                let lanes = 16.min(couts - j0);
+                let mut rows = [_mm512_setzero_si512(); 16];
+                for (jj, row) in rows.iter_mut().enumerate().take(lanes) {
+                    let at = (cb * NB + j0 + jj) * g.so + E::PER_LANE * q * g.si;
+                    let (lo, high) = (&w[at..][..kk], if hi { Some(&w[at + g.si..][..kk]) } else { None });
+                    // SAFETY: kk ≤ 16 values of each run (slices checked above); lanes past kk
+                    // are not read.
+                    {
+                        let taps = E::lanes(lo.as_ptr(), high.map(|h| h.as_ptr()), kk);
+                        *row = if g.flipped { _mm512_permutexvar_epi32(order, taps) } else { taps };
+                    }
+                }
+                let runs = transpose16(rows);
+                let store = ((1u32 << lanes) - 1) as u16;
+                for (t, run) in runs.iter().enumerate().take(kk) {
+                    let at = t * g.tl + q * NB + j0;
+                    assert!(at + lanes <= dst.len(), "conv_direct: a run outside its block");
+                    // SAFETY: lanes at..at + lanes of dst (checked).
+                    _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(at).cast(), store, *run);
                 }
             }
-            let runs = transpose16(rows);
-            let store = ((1u32 << lanes) - 1) as u16;
-            for (t, run) in runs.iter().enumerate().take(kk) {
-                let at = t * g.tl + q * NB + j0;
-                assert!(at + lanes <= dst.len(), "conv_bf16: a run outside its block");
-                // SAFETY: lanes at..at + lanes of dst (checked).
-                unsafe { _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(at).cast(), store, *run) };
-            }
         }
     }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn pack_block_avx512(w: &[bf16], cb: usize, g: &BlockGeometry, dst: &mut [u32]) {
-    pack_block(w, cb, g, dst)
 }
 
 /// How weights are stored for [`PackedWeights::new`].

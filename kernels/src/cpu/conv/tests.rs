@@ -1,8 +1,39 @@
-use super::forward::{pairs_row, pairs_row_avx512};
-use super::pack::{pack_block, pack_block_avx512, tap_lanes, BlockGeometry};
-use super::weight_grad::{pair_row, pair_row_avx512};
+use super::forward::{lanes_row, lanes_row_wide};
+use super::pack::{pack_block, pack_block_wide, tap_lanes, BlockGeometry};
+use super::weight_grad::{position_row, position_row_wide};
 use super::*;
 use half::bf16;
+
+/// A value as f64, whichever element it is.
+trait Exact: Element {
+    fn f64(self) -> f64;
+    fn from_bf16(v: bf16) -> Self;
+    /// The relative rounding of a stored output (bf16: one rounding; f32: none past the sum's).
+    const STORED: f64;
+}
+impl Exact for bf16 {
+    fn f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_bf16(v: bf16) -> Self {
+        v
+    }
+    const STORED: f64 = 1.0 / 256.0;
+}
+impl Exact for f32 {
+    fn f64(self) -> f64 {
+        self as f64
+    }
+    fn from_bf16(v: bf16) -> Self {
+        v.to_f32()
+    }
+    const STORED: f64 = 0.0;
+}
+
+/// [`values`] as elements of E (exact in both).
+fn elements<E: Exact>(len: usize, seed: u64) -> Vec<E> {
+    values(len, seed).into_iter().map(E::from_bf16).collect()
+}
 
 /// Deterministic values in about [-1, 1), held exactly by bf16.
 fn values(len: usize, seed: u64) -> Vec<bf16> {
@@ -18,7 +49,7 @@ fn values(len: usize, seed: u64) -> Vec<bf16> {
 }
 
 /// The convolution in f64 from the same bf16 values: (exact sums, sums of magnitudes).
-fn reference(x: &[bf16], w: &[bf16], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
+fn reference<E: Exact>(x: &[E], w: &[E], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
     let (oh, ow) = d.out_hw().unwrap();
     let mut out = vec![0.0; d.n * d.c_out * oh * ow];
     let mut mag = out.clone();
@@ -37,8 +68,8 @@ fn reference(x: &[bf16], w: &[bf16], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
                                 if iy < 0 || ix < 0 || iy >= d.h as isize || ix >= d.w as isize {
                                     continue;
                                 }
-                                let xv = x[((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize].to_f64();
-                                let wv = w[((o * d.c_in + i) * d.k + ky) * d.k + kx].to_f64();
+                                let xv = x[((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize].f64();
+                                let wv = w[((o * d.c_in + i) * d.k + ky) * d.k + kx].f64();
                                 s += xv * wv;
                                 m += (xv * wv).abs();
                             }
@@ -54,14 +85,20 @@ fn reference(x: &[bf16], w: &[bf16], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
     (out, mag)
 }
 
-/// Every output within one bf16 rounding of the exact sum, plus the f32 sums' own error:
-/// over strides 1 and 2, paddings 0–2, kernels 1, 3 and 5, odd channel counts (a half-empty
-/// last pair), output channels that leave a block ragged, images smaller than a tile, and the
-/// weights read through a flipped and transposed view (the input gradient's use).
+/// Every output within one rounding of the element (bf16) of the exact sum, plus the f32 sums'
+/// own error: over strides 1 and 2, paddings 0–2, kernels 1, 3 and 5, odd channel counts (a
+/// half-empty last pair), output channels that leave a block ragged, images smaller than a tile,
+/// and the weights read through a flipped and transposed view (the input gradient's use) — for
+/// bf16 and for f32.
 #[test]
 fn direct_convolutions_match_an_f64_reference() {
-    if !available() {
-        eprintln!("SKIPPED: this CPU has no AVX512-BF16; the direct convolution is not run");
+    convolutions_match::<bf16>();
+    convolutions_match::<f32>();
+}
+
+fn convolutions_match<E: Exact>() {
+    if !available::<E>() {
+        eprintln!("SKIPPED: this CPU lacks the AVX-512 features of {:?}; the direct convolution is not run", E::ZERO);
         return;
     }
     let cases = [
@@ -72,30 +109,31 @@ fn direct_convolutions_match_an_f64_reference() {
         ConvDims { n: 1, c_in: 64, h: 3, w: 3, c_out: 64, k: 3, stride: 1, pad: 1 },
         ConvDims { n: 2, c_in: 6, h: 10, w: 10, c_out: 16, k: 1, stride: 2, pad: 0 },
         ConvDims { n: 1, c_in: 3, h: 13, w: 13, c_out: 20, k: 7, stride: 2, pad: 3 },
+        ConvDims { n: 2, c_in: 17, h: 6, w: 19, c_out: 48, k: 3, stride: 1, pad: 1 },
     ];
     for (c, d) in cases.into_iter().enumerate() {
-        let x = values(d.n * d.c_in * d.h * d.w, 2 * c as u64 + 1);
-        let w = values(d.c_out * d.c_in * d.k * d.k, 2 * c as u64 + 2);
+        let x = elements::<E>(d.n * d.c_in * d.h * d.w, 2 * c as u64 + 1);
+        let w = elements::<E>(d.c_out * d.c_in * d.k * d.k, 2 * c as u64 + 2);
         let (oh, ow) = d.out_hw().unwrap();
-        let mut got = vec![bf16::ZERO; d.n * d.c_out * oh * ow];
+        let mut got = vec![E::ZERO; d.n * d.c_out * oh * ow];
         let wp = PackedWeights::new(d, &w, WeightLayout::Forward).unwrap();
-        conv_bf16(&mut got, &ChannelsLast::new(&x, d).unwrap(), &wp).unwrap();
+        conv_direct(&mut got, &ChannelsLast::new(&x, d).unwrap(), &wp).unwrap();
         let (exact, mag) = reference(&x, &w, d);
         let depth = (d.c_in * d.k * d.k) as f64;
         for (at, ((g, e), m)) in got.iter().zip(&exact).zip(&mag).enumerate() {
-            let bound = e.abs() * 2f64.powi(-8) + m * depth * 2f64.powi(-24);
-            assert!((g.to_f64() - e).abs() <= bound, "{d:?}: output {at}: {g} against {e} (bound {bound})");
+            let bound = e.abs() * E::STORED + m * depth * 2f64.powi(-24);
+            assert!((g.f64() - e).abs() <= bound, "{d:?}: output {at}: {g:?} against {e} (bound {bound})");
         }
         // The same weights stored flipped and transposed.
-        let t: Vec<bf16> = (0..w.len())
+        let t: Vec<E> = (0..w.len())
             .map(|a| {
                 let (kx, ky, o, i) = (a % d.k, a / d.k % d.k, a / (d.k * d.k) % d.c_out, a / (d.k * d.k * d.c_out));
                 w[((o * d.c_in + i) * d.k + (d.k - 1 - ky)) * d.k + (d.k - 1 - kx)]
             })
             .collect();
         let flipped = PackedWeights::new(d, &t, WeightLayout::FlippedTransposed).unwrap();
-        let mut again = vec![bf16::ZERO; got.len()];
-        conv_bf16(&mut again, &ChannelsLast::new(&x, d).unwrap(), &flipped).unwrap();
+        let mut again = vec![E::ZERO; got.len()];
+        conv_direct(&mut again, &ChannelsLast::new(&x, d).unwrap(), &flipped).unwrap();
         assert_eq!(again, got, "{d:?}: the flipped view");
     }
 }
@@ -111,17 +149,17 @@ fn mismatched_convolutions_are_errors() {
     let ones = vec![bf16::ONE; 4 * 4 * 9];
     assert!(PackedWeights::new(ConvDims { c_out: usize::MAX, ..d }, &ones, WeightLayout::Forward).is_err(), "overflow");
     assert!(PackedWeights::new(d, &ones[1..], WeightLayout::Forward).is_err(), "short weights");
-    if !available() {
+    if !available::<bf16>() {
         eprintln!("SKIPPED: this CPU has no AVX512-BF16; the output checks are not run");
         return;
     }
     let xs = ChannelsLast::new(&x, d).unwrap();
     let ws = PackedWeights::new(d, &ones, WeightLayout::Forward).unwrap();
-    assert!(conv_bf16(&mut [bf16::ZERO; 99], &xs, &ws).is_err(), "short output");
+    assert!(conv_direct(&mut [bf16::ZERO; 99], &xs, &ws).is_err(), "short output");
     let other = PackedWeights::new(ConvDims { c_out: 5, ..d }, &[bf16::ONE; 5 * 4 * 9], WeightLayout::Forward).unwrap();
-    assert!(conv_bf16(&mut [bf16::ZERO; 100], &xs, &other).is_err(), "weights of another convolution");
+    assert!(conv_direct(&mut [bf16::ZERO; 100], &xs, &other).is_err(), "weights of another convolution");
     let mut y = [bf16::ZERO; 100];
-    conv_bf16(&mut y, &xs, &ws).unwrap();
+    conv_direct(&mut y, &xs, &ws).unwrap();
     // All-one weights: each output counts its window's inputs times the four channels' values.
     assert!(y.iter().any(|v| *v != bf16::ZERO));
 }
@@ -156,54 +194,72 @@ fn transposition_of_sixteen_registers() {
     }
 }
 
-/// The vectorised channel pairs equal the lane-by-lane ones: widths and pair counts below,
-/// at and past 16, and an odd channel count.
+/// The vectorised lanes of channels equal the lane-by-lane ones: widths and lane counts below,
+/// at and past 16, and an odd channel count; bf16 and f32.
 #[test]
-fn channel_pairs_by_registers_equal_the_plain_ones() {
-    if !available() {
-        eprintln!("SKIPPED: this CPU has no AVX-512 BW/VL; the vectorised rearrangement is not run");
+fn channel_lanes_by_registers_equal_the_plain_ones() {
+    channel_lanes_match::<bf16>();
+    channel_lanes_match::<f32>();
+}
+
+fn channel_lanes_match<E: Exact>() {
+    if !available::<E>() {
+        eprintln!(
+            "SKIPPED: this CPU lacks the AVX-512 features of {:?}; the vectorised rearrangement is not run",
+            E::ZERO
+        );
         return;
     }
     for (c, h, w) in [(3, 2, 5), (32, 3, 16), (45, 2, 37), (64, 1, 7)] {
-        let image = values(c * h * w, (c * w) as u64);
+        let image = elements::<E>(c * h * w, (c * w) as u64);
         for y in 0..h {
-            let cp = c.div_ceil(2);
-            let (mut plain, mut wide) = (vec![1u32; w * cp], vec![2u32; w * cp]);
-            pairs_row(&image, (c, h, w), y, &mut plain);
-            // SAFETY: the CPU has AVX-512F, BW and VL (`available`).
-            unsafe { pairs_row_avx512(&image, (c, h, w), y, &mut wide) };
-            assert_eq!(plain, wide, "c {c}, w {w}, row {y}");
+            let cl = c.div_ceil(E::PER_LANE);
+            let (mut plain, mut wide) = (vec![1u32; w * cl], vec![2u32; w * cl]);
+            lanes_row(&image, (c, h, w), y, &mut plain);
+            // SAFETY: the CPU has E's features (`available`).
+            unsafe { lanes_row_wide(&image, (c, h, w), y, &mut wide) };
+            assert_eq!(plain, wide, "{:?}: c {c}, w {w}, row {y}", E::ZERO);
         }
     }
 }
 
 /// Weights packed by registers equal the lane-by-lane packing, in both layouts: odd channel
-/// counts, ragged blocks, 1×1 and 3×3 kernels.
+/// counts, ragged blocks, 1×1 and 3×3 kernels; bf16 and f32.
 #[test]
 fn weights_packed_by_registers_equal_the_plain_packing() {
-    if !available() {
-        eprintln!("SKIPPED: this CPU has no AVX-512 BW/VL; the vectorised packing is not run");
+    packing_matches::<bf16>();
+    packing_matches::<f32>();
+}
+
+fn packing_matches<E: Exact>() {
+    if !available::<E>() {
+        eprintln!("SKIPPED: this CPU lacks the AVX-512 features of {:?}; the vectorised packing is not run", E::ZERO);
         return;
     }
     for (c_in, c_out, k) in [(7, 40, 3), (64, 64, 3), (33, 17, 1), (16, 96, 3)] {
-        let w = values(c_out * c_in * k * k, (c_in + k) as u64);
+        let w = elements::<E>(c_out * c_in * k * k, (c_in + k) as u64);
         let kk = k * k;
-        let cp = c_in.div_ceil(2);
+        let cp = c_in.div_ceil(E::PER_LANE);
         for (so, si, flipped) in [(c_in * kk, kk, false), (kk, c_out * kk, true)] {
             let g = BlockGeometry { c_in, c_out, kk, cp, tl: tap_lanes(cp), so, si, flipped };
             for cb in 0..c_out.div_ceil(NB) {
                 let (mut plain, mut wide) = (vec![0u32; kk * g.tl], vec![0u32; kk * g.tl]);
                 pack_block(&w, cb, &g, &mut plain);
-                // SAFETY: the CPU has AVX-512F, BW and VL (`available`).
-                unsafe { pack_block_avx512(&w, cb, &g, &mut wide) };
-                assert_eq!(plain, wide, "c_in {c_in}, c_out {c_out}, k {k}, flipped {flipped}, block {cb}");
+                // SAFETY: the CPU has E's features (`available`).
+                unsafe { pack_block_wide(&w, cb, &g, &mut wide) };
+                assert_eq!(
+                    plain,
+                    wide,
+                    "{:?}: c_in {c_in}, c_out {c_out}, k {k}, flipped {flipped}, block {cb}",
+                    E::ZERO
+                );
             }
         }
     }
 }
 
 /// The weight gradient in f64 from the same bf16 values: (exact sums, sums of magnitudes).
-fn reference_weight_grad(x: &[bf16], dy: &[bf16], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
+fn reference_weight_grad<E: Exact>(x: &[E], dy: &[E], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
     let (oh, ow) = d.out_hw().unwrap();
     let kk = d.k * d.k;
     let (mut out, mut mag) = (vec![0.0; d.c_out * d.c_in * kk], vec![0.0; d.c_out * d.c_in * kk]);
@@ -219,8 +275,8 @@ fn reference_weight_grad(x: &[bf16], dy: &[bf16], d: ConvDims) -> (Vec<f64>, Vec
                             if iy < 0 || ix < 0 || iy >= d.h as isize || ix >= d.w as isize {
                                 continue;
                             }
-                            let xv = x[((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize].to_f64();
-                            let g = dy[((b * d.c_out + o) * oh + y) * ow + xx].to_f64();
+                            let xv = x[((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize].f64();
+                            let g = dy[((b * d.c_out + o) * oh + y) * ow + xx].f64();
                             s += xv * g;
                             m += (xv * g).abs();
                         }
@@ -237,11 +293,16 @@ fn reference_weight_grad(x: &[bf16], dy: &[bf16], d: ConvDims) -> (Vec<f64>, Vec
 /// Every weight gradient within the f32 sums' own error of the exact sum (they are not rounded
 /// to bf16 here): odd and even output widths (a pair half past a row's end), paddings 0–2,
 /// kernels 1, 3 and 5, ragged blocks of output channels, weight rows not a multiple of the
-/// tile, several images.
+/// tile, several images; bf16 and f32.
 #[test]
 fn direct_weight_gradients_match_an_f64_reference() {
-    if !available() {
-        eprintln!("SKIPPED: this CPU has no AVX512-BF16 with AVX-512 BW/VL; the weight gradient is not run");
+    weight_gradients_match::<bf16>();
+    weight_gradients_match::<f32>();
+}
+
+fn weight_gradients_match<E: Exact>() {
+    if !available::<E>() {
+        eprintln!("SKIPPED: this CPU lacks the AVX-512 features of {:?}; the weight gradient is not run", E::ZERO);
         return;
     }
     let cases = [
@@ -253,11 +314,11 @@ fn direct_weight_gradients_match_an_f64_reference() {
     ];
     for (c, d) in cases.into_iter().enumerate() {
         let (oh, ow) = d.out_hw().unwrap();
-        let x = values(d.n * d.c_in * d.h * d.w, 3 * c as u64 + 1);
-        let dy = values(d.n * d.c_out * oh * ow, 3 * c as u64 + 2);
+        let x = elements::<E>(d.n * d.c_in * d.h * d.w, 3 * c as u64 + 1);
+        let dy = elements::<E>(d.n * d.c_out * oh * ow, 3 * c as u64 + 2);
         let mut got = vec![f32::NAN; d.c_out * d.c_in * d.k * d.k];
-        let (xs, gs) = (PaddedImages::new(&x, d).unwrap(), PositionPairs::new(&dy, d).unwrap());
-        weight_grad_bf16(&mut got, &xs, &gs).unwrap();
+        let (xs, gs) = (PaddedImages::new(&x, d).unwrap(), PositionLanes::new(&dy, d).unwrap());
+        weight_grad_direct(&mut got, &xs, &gs).unwrap();
         let (exact, mag) = reference_weight_grad(&x, &dy, d);
         let depth = (d.n * oh * ow) as f64;
         for (at, ((g, e), m)) in got.iter().zip(&exact).zip(&mag).enumerate() {
@@ -267,33 +328,42 @@ fn direct_weight_gradients_match_an_f64_reference() {
     }
     // Other strides and mismatched operands are errors.
     let d = ConvDims { n: 1, c_in: 4, h: 6, w: 6, c_out: 4, k: 3, stride: 1, pad: 1 };
-    let (x, dy) = (values(144, 1), values(144, 2));
-    let (xs, gs) = (PaddedImages::new(&x, d).unwrap(), PositionPairs::new(&dy, d).unwrap());
-    assert!(weight_grad_bf16(&mut [0.0; 143], &xs, &gs).is_err(), "short gradient");
+    let (x, dy) = (elements::<E>(144, 1), elements::<E>(144, 2));
+    let (xs, gs) = (PaddedImages::new(&x, d).unwrap(), PositionLanes::new(&dy, d).unwrap());
+    assert!(weight_grad_direct(&mut [0.0; 143], &xs, &gs).is_err(), "short gradient");
     let strided = ConvDims { stride: 2, ..d };
-    let (xs2, gs2) = (PaddedImages::new(&x, strided).unwrap(), PositionPairs::new(&dy[..36], strided).unwrap());
-    assert!(weight_grad_bf16(&mut [0.0; 144], &xs2, &gs2).is_err(), "stride 2");
-    assert!(weight_grad_bf16(&mut [0.0; 144], &xs, &gs2).is_err(), "operands of two convolutions");
-    assert!(PositionPairs::new(&dy[..143], d).is_err(), "short output gradients");
+    let (xs2, gs2) = (PaddedImages::new(&x, strided).unwrap(), PositionLanes::new(&dy[..36], strided).unwrap());
+    assert!(weight_grad_direct(&mut [0.0; 144], &xs2, &gs2).is_err(), "stride 2");
+    assert!(weight_grad_direct(&mut [0.0; 144], &xs, &gs2).is_err(), "operands of two convolutions");
+    assert!(PositionLanes::new(&dy[..143], d).is_err(), "short output gradients");
 }
 
-/// Output-gradient pairs by registers equal the plain ones: widths odd and even, below and past
-/// 32 values, channel counts below and past 16.
+/// Output-gradient lanes by registers equal the plain ones: widths odd and even, below and past
+/// 32 values, channel counts below and past 16; bf16 and f32.
 #[test]
-fn position_pairs_by_registers_equal_the_plain_ones() {
-    if !available() {
-        eprintln!("SKIPPED: this CPU has no AVX-512 BW/VL; the vectorised rearrangement is not run");
+fn position_lanes_by_registers_equal_the_plain_ones() {
+    position_lanes_match::<bf16>();
+    position_lanes_match::<f32>();
+}
+
+fn position_lanes_match<E: Exact>() {
+    if !available::<E>() {
+        eprintln!(
+            "SKIPPED: this CPU lacks the AVX-512 features of {:?}; the vectorised rearrangement is not run",
+            E::ZERO
+        );
         return;
     }
     for (c, oh, ow) in [(3, 2, 5), (32, 3, 32), (45, 2, 37), (17, 1, 64)] {
-        let grads = values(c * oh * ow, (c * ow) as u64);
+        let grads = elements::<E>(c * oh * ow, (c * ow) as u64);
         let co = c.div_ceil(32) * 32;
+        let mw = ow.div_ceil(E::PER_LANE);
         for y in 0..oh {
-            let (mut plain, mut wide) = (vec![0u32; ow.div_ceil(2) * co], vec![0u32; ow.div_ceil(2) * co]);
-            pair_row(&grads, (c, oh, ow), y, co, &mut plain);
-            // SAFETY: the CPU has AVX-512F, BW and VL (`available`).
-            unsafe { pair_row_avx512(&grads, (c, oh, ow), y, co, &mut wide) };
-            assert_eq!(plain, wide, "c {c}, ow {ow}, row {y}");
+            let (mut plain, mut wide) = (vec![0u32; mw * co], vec![0u32; mw * co]);
+            position_row(&grads, (c, oh, ow), (y, co), &mut plain);
+            // SAFETY: the CPU has E's features (`available`).
+            unsafe { position_row_wide(&grads, (c, oh, ow), (y, co), &mut wide) };
+            assert_eq!(plain, wide, "{:?}: c {c}, ow {ow}, row {y}", E::ZERO);
         }
     }
 }

@@ -1,12 +1,11 @@
-//! bf16 convolutions computed directly on the images (`wick_kernels::cpu::conv`): no column
-//! matrix and no packed copy of the columns. Used for the forward pass, the stride-1 input
-//! gradient and the stride-1 weight gradient of dense bf16 convolutions wide enough to fill
-//! their channel pairs.
+//! bf16 and f32 convolutions computed directly on the images (`wick_kernels::cpu::conv`): no
+//! column matrix and no packed copy of the columns. Used for the forward pass, the stride-1
+//! input gradient and the stride-1 weight gradient of dense convolutions wide enough to fill
+//! their lanes of channels.
 
 use candle_core::Result;
-use half::bf16;
-use wick_kernels::cpu::conv::{available, conv_bf16, weight_grad_bf16, ChannelsLast, ConvDims, PackedWeights};
-use wick_kernels::cpu::conv::{PaddedImages, PositionPairs, WeightLayout};
+use wick_kernels::cpu::conv::{available, conv_direct, weight_grad_direct, ChannelsLast, ConvDims, Element};
+use wick_kernels::cpu::conv::{PackedWeights, PaddedImages, PositionLanes, WeightLayout};
 
 use super::Geometry;
 
@@ -14,17 +13,17 @@ fn candle(e: wick_kernels::cpu::KernelError) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 
-/// Input channels below which the im2col products stay (a 3-channel stem would pad its pairs
+/// Input channels below which the im2col products stay (a 3-channel stem would pad its lanes
 /// and repeat each tap's short depth; the direct kernel pays off on ResNet's 64 and wider).
 const MIN_CHANNELS: usize = 16;
 
-/// True when [`forward`] computes this convolution: bf16 on a CPU with AVX512-BF16 (and
-/// AVX-512 BW/VL), at least [`MIN_CHANNELS`] input channels, and not 1×1 stride 1. Those
-/// multiply the images themselves (nothing to unfold), and their depth (the input channels
-/// alone) is too short for this kernel's rearranging and transposed stores to pay: direct,
-/// ResNet-50's AMP step took 1.13–1.19× the time and MobileNetV2's 1.28× (BENCHMARKS.md).
-pub(super) fn applies(g: &Geometry) -> bool {
-    g.c_in >= MIN_CHANNELS && !g.pointwise() && available()
+/// True when [`forward`] computes this convolution of `E`s: a CPU with E's AVX-512 features
+/// (AVX512-BF16 for bf16), at least [`MIN_CHANNELS`] input channels, and not 1×1 stride 1.
+/// Those multiply the images themselves (nothing to unfold), and their depth (the input
+/// channels alone) is too short for this kernel's rearranging and transposed stores to pay:
+/// direct, ResNet-50's AMP step took 1.13–1.19× the time and MobileNetV2's 1.28× (BENCHMARKS.md).
+pub(super) fn applies<E: Element>(g: &Geometry) -> bool {
+    g.c_in >= MIN_CHANNELS && !g.pointwise() && available::<E>()
 }
 
 fn dims(g: &Geometry) -> ConvDims {
@@ -32,8 +31,8 @@ fn dims(g: &Geometry) -> ConvDims {
 }
 
 /// The convolution of images `x` with weights `w` ((C_out, C_in, k, k), contiguous), each sum
-/// rounded to bf16 once.
-pub(super) fn forward(g: &Geometry, x: &[bf16], w: &[bf16]) -> Result<Vec<bf16>> {
+/// stored once (bf16: rounded once).
+pub(super) fn forward<E: Element>(g: &Geometry, x: &[E], w: &[E]) -> Result<Vec<E>> {
     convolve(g, x, w, WeightLayout::Forward)
 }
 
@@ -41,38 +40,38 @@ pub(super) fn forward(g: &Geometry, x: &[bf16], w: &[bf16]) -> Result<Vec<bf16>>
 /// convolution of `dy` with the weights transposed (C_in ↔ C_out) and flipped, padded by
 /// `k − 1 − pad` (packed from the weights as they are: no flipped copy). Only where
 /// [`computes_input_gradient`].
-pub(super) fn input_gradient(g: &Geometry, w: &[bf16], dy: &[bf16]) -> Result<Vec<bf16>> {
+pub(super) fn input_gradient<E: Element>(g: &Geometry, w: &[E], dy: &[E]) -> Result<Vec<E>> {
     convolve(&g.input_gradient(), dy, w, WeightLayout::FlippedTransposed)
 }
 
 /// The convolution `g` of `x` with weights `w` stored as `layout`, each sum rounded once.
-fn convolve(g: &Geometry, x: &[bf16], w: &[bf16], layout: WeightLayout) -> Result<Vec<bf16>> {
+fn convolve<E: Element>(g: &Geometry, x: &[E], w: &[E], layout: WeightLayout) -> Result<Vec<E>> {
     let d = dims(g);
     let weights = PackedWeights::new(d, w, layout).map_err(candle)?;
     let images = ChannelsLast::new(x, d).map_err(candle)?;
-    let mut y = vec![bf16::ZERO; g.n * g.c_out * g.oh * g.ow];
-    conv_bf16(&mut y, &images, &weights).map_err(candle)?;
+    let mut y = vec![E::ZERO; g.n * g.c_out * g.oh * g.ow];
+    conv_direct(&mut y, &images, &weights).map_err(candle)?;
     Ok(y)
 }
 
 /// True when [`input_gradient`] computes the input gradient of `g`: stride 1 and a padding
 /// below k (a convolution of its own), and [`applies`] to that convolution.
-pub(super) fn computes_input_gradient(g: &Geometry) -> bool {
-    g.stride == 1 && g.pad < g.k && applies(&g.input_gradient())
+pub(super) fn computes_input_gradient<E: Element>(g: &Geometry) -> bool {
+    g.stride == 1 && g.pad < g.k && applies::<E>(&g.input_gradient())
 }
 
 /// True when [`weight_gradient`] computes the weight gradient of `g`: stride 1 and [`applies`].
-pub(super) fn computes_weight_gradient(g: &Geometry) -> bool {
-    g.stride == 1 && applies(g)
+pub(super) fn computes_weight_gradient<E: Element>(g: &Geometry) -> bool {
+    g.stride == 1 && applies::<E>(g)
 }
 
 /// The weight gradient of `g` ((C_out, C_in·k·k), f32 sums) from images `x` and output
 /// gradient `dy`. Only where [`computes_weight_gradient`].
-pub(super) fn weight_gradient(g: &Geometry, x: &[bf16], dy: &[bf16]) -> Result<Vec<f32>> {
+pub(super) fn weight_gradient<E: Element>(g: &Geometry, x: &[E], dy: &[E]) -> Result<Vec<f32>> {
     let d = dims(g);
     let images = PaddedImages::new(x, d).map_err(candle)?;
-    let grads = PositionPairs::new(dy, d).map_err(candle)?;
+    let grads = PositionLanes::new(dy, d).map_err(candle)?;
     let mut dw = vec![0f32; g.c_out * g.rows()];
-    weight_grad_bf16(&mut dw, &images, &grads).map_err(candle)?;
+    weight_grad_direct(&mut dw, &images, &grads).map_err(candle)?;
     Ok(dw)
 }

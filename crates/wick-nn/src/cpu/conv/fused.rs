@@ -18,7 +18,7 @@ use super::super::profile::Profiled;
 use super::super::{read, Mat, Real};
 use super::plan::CHUNK_BYTES;
 use super::unfold::Geometry;
-use super::{err, Conv2d};
+use super::{direct, err, Conv2d};
 
 /// What a convolution's output pass does to a run of outputs after the product.
 pub(super) trait Epilogue<O>: Sync {
@@ -51,6 +51,17 @@ struct NormAct<'a, T> {
     /// Channels and positions per image.
     channels: usize,
     cols: usize,
+}
+
+impl<T: Real> NormAct<'_, T> {
+    /// The epilogue applied to every output of `y` (n, channels, cols) in place, after a
+    /// convolution that wrote them plainly; parallel over runs.
+    fn apply(&self, y: &mut [T]) {
+        use rayon::prelude::*;
+        y.par_chunks_exact_mut(self.cols.max(1))
+            .enumerate()
+            .for_each(|(i, run)| self.write(i / self.channels, i % self.channels, 0, None, run));
+    }
 }
 
 impl<T: Real> Epilogue<T> for NormAct<'_, T> {
@@ -101,11 +112,13 @@ struct ConvNorm {
 }
 
 impl ConvNorm {
+    /// The fused op with `conv` computing the convolution and its epilogue.
     fn run<T: Real>(
         &self,
         (sx, lx): (&CpuStorage, &Layout),
         (sw, lw): (&CpuStorage, &Layout),
         residual: Option<(&CpuStorage, &Layout)>,
+        conv: impl FnOnce(&Geometry, &[T], &[T], &NormAct<'_, T>) -> Result<Vec<T>>,
     ) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, false)?;
         let shape = Shape::from((g.n, g.c_out, g.oh, g.ow));
@@ -127,9 +140,14 @@ impl ConvNorm {
         let (scale, shift) = affine::<T>(|c| self.weight[c], |c| self.bias[c], &self.mean, &self.invstd);
         let epilogue =
             NormAct { scale, shift, residual: r.as_deref(), act: self.act, channels: g.c_out, cols: g.cols() };
-        let conv = Conv2d { stride: self.stride, pad: self.pad, chunk: CHUNK_BYTES };
-        let y: Vec<T> = conv.forward_by(&g, &x, Mat::rows(&w, g.c_out, g.rows()), &epilogue)?;
+        let y = conv(&g, &x, &w, &epilogue)?;
         Ok((T::storage(y, sx.dtype())?, shape))
+    }
+
+    /// The convolution with the epilogue applied as its product writes each run.
+    fn by_product<T: Real>(&self, g: &Geometry, x: &[T], w: &[T], epilogue: &NormAct<'_, T>) -> Result<Vec<T>> {
+        let conv = Conv2d { stride: self.stride, pad: self.pad, chunk: CHUNK_BYTES };
+        conv.forward_by(g, x, Mat::rows(w, g.c_out, g.rows()), epilogue)
     }
 
     fn dispatch(
@@ -139,8 +157,16 @@ impl ConvNorm {
         r: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
         match x.0.dtype() {
-            DType::F32 => self.run::<f32>(x, w, r),
-            DType::F64 => self.run::<f64>(x, w, r),
+            // The convolution computed as the unfused op computes it (the outputs equal bit for
+            // bit): directly where `direct` applies, the epilogue then a pass of its own.
+            DType::F32 => self.run::<f32>(x, w, r, |g, x, w, epilogue| match direct::applies::<f32>(g) {
+                true => direct::forward(g, x, w).map(|mut y| {
+                    epilogue.apply(&mut y);
+                    y
+                }),
+                false => self.by_product(g, x, w, epilogue),
+            }),
+            DType::F64 => self.run::<f64>(x, w, r, |g, x, w, epilogue| self.by_product(g, x, w, epilogue)),
             other => Err(err(format!("conv + batch norm: {other:?} images (f32 and f64 only)"))),
         }
     }

@@ -20,7 +20,7 @@ mod plan;
 mod unfold;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use half::bf16;
 
 use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
@@ -37,9 +37,12 @@ fn err(msg: String) -> candle_core::Error {
 }
 
 /// True when bf16 tensors are multiplied as bf16 ([`super::gemm_bf16`]).
-fn bf16_products(dtype: candle_core::DType) -> bool {
-    dtype == candle_core::DType::BF16 && super::gemm_bf16::available()
+fn bf16_products(dtype: DType) -> bool {
+    dtype == DType::BF16 && super::gemm_bf16::available()
 }
+
+/// A convolution's input gradient (when computed) and weight gradient.
+type Grads<T> = (Option<Vec<T>>, Vec<T>);
 
 struct Conv2d {
     stride: usize,
@@ -77,7 +80,7 @@ impl Conv2d {
     fn fwd_bf16(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
         let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, false)?;
         let (x, w) = (elems::<f32, bf16>(sx, lx)?, elems::<f32, bf16>(sw, lw)?);
-        let y = if direct::applies(&g) {
+        let y = if direct::applies::<bf16>(&g) {
             CpuStorage::BF16(direct::forward(&g, x, w)?)
         } else if super::gemm_bf16::rounds_directly(g.rows()) {
             // Each sum rounded as the product stores it: no f32 output, no rounding pass.
@@ -86,6 +89,23 @@ impl Conv2d {
             f32::storage(self.forward::<f32, bf16, bf16, f32>(&g, x, w)?, sx.dtype())?
         };
         Ok((y, Shape::from((g.n, g.c_out, g.oh, g.ow))))
+    }
+
+    /// [`Conv2d::fwd`] for f32 images and weights computed directly ([`direct`]); `None` where
+    /// [`direct::applies`] does not.
+    fn fwd_f32(
+        &self,
+        sx: &CpuStorage,
+        lx: &Layout,
+        sw: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<Option<(CpuStorage, Shape)>> {
+        let g = Geometry::new(lx.shape(), lw.shape(), self.stride, self.pad, false)?;
+        if !direct::applies::<f32>(&g) {
+            return Ok(None);
+        }
+        let y = direct::forward(&g, &read::<f32>(sx, lx)?, &read::<f32>(sw, lw)?)?;
+        Ok(Some((CpuStorage::F32(y), Shape::from((g.n, g.c_out, g.oh, g.ow)))))
     }
 
     /// The convolution of images `x` with weights `w` (row-major (C_out, C_in·k·k)).
@@ -234,12 +254,12 @@ impl Conv2d {
     /// when wanted, is direct too.
     fn bwd_bf16(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
-        let by_kernel = want_dx && direct::computes_input_gradient(&g);
+        let by_kernel = want_dx && direct::computes_input_gradient::<bf16>(&g);
         let direct_dx = by_kernel
             || want_dx && Self::dx_by_convolution(&g) && super::gemm_bf16::rounds_directly(g.c_out * g.k * g.k);
         // The weight gradient on the images and output gradients in place where the input
         // gradient, when wanted, is computed there too.
-        let direct_dw = direct::computes_weight_gradient(&g) && (!want_dx || by_kernel);
+        let direct_dw = direct::computes_weight_gradient::<bf16>(&g) && (!want_dx || by_kernel);
         let (dx, dw) = with_elems::<f32, bf16, _>(w, |w| {
             with_elems::<f32, bf16, _>(dy, |dy| {
                 let (dx, dw) = with_elems::<f32, bf16, _>(x, |x| match direct_dw {
@@ -259,6 +279,28 @@ impl Conv2d {
             })
         })?;
         Ok((dx, super::weight_grad(w, dw)?))
+    }
+
+    /// [`Conv2d::bwd`] for f32 images, weights and output gradients where [`direct`] computes the
+    /// input gradient or the weight gradient (the other as [`Conv2d::bwd`] does); `None` where it
+    /// computes neither. The weight gradient is direct only where the input gradient, when
+    /// wanted, is direct too, as in [`Conv2d::bwd_bf16`].
+    fn bwd_f32(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<Option<Grads<f32>>> {
+        let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
+        let by_kernel = want_dx && direct::computes_input_gradient::<f32>(&g);
+        let direct_dw = direct::computes_weight_gradient::<f32>(&g) && (!want_dx || by_kernel);
+        if !by_kernel && !direct_dw {
+            return Ok(None);
+        }
+        let (dx, dw) = match direct_dw {
+            true => (None, with::<f32, _>(x, |x| with::<f32, _>(dy, |dy| direct::weight_gradient(&g, x, dy)))?),
+            false => self.bwd::<f32, f32>(x, w, dy, want_dx && !by_kernel)?,
+        };
+        let dx = match by_kernel {
+            true => Some(with::<f32, _>(w, |w| with::<f32, _>(dy, |dy| direct::input_gradient(&g, w, dy)))?),
+            false => dx,
+        };
+        Ok(Some((dx, dw)))
     }
 
     /// True when the input gradient is a convolution of its own ([`Conv2d::input_gradient`]:
@@ -365,6 +407,11 @@ impl CustomOp2 for Conv2d {
         if bf16_products(sx.dtype()) && sw.dtype() == sx.dtype() {
             return self.fwd_bf16(sx, lx, sw, lw);
         }
+        if sx.dtype() == DType::F32 && sw.dtype() == DType::F32 {
+            if let Some(y) = self.fwd_f32(sx, lx, sw, lw)? {
+                return Ok(y);
+            }
+        }
         by_elem!(sx.dtype(), T, E => self.fwd::<T, E>(sx, lx, sw, lw))
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -372,6 +419,11 @@ impl CustomOp2 for Conv2d {
         let want_dx = x.track_op();
         if bf16_products(x.dtype()) && w.dtype() == x.dtype() && dy.dtype() == x.dtype() {
             return self.bwd_bf16(x, w, dy, want_dx);
+        }
+        if [x.dtype(), w.dtype(), dy.dtype()] == [DType::F32; 3] {
+            if let Some(grads) = self.bwd_f32(x, w, dy, want_dx)? {
+                return super::input_weight_grads::<f32>(x, w, grads);
+            }
         }
         by_elem!(x.dtype(), T, E => super::input_weight_grads::<T>(x, w, self.bwd::<T, E>(x, w, dy, want_dx)?))
     }
