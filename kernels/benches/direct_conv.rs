@@ -1,21 +1,21 @@
 //! The direct convolution and weight gradient, bf16 and f32, at ResNet-18's 3×3 stride-1 shapes
-//! (224², one image, one thread): multiply-adds a second of each, and the time of what each call
-//! prepares (weights packed, images rearranged into lanes of channels; images padded, output
-//! gradients rearranged into lanes of positions) beside it. BENCHMARKS.md,
+//! (224², one image, one thread): multiply-adds a second of each (the convolution's time includes
+//! packing its weights), and the time of what each call prepares (images rearranged into lanes
+//! of channels; images padded, output gradients rearranged into lanes of positions) beside it. BENCHMARKS.md,
 //! "Convolutional networks at every size (issue 30)", cites its output.
 //!
 //! `cargo bench -p wick-kernels --bench direct_conv`
 
 use half::bf16;
 use wick_kernels::cpu::conv::{available, conv_direct, weight_grad_direct, ChannelsLast, ConvDims, Element};
-use wick_kernels::cpu::conv::{PackedWeights, PaddedImages, PositionLanes, WeightLayout};
+use wick_kernels::cpu::conv::{PaddedImages, PositionLanes, WeightLayout, Weights};
 
 fn main() {
     rayon::ThreadPoolBuilder::new().num_threads(1).build_global().ok();
     println!(
-        "| element | C_in = C_out, image | convolution | G multiply-adds/s | weights packed | images rearranged | weight gradient | G multiply-adds/s | its operands rearranged |"
+        "| element | C_in = C_out, image | convolution | G multiply-adds/s | images rearranged | weight gradient | G multiply-adds/s | its operands rearranged |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     measure::<bf16>("bf16", bf16::from_f32);
     measure::<f32>("f32", |v| v);
 }
@@ -40,12 +40,11 @@ fn measure<E: Element>(name: &str, from: impl Fn(f32) -> E) {
             }
             best
         };
-        let (Ok(xs), Ok(ws)) = (ChannelsLast::new(&x, d), PackedWeights::new(d, &w, WeightLayout::Forward)) else {
+        let (Ok(xs), Ok(ws)) = (ChannelsLast::new(&x, d), Weights::new(d, &w, WeightLayout::Forward)) else {
             return;
         };
         let mut y = vec![E::ZERO; c * hw * hw];
         let conv = best(&mut || drop(conv_direct(&mut y, &xs, &ws)));
-        let pack = best(&mut || drop(PackedWeights::new(d, &w, WeightLayout::Forward)));
         let rearrange = best(&mut || drop(ChannelsLast::new(&x, d)));
         let (Ok(xp), Ok(gp)) = (PaddedImages::new(&x, d), PositionLanes::new(&y, d)) else { return };
         let mut dw = vec![0f32; c * c * 9];
@@ -53,10 +52,9 @@ fn measure<E: Element>(name: &str, from: impl Fn(f32) -> E) {
         let operands = best(&mut || drop((PaddedImages::new(&x, d), PositionLanes::new(&y, d))));
         let macs = (c * c * 9 * hw * hw) as f64;
         println!(
-            "| {name} | {c}, {hw}² | {:.3} ms | {:.1} | {:.3} ms | {:.3} ms | {:.3} ms | {:.1} | {:.3} ms |",
+            "| {name} | {c}, {hw}² | {:.3} ms | {:.1} | {:.3} ms | {:.3} ms | {:.1} | {:.3} ms |",
             conv * 1e3,
             macs / conv / 1e9,
-            pack * 1e3,
             rearrange * 1e3,
             grad * 1e3,
             macs / grad / 1e9,

@@ -3,7 +3,7 @@
 
 use std::marker::PhantomData;
 
-use super::pack::{tap_lanes, PackedWeights};
+use super::pack::{tap_lanes, Weights};
 #[cfg(target_arch = "x86_64")]
 use super::transpose16;
 use super::{buffer_len, error, expect_len, with_features, ConvDims, Element, MR, NB};
@@ -110,9 +110,11 @@ unsafe fn lanes_row_avx512<E: Element>(image: &[E], (c, h, w): (usize, usize, us
 }
 
 /// The convolution of `x` with `w` into `dst` (n, c_out, oh, ow), each sum stored once (bf16:
-/// rounded once); parallel over (image, block of 32 output channels). An error when the two were
-/// prepared for other dimensions, `dst` has the wrong length, or the CPU lacks E's features.
-pub fn conv_direct<E: Element>(dst: &mut [E], x: &ChannelsLast<E>, w: &PackedWeights<E>) -> Result<(), KernelError> {
+/// rounded once); parallel over blocks of 32 output channels (and over groups of images where
+/// the blocks alone would not give every thread two items), each worker packing the blocks it
+/// uses. An error when the two were prepared for other dimensions, `dst` has the wrong length,
+/// or the CPU lacks E's features.
+pub fn conv_direct<E: Element>(dst: &mut [E], x: &ChannelsLast<E>, w: &Weights<'_, E>) -> Result<(), KernelError> {
     if x.dims != w.dims {
         return Err(error(format!("images prepared for {:?}, weights for {:?}", x.dims, w.dims)));
     }
@@ -125,36 +127,46 @@ pub fn conv_direct<E: Element>(dst: &mut [E], x: &ChannelsLast<E>, w: &PackedWei
     expect_len(dst.len(), &[d.n, d.c_out, plane], "output elements", &d)?;
     let (hp, wp) = d.padded();
     let (cl, taps, blocks) = (d.lanes::<E>(), d.k * d.k, d.c_out.div_ceil(NB));
-    let block = taps * tap_lanes(cl);
     if d.n == 0 || plane == 0 || d.c_out == 0 {
         return Ok(());
     }
     // The last window's last lane lies inside the images (every read below is at most this far).
     let last = ((d.n - 1) * hp + (oh - 1) * d.stride + d.k - 1) * wp + (ow - 1) * d.stride + d.k - 1;
-    assert!((last + 1) * cl <= x.data.len() && blocks * block <= w.data.len(), "conv_direct: short operands");
+    assert!((last + 1) * cl <= x.data.len() && w.block >= taps * tap_lanes(cl), "conv_direct: short operands");
     // Offsets of the taps from a window's first element, in lanes.
     let tap_at: Vec<usize> = (0..taps).map(|t| ((t / d.k) * wp + t % d.k) * cl).collect();
+    // Items: (block, group of images), block-major, so that a worker's items share blocks.
+    let threads = rayon::current_num_threads().max(1);
+    let per = d.n.div_ceil((2 * threads).div_ceil(blocks).clamp(1, d.n));
+    let groups = d.n.div_ceil(per);
     let out = SharedMut::new(dst);
-    par_ranges(d.n * blocks, 1, |items| {
+    par_ranges(blocks * groups, 1, |items| {
+        let mut packed = vec![0u32; w.block];
+        let mut have = None;
         for item in items {
-            let (b, cb) = (item / blocks, item % blocks);
+            let (cb, images) = (item / groups, (item % groups) * per..((item % groups + 1) * per).min(d.n));
+            if have != Some(cb) {
+                w.pack(cb, &mut packed);
+                have = Some(cb);
+            }
             let couts = NB.min(d.c_out - cb * NB);
-            // SAFETY: image b's output channels of block cb are this item's only.
-            let dst = unsafe { out.range((b * d.c_out + cb * NB) * plane, couts * plane) };
-            let wb = &w.data[cb * block..][..block];
-            for p0 in (0..plane).step_by(MR) {
-                let height = MR.min(plane - p0);
-                let mut at = [0usize; MR];
-                for (i, a) in at.iter_mut().enumerate() {
-                    // A ragged tile repeats its last position (its sums are not stored).
-                    let p = (p0 + i).min(plane - 1);
-                    *a = ((b * hp + (p / ow) * d.stride) * wp + (p % ow) * d.stride) * cl;
+            for b in images {
+                // SAFETY: image b's output channels of block cb are this item's only.
+                let dst = unsafe { out.range((b * d.c_out + cb * NB) * plane, couts * plane) };
+                for p0 in (0..plane).step_by(MR) {
+                    let height = MR.min(plane - p0);
+                    let mut at = [0usize; MR];
+                    for (i, a) in at.iter_mut().enumerate() {
+                        // A ragged tile repeats its last position (its sums are not stored).
+                        let p = (p0 + i).min(plane - 1);
+                        *a = ((b * hp + (p / ow) * d.stride) * wp + (p % ow) * d.stride) * cl;
+                    }
+                    let tile = Tile { dst: &mut *dst, plane, p0, height, couts };
+                    // SAFETY: the CPU has E's features (checked); every window of a valid
+                    // position lies inside image b's padded rows, so `at[i] + tap_at[t] + q` <
+                    // x's length for every tap and lane; `packed` holds the lanes of every tap.
+                    unsafe { micro_kernel(&x.data, &at, &tap_at, cl, &packed, tile) };
                 }
-                let tile = Tile { dst: &mut *dst, plane, p0, height, couts };
-                // SAFETY: the CPU has E's features (checked); every window of a valid position
-                // lies inside image b's padded rows, so `at[i] + tap_at[t] + q` < x's length
-                // for every tap and lane; `wb` holds the lanes of every tap.
-                unsafe { micro_kernel(&x.data, &at, &tap_at, cl, wb, tile) };
             }
         }
     });

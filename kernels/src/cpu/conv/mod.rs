@@ -9,7 +9,8 @@
 //! bf16 channels or one f32 channel, [`Element`]), and the micro-kernel reads them in place: its
 //! tile is `MR` output positions × 32 output channels, and for each tap and lane it broadcasts
 //! the lane straight from the image (`vdpbf16ps` multiplies pairs, `vfmadd231ps` single values)
-//! against 32 output channels' weights packed once per call ([`PackedWeights`]). Any stride
+//! against 32 output channels' weights, packed a block at a time by the worker using it
+//! ([`Weights`]). Any stride
 //! works the same way: a position's window starts wherever its offset says.
 //!
 //! The output is NCHW, as the caller's tensors are: each tile's sums are stored (bf16: rounded
@@ -21,7 +22,7 @@
 //!
 //! Modules: `element` (bf16 and f32, [`Element`]: the only code that differs between them),
 //! `forward` (the images' lanes, the micro-kernel, [`conv_direct`]), `pack` (the weights,
-//! [`PackedWeights`]), `weight_grad` (a stride-1 convolution's weight gradient,
+//! [`Weights`]), `weight_grad` (a stride-1 convolution's weight gradient,
 //! [`weight_grad_direct`], summed over lanes of positions instead).
 
 mod element;
@@ -32,7 +33,7 @@ mod weight_grad;
 use element::with_features;
 pub use element::Element;
 pub use forward::{conv_direct, ChannelsLast};
-pub use pack::{PackedWeights, WeightLayout};
+pub use pack::{WeightLayout, Weights};
 pub use weight_grad::{weight_grad_direct, PaddedImages, PositionLanes};
 
 use crate::cpu::KernelError;

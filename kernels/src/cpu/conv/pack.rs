@@ -1,11 +1,9 @@
-//! Weights packed for [`super::conv_direct`], once per call, from either stored layout.
-
-use std::marker::PhantomData;
+//! Weights packed for [`super::conv_direct`], a block at a time, from either stored layout.
 
 #[cfg(target_arch = "x86_64")]
 use super::transpose16;
 use super::{buffer_len, error, expect_len, with_features, ConvDims, Element, NB};
-use crate::cpu::{par_ranges, KernelError, SharedMut};
+use crate::cpu::KernelError;
 
 /// Lanes of one tap in a block of packed weights: the tap's lanes, then 16 unused ones, so that
 /// the k² taps of one lane do not lie a multiple of 4 KB apart (with 128 or 256 lanes they did,
@@ -14,24 +12,31 @@ pub(super) fn tap_lanes(cl: usize) -> usize {
     cl * NB + 16
 }
 
-/// Weights packed for [`super::conv_direct`] once per call: for each block of 32 output
-/// channels, each tap (16 lanes past the last tap's, see `tap_lanes`), each lane of input
-/// channels, the 32 output channels' lanes side by side (zeros past `c_out` and `c_in`).
-pub struct PackedWeights<E: Element> {
-    pub(super) data: Vec<u32>,
+/// A convolution's weights as stored, for [`super::conv_direct`], which packs them one block of
+/// 32 output channels at a time, in the worker that uses the block (an L2-sized buffer: the
+/// whole packed copy, written to memory and read back, took as long as the convolution at
+/// ResNet's 512-channel layers at batch 1). A packed block holds, for each tap (16 lanes past
+/// the last tap's, see `tap_lanes`), each lane of input channels, the 32 output channels' lanes
+/// side by side (zeros past `c_in`; lanes past `c_out` are not written and their sums not
+/// stored).
+pub struct Weights<'a, E: Element> {
+    w: &'a [E],
+    geometry: BlockGeometry,
     pub(super) dims: ConvDims,
-    element: PhantomData<E>,
+    /// Lanes of one packed block.
+    pub(super) block: usize,
 }
 
-impl<E: Element> PackedWeights<E> {
-    /// The weights `w` as `layout` stores them, packed for the convolution `dims`.
-    pub fn new(dims: ConvDims, w: &[E], layout: WeightLayout) -> Result<Self, KernelError> {
+impl<'a, E: Element> Weights<'a, E> {
+    /// The weights `w` as `layout` stores them, for the convolution `dims`; an error when their
+    /// length does not fit or a size overflows.
+    pub fn new(dims: ConvDims, w: &'a [E], layout: WeightLayout) -> Result<Self, KernelError> {
         dims.out_hw()?;
-        let (kk, cp, blocks) = (dims.k * dims.k, dims.lanes::<E>(), dims.c_out.div_ceil(NB));
+        let (kk, cp) = (dims.k * dims.k, dims.lanes::<E>());
         // `tap_lanes(cp)`, checked.
         let tl = cp.checked_mul(NB).and_then(|l| l.checked_add(16));
         let tl = tl.ok_or_else(|| error(format!("the weights of {dims:?} overflow")))?;
-        let (block, len) = (buffer_len(&[kk, tl], "weights", &dims)?, buffer_len(&[kk, tl, blocks], "weights", &dims)?);
+        let block = buffer_len(&[kk, tl], "weights", &dims)?;
         expect_len(w.len(), &[dims.c_out, dims.c_in, kk], "weights", &dims)?;
         let (c_in, c_out) = (dims.c_in, dims.c_out);
         // Weight (o, i, tap s) is at o·so + i·si + s; flipped, tap t is stored as k² − 1 − t.
@@ -39,28 +44,23 @@ impl<E: Element> PackedWeights<E> {
             WeightLayout::Forward => (c_in * kk, kk, false),
             WeightLayout::FlippedTransposed => (kk, c_out * kk, true),
         };
-        let mut data = vec![0u32; len];
-        let out = SharedMut::new(&mut data);
         let geometry = BlockGeometry { c_in, c_out, kk, cp, tl, so, si, flipped };
-        let wide = E::available() && kk <= 16;
-        // One block of output channels per item.
-        par_ranges(blocks, 1, |range| {
-            for cb in range {
-                // SAFETY: block `cb` is this item's only.
-                let dst = unsafe { out.range(cb * block, block) };
-                if wide {
-                    // SAFETY: the CPU has E's features (`available`).
-                    unsafe { pack_block_wide(w, cb, &geometry, dst) };
-                } else {
-                    pack_block(w, cb, &geometry, dst);
-                }
-            }
-        });
-        Ok(PackedWeights { data, dims, element: PhantomData })
+        Ok(Weights { w, geometry, dims, block })
+    }
+
+    /// Block `cb` packed into `dst` (at least [`Weights::block`] lanes).
+    pub(super) fn pack(&self, cb: usize, dst: &mut [u32]) {
+        let dst = &mut dst[..self.block];
+        if E::available() && self.geometry.kk <= 16 {
+            // SAFETY: the CPU has E's features (`available`).
+            unsafe { pack_block_wide(self.w, cb, &self.geometry, dst) };
+        } else {
+            pack_block(self.w, cb, &self.geometry, dst);
+        }
     }
 }
 
-/// Where [`PackedWeights::new`] reads and writes: weight (o, i, tap s) at `o·so + i·si + s`
+/// Where [`Weights::pack`] reads and writes: weight (o, i, tap s) at `o·so + i·si + s`
 /// (tap t stored as k² − 1 − t when `flipped`), a block's tap t at lane `t·tl`.
 pub(super) struct BlockGeometry {
     pub(super) c_in: usize,
@@ -148,7 +148,7 @@ unsafe fn pack_block_avx512<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, d
     }
 }
 
-/// How weights are stored for [`PackedWeights::new`].
+/// How weights are stored for [`Weights::new`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightLayout {
     /// (c_out, c_in, k, k), as the convolution uses them.

@@ -116,7 +116,7 @@ fn convolutions_match<E: Exact>() {
         let w = elements::<E>(d.c_out * d.c_in * d.k * d.k, 2 * c as u64 + 2);
         let (oh, ow) = d.out_hw().unwrap();
         let mut got = vec![E::ZERO; d.n * d.c_out * oh * ow];
-        let wp = PackedWeights::new(d, &w, WeightLayout::Forward).unwrap();
+        let wp = Weights::new(d, &w, WeightLayout::Forward).unwrap();
         conv_direct(&mut got, &ChannelsLast::new(&x, d).unwrap(), &wp).unwrap();
         let (exact, mag) = reference(&x, &w, d);
         let depth = (d.c_in * d.k * d.k) as f64;
@@ -131,7 +131,7 @@ fn convolutions_match<E: Exact>() {
                 w[((o * d.c_in + i) * d.k + (d.k - 1 - ky)) * d.k + (d.k - 1 - kx)]
             })
             .collect();
-        let flipped = PackedWeights::new(d, &t, WeightLayout::FlippedTransposed).unwrap();
+        let flipped = Weights::new(d, &t, WeightLayout::FlippedTransposed).unwrap();
         let mut again = vec![E::ZERO; got.len()];
         conv_direct(&mut again, &ChannelsLast::new(&x, d).unwrap(), &flipped).unwrap();
         assert_eq!(again, got, "{d:?}: the flipped view");
@@ -147,16 +147,16 @@ fn mismatched_convolutions_are_errors() {
     assert!(ChannelsLast::new(&x, ConvDims { k: 8, ..d }).is_err(), "a window wider than the image");
     assert!(ChannelsLast::new(&x, ConvDims { stride: 0, ..d }).is_err(), "stride 0");
     let ones = vec![bf16::ONE; 4 * 4 * 9];
-    assert!(PackedWeights::new(ConvDims { c_out: usize::MAX, ..d }, &ones, WeightLayout::Forward).is_err(), "overflow");
-    assert!(PackedWeights::new(d, &ones[1..], WeightLayout::Forward).is_err(), "short weights");
+    assert!(Weights::new(ConvDims { c_out: usize::MAX, ..d }, &ones, WeightLayout::Forward).is_err(), "overflow");
+    assert!(Weights::new(d, &ones[1..], WeightLayout::Forward).is_err(), "short weights");
     if !available::<bf16>() {
         eprintln!("SKIPPED: this CPU has no AVX512-BF16; the output checks are not run");
         return;
     }
     let xs = ChannelsLast::new(&x, d).unwrap();
-    let ws = PackedWeights::new(d, &ones, WeightLayout::Forward).unwrap();
+    let ws = Weights::new(d, &ones, WeightLayout::Forward).unwrap();
     assert!(conv_direct(&mut [bf16::ZERO; 99], &xs, &ws).is_err(), "short output");
-    let other = PackedWeights::new(ConvDims { c_out: 5, ..d }, &[bf16::ONE; 5 * 4 * 9], WeightLayout::Forward).unwrap();
+    let other = Weights::new(ConvDims { c_out: 5, ..d }, &[bf16::ONE; 5 * 4 * 9], WeightLayout::Forward).unwrap();
     assert!(conv_direct(&mut [bf16::ZERO; 100], &xs, &other).is_err(), "weights of another convolution");
     let mut y = [bf16::ZERO; 100];
     conv_direct(&mut y, &xs, &ws).unwrap();

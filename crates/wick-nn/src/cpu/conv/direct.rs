@@ -5,7 +5,7 @@
 
 use candle_core::Result;
 use wick_kernels::cpu::conv::{available, conv_direct, weight_grad_direct, ChannelsLast, ConvDims, Element};
-use wick_kernels::cpu::conv::{PackedWeights, PaddedImages, PositionLanes, WeightLayout};
+use wick_kernels::cpu::conv::{PaddedImages, PositionLanes, WeightLayout, Weights};
 
 use super::Geometry;
 
@@ -47,7 +47,7 @@ pub(super) fn input_gradient<E: Element>(g: &Geometry, w: &[E], dy: &[E]) -> Res
 /// The convolution `g` of `x` with weights `w` stored as `layout`, each sum rounded once.
 fn convolve<E: Element>(g: &Geometry, x: &[E], w: &[E], layout: WeightLayout) -> Result<Vec<E>> {
     let d = dims(g);
-    let weights = PackedWeights::new(d, w, layout).map_err(candle)?;
+    let weights = Weights::new(d, w, layout).map_err(candle)?;
     let images = ChannelsLast::new(x, d).map_err(candle)?;
     let mut y = vec![E::ZERO; g.n * g.c_out * g.oh * g.ow];
     conv_direct(&mut y, &images, &weights).map_err(candle)?;
