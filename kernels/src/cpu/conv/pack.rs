@@ -131,6 +131,12 @@ unsafe fn pack_block_avx512<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, d
                     // SAFETY: kk ≤ 16 values of each run (slices checked above); lanes past kk
                     // are not read.
                     {
+                        // Each channel's runs, `PREFETCH` lanes ahead (with the forward layout
+                        // every channel is a stream of its own, more than the hardware follows).
+                        let ahead = at + PREFETCH * E::PER_LANE * g.si;
+                        if ahead < w.len() {
+                            _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(ahead).cast());
+                        }
                         let taps = E::lanes(lo.as_ptr(), high.map(|h| h.as_ptr()), kk);
                         *row = if g.flipped { _mm512_permutexvar_epi32(order, taps) } else { taps };
                     }
@@ -147,6 +153,9 @@ unsafe fn pack_block_avx512<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, d
         }
     }
 }
+
+/// Lanes of input channels ahead that [`pack_block_wide`] prefetches each channel's weights.
+const PREFETCH: usize = 16;
 
 /// How weights are stored for [`Weights::new`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
