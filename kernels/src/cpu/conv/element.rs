@@ -172,23 +172,23 @@ impl Element for f32 {
     }
 }
 
-/// `$vis unsafe fn $name<E: Element>(args)`: calls `$inner::<E>(args)` (an `#[inline(always)]`
+/// `$vis unsafe fn $name<E: Element>(args)`: calls `$inner::<E, consts…>(args)` (an `#[inline(always)]`
 /// kernel built from the hooks above) compiled with E's target features, so that every hook and
 /// intrinsic is inlined into it. Callers check [`Element::available`] first.
 #[cfg(target_arch = "x86_64")]
 macro_rules! with_features {
-    ($(#[$m:meta])* $vis:vis unsafe fn $name:ident => $inner:ident ($($a:ident : $t:ty),* $(,)?)) => {
+    ($(#[$m:meta])* $vis:vis unsafe fn $name:ident => $inner:ident $(::<$($c:literal),*>)? ($($a:ident : $t:ty),* $(,)?)) => {
         $(#[$m])*
         $vis unsafe fn $name<E: Element>($($a: $t),*) {
             #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
             unsafe fn plain<E: Element>($($a: $t),*) {
                 // SAFETY: the caller's contract.
-                unsafe { $inner::<E>($($a),*) }
+                unsafe { $inner::<E $($(, $c)*)?>($($a),*) }
             }
             #[target_feature(enable = "avx512bf16,avx512f,avx512bw,avx512vl")]
             unsafe fn dot<E: Element>($($a: $t),*) {
                 // SAFETY: the caller's contract.
-                unsafe { $inner::<E>($($a),*) }
+                unsafe { $inner::<E $($(, $c)*)?>($($a),*) }
             }
             // SAFETY: the caller's contract: the CPU has E's features.
             unsafe {
@@ -205,7 +205,7 @@ macro_rules! with_features {
 /// Elsewhere the kernels do not exist ([`Element::available`] is false).
 #[cfg(not(target_arch = "x86_64"))]
 macro_rules! with_features {
-    ($(#[$m:meta])* $vis:vis unsafe fn $name:ident => $inner:ident ($($a:ident : $t:ty),* $(,)?)) => {
+    ($(#[$m:meta])* $vis:vis unsafe fn $name:ident => $inner:ident $(::<$($c:literal),*>)? ($($a:ident : $t:ty),* $(,)?)) => {
         $(#[$m])*
         $vis unsafe fn $name<E: Element>($($a: $t),*) {
             $(let _ = $a;)*

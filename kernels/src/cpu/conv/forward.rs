@@ -153,24 +153,56 @@ pub fn conv_direct<E: Element>(dst: &mut [E], x: &ChannelsLast<E>, w: &Weights<'
             for b in images {
                 // SAFETY: image b's output channels of block cb are this item's only.
                 let dst = unsafe { out.range((b * d.c_out + cb * NB) * plane, couts * plane) };
-                for p0 in (0..plane).step_by(MR) {
-                    let height = MR.min(plane - p0);
-                    let mut at = [0usize; MR];
-                    for (i, a) in at.iter_mut().enumerate() {
-                        // A ragged tile repeats its last position (its sums are not stored).
-                        let p = (p0 + i).min(plane - 1);
-                        *a = ((b * hp + (p / ow) * d.stride) * wp + (p % ow) * d.stride) * cl;
-                    }
-                    let tile = Tile { dst: &mut *dst, plane, p0, height, couts };
-                    // SAFETY: the CPU has E's features (checked); every window of a valid
-                    // position lies inside image b's padded rows, so `at[i] + tap_at[t] + q` <
-                    // x's length for every tap and lane; `packed` holds the lanes of every tap.
-                    unsafe { micro_kernel(&x.data, &at, &tap_at, cl, &packed, tile) };
+                if plane % SHORT == 0 && plane < SHORT_BELOW {
+                    tiles::<E, SHORT>(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts);
+                } else {
+                    tiles::<E, MR>(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts);
                 }
             }
         }
     });
     Ok(())
+}
+
+/// Tile rows for planes that are a multiple of it (ResNet's 7 × 7 layers: 12 rows compute 60
+/// positions for 49, 7 compute 49; the shorter tile runs slower a multiply-add, so only below
+/// [`SHORT_BELOW`] positions).
+const SHORT: usize = 7;
+/// Positions from which [`MR`] rows are used whatever the plane.
+const SHORT_BELOW: usize = 100;
+// The kernels below are instantiated with these two as literals.
+const _: () = assert!(MR == 12 && SHORT == 7);
+
+/// Image `b`'s plane of `dst` (its block's `couts` output channels) in tiles of `M` positions.
+fn tiles<E: Element, const M: usize>(
+    x: &ChannelsLast<E>,
+    (b, plane, ow): (usize, usize, usize),
+    (tap_at, cl): (&[usize], usize),
+    packed: &[u32],
+    dst: &mut [E],
+    couts: usize,
+) {
+    let d = x.dims;
+    let (hp, wp) = d.padded();
+    for p0 in (0..plane).step_by(M) {
+        let height = M.min(plane - p0);
+        let mut at = [0usize; M];
+        for (i, a) in at.iter_mut().enumerate() {
+            // A ragged tile repeats its last position (its sums are not stored).
+            let p = (p0 + i).min(plane - 1);
+            *a = ((b * hp + (p / ow) * d.stride) * wp + (p % ow) * d.stride) * cl;
+        }
+        let tile = Tile { dst: &mut *dst, plane, p0, height, couts };
+        // SAFETY: the caller checked that the CPU has E's features, and that every window of a
+        // valid position lies inside image b's padded rows, so `at[i] + tap_at[t] + q` < x's
+        // length for every tap and lane; `packed` holds the lanes of every tap.
+        unsafe {
+            match M {
+                MR => micro_kernel(&x.data, &at[..], tap_at, cl, packed, tile),
+                _ => micro_kernel_short(&x.data, &at[..], tap_at, cl, packed, tile),
+            }
+        }
+    }
 }
 
 /// Where a micro-tile's sums go: positions `p0..p0 + height` of the first `couts` of 32
@@ -184,23 +216,34 @@ struct Tile<'a, E> {
 }
 
 with_features! {
-    /// The `MR × 32` sums of one tile, stored into `tile`: position `i`'s window starts at lane
+    /// The `MR × 32` sums of one tile (`at.len()` = [`MR`] positions), stored into `tile`:
+    /// position `i`'s window starts at lane
     /// `at[i]` of `x`, tap `t` `tap_at[t]` further, and the weights run (lane, 32 channels)
     /// through `w` from tap `t`'s start, `t · tap_lanes(cl)`.
     ///
     /// # Safety
     /// The CPU has E's features; `at[i] + tap_at[t] + cl − 1 < x.len()` for every i and t; `w`
     /// holds the lanes of `tap_at.len()` taps.
-    unsafe fn micro_kernel => micro_kernel_avx512(
-        x: &[u32], at: &[usize; MR], tap_at: &[usize], cl: usize, w: &[u32], tile: Tile<'_, E>,
+    unsafe fn micro_kernel => micro_kernel_avx512::<12>(
+        x: &[u32], at: &[usize], tap_at: &[usize], cl: usize, w: &[u32], tile: Tile<'_, E>,
+    )
+}
+
+with_features! {
+    /// [`micro_kernel`] with [`SHORT`] positions.
+    ///
+    /// # Safety
+    /// As [`micro_kernel`].
+    unsafe fn micro_kernel_short => micro_kernel_avx512::<7>(
+        x: &[u32], at: &[usize], tap_at: &[usize], cl: usize, w: &[u32], tile: Tile<'_, E>,
     )
 }
 
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn micro_kernel_avx512<E: Element>(
+unsafe fn micro_kernel_avx512<E: Element, const M: usize>(
     x: &[u32],
-    at: &[usize; MR],
+    at: &[usize],
     tap_at: &[usize],
     cl: usize,
     w: &[u32],
@@ -212,16 +255,16 @@ unsafe fn micro_kernel_avx512<E: Element>(
         use std::arch::x86_64::*;
         let Tile { dst, plane, p0, height, couts } = tile;
         assert!(
-            height <= MR && p0 + height <= plane && couts <= NB && couts * plane <= dst.len(),
+            at.len() == M && height <= M && p0 + height <= plane && couts <= NB && couts * plane <= dst.len(),
             "conv_direct: a tile outside its planes"
         );
         let tl = tap_lanes(cl);
         assert!(w.len() >= tap_at.len() * tl, "conv_direct: short weights");
-        let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+        let mut acc = [[_mm512_setzero_ps(); 2]; M];
         let base = x.as_ptr();
         for (ti, &t) in tap_at.iter().enumerate() {
             let mut wp = w[ti * tl..].as_ptr();
-            let mut rows = [base; MR];
+            let mut rows = [base; M];
             for (r, a) in rows.iter_mut().zip(at) {
                 // SAFETY: inside x (the caller's contract).
                 *r = base.add(a + t);
@@ -239,8 +282,8 @@ unsafe fn micro_kernel_avx512<E: Element>(
                 }
             }
         }
-        // Each register of 16 output channels at the MR positions, transposed (16 × 16, the rows
-        // past MR zero) into 16 runs of positions and stored, `height` lanes of each.
+        // Each register of 16 output channels at the M positions, transposed (16 × 16, the rows
+        // past M zero) into 16 runs of positions and stored, `height` lanes of each.
         let mask: __mmask16 = ((1u32 << height) - 1) as u16;
         for v in 0..2 {
             let mut rows = [_mm512_setzero_si512(); 16];
