@@ -7,7 +7,8 @@ whose speed drifts), and the medians of all timed steps are compared.
         --configs resnet18:amp:224:8,resnet50:amp:224:8,bert:amp
 
 A configuration is model:mode, or model:mode:image:batch for the vision models. Prints one line
-per configuration: each binary's median milliseconds a step and first / last."""
+per configuration: each binary's median milliseconds a step and first / last, then the same for
+each binary's fastest step (less sensitive to a busy machine's slow steps)."""
 import argparse
 import json
 import statistics
@@ -34,5 +35,11 @@ for r in range(args.rounds):
 for c in configs:
     key = ":".join(c)
     medians = [statistics.median(times[(key, b)]) for b in args.binaries]
+    best = [min(times[(key, b)]) for b in args.binaries]
     cells = "  ".join(f"{m:.1f} ms" for m in medians)
-    print(f"{key}  {cells}  first/last {medians[0] / medians[-1]:.3f}", flush=True)
+    fastest = "  ".join(f"{m:.1f}" for m in best)
+    print(
+        f"{key}  {cells}  first/last {medians[0] / medians[-1]:.3f}"
+        f"  (fastest steps {fastest} ms: {best[0] / best[-1]:.3f})",
+        flush=True,
+    )

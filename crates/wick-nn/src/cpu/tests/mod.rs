@@ -236,14 +236,16 @@ fn chunked_convolutions_match_candles_and_the_unchunked_kernel() {
 /// f32 convolutions wide enough for the direct kernels (`conv::direct`: 16 or more input
 /// channels, not 1×1 stride 1) against the same convolution in f64, which the product computes
 /// (kept as the oracle): values, input and weight gradients within f32 rounding, at strides 1
-/// and 2, kernels 3 and 5, odd widths and output channels that leave a block of 32 ragged.
+/// and 2, kernels 1, 3 and 5, odd widths and output channels that leave a block of 32 ragged.
 #[test]
 fn direct_f32_convolutions_match_the_f64_product() {
     if !wick_kernels::cpu::conv::available::<f32>() {
         eprintln!("SKIPPED: this CPU has no AVX-512 BW/VL; f32 convolutions take the product");
         return;
     }
-    for (k, stride, pad, c_in, c_out) in [(3, 1, 1, 16, 33), (3, 2, 1, 20, 32), (5, 1, 2, 17, 8), (3, 1, 0, 24, 40)] {
+    for (k, stride, pad, c_in, c_out) in
+        [(3, 1, 1, 16, 33), (3, 2, 1, 20, 32), (5, 1, 2, 17, 8), (3, 1, 0, 24, 40), (1, 2, 0, 16, 24)]
+    {
         let name = format!("direct f32 conv2d k{k} s{stride} p{pad} {c_in} → {c_out}");
         let (x, w) = (randn(&[2, c_in, 9, 11], 50), randn(&[c_out, c_in, k, k], 51));
         let run = |dtype: DType| {
