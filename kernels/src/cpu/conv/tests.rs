@@ -30,6 +30,15 @@ impl Exact for f32 {
     const STORED: f64 = 0.0;
 }
 
+/// True (and says so) when this CPU lacks E's features, so that `what` is not run.
+fn skipped<E: Exact>(what: &str) -> bool {
+    if available::<E>() {
+        return false;
+    }
+    eprintln!("SKIPPED: this CPU lacks the AVX-512 features of {:?}; {what} is not run", E::ZERO);
+    true
+}
+
 /// [`values`] as elements of E (exact in both).
 fn elements<E: Exact>(len: usize, seed: u64) -> Vec<E> {
     values(len, seed).into_iter().map(E::from_bf16).collect()
@@ -97,8 +106,7 @@ fn direct_convolutions_match_an_f64_reference() {
 }
 
 fn convolutions_match<E: Exact>() {
-    if !available::<E>() {
-        eprintln!("SKIPPED: this CPU lacks the AVX-512 features of {:?}; the direct convolution is not run", E::ZERO);
+    if skipped::<E>("the direct convolution") {
         return;
     }
     let cases = [
@@ -203,11 +211,7 @@ fn channel_lanes_by_registers_equal_the_plain_ones() {
 }
 
 fn channel_lanes_match<E: Exact>() {
-    if !available::<E>() {
-        eprintln!(
-            "SKIPPED: this CPU lacks the AVX-512 features of {:?}; the vectorised rearrangement is not run",
-            E::ZERO
-        );
+    if skipped::<E>("the vectorised rearrangement") {
         return;
     }
     for (c, h, w) in [(3, 2, 5), (32, 3, 16), (45, 2, 37), (64, 1, 7)] {
@@ -232,8 +236,7 @@ fn weights_packed_by_registers_equal_the_plain_packing() {
 }
 
 fn packing_matches<E: Exact>() {
-    if !available::<E>() {
-        eprintln!("SKIPPED: this CPU lacks the AVX-512 features of {:?}; the vectorised packing is not run", E::ZERO);
+    if skipped::<E>("the vectorised packing") {
         return;
     }
     for (c_in, c_out, k) in [(7, 40, 3), (64, 64, 3), (33, 17, 1), (16, 96, 3)] {
@@ -301,8 +304,7 @@ fn direct_weight_gradients_match_an_f64_reference() {
 }
 
 fn weight_gradients_match<E: Exact>() {
-    if !available::<E>() {
-        eprintln!("SKIPPED: this CPU lacks the AVX-512 features of {:?}; the weight gradient is not run", E::ZERO);
+    if skipped::<E>("the weight gradient") {
         return;
     }
     let cases = [
@@ -347,11 +349,7 @@ fn position_lanes_by_registers_equal_the_plain_ones() {
 }
 
 fn position_lanes_match<E: Exact>() {
-    if !available::<E>() {
-        eprintln!(
-            "SKIPPED: this CPU lacks the AVX-512 features of {:?}; the vectorised rearrangement is not run",
-            E::ZERO
-        );
+    if skipped::<E>("the vectorised rearrangement") {
         return;
     }
     for (c, oh, ow) in [(3, 2, 5), (32, 3, 32), (45, 2, 37), (17, 1, 64)] {
