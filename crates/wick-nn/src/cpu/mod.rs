@@ -11,10 +11,11 @@
 //! matrix products, the vectorised math and batch norm's sums from `wick_kernels::cpu` (the
 //! products through the `gemm` crate, candle's own CPU matmul, with its AVX-512 kernels):
 //!
-//! - `conv`: dense convolution (im2col + gemm, a large image's columns in cache-sized chunks of
-//!   output rows, small images' in groups; backward-input only when the input needs a gradient;
-//!   1×1 stride-1 convolutions without im2col; for inference, convolution + batch norm +
-//!   residual + activation in one pass over the output); `depthwise` convolution;
+//! - `conv`: dense convolution (direct kernels on the images in place for bf16 and f32 where
+//!   they apply, else im2col + gemm, a large image's columns in cache-sized chunks of output
+//!   rows, small images' in groups; backward-input only when the input needs a gradient; 1×1
+//!   stride-1 convolutions without im2col; for inference, convolution + batch norm + residual +
+//!   activation in one pass over the output); `depthwise` convolution;
 //! - `norm`: batch norm (statistics once, mean and inverse deviation kept per channel; fused
 //!   with a following ReLU/ReLU6, whose input is then neither stored nor kept), layer norm and
 //!   RMS norm (per-row statistics kept);

@@ -1,7 +1,9 @@
 //! Inference's convolution + batch norm (+ residual) + activation as one pass: the batch norm's
 //! affine map on running statistics, the residual and the activation are applied to each run of
 //! the convolution's outputs as the product writes it, while it is still in the cache — no
-//! second tensor, no pass of batch norm's own, no residual add of its own.
+//! second tensor, no pass of batch norm's own, no residual add of its own. Where the direct f32
+//! kernel computes the convolution (as it does for the unfused op), the same epilogue runs as a
+//! pass over each image's planes after it.
 //!
 //! Why not fold the batch norm into the convolution's weights (as inference engines do): folded
 //! weights are a second copy of every convolution's weights to keep in step with training

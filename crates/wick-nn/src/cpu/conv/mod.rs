@@ -8,9 +8,9 @@
 //! and multiplied in chunks of output rows that stay in the cache, small images' in groups
 //! ([`plan`]). With bf16 images, weights and gradients on a CPU with AVX512-BF16 the columns stay
 //! bf16 and the products are bf16 with f32 sums (`gemm_bf16`; the `Gather` trait in [`unfold`],
-//! `Operand` and `Out` in `gemm`) — except where [`direct`] convolves the bf16 images in place
-//! (the forward pass, and a stride-1 convolution's input and weight gradients, 16 or more input
-//! channels): no columns.
+//! `Operand` and `Out` in `gemm`). Where [`direct`] applies (bf16 or f32 on AVX-512, 16 or more
+//! input channels, not 1×1 stride 1) it convolves the images in place instead: the forward pass,
+//! and a stride-1 convolution's input and weight gradients — no columns.
 //!
 //! Depthwise convolutions are in [`super::depthwise`].
 
