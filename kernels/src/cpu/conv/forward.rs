@@ -153,7 +153,7 @@ pub fn conv_direct<E: Element>(dst: &mut [E], x: &ChannelsLast<E>, w: &Weights<'
             for b in images {
                 // SAFETY: image b's output channels of block cb are this item's only.
                 let dst = unsafe { out.range((b * d.c_out + cb * NB) * plane, couts * plane) };
-                if plane % SHORT == 0 && plane < SHORT_BELOW {
+                if plane % SHORT == 0 && plane % MR != 0 && plane < SHORT_BELOW {
                     tiles::<E, SHORT>(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts);
                 } else {
                     tiles::<E, MR>(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts);
@@ -164,12 +164,14 @@ pub fn conv_direct<E: Element>(dst: &mut [E], x: &ChannelsLast<E>, w: &Weights<'
     Ok(())
 }
 
-/// Tile rows for planes that are a multiple of it (ResNet's 7 × 7 layers: 12 rows compute 60
-/// positions for 49, 7 compute 49; the shorter tile runs slower a multiply-add, so only below
-/// [`SHORT_BELOW`] positions).
+/// Tile rows for planes that are a multiple of it and not of [`MR`] (ResNet's 7 × 7 and 14 × 14
+/// layers: 12 rows compute 60 positions for 49 and 204 for 196). The shorter tile stores more
+/// often a position (its 16 × 16 transposition carries 7 rows, not 12), so only below
+/// [`SHORT_BELOW`] positions, where 12 rows waste at least a few percent: at 14² the 7-row tiles
+/// ran 1.035× as fast (BENCHMARKS.md, "fifth session").
 const SHORT: usize = 7;
 /// Positions from which [`MR`] rows are used whatever the plane.
-const SHORT_BELOW: usize = 100;
+const SHORT_BELOW: usize = 400;
 // The kernels below are instantiated with these two as literals.
 const _: () = assert!(MR == 12 && SHORT == 7);
 

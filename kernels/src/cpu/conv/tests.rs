@@ -95,8 +95,9 @@ fn reference<E: Exact>(x: &[E], w: &[E], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
 }
 
 /// Every output within one rounding of the element (bf16) of the exact sum, plus the f32 sums'
-/// own error: over strides 1 and 2, paddings 0–2, kernels 1, 3 and 5, odd channel counts (a
+/// own error: over strides 1 and 2, paddings 0–3, kernels 1, 3, 5 and 7, odd channel counts (a
 /// half-empty last pair), output channels that leave a block ragged, images smaller than a tile,
+/// planes of 49, 84 and 196 positions (the first and last tiled 7 positions at a time),
 /// and the weights read through a flipped and transposed view (the input gradient's use) — for
 /// bf16 and for f32.
 #[test]
@@ -118,6 +119,7 @@ fn convolutions_match<E: Exact>() {
         ConvDims { n: 2, c_in: 6, h: 10, w: 10, c_out: 16, k: 1, stride: 2, pad: 0 },
         ConvDims { n: 1, c_in: 3, h: 13, w: 13, c_out: 20, k: 7, stride: 2, pad: 3 },
         ConvDims { n: 2, c_in: 17, h: 6, w: 19, c_out: 48, k: 3, stride: 1, pad: 1 },
+        ConvDims { n: 1, c_in: 18, h: 14, w: 14, c_out: 35, k: 3, stride: 1, pad: 1 },
     ];
     for (c, d) in cases.into_iter().enumerate() {
         let x = elements::<E>(d.n * d.c_in * d.h * d.w, 2 * c as u64 + 1);
