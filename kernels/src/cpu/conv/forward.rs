@@ -153,10 +153,14 @@ pub fn conv_direct<E: Element>(dst: &mut [E], x: &ChannelsLast<E>, w: &Weights<'
             for b in images {
                 // SAFETY: image b's output channels of block cb are this item's only.
                 let dst = unsafe { out.range((b * d.c_out + cb * NB) * plane, couts * plane) };
-                if plane % SHORT == 0 && plane % MR != 0 && plane < SHORT_BELOW {
-                    tiles::<E, SHORT>(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts);
-                } else {
-                    tiles::<E, MR>(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts);
+                // SAFETY: the CPU has E's features (checked above); every window lies inside
+                // the images (`last`, checked above); `packed` holds block cb's taps.
+                unsafe {
+                    if plane % SHORT == 0 && plane % MR != 0 && plane < SHORT_BELOW {
+                        tiles::<E, SHORT>(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts);
+                    } else {
+                        tiles::<E, MR>(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts);
+                    }
                 }
             }
         }
@@ -176,7 +180,10 @@ const SHORT_BELOW: usize = 400;
 const _: () = assert!(MR == 12 && SHORT == 7);
 
 /// Image `b`'s plane of `dst` (its block's `couts` output channels) in tiles of `M` positions.
-fn tiles<E: Element, const M: usize>(
+///
+/// # Safety
+/// The CPU has E's features; image b's every window (`tap_at`, `cl` lanes) lies inside `x`.
+unsafe fn tiles<E: Element, const M: usize>(
     x: &ChannelsLast<E>,
     (b, plane, ow): (usize, usize, usize),
     (tap_at, cl): (&[usize], usize),
@@ -195,9 +202,9 @@ fn tiles<E: Element, const M: usize>(
             *a = ((b * hp + (p / ow) * d.stride) * wp + (p % ow) * d.stride) * cl;
         }
         let tile = Tile { dst: &mut *dst, plane, p0, height, couts };
-        // SAFETY: the caller checked that the CPU has E's features, and that every window of a
-        // valid position lies inside image b's padded rows, so `at[i] + tap_at[t] + q` < x's
-        // length for every tap and lane; `packed` holds the lanes of every tap.
+        // SAFETY: the caller's contract: the CPU has E's features, and every window of a valid
+        // position lies inside image b's padded rows, so `at[i] + tap_at[t] + q` < x's length
+        // for every tap and lane; the kernel checks that `packed` holds the lanes of every tap.
         unsafe {
             match M {
                 MR => micro_kernel(&x.data, &at[..], tap_at, cl, packed, tile),
