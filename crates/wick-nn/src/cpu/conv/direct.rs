@@ -39,7 +39,7 @@ pub(super) fn forward<E: Element>(g: &Geometry, x: &[E], w: &[E]) -> Result<Vec<
 /// The input gradient of a stride-1 convolution `g` from its output gradient `dy`: the
 /// convolution of `dy` with the weights transposed (C_in ↔ C_out) and flipped, padded by
 /// `k − 1 − pad` (packed from the weights as they are: no flipped copy). Only where
-/// [`computes_input_gradient`].
+/// [`gradients`] says so.
 pub(super) fn input_gradient<E: Element>(g: &Geometry, w: &[E], dy: &[E]) -> Result<Vec<E>> {
     convolve(&g.input_gradient(), dy, w, WeightLayout::FlippedTransposed)
 }
@@ -54,19 +54,19 @@ fn convolve<E: Element>(g: &Geometry, x: &[E], w: &[E], layout: WeightLayout) ->
     Ok(y)
 }
 
-/// True when [`input_gradient`] computes the input gradient of `g`: stride 1 and a padding
-/// below k (a convolution of its own), and [`applies`] to that convolution.
-pub(super) fn computes_input_gradient<E: Element>(g: &Geometry) -> bool {
-    g.stride == 1 && g.pad < g.k && applies::<E>(&g.input_gradient())
-}
-
-/// True when [`weight_gradient`] computes the weight gradient of `g`: stride 1 and [`applies`].
-pub(super) fn computes_weight_gradient<E: Element>(g: &Geometry) -> bool {
-    g.stride == 1 && applies::<E>(g)
+/// Which of `g`'s gradients are computed here, for `E`s: (the input gradient, by
+/// [`input_gradient`], when wanted; the weight gradient, by [`weight_gradient`]). The input
+/// gradient where `g` has stride 1 and a padding below k (a convolution of its own) and
+/// [`applies`] to that convolution; the weight gradient where `g` has stride 1, [`applies`] to
+/// `g`, and the input gradient, when wanted, is computed here too (else the product computes both
+/// in one pass over the columns).
+pub(super) fn gradients<E: Element>(g: &Geometry, want_dx: bool) -> (bool, bool) {
+    let input = want_dx && g.stride == 1 && g.pad < g.k && applies::<E>(&g.input_gradient());
+    (input, g.stride == 1 && applies::<E>(g) && (!want_dx || input))
 }
 
 /// The weight gradient of `g` ((C_out, C_in·k·k), f32 sums) from images `x` and output
-/// gradient `dy`. Only where [`computes_weight_gradient`].
+/// gradient `dy`. Only where [`gradients`] says so.
 pub(super) fn weight_gradient<E: Element>(g: &Geometry, x: &[E], dy: &[E]) -> Result<Vec<f32>> {
     let d = dims(g);
     let images = PaddedImages::new(x, d).map_err(candle)?;

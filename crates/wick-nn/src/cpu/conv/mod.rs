@@ -248,18 +248,14 @@ impl Conv2d {
     /// [`Conv2d::bwd`] for bf16 images, weights and output gradients, multiplied as bf16.
     ///
     /// A stride-1 input gradient is computed directly on the output gradient where
-    /// [`direct::computes_input_gradient`], else, when its sums fit one slice of the product,
-    /// written in bf16 as it is computed (no f32 result, no rounding pass). The weight gradient
-    /// is computed directly where [`direct::computes_weight_gradient`] and the input gradient,
-    /// when wanted, is direct too.
+    /// [`direct::gradients`] says so, else, when its sums fit one slice of the product, written
+    /// in bf16 as it is computed (no f32 result, no rounding pass); the weight gradient directly
+    /// where [`direct::gradients`] says so.
     fn bwd_bf16(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
-        let by_kernel = want_dx && direct::computes_input_gradient::<bf16>(&g);
+        let (by_kernel, direct_dw) = direct::gradients::<bf16>(&g, want_dx);
         let direct_dx = by_kernel
             || want_dx && Self::dx_by_convolution(&g) && super::gemm_bf16::rounds_directly(g.c_out * g.k * g.k);
-        // The weight gradient on the images and output gradients in place where the input
-        // gradient, when wanted, is computed there too.
-        let direct_dw = direct::computes_weight_gradient::<bf16>(&g) && (!want_dx || by_kernel);
         let (dx, dw) = with_elems::<f32, bf16, _>(w, |w| {
             with_elems::<f32, bf16, _>(dy, |dy| {
                 let (dx, dw) = with_elems::<f32, bf16, _>(x, |x| match direct_dw {
@@ -282,13 +278,11 @@ impl Conv2d {
     }
 
     /// [`Conv2d::bwd`] for f32 images, weights and output gradients where [`direct`] computes the
-    /// input gradient or the weight gradient (the other as [`Conv2d::bwd`] does); `None` where it
-    /// computes neither. The weight gradient is direct only where the input gradient, when
-    /// wanted, is direct too, as in [`Conv2d::bwd_bf16`].
+    /// input gradient or the weight gradient ([`direct::gradients`]; the other as [`Conv2d::bwd`]
+    /// does); `None` where it computes neither.
     fn bwd_f32(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<Option<Grads<f32>>> {
         let g = Geometry::new(x.shape(), w.shape(), self.stride, self.pad, false)?;
-        let by_kernel = want_dx && direct::computes_input_gradient::<f32>(&g);
-        let direct_dw = direct::computes_weight_gradient::<f32>(&g) && (!want_dx || by_kernel);
+        let (by_kernel, direct_dw) = direct::gradients::<f32>(&g, want_dx);
         if !by_kernel && !direct_dw {
             return Ok(None);
         }
