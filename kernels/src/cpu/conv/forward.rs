@@ -4,9 +4,9 @@
 use std::marker::PhantomData;
 
 use super::pack::{tap_lanes, Weights};
-#[cfg(target_arch = "x86_64")]
-use super::transpose16;
 use super::{buffer_len, error, expect_len, with_features, ConvDims, Element, MR, NB};
+#[cfg(target_arch = "x86_64")]
+use super::{store_transposed, transpose16};
 use crate::cpu::{par_ranges, KernelError, SharedMut};
 
 /// Images in a padded channels-last layout of 32-bit lanes: element `((b·hp + y)·wp + x)·cl + q`
@@ -92,18 +92,12 @@ unsafe fn lanes_row_avx512<E: Element>(image: &[E], (c, h, w): (usize, usize, us
                     let ch = E::PER_LANE * (q0 + qq);
                     // SAFETY: channel ch (and ch + 1 when a lane holds it) of the image, row y,
                     // columns x0..x0 + xn: inside `image` (checked above); lanes past xn are not read.
-                    {
-                        let at = |ch: usize| image.as_ptr().add((ch * h + y) * w + x0);
-                        let hi = if E::PER_LANE == 2 && ch + 1 < c { Some(at(ch + 1)) } else { None };
-                        *row = E::lanes(at(ch), hi, xn);
-                    }
+                    let at = |ch: usize| image.as_ptr().add((ch * h + y) * w + x0);
+                    let hi = if E::PER_LANE == 2 && ch + 1 < c { Some(at(ch + 1)) } else { None };
+                    *row = E::lanes(at(ch), hi, xn);
                 }
-                let cols = transpose16(rows);
-                let store = ((1u32 << qn) - 1) as u16;
-                for (xx, col) in cols.iter().enumerate().take(xn) {
-                    // SAFETY: lanes q0..q0 + qn of column x0 + xx, inside `dst` (checked above).
-                    _mm512_mask_storeu_epi32(dst.as_mut_ptr().add((x0 + xx) * cl + q0).cast(), store, *col);
-                }
+                // Lanes q0..q0 + qn of columns x0..x0 + xn.
+                store_transposed(rows, (xn, qn), dst, (x0 * cl + q0, cl));
             }
         }
     }
@@ -280,15 +274,13 @@ unsafe fn micro_kernel_avx512<E: Element, const M: usize>(
             }
             for q in 0..cl {
                 // SAFETY: 32 lanes of w at wp (checked length), lane q of each window inside x.
-                {
-                    let w0 = _mm512_loadu_si512(wp.cast());
-                    let w1 = _mm512_loadu_si512(wp.add(16).cast());
-                    for (sums, r) in acc.iter_mut().zip(&rows) {
-                        sums[0] = E::madd(sums[0], r.add(q), w0);
-                        sums[1] = E::madd(sums[1], r.add(q), w1);
-                    }
-                    wp = wp.add(NB);
+                let w0 = _mm512_loadu_si512(wp.cast());
+                let w1 = _mm512_loadu_si512(wp.add(16).cast());
+                for (sums, r) in acc.iter_mut().zip(&rows) {
+                    sums[0] = E::madd(sums[0], r.add(q), w0);
+                    sums[1] = E::madd(sums[1], r.add(q), w1);
                 }
+                wp = wp.add(NB);
             }
         }
         // Each register of 16 output channels at the M positions, transposed (16 × 16, the rows

@@ -150,5 +150,27 @@ fn transpose16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64::__m51
     out
 }
 
+/// `rows` transposed ([`transpose16`]), and the first `lanes` lanes of each of the first `count`
+/// results stored at `at + i·stride` of `dst` (result i); panics when one would lie outside.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn store_transposed(
+    rows: [std::arch::x86_64::__m512i; 16],
+    (count, lanes): (usize, usize),
+    dst: &mut [u32],
+    (at, stride): (usize, usize),
+) {
+    use std::arch::x86_64::*;
+    assert!(lanes <= 16, "conv_direct: {lanes} lanes of a 16-lane register");
+    let mask = ((1u32 << lanes) - 1) as u16;
+    for (i, run) in transpose16(rows).iter().enumerate().take(count) {
+        let start = at + i * stride;
+        assert!(start + lanes <= dst.len(), "conv_direct: a transposed run outside its buffer");
+        // SAFETY: lanes start..start + lanes of dst (checked).
+        unsafe { _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(start).cast(), mask, *run) };
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -1,7 +1,7 @@
 //! Weights packed for [`super::conv_direct`], a block at a time, from either stored layout.
 
 #[cfg(target_arch = "x86_64")]
-use super::transpose16;
+use super::store_transposed;
 use super::{buffer_len, error, expect_len, with_features, ConvDims, Element, NB};
 use crate::cpu::KernelError;
 
@@ -32,9 +32,9 @@ impl<'a, E: Element> Weights<'a, E> {
     /// length does not fit or a size overflows.
     pub fn new(dims: ConvDims, w: &'a [E], layout: WeightLayout) -> Result<Self, KernelError> {
         dims.out_hw()?;
-        let (kk, cp) = (dims.k * dims.k, dims.lanes::<E>());
-        // `tap_lanes(cp)`, checked.
-        let tl = cp.checked_mul(NB).and_then(|l| l.checked_add(16));
+        let (kk, cl) = (dims.k * dims.k, dims.lanes::<E>());
+        // `tap_lanes(cl)`, checked.
+        let tl = cl.checked_mul(NB).and_then(|l| l.checked_add(16));
         let tl = tl.ok_or_else(|| error(format!("the weights of {dims:?} overflow")))?;
         let block = buffer_len(&[kk, tl], "weights", &dims)?;
         expect_len(w.len(), &[dims.c_out, dims.c_in, kk], "weights", &dims)?;
@@ -44,7 +44,7 @@ impl<'a, E: Element> Weights<'a, E> {
             WeightLayout::Forward => (c_in * kk, kk, false),
             WeightLayout::FlippedTransposed => (kk, c_out * kk, true),
         };
-        let geometry = BlockGeometry { c_in, c_out, kk, cp, tl, so, si, flipped };
+        let geometry = BlockGeometry { c_in, c_out, kk, cl, tl, so, si, flipped };
         Ok(Weights { w, geometry, dims, block })
     }
 
@@ -66,7 +66,7 @@ pub(super) struct BlockGeometry {
     pub(super) c_in: usize,
     pub(super) c_out: usize,
     pub(super) kk: usize,
-    pub(super) cp: usize,
+    pub(super) cl: usize,
     pub(super) tl: usize,
     pub(super) so: usize,
     pub(super) si: usize,
@@ -78,7 +78,7 @@ pub(super) struct BlockGeometry {
 /// the 32 channels).
 pub(super) fn pack_block<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, dst: &mut [u32]) {
     let kk = g.kk;
-    for q in 0..g.cp {
+    for q in 0..g.cl {
         let hi = E::PER_LANE == 2 && 2 * q + 1 < g.c_in;
         for j in 0..NB.min(g.c_out - cb * NB) {
             let at = (cb * NB + j) * g.so + E::PER_LANE * q * g.si;
@@ -112,7 +112,7 @@ unsafe fn pack_block_avx512<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, d
     unsafe {
         use std::arch::x86_64::*;
         let (kk, couts) = (g.kk, NB.min(g.c_out - cb * NB));
-        assert!(kk <= 16 && dst.len() >= (kk - 1) * g.tl + g.cp * NB, "conv_direct: a block outside its lanes");
+        assert!(kk <= 16 && dst.len() >= (kk - 1) * g.tl + g.cl * NB, "conv_direct: a block outside its lanes");
         // Lane t takes the loaded lane s(t).
         let mut order = [0i32; 16];
         for (t, o) in order.iter_mut().enumerate().take(kk) {
@@ -120,7 +120,7 @@ unsafe fn pack_block_avx512<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, d
         }
         // SAFETY: 16 i32 values read from the array.
         let order = _mm512_loadu_si512(order.as_ptr().cast());
-        for q in 0..g.cp {
+        for q in 0..g.cl {
             let hi = E::PER_LANE == 2 && 2 * q + 1 < g.c_in;
             for j0 in (0..couts).step_by(16) {
                 let lanes = 16.min(couts - j0);
@@ -128,27 +128,20 @@ unsafe fn pack_block_avx512<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, d
                 for (jj, row) in rows.iter_mut().enumerate().take(lanes) {
                     let at = (cb * NB + j0 + jj) * g.so + E::PER_LANE * q * g.si;
                     let (lo, high) = (&w[at..][..kk], if hi { Some(&w[at + g.si..][..kk]) } else { None });
+                    // Each channel's runs, `PREFETCH` lanes ahead (with the forward layout
+                    // every channel is a stream of its own, more than the hardware follows);
+                    // the address stays inside `w`.
+                    let ahead = at + PREFETCH * E::PER_LANE * g.si;
+                    if ahead < w.len() {
+                        _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(ahead).cast());
+                    }
                     // SAFETY: kk ≤ 16 values of each run (slices checked above); lanes past kk
                     // are not read.
-                    {
-                        // Each channel's runs, `PREFETCH` lanes ahead (with the forward layout
-                        // every channel is a stream of its own, more than the hardware follows).
-                        let ahead = at + PREFETCH * E::PER_LANE * g.si;
-                        if ahead < w.len() {
-                            _mm_prefetch::<_MM_HINT_T0>(w.as_ptr().add(ahead).cast());
-                        }
-                        let taps = E::lanes(lo.as_ptr(), high.map(|h| h.as_ptr()), kk);
-                        *row = if g.flipped { _mm512_permutexvar_epi32(order, taps) } else { taps };
-                    }
+                    let taps = E::lanes(lo.as_ptr(), high.map(|h| h.as_ptr()), kk);
+                    *row = if g.flipped { _mm512_permutexvar_epi32(order, taps) } else { taps };
                 }
-                let runs = transpose16(rows);
-                let store = ((1u32 << lanes) - 1) as u16;
-                for (t, run) in runs.iter().enumerate().take(kk) {
-                    let at = t * g.tl + q * NB + j0;
-                    assert!(at + lanes <= dst.len(), "conv_direct: a run outside its block");
-                    // SAFETY: lanes at..at + lanes of dst (checked).
-                    _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(at).cast(), store, *run);
-                }
+                // Channels j0..j0 + lanes of lane q at each of the kk taps.
+                store_transposed(rows, (kk, lanes), dst, (q * NB + j0, g.tl));
             }
         }
     }

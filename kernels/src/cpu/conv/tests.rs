@@ -244,9 +244,9 @@ fn packing_matches<E: Exact>() {
     for (c_in, c_out, k) in [(7, 40, 3), (64, 64, 3), (33, 17, 1), (16, 96, 3)] {
         let w = elements::<E>(c_out * c_in * k * k, (c_in + k) as u64);
         let kk = k * k;
-        let cp = c_in.div_ceil(E::PER_LANE);
+        let cl = c_in.div_ceil(E::PER_LANE);
         for (so, si, flipped) in [(c_in * kk, kk, false), (kk, c_out * kk, true)] {
-            let g = BlockGeometry { c_in, c_out, kk, cp, tl: tap_lanes(cp), so, si, flipped };
+            let g = BlockGeometry { c_in, c_out, kk, cl, tl: tap_lanes(cl), so, si, flipped };
             for cb in 0..c_out.div_ceil(NB) {
                 let (mut plain, mut wide) = (vec![0u32; kk * g.tl], vec![0u32; kk * g.tl]);
                 pack_block(&w, cb, &g, &mut plain);

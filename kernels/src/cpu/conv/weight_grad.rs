@@ -13,9 +13,9 @@
 
 use std::marker::PhantomData;
 
-#[cfg(target_arch = "x86_64")]
-use super::transpose16;
 use super::{buffer_len, error, expect_len, with_features, ConvDims, Element, MR, NB};
+#[cfg(target_arch = "x86_64")]
+use super::{store_transposed, transpose16};
 use crate::cpu::{par_ranges, KernelError, SharedMut};
 
 /// Output gradients as lanes of neighbouring positions: element `((b·oh + y)·mw + m)·co + o`
@@ -112,12 +112,8 @@ unsafe fn position_row_avx512<E: Element>(
                     // inside the row, checked above); values past them are not read.
                     *row = E::run(grads.as_ptr().add(((o0 + oo) * oh + y) * ow + E::PER_LANE * m0), values);
                 }
-                let cols = transpose16(rows);
-                let store = ((1u32 << on) - 1) as u16;
-                for (mm, col) in cols.iter().enumerate().take(mn) {
-                    // SAFETY: channels o0..o0 + on of lane m0 + mm, inside `dst` (checked above).
-                    _mm512_mask_storeu_epi32(dst.as_mut_ptr().add((m0 + mm) * co + o0).cast(), store, *col);
-                }
+                // Channels o0..o0 + on of lanes m0..m0 + mn.
+                store_transposed(rows, (mn, on), dst, (m0 * co + o0, co));
             }
         }
     }
@@ -259,16 +255,14 @@ unsafe fn grad_kernel_avx512<E: Element>(
                 let row = b * d.c_in * hp * wq + y * wq;
                 for m in 0..mw {
                     // SAFETY: the caller's contract: 32 lanes at g, 32 bits at each row's lane.
-                    {
-                        let g0 = _mm512_loadu_si512(g.cast());
-                        let g1 = _mm512_loadu_si512(g.add(16).cast());
-                        for (s, r) in acc.iter_mut().zip(&rows) {
-                            let lane = r.add(row + E::PER_LANE * m).cast::<u32>();
-                            s[0] = E::madd(s[0], lane, g0);
-                            s[1] = E::madd(s[1], lane, g1);
-                        }
-                        g = g.add(co);
+                    let g0 = _mm512_loadu_si512(g.cast());
+                    let g1 = _mm512_loadu_si512(g.add(16).cast());
+                    for (s, r) in acc.iter_mut().zip(&rows) {
+                        let lane = r.add(row + E::PER_LANE * m).cast::<u32>();
+                        s[0] = E::madd(s[0], lane, g0);
+                        s[1] = E::madd(s[1], lane, g1);
                     }
+                    g = g.add(co);
                 }
             }
         }
