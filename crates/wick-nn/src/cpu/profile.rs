@@ -1,6 +1,8 @@
 //! Where a step's time goes, per op: with `WICK_PROFILE_OPS=1` in the environment every kernel
 //! op's forward and backward are timed (wall clock, on the calling thread) and [`report`] prints
-//! the totals. Off by default; when off, the cost is one check of a cached flag per op.
+//! the totals; with `WICK_PROFILE_OPS=shapes` each op's rows are split by its operands' shapes (as
+//! PyTorch's profiler groups by input shape). Off by default; when off, the cost is one check of
+//! a cached flag per op.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
@@ -8,34 +10,65 @@ use std::time::{Duration, Instant};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
-type Table = BTreeMap<(&'static str, &'static str), (u64, Duration)>;
+type Table = BTreeMap<(String, &'static str), (u64, Duration)>;
 
 static TABLE: Mutex<Table> = Mutex::new(BTreeMap::new());
 
-/// True when `WICK_PROFILE_OPS=1` was set when this was first asked.
-pub fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var_os("WICK_PROFILE_OPS").is_some_and(|v| v == "1"))
+/// What `WICK_PROFILE_OPS` asked for when this was first asked.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Off,
+    Ops,
+    Shapes,
 }
 
-/// Runs `f`, adding its time to `(op, phase)` when profiling is on.
-pub(crate) fn time<R>(op: &'static str, phase: &'static str, f: impl FnOnce() -> R) -> R {
-    if !enabled() {
-        return f();
-    }
+fn mode() -> Mode {
+    static MODE: OnceLock<Mode> = OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var_os("WICK_PROFILE_OPS") {
+        Some(v) if v == "1" => Mode::Ops,
+        Some(v) if v == "shapes" => Mode::Shapes,
+        _ => Mode::Off,
+    })
+}
+
+/// True when `WICK_PROFILE_OPS` was `1` or `shapes` when this was first asked.
+pub fn enabled() -> bool {
+    mode() != Mode::Off
+}
+
+/// Runs `f`, adding its time to `(op, phase)` when profiling is on; `shapes` (called only when
+/// the rows are split by shape) names the operands' shapes.
+pub(crate) fn time<R>(
+    op: &'static str,
+    phase: &'static str,
+    shapes: impl FnOnce() -> String,
+    f: impl FnOnce() -> R,
+) -> R {
+    let key = match mode() {
+        Mode::Off => return f(),
+        Mode::Ops => op.to_string(),
+        Mode::Shapes => format!("{op} {}", shapes()),
+    };
     let start = Instant::now();
     let out = f();
     let mut table = TABLE.lock().unwrap_or_else(|p| p.into_inner());
-    let entry = table.entry((op, phase)).or_insert((0, Duration::ZERO));
+    let entry = table.entry((key, phase)).or_insert((0, Duration::ZERO));
     entry.0 += 1;
     entry.1 += start.elapsed();
     out
 }
 
-/// The totals so far, longest first: op, phase, calls and milliseconds.
-pub fn totals() -> Vec<(&'static str, &'static str, u64, f64)> {
+/// `dims` of each operand, as `[8, 64, 56, 56] · [256, 64, 1, 1]`.
+fn shapes(dims: &[&[usize]]) -> String {
+    dims.iter().map(|d| format!("{d:?}")).collect::<Vec<_>>().join(" · ")
+}
+
+/// The totals so far, longest first: op (with its operands' shapes under
+/// `WICK_PROFILE_OPS=shapes`), phase, calls and milliseconds.
+pub fn totals() -> Vec<(String, &'static str, u64, f64)> {
     let table = TABLE.lock().unwrap_or_else(|p| p.into_inner());
-    let mut rows: Vec<_> = table.iter().map(|((op, phase), (n, t))| (*op, *phase, *n, t.as_secs_f64() * 1e3)).collect();
+    let mut rows: Vec<_> =
+        table.iter().map(|((op, phase), (n, t))| (op.clone(), *phase, *n, t.as_secs_f64() * 1e3)).collect();
     rows.sort_by(|a, b| b.3.total_cmp(&a.3));
     rows
 }
@@ -47,9 +80,11 @@ pub fn reset() {
 
 /// The totals as a text table.
 pub fn report() -> String {
-    let mut out = String::from("op                   phase      calls        ms\n");
-    for (op, phase, n, ms) in totals() {
-        out.push_str(&format!("{op:<20} {phase:<8} {n:>7} {ms:>9.1}\n"));
+    let rows = totals();
+    let width = rows.iter().map(|r| r.0.len()).max().unwrap_or(0).max(20);
+    let mut out = format!("{:<width$} phase      calls        ms\n", "op");
+    for (op, phase, n, ms) in rows {
+        out.push_str(&format!("{op:<width$} {phase:<8} {n:>7} {ms:>9.1}\n"));
     }
     out
 }
@@ -62,10 +97,10 @@ impl<C: CustomOp1> CustomOp1 for Profiled<C> {
         self.0.name()
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        time(self.0.name(), "forward", || self.0.cpu_fwd(s, l))
+        time(self.0.name(), "forward", || shapes(&[l.dims()]), || self.0.cpu_fwd(s, l))
     }
     fn bwd(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        time(self.0.name(), "backward", || self.0.bwd(arg, res, g))
+        time(self.0.name(), "backward", || shapes(&[arg.dims()]), || self.0.bwd(arg, res, g))
     }
 }
 
@@ -74,10 +109,10 @@ impl<C: CustomOp2> CustomOp2 for Profiled<C> {
         self.0.name()
     }
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        time(self.0.name(), "forward", || self.0.cpu_fwd(s1, l1, s2, l2))
+        time(self.0.name(), "forward", || shapes(&[l1.dims(), l2.dims()]), || self.0.cpu_fwd(s1, l1, s2, l2))
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        time(self.0.name(), "backward", || self.0.bwd(a, b, res, g))
+        time(self.0.name(), "backward", || shapes(&[a.dims(), b.dims()]), || self.0.bwd(a, b, res, g))
     }
 }
 
@@ -94,7 +129,12 @@ impl<C: CustomOp3> CustomOp3 for Profiled<C> {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        time(self.0.name(), "forward", || self.0.cpu_fwd(s1, l1, s2, l2, s3, l3))
+        time(
+            self.0.name(),
+            "forward",
+            || shapes(&[l1.dims(), l2.dims(), l3.dims()]),
+            || self.0.cpu_fwd(s1, l1, s2, l2, s3, l3),
+        )
     }
     fn bwd(
         &self,
@@ -104,6 +144,6 @@ impl<C: CustomOp3> CustomOp3 for Profiled<C> {
         res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        time(self.0.name(), "backward", || self.0.bwd(a, b, c, res, g))
+        time(self.0.name(), "backward", || shapes(&[a.dims(), b.dims(), c.dims()]), || self.0.bwd(a, b, c, res, g))
     }
 }
