@@ -304,8 +304,11 @@ impl<D: Dest> Part<'_, D> {
             }
             _ => (a, self.rows.start),
         };
-        for c0 in self.cols.clone().step_by(NC) {
-            let cols = NC.min(self.cols.end - c0);
+        // Whole panels per block: only the part's last panel may be ragged (a ragged panel goes
+        // through the tile buffer).
+        let nc = NC.next_multiple_of(nr);
+        for c0 in self.cols.clone().step_by(nc) {
+            let cols = nc.min(self.cols.end - c0);
             for (slice, k0) in (0..k).step_by(2 * KC).enumerate() {
                 let depth = (2 * KC).min(k - k0);
                 let pairs = depth.div_ceil(2);
