@@ -13,8 +13,8 @@ use crate::cpu::{par_ranges, KernelError, SharedMut};
 /// holds lane q of image `b` at padded position `(y, x)` — channels `2q` (low half) and `2q + 1`
 /// (high half) for bf16, channel q for f32; the padding and a missing last channel are zeros.
 pub struct ChannelsLast<E: Element> {
-    data: Vec<u32>,
-    dims: ConvDims,
+    pub(super) data: Vec<u32>,
+    pub(super) dims: ConvDims,
     element: PhantomData<E>,
 }
 
@@ -149,17 +149,34 @@ pub fn conv_direct<E: Element>(dst: &mut [E], x: &ChannelsLast<E>, w: &Weights<'
                 let dst = unsafe { out.range((b * d.c_out + cb * NB) * plane, couts * plane) };
                 // SAFETY: the CPU has E's features (checked above); every window lies inside
                 // the images (`last`, checked above); `packed` holds block cb's taps.
-                unsafe {
-                    if plane % SHORT == 0 && plane % MR != 0 && plane < SHORT_BELOW {
-                        tiles::<E, SHORT>(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts);
-                    } else {
-                        tiles::<E, MR>(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts);
-                    }
-                }
+                unsafe { plane_tiles(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts) };
             }
         }
     });
     Ok(())
+}
+
+/// Image `b`'s plane of `dst` (its block's `couts` output channels) in tiles of [`MR`] or
+/// [`SHORT`] positions, whichever suits the plane.
+///
+/// # Safety
+/// As [`tiles`].
+pub(super) unsafe fn plane_tiles<E: Element>(
+    x: &ChannelsLast<E>,
+    (b, plane, ow): (usize, usize, usize),
+    (tap_at, cl): (&[usize], usize),
+    packed: &[u32],
+    dst: &mut [E],
+    couts: usize,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if plane % SHORT == 0 && plane % MR != 0 && plane < SHORT_BELOW {
+            tiles::<E, SHORT>(x, (b, plane, ow), (tap_at, cl), packed, dst, couts);
+        } else {
+            tiles::<E, MR>(x, (b, plane, ow), (tap_at, cl), packed, dst, couts);
+        }
+    }
 }
 
 /// Tile rows for planes that are a multiple of it and not of [`MR`] (ResNet's 7 × 7 and 14 × 14

@@ -22,18 +22,22 @@
 //!
 //! Modules: `element` (bf16 and f32, [`Element`]: the only code that differs between them),
 //! `forward` (the images' lanes, the micro-kernel, [`conv_direct`]), `pack` (the weights,
-//! [`Weights`]), `weight_grad` (a stride-1 convolution's weight gradient,
-//! [`weight_grad_direct`], summed over lanes of positions instead).
+//! [`Weights`]), `strided` (a strided convolution's input gradient as one stride-1 convolution
+//! per phase of the input positions, [`input_grad_strided`]), `weight_grad` (a stride-1
+//! convolution's weight gradient, [`weight_grad_direct`], summed over lanes of positions
+//! instead).
 
 mod element;
 mod forward;
 mod pack;
+mod strided;
 mod weight_grad;
 
 use element::with_features;
 pub use element::Element;
 pub use forward::{conv_direct, ChannelsLast};
 pub use pack::{WeightLayout, Weights};
+pub use strided::{input_grad_strided, strided_applies};
 pub use weight_grad::{weight_grad_direct, PaddedImages, PositionLanes};
 
 use crate::cpu::KernelError;

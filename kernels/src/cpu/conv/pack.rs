@@ -32,19 +32,31 @@ impl<'a, E: Element> Weights<'a, E> {
     /// length does not fit or a size overflows.
     pub fn new(dims: ConvDims, w: &'a [E], layout: WeightLayout) -> Result<Self, KernelError> {
         dims.out_hw()?;
+        let kk = dims.k * dims.k;
+        // Weight (o, i, tap s) is at o·so + i·si + s; flipped, tap t is stored as k² − 1 − t.
+        let (transposed, order): (bool, Vec<usize>) = match layout {
+            WeightLayout::Forward => (false, (0..kk).collect()),
+            WeightLayout::FlippedTransposed => (true, (0..kk).rev().collect()),
+        };
+        Self::taps(dims, w, transposed, order)
+    }
+
+    /// The weights `w` of a k × k convolution (stored (c_out, c_in, k, k) when `dims` is that
+    /// convolution, (c_in, c_out, k, k) of the convolution `dims` when `transposed`), packed tap
+    /// t holding stored tap `order[t]` (an index below k²): a subset of the taps in any order.
+    pub(super) fn taps(dims: ConvDims, w: &'a [E], transposed: bool, order: Vec<usize>) -> Result<Self, KernelError> {
         let (kk, cl) = (dims.k * dims.k, dims.lanes::<E>());
+        if order.iter().any(|&s| s >= kk) {
+            return Err(error(format!("taps {order:?} of a {}×{} kernel", dims.k, dims.k)));
+        }
         // `tap_lanes(cl)`, checked.
         let tl = cl.checked_mul(NB).and_then(|l| l.checked_add(16));
         let tl = tl.ok_or_else(|| error(format!("the weights of {dims:?} overflow")))?;
-        let block = buffer_len(&[kk, tl], "weights", &dims)?;
+        let block = buffer_len(&[order.len(), tl], "weights", &dims)?;
         expect_len(w.len(), &[dims.c_out, dims.c_in, kk], "weights", &dims)?;
         let (c_in, c_out) = (dims.c_in, dims.c_out);
-        // Weight (o, i, tap s) is at o·so + i·si + s; flipped, tap t is stored as k² − 1 − t.
-        let (so, si, flipped) = match layout {
-            WeightLayout::Forward => (c_in * kk, kk, false),
-            WeightLayout::FlippedTransposed => (kk, c_out * kk, true),
-        };
-        let geometry = BlockGeometry { c_in, c_out, kk, cl, tl, so, si, flipped };
+        let (so, si) = if transposed { (kk, c_out * kk) } else { (c_in * kk, kk) };
+        let geometry = BlockGeometry { c_in, c_out, kk, cl, tl, so, si, order };
         Ok(Weights { w, geometry, dims, block })
     }
 
@@ -60,8 +72,8 @@ impl<'a, E: Element> Weights<'a, E> {
     }
 }
 
-/// Where [`Weights::pack`] reads and writes: weight (o, i, tap s) at `o·so + i·si + s`
-/// (tap t stored as k² − 1 − t when `flipped`), a block's tap t at lane `t·tl`.
+/// Where [`Weights::pack`] reads and writes: weight (o, i, tap s) at `o·so + i·si + s`, a
+/// block's tap t (stored tap `order[t]`) at lane `t·tl`.
 pub(super) struct BlockGeometry {
     pub(super) c_in: usize,
     pub(super) c_out: usize,
@@ -70,7 +82,7 @@ pub(super) struct BlockGeometry {
     pub(super) tl: usize,
     pub(super) so: usize,
     pub(super) si: usize,
-    pub(super) flipped: bool,
+    pub(super) order: Vec<usize>,
 }
 
 /// Block `cb` of the packed weights, lane by lane and channel by channel: each channel's runs of
@@ -84,8 +96,7 @@ pub(super) fn pack_block<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, dst:
             let at = (cb * NB + j) * g.so + E::PER_LANE * q * g.si;
             let lo = &w[at..][..kk];
             let high = if hi { &w[at + g.si..][..kk] } else { &[] };
-            for t in 0..kk {
-                let s = if g.flipped { kk - 1 - t } else { t };
+            for (t, &s) in g.order.iter().enumerate() {
                 dst[t * g.tl + q * NB + j] = E::lane(lo[s], high.get(s).copied().unwrap_or(E::ZERO));
             }
         }
@@ -94,8 +105,8 @@ pub(super) fn pack_block<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, dst:
 
 with_features! {
     /// [`pack_block`] 16 channels × one lane at a time, for kernels of at most 16 taps: each
-    /// channel's taps loaded as one register of lanes ([`Element::lanes`]), reversed when
-    /// flipped, the 16 registers transposed into one run of 16 channels per tap.
+    /// channel's taps loaded as one register of lanes ([`Element::lanes`]), put in the packed
+    /// order, the 16 registers transposed into one run of 16 channels per packed tap.
     ///
     /// # Safety
     /// The CPU has E's features ([`Element::available`]).
@@ -111,13 +122,17 @@ unsafe fn pack_block_avx512<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, d
     // only where the CPU has them; the reads and writes are checked as they are made.
     unsafe {
         use std::arch::x86_64::*;
-        let (kk, couts) = (g.kk, NB.min(g.c_out - cb * NB));
-        assert!(kk <= 16 && dst.len() >= (kk - 1) * g.tl + g.cl * NB, "conv_direct: a block outside its lanes");
-        // Lane t takes the loaded lane s(t).
+        let (kk, taps, couts) = (g.kk, g.order.len(), NB.min(g.c_out - cb * NB));
+        assert!(
+            kk <= 16 && (1..=kk).contains(&taps) && dst.len() >= (taps - 1) * g.tl + g.cl * NB,
+            "conv_direct: a block outside its lanes"
+        );
+        // Lane t takes the loaded lane order[t] (stored taps are below kk: `Weights::taps`).
         let mut order = [0i32; 16];
-        for (t, o) in order.iter_mut().enumerate().take(kk) {
-            *o = if g.flipped { (kk - 1 - t) as i32 } else { t as i32 };
+        for (o, &s) in order.iter_mut().zip(&g.order) {
+            *o = s as i32;
         }
+        let identity = g.order.iter().enumerate().all(|(t, &s)| t == s);
         // SAFETY: 16 i32 values read from the array.
         let order = _mm512_loadu_si512(order.as_ptr().cast());
         for q in 0..g.cl {
@@ -138,10 +153,10 @@ unsafe fn pack_block_avx512<E: Element>(w: &[E], cb: usize, g: &BlockGeometry, d
                     // SAFETY: kk ≤ 16 values of each run (slices checked above); lanes past kk
                     // are not read.
                     let taps = E::lanes(lo.as_ptr(), high.map(|h| h.as_ptr()), kk);
-                    *row = if g.flipped { _mm512_permutexvar_epi32(order, taps) } else { taps };
+                    *row = if identity { taps } else { _mm512_permutexvar_epi32(order, taps) };
                 }
-                // Channels j0..j0 + lanes of lane q at each of the kk taps.
-                store_transposed(rows, (kk, lanes), dst, (q * NB + j0, g.tl));
+                // Channels j0..j0 + lanes of lane q at each packed tap.
+                store_transposed(rows, (taps, lanes), dst, (q * NB + j0, g.tl));
             }
         }
     }

@@ -148,6 +148,90 @@ fn convolutions_match<E: Exact>() {
     }
 }
 
+/// The input gradient of `d` in f64 from the same values: (exact sums, sums of magnitudes).
+fn reference_input_grad<E: Exact>(dy: &[E], w: &[E], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
+    let (oh, ow) = d.out_hw().unwrap();
+    let (mut out, mut mag) = (vec![0.0; d.n * d.c_in * d.h * d.w], vec![0.0; d.n * d.c_in * d.h * d.w]);
+    for b in 0..d.n {
+        for o in 0..d.c_out {
+            for y in 0..oh {
+                for xx in 0..ow {
+                    let g = dy[((b * d.c_out + o) * oh + y) * ow + xx].f64();
+                    for i in 0..d.c_in {
+                        for ky in 0..d.k {
+                            for kx in 0..d.k {
+                                let (iy, ix) = (
+                                    (y * d.stride + ky) as isize - d.pad as isize,
+                                    (xx * d.stride + kx) as isize - d.pad as isize,
+                                );
+                                if iy < 0 || ix < 0 || iy >= d.h as isize || ix >= d.w as isize {
+                                    continue;
+                                }
+                                let at = ((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize;
+                                let p = g * w[((o * d.c_in + i) * d.k + ky) * d.k + kx].f64();
+                                out[at] += p;
+                                mag[at] += p.abs();
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (out, mag)
+}
+
+/// The strided input gradient within one rounding of the element (bf16) of the exact sum, plus
+/// the f32 sums' own error: 3 × 3 stride 2 (ResNet's, 49- and 196-position phase planes, which
+/// take the 7-row tiles), odd output-channel counts (a half-empty last pair), input channels
+/// that leave a block ragged, 1 × 1 stride 2 (three phases without taps: zeros), 2 × 2 and
+/// 4 × 4 stride 2, 3 × 3 stride 3 — for bf16 and for f32.
+#[test]
+fn strided_input_gradients_match_an_f64_reference() {
+    strided_match::<bf16>();
+    strided_match::<f32>();
+}
+
+fn strided_match<E: Exact>() {
+    if skipped::<E>("the strided input gradient") {
+        return;
+    }
+    let cases = [
+        ConvDims { n: 2, c_in: 32, h: 8, w: 10, c_out: 16, k: 3, stride: 2, pad: 1 },
+        ConvDims { n: 1, c_in: 40, h: 14, w: 14, c_out: 17, k: 3, stride: 2, pad: 1 },
+        ConvDims { n: 3, c_in: 64, h: 28, w: 28, c_out: 32, k: 3, stride: 2, pad: 1 },
+        ConvDims { n: 2, c_in: 24, h: 6, w: 6, c_out: 20, k: 1, stride: 2, pad: 0 },
+        ConvDims { n: 1, c_in: 16, h: 8, w: 6, c_out: 33, k: 2, stride: 2, pad: 0 },
+        ConvDims { n: 2, c_in: 35, h: 8, w: 8, c_out: 16, k: 4, stride: 2, pad: 1 },
+        ConvDims { n: 1, c_in: 16, h: 9, w: 12, c_out: 16, k: 3, stride: 3, pad: 1 },
+    ];
+    for (c, d) in cases.into_iter().enumerate() {
+        assert!(strided_applies(&d), "{d:?}");
+        let (oh, ow) = d.out_hw().unwrap();
+        let dy = elements::<E>(d.n * d.c_out * oh * ow, 3 * c as u64 + 1);
+        let w = elements::<E>(d.c_out * d.c_in * d.k * d.k, 3 * c as u64 + 2);
+        let mut got = vec![E::ZERO; d.n * d.c_in * d.h * d.w];
+        input_grad_strided(&mut got, &dy, &w, d).unwrap();
+        let (exact, mag) = reference_input_grad(&dy, &w, d);
+        let depth = (d.c_out * d.k * d.k) as f64;
+        for (at, ((g, e), m)) in got.iter().zip(&exact).zip(&mag).enumerate() {
+            let bound = e.abs() * E::STORED + m * depth * 2f64.powi(-24);
+            assert!((g.f64() - e).abs() <= bound, "{d:?}: input gradient {at}: {g:?} against {e} (bound {bound})");
+        }
+    }
+    // Geometries it does not take are errors, not wrong answers.
+    let d = ConvDims { n: 1, c_in: 16, h: 7, w: 8, c_out: 16, k: 3, stride: 2, pad: 1 };
+    assert!(!strided_applies(&d), "an odd height");
+    let mut dx = vec![E::ZERO; 16 * 7 * 8];
+    assert!(input_grad_strided(&mut dx, &vec![E::ZERO; 16 * 4 * 4], &vec![E::ZERO; 16 * 16 * 9], d).is_err());
+    assert!(!strided_applies(&ConvDims { stride: 1, h: 8, ..d }), "stride 1");
+    let d = ConvDims { h: 8, ..d };
+    assert!(
+        input_grad_strided(&mut dx, &vec![E::ZERO; 16 * 4 * 4 - 1], &vec![E::ZERO; 16 * 16 * 9], d).is_err(),
+        "short dy"
+    );
+}
+
 /// Images, weights and outputs that do not fit together are errors, before anything is read.
 #[test]
 fn mismatched_convolutions_are_errors() {
@@ -245,19 +329,20 @@ fn packing_matches<E: Exact>() {
         let w = elements::<E>(c_out * c_in * k * k, (c_in + k) as u64);
         let kk = k * k;
         let cl = c_in.div_ceil(E::PER_LANE);
-        for (so, si, flipped) in [(c_in * kk, kk, false), (kk, c_out * kk, true)] {
-            let g = BlockGeometry { c_in, c_out, kk, cl, tl: tap_lanes(cl), so, si, flipped };
+        // Forward, flipped and transposed, and a subset of the taps out of order.
+        let subset: Vec<usize> = (0..kk).rev().step_by(2).collect();
+        let layouts =
+            [(c_in * kk, kk, (0..kk).collect()), (kk, c_out * kk, (0..kk).rev().collect()), (kk, c_out * kk, subset)];
+        for (so, si, order) in layouts {
+            let flipped = format!("{order:?}");
+            let taps = order.len();
+            let g = BlockGeometry { c_in, c_out, kk, cl, tl: tap_lanes(cl), so, si, order };
             for cb in 0..c_out.div_ceil(NB) {
-                let (mut plain, mut wide) = (vec![0u32; kk * g.tl], vec![0u32; kk * g.tl]);
+                let (mut plain, mut wide) = (vec![0u32; taps * g.tl], vec![0u32; taps * g.tl]);
                 pack_block(&w, cb, &g, &mut plain);
                 // SAFETY: the CPU has E's features (`available`).
                 unsafe { pack_block_wide(&w, cb, &g, &mut wide) };
-                assert_eq!(
-                    plain,
-                    wide,
-                    "{:?}: c_in {c_in}, c_out {c_out}, k {k}, flipped {flipped}, block {cb}",
-                    E::ZERO
-                );
+                assert_eq!(plain, wide, "{:?}: c_in {c_in}, c_out {c_out}, k {k}, taps {flipped}, block {cb}", E::ZERO);
             }
         }
     }

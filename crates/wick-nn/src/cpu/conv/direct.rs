@@ -1,11 +1,14 @@
 //! bf16 and f32 convolutions computed directly on the images (`wick_kernels::cpu::conv`): no
-//! column matrix and no packed copy of the columns. Used for the forward pass, the stride-1
-//! input gradient and the stride-1 weight gradient of dense convolutions wide enough to fill
-//! their lanes of channels.
+//! column matrix and no packed copy of the columns. Used for the forward pass, the input
+//! gradient (stride 1 as a convolution of its own, a larger stride one phase of the input
+//! positions at a time) and the stride-1 weight gradient of dense convolutions wide enough to
+//! fill their lanes of channels.
 
 use candle_core::Result;
 use wick_kernels::cpu::conv::{available, conv_direct, weight_grad_direct, ChannelsLast, ConvDims, Element};
-use wick_kernels::cpu::conv::{PaddedImages, PositionLanes, WeightLayout, Weights};
+use wick_kernels::cpu::conv::{
+    input_grad_strided, strided_applies, PaddedImages, PositionLanes, WeightLayout, Weights,
+};
 
 use super::Geometry;
 
@@ -36,12 +39,18 @@ pub(super) fn forward<E: Element>(g: &Geometry, x: &[E], w: &[E]) -> Result<Vec<
     convolve(g, x, w, WeightLayout::Forward)
 }
 
-/// The input gradient of a stride-1 convolution `g` from its output gradient `dy`: the
+/// The input gradient of the convolution `g` from its output gradient `dy`. Stride 1: the
 /// convolution of `dy` with the weights transposed (C_in ↔ C_out) and flipped, padded by
-/// `k − 1 − pad` (packed from the weights as they are: no flipped copy). Only where
-/// [`gradients`] says so.
+/// `k − 1 − pad` (packed from the weights as they are: no flipped copy). A larger stride: one
+/// stride-1 convolution of `dy` per phase of the input positions, with that phase's taps
+/// (`input_grad_strided`). Only where [`gradients`] says so.
 pub(super) fn input_gradient<E: Element>(g: &Geometry, w: &[E], dy: &[E]) -> Result<Vec<E>> {
-    convolve(&g.input_gradient(), dy, w, WeightLayout::FlippedTransposed)
+    if g.stride == 1 {
+        return convolve(&g.input_gradient(), dy, w, WeightLayout::FlippedTransposed);
+    }
+    let mut dx = vec![E::ZERO; g.n * g.c_in * g.h * g.w];
+    input_grad_strided(&mut dx, dy, w, dims(g)).map_err(candle)?;
+    Ok(dx)
 }
 
 /// The convolution `g` of `x` with weights `w` stored as `layout`, each sum rounded once.
@@ -57,11 +66,22 @@ fn convolve<E: Element>(g: &Geometry, x: &[E], w: &[E], layout: WeightLayout) ->
 /// Which of `g`'s gradients are computed here, for `E`s: (the input gradient, by
 /// [`input_gradient`], when wanted; the weight gradient, by [`weight_gradient`]). The input
 /// gradient where `g` has stride 1 and a padding below k (a convolution of its own) and
-/// [`applies`] to that convolution; the weight gradient where `g` has stride 1, [`applies`] to
-/// `g`, and the input gradient, when wanted, is computed here too (else the product computes both
-/// in one pass over the columns).
+/// [`applies`] to that convolution, or, for bf16, where `g` is strided, not 1×1, with at least
+/// [`MIN_CHANNELS`] output channels (the lanes its phases sum over) and a geometry
+/// `strided_applies` to; the weight gradient where `g` has stride 1, [`applies`] to `g`, and the
+/// input gradient, when wanted, is computed here too (else the product computes both in one pass
+/// over the columns). Strided f32 input gradients stay on the product: next to f32's
+/// multiply-adds the columns cost little, and phase by phase ResNet-18's three stride-2 layers
+/// took 0.99–1.13× their time (BENCHMARKS.md, "Stride-2 input gradients direct").
 pub(super) fn gradients<E: Element>(g: &Geometry, want_dx: bool) -> (bool, bool) {
-    let input = want_dx && g.stride == 1 && g.pad < g.k && applies::<E>(&g.input_gradient());
+    let stride_1 = g.stride == 1 && g.pad < g.k && applies::<E>(&g.input_gradient());
+    let strided = E::PER_LANE == 2
+        && g.stride > 1
+        && g.k > 1
+        && g.c_out >= MIN_CHANNELS
+        && available::<E>()
+        && strided_applies(&dims(g));
+    let input = want_dx && (stride_1 || strided);
     (input, g.stride == 1 && applies::<E>(g) && (!want_dx || input))
 }
 

@@ -10,7 +10,8 @@
 //! bf16 and the products are bf16 with f32 sums (`gemm_bf16`; the `Gather` trait in [`unfold`],
 //! `Operand` and `Out` in `gemm`). Where [`direct`] applies (bf16 or f32 on AVX-512, 16 or more
 //! input channels, not 1×1 stride 1) it convolves the images in place instead: the forward pass,
-//! and a stride-1 convolution's input and weight gradients — no columns.
+//! the input gradient (a strided one phase by phase) and a stride-1 convolution's weight
+//! gradient — no columns.
 //!
 //! Depthwise convolutions are in [`super::depthwise`].
 
@@ -247,8 +248,8 @@ impl Conv2d {
 
     /// [`Conv2d::bwd`] for bf16 images, weights and output gradients, multiplied as bf16.
     ///
-    /// A stride-1 input gradient is computed directly on the output gradient where
-    /// [`direct::gradients`] says so, else, when its sums fit one slice of the product, written
+    /// The input gradient is computed directly on the output gradient where
+    /// [`direct::gradients`] says so, else, at stride 1 when its sums fit one slice of the product, written
     /// in bf16 as it is computed (no f32 result, no rounding pass); the weight gradient directly
     /// where [`direct::gradients`] says so.
     fn bwd_bf16(&self, x: &Tensor, w: &Tensor, dy: &Tensor, want_dx: bool) -> Result<(Option<Tensor>, Option<Tensor>)> {

@@ -243,8 +243,8 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
 /// whose code paths differ: 1×1 stride 1 (the image is the column matrix), 3×3 stride 1 (input
 /// gradient as a convolution), 3×3 stride 2 and 7×7 stride 2 (col2im), images grouped per
 /// gemm (few output positions), and the direct convolutions on the images (16 or more input
-/// channels: forward passes at strides 1 and 2, 1×1 stride 2, and stride-1 input gradients
-/// from 16 or more output channels).
+/// channels: forward passes at strides 1 and 2, 1×1 stride 2, and input gradients from 16 or
+/// more output channels at stride 1 and, phase by phase, at stride 2).
 #[test]
 fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
     type Op = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
@@ -278,6 +278,11 @@ fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
             "conv 3×3 /2 direct",
             Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 2)),
             vec![vec![2, 18, 9, 10], vec![36, 18, 3, 3]],
+        ),
+        (
+            "conv 3×3 /2 direct, input gradient phase by phase",
+            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 2)),
+            vec![vec![2, 20, 8, 10], vec![24, 20, 3, 3]],
         ),
         (
             "conv 1×1 /2 direct",
