@@ -38,9 +38,10 @@ fn axis_taps(d: &ConvDims, a: usize) -> Vec<(usize, isize)> {
     (0..d.k).filter(|&u| (top - u as isize).rem_euclid(s) == 0).map(|u| (u, (top - u as isize) / s)).collect()
 }
 
-/// `dx` (n, c_in, h, w): the input gradient of the convolution `d` (weights `w`, (c_out, c_in,
-/// k, k)) from its output gradient `dy` (n, c_out, oh, ow), each sum stored once (bf16: rounded
-/// once); parallel over (phase, block of 32 input channels) and groups of images. An error
+/// `dx` (n, c_in, h, w), every element written: the input gradient of the convolution `d`
+/// (weights `w`, (c_out, c_in, k, k)) from its output gradient `dy` (n, c_out, oh, ow), each sum
+/// stored once (bf16: rounded once; zero in phases without taps); parallel over (phase, block of
+/// 32 input channels) and groups of images. An error
 /// unless [`strided_applies`] to `d`, the lengths fit `d`, and the CPU has E's features.
 pub fn input_grad_strided<E: Element>(dx: &mut [E], dy: &[E], w: &[E], d: ConvDims) -> Result<(), KernelError> {
     if !strided_applies(&d) {
@@ -80,10 +81,15 @@ pub fn input_grad_strided<E: Element>(dx: &mut [E], dy: &[E], w: &[E], d: ConvDi
     let last = (((d.n - 1) * hp + oh - 1) * wp + ow - 1) * cl;
     let reach = phases.iter().flat_map(|p| p.1.iter()).max().copied().unwrap_or(0);
     assert!(last + reach + cl <= images.data.len(), "input_grad_strided: a window outside the images");
-    // Phase planes: (n, s², c_in, plane).
-    let mut planes = vec![E::ZERO; d.n * s * s * d.c_in * plane];
-    let blocks = d.c_in.div_ceil(NB);
+    // The phases with taps (a 1×1 kernel's input gradient is zero outside phase (0, 0)), and
+    // their planes: (n, live phases, c_in, plane).
     let live: Vec<usize> = (0..s * s).filter(|&f| !phases[f].1.is_empty()).collect();
+    let mut slot = vec![None; s * s];
+    for (l, &f) in live.iter().enumerate() {
+        slot[f] = Some(l);
+    }
+    let mut planes = vec![E::ZERO; d.n * live.len() * d.c_in * plane];
+    let blocks = d.c_in.div_ceil(NB);
     let units = live.len() * blocks;
     let threads = rayon::current_num_threads().max(1);
     let per = d.n.div_ceil((2 * threads).div_ceil(units.max(1)).clamp(1, d.n));
@@ -95,16 +101,16 @@ pub fn input_grad_strided<E: Element>(dx: &mut [E], dy: &[E], w: &[E], d: ConvDi
         let mut have = None;
         for item in items {
             let (unit, group) = (item / groups, item % groups);
-            let (f, cb) = (live[unit / blocks], unit % blocks);
-            let (weights, tap_at) = &phases[f];
+            let (l, cb) = (unit / blocks, unit % blocks);
+            let (weights, tap_at) = &phases[live[l]];
             if have != Some(unit) {
                 weights.pack(cb, &mut packed);
                 have = Some(unit);
             }
             let couts = NB.min(d.c_in - cb * NB);
             for b in group * per..((group + 1) * per).min(d.n) {
-                // SAFETY: image b's planes of phase f, block cb are this item's only.
-                let dst = unsafe { out.range(((b * s * s + f) * d.c_in + cb * NB) * plane, couts * plane) };
+                // SAFETY: image b's planes of live phase l, block cb are this item's only.
+                let dst = unsafe { out.range(((b * live.len() + l) * d.c_in + cb * NB) * plane, couts * plane) };
                 // SAFETY: the CPU has E's features (checked above); every window lies inside the
                 // images (`last`, `reach`); `packed` holds the block's `tap_at.len()` taps.
                 unsafe { plane_tiles(&images, (b, plane, ow), (tap_at, cl), &packed[..weights.block], dst, couts) };
@@ -118,23 +124,37 @@ pub fn input_grad_strided<E: Element>(dx: &mut [E], dy: &[E], w: &[E], d: ConvDi
             let (b, c) = (bc / d.c_in, bc % d.c_in);
             // SAFETY: plane (b, c) of dx is this range's only.
             let dst = unsafe { sdx.range(bc * d.h * d.w, d.h * d.w) };
-            let phase = |f: usize| &planes[((b * s * s + f) * d.c_in + c) * plane..][..plane];
+            // Row i of phase f's plane; None for a phase without taps (zeros).
+            let row = |f: usize, i: usize| {
+                slot[f].map(|l| &planes[((b * live.len() + l) * d.c_in + c) * plane + i * ow..][..ow])
+            };
             for a in 0..s {
                 for i in 0..oh {
                     let line = &mut dst[(s * i + a) * d.w..][..d.w];
                     if s == 2 {
                         // Both columns' phases in one pass (a pattern the compiler vectorises).
-                        let (even, odd) = (&phase(2 * a)[i * ow..][..ow], &phase(2 * a + 1)[i * ow..][..ow]);
-                        for ((pair, e), o) in line.chunks_exact_mut(2).zip(even).zip(odd) {
-                            pair[0] = *e;
-                            pair[1] = *o;
+                        let pairs = line.chunks_exact_mut(2);
+                        match (row(2 * a, i), row(2 * a + 1, i)) {
+                            (Some(even), Some(odd)) => pairs.zip(even.iter().zip(odd)).for_each(|(p, (e, o))| {
+                                p[0] = *e;
+                                p[1] = *o;
+                            }),
+                            (Some(even), None) => pairs.zip(even).for_each(|(p, e)| {
+                                p[0] = *e;
+                                p[1] = E::ZERO;
+                            }),
+                            (None, Some(odd)) => pairs.zip(odd).for_each(|(p, o)| {
+                                p[0] = E::ZERO;
+                                p[1] = *o;
+                            }),
+                            (None, None) => line.fill(E::ZERO),
                         }
                         continue;
                     }
                     for col in 0..s {
-                        let row = &phase(a * s + col)[i * ow..][..ow];
-                        for (j, v) in row.iter().enumerate() {
-                            line[s * j + col] = *v;
+                        let values = row(a * s + col, i);
+                        for j in 0..ow {
+                            line[s * j + col] = values.map_or(E::ZERO, |v| v[j]);
                         }
                     }
                 }

@@ -66,7 +66,7 @@ fn convolve<E: Element>(g: &Geometry, x: &[E], w: &[E], layout: WeightLayout) ->
 /// Which of `g`'s gradients are computed here, for `E`s: (the input gradient, by
 /// [`input_gradient`], when wanted; the weight gradient, by [`weight_gradient`]). The input
 /// gradient where `g` has stride 1 and a padding below k (a convolution of its own) and
-/// [`applies`] to that convolution, or, for bf16, where `g` is strided, not 1×1, with at least
+/// [`applies`] to that convolution, or, for bf16, where `g` is strided with at least
 /// [`MIN_CHANNELS`] output channels (the lanes its phases sum over) and a geometry
 /// `strided_applies` to; the weight gradient where `g` has stride 1, [`applies`] to `g`, and the
 /// input gradient, when wanted, is computed here too (else the product computes both in one pass
@@ -75,12 +75,8 @@ fn convolve<E: Element>(g: &Geometry, x: &[E], w: &[E], layout: WeightLayout) ->
 /// took 0.99–1.13× their time (BENCHMARKS.md, "Stride-2 input gradients direct").
 pub(super) fn gradients<E: Element>(g: &Geometry, want_dx: bool) -> (bool, bool) {
     let stride_1 = g.stride == 1 && g.pad < g.k && applies::<E>(&g.input_gradient());
-    let strided = E::PER_LANE == 2
-        && g.stride > 1
-        && g.k > 1
-        && g.c_out >= MIN_CHANNELS
-        && available::<E>()
-        && strided_applies(&dims(g));
+    let strided =
+        E::PER_LANE == 2 && g.stride > 1 && g.c_out >= MIN_CHANNELS && available::<E>() && strided_applies(&dims(g));
     let input = want_dx && (stride_1 || strided);
     (input, g.stride == 1 && applies::<E>(g) && (!want_dx || input))
 }

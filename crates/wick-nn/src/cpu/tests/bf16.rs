@@ -290,6 +290,11 @@ fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
             vec![vec![2, 32, 7, 7], vec![40, 32, 1, 1]],
         ),
         (
+            "conv 1×1 /2 direct, input gradient phase by phase",
+            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 2)),
+            vec![vec![2, 32, 8, 6], vec![40, 32, 1, 1]],
+        ),
+        (
             "conv 5×5 direct",
             Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 2, 1)),
             vec![vec![1, 17, 6, 9], vec![20, 17, 5, 5]],
