@@ -41,8 +41,8 @@ fn axis_taps(d: &ConvDims, a: usize) -> Vec<(usize, isize)> {
 /// `dx` (n, c_in, h, w), every element written: the input gradient of the convolution `d`
 /// (weights `w`, (c_out, c_in, k, k)) from its output gradient `dy` (n, c_out, oh, ow), each sum
 /// stored once (bf16: rounded once; zero in phases without taps); parallel over (phase, block of
-/// 32 input channels) and groups of images. An error
-/// unless [`strided_applies`] to `d`, the lengths fit `d`, and the CPU has E's features.
+/// 32 input channels) and groups of images. An error unless [`strided_applies`] to `d`, the
+/// lengths fit `d`, and the CPU has E's features.
 pub fn input_grad_strided<E: Element>(dx: &mut [E], dy: &[E], w: &[E], d: ConvDims) -> Result<(), KernelError> {
     if !strided_applies(&d) {
         return Err(error(format!("no strided input gradient for {d:?}")));
@@ -88,6 +88,7 @@ pub fn input_grad_strided<E: Element>(dx: &mut [E], dy: &[E], w: &[E], d: ConvDi
     for (l, &f) in live.iter().enumerate() {
         slot[f] = Some(l);
     }
+    // At most dx's length (live.len() · plane ≤ s² · plane = h · w): no overflow.
     let mut planes = vec![E::ZERO; d.n * live.len() * d.c_in * plane];
     let blocks = d.c_in.div_ceil(NB);
     let units = live.len() * blocks;
