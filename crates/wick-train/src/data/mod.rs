@@ -436,7 +436,14 @@ impl Epoch {
 
     /// Stops and joins every worker (also done on drop).
     fn stop(&mut self) {
-        self.budget.stop.store(true, Ordering::SeqCst);
+        {
+            // Set under the queue's lock: a worker in `reserve` either sees the flag before it
+            // waits or is already waiting when the notification comes. Set without the lock, it
+            // could land between a worker's check and its wait, and the worker slept through
+            // the notification (the data tests hung on `join` below once).
+            let _queue = self.budget.queue.lock().unwrap_or_else(|p| p.into_inner());
+            self.budget.stop.store(true, Ordering::SeqCst);
+        }
         self.budget.changed.notify_all();
         // Dropping the receivers fails the workers' sends; then they can be joined.
         self.queues.clear();
