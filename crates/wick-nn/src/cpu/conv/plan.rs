@@ -202,18 +202,4 @@ mod tests {
             }
         }
     }
-
-    /// A backward pass sums its weight gradient over all the images in one item where they have
-    /// at most `SUM_COLUMNS` positions, and is planned as the forward pass elsewhere.
-    #[test]
-    fn backward_passes_sum_small_planes_in_one_item() {
-        let one = Plan::summing(&geometry(8, 512, 7, 1, 1), 2, CHUNK_BYTES, false);
-        assert_eq!((one.size, one.groups, one.chunks, one.workers), (8, 1, 1, 1), "{one:?}");
-        let wide = Plan::summing(&geometry(2, 64, 14, 3, 2), 2, CHUNK_BYTES, true);
-        assert_eq!((wide.size, wide.groups, wide.workers), (2, 1, 1), "{wide:?}");
-        for (g, whole) in [(geometry(8, 256, 14, 1, 1), false), (geometry(3, 64, 56, 3, 1), true)] {
-            let (sum, plain) = (Plan::summing(&g, 2, CHUNK_BYTES, whole), Plan::new(&g, 2, CHUNK_BYTES, whole));
-            assert_eq!(format!("{sum:?}"), format!("{plain:?}"), "{g:?}");
-        }
-    }
 }
