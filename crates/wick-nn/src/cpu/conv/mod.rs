@@ -318,7 +318,7 @@ impl Conv2d {
         // Stride 1: the input gradient is a convolution of its own (below). Folded back from
         // columns, an image's chunks overlap in the input rows they touch: one worker each.
         let by_columns = want_dx && !Self::dx_by_convolution(&g);
-        let plan = Plan::summing(&g, size_of::<P>(), self.chunk, by_columns);
+        let plan = Plan::new(&g, size_of::<P>(), self.chunk, by_columns);
         let width = plan.width(&g);
         let direct = plan.size == 1 && g.pointwise();
         let col = Scratch::<P>::new(plan.workers, if direct { 0 } else { rows * width });

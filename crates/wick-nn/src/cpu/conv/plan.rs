@@ -32,10 +32,6 @@ const GROUP_COLUMNS: usize = 64;
 /// rather than once per chunk.
 pub(super) const CHUNK_BYTES: usize = 768 << 10;
 
-/// Positions of all the images up to which a backward pass sums its weight gradient in one
-/// product ([`Plan::summing`]): one slice of the bf16 product's depth (512).
-const SUM_COLUMNS: usize = 512;
-
 /// The split of a convolution's work (see the module documentation).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Plan {
@@ -60,22 +56,6 @@ impl Plan {
     /// columns are the image itself).
     pub(super) fn new(g: &Geometry, elem: usize, chunk_bytes: usize, whole_images: bool) -> Self {
         let size = GROUP_COLUMNS.div_ceil(g.cols().max(1)).clamp(1, g.n.max(1));
-        Self::grouped(g, size, elem, chunk_bytes, whole_images)
-    }
-
-    /// [`Plan::new`] for a backward pass, whose weight gradient sums over the positions of each
-    /// item's images: where all the images have at most [`SUM_COLUMNS`] positions, one item
-    /// holds them all (one product, parallel inside). Per group of [`GROUP_COLUMNS`], ResNet-50's
-    /// 7 × 7 layers at batch 8 summed 98 positions at a time into a 4 MB f32 gradient, added to
-    /// the sums so far: the gradient went through memory once per pair of images.
-    pub(super) fn summing(g: &Geometry, elem: usize, chunk_bytes: usize, whole_images: bool) -> Self {
-        if g.n.saturating_mul(g.cols()) <= SUM_COLUMNS {
-            return Self::grouped(g, g.n.max(1), elem, chunk_bytes, whole_images);
-        }
-        Self::new(g, elem, chunk_bytes, whole_images)
-    }
-
-    fn grouped(g: &Geometry, size: usize, elem: usize, chunk_bytes: usize, whole_images: bool) -> Self {
         let groups = g.n.div_ceil(size);
         let column_bytes = g.rows().saturating_mul(elem).max(1);
         let threads = rayon::current_num_threads().max(1);
