@@ -26,8 +26,8 @@ use crate::cpu::{par_ranges, KernelError, SharedMut};
 pub fn strided_applies(d: &ConvDims) -> bool {
     d.stride > 1
         && d.k * d.k <= 16
-        && d.h % d.stride == 0
-        && d.w % d.stride == 0
+        && d.h.is_multiple_of(d.stride)
+        && d.w.is_multiple_of(d.stride)
         && d.out_hw().is_ok_and(|hw| hw == (d.h / d.stride, d.w / d.stride))
 }
 

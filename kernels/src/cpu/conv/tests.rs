@@ -223,13 +223,12 @@ fn strided_match<E: Exact>() {
     let d = ConvDims { n: 1, c_in: 16, h: 7, w: 8, c_out: 16, k: 3, stride: 2, pad: 1 };
     assert!(!strided_applies(&d), "an odd height");
     let mut dx = vec![E::ZERO; 16 * 7 * 8];
-    assert!(input_grad_strided(&mut dx, &vec![E::ZERO; 16 * 4 * 4], &vec![E::ZERO; 16 * 16 * 9], d).is_err());
+    assert!(input_grad_strided(&mut dx, &[E::ZERO; 16 * 4 * 4], &[E::ZERO; 16 * 16 * 9], d).is_err());
     assert!(!strided_applies(&ConvDims { stride: 1, h: 8, ..d }), "stride 1");
-    let d = ConvDims { h: 8, ..d };
-    assert!(
-        input_grad_strided(&mut dx, &vec![E::ZERO; 16 * 4 * 4 - 1], &vec![E::ZERO; 16 * 16 * 9], d).is_err(),
-        "short dy"
-    );
+    let (d, mut dx) = (ConvDims { h: 8, ..d }, vec![E::ZERO; 16 * 8 * 8]);
+    assert!(input_grad_strided(&mut dx, &[E::ZERO; 16 * 4 * 4], &[E::ZERO; 16 * 16 * 9], d).is_ok(), "fitting");
+    assert!(input_grad_strided(&mut dx, &[E::ZERO; 16 * 4 * 4 - 1], &[E::ZERO; 16 * 16 * 9], d).is_err(), "short dy");
+    assert!(input_grad_strided(&mut dx[1..], &[E::ZERO; 16 * 4 * 4], &[E::ZERO; 16 * 16 * 9], d).is_err(), "short dx");
 }
 
 /// Images, weights and outputs that do not fit together are errors, before anything is read.
