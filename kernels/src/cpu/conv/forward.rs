@@ -129,31 +129,54 @@ pub fn conv_direct<E: Element>(dst: &mut [E], x: &ChannelsLast<E>, w: &Weights<'
     assert!((last + 1) * cl <= x.data.len() && w.block >= taps * tap_lanes(cl), "conv_direct: short operands");
     // Offsets of the taps from a window's first element, in lanes.
     let tap_at: Vec<usize> = (0..taps).map(|t| ((t / d.k) * wp + t % d.k) * cl).collect();
-    // Items: (block, group of images), block-major, so that a worker's items share blocks.
-    let threads = rayon::current_num_threads().max(1);
-    let per = d.n.div_ceil((2 * threads).div_ceil(blocks).clamp(1, d.n));
-    let groups = d.n.div_ceil(per);
     let out = SharedMut::new(dst);
-    par_ranges(blocks * groups, 1, |items| {
-        let mut packed = vec![0u32; w.block];
+    block_items(
+        (blocks, d.n),
+        w.block,
+        |cb, packed| w.pack(cb, packed),
+        |cb, b, packed| {
+            let couts = NB.min(d.c_out - cb * NB);
+            // SAFETY: image b's output channels of block cb are this item's only.
+            let dst = unsafe { out.range((b * d.c_out + cb * NB) * plane, couts * plane) };
+            // SAFETY: the CPU has E's features (checked above); every window lies inside the images
+            // (`last`, checked above); `packed` holds block cb's taps.
+            unsafe { plane_tiles(x, (b, plane, ow), (&tap_at, cl), packed, dst, couts) };
+        },
+    );
+    Ok(())
+}
+
+/// The work of `units` blocks of packed weights over `n` images, in parallel: items are (unit,
+/// group of images), unit-major so that a worker's items share blocks, with images grouped only
+/// where the units alone would not give every thread two items. A worker packs a unit's block
+/// once for its consecutive items of that unit (`pack(unit, buffer)`, into a buffer of `lanes`),
+/// then runs `image(unit, b, packed)` for each image b of the item.
+pub(super) fn block_items(
+    (units, n): (usize, usize),
+    lanes: usize,
+    pack: impl Fn(usize, &mut [u32]) + Sync,
+    image: impl Fn(usize, usize, &[u32]) + Sync,
+) {
+    if units == 0 || n == 0 {
+        return;
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let per = n.div_ceil((2 * threads).div_ceil(units).clamp(1, n));
+    let groups = n.div_ceil(per);
+    par_ranges(units * groups, 1, |items| {
+        let mut packed = vec![0u32; lanes];
         let mut have = None;
         for item in items {
-            let (cb, images) = (item / groups, (item % groups) * per..((item % groups + 1) * per).min(d.n));
-            if have != Some(cb) {
-                w.pack(cb, &mut packed);
-                have = Some(cb);
+            let (unit, group) = (item / groups, item % groups);
+            if have != Some(unit) {
+                pack(unit, &mut packed);
+                have = Some(unit);
             }
-            let couts = NB.min(d.c_out - cb * NB);
-            for b in images {
-                // SAFETY: image b's output channels of block cb are this item's only.
-                let dst = unsafe { out.range((b * d.c_out + cb * NB) * plane, couts * plane) };
-                // SAFETY: the CPU has E's features (checked above); every window lies inside
-                // the images (`last`, checked above); `packed` holds block cb's taps.
-                unsafe { plane_tiles(x, (b, plane, ow), (&tap_at, cl), &packed, dst, couts) };
+            for b in group * per..((group + 1) * per).min(n) {
+                image(unit, b, &packed);
             }
         }
     });
-    Ok(())
 }
 
 /// Image `b`'s plane of `dst` (its block's `couts` output channels) in tiles of [`MR`] or

@@ -16,7 +16,7 @@
 //! Every phase runs on the direct micro-kernel with its block's taps, into a buffer of phase
 //! planes that one pass then interleaves into the input gradient.
 
-use super::forward::plane_tiles;
+use super::forward::{block_items, plane_tiles};
 use super::{error, expect_len, ChannelsLast, ConvDims, Element, Weights, NB};
 use crate::cpu::{par_ranges, KernelError, SharedMut};
 
@@ -84,78 +84,49 @@ pub fn input_grad_strided<E: Element>(dx: &mut [E], dy: &[E], w: &[E], d: ConvDi
     // The phases with taps (a 1×1 kernel's input gradient is zero outside phase (0, 0)), and
     // their planes: (n, live phases, c_in, plane).
     let live: Vec<usize> = (0..s * s).filter(|&f| !phases[f].1.is_empty()).collect();
-    let mut slot = vec![None; s * s];
-    for (l, &f) in live.iter().enumerate() {
-        slot[f] = Some(l);
-    }
     // At most dx's length (live.len() · plane ≤ s² · plane = h · w): no overflow.
     let mut planes = vec![E::ZERO; d.n * live.len() * d.c_in * plane];
     let blocks = d.c_in.div_ceil(NB);
-    let units = live.len() * blocks;
-    let threads = rayon::current_num_threads().max(1);
-    let per = d.n.div_ceil((2 * threads).div_ceil(units.max(1)).clamp(1, d.n));
-    let groups = d.n.div_ceil(per);
     let out = SharedMut::new(&mut planes);
-    let block_lanes = phases.iter().map(|p| p.0.block).max().unwrap_or(0);
-    par_ranges(units * groups, 1, |items| {
-        let mut packed = vec![0u32; block_lanes];
-        let mut have = None;
-        for item in items {
-            let (unit, group) = (item / groups, item % groups);
-            let (l, cb) = (unit / blocks, unit % blocks);
-            let (weights, tap_at) = &phases[live[l]];
-            if have != Some(unit) {
-                weights.pack(cb, &mut packed);
-                have = Some(unit);
-            }
-            let couts = NB.min(d.c_in - cb * NB);
-            for b in group * per..((group + 1) * per).min(d.n) {
-                // SAFETY: image b's planes of live phase l, block cb are this item's only.
-                let dst = unsafe { out.range(((b * live.len() + l) * d.c_in + cb * NB) * plane, couts * plane) };
-                // SAFETY: the CPU has E's features (checked above); every window lies inside the
-                // images (`last`, `reach`); `packed` holds the block's `tap_at.len()` taps.
-                unsafe { plane_tiles(&images, (b, plane, ow), (tap_at, cl), &packed[..weights.block], dst, couts) };
-            }
-        }
+    let lanes = phases.iter().map(|p| p.0.block).max().unwrap_or(0);
+    let pack = |unit: usize, packed: &mut [u32]| phases[live[unit / blocks]].0.pack(unit % blocks, packed);
+    block_items((live.len() * blocks, d.n), lanes, pack, |unit, b, packed| {
+        let (l, cb) = (unit / blocks, unit % blocks);
+        let couts = NB.min(d.c_in - cb * NB);
+        // SAFETY: image b's planes of live phase l, block cb are this item's only.
+        let dst = unsafe { out.range(((b * live.len() + l) * d.c_in + cb * NB) * plane, couts * plane) };
+        // SAFETY: the CPU has E's features (checked above); every window lies inside the images
+        // (`last`, `reach`); `packed` holds the block's taps.
+        unsafe { plane_tiles(&images, (b, plane, ow), (&phases[live[l]].1, cl), packed, dst, couts) };
     });
-    // Interleaved: input row s·i + a, column s·j + b is phase (a, b)'s position (i, j).
+    // Interleaved: input row s·i + a, column s·j + b is phase (a, b)'s position (i, j); a phase
+    // without taps reads a row of zeros.
+    let zeros = vec![E::ZERO; ow];
     let sdx = SharedMut::new(dx);
     par_ranges(d.n * d.c_in, 16, |range| {
         for bc in range {
             let (b, c) = (bc / d.c_in, bc % d.c_in);
             // SAFETY: plane (b, c) of dx is this range's only.
             let dst = unsafe { sdx.range(bc * d.h * d.w, d.h * d.w) };
-            // Row i of phase f's plane; None for a phase without taps (zeros).
-            let row = |f: usize, i: usize| {
-                slot[f].map(|l| &planes[((b * live.len() + l) * d.c_in + c) * plane + i * ow..][..ow])
+            let row = |f: usize, i: usize| match live.iter().position(|&g| g == f) {
+                Some(l) => &planes[((b * live.len() + l) * d.c_in + c) * plane + i * ow..][..ow],
+                None => &zeros[..],
             };
             for a in 0..s {
                 for i in 0..oh {
                     let line = &mut dst[(s * i + a) * d.w..][..d.w];
                     if s == 2 {
                         // Both columns' phases in one pass (a pattern the compiler vectorises).
-                        let pairs = line.chunks_exact_mut(2);
-                        match (row(2 * a, i), row(2 * a + 1, i)) {
-                            (Some(even), Some(odd)) => pairs.zip(even.iter().zip(odd)).for_each(|(p, (e, o))| {
-                                p[0] = *e;
-                                p[1] = *o;
-                            }),
-                            (Some(even), None) => pairs.zip(even).for_each(|(p, e)| {
-                                p[0] = *e;
-                                p[1] = E::ZERO;
-                            }),
-                            (None, Some(odd)) => pairs.zip(odd).for_each(|(p, o)| {
-                                p[0] = E::ZERO;
-                                p[1] = *o;
-                            }),
-                            (None, None) => line.fill(E::ZERO),
+                        let (even, odd) = (row(2 * a, i), row(2 * a + 1, i));
+                        for (pair, (e, o)) in line.chunks_exact_mut(2).zip(even.iter().zip(odd)) {
+                            pair[0] = *e;
+                            pair[1] = *o;
                         }
                         continue;
                     }
                     for col in 0..s {
-                        let values = row(a * s + col, i);
-                        for j in 0..ow {
-                            line[s * j + col] = values.map_or(E::ZERO, |v| v[j]);
+                        for (j, v) in row(a * s + col, i).iter().enumerate() {
+                            line[s * j + col] = *v;
                         }
                     }
                 }
