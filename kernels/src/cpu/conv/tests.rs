@@ -57,16 +57,15 @@ fn values(len: usize, seed: u64) -> Vec<bf16> {
         .collect()
 }
 
-/// The convolution in f64 from the same bf16 values: (exact sums, sums of magnitudes).
-fn reference<E: Exact>(x: &[E], w: &[E], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
+/// Calls `f(output, input, weight)` with the indices of every product of the convolution `d`:
+/// output (n, c_out, oh, ow), input (n, c_in, h, w) and weight (c_out, c_in, k, k), for each tap
+/// whose input lies inside the image (padding contributes nothing).
+fn products(d: ConvDims, mut f: impl FnMut(usize, usize, usize)) {
     let (oh, ow) = d.out_hw().unwrap();
-    let mut out = vec![0.0; d.n * d.c_out * oh * ow];
-    let mut mag = out.clone();
     for b in 0..d.n {
         for o in 0..d.c_out {
             for y in 0..oh {
                 for xx in 0..ow {
-                    let (mut s, mut m) = (0.0, 0.0);
                     for i in 0..d.c_in {
                         for ky in 0..d.k {
                             for kx in 0..d.k {
@@ -77,21 +76,48 @@ fn reference<E: Exact>(x: &[E], w: &[E], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
                                 if iy < 0 || ix < 0 || iy >= d.h as isize || ix >= d.w as isize {
                                     continue;
                                 }
-                                let xv = x[((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize].f64();
-                                let wv = w[((o * d.c_in + i) * d.k + ky) * d.k + kx].f64();
-                                s += xv * wv;
-                                m += (xv * wv).abs();
+                                let input = ((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize;
+                                let weight = ((o * d.c_in + i) * d.k + ky) * d.k + kx;
+                                f(((b * d.c_out + o) * oh + y) * ow + xx, input, weight);
                             }
                         }
                     }
-                    let at = ((b * d.c_out + o) * oh + y) * ow + xx;
-                    out[at] = s;
-                    mag[at] = m;
                 }
             }
         }
     }
+}
+
+/// Sums in f64 over the products of `d`: `len` sums, product (output, input, weight) adding
+/// `term(…)` to sum `at(…)`; (exact sums, sums of magnitudes).
+fn sums(
+    d: ConvDims,
+    len: usize,
+    at: impl Fn(usize, usize, usize) -> usize,
+    term: impl Fn(usize, usize, usize) -> f64,
+) -> (Vec<f64>, Vec<f64>) {
+    let (mut out, mut mag) = (vec![0.0; len], vec![0.0; len]);
+    products(d, |o, i, w| {
+        let (a, t) = (at(o, i, w), term(o, i, w));
+        out[a] += t;
+        mag[a] += t.abs();
+    });
     (out, mag)
+}
+
+/// The convolution in f64 from the same bf16 values: (exact sums, sums of magnitudes).
+fn reference<E: Exact>(x: &[E], w: &[E], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
+    let (oh, ow) = d.out_hw().unwrap();
+    sums(d, d.n * d.c_out * oh * ow, |o, _, _| o, |_, i, wi| x[i].f64() * w[wi].f64())
+}
+
+/// Every element of `got` within one rounding of the element (bf16) of the exact sum, plus the
+/// f32 sums' own error over `depth` terms.
+fn assert_within<E: Exact>(got: &[E], (exact, mag): (Vec<f64>, Vec<f64>), depth: usize, what: &str) {
+    for (at, ((g, e), m)) in got.iter().zip(&exact).zip(&mag).enumerate() {
+        let bound = e.abs() * E::STORED + m * depth as f64 * 2f64.powi(-24);
+        assert!((g.f64() - e).abs() <= bound, "{what} {at}: {g:?} against {e} (bound {bound})");
+    }
 }
 
 /// Every output within one rounding of the element (bf16) of the exact sum, plus the f32 sums'
@@ -128,12 +154,7 @@ fn convolutions_match<E: Exact>() {
         let mut got = vec![E::ZERO; d.n * d.c_out * oh * ow];
         let wp = Weights::new(d, &w, WeightLayout::Forward).unwrap();
         conv_direct(&mut got, &ChannelsLast::new(&x, d).unwrap(), &wp).unwrap();
-        let (exact, mag) = reference(&x, &w, d);
-        let depth = (d.c_in * d.k * d.k) as f64;
-        for (at, ((g, e), m)) in got.iter().zip(&exact).zip(&mag).enumerate() {
-            let bound = e.abs() * E::STORED + m * depth * 2f64.powi(-24);
-            assert!((g.f64() - e).abs() <= bound, "{d:?}: output {at}: {g:?} against {e} (bound {bound})");
-        }
+        assert_within(&got, reference(&x, &w, d), d.c_in * d.k * d.k, &format!("{d:?}: output"));
         // The same weights stored flipped and transposed.
         let t: Vec<E> = (0..w.len())
             .map(|a| {
@@ -150,35 +171,7 @@ fn convolutions_match<E: Exact>() {
 
 /// The input gradient of `d` in f64 from the same values: (exact sums, sums of magnitudes).
 fn reference_input_grad<E: Exact>(dy: &[E], w: &[E], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
-    let (oh, ow) = d.out_hw().unwrap();
-    let (mut out, mut mag) = (vec![0.0; d.n * d.c_in * d.h * d.w], vec![0.0; d.n * d.c_in * d.h * d.w]);
-    for b in 0..d.n {
-        for o in 0..d.c_out {
-            for y in 0..oh {
-                for xx in 0..ow {
-                    let g = dy[((b * d.c_out + o) * oh + y) * ow + xx].f64();
-                    for i in 0..d.c_in {
-                        for ky in 0..d.k {
-                            for kx in 0..d.k {
-                                let (iy, ix) = (
-                                    (y * d.stride + ky) as isize - d.pad as isize,
-                                    (xx * d.stride + kx) as isize - d.pad as isize,
-                                );
-                                if iy < 0 || ix < 0 || iy >= d.h as isize || ix >= d.w as isize {
-                                    continue;
-                                }
-                                let at = ((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize;
-                                let p = g * w[((o * d.c_in + i) * d.k + ky) * d.k + kx].f64();
-                                out[at] += p;
-                                mag[at] += p.abs();
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-    (out, mag)
+    sums(d, d.n * d.c_in * d.h * d.w, |_, i, _| i, |o, _, wi| dy[o].f64() * w[wi].f64())
 }
 
 /// The strided input gradient within one rounding of the element (bf16) of the exact sum, plus
@@ -212,12 +205,8 @@ fn strided_match<E: Exact>() {
         let w = elements::<E>(d.c_out * d.c_in * d.k * d.k, 3 * c as u64 + 2);
         let mut got = vec![E::ZERO; d.n * d.c_in * d.h * d.w];
         input_grad_strided(&mut got, &dy, &w, d).unwrap();
-        let (exact, mag) = reference_input_grad(&dy, &w, d);
-        let depth = (d.c_out * d.k * d.k) as f64;
-        for (at, ((g, e), m)) in got.iter().zip(&exact).zip(&mag).enumerate() {
-            let bound = e.abs() * E::STORED + m * depth * 2f64.powi(-24);
-            assert!((g.f64() - e).abs() <= bound, "{d:?}: input gradient {at}: {g:?} against {e} (bound {bound})");
-        }
+        let exact = reference_input_grad(&dy, &w, d);
+        assert_within(&got, exact, d.c_out * d.k * d.k, &format!("{d:?}: input gradient"));
     }
     // Geometries it does not take are errors, not wrong answers.
     let d = ConvDims { n: 1, c_in: 16, h: 7, w: 8, c_out: 16, k: 3, stride: 2, pad: 1 };
@@ -349,34 +338,7 @@ fn packing_matches<E: Exact>() {
 
 /// The weight gradient in f64 from the same bf16 values: (exact sums, sums of magnitudes).
 fn reference_weight_grad<E: Exact>(x: &[E], dy: &[E], d: ConvDims) -> (Vec<f64>, Vec<f64>) {
-    let (oh, ow) = d.out_hw().unwrap();
-    let kk = d.k * d.k;
-    let (mut out, mut mag) = (vec![0.0; d.c_out * d.c_in * kk], vec![0.0; d.c_out * d.c_in * kk]);
-    for o in 0..d.c_out {
-        for i in 0..d.c_in {
-            for t in 0..kk {
-                let (ky, kx) = (t / d.k, t % d.k);
-                let (mut s, mut m) = (0.0, 0.0);
-                for b in 0..d.n {
-                    for y in 0..oh {
-                        for xx in 0..ow {
-                            let (iy, ix) = ((y + ky) as isize - d.pad as isize, (xx + kx) as isize - d.pad as isize);
-                            if iy < 0 || ix < 0 || iy >= d.h as isize || ix >= d.w as isize {
-                                continue;
-                            }
-                            let xv = x[((b * d.c_in + i) * d.h + iy as usize) * d.w + ix as usize].f64();
-                            let g = dy[((b * d.c_out + o) * oh + y) * ow + xx].f64();
-                            s += xv * g;
-                            m += (xv * g).abs();
-                        }
-                    }
-                }
-                out[(o * d.c_in + i) * kk + t] = s;
-                mag[(o * d.c_in + i) * kk + t] = m;
-            }
-        }
-    }
-    (out, mag)
+    sums(d, d.c_out * d.c_in * d.k * d.k, |_, _, wi| wi, |o, i, _| x[i].f64() * dy[o].f64())
 }
 
 /// Every weight gradient within the f32 sums' own error of the exact sum (they are not rounded
