@@ -8,6 +8,8 @@
 use half::bf16;
 use wick_kernels::cpu::gemm::{bf16 as kernel, Mat};
 
+mod timing;
+
 fn main() {
     if !kernel::available() {
         println!("this CPU has no AVX512-BF16: nothing to measure");
@@ -26,18 +28,7 @@ fn main() {
         let (ma, mb) = (Mat::rows(&a, m, k), Mat::rows(&b, k, n));
         let mut c = vec![0f32; m * n];
         let Ok(packed) = kernel::PackedA::new(ma, n) else { return };
-        let reps = (2e9 / (m * k * n) as f64).max(3.0) as usize;
-        let rate = |f: &mut dyn FnMut()| {
-            let mut best = f64::MAX;
-            for _ in 0..3 {
-                let t = std::time::Instant::now();
-                for _ in 0..reps {
-                    f();
-                }
-                best = best.min(t.elapsed().as_secs_f64() / reps as f64);
-            }
-            (m * k * n) as f64 / best / 1e9
-        };
+        let rate = |f: &mut dyn FnMut()| timing::rate(m * k * n, f);
         let per_call = rate(&mut || drop(kernel::gemm_bf16(&mut c, ma, mb, 1.0, false, false)));
         let once = rate(&mut || drop(kernel::gemm_bf16_packed(&mut c, &packed, mb, 1.0, false, false)));
         println!("| {m} × {k} × {n} | {per_call:.1} G/s | {once:.1} G/s | {:.2}× |", once / per_call);

@@ -13,6 +13,8 @@ use half::bf16;
 use wick_kernels::cpu::conv::{available, conv_direct, weight_grad_direct, ChannelsLast, ConvDims, Element};
 use wick_kernels::cpu::conv::{input_grad_strided, PaddedImages, PositionLanes, WeightLayout, Weights};
 
+mod timing;
+
 fn main() {
     rayon::ThreadPoolBuilder::new().num_threads(1).build_global().ok();
     println!(
@@ -28,19 +30,6 @@ fn main() {
     strided::<f32>("f32", |v| v);
 }
 
-/// The best of 5 runs of `f`, in seconds.
-fn best(f: &mut dyn FnMut(), reps: usize) -> f64 {
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t = std::time::Instant::now();
-        for _ in 0..reps {
-            f();
-        }
-        best = best.min(t.elapsed().as_secs_f64() / reps as f64);
-    }
-    best
-}
-
 fn strided<E: Element>(name: &str, from: impl Fn(f32) -> E) {
     if !available::<E>() {
         return;
@@ -52,15 +41,12 @@ fn strided<E: Element>(name: &str, from: impl Fn(f32) -> E) {
         let x: Vec<E> = (0..d.n * c * hw * hw).map(|i| from((i % 89) as f32 * 0.01)).collect();
         let dy: Vec<E> = (0..d.n * c * plane).map(|i| from((i % 83) as f32 * 0.01)).collect();
         let (mut y, mut dx) = (vec![E::ZERO; dy.len()], vec![E::ZERO; x.len()]);
-        let forward = best(
-            &mut || {
-                if let (Ok(xs), Ok(ws)) = (ChannelsLast::new(&x, d), Weights::new(d, &w, WeightLayout::Forward)) {
-                    drop(conv_direct(&mut y, &xs, &ws));
-                }
-            },
-            1,
-        );
-        let input = best(&mut || drop(input_grad_strided(&mut dx, &dy, &w, d)), 1);
+        let forward = timing::best(5, 1, &mut || {
+            if let (Ok(xs), Ok(ws)) = (ChannelsLast::new(&x, d), Weights::new(d, &w, WeightLayout::Forward)) {
+                drop(conv_direct(&mut y, &xs, &ws));
+            }
+        });
+        let input = timing::best(5, 1, &mut || drop(input_grad_strided(&mut dx, &dy, &w, d)));
         let macs = (d.n * c * c * 9 * plane) as f64;
         println!(
             "| {name} | {c}, {hw}² | {:.2} ms | {:.1} | {:.2} ms | {:.1} |",
@@ -81,7 +67,7 @@ fn measure<E: Element>(name: &str, from: impl Fn(f32) -> E) {
         let d = ConvDims { n: 1, c_in: c, h: hw, w: hw, c_out: c, k: 3, stride: 1, pad: 1 };
         let w: Vec<E> = (0..c * c * 9).map(|i| from((i % 97) as f32 * 0.01)).collect();
         let x: Vec<E> = (0..c * hw * hw).map(|i| from((i % 89) as f32 * 0.01)).collect();
-        let best = |f: &mut dyn FnMut()| best(f, 10);
+        let best = |f: &mut dyn FnMut()| timing::best(5, 10, f);
         let (Ok(xs), Ok(ws)) = (ChannelsLast::new(&x, d), Weights::new(d, &w, WeightLayout::Forward)) else {
             return;
         };

@@ -9,6 +9,8 @@
 use half::bf16;
 use wick_kernels::cpu::gemm::{bf16 as kernel, Mat};
 
+mod timing;
+
 /// (output channels, input channels, positions per image) of each 1×1 layer.
 const LAYERS: [(usize, usize, usize); 12] = [
     (64, 64, 3136),
@@ -41,9 +43,11 @@ fn main() {
             let (mut c, mut cb) = (vec![0f32; m * n], vec![bf16::ZERO; m * n]);
             let Ok(packed) = kernel::PackedA::new(ma, n) else { return };
             let f32_sums =
-                rate(m * k * n, &mut || drop(kernel::gemm_bf16_packed(&mut c, &packed, mb, 1.0, false, false)));
+                timing::rate(m * k * n, &mut || drop(kernel::gemm_bf16_packed(&mut c, &packed, mb, 1.0, false, false)));
             let rounded = if kernel::rounds_directly(k) {
-                let r = rate(m * k * n, &mut || drop(kernel::gemm_bf16_packed_rounded(&mut cb, &packed, mb, false)));
+                let r = timing::rate(m * k * n, &mut || {
+                    drop(kernel::gemm_bf16_packed_rounded(&mut cb, &packed, mb, false))
+                });
                 format!("{r:.1}")
             } else {
                 "–".into()
@@ -54,25 +58,11 @@ fn main() {
         let (dy, x) = (data(c_out * k, 97), data(c_in * k, 89));
         let mut dw = vec![0f32; c_out * c_in];
         let (a, b) = (Mat::rows(&dy, c_out, k), Mat::rows(&x, c_in, k).t());
-        let r = rate(c_out * c_in * k, &mut || drop(kernel::gemm_bf16(&mut dw, a, b, 1.0, false, false)));
+        let r = timing::rate(c_out * c_in * k, &mut || drop(kernel::gemm_bf16(&mut dw, a, b, 1.0, false, false)));
         println!("| weight gradient | {c_out} × {k} × {c_in} | {r:.1} | – |");
     }
 }
 
 fn data(len: usize, modulus: usize) -> Vec<bf16> {
     (0..len).map(|i| bf16::from_f32((i % modulus) as f32 * 0.01)).collect()
-}
-
-/// G multiply-adds a second of `f` (`macs` each), the best of three timed batches.
-fn rate(macs: usize, f: &mut dyn FnMut()) -> f64 {
-    let reps = (2e9 / macs as f64).max(3.0) as usize;
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = std::time::Instant::now();
-        for _ in 0..reps {
-            f();
-        }
-        best = best.min(t.elapsed().as_secs_f64() / reps as f64);
-    }
-    macs as f64 / best / 1e9
 }
