@@ -20,6 +20,10 @@ else
   ln -sf "$(realpath "$shared/tools/fake-nvcc")" .cache/fake-nvcc/nvcc
 fi
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-empty
+# cudarc's bindings follow the CUDA version of the driver the binaries run on (the H200 machines'
+# 580 driver: CUDA 13.0), not the newer toolkit that compiles the kernels (PTX made compatible by
+# the wrapper above); cudarc would otherwise read the version from `nvcc --version`.
+export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 export PATH="$PWD/.cache/fake-nvcc:$PATH" CUDA_COMPUTE_CAP=80 LIBRARY_PATH="$PWD/target/cuda-stubs-empty"
 flags=(-- -C link-arg=-Wl,--warn-unresolved-symbols)
 build() { # pass 1 links against empty stubs (the linker then drops them: --as-needed), pass 2
@@ -31,27 +35,30 @@ build -p wick-memory --features cuda --test conformance_cuda
 build -p wick-tools --features cuda --bin amp-gpu-check
 build -p wick-examples --features cuda --bin train-amp
 build -p wick-examples --features cuda --bin byo-model
+build -p wick-examples --features cuda --bin zoo-speed
 build -p wick-train --features nccl --example nccl_check
 test_bin() { ls -t target/release/deps/conformance_cuda-* | grep -v '\.d$' | head -1; }
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-gpu target/release/gpu-check target/release/amp-gpu-check \
-  target/release/train-amp target/release/byo-model target/release/examples/nccl_check "$(test_bin)"
+  target/release/train-amp target/release/byo-model target/release/zoo-speed target/release/examples/nccl_check \
+  "$(test_bin)"
 export LIBRARY_PATH="$PWD/target/cuda-stubs-gpu"
 touch tools/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs \
   tools/src/bin/amp_gpu_check.rs examples/src/bin/train_amp.rs examples/src/bin/byo_model.rs \
-  crates/wick-train/examples/nccl_check.rs
+  examples/src/bin/zoo_speed.rs crates/wick-train/examples/nccl_check.rs
 build -p wick-tools --features cuda --bin gpu-check
 build -p wick-memory --features cuda --test conformance_cuda
 build -p wick-tools --features cuda --bin amp-gpu-check
 build -p wick-examples --features cuda --bin train-amp
 build -p wick-examples --features cuda --bin byo-model
+build -p wick-examples --features cuda --bin zoo-speed
 build -p wick-train --features nccl --example nccl_check
 cp target/release/gpu-check target/release/amp-gpu-check target/release/examples/nccl_check .devbuild/
 # train-amp needs candle's kernels: keep it only when they were really compiled.
-# byo-model (a candle-transformers model) too.
+# byo-model (a candle-transformers model) and zoo-speed (the zoo's models) too.
 if [ "${WICK_CANDLE_NVCC:-real}" = real ]; then
-  cp target/release/train-amp target/release/byo-model .devbuild/
+  cp target/release/train-amp target/release/byo-model target/release/zoo-speed .devbuild/
 else
-  rm -f .devbuild/train-amp .devbuild/byo-model
+  rm -f .devbuild/train-amp .devbuild/byo-model .devbuild/zoo-speed
 fi
 cp "$(test_bin)" .devbuild/conformance_cuda
 for b in .devbuild/*; do echo "$b needs: $(readelf -d "$b" | awk '/NEEDED/ {print $5}' | tr -d '[]' | tr '\n' ' ')"; done

@@ -10,7 +10,10 @@
 #     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh);
 #   - a candle-transformers LLaMA under a CUDA engine: its forward time, and out-of-memory as an
 #     error both at loading (pre-flight) and in the forward pass (the pool's cap);
-#   - a one-rank NCCL communicator: all-reduce of CUDA tensors against the input, and its time.
+#   - a one-rank NCCL communicator: all-reduce of CUDA tensors against the input, and its time;
+#   - the zoo's CNNs at 224², batch 32 (f32 train, bf16 AMP train, eval) beside PyTorch on the same
+#     GPU: step time, peak allocated memory, and wick's estimator's figure for the same step
+#     (benchmarks/zoo-estimates-cuda.json, made on the CPU by scripts/zoo_estimates.py).
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
 # .devbuild/ (this machine may have no Rust toolchain); the real driver and the CUDA 13 libraries
 # of PyTorch's wheels are found here and put on the loader path under the names the binaries need.
@@ -86,6 +89,17 @@ fi
 echo "== NCCL, one rank (a single GPU cannot host two ranks of a communicator)"
 timeout 120 "$bin/nccl_check" 2>&1 | tail -30 | tee "$out/gpu-nccl.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
+echo "== the zoo on the GPU beside PyTorch: step time, peak, the estimator (issue 30's sizes)"
+if [ -x "$bin/zoo-speed" ]; then
+  zoo=$(realpath "$bin/zoo-speed")
+  estimates=$(realpath benchmarks/zoo-estimates-cuda.json)
+  (cd scripts/torch-reference && PYTHONUNBUFFERED=1 timeout 300 python3 zoo_speed.py --wick "$zoo" --device cuda \
+    --models resnet18,resnet50,mobilenet_v2 --modes train,amp,eval --image 224 --batches 32 \
+    --rounds 2 --steps 5 --warmup 2 --estimates "$estimates" --json "$out/gpu-zoo.json") 2>&1 | tee "$out/gpu-zoo.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+else
+  echo "!! SKIPPED: $bin/zoo-speed not built"
+fi
 echo "== conformance suite on the CUDA backend"
 WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-10000} timeout 240 "$bin/conformance_cuda" --nocapture 2>&1 \
   | tail -20 | tee "$out/gpu-conformance.txt"

@@ -11,7 +11,14 @@ every round; the ratio is PyTorch's time over wick's (above 1: wick is faster).
 
     python scripts/torch-reference/zoo_speed.py --wick target/release/zoo-speed \\
         [--models resnet18,decoder] [--modes train,amp,eval] [--rounds 3] [--steps 3] [--threads 2] \\
-        [--image 224] [--batches 1,8,32]
+        [--image 224] [--batches 1,8,32] [--device cuda]
+
+`--device cuda` runs both on GPU 0 (wick's binary built with `--features cuda`): autocast is
+`torch.autocast("cuda", torch.bfloat16)`, every step ends with the device synchronised, and the
+table adds each side's peak allocated memory over the timed steps (`torch.cuda.max_memory_allocated`
+after a reset at the end of the warm-up; wick's engine reports the same figure for its pool).
+`--estimates FILE` (JSON from `scripts/zoo_estimates.py`) adds wick's estimator's figure for the
+same step beside them.
 
 Needs torch 2.5.1, torchvision 0.20.1 and transformers 4.46.3 (CPU is enough); not part of CI.
 """
@@ -36,8 +43,9 @@ def resnet(depth, num_classes, width):
     return ResNet(block, layers, num_classes, width)
 
 
-def build(spec):
-    """The model, its training loss and its eval forward for one configuration."""
+def build(spec, device):
+    """The model, its training loss and its eval forward for one configuration, on `device`
+    (the model and its inputs are made on the CPU, seeded, then moved)."""
     kind = spec["kind"]
     torch.manual_seed(0)
     if kind == "llama":
@@ -50,7 +58,8 @@ def build(spec):
             rope_theta=c["rope_theta"], hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
             mlp_bias=False, attn_implementation="sdpa")
         model = transformers.LlamaForCausalLM(config)
-        ids = torch.randint(0, c["vocab_size"], (spec["batch"], spec["seq"] + 1))
+        ids = torch.randint(0, c["vocab_size"], (spec["batch"], spec["seq"] + 1)).to(device)
+        model.to(device)
 
         def loss():
             logits = model(input_ids=ids[:, :-1]).logits
@@ -67,10 +76,11 @@ def build(spec):
             layer_norm_eps=c["layer_norm_eps"], hidden_act="gelu", hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0, attn_implementation="sdpa")
         model = transformers.BertModel(config, add_pooling_layer=False)
-        ids = torch.randint(1, c["vocab_size"], (spec["batch"], spec["seq"]))
+        ids = torch.randint(1, c["vocab_size"], (spec["batch"], spec["seq"])).to(device)
         mask = torch.ones_like(ids)
-        head = torch.randn(c["hidden_size"], 2) * 0.5
-        labels = torch.arange(spec["batch"]) % 2
+        head = (torch.randn(c["hidden_size"], 2) * 0.5).to(device)
+        labels = (torch.arange(spec["batch"]) % 2).to(device)
+        model.to(device)
 
         def loss():
             hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -91,8 +101,9 @@ def build(spec):
         model = torchvision.models.mobilenet_v2(num_classes=classes, width_mult=spec["width_mult"], dropout=0.0)
     else:
         raise SystemExit(f"unknown kind {kind}")
-    x = torch.randn(n, 3, size, size)
-    y = torch.arange(n) % classes
+    x = torch.randn(n, 3, size, size).to(device)
+    y = (torch.arange(n) % classes).to(device)
+    model.to(device)
     return model, lambda: F.cross_entropy(model(x).float(), y), lambda: model(x)
 
 
@@ -102,42 +113,73 @@ def optimizer(spec, params):
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def torch_times(spec, mode, steps, warmup):
-    model, loss_fn, eval_fn = build(spec)
+def sync(device):
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def torch_times(spec, mode, steps, warmup, device):
+    """Milliseconds of each timed step, and the peak allocated bytes over them (None on the CPU)."""
+    model, loss_fn, eval_fn = build(spec, device)
     times = []
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+    def timed(i, start):
+        sync(device)
+        if i == warmup - 1 and device != "cpu":
+            torch.cuda.reset_peak_memory_stats()
+        if i >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+
     if mode == "eval":
         model.eval()
         with torch.inference_mode():
             for i in range(warmup + steps):
                 start = time.perf_counter()
                 eval_fn()
-                if i >= warmup:
-                    times.append((time.perf_counter() - start) * 1e3)
-        return times
-    model.train()
-    opt = optimizer(spec, model.parameters())
-    for i in range(warmup + steps):
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        if mode == "amp":
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+                timed(i, start)
+    else:
+        model.train()
+        opt = optimizer(spec, model.parameters())
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            if mode == "amp":
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    loss = loss_fn()
+            else:
                 loss = loss_fn()
-        else:
-            loss = loss_fn()
-        loss.backward()
-        opt.step()
-        if not torch.isfinite(loss):
-            raise SystemExit(f"PyTorch loss {loss.item()}")
-        if i >= warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return times
+            loss.backward()
+            opt.step()
+            timed(i, start)
+            if not torch.isfinite(loss):
+                raise SystemExit(f"PyTorch loss {loss.item()}")
+    peak = torch.cuda.max_memory_allocated() if device != "cpu" else None
+    del model, loss_fn, eval_fn
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return times, peak
 
 
-def wick_times(binary, model, mode, steps, warmup, sizes):
-    out = subprocess.run([binary, "--model", model, "--mode", mode, "--steps", str(steps), "--warmup", str(warmup)]
-                         + sizes,
+def wick_run(binary, model, mode, steps, warmup, sizes, device):
+    """zoo-speed's JSON line for one configuration (`ms`, and `peak_allocated` on a GPU)."""
+    out = subprocess.run([binary, "--model", model, "--mode", mode, "--steps", str(steps), "--warmup", str(warmup),
+                          "--device", device] + sizes,
                          check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["ms"]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def estimated(estimates, model, image, batch, mode):
+    """The estimator's bytes for this step from `scripts/zoo_estimates.py`'s JSON, or None."""
+    for e in estimates:
+        if (e["model"], e["image"], e["batch"], e["mode"]) == (model, image, batch, mode):
+            return e["bytes"]
+    return None
+
+
+def mib(b):
+    return "-" if b is None else f"{b / 2**20:.0f}"
 
 
 def main():
@@ -151,16 +193,26 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the raw figures here")
     ap.add_argument("--image", type=int, default=None, help="side of the vision models' images (zoo-speed's default: 112)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (GPU 0, for both)")
+    ap.add_argument("--estimates", default=None, help="wick estimator figures (scripts/zoo_estimates.py's JSON)")
     ap.add_argument("--batches", default=None,
                     help="comma-separated images per batch for the vision models, one table row each (default: zoo-speed's 16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     image = ["--image", str(args.image)] if args.image else []
     batches = [["--batch", b] for b in args.batches.split(",")] if args.batches else [[]]
-    raw = []
-    print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, {args.threads} threads")
-    print("| model | image | batch | mode | wick ms | PyTorch ms | ratio (PyTorch / wick) |")
-    print("|---|---|---|---|---|---|---|")
+    raw, failed = [], []
+    gpu = args.device != "cpu"
+    estimates = json.load(open(args.estimates)) if args.estimates else []
+    where = torch.cuda.get_device_name(0) if gpu else f"{args.threads} threads"
+    print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, {where}")
+    if gpu:
+        print("| model | image | batch | mode | wick ms | PyTorch ms | ratio (PyTorch / wick) | wick peak MiB "
+              "| PyTorch peak MiB | wick estimate MiB | estimate / wick peak |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| model | image | batch | mode | wick ms | PyTorch ms | ratio (PyTorch / wick) |")
+        print("|---|---|---|---|---|---|---|")
     for batch in batches:
         sizes = image + batch
         configs = json.loads(subprocess.run([args.wick, "--list"] + sizes, check=True, capture_output=True,
@@ -170,18 +222,41 @@ def main():
             spec = configs[model]
             shape = (spec["image"], spec["batch"]) if "image" in spec else ("-", spec["batch"])
             for mode in args.modes.split(","):
-                w, t = [], []
+                w, t, wp, tp = [], [], [], []
                 for _ in range(args.rounds):
-                    w += wick_times(args.wick, model, mode, args.steps, args.warmup, sizes)
-                    t += torch_times(spec, mode, args.steps, args.warmup)
+                    try:
+                        line = wick_run(args.wick, model, mode, args.steps, args.warmup, sizes, args.device)
+                    except subprocess.CalledProcessError as e:
+                        # One configuration failing (a GPU path never run before, say) leaves the rest.
+                        why = (e.stderr or "").strip().splitlines()[-3:]
+                        print(f"| {model} | {shape[0]} | {shape[1]} | {mode} | FAILED: {' / '.join(why)} |", flush=True)
+                        failed.append(f"{model} {mode}")
+                        break
+                    w += line["ms"]
+                    wp.append(line.get("peak_allocated"))
+                    times, peak = torch_times(spec, mode, args.steps, args.warmup, args.device)
+                    t += times
+                    tp.append(peak)
+                if not w:
+                    continue
                 wm, tm = statistics.median(w), statistics.median(t)
-                raw.append({"model": model, "image": shape[0], "batch": shape[1], "mode": mode, "wick_ms": w,
-                            "torch_ms": t})
-                print(f"| {model} | {shape[0]} | {shape[1]} | {mode} | {wm:.1f} | {tm:.1f} | {tm / wm:.2f}x |",
-                      flush=True)
+                row = {"model": model, "image": shape[0], "batch": shape[1], "mode": mode, "wick_ms": w,
+                       "torch_ms": t}
+                text = f"| {model} | {shape[0]} | {shape[1]} | {mode} | {wm:.1f} | {tm:.1f} | {tm / wm:.2f}x |"
+                if gpu:
+                    wpeak = max((p for p in wp if p is not None), default=None)
+                    tpeak = max((p for p in tp if p is not None), default=None)
+                    est = estimated(estimates, model, shape[0], shape[1], mode)
+                    row.update({"wick_peak": wpeak, "torch_peak": tpeak, "estimate": est})
+                    ratio = f"{est / wpeak:.2f}" if est and wpeak else "-"
+                    text += f" {mib(wpeak)} | {mib(tpeak)} | {mib(est)} | {ratio} |"
+                raw.append(row)
+                print(text, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)
+    if failed:
+        raise SystemExit(f"wick failed on: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ pub use backend::{
     HostMemoryBackend, SimulatedBackend, SimulatedStreams, MAP_GRANULARITY,
 };
 #[cfg(feature = "cuda")]
-pub use backend::{open_device, CudaBackend};
+pub use backend::{device_location, open_device, CudaBackend};
 pub use caching::{peak_live, Action, CachingAllocator, HistoryEntry, PeakLive, BLOCK_ALIGNMENT};
 pub use config::{
     alloc_conf_env, AllocatorConfig, MemoryLimit, ALLOC_CONF_VARS, MAX_POWER2_DIVISIONS, POWER2_INTERVALS,

@@ -84,8 +84,7 @@ impl DriverPool {
         let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
         props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
         props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
-        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        props.location.id = ctx.ordinal() as i32;
+        props.location = wick_memory::device_location(ctx.ordinal())?;
         props.maxSize = limit.unwrap_or(0);
         // SAFETY: props is fully initialised.
         let pool = unsafe { result::mem_pool::create(&props) }.map_err(driver)?;

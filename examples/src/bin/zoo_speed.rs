@@ -9,6 +9,10 @@
 //! zoo-speed --model resnet18 --record-history DIR   # and the timed steps' allocation history
 //! ```
 //!
+//! `--device cuda` (a build with `--features cuda`) runs on GPU 0 under a governed engine: AMP is
+//! bf16 there too, each step ends with the device synchronised, and the line also carries the
+//! timed steps' peak allocated and reserved bytes (`peak_allocated`, `peak_reserved`).
+//!
 //! `--record-history DIR` records the timed steps (`Engine::record_memory_history`) and writes
 //! `DIR/MODEL-MODE.{history.json,trace.json,pickle,html}`: the history (for `wick report`), a
 //! wick trace (for `wick replay`), a PyTorch memory_viz snapshot and the HTML report.
@@ -78,6 +82,21 @@ struct Args {
     /// Images per batch for the vision models.
     #[arg(long, default_value_t = 16)]
     batch: usize,
+    /// cpu, or cuda (GPU 0; needs `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+}
+
+/// The engine for `--device`: the CPU's, or GPU 0's governed pool.
+fn open_engine(device: &str) -> Result<wick::Engine> {
+    match device {
+        "cpu" => Ok(wick::Engine::cpu()),
+        #[cfg(feature = "cuda")]
+        "cuda" => Ok(wick::Engine::cuda(0, None)?),
+        #[cfg(not(feature = "cuda"))]
+        "cuda" => bail!("this build has no CUDA support: rebuild with `--features cuda`"),
+        other => bail!("unknown device `{other}` (expected cpu or cuda)"),
+    }
 }
 
 /// The vision models' input size: side of the square images and images per batch.
@@ -211,8 +230,10 @@ fn run() -> Result<()> {
         return Ok(());
     }
     let name = args.model.context("--model is required (see --list)")?;
-    let device = Device::Cpu;
-    let autocast = if args.mode == Mode::Amp { Autocast::default_for(&device) } else { Autocast::off() };
+    let engine = open_engine(&args.device)?;
+    let device = engine.device().clone();
+    // bf16 on both devices, as PyTorch's side runs autocast (no loss scaling needed).
+    let autocast = if args.mode == Mode::Amp { Autocast::bf16() } else { Autocast::off() };
     let bench = build(&name, sizes, autocast.model_dtype(), &device)?;
     let mut masters = if args.mode == Mode::Eval {
         None
@@ -236,10 +257,10 @@ fn run() -> Result<()> {
     // Forward, backward and optimizer milliseconds of the timed steps.
     let mut phases = [0.0f64; 3];
     let mut last_loss = None;
-    let engine = wick::Engine::cpu();
     for step in 0..args.warmup + args.steps {
         if step == args.warmup {
             wick_nn::cpu::profile::reset();
+            engine.reset_peak_memory_stats();
             if args.record_history.is_some() {
                 engine.record_memory_history_with(1 << 21, args.history_min_size)?;
             }
@@ -254,14 +275,18 @@ fn run() -> Result<()> {
             Some(masters) => {
                 let phase = engine.label("forward");
                 let loss = bench.model.loss(&bench.batch)?;
+                // A no-op on the CPU; on a GPU each phase's kernels finish inside its time.
+                device.synchronize()?;
                 let forward = start.elapsed();
                 drop(phase);
                 let phase = engine.label("backward");
                 let grads = loss.backward()?;
+                device.synchronize()?;
                 let backward = start.elapsed();
                 drop(phase);
                 let _phase = engine.label("optimizer");
                 masters.step(&grads)?;
+                device.synchronize()?;
                 if step >= args.warmup {
                     let end = start.elapsed();
                     phases[0] += forward.as_secs_f64() * 1e3;
@@ -274,6 +299,7 @@ fn run() -> Result<()> {
                 let out = wick_nn::no_grad(|| bench.model.forward(&bench.eval))?;
                 // Make sure the result is computed (it always is on the CPU) and cheap to keep.
                 let _ = out.flatten_all()?.narrow(0, 0, 1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                device.synchronize()?;
             }
         }
         if step >= args.warmup {
@@ -297,6 +323,9 @@ fn run() -> Result<()> {
         "ms": times,
         "forward_backward_optimizer_ms": phases.map(per_step),
         "loss": last_loss,
+        "device": engine.name(),
+        "peak_allocated": engine.max_memory_allocated(),
+        "peak_reserved": engine.max_memory_reserved(),
     });
     if args.history_overhead {
         line["ms_off"] = json!(times.iter().step_by(2).collect::<Vec<_>>());

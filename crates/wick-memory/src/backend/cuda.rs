@@ -47,6 +47,28 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, MemoryError> {
     CudaContext::new(ordinal).map_err(|e| MemoryError::Unavailable(format!("cannot open CUDA device {ordinal}: {e}")))
 }
 
+/// The location of device `ordinal`'s memory, for allocation and pool properties.
+///
+/// CUDA 13.2 made `CUmemLocation::id` a member of a union (cudarc's bindings then name it
+/// `__bindgen_anon_1.id`), so which field exists depends on the toolkit the build found. Both
+/// layouts are `{ type_: enum (4 bytes), id: int }` in C, so the id is written at its C offset,
+/// which builds against either.
+pub fn device_location(ordinal: usize) -> Result<sys::CUmemLocation, MemoryError> {
+    const ID_OFFSET: usize = std::mem::size_of::<sys::CUmemLocationType>();
+    const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() == ID_OFFSET + 4);
+    const _: () = assert!(std::mem::align_of::<sys::CUmemLocation>() == 4);
+    let id = i32::try_from(ordinal).map_err(|_| MemoryError::Unavailable(format!("no CUDA device {ordinal}")))?;
+    // SAFETY: zero is a valid bit pattern for this plain C struct.
+    let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    // SAFETY: the struct is repr(C), 8 bytes, 4-aligned (asserted above), and its bytes 4..8 are
+    // the C `int id` in both binding layouts; the write stays inside `location`.
+    unsafe {
+        std::ptr::addr_of_mut!(location).cast::<u8>().add(ID_OFFSET).cast::<i32>().write(id);
+    }
+    Ok(location)
+}
+
 fn is_oom(e: &DriverError) -> bool {
     e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY
 }
@@ -105,18 +127,17 @@ impl CudaBackend {
         self.in_segments.load(Ordering::SeqCst)
     }
 
-    fn allocation_prop(&self) -> sys::CUmemAllocationProp {
+    fn allocation_prop(&self) -> Result<sys::CUmemAllocationProp, BackendError> {
         // SAFETY: zero is valid for this plain C struct; the fields that matter are set.
         let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
         prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        prop.location.id = self.ctx.ordinal() as i32;
-        prop
+        prop.location = device_location(self.ctx.ordinal()).map_err(|e| BackendError::Other(e.to_string()))?;
+        Ok(prop)
     }
 
     fn granularity(&self) -> Result<usize, BackendError> {
         self.bind()?;
-        let prop = self.allocation_prop();
+        let prop = self.allocation_prop()?;
         let mut granularity = 0usize;
         // SAFETY: prop is initialised; the result is written to a local.
         unsafe {
@@ -200,7 +221,7 @@ impl Backend for CudaBackend {
 
     unsafe fn map_range(&self, addr: u64, size: usize) -> Result<(), BackendError> {
         self.bind()?;
-        let prop = self.allocation_prop();
+        let prop = self.allocation_prop()?;
         let mut mapped = Vec::new();
         let mut result = Ok(());
         for offset in (0..size).step_by(MAP_GRANULARITY) {

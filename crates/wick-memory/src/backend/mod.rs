@@ -15,7 +15,7 @@ mod simulated_streams;
 
 pub use cgroup::{cgroup_memory, cgroup_memory_in};
 #[cfg(feature = "cuda")]
-pub use cuda::{open_device, CudaBackend};
+pub use cuda::{device_location, open_device, CudaBackend};
 pub use host::{host_memory_budget, meminfo_bytes, HostBackend};
 pub use simulated::SimulatedBackend;
 pub use simulated_streams::SimulatedStreams;
