@@ -171,13 +171,24 @@ fn a_candle_transformers_llama_loads_through_wick_and_equals_candles_own_loading
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The largest tensor's bytes in a safetensors file, read with the `safetensors` crate.
+fn largest_tensor_bytes(path: &std::path::Path) -> usize {
+    let bytes = std::fs::read(path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors().iter().map(|(_, t)| t.data().len()).max().unwrap()
+}
+
 #[test]
 fn weights_over_the_budget_are_refused_before_any_is_read() {
     let dir = temp("budget");
     let (_, path) = llama_files(&dir);
     let weights = SafetensorsWeights::open(&[&path]).unwrap();
+    // Stored in f32: loaded as f32 the tensors are read in place (no conversion); as bf16 they
+    // take half, plus the largest tensor's f32 copy while it is converted.
     let need = weights.load_bytes(DType::F32).unwrap();
-    assert!(need > weights.stored_bytes(), "{need}");
+    assert_eq!(need, weights.stored_bytes());
+    let largest = largest_tensor_bytes(&path);
+    assert_eq!(weights.load_bytes(DType::BF16).unwrap(), weights.stored_bytes() / 2 + largest);
     let mut engine = Engine::cpu();
     engine.set_memory_limit(Some(MemoryLimit::Bytes(engine.allocated().bytes + need / 2))).unwrap();
     // Refused by `var_builder`, which reads no tensor: out-of-memory, naming the file.

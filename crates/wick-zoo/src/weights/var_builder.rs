@@ -133,18 +133,23 @@ impl SafetensorsWeights {
         self.index.values().map(|e| e.bytes).sum()
     }
 
-    /// What loading every tensor as `dtype` holds at its peak: the tensors in `dtype`, and while
-    /// the largest is converted, its tensor as stored (twice, for a device other than the CPU:
-    /// the host copy and the device's). `None` when the figure overflows.
+    /// What loading every tensor as `dtype` holds at its peak on the engine's device: the tensors
+    /// in `dtype`, and while the largest tensor stored in another dtype is converted, its copy as
+    /// stored. A tensor is read straight into its own buffer: on the CPU that buffer is the
+    /// tensor; for a GPU it is host memory, copied to the device once and freed, so it is not
+    /// part of the device's figure. A tensor already in `dtype` is not converted (no second
+    /// copy). `None` when the figure overflows.
     pub fn load_bytes(&self, dtype: DType) -> Option<usize> {
         let mut total = 0usize;
-        let mut largest = 0usize;
+        let mut converted = 0usize;
         for e in self.index.values() {
             let elems = e.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d))?;
             total = total.checked_add(elems.checked_mul(dtype.size_in_bytes())?)?;
-            largest = largest.max(e.bytes);
+            if e.dtype != Some(dtype) {
+                converted = converted.max(e.bytes);
+            }
         }
-        total.checked_add(largest.checked_mul(2)?)
+        total.checked_add(converted)
     }
 
     /// A `VarBuilder` over these weights for `engine`'s device, in `dtype`: pre-flighted first
