@@ -121,6 +121,7 @@ if [ -x "$bin/zoo-speed" ]; then
         > "$out/gpu-zoo-ncu-$mode.csv" 2>&1
       echo "   ncu resnet18 $mode: exit $?, $(wc -l < "$out/gpu-zoo-ncu-$mode.csv") lines"
     done
+    python3 scripts/ncu_summary.py "$out/gpu-zoo-ncu-eval.csv" "$out/gpu-zoo-ncu-train.csv" | tee "$out/gpu-zoo-kernels.txt"
   else
     echo "!! ncu not found: no per-kernel profile"
   fi

@@ -40,6 +40,15 @@ pub enum Target {
     Cuda,
 }
 
+/// What a GPU's figures are worth today, printed (on stderr) with every `--on cuda` estimate and
+/// every `fit-batch` against a GPU's budget. The estimator profiles wick's CPU graph; on a GPU the
+/// layers run as candle's composed ops, which keep far more (BENCHMARKS.md, CUDA: "Every CUDA path
+/// on a device": 0.18–0.53 of the measured peak for the CNNs at 224², batch 32, on an H200).
+pub const GPU_CAVEAT: &str = "warning: not a bound on a GPU yet. The estimator profiles wick's CPU graph (fused \
+ops); on a GPU wick's layers run as candle's composed ops, which keep more: on an H200 the CNNs' peaks were \
+1.9-5.6x these estimates (BENCHMARKS.md, \"Every CUDA path on a device\"). Leave that headroom, or let \
+`Engine::find_executable_batch_size` search on the GPU itself.";
+
 /// Which estimates to print.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ModeArg {
@@ -269,6 +278,10 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     if args.measure && args.on != Target::Cpu {
         bail!("--measure runs the step on the CPU: estimate --on cpu");
     }
+    let warning = (args.on == Target::Cuda).then_some(GPU_CAVEAT);
+    if let Some(w) = warning {
+        eprintln!("{w}");
+    }
     if args.measure && (args.model.ranks > 1 || args.model.zero > 0) {
         bail!(
             "--measure runs one process; a data-parallel step's per-rank peak is measured under mpirun \
@@ -306,6 +319,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             "profile_seconds": profile_s,
             "estimates": estimates,
             "measured_peaks": measured,
+            "warning": warning,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());

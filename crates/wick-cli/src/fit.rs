@@ -190,6 +190,9 @@ pub fn run(args: &FitArgs) -> Result<()> {
     // CPU's.
     let on = if args.budget.is_some() { Target::Cpu } else { Target::Cuda };
     let margin = fit_margin(on == Target::Cuda);
+    if on == Target::Cuda {
+        eprintln!("{}", crate::estimate::GPU_CAVEAT);
+    }
     // The decision is about the largest batch that fits and the one above it: where they lie
     // between two profiled batches they are profiled too, and the search runs again on that
     // profile (until it stops moving; the kernels' scratch does not follow a line between
