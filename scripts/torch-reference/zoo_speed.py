@@ -228,8 +228,9 @@ def main():
                         line = wick_run(args.wick, model, mode, args.steps, args.warmup, sizes, args.device)
                     except subprocess.CalledProcessError as e:
                         # One configuration failing (a GPU path never run before, say) leaves the rest.
-                        why = (e.stderr or "").strip().splitlines()[-3:]
-                        print(f"| {model} | {shape[0]} | {shape[1]} | {mode} | FAILED: {' / '.join(why)} |", flush=True)
+                        lines = (e.stderr or "").strip().splitlines()
+                        why = next((l for l in lines if l.startswith("Error")), lines[-1] if lines else "no output")
+                        print(f"| {model} | {shape[0]} | {shape[1]} | {mode} | FAILED: {why[:300]} |", flush=True)
                         failed.append(f"{model} {mode}")
                         break
                     w += line["ms"]

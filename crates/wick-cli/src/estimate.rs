@@ -43,10 +43,12 @@ pub enum Target {
 /// What a GPU's figures are worth today, printed (on stderr) with every `--on cuda` estimate and
 /// every `fit-batch` against a GPU's budget. The estimator profiles wick's CPU graph; on a GPU the
 /// layers run as candle's composed ops, which keep far more (BENCHMARKS.md, CUDA: "Every CUDA path
-/// on a device": 0.18–0.53 of the measured peak for the CNNs at 224², batch 32, on an H200).
+/// on a device": 0.18–0.53 of the measured peak for the CNNs at 224², batch 32, and 0.79–0.87
+/// for MiniLM at batch 8 × 128 tokens, on an H200).
 pub const GPU_CAVEAT: &str = "warning: not a bound on a GPU yet. The estimator profiles wick's CPU graph (fused \
-ops); on a GPU wick's layers run as candle's composed ops, which keep more: on an H200 the CNNs' peaks were \
-1.9-5.6x these estimates (BENCHMARKS.md, \"Every CUDA path on a device\"). Leave that headroom, or let \
+ops); on a GPU wick's layers run as candle's composed ops, which keep more: on an H200 the measured peaks \
+were 1.15-5.6x these estimates (MiniLM 1.15-1.27x, the CNNs 1.9-5.6x; BENCHMARKS.md, \"Every CUDA path on a \
+device\"). Leave that headroom, or let \
 `Engine::find_executable_batch_size` search on the GPU itself.";
 
 /// Which estimates to print.

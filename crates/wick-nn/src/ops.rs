@@ -158,7 +158,9 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         return cpu::linear::linear(x, weight, bias);
     }
     let f = |t: &[Tensor]| -> Result<Tensor> {
-        let y = t[0].broadcast_matmul(&t[1].t()?)?;
+        // candle's CUDA product takes rows only at their natural stride: a strided input (ViT's
+        // class token, one row of each sequence) is made contiguous first (a no-op when it is).
+        let y = t[0].contiguous()?.broadcast_matmul(&t[1].t()?)?;
         match t.get(2) {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
