@@ -4,6 +4,19 @@
 
 pub mod byo_model;
 
+/// The engine for a `--device` argument: `cpu`, or `cuda` (GPU 0's governed pool, capped at
+/// `cap` bytes when given; a build without this crate's `cuda` feature says how to get it).
+pub fn open_engine(device: &str, cap: Option<usize>) -> anyhow::Result<wick::Engine> {
+    match device {
+        "cpu" => Ok(wick::Engine::cpu()),
+        "cuda" if !cfg!(feature = "cuda") => {
+            anyhow::bail!("this build has no CUDA support: rebuild with `--features wick-examples/cuda`")
+        }
+        "cuda" => Ok(wick::Engine::cuda(0, cap)?),
+        other => anyhow::bail!("unknown device `{other}` (expected cpu or cuda)"),
+    }
+}
+
 use wick_zoo::llama::LlamaConfig;
 
 /// The main job's vocabulary: a synthetic language of 64 tokens.

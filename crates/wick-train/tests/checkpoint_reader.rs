@@ -135,8 +135,12 @@ fn open_bytes(path: &Path, bytes: &[u8]) -> Result<(), String> {
 }
 
 fn valid_file() -> Vec<u8> {
+    // A file of its own per call: two tests call this at the same time, and one removing the
+    // shared file while the other read it failed a full run ("No such file or directory").
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let t = Tensor::new(&[1f32, 2., 3., 4.], &Device::Cpu).unwrap();
-    let path = dir("valid").with_extension("safetensors");
+    let path = dir(&format!("valid-{call}")).with_extension("safetensors");
     candle_core::safetensors::save(&HashMap::from([("w", t)]), &path).unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let _ = std::fs::remove_file(&path);

@@ -10,11 +10,7 @@ fn run() -> anyhow::Result<()> {
     if !args.no_labels {
         wick::span_labels::install()?;
     }
-    let engine = match args.device.as_str() {
-        "cpu" => wick::Engine::cpu(),
-        "cuda" => wick::Engine::cuda(0, args.cap_mib.map(|m| m << 20))?,
-        other => anyhow::bail!("--device {other}: cpu or cuda"),
-    };
+    let engine = wick_examples::open_engine(&args.device, args.cap_mib.map(|m| m << 20))?;
     let result = time(&args, Some(&engine));
     if let Err(e) = &result {
         // A refusal or a device out-of-memory is reported as such, with the engine's figures.

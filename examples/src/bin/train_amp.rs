@@ -82,17 +82,6 @@ impl Language {
     }
 }
 
-fn open_engine(device: &str) -> Result<wick::Engine> {
-    match device {
-        "cpu" => Ok(wick::Engine::cpu()),
-        #[cfg(feature = "cuda")]
-        "cuda" => Ok(wick::Engine::cuda(0, None)?),
-        #[cfg(not(feature = "cuda"))]
-        "cuda" => bail!("this build has no CUDA support: rebuild with `--features cuda`"),
-        other => bail!("unknown device `{other}` (expected cpu or cuda)"),
-    }
-}
-
 fn mib(bytes: usize) -> String {
     format!("{:.2} MiB", bytes as f64 / 1048576.0)
 }
@@ -102,7 +91,7 @@ fn run() -> Result<()> {
     if args.steps == 0 || args.batch == 0 || args.seq < 2 {
         bail!("need at least one step, one sequence and two tokens per sequence");
     }
-    let engine = open_engine(&args.device)?;
+    let engine = wick_examples::open_engine(&args.device, None)?;
     let device = engine.device().clone();
     let autocast = match &args.precision {
         Some(p) => Autocast::parse(p)?,

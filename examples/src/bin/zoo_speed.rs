@@ -87,18 +87,6 @@ struct Args {
     device: String,
 }
 
-/// The engine for `--device`: the CPU's, or GPU 0's governed pool.
-fn open_engine(device: &str) -> Result<wick::Engine> {
-    match device {
-        "cpu" => Ok(wick::Engine::cpu()),
-        #[cfg(feature = "cuda")]
-        "cuda" => Ok(wick::Engine::cuda(0, None)?),
-        #[cfg(not(feature = "cuda"))]
-        "cuda" => bail!("this build has no CUDA support: rebuild with `--features cuda`"),
-        other => bail!("unknown device `{other}` (expected cpu or cuda)"),
-    }
-}
-
 /// The vision models' input size: side of the square images and images per batch.
 #[derive(Clone, Copy)]
 struct Vision {
@@ -230,7 +218,7 @@ fn run() -> Result<()> {
         return Ok(());
     }
     let name = args.model.context("--model is required (see --list)")?;
-    let engine = open_engine(&args.device)?;
+    let engine = wick_examples::open_engine(&args.device, None)?;
     let device = engine.device().clone();
     // bf16 on both devices, as PyTorch's side runs autocast (no loss scaling needed).
     let autocast = if args.mode == Mode::Amp { Autocast::bf16() } else { Autocast::off() };

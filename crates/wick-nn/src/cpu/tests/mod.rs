@@ -324,7 +324,7 @@ fn max_pooling_routes_ties_and_nan_as_pytorch() {
         let (oh, ow) = ((h + 2 * pad - kernel) / stride + 1, (w + 2 * pad - kernel) / stride + 1);
         // Gradients that round when summed: an input that wins several windows must get their
         // gradients added in the outputs' order, as PyTorch's loop over outputs adds them.
-        let g: Vec<f32> = (0..n * c * oh * ow).map(|i| 1.0 + i as f32 * 0.318_309_9 + (i % 7) as f32 * 1e-3).collect();
+        let g: Vec<f32> = (0..n * c * oh * ow).map(|i| 1.0 + i as f32 * 0.371_9 + (i % 7) as f32 * 1e-3).collect();
         let grads = (&y * Tensor::from_vec(g.clone(), (n, c, oh, ow), &Device::Cpu).unwrap())
             .unwrap()
             .sum_all()
