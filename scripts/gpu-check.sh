@@ -103,11 +103,7 @@ if [ -x "$bin/zoo-speed" ]; then
     --models resnet18,resnet50,mobilenet_v2 --modes train,amp,eval --image 224 --batches 32 \
     --rounds 2 --steps 5 --warmup 2 --estimates "$estimates" --json "$out/gpu-zoo.json") 2>&1 | tee "$out/gpu-zoo.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-else
-  echo "!! SKIPPED: $bin/zoo-speed not built"
-fi
-echo "== where the zoo's GPU step goes: phases, and each kernel's time under Nsight Compute"
-if [ -x "$bin/zoo-speed" ]; then
+  echo "== where the zoo's GPU step goes: phases, and each kernel's time under Nsight Compute"
   for config in "resnet18 train" "resnet18 amp" "resnet18 eval" "resnet50 train"; do
     set -- $config
     timeout 60 "$bin/zoo-speed" --model $1 --mode $2 --image 224 --batch 32 --steps 3 --warmup 2 --device cuda 2>&1 \
@@ -125,6 +121,8 @@ if [ -x "$bin/zoo-speed" ]; then
   else
     echo "!! ncu not found: no per-kernel profile"
   fi
+else
+  echo "!! SKIPPED: $bin/zoo-speed not built (the zoo's GPU table and profile)"
 fi
 echo "== conformance suite on the CUDA backend"
 WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-10000} timeout 240 "$bin/conformance_cuda" --nocapture 2>&1 \

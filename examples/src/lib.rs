@@ -1,8 +1,10 @@
 //! What the example programs share: the decoder of the main job (`train-amp`), which
 //! `zoo-speed` also times; the candle-transformers models `byo-model` and `byo-model-alone` time
-//! governed and alone ([`byo_model`]).
+//! governed and alone ([`byo_model`]); and [`open_engine`], the engine for their `--device`.
 
 pub mod byo_model;
+
+use wick_zoo::llama::LlamaConfig;
 
 /// The engine for a `--device` argument: `cpu`, or `cuda` (GPU 0's governed pool, capped at
 /// `cap` bytes when given; a build without this crate's `cuda` feature says how to get it).
@@ -16,8 +18,6 @@ pub fn open_engine(device: &str, cap: Option<usize>) -> anyhow::Result<wick::Eng
         other => anyhow::bail!("unknown device `{other}` (expected cpu or cuda)"),
     }
 }
-
-use wick_zoo::llama::LlamaConfig;
 
 /// The main job's vocabulary: a synthetic language of 64 tokens.
 pub const VOCAB: usize = 64;

@@ -114,6 +114,7 @@ def optimizer(spec, params):
 
 
 def sync(device):
+    """Waits for a GPU's queued work (nothing to wait for on the CPU)."""
     if device != "cpu":
         torch.cuda.synchronize()
 
@@ -122,8 +123,7 @@ def torch_times(spec, mode, steps, warmup, device):
     """Milliseconds of each timed step, and the peak allocated bytes over them (None on the CPU)."""
     model, loss_fn, eval_fn = build(spec, device)
     times = []
-    if device != "cpu":
-        torch.cuda.synchronize()
+    sync(device)
 
     def timed(i, start):
         sync(device)

@@ -280,15 +280,15 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     if args.measure && args.on != Target::Cpu {
         bail!("--measure runs the step on the CPU: estimate --on cpu");
     }
-    let warning = (args.on == Target::Cuda).then_some(GPU_CAVEAT);
-    if let Some(w) = warning {
-        eprintln!("{w}");
-    }
     if args.measure && (args.model.ranks > 1 || args.model.zero > 0) {
         bail!(
             "--measure runs one process; a data-parallel step's per-rank peak is measured under mpirun \
              (wick-train's tests/multi_rank.rs)"
         );
+    }
+    let warning = (args.on == Target::Cuda).then_some(GPU_CAVEAT);
+    if let Some(w) = warning {
+        eprintln!("{w}");
     }
     let measured: Vec<Option<usize>> = if args.measure {
         let spinner = spinner(format!("running batch {} on the CPU to measure its peak", args.batch));

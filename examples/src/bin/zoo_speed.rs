@@ -285,9 +285,9 @@ fn run() -> Result<()> {
             }
             None => {
                 let out = wick_nn::no_grad(|| bench.model.forward(&bench.eval))?;
-                // Make sure the result is computed (it always is on the CPU) and cheap to keep.
+                // Make sure the result is computed (it always is on the CPU; on a GPU reading it
+                // back waits for the device) and cheap to keep.
                 let _ = out.flatten_all()?.narrow(0, 0, 1)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                device.synchronize()?;
             }
         }
         if step >= args.warmup {
