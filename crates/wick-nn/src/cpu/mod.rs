@@ -140,6 +140,10 @@ pub trait Real:
     fn exp_(v: Self) -> Self;
     /// The error function (vectorisable in f32: [`math::erf_f32`]).
     fn erf_(v: Self) -> Self;
+    /// `v` itself when this is f32 (the kernels that take f32 slices only).
+    fn as_f32(v: &[Self]) -> Option<&[f32]>;
+    /// [`Real::as_f32`], writable.
+    fn as_f32_mut(v: &mut [Self]) -> Option<&mut [f32]>;
 }
 
 fn range<T>(v: &[T], start: usize, len: usize) -> Result<&[T]> {
@@ -230,6 +234,12 @@ impl Real for f32 {
     fn erf_(v: f32) -> f32 {
         math::erf_f32(v)
     }
+    fn as_f32(v: &[f32]) -> Option<&[f32]> {
+        Some(v)
+    }
+    fn as_f32_mut(v: &mut [f32]) -> Option<&mut [f32]> {
+        Some(v)
+    }
 }
 
 impl Real for f64 {
@@ -258,6 +268,12 @@ impl Real for f64 {
     }
     fn erf_(v: f64) -> f64 {
         candle_core::cpu::erf::erf_f64(v)
+    }
+    fn as_f32(_: &[f64]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_mut(_: &mut [f64]) -> Option<&mut [f32]> {
+        None
     }
 }
 

@@ -71,11 +71,14 @@ impl MaxPool {
     /// The maxima of output row `oy` (its window rows `ys`) into `best` and their indices in
     /// the plane into `at`, both indexed by output column, for a plane without NaN (`clean`;
     /// otherwise every output takes [`MaxPool::argmax`]'s exact path). The interior columns
-    /// (`lo..hi`) sweep the window one tap at a time across the whole row with branch-free
-    /// selects: consecutive outputs are independent work, where one compare chain per output
-    /// was latency-bound and its random compares mispredicted (the first version: max pooling
-    /// forward + backward on ResNet's stem; BENCHMARKS.md, "Kernel design measurements"). A tap replaces the maximum only
-    /// when strictly greater, so the first maximum in row-major order wins, as in `argmax`.
+    /// (`lo..hi`) sweep the window one tap at a time across the whole row: f32 planes (bf16
+    /// ones widened) on AVX-512, sixteen outputs a vector
+    /// ([`wick_kernels::cpu::pool::max_row_first`]), else with branch-free selects:
+    /// consecutive outputs are independent work, where one compare chain per output was
+    /// latency-bound and its random compares mispredicted (the first version: max pooling
+    /// forward + backward on ResNet's stem; BENCHMARKS.md, "Kernel design measurements"). A tap
+    /// replaces the maximum only when strictly greater, so the first maximum in row-major order
+    /// wins, as in `argmax`.
     #[allow(clippy::too_many_arguments)]
     fn row<T: Real>(
         &self,
@@ -86,12 +89,13 @@ impl MaxPool {
         (lo, hi): (usize, usize),
         clean: bool,
         best: &mut [T],
-        at: &mut [usize],
+        at: &mut [u32],
     ) {
         let (lo, hi) = if clean { (lo, hi) } else { (cols.len(), cols.len()) };
         for ox in (0..lo).chain(hi..cols.len()) {
-            at[ox] = Self::argmax(plane, w, ys, cols[ox]);
-            best[ox] = plane[at[ox]];
+            // The plane's length fits u32 (`MaxPool::bwd` checks).
+            let i = Self::argmax(plane, w, ys, cols[ox]);
+            (at[ox], best[ox]) = (i as u32, plane[i]);
         }
         if lo >= hi {
             return;
@@ -99,9 +103,14 @@ impl MaxPool {
         let (s, k, pad) = (self.stride, self.kernel, self.pad);
         let (best, at) = (&mut best[lo..hi], &mut at[lo..hi]);
         let x0 = lo * s - pad;
+        if let (Some(p32), Some(b32)) = (T::as_f32(plane), T::as_f32_mut(best)) {
+            if wick_kernels::cpu::pool::max_row_first(p32, w, ys, (x0, s, k), b32, at) {
+                return;
+            }
+        }
         for (j, (b, a)) in best.iter_mut().zip(at.iter_mut()).enumerate() {
-            *a = ys.0 * w + x0 + j * s;
-            *b = plane[*a];
+            let i = ys.0 * w + x0 + j * s;
+            (*a, *b) = (i as u32, plane[i]);
         }
         for iy in ys.0..ys.1 {
             // The inputs of this window row for every interior output: `row[j·s + dx]`.
@@ -115,7 +124,7 @@ impl MaxPool {
                     let v = row[j * s + dx];
                     // No NaN here: a plain compare decides.
                     let take = v > *b;
-                    *a = std::hint::select_unpredictable(take, base + j * s, *a);
+                    *a = std::hint::select_unpredictable(take, (base + j * s) as u32, *a);
                     *b = std::hint::select_unpredictable(take, v, *b);
                 }
             }
@@ -146,7 +155,7 @@ impl MaxPool {
         let out = SharedMut::new(&mut y);
         let (lo, hi) = self.interior(w, ow);
         par_ranges(n * c, 1, |r| {
-            let (mut wide, mut maxima) = (Vec::new(), Vec::new());
+            let (mut wide, mut maxima, mut at) = (Vec::new(), Vec::new(), Vec::new());
             for p in r {
                 let plane = widened::<T, E>(&x[p * h * w..(p + 1) * h * w], &mut wide);
                 // SAFETY: one plane per index.
@@ -164,7 +173,18 @@ impl MaxPool {
                         }
                         if lo < hi {
                             let x0 = lo * self.stride - self.pad;
-                            max_interior(plane, w, *ys, x0, self.stride, self.kernel, &mut best[lo..hi]);
+                            let best = &mut best[lo..hi];
+                            let geometry = (x0, self.stride, self.kernel);
+                            let swept = match (T::as_f32(plane), T::as_f32_mut(best)) {
+                                (Some(p32), Some(b32)) => {
+                                    at.resize(hi - lo, 0);
+                                    wick_kernels::cpu::pool::max_row_first(p32, w, *ys, geometry, b32, &mut at)
+                                }
+                                _ => false,
+                            };
+                            if !swept {
+                                max_interior(plane, w, *ys, x0, self.stride, self.kernel, best);
+                            }
                         }
                     }
                 });
@@ -187,11 +207,16 @@ impl MaxPool {
                 if g.len() != n * c * oh * ow {
                     return Err(candle_core::Error::Msg("max_pool2d backward: gradient shape".into()));
                 }
+                if u32::try_from(h * w).is_err() {
+                    return Err(candle_core::Error::Msg(format!(
+                        "max_pool2d backward: a {h}×{w} plane has more positions than u32 indices hold"
+                    )));
+                }
                 let mut dx = vec![E::store(T::zero()); x.len()];
                 let out = SharedMut::new(&mut dx);
                 let inner = self.interior(w, ow);
                 par_ranges(n * c, 1, |r| {
-                    let (mut best, mut at) = (vec![T::zero(); ow], vec![0usize; ow]);
+                    let (mut best, mut at) = (vec![T::zero(); ow], vec![0u32; ow]);
                     let (mut wide, mut grads, mut sums) = (Vec::new(), Vec::new(), Vec::new());
                     for p in r {
                         let plane = widened::<T, E>(&x[p * h * w..(p + 1) * h * w], &mut wide);
@@ -206,7 +231,7 @@ impl MaxPool {
                             for (oy, ys) in rows.iter().enumerate() {
                                 self.row(plane, w, *ys, &cols, inner, clean, &mut best, &mut at);
                                 for (i, gv) in at.iter().zip(&gp[oy * ow..(oy + 1) * ow]) {
-                                    dst[*i] = dst[*i] + *gv;
+                                    dst[*i as usize] = dst[*i as usize] + *gv;
                                 }
                             }
                         });
