@@ -331,11 +331,22 @@ impl<D: Dest> Part<'_, D> {
                                 });
                                 // SAFETY: `gemm_bf16` checked `available()`; the panels hold
                                 // `pairs` k-pairs of MR (nr) lanes and every row nr elements.
-                                unsafe { micro_kernel::<D, MR, NV>(pairs, ap, bp, Sink::Rows(rows, beta, add)) };
+                                unsafe { micro_kernel::<D, MR, NV, NV>(pairs, ap, bp, Sink::Rows(rows, beta, add)) };
                                 continue;
                             }
-                            // SAFETY: as above, into the tile (MR·nr = TILE elements).
-                            unsafe { micro_kernel::<D, MR, NV>(pairs, ap, bp, Sink::Tile(&mut tile)) };
+                            // A ragged panel: only the registers its columns reach (a group of
+                            // two 7² images is 98 columns, three 32-column panels and 2 more,
+                            // which took a whole fourth panel's multiply-adds).
+                            let sink = Sink::Tile(&mut tile);
+                            // SAFETY: as above, into the tile (MR·nr = TILE elements); the
+                            // narrower kernels read the first 16·W lanes of each k-pair's nr.
+                            unsafe {
+                                match width.div_ceil(16) {
+                                    1 if NV > 1 => micro_kernel::<D, MR, NV, 1>(pairs, ap, bp, sink),
+                                    2 if NV > 2 => micro_kernel::<D, MR, NV, 2>(pairs, ap, bp, sink),
+                                    _ => micro_kernel::<D, MR, NV, NV>(pairs, ap, bp, sink),
+                                }
+                            };
                             for i in 0..height {
                                 let row = self.rows.start + ip * MR + i;
                                 // SAFETY: parts are disjoint rectangles of the destination, and
@@ -361,14 +372,15 @@ enum Sink<'a, D, const MR: usize> {
     Rows([&'a mut [D]; MR], f32, bool),
 }
 
-/// The `MR × 16·NV` product `ap · bp` over `pairs` k-pairs, into `sink`.
+/// The `MR × 16·W` product `ap · bp` over `pairs` k-pairs, into `sink`: the first `W` of the
+/// panel's `NV` 16-lane registers (a ragged panel's columns), or all of them (`W = NV`).
 ///
 /// # Safety
 /// The CPU has AVX512-BF16 and AVX-512F; `ap` holds `pairs · MR` lanes and `bp` `pairs · 16·NV`;
 /// MR · 16·NV is at most [`TILE`]; a `Sink::Rows` row holds at least 16·NV elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512bf16,avx512f")]
-unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(
+unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize, const W: usize>(
     pairs: usize,
     ap: &[u32],
     bp: &[u32],
@@ -376,14 +388,15 @@ unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(
 ) {
     use std::arch::x86_64::*;
     let nr = 16 * NV;
+    assert!(W <= NV, "gemm_bf16: more registers than the panel has");
     assert!(ap.len() >= pairs * MR && bp.len() >= pairs * nr && MR * nr <= TILE, "gemm_bf16: short panels");
-    let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+    let mut acc = [[_mm512_setzero_ps(); W]; MR];
     let (mut a, mut b) = (ap.as_ptr(), bp.as_ptr());
     for _ in 0..pairs {
-        // SAFETY: `b` points at nr lanes (NV 64-byte loads), `a` at MR lanes, inside the panels
-        // (checked lengths above).
+        // SAFETY: `b` points at nr lanes (W ≤ NV 64-byte loads), `a` at MR lanes, inside the
+        // panels (checked lengths above).
         unsafe {
-            let bv: [__m512bh; NV] =
+            let bv: [__m512bh; W] =
                 std::array::from_fn(|v| std::mem::transmute(_mm512_loadu_si512(b.add(16 * v).cast())));
             for (i, row) in acc.iter_mut().enumerate() {
                 let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(i) as i32));
@@ -405,6 +418,7 @@ unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(
             }
         }
         Sink::Rows(rows, beta, add) => {
+            assert!(W == NV, "gemm_bf16: a whole tile's rows take every register");
             let scale = _mm512_set1_ps(beta);
             for (dst, sums) in rows.into_iter().zip(&acc) {
                 assert!(dst.len() >= nr, "gemm_bf16: a destination row shorter than a tile");
@@ -420,7 +434,12 @@ unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize>(_: usize, _: &[u32], _: &[u32], _: Sink<'_, D, MR>) {
+unsafe fn micro_kernel<D: Dest, const MR: usize, const NV: usize, const W: usize>(
+    _: usize,
+    _: &[u32],
+    _: &[u32],
+    _: Sink<'_, D, MR>,
+) {
     unreachable!("gemm_bf16 checks available() first")
 }
 

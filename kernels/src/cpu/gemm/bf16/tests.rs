@@ -39,9 +39,20 @@ fn products_match_an_f64_product_at_ragged_shapes_and_transposes() {
         return;
     }
     // Ragged in every dimension (odd k, partial tiles, several k-slices and blocks), over
-    // every tile shape: 12 × 32 (150×70, 5×3, 1×1), 8 × 48 (13×33, 40×600), 24 × 16 (24×16,
-    // 50×15).
-    let shapes = [(1, 1, 1), (13, 7, 33), (150, 1031, 70), (40, 64, 600), (5, 2, 3), (24, 77, 16), (50, 300, 15)];
+    // every tile shape: 12 × 32 (150×70, 50×98, 5×3, 1×1), 8 × 48 (13×33, 40×600, 8×97), 24 × 16
+    // (24×16, 50×15); and a ragged last panel on each width of kernel: 12 × 32 on one register
+    // of two (150×70, 50×98), 8 × 48 on one (8×97) and two (40×600) of three.
+    let shapes = [
+        (1, 1, 1),
+        (13, 7, 33),
+        (150, 1031, 70),
+        (40, 64, 600),
+        (5, 2, 3),
+        (24, 77, 16),
+        (50, 300, 15),
+        (50, 300, 98),
+        (8, 64, 97),
+    ];
     for &(m, k, n) in &shapes {
         let (av, bv) = (values(m * k, 1), values(k * n, 2));
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
