@@ -1,12 +1,14 @@
 //! bf16 products at ResNet-50's 1×1 convolution shapes (224², batch 8), one thread: the forward
 //! product per image (weights × image), the input gradient's (weightsᵀ × output gradient), with
 //! f32 sums stored as f32 and rounded to bf16 as stored where the depth allows, and the weight
-//! gradient over the batch's positions (output gradient × imageᵀ). G multiply-adds a second.
+//! gradient over the batch's positions (output gradient × imageᵀ; and, at 56², summed along the
+//! positions in place: `pointwise_weight_grad`). G multiply-adds a second.
 //! BENCHMARKS.md, "Stride-2 input gradients direct", cites its output.
 //!
 //! `cargo bench -p wick-kernels --bench r50_pointwise`
 
 use half::bf16;
+use wick_kernels::cpu::conv::{pointwise_applies, pointwise_weight_grad};
 use wick_kernels::cpu::gemm::{bf16 as kernel, Mat};
 
 mod timing;
@@ -60,6 +62,11 @@ fn main() {
         let (a, b) = (Mat::rows(&dy, c_out, k), Mat::rows(&x, c_in, k).t());
         let r = timing::rate(c_out * c_in * k, &mut || drop(kernel::gemm_bf16(&mut dw, a, b, 1.0, false, false)));
         println!("| weight gradient | {c_out} × {k} × {c_in} | {r:.1} | – |");
+        if pointwise_applies(c_in, c_out, positions) {
+            let dims = (8, c_in, c_out, positions);
+            let r = timing::rate(c_out * c_in * k, &mut || drop(pointwise_weight_grad(&x, &dy, dims)));
+            println!("| weight gradient along positions | {c_out} × {k} × {c_in} | {r:.1} | – |");
+        }
     }
 }
 

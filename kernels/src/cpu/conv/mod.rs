@@ -25,11 +25,13 @@
 //! [`Weights`]), `strided` (a strided convolution's input gradient as one stride-1 convolution
 //! per phase of the input positions, [`input_grad_strided`]), `weight_grad` (a stride-1
 //! convolution's weight gradient, [`weight_grad_direct`], summed over lanes of positions
-//! instead).
+//! instead), `pointwise` (a 1×1 stride-1 convolution's weight gradient over large planes,
+//! [`pointwise_weight_grad`], summed along the positions in place).
 
 mod element;
 mod forward;
 mod pack;
+mod pointwise;
 mod strided;
 mod weight_grad;
 
@@ -37,6 +39,7 @@ use element::with_features;
 pub use element::Element;
 pub use forward::{conv_direct, ChannelsLast};
 pub use pack::{WeightLayout, Weights};
+pub use pointwise::{pointwise_applies, pointwise_weight_grad};
 pub use strided::{input_grad_strided, strided_applies};
 pub use weight_grad::{weight_grad_direct, PaddedImages, PositionLanes};
 

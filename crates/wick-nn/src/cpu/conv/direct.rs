@@ -5,9 +5,11 @@
 //! fill their lanes of channels.
 
 use candle_core::Result;
+use half::bf16;
 use wick_kernels::cpu::conv::{available, conv_direct, weight_grad_direct, ChannelsLast, ConvDims, Element};
 use wick_kernels::cpu::conv::{
-    input_grad_strided, strided_applies, PaddedImages, PositionLanes, WeightLayout, Weights,
+    input_grad_strided, pointwise_applies, pointwise_weight_grad, strided_applies, PaddedImages, PositionLanes,
+    WeightLayout, Weights,
 };
 
 use super::Geometry;
@@ -90,4 +92,17 @@ pub(super) fn weight_gradient<E: Element>(g: &Geometry, x: &[E], dy: &[E]) -> Re
     let mut dw = vec![0f32; g.c_out * g.rows()];
     weight_grad_direct(&mut dw, &images, &grads).map_err(candle)?;
     Ok(dw)
+}
+
+/// True when [`pointwise_weight_gradient`] computes the weight gradient of `g`: a 1×1 stride-1
+/// convolution over large planes with few channels on one side (`pointwise_applies`).
+pub(super) fn pointwise(g: &Geometry) -> bool {
+    g.pointwise() && pointwise_applies(g.c_in, g.c_out, g.h * g.w)
+}
+
+/// The weight gradient of a 1×1 stride-1 convolution `g` ((C_out, C_in), f32 sums) from bf16
+/// images `x` and output gradient `dy`, summed along the positions in place
+/// (`pointwise_weight_grad`). Only where [`pointwise`] says so.
+pub(super) fn pointwise_weight_gradient(g: &Geometry, x: &[bf16], dy: &[bf16]) -> Result<Vec<f32>> {
+    pointwise_weight_grad(x, dy, (g.n, g.c_in, g.c_out, g.h * g.w)).map_err(candle)
 }

@@ -257,11 +257,15 @@ impl Conv2d {
         let (by_kernel, direct_dw) = direct::gradients::<bf16>(&g, want_dx);
         let direct_dx = by_kernel
             || want_dx && Self::dx_by_convolution(&g) && super::gemm_bf16::rounds_directly(g.c_out * g.k * g.k);
+        // A 1×1 layer's weight gradient along its positions only where its input gradient is
+        // computed apart (else the product computes both from one set of operands).
+        let pointwise_dw = direct::pointwise(&g) && (!want_dx || direct_dx);
         let (dx, dw) = with_elems::<f32, bf16, _>(w, |w| {
             with_elems::<f32, bf16, _>(dy, |dy| {
-                let (dx, dw) = with_elems::<f32, bf16, _>(x, |x| match direct_dw {
-                    true => Ok((None, direct::weight_gradient(&g, x, dy)?)),
-                    false => self.bwd_from::<f32, bf16, bf16>(g, x, w, dy, want_dx && !direct_dx),
+                let (dx, dw) = with_elems::<f32, bf16, _>(x, |x| match (direct_dw, pointwise_dw) {
+                    (true, _) => Ok((None, direct::weight_gradient(&g, x, dy)?)),
+                    (false, true) => Ok((None, direct::pointwise_weight_gradient(&g, x, dy)?)),
+                    (false, false) => self.bwd_from::<f32, bf16, bf16>(g, x, w, dy, want_dx && !direct_dx),
                 })?;
                 let dx = match dx {
                     Some(dx) => Some(tensor(dx, x.shape(), x.dtype())?),

@@ -244,7 +244,8 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
 /// gradient as a convolution), 3×3 stride 2 and 7×7 stride 2 (col2im), images grouped per
 /// gemm (few output positions), and the direct convolutions on the images (16 or more input
 /// channels: forward passes at strides 1 and 2, 1×1 stride 2, and input gradients from 16 or
-/// more output channels at stride 1 and, phase by phase, at stride 2).
+/// more output channels at stride 1 and, phase by phase, at stride 2), and 1×1 weight
+/// gradients summed along large planes.
 #[test]
 fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
     type Op = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
@@ -263,6 +264,18 @@ fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
             "conv 3×3",
             Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 1)),
             vec![vec![2, 13, 12, 12], vec![16, 13, 3, 3]],
+        ),
+        // Planes of 2048 positions or more: the weight gradient summed along them in place, with
+        // more output channels than input ones and fewer (a ragged last step of positions).
+        (
+            "conv 1×1 over large planes",
+            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 1)),
+            vec![vec![2, 8, 48, 48], vec![12, 8, 1, 1]],
+        ),
+        (
+            "conv 1×1 over large planes, fewer outputs",
+            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 1)),
+            vec![vec![2, 12, 46, 45], vec![4, 12, 1, 1]],
         ),
         (
             "conv 3×3 /2",
