@@ -35,10 +35,18 @@ pub fn batch_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
             par_ranges(c, 1, |r| {
                 // SAFETY: disjoint channel ranges.
                 let (m, v) = unsafe { (m.range(r.start, r.len()), v.range(r.start, r.len())) };
+                let (mut planes, mut sums) = (Vec::with_capacity(n), vec![0.0; n]);
                 for (i, ch) in r.enumerate() {
                     let plane = |b: usize| &x[(b * c + ch) * hw..(b * c + ch + 1) * hw];
-                    let mean = (0..n).map(|b| sum::<T, E>(plane(b))).sum::<f64>() / count;
-                    (m[i], v[i]) = (mean, (0..n).map(|b| sum_sq_dev::<T, E>(plane(b), mean)).sum::<f64>() / count);
+                    planes.clear();
+                    planes.extend((0..n).map(plane));
+                    // The channel's planes at once where the kernel takes them (the same sums).
+                    let mut total = |dev: Option<f64>| match bn_sums::plane_moments::<T, E>(&planes, dev, &mut sums) {
+                        true => sums.iter().sum::<f64>(),
+                        false => planes.iter().map(|p| dev.map_or_else(|| sum::<T, E>(p), |m| sum_sq_dev::<T, E>(p, m))).sum::<f64>(),
+                    };
+                    let mean = total(None) / count;
+                    (m[i], v[i]) = (mean, total(Some(mean)) / count);
                 }
             });
             (mean, var)
@@ -219,22 +227,25 @@ wide_kernel! {
         // value is never stored): it passes g where that value lies strictly
         // inside (0, upper).
         par_ranges(c, 1, |r| {
+            let (mut pairs, mut per_plane) = (Vec::with_capacity(n), vec![(0.0, 0.0); n]);
             for ch in r {
                 let (mean, invstd) = (stats.mean[ch], stats.invstd[ch]);
                 let (a, t) = (stats.scale[ch], stats.shift[ch]);
                 let planes = || (0..n).map(|b| (b * c + ch) * hw);
-                // Σg and Σg·x̂ in f64, per plane in lanes (as `sum` adds).
+                // Σg and Σg·x̂ in f64, per plane in lanes (as `sum` adds), the channel's planes
+                // at once where the kernel takes them, added in order.
+                pairs.clear();
+                pairs.extend(planes().map(|s| (&g[s..s + hw], &x[s..s + hw])));
+                match upper {
+                    Some(u) => {
+                        let f = |v: T| T::wide(v) as f32;
+                        let fast = Through::Masked { a: f(a), t: f(t), upper: f(u) };
+                        plane_sums(&pairs, mean, |gv, xv| masked(gv, xv * a + t, u), fast, &mut per_plane)
+                    }
+                    None => plane_sums(&pairs, mean, |gv, _| gv, Through::Identity, &mut per_plane),
+                };
                 let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
-                for start in planes() {
-                    let (gp, xp) = (&g[start..start + hw], &x[start..start + hw]);
-                    let (sg, sgx) = match upper {
-                        Some(u) => {
-                            let f = |v: T| T::wide(v) as f32;
-                            let fast = Through::Masked { a: f(a), t: f(t), upper: f(u) };
-                            plane_sums(gp, xp, mean, |gv, xv| masked(gv, xv * a + t, u), fast)
-                        }
-                        None => plane_sums(gp, xp, mean, |gv, _| gv, Through::Identity),
-                    };
+                for &(sg, sgx) in &per_plane {
                     sum_g += sg;
                     sum_gx += sgx * invstd;
                 }
@@ -270,28 +281,30 @@ fn masked<T: Real>(g: T, y: T, upper: T) -> T {
     std::hint::select_unpredictable((y > T::zero()) & (y < upper), g, T::zero())
 }
 
-/// `(Σ g', Σ g'·(x − mean))` over one plane in f64, `g' = through(g, x)`, in the lanes and order
-/// of `sum` ([`super::lane_sums`]; the per-index form ran scalar: BENCHMARKS.md, "Kernel
-/// design measurements").
+/// `(Σ g', Σ g'·(x − mean))` over each plane `(g, x)` in f64 into `out`, `g' = through(g, x)`, in the
+/// lanes and order of `sum` ([`super::lane_sums`]; the per-index form ran scalar:
+/// BENCHMARKS.md, "Kernel design measurements").
 /// `fast` is `through` for [`bn_sums`], which takes f32 compute over f32 or bf16 with
-/// AVX-512 (the same sums to the bit).
+/// AVX-512, several planes at once (the same sums to the bit).
 #[inline(always)]
 fn plane_sums<T: Real, E: Elem<T>>(
-    g: &[E],
-    x: &[E],
+    planes: &[(&[E], &[E])],
     mean: f64,
     through: impl Fn(T, T) -> T,
     fast: Through,
-) -> (f64, f64) {
-    if let Some(sums) = bn_sums::plane_sums::<T, E>(g, x, mean, fast) {
-        return sums;
+    out: &mut [(f64, f64)],
+) {
+    if bn_sums::plane_sums::<T, E>(planes, mean, fast, out) {
+        return;
     }
-    let [sum_g, sum_gx] = super::lane_sums(g, x, |gv, xv| {
-        let (gv, xv) = (gv.load(), xv.load());
-        let gv = T::wide(through(gv, xv));
-        [gv, gv * (T::wide(xv) - mean)]
-    });
-    (sum_g, sum_gx)
+    for ((g, x), out) in planes.iter().zip(out) {
+        let [sum_g, sum_gx] = super::lane_sums(g, x, |gv, xv| {
+            let (gv, xv) = (gv.load(), xv.load());
+            let gv = T::wide(through(gv, xv));
+            [gv, gv * (T::wide(xv) - mean)]
+        });
+        *out = (sum_g, sum_gx);
+    }
 }
 
 /// `dx = k·g' + e·(x − m) + c` over one plane, `g' = through(g, x)`.
