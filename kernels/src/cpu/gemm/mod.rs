@@ -3,9 +3,11 @@
 //! matmul uses, with its AVX-512 kernels), bf16 × bf16 with f32 sums on CPUs with AVX512-BF16
 //! ([`bf16`], on AMX's tile unit where there is one). The modules form a tree: `blocking` (the
 //! matrix view and the bf16 blocking) is the leaf; `pack` and `amx` use it; `operand` (packed
-//! and row-wise operands) uses `blocking` and `pack`; [`bf16`] uses them all and chooses the
-//! unit.
+//! and row-wise operands) uses `blocking` and `pack`; `along_k` (products whose operands both
+//! lie along the depth, in place) uses `blocking`; [`bf16`] uses them all and chooses the unit
+//! and the kernel.
 
+pub(crate) mod along_k;
 mod amx;
 pub mod bf16;
 mod blocking;

@@ -54,6 +54,9 @@ pub fn available() -> bool {
 /// `dst (m × n, row-major f32) = beta·a·b + (dst if accumulate)` with bf16 operands, parallel
 /// over blocks of the destination when `parallel`. An error when the shapes do not fit their
 /// slices or the CPU lacks AVX512-BF16 (check [`available`] first).
+///
+/// Where both operands lie along the depth, with a long depth and few outputs (a convolution's
+/// weight gradient over many positions), the product runs on them in place (`along_k`).
 pub fn gemm_bf16(
     dst: &mut [f32],
     a: Mat<'_, bf16>,
@@ -62,7 +65,14 @@ pub fn gemm_bf16(
     accumulate: bool,
     parallel: bool,
 ) -> Result<(), KernelError> {
-    gemm_into(dst, a, b, beta, accumulate, parallel, super::amx::available())
+    let amx = super::amx::available();
+    if !amx && super::along_k::applies(&a, &b) {
+        if product_dims("wick bf16 gemm", &a, &b, dst, accumulate)?.is_some() {
+            super::along_k::product(dst, a, b, beta, accumulate, parallel);
+        }
+        return Ok(());
+    }
+    gemm_into(dst, a, b, beta, accumulate, parallel, amx)
 }
 
 /// True when [`gemm_bf16_rounded`] takes a product of depth `k` (its sums are rounded as they

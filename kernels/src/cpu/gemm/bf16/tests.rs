@@ -233,3 +233,47 @@ fn shapes_that_do_not_fit_are_errors() {
     let short = Mat { data: &a[..5], rows: 2, cols: 3, row_stride: 3, col_stride: 1 };
     assert!(gemm_bf16(&mut out, short, Mat::rows(&a, 3, 2), 1.0, false, false).is_err());
 }
+
+/// Products whose operands both lie along a long depth (`along_k`, in place): every ragged
+/// tile on either side (fewer than four rows or columns left), more rows than columns and the
+/// reverse, a depth that is no whole number of 32-element steps, parallel or not; the same
+/// f32 rounding bound as the blocked products, and accumulating with a factor.
+#[test]
+fn products_along_the_depth_match_an_f64_product() {
+    if !available() || !std::is_x86_feature_detected!("avx512bw") {
+        eprintln!("SKIPPED: this CPU has no AVX512-BF16 or AVX512-BW");
+        return;
+    }
+    for &(m, k, n) in &[(64, 2100, 147), (5, 4096, 3), (130, 2048, 7), (3, 2500, 70), (1, 2049, 1)] {
+        let (av, bv) = (values(m * k, 8), values(n * k, 9));
+        let (ma, mb) = (Mat::rows(&av, m, k), Mat::rows(&bv, n, k).t());
+        assert!(super::super::along_k::applies(&ma, &mb), "{m}×{k}×{n} should take the kernel");
+        let expected = reference(ma, mb);
+        let bound = |i: usize| {
+            let (r, c) = (i / n, i % n);
+            let abs: f64 =
+                (0..k).map(|p| (f64::from(av[r * k + p].to_f32()) * f64::from(bv[c * k + p].to_f32())).abs()).sum();
+            abs * (k as f64 + 1.0) * f64::from(f32::EPSILON) + 1e-30
+        };
+        for parallel in [false, true] {
+            let mut out = vec![7.0f32; m * n];
+            gemm_bf16(&mut out, ma, mb, 1.0, false, parallel).unwrap();
+            for (i, (x, y)) in out.iter().zip(&expected).enumerate() {
+                assert!((f64::from(*x) - y).abs() <= bound(i), "{m}×{k}×{n} parallel {parallel}: {x} vs {y} at {i}");
+            }
+            gemm_bf16(&mut out, ma, mb, -0.5, true, parallel).unwrap();
+            for (i, (x, y)) in out.iter().zip(&expected).enumerate() {
+                assert!((f64::from(*x) - 0.5 * y).abs() <= 2.0 * bound(i), "accumulate at {i}: {x} vs {y}");
+            }
+        }
+    }
+    // Short depths, wide destinations and operands not along the depth stay blocked.
+    let v = values(70 * 2048, 1);
+    let (a, b) = (Mat::rows(&v, 70, 2048), Mat::rows(&v, 70, 2048).t());
+    assert!(!super::super::along_k::applies(&a, &b), "70 × 70 outputs");
+    assert!(!super::super::along_k::applies(&Mat::rows(&v[..4 * 100], 4, 100), &Mat::rows(&v[..4 * 100], 4, 100).t()));
+    assert!(!super::super::along_k::applies(
+        &Mat::rows(&v[..4 * 2048], 2048, 4).t(),
+        &Mat::rows(&v[..4 * 2048], 4, 2048).t()
+    ));
+}
