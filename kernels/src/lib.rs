@@ -3,8 +3,9 @@
 //! wick's compute kernels, without candle's types, as candle keeps its own in `candle-kernels`:
 //!
 //! - [`cpu`]: the CPU kernels over plain slices (matrix products f32/f64 and bf16 with f32 sums on
-//!   AVX512-BF16 or AMX, vectorised `exp`/`erf`, batch norm's backward sums, the optimizer
-//!   updates) and the helpers they share; wick-nn and wick-train wrap them as candle ops;
+//!   AVX512-BF16 or AMX, direct convolutions, vectorised `exp`/`erf`, batch norm's sums, max
+//!   pooling's window sweep, the optimizer updates) and the helpers they share; wick-nn and
+//!   wick-train wrap them as candle ops;
 //! - the CUDA C kernels: the `.cu` sources (`src/*.cu`: the fused AMP step — multi-tensor
 //!   unscale with inf/NaN check, the loss-scale update, AdamW on f32 masters writing the model's
 //!   low-precision copy), the build script that compiles them, the compiled fatbins embedded in

@@ -1,9 +1,9 @@
 //! wick's CPU compute kernels over plain slices, without candle's types: matrix products
 //! ([`gemm`]: f32/f64 through the `gemm` crate, bf16 with f32 sums on AVX512-BF16 or AMX),
 //! direct convolutions on the images in place, bf16 and f32 on AVX-512 ([`conv`]), the
-//! vectorisable `exp`/`erf` and the widest-vector dispatch ([`math`]), batch norm's
-//! backward sums ([`bn_sums`]), max pooling's window sweep ([`pool`]), the optimizer updates
-//! ([`optim`]), and the helpers every slice kernel shares: parallel ranges
+//! vectorisable `exp`/`erf` and the widest-vector dispatch ([`math`]), batch norm's sums
+//! ([`bn_sums`]: backward's and the statistics'), max pooling's window sweep ([`pool`]), the
+//! optimizer updates ([`optim`]), and the helpers every slice kernel shares: parallel ranges
 //! ([`par_ranges`]), disjoint writes from many threads ([`SharedMut`]), f64 lane sums
 //! ([`lane_sums`]) and bf16 rounding ([`round_bf16`]). wick-nn wraps them as candle ops with
 //! their backward passes.
