@@ -41,9 +41,12 @@ pub fn batch_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
                     planes.clear();
                     planes.extend((0..n).map(plane));
                     // The channel's planes at once where the kernel takes them (the same sums).
-                    let mut total = |dev: Option<f64>| match bn_sums::plane_moments::<T, E>(&planes, dev, &mut sums) {
-                        true => sums.iter().sum::<f64>(),
-                        false => planes.iter().map(|p| dev.map_or_else(|| sum::<T, E>(p), |m| sum_sq_dev::<T, E>(p, m))).sum::<f64>(),
+                    let mut total = |dev: Option<f64>| {
+                        if bn_sums::plane_moments::<T, E>(&planes, dev, &mut sums) {
+                            return sums.iter().sum::<f64>();
+                        }
+                        let one = |p: &&[E]| dev.map_or_else(|| sum::<T, E>(p), |m| sum_sq_dev::<T, E>(p, m));
+                        planes.iter().map(one).sum::<f64>()
                     };
                     let mean = total(None) / count;
                     (m[i], v[i]) = (mean, total(Some(mean)) / count);
