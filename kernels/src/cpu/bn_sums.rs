@@ -47,7 +47,7 @@ pub fn plane_sums<T: 'static, E: 'static>(
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        if TypeId::of::<T>() != TypeId::of::<f32>() || !std::is_x86_feature_detected!("avx512f") {
+        if !f32_on_avx512::<T>() {
             return false;
         }
         let len = planes.first().map_or(0, |p| p.0.len());
@@ -68,7 +68,7 @@ pub fn plane_sums<T: 'static, E: 'static>(
 pub fn plane_moments<T: 'static, E: 'static>(planes: &[&[E]], dev: Option<f64>, out: &mut [f64]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        if TypeId::of::<T>() != TypeId::of::<f32>() || !std::is_x86_feature_detected!("avx512f") {
+        if !f32_on_avx512::<T>() {
             return false;
         }
         let len = planes.first().map_or(0, |p| p.len());
@@ -80,6 +80,12 @@ pub fn plane_moments<T: 'static, E: 'static>(planes: &[&[E]], dev: Option<f64>, 
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+/// True when the compute type `T` is f32 and the CPU has AVX-512F: what both kernels need.
+#[cfg(target_arch = "x86_64")]
+fn f32_on_avx512<T: 'static>() -> bool {
+    TypeId::of::<T>() == TypeId::of::<f32>() && std::is_x86_feature_detected!("avx512f")
 }
 
 /// `s` as a slice of `L` when its element type `E` is `L`.
@@ -104,9 +110,9 @@ fn pair_as<'a, E: 'static, L: 'static>((g, x): &(&'a [E], &'a [E])) -> Option<(&
     Some((as_l::<E, L>(g)?, as_l::<E, L>(x)?))
 }
 
-/// `$call` on each group of `$group` (up to four) of `$planes` converted to `$l` slices by
-/// `$conv`, its results written to the group's places in `$out`; false when the element type is
-/// not `$l` (nothing written).
+/// `$call` on each group `$group` of up to four of `$planes`, each converted by `$conv` (a plane
+/// as the kernel's element type), its results written to the group's places in `$out`; false
+/// when `$conv` does not take the planes' element type (nothing written).
 #[cfg(target_arch = "x86_64")]
 macro_rules! by_fours {
     ($planes:expr, $out:expr, $conv:expr, |$group:ident| $call:expr) => {{

@@ -124,8 +124,9 @@ pub(crate) unsafe fn tile(a: &[bf16], rows: [usize; 4], b: &[bf16], cols: [usize
         let lanes = (k - p).min(32);
         let mask: __mmask32 = if lanes == 32 { u32::MAX } else { (1u32 << lanes) - 1 };
         // SAFETY: elements p..p + lanes of each run (checked above; masked loads read no
-        // others). Written out, not in closures: an array of loads built by a closure ran at 54
-        // G/s against 88 (a closure does not inherit this function's target features).
+        // others). Written out: a version that built the four loads with `std::array::from_fn`
+        // ran at 54 G/s against 88 (one core, 64 × 25088 × 64; under target features its
+        // closure is not inlined: BENCHMARKS.md, "bf16 packing without `std::array::from_fn`").
         unsafe {
             let b0: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(mask, bp.add(cols[0] + p).cast()));
             let b1: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(mask, bp.add(cols[1] + p).cast()));
