@@ -6,8 +6,12 @@ cd "$(dirname "$0")/.."
 root=$PWD
 venv=${WICK_NB_VENV:-$HOME/.cache/wick-nbvenv}
 if ! command -v evcxr_jupyter >/dev/null; then
-  echo "installing evcxr_jupyter (about 30 minutes on 2 cores)"
-  cargo install evcxr_jupyter --locked
+  # Most of evcxr's build is rust-analyzer's crates, which it runs to infer the types of a cell's
+  # variables: at opt-level 1 the install builds in a fraction of the default opt-level 3's time
+  # on 2 cores, and a kernel's own work is cargo building the cells (BENCHMARKS.md "Build and
+  # test times").
+  echo "installing evcxr_jupyter (opt-level 1)"
+  CARGO_PROFILE_RELEASE_OPT_LEVEL=1 cargo install evcxr_jupyter --locked
 fi
 if [ ! -x "$venv/bin/jupyter" ]; then
   python3 -m venv "$venv"

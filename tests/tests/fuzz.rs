@@ -11,7 +11,9 @@
 //! names the file. The parent prints one line per target with its counts; the regression inputs
 //! found by review (tests/fuzz-regressions) run first.
 //!
-//! `WICK_FUZZ_CASES=N` changes the number of cases per target (default 10 000).
+//! `cargo test` runs [`QUICK_CASES`] per target; the full [`CASES`] run is this suite's long test,
+//! taken as libtest takes an ignored test: with `--ignored` or `--include-ignored`
+//! (`scripts/long-tests.sh`, CI on every change). `WICK_FUZZ_CASES=N` sets the number outright.
 
 #[path = "../../crates/wick-zoo/tests/common/mod.rs"]
 mod common;
@@ -24,6 +26,8 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 
 const CASES: usize = 10_000;
+/// Cases per target in the default `cargo test` (seconds, where the full run takes minutes).
+const QUICK_CASES: usize = 1_000;
 /// The child's address-space limit: far above any legitimate case here, far below the machine.
 const ADDRESS_SPACE: u64 = 6 << 30;
 const TARGETS: &[&str] = &["pth", "safetensors", "bert-config", "tokenizer", "trace", "snapshot", "alloc-conf"];
@@ -415,7 +419,12 @@ fn fail(name: &str, case: usize, input: &[u8], dir: &Path, why: &str) -> ! {
 }
 
 fn run() {
-    let cases = std::env::var("WICK_FUZZ_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(CASES);
+    let full = std::env::args().any(|a| a == "--ignored" || a == "--include-ignored");
+    let cases = std::env::var("WICK_FUZZ_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(if full {
+        CASES
+    } else {
+        QUICK_CASES
+    });
     if let Ok(name) = std::env::var("WICK_FUZZ_CHILD") {
         child(&name, cases);
         return;
@@ -435,6 +444,7 @@ fn run() {
     for name in TARGETS.iter().filter(|t| only.as_deref().is_none_or(|o| o.split(',').any(|x| x == **t))) {
         let mut child = Command::new(&exe)
             .env("WICK_FUZZ_CHILD", name)
+            .env("WICK_FUZZ_CASES", cases.to_string())
             .env("WICK_FUZZ_PARENT", std::process::id().to_string())
             .stdout(std::process::Stdio::piped())
             .spawn()

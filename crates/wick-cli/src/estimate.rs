@@ -273,10 +273,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         bail!("--batch must be at least 1");
     }
     let wanted = modes(args.mode, args.model.precision)?;
-    // The batch asked for is profiled too when it lies between two profiled batches.
-    let p = Profiled::new(&args.model, &[args.batch])?;
-    let (profile, profile_s) = (&p.profile, p.seconds);
-    let estimates: Vec<Estimate> = wanted.into_iter().map(|mode| p.estimate(args.batch, mode, args.on)).collect();
+    // Every argument check before the profile, which takes seconds.
     if args.measure && args.on != Target::Cpu {
         bail!("--measure runs the step on the CPU: estimate --on cpu");
     }
@@ -286,6 +283,10 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
              (wick-train's tests/multi_rank.rs)"
         );
     }
+    // The batch asked for is profiled too when it lies between two profiled batches.
+    let p = Profiled::new(&args.model, &[args.batch])?;
+    let (profile, profile_s) = (&p.profile, p.seconds);
+    let estimates: Vec<Estimate> = wanted.into_iter().map(|mode| p.estimate(args.batch, mode, args.on)).collect();
     let warning = (args.on == Target::Cuda).then_some(GPU_CAVEAT);
     if let Some(w) = warning {
         eprintln!("{w}");

@@ -77,8 +77,8 @@ fn text_models_profile_at_their_sequence_length() {
 
 #[test]
 fn checkpointing_is_profiled_as_it_runs_and_matches_its_measured_peak() {
-    // Batch 12 at 128² was never profiled (2, 4, 8, 16); the real checkpointed step runs it.
-    let args = ["resnet18", "--image", "128", "--mode", "sgd", "--batch", "12", "--measure"];
+    // Batch 12 at 96² was never profiled (2, 4, 8, 16); the real checkpointed step runs it.
+    let args = ["resnet18", "--image", "96", "--mode", "sgd", "--batch", "12", "--measure"];
     let plain = estimate(&args);
     let mut with = args.to_vec();
     with.push("--checkpointing");
@@ -231,8 +231,10 @@ fn a_llama_config_is_profiled_through_two_layers_and_matches_its_measured_peak()
 /// plain SGD, momentum and AdamW as one trainer step; f32, bf16 autocast with f32 masters, and
 /// activation checkpointing). Each estimate must be at or above the measured peak and at most
 /// 3 % above it. (The release-build sweep at larger sizes is BENCHMARKS.md's "Estimator sweep
-/// (issue 28)".)
+/// (issue 28)".) About 6 minutes on 2 cores: a long test (`scripts/long-tests.sh`, CI on every
+/// change); the default run keeps the single-mode checks above (checkpointing, the LLaMA config).
 #[test]
+#[ignore = "long: the estimator's validation sweep, run by scripts/long-tests.sh"]
 fn the_estimate_is_never_under_the_measured_peak_and_at_most_3_percent_over() {
     let dir = std::env::temp_dir().join(format!("wick-estimate-sweep-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -3,7 +3,8 @@
 //! at a random moment (in a step or in a save) ends the job non-zero within seconds, naming the
 //! rank, and `--resume` — on two ranks or on one, after one kill or several — finishes with the
 //! uninterrupted run's weights, replicated and ZeRO-2 (a checkpoint shard per rank). Needs a wick built with `--features
-//! mpi` (built here); skipped, loudly, without MPI.
+//! mpi`, which this file needs too (`[[test]] required-features`): `scripts/long-tests.sh` builds
+//! both in the one `cargo test`. Skipped, loudly, without `mpirun`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -13,40 +14,16 @@ fn which(cmd: &str) -> bool {
     Command::new("sh").arg("-c").arg(format!("command -v {cmd}")).output().is_ok_and(|o| o.status.success())
 }
 
-/// A wick with MPI, built once per test run and copied out of the target folder. The build
-/// replaces `target/debug/wick`, which the other test binaries run as the plain (MPI-less) wick:
-/// that one is put back.
+/// This test's wick: built with `--features mpi` by the same `cargo test` that built this file (the
+/// file needs that feature: `scripts/long-tests.sh` runs it). `None`, and a SKIPPED line, where
+/// `mpirun` is missing.
 fn wick_mpi() -> Option<PathBuf> {
-    static BINARY: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
-    BINARY
-        .get_or_init(|| {
-            if !(which("mpirun") && which("mpicc")) {
-                assert!(std::env::var_os("WICK_REQUIRE_MPI").is_none(), "WICK_REQUIRE_MPI is set and MPI is missing");
-                eprintln!(
-                    "SKIPPED: multi-rank `wick train` needs MPI: apt-get install openmpi-bin libopenmpi-dev libclang-dev"
-                );
-                return None;
-            }
-            let plain = PathBuf::from(env!("CARGO_BIN_EXE_wick"));
-            let dir = std::env::temp_dir().join(format!("wick-mpi-bin-{}", std::process::id()));
-            std::fs::create_dir_all(&dir).expect("a folder for the binaries");
-            let saved = dir.join("wick-plain");
-            std::fs::copy(&plain, &saved).expect("keeping the plain wick");
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let status = Command::new(cargo)
-                .args(["build", "--quiet", "-p", "wick-cli", "--features", "mpi", "--bin", "wick"])
-                .status()
-                .expect("cargo runs");
-            assert!(status.success(), "building wick with --features mpi");
-            let copy = dir.join("wick-mpi");
-            std::fs::copy(&plain, &copy).expect("copying wick");
-            // Put back through a rename, so a binary being run is never overwritten in place.
-            let back = plain.with_file_name(format!(".wick-plain-{}", std::process::id()));
-            std::fs::copy(&saved, &back).expect("restoring the plain wick");
-            std::fs::rename(&back, &plain).expect("restoring the plain wick");
-            Some(copy)
-        })
-        .clone()
+    if !which("mpirun") {
+        assert!(std::env::var_os("WICK_REQUIRE_MPI").is_none(), "WICK_REQUIRE_MPI is set and mpirun is missing");
+        eprintln!("SKIPPED: multi-rank `wick train` needs mpirun: apt-get install openmpi-bin");
+        return None;
+    }
+    Some(PathBuf::from(env!("CARGO_BIN_EXE_wick")))
 }
 
 fn train(wick: &Path, dir: &Path, extra: &[&str]) -> Command {
@@ -70,20 +47,17 @@ fn finish(mut c: Command) -> String {
     summary["params_sha256"].as_str().expect("digest").to_string()
 }
 
-/// The ranks' pids: `wick-mpi train` processes on `dir` (the launcher, which has `--ranks`, and
-/// mpirun excepted).
+/// The ranks' pids: `wick train` processes of this test's wick on `dir` (the launcher, which has
+/// `--ranks`, and mpirun excepted).
 fn rank_pids(dir: &Path) -> Vec<u32> {
     let needle = dir.display().to_string();
+    let program = format!("{} train", env!("CARGO_BIN_EXE_wick"));
     let mut pids = Vec::new();
     for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
         let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
         let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        if cmd.contains("wick-mpi train")
-            && cmd.contains(&needle)
-            && !cmd.contains("mpirun")
-            && !cmd.contains("--ranks")
-        {
+        if cmd.contains(&program) && cmd.contains(&needle) && !cmd.contains("mpirun") && !cmd.contains("--ranks") {
             pids.push(pid);
         }
     }

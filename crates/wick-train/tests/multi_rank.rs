@@ -1,41 +1,36 @@
 //! Multi-process training under a real `mpirun` (2 ranks × 1 thread, oversubscribed): each test
-//! starts `examples/dist_ranks.rs` (built here with the `mpi` feature) as two ranks and as one
-//! process, and compares what they did. Skipped, loudly, where `mpirun` or MPI's compiler
-//! wrapper is missing (`.ci/run` installs Debian's Open MPI).
+//! starts `examples/dist_ranks.rs` as two ranks and as one process, and compares what they did.
+//! Built only with the `mpi` feature (`[[test]] required-features`), together with the rank
+//! program, by `scripts/long-tests.sh`; skipped, loudly, where `mpirun` is missing (`.ci/run`
+//! installs Debian's Open MPI).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 fn which(cmd: &str) -> bool {
     Command::new("sh").arg("-c").arg(format!("command -v {cmd}")).output().is_ok_and(|o| o.status.success())
 }
 
-/// The rank program, built once per test run; `None` (and a SKIPPED line) without MPI.
-fn ranks_binary() -> Option<&'static Path> {
-    static BINARY: OnceLock<Option<PathBuf>> = OnceLock::new();
-    BINARY
-        .get_or_init(|| {
-            if !(which("mpirun") && which("mpicc")) {
-                assert!(std::env::var_os("WICK_REQUIRE_MPI").is_none(), "WICK_REQUIRE_MPI is set and MPI is missing");
-                eprintln!(
-                    "SKIPPED: the multi-process tests need MPI (mpirun, mpicc) and libclang: \
-                     apt-get install openmpi-bin libopenmpi-dev libclang-dev"
-                );
-                return None;
-            }
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let status = Command::new(cargo)
-                .args(["build", "--quiet", "-p", "wick-train", "--features", "mpi", "--example", "dist_ranks"])
-                .status()
-                .expect("cargo runs");
-            assert!(status.success(), "building the rank program with `--features mpi` failed");
-            let target = std::env::var("CARGO_TARGET_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target"));
-            Some(target.join("debug/examples/dist_ranks"))
-        })
-        .as_deref()
+/// The rank program, `examples/dist_ranks.rs`: built with this file by the same `cargo test`
+/// (both need the `mpi` feature; `scripts/long-tests.sh` names them), next to this test binary's
+/// folder. `None`, and a SKIPPED line, where `mpirun` is missing.
+fn ranks_binary() -> Option<PathBuf> {
+    if !which("mpirun") {
+        assert!(std::env::var_os("WICK_REQUIRE_MPI").is_none(), "WICK_REQUIRE_MPI is set and mpirun is missing");
+        eprintln!("SKIPPED: the multi-process tests need mpirun: apt-get install openmpi-bin");
+        return None;
+    }
+    // target/<profile>/deps/multi_rank-<hash> → target/<profile>/examples/dist_ranks
+    let exe = std::env::current_exe().expect("this test's path");
+    let binary = exe.parent().and_then(Path::parent).map(|p| p.join("examples").join("dist_ranks"));
+    match binary {
+        Some(b) if b.is_file() => Some(b),
+        _ => panic!(
+            "the rank program is not built beside {}: run `cargo test -p wick-train --features mpi --test multi_rank \
+             --example dist_ranks` (scripts/long-tests.sh)",
+            exe.display()
+        ),
+    }
 }
 
 /// Runs the rank program with `vars` as `ranks` processes under mpirun (or alone for 1) and
@@ -46,14 +41,14 @@ fn run(ranks: usize, vars: &[(&str, &str)]) -> Option<serde_json::Value> {
     let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let out = std::env::temp_dir().join(format!("wick-ranks-{}-{n}.json", std::process::id()));
     let mut cmd = if ranks == 1 {
-        Command::new(binary)
+        Command::new(&binary)
     } else {
         let mut c = Command::new("mpirun");
         c.args(["-n", &ranks.to_string(), "--oversubscribe", "--bind-to", "none"]);
         for (k, _) in vars.iter().chain(&[("WICK_DIST_OUT", ""), ("RAYON_NUM_THREADS", "")]) {
             c.args(["-x", k]);
         }
-        c.arg(binary);
+        c.arg(&binary);
         c
     };
     // As root Open MPI asks for both variables (its advice against running as root).
