@@ -8,8 +8,9 @@
 #  2. several processes under a real mpirun (2 ranks x 1 thread): the multi-rank equivalences at
 #     every ZeRO stage and precision, sharded checkpoints at any world size, per-rank peaks against
 #     the estimate, `wick train --ranks 2` with ranks killed at random moments. These tests and
-#     the programs they start need the `mpi` feature: one `cargo test` builds the tests, the rank
-#     program (`dist_ranks`) and `wick` together with it.
+#     the programs they start need the `mpi` feature: built once here, the rank program
+#     (`dist_ranks`) by `cargo build`, the tests and their `wick` by `cargo test`, no build inside a
+#     test.
 # Both run in the dev profile the tests use, where every crate that runs a model (wick-nn,
 # wick-train, wick-kernels, wick-zoo, wick-memory and all dependencies) is compiled at
 # opt-level 3 as in release, debug assertions kept: a release build would compile the whole
@@ -28,8 +29,12 @@ echo "-- long tests 2/2: several processes under mpirun (feature mpi)"
 if command -v mpirun >/dev/null && command -v mpicc >/dev/null; then
     # As root Open MPI asks for both variables before it starts ranks.
     if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-    cargo test -p wick-train -p wick-cli --features wick-train/mpi,wick-cli/mpi \
-        --test multi_rank --test ranks --example dist_ranks
+    # `--workspace`: the same feature unification as the default build, so only what the feature
+    # changes is compiled again (wick-train, wick-cli, mpi's bindings). The rank program first:
+    # `cargo test --example` would build it as a test harness, not as the program.
+    mpi=(--workspace --features wick-train/mpi,wick-cli/mpi)
+    cargo build "${mpi[@]}" --example dist_ranks
+    cargo test "${mpi[@]}" --test multi_rank --test ranks
 else
     if [ -n "${WICK_REQUIRE_MPI:-}" ]; then
         echo "!! WICK_REQUIRE_MPI is set and MPI is missing (mpirun, mpicc)"; exit 1

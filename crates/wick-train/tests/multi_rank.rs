@@ -11,9 +11,8 @@ fn which(cmd: &str) -> bool {
     Command::new("sh").arg("-c").arg(format!("command -v {cmd}")).output().is_ok_and(|o| o.status.success())
 }
 
-/// The rank program, `examples/dist_ranks.rs`: built with this file by the same `cargo test`
-/// (both need the `mpi` feature; `scripts/long-tests.sh` names them), next to this test binary's
-/// folder. `None`, and a SKIPPED line, where `mpirun` is missing.
+/// The rank program, `examples/dist_ranks.rs`, built with the same features and profile just
+/// before this file's `cargo test` (`scripts/long-tests.sh`), next to this test binary's folder. `None`, and a SKIPPED line, where `mpirun` is missing.
 fn ranks_binary() -> Option<PathBuf> {
     if !which("mpirun") {
         assert!(std::env::var_os("WICK_REQUIRE_MPI").is_none(), "WICK_REQUIRE_MPI is set and mpirun is missing");
@@ -26,8 +25,8 @@ fn ranks_binary() -> Option<PathBuf> {
     match binary {
         Some(b) if b.is_file() => Some(b),
         _ => panic!(
-            "the rank program is not built beside {}: run `cargo test -p wick-train --features mpi --test multi_rank \
-             --example dist_ranks` (scripts/long-tests.sh)",
+            "the rank program is not built beside {}: run `cargo build -p wick-train --features mpi --example dist_ranks` \
+             first (scripts/long-tests.sh)",
             exe.display()
         ),
     }
