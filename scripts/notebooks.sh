@@ -6,10 +6,9 @@ cd "$(dirname "$0")/.."
 root=$PWD
 venv=${WICK_NB_VENV:-$HOME/.cache/wick-nbvenv}
 if ! command -v evcxr_jupyter >/dev/null; then
-  # Most of evcxr's build is rust-analyzer's crates, which it runs to infer the types of a cell's
-  # variables: at opt-level 1 the install builds in a fraction of the default opt-level 3's time
-  # on 2 cores, and a kernel's own work is cargo building the cells (BENCHMARKS.md "Build and
-  # test times").
+  # The largest step of a cold CI run. At opt-level 1: 4 min 18 s on 2 cores (BENCHMARKS.md
+  # "Build and test times"; an earlier note here said about 30 minutes at cargo's default 3). A
+  # kernel's own work is cargo building the cells, which this setting does not touch.
   echo "installing evcxr_jupyter (opt-level 1)"
   CARGO_PROFILE_RELEASE_OPT_LEVEL=1 cargo install evcxr_jupyter --locked
 fi
