@@ -231,7 +231,7 @@ fn a_llama_config_is_profiled_through_two_layers_and_matches_its_measured_peak()
 /// plain SGD, momentum and AdamW as one trainer step; f32, bf16 autocast with f32 masters, and
 /// activation checkpointing). Each estimate must be at or above the measured peak and at most
 /// 3 % above it. (The release-build sweep at larger sizes is BENCHMARKS.md's "Estimator sweep
-/// (issue 28)".) About 6 minutes on 2 cores: a long test (`scripts/long-tests.sh`, CI on every
+/// (issue 28)".) About 260 s on 2 cores: a long test (`scripts/long-tests.sh`, CI on every
 /// change); the default run keeps the single-mode checks above (checkpointing, the LLaMA config).
 #[test]
 #[ignore = "long: the estimator's validation sweep, run by scripts/long-tests.sh"]
