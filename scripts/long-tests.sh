@@ -14,9 +14,10 @@
 # Both run in the dev profile the tests use, where every crate that runs a model (wick-nn,
 # wick-train, wick-kernels, wick-zoo, wick-memory and all dependencies) is compiled at
 # opt-level 3 as in release, debug assertions kept: a release build would compile the whole
-# dependency tree a second time (BENCHMARKS.md "Build and test times" measures both).
-# Without MPI (mpirun, mpicc, libclang) part 2 is skipped with a line saying so, or fails where
-# WICK_REQUIRE_MPI is set (as CI sets it).
+# dependency tree a second time (about the test build's 399 s, BENCHMARKS.md "Build and test
+# times"; the sweep itself was not timed in release).
+# Without mpirun or mpicc, part 2 is skipped with a line saying so, or fails where
+# WICK_REQUIRE_MPI is set (as CI sets it); without libclang its build fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)

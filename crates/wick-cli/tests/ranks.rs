@@ -2,9 +2,9 @@
 //! the bit, as one process accumulating both ranks' micro-batches; a rank killed with SIGKILL
 //! at a random moment (in a step or in a save) ends the job non-zero within seconds, naming the
 //! rank, and `--resume` — on two ranks or on one, after one kill or several — finishes with the
-//! uninterrupted run's weights, replicated and ZeRO-2 (a checkpoint shard per rank). Needs a wick built with `--features
-//! mpi`, which this file needs too (`[[test]] required-features`): `scripts/long-tests.sh` builds
-//! both in the one `cargo test`. Skipped, loudly, without `mpirun`.
+//! uninterrupted run's weights, replicated and ZeRO-2 (a checkpoint shard per rank). Needs a wick
+//! built with `--features mpi`, which this file needs too (`[[test]] required-features`):
+//! `scripts/long-tests.sh` builds both in the one `cargo test`. Skipped, loudly, without `mpirun`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -1,7 +1,7 @@
 //! Multi-process training under a real `mpirun` (2 ranks × 1 thread, oversubscribed): each test
 //! starts `examples/dist_ranks.rs` as two ranks and as one process, and compares what they did.
-//! Built only with the `mpi` feature (`[[test]] required-features`), together with the rank
-//! program, by `scripts/long-tests.sh`; skipped, loudly, where `mpirun` is missing (`.ci/run`
+//! Built only with the `mpi` feature (`[[test]] required-features`), after the rank program, by
+//! `scripts/long-tests.sh`; skipped, loudly, where `mpirun` is missing (`.ci/run`
 //! installs Debian's Open MPI).
 
 use std::path::{Path, PathBuf};
@@ -12,7 +12,8 @@ fn which(cmd: &str) -> bool {
 }
 
 /// The rank program, `examples/dist_ranks.rs`, built with the same features and profile just
-/// before this file's `cargo test` (`scripts/long-tests.sh`), next to this test binary's folder. `None`, and a SKIPPED line, where `mpirun` is missing.
+/// before this file's `cargo test` (`scripts/long-tests.sh`), next to this test binary's folder.
+/// `None`, and a SKIPPED line, where `mpirun` is missing.
 fn ranks_binary() -> Option<PathBuf> {
     if !which("mpirun") {
         assert!(std::env::var_os("WICK_REQUIRE_MPI").is_none(), "WICK_REQUIRE_MPI is set and mpirun is missing");
