@@ -1,7 +1,7 @@
 //! Typed errors. Out-of-memory is a value the caller can match on and recover from, never a panic.
 
-use crate::format::format_bytes;
 use crate::stream::StreamId;
+use wick_alloc_check::format_bytes;
 
 /// Why the allocator refused a request, or why an operation failed.
 #[derive(Debug, thiserror::Error)]

@@ -30,7 +30,6 @@ mod backend;
 mod caching;
 mod config;
 mod error;
-mod format;
 mod heap;
 mod heap_history;
 mod labels;
@@ -53,7 +52,6 @@ pub use config::{
     alloc_conf_env, AllocatorConfig, MemoryLimit, ALLOC_CONF_VARS, MAX_POWER2_DIVISIONS, POWER2_INTERVALS,
 };
 pub use error::{MemoryError, OutOfMemory, Result};
-pub use format::format_bytes;
 pub use heap::{CachingHeap, LARGE_REQUEST};
 pub use heap_history::{
     heap_history, heap_history_position, heap_history_recording, record_heap_event, start_heap_history,
@@ -69,3 +67,4 @@ pub use snapshot::{BlockSnapshot, BlockStateName, SegmentSnapshot, Snapshot};
 pub use stats::{MemoryStats, PoolKind, Stat, StatArray};
 pub use stream::{EventId, StreamId};
 pub use summary::{memory_summary, memory_summary_of_map};
+pub use wick_alloc_check::format_bytes;

@@ -3,8 +3,8 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use crate::format::format_bytes;
 use crate::stats::MemoryStats;
+use wick_alloc_check::format_bytes;
 
 const WIDTH: usize = 82;
 

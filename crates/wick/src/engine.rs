@@ -141,8 +141,6 @@ impl Engine {
     }
 
     fn with(kind: Kind, device: Device, limit: Option<usize>) -> Self {
-        // candle's own CPU tensors are checked from now on (wick's patched candle-core).
-        host_memory::check_candle_cpu_allocations();
         let limit = Arc::new(AtomicUsize::new(limit.unwrap_or(NO_LIMIT)));
         let mut engine = Engine {
             kind,

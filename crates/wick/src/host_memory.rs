@@ -214,11 +214,12 @@ pub fn cgroup_memory() -> Option<(usize, Option<usize>)> {
     wick_memory::cgroup_memory()
 }
 
-/// Bytes the host can still give this process: the budget ([`host_budget`]) less what the
-/// container charges it now (cgroup usage, else the resident set).
+/// Bytes a new buffer can have now ([`wick_alloc_check::available`]): the tightest of the
+/// machine's available memory, the cgroup's limit less its working set, `ulimit -v` and the
+/// commit limit, plus what the caching heap holds freed; the budget ([`host_budget`]) when the
+/// host gives no figure. The same figure decides the check candle asks before a CPU buffer.
 pub fn host_available() -> usize {
-    let used = cgroup_memory().map(|(current, _)| current).or_else(process_rss).unwrap_or(0);
-    host_budget().0.saturating_sub(used)
+    wick_alloc_check::available().map_or_else(|| host_budget().0, |(bytes, _, _)| bytes)
 }
 
 /// Pre-flight on the host without an engine: `OutOfMemory` (with advice) when `bytes` for `what`
@@ -239,64 +240,19 @@ pub fn preflight_host(bytes: usize, what: &str) -> Result<(), wick_memory::Memor
         .into_error())
 }
 
-/// CPU buffers smaller than this pass wick's check of candle's CPU allocations at once: one
-/// cannot exhaust the host by itself, and reading the host's figures costs tens of microseconds.
-pub const CHECKED_FROM: usize = 16 << 20;
+pub use wick_alloc_check::CHECKED_FROM;
 
-/// The size and refusal of [`candle_checks_cpu_allocations`]'s probe.
-const PROBE_BYTES: usize = 4099;
-const PROBE_MARK: &str = "wick: the probe of candle's CPU allocation check";
-
-thread_local! {
-    /// Set on the probing thread while it probes: only its probe is refused.
-    static PROBING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// The check wick's patched candle-core asks before allocating a CPU buffer
-/// (`wick_alloc_check`): [`preflight_host`], counting as available what the caching heap holds
-/// freed (it serves the buffer from there). Its refusal is the text of wick's `OutOfMemory`,
-/// which [`crate::is_out_of_memory`] recognises in candle's `Err`.
-fn candle_cpu_check(bytes: usize) -> Result<(), String> {
-    if bytes < CHECKED_FROM {
-        if bytes == PROBE_BYTES && PROBING.try_with(std::cell::Cell::get).unwrap_or(false) {
-            return Err(PROBE_MARK.into());
-        }
-        return Ok(());
-    }
-    let cached_free = CachingHeap::installed().map_or(0, |h| {
-        let s = h.memory_stats();
-        usize::try_from(s.reserved_bytes.all.current - s.allocated_bytes.all.current).unwrap_or(0)
-    });
-    if bytes <= cached_free {
-        return Ok(());
-    }
-    preflight_host(bytes - cached_free, "a candle CPU tensor").map_err(|e| e.to_string())
-}
-
-/// Makes an over-memory CPU tensor that candle itself allocates (`Tensor::zeros`, an op's
-/// output) candle's `Err` instead of an aborted process — with wick's patched candle-core
-/// (`vendor/`; another project gets it with the README's `[patch]` line). Every
-/// [`crate::Engine`] calls it. Returns whether the candle-core built in asks the check
-/// ([`candle_checks_cpu_allocations`]).
-pub fn check_candle_cpu_allocations() -> bool {
-    wick_alloc_check::install(Some(candle_cpu_check));
-    candle_checks_cpu_allocations()
-}
-
-/// True when the candle-core built into this program is wick's patched copy, which asks before
-/// allocating CPU buffers (and stores gradients instead of adding them into zeros). Found once,
-/// by a probe: with wick's check installed, a 4099-byte tensor made on this thread while it
-/// probes is refused by the patched copy and made by the published one.
+/// True when the candle-core built into this program is wick's patched copy, which asks
+/// [`wick_alloc_check::check`] before allocating a CPU buffer — so an over-memory CPU tensor is
+/// candle's `Err`, in every notebook cell and on every thread, with or without an engine — and
+/// stores gradients instead of adding them into zeros. Found once, by a probe
+/// ([`wick_alloc_check::probe`]).
 pub fn candle_checks_cpu_allocations() -> bool {
     static PATCHED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *PATCHED.get_or_init(|| {
-        if !wick_alloc_check::installed() {
-            wick_alloc_check::install(Some(candle_cpu_check));
-        }
-        let _ = PROBING.try_with(|p| p.set(true));
-        let probe = candle_core::Tensor::zeros(PROBE_BYTES, candle_core::DType::U8, &candle_core::Device::Cpu);
-        let _ = PROBING.try_with(|p| p.set(false));
-        matches!(probe, Err(e) if e.to_string().contains(PROBE_MARK))
+        wick_alloc_check::probe(|bytes| {
+            candle_core::Tensor::zeros(bytes, candle_core::DType::U8, &candle_core::Device::Cpu)
+        })
     })
 }
 

@@ -1,6 +1,7 @@
-//! A CPU tensor that candle itself allocates beyond the host's memory is candle's `Err` once an
-//! engine exists (wick's patched candle-core asks `wick_alloc_check` first), never an aborted
-//! process: made directly, as an op's output, or by a copy; every earlier tensor survives.
+//! A CPU tensor that candle itself allocates beyond the host's memory is candle's `Err` (wick's
+//! patched candle-core asks `wick_alloc_check` first), never an aborted process: made directly,
+//! as an op's output, or by a copy; with an engine or without one; on any thread; every earlier
+//! tensor survives. `candle_cpu_oom_main.rs` does the same under `wick::main!`.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -44,4 +45,23 @@ fn the_check_lets_every_ordinary_size_through() {
         let t = Tensor::zeros(n, DType::U8, &Device::Cpu).unwrap();
         assert_eq!(t.elem_count(), n);
     }
+}
+
+#[test]
+fn without_an_engine_and_on_other_threads_too() {
+    // No engine in this test: nothing is installed, the patched candle-core asks by itself.
+    let earlier = Tensor::arange(0u32, 100, &Device::Cpu).unwrap();
+    let refused = |r: candle_core::Result<Tensor>| matches!(r, Err(ref e) if wick::is_out_of_memory(e));
+    assert!(refused(Tensor::zeros(HUGE, DType::F32, &Device::Cpu)));
+    let threads: Vec<_> = (0..4)
+        .map(|i| std::thread::spawn(move || refused(Tensor::ones((1 << 20, 1 << (18 + i)), DType::F32, &Device::Cpu))))
+        .collect();
+    for t in threads {
+        assert!(t.join().expect("no panic on the thread"), "refused on its thread");
+    }
+    // The text names the machine's figures as the machine's, not as wick's.
+    let err = Tensor::zeros(HUGE, DType::F32, &Device::Cpu).unwrap_err().to_string();
+    assert!(err.contains("tried to allocate 1.00 TiB") && err.contains("this process holds"), "{err}");
+    assert!(!err.contains("allocated by wick"), "{err}");
+    assert_eq!(earlier.sum_all().unwrap().to_scalar::<u32>().unwrap(), 4950);
 }

@@ -52,7 +52,7 @@ impl Default for HostBackend {
 /// own cgroup path; see [`super::cgroup_memory`]) when one is set, else `MemTotal`.
 pub fn host_memory_budget() -> usize {
     let cgroup = super::cgroup_memory().and_then(|(_, limit)| limit);
-    let meminfo = meminfo_bytes("MemTotal");
+    let meminfo = wick_alloc_check::meminfo_bytes("MemTotal");
     match (cgroup, meminfo) {
         (Some(c), Some(m)) => c.min(m),
         (Some(c), None) => c,
@@ -60,18 +60,6 @@ pub fn host_memory_budget() -> usize {
         // Without either source, fall back to a conservative 8 GiB.
         (None, None) => 8 << 30,
     }
-}
-
-/// A `/proc/meminfo` field (`MemTotal`, `MemAvailable`, ...) in bytes, when the file has it.
-pub fn meminfo_bytes(key: &str) -> Option<usize> {
-    meminfo_field(&std::fs::read_to_string("/proc/meminfo").ok()?, key)
-}
-
-/// The field `key` of a `/proc/meminfo` text, in bytes (the file says kB).
-fn meminfo_field(meminfo: &str, key: &str) -> Option<usize> {
-    let line = meminfo.lines().find(|l| l.split(':').next() == Some(key))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 #[cfg(unix)]
@@ -232,16 +220,6 @@ impl Backend for HostBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn meminfo_fields_are_bytes_and_missing_ones_none() {
-        let text = "MemTotal:       16384 kB\nMemFree:  10 kB\nMemAvailable:   8192 kB\n";
-        assert_eq!(meminfo_field(text, "MemTotal"), Some(16384 * 1024));
-        assert_eq!(meminfo_field(text, "MemAvailable"), Some(8192 * 1024));
-        assert_eq!(meminfo_field(text, "Mem"), None);
-        assert_eq!(meminfo_field("MemTotal: lots kB", "MemTotal"), None);
-        assert_eq!(meminfo_field("MemTotal: 99999999999999999999 kB", "MemTotal"), None);
-    }
 
     #[test]
     fn segments_are_aligned_zeroed_and_budgeted() {

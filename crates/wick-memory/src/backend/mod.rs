@@ -6,19 +6,18 @@
 //!   GPU-scale workloads on a laptop;
 //! - `CudaBackend` (feature `cuda`): device memory through the CUDA driver.
 
-mod cgroup;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod host;
 mod simulated;
 mod simulated_streams;
 
-pub use cgroup::{cgroup_memory, cgroup_memory_in};
 #[cfg(feature = "cuda")]
 pub use cuda::{device_location, open_device, CudaBackend};
-pub use host::{host_memory_budget, meminfo_bytes, HostBackend};
+pub use host::{host_memory_budget, HostBackend};
 pub use simulated::SimulatedBackend;
 pub use simulated_streams::SimulatedStreams;
+pub use wick_alloc_check::{cgroup_memory, cgroup_memory_in, meminfo_bytes};
 
 pub use crate::error::BackendError;
 use crate::stream::{EventId, StreamId};
