@@ -46,7 +46,9 @@ export WICK_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/wick"
 # after the first was served from the cache as an earlier cell's build ("dlsym failed").
 unset CARGO_INCREMENTAL
 status=0
-for nb in examples/notebooks/*.ipynb; do
+# Arguments: the notebooks to run (all of examples/notebooks by default).
+if [ $# -eq 0 ]; then set -- examples/notebooks/*.ipynb; fi
+for nb in "$@"; do
   name=$(basename "$nb")
   echo "== $name"
   # The kernel runs in the notebook's own folder, so its relative :dep paths hold; the executed
@@ -55,16 +57,27 @@ for nb in examples/notebooks/*.ipynb; do
       --ExecutePreprocessor.timeout=1200 "$nb" --output "$root/target/notebooks/$name"; then
     echo "!! $name failed to execute"; status=1; continue
   fi
-  # Errors printed by a `?` or a panic do not fail nbconvert: look for them in the outputs.
+  # Errors printed by a `?` or a panic do not fail nbconvert: look for them in the outputs. A
+  # cell tagged `raises-exception` (Jupyter's tag for a cell meant to fail) must instead have
+  # printed an out-of-memory error, and nothing else may be wrong in it.
   if python3 - "target/notebooks/$name" <<'PY'
 import json, sys
 nb = json.load(open(sys.argv[1]))
 bad = []
 for i, cell in enumerate(nb["cells"]):
+    expected = "raises-exception" in cell.get("metadata", {}).get("tags", [])
+    refused = False
     for out in cell.get("outputs", []):
         text = "".join(out.get("text", "")) + json.dumps(out.get("data", {})) + "".join(out.get("traceback", []))
-        if out.get("output_type") == "error" or out.get("name") == "stderr" or "panicked at" in text:
+        if "panicked at" in text:
             bad.append((i, text[:300]))
+        elif out.get("output_type") == "error" or out.get("name") == "stderr":
+            if expected and "out of memory" in text:
+                refused = True
+            else:
+                bad.append((i, text[:300]))
+    if expected and not refused:
+        bad.append((i, "tagged raises-exception, but printed no out-of-memory error"))
 for i, t in bad:
     print(f"cell {i}: {t}")
 sys.exit(1 if bad else 0)

@@ -898,10 +898,10 @@ impl Storage {
     }
 }
 
-/// wick: asks wick's CPU allocation check (`wick-alloc-check`, installed by wick) before a CPU
-/// buffer of `dims` elements of `dtype` is allocated. candle's CPU storage is an infallible `Vec`:
-/// without this an allocation beyond the host's memory aborts the process. An overflowing size
-/// is refused whether or not a check is installed.
+/// wick: asks wick's CPU allocation check (`wick-alloc-check`: the host's figures, read now)
+/// before a CPU buffer of `dims` elements of `dtype` is allocated. candle's CPU storage is an
+/// infallible `Vec`: without this an allocation beyond the host's memory aborts the process. An
+/// overflowing size is refused.
 pub(crate) fn check_cpu_alloc(dims: &[usize], dtype: DType) -> Result<()> {
     let bytes = dims.iter().try_fold(dtype.size_in_bytes(), |n, &d| n.checked_mul(d));
     // No backtrace: the refusal says what was asked and what the host has.
