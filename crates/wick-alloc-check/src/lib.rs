@@ -36,6 +36,8 @@ pub mod host;
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 pub use cgroup::{cgroup_memory, cgroup_memory_in, CgroupMemory};
 pub use format::format_bytes;
@@ -44,6 +46,42 @@ pub use host::{meminfo_bytes, Bound, HostMemory, Room};
 /// Buffers smaller than this pass at once: one cannot exhaust the host by itself, and reading
 /// the host's figures costs tens of microseconds.
 pub const CHECKED_FROM: usize = 16 << 20;
+
+/// How long a reading of the host's room is reused to allow further buffers.
+///
+/// Policy: reading the figures costs 40–120 µs (more right after large memory traffic), which is
+/// 7–15 % of making a 16 MiB buffer. A reading is therefore reused for 50 ms, for buffers adding
+/// up to half the room it found: other processes may take memory meanwhile, and so may this
+/// process's other buffers, and the half is the margin for both. Only allowing is reused — a
+/// refusal always comes from a fresh reading — so a reused reading can never refuse what the host
+/// has now. Per copy of this crate, like every static; a copy without a reading reads.
+const READING_REUSE: Duration = Duration::from_millis(50);
+
+/// The last reading: when, the room it found, the bytes allowed against it since.
+struct Reading {
+    at: Instant,
+    room: usize,
+    allowed: usize,
+}
+
+static LAST_READING: Mutex<Option<Reading>> = Mutex::new(None);
+
+/// True when `bytes` fits in the reuse margin of a recent reading (and is counted against it).
+fn allowed_by_recent_reading(bytes: usize) -> bool {
+    let mut last = LAST_READING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    match last.as_mut() {
+        Some(r) if r.at.elapsed() < READING_REUSE && r.allowed.saturating_add(bytes) <= r.room / 2 => {
+            r.allowed += bytes;
+            true
+        }
+        _ => false,
+    }
+}
+
+fn remember_reading(room: usize, allowed: usize) {
+    let mut last = LAST_READING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    *last = Some(Reading { at: Instant::now(), room, allowed });
+}
 
 /// The size [`probe`] asks about, and the refusal it gets from the patched candle-core.
 const PROBE_BYTES: usize = 4099;
@@ -103,7 +141,7 @@ pub fn check(bytes: Option<usize>) -> Result<(), String> {
         return Ok(());
     }
     let freed = freed_heap();
-    if bytes <= freed {
+    if bytes <= freed || allowed_by_recent_reading(bytes - freed) {
         return Ok(());
     }
     let host = HostMemory::read();
@@ -111,7 +149,11 @@ pub fn check(bytes: Option<usize>) -> Result<(), String> {
         Some(room) if bytes - freed > room.bytes => {
             Err(host.with_resident().refusal("a candle CPU tensor", bytes, freed, room))
         }
-        _ => Ok(()),
+        Some(room) => {
+            remember_reading(room.bytes, bytes - freed);
+            Ok(())
+        }
+        None => Ok(()),
     }
 }
 
@@ -156,6 +198,14 @@ mod tests {
         // Within what the host has now: allowed.
         let (room, _, _) = available().expect("this test runs on Linux, where /proc gives figures");
         assert_eq!(refuse(CHECKED_FROM.max(room / 4)), Ok(()));
+        // A recent reading allows up to half its room without reading again, and never refuses.
+        remember_reading(100 << 20, 0);
+        assert!(allowed_by_recent_reading(30 << 20) && allowed_by_recent_reading(20 << 20));
+        assert!(!allowed_by_recent_reading(1), "half the room is used up");
+        remember_reading(100 << 20, 0);
+        std::thread::sleep(READING_REUSE);
+        assert!(!allowed_by_recent_reading(1), "the reading is too old");
+        assert!(refuse(1 << 50).is_err());
         // A caching heap's freed bytes are room.
         set_freed_heap(Some(plenty));
         assert_eq!(refuse(1 << 50), Ok(()), "served from the heap's freed blocks");
