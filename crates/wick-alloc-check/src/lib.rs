@@ -55,7 +55,7 @@ pub const CHECKED_FROM: usize = 16 << 20;
 /// process's other buffers, and the half is the margin for both. Only allowing is reused — a
 /// refusal always comes from a fresh reading — so a reused reading can never refuse what the host
 /// has now. Per copy of this crate, like every static; a copy without a reading reads.
-const READING_REUSE: Duration = Duration::from_millis(50);
+pub const READING_REUSE: Duration = Duration::from_millis(50);
 
 /// The last reading: when, the room it found, the bytes allowed against it since.
 struct Reading {

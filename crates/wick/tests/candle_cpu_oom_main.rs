@@ -65,6 +65,9 @@ fn address_space_limit() -> Res {
     if unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) } != 0 {
         return Err("setrlimit(RLIMIT_AS) failed".into());
     }
+    // A reading of the host's figures is reused for a moment to allow buffers (never to refuse
+    // them): the new limit is seen from the next reading on.
+    std::thread::sleep(wick_alloc_check::READING_REUSE);
     let machine_room = wick::host_memory::host_available();
     let err = match Tensor::zeros(2usize << 30, DType::U8, &Device::Cpu) {
         Err(e) => e.to_string(),
