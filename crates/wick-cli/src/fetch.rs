@@ -88,6 +88,9 @@ pub fn run(args: &FetchArgs) -> Result<()> {
             bar.set_message(file);
         }
         FetchEvent::Progress(n) => bar.inc(n),
+        FetchEvent::Waiting { file } => {
+            bar.println(format!("{file}: another process is downloading it; waiting for it"));
+        }
         FetchEvent::Retrying { file, at, why } => {
             bar.println(format!("{file}: interrupted at {} ({why}); retrying", wick::memory::format_bytes(at)));
         }

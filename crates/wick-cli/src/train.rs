@@ -44,8 +44,13 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 3)]
     keep: usize,
     /// Continue from the newest usable checkpoint in --dir (an error when there is none).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "resume_if_any")]
     resume: bool,
+    /// Continue from the newest usable checkpoint in --dir when it holds any, else start fresh:
+    /// one command line for every attempt of a preemptible job (SLURM requeue, spot instances).
+    /// Checkpoints that are there but all damaged are an error, as with --resume.
+    #[arg(long)]
+    resume_if_any: bool,
     /// Mixed precision: off, bf16 or f16.
     #[arg(long, default_value = "off")]
     precision: String,
@@ -388,7 +393,12 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
             let _ = std::fs::remove_file(entry.path());
         }
     }
-    if args.resume {
+    // Every rank sees the same folder; `Trainer::resume` checks that they agree on its steps.
+    let resume = args.resume || (args.resume_if_any && !checkpoints.steps()?.is_empty());
+    if args.resume_if_any && !resume {
+        eprintln!("no checkpoint in {} yet: starting fresh", args.dir.display());
+    }
+    if resume {
         let resumed = trainer.resume(&checkpoints)?;
         for why in &resumed.skipped {
             eprintln!("passed over a damaged checkpoint: {why}");
@@ -402,7 +412,8 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         // A fresh run: nothing of an earlier one may be mistaken for its own.
         if !checkpoints.steps()?.is_empty() {
             bail!(
-                "{} holds checkpoints of an earlier run: pass --resume to continue it, or use another --dir",
+                "{} holds checkpoints of an earlier run: pass --resume (or --resume-if-any) to continue it, or use \
+                 another --dir",
                 args.dir.display()
             );
         }

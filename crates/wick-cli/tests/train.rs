@@ -1,7 +1,9 @@
 //! `wick train` killed with SIGKILL at arbitrary moments and resumed, again and again, ends with
 //! the same losses and the same final weights (SHA-256 of every f32 master) as a run that was
-//! never stopped; SIGTERM makes it finish its step, save and exit 0; a folder of an earlier run
-//! is not overwritten without `--resume`, and `--resume` without a checkpoint is a clear error.
+//! never stopped — started every time with the same `--resume-if-any`, as a preemptible job's
+//! scheduler starts it; SIGTERM makes it finish its step, save and exit 0; a folder of an earlier
+//! run is not overwritten without `--resume`, and `--resume` without a checkpoint is a clear
+//! error while `--resume-if-any` starts fresh.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -18,15 +20,16 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn train(dir: &Path, resume: bool) -> Child {
+/// `wick train` in `dir`, with `how` ("", "--resume" or "--resume-if-any").
+fn train(dir: &Path, how: &str) -> Child {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_wick"));
     cmd.args(["train", "--steps", STEPS, "--save-every", "3", "--keep", "2"])
         .arg("--dir")
         .arg(dir)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if resume {
-        cmd.arg("--resume");
+    if !how.is_empty() {
+        cmd.arg(how);
     }
     cmd.spawn().expect("wick runs")
 }
@@ -52,8 +55,8 @@ fn losses(dir: &Path) -> Vec<(u64, u32)> {
 }
 
 /// Waits until the run in `dir` has logged `steps` steps, sends it SIGTERM, and checks that it
-/// saved and exited cleanly, saying so.
-fn stop_after(child: Child, dir: &Path, steps: usize) {
+/// saved and exited cleanly, saying so; returns what it printed.
+fn stop_after(child: Child, dir: &Path, steps: usize) -> String {
     let started = Instant::now();
     while std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |t| t.lines().count()) < steps {
         assert!(started.elapsed() < Duration::from_secs(120), "no progress");
@@ -63,6 +66,7 @@ fn stop_after(child: Child, dir: &Path, steps: usize) {
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
     let (ok, text) = finish(child);
     assert!(ok && text.contains("stopped by SIGTERM"), "{text}");
+    text
 }
 
 fn summary(dir: &Path) -> serde_json::Value {
@@ -81,7 +85,7 @@ fn has_checkpoint(dir: &Path) -> bool {
 fn a_run_killed_at_random_moments_and_resumed_ends_exactly_as_an_uninterrupted_one() {
     let reference = temp_dir("reference");
     let started = Instant::now();
-    let (ok, text) = finish(train(&reference, false));
+    let (ok, text) = finish(train(&reference, ""));
     assert!(ok, "{text}");
     // Kill points are drawn within the first 15 % of the uninterrupted run's own duration, so
     // they land on any machine and build: each resumed run has most of its work left when its
@@ -94,9 +98,9 @@ fn a_run_killed_at_random_moments_and_resumed_ends_exactly_as_an_uninterrupted_o
     let mut state = 0x2545_F491_4F6C_DD1Du64;
     let (mut kills, mut resumes) = (0, 0);
     loop {
-        let resume = has_checkpoint(&dir);
-        resumes += usize::from(resume);
-        let mut child = train(&dir, resume);
+        // The same command line every time: it resumes when there is a checkpoint.
+        resumes += usize::from(has_checkpoint(&dir));
+        let mut child = train(&dir, "--resume-if-any");
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
@@ -150,7 +154,7 @@ fn a_run_killed_at_random_moments_and_resumed_ends_exactly_as_an_uninterrupted_o
 fn sigterm_finishes_the_step_saves_and_exits_zero_then_resume_completes_the_run() {
     let dir = temp_dir("sigterm");
     // Wait for a few steps, then ask it to stop.
-    stop_after(train(&dir, false), &dir, 4);
+    stop_after(train(&dir, ""), &dir, 4);
     let steps: Vec<u64> = std::fs::read_to_string(dir.join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -160,19 +164,23 @@ fn sigterm_finishes_the_step_saves_and_exits_zero_then_resume_completes_the_run(
     assert!(dir.join(format!("step-{last:010}.json")).is_file(), "no checkpoint at the last step {last}");
     assert!(!dir.join("final.json").exists());
     // Without --resume the folder is refused; with it the run completes.
-    let (ok, text) = finish(train(&dir, false));
+    let (ok, text) = finish(train(&dir, ""));
     assert!(!ok && text.contains("--resume"), "{text}");
-    let (ok, text) = finish(train(&dir, true));
+    let (ok, text) = finish(train(&dir, "--resume"));
     assert!(ok && text.contains(&format!("step {last}")), "{text}");
     assert_eq!(summary(&dir)["steps"].as_u64(), STEPS.parse().ok());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
-fn resume_without_a_checkpoint_is_a_clear_error() {
+fn resume_without_a_checkpoint_is_a_clear_error_and_resume_if_any_starts_fresh() {
     let dir = temp_dir("nothing");
-    let (ok, text) = finish(train(&dir, true));
+    let (ok, text) = finish(train(&dir, "--resume"));
     assert!(!ok && text.contains("no checkpoint in") && !text.contains("panicked"), "{text}");
+    let text = stop_after(train(&dir, "--resume-if-any"), &dir, 2);
+    assert!(text.contains("starting fresh") && !text.contains("resumed from"), "{text}");
+    let text = stop_after(train(&dir, "--resume-if-any"), &dir, 4);
+    assert!(text.contains("resumed from"), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

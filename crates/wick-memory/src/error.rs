@@ -115,6 +115,32 @@ pub struct OutOfMemory {
     pub limited_by_cap: bool,
     /// Largest cached free block at the time of failure (fragmentation indicator).
     pub largest_free_block: usize,
+    /// Whose memory `allocated` and `reserved` are.
+    pub owner: UsageOwner,
+    /// This process's resident set, where it is said beside figures that are not its own.
+    pub process_resident: Option<usize>,
+}
+
+/// Whose memory an [`OutOfMemory`]'s usage figures (`allocated`, `reserved`) are: a refusal must
+/// never call another process's memory wick's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UsageOwner {
+    /// wick's allocator counted them (its live blocks, and its cache): "allocated by wick".
+    #[default]
+    Allocator,
+    /// This process's heap, counted by wick's global allocator (the caching heap or the counting
+    /// allocator).
+    ProcessHeap,
+    /// This process's resident set: nothing counts its heap (no wick global allocator).
+    ProcessResident,
+    /// Every process on the machine and the kernel (`MemTotal` less `MemAvailable`).
+    Machine,
+    /// Every process of this process's memory cgroup (its working set).
+    Cgroup,
+    /// This process's mappings, which the address-space limit (`ulimit -v`) counts.
+    AddressSpace,
+    /// Every process's committed memory, under strict overcommit.
+    Committed,
 }
 
 impl OutOfMemory {
@@ -133,7 +159,21 @@ impl OutOfMemory {
             limit: None,
             limited_by_cap: false,
             largest_free_block: 0,
+            owner: UsageOwner::Allocator,
+            process_resident: None,
         }
+    }
+
+    /// Whose memory the usage figures are (by default wick's allocator's).
+    pub fn with_owner(mut self, owner: UsageOwner) -> Self {
+        self.owner = owner;
+        self
+    }
+
+    /// This process's resident set, said beside usage figures that are not (only) its own.
+    pub fn with_process_resident(mut self, bytes: Option<usize>) -> Self {
+        self.process_resident = bytes;
+        self
     }
 
     /// The bytes that would have been reserved from the device for the request.
@@ -204,24 +244,41 @@ impl OutOfMemory {
 
 impl std::fmt::Display for OutOfMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let b = |n: usize| format_bytes(n as u64);
         write!(
             f,
             "out of memory on {}: tried to allocate {}. The device has a total capacity of {} of \
-             which {} is free. Of the memory in use, {} is allocated by wick and {} is reserved by \
-             wick but unallocated",
+             which {} is free. Of the memory in use, ",
             self.device,
-            format_bytes(self.requested as u64),
-            format_bytes(self.capacity as u64),
-            format_bytes(self.device_free as u64),
-            format_bytes(self.allocated as u64),
-            format_bytes(self.reserved_unallocated() as u64),
+            b(self.requested),
+            b(self.capacity),
+            b(self.device_free),
         )?;
+        let (a, cached) = (b(self.allocated), b(self.reserved_unallocated()));
+        match self.owner {
+            UsageOwner::Allocator => {
+                write!(f, "{a} is allocated by wick and {cached} is reserved by wick but unallocated")?
+            }
+            UsageOwner::ProcessHeap => {
+                write!(f, "{a} is allocated by this process's heap (counted by wick) and {cached} is held by it freed")?
+            }
+            UsageOwner::ProcessResident => {
+                write!(f, "this process holds {a} (its resident set: nothing counts its heap here)")?
+            }
+            UsageOwner::Machine => write!(f, "{a} is used by all processes on the machine and the kernel")?,
+            UsageOwner::Cgroup => write!(f, "{a} is used by the processes of this process's memory cgroup")?,
+            UsageOwner::AddressSpace => write!(f, "{a} is mapped by this process (the address-space limit counts it)")?,
+            UsageOwner::Committed => write!(f, "{a} is committed by all processes (strict overcommit)")?,
+        }
+        if let (Some(r), false) = (self.process_resident, self.owner == UsageOwner::ProcessResident) {
+            write!(f, "; this process holds {} resident", b(r))?;
+        }
         if let Some(limit) = self.limit {
             write!(
                 f,
                 "; the memory limit is {} ({} allowed beyond what is reserved)",
-                format_bytes(limit as u64),
-                format_bytes(limit.saturating_sub(self.reserved) as u64)
+                b(limit),
+                b(limit.saturating_sub(self.reserved))
             )?;
         }
         write!(f, ". Advice: {}.", self.advice())
@@ -270,6 +327,8 @@ mod tests {
             limit: None,
             limited_by_cap: false,
             largest_free_block: 1 << 30,
+            owner: UsageOwner::Allocator,
+            process_resident: None,
         }
     }
 
@@ -298,5 +357,27 @@ mod tests {
         let mut o = oom();
         o.reserved = o.allocated;
         assert!(o.advice().contains("reduce the batch size"));
+    }
+
+    #[test]
+    fn each_owner_names_whose_memory_the_figures_are() {
+        let mut o = oom();
+        o.reserved = o.allocated;
+        o.process_resident = Some(100 << 20);
+        let text = |owner| OutOfMemory { owner, ..o.clone() }.to_string();
+        let machine = text(UsageOwner::Machine);
+        assert!(machine.contains("70.00 GiB is used by all processes on the machine and the kernel"), "{machine}");
+        assert!(
+            machine.contains("this process holds 100.00 MiB resident") && !machine.contains("by wick"),
+            "{machine}"
+        );
+        let rss = text(UsageOwner::ProcessResident);
+        assert!(rss.contains("this process holds 70.00 GiB (its resident set") && !rss.contains("by wick"), "{rss}");
+        assert!(!rss.contains("100.00 MiB"), "the resident set is not said twice: {rss}");
+        assert!(text(UsageOwner::Cgroup).contains("memory cgroup"));
+        assert!(text(UsageOwner::ProcessHeap).contains("allocated by this process's heap"));
+        assert!(text(UsageOwner::AddressSpace).contains("address-space limit"));
+        assert!(text(UsageOwner::Committed).contains("strict overcommit"));
+        assert!(text(UsageOwner::Allocator).contains("allocated by wick"));
     }
 }

@@ -9,7 +9,8 @@
 //! 2. Pre-flight, before a byte is downloaded: the disk space the missing bytes need on the
 //!    cache's file system, and the memory the weights (`.safetensors`) need on the engine given.
 //! 3. Downloads each missing file into `blobs/<checksum>.incomplete` (the name `huggingface_hub`
-//!    uses), resuming a partial file with an HTTP range request, retrying an interrupted
+//!    uses) under the blob's lock file (`.locks/…/<checksum>.lock`, `flock`ed as `huggingface_hub`
+//!    does: a second process fetching the same blob waits and then uses it), resuming a partial file with an HTTP range request, retrying an interrupted
 //!    transfer from where it stopped, hashing as it writes.
 //! 4. Checks size and checksum; a mismatch removes the download and is an error. Only then is
 //!    the file flushed and renamed to `blobs/<checksum>`, its snapshot link made (atomically), and,
@@ -109,6 +110,12 @@ pub enum FetchEvent {
     },
     /// Bytes written since the last event.
     Progress(u64),
+    /// Another process is downloading the file (it holds the blob's lock): this one waits, then
+    /// takes the blob it placed.
+    Waiting {
+        /// The file.
+        file: String,
+    },
     /// A transfer was interrupted and is retried from `at` bytes.
     Retrying {
         /// The file.
@@ -356,12 +363,19 @@ pub fn fetch(
     let snapshot = folder.join("snapshots").join(&listing.sha);
     let mut files = Vec::new();
     let mut downloaded_bytes = 0;
+    let locks = root.join(".locks").join(repo.folder_name());
     for w in &wanted {
         // Asked again: two files of the same content share one blob, placed by the first.
-        let was_cached = cached(w);
+        let mut was_cached = cached(w);
         if !was_cached {
-            let url = commit_repo.url(&w.name);
-            downloaded_bytes += client.download(&url, w, &partial(w), &blob(w), options.retries, progress)?;
+            // One writer per blob across processes; asked again once the lock is ours, since the
+            // holder it waited for may have placed the blob.
+            let _lock = lock_blob(&locks, w, progress)?;
+            was_cached = cached(w);
+            if !was_cached {
+                let url = commit_repo.url(&w.name);
+                downloaded_bytes += client.download(&url, w, &partial(w), &blob(w), options.retries, progress)?;
+            }
         }
         transfer::link(&snapshot, &w.name, &blob(w))?;
         progress(FetchEvent::Done { file: w.name.clone() });
@@ -375,6 +389,27 @@ pub fn fetch(
         wick::files::write_atomic(&r, listing.sha.as_bytes()).map_err(|e| invalid(&r.display().to_string(), e))?;
     }
     Ok(Fetched { snapshot, commit: listing.sha, files, downloaded_bytes })
+}
+
+/// The exclusive lock of blob `w`'s download, `.locks/<repo folder>/<checksum>.lock` under the
+/// cache (the file `huggingface_hub` locks, with the same `flock`, so a Python download of the
+/// same blob waits too); held until dropped. Waits for another holder, saying so.
+fn lock_blob(locks: &Path, w: &Wanted, progress: &mut dyn FnMut(FetchEvent)) -> Result<std::fs::File, ZooError> {
+    std::fs::create_dir_all(locks).map_err(|e| invalid(&locks.display().to_string(), e))?;
+    let path = locks.join(format!("{}.lock", w.check.hex()));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| invalid(&path.display().to_string(), e))?;
+    match file.try_lock() {
+        Ok(()) => return Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => progress(FetchEvent::Waiting { file: w.name.clone() }),
+        Err(std::fs::TryLockError::Error(e)) => return Err(invalid(&path.display().to_string(), e)),
+    }
+    file.lock().map_err(|e| invalid(&path.display().to_string(), e))?;
+    Ok(file)
 }
 
 /// Disk for the `missing` bytes on the blobs' file system; memory for the weights on `engine`.

@@ -287,16 +287,35 @@ impl Engine {
             return Ok(());
         }
         let budget = self.budget();
-        let allocated = self.allocated().bytes;
         self.ooms.fetch_add(1, Ordering::Relaxed);
         self.mark("refused by pre-flight");
-        Err(OutOfMemory::refused(format!("{} ({what})", self.name()), bytes)
+        Err(self
+            .with_usage(OutOfMemory::refused(format!("{} ({what})", self.name()), bytes))
             .with_device(budget.bytes, available)
-            .with_usage(allocated, self.reserved().bytes)
             .with_limit(self.user_limit(), budget.source == FigureSource::UserLimit)
             // Host memory has no cache to fragment: all that is available can be had at once.
             .with_largest_free_block(available)
             .into_error())
+    }
+
+    /// `oom` with this engine's usage figures and whose memory they are: the CUDA pool's (wick's
+    /// allocator), this process's heap where a wick global allocator counts it, else this
+    /// process's resident set (never called wick's).
+    pub(crate) fn with_usage(&self, oom: OutOfMemory) -> OutOfMemory {
+        let allocated = self.allocated();
+        let owner = match allocated.source {
+            FigureSource::CountingAllocator | FigureSource::CachingHeap => wick_memory::UsageOwner::ProcessHeap,
+            FigureSource::ProcessRss => wick_memory::UsageOwner::ProcessResident,
+            _ => wick_memory::UsageOwner::Allocator,
+        };
+        let oom = oom.with_usage(allocated.bytes, self.reserved().bytes).with_owner(owner);
+        match &self.kind {
+            Kind::Cpu if owner == wick_memory::UsageOwner::ProcessHeap => {
+                // The heap's "reserved" is not the resident set: say the heap's figure alone.
+                oom.with_usage(allocated.bytes, allocated.bytes).with_process_resident(host_memory::process_rss())
+            }
+            _ => oom,
+        }
     }
 
     /// Records a point of the memory timeline (shown in the HTML report).

@@ -64,17 +64,71 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 }
 
 /// Where wick puts outputs the user did not place: `$WICK_OUTPUT_DIR`, else
-/// `$XDG_CACHE_HOME/wick`, else `~/.cache/wick`, else the system temporary folder under a
-/// per-user name; created if missing. Never a fixed name shared by every user of `/tmp`.
+/// `$XDG_CACHE_HOME/wick`, else `~/.cache/wick`, else a private folder in the system's temporary
+/// folder ([`private_temp_dir`]); created if missing.
 pub fn output_dir() -> std::io::Result<PathBuf> {
     let dir = std::env::var_os("WICK_OUTPUT_DIR")
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("wick")))
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/wick")))
-        .unwrap_or_else(|| {
-            let user = std::env::var("USER").unwrap_or_else(|_| "user".into());
-            std::env::temp_dir().join(format!("wick-{user}"))
-        });
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/wick")));
+    match dir {
+        Some(dir) => {
+            std::fs::create_dir_all(&dir)?;
+            Ok(dir)
+        }
+        None => private_temp_dir(&std::env::temp_dir()),
+    }
+}
+
+/// `wick-<uid>` in `base` (the system's temporary folder, shared by every user), made private:
+/// created with mode 0700 if missing; if present, it must be a directory (not a symbolic link)
+/// owned by this user, and its mode is narrowed to 0700. Anything else is an error that names the
+/// folder and `WICK_OUTPUT_DIR`, before anything is written there: another user who made the
+/// folder first, or planted a link at its name, would otherwise receive wick's outputs (status
+/// files, job logs, reports) or redirect them.
+#[cfg(unix)]
+pub fn private_temp_dir(base: &Path) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::getuid() };
+    let dir = base.join(format!("wick-{uid}"));
+    let refuse = |why: String| {
+        std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "{} {why}, so wick will not write its outputs there; set WICK_OUTPUT_DIR to a folder \
+                 of your own (or HOME / XDG_CACHE_HOME)",
+                dir.display()
+            ),
+        )
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e),
+    }
+    // Not followed: a link planted at the name is refused, not trusted.
+    let meta = std::fs::symlink_metadata(&dir)?;
+    if meta.file_type().is_symlink() {
+        return Err(refuse("is a symbolic link".into()));
+    }
+    if !meta.is_dir() {
+        return Err(refuse("is not a folder".into()));
+    }
+    if meta.uid() != uid {
+        return Err(refuse(format!("belongs to another user (uid {}, this process runs as uid {uid})", meta.uid())));
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    Ok(dir)
+}
+
+/// `wick-<user>` in `base`, created if missing (no owner to check on this platform).
+#[cfg(not(unix))]
+pub fn private_temp_dir(base: &Path) -> std::io::Result<PathBuf> {
+    let user = std::env::var("USERNAME").unwrap_or_else(|_| "user".into());
+    let dir = base.join(format!("wick-{user}"));
     std::fs::create_dir_all(&dir)?;
     Ok(dir)
 }
@@ -121,5 +175,44 @@ mod tests {
         let d = dir("missing");
         assert!(write_atomic(&d.join("no/such/folder/x"), b"x").is_err());
         std::fs::remove_dir_all(&d).ok();
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn the_temporary_fallback_is_private_and_refuses_a_planted_link_or_another_users_folder() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        // SAFETY: getuid has no preconditions.
+        let uid = unsafe { libc::getuid() };
+        let base = dir("private");
+        let name = format!("wick-{uid}");
+        // Made fresh: mode 0700, this user's.
+        let made = private_temp_dir(&base).unwrap();
+        assert_eq!(made, base.join(&name));
+        let meta = std::fs::metadata(&made).unwrap();
+        assert_eq!((meta.mode() & 0o777, meta.uid()), (0o700, uid));
+        // Present and this user's but open to others: narrowed to 0700.
+        std::fs::set_permissions(&made, std::fs::Permissions::from_mode(0o777)).unwrap();
+        private_temp_dir(&base).unwrap();
+        assert_eq!(std::fs::metadata(&made).unwrap().mode() & 0o777, 0o700);
+        // A link planted at the name (to a folder the planter reads): refused, nothing written.
+        std::fs::remove_dir(&made).unwrap();
+        let target = base.join("planted");
+        std::fs::create_dir(&target).unwrap();
+        std::os::unix::fs::symlink(&target, &made).unwrap();
+        let err = private_temp_dir(&base).unwrap_err().to_string();
+        assert!(err.contains("symbolic link") && err.contains("WICK_OUTPUT_DIR") && err.contains(&name), "{err}");
+        assert_eq!(std::fs::read_dir(&target).unwrap().count(), 0);
+        std::fs::remove_file(&made).unwrap();
+        // A folder of another user at the name: refused (made by chown, which needs root: CI
+        // runs as root).
+        if uid == 0 {
+            std::fs::create_dir(&made).unwrap();
+            std::os::unix::fs::chown(&made, Some(65534), Some(65534)).unwrap();
+            let err = private_temp_dir(&base).unwrap_err().to_string();
+            assert!(err.contains("another user (uid 65534") && err.contains("WICK_OUTPUT_DIR"), "{err}");
+        } else {
+            eprintln!("\n!!!!!!!! SKIPPED: another user's folder needs root to make (uid {uid})\n");
+        }
+        std::fs::remove_dir_all(&base).ok();
     }
 }

@@ -224,18 +224,43 @@ pub fn host_available() -> usize {
 
 /// Pre-flight on the host without an engine: `OutOfMemory` (with advice) when `bytes` for `what`
 /// exceed [`host_available`], before anything is allocated. candle's CPU allocations cannot fail
-/// (an over-budget `Vec` aborts the process), so constructors and loaders call this first.
+/// (an over-budget `Vec` aborts the process), so constructors and loaders call this first. The
+/// refusal's figures are the limit's that refused (the machine's, the cgroup's, ...) and say so,
+/// with this process's resident set beside them.
 pub fn preflight_host(bytes: usize, what: &str) -> Result<(), wick_memory::MemoryError> {
-    let available = host_available();
+    use wick_alloc_check::Bound;
+    use wick_memory::UsageOwner;
+    let Some((available, room, host)) = wick_alloc_check::available() else {
+        return Ok(());
+    };
     if bytes <= available {
         return Ok(());
     }
-    let (budget, source) = host_budget();
-    let used = budget.saturating_sub(available);
+    // (capacity, used, whose) of the limit that refused.
+    let (capacity, used, owner) = match room.bound {
+        Bound::Machine => {
+            let total = host.total.unwrap_or(room.bytes);
+            (total, total.saturating_sub(room.bytes), UsageOwner::Machine)
+        }
+        Bound::Cgroup => {
+            let c = host.cgroup.unwrap_or(wick_alloc_check::CgroupMemory { usage: 0, limit: None, inactive_file: 0 });
+            (c.limit.unwrap_or(0), c.working_set(), UsageOwner::Cgroup)
+        }
+        Bound::AddressSpace => {
+            let (limit, mapped) = host.address_space.unwrap_or((0, 0));
+            (limit, mapped, UsageOwner::AddressSpace)
+        }
+        Bound::CommitLimit => {
+            let (limit, committed) = host.commit.unwrap_or((0, 0));
+            (limit, committed, UsageOwner::Committed)
+        }
+    };
     Err(wick_memory::OutOfMemory::refused(format!("cpu ({what})"), bytes)
-        .with_device(budget, available)
+        .with_device(capacity, available)
         .with_usage(used, used)
-        .with_limit(None, source == FigureSource::Cgroup)
+        .with_owner(owner)
+        .with_process_resident(process_rss())
+        .with_limit(None, room.bound == Bound::Cgroup)
         .with_largest_free_block(available)
         .into_error())
 }

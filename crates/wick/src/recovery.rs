@@ -64,9 +64,9 @@ impl Engine {
             candidate = lo + (hi - lo).div_ceil(2);
         }
         if lo == 0 {
-            return Err(wick_memory::OutOfMemory::refused(format!("{} (a step at batch 1)", self.name()), 0)
+            return Err(self
+                .with_usage(wick_memory::OutOfMemory::refused(format!("{} (a step at batch 1)", self.name()), 0))
                 .with_device(self.budget().bytes, self.available())
-                .with_usage(self.allocated().bytes, self.reserved().bytes)
                 .into_error()
                 .into());
         }

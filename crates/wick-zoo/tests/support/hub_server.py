@@ -4,7 +4,7 @@ from a folder, with the routes and headers of huggingface.co that a client uses 
 with `blobs=true`, `resolve` with ranges), and faults on demand.
 
     hub_server.py --repo org/name --dir FOLDER [--interrupt FILE:BYTES:TIMES] [--corrupt FILE]
-                  [--no-range] [--evil-name]
+                  [--no-range] [--evil-name] [--slow FILE:SECONDS]
 
 Prints `PORT <n>` once it listens. LFS files (weights) are listed with their SHA-256, others with
 their git blob id, as the hub does."""
@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlparse
 
@@ -25,6 +26,7 @@ parser.add_argument("--interrupt", help="FILE:BYTES:TIMES: the first TIMES respo
 parser.add_argument("--corrupt", help="FILE served with one byte changed")
 parser.add_argument("--no-range", action="store_true", help="ignore Range headers")
 parser.add_argument("--evil-name", action="store_true", help="list a file named ../../evil.json")
+parser.add_argument("--slow", help="FILE:SECONDS: FILE's body sent in 20 pieces over SECONDS")
 args = parser.parse_args()
 
 COMMIT = hashlib.sha1(args.repo.encode()).hexdigest()
@@ -41,6 +43,10 @@ for base, _, names in os.walk(args.dir):
 siblings = [e for e, _ in files.values()]
 if args.evil_name:
     siblings.append({"rfilename": "../../evil.json", "size": 2, "blobId": "0" * 40})
+slow = {}
+if args.slow:
+    name, seconds = args.slow.rsplit(":", 1)
+    slow[name] = float(seconds)
 interrupts = {}
 if args.interrupt:
     name, nbytes, times = args.interrupt.rsplit(":", 2)
@@ -107,6 +113,13 @@ class Hub(BaseHTTPRequestHandler):
                 self.wfile.write(body[:stop])
                 self.wfile.flush()
                 self.connection.shutdown(2)
+                return
+            if name in slow:
+                piece = max(len(body) // 20, 1)
+                for i in range(0, len(body), piece):
+                    self.wfile.write(body[i:i + piece])
+                    self.wfile.flush()
+                    time.sleep(slow[name] / 20)
                 return
             self.wfile.write(body)
             return
