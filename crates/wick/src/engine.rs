@@ -269,7 +269,9 @@ impl Engine {
     }
 
     /// Bytes that can still be allocated under the budget. Under a user limit the engine's own
-    /// allocated figure counts; otherwise what the container charges (cgroup usage, else RSS).
+    /// allocated figure counts; on the CPU otherwise what the host can give now
+    /// ([`host_memory::host_available`]: the machine, the cgroup, `ulimit -v`, the commit
+    /// limit); on CUDA the budget less the pool's reserved bytes.
     pub fn available(&self) -> usize {
         let used = match &self.kind {
             Kind::Cpu if self.user_limit().is_some() => self.allocated().bytes,

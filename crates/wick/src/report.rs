@@ -129,7 +129,7 @@ impl std::fmt::Display for MemoryReport {
             line("peak", peak)?;
         }
         line("budget", &self.budget)?;
-        writeln!(f, "  {:<10} {:>12}  budget minus use", "available", format_bytes(self.available as u64))?;
+        writeln!(f, "  {:<10} {:>12}  what can still be had now", "available", format_bytes(self.available as u64))?;
         if !self.holdings.is_empty() {
             writeln!(f, "  held by (as accounted by their owners)")?;
             for h in &self.holdings {
