@@ -27,13 +27,19 @@ pub enum Bound {
     CommitLimit,
 }
 
-/// How much a new allocation can have now, and what limits it.
+/// How much a new allocation can have now, and the limit that sets it, with that limit's own
+/// figures: `bytes` is `limit` less `used`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Room {
     /// Bytes.
     pub bytes: usize,
     /// The tightest of the limits.
     pub bound: Bound,
+    /// The limit's size: `MemTotal` (the machine), the cgroup's limit, `ulimit -v`, `CommitLimit`.
+    pub limit: usize,
+    /// What counts against it: all processes' and the kernel's use (`MemTotal` less
+    /// `MemAvailable`), the cgroup's working set, this process's mappings, `Committed_AS`.
+    pub used: usize,
 }
 
 /// The host's memory figures at one moment, each `None` where the system does not say.
@@ -49,7 +55,7 @@ pub struct HostMemory {
     pub address_space: Option<(usize, usize)>,
     /// (`CommitLimit`, `Committed_AS`), under strict overcommit only.
     pub commit: Option<(usize, usize)>,
-    /// This process's resident set (`VmRSS`).
+    /// This process's resident set ([`process_resident`]), read for a refusal's text only.
     pub resident: Option<usize>,
 }
 
@@ -59,58 +65,46 @@ impl HostMemory {
     /// has a limit. About 30 microseconds; `resident` is left for [`HostMemory::with_resident`].
     pub fn read() -> Self {
         let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-        let field = |key| meminfo_field(&meminfo, key);
-        HostMemory {
-            total: field("MemTotal"),
-            available: field("MemAvailable"),
-            cgroup: own_limited_cgroup(),
-            address_space: address_space_limit().and_then(|limit| Some((limit, statm_bytes(0)?))),
-            commit: strict_overcommit().then(|| field("CommitLimit").zip(field("Committed_AS"))).flatten(),
-            resident: None,
-        }
+        let address_space = address_space_limit().and_then(|limit| Some((limit, statm_bytes(0)?)));
+        Self::from_meminfo(&meminfo, strict_overcommit(), address_space, own_limited_cgroup())
     }
 
     /// These figures with this process's resident set read now (for a refusal's text).
     pub fn with_resident(self) -> Self {
-        HostMemory { resident: statm_bytes(1), ..self }
+        HostMemory { resident: process_resident(), ..self }
     }
 
-    /// The figures from the texts of `/proc/meminfo`, `/proc/self/status`, `/proc/self/limits`
-    /// and `/proc/sys/vm/overcommit_memory`, and the cgroup's figures.
-    pub fn from_texts(
+    /// The figures from a `/proc/meminfo` text (the commit figures only under `strict`
+    /// overcommit), the address-space limit with the bytes mapped, and the cgroup's figures.
+    pub fn from_meminfo(
         meminfo: &str,
-        status: &str,
-        limits: &str,
-        overcommit: &str,
+        strict: bool,
+        address_space: Option<(usize, usize)>,
         cgroup: Option<CgroupMemory>,
     ) -> Self {
         let field = |key| meminfo_field(meminfo, key);
-        let commit = match overcommit.trim() {
-            "2" => field("CommitLimit").zip(field("Committed_AS")),
-            _ => None,
-        };
         HostMemory {
             total: field("MemTotal"),
             available: field("MemAvailable"),
             cgroup,
-            address_space: limits_address_space(limits).zip(meminfo_field(status, "VmSize")),
-            commit,
-            resident: meminfo_field(status, "VmRSS"),
+            address_space,
+            commit: strict.then(|| field("CommitLimit").zip(field("Committed_AS"))).flatten(),
+            resident: None,
         }
     }
 
     /// The bytes a new allocation can have now: the tightest of the limits that are known;
     /// `None` when none is (no `/proc`: nothing to check against).
     pub fn room(&self) -> Option<Room> {
-        let machine = self.available.map(|b| (b, Bound::Machine));
-        let cgroup = self.cgroup.and_then(|c| Some((c.limit?.saturating_sub(c.working_set()), Bound::Cgroup)));
-        let address = self.address_space.map(|(limit, mapped)| (limit.saturating_sub(mapped), Bound::AddressSpace));
-        let commit = self.commit.map(|(limit, committed)| (limit.saturating_sub(committed), Bound::CommitLimit));
-        [machine, cgroup, address, commit]
-            .into_iter()
-            .flatten()
-            .min_by_key(|(bytes, _)| *bytes)
-            .map(|(bytes, bound)| Room { bytes, bound })
+        let room = |bound, limit: usize, used: usize| Room { bytes: limit.saturating_sub(used), bound, limit, used };
+        let machine = self.available.map(|a| {
+            let total = self.total.unwrap_or(a);
+            Room { bytes: a, bound: Bound::Machine, limit: total, used: total.saturating_sub(a) }
+        });
+        let cgroup = self.cgroup.and_then(|c| Some(room(Bound::Cgroup, c.limit?, c.working_set())));
+        let address = self.address_space.map(|(limit, mapped)| room(Bound::AddressSpace, limit, mapped));
+        let commit = self.commit.map(|(limit, committed)| room(Bound::CommitLimit, limit, committed));
+        [machine, cgroup, address, commit].into_iter().flatten().min_by_key(|r| r.bytes)
     }
 
     /// The refusal of `bytes` for `what` (e.g. `a candle CPU tensor`) when `room` is all the host
@@ -131,43 +125,34 @@ impl HostMemory {
                 "make it smaller (a smaller batch or shape), drop tensors you no longer need, or free \
                  memory elsewhere on the machine",
             ),
-            Bound::Cgroup => {
-                let c = self.cgroup.unwrap_or(CgroupMemory { usage: 0, limit: None, inactive_file: 0 });
-                (
-                    format!(
-                        "this process's memory cgroup (its container or job) is limited to {} and its \
-                         processes use {} of it (without reclaimable file cache){resident}{held}",
-                        b(c.limit.unwrap_or(0)),
-                        b(c.working_set())
-                    ),
-                    "make it smaller (a smaller batch or shape), drop tensors you no longer need, or \
-                     give the job a higher memory limit",
-                )
-            }
-            Bound::AddressSpace => {
-                let (limit, mapped) = self.address_space.unwrap_or((0, 0));
-                (
-                    format!(
-                        "the address-space limit (ulimit -v) is {} and this process maps {} already{resident}",
-                        b(limit),
-                        b(mapped)
-                    ),
-                    "make it smaller or raise the limit (`ulimit -v`)",
-                )
-            }
-            Bound::CommitLimit => {
-                let (limit, committed) = self.commit.unwrap_or((0, 0));
-                (
-                    format!(
-                        "the kernel's commit limit (vm.overcommit_memory=2) is {} and {} is committed by \
-                         all processes{resident}",
-                        b(limit),
-                        b(committed)
-                    ),
-                    "make it smaller, or ask the machine's administrator for more swap or a higher \
-                     vm.overcommit_ratio",
-                )
-            }
+            Bound::Cgroup => (
+                format!(
+                    "this process's memory cgroup (its container or job) is limited to {} and its \
+                     processes use {} of it (without reclaimable file cache){resident}{held}",
+                    b(room.limit),
+                    b(room.used)
+                ),
+                "make it smaller (a smaller batch or shape), drop tensors you no longer need, or \
+                 give the job a higher memory limit",
+            ),
+            Bound::AddressSpace => (
+                format!(
+                    "the address-space limit (ulimit -v) is {} and this process maps {} already{resident}",
+                    b(room.limit),
+                    b(room.used)
+                ),
+                "make it smaller or raise the limit (`ulimit -v`)",
+            ),
+            Bound::CommitLimit => (
+                format!(
+                    "the kernel's commit limit (vm.overcommit_memory=2) is {} and {} is committed by \
+                     all processes{resident}",
+                    b(room.limit),
+                    b(room.used)
+                ),
+                "make it smaller, or ask the machine's administrator for more swap or a higher \
+                 vm.overcommit_ratio",
+            ),
         };
         format!(
             "out of memory on cpu ({what}): tried to allocate {}, and at most {} can be had now: {limit}. \
@@ -191,12 +176,6 @@ pub fn meminfo_field(text: &str, key: &str) -> Option<usize> {
     kib.checked_mul(1024)
 }
 
-/// The soft "Max address space" of a `/proc/self/limits` text, when it is not `unlimited`.
-fn limits_address_space(limits: &str) -> Option<usize> {
-    let line = limits.lines().find(|l| l.starts_with("Max address space"))?;
-    line.trim_start_matches("Max address space").split_whitespace().next()?.parse().ok()
-}
-
 /// This process's soft address-space limit (`ulimit -v`), when one is set.
 #[cfg(unix)]
 fn address_space_limit() -> Option<usize> {
@@ -211,9 +190,27 @@ fn address_space_limit() -> Option<usize> {
     None
 }
 
-/// Field `index` of `/proc/self/statm` (0: the mapped size, 1: the resident set), in bytes.
+/// This process's resident set (`/proc/self/statm`), in bytes.
+pub fn process_resident() -> Option<usize> {
+    statm_bytes(1)
+}
+
+/// Field `index` of `/proc/self/statm` (0: the mapped size, 1: the resident set), in bytes. Read
+/// into the stack, not a `String`: the resident set is taken while heaps are measured (timeline
+/// marks, an engine's status publisher), and taking it must not move them.
 fn statm_bytes(index: usize) -> Option<usize> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    use std::io::Read;
+    let mut buf = [0u8; 256];
+    let mut file = std::fs::File::open("/proc/self/statm").ok()?;
+    let mut len = 0;
+    while len < buf.len() {
+        match file.read(&mut buf[len..]) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(_) => return None,
+        }
+    }
+    let statm = std::str::from_utf8(&buf[..len]).ok()?;
     let pages: usize = statm.split_whitespace().nth(index)?.parse().ok()?;
     pages.checked_mul(page_size())
 }
@@ -244,8 +241,6 @@ mod tests {
     const MEMINFO: &str = "MemTotal:       16384 kB\nMemFree:  10 kB\nMemAvailable:   8192 kB\n\
                            CommitLimit:     4096 kB\nCommitted_AS:    3072 kB\n";
     const STATUS: &str = "Name:\ttest\nVmSize:\t    2048 kB\nVmRSS:\t     512 kB\n";
-    const NO_LIMITS: &str = "Limit                     Soft Limit           Hard Limit           Units\n\
-                             Max address space         unlimited            unlimited            bytes\n";
 
     #[test]
     fn meminfo_fields_are_bytes_and_missing_ones_none() {
@@ -260,31 +255,35 @@ mod tests {
     #[test]
     fn the_tightest_known_limit_binds() {
         let kib = 1024;
-        // Only the machine: MemAvailable.
-        let host = HostMemory::from_texts(MEMINFO, STATUS, NO_LIMITS, "0\n", None);
-        assert_eq!(host.room(), Some(Room { bytes: 8192 * kib, bound: Bound::Machine }));
-        assert_eq!((host.commit, host.address_space, host.resident), (None, None, Some(512 * kib)));
+        let room = |bytes, bound, limit, used| Some(Room { bytes, bound, limit, used });
+        // Only the machine: MemAvailable, of MemTotal.
+        let host = HostMemory::from_meminfo(MEMINFO, false, None, None);
+        assert_eq!(host.room(), room(8192 * kib, Bound::Machine, 16384 * kib, 8192 * kib));
+        assert_eq!((host.commit, host.address_space, host.resident), (None, None, None));
         // Strict overcommit: CommitLimit - Committed_AS = 1 MiB.
-        let host = HostMemory::from_texts(MEMINFO, STATUS, NO_LIMITS, "2\n", None);
-        assert_eq!(host.room(), Some(Room { bytes: 1024 * kib, bound: Bound::CommitLimit }));
+        let host = HostMemory::from_meminfo(MEMINFO, true, None, None);
+        assert_eq!(host.room(), room(1024 * kib, Bound::CommitLimit, 4096 * kib, 3072 * kib));
         // ulimit -v of 2.5 MiB with 2 MiB mapped: 0.5 MiB.
-        let limits = "Max address space         2621440              unlimited            bytes\n";
-        let host = HostMemory::from_texts(MEMINFO, STATUS, limits, "2\n", None);
-        assert_eq!(host.room(), Some(Room { bytes: 512 * kib, bound: Bound::AddressSpace }));
+        let host = HostMemory::from_meminfo(MEMINFO, true, Some((2560 * kib, 2048 * kib)), None);
+        assert_eq!(host.room(), room(512 * kib, Bound::AddressSpace, 2560 * kib, 2048 * kib));
         // A cgroup limited to 300 KiB whose working set is 200 KiB (250 charged, 50 inactive cache).
         let cgroup = CgroupMemory { usage: 250 * kib, limit: Some(300 * kib), inactive_file: 50 * kib };
-        let host = HostMemory::from_texts(MEMINFO, STATUS, limits, "2\n", Some(cgroup));
-        assert_eq!(host.room(), Some(Room { bytes: 100 * kib, bound: Bound::Cgroup }));
+        let host = HostMemory::from_meminfo(MEMINFO, true, Some((2560 * kib, 2048 * kib)), Some(cgroup));
+        assert_eq!(host.room(), room(100 * kib, Bound::Cgroup, 300 * kib, 200 * kib));
         // A cgroup without a limit does not bind; nothing known is no room figure at all.
         let unlimited = CgroupMemory { limit: None, ..cgroup };
-        let host = HostMemory::from_texts(MEMINFO, STATUS, NO_LIMITS, "0", Some(unlimited));
+        let host = HostMemory::from_meminfo(MEMINFO, false, None, Some(unlimited));
         assert_eq!(host.room().map(|r| r.bound), Some(Bound::Machine));
-        assert_eq!(HostMemory::from_texts("", "", "", "", None).room(), None);
+        assert_eq!(HostMemory::from_meminfo("", false, None, None).room(), None);
+        // The live figures: this process's own resident set and a machine to check against.
+        assert!(process_resident().is_some_and(|r| r > 0));
+        assert!(HostMemory::read().room().is_some());
     }
 
     #[test]
     fn a_refusal_names_whose_memory_each_figure_is() {
-        let host = HostMemory::from_texts(MEMINFO, STATUS, NO_LIMITS, "0", None);
+        let resident = meminfo_field(STATUS, "VmRSS");
+        let host = HostMemory { resident, ..HostMemory::from_meminfo(MEMINFO, false, None, None) };
         let room = host.room().unwrap();
         let text = host.refusal("a candle CPU tensor", 1 << 40, 0, room);
         assert!(text.starts_with("out of memory on cpu (a candle CPU tensor): tried to allocate 1.00 TiB"), "{text}");
@@ -295,7 +294,7 @@ mod tests {
         let text = host.refusal("a candle CPU tensor", 1 << 40, 3 << 20, room);
         assert!(text.contains("at most 11.00 MiB can be had") && text.contains("3.00 MiB freed for reuse"), "{text}");
         let cgroup = CgroupMemory { usage: 250 << 10, limit: Some(300 << 10), inactive_file: 50 << 10 };
-        let host = HostMemory::from_texts(MEMINFO, STATUS, NO_LIMITS, "0", Some(cgroup));
+        let host = HostMemory::from_meminfo(MEMINFO, false, None, Some(cgroup));
         let text = host.refusal("x", 1 << 30, 0, host.room().unwrap());
         assert!(text.contains("limited to 300.00 KiB and its processes use 200.00 KiB"), "{text}");
         assert!(text.contains("higher memory limit"), "{text}");

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 pub use cgroup::{cgroup_memory, cgroup_memory_in, CgroupMemory};
 pub use format::format_bytes;
-pub use host::{meminfo_bytes, Bound, HostMemory, Room};
+pub use host::{meminfo_bytes, process_resident, Bound, HostMemory, Room};
 
 /// Buffers smaller than this pass at once: one cannot exhaust the host by itself, and reading
 /// the host's figures costs tens of microseconds.

@@ -304,19 +304,19 @@ impl Engine {
     /// allocator), this process's heap where a wick global allocator counts it, else this
     /// process's resident set (never called wick's).
     pub(crate) fn with_usage(&self, oom: OutOfMemory) -> OutOfMemory {
+        use wick_memory::UsageOwner;
         let allocated = self.allocated();
-        let owner = match allocated.source {
-            FigureSource::CountingAllocator | FigureSource::CachingHeap => wick_memory::UsageOwner::ProcessHeap,
-            FigureSource::ProcessRss => wick_memory::UsageOwner::ProcessResident,
-            _ => wick_memory::UsageOwner::Allocator,
-        };
-        let oom = oom.with_usage(allocated.bytes, self.reserved().bytes).with_owner(owner);
-        match &self.kind {
-            Kind::Cpu if owner == wick_memory::UsageOwner::ProcessHeap => {
-                // The heap's "reserved" is not the resident set: say the heap's figure alone.
-                oom.with_usage(allocated.bytes, allocated.bytes).with_process_resident(host_memory::process_rss())
+        match allocated.source {
+            // The heap's figure alone (the engine's CPU "reserved" is the resident set, not the
+            // heap's), with the resident set beside it.
+            FigureSource::CountingAllocator | FigureSource::CachingHeap => oom
+                .with_usage(allocated.bytes, allocated.bytes)
+                .with_owner(UsageOwner::ProcessHeap)
+                .with_process_resident(host_memory::process_rss()),
+            FigureSource::ProcessRss => {
+                oom.with_usage(allocated.bytes, self.reserved().bytes).with_owner(UsageOwner::ProcessResident)
             }
-            _ => oom,
+            _ => oom.with_usage(allocated.bytes, self.reserved().bytes),
         }
     }
 

@@ -186,26 +186,10 @@ pub fn reset_counted_peak() {
     PEAK.store(ALLOCATED.load(Ordering::Relaxed), Ordering::Relaxed);
 }
 
-/// The process's resident set in bytes.
+/// The process's resident set in bytes (read without allocating; owned by
+/// [`wick_alloc_check::process_resident`]).
 pub fn process_rss() -> Option<usize> {
-    use std::io::Read;
-    // Read into the stack, not a String: the figure is taken while heaps are measured (timeline
-    // marks, the engine's status publisher), and taking it must not move them.
-    let mut buf = [0u8; 256];
-    let mut file = std::fs::File::open("/proc/self/statm").ok()?;
-    let mut len = 0;
-    while len < buf.len() {
-        match file.read(&mut buf[len..]) {
-            Ok(0) => break,
-            Ok(n) => len += n,
-            Err(_) => return None,
-        }
-    }
-    let statm = std::str::from_utf8(&buf[..len]).ok()?;
-    let pages: usize = statm.split_whitespace().nth(1)?.parse().ok()?;
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    Some(pages * usize::try_from(page).ok()?)
+    wick_alloc_check::process_resident()
 }
 
 /// The process's memory cgroup (usage, limit), v2 or v1, the limit the tightest along its own
@@ -230,34 +214,22 @@ pub fn host_available() -> usize {
 pub fn preflight_host(bytes: usize, what: &str) -> Result<(), wick_memory::MemoryError> {
     use wick_alloc_check::Bound;
     use wick_memory::UsageOwner;
-    let Some((available, room, host)) = wick_alloc_check::available() else {
+    let Some((available, room, _)) = wick_alloc_check::available() else {
         return Ok(());
     };
     if bytes <= available {
         return Ok(());
     }
-    // (capacity, used, whose) of the limit that refused.
-    let (capacity, used, owner) = match room.bound {
-        Bound::Machine => {
-            let total = host.total.unwrap_or(room.bytes);
-            (total, total.saturating_sub(room.bytes), UsageOwner::Machine)
-        }
-        Bound::Cgroup => {
-            let c = host.cgroup.unwrap_or(wick_alloc_check::CgroupMemory { usage: 0, limit: None, inactive_file: 0 });
-            (c.limit.unwrap_or(0), c.working_set(), UsageOwner::Cgroup)
-        }
-        Bound::AddressSpace => {
-            let (limit, mapped) = host.address_space.unwrap_or((0, 0));
-            (limit, mapped, UsageOwner::AddressSpace)
-        }
-        Bound::CommitLimit => {
-            let (limit, committed) = host.commit.unwrap_or((0, 0));
-            (limit, committed, UsageOwner::Committed)
-        }
+    // Whose memory the limit that refused counts.
+    let owner = match room.bound {
+        Bound::Machine => UsageOwner::Machine,
+        Bound::Cgroup => UsageOwner::Cgroup,
+        Bound::AddressSpace => UsageOwner::AddressSpace,
+        Bound::CommitLimit => UsageOwner::Committed,
     };
     Err(wick_memory::OutOfMemory::refused(format!("cpu ({what})"), bytes)
-        .with_device(capacity, available)
-        .with_usage(used, used)
+        .with_device(room.limit, available)
+        .with_usage(room.used, room.used)
         .with_owner(owner)
         .with_process_resident(process_rss())
         .with_limit(None, room.bound == Bound::Cgroup)
