@@ -68,6 +68,8 @@ struct Header {
     block_size: usize,
     requested: usize,
     stream: u64,
+    /// Bytes of this block whose pages were handed back ([`release_pages`]): not counted live.
+    released: usize,
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER);
@@ -238,6 +240,7 @@ impl CachingHeap {
             block_size: block.block_size,
             requested: block.requested,
             stream: block.stream.0,
+            released: 0,
         };
         debug_assert_eq!(block.addr as usize % BLOCK_ALIGNMENT, 0, "cache blocks are 512-aligned");
         let user = (block.addr as usize + pre) as *mut u8;
@@ -277,6 +280,7 @@ impl CachingHeap {
             block_size: total,
             requested: layout.size(),
             stream: 0,
+            released: 0,
         };
         // SAFETY: as above; `pre ≥ HEADER` and `pre` is a multiple of 64.
         unsafe { user.sub(HEADER).cast::<Header>().write(header) };
@@ -374,14 +378,14 @@ unsafe impl GlobalAlloc for CachingHeap {
                 if h.magic == MAGIC_SYSTEM {
                     record_heap_event(HeapAction::Free, ptr, layout.size());
                     self.system_large.fetch_sub(layout.size(), Ordering::Relaxed);
-                    self.live.fetch_sub(layout.size(), Ordering::Relaxed);
+                    self.live.fetch_sub(layout.size() - h.released, Ordering::Relaxed);
                 }
                 // SAFETY: `serve_system` allocated `pre + size` bytes aligned to `pre` at `ptr - pre`.
                 unsafe { System.dealloc(ptr.sub(pre), Layout::from_size_align_unchecked(layout.size() + pre, pre)) }
             }
             MAGIC_CACHE => {
                 record_heap_event(HeapAction::Free, ptr, layout.size());
-                self.live.fetch_sub(layout.size(), Ordering::Relaxed);
+                self.live.fetch_sub(layout.size() - h.released, Ordering::Relaxed);
                 let block = RawBlock {
                     owner: h.owner,
                     slot: h.slot,
@@ -430,4 +434,82 @@ unsafe impl GlobalAlloc for CachingHeap {
         }
         p
     }
+}
+
+/// The page size, read once.
+fn page_size() -> usize {
+    static PAGE: OnceLock<usize> = OnceLock::new();
+    // SAFETY: sysconf has no preconditions.
+    *PAGE.get_or_init(|| usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1))
+}
+
+/// The header of the live large block at `start` when the installed caching heap served it.
+///
+/// # Safety
+/// `start` is the address a global-allocator request of `bytes` bytes returned, still live.
+unsafe fn own_header(start: *mut u8, bytes: usize) -> Option<*mut Header> {
+    CachingHeap::installed()?;
+    if bytes < LARGE_REQUEST {
+        return None;
+    }
+    // SAFETY: the installed caching heap is the global allocator and served this large
+    // request, so its header sits in front of `start`.
+    let h = unsafe { start.sub(HEADER).cast::<Header>() };
+    // SAFETY: as above.
+    let magic = unsafe { (*h).magic };
+    (magic == MAGIC_CACHE || magic == MAGIC_SYSTEM).then_some(h)
+}
+
+/// Hands the whole pages inside the live allocation at `start` (`bytes` long) back to the
+/// operating system (`madvise(MADV_DONTNEED)`): the allocation stays valid and reads as zeros
+/// until written again, and the caching heap, when it is the global allocator, no longer counts
+/// those bytes as live ([`reclaim_pages`] counts them again before they are written). Returns
+/// the bytes handed back (0 for a buffer smaller than a page).
+///
+/// Why pages and not a smaller buffer: a tensor's storage cannot shrink under the shapes that
+/// refer to it, and a storage that reads as zeros is never undefined behaviour, where a
+/// shorter one would be for any kernel that trusts the shape.
+///
+/// # Safety
+/// `start` is the address a request of `bytes` bytes to the global allocator returned, still
+/// live and not accessed by anyone else during the call, and all-zero bytes are a valid value
+/// of what it holds.
+pub unsafe fn release_pages(start: *mut u8, bytes: usize) -> usize {
+    let page = page_size();
+    let (lo, hi) = ((start as usize).next_multiple_of(page), (start as usize + bytes) / page * page);
+    if hi <= lo {
+        return 0;
+    }
+    // SAFETY: [lo, hi) lies inside the allocation, which the caller holds exclusively; private
+    // anonymous pages read as zeros after this.
+    if unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED) } != 0 {
+        return 0;
+    }
+    // SAFETY: forwarded contract.
+    if let Some(h) = unsafe { own_header(start, bytes) } {
+        // SAFETY: the header is the block's own and the caller holds the block exclusively.
+        let newly = (hi - lo).saturating_sub(unsafe { (*h).released });
+        // SAFETY: as above.
+        unsafe { (*h).released += newly };
+        if let Some(heap) = CachingHeap::installed() {
+            heap.live.fetch_sub(newly, Ordering::Relaxed);
+        }
+    }
+    hi - lo
+}
+
+/// Counts again, as live, the bytes [`release_pages`] handed back from the allocation at
+/// `start` (call it before writing the allocation again). Returns those bytes.
+///
+/// # Safety
+/// As [`release_pages`].
+pub unsafe fn reclaim_pages(start: *mut u8, bytes: usize) -> usize {
+    // SAFETY: forwarded contract.
+    let Some(h) = (unsafe { own_header(start, bytes) }) else { return 0 };
+    // SAFETY: the header is the block's own and the caller holds the block exclusively.
+    let released = std::mem::take(unsafe { &mut (*h).released });
+    if let Some(heap) = CachingHeap::installed() {
+        heap.count(released);
+    }
+    released
 }

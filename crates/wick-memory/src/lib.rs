@@ -52,7 +52,7 @@ pub use config::{
     alloc_conf_env, AllocatorConfig, MemoryLimit, ALLOC_CONF_VARS, MAX_POWER2_DIVISIONS, POWER2_INTERVALS,
 };
 pub use error::{MemoryError, OutOfMemory, Result, UsageOwner};
-pub use heap::{CachingHeap, LARGE_REQUEST};
+pub use heap::{reclaim_pages, release_pages, CachingHeap, LARGE_REQUEST};
 pub use heap_history::{
     heap_history, heap_history_position, heap_history_recording, record_heap_event, start_heap_history,
     stop_heap_history, HeapAction, HeapEvent, HeapHistory, HistoryRecorder, LabelHolding, Lifetime,

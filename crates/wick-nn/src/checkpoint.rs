@@ -9,6 +9,11 @@
 //! the parameters' gradients aside. [`Checkpointing::backward`] runs the whole backward pass and
 //! merges those into the gradient store, so callers see the same gradients as without
 //! checkpointing.
+//!
+//! The same segments are where parameters sharded over processes (ZeRO stage 3, in wick-train)
+//! come whole: a context made with [`Checkpointing::sharded`] asks its [`ShardedBlocks`] for a
+//! block's full parameters just before the block runs forward, drops them after it, asks again
+//! in backward, and hands the block's parameter gradients over as soon as its backward is done.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,11 +30,25 @@ pub type SegmentFn = dyn Fn(&Tensor, &[Tensor]) -> Result<Tensor> + Send + Sync;
 
 type Stash = Arc<Mutex<HashMap<TensorId, Tensor>>>;
 
+/// Where a block's parameters come from when each process keeps only a shard of them: the
+/// segments of a [`Checkpointing::sharded`] context call it with the model's own parameter
+/// tensors (by identity) and never read those.
+pub trait ShardedBlocks: Send + Sync {
+    /// The full current values of `weights` (the model's parameters), one fresh variable each
+    /// (`Var::from_vec`: tracked, with no copy made to track it), in their shapes and dtypes.
+    /// Every process calls this for the same block at the same point.
+    fn gather(&self, weights: &[Tensor]) -> Result<Vec<Tensor>>;
+    /// The block's gradients of `weights` (`None` where it gave none), handed over as soon as
+    /// the block's backward is done: the implementation reduces them to their owners.
+    fn reduce(&self, weights: &[Tensor], grads: Vec<Option<Tensor>>) -> Result<()>;
+}
+
 struct SegmentOp {
     f: Arc<SegmentFn>,
     weights: Vec<Tensor>,
     result: Handoff,
     stash: Stash,
+    sharded: Option<Arc<dyn ShardedBlocks>>,
 }
 
 impl CustomOp1 for SegmentOp {
@@ -47,6 +66,20 @@ impl CustomOp1 for SegmentOp {
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let input = Var::from_tensor(&arg.detach())?;
+        if let Some(sharded) = &self.sharded {
+            // The block's parameters whole again, for this backward only.
+            let gathered = sharded
+                .gather(&self.weights)?
+                .into_iter()
+                .map(|t| Var::from_tensor(&t).map(|v| v.as_tensor().clone()))
+                .collect::<Result<Vec<_>>>()?;
+            let output = (self.f)(input.as_tensor(), &gathered)?;
+            let mut grads = (output * grad_res.detach())?.sum_all()?.backward()?;
+            let weight_grads = gathered.iter().map(|w| grads.remove(w)).collect();
+            drop(gathered);
+            sharded.reduce(&self.weights, weight_grads)?;
+            return Ok(grads.get(input.as_tensor()).map(|g| g.detach()));
+        }
         let output = (self.f)(input.as_tensor(), &self.weights)?;
         let grads = (output * grad_res.detach())?.sum_all()?.backward()?;
         let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
@@ -88,12 +121,21 @@ pub fn run_stateful<S: Clone + Send + Sync + 'static>(
 #[derive(Default, Clone)]
 pub struct Checkpointing {
     stash: Stash,
+    sharded: Option<Arc<dyn ShardedBlocks>>,
 }
 
 impl Checkpointing {
     /// A new context.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A context whose segments take their parameters from `blocks` (each process holding a
+    /// shard of them): gathered before a block's forward and dropped after it, gathered again
+    /// for its backward, its gradients handed to `blocks` when its backward is done (they are
+    /// not in the gradient store [`Checkpointing::backward`] returns).
+    pub fn sharded(blocks: Arc<dyn ShardedBlocks>) -> Self {
+        Checkpointing { stash: Stash::default(), sharded: Some(blocks) }
     }
 
     /// Runs `f(x, weights)` without keeping its intermediates; they are recomputed in backward.
@@ -104,8 +146,12 @@ impl Checkpointing {
         weights: Vec<Tensor>,
         f: impl Fn(&Tensor, &[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
     ) -> Result<Tensor> {
-        let detached: Vec<Tensor> = weights.iter().map(|w| w.detach()).collect();
+        let detached: Vec<Tensor> = match &self.sharded {
+            Some(sharded) => sharded.gather(&weights)?.iter().map(Tensor::detach).collect(),
+            None => weights.iter().map(|w| w.detach()).collect(),
+        };
         let y = f(&x.detach(), &detached)?;
+        drop(detached);
         // The op must be on the graph even when the input itself is not tracked (raw images).
         let input = if x.track_op() { x.clone() } else { Var::from_tensor(x)?.as_tensor().clone() };
         input.apply_op1(SegmentOp {
@@ -113,6 +159,7 @@ impl Checkpointing {
             weights,
             result: Handoff::new("wick-checkpoint", y),
             stash: self.stash.clone(),
+            sharded: self.sharded.clone(),
         })
     }
 

@@ -1,4 +1,4 @@
-//! Data-parallel training in a group of one process (no MPI needed): replicated and ZeRO-1/2
+//! Data-parallel training in a group of one process (no MPI needed): replicated and ZeRO-1/2/3
 //! take the same steps, to the bit, as the plain trainer, and a sharded run saves a checkpoint
 //! that a plain run resumes from.
 
@@ -20,10 +20,9 @@ fn trainer(sharding: Option<Sharding>) -> Trainer<Llama> {
 }
 
 fn weights(t: &Trainer<Llama>) -> Vec<u32> {
-    use wick_nn::Model;
     let mut out = Vec::new();
-    for (_, v) in t.model().params().iter() {
-        out.extend(v.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits));
+    for (_, v) in t.gathered_parameters().unwrap() {
+        out.extend(v.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits));
     }
     out
 }
@@ -33,7 +32,9 @@ fn one_process_groups_step_as_the_plain_trainer() {
     let ids = Tensor::new(&[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], &Device::Cpu).unwrap();
     let mut plain = trainer(None);
     let mut others: Vec<Trainer<Llama>> =
-        [Sharding::None, Sharding::OptimizerState, Sharding::Gradients].map(|s| trainer(Some(s))).into();
+        [Sharding::None, Sharding::OptimizerState, Sharding::Gradients, Sharding::Parameters]
+            .map(|s| trainer(Some(s)))
+            .into();
     for _ in 0..3 {
         let loss = plain.train_step(std::slice::from_ref(&ids)).unwrap().loss;
         for t in &mut others {
@@ -50,5 +51,50 @@ fn one_process_groups_step_as_the_plain_trainer() {
     plain.train_step(std::slice::from_ref(&ids)).unwrap();
     resumed.train_step(std::slice::from_ref(&ids)).unwrap();
     assert_eq!(weights(&resumed), weights(&plain));
+    // ZeRO-3's checkpoint too (every piece, no whole parameter), resumed plain and at stage 3.
+    let stage3 = &others[3];
+    let dir3 = std::env::temp_dir().join(format!("wick-dp-one-z3-{}", std::process::id()));
+    let checkpoints = CheckpointDir::new(&dir3, 2).unwrap();
+    stage3.save(&checkpoints, serde_json::json!({})).unwrap();
+    let mut resumed = trainer(None);
+    assert_eq!(resumed.resume(&checkpoints).unwrap().step, 3);
+    let mut again = trainer(Some(Sharding::Parameters));
+    again.resume(&checkpoints).unwrap();
+    resumed.train_step(std::slice::from_ref(&ids)).unwrap();
+    again.train_step(std::slice::from_ref(&ids)).unwrap();
+    // `plain` took its fourth step above.
+    assert_eq!(weights(&resumed), weights(&plain));
+    assert_eq!(weights(&again), weights(&plain));
     let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&dir3);
+}
+
+/// After ZeRO-3's first step the model's own copies of the blocks' parameters are handed back
+/// (their whole pages read as zeros), those read outside the blocks stay, and the gathered
+/// values are a plain run's.
+#[test]
+fn zero3_hands_back_the_model_copies_of_block_parameters() {
+    use wick_nn::Model;
+    let config = LlamaConfig { hidden_size: 128, intermediate_size: 256, ..LlamaConfig::tiny(64) };
+    let build = || Llama::new(config, DType::F32, &Device::Cpu).unwrap();
+    let mut plain = Trainer::new(build(), serde_json::json!({}), None, TrainOptions::default()).unwrap();
+    let parallel = DataParallelOptions { sharding: Sharding::Parameters, ..Default::default() };
+    let mut sharded = Trainer::new(build(), serde_json::json!({}), None, TrainOptions::default())
+        .unwrap()
+        .data_parallel(ProcessGroup::single(), parallel)
+        .unwrap();
+    let ids = Tensor::new(&[[1u32, 5, 9, 2, 7, 3, 8, 8]], &Device::Cpu).unwrap();
+    plain.train_step(std::slice::from_ref(&ids)).unwrap();
+    sharded.train_step(std::slice::from_ref(&ids)).unwrap();
+    let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let q = values(sharded.model().params().get("layers.0.q.weight").unwrap().as_tensor());
+    // 64 KiB: at most the two partial pages at its ends (4 KiB pages or larger) keep values.
+    let zeros = q.iter().filter(|v| **v == 0.0).count();
+    assert!(zeros >= q.len() - 2 * 1024, "{zeros} of {} zeros", q.len());
+    let embed = values(sharded.model().params().get("embed.weight").unwrap().as_tensor());
+    assert_eq!(embed, values(plain.model().params().get("embed.weight").unwrap().as_tensor()));
+    let gathered = sharded.gathered_parameters().unwrap();
+    for ((name, v), (_, p)) in gathered.iter().zip(plain.model().params().iter()) {
+        assert_eq!(values(v), values(p.as_tensor()), "{name}");
+    }
 }

@@ -15,6 +15,7 @@
 //! | [`buckets`] | gradient buckets (PyTorch DDP's sizes and order) and the data-parallel gradient sum |
 //! | [`parallel`] | what a [`crate::Trainer`] holds under a group: the options ([`DataParallelOptions`]), the start-up checks and broadcasts, the step's agreement on failures, the update (replicated, or sharded as [`Sharding`] says) |
 //! | `zero` | ZeRO stages 1 and 2: a rank's shard of masters and optimizer state, the reduce-scatter, the sharded update and the all-gather |
+//! | `zero3` | ZeRO stage 3: a rank's shard of every parameter; the blocks' gather before they run and reduce-scatter as their backward ends |
 //! | `nccl` | (feature `nccl`) `NcclGroup`: an NCCL communicator per rank on its GPU, its id broadcast through the group (MPI for several ranks); `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter` of CUDA tensors, each with a deadline; the trainer's GPU gradient buckets |
 //! | [`error`] | [`DistError`] |
 //!
@@ -31,6 +32,7 @@ pub mod launch;
 pub mod nccl;
 pub mod parallel;
 pub(crate) mod zero;
+pub(crate) mod zero3;
 
 pub use comm::Element;
 pub use error::DistError;
@@ -61,6 +63,10 @@ pub enum Sharding {
     OptimizerState,
     /// ZeRO stage 2: as stage 1, and gradients are reduce-scattered (a rank keeps its shard).
     Gradients,
+    /// ZeRO stage 3 (FSDP's `FULL_SHARD`): as stage 2, and the parameters of the model's blocks
+    /// are sharded too — each block gathered whole just before it runs, forward and (recomputed)
+    /// backward, and dropped after.
+    Parameters,
 }
 
 impl Sharding {
@@ -70,19 +76,18 @@ impl Sharding {
             Sharding::None => 0,
             Sharding::OptimizerState => 1,
             Sharding::Gradients => 2,
+            Sharding::Parameters => 3,
         }
     }
 
-    /// The sharding of ZeRO stage `stage` (0, 1 or 2).
+    /// The sharding of ZeRO stage `stage` (0 to 3).
     pub fn from_stage(stage: u8) -> Result<Self, DistError> {
         match stage {
             0 => Ok(Sharding::None),
             1 => Ok(Sharding::OptimizerState),
             2 => Ok(Sharding::Gradients),
-            s => Err(DistError::unsupported(
-                "sharding",
-                format!("ZeRO stage {s}: stages 0, 1 and 2 are built (stage 3 gathers parameters per layer, not yet)"),
-            )),
+            3 => Ok(Sharding::Parameters),
+            s => Err(DistError::unsupported("sharding", format!("ZeRO stage {s}: the stages are 0, 1, 2 and 3"))),
         }
     }
 }

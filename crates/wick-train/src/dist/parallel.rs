@@ -4,6 +4,8 @@
 //! broadcast to all, the agreement on a step that failed on any rank, the buffers each step
 //! starts from.
 
+use std::sync::Arc;
+
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use wick_nn::params::Params;
@@ -12,6 +14,7 @@ use super::buckets::{GradBuckets, ReduceStats, BUCKET_BYTES, FIRST_BUCKET_BYTES}
 use super::error::DistError;
 use super::group::to_bytes;
 use super::zero::{PieceInit, PieceRequest, ZeroOptimizer};
+use super::zero3::ParamShards;
 use super::{ProcessGroup, Sharding};
 use crate::amp::{GradScaler, MasterState, MasterWeights, StepOutcome};
 use crate::checkpoint::CheckpointReader;
@@ -46,11 +49,36 @@ type GpuComm = super::nccl::NcclGroup;
 #[cfg(not(feature = "nccl"))]
 enum GpuComm {}
 
+/// A rank's shard of a sharded run: masters and optimizer state (stages 1 and 2), or every
+/// parameter (stage 3).
+pub(crate) enum Shard {
+    Zero(ZeroOptimizer),
+    Params(Arc<ParamShards>),
+}
+
+impl Shard {
+    /// This rank's shard for `stage` from what `fetch` gives per parameter piece.
+    fn new(
+        group: &ProcessGroup,
+        vars: &[Var],
+        plan: &[Vec<usize>],
+        stage: Sharding,
+        optimizer: Optimizer,
+        steps: u64,
+        fetch: &mut dyn FnMut(&PieceRequest) -> Result<PieceInit, TrainError>,
+    ) -> Result<Self, TrainError> {
+        Ok(match stage {
+            Sharding::Parameters => Shard::Params(Arc::new(ParamShards::new(group, vars, optimizer, steps, fetch)?)),
+            _ => Shard::Zero(ZeroOptimizer::new(group, vars, plan, stage, optimizer, steps, fetch)?),
+        })
+    }
+}
+
 /// A trainer's data-parallel state.
 pub(crate) struct Parallel {
     pub(crate) group: ProcessGroup,
     buckets: GradBuckets,
-    zero: Option<ZeroOptimizer>,
+    zero: Option<Shard>,
     /// NCCL, when the parameters are on a GPU.
     gpu: Option<GpuComm>,
     pub(crate) last: ReduceStats,
@@ -142,7 +170,7 @@ impl Parallel {
                 }
                 PieceInit::narrowed(request, &master, Some(&state))
             };
-            let z = ZeroOptimizer::new(&group, vars, buckets.plan(), options.sharding, optimizer, steps, &mut fetch)?;
+            let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, steps, &mut fetch)?;
             *masters = MasterWeights::new(&[], optimizer)?;
             Some(z)
         };
@@ -183,7 +211,7 @@ impl Parallel {
             }
             PieceInit::narrowed(request, &value, None)
         };
-        let z = ZeroOptimizer::new(&group, vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?;
+        let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?;
         broadcast_buffers(&group, params)?;
         Ok(Parallel { group, buckets, zero: Some(z), gpu: None, last: ReduceStats::default() })
     }
@@ -196,9 +224,12 @@ impl Parallel {
         vars: &[Var],
         names: &[String],
         reader: &mut CheckpointReader,
-    ) -> Result<Option<ZeroOptimizer>, TrainError> {
+    ) -> Result<Option<Shard>, TrainError> {
         let Some(z) = &self.zero else { return Ok(None) };
-        let (stage, optimizer) = (z.stage(), z.optimizer());
+        let (stage, optimizer) = match z {
+            Shard::Zero(z) => (z.stage(), z.optimizer()),
+            Shard::Params(p) => (Sharding::Parameters, p.optimizer()),
+        };
         let steps = reader.manifest().optimizer_steps;
         let mut fetch = |request: &PieceRequest| -> Result<PieceInit, TrainError> {
             let Some((offset, len)) = request.range else { return Ok(PieceInit::default()) };
@@ -212,12 +243,20 @@ impl Parallel {
             Ok(PieceInit { master, state })
         };
         let plan = self.buckets.plan();
-        Ok(Some(ZeroOptimizer::new(&self.group, vars, plan, stage, optimizer, steps, &mut fetch)?))
+        Ok(Some(Shard::new(&self.group, vars, plan, stage, optimizer, steps, &mut fetch)?))
     }
 
     /// Puts a shard [`Parallel::read_shard`] read in place of this rank's.
-    pub(crate) fn set_shard(&mut self, shard: ZeroOptimizer) {
+    pub(crate) fn set_shard(&mut self, shard: Shard) {
         self.zero = Some(shard);
+    }
+
+    /// Stage 3's parameter shards (the blocks' source), when the parameters are sharded.
+    pub(crate) fn param_shards(&self) -> Option<&Arc<ParamShards>> {
+        match &self.zero {
+            Some(Shard::Params(p)) => Some(p),
+            _ => None,
+        }
     }
 
     /// Whether the optimizer state is sharded.
@@ -227,7 +266,10 @@ impl Parallel {
 
     /// The sharded optimizer's steps, when sharded.
     pub(crate) fn sharded_steps(&self) -> Option<u64> {
-        self.zero.as_ref().map(ZeroOptimizer::steps)
+        self.zero.as_ref().map(|z| match z {
+            Shard::Zero(z) => z.steps(),
+            Shard::Params(p) => p.steps(),
+        })
     }
 
     /// This rank's share of a sharded checkpoint (see `ZeroOptimizer::checkpoint_tensors`;
@@ -238,12 +280,21 @@ impl Parallel {
         names: &[String],
     ) -> Result<Option<std::collections::HashMap<String, Tensor>>, TrainError> {
         let root = self.group.is_root();
-        self.zero.as_ref().map(|z| z.checkpoint_tensors(vars, names, root)).transpose()
+        self.zero
+            .as_ref()
+            .map(|z| match z {
+                Shard::Zero(z) => z.checkpoint_tensors(vars, names, root),
+                Shard::Params(p) => p.checkpoint_tensors(names),
+            })
+            .transpose()
     }
 
     /// This rank's bytes of f32 masters and optimizer state when sharded.
     pub(crate) fn shard_bytes(&self) -> Option<(usize, usize)> {
-        self.zero.as_ref().map(ZeroOptimizer::memory_bytes)
+        self.zero.as_ref().map(|z| match z {
+            Shard::Zero(z) => z.memory_bytes(),
+            Shard::Params(p) => p.memory_bytes(),
+        })
     }
 
     /// f32 bytes of all gradient buckets.
@@ -275,11 +326,20 @@ impl Parallel {
         scaler: Option<&mut GradScaler>,
         lr: f64,
     ) -> Result<StepOutcome, TrainError> {
-        if let Some(z) = self.zero.as_mut() {
-            z.set_learning_rate(lr);
-            let (outcome, stats) = z.step(&self.group, grads, vars, scaler)?;
-            self.last = stats;
-            return Ok(outcome);
+        match self.zero.as_mut() {
+            Some(Shard::Zero(z)) => {
+                z.set_learning_rate(lr);
+                let (outcome, stats) = z.step(&self.group, grads, vars, scaler)?;
+                self.last = stats;
+                return Ok(outcome);
+            }
+            Some(Shard::Params(p)) => {
+                p.reduce_rest(grads, vars)?;
+                let (outcome, stats) = p.step(vars, scaler, lr)?;
+                self.last = stats;
+                return Ok(outcome);
+            }
+            None => {}
         }
         self.last = match &self.gpu {
             None => self.buckets.reduce(&self.group, grads, vars)?,

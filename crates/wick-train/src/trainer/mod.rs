@@ -182,7 +182,9 @@ impl<M: Model> Trainer<M> {
         }
     }
 
-    /// The model.
+    /// The model. Under ZeRO-3 the parameters its blocks take live only as shards once the run
+    /// has stepped, and the model's own copies of them read as zeros: read the values with
+    /// [`Trainer::gathered_parameters`].
     pub fn model(&self) -> &M {
         &self.model
     }
@@ -276,6 +278,18 @@ impl<M: Model> Trainer<M> {
         }
     }
 
+    /// Every parameter's current value, whole, by name: the model's own tensors, or under ZeRO-3
+    /// (where the blocks' parameters live only as shards and the model's copies read as zeros)
+    /// gathered from every rank, one parameter at a time — a collective: every rank calls it.
+    pub fn gathered_parameters(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
+        let names = self.model.params().iter().map(|(n, _)| n.clone());
+        let values = match self.parallel.as_ref().and_then(Parallel::param_shards) {
+            Some(shards) => shards.gather_all()?,
+            None => self.vars.iter().map(|v| v.as_tensor().detach()).collect(),
+        };
+        Ok(names.zip(values).collect())
+    }
+
     /// The process group the run trains in (`None`: alone).
     pub fn group(&self) -> Option<&ProcessGroup> {
         self.parallel.as_ref().map(|p| &p.group)
@@ -303,6 +317,19 @@ impl<M: Model> Trainer<M> {
             broadcast_buffers(&p.group, self.model.params())?;
         }
         let local = self.accumulate(micro_batches, n);
+        if let (Some(p), Err(e)) = (&self.parallel, &local) {
+            if p.param_shards().is_some() && world > 1 {
+                // Under ZeRO-3 the other ranks are inside a block's collective that this rank
+                // will not reach: nothing can be agreed, and the job ends naming this rank (the
+                // newest checkpoint resumes it).
+                eprintln!(
+                    "rank {}: {e}; under ZeRO-3 the other ranks wait inside a collective of the step, so the job \
+                     ends here",
+                    p.group.rank()
+                );
+                p.group.abort(1);
+            }
+        }
         let (mut grads, loss_sum) = match &self.parallel {
             Some(p) => {
                 let (grads, loss) = p.agree(local)?;
@@ -328,8 +355,13 @@ impl<M: Model> Trainer<M> {
     /// the summed gradients and the summed (undivided) losses.
     fn accumulate(&self, micro_batches: &[M::Batch], n: f64) -> Result<(GradStore, f64), TrainError> {
         let (mut total, mut loss_sum) = (None::<GradStore>, 0f64);
+        let shards = self.parallel.as_ref().and_then(Parallel::param_shards);
         for batch in micro_batches {
-            let ckpt = self.options.activation_checkpointing.then(Checkpointing::new);
+            let ckpt = match shards {
+                // ZeRO-3: every block takes its parameters from the shards.
+                Some(s) => Some(Checkpointing::sharded(crate::dist::zero3::blocks(s))),
+                None => self.options.activation_checkpointing.then(Checkpointing::new),
+            };
             let forward = push_label("forward");
             let loss = self.model.loss_with(batch, ckpt.as_ref())?;
             loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;

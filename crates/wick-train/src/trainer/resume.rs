@@ -9,7 +9,7 @@ use candle_core::{Tensor, Var};
 use super::{dtype_name, invalid, Resumed, Trainer};
 use crate::amp::MasterState;
 use crate::checkpoint::{CheckpointDir, CheckpointReader, ParamInfo};
-use crate::dist::zero::ZeroOptimizer;
+use crate::dist::parallel::Shard;
 use crate::error::TrainError;
 use wick_nn::model::Model;
 
@@ -33,7 +33,7 @@ fn first_difference(kind: &str, theirs: &[ParamInfo], mine: &[ParamInfo]) -> Opt
 /// The optimizer's side of a checkpoint as read: the whole state, or this rank's shard.
 enum State {
     Whole(MasterState),
-    Shard(ZeroOptimizer),
+    Shard(Shard),
 }
 
 /// A checkpoint read and checked, not yet applied.
@@ -195,9 +195,18 @@ impl<M: Model> Trainer<M> {
             // The masters check their own state before taking any of it.
             State::Whole(whole) => self.masters.load_state(&whole)?,
             State::Shard(z) => {
-                // Every parameter from its f32 value (files checked when read), one at a time.
+                // Every parameter from its f32 value (files checked when read), one at a time —
+                // but for the blocks' parameters of a ZeRO-3 run, whose model copies are handed
+                // back (the shard holds them).
                 let names: Vec<String> = self.model.params().iter().map(|(n, _)| n.clone()).collect();
-                for (name, v) in names.iter().zip(&self.vars) {
+                let released = |i: usize| match &z {
+                    Shard::Params(p) => p.released(i),
+                    Shard::Zero(_) => false,
+                };
+                for (i, (name, v)) in names.iter().zip(&self.vars).enumerate() {
+                    if released(i) {
+                        continue;
+                    }
                     let value = flat(reader.read_f32(&format!("master/{name}"), 0, v.elem_count())?, v)?;
                     v.set(&value.to_dtype(v.dtype())?)?;
                 }

@@ -1,0 +1,480 @@
+//! ZeRO stage 3 (PyTorch's FSDP `FULL_SHARD`, DeepSpeed's stage 3): the parameters themselves
+//! are sharded. Rank `r` keeps elements `[r·c, (r+1)·c)` of every parameter (`c` = the
+//! parameter's elements over the world size, rounded up; the last rank's piece is shorter or
+//! empty), as f32 masters with their optimizer state and gradient, and nothing else of it.
+//!
+//! The model's blocks (the segments of [`wick_nn::checkpoint`]) take their parameters from here
+//! through [`wick_nn::checkpoint::ShardedBlocks`]: one all-gather of the block's pieces (in the
+//! parameters' dtype) just before the block runs forward, the whole values dropped when it is
+//! done, one more all-gather when its backward recomputes it, and one reduce-scatter of its
+//! gradients (f32) as soon as that backward is done — so a rank holds whole only the block that
+//! runs. The model's own tensors of those parameters are never read again: their pages go back
+//! to the operating system ([`wick::memory::release_pages`]; they read as zeros) after the first
+//! update, once the forward pass has shown which parameters belong to a block.
+//!
+//! Parameters the model reads outside any block (embeddings, the head, a stem) stay whole in
+//! the model on every rank, as stage 2 keeps them: their gradients are reduce-scattered after
+//! backward and the updated pieces all-gathered back — FSDP's root unit, which holds its
+//! parameters for the whole step. A parameter used both inside a block and outside is refused.
+//!
+//! Why recompute: candle keeps a tensor an op saved for backward for as long as the graph
+//! lives, so a gathered parameter used by a kept graph could not be dropped after the forward
+//! pass. Recomputing the block in backward (activation checkpointing) keeps only its input,
+//! and the gathered values are dropped for real; the cost is one more forward pass of each
+//! block.
+//!
+//! The update is the element-wise rule on each rank's pieces — the same rule on the same values
+//! as the replicated update, so stage 3 takes the same step as one process, to the bit.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, TensorId, Var};
+
+use super::buckets::{append_f32, ReduceStats};
+use super::error::DistError;
+use super::zero::{PieceInit, PieceRequest};
+use super::{ProcessGroup, ReduceOp};
+use crate::amp::{GradScaler, StepOutcome};
+use crate::error::TrainError;
+use crate::optim::Optimizer;
+
+/// One parameter's shard on this rank.
+struct Shard {
+    dims: Vec<usize>,
+    dtype: DType,
+    /// Elements each rank contributes to a gather (this rank's piece, padded).
+    chunk: usize,
+    /// This rank's piece: `(offset, len)` in the parameter's flat elements (`len` may be 0).
+    offset: usize,
+    len: usize,
+    /// The piece's f32 master.
+    master: Tensor,
+    /// Its optimizer state (empty until the first update).
+    state: Vec<Tensor>,
+    /// The step's reduced gradient of the piece (f32), when any rank computed one.
+    grad: Option<Vec<f32>>,
+    /// Whether a block takes it (then the model's own tensor is never read).
+    in_block: bool,
+    /// Whether the model's own tensor's pages were handed back.
+    released: bool,
+}
+
+struct State {
+    shards: Vec<Shard>,
+    optimizer: Optimizer,
+    step: u64,
+    stats: ReduceStats,
+}
+
+/// A rank's shard of every parameter, and the blocks' gather and reduce.
+pub(crate) struct ParamShards {
+    group: ProcessGroup,
+    by_id: HashMap<TensorId, usize>,
+    state: Mutex<State>,
+}
+
+fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn rounded(values: &mut [f32], dtype: DType) {
+    match dtype {
+        DType::BF16 => values.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+        DType::F16 => values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+        _ => {}
+    }
+}
+
+/// `values` as little-endian bytes of `dtype` (rounded).
+fn push_bytes(values: &[f32], dtype: DType, out: &mut Vec<u8>) -> Result<(), DistError> {
+    match dtype {
+        DType::F32 => values.iter().for_each(|v| out.extend_from_slice(&v.to_le_bytes())),
+        DType::BF16 => values.iter().for_each(|v| out.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes())),
+        DType::F16 => values.iter().for_each(|v| out.extend_from_slice(&half::f16::from_f32(*v).to_le_bytes())),
+        d => return Err(DistError::unsupported("ZeRO-3", format!("a {d:?} parameter"))),
+    }
+    Ok(())
+}
+
+/// A fresh variable of `dims`/`dtype` from little-endian `bytes` (no copy made to track it).
+fn var_from_bytes(bytes: &[u8], dtype: DType, dims: &[usize]) -> Result<Tensor, DistError> {
+    let var = match dtype {
+        DType::F32 => Var::from_vec(
+            bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            dims,
+            &Device::Cpu,
+        )?,
+        DType::BF16 => Var::from_vec(
+            bytes.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]])).collect(),
+            dims,
+            &Device::Cpu,
+        )?,
+        DType::F16 => Var::from_vec(
+            bytes.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]])).collect(),
+            dims,
+            &Device::Cpu,
+        )?,
+        d => return Err(DistError::unsupported("ZeRO-3", format!("a {d:?} parameter"))),
+    };
+    Ok(var.as_tensor().clone())
+}
+
+fn vec_f32(t: &Tensor) -> Result<Vec<f32>, DistError> {
+    let mut out = Vec::with_capacity(t.elem_count());
+    append_f32(t, &mut out)?;
+    Ok(out)
+}
+
+/// Hands a tensor's whole pages back to the operating system (see the module documentation).
+struct ReleasePages;
+
+impl InplaceOp1 for ReleasePages {
+    fn name(&self) -> &'static str {
+        "release-pages"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        fn release<T>(v: &mut Vec<T>) {
+            let bytes = v.capacity() * std::mem::size_of::<T>();
+            // SAFETY: the vector's buffer is one live global-allocator request of its capacity
+            // in bytes, held exclusively under the storage's write lock during this call, and
+            // holds plain numbers, for which all-zero bytes are a valid value.
+            unsafe { wick::memory::release_pages(v.as_mut_ptr().cast(), bytes) };
+        }
+        match storage {
+            CpuStorage::F32(v) => release(v),
+            CpuStorage::BF16(v) => release(v),
+            CpuStorage::F16(v) => release(v),
+            CpuStorage::F64(v) => release(v),
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+impl ParamShards {
+    /// This rank's shards of `vars`, from what `fetch` gives for each parameter's piece (always
+    /// asked with its f32 master) — called for every parameter in order on every rank (it may
+    /// run collectives) — after `steps` optimizer steps.
+    pub(crate) fn new(
+        group: &ProcessGroup,
+        vars: &[Var],
+        optimizer: Optimizer,
+        steps: u64,
+        fetch: &mut dyn FnMut(&PieceRequest) -> Result<PieceInit, TrainError>,
+    ) -> Result<Self, TrainError> {
+        let (rank, world) = (group.rank(), group.world_size());
+        let mut shards = Vec::with_capacity(vars.len());
+        for (i, v) in vars.iter().enumerate() {
+            if !v.device().is_cpu() {
+                return Err(DistError::unsupported("ZeRO-3", "parameters on a GPU (stage 3 shards host memory)").into());
+            }
+            let elems = v.elem_count();
+            let chunk = elems.div_ceil(world).max(1);
+            let offset = (rank * chunk).min(elems);
+            let len = ((rank + 1) * chunk).min(elems) - offset;
+            let request = PieceRequest { param: i, range: (len > 0).then_some((offset, len)), master: true };
+            let init = fetch(&request)?;
+            let fits = |t: &Tensor| t.dtype() == DType::F32 && t.elem_count() == len;
+            let master = match init.master {
+                Some(m) if fits(&m) => m,
+                None if len == 0 => Tensor::zeros(0, DType::F32, &Device::Cpu)?,
+                _ => return Err(DistError::internal(format!("ZeRO-3: a wrong piece of parameter {i}")).into()),
+            };
+            if !(init.state.is_empty() || init.state.len() == optimizer.states()) || !init.state.iter().all(fits) {
+                return Err(DistError::internal(format!("ZeRO-3: a wrong state piece of parameter {i}")).into());
+            }
+            shards.push(Shard {
+                dims: v.dims().to_vec(),
+                dtype: v.dtype(),
+                chunk,
+                offset,
+                len,
+                master,
+                state: init.state,
+                grad: None,
+                in_block: false,
+                released: false,
+            });
+        }
+        let by_id = vars.iter().enumerate().map(|(i, v)| (v.as_tensor().id(), i)).collect();
+        let state = State { shards, optimizer, step: steps, stats: ReduceStats::default() };
+        Ok(ParamShards { group: group.clone(), by_id, state: Mutex::new(state) })
+    }
+
+    fn indices(&self, weights: &[Tensor]) -> candle_core::Result<Vec<usize>> {
+        weights
+            .iter()
+            .map(|w| {
+                self.by_id.get(&w.id()).copied().ok_or_else(|| {
+                    candle_core::Error::Msg(
+                        "ZeRO-3: a block was given a tensor that is not one of the model's parameters (pass the \
+                         parameters themselves to the segment)"
+                            .into(),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// Every rank's pieces of parameters `which`, whole, as fresh variables.
+    fn gather_whole(&self, which: &[usize]) -> Result<Vec<Tensor>, DistError> {
+        let t0 = Instant::now();
+        let world = self.group.world_size();
+        let mut send = Vec::new();
+        let mut layout = Vec::with_capacity(which.len());
+        {
+            let st = lock(&self.state);
+            for &i in which {
+                let s = &st.shards[i];
+                let mut values = vec_f32(&s.master)?;
+                values.resize(s.chunk, 0.0);
+                let at = send.len();
+                push_bytes(&values, s.dtype, &mut send)?;
+                layout.push((at, send.len() - at, s.dtype, s.dims.clone()));
+            }
+        }
+        let per_rank = send.len();
+        let mut recv = vec![0u8; per_rank.checked_mul(world).ok_or_else(|| DistError::internal("gather size"))?];
+        let t1 = Instant::now();
+        self.group.comm().all_gather(&send, &mut recv)?;
+        let t2 = Instant::now();
+        drop(send);
+        let mut out = Vec::with_capacity(which.len());
+        for (at, bytes, dtype, dims) in layout {
+            let elems: usize = dims.iter().product();
+            let mut whole = Vec::with_capacity(bytes * world);
+            for r in 0..world {
+                whole.extend_from_slice(&recv[r * per_rank + at..r * per_rank + at + bytes]);
+            }
+            whole.truncate(elems * dtype.size_in_bytes());
+            out.push(var_from_bytes(&whole, dtype, &dims)?);
+        }
+        let mut st = lock(&self.state);
+        st.stats.comm_s += (t2 - t1).as_secs_f64();
+        st.stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
+        st.stats.bytes += per_rank;
+        Ok(out)
+    }
+
+    /// Sums the gradients `grads` of parameters `which` over ranks into each rank's pieces (one
+    /// reduce-scatter; a missing gradient counts zeros), rounded to the parameters' dtypes as the
+    /// replicated path does, and adds them to the step's.
+    fn reduce_into(&self, which: &[usize], grads: &[Option<Tensor>]) -> Result<(), DistError> {
+        let t0 = Instant::now();
+        let world = self.group.world_size();
+        let chunks: Vec<usize> = {
+            let st = lock(&self.state);
+            which.iter().map(|&i| st.shards[i].chunk).collect()
+        };
+        let section: usize = chunks.iter().sum();
+        let flat: Vec<Option<Vec<f32>>> =
+            grads.iter().map(|g| g.as_ref().map(vec_f32).transpose()).collect::<Result<_, _>>()?;
+        let mut send = vec![0f32; section * world];
+        for r in 0..world {
+            let mut at = r * section;
+            for (g, &chunk) in flat.iter().zip(&chunks) {
+                if let Some(g) = g {
+                    let (a, b) = ((r * chunk).min(g.len()), ((r + 1) * chunk).min(g.len()));
+                    send[at..at + (b - a)].copy_from_slice(&g[a..b]);
+                }
+                at += chunk;
+            }
+        }
+        drop(flat);
+        let mut recv = vec![0f32; section];
+        let t1 = Instant::now();
+        self.group.comm().reduce_scatter(&send, &mut recv, ReduceOp::Sum)?;
+        let t2 = Instant::now();
+        drop(send);
+        let mut st = lock(&self.state);
+        let mut at = 0;
+        for (&i, &chunk) in which.iter().zip(&chunks) {
+            let s = &mut st.shards[i];
+            let mut piece = recv[at..at + s.len].to_vec();
+            at += chunk;
+            rounded(&mut piece, s.dtype);
+            match &mut s.grad {
+                Some(sum) => {
+                    sum.iter_mut().zip(&piece).for_each(|(a, b)| *a += b);
+                    rounded(sum, s.dtype);
+                }
+                None => s.grad = Some(piece),
+            }
+        }
+        st.stats.buckets += 1;
+        st.stats.bytes += section * world * 4;
+        st.stats.comm_s += (t2 - t1).as_secs_f64();
+        st.stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Reduces the gradients of the parameters read outside the blocks (in `grads`, removed
+    /// from it); refuses a block's parameter that has one there too (used inside a block and
+    /// outside).
+    pub(crate) fn reduce_rest(&self, grads: &mut GradStore, vars: &[Var]) -> Result<(), TrainError> {
+        let blocks: Vec<bool> = lock(&self.state).shards.iter().map(|s| s.in_block).collect();
+        let mut which = Vec::new();
+        let mut taken = Vec::new();
+        for (i, v) in vars.iter().enumerate() {
+            let g = grads.remove(v.as_tensor());
+            if blocks[i] {
+                if g.is_some() {
+                    let message = format!(
+                        "parameter {i} is used inside a block and outside it: ZeRO-3 cannot shard a parameter the \
+                         model also reads whole (train it with stage 2)"
+                    );
+                    return Err(DistError::unsupported("ZeRO-3", message).into());
+                }
+                continue;
+            }
+            which.push(i);
+            taken.push(g);
+        }
+        Ok(self.reduce_into(&which, &taken)?)
+    }
+
+    /// The step: the reduced gradients' presence agreed, unscaled and checked through the
+    /// scaler, each piece updated, the parameters outside blocks all-gathered back into the
+    /// model, and (once) the model's copies of the blocks' parameters handed back.
+    pub(crate) fn step(
+        &self,
+        vars: &[Var],
+        scaler: Option<&mut GradScaler>,
+        lr: f64,
+    ) -> Result<(StepOutcome, ReduceStats), TrainError> {
+        let mut st = lock(&self.state);
+        st.optimizer.set_lr(lr);
+        let local: Vec<u8> = st.shards.iter().map(|s| s.grad.is_some() as u8).collect();
+        let mut present = vec![0u8; local.len()];
+        self.group.comm().all_reduce(&local, &mut present, ReduceOp::Max)?;
+        let outcome = match scaler {
+            Some(s) => {
+                let inv = (1.0 / s.scale()) as f32;
+                let mut found = false;
+                for sh in st.shards.iter_mut() {
+                    if let Some(g) = &mut sh.grad {
+                        g.iter_mut().for_each(|v| *v *= inv);
+                        rounded(g, sh.dtype);
+                        found |= g.iter().any(|v| !v.is_finite());
+                    }
+                }
+                let agreed = self.group.any(found)?;
+                s.set_found_inf(agreed);
+                let outcome = if agreed { StepOutcome::Skipped } else { Self::update(&mut st, &present)? };
+                s.update()?;
+                outcome
+            }
+            None => Self::update(&mut st, &present)?,
+        };
+        st.shards.iter_mut().for_each(|s| s.grad = None);
+        // Every rank's updated pieces of the parameters read outside blocks, into the model.
+        let rest: Vec<usize> = (0..st.shards.len()).filter(|&i| !st.shards[i].in_block).collect();
+        drop(st);
+        for (i, whole) in rest.iter().zip(self.gather_whole(&rest)?) {
+            crate::optim::copy_into(vars[*i].as_tensor(), &whole.to_dtype(DType::F32)?)?;
+        }
+        let mut st = lock(&self.state);
+        for (s, v) in st.shards.iter_mut().zip(vars) {
+            if s.in_block && !s.released {
+                v.as_tensor().inplace_op1(&ReleasePages)?;
+                s.released = true;
+            }
+        }
+        let stats = std::mem::take(&mut st.stats);
+        Ok((outcome, stats))
+    }
+
+    fn update(st: &mut State, present: &[u8]) -> Result<StepOutcome, TrainError> {
+        st.step += 1;
+        let (t, optimizer) = (st.step as i32, st.optimizer);
+        for (s, _) in st.shards.iter_mut().zip(present).filter(|(s, p)| **p != 0 && s.len > 0) {
+            let g = match &s.grad {
+                Some(g) => Tensor::from_slice(g, s.len, &Device::Cpu)?,
+                None => Tensor::zeros(s.len, DType::F32, &Device::Cpu)?,
+            };
+            if s.state.is_empty() {
+                let zeros = |_| Tensor::zeros(s.len, DType::F32, &Device::Cpu);
+                s.state = (0..optimizer.states()).map(zeros).collect::<Result<_, _>>()?;
+            }
+            s.state = crate::optim::step(&s.master, &g, &s.state, optimizer, t)?;
+        }
+        Ok(StepOutcome::Applied)
+    }
+
+    /// The update rule (its current learning rate).
+    pub(crate) fn optimizer(&self) -> Optimizer {
+        lock(&self.state).optimizer
+    }
+
+    /// Optimizer steps taken.
+    pub(crate) fn steps(&self) -> u64 {
+        lock(&self.state).step
+    }
+
+    /// Bytes of this rank's f32 masters and optimizer state.
+    pub(crate) fn memory_bytes(&self) -> (usize, usize) {
+        let st = lock(&self.state);
+        let master = st.shards.iter().map(|s| s.len * 4).sum();
+        let state = st.shards.iter().map(|s| s.state.len() * s.len * 4).sum();
+        (master, state)
+    }
+
+    /// Whether the model's own tensor of parameter `i` was handed back (it reads as zeros).
+    pub(crate) fn released(&self, i: usize) -> bool {
+        lock(&self.state).shards.get(i).is_some_and(|s| s.released)
+    }
+
+    /// Every parameter whole, as fresh tensors (a collective: every rank calls it).
+    pub(crate) fn gather_all(&self) -> Result<Vec<Tensor>, TrainError> {
+        let n = lock(&self.state).shards.len();
+        let mut out = Vec::with_capacity(n);
+        // One parameter at a time: never more than one whole beside the shards.
+        for i in 0..n {
+            out.extend(self.gather_whole(&[i])?.into_iter().map(|t| t.detach()));
+        }
+        Ok(out)
+    }
+
+    /// This rank's share of a checkpoint: every piece's master and state, named
+    /// `master/NAME#OFFSET` and `stateK/NAME#OFFSET`.
+    pub(crate) fn checkpoint_tensors(&self, names: &[String]) -> Result<HashMap<String, Tensor>, TrainError> {
+        let st = lock(&self.state);
+        let mut out = HashMap::new();
+        for (s, name) in st.shards.iter().zip(names).filter(|(s, _)| s.len > 0) {
+            out.insert(format!("master/{name}#{}", s.offset), s.master.copy()?);
+            for k in 0..st.optimizer.states() {
+                let t = match s.state.get(k) {
+                    Some(t) => t.copy()?,
+                    None => Tensor::zeros(s.len, DType::F32, &Device::Cpu)?,
+                };
+                out.insert(format!("state{k}/{name}#{}", s.offset), t);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl wick_nn::checkpoint::ShardedBlocks for ParamShards {
+    fn gather(&self, weights: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
+        let which = self.indices(weights)?;
+        {
+            let mut st = lock(&self.state);
+            which.iter().for_each(|&i| st.shards[i].in_block = true);
+        }
+        self.gather_whole(&which).map_err(candle_core::Error::wrap)
+    }
+
+    fn reduce(&self, weights: &[Tensor], grads: Vec<Option<Tensor>>) -> candle_core::Result<()> {
+        let which = self.indices(weights)?;
+        self.reduce_into(&which, &grads).map_err(candle_core::Error::wrap)
+    }
+}
+
+/// The hooks a [`wick_nn::checkpoint::Checkpointing::sharded`] context takes.
+pub(crate) fn blocks(shards: &Arc<ParamShards>) -> Arc<dyn wick_nn::checkpoint::ShardedBlocks> {
+    shards.clone()
+}
