@@ -7,7 +7,7 @@
 //!   `collectives` (each collective against a recomputation, and the refusals), `memory` (one
 //!   AdamW step's measured peak on each rank beside the estimator's per-rank figure);
 //! - `WICK_DIST_MODEL` `decoder`|`cnn`, `WICK_DIST_PRECISION` `f32`|`bf16`|`f16`,
-//!   `WICK_DIST_ZERO` `0`|`1`|`2`, `WICK_DIST_STEPS`;
+//!   `WICK_DIST_ZERO` `0`|`1`|`2`|`3`, `WICK_DIST_STEPS`;
 //! - `WICK_DIST_CKPT`: a checkpoint folder; with `WICK_DIST_SAVE_AT=k` the run saves after step
 //!   k and stops there, with `WICK_DIST_RESUME=1` it resumes from the folder first (and with
 //!   `WICK_DIST_SAVE_NOW=1` saves again at once, at its own world size, and stops);
@@ -73,11 +73,12 @@ fn spec(model: &str) -> Result<ModelSpec> {
     })
 }
 
-fn param_hash(params: &Params) -> Result<String> {
+/// The parameters' hash: every value whole (gathered under ZeRO-3: a collective).
+fn param_hash<M: Model>(trainer: &Trainer<M>) -> Result<String> {
     let mut h = Sha256::new();
-    for (name, v) in params.iter() {
+    for (name, v) in trainer.gathered_parameters()? {
         h.update(name.as_bytes());
-        let t = v.as_tensor().flatten_all()?.to_dtype(DType::F32)?;
+        let t = v.flatten_all()?.to_dtype(DType::F32)?;
         for x in t.to_vec1::<f32>()? {
             h.update(x.to_bits().to_le_bytes());
         }
@@ -173,7 +174,7 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
                 });
             }
         }
-        let hash = param_hash(trainer.model().params())?;
+        let hash = param_hash(&trainer)?;
         // Every rank's parameters must be the same after every step.
         let bytes = Tensor::from_vec(hash.as_bytes().to_vec(), hash.len(), &Device::Cpu)?;
         let gathered = group.all_gather(&bytes)?.to_vec1::<u8>()?;

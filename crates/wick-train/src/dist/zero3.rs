@@ -415,10 +415,11 @@ impl ParamShards {
         lock(&self.state).step
     }
 
-    /// Bytes of this rank's f32 masters and optimizer state.
+    /// Bytes of this rank's f32 masters of low-precision parameters (an f32 parameter's piece
+    /// is the parameter itself, as in the other stages) and of its optimizer state.
     pub(crate) fn memory_bytes(&self) -> (usize, usize) {
         let st = lock(&self.state);
-        let master = st.shards.iter().map(|s| s.len * 4).sum();
+        let master = st.shards.iter().filter(|s| s.dtype != DType::F32).map(|s| s.len * 4).sum();
         let state = st.shards.iter().map(|s| s.state.len() * s.len * 4).sum();
         (master, state)
     }
