@@ -102,9 +102,11 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
     ranks: u64,
     /// ZeRO stage of a multi-rank run: 1 shards the f32 masters and the optimizer state over the
-    /// ranks, 2 also reduce-scatters the gradients; checkpoints are then written a shard per rank
-    /// and resume at any number of ranks. Ignored on one rank.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    /// ranks, 2 also reduce-scatters the gradients, 3 also shards the blocks' parameters (each
+    /// block gathered whole only while it runs, forward and recomputed backward); checkpoints are
+    /// then written a shard per rank and resume at any number of ranks and any stage. Ignored on
+    /// one rank.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     zero: u8,
 }
 

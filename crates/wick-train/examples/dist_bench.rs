@@ -3,7 +3,8 @@
 //! against one plain MPI all-reduce of the same bytes. Prints one JSON line (rank 0).
 //!
 //! ```text
-//! dist_bench train --model decoder|resnet18 --batch 8 [--image 224] [--steps 5] [--warmup 2]
+//! dist_bench train --model decoder|decoder-512|decoder-1024|resnet18 --batch 8 [--image 224] [--steps 5] [--warmup 2]
+//!                  [--zero 0..3] [--checkpointing]
 //! dist_bench allreduce --mb 1,4,25,100 [--reps 5]
 //! ```
 //! (`scripts/torch-reference/ddp_bench.py` runs it next to PyTorch DDP.)
@@ -15,7 +16,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use wick_train::dist::buckets::{GradBuckets, BUCKET_BYTES, FIRST_BUCKET_BYTES};
-use wick_train::dist::{DataParallelOptions, ProcessGroup, ReduceOp};
+use wick_train::dist::{DataParallelOptions, ProcessGroup, ReduceOp, Sharding};
 use wick_train::trainer::{TrainOptions, Trainer};
 use wick_train::Optimizer;
 use wick_zoo::registry::ModelSpec;
@@ -43,23 +44,54 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     let (spec, optimizer) = match model.as_str() {
         // zoo-speed's decoder (the main job's) and optimizer.
         "decoder" => (ModelSpec::Llama { config: common::main_job_decoder(64), seq: 64 }, common::adamw(1e-4)),
+        // 512 × 8 and 1024 × 8 decoders over a real vocabulary (32 000), 58 M and 168 M
+        // parameters: where the parameters themselves weigh (the embeddings and the head are
+        // read outside the blocks: 56 % and 39 % of them).
+        "decoder-512" | "decoder-1024" => {
+            let h = if model == "decoder-512" { 512 } else { 1024 };
+            let config = wick_zoo::llama::LlamaConfig {
+                hidden_size: h,
+                num_layers: 8,
+                num_heads: h / 64,
+                intermediate_size: h * 11 / 4,
+                max_seq: 64,
+                ..wick_zoo::llama::LlamaConfig::tiny(32_000)
+            };
+            (ModelSpec::Llama { config, seq: 64 }, common::adamw(1e-4))
+        }
         "resnet18" => (
             ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 64, image },
             Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 },
         ),
         m => bail!("unknown model {m}"),
     };
+    let zero: u8 = arg(args, "--zero", "0").parse()?;
+    let activation_checkpointing = args.iter().any(|a| a == "--checkpointing");
     let net = spec.build(DType::F32, &Device::Cpu)?;
-    let options = TrainOptions { optimizer, ..TrainOptions::default() };
-    let mut trainer = Trainer::new(net, serde_json::json!({"model": model}), None, options)?;
-    if world > 1 {
-        trainer = trainer.data_parallel(group.clone(), DataParallelOptions::default())?;
-    }
+    let options = TrainOptions { optimizer, activation_checkpointing, ..TrainOptions::default() };
+    let describe = serde_json::json!({"model": model});
+    let parallel = DataParallelOptions { sharding: Sharding::from_stage(zero)?, ..DataParallelOptions::default() };
+    let mut trainer = if world > 1 || zero > 0 {
+        Trainer::new_data_parallel(net, describe, None, options, group.clone(), parallel)?
+    } else {
+        Trainer::new(net, describe, None, options)?
+    };
+    // The high-water mark of the start (the model built whole, then sharded), apart from the
+    // measured steps' (`clear_refs` 5 resets it, Linux ≥ 4.0).
+    let start_rss = peak_rss_mib();
     let per_rank = batch / world;
     let all = spec.batch(batch, DType::F32, &Device::Cpu)?;
     let mine = all.narrow(rank * per_rank, per_rank)?;
     let (mut ms, mut comm_ms) = (Vec::new(), Vec::new());
+    let mut heap_base = 0;
     for i in 0..warmup + steps {
+        if i == warmup {
+            // The heap's peak over the measured steps, above what was live before them (the
+            // parameters, masters and optimizer state are live throughout).
+            heap_base = wick::host_memory::exact_heap().map_or(0, |h| h.0);
+            wick::host_memory::reset_exact_peak();
+            let _ = std::fs::write("/proc/self/clear_refs", "5");
+        }
         group.barrier()?;
         let start = Instant::now();
         let record = trainer.train_step(std::slice::from_ref(&mine))?;
@@ -72,10 +104,15 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
             comm_ms.push(trainer.last_reduce().map_or(0.0, |r| r.comm_s * 1e3));
         }
     }
-    let peaks = group.all_gather(&Tensor::new(&[peak_rss_mib()], &Device::Cpu)?)?.to_vec1::<f64>()?;
-    Ok(
-        serde_json::json!({"model": model, "batch": batch, "world": world, "ms": ms, "comm_ms": comm_ms, "peak_rss_mib": peaks}),
-    )
+    let heap = wick::host_memory::exact_peak().map_or(0.0, |p| p.0 as f64 / (1 << 20) as f64);
+    let mine = [peak_rss_mib(), heap, heap_base as f64 / (1 << 20) as f64, start_rss];
+    let peaks = group.all_gather(&Tensor::new(&mine, &Device::Cpu)?)?.to_vec1::<f64>()?;
+    Ok(serde_json::json!({"model": model, "batch": batch, "world": world, "zero": zero,
+        "checkpointing": activation_checkpointing, "ms": ms, "comm_ms": comm_ms,
+        "peak_rss_mib": peaks.iter().step_by(4).collect::<Vec<_>>(),
+        "heap_peak_mib": peaks.iter().skip(1).step_by(4).collect::<Vec<_>>(),
+        "heap_before_mib": peaks.iter().skip(2).step_by(4).collect::<Vec<_>>(),
+        "start_rss_mib": peaks.iter().skip(3).step_by(4).collect::<Vec<_>>()}))
 }
 
 fn allreduce(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {

@@ -243,7 +243,11 @@ impl Parallel {
             Ok(PieceInit { master, state })
         };
         let plan = self.buckets.plan();
-        Ok(Some(Shard::new(&self.group, vars, plan, stage, optimizer, steps, &mut fetch)?))
+        let shard = Shard::new(&self.group, vars, plan, stage, optimizer, steps, &mut fetch)?;
+        if let (Shard::Params(new), Shard::Params(old)) = (&shard, z) {
+            new.inherit(old);
+        }
+        Ok(Some(shard))
     }
 
     /// Puts a shard [`Parallel::read_shard`] read in place of this rank's.

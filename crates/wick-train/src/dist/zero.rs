@@ -97,8 +97,9 @@ impl PieceInit {
         let Some((offset, len)) = request.range else {
             return Ok(PieceInit::default());
         };
+        // A piece of its own size: `copy` of a view would clone the whole buffer behind it.
         let take = |t: &Tensor| -> Result<Tensor, TrainError> {
-            Ok(t.flatten_all()?.narrow(0, offset, len)?.to_dtype(DType::F32)?.copy()?)
+            Ok(t.flatten_all()?.narrow(0, offset, len)?.to_dtype(DType::F32)?.force_contiguous()?)
         };
         let state = state.unwrap_or_default().iter().map(take).collect::<Result<Vec<_>, _>>()?;
         Ok(PieceInit { master: request.master.then(|| take(master)).transpose()?, state })

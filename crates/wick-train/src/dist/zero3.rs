@@ -60,6 +60,8 @@ struct Shard {
     in_block: bool,
     /// Whether the model's own tensor's pages were handed back.
     released: bool,
+    /// Whether `master` is a view of the model's own (whole, f32) tensor.
+    viewed: bool,
 }
 
 struct State {
@@ -198,6 +200,7 @@ impl ParamShards {
                 grad: None,
                 in_block: false,
                 released: false,
+                viewed: false,
             });
         }
         let by_id = vars.iter().enumerate().map(|(i, v)| (v.as_tensor().id(), i)).collect();
@@ -271,20 +274,20 @@ impl ParamShards {
             which.iter().map(|&i| st.shards[i].chunk).collect()
         };
         let section: usize = chunks.iter().sum();
-        let flat: Vec<Option<Vec<f32>>> =
-            grads.iter().map(|g| g.as_ref().map(vec_f32).transpose()).collect::<Result<_, _>>()?;
         let mut send = vec![0f32; section * world];
-        for r in 0..world {
-            let mut at = r * section;
-            for (g, &chunk) in flat.iter().zip(&chunks) {
-                if let Some(g) = g {
+        // One gradient widened at a time, straight into each rank's section.
+        let mut start = 0;
+        for (g, &chunk) in grads.iter().zip(&chunks) {
+            if let Some(g) = g {
+                let g = vec_f32(g)?;
+                for r in 0..world {
                     let (a, b) = ((r * chunk).min(g.len()), ((r + 1) * chunk).min(g.len()));
+                    let at = r * section + start;
                     send[at..at + (b - a)].copy_from_slice(&g[a..b]);
                 }
-                at += chunk;
             }
+            start += chunk;
         }
-        drop(flat);
         let mut recv = vec![0f32; section];
         let t1 = Instant::now();
         self.group.comm().reduce_scatter(&send, &mut recv, ReduceOp::Sum)?;
@@ -313,12 +316,10 @@ impl ParamShards {
     }
 
     /// Reduces the gradients of the parameters read outside the blocks (in `grads`, removed
-    /// from it); refuses a block's parameter that has one there too (used inside a block and
+    /// from it), one parameter at a time; refuses a block's parameter that has one there too (used inside a block and
     /// outside).
     pub(crate) fn reduce_rest(&self, grads: &mut GradStore, vars: &[Var]) -> Result<(), TrainError> {
         let blocks: Vec<bool> = lock(&self.state).shards.iter().map(|s| s.in_block).collect();
-        let mut which = Vec::new();
-        let mut taken = Vec::new();
         for (i, v) in vars.iter().enumerate() {
             let g = grads.remove(v.as_tensor());
             if blocks[i] {
@@ -331,10 +332,10 @@ impl ParamShards {
                 }
                 continue;
             }
-            which.push(i);
-            taken.push(g);
+            // One parameter at a time: its gradient is dropped before the next is widened.
+            self.reduce_into(&[i], &[g])?;
         }
-        Ok(self.reduce_into(&which, &taken)?)
+        Ok(())
     }
 
     /// The step: the reduced gradients' presence agreed, unscaled and checked through the
@@ -382,6 +383,11 @@ impl ParamShards {
             if s.in_block && !s.released {
                 v.as_tensor().inplace_op1(&ReleasePages)?;
                 s.released = true;
+            } else if !s.in_block && s.dtype == DType::F32 && !s.viewed && s.len > 0 {
+                // A whole f32 parameter is its own master, as in the other stages: its piece
+                // becomes a view of it (the values are the same, to the bit).
+                s.master = v.as_tensor().flatten_all()?.narrow(0, s.offset, s.len)?;
+                s.viewed = true;
             }
         }
         let stats = std::mem::take(&mut st.stats);
@@ -424,6 +430,16 @@ impl ParamShards {
         (master, state)
     }
 
+    /// Takes over from `earlier` (the shard this one replaces, on a resume) which parameters the
+    /// blocks take and which model copies were handed back: those are not written again.
+    pub(crate) fn inherit(&self, earlier: &ParamShards) {
+        let old = lock(&earlier.state);
+        let mut st = lock(&self.state);
+        for (s, o) in st.shards.iter_mut().zip(&old.shards) {
+            (s.in_block, s.released) = (o.in_block, o.released);
+        }
+    }
+
     /// Whether the model's own tensor of parameter `i` was handed back (it reads as zeros).
     pub(crate) fn released(&self, i: usize) -> bool {
         lock(&self.state).shards.get(i).is_some_and(|s| s.released)
@@ -446,7 +462,8 @@ impl ParamShards {
         let st = lock(&self.state);
         let mut out = HashMap::new();
         for (s, name) in st.shards.iter().zip(names).filter(|(s, _)| s.len > 0) {
-            out.insert(format!("master/{name}#{}", s.offset), s.master.copy()?);
+            // A piece of its own size (`copy` of a view would clone the parameter behind it).
+            out.insert(format!("master/{name}#{}", s.offset), s.master.force_contiguous()?);
             for k in 0..st.optimizer.states() {
                 let t = match s.state.get(k) {
                     Some(t) => t.copy()?,
