@@ -108,8 +108,9 @@ impl HostMemory {
     }
 
     /// The refusal of `bytes` for `what` (e.g. `a candle CPU tensor`) when `room` is all the host
-    /// allows and this process's heap holds `freed` for reuse: every figure says whose memory it
-    /// is, and the advice fits the limit that refused.
+    /// allows and this process's heap still holds `freed` for reuse (blocks it could not return:
+    /// not counted as room, a new buffer fits them only by chance): every figure says whose
+    /// memory it is, and the advice fits the limit that refused.
     pub fn refusal(&self, what: &str, bytes: usize, freed: usize, room: Room) -> String {
         let b = |n: usize| format_bytes(n as u64);
         let resident = self.resident.map_or_else(String::new, |r| format!("; this process holds {} resident", b(r)));
@@ -158,7 +159,7 @@ impl HostMemory {
             "out of memory on cpu ({what}): tried to allocate {}, and at most {} can be had now: {limit}. \
              Advice: {advice}.",
             b(bytes),
-            b(room.bytes.saturating_add(freed))
+            b(room.bytes)
         )
     }
 }
@@ -292,7 +293,7 @@ mod tests {
         assert!(text.contains("other processes and the kernel"), "{text}");
         assert!(!text.contains("wick"), "no figure is wick's: {text}");
         let text = host.refusal("a candle CPU tensor", 1 << 40, 3 << 20, room);
-        assert!(text.contains("at most 11.00 MiB can be had") && text.contains("3.00 MiB freed for reuse"), "{text}");
+        assert!(text.contains("at most 8.00 MiB can be had") && text.contains("3.00 MiB freed for reuse"), "{text}");
         let cgroup = CgroupMemory { usage: 250 << 10, limit: Some(300 << 10), inactive_file: 50 << 10 };
         let host = HostMemory::from_meminfo(MEMINFO, false, None, Some(cgroup));
         let text = host.refusal("x", 1 << 30, 0, host.room().unwrap());

@@ -9,12 +9,15 @@
 //!
 //! **The check decides by itself.** It keeps nothing that has to be installed first: from
 //! [`CHECKED_FROM`] up it reads the host's figures at that moment ([`HostMemory`]) and refuses
-//! what they cannot give. That matters where one process holds several copies of this crate: an
+//! what they cannot give; smaller buffers are counted, and each time they add up to
+//! [`CHECKED_FROM`] the one that does is checked for that much room. That matters where one
+//! process holds several copies of this crate: an
 //! evcxr notebook compiles every cell as a library of its own, with its own copy of every
 //! dependency's statics, so a check that one cell installed would be unknown to the next. Here
 //! each copy answers the same way, in every cell, on every thread, before or after any engine.
-//! The one registration, [`set_freed_heap`], only adds room (a caching heap's freed blocks, which
-//! a new buffer is served from); a copy that never saw it refuses slightly earlier, never later.
+//! The one registration that changes an answer, [`set_heap_release`], only makes room (a caching
+//! heap returns its freed blocks to the system before a refusal); a copy that never saw it
+//! refuses slightly earlier, never later.
 //!
 //! Why a crate of its own: candle-core depends on it, so it must not depend on candle or on the
 //! rest of wick; wick-memory re-exports its figures ([`cgroup`], [`meminfo_bytes`],
@@ -26,7 +29,7 @@
 //! | [`available`] | what a new CPU buffer can have now, and what limits it |
 //! | [`host`] | [`HostMemory`]: the machine, the cgroup, `ulimit -v`, the commit limit |
 //! | [`cgroup`] | the process's memory cgroup (v1 and v2) |
-//! | [`set_freed_heap`] | a caching global allocator's freed bytes, counted as room |
+//! | [`set_freed_heap`], [`set_heap_release`] | a caching global allocator's freed bytes (reported), and how it returns them before a refusal |
 //! | [`probe`] | tells the patched candle-core from the published one |
 //! | [`format_bytes`] | byte counts as people read them (`1.50 GiB`) |
 
@@ -35,7 +38,7 @@ mod format;
 pub mod host;
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -43,9 +46,18 @@ pub use cgroup::{cgroup_memory, cgroup_memory_in, CgroupMemory};
 pub use format::format_bytes;
 pub use host::{meminfo_bytes, process_resident, Bound, HostMemory, Room};
 
-/// Buffers smaller than this pass at once: one cannot exhaust the host by itself, and reading
-/// the host's figures costs tens of microseconds.
+/// Buffers from this size up are checked one by one; smaller ones are counted, and the one that
+/// brings their count to this size is checked for the whole of it (see [`check`]).
+///
+/// Policy: one small buffer cannot exhaust the host, and reading the host's figures costs tens of
+/// microseconds, so each small buffer is not read for. But many can: a model whose activations
+/// are 2 MiB each (a 1024-wide decoder at 8 × 64 tokens) passes a cgroup's limit on small buffers
+/// alone, and the kernel then ends the process. Counted, they overrun the room by at most this
+/// much before a refusal.
 pub const CHECKED_FROM: usize = 16 << 20;
+
+/// Bytes of buffers below [`CHECKED_FROM`] since the last check of their sum.
+static SMALL_SINCE_CHECK: AtomicUsize = AtomicUsize::new(0);
 
 /// How long a reading of the host's room is reused to allow further buffers.
 ///
@@ -92,31 +104,47 @@ thread_local! {
     static PROBING: Cell<bool> = const { Cell::new(false) };
 }
 
-/// The bytes a caching global allocator holds freed, which a new buffer would be served from.
+/// The bytes a caching global allocator holds freed (reported beside a refusal and in
+/// [`available`]).
 pub type FreedHeap = fn() -> usize;
 
-/// The registered [`FreedHeap`] as a pointer (null: none).
+/// Returns a caching global allocator's freed memory to the operating system; the bytes it
+/// returned.
+pub type HeapRelease = fn() -> usize;
+
+/// The registered [`FreedHeap`] and [`HeapRelease`] as pointers (null: none).
 static FREED_HEAP: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
+static HEAP_RELEASE: AtomicPtr<()> = AtomicPtr::new(std::ptr::null_mut());
 
 /// Registers (or with `None` removes) the function that says how many bytes this process's
 /// caching global allocator holds freed. wick-memory's caching heap registers itself when it
-/// becomes the global allocator. Per copy of this crate, like every static: a copy that never
-/// saw it counts no freed bytes, which only makes it refuse a little earlier.
+/// becomes the global allocator. Per copy of this crate, like every static.
 pub fn set_freed_heap(f: Option<FreedHeap>) {
     FREED_HEAP.store(f.map_or(std::ptr::null_mut(), |f| f as *mut ()), Ordering::Release);
 }
 
-/// What the registered [`FreedHeap`] says now (0 when none is registered).
-pub fn freed_heap() -> usize {
-    let p = FREED_HEAP.load(Ordering::Acquire);
+/// Registers (or with `None` removes) the function that returns the caching global allocator's
+/// freed memory to the operating system, which [`check`] calls before it refuses. Per copy of
+/// this crate: a copy that never saw it refuses where the cached memory would have made room.
+pub fn set_heap_release(f: Option<HeapRelease>) {
+    HEAP_RELEASE.store(f.map_or(std::ptr::null_mut(), |f| f as *mut ()), Ordering::Release);
+}
+
+fn call_registered(slot: &AtomicPtr<()>) -> usize {
+    let p = slot.load(Ordering::Acquire);
     if p.is_null() {
         return 0;
     }
-    // SAFETY: FREED_HEAP only ever holds null or a `FreedHeap` function pointer stored by
-    // `set_freed_heap`; function and data pointers have the same size on every platform Rust's
-    // std supports.
-    let f = unsafe { std::mem::transmute::<*mut (), FreedHeap>(p) };
+    // SAFETY: the slots only ever hold null or a `fn() -> usize` pointer stored by
+    // `set_freed_heap`/`set_heap_release`; function and data pointers have the same size on
+    // every platform Rust's std supports.
+    let f = unsafe { std::mem::transmute::<*mut (), fn() -> usize>(p) };
     f()
+}
+
+/// What the registered [`FreedHeap`] says now (0 when none is registered).
+pub fn freed_heap() -> usize {
+    call_registered(&FREED_HEAP)
 }
 
 /// What a new CPU buffer can have now: the host's room ([`HostMemory::room`]) plus the bytes
@@ -134,27 +162,43 @@ pub fn check(bytes: Option<usize>) -> Result<(), String> {
     let Some(bytes) = bytes else {
         return Err("out of memory: a CPU tensor whose size in bytes overflows usize".into());
     };
+    let (mut asked, mut what) = (bytes, "a candle CPU tensor");
     if bytes < CHECKED_FROM {
         if bytes == PROBE_BYTES && PROBING.try_with(Cell::get).unwrap_or(false) {
             return Err(PROBE_REFUSAL.into());
         }
+        let since = SMALL_SINCE_CHECK.fetch_add(bytes, Ordering::Relaxed).saturating_add(bytes);
+        if since < CHECKED_FROM {
+            return Ok(());
+        }
+        // This buffer brings the small ones to the checked size: the room must hold that much
+        // more (they are already in the host's figures; the next ones are what is asked for).
+        SMALL_SINCE_CHECK.store(0, Ordering::Relaxed);
+        (asked, what) = (CHECKED_FROM, "the next candle CPU tensors below 16 MiB, counted together");
+    }
+    let bytes = asked;
+    if allowed_by_recent_reading(bytes) {
         return Ok(());
     }
-    let freed = freed_heap();
-    if bytes <= freed || allowed_by_recent_reading(bytes - freed) {
-        return Ok(());
-    }
-    let host = HostMemory::read();
-    match host.room() {
-        Some(room) if bytes - freed > room.bytes => {
-            Err(host.with_resident().refusal("a candle CPU tensor", bytes, freed, room))
+    let mut host = HostMemory::read();
+    let Some(mut room) = host.room() else { return Ok(()) };
+    // Policy (PyTorch's when an allocation fails): before refusing, the caching heap returns its
+    // freed segments to the operating system and the figures are read again. Freed bytes are not
+    // counted as room by themselves: a new buffer is served from them only where one freed
+    // block is large enough, and otherwise takes new pages — which is how a process under a
+    // cgroup limit was ended by the kernel instead of refused here.
+    if bytes > room.bytes && call_registered(&HEAP_RELEASE) > 0 {
+        host = HostMemory::read();
+        match host.room() {
+            Some(again) => room = again,
+            None => return Ok(()),
         }
-        Some(room) => {
-            remember_reading(room.bytes, bytes - freed);
-            Ok(())
-        }
-        None => Ok(()),
     }
+    if bytes > room.bytes {
+        return Err(host.with_resident().refusal(what, bytes, freed_heap(), room));
+    }
+    remember_reading(room.bytes, bytes);
+    Ok(())
 }
 
 /// Runs `make`, which must make one CPU tensor of 4099 bytes through candle, and says whether
@@ -185,7 +229,14 @@ mod tests {
         1 << 52
     }
 
-    // One test: the freed-heap registration is process-wide, and the other cases read it.
+    static RELEASES: AtomicUsize = AtomicUsize::new(0);
+
+    fn counting_release() -> usize {
+        RELEASES.fetch_add(1, Ordering::SeqCst);
+        1 << 20
+    }
+
+    // One test: the registrations are process-wide, and the other cases read them.
     #[test]
     fn the_check_refuses_what_the_host_cannot_give_and_nothing_else() {
         assert_eq!(refuse(0), Ok(()));
@@ -206,11 +257,24 @@ mod tests {
         std::thread::sleep(READING_REUSE);
         assert!(!allowed_by_recent_reading(1), "the reading is too old");
         assert!(refuse(1 << 50).is_err());
-        // A caching heap's freed bytes are room.
+        // A caching heap's freed bytes are not room by themselves: before refusing, the check has
+        // the heap return them and reads again (here nothing changes, so it still refuses), and
+        // the refusal reports what the heap holds freed.
         set_freed_heap(Some(plenty));
-        assert_eq!(refuse(1 << 50), Ok(()), "served from the heap's freed blocks");
+        set_heap_release(Some(counting_release));
+        let err = refuse(1 << 50).unwrap_err();
+        assert_eq!(RELEASES.load(Ordering::SeqCst), 1, "released once before refusing");
+        assert!(err.contains("4.00 PiB freed for reuse"), "{err}");
+        assert_eq!(refuse(CHECKED_FROM), Ok(()));
+        assert_eq!(RELEASES.load(Ordering::SeqCst), 1, "nothing released where the host has room");
         set_freed_heap(None);
-        assert!(refuse(1 << 50).is_err());
+        set_heap_release(None);
+        // Small buffers are counted: the one that brings them to CHECKED_FROM is checked for that.
+        SMALL_SINCE_CHECK.store(0, Ordering::Relaxed);
+        assert_eq!(refuse(CHECKED_FROM / 2), Ok(()));
+        assert_eq!(SMALL_SINCE_CHECK.load(Ordering::Relaxed), CHECKED_FROM / 2);
+        assert_eq!(refuse(CHECKED_FROM / 2), Ok(()), "the machine has 16 MiB");
+        assert_eq!(SMALL_SINCE_CHECK.load(Ordering::Relaxed), 0, "checked, and counting again");
         // The probe's size is refused only on the probing thread, only while it probes.
         assert_eq!(refuse(PROBE_BYTES), Ok(()));
         assert!(probe(refuse));

@@ -103,6 +103,12 @@ fn freed_cached_bytes() -> usize {
     })
 }
 
+/// Returns the installed heap's cached segments that hold no live block to the operating system
+/// (the `wick_alloc_check::HeapRelease` it registers); the bytes returned.
+fn release_cached() -> usize {
+    CachingHeap::installed().and_then(|h| h.empty_cache().ok()).map_or(0, |r| r.bytes)
+}
+
 /// A global allocator whose large blocks come from a caching allocator over host memory (see
 /// the module documentation). Const-constructible for a `static`.
 pub struct CachingHeap {
@@ -296,9 +302,10 @@ impl CachingHeap {
     fn large(&self, layout: Layout, zeroed: bool) -> *mut u8 {
         let me = self as *const CachingHeap as *mut CachingHeap;
         if INSTALLED.swap(me, Ordering::AcqRel).is_null() {
-            // A new CPU buffer is served from the freed blocks too: the check candle asks
-            // (wick-alloc-check) counts them as room.
+            // The check candle asks (wick-alloc-check) reports the freed blocks, and has them
+            // returned to the system before it refuses a buffer.
             wick_alloc_check::set_freed_heap(Some(freed_cached_bytes));
+            wick_alloc_check::set_heap_release(Some(release_cached));
         }
         let pre = prefix(&layout);
         if INSIDE.try_with(|inside| inside.get()).unwrap_or(true) {

@@ -148,6 +148,10 @@ impl Update<'_> {
 /// `grad` (any float dtype, same element count) and the old `state` tensors (f32,
 /// `rule.states()` of them); returns the new state tensors.
 pub fn step(target: &Tensor, grad: &Tensor, state: &[Tensor], rule: Optimizer, step: i32) -> Result<Vec<Tensor>> {
+    // The new state is made beside the old one, outside candle's allocations: asked for as
+    // candle asks for its CPU buffers, so an update the host cannot hold is an error.
+    let bytes = target.elem_count().checked_mul(4).and_then(|b| b.checked_mul(state.len()));
+    wick_alloc_check::check(bytes).map_err(candle_core::Error::Msg)?;
     let grad = grad.contiguous()?;
     let next = match state {
         [s] => with::<f32, _>(s, |s| run(target, &grad, vec![s], rule, step))?,

@@ -9,7 +9,7 @@
 //! | item | what it does in its own copy |
 //! |---|---|
 //! | [`cell_make_engine`] | makes a CPU engine and keeps it for the process's life |
-//! | [`cell_register_plenty`] | registers an absurd freed-heap figure (shows whose statics a copy sees) |
+//! | [`cell_register_release`], [`cell_release_calls`] | registers a heap release that counts its calls (shows whose statics a copy sees) |
 //! | [`cell_check`] | asks this copy's `wick_alloc_check::check` |
 //! | [`cell_zeros`] | makes a plain candle CPU tensor, here or on a thread of its own |
 //! | [`cell_mark`] | the address of a static of this copy |
@@ -40,15 +40,25 @@ pub extern "C" fn cell_make_engine() -> i32 {
     ALLOCATED
 }
 
-fn plenty() -> usize {
-    1 << 60
+static RELEASE_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn counting_release() -> usize {
+    RELEASE_CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    0
 }
 
-/// Registers, in this copy's `wick-alloc-check`, a freed heap of 1 EiB: this copy's check then
-/// allows any size, which [`cell_check`] shows; another copy never sees it.
+/// Registers, in this copy's `wick-alloc-check`, a heap release that only counts its calls: this
+/// copy's check calls it before each refusal, which [`cell_release_calls`] shows; another copy
+/// never sees it.
 #[no_mangle]
-pub extern "C" fn cell_register_plenty() {
-    wick_alloc_check::set_freed_heap(Some(plenty));
+pub extern "C" fn cell_register_release() {
+    wick_alloc_check::set_heap_release(Some(counting_release));
+}
+
+/// How many times this copy's check called the release [`cell_register_release`] registered.
+#[no_mangle]
+pub extern "C" fn cell_release_calls() -> usize {
+    RELEASE_CALLS.load(std::sync::atomic::Ordering::SeqCst)
 }
 
 /// This copy's answer for a buffer of `bytes` (nothing is allocated).

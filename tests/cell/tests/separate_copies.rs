@@ -48,13 +48,18 @@ fn a_tensor_made_in_a_later_cell_is_refused_without_anything_installed_in_that_c
     assert_ne!(mark1, mark10, "each copy has its own statics");
 
     // Cell 1 makes the engine, and registers something in its copy of wick-alloc-check that
-    // cell 10's copy does not see: 1 EiB allowed in cell 1, still refused in cell 10.
+    // cell 10's copy does not see: a heap release that counts its calls, called by cell 1's
+    // check before it refuses 1 PiB and never by cell 10's, which refuses by itself.
     assert_eq!(call::<extern "C" fn() -> i32>(&cell1, b"cell_make_engine")(), wick_cell::ALLOCATED);
-    call::<extern "C" fn()>(&cell1, b"cell_register_plenty")();
+    call::<extern "C" fn()>(&cell1, b"cell_register_release")();
     let check1 = call::<extern "C" fn(u64) -> i32>(&cell1, b"cell_check");
     let check10 = call::<extern "C" fn(u64) -> i32>(&cell10, b"cell_check");
-    assert_eq!(check1(1 << 50), wick_cell::ALLOCATED, "cell 1's copy saw its registration");
-    assert_eq!(check10(1 << 50), wick_cell::REFUSED_OUT_OF_MEMORY, "cell 10's copy did not, and decides by itself");
+    let calls1 = call::<extern "C" fn() -> usize>(&cell1, b"cell_release_calls");
+    let calls10 = call::<extern "C" fn() -> usize>(&cell10, b"cell_release_calls");
+    assert_eq!(check1(1 << 50), wick_cell::REFUSED_OUT_OF_MEMORY);
+    assert_eq!((calls1(), calls10()), (1, 0), "cell 1's copy saw its registration");
+    assert_eq!(check10(1 << 50), wick_cell::REFUSED_OUT_OF_MEMORY, "cell 10's copy decides by itself");
+    assert_eq!((calls1(), calls10()), (1, 0), "cell 10's copy did not see cell 1's registration");
 
     // Cell 10 makes a plain candle tensor of 4 TiB: candle's Err, on its thread and on another.
     let zeros10 = call::<extern "C" fn(u64, i32) -> i32>(&cell10, b"cell_zeros");
