@@ -92,6 +92,24 @@ pub fn report() -> String {
 /// An op whose forward and backward are timed.
 pub(crate) struct Profiled<C>(pub C);
 
+/// Asks the CPU allocation check (`wick_alloc_check`, which candle's own CPU buffers go through)
+/// for the gradients an op's backward is about to make: one per tracked CPU argument, shaped
+/// like it. The kernels' buffers are plain vectors that candle never sees, so without this a
+/// backward under a memory cgroup's limit took pages the kernel then ended the process for,
+/// where the step should have failed with an error (a 168 M-parameter decoder's linear
+/// backward, issue 48's cap demonstration).
+fn ask_for_gradients(args: &[&Tensor]) -> Result<()> {
+    let mut bytes = Some(0usize);
+    for a in args.iter().filter(|a| a.track_op() && a.device().is_cpu()) {
+        let own = a.elem_count().checked_mul(a.dtype().size_in_bytes());
+        bytes = bytes.zip(own).and_then(|(sum, own)| sum.checked_add(own));
+    }
+    match bytes {
+        Some(0) => Ok(()),
+        bytes => wick_alloc_check::check(bytes).map_err(candle_core::Error::Msg),
+    }
+}
+
 impl<C: CustomOp1> CustomOp1 for Profiled<C> {
     fn name(&self) -> &'static str {
         self.0.name()
@@ -100,6 +118,7 @@ impl<C: CustomOp1> CustomOp1 for Profiled<C> {
         time(self.0.name(), "forward", || shapes(&[l.dims()]), || self.0.cpu_fwd(s, l))
     }
     fn bwd(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        ask_for_gradients(&[arg])?;
         time(self.0.name(), "backward", || shapes(&[arg.dims()]), || self.0.bwd(arg, res, g))
     }
 }
@@ -112,6 +131,7 @@ impl<C: CustomOp2> CustomOp2 for Profiled<C> {
         time(self.0.name(), "forward", || shapes(&[l1.dims(), l2.dims()]), || self.0.cpu_fwd(s1, l1, s2, l2))
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        ask_for_gradients(&[a, b])?;
         time(self.0.name(), "backward", || shapes(&[a.dims(), b.dims()]), || self.0.bwd(a, b, res, g))
     }
 }
@@ -144,6 +164,7 @@ impl<C: CustomOp3> CustomOp3 for Profiled<C> {
         res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        ask_for_gradients(&[a, b, c])?;
         time(self.0.name(), "backward", || shapes(&[a.dims(), b.dims(), c.dims()]), || self.0.bwd(a, b, c, res, g))
     }
 }
