@@ -10,7 +10,9 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
-use wick_zoo::estimate::{estimate_per_rank, ActivationProfile, Estimate, Mode, ParamBytes, Ranks, Update};
+use wick_zoo::estimate::{
+    estimate_per_rank, ActivationProfile, Estimate, Mode, ParamBytes, RankEstimate, Ranks, Update,
+};
 use wick_zoo::registry::{Input, ModelSpec, NAMED};
 
 use crate::measure;
@@ -94,8 +96,10 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=65536))]
     pub ranks: u64,
     /// ZeRO stage of a data-parallel run: 0 replicates everything, 1 shards the optimizer's
-    /// state and the f32 masters over the ranks, 2 also reduce-scatters the gradients.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    /// state and the f32 masters over the ranks, 2 also reduce-scatters the gradients, 3 also
+    /// shards the parameters (gathered a block at a time; the blocks always recomputed in
+    /// backward, so it implies --checkpointing).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
 }
 
@@ -196,6 +200,8 @@ pub struct Profiled {
     pub checkpointing: bool,
     /// The data-parallel layout the figures are one rank's of.
     pub ranks: Ranks,
+    /// Under ZeRO stage 3: the block whose gather is the largest, and its bytes whole.
+    pub largest_block: Option<(String, usize)>,
     /// The model's architecture and size.
     spec: ModelSpec,
 }
@@ -217,7 +223,19 @@ impl Profiled {
         };
         spinner.set_message(format!("profiling {what} {how} on the CPU"));
         let started = Instant::now();
-        let (profile, param_bytes) = spec.profile(dtype, args.checkpointing, extra).context("profiling the model")?;
+        let (profile, param_bytes, blocks, largest_block) = if args.zero == 3 {
+            // Each block as a stage-3 rank runs it: gathered, recomputed, its gradients
+            // reduce-scattered (see `ModelSpec::profile_sharded`).
+            let (profile, bytes, blocks, name) =
+                spec.profile_sharded(dtype, args.ranks as usize, extra).context("profiling the model")?;
+            (profile, bytes, Some(blocks), Some((name, blocks.largest)))
+        } else {
+            let (profile, bytes) = spec.profile(dtype, args.checkpointing, extra).context("profiling the model")?;
+            (profile, bytes, None, None)
+        };
+        // The largest reduction buffer is bounded from the parameter bytes: the zoo's large
+        // models are estimated without being built.
+        let ranks = Ranks { blocks, ..Ranks::bounded(args.ranks as usize, args.zero, 25 << 20, param_bytes) };
         // Every parameter at 4 bytes: the count.
         let numel = param_bytes.f32_total / 4;
         spinner.finish_and_clear();
@@ -228,22 +246,35 @@ impl Profiled {
             profile,
             seconds: started.elapsed().as_secs_f64(),
             precision: args.precision,
-            checkpointing: args.checkpointing,
-            // The largest reduction buffer is bounded from the parameter bytes: the zoo's large
-            // models are estimated without being built.
-            ranks: Ranks::bounded(args.ranks as usize, args.zero, 25 << 20, param_bytes),
+            checkpointing: args.checkpointing || args.zero == 3,
+            ranks,
+            largest_block,
             spec,
         })
     }
 
     /// The estimate of `mode` at `batch`, its update run on `on`.
     pub fn estimate(&self, batch: usize, mode: Mode, on: Target) -> Estimate {
+        self.rank_estimate(batch, mode, on).estimate
+    }
+
+    fn rank_estimate(&self, batch: usize, mode: Mode, on: Target) -> RankEstimate {
         let update = match on {
             Target::Cpu => Update::InPlace,
             Target::Cuda => Update::OutOfPlace,
         };
         let amp = self.precision == Precision::AmpBf16;
-        estimate_per_rank(self.param_bytes, &self.profile, batch, mode, amp, update, self.ranks).estimate
+        estimate_per_rank(self.param_bytes, &self.profile, batch, mode, amp, update, self.ranks)
+    }
+
+    /// Under ZeRO stage 3, the phase of the step that sets the peak of `mode` at `batch`
+    /// (`RankEstimate::peak_phase`, in words).
+    pub fn peak_phase(&self, batch: usize, mode: Mode, on: Target) -> Option<&'static str> {
+        self.rank_estimate(batch, mode, on).peak_phase.map(|phase| match phase {
+            "backward" => "backward (the blocks gathered and recomputed one at a time, the loss's gradients)",
+            "outside reduction" => "the reduction of the parameters read outside the blocks, after backward",
+            _ => "gathering the parameters read outside the blocks back, after the update",
+        })
     }
 
     /// How the profile was made, in a sentence.
@@ -317,6 +348,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             "checkpointing": p.checkpointing,
             "batch": args.batch,
             "ranks": p.ranks,
+            "largest_block": p.largest_block,
             "parameters": p.numel,
             "profile": profile,
             "profile_seconds": profile_s,
@@ -367,6 +399,17 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             let off = (e.total as f64 / *m as f64 - 1.0) * 100.0;
             println!("measured {:?} at batch {}: {} (the estimate is {off:+.1} %)", e.mode, args.batch, b(*m));
         }
+    }
+    if let Some((name, bytes)) = &p.largest_block {
+        let phases: Vec<String> = estimates
+            .iter()
+            .filter_map(|e| p.peak_phase(e.batch, e.mode, args.on).map(|phase| format!("{:?}: {phase}", e.mode)))
+            .collect();
+        println!(
+            "ZeRO stage 3: the largest block gathered whole is {name} ({}); the peak is in {}",
+            b(*bytes),
+            phases.join(", ")
+        );
     }
     println!("{how}");
     Ok(())

@@ -219,7 +219,17 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
         _ => ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 16, image: 64 },
     };
     let (dtype, autocast) = if amp { (DType::BF16, Autocast::bf16()) } else { (DType::F32, Autocast::off()) };
-    let (profile, bytes) = spec.profile(dtype, false, &[batch])?;
+    // Stage 3 is profiled as its ranks run the blocks (see `ModelSpec::profile_sharded`).
+    let (profile, bytes, blocks) = if zero == 3 {
+        let (profile, bytes, blocks, _) = spec.profile_sharded(dtype, world, &[batch])?;
+        (profile, bytes, Some(blocks))
+    } else {
+        let (profile, bytes) = spec.profile(dtype, false, &[batch])?;
+        (profile, bytes, None)
+    };
+    let input = spec.batch(batch, dtype, &Device::Cpu)?;
+    // What the heap holds before the model exists (stage 3's figure is measured from here).
+    let base = exact_heap().map_or(0, |h| h.0);
     let model = spec.build(dtype, &Device::Cpu)?;
     let largest_bucket = wick_train::dist::buckets::largest_buffer(
         &model.params().iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
@@ -228,7 +238,7 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
         zero > 0,
         world,
     );
-    let ranks = Ranks { ranks: world, zero_stage: zero, largest_bucket };
+    let ranks = Ranks { ranks: world, zero_stage: zero, largest_bucket, blocks };
     let estimate = estimate_per_rank(bytes, &profile, batch, Mode::TrainAdamW, amp, Update::InPlace, ranks);
     let options = TrainOptions { optimizer: common::adamw(1e-6), autocast, ..TrainOptions::default() };
     // How much the start holds at its peak (the whole state, or only this rank's shard).
@@ -250,8 +260,10 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     let largest_f32 = vars.iter().map(|v| v.elem_count() * 4).max().unwrap_or(0);
     let params: usize = trainer.model().params().iter().map(|(_, v)| v.elem_count() * v.dtype().size_in_bytes()).sum();
     // The second step is measured: a sharded start makes its optimizer state at the first.
-    let batch = spec.batch(batch, dtype, &Device::Cpu)?;
+    let batch = input;
     trainer.train_step(std::slice::from_ref(&batch))?;
+    // What the run holds between steps (before this scenario's own engine and summary).
+    let held_at_step = exact_heap().map_or(0, |h| h.0).saturating_sub(base);
     let (master, state) = trainer.optimizer_bytes();
     let engine = wick::Engine::cpu();
     trainer.account(&engine);
@@ -260,7 +272,15 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     reset_exact_peak();
     trainer.train_step(std::slice::from_ref(&batch))?;
     let Some((peak, _)) = exact_peak() else { bail!("no exact heap") };
-    let measured = (peak.saturating_sub(before) + params + master + state) as f64;
+    // Stage 3 hands the model's copies of the blocks' parameters back and keeps pieces whose
+    // bytes the trainer does not list one by one: the step's peak above its start, and what the
+    // heap held between steps above what it held before the model existed. The other stages: the step's peak above its start, and what
+    // the run held then.
+    let measured = if zero == 3 {
+        (peak.saturating_sub(before) + held_at_step) as f64
+    } else {
+        (peak.saturating_sub(before) + params + master + state) as f64
+    };
     // With a checkpoint folder: saved, and resumed by a fresh run started in the group; its
     // peak while resuming.
     let mut resume_peak = 0;
@@ -284,6 +304,7 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
         "whole_state": whole_state,
         "largest_f32": largest_f32,
         "resume_peak": resume_peak,
+        "held_at_step": held_at_step,
         "estimate": estimate,
         "summary": summary,
     }))

@@ -153,7 +153,8 @@ fn a_typed_oom_on_one_rank_stops_the_step_on_both() {
 
 /// Each rank's measured peak of one AdamW step (the caching heap's, plus what the run held at
 /// its start) beside the estimator's per-rank figure (`wick_zoo::estimate::estimate_per_rank`),
-/// plain and ZeRO-1/2, f32 and bf16 AMP: within ±5 % (measured: −0.7 … +0.7 %).
+/// plain and ZeRO-1/2/3, f32 and bf16 AMP: within ±5 % (measured: −0.7 … +0.7 % at stages
+/// 0–2; stage 3, profiled through `BlockRecorder` and measured over the whole heap, see below).
 ///
 /// And the start itself (`Trainer::new_data_parallel`): sharded, its peak stays below one
 /// process's masters and optimizer state — the shard plus a parameter's f32 value at a time —
@@ -161,7 +162,7 @@ fn a_typed_oom_on_one_rank_stops_the_step_on_both() {
 #[test]
 fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
     for (model, precision) in [("decoder", "f32"), ("decoder", "bf16"), ("cnn", "f32"), ("cnn", "bf16")] {
-        for zero in ["0", "1", "2"] {
+        for zero in ["0", "1", "2", "3"] {
             let vars = [
                 ("WICK_DIST_SCENARIO", "memory"),
                 ("WICK_DIST_MODEL", model),
@@ -181,8 +182,12 @@ fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
             for rank in 0..2 {
                 let (estimate, measured) = (f[2 * rank], f[2 * rank + 1]);
                 let ratio = estimate / measured;
+                // Stage 3 is measured over the whole heap (its pieces' tensor handles and the
+                // graph's small tensors count, a visible share of these 8–26 MiB models):
+                // −1.8 … +4.6 % measured here, +2.9 / +3.8 % at 58 M and 168 M parameters.
+                let low = if zero == "3" { 0.98 } else { 0.99 };
                 assert!(
-                    (0.99..=1.05).contains(&ratio),
+                    (low..=1.05).contains(&ratio),
                     "{model} {precision} ZeRO-{zero} rank {rank}: estimate {estimate}, measured {measured}"
                 );
             }
@@ -199,10 +204,13 @@ fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
                     "{model} {precision} ZeRO-{zero}: the start's peak {start}, one process's state {whole}, \
                      the shard and two of the largest parameter {bound}"
                 );
-                // Resuming: the shard read, beside the start's masters, and the read buffers.
+                // Resuming: the shard read, beside the start's masters, and the read buffers
+                // (ZeRO-3: also the new shard's pieces of f32 parameters, which are not views of
+                // the model's as at stages 1 and 2 — a share of the parameters).
                 let resume = n("resume_peak");
+                let pieces = if zero == "3" { held[0] / 2 } else { 0 };
                 assert!(
-                    resume > held[2] / 2 && resume < whole && resume <= bound + held[1] + (2 << 20),
+                    resume > held[2] / 2 && resume < whole && resume <= bound + held[1] + pieces + (2 << 20),
                     "{model} {precision} ZeRO-{zero}: resuming held {resume}, one process's state {whole}"
                 );
             }

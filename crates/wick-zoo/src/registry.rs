@@ -27,6 +27,7 @@
 //! ```
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use wick_nn::checkpoint::Checkpointing;
@@ -35,7 +36,7 @@ use wick_nn::{Labelled, Model, NnError};
 
 use crate::bert::{Bert, BertConfig, SentenceBatch};
 use crate::error::ZooError;
-use crate::estimate::{ActivationProfile, ParamBytes};
+use crate::estimate::{ActivationProfile, BlockBytes, BlockRecorder, ParamBytes};
 use crate::llama::{Llama, LlamaConfig};
 use crate::mobilenet::MobileNetV2;
 use crate::resnet::{ResNet, ResNetDepth};
@@ -313,6 +314,46 @@ impl ModelSpec {
                 let layer_gradients = two_bytes.total.saturating_sub(one_bytes.total);
                 let bytes = self.param_bytes(dtype).ok_or_else(|| invalid("the parameter count overflows".into()))?;
                 Ok((ActivationProfile::with_layers(&one, &two, config.num_layers, layer_gradients), bytes))
+            }
+            _ => profile_of(self),
+        }
+    }
+
+    /// [`ModelSpec::profile`] for a rank of `world` under ZeRO stage 3: every block run through a
+    /// [`BlockRecorder`] ([`ActivationProfile::measure_sharded`]: checkpointed, with the
+    /// gather's and the reduce-scatter's buffers a rank allocates); with the parameters' bytes,
+    /// where they are ([`BlockBytes`]) and the largest block's name (its parameters' common
+    /// prefix). A decoder is profiled through one and two layers, as there, its blocks counted
+    /// to its depth.
+    pub fn profile_sharded(
+        &self,
+        dtype: DType,
+        world: usize,
+        extra: &[usize],
+    ) -> Result<(ActivationProfile, ParamBytes, BlockBytes, String), ZooError> {
+        let profile_of = |spec: &ModelSpec| -> Result<(ActivationProfile, ParamBytes, BlockBytes, String), ZooError> {
+            let model = spec.build(dtype, &Device::Cpu)?;
+            let loss = |b: usize, c: Option<&Checkpointing>| {
+                model
+                    .loss_with(&spec.batch(b, dtype, &Device::Cpu).map_err(to_candle)?, c)
+                    .map_err(candle_core::Error::wrap)
+            };
+            let recorder = Arc::new(BlockRecorder::new(model.params(), world));
+            let profile = ActivationProfile::measure_sharded(model.params(), loss, recorder.clone(), extra)?;
+            let (blocks, largest) = recorder.bytes();
+            Ok((profile, ParamBytes::of(model.params()), blocks, largest))
+        };
+        match self {
+            ModelSpec::Llama { config, seq } => {
+                let layers = |n| ModelSpec::Llama { config: LlamaConfig { num_layers: n, ..*config }, seq: *seq };
+                let (one, _, blocks, name) = profile_of(&layers(1))?;
+                let (two, ..) = profile_of(&layers(2))?;
+                let bytes = self.param_bytes(dtype).ok_or_else(|| invalid("the parameter count overflows".into()))?;
+                // No layer's gradients are in the store a stage-3 profile subtracts, so none
+                // lowers the workspace with depth.
+                let profile = ActivationProfile::with_layers(&one, &two, config.num_layers, 0);
+                let name = format!("{name} (every layer alike)");
+                Ok((profile, bytes, blocks.with_layers(config.num_layers), name))
             }
             _ => profile_of(self),
         }

@@ -18,11 +18,14 @@
 //! |---|---|
 //! | `profile` | the profile ([`ActivationProfile`]) and how it is read between and beyond the profiled batches ([`Affine`], [`Piecewise`]) |
 //! | `ranks` | one rank's figures in a data-parallel run ([`estimate_per_rank`]) |
+//! | `blocks` | what ZeRO stage 3 gathers block by block ([`BlockBytes`]), and the stand-in for its gather and reduce a profile runs through ([`BlockRecorder`]) |
 //! | this module | the estimate from parameters and a profile ([`Estimate`], [`estimate_bytes`]), batch fitting and its margins |
 
+mod blocks;
 mod profile;
 mod ranks;
 
+pub use blocks::{BlockBytes, BlockRecorder};
 pub use profile::{
     profile_batches, ActivationProfile, Affine, Piecewise, CHECKPOINTED_PROFILE_BATCHES, EXTRAPOLATION_DIVISOR,
     INFERENCE_PROFILE_BATCHES, PROFILE_BATCHES,

@@ -181,6 +181,36 @@ impl ActivationProfile {
         checkpointing: bool,
         extra: &[usize],
     ) -> Result<Self> {
+        Self::measure_in(params, forward, checkpointing.then_some(&Checkpointing::new), None, extra)
+    }
+
+    /// [`ActivationProfile::measure_at`] with every block run as a ZeRO stage-3 rank runs it:
+    /// checkpointed, its parameters and gradients through `blocks` (a
+    /// [`super::BlockRecorder`]: the gather's and the reduce-scatter's buffers allocated where a
+    /// rank's are). The backward workspace is then the stage-3 step's: the block's gathered
+    /// parameters, its recomputation and its gradients on their way out — the blocks' gradients
+    /// are not in the store the profile subtracts, since a rank never holds them whole.
+    pub fn measure_sharded(
+        params: &Params,
+        forward: impl Fn(usize, Option<&Checkpointing>) -> Result<Tensor>,
+        blocks: std::sync::Arc<super::BlockRecorder>,
+        extra: &[usize],
+    ) -> Result<Self> {
+        let context = || Checkpointing::sharded(blocks.clone());
+        Self::measure_in(params, forward, Some(&context), Some(&|| blocks.take_pieces()), extra)
+    }
+
+    /// The profile, each training pass in the checkpointing context `context` makes (none:
+    /// not checkpointed); `pieces` drops the reduced gradients a sharded pass kept outside the
+    /// store, and says their bytes (they are gradients, as the store's are).
+    fn measure_in(
+        params: &Params,
+        forward: impl Fn(usize, Option<&Checkpointing>) -> Result<Tensor>,
+        context: Option<&dyn Fn() -> Checkpointing>,
+        pieces: Option<&dyn Fn() -> usize>,
+        extra: &[usize],
+    ) -> Result<Self> {
+        let checkpointing = context.is_some();
         let with_extra = |base: &[usize]| {
             let (first, last) = (base[0], base[base.len() - 1]);
             let mut all: Vec<usize> =
@@ -199,7 +229,7 @@ impl ActivationProfile {
         for (index, batch) in std::iter::once(1).chain(training.iter().copied()).enumerate() {
             let before = wick::host_memory::exact_heap().map(|(b, _)| b);
             wick::host_memory::reset_exact_peak();
-            let checkpoint = checkpointing.then(Checkpointing::new);
+            let checkpoint = context.map(|make| make());
             let out = forward(batch, checkpoint.as_ref())?;
             let graph = graph_bytes(&out);
             if out.elem_count() == 1 && out.track_op() {
@@ -211,6 +241,7 @@ impl ActivationProfile {
                 let param_grads: usize = params.iter().filter_map(|(_, v)| grads.get(v)).map(bytes).sum();
                 let all_grads: usize = grads.get_ids().filter_map(|id| grads.get_id(*id)).map(bytes).sum();
                 drop(grads);
+                let param_grads = param_grads + pieces.map_or(0, |take| take());
                 if let (Some(before), Some((peak, _)), true) = (before, wick::host_memory::exact_peak(), index > 0) {
                     workspace.push(peak.saturating_sub(before + graph.total + param_grads));
                 }

@@ -14,20 +14,35 @@
 //!   reduced — stage 1 every gradient in f32 (twice a bf16 model's), stage 2 this rank's f32
 //!   blocks — plus the update's bucket-sized gather and, beside it, this rank's block of it or
 //!   the largest parameter's copy out of it.
+//!
+//! Stage 3 (parameters sharded, see [`BlockBytes`]) is estimated from a profile taken through a
+//! [`super::BlockRecorder`] ([`super::ActivationProfile::measure_sharded`]), whose backward
+//! workspace is already the stage-3 step's: a block's gathered parameters, its recomputation, its
+//! gradients and the reduce-scatter's buffers, with the blocks' reduced pieces where they
+//! coincide. On top, what a rank keeps all along: the parameters read outside the blocks whole
+//! (their gradients whole until reduced one by one after backward, then pieces), its piece of
+//! every parameter as an f32 master (an f32 block parameter's piece is the parameter), the
+//! pieces' optimizer state — and, after backward and the update, the outside parameters'
+//! reduction and the gather that brings them back whole. Measured against two ranks' peaks in
+//! wick-train's `tests/multi_rank.rs` and at 58 M and 168 M parameters (BENCHMARKS.md).
 
-use super::ActivationProfile;
 use super::{estimate_bytes, Estimate, Mode, ParamBytes, Update};
+use super::{ActivationProfile, BlockBytes};
 
 /// How a data-parallel run is laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Ranks {
     /// Processes.
     pub ranks: usize,
-    /// ZeRO stage: 0 (replicated), 1 (optimizer state and masters sharded), 2 (gradients too).
+    /// ZeRO stage: 0 (replicated), 1 (optimizer state and masters sharded), 2 (gradients too),
+    /// 3 (parameters too, gathered a block at a time).
     pub zero_stage: u8,
     /// Bytes of the largest buffer the reduction fills: a bucket, or a large gradient reduced
     /// on its own (wick-train's `dist::buckets::largest_buffer` for a model's parameters).
     pub largest_bucket: usize,
+    /// Stage 3: where the parameters are (`None`: no block, every parameter read whole, as a
+    /// stage-3 rank holds a model without checkpoint segments).
+    pub blocks: Option<BlockBytes>,
 }
 
 impl Ranks {
@@ -35,7 +50,7 @@ impl Ranks {
     /// the parameter bytes alone: a full bucket of `bucket_bytes` (or all the gradients when
     /// fewer), or the largest parameter when it is larger — for models too large to build.
     pub fn bounded(ranks: usize, zero_stage: u8, bucket_bytes: usize, p: ParamBytes) -> Self {
-        Ranks { ranks, zero_stage, largest_bucket: bucket_bytes.min(p.f32_total).max(p.largest_f32) }
+        Ranks { ranks, zero_stage, largest_bucket: bucket_bytes.min(p.f32_total).max(p.largest_f32), blocks: None }
     }
 }
 
@@ -49,6 +64,10 @@ pub struct RankEstimate {
     pub estimate: Estimate,
     /// The reduction's transient: the buckets in flight and what the stage keeps reduced.
     pub reduction: usize,
+    /// Stage 3: the phase of the step that sets the peak (`backward`, `outside reduction`: the
+    /// parameters read outside the blocks reduced after backward, `outside gather`: gathered
+    /// back after the update).
+    pub peak_phase: Option<&'static str>,
 }
 
 /// The estimate of each rank of `ranks` training `mode` at `per_rank_batch` examples per rank
@@ -65,7 +84,10 @@ pub fn estimate_per_rank(
     let mut e = estimate_bytes(p, profile, per_rank_batch, mode, masters, update);
     let n = ranks.ranks.max(1);
     if mode == Mode::Inference || n == 1 && ranks.zero_stage == 0 {
-        return RankEstimate { ranks, estimate: e, reduction: 0 };
+        return RankEstimate { ranks, estimate: e, reduction: 0, peak_phase: None };
+    }
+    if ranks.zero_stage >= 3 {
+        return sharded_parameters(p, e, mode, masters, ranks);
     }
     if ranks.zero_stage >= 1 {
         e.optimizer_state = e.optimizer_state.div_ceil(n);
@@ -86,5 +108,63 @@ pub fn estimate_per_rank(
     };
     e.workspace = e.workspace.max(reduction.saturating_sub(e.activations));
     e.add_up();
-    RankEstimate { ranks, estimate: e, reduction }
+    RankEstimate { ranks, estimate: e, reduction, peak_phase: None }
+}
+
+/// Heap bytes a stage-3 rank keeps per parameter besides the numbers: the handles of its piece's
+/// master, optimizer state and view tensors (shape, strides, storage), which the whole-heap
+/// measurement sees and the parameter bytes do not — 1.2–1.3 KiB per parameter measured on the
+/// two-rank test models (62 parameters of a 16-wide ResNet-18: 76–80 KiB).
+const PIECE_HANDLES: usize = 1536;
+
+/// Stage 3 from `e`, the estimate of a profile taken through a [`super::BlockRecorder`] (see the
+/// module documentation).
+fn sharded_parameters(p: ParamBytes, mut e: Estimate, mode: Mode, masters: bool, ranks: Ranks) -> RankEstimate {
+    let n = ranks.ranks.max(1);
+    // Without blocks every parameter is read outside them.
+    let b = ranks.blocks.unwrap_or(BlockBytes {
+        outside: p.total,
+        outside_f32: p.f32_total,
+        outside_largest: p.largest,
+        outside_largest_f32: p.largest_f32,
+        ..BlockBytes::default()
+    });
+    // A rank's piece of each parameter is its elements over the ranks rounded up: at most one
+    // element per parameter over the even share (a 64th of the share where the count is not
+    // known).
+    let share = |bytes: usize| {
+        let even = bytes.div_ceil(n);
+        even.saturating_add(if ranks.blocks.is_some() { b.tensors.saturating_mul(4) } else { even / 64 })
+    };
+    let pieces = share(p.f32_total);
+    // The outside parameters whole, what the model's copies of block parameters keep (see
+    // `BlockBytes::kept`) and the buffers (batch-norm statistics), whole on every rank. An f32
+    // block parameter's piece is the parameter; a low-precision one's is its master, as is a
+    // low-precision outside parameter's (an f32 outside parameter is its own master).
+    let own = b.outside.saturating_add(b.kept).saturating_add(b.buffers).saturating_add(b.tensors * PIECE_HANDLES);
+    e.parameters = own.saturating_add(if masters { 0 } else { share(b.inside_f32) });
+    e.master_weights = if masters { pieces } else { 0 };
+    e.optimizer_state = pieces.saturating_mul(mode.optimizer_states());
+    // Every block's reduced piece, and each outside parameter's gradient whole until it is
+    // reduced, its piece after (one or the other: the larger counted).
+    let outside = b.outside.max(share(b.outside_f32));
+    e.gradients = share(b.inside_f32).saturating_add(outside);
+    // After the update (activations and gradients gone): the outside parameters gathered back,
+    // received whole beside their fresh copies, and the largest of them copied in.
+    let gather_back = b.outside.saturating_mul(2).saturating_add(b.outside_largest);
+    let held = e.activations.saturating_add(e.gradients);
+    // After backward (activations gone), the outside parameters' gradients reduced one at a
+    // time: the largest widened to f32 beside the send buffer it is cut into.
+    let f32s = b.outside_largest_f32;
+    let reduce_rest = f32s.saturating_mul(2).saturating_add(f32s.div_ceil(n));
+    let phases = [
+        ("backward", e.workspace),
+        ("outside reduction", reduce_rest.saturating_sub(e.activations)),
+        ("outside gather", gather_back.saturating_sub(held)),
+    ];
+    let (phase, workspace) = phases.into_iter().fold(phases[0], |a, b| if b.1 > a.1 { b } else { a });
+    e.workspace = workspace;
+    e.add_up();
+    let reduction = b.largest_f32.saturating_add(b.largest_f32.div_ceil(n));
+    RankEstimate { ranks, estimate: e, reduction, peak_phase: Some(phase) }
 }
