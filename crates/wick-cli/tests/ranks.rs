@@ -2,7 +2,7 @@
 //! the bit, as one process accumulating both ranks' micro-batches; a rank killed with SIGKILL
 //! at a random moment (in a step or in a save) ends the job non-zero within seconds, naming the
 //! rank, and `--resume` — on two ranks or on one, after one kill or several — finishes with the
-//! uninterrupted run's weights, replicated and ZeRO-2 (a checkpoint shard per rank). Needs a wick
+//! uninterrupted run's weights, replicated, ZeRO-2 and ZeRO-3 (a checkpoint shard per rank). Needs a wick
 //! built with `--features mpi`, which this file needs too (`[[test]] required-features`):
 //! `scripts/long-tests.sh` builds both in the one `cargo test`. Skipped, loudly, without `mpirun`.
 
@@ -92,11 +92,14 @@ fn two_ranks_train_as_one_process_and_survive_a_killed_rank() {
         serde_json::from_slice(&std::fs::read(tmp.join("two/status.json")).unwrap()).unwrap();
     assert_eq!(status["ranks"].as_array().map(Vec::len), Some(2), "per-rank figures: {status}");
 
-    // Kill a rank at random moments, replicated (once) and ZeRO-2 (three times in a row, saving
+    // Kill a rank at random moments, replicated (once) and ZeRO-2/3 (three times in a row, saving
     // every step, so kills land in saves too: a shard per rank in each checkpoint).
     let mut rng = Moments::new();
     kill_and_resume(&wick, &tmp, "killed", &[], 1, &mut rng, &reference);
     kill_and_resume(&wick, &tmp, "killed-zero2", &["--zero", "2", "--save-every", "1"], 3, &mut rng, &reference);
+    // ZeRO-3: most of a step is inside the blocks' gathers, recomputations and reduce-scatters,
+    // so the kills land in collectives; its checkpoints resume at stage 3 and on one process.
+    kill_and_resume(&wick, &tmp, "killed-zero3", &["--zero", "3", "--save-every", "1"], 3, &mut rng, &reference);
     let _ = std::fs::remove_dir_all(&tmp);
 }
 

@@ -430,6 +430,14 @@ impl ParamShards {
         (master, state)
     }
 
+    /// Bytes of this rank's pieces of f32 parameters the blocks take (the only copy of those
+    /// values on this rank once the model's are handed back; low-precision parameters' pieces
+    /// are their masters, in [`ParamShards::memory_bytes`]).
+    pub(crate) fn block_piece_bytes(&self) -> usize {
+        let st = lock(&self.state);
+        st.shards.iter().filter(|s| s.in_block && s.dtype == DType::F32).map(|s| s.len * 4).sum()
+    }
+
     /// Takes over from `earlier` (the shard this one replaces, on a resume) which parameters the
     /// blocks take and which model copies were handed back: those are not written again.
     pub(crate) fn inherit(&self, earlier: &ParamShards) {
