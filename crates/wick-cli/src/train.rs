@@ -271,10 +271,12 @@ fn masters_digest(trainer: &Trainer<Llama>) -> Result<Option<String>> {
     f32_digest(masters).map(Some)
 }
 
-/// SHA-256 of the model's parameters, widened to f32, in order (every rank holds them whole;
-/// for an f32 run they are the masters).
+/// SHA-256 of the model's parameters, widened to f32, in order (for an f32 run they are the
+/// masters). Gathered from every rank under ZeRO-3, where the model's copies of the blocks'
+/// parameters are handed back (a collective: every rank calls it).
 fn params_digest(trainer: &Trainer<Llama>) -> Result<String> {
-    f32_digest(trainer.model().params().iter().map(|(_, v)| v.as_tensor()))
+    let params = trainer.gathered_parameters()?;
+    f32_digest(params.iter().map(|(_, t)| t))
 }
 
 /// Starts this same command without `--detach` as a job; prints its id.
