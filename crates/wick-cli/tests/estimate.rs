@@ -298,8 +298,9 @@ fn the_estimate_is_never_under_the_measured_peak_and_at_most_3_percent_over() {
 }
 
 /// `--ranks N --zero S`: one rank's figures — the optimizer's state and the f32 masters divided
-/// over the ranks from stage 1 on (rounded up), parameters and gradients whole, the reduction's
-/// buffers in the workspace; a bad stage or rank count refused.
+/// over the ranks from stage 1 on (rounded up), parameters and gradients whole up to stage 2,
+/// the reduction's buffers in the workspace, and at stage 3 the parameters sharded too; a bad
+/// stage or rank count refused.
 #[test]
 fn ranks_and_zero_stages_give_one_ranks_share() {
     let args = ["resnet18", "--image", "64", "--batch", "4", "--mode", "adamw", "--precision", "amp-bf16"];
@@ -319,7 +320,24 @@ fn ranks_and_zero_stages_give_one_ranks_share() {
         }
         assert!(field(e, "workspace") >= field(e1, "workspace"), "the reduction's buffers come on top");
     }
-    for bad in [["--ranks", "0"], ["--zero", "3"]] {
+    // Stage 3: the parameters sharded too — the optimizer's state and the masters a share of
+    // one process's (each piece rounded up by at most one element), the parameters and their
+    // gradients below one process's; the largest block named with its bytes.
+    let mut a = args.to_vec();
+    a.extend(["--ranks", "4", "--zero", "3"]);
+    let out = estimate(&a);
+    let e = &out["estimates"][0];
+    let tensors = out["ranks"]["blocks"]["tensors"].as_u64().unwrap();
+    for k in ["optimizer_state", "master_weights"] {
+        let (share, per_piece) = (field(e1, k).div_ceil(4), if k == "master_weights" { 4 } else { 8 });
+        assert!((share..=share + tensors * per_piece).contains(&field(e, k)), "ZeRO-3: {k} {}", field(e, k));
+    }
+    for k in ["parameters", "gradients"] {
+        assert!(field(e, k) < field(e1, k), "ZeRO-3: {k} sharded: {} against {}", field(e, k), field(e1, k));
+    }
+    let (name, bytes) = (&out["largest_block"][0], out["largest_block"][1].as_u64().unwrap());
+    assert!(name.as_str().is_some_and(|n| n.starts_with("layer")) && bytes > 0, "{}", out["largest_block"]);
+    for bad in [["--ranks", "0"], ["--zero", "4"]] {
         let mut a = args.to_vec();
         a.extend(bad);
         a.insert(0, "estimate");

@@ -329,7 +329,7 @@ fn bad_multi_process_settings_say_what_to_do() {
     assert!(!ok && err.contains("--features mpi"), "{err}");
     let (ok, err) = run(&["--ranks", "2"], &[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")]);
     assert!(!ok && err.contains("give one or the other"), "{err}");
-    let (ok, err) = run(&["--zero", "3"], &[]);
+    let (ok, err) = run(&["--zero", "4"], &[]);
     assert!(!ok && err.contains("--zero"), "{err}");
     let (ok, err) = run(&[], &[("RANK", "0"), ("WORLD_SIZE", "2")]);
     assert!(!ok && err.contains("mpirun -n 2"), "{err}");
