@@ -182,10 +182,9 @@ fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
             for rank in 0..2 {
                 let (estimate, measured) = (f[2 * rank], f[2 * rank + 1]);
                 let ratio = estimate / measured;
-                // Stage 3 is measured over the whole heap (its pieces' tensor handles and the
-                // graph's small tensors count, a visible share of these 8–26 MiB models):
-                // −1.8 … +4.6 % measured here, +2.9 / +3.8 % at 58 M and 168 M parameters.
-                let low = if zero == "3" { 0.98 } else { 0.99 };
+                // Stage 3 is held to its bound, never under (measured over the whole heap:
+                // +0.8 … +4.6 % here, +2.9 / +3.8 % at 58 M and 168 M parameters).
+                let low = if zero == "3" { 1.0 } else { 0.99 };
                 assert!(
                     (low..=1.05).contains(&ratio),
                     "{model} {precision} ZeRO-{zero} rank {rank}: estimate {estimate}, measured {measured}"

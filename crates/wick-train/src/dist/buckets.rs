@@ -108,19 +108,35 @@ pub(crate) fn agreed_presence(group: &ProcessGroup, grads: &GradStore, vars: &[V
 
 /// Appends `t`'s values, widened to f32, to `out`.
 pub(crate) fn append_f32(t: &Tensor, out: &mut Vec<f32>) -> Result<(), DistError> {
+    use candle_core::{CpuStorage, Storage};
     let t = t.detach().flatten_all()?;
-    match t.dtype() {
-        DType::F32 => {
-            let (storage, layout) = t.storage_and_layout();
-            if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)), Some((a, b))) =
-                (&*storage, layout.contiguous_offsets())
-            {
-                out.extend_from_slice(&v[a..b]);
+    {
+        // A contiguous CPU tensor is read where it lies: widening a bf16 one through `to_vec1`
+        // held a copy of it beside the f32 values (the largest gradient's bytes again).
+        let (storage, layout) = t.storage_and_layout();
+        if let Some((a, b)) = layout.contiguous_offsets() {
+            let read = match &*storage {
+                Storage::Cpu(CpuStorage::F32(v)) => {
+                    out.extend_from_slice(&v[a..b]);
+                    true
+                }
+                Storage::Cpu(CpuStorage::BF16(v)) => {
+                    out.extend(v[a..b].iter().map(|x| x.to_f32()));
+                    true
+                }
+                Storage::Cpu(CpuStorage::F16(v)) => {
+                    out.extend(v[a..b].iter().map(|x| x.to_f32()));
+                    true
+                }
+                _ => false,
+            };
+            if read {
                 return Ok(());
             }
-            drop(storage);
-            out.extend(t.to_vec1::<f32>()?);
         }
+    }
+    match t.dtype() {
+        DType::F32 => out.extend(t.to_vec1::<f32>()?),
         DType::BF16 => out.extend(t.to_vec1::<half::bf16>()?.into_iter().map(f32::from)),
         DType::F16 => out.extend(t.to_vec1::<half::f16>()?.into_iter().map(f32::from)),
         d => return Err(DistError::unsupported("gradient reduction", format!("a {d:?} gradient"))),
