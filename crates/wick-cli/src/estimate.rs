@@ -308,6 +308,9 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     if args.measure && args.on != Target::Cpu {
         bail!("--measure runs the step on the CPU: estimate --on cpu");
     }
+    if args.model.zero == 3 && args.on != Target::Cpu {
+        bail!("--zero 3 shards host memory only (wick-train refuses GPU parameters at stage 3): estimate --on cpu");
+    }
     if args.measure && (args.model.ranks > 1 || args.model.zero > 0) {
         bail!(
             "--measure runs one process; a data-parallel step's per-rank peak is measured under mpirun \

@@ -337,6 +337,11 @@ fn ranks_and_zero_stages_give_one_ranks_share() {
     }
     let (name, bytes) = (&out["largest_block"][0], out["largest_block"][1].as_u64().unwrap());
     assert!(name.as_str().is_some_and(|n| n.starts_with("layer")) && bytes > 0, "{}", out["largest_block"]);
+    let mut cuda = a.clone();
+    cuda.extend(["--on", "cuda"]);
+    cuda.insert(0, "estimate");
+    let (ok, _, err) = wick(&cuda);
+    assert!(!ok && err.contains("--zero 3 shards host memory only"), "{err}");
     for bad in [["--ranks", "0"], ["--zero", "4"]] {
         let mut a = args.to_vec();
         a.extend(bad);
