@@ -36,7 +36,7 @@ use wick_nn::{Labelled, Model, NnError};
 
 use crate::bert::{Bert, BertConfig, SentenceBatch};
 use crate::error::ZooError;
-use crate::estimate::{ActivationProfile, BlockBytes, BlockRecorder, ParamBytes};
+use crate::estimate::{ActivationProfile, BlockBytes, BlockRecorder, ParamBytes, Piecewise};
 use crate::llama::{Llama, LlamaConfig};
 use crate::mobilenet::MobileNetV2;
 use crate::resnet::{ResNet, ResNetDepth};
@@ -350,8 +350,15 @@ impl ModelSpec {
                 let (two, ..) = profile_of(&layers(2))?;
                 let bytes = self.param_bytes(dtype).ok_or_else(|| invalid("the parameter count overflows".into()))?;
                 // No layer's gradients are in the store a stage-3 profile subtracts, so none
-                // lowers the workspace with depth.
-                let profile = ActivationProfile::with_layers(&one, &two, config.num_layers, 0);
+                // lowers the workspace with depth; and what a rank holds beyond the graph and the
+                // gradients is one block's (its gathered parameters, its recomputation, one
+                // reduce-scatter in flight beside the next block's backward), which does not grow
+                // with depth either: read at the larger of the two profiles, not extended.
+                let mut profile = ActivationProfile::with_layers(&one, &two, config.num_layers, 0);
+                if let (Some(a), Some(b)) = (&one.backward_workspace, &two.backward_workspace) {
+                    let points = a.points.iter().zip(&b.points).map(|(&(x, u), &(_, v))| (x, u.max(v))).collect();
+                    profile.backward_workspace = Some(Piecewise { points });
+                }
                 let name = format!("{name} (every layer alike)");
                 Ok((profile, bytes, blocks.with_layers(config.num_layers), name))
             }

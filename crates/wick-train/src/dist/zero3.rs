@@ -34,6 +34,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, TensorId, Var};
 
 use super::buckets::{append_f32, ReduceStats};
+use super::comm::PendingReduce;
 use super::error::DistError;
 use super::zero::{PieceInit, PieceRequest};
 use super::{ProcessGroup, ReduceOp};
@@ -69,6 +70,8 @@ struct State {
     optimizer: Optimizer,
     step: u64,
     stats: ReduceStats,
+    /// The last block's reduce-scatter, in flight: its parameters and their chunks.
+    pending: Option<(Vec<usize>, Vec<usize>, PendingReduce)>,
 }
 
 /// A rank's shard of every parameter, and the blocks' gather and reduce.
@@ -204,7 +207,7 @@ impl ParamShards {
             });
         }
         let by_id = vars.iter().enumerate().map(|(i, v)| (v.as_tensor().id(), i)).collect();
-        let state = State { shards, optimizer, step: steps, stats: ReduceStats::default() };
+        let state = State { shards, optimizer, step: steps, stats: ReduceStats::default(), pending: None };
         Ok(ParamShards { group: group.clone(), by_id, state: Mutex::new(state) })
     }
 
@@ -265,8 +268,11 @@ impl ParamShards {
 
     /// Sums the gradients `grads` of parameters `which` over ranks into each rank's pieces (one
     /// reduce-scatter; a missing gradient counts zeros), rounded to the parameters' dtypes as the
-    /// replicated path does, and adds them to the step's.
+    /// replicated path does, and adds them to the step's. The reduce-scatter is left in flight
+    /// (the previous one completed first): it runs on during the next block's gather and
+    /// backward, and [`ParamShards::finish_pending`] completes it.
     fn reduce_into(&self, which: &[usize], grads: &[Option<Tensor>]) -> Result<(), DistError> {
+        self.finish_pending()?;
         let t0 = Instant::now();
         let world = self.group.world_size();
         let chunks: Vec<usize> = {
@@ -288,11 +294,25 @@ impl ParamShards {
             }
             start += chunk;
         }
-        let mut recv = vec![0f32; section];
         let t1 = Instant::now();
-        self.group.comm().reduce_scatter(&send, &mut recv, ReduceOp::Sum)?;
+        let pending = self.group.comm().reduce_scatter_start(send, section, ReduceOp::Sum)?;
         let t2 = Instant::now();
-        drop(send);
+        let mut st = lock(&self.state);
+        st.pending = Some((which.to_vec(), chunks, pending));
+        st.stats.buckets += 1;
+        st.stats.bytes += section * world * 4;
+        st.stats.comm_s += (t2 - t1).as_secs_f64();
+        st.stats.pack_s += (t1 - t0).as_secs_f64();
+        Ok(())
+    }
+
+    /// Completes the reduce-scatter in flight, if any: each rank's piece of the sum added to
+    /// the step's gradients.
+    fn finish_pending(&self) -> Result<(), DistError> {
+        let Some((which, chunks, pending)) = lock(&self.state).pending.take() else { return Ok(()) };
+        let t0 = Instant::now();
+        let recv = pending.finish(self.group.comm())?;
+        let t1 = Instant::now();
         let mut st = lock(&self.state);
         let mut at = 0;
         for (&i, &chunk) in which.iter().zip(&chunks) {
@@ -308,10 +328,8 @@ impl ParamShards {
                 None => s.grad = Some(piece),
             }
         }
-        st.stats.buckets += 1;
-        st.stats.bytes += section * world * 4;
-        st.stats.comm_s += (t2 - t1).as_secs_f64();
-        st.stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
+        st.stats.comm_s += (t1 - t0).as_secs_f64();
+        st.stats.pack_s += t1.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -319,6 +337,7 @@ impl ParamShards {
     /// from it), one parameter at a time; refuses a block's parameter that has one there too (used inside a block and
     /// outside).
     pub(crate) fn reduce_rest(&self, grads: &mut GradStore, vars: &[Var]) -> Result<(), TrainError> {
+        self.finish_pending()?;
         let blocks: Vec<bool> = lock(&self.state).shards.iter().map(|s| s.in_block).collect();
         for (i, v) in vars.iter().enumerate() {
             let g = grads.remove(v.as_tensor());
@@ -332,8 +351,10 @@ impl ParamShards {
                 }
                 continue;
             }
-            // One parameter at a time: its gradient is dropped before the next is widened.
+            // One parameter at a time, each reduction completed before the next gradient is
+            // widened (no computation left to hide it behind; one at a time holds the least).
             self.reduce_into(&[i], &[g])?;
+            self.finish_pending()?;
         }
         Ok(())
     }
@@ -347,6 +368,7 @@ impl ParamShards {
         scaler: Option<&mut GradScaler>,
         lr: f64,
     ) -> Result<(StepOutcome, ReduceStats), TrainError> {
+        self.finish_pending()?;
         let mut st = lock(&self.state);
         st.optimizer.set_lr(lr);
         let local: Vec<u8> = st.shards.iter().map(|s| s.grad.is_some() as u8).collect();

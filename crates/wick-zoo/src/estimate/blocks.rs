@@ -89,7 +89,12 @@ pub struct BlockRecorder {
     seen: Mutex<Seen>,
     /// The reduced gradients' pieces, kept as a rank keeps them until its update.
     pieces: Mutex<Vec<Vec<f32>>>,
+    /// The last block's reduce-scatter in flight: its send and receive buffers, and the sizes
+    /// of the pieces it will give.
+    in_flight: Mutex<Option<InFlight>>,
 }
+
+type InFlight = (Vec<f32>, Vec<f32>, Vec<usize>);
 
 fn bytes_of(t: &Tensor) -> usize {
     t.elem_count() * t.dtype().size_in_bytes()
@@ -109,6 +114,7 @@ impl BlockRecorder {
             buffers,
             seen: Mutex::new(Seen { blocks: Vec::new(), known: HashMap::new() }),
             pieces: Mutex::new(Vec::new()),
+            in_flight: Mutex::new(None),
         }
     }
 
@@ -165,8 +171,21 @@ impl BlockRecorder {
     /// Drops the reduced gradients' pieces kept since the last call (the end of a step); their
     /// bytes.
     pub fn take_pieces(&self) -> usize {
+        self.finish();
         let pieces = std::mem::take(&mut *self.pieces.lock().unwrap_or_else(|p| p.into_inner()));
         pieces.iter().map(|p| p.len() * 4).sum()
+    }
+
+    /// Completes the reduce-scatter in flight, as a rank does before the next one (and after
+    /// backward): its pieces kept, then its buffers freed.
+    fn finish(&self) {
+        let Some((send, recv, sizes)) = self.in_flight.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return;
+        };
+        let kept = sizes.into_iter().map(|n| black_box(vec![0f32; n]));
+        self.pieces.lock().unwrap_or_else(|p| p.into_inner()).extend(kept);
+        drop(black_box(send));
+        drop(black_box(recv));
     }
 
     fn elems(&self, weights: &[Tensor]) -> (usize, usize) {
@@ -212,20 +231,20 @@ impl ShardedBlocks for BlockRecorder {
     }
 
     fn reduce(&self, weights: &[Tensor], grads: Vec<Option<Tensor>>) -> Result<()> {
+        // The previous block's reduction completes first.
+        self.finish();
         let (_, elems) = self.elems(weights);
         // Every rank's section of the block's gradients in f32 (the block, padded), each
-        // gradient widened on its own into it; then this rank's section received.
+        // gradient widened on its own into it; then the reduce-scatter started, its receive
+        // buffer beside the send buffer, both in flight until the next block's reduction.
         let section = elems.div_ceil(self.world) + weights.len();
         let send = black_box(vec![0f32; section * self.world]);
         for g in grads.iter().flatten() {
             drop(black_box(vec![0f32; g.elem_count()]));
         }
         let recv = black_box(vec![0f32; section]);
-        drop(send);
-        // Each parameter's piece of the sum, kept until the update.
-        let kept = weights.iter().map(|w| black_box(vec![0f32; w.elem_count().div_ceil(self.world)]));
-        self.pieces.lock().unwrap_or_else(|p| p.into_inner()).extend(kept);
-        drop(recv);
+        let sizes = weights.iter().map(|w| w.elem_count().div_ceil(self.world)).collect();
+        *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) = Some((send, recv, sizes));
         drop(grads);
         Ok(())
     }
