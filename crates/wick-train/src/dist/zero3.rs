@@ -7,8 +7,9 @@
 //! through [`wick_nn::checkpoint::ShardedBlocks`]: one all-gather of the block's pieces (in the
 //! parameters' dtype) just before the block runs forward, the whole values dropped when it is
 //! done, one more all-gather when its backward recomputes it, and one reduce-scatter of its
-//! gradients (f32) as soon as that backward is done — so a rank holds whole only the block that
-//! runs. The model's own tensors of those parameters are never read again: their pages go back
+//! gradients (f32) started as soon as that backward is done and left in flight until the next
+//! block's (MPI moves it on inside the next gather) — so a rank holds whole only the block that
+//! runs, and one block's reduction buffers beside it. The model's own tensors of those parameters are never read again: their pages go back
 //! to the operating system ([`wick::memory::release_pages`]; they read as zeros) after the first
 //! update, once the forward pass has shown which parameters belong to a block.
 //!
