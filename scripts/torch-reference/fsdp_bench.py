@@ -24,11 +24,11 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
-ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ddp_bench import run  # noqa: E402  (the command runner with its hang timeout and retry)
 
 
 def config(model):
@@ -84,19 +84,6 @@ def torch_worker(args):
     dist.destroy_process_group()
 
 
-def run(cmd, env, timeout=300):
-    """The command's JSON line; a run that hangs (gloo: one worker gone, the other waiting in a
-    collective, seen with DDP here and in ddp_bench.py) is killed and tried once more."""
-    for attempt in range(2):
-        try:
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True,
-                                 env=dict(os.environ, **ROOT_ENV, **env), timeout=timeout)
-            return json.loads(out.stdout.strip().splitlines()[-1])
-        except subprocess.TimeoutExpired:
-            print(f"(timed out after {timeout} s, attempt {attempt + 1}: {' '.join(cmd[-8:])})", flush=True)
-    raise SystemExit("the command hung twice")
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--wick")
@@ -127,10 +114,10 @@ def main():
         for _ in range(args.rounds):
             for name, who, how in configs:
                 if who == "wick":
-                    r = run(mpirun + [args.wick, "train", "--model", model] + common + how, env)
+                    r = run(mpirun + [args.wick, "train", "--model", model] + common + how, env, timeout=300)
                     figures[name]["heap"].append(max(r["heap_peak_mib"]))
                 else:
-                    r = run(torchrun + ["--torch-worker", "--model", model, "--mode", how] + common, env)
+                    r = run(torchrun + ["--torch-worker", "--model", model, "--mode", how] + common, env, timeout=300)
                 print(json.dumps({"model": model, "config": name, **r}), flush=True)
                 figures[name]["ms"] += r["ms"]
                 figures[name]["rss"].append(max(r["peak_rss_mib"]))

@@ -11,7 +11,7 @@ use candle_core::DType;
 use clap::{Args, ValueEnum};
 use wick_memory::format_bytes;
 use wick_zoo::estimate::{
-    estimate_per_rank, ActivationProfile, Estimate, Mode, ParamBytes, RankEstimate, Ranks, Update,
+    estimate_per_rank, ActivationProfile, Estimate, Mode, ParamBytes, PeakPhase, RankEstimate, Ranks, Update,
 };
 use wick_zoo::registry::{Input, ModelSpec, NAMED};
 
@@ -267,14 +267,9 @@ impl Profiled {
         estimate_per_rank(self.param_bytes, &self.profile, batch, mode, amp, update, self.ranks)
     }
 
-    /// Under ZeRO stage 3, the phase of the step that sets the peak of `mode` at `batch`
-    /// (`RankEstimate::peak_phase`, in words).
-    pub fn peak_phase(&self, batch: usize, mode: Mode, on: Target) -> Option<&'static str> {
-        self.rank_estimate(batch, mode, on).peak_phase.map(|phase| match phase {
-            "backward" => "backward (the blocks gathered and recomputed one at a time, the loss's gradients)",
-            "outside reduction" => "the reduction of the parameters read outside the blocks, after backward",
-            _ => "gathering the parameters read outside the blocks back, after the update",
-        })
+    /// Under ZeRO stage 3, the phase of the step that sets the peak of `mode` at `batch`.
+    pub fn peak_phase(&self, batch: usize, mode: Mode, on: Target) -> Option<PeakPhase> {
+        self.rank_estimate(batch, mode, on).peak_phase
     }
 
     /// How the profile was made, in a sentence.

@@ -296,15 +296,11 @@ impl ModelSpec {
         extra: &[usize],
     ) -> Result<(ActivationProfile, ParamBytes), ZooError> {
         // The profile and the parameters' bytes.
-        let profile_of = |spec: &ModelSpec| -> Result<(ActivationProfile, ParamBytes), ZooError> {
-            let model = spec.build(dtype, &Device::Cpu)?;
-            let loss = |b: usize, c: Option<&Checkpointing>| {
-                model
-                    .loss_with(&spec.batch(b, dtype, &Device::Cpu).map_err(to_candle)?, c)
-                    .map_err(candle_core::Error::wrap)
-            };
-            let profile = ActivationProfile::measure_at(model.params(), loss, checkpointing, extra)?;
-            Ok((profile, ParamBytes::of(model.params())))
+        let profile_of = |spec: &ModelSpec| {
+            with_loss(spec, dtype, |params, loss| {
+                let profile = ActivationProfile::measure_at(params, loss, checkpointing, extra)?;
+                Ok((profile, ParamBytes::of(params)))
+            })
         };
         match self {
             ModelSpec::Llama { config, seq } => {
@@ -331,17 +327,13 @@ impl ModelSpec {
         world: usize,
         extra: &[usize],
     ) -> Result<(ActivationProfile, ParamBytes, BlockBytes, String), ZooError> {
-        let profile_of = |spec: &ModelSpec| -> Result<(ActivationProfile, ParamBytes, BlockBytes, String), ZooError> {
-            let model = spec.build(dtype, &Device::Cpu)?;
-            let loss = |b: usize, c: Option<&Checkpointing>| {
-                model
-                    .loss_with(&spec.batch(b, dtype, &Device::Cpu).map_err(to_candle)?, c)
-                    .map_err(candle_core::Error::wrap)
-            };
-            let recorder = Arc::new(BlockRecorder::new(model.params(), world));
-            let profile = ActivationProfile::measure_sharded(model.params(), loss, recorder.clone(), extra)?;
-            let (blocks, largest) = recorder.bytes();
-            Ok((profile, ParamBytes::of(model.params()), blocks, largest))
+        let profile_of = |spec: &ModelSpec| {
+            with_loss(spec, dtype, |params, loss| {
+                let recorder = Arc::new(BlockRecorder::new(params, world));
+                let profile = ActivationProfile::measure_sharded(params, loss, recorder.clone(), extra)?;
+                let (blocks, largest) = recorder.bytes();
+                Ok((profile, ParamBytes::of(params), blocks, largest))
+            })
         };
         match self {
             ModelSpec::Llama { config, seq } => {
@@ -365,6 +357,23 @@ impl ModelSpec {
             _ => profile_of(self),
         }
     }
+}
+
+/// Builds `spec` in `dtype` on the CPU and hands `profile` its parameters and its loss at a
+/// batch size, in a checkpointing context or none (what the estimator's profiles run).
+fn with_loss<T>(
+    spec: &ModelSpec,
+    dtype: DType,
+    profile: impl FnOnce(
+        &Params,
+        &dyn Fn(usize, Option<&Checkpointing>) -> candle_core::Result<Tensor>,
+    ) -> Result<T, ZooError>,
+) -> Result<T, ZooError> {
+    let model = spec.build(dtype, &Device::Cpu)?;
+    let loss = |b: usize, c: Option<&Checkpointing>| {
+        model.loss_with(&spec.batch(b, dtype, &Device::Cpu).map_err(to_candle)?, c).map_err(candle_core::Error::wrap)
+    };
+    profile(model.params(), &loss)
 }
 
 /// Token ids (`batch`, `seq`) spread over `vocab` (a multiplicative hash of the position).

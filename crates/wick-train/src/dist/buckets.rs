@@ -115,23 +115,20 @@ pub(crate) fn append_f32(t: &Tensor, out: &mut Vec<f32>) -> Result<(), DistError
         // held a copy of it beside the f32 values (the largest gradient's bytes again).
         let (storage, layout) = t.storage_and_layout();
         if let Some((a, b)) = layout.contiguous_offsets() {
-            let read = match &*storage {
+            match &*storage {
                 Storage::Cpu(CpuStorage::F32(v)) => {
                     out.extend_from_slice(&v[a..b]);
-                    true
+                    return Ok(());
                 }
                 Storage::Cpu(CpuStorage::BF16(v)) => {
                     out.extend(v[a..b].iter().map(|x| x.to_f32()));
-                    true
+                    return Ok(());
                 }
                 Storage::Cpu(CpuStorage::F16(v)) => {
                     out.extend(v[a..b].iter().map(|x| x.to_f32()));
-                    true
+                    return Ok(());
                 }
-                _ => false,
-            };
-            if read {
-                return Ok(());
+                _ => {}
             }
         }
     }

@@ -9,9 +9,10 @@
 //! done, one more all-gather when its backward recomputes it, and one reduce-scatter of its
 //! gradients (f32) started as soon as that backward is done and left in flight until the next
 //! block's (MPI moves it on inside the next gather) — so a rank holds whole only the block that
-//! runs, and one block's reduction buffers beside it. The model's own tensors of those parameters are never read again: their pages go back
-//! to the operating system ([`wick::memory::release_pages`]; they read as zeros) after the first
-//! update, once the forward pass has shown which parameters belong to a block.
+//! runs, and one block's reduction buffers beside it. The model's own tensors of those
+//! parameters are never read again: their pages go back to the operating system
+//! ([`wick::memory::release_pages`]; they read as zeros) after the first update, once the
+//! forward pass has shown which parameters belong to a block.
 //!
 //! Parameters the model reads outside any block (embeddings, the head, a stem) stay whole in
 //! the model on every rank, as stage 2 keeps them: their gradients are reduce-scattered after

@@ -269,6 +269,7 @@ impl<M: Model> Trainer<M> {
     /// Puts what the run holds in `engine`'s memory summary: the parameters, the f32 masters
     /// and the optimizer state (this rank's shard when sharded), and under a process group the
     /// gradient buckets (the reduced gradients live in them).
+    ///
     /// Under ZeRO-3, the parameters the model still holds (those read outside the blocks) and
     /// this rank's f32 pieces of the blocks' f32 parameters, in place of the buckets it does not
     /// use.
@@ -278,17 +279,12 @@ impl<M: Model> Trainer<M> {
         let released = |i: usize| shards.is_some_and(|s| s.released(i));
         let held = self.vars.iter().enumerate().filter(|(i, _)| !released(*i)).map(|(_, v)| v);
         crate::amp::account_holdings(engine, held, master, &self.options.optimizer, state);
-        match (shards, &self.parallel) {
-            (Some(s), Some(p)) => {
-                let what =
-                    format!("parameter pieces (ZeRO-3, f32, {} of {} ranks)", p.group.rank(), p.group.world_size());
-                engine.account(&what, s.block_piece_bytes());
+        if let Some(p) = &self.parallel {
+            let ranks = format!("{} of {} ranks", p.group.rank(), p.group.world_size());
+            match shards {
+                Some(s) => engine.account(&format!("parameter pieces (ZeRO-3, f32, {ranks})"), s.block_piece_bytes()),
+                None => engine.account(&format!("gradient buckets (f32, {ranks})"), p.bucket_bytes()),
             }
-            (None, Some(p)) => {
-                let what = format!("gradient buckets (f32, {} of {} ranks)", p.group.rank(), p.group.world_size());
-                engine.account(&what, p.bucket_bytes());
-            }
-            _ => {}
         }
     }
 

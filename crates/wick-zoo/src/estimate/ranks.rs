@@ -64,10 +64,29 @@ pub struct RankEstimate {
     pub estimate: Estimate,
     /// The reduction's transient: the buckets in flight and what the stage keeps reduced.
     pub reduction: usize,
-    /// Stage 3: the phase of the step that sets the peak (`backward`, `outside reduction`: the
-    /// parameters read outside the blocks reduced after backward, `outside gather`: gathered
-    /// back after the update).
-    pub peak_phase: Option<&'static str>,
+    /// Stage 3: the phase of the step that sets the peak.
+    pub peak_phase: Option<PeakPhase>,
+}
+
+/// Where a ZeRO stage-3 step reaches its peak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum PeakPhase {
+    /// Backward: the blocks gathered and recomputed one at a time, the loss's gradients.
+    Backward,
+    /// After backward: the parameters read outside the blocks reduced one at a time.
+    OutsideReduction,
+    /// After the update: the parameters read outside the blocks gathered back whole.
+    OutsideGather,
+}
+
+impl std::fmt::Display for PeakPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PeakPhase::Backward => "backward (the blocks gathered and recomputed one at a time, the loss's gradients)",
+            PeakPhase::OutsideReduction => "the reduction of the parameters read outside the blocks, after backward",
+            PeakPhase::OutsideGather => "gathering the parameters read outside the blocks back, after the update",
+        })
+    }
 }
 
 /// The estimate of each rank of `ranks` training `mode` at `per_rank_batch` examples per rank
@@ -158,9 +177,9 @@ fn sharded_parameters(p: ParamBytes, mut e: Estimate, mode: Mode, masters: bool,
     let f32s = b.outside_largest_f32;
     let reduce_rest = f32s.saturating_mul(2).saturating_add(f32s.div_ceil(n));
     let phases = [
-        ("backward", e.workspace),
-        ("outside reduction", reduce_rest.saturating_sub(e.activations)),
-        ("outside gather", gather_back.saturating_sub(held)),
+        (PeakPhase::Backward, e.workspace),
+        (PeakPhase::OutsideReduction, reduce_rest.saturating_sub(e.activations)),
+        (PeakPhase::OutsideGather, gather_back.saturating_sub(held)),
     ];
     let (phase, workspace) = phases.into_iter().fold(phases[0], |a, b| if b.1 > a.1 { b } else { a });
     e.workspace = workspace;
