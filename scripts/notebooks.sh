@@ -54,9 +54,9 @@ for nb in "$@"; do
   name=$(basename "$nb")
   echo "== $name"
   # The kernel runs in the notebook's own folder, so its relative :dep paths hold; the executed
-  # copy is written under target/.
-  if ! "$venv/bin/jupyter" nbconvert --to notebook --execute --ExecutePreprocessor.kernel_name=rust \
-      --ExecutePreprocessor.timeout=1200 "$nb" --output "$root/target/notebooks/$name"; then
+  # copy is written under target/. scripts/run-notebook.py is nbconvert's execution plus the
+  # output lines evcxr sends after a cell's end (its header says why).
+  if ! "$venv/bin/python" scripts/run-notebook.py --timeout 1200 "$nb" "$root/target/notebooks/$name"; then
     echo "!! $name failed to execute"; status=1; continue
   fi
   # Errors printed by a `?` or a panic do not fail nbconvert: look for them in the outputs. A
