@@ -11,7 +11,7 @@ every round; the ratio is PyTorch's time over wick's (above 1: wick is faster).
 
     python scripts/torch-reference/zoo_speed.py --wick target/release/zoo-speed \\
         [--models resnet18,decoder] [--modes train,amp,eval] [--rounds 3] [--steps 3] [--threads 2] \\
-        [--image 224] [--batches 1,8,32] [--device cuda]
+        [--image 224] [--batches 1,8,32] [--seqs 128,256] [--device cuda]
 
 `--device cuda` runs both on GPU 0 (wick's binary built with `--features cuda`): autocast is
 `torch.autocast("cuda", torch.bfloat16)`, every step ends with the device synchronised, and the
@@ -173,7 +173,8 @@ def wick_run(binary, model, mode, steps, warmup, sizes, device):
 def estimated(estimates, model, image, batch, mode):
     """The estimator's bytes for this step from `scripts/zoo_estimates.py`'s JSON, or None."""
     for e in estimates:
-        if (e["model"], e["image"], e["batch"], e["mode"]) == (model, image, batch, mode):
+        # A text model's row has no image side (the estimates file carries its run's for every row).
+        if (e["model"], e["batch"], e["mode"]) == (model, batch, mode) and image in (None, e["image"]):
             return e["bytes"]
     return None
 
@@ -196,11 +197,16 @@ def main():
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (GPU 0, for both)")
     ap.add_argument("--estimates", default=None, help="wick estimator figures (scripts/zoo_estimates.py's JSON)")
     ap.add_argument("--batches", default=None,
-                    help="comma-separated images per batch for the vision models, one table row each (default: zoo-speed's 16)")
+                    help="comma-separated inputs per batch (images, or sequences for the text models), one table "
+                         "row each (default: zoo-speed's 16 images, 8 sequences)")
+    ap.add_argument("--seqs", default=None,
+                    help="comma-separated tokens per sequence for the text models, one table row each "
+                         "(default: zoo-speed's per model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     image = ["--image", str(args.image)] if args.image else []
-    batches = [["--batch", b] for b in args.batches.split(",")] if args.batches else [[]]
+    seqs = [["--seq", q] for q in args.seqs.split(",")] if args.seqs else [[]]
+    batches = [["--batch", b] + q for q in seqs for b in args.batches.split(",")] if args.batches else seqs
     raw, failed = [], []
     gpu = args.device != "cpu"
     estimates = json.load(open(args.estimates)) if args.estimates else []
@@ -211,7 +217,7 @@ def main():
               "| PyTorch peak MiB | wick estimate MiB | estimate / wick peak |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
     else:
-        print("| model | image | batch | mode | wick ms | PyTorch ms | ratio (PyTorch / wick) |")
+        print("| model | image / tokens | batch | mode | wick ms | PyTorch ms | ratio (PyTorch / wick) |")
         print("|---|---|---|---|---|---|---|")
     for batch in batches:
         sizes = image + batch
@@ -220,7 +226,7 @@ def main():
         models = args.models.split(",") if args.models else list(configs)
         for model in models:
             spec = configs[model]
-            shape = (spec["image"], spec["batch"]) if "image" in spec else ("-", spec["batch"])
+            shape = (spec["image"], spec["batch"]) if "image" in spec else (f'{spec["seq"]} tok', spec["batch"])
             for mode in args.modes.split(","):
                 w, t, wp, tp = [], [], [], []
                 for _ in range(args.rounds):
@@ -247,7 +253,7 @@ def main():
                 if gpu:
                     wpeak = max((p for p in wp if p is not None), default=None)
                     tpeak = max((p for p in tp if p is not None), default=None)
-                    est = estimated(estimates, model, shape[0], shape[1], mode)
+                    est = estimated(estimates, model, spec.get("image"), shape[1], mode)
                     row.update({"wick_peak": wpeak, "torch_peak": tpeak, "estimate": est})
                     ratio = f"{est / wpeak:.2f}" if est and wpeak else "-"
                     text += f" {mib(wpeak)} | {mib(tpeak)} | {mib(est)} | {ratio} |"

@@ -5,6 +5,7 @@
 //! zoo-speed --list                                  # the configurations, as JSON
 //! zoo-speed --model resnet18 --mode train --steps 5 # one JSON line: milliseconds per step
 //! zoo-speed --model resnet50 --image 224 --batch 8   # the vision models at other sizes
+//! zoo-speed --model bert-base --mode eval --batch 32 --seq 128  # the text models too
 //! WICK_PROFILE_OPS=1 zoo-speed --model vit           # and each kernel op's time, on stderr
 //! zoo-speed --model resnet18 --record-history DIR   # and the timed steps' allocation history
 //! ```
@@ -79,19 +80,36 @@ struct Args {
     /// Side of the vision models' square images (ViT's patch size, 16, must divide it).
     #[arg(long, default_value_t = 112)]
     image: usize,
-    /// Images per batch for the vision models.
-    #[arg(long, default_value_t = 16)]
-    batch: usize,
+    /// Inputs per batch: images for the vision models (default 16), sequences for the text
+    /// models (default 8).
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Tokens per sequence for the text models (default 128 for the encoders, 64 for `decoder`,
+    /// 256 for `decoder-512`; a decoder trains on one more).
+    #[arg(long)]
+    seq: Option<usize>,
     /// cpu, or cuda (GPU 0; needs `--features cuda`).
     #[arg(long, default_value = "cpu")]
     device: String,
 }
 
-/// The vision models' input size: side of the square images and images per batch.
+/// The inputs' sizes: side of the square images, and inputs per batch and tokens per sequence
+/// where given (each model's default otherwise).
 #[derive(Clone, Copy)]
-struct Vision {
+struct Sizes {
     image: usize,
-    images: usize,
+    batch: Option<usize>,
+    seq: Option<usize>,
+}
+
+impl Sizes {
+    fn images(&self) -> usize {
+        self.batch.unwrap_or(IMAGES)
+    }
+
+    fn sequences(&self) -> usize {
+        self.batch.unwrap_or(SEQUENCES)
+    }
 }
 
 /// all-MiniLM-L6-v2's shapes (a BERT encoder, 6 × 384) at 128 tokens.
@@ -101,28 +119,70 @@ const MINILM: BertConfig = BertConfig::minilm_l6();
 fn vit_s16(image: usize) -> VitConfig {
     VitConfig { image_size: image, patch_size: 16, hidden: 384, layers: 12, heads: 6, mlp_dim: 1536, num_classes: 10 }
 }
+/// BERT-base (12 × 768, 30 522 tokens) at 128 tokens.
+const BERT_BASE: BertConfig = BertConfig::base();
+
+/// ViT-B/16 (torchvision's shapes) on `image`² images.
+fn vit_b16(image: usize) -> VitConfig {
+    VitConfig { image_size: image, patch_size: 16, hidden: 768, layers: 12, heads: 12, mlp_dim: 3072, num_classes: 10 }
+}
+
+/// A 512 × 8 LLaMA-style decoder on a 32 000-token vocabulary (LLaMA's), SwiGLU at 1 408
+/// (2.75 × the width, a multiple of 64): a small language model's shapes, where the output
+/// layer is a third of the parameters and of a prefill's products.
+const DECODER_512: LlamaConfig = LlamaConfig {
+    vocab_size: 32_000,
+    hidden_size: 512,
+    num_layers: 8,
+    num_heads: 8,
+    intermediate_size: 1408,
+    max_seq: 256,
+    rms_eps: 1e-6,
+    rope_theta: 10_000.0,
+};
+
 const CLASSES: usize = 10;
+const IMAGES: usize = 16;
 const SEQUENCES: usize = 8;
 const BERT_TOKENS: usize = 128;
 const DECODER_TOKENS: usize = 64;
+const DECODER_512_TOKENS: usize = 256;
+
+/// The text models' (name, kind, configuration as JSON, default tokens).
+fn text_models() -> [(&'static str, serde_json::Value, usize); 4] {
+    [
+        ("decoder", json!({"kind": "llama", "config": DECODER, "optimizer": "adamw"}), DECODER_TOKENS),
+        ("decoder-512", json!({"kind": "llama", "config": DECODER_512, "optimizer": "adamw"}), DECODER_512_TOKENS),
+        ("bert", json!({"kind": "bert", "config": MINILM, "optimizer": "adamw"}), BERT_TOKENS),
+        ("bert-base", json!({"kind": "bert", "config": BERT_BASE, "optimizer": "adamw"}), BERT_TOKENS),
+    ]
+}
+
+/// Adds `extra`'s fields to the object `v`.
+fn extend(mut v: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
+    if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
+        v.extend(extra.clone());
+    }
+    v
+}
 
 /// The benchmark configurations, as the PyTorch script reads them.
-fn configs(sizes: Vision) -> serde_json::Value {
+fn configs(sizes: Sizes) -> serde_json::Value {
     let vision = |extra: serde_json::Value| {
-        let mut v = json!({"batch": sizes.images, "image": sizes.image, "classes": CLASSES, "optimizer": "sgd"});
-        if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
-            v.extend(extra.clone());
-        }
-        v
+        let v = json!({"batch": sizes.images(), "image": sizes.image, "classes": CLASSES, "optimizer": "sgd"});
+        extend(v, extra)
     };
-    json!({
-        "decoder": {"kind": "llama", "config": DECODER, "batch": SEQUENCES, "seq": DECODER_TOKENS, "optimizer": "adamw"},
-        "bert": {"kind": "bert", "config": MINILM, "batch": SEQUENCES, "seq": BERT_TOKENS, "optimizer": "adamw"},
+    let mut all = json!({
         "vit": vision(json!({"kind": "vit", "config": vit_s16(sizes.image), "optimizer": "adamw"})),
+        "vit-b16": vision(json!({"kind": "vit", "config": vit_b16(sizes.image), "optimizer": "adamw"})),
         "resnet18": vision(json!({"kind": "resnet", "depth": 18, "width": 64})),
         "resnet50": vision(json!({"kind": "resnet", "depth": 50, "width": 64})),
         "mobilenet_v2": vision(json!({"kind": "mobilenet_v2", "width_mult": 1.0})),
-    })
+    });
+    for (name, v, tokens) in text_models() {
+        all[name] = extend(v, json!({"batch": sizes.sequences(), "seq": sizes.seq.unwrap_or(tokens)}));
+    }
+    all
 }
 
 /// Seeded token ids in `0..vocab`.
@@ -146,38 +206,43 @@ struct Bench {
     optimizer: Optimizer,
 }
 
-fn build(name: &str, sizes: Vision, dtype: DType, device: &Device) -> Result<Bench> {
-    let Vision { image, images } = sizes;
+fn build(name: &str, sizes: Sizes, dtype: DType, device: &Device) -> Result<Bench> {
+    let (image, images, sequences) = (sizes.image, sizes.images(), sizes.sequences());
+    let tokens = |default| sizes.seq.unwrap_or(default);
     let adamw = Optimizer::AdamW(AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
     let sgd = Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
     let cnn = |depth| ModelSpec::ResNet { depth, classes: CLASSES, width: 64, image };
     let (spec, optimizer) = match name {
         // The decoder trains on DECODER_TOKENS + 1 ids (next-token prediction of DECODER_TOKENS;
         // the one more position changes only the length of the rotary tables).
-        "decoder" => {
-            let seq = DECODER_TOKENS + 1;
-            (ModelSpec::Llama { config: LlamaConfig { max_seq: seq, ..DECODER }, seq }, adamw)
+        "decoder" | "decoder-512" => {
+            let (config, default) = if name == "decoder" { (DECODER, DECODER_TOKENS) } else { (DECODER_512, DECODER_512_TOKENS) };
+            let seq = tokens(default) + 1;
+            (ModelSpec::Llama { config: LlamaConfig { max_seq: seq, ..config }, seq }, adamw)
         }
-        "bert" => (ModelSpec::Bert { config: MINILM, seq: BERT_TOKENS }, adamw),
+        "bert" => (ModelSpec::Bert { config: MINILM, seq: tokens(BERT_TOKENS) }, adamw),
+        "bert-base" => (ModelSpec::Bert { config: BERT_BASE, seq: tokens(BERT_TOKENS) }, adamw),
         "vit" => (ModelSpec::Vit(vit_s16(image)), adamw),
+        "vit-b16" => (ModelSpec::Vit(vit_b16(image)), adamw),
         "resnet18" => (cnn(ResNetDepth::R18), sgd),
         "resnet50" => (cnn(ResNetDepth::R50), sgd),
         "mobilenet_v2" => (ModelSpec::MobileNetV2 { classes: CLASSES, width_mult: 1.0, image }, sgd),
         other => bail!("unknown model `{other}`; --list shows the configurations"),
     };
+    spec.check()?;
     let model = spec.build(dtype, device)?;
     let (batch, eval) = match &spec {
         ModelSpec::Llama { config, seq } => {
-            let ids = token_ids(SEQUENCES, *seq, config.vocab_size, device)?;
+            let ids = token_ids(sequences, *seq, config.vocab_size, device)?;
             let inputs = ids.narrow(1, 0, seq - 1)?;
             (ZooBatch::Tokens(ids), ZooBatch::Tokens(inputs))
         }
         ModelSpec::Bert { config, seq } => {
             let batch = SentenceBatch {
-                ids: token_ids(SEQUENCES, *seq, config.vocab_size, device)?,
-                mask: Tensor::ones((SEQUENCES, *seq), DType::U32, device)?,
+                ids: token_ids(sequences, *seq, config.vocab_size, device)?,
+                mask: Tensor::ones((sequences, *seq), DType::U32, device)?,
                 readout: normal_tensor(&[config.hidden_size, 2], 0.5, 5, DType::F32, device)?,
-                labels: labels(SEQUENCES, 2, device)?,
+                labels: labels(sequences, 2, device)?,
             };
             (ZooBatch::Sentences(batch.clone()), ZooBatch::Sentences(batch))
         }
@@ -209,10 +274,10 @@ fn write_history(engine: &wick::Engine, dir: &std::path::Path, name: &str, mode:
 
 fn run() -> Result<()> {
     let args = Args::parse();
-    if args.image == 0 || args.batch == 0 {
-        bail!("--image and --batch must be at least 1");
+    if args.image == 0 || args.batch == Some(0) || args.seq == Some(0) {
+        bail!("--image, --batch and --seq must be at least 1");
     }
-    let sizes = Vision { image: args.image, images: args.batch };
+    let sizes = Sizes { image: args.image, batch: args.batch, seq: args.seq };
     if args.list {
         println!("{}", serde_json::to_string_pretty(&configs(sizes))?);
         return Ok(());
