@@ -216,7 +216,8 @@ fn build(name: &str, sizes: Sizes, dtype: DType, device: &Device) -> Result<Benc
         // The decoder trains on DECODER_TOKENS + 1 ids (next-token prediction of DECODER_TOKENS;
         // the one more position changes only the length of the rotary tables).
         "decoder" | "decoder-512" => {
-            let (config, default) = if name == "decoder" { (DECODER, DECODER_TOKENS) } else { (DECODER_512, DECODER_512_TOKENS) };
+            let (config, default) =
+                if name == "decoder" { (DECODER, DECODER_TOKENS) } else { (DECODER_512, DECODER_512_TOKENS) };
             let seq = tokens(default) + 1;
             (ModelSpec::Llama { config: LlamaConfig { max_seq: seq, ..config }, seq }, adamw)
         }

@@ -46,6 +46,25 @@ pub fn round_bf16(x: f32) -> bf16 {
     bf16::from_bits(if x.is_nan() { nan } else { rounded })
 }
 
+/// True when the CPU has AVX-512F and `WICK_CPU_AVX512` is not `0` (decided once per process).
+/// The kernels that choose between AVX-512 and AVX2 code ([`math::vectorized`], wick-nn's wide
+/// kernels, the f32 products along the depth) ask here, so that `WICK_CPU_AVX512=0` measures an
+/// AVX2 machine's paths on an AVX-512 one. The `gemm` crate (the other f32 products) and the
+/// kernels that need AVX-512 itself (bf16, AMX, the direct convolutions) keep their own checks.
+pub fn avx512() -> bool {
+    static AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVX512.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::is_x86_feature_detected!("avx512f") && std::env::var_os("WICK_CPU_AVX512").is_none_or(|v| v != "0")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// Lanes of the f64 sums below: independent accumulators, so the loops vectorise (a single
 /// running float sum cannot be reordered by the compiler).
 pub const LANES: usize = 8;
@@ -112,6 +131,14 @@ impl<'a, T> SharedMut<'a, T> {
     /// Shares `v` for the parts to be handed out.
     pub fn new(v: &'a mut [T]) -> Self {
         SharedMut { ptr: v.as_mut_ptr(), len: v.len(), borrow: std::marker::PhantomData }
+    }
+
+    /// A pointer to element `start` (at most the length), for writers whose parts interleave
+    /// (columns of a row-major matrix): each writes only its own elements, as with [`Self::range`].
+    pub fn ptr_at(&self, start: usize) -> *mut T {
+        assert!(start <= self.len, "SharedMut: start out of bounds");
+        // SAFETY: in bounds or one past the end (checked).
+        unsafe { self.ptr.add(start) }
     }
 
     /// The elements `start..start + len`.

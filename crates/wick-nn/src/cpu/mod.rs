@@ -77,7 +77,7 @@ macro_rules! wide_kernel {
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
                 fn v3<$t: $crate::cpu::Real $(, $e: $crate::cpu::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? $body
-                if std::is_x86_feature_detected!("avx512f") {
+                if wick_kernels::cpu::avx512() {
                     // SAFETY: the CPU has AVX-512F (and with it AVX2 and FMA).
                     return unsafe { v4::<$t $(, $e)?>($($a),*) };
                 }

@@ -8,6 +8,7 @@
 //! and the kernel.
 
 pub(crate) mod along_k;
+mod along_k_f32;
 mod amx;
 pub mod bf16;
 mod blocking;
@@ -22,14 +23,52 @@ use crate::cpu::KernelError;
 pub trait Scalar: Copy + Default + Send + Sync + 'static + sealed::Sealed {
     /// 1.
     const ONE: Self;
+
+    /// Runs `dst = beta·a·b + (dst if accumulate)` on a kernel of wick's own and returns true
+    /// where one applies (f32 operands both along the depth: [`along_k_f32`]); false leaves the
+    /// product to the `gemm` crate. The shapes were checked.
+    fn own_kernel(
+        dst: &mut [Self],
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+        beta: Self,
+        accumulate: bool,
+        parallel: bool,
+    ) -> bool;
 }
 
 impl Scalar for f32 {
     const ONE: f32 = 1.0;
+
+    fn own_kernel(
+        dst: &mut [f32],
+        a: Mat<'_, f32>,
+        b: Mat<'_, f32>,
+        beta: f32,
+        accumulate: bool,
+        parallel: bool,
+    ) -> bool {
+        if !along_k_f32::applies(&a, &b) || gemm_crate_only() {
+            return false;
+        }
+        along_k_f32::product(dst, a, b, beta, accumulate, parallel);
+        true
+    }
+}
+
+/// True when `WICK_CPU_GEMM_CRATE=1`: every f32 product through the `gemm` crate, for A/B
+/// measurements of wick's own kernels (decided once per process).
+fn gemm_crate_only() -> bool {
+    static ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ONLY.get_or_init(|| std::env::var_os("WICK_CPU_GEMM_CRATE").is_some_and(|v| v == "1"))
 }
 
 impl Scalar for f64 {
     const ONE: f64 = 1.0;
+
+    fn own_kernel(_: &mut [f64], _: Mat<'_, f64>, _: Mat<'_, f64>, _: f64, _: bool, _: bool) -> bool {
+        false
+    }
 }
 
 mod sealed {
@@ -51,25 +90,90 @@ pub fn gemm<T: Scalar>(
     let Some((m, k, n)) = blocking::product_dims("wick gemm", &a, &b, dst, accumulate)? else {
         return Ok(());
     };
+    if T::own_kernel(dst, a, b, beta, accumulate, parallel) {
+        return Ok(());
+    }
     let threads = rayon::current_num_threads();
-    let parallelism =
-        if parallel && threads > 1 { ::gemm::Parallelism::Rayon(threads) } else { ::gemm::Parallelism::None };
-    // SAFETY: every element of `a`, `b` and the m×n row-major destination lies inside its slice
-    // (checked above), strides fit in isize (they index slices), and `dst` does not alias the
-    // inputs (a `&mut` borrow).
+    if !parallel || threads < 2 {
+        // SAFETY: every element of `a`, `b` and the m×n row-major destination lies inside its
+        // slice (checked above), and `dst` does not alias the inputs (a `&mut` borrow).
+        unsafe { crate_product(dst.as_mut_ptr(), n, (m, k, n), a, b, 0, beta, accumulate, ::gemm::Parallelism::None) };
+        return Ok(());
+    }
+    if n < SPLIT_COLUMNS * threads {
+        // SAFETY: as above.
+        let rayon = ::gemm::Parallelism::Rayon(threads);
+        unsafe { crate_product(dst.as_mut_ptr(), n, (m, k, n), a, b, 0, beta, accumulate, rayon) };
+        return Ok(());
+    }
+    // The destination's columns split between the threads, each a one-thread product: the
+    // crate's own threading of a long depth against few columns left a thread idle (BERT-base's
+    // 3072 → 768 projection at 1024 tokens: 76 G multiply-adds a second on two threads, 96
+    // split; `cargo bench -p wick-kernels --bench f32_products` with `WICK_CPU_GEMM_CRATE=1`).
+    let chunk = n.div_ceil(threads).div_ceil(16) * 16;
+    let out = crate::cpu::SharedMut::new(&mut dst[..m * n]);
+    let out = &out;
+    rayon::scope(|s| {
+        for j0 in (0..n).step_by(chunk) {
+            let cols = chunk.min(n - j0);
+            s.spawn(move |_| {
+                // SAFETY: columns j0..j0 + cols of every row of the checked destination and of
+                // `b`, written by this task only (the tasks' column ranges are disjoint).
+                unsafe {
+                    crate_product(
+                        out.ptr_at(j0),
+                        n,
+                        (m, k, cols),
+                        a,
+                        b,
+                        j0,
+                        beta,
+                        accumulate,
+                        ::gemm::Parallelism::None,
+                    )
+                }
+            });
+        }
+    });
+    Ok(())
+}
+
+/// Columns per thread from which the threads split the destination's columns.
+const SPLIT_COLUMNS: usize = 64;
+
+/// The `gemm` crate's product of `a` and columns `j0..j0 + n` of `b` into the m × n matrix at
+/// `dst` with rows `dst_row` apart.
+///
+/// # Safety
+/// Every element of `a`, of those columns of `b` and of the destination lies inside its
+/// allocation, strides fit in isize, the destination aliases neither input, and nothing else
+/// reads or writes the destination's elements meanwhile.
+#[allow(clippy::too_many_arguments)]
+unsafe fn crate_product<T: Scalar>(
+    dst: *mut T,
+    dst_row: usize,
+    (m, k, n): (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    j0: usize,
+    beta: T,
+    accumulate: bool,
+    parallelism: ::gemm::Parallelism,
+) {
+    // SAFETY: the caller's contract; column j0 of `b` starts inside its slice.
     unsafe {
         ::gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
-            n as isize,
+            dst_row as isize,
             accumulate,
             a.data.as_ptr(),
             a.col_stride as isize,
             a.row_stride as isize,
-            b.data.as_ptr(),
+            b.data.as_ptr().add(j0 * b.col_stride),
             b.col_stride as isize,
             b.row_stride as isize,
             T::ONE,
@@ -80,7 +184,6 @@ pub fn gemm<T: Scalar>(
             parallelism,
         );
     }
-    Ok(())
 }
 
 #[cfg(test)]
