@@ -506,8 +506,13 @@ impl SentenceEmbedder {
         Ok(enc.get_ids().to_vec())
     }
 
-    /// Normalised embeddings (batch, hidden) of `texts`, padded to the longest.
+    /// Normalised embeddings (batch, hidden) of `texts`, padded to the longest; computed under
+    /// [`wick_nn::no_grad`] (inference: no graph, nothing kept for a backward pass).
     pub fn embed(&self, texts: &[&str]) -> Result<Tensor, ZooError> {
+        wick_nn::no_grad(|| self.embed_with_graph(texts))
+    }
+
+    fn embed_with_graph(&self, texts: &[&str]) -> Result<Tensor, ZooError> {
         let device = self.bert.params.iter().next().map(|(_, v)| v.device().clone()).unwrap_or(Device::Cpu);
         let ids: Vec<Vec<u32>> = texts.iter().map(|t| self.token_ids(t)).collect::<Result<_, _>>()?;
         let len = ids.iter().map(|i| i.len()).max().unwrap_or(0);
