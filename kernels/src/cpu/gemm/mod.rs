@@ -8,7 +8,6 @@
 //! and the kernel.
 
 pub(crate) mod along_k;
-mod along_k_f32;
 mod amx;
 pub mod bf16;
 mod blocking;
@@ -23,52 +22,14 @@ use crate::cpu::KernelError;
 pub trait Scalar: Copy + Default + Send + Sync + 'static + sealed::Sealed {
     /// 1.
     const ONE: Self;
-
-    /// Runs `dst = beta·a·b + (dst if accumulate)` on a kernel of wick's own and returns true
-    /// where one applies (f32 operands both along the depth: [`along_k_f32`]); false leaves the
-    /// product to the `gemm` crate. The shapes were checked.
-    fn own_kernel(
-        dst: &mut [Self],
-        a: Mat<'_, Self>,
-        b: Mat<'_, Self>,
-        beta: Self,
-        accumulate: bool,
-        parallel: bool,
-    ) -> bool;
 }
 
 impl Scalar for f32 {
     const ONE: f32 = 1.0;
-
-    fn own_kernel(
-        dst: &mut [f32],
-        a: Mat<'_, f32>,
-        b: Mat<'_, f32>,
-        beta: f32,
-        accumulate: bool,
-        parallel: bool,
-    ) -> bool {
-        if !along_k_f32::applies(&a, &b) || gemm_crate_only() {
-            return false;
-        }
-        along_k_f32::product(dst, a, b, beta, accumulate, parallel);
-        true
-    }
-}
-
-/// True when `WICK_CPU_GEMM_CRATE=1`: every f32 product through the `gemm` crate, for A/B
-/// measurements of wick's own kernels (decided once per process).
-fn gemm_crate_only() -> bool {
-    static ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ONLY.get_or_init(|| std::env::var_os("WICK_CPU_GEMM_CRATE").is_some_and(|v| v == "1"))
 }
 
 impl Scalar for f64 {
     const ONE: f64 = 1.0;
-
-    fn own_kernel(_: &mut [f64], _: Mat<'_, f64>, _: Mat<'_, f64>, _: f64, _: bool, _: bool) -> bool {
-        false
-    }
 }
 
 mod sealed {
@@ -90,9 +51,6 @@ pub fn gemm<T: Scalar>(
     let Some((m, k, n)) = blocking::product_dims("wick gemm", &a, &b, dst, accumulate)? else {
         return Ok(());
     };
-    if T::own_kernel(dst, a, b, beta, accumulate, parallel) {
-        return Ok(());
-    }
     let threads = rayon::current_num_threads();
     if !parallel || threads < 2 {
         // SAFETY: every element of `a`, `b` and the m×n row-major destination lies inside its
@@ -108,8 +66,9 @@ pub fn gemm<T: Scalar>(
     }
     // The destination's columns split between the threads, each a one-thread product: the
     // crate's own threading of a long depth against few columns left a thread idle (BERT-base's
-    // 3072 → 768 projection at 1024 tokens: 76 G multiply-adds a second on two threads, 96
-    // split; `cargo bench -p wick-kernels --bench f32_products` with `WICK_CPU_GEMM_CRATE=1`).
+    // 3072 → 768 projection: 26 G multiply-adds a second at 128 tokens on two threads, 49 split;
+    // 76 and 96 at 1024 tokens; `cargo bench -p wick-kernels --bench f32_products`, and
+    // BENCHMARKS.md "Transformer inference (issue 50)" for whole models).
     let chunk = n.div_ceil(threads).div_ceil(16) * 16;
     let out = crate::cpu::SharedMut::new(&mut dst[..m * n]);
     let out = &out;
