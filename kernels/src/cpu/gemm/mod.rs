@@ -1,13 +1,16 @@
 //! Matrix products over slices, with the dimensions and strides checked against the slices
 //! before any pointer is formed: f32 and f64 through the `gemm` crate (the crate candle's CPU
-//! matmul uses, with its AVX-512 kernels), bf16 × bf16 with f32 sums on CPUs with AVX512-BF16
+//! matmul uses, with its AVX-512 kernels; products of a few rows along the depth on wick's own,
+//! `along_k_f32`), bf16 × bf16 with f32 sums on CPUs with AVX512-BF16
 //! ([`bf16`], on AMX's tile unit where there is one). The modules form a tree: `blocking` (the
 //! matrix view and the bf16 blocking) is the leaf; `pack` and `amx` use it; `operand` (packed
-//! and row-wise operands) uses `blocking` and `pack`; `along_k` (products whose operands both
-//! lie along the depth, in place) uses `blocking`; [`bf16`] uses them all and chooses the unit
+//! and row-wise operands) uses `blocking` and `pack`; `along_k` and `along_k_f32` (bf16 and f32
+//! products whose operands both lie along the depth, in place) use `blocking` (and the second
+//! `SharedMut`); [`bf16`] uses them all and chooses the unit
 //! and the kernel.
 
 pub(crate) mod along_k;
+mod along_k_f32;
 mod amx;
 pub mod bf16;
 mod blocking;
@@ -22,14 +25,52 @@ use crate::cpu::KernelError;
 pub trait Scalar: Copy + Default + Send + Sync + 'static + sealed::Sealed {
     /// 1.
     const ONE: Self;
+
+    /// Runs `dst = beta·a·b + (dst if accumulate)` on a kernel of wick's own and returns true
+    /// where one applies (f32 operands both along the depth, few rows: `along_k_f32`); false
+    /// leaves the product to the `gemm` crate. The shapes were checked.
+    fn own_kernel(
+        dst: &mut [Self],
+        a: Mat<'_, Self>,
+        b: Mat<'_, Self>,
+        beta: Self,
+        accumulate: bool,
+        parallel: bool,
+    ) -> bool;
 }
 
 impl Scalar for f32 {
     const ONE: f32 = 1.0;
+
+    fn own_kernel(
+        dst: &mut [f32],
+        a: Mat<'_, f32>,
+        b: Mat<'_, f32>,
+        beta: f32,
+        accumulate: bool,
+        parallel: bool,
+    ) -> bool {
+        if !along_k_f32::applies(&a, &b) || gemm_crate_only() {
+            return false;
+        }
+        along_k_f32::product(dst, a, b, beta, accumulate, parallel);
+        true
+    }
+}
+
+/// True when `WICK_CPU_GEMM_CRATE=1`: every f32 product through the `gemm` crate, for A/B
+/// measurements of wick's own kernel (decided once per process).
+fn gemm_crate_only() -> bool {
+    static ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ONLY.get_or_init(|| std::env::var_os("WICK_CPU_GEMM_CRATE").is_some_and(|v| v == "1"))
 }
 
 impl Scalar for f64 {
     const ONE: f64 = 1.0;
+
+    fn own_kernel(_: &mut [f64], _: Mat<'_, f64>, _: Mat<'_, f64>, _: f64, _: bool, _: bool) -> bool {
+        false
+    }
 }
 
 mod sealed {
@@ -51,6 +92,9 @@ pub fn gemm<T: Scalar>(
     let Some((m, k, n)) = blocking::product_dims("wick gemm", &a, &b, dst, accumulate)? else {
         return Ok(());
     };
+    if T::own_kernel(dst, a, b, beta, accumulate, parallel) {
+        return Ok(());
+    }
     let threads = rayon::current_num_threads();
     if !parallel || threads < 2 {
         // SAFETY: every element of `a`, `b` and the m×n row-major destination lies inside its
