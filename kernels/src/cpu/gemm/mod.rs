@@ -103,8 +103,8 @@ pub fn gemm<T: Scalar>(
         return Ok(());
     }
     if n < SPLIT_COLUMNS * threads {
-        // SAFETY: as above.
         let rayon = ::gemm::Parallelism::Rayon(threads);
+        // SAFETY: as above.
         unsafe { crate_product(dst.as_mut_ptr(), n, (m, k, n), a, b, 0, beta, accumulate, rayon) };
         return Ok(());
     }
