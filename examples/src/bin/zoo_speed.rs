@@ -148,14 +148,41 @@ const BERT_TOKENS: usize = 128;
 const DECODER_TOKENS: usize = 64;
 const DECODER_512_TOKENS: usize = 256;
 
-/// The text models' (name, kind, configuration as JSON, default tokens).
-fn text_models() -> [(&'static str, serde_json::Value, usize); 4] {
-    [
-        ("decoder", json!({"kind": "llama", "config": DECODER, "optimizer": "adamw"}), DECODER_TOKENS),
-        ("decoder-512", json!({"kind": "llama", "config": DECODER_512, "optimizer": "adamw"}), DECODER_512_TOKENS),
-        ("bert", json!({"kind": "bert", "config": MINILM, "optimizer": "adamw"}), BERT_TOKENS),
-        ("bert-base", json!({"kind": "bert", "config": BERT_BASE, "optimizer": "adamw"}), BERT_TOKENS),
-    ]
+/// A text model's architecture and shapes.
+enum Text {
+    Llama(LlamaConfig),
+    Bert(BertConfig),
+}
+
+/// The text models: name, configuration and default tokens (all trained with AdamW).
+const TEXT_MODELS: [(&str, Text, usize); 4] = [
+    ("decoder", Text::Llama(DECODER), DECODER_TOKENS),
+    ("decoder-512", Text::Llama(DECODER_512), DECODER_512_TOKENS),
+    ("bert", Text::Bert(MINILM), BERT_TOKENS),
+    ("bert-base", Text::Bert(BERT_BASE), BERT_TOKENS),
+];
+
+impl Text {
+    /// The model at `tokens` a sequence. The decoder trains on `tokens` + 1 ids (next-token
+    /// prediction of `tokens`; the one more position changes only the length of the rotary
+    /// tables).
+    fn spec(&self, tokens: usize) -> ModelSpec {
+        match self {
+            Text::Llama(config) => {
+                let seq = tokens + 1;
+                ModelSpec::Llama { config: LlamaConfig { max_seq: seq, ..*config }, seq }
+            }
+            Text::Bert(config) => ModelSpec::Bert { config: config.clone(), seq: tokens },
+        }
+    }
+
+    /// Its configuration as the PyTorch script reads it.
+    fn json(&self) -> serde_json::Value {
+        match self {
+            Text::Llama(config) => json!({"kind": "llama", "config": config, "optimizer": "adamw"}),
+            Text::Bert(config) => json!({"kind": "bert", "config": config, "optimizer": "adamw"}),
+        }
+    }
 }
 
 /// Adds `extra`'s fields to the object `v`.
@@ -179,8 +206,8 @@ fn configs(sizes: Sizes) -> serde_json::Value {
         "resnet50": vision(json!({"kind": "resnet", "depth": 50, "width": 64})),
         "mobilenet_v2": vision(json!({"kind": "mobilenet_v2", "width_mult": 1.0})),
     });
-    for (name, v, tokens) in text_models() {
-        all[name] = extend(v, json!({"batch": sizes.sequences(), "seq": sizes.seq.unwrap_or(tokens)}));
+    for (name, text, tokens) in &TEXT_MODELS {
+        all[*name] = extend(text.json(), json!({"batch": sizes.sequences(), "seq": sizes.seq.unwrap_or(*tokens)}));
     }
     all
 }
@@ -208,27 +235,18 @@ struct Bench {
 
 fn build(name: &str, sizes: Sizes, dtype: DType, device: &Device) -> Result<Bench> {
     let (image, images, sequences) = (sizes.image, sizes.images(), sizes.sequences());
-    let tokens = |default| sizes.seq.unwrap_or(default);
     let adamw = Optimizer::AdamW(AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
     let sgd = Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
     let cnn = |depth| ModelSpec::ResNet { depth, classes: CLASSES, width: 64, image };
-    let (spec, optimizer) = match name {
-        // The decoder trains on DECODER_TOKENS + 1 ids (next-token prediction of DECODER_TOKENS;
-        // the one more position changes only the length of the rotary tables).
-        "decoder" | "decoder-512" => {
-            let (config, default) =
-                if name == "decoder" { (DECODER, DECODER_TOKENS) } else { (DECODER_512, DECODER_512_TOKENS) };
-            let seq = tokens(default) + 1;
-            (ModelSpec::Llama { config: LlamaConfig { max_seq: seq, ..config }, seq }, adamw)
-        }
-        "bert" => (ModelSpec::Bert { config: MINILM, seq: tokens(BERT_TOKENS) }, adamw),
-        "bert-base" => (ModelSpec::Bert { config: BERT_BASE, seq: tokens(BERT_TOKENS) }, adamw),
-        "vit" => (ModelSpec::Vit(vit_s16(image)), adamw),
-        "vit-b16" => (ModelSpec::Vit(vit_b16(image)), adamw),
-        "resnet18" => (cnn(ResNetDepth::R18), sgd),
-        "resnet50" => (cnn(ResNetDepth::R50), sgd),
-        "mobilenet_v2" => (ModelSpec::MobileNetV2 { classes: CLASSES, width_mult: 1.0, image }, sgd),
-        other => bail!("unknown model `{other}`; --list shows the configurations"),
+    let text = TEXT_MODELS.iter().find(|(n, ..)| *n == name);
+    let (spec, optimizer) = match (name, text) {
+        (_, Some((_, text, tokens))) => (text.spec(sizes.seq.unwrap_or(*tokens)), adamw),
+        ("vit", _) => (ModelSpec::Vit(vit_s16(image)), adamw),
+        ("vit-b16", _) => (ModelSpec::Vit(vit_b16(image)), adamw),
+        ("resnet18", _) => (cnn(ResNetDepth::R18), sgd),
+        ("resnet50", _) => (cnn(ResNetDepth::R50), sgd),
+        ("mobilenet_v2", _) => (ModelSpec::MobileNetV2 { classes: CLASSES, width_mult: 1.0, image }, sgd),
+        (other, None) => bail!("unknown model `{other}`; --list shows the configurations"),
     };
     spec.check()?;
     let model = spec.build(dtype, device)?;

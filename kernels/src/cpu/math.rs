@@ -4,9 +4,10 @@
 //! candle's functions, which the f64 gradient checks compare against exactly.
 
 /// Runs `f` compiled for the widest vector instructions this CPU has (AVX-512 unless
-/// `WICK_CPU_AVX512=0` ([`super::avx512`]), else AVX2 with FMA, else the baseline): `f` is inlined into a function built with those features, so its
-/// loops vectorise for them. Run-time detection keeps every x86-64 CPU working. Use it around a
-/// loop's body, on the thread that runs the loop (a closure handed to rayon is not inlined).
+/// `WICK_CPU_AVX512=0` ([`super::avx512`]), else AVX2 with FMA, else the baseline): `f` is
+/// inlined into a function built with those features, so its loops vectorise for them. Run-time
+/// detection keeps every x86-64 CPU working. Use it around a loop's body, on the thread that runs
+/// the loop (a closure handed to rayon is not inlined).
 #[inline(always)]
 pub fn vectorized<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]

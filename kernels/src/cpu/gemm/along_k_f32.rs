@@ -16,7 +16,8 @@
 //!
 //! Numerics: f32 sums; each destination element is summed in the same order whatever m, n and
 //! the thread count (lanes in depth order within a block, the lanes in a fixed order, the
-//! blocks in depth order), so a product over a batch and over its halves agree to the bit.
+//! blocks in depth order), so a product over a batch and over its halves agree to the bit while
+//! both take this kernel (up to [`MAX_ROWS`] rows; larger products go to the `gemm` crate).
 //!
 //! Instruction sets: AVX-512F (4 × 4 tiles of 16 lanes), AVX2 with FMA (3 × 4 tiles of 8 lanes:
 //! twelve sums, three rows and one column in flight fill the 16 registers); elsewhere, or with
@@ -52,6 +53,16 @@ enum Isa {
     Avx2,
 }
 
+impl Isa {
+    /// Rows of `a` in one tile.
+    fn tile_rows(self) -> usize {
+        match self {
+            Isa::Avx512 => 4,
+            Isa::Avx2 => 3,
+        }
+    }
+}
+
 fn isa() -> Option<Isa> {
     #[cfg(target_arch = "x86_64")]
     {
@@ -82,7 +93,7 @@ pub(crate) fn applies(a: &Mat<'_, f32>, b: &Mat<'_, f32>) -> bool {
 pub(crate) fn product(dst: &mut [f32], a: Mat<'_, f32>, b: Mat<'_, f32>, beta: f32, accumulate: bool, parallel: bool) {
     let Some(isa) = isa() else { return };
     let (m, n) = (a.rows, b.cols);
-    let rows_per_tile = if isa == Isa::Avx512 { 4 } else { 3 };
+    let rows_per_tile = isa.tile_rows();
     let out = SharedMut::new(&mut dst[..m * n]);
     // Threads split the larger side of the destination: column blocks of `b`, or row blocks of
     // `a` as long as the rows of one tile.
@@ -111,12 +122,11 @@ fn block(
     isa: Isa,
 ) {
     let (k, n) = (a.cols, b.cols);
-    let r_tile = if isa == Isa::Avx512 { 4 } else { 3 };
+    let r_tile = isa.tile_rows();
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
         // The first depth block writes (or adds to what was there); later ones add.
         let add = accumulate || k0 > 0;
-        let scale = beta;
         for c_block in (cols.start..cols.end).step_by(NB) {
             let c_end = (c_block + NB).min(cols.end);
             for r0 in (rows.start..rows.end).step_by(r_tile) {
@@ -139,7 +149,7 @@ fn block(
                         // the destination, which no other thread writes (parts split one side).
                         let d = unsafe { out.range((r0 + i) * n + c0, cn) };
                         for (d, s) in d.iter_mut().zip(row) {
-                            *d = if add { *d + scale * s } else { scale * s };
+                            *d = if add { *d + beta * s } else { beta * s };
                         }
                     }
                 }

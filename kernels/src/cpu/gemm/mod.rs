@@ -5,9 +5,8 @@
 //! ([`bf16`], on AMX's tile unit where there is one). The modules form a tree: `blocking` (the
 //! matrix view and the bf16 blocking) is the leaf; `pack` and `amx` use it; `operand` (packed
 //! and row-wise operands) uses `blocking` and `pack`; `along_k` and `along_k_f32` (bf16 and f32
-//! products whose operands both lie along the depth, in place) use `blocking` (and the second
-//! `SharedMut`); [`bf16`] uses them all and chooses the unit
-//! and the kernel.
+//! products whose operands both lie along the depth, in place) use `blocking`; [`bf16`] uses
+//! them all and chooses the unit and the kernel.
 
 pub(crate) mod along_k;
 mod along_k_f32;
@@ -95,17 +94,13 @@ pub fn gemm<T: Scalar>(
     if T::own_kernel(dst, a, b, beta, accumulate, parallel) {
         return Ok(());
     }
-    let threads = rayon::current_num_threads();
-    if !parallel || threads < 2 {
+    let threads = if parallel { rayon::current_num_threads() } else { 1 };
+    if threads < 2 || n < SPLIT_COLUMNS * threads {
+        // One thread, or too few columns to split: the crate's own threading.
+        let parallelism = if threads > 1 { ::gemm::Parallelism::Rayon(threads) } else { ::gemm::Parallelism::None };
         // SAFETY: every element of `a`, `b` and the m×n row-major destination lies inside its
         // slice (checked above), and `dst` does not alias the inputs (a `&mut` borrow).
-        unsafe { crate_product(dst.as_mut_ptr(), n, (m, k, n), a, b, 0, beta, accumulate, ::gemm::Parallelism::None) };
-        return Ok(());
-    }
-    if n < SPLIT_COLUMNS * threads {
-        let rayon = ::gemm::Parallelism::Rayon(threads);
-        // SAFETY: as above.
-        unsafe { crate_product(dst.as_mut_ptr(), n, (m, k, n), a, b, 0, beta, accumulate, rayon) };
+        unsafe { crate_product(dst.as_mut_ptr(), n, (m, k, n), a, b, 0, beta, accumulate, parallelism) };
         return Ok(());
     }
     // The destination's columns split between the threads, each a one-thread product: the
