@@ -6,7 +6,8 @@ whose speed drifts), and the medians of all timed steps are compared.
     python3 scripts/zoo-speed-ab.py --rounds 4 OLD_BINARY NEW_BINARY \\
         --configs resnet18:amp:224:8,resnet50:amp:224:8,bert:amp
 
-A configuration is model:mode, or model:mode:image:batch for the vision models. Prints one line
+A configuration is model:mode, model:mode:image:batch for the vision models, or
+model:mode::batch for the text models. Prints one line
 per configuration: each binary's median milliseconds a step and first / last, then the same for
 each binary's fastest step (less sensitive to a busy machine's slow steps)."""
 import argparse
@@ -28,7 +29,7 @@ for r in range(args.rounds):
         for b in args.binaries if r % 2 == 0 else args.binaries[::-1]:
             cmd = [b, "--model", c[0], "--mode", c[1], "--steps", str(args.steps)]
             if len(c) == 4:
-                cmd += ["--image", c[2], "--batch", c[3]]
+                cmd += (["--image", c[2]] if c[2] else []) + ["--batch", c[3]]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
             line = [l for l in out.stdout.splitlines() if l.startswith("{")][-1]
             times.setdefault((":".join(c), b), []).extend(json.loads(line)["ms"])

@@ -1,12 +1,13 @@
 //! Matrix products over slices, with the dimensions and strides checked against the slices
 //! before any pointer is formed: f32 and f64 through the `gemm` crate (the crate candle's CPU
 //! matmul uses, with its AVX-512 kernels; products of a few rows along the depth on wick's own,
-//! `along_k_f32`), bf16 × bf16 with f32 sums on CPUs with AVX512-BF16
+//! `along_k_f32`; `staged` copies a layer's weight to the crate a block at a time), bf16 × bf16 with f32 sums on CPUs with AVX512-BF16
 //! ([`bf16`], on AMX's tile unit where there is one). The modules form a tree: `blocking` (the
 //! matrix view and the bf16 blocking) is the leaf; `pack` and `amx` use it; `operand` (packed
 //! and row-wise operands) uses `blocking` and `pack`; `along_k` and `along_k_f32` (bf16 and f32
 //! products whose operands both lie along the depth, in place) use `blocking`; [`bf16`] uses
-//! them all and chooses the unit and the kernel.
+//! them all and chooses the unit and the kernel. This module's [`gemm`] chooses among
+//! `along_k_f32`, `staged` and the crate called in place (`staged` calls back into it).
 
 pub(crate) mod along_k;
 mod along_k_f32;
@@ -15,6 +16,7 @@ pub mod bf16;
 mod blocking;
 mod operand;
 mod pack;
+mod staged;
 
 pub use blocking::Mat;
 
@@ -95,12 +97,18 @@ pub fn gemm<T: Scalar>(
         return Ok(());
     }
     let threads = if parallel { rayon::current_num_threads() } else { 1 };
-    if threads < 2 || n < SPLIT_COLUMNS * threads {
-        // One thread, or too few columns to split: the crate's own threading.
-        let parallelism = if threads > 1 { ::gemm::Parallelism::Rayon(threads) } else { ::gemm::Parallelism::None };
+    if threads < 2 {
         // SAFETY: every element of `a`, `b` and the m×n row-major destination lies inside its
         // slice (checked above), and `dst` does not alias the inputs (a `&mut` borrow).
-        unsafe { crate_product(dst.as_mut_ptr(), n, (m, k, n), a, b, 0, beta, accumulate, parallelism) };
+        unsafe { staged::product(dst.as_mut_ptr(), n, (m, k, n), a, b, 0, beta, accumulate) };
+        return Ok(());
+    }
+    if n < SPLIT_COLUMNS * threads {
+        // Too few columns to split: the crate's own threading.
+        // SAFETY: as above.
+        unsafe {
+            crate_product(dst.as_mut_ptr(), n, (m, k, n), a, b, 0, beta, accumulate, ::gemm::Parallelism::Rayon(threads))
+        };
         return Ok(());
     }
     // The destination's columns split between the threads, each a one-thread product: the
@@ -117,19 +125,7 @@ pub fn gemm<T: Scalar>(
             s.spawn(move |_| {
                 // SAFETY: columns j0..j0 + cols of every row of the checked destination and of
                 // `b`, written by this task only (the tasks' column ranges are disjoint).
-                unsafe {
-                    crate_product(
-                        out.ptr_at(j0),
-                        n,
-                        (m, k, cols),
-                        a,
-                        b,
-                        j0,
-                        beta,
-                        accumulate,
-                        ::gemm::Parallelism::None,
-                    )
-                }
+                unsafe { staged::product(out.ptr_at(j0), n, (m, k, cols), a, b, j0, beta, accumulate) }
             });
         }
     });

@@ -1,0 +1,105 @@
+//! The `gemm` crate's product with `b`'s columns copied, a block at a time, into a buffer first,
+//! where they lie along the depth: a linear layer's `x · Wᵀ` with W (out × in) row-major, read
+//! in place by the crate, columns `in` elements apart.
+//!
+//! Why: the crate packs `b` into panels, reading a few of its columns side by side. When they
+//! lie a multiple of 4 KiB apart (in = 1024, 3072: BERT-base's and ViT-B's 3072 → 768
+//! projection) every one of them falls in the same L1 set, and through any large stride the
+//! hardware prefetcher follows no column for long. On two threads of an AMD EPYC (Zen 4) at 128
+//! tokens the crate multiplied 128 × 3072 × 768 at 48 G multiply-adds a second, 128 × 1536 × 384
+//! (MiniLM) at 58 and 128 × 512 × 32 000 (the decoder's head) at 59; copied first, at 91, 88 and
+//! 89 (PyTorch's oneDNN: 87 at the first; `cargo bench -p wick-kernels --bench f32_products`).
+//! The copy is one contiguous read of each column into a buffer of [`BLOCK_BYTES`] that stays in
+//! L2 while the crate packs it, rows [`stride`] apart so that they fall in different sets.
+//!
+//! Numerics: the crate's own sums, over the same elements; only where `b` is read from changes.
+
+use super::blocking::Mat;
+use super::{crate_product, Scalar};
+
+/// Bytes of `b` copied at a time: half of a 1 MiB L2, beside the crate's packed panels.
+const BLOCK_BYTES: usize = 512 << 10;
+
+/// Rows of `a` from which products are staged: with fewer, the copy weighs more next to the
+/// multiply-adds each column serves (wick's own kernel takes most of them, `along_k_f32`).
+const MIN_ROWS: usize = 64;
+
+/// Depth from which products are staged.
+const MIN_DEPTH: usize = 256;
+
+/// True when [`product`] stages `a · b`: `b`'s columns contiguous along the depth but not next
+/// to each other, a depth of at least [`MIN_DEPTH`] and at least [`MIN_ROWS`] rows.
+pub(super) fn applies<T>(a: &Mat<'_, T>, b: &Mat<'_, T>) -> bool {
+    b.row_stride == 1 && b.cols > 1 && b.col_stride != 0 && b.rows >= MIN_DEPTH && a.rows >= MIN_ROWS
+}
+
+/// Elements from one staged column to the next: the depth rounded up to a 64-byte line, and
+/// one line more where that is a multiple of 1 KiB (columns in the same L1 set every few).
+fn stride<T>(k: usize) -> usize {
+    let line = (64 / std::mem::size_of::<T>()).max(1);
+    let s = k.div_ceil(line) * line;
+    if (s * std::mem::size_of::<T>()).is_multiple_of(1024) {
+        s + line
+    } else {
+        s
+    }
+}
+
+/// The crate's one-thread product of `a` and columns `j0..j0 + n` of `b` into the m × n matrix
+/// at `dst` (rows `dst_row` apart), `b`'s columns copied a block at a time where [`applies`]
+/// holds, read in place otherwise.
+///
+/// # Safety
+/// As [`crate_product`]'s.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn product<T: Scalar>(
+    dst: *mut T,
+    dst_row: usize,
+    (m, k, n): (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    j0: usize,
+    beta: T,
+    accumulate: bool,
+) {
+    let none = ::gemm::Parallelism::None;
+    if !applies(&a, &b) {
+        // SAFETY: the caller's contract.
+        unsafe { crate_product(dst, dst_row, (m, k, n), a, b, j0, beta, accumulate, none) };
+        return;
+    }
+    let st = stride::<T>(k);
+    let per_block = (BLOCK_BYTES / (st * std::mem::size_of::<T>()) / 16 * 16).clamp(16, 256);
+    let mut buf: Vec<T> = Vec::with_capacity(per_block.min(n) * st);
+    for c0 in (0..n).step_by(per_block) {
+        let cols = per_block.min(n - c0);
+        buf.clear();
+        for c in j0 + c0..j0 + c0 + cols {
+            let start = c * b.col_stride;
+            // Inside `b`: the caller's contract covers columns j0..j0 + n over the depth k.
+            buf.extend_from_slice(&b.data[start..start + k]);
+            buf.resize(buf.len() + st - k, T::default());
+        }
+        let staged = Mat { data: &buf[..], rows: k, cols, row_stride: 1, col_stride: st };
+        // SAFETY: the caller's contract for the destination's columns c0..c0 + cols (inside its
+        // n); the staged block holds `cols` columns of k elements `st` apart.
+        unsafe { crate_product(dst.add(c0), dst_row, (m, k, cols), a, staged, 0, beta, accumulate, none) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strides_leave_the_one_kib_multiples() {
+        assert_eq!(stride::<f32>(3072), 3088);
+        assert_eq!(stride::<f32>(1000), 1008);
+        assert_eq!(stride::<f32>(768), 784);
+        assert_eq!(stride::<f64>(512), 520);
+        for k in 1..5000 {
+            let s = stride::<f32>(k);
+            assert!(s >= k && s % 16 == 0 && (s * 4) % 1024 != 0, "{k} → {s}");
+        }
+    }
+}
