@@ -172,6 +172,26 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
 }
 
+/// [`linear`] of `x` and the weights stacked (`[W₀; W₁; …]`, their biases likewise): Q, K and V,
+/// or a gate and its up projection, as one projection that the model keeps as separate
+/// parameters. With no gradient wanted (inside [`crate::no_grad`], or no input tracked) on the
+/// CPU in f32 or f64, each weight's product is written into its columns of the output in place;
+/// otherwise the weights are stacked (a copy of them all) and passed to [`linear`], whose node
+/// gives each its gradient through the stacking.
+pub fn linear_stacked(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]>) -> Result<Tensor> {
+    let inputs = || std::iter::once(x).chain(weights.iter().copied()).chain(biases.unwrap_or(&[]).iter().copied());
+    let no_grad_wanted = !crate::grad_enabled() || !inputs().any(|t| t.track_op());
+    if no_grad_wanted
+        && cpu::serves(x)
+        && matches!(x.dtype(), DType::F32 | DType::F64)
+        && inputs().all(|t| t.dtype() == x.dtype())
+    {
+        return cpu::linear::linear_stacked(x, weights, biases);
+    }
+    let bias = biases.map(|b| Tensor::cat(b, 0)).transpose()?;
+    linear(x, &Tensor::cat(weights, 0)?, bias.as_ref())
+}
+
 /// Layer normalisation over the last dimension with an affine transform, composed from
 /// primitive ops (every intermediate is kept by the graph; see [`layer_norm`]).
 pub fn layer_norm_composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {

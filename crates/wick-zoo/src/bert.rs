@@ -188,11 +188,10 @@ fn param_dtype(name: &str, dtype: DType) -> DType {
 /// One post-norm encoder layer; `w` holds the parameters in [`layer_shapes`] order.
 fn encoder_layer(x: &Tensor, w: &[Tensor], bias: &Tensor, heads: usize, eps: f64) -> candle_core::Result<Tensor> {
     let linear = |t: &Tensor, i: usize| ops::linear(t, &w[i], Some(&w[i + 1]));
-    // Q, K and V as one projection (their weights stacked, a parameter-sized copy): the hidden
-    // states feed one op instead of three, so backward sums no three gradients for them, and
-    // attention reads the packed result in place.
-    let (wqkv, bqkv) = (Tensor::cat(&[&w[0], &w[2], &w[4]], 0)?, Tensor::cat(&[&w[1], &w[3], &w[5]], 0)?);
-    let ctx = ops::attention_packed(&ops::linear(x, &wqkv, Some(&bqkv))?, heads, Some(bias))?;
+    // Q, K and V as one projection: the hidden states feed one op instead of three, so backward
+    // sums no three gradients for them, and attention reads the packed result in place.
+    let qkv = ops::linear_stacked(x, &[&w[0], &w[2], &w[4]], Some(&[&w[1], &w[3], &w[5]]))?;
+    let ctx = ops::attention_packed(&qkv, heads, Some(bias))?;
     let x = ops::layer_norm(&ops::add(&linear(&ctx, 6)?, x)?, &w[8], &w[9], eps)?;
     let inter = ops::gelu(&linear(&x, 10)?)?;
     ops::layer_norm(&ops::add(&linear(&inter, 12)?, &x)?, &w[14], &w[15], eps)

@@ -41,13 +41,13 @@ fn decoder_layer(
     let heads = c.num_heads;
     let proj = |t: &Tensor, m: &Tensor| ops::linear(t, m, None);
     let h = ops::rms_norm(x, &w[0], c.rms_eps)?;
-    // q, k and v from one projection (the three weights stacked), rotated and attended in place.
-    let qkv = proj(&h, &Tensor::cat(&[&w[1], &w[2], &w[3]], 0)?)?;
+    // q, k and v from one projection, rotated and attended in place.
+    let qkv = ops::linear_stacked(&h, &[&w[1], &w[2], &w[3]], None)?;
     let attn = ops::attention_packed(&ops::rope_packed(&qkv, heads, cos, sin)?, heads, Some(mask))?;
     let x = ops::add(x, &proj(&attn, &w[4])?)?;
     let h = ops::rms_norm(&x, &w[5], c.rms_eps)?;
-    // Gate and up from one projection (the two weights stacked).
-    let gated = ops::silu_mul_packed(&proj(&h, &Tensor::cat(&[&w[6], &w[7]], 0)?)?)?;
+    // Gate and up from one projection.
+    let gated = ops::silu_mul_packed(&ops::linear_stacked(&h, &[&w[6], &w[7]], None)?)?;
     ops::add(&x, &proj(&gated, &w[8])?)
 }
 

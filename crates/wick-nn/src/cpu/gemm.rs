@@ -28,6 +28,18 @@ pub(crate) fn gemm<T: Real>(
     kernel::gemm(dst, a, b, beta, accumulate, parallel).map_err(candle)
 }
 
+/// [`gemm`] into a destination whose rows lie `dst_row` elements apart
+/// ([`kernel::gemm_rows_apart`]).
+pub(crate) fn gemm_rows_apart<T: Real>(
+    dst: &mut [T],
+    dst_row: usize,
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    parallel: bool,
+) -> Result<()> {
+    kernel::gemm_rows_apart(dst, dst_row, a, b, T::one(), false, parallel).map_err(candle)
+}
+
 /// bf16 × bf16 products with f32 sums ([`kernel::bf16`]).
 pub(crate) mod gemm_bf16 {
     use candle_core::Result;

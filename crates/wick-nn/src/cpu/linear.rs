@@ -11,6 +11,7 @@ use candle_core::DType;
 use half::bf16;
 
 use super::elem::{elem_tensor, elems, with_elems};
+use super::gemm::gemm_rows_apart;
 use super::gemm_bf16::{self, gemm_bf16};
 use super::{gemm, par_ranges, read, tensor, with, Mat, Real, SharedMut};
 
@@ -74,20 +75,8 @@ impl Linear {
         n: usize,
         bias: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
-        let m = y.len() / n.max(1);
         if let Some((sb, lb)) = bias {
-            let b = read::<T>(sb, lb)?;
-            if b.len() != n {
-                return Err(err(format!("linear: {} biases for {n} outputs", b.len())));
-            }
-            let out = SharedMut::new(&mut y);
-            par_ranges(m, 64, |r| {
-                // SAFETY: disjoint row ranges.
-                let rows = unsafe { out.range(r.start * n, r.len() * n) };
-                for row in rows.chunks_mut(n) {
-                    row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v = *v + *b);
-                }
-            });
+            add_bias(&mut y, &read::<T>(sb, lb)?)?;
         }
         Self::finish_storage(T::storage(y, dtype)?, lx, n)
     }
@@ -235,6 +224,24 @@ impl CustomOp3 for Linear {
     }
 }
 
+/// `b` added to every row of `y` (rows of `b.len()` elements).
+fn add_bias<T: Real>(y: &mut [T], b: &[T]) -> Result<()> {
+    let n = b.len();
+    if n == 0 || !y.len().is_multiple_of(n) {
+        return Err(err(format!("linear: {n} biases for an output of {} elements", y.len())));
+    }
+    let m = y.len() / n;
+    let out = SharedMut::new(y);
+    par_ranges(m, 64, |r| {
+        // SAFETY: disjoint row ranges.
+        let rows = unsafe { out.range(r.start * n, r.len() * n) };
+        for row in rows.chunks_mut(n) {
+            row.iter_mut().zip(b.iter()).for_each(|(v, b)| *v = *v + *b);
+        }
+    });
+    Ok(())
+}
+
 /// bf16 input and weight gradients, f32 bias gradient.
 type Bf16Grads = (Option<Vec<bf16>>, Vec<bf16>, Option<Vec<f32>>);
 
@@ -276,4 +283,58 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
         Some(b) => super::apply3(&x, &w, &b.contiguous()?, Linear),
         None => super::apply2(&x, &w, Linear),
     }
+}
+
+/// `x·[W₀; W₁; …]ᵀ + [b₀; b₁; …]` for f32 or f64 `x`, weights and biases of one dtype, with no
+/// gradient (see [`crate::ops::linear_stacked`]): each weight's product written into its columns
+/// of the output in place, so that the weights are never copied into one stacked matrix.
+pub fn linear_stacked(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]>) -> Result<Tensor> {
+    by_real!(x.dtype(), T => stacked::<T>(x, weights, biases))
+}
+
+fn stacked<T: Real>(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]>) -> Result<Tensor> {
+    let k = x.dims().last().copied().unwrap_or(0);
+    let mut outs = Vec::with_capacity(weights.len());
+    for w in weights {
+        match w.dims() {
+            &[out, wk] if wk == k && k > 0 => outs.push(out),
+            _ => return Err(err(format!("linear: input {:?} does not fit weight {:?}", x.shape(), w.shape()))),
+        }
+    }
+    let m = x.elem_count() / k.max(1);
+    let n = outs.iter().try_fold(0usize, |n, o| n.checked_add(*o));
+    let (Some(n), Some(len)) = (n, n.and_then(|n| n.checked_mul(m))) else {
+        return Err(err(format!("linear: {outs:?} outputs of {m} rows overflow")));
+    };
+    let mut y = vec![T::zero(); len];
+    with::<T, _>(x, |xs| {
+        let mut j0 = 0;
+        for (w, &out) in weights.iter().zip(&outs) {
+            let dst = y.get_mut(j0..).unwrap_or_default();
+            with::<T, _>(w, |wv| gemm_rows_apart(dst, n, Mat::rows(xs, m, k), Mat::rows(wv, out, k).t(), true))?;
+            j0 += out;
+        }
+        Ok(())
+    })?;
+    if let Some(biases) = biases {
+        if biases.len() != weights.len() {
+            return Err(err(format!("linear: {} biases for {} weights", biases.len(), weights.len())));
+        }
+        let mut b = Vec::with_capacity(n);
+        for bias in biases {
+            with::<T, _>(bias, |v| {
+                b.extend_from_slice(v);
+                Ok(())
+            })?;
+        }
+        if b.len() != n {
+            return Err(err(format!("linear: {} biases for {n} outputs", b.len())));
+        }
+        add_bias(&mut y, &b)?;
+    }
+    let mut shape = x.dims().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = n;
+    }
+    tensor(y, shape, x.dtype())
 }

@@ -88,13 +88,21 @@ pub(crate) fn applies(a: &Mat<'_, f32>, b: &Mat<'_, f32>) -> bool {
         && isa().is_some()
 }
 
-/// `dst (m × n, row-major) = beta·a·b + (dst if accumulate)` where [`applies`] holds and the
-/// shapes were checked against the slices ([`super::blocking::product_dims`]).
-pub(crate) fn product(dst: &mut [f32], a: Mat<'_, f32>, b: Mat<'_, f32>, beta: f32, accumulate: bool, parallel: bool) {
+/// `dst (m × n, rows dst_row apart) = beta·a·b + (dst if accumulate)` where [`applies`] holds
+/// and the shapes were checked against the slices (`super::gemm_rows_apart`).
+pub(crate) fn product(
+    dst: &mut [f32],
+    dst_row: usize,
+    a: Mat<'_, f32>,
+    b: Mat<'_, f32>,
+    beta: f32,
+    accumulate: bool,
+    parallel: bool,
+) {
     let Some(isa) = isa() else { return };
     let (m, n) = (a.rows, b.cols);
     let rows_per_tile = isa.tile_rows();
-    let out = SharedMut::new(&mut dst[..m * n]);
+    let out = SharedMut::new(dst);
     // Threads split the larger side of the destination: column blocks of `b`, or row blocks of
     // `a` as long as the rows of one tile.
     let by_columns = n >= m;
@@ -103,7 +111,7 @@ pub(crate) fn product(dst: &mut [f32], a: Mat<'_, f32>, b: Mat<'_, f32>, beta: f
     let work = |range: std::ops::Range<usize>| {
         let (lo, hi) = (range.start * unit, (range.end * unit).min(if by_columns { n } else { m }));
         let (rows, cols) = if by_columns { (0..m, lo..hi) } else { (lo..hi, 0..n) };
-        block(&out, a, b, (rows, cols), (beta, accumulate), isa);
+        block((&out, dst_row), a, b, (rows, cols), (beta, accumulate), isa);
     };
     if parallel {
         crate::cpu::par_ranges(units, 1, work);
@@ -114,14 +122,14 @@ pub(crate) fn product(dst: &mut [f32], a: Mat<'_, f32>, b: Mat<'_, f32>, beta: f
 
 /// The destination's rows × cols part of the product, depth block by depth block.
 fn block(
-    out: &SharedMut<'_, f32>,
+    (out, dst_row): (&SharedMut<'_, f32>, usize),
     a: Mat<'_, f32>,
     b: Mat<'_, f32>,
     (rows, cols): (std::ops::Range<usize>, std::ops::Range<usize>),
     (beta, accumulate): (f32, bool),
     isa: Isa,
 ) {
-    let (k, n) = (a.cols, b.cols);
+    let k = a.cols;
     let r_tile = isa.tile_rows();
     for k0 in (0..k).step_by(KC) {
         let kc = KC.min(k - k0);
@@ -147,7 +155,7 @@ fn block(
                     for (i, row) in sums.iter().enumerate().take(rn) {
                         // SAFETY: row r0 + i, columns c0..c0 + cn: inside this call's part of
                         // the destination, which no other thread writes (parts split one side).
-                        let d = unsafe { out.range((r0 + i) * n + c0, cn) };
+                        let d = unsafe { out.range((r0 + i) * dst_row + c0, cn) };
                         for (d, s) in d.iter_mut().zip(row) {
                             *d = if add { *d + beta * s } else { beta * s };
                         }
@@ -369,7 +377,7 @@ mod tests {
     fn run(isa: Isa, dst: &mut [f32], a: Mat<'_, f32>, b: Mat<'_, f32>, beta: f32, accumulate: bool) {
         let (m, n) = (a.rows, b.cols);
         let out = SharedMut::new(&mut dst[..m * n]);
-        block(&out, a, b, (0..m, 0..n), (beta, accumulate), isa);
+        block((&out, n), a, b, (0..m, 0..n), (beta, accumulate), isa);
     }
 
     #[test]
@@ -411,17 +419,17 @@ mod tests {
             return;
         }
         let mut whole = vec![0f32; m * n];
-        product(&mut whole, Mat::rows(&av, m, k), b, 1.0, false, true);
+        product(&mut whole, n, Mat::rows(&av, m, k), b, 1.0, false, true);
         for rows in [1, 3, 12, 24] {
             for parallel in [false, true] {
                 let mut part = vec![0f32; rows * n];
-                product(&mut part, Mat::rows(&av[..rows * k], rows, k), b, 1.0, false, parallel);
+                product(&mut part, n, Mat::rows(&av[..rows * k], rows, k), b, 1.0, false, parallel);
                 assert_eq!(part, whole[..rows * n], "{rows} rows, parallel {parallel}");
             }
         }
         // A tall product (split by rows) against the same rows in a wide one's layout.
         let mut tall = vec![0f32; m * 8];
-        product(&mut tall, Mat::rows(&av, m, k), Mat::rows(&wv[..8 * k], 8, k).t(), 1.0, false, true);
+        product(&mut tall, 8, Mat::rows(&av, m, k), Mat::rows(&wv[..8 * k], 8, k).t(), 1.0, false, true);
         for i in 0..m {
             assert_eq!(tall[i * 8..(i + 1) * 8], whole[i * n..i * n + 8]);
         }

@@ -27,11 +27,12 @@ pub trait Scalar: Copy + Default + Send + Sync + 'static + sealed::Sealed {
     /// 1.
     const ONE: Self;
 
-    /// Runs `dst = beta·a·b + (dst if accumulate)` on a kernel of wick's own and returns true
-    /// where one applies (f32 operands both along the depth, few rows: `along_k_f32`); false
-    /// leaves the product to the `gemm` crate. The shapes were checked.
+    /// Runs `dst = beta·a·b + (dst if accumulate)` (rows `dst_row` apart) on a kernel of wick's
+    /// own and returns true where one applies (f32 operands both along the depth, few rows:
+    /// `along_k_f32`); false leaves the product to the `gemm` crate. The shapes were checked.
     fn own_kernel(
         dst: &mut [Self],
+        dst_row: usize,
         a: Mat<'_, Self>,
         b: Mat<'_, Self>,
         beta: Self,
@@ -45,6 +46,7 @@ impl Scalar for f32 {
 
     fn own_kernel(
         dst: &mut [f32],
+        dst_row: usize,
         a: Mat<'_, f32>,
         b: Mat<'_, f32>,
         beta: f32,
@@ -54,7 +56,7 @@ impl Scalar for f32 {
         if !along_k_f32::applies(&a, &b) || gemm_crate_only() {
             return false;
         }
-        along_k_f32::product(dst, a, b, beta, accumulate, parallel);
+        along_k_f32::product(dst, dst_row, a, b, beta, accumulate, parallel);
         true
     }
 }
@@ -69,7 +71,7 @@ fn gemm_crate_only() -> bool {
 impl Scalar for f64 {
     const ONE: f64 = 1.0;
 
-    fn own_kernel(_: &mut [f64], _: Mat<'_, f64>, _: Mat<'_, f64>, _: f64, _: bool, _: bool) -> bool {
+    fn own_kernel(_: &mut [f64], _: usize, _: Mat<'_, f64>, _: Mat<'_, f64>, _: f64, _: bool, _: bool) -> bool {
         false
     }
 }
@@ -90,17 +92,48 @@ pub fn gemm<T: Scalar>(
     accumulate: bool,
     parallel: bool,
 ) -> Result<(), KernelError> {
-    let Some((m, k, n)) = blocking::product_dims("wick gemm", &a, &b, dst, accumulate)? else {
+    gemm_rows_apart(dst, b.cols, a, b, beta, accumulate, parallel)
+}
+
+/// [`gemm`] into a destination whose rows lie `dst_row ≥ n` elements apart: element (i, j) at
+/// `i·dst_row + j`, the elements between rows untouched. Products side by side in one matrix
+/// (Q, K and V from their three weights) write their columns of it in place, each from
+/// `&mut dst[first column..]`.
+pub fn gemm_rows_apart<T: Scalar>(
+    dst: &mut [T],
+    dst_row: usize,
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    beta: T,
+    accumulate: bool,
+    parallel: bool,
+) -> Result<(), KernelError> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    // Elements from the destination's first to past its last: m rows dst_row apart, n the last.
+    let extent = if m == 0 || n == 0 { Some(0) } else { (m - 1).checked_mul(dst_row).and_then(|e| e.checked_add(n)) };
+    if dst_row < n || b.rows != k || !a.fits() || !b.fits() || extent.is_none_or(|e| e > dst.len()) {
+        return Err(KernelError {
+            kernel: "wick gemm",
+            message: format!("({m}×{k})·({}×{n}) into {} elements, rows {dst_row} apart", b.rows, dst.len()),
+        });
+    }
+    if m == 0 || n == 0 {
         return Ok(());
-    };
-    if T::own_kernel(dst, a, b, beta, accumulate, parallel) {
+    }
+    if k == 0 {
+        if !accumulate {
+            dst.chunks_mut(dst_row).take(m).for_each(|row| row[..n].fill(T::default()));
+        }
+        return Ok(());
+    }
+    if T::own_kernel(dst, dst_row, a, b, beta, accumulate, parallel) {
         return Ok(());
     }
     let threads = if parallel { rayon::current_num_threads() } else { 1 };
     if threads < 2 {
-        // SAFETY: every element of `a`, `b` and the m×n row-major destination lies inside its
-        // slice (checked above), and `dst` does not alias the inputs (a `&mut` borrow).
-        unsafe { staged::product(dst.as_mut_ptr(), n, (m, k, n), a, b, 0, beta, accumulate) };
+        // SAFETY: every element of `a`, `b` and the m rows of n elements dst_row apart lies
+        // inside its slice (checked above), and `dst` does not alias the inputs (a `&mut` borrow).
+        unsafe { staged::product(dst.as_mut_ptr(), dst_row, (m, k, n), a, b, 0, beta, accumulate) };
         return Ok(());
     }
     if n < SPLIT_COLUMNS * threads {
@@ -109,7 +142,7 @@ pub fn gemm<T: Scalar>(
         unsafe {
             crate_product(
                 dst.as_mut_ptr(),
-                n,
+                dst_row,
                 (m, k, n),
                 a,
                 b,
@@ -127,7 +160,7 @@ pub fn gemm<T: Scalar>(
     // 76 and 96 at 1024 tokens; `cargo bench -p wick-kernels --bench f32_products`, and
     // BENCHMARKS.md "Transformer inference (issue 50)" for whole models).
     let chunk = n.div_ceil(threads).div_ceil(16) * 16;
-    let out = crate::cpu::SharedMut::new(&mut dst[..m * n]);
+    let out = crate::cpu::SharedMut::new(dst);
     let out = &out;
     rayon::scope(|s| {
         for j0 in (0..n).step_by(chunk) {
@@ -135,7 +168,7 @@ pub fn gemm<T: Scalar>(
             s.spawn(move |_| {
                 // SAFETY: columns j0..j0 + cols of every row of the checked destination and of
                 // `b`, written by this task only (the tasks' column ranges are disjoint).
-                unsafe { staged::product(out.ptr_at(j0), n, (m, k, cols), a, b, j0, beta, accumulate) }
+                unsafe { staged::product(out.ptr_at(j0), dst_row, (m, k, cols), a, b, j0, beta, accumulate) }
             });
         }
     });
@@ -251,6 +284,39 @@ mod tests {
             // f32 sums of 1030 terms of size ≤ 1: within 1e-3 of the f64 truth.
             assert!(out.iter().zip(&expected).all(|(x, y)| (*x as f64 - y).abs() < 1e-3));
         }
+    }
+
+    /// Products written side by side into one destination (rows wider than each) equal the
+    /// product of the stacked operands, and leave the elements between rows as they were; the
+    /// own kernel's, the staged and the crate's paths alike.
+    #[test]
+    fn products_side_by_side_match_one_product() {
+        for (m, k, parts) in [(5, 200, [30, 7]), (90, 300, [150, 40]), (70, 20, [9, 3])] {
+            let n: usize = parts.iter().sum();
+            let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
+            let mut whole = vec![0f32; m * n];
+            gemm(&mut whole, Mat::rows(&x, m, k), Mat::rows(&w, n, k).t(), 1.0, false, true).unwrap();
+            // Rows n + 3 apart: three untouched elements after each.
+            let row = n + 3;
+            let mut side = vec![-7f32; m * row];
+            let mut j0 = 0;
+            for p in parts {
+                let wp = Mat::rows(&w[j0 * k..(j0 + p) * k], p, k).t();
+                gemm_rows_apart(&mut side[j0..], row, Mat::rows(&x, m, k), wp, 1.0, false, true).unwrap();
+                j0 += p;
+            }
+            for i in 0..m {
+                let (got, want) = (&side[i * row..i * row + n], &whole[i * n..(i + 1) * n]);
+                assert!(got.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-4 * (1.0 + b.abs())), "row {i}");
+                assert!(side[i * row + n..(i + 1) * row].iter().all(|&v| v == -7.0));
+            }
+        }
+        let (a, mut out) = (vec![0f32; 6], vec![0f32; 8]);
+        // Rows closer than a row's length, or a last row past the end.
+        assert!(gemm_rows_apart(&mut out, 1, Mat::rows(&a, 2, 3), Mat::rows(&a, 3, 2), 1.0, false, false).is_err());
+        assert!(gemm_rows_apart(&mut out, 7, Mat::rows(&a, 2, 3), Mat::rows(&a, 3, 2), 1.0, false, false).is_err());
+        assert!(gemm_rows_apart(&mut out, 6, Mat::rows(&a, 2, 3), Mat::rows(&a, 3, 2), 1.0, false, false).is_ok());
     }
 
     #[test]

@@ -99,7 +99,7 @@ mod tests {
         assert_eq!(stride::<f64>(512), 520);
         for k in 1..5000 {
             let s = stride::<f32>(k);
-            assert!(s >= k && s % 16 == 0 && (s * 4) % 1024 != 0, "{k} → {s}");
+            assert!(s >= k && s.is_multiple_of(16) && !(s * 4).is_multiple_of(1024), "{k} → {s}");
         }
     }
 }
