@@ -172,24 +172,70 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
     }
 }
 
+/// True when `inputs` (the first one the op's input) want no gradient — inside
+/// [`crate::no_grad`], or none tracked — and lie on the CPU in f32 or f64, all of one dtype: the
+/// fused inference forms of the linear layers below apply.
+fn cpu_inference(inputs: &[&Tensor]) -> bool {
+    let Some(first) = inputs.first() else { return false };
+    let no_grad_wanted = !crate::grad_enabled() || !inputs.iter().any(|t| t.track_op());
+    no_grad_wanted
+        && cpu::serves(first)
+        && matches!(first.dtype(), DType::F32 | DType::F64)
+        && inputs.iter().all(|t| t.dtype() == first.dtype())
+}
+
 /// [`linear`] of `x` and the weights stacked (`[W₀; W₁; …]`, their biases likewise): Q, K and V,
 /// or a gate and its up projection, as one projection that the model keeps as separate
-/// parameters. With no gradient wanted (inside [`crate::no_grad`], or no input tracked) on the
-/// CPU in f32 or f64, each weight's product is written into its columns of the output in place;
-/// otherwise the weights are stacked (a copy of them all) and passed to [`linear`], whose node
-/// gives each its gradient through the stacking.
+/// parameters. With no gradient wanted on the CPU in f32 or f64 (see [`linear_gelu`]), each
+/// weight's product is written into its columns of the output in place; otherwise the weights
+/// are stacked (a copy of them all) and passed to [`linear`], whose node gives each its gradient
+/// through the stacking.
 pub fn linear_stacked(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]>) -> Result<Tensor> {
-    let inputs = || std::iter::once(x).chain(weights.iter().copied()).chain(biases.unwrap_or(&[]).iter().copied());
-    let no_grad_wanted = !crate::grad_enabled() || !inputs().any(|t| t.track_op());
-    if no_grad_wanted
-        && cpu::serves(x)
-        && matches!(x.dtype(), DType::F32 | DType::F64)
-        && inputs().all(|t| t.dtype() == x.dtype())
-    {
+    let mut inputs = vec![x];
+    inputs.extend(weights.iter().copied().chain(biases.unwrap_or(&[]).iter().copied()));
+    if cpu_inference(&inputs) {
         return cpu::linear::linear_stacked(x, weights, biases);
     }
     let bias = biases.map(|b| Tensor::cat(b, 0)).transpose()?;
     linear(x, &Tensor::cat(weights, 0)?, bias.as_ref())
+}
+
+/// `gelu(linear(x, weight, bias))`, a transformer's feed-forward expansion. With no gradient
+/// wanted (inside [`crate::no_grad`], or no input tracked) on the CPU in f32 or f64 every
+/// operand of one dtype, GELU is applied as each row of the product is finished (one pass, no
+/// intermediate tensor), equal to the two ops' output bit for bit; otherwise the two ops.
+pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    if cpu_inference(&[x, weight, bias]) {
+        return cpu::epilogue::linear_then(x, weight, Some(bias), cpu::epilogue::Then::Gelu);
+    }
+    gelu(&linear(x, weight, Some(bias))?)
+}
+
+/// `add(linear(x, weight, bias), residual)`, a pre-norm block's projection back onto its
+/// residual stream (`residual` has the output's shape); fused for inference as [`linear_gelu`].
+pub fn linear_add(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, residual: &Tensor) -> Result<Tensor> {
+    let mut inputs = vec![x, weight, residual];
+    inputs.extend(bias);
+    if cpu_inference(&inputs) {
+        return cpu::epilogue::linear_then(x, weight, bias, cpu::epilogue::Then::Add(residual));
+    }
+    add(&linear(x, weight, bias)?, residual)
+}
+
+/// `layer_norm(add(linear(x, weight, bias), residual), norm_weight, norm_bias, eps)`, the end of
+/// a post-norm block (BERT's); fused for inference as [`linear_gelu`].
+pub fn linear_add_layer_norm(
+    x: &Tensor,
+    (weight, bias): (&Tensor, &Tensor),
+    residual: &Tensor,
+    (norm_weight, norm_bias): (&Tensor, &Tensor),
+    eps: f64,
+) -> Result<Tensor> {
+    if cpu_inference(&[x, weight, bias, residual, norm_weight, norm_bias]) {
+        let then = cpu::epilogue::Then::AddLayerNorm { residual, weight: norm_weight, bias: norm_bias, eps };
+        return cpu::epilogue::linear_then(x, weight, Some(bias), then);
+    }
+    layer_norm(&add(&linear(x, weight, Some(bias))?, residual)?, norm_weight, norm_bias, eps)
 }
 
 /// Layer normalisation over the last dimension with an affine transform, composed from

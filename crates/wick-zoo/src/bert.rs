@@ -187,14 +187,13 @@ fn param_dtype(name: &str, dtype: DType) -> DType {
 
 /// One post-norm encoder layer; `w` holds the parameters in [`layer_shapes`] order.
 fn encoder_layer(x: &Tensor, w: &[Tensor], bias: &Tensor, heads: usize, eps: f64) -> candle_core::Result<Tensor> {
-    let linear = |t: &Tensor, i: usize| ops::linear(t, &w[i], Some(&w[i + 1]));
     // Q, K and V as one projection: the hidden states feed one op instead of three, so backward
     // sums no three gradients for them, and attention reads the packed result in place.
     let qkv = ops::linear_stacked(x, &[&w[0], &w[2], &w[4]], Some(&[&w[1], &w[3], &w[5]]))?;
     let ctx = ops::attention_packed(&qkv, heads, Some(bias))?;
-    let x = ops::layer_norm(&ops::add(&linear(&ctx, 6)?, x)?, &w[8], &w[9], eps)?;
-    let inter = ops::gelu(&linear(&x, 10)?)?;
-    ops::layer_norm(&ops::add(&linear(&inter, 12)?, &x)?, &w[14], &w[15], eps)
+    let x = ops::linear_add_layer_norm(&ctx, (&w[6], &w[7]), x, (&w[8], &w[9]), eps)?;
+    let inter = ops::linear_gelu(&x, &w[10], &w[11])?;
+    ops::linear_add_layer_norm(&inter, (&w[12], &w[13]), &x, (&w[14], &w[15]), eps)
 }
 
 /// (name suffix, shape) of every parameter of one encoder layer.

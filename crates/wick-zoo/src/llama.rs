@@ -39,16 +39,15 @@ fn decoder_layer(
     mask: &Tensor,
 ) -> candle_core::Result<Tensor> {
     let heads = c.num_heads;
-    let proj = |t: &Tensor, m: &Tensor| ops::linear(t, m, None);
     let h = ops::rms_norm(x, &w[0], c.rms_eps)?;
     // q, k and v from one projection, rotated and attended in place.
     let qkv = ops::linear_stacked(&h, &[&w[1], &w[2], &w[3]], None)?;
     let attn = ops::attention_packed(&ops::rope_packed(&qkv, heads, cos, sin)?, heads, Some(mask))?;
-    let x = ops::add(x, &proj(&attn, &w[4])?)?;
+    let x = ops::linear_add(&attn, &w[4], None, x)?;
     let h = ops::rms_norm(&x, &w[5], c.rms_eps)?;
     // Gate and up from one projection.
     let gated = ops::silu_mul_packed(&ops::linear_stacked(&h, &[&w[6], &w[7]], None)?)?;
-    ops::add(&x, &proj(&gated, &w[8])?)
+    ops::linear_add(&gated, &w[8], None, &x)
 }
 
 /// Architecture of the decoder.

@@ -34,10 +34,10 @@ fn encoder_layer(z: &Tensor, w: &[Tensor], heads: usize) -> candle_core::Result<
     let linear = |x: &Tensor, i: usize| ops::linear(x, &w[i], Some(&w[i + 1]));
     let y = ops::layer_norm(z, &w[0], &w[1], 1e-6)?;
     let attn = ops::attention_packed(&linear(&y, 2)?, heads, None)?;
-    let z = ops::add(z, &linear(&attn, 4)?)?;
+    let z = ops::linear_add(&attn, &w[4], Some(&w[5]), z)?;
     let y = ops::layer_norm(&z, &w[6], &w[7], 1e-6)?;
-    let y = ops::gelu(&linear(&y, 8)?)?;
-    ops::add(&z, &linear(&y, 10)?)
+    let y = ops::linear_gelu(&y, &w[8], &w[9])?;
+    ops::linear_add(&y, &w[10], Some(&w[11]), &z)
 }
 
 /// Architecture.

@@ -62,6 +62,12 @@ pointwise!(
     /// GELU, erf form: `x·Φ(x)`.
     GeluF, 1, |[v]| (T::erf_(v * T::of(FRAC_1_SQRT_2)) + T::one()) * T::of(0.5) * v
 );
+/// GELU (erf form) of one value, as [`gelu`] computes each (the fused inference epilogues').
+#[inline(always)]
+pub(super) fn gelu_at<T: Real>(v: T) -> T {
+    GeluF.at([v])
+}
+
 pointwise!(
     /// GELU's gradient at `v` times `g`.
     GeluGrad, 2, |[v, g]| {

@@ -22,7 +22,9 @@
 //! - `pool`: max pooling (the first maximum of a window, as PyTorch) and global average pooling;
 //! - `act`: ReLU/ReLU6 with PyTorch's gradient at the kinks, a residual `relu(a + b)`, GELU,
 //!   SiLU·mul;
-//! - `linear`: `x·Wᵀ + b` as one 2-D gemm over all rows;
+//! - `linear`: `x·Wᵀ + b` as one 2-D gemm over all rows (and, for inference, the products of
+//!   separate weights into their columns of one output); `epilogue`: for inference, the
+//!   product finished with GELU, a residual, or a residual and layer norm in one pass;
 //! - `attention`: scaled dot-product attention that keeps q, k, v and one log-sum-exp per row
 //!   (backward recomputes the scores; never an s×s tensor kept) and rotary embeddings;
 //! - `loss`: cross-entropy and embedding lookups with f32 gradient sums;
@@ -96,6 +98,7 @@ pub(crate) mod attention;
 pub(crate) mod conv;
 pub(crate) mod depthwise;
 pub mod elem;
+pub(crate) mod epilogue;
 mod gemm;
 pub(crate) mod linear;
 pub(crate) mod loss;

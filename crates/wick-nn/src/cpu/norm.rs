@@ -452,25 +452,37 @@ wide_kernel! {
         let (out, st) = (SharedMut::new(&mut y), SharedMut::new(&mut stats));
         par_ranges(rows, 16, |r| {
             for row in r {
-                let xr = &x[row * d..(row + 1) * d];
-                let mean = if rms { 0.0 } else { sum::<T, E>(xr) / d as f64 };
-                let var = sum_sq_dev::<T, E>(xr, mean) / d as f64;
-                let inv = 1.0 / (var + eps).sqrt();
                 // SAFETY: one row per index.
-                unsafe { st.range(row, 1)[0] = (mean, inv) };
-                let (m, i) = (T::of(mean), T::of(inv));
-                // SAFETY: as above.
-                let dst = unsafe { out.range(row * d, d) };
-                match b {
-                    Some(b) => {
-                        dst.iter_mut().enumerate().for_each(|(j, o)| *o = E::store((xr[j].load() - m) * i * w[j] + b[j]))
-                    }
-                    None => dst.iter_mut().enumerate().for_each(|(j, o)| *o = E::store(xr[j].load() * i * w[j])),
-                }
+                let (dst, stat) = unsafe { (out.range(row * d, d), st.range(row, 1)) };
+                stat[0] = norm_row::<T, E>(&x[row * d..(row + 1) * d], dst, w, b, rms, eps);
             }
         });
         (y, stats)
     }
+}
+
+/// Layer norm (with `b`; RMS norm with `rms`) of the row `xr` into `dst`: its (mean, inverse
+/// deviation). One row of [`row_norm_forward`], and of the fused inference epilogues after a
+/// linear layer (`super::epilogue`), which so give the separate ops' outputs bit for bit.
+#[inline(always)]
+pub(super) fn norm_row<T: Real, E: Elem<T>>(
+    xr: &[E],
+    dst: &mut [E],
+    w: &[T],
+    b: Option<&[T]>,
+    rms: bool,
+    eps: f64,
+) -> (f64, f64) {
+    let d = xr.len();
+    let mean = if rms { 0.0 } else { sum::<T, E>(xr) / d as f64 };
+    let var = sum_sq_dev::<T, E>(xr, mean) / d as f64;
+    let inv = 1.0 / (var + eps).sqrt();
+    let (m, i) = (T::of(mean), T::of(inv));
+    match b {
+        Some(b) => dst.iter_mut().enumerate().for_each(|(j, o)| *o = E::store((xr[j].load() - m) * i * w[j] + b[j])),
+        None => dst.iter_mut().enumerate().for_each(|(j, o)| *o = E::store(xr[j].load() * i * w[j])),
+    }
+    (mean, inv)
 }
 
 wide_kernel! {

@@ -4,6 +4,7 @@
 //! crate's. Child modules of `cpu`, so the kernels need not be public to be tested.
 
 mod bf16;
+mod linear;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 
@@ -93,49 +94,6 @@ fn linear_matches_matmul_plus_bias() {
     check("linear", &[x.clone(), w.clone(), b], |t| cpu::linear::linear(&t[0], &t[1], Some(&t[2])), oracle);
     let oracle = |t: &[Tensor]| t[0].broadcast_matmul(&t[1].t()?);
     check("linear without bias", &[x, w], |t| cpu::linear::linear(&t[0], &t[1], None), oracle);
-}
-
-/// Separate weights as one projection: with gradients through the stacked weights, as the
-/// product of the stacked matrix; with none wanted, each product in its columns in place (the
-/// own kernel's few rows, the staged copies' many, split columns), against f64 in f32 and f64.
-#[test]
-fn stacked_linear_matches_the_stacked_weights() -> Result<()> {
-    let (x, ws, bs) = (randn(&[2, 3, 6], 4), [randn(&[4, 6], 5), randn(&[2, 6], 6)], [randn(&[4], 7), randn(&[2], 8)]);
-    let oracle = |t: &[Tensor]| {
-        let w = Tensor::cat(&[&t[1], &t[2]], 0)?;
-        t[0].broadcast_matmul(&w.t()?)?.broadcast_add(&Tensor::cat(&[&t[3], &t[4]], 0)?)
-    };
-    let inputs = [x, ws[0].clone(), ws[1].clone(), bs[0].clone(), bs[1].clone()];
-    check("linear_stacked", &inputs, |t| ops::linear_stacked(&t[0], &[&t[1], &t[2]], Some(&[&t[3], &t[4]])), oracle);
-    for (rows, k, outs) in [(40, 300, [50, 20, 70]), (150, 300, [200, 60, 90]), (150, 64, [30, 5, 9])] {
-        let x = randn(&[rows, k], 9);
-        let ws: Vec<Tensor> = outs.iter().enumerate().map(|(i, &o)| randn(&[o, k], 10 + i as u64)).collect();
-        let bs: Vec<Tensor> = outs.iter().enumerate().map(|(i, &o)| randn(&[o], 20 + i as u64)).collect();
-        let truth = values(&x.matmul(&Tensor::cat(&ws, 0)?.t()?)?.broadcast_add(&Tensor::cat(&bs, 0)?)?);
-        for dtype in [DType::F64, DType::F32] {
-            let cast = |ts: &[Tensor]| ts.iter().map(|t| t.to_dtype(dtype)).collect::<Result<Vec<_>>>();
-            let (ws, bs) = (cast(&ws)?, cast(&bs)?);
-            let y = crate::no_grad(|| {
-                ops::linear_stacked(
-                    &x.to_dtype(dtype)?,
-                    &ws.iter().collect::<Vec<_>>(),
-                    Some(&bs.iter().collect::<Vec<_>>()),
-                )
-            })?;
-            assert_eq!(y.dims(), &[rows, outs.iter().sum::<usize>()]);
-            let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
-            let diff = max_rel_diff(&values(&y), &truth);
-            assert!(diff < tol, "{rows} × {k} → {outs:?} in {dtype:?}: {diff:e}");
-        }
-    }
-    // Shapes that do not fit are errors.
-    let (x, w) = (randn(&[3, 6], 1), randn(&[4, 6], 2));
-    crate::no_grad(|| {
-        assert!(ops::linear_stacked(&x, &[&w, &randn(&[4, 5], 3)], None).is_err());
-        assert!(ops::linear_stacked(&x, &[&w, &w], Some(&[&randn(&[4], 3)])).is_err());
-        assert!(ops::linear_stacked(&x, &[&w, &w], Some(&[&randn(&[4], 3), &randn(&[3], 4)])).is_err());
-    });
-    Ok(())
 }
 
 #[test]
