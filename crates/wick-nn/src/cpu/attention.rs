@@ -136,6 +136,32 @@ impl<T: Real> Target<'_, T> {
     }
 }
 
+wide_kernel! {
+    /// Each `sk`-long row of `s` replaced by its softmax, and its log-sum-exp into `lse`
+    /// (compiled for the CPU's vector width: the exponentials are most of attention's forward
+    /// outside its products).
+    fn softmax_rows<T>(s: &mut [T], sk: usize, lse: &mut [f64]) {
+        for (row, l) in s.chunks_mut(sk).zip(lse.iter_mut()) {
+            let max = row.iter().fold(T::neg_infinity(), |m, v| m.max(*v));
+            row.iter_mut().for_each(|v| *v = T::exp_(*v - max));
+            let sum = sum::<T, T>(row);
+            let inv = T::of(1.0 / sum);
+            row.iter_mut().for_each(|v| *v = *v * inv);
+            *l = T::wide(max) + sum.ln();
+        }
+    }
+}
+
+wide_kernel! {
+    /// Each `sk`-long row of scores `p` replaced by `exp(p − lse)`, its probabilities again.
+    fn probabilities<T>(p: &mut [T], sk: usize, lse: &[f64]) {
+        for (row, l) in p.chunks_mut(sk).zip(lse) {
+            let l = T::of(*l);
+            row.iter_mut().for_each(|v| *v = T::exp_(*v - l));
+        }
+    }
+}
+
 /// The layouts of q, k, v and the output.
 type Layouts = [Heads; 4];
 
@@ -183,15 +209,7 @@ impl Attention {
                 let mut run = || -> Result<()> {
                     self.scores(q, k, lay, bh, h, (sq, sk, d), &mut s)?;
                     // SAFETY: one head's rows per index.
-                    let l = unsafe { sl.range(bh * sq, sq) };
-                    for (i, row) in s.chunks_mut(sk).enumerate() {
-                        let max = row.iter().fold(T::neg_infinity(), |m, v| m.max(*v));
-                        row.iter_mut().for_each(|v| *v = T::exp_(*v - max));
-                        let sum = sum::<T, T>(row);
-                        let inv = T::of(1.0 / sum);
-                        row.iter_mut().for_each(|v| *v = *v * inv);
-                        l[i] = T::wide(max) + sum.ln();
-                    }
+                    softmax_rows::<T>(&mut s, sk, unsafe { sl.range(bh * sq, sq) });
                     let vm = lay[2].mat(v, bh, h, sk, d)?;
                     // SAFETY: one head per index.
                     unsafe { target.put(bh, h, (sq, d), &mut scratch, Mat::rows(&s, sq, sk), vm, T::one()) }
@@ -228,10 +246,7 @@ impl Attention {
                 let mut run = || -> Result<()> {
                     // P = exp(S − lse), recomputed.
                     self.scores(q, k, lay, bh, h, (sq, sk, d), &mut p)?;
-                    for (i, row) in p.chunks_mut(sk).enumerate() {
-                        let l = T::of(lse[bh * sq + i]);
-                        row.iter_mut().for_each(|v| *v = T::exp_(*v - l));
-                    }
+                    probabilities::<T>(&mut p, sk, &lse[bh * sq..(bh + 1) * sq]);
                     let gm = lay[3].mat(go, bh, h, sq, d)?;
                     // SAFETY: one head per index (each thread its own heads).
                     unsafe { dv.put(bh, h, (sk, d), &mut scratch, Mat::rows(&p, sq, sk).t(), gm, T::one())? };

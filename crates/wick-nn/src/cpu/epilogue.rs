@@ -33,7 +33,13 @@ pub(crate) enum Then<'a> {
 
 /// `then(x·Wᵀ + b)` for f32 or f64 `x` and every operand of its dtype, no graph recorded.
 pub(crate) fn linear_then(x: &Tensor, w: &Tensor, b: Option<&Tensor>, then: Then<'_>) -> Result<Tensor> {
-    by_real!(x.dtype(), T => run::<T>(x, w, b, then))
+    let name = match then {
+        Then::Gelu => "linear_gelu",
+        Then::Add(_) => "linear_add",
+        Then::AddLayerNorm { .. } => "linear_add_layer_norm",
+    };
+    let shapes = || format!("{:?} · {:?}", x.dims(), w.dims());
+    super::profile::time(name, "forward", shapes, || by_real!(x.dtype(), T => run::<T>(x, w, b, then)))
 }
 
 /// The elements of `t` (contiguous) in compute type `T`, owned.
@@ -68,6 +74,7 @@ fn run<T: Real + Elem<T>>(x: &Tensor, w: &Tensor, b: Option<&Tensor>, then: Then
         }
     };
     let bias = b.map(|b| vector(b, "bias")).transpose()?;
+    super::ask_for_output::<T>(len)?;
     let mut y = vec![T::zero(); len];
     with::<T, _>(x, |xs| {
         with::<T, _>(w, |ws| gemm(&mut y, Mat::rows(xs, m, k), Mat::rows(ws, n, k).t(), T::one(), false, true))

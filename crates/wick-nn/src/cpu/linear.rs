@@ -289,7 +289,13 @@ pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tens
 /// gradient (see [`crate::ops::linear_stacked`]): each weight's product written into its columns
 /// of the output in place, so that the weights are never copied into one stacked matrix.
 pub fn linear_stacked(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]>) -> Result<Tensor> {
-    by_real!(x.dtype(), T => stacked::<T>(x, weights, biases))
+    let shapes = || format!("{:?} · {:?}", x.dims(), weights.iter().map(|w| w.dims()).collect::<Vec<_>>());
+    super::profile::time(
+        "linear_stacked",
+        "forward",
+        shapes,
+        || by_real!(x.dtype(), T => stacked::<T>(x, weights, biases)),
+    )
 }
 
 fn stacked<T: Real>(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]>) -> Result<Tensor> {
@@ -306,6 +312,7 @@ fn stacked<T: Real>(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]>)
     let (Some(n), Some(len)) = (n, n.and_then(|n| n.checked_mul(m))) else {
         return Err(err(format!("linear: {outs:?} outputs of {m} rows overflow")));
     };
+    super::ask_for_output::<T>(len)?;
     let mut y = vec![T::zero(); len];
     with::<T, _>(x, |xs| {
         let mut j0 = 0;

@@ -334,6 +334,13 @@ pub fn tensor<T: Real>(values: Vec<T>, shape: impl Into<Shape>, dtype: DType) ->
     Ok(Tensor::from_storage(storage, shape, candle_core::op::BackpropOp::none(), false))
 }
 
+/// Asks the CPU allocation check (`wick_alloc_check`, as candle's own CPU buffers do) for an
+/// output of `len` elements of `T` that an op allocates outside candle: a refusal is an error
+/// instead of an abort when the host cannot give it.
+pub(crate) fn ask_for_output<T>(len: usize) -> Result<()> {
+    wick_alloc_check::check(len.checked_mul(std::mem::size_of::<T>())).map_err(candle_core::Error::Msg)
+}
+
 /// Applies a one-input op, recording it for backward unless inside [`no_grad`].
 pub(crate) fn apply1<C: candle_core::CustomOp1 + Send + Sync + 'static>(x: &Tensor, op: C) -> Result<Tensor> {
     let op = profile::Profiled(op);
