@@ -1,6 +1,7 @@
 //! f32 products at the transformers' linear-layer shapes (`y = x·Wᵀ`, x: m × k, W: n × k) on
 //! every thread of the pool, G multiply-adds a second: `wick_kernels::cpu::gemm::gemm` as the
-//! layers call it (the `gemm` crate, the destination's columns split between the threads). m is
+//! layers call it (the `gemm` crate, the destination's columns split between the threads, W's
+//! columns copied to it a block at a time; wick's own kernel up to 64 rows). m is
 //! the tokens of a batch: 128 (BERT, one sentence), 197 (ViT at 224², one image), 256 (the
 //! decoder's prefill, one sequence), 1 024 (eight sentences). The weights are read from memory,
 //! as in a model, not from a cache that one weight matrix timed again and again would stay in.
