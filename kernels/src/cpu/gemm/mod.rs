@@ -1,13 +1,14 @@
 //! Matrix products over slices, with the dimensions and strides checked against the slices
 //! before any pointer is formed: f32 and f64 through the `gemm` crate (the crate candle's CPU
 //! matmul uses, with its AVX-512 kernels; products of a few rows along the depth on wick's own,
-//! `along_k_f32`; `staged` copies a layer's weight to the crate a block at a time), bf16 × bf16 with f32 sums on CPUs with AVX512-BF16
-//! ([`bf16`], on AMX's tile unit where there is one). The modules form a tree: `blocking` (the
-//! matrix view and the bf16 blocking) is the leaf; `pack` and `amx` use it; `operand` (packed
-//! and row-wise operands) uses `blocking` and `pack`; `along_k` and `along_k_f32` (bf16 and f32
-//! products whose operands both lie along the depth, in place) use `blocking`; [`bf16`] uses
-//! them all and chooses the unit and the kernel. This module's [`gemm`] chooses among
-//! `along_k_f32`, `staged` and the crate called in place (`staged` calls back into it).
+//! `along_k_f32`; `staged` copies a layer's weight to the crate a block at a time), bf16 × bf16
+//! with f32 sums on CPUs with AVX512-BF16 ([`bf16`], on AMX's tile unit where there is one). The
+//! modules form a tree: `blocking` (the matrix view and the bf16 blocking) is the leaf; `pack`
+//! and `amx` use it; `operand` (packed and row-wise operands) uses `blocking` and `pack`;
+//! `along_k` and `along_k_f32` (bf16 and f32 products whose operands both lie along the depth, in
+//! place) use `blocking`; [`bf16`] uses them all and chooses the unit and the kernel. This
+//! module's [`gemm()`] chooses among `along_k_f32`, `staged` and the crate called in place
+//! (`staged` calls back into it).
 
 pub(crate) mod along_k;
 mod along_k_f32;
@@ -95,7 +96,7 @@ pub fn gemm<T: Scalar>(
     gemm_rows_apart(dst, b.cols, a, b, beta, accumulate, parallel)
 }
 
-/// [`gemm`] into a destination whose rows lie `dst_row ≥ n` elements apart: element (i, j) at
+/// [`gemm()`] into a destination whose rows lie `dst_row ≥ n` elements apart: element (i, j) at
 /// `i·dst_row + j`, the elements between rows untouched. Products side by side in one matrix
 /// (Q, K and V from their three weights) write their columns of it in place, each from
 /// `&mut dst[first column..]`.
