@@ -14,6 +14,7 @@ use candle_core::{Result, Tensor};
 
 use super::act::gelu_at;
 use super::elem::Elem;
+use super::linear::{dims, out_shape};
 use super::norm::norm_row;
 use super::{gemm, par_ranges, tensor, with, Mat, Real, SharedMut};
 
@@ -48,22 +49,12 @@ fn values<T: Real>(t: &Tensor) -> Result<Vec<T>> {
 }
 
 fn run<T: Real + Elem<T>>(x: &Tensor, w: &Tensor, b: Option<&Tensor>, then: Then<'_>) -> Result<Tensor> {
-    let k = x.dims().last().copied().unwrap_or(0);
-    let &[n, wk] = w.dims() else {
-        return Err(err(format!("linear: weight {:?} is not a matrix", w.shape())));
-    };
-    if wk != k || k == 0 {
-        return Err(err(format!("linear: input {:?} does not fit weight {:?}", x.shape(), w.shape())));
-    }
-    let m = x.elem_count() / k;
+    let (m, k, n) = dims(x.shape(), w.shape())?;
     let Some(len) = m.checked_mul(n) else {
         return Err(err(format!("linear: {m} rows of {n} outputs overflow")));
     };
-    let mut shape = x.dims().to_vec();
-    if let Some(last) = shape.last_mut() {
-        *last = n;
-    }
-    let fits = |t: &Tensor, what: &str| match t.dims() == shape.as_slice() {
+    let shape = out_shape(x.shape(), n);
+    let fits = |t: &Tensor, what: &str| match t.shape() == &shape {
         true => Ok(()),
         false => Err(err(format!("linear: {what} {:?} for an output of {shape:?}", t.shape()))),
     };

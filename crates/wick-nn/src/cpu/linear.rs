@@ -25,7 +25,7 @@ struct Linear;
 type Grads<T> = (Option<Vec<T>>, Vec<T>, Option<Vec<T>>);
 
 /// (rows, in, out) of `x` (…, in) times `w` (out, in).
-fn dims(x: &Shape, w: &Shape) -> Result<(usize, usize, usize)> {
+pub(super) fn dims(x: &Shape, w: &Shape) -> Result<(usize, usize, usize)> {
     let (Some(&k), &[out, wk]) = (x.dims().last(), w.dims()) else {
         return Err(err(format!("linear: input {x:?}, weight {w:?}")));
     };
@@ -83,11 +83,7 @@ impl Linear {
 
     /// `y` with x's shape but n columns.
     fn finish_storage(y: CpuStorage, lx: &Layout, n: usize) -> Result<(CpuStorage, Shape)> {
-        let mut shape = lx.shape().dims().to_vec();
-        if let Some(last) = shape.last_mut() {
-            *last = n;
-        }
-        Ok((y, Shape::from(shape)))
+        Ok((y, out_shape(lx.shape(), n)))
     }
 
     /// [`Linear::bwd`] for bf16 x, W and g with bf16 products (f32 sums, rounded once): dx and
@@ -224,6 +220,15 @@ impl CustomOp3 for Linear {
     }
 }
 
+/// The output's shape: `x`'s with `n` in its last dimension.
+pub(super) fn out_shape(x: &Shape, n: usize) -> Shape {
+    let mut shape = x.dims().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = n;
+    }
+    Shape::from(shape)
+}
+
 /// `b` added to every row of `y` (rows of `b.len()` elements).
 fn add_bias<T: Real>(y: &mut [T], b: &[T]) -> Result<()> {
     let n = b.len();
@@ -299,15 +304,10 @@ pub fn linear_stacked(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]
 }
 
 fn stacked<T: Real>(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]>) -> Result<Tensor> {
-    let k = x.dims().last().copied().unwrap_or(0);
-    let mut outs = Vec::with_capacity(weights.len());
-    for w in weights {
-        match w.dims() {
-            &[out, wk] if wk == k && k > 0 => outs.push(out),
-            _ => return Err(err(format!("linear: input {:?} does not fit weight {:?}", x.shape(), w.shape()))),
-        }
-    }
-    let m = x.elem_count() / k.max(1);
+    // (rows, in, out) against each weight: the same rows and depth for all.
+    let each = weights.iter().map(|w| dims(x.shape(), w.shape())).collect::<Result<Vec<_>>>()?;
+    let (m, k) = each.first().map_or((0, 0), |&(m, k, _)| (m, k));
+    let outs: Vec<usize> = each.iter().map(|&(_, _, out)| out).collect();
     let n = outs.iter().try_fold(0usize, |n, o| n.checked_add(*o));
     let (Some(n), Some(len)) = (n, n.and_then(|n| n.checked_mul(m))) else {
         return Err(err(format!("linear: {outs:?} outputs of {m} rows overflow")));
@@ -339,9 +339,5 @@ fn stacked<T: Real>(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]>)
         }
         add_bias(&mut y, &b)?;
     }
-    let mut shape = x.dims().to_vec();
-    if let Some(last) = shape.last_mut() {
-        *last = n;
-    }
-    tensor(y, shape, x.dtype())
+    tensor(y, out_shape(x.shape(), n), x.dtype())
 }

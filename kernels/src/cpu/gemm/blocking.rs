@@ -58,27 +58,31 @@ pub(crate) fn product_dims<T, D: Copy + Default>(
     dst: &mut [D],
     accumulate: bool,
 ) -> Result<Option<(usize, usize, usize)>, KernelError> {
-    product_dims_of(what, (a.rows, a.cols, a.fits()), b, dst, accumulate)
+    product_dims_of(what, (a.rows, a.cols, a.fits()), b, (dst, b.cols), accumulate)
 }
 
 /// [`product_dims`] for an `a` of `rows × cols` that lies inside its storage when `fits` (a
-/// packed operand, checked when it was packed).
+/// packed operand, checked when it was packed), into a destination whose rows lie `dst_row ≥ n`
+/// elements apart (`b.cols` for a row-major m × n one; the elements between rows untouched).
 pub(crate) fn product_dims_of<T, D: Copy + Default>(
     what: &'static str,
     (m, k, fits): (usize, usize, bool),
     b: &Mat<'_, T>,
-    dst: &mut [D],
+    (dst, dst_row): (&mut [D], usize),
     accumulate: bool,
 ) -> Result<Option<(usize, usize, usize)>, KernelError> {
     let (n, len) = (b.cols, dst.len());
-    if b.rows != k || !fits || !b.fits() || m.checked_mul(n).is_none_or(|mn| mn > len) {
+    // Elements from the destination's first to past its last: m rows dst_row apart, n the last.
+    let extent = if m == 0 || n == 0 { Some(0) } else { (m - 1).checked_mul(dst_row).and_then(|e| e.checked_add(n)) };
+    if b.rows != k || !fits || !b.fits() || dst_row < n || extent.is_none_or(|e| e > len) {
+        let apart = if dst_row == n { String::new() } else { format!(", rows {dst_row} apart") };
         return Err(KernelError {
             kernel: what,
-            message: format!("({m}×{k})·({}×{}) into {len} elements", b.rows, b.cols),
+            message: format!("({m}×{k})·({}×{}) into {len} elements{apart}", b.rows, b.cols),
         });
     }
-    if k == 0 && !accumulate {
-        dst[..m * n].fill(D::default());
+    if k == 0 && !accumulate && n > 0 {
+        dst.chunks_mut(dst_row).take(m).for_each(|row| row[..n].fill(D::default()));
     }
     Ok((m > 0 && n > 0 && k > 0).then_some((m, k, n)))
 }

@@ -109,24 +109,10 @@ pub fn gemm_rows_apart<T: Scalar>(
     accumulate: bool,
     parallel: bool,
 ) -> Result<(), KernelError> {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    // Elements from the destination's first to past its last: m rows dst_row apart, n the last.
-    let extent = if m == 0 || n == 0 { Some(0) } else { (m - 1).checked_mul(dst_row).and_then(|e| e.checked_add(n)) };
-    if dst_row < n || b.rows != k || !a.fits() || !b.fits() || extent.is_none_or(|e| e > dst.len()) {
-        return Err(KernelError {
-            kernel: "wick gemm",
-            message: format!("({m}×{k})·({}×{n}) into {} elements, rows {dst_row} apart", b.rows, dst.len()),
-        });
-    }
-    if m == 0 || n == 0 {
+    let dims = (a.rows, a.cols, a.fits());
+    let Some((m, k, n)) = blocking::product_dims_of("wick gemm", dims, &b, (&mut *dst, dst_row), accumulate)? else {
         return Ok(());
-    }
-    if k == 0 {
-        if !accumulate {
-            dst.chunks_mut(dst_row).take(m).for_each(|row| row[..n].fill(T::default()));
-        }
-        return Ok(());
-    }
+    };
     if T::own_kernel(dst, dst_row, a, b, beta, accumulate, parallel) {
         return Ok(());
     }

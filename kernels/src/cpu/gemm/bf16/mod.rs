@@ -248,7 +248,7 @@ fn packed_into<D: Dest>(
         let rows = Mat::rows(&a.rows, a.m, a.k);
         return gemm_into(dst, rows, b, beta, accumulate, parallel, true);
     }
-    if product_dims_of("wick bf16 gemm", (a.m, a.k, true), &b, dst, accumulate)?.is_none() {
+    if product_dims_of("wick bf16 gemm", (a.m, a.k, true), &b, (dst, b.cols), accumulate)?.is_none() {
         return Ok(());
     }
     products_in(dst, (Lhs::Packed(a), KMajor::cols_of(&b)), (b.rows, b.cols), a.tile, (beta, accumulate), parallel);
