@@ -1,6 +1,7 @@
 //! The vendored candle-core's bf16 addition (`vendor/candle-core.patch`: an AVX-512 path with
 //! the conversions inline) against `half`'s own addition, element by element and bit for bit:
 //! widen both to f32, add, round to nearest even — NaN, infinities, subnormals and ties included.
+//! And its backward hook (`Tensor::backward_with_hook`) against the plain backward.
 
 use candle_core::{Device, Tensor};
 use half::bf16;
@@ -46,4 +47,37 @@ fn bf16_addition_is_halfs_addition_bit_for_bit() {
             }
         }
     }
+}
+
+/// The fourth change: `backward_with_hook` calls the hook once per variable, with its gradient
+/// complete — the same as the plain backward's, even for a variable read by several ops — and
+/// reaches a variable only after every op that reads it (here `b`, read last in the forward
+/// pass, before `a`, which `b`'s op also depends on through `h`).
+#[test]
+fn the_backward_hook_sees_each_gradient_complete_once() {
+    use candle_core::backprop::GradStore;
+    use candle_core::{TensorId, Var};
+    let dev = Device::Cpu;
+    let a = Var::from_tensor(&Tensor::new(&[[1f32, -2.], [0.5, 3.]], &dev).unwrap()).unwrap();
+    let b = Var::from_tensor(&Tensor::new(&[[0.25f32, 1.], [-1., 2.]], &dev).unwrap()).unwrap();
+    let x = Tensor::new(&[[2f32, 1.], [-1., 0.5]], &dev).unwrap();
+    // `a` is read twice (a matmul and an element-wise product), `b` once, after both.
+    let h = x.matmul(a.as_tensor()).unwrap().tanh().unwrap();
+    let h = (h * a.as_tensor()).unwrap();
+    let loss = h.matmul(b.as_tensor()).unwrap().sqr().unwrap().sum_all().unwrap();
+    let plain = loss.backward().unwrap();
+    let mut seen: Vec<(TensorId, Vec<f32>)> = Vec::new();
+    let mut hook = |v: &Tensor, grads: &mut GradStore| {
+        let g = grads.remove(v).expect("a gradient when the hook is called");
+        seen.push((v.id(), g.flatten_all()?.to_vec1::<f32>()?));
+        Ok(())
+    };
+    let rest = loss.backward_with_hook(&mut hook).unwrap();
+    let order: Vec<TensorId> = seen.iter().map(|(id, _)| *id).collect();
+    assert_eq!(order, vec![b.id(), a.id()], "each variable once, `b` first");
+    for (var, (_, g)) in [&b, &a].into_iter().zip(&seen) {
+        let want = plain.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(g, &want, "the hook's gradient is the complete one");
+    }
+    assert!(rest.get(a.as_tensor()).is_none() && rest.get(b.as_tensor()).is_none(), "the hook took them");
 }

@@ -165,7 +165,20 @@ impl Checkpointing {
 
     /// Back-propagates `loss` and adds the checkpointed segments' parameter gradients.
     pub fn backward(&self, loss: &Tensor, params: &Params) -> Result<GradStore> {
-        let mut grads = loss.backward()?;
+        self.backward_with_hook(loss, params, &mut |_, _| Ok(()))
+    }
+
+    /// [`Checkpointing::backward`], calling `ready` as candle's `Tensor::backward_with_hook`
+    /// does for each variable of the outer graph (a segment's parameters are not on it: their
+    /// gradients come from the segments' own backward passes, and are in the store this
+    /// returns).
+    pub fn backward_with_hook(
+        &self,
+        loss: &Tensor,
+        params: &Params,
+        ready: &mut dyn FnMut(&Tensor, &mut GradStore) -> Result<()>,
+    ) -> Result<GradStore> {
+        let mut grads = loss.backward_with_hook(ready)?;
         let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
         for (_, var) in params.iter() {
             if let Some(g) = stash.remove(&var.id()) {

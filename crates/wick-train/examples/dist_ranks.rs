@@ -123,6 +123,8 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
         // two ranks' blocks under ZeRO).
         bucket_bytes: 16 << 10,
         first_bucket_bytes: 4 << 10,
+        // `WICK_DIST_OVERLAP=0`: every bucket reduced after backward.
+        overlap: env("WICK_DIST_OVERLAP", "1") == "1",
     };
     let distributed = world > 1 || zero > 0;
     // `WICK_DIST_JOIN=1`: the whole state first (and the resume into it), then joining the group;
@@ -198,6 +200,7 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
         "errors": errors,
         "optimizer_bytes": per_rank.to_vec1::<f64>()?,
         "reduce": trainer.last_reduce().map(|r| r.buckets),
+        "overlapped": trainer.last_reduce().map(|r| r.overlapped),
         "resumed": resumed,
         "resume_peaks": resume_peaks,
     }))
@@ -208,7 +211,7 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
 /// estimator's per-rank figure.
 fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     use wick::host_memory::{exact_heap, exact_peak, reset_exact_peak};
-    use wick_zoo::estimate::{estimate_per_rank, Mode, Ranks, Update};
+    use wick_zoo::estimate::{estimate_per_rank, Mode, Overlap, Ranks, Update};
     let world = group.world_size();
     let model_name = env("WICK_DIST_MODEL", "decoder");
     let amp = env("WICK_DIST_PRECISION", "f32") == "bf16";
@@ -238,13 +241,22 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
         zero > 0,
         world,
     );
-    let ranks = Ranks { ranks: world, zero_stage: zero, largest_bucket, blocks };
+    let overlap = env("WICK_DIST_OVERLAP", "1") == "1";
+    let (largest, total) = wick_train::dist::buckets::in_backward_bytes(
+        &model.params().iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
+        wick_train::dist::buckets::FIRST_BUCKET_BYTES,
+        wick_train::dist::buckets::BUCKET_BYTES,
+        zero > 0,
+        world,
+    );
+    let overlap_bytes = (overlap && zero < 3).then_some(Overlap { largest, total });
+    let ranks = Ranks { ranks: world, zero_stage: zero, largest_bucket, blocks, overlap: overlap_bytes };
     let estimate = estimate_per_rank(bytes, &profile, batch, Mode::TrainAdamW, amp, Update::InPlace, ranks);
     let options = TrainOptions { optimizer: common::adamw(1e-6), autocast, ..TrainOptions::default() };
     // How much the start holds at its peak (the whole state, or only this rank's shard).
     let before = exact_heap().map_or(0, |h| h.0);
     reset_exact_peak();
-    let parallel = DataParallelOptions { sharding: Sharding::from_stage(zero)?, ..Default::default() };
+    let parallel = DataParallelOptions { sharding: Sharding::from_stage(zero)?, overlap, ..Default::default() };
     let mut trainer = if world == 1 && zero == 0 {
         Trainer::new(model, serde_json::json!({}), None, options)?
     } else if env("WICK_DIST_JOIN", "0") == "1" {

@@ -168,3 +168,55 @@ fn zero3_steps_as_the_plain_trainer_for_every_zoo_family() {
         }
     }
 }
+
+/// The reduction started from inside backward (`overlap`, the default) and after it, at stages
+/// 0–2, with two micro-batches (the second's gradients added to the first's inside the hook),
+/// f32 and bf16 autocast: every step the plain trainer's, to the bit; with overlap some buckets
+/// start inside backward, without none does.
+#[test]
+fn an_overlapped_reduction_accumulates_as_the_plain_trainer() {
+    use wick_nn::Autocast;
+    let a = Tensor::new(&[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], &Device::Cpu).unwrap();
+    let b = Tensor::new(&[[3u32, 2, 2, 9, 11, 0], [7, 1, 5, 5, 8, 2]], &Device::Cpu).unwrap();
+    for (dtype, autocast) in [(DType::F32, Autocast::off()), (DType::BF16, Autocast::bf16())] {
+        let make = || {
+            let model = Llama::new(LlamaConfig::tiny(32), dtype, &Device::Cpu).unwrap();
+            let options = TrainOptions { autocast, ..TrainOptions::default() };
+            Trainer::new(model, serde_json::json!({"model": "tiny"}), None, options).unwrap()
+        };
+        let mut plain = make();
+        let mut runs = Vec::new();
+        for sharding in [Sharding::None, Sharding::OptimizerState, Sharding::Gradients] {
+            for overlap in [true, false] {
+                // Small buckets, so that the model spans several.
+                let options =
+                    DataParallelOptions { sharding, overlap, bucket_bytes: 8 << 10, first_bucket_bytes: 2 << 10 };
+                runs.push((sharding, overlap, make().data_parallel(ProcessGroup::single(), options).unwrap()));
+            }
+        }
+        let bits = |t: &Trainer<Llama>| -> Vec<u32> {
+            let mut out = Vec::new();
+            for (_, v) in t.gathered_parameters().unwrap() {
+                let v = v.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                out.extend(v.to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits));
+            }
+            out
+        };
+        for _ in 0..3 {
+            let loss = plain.train_step(&[a.clone(), b.clone()]).unwrap().loss;
+            for (sharding, overlap, t) in &mut runs {
+                let what = format!("{dtype:?} {sharding:?} overlap {overlap}");
+                assert_eq!(t.train_step(&[a.clone(), b.clone()]).unwrap().loss.to_bits(), loss.to_bits(), "{what}");
+                assert_eq!(bits(t), bits(&plain), "{what}");
+                let r = t.last_reduce().unwrap();
+                assert!(r.buckets > 2, "{what}: several buckets");
+                if *overlap {
+                    assert!(r.overlapped > 0 && r.overlapped < r.buckets, "{what}: {r:?}");
+                } else {
+                    assert_eq!(r.overlapped, 0, "{what}");
+                }
+                assert!(r.exposed_s >= 0.0 && (0.0..=1.0).contains(&r.hidden_fraction()), "{what}: {r:?}");
+            }
+        }
+    }
+}

@@ -87,13 +87,25 @@ fn two_ranks_equal_accumulation(model: &str, precision: &str) {
     assert_eq!(steps.len(), 3);
     assert!(steps.windows(2).all(|w| w[0] != w[1]), "the parameters move every step");
     let single: Vec<f64> = serde_json::from_value(alone["optimizer_bytes"].clone()).unwrap();
-    for zero in ["0", "1", "2"] {
+    for (zero, overlap) in [("0", "1"), ("0", "0"), ("1", "1"), ("2", "1"), ("2", "0")] {
         let mut vars = base.to_vec();
         vars.push(("WICK_DIST_ZERO", zero));
+        vars.push(("WICK_DIST_OVERLAP", overlap));
         let two = run(2, &vars).unwrap();
-        assert_eq!(two["losses"], alone["losses"], "{model} {precision} ZeRO-{zero}: losses");
-        assert_eq!(two["hashes"], alone["hashes"], "{model} {precision} ZeRO-{zero}: parameters");
-        assert!(two["reduce"].as_u64().unwrap() > 2, "several buckets");
+        let what = format!("{model} {precision} ZeRO-{zero}, overlap {overlap}");
+        assert_eq!(two["losses"], alone["losses"], "{what}: losses");
+        assert_eq!(two["hashes"], alone["hashes"], "{what}: parameters");
+        let buckets = two["reduce"].as_u64().unwrap();
+        assert!(buckets > 2, "several buckets");
+        // With overlap, the buckets of the parameters read first in the forward pass are
+        // started from inside backward (the last ones' wait for backward's end, through the
+        // embeddings' or the stem's gradient); without, none is.
+        let overlapped = two["overlapped"].as_u64().unwrap();
+        if overlap == "1" {
+            assert!(overlapped > 0 && overlapped <= buckets, "{what}: {overlapped} of {buckets} in backward");
+        } else {
+            assert_eq!(overlapped, 0, "{what}");
+        }
         let per_rank: Vec<f64> = serde_json::from_value(two["optimizer_bytes"].clone()).unwrap();
         let sum = [per_rank[0] + per_rank[2], per_rank[1] + per_rank[3]];
         if zero == "0" {
@@ -153,24 +165,31 @@ fn a_typed_oom_on_one_rank_stops_the_step_on_both() {
 
 /// Each rank's measured peak of one AdamW step (the caching heap's, plus what the run held at
 /// its start) beside the estimator's per-rank figure (`wick_zoo::estimate::estimate_per_rank`),
-/// plain and ZeRO-1/2/3, f32 and bf16 AMP: within ±5 % (measured: −0.7 … +0.7 % at stages
+/// plain and ZeRO-1/2/3, f32 and bf16 AMP: within ±5 % (measured: −0.5 … +4.8 % at stages
 /// 0–2; stage 3, profiled through `BlockRecorder` and measured over the whole heap, see below).
+/// Stages 0–2 are measured with the reduction overlapping backward (the default) and without;
+/// with it, the estimate adds a bucket in flight beside backward's activations, which on the
+/// ResNet does not meet backward's peak (and a stage-2 bucket reduced during backward leaves
+/// only its block, which the estimate does not count): up to +12 % there (measured +10.4 %),
+/// never under.
 ///
 /// And the start itself (`Trainer::new_data_parallel`): sharded, its peak stays below one
 /// process's masters and optimizer state — the shard plus a parameter's f32 value at a time —
 /// while the replicated start holds all of it (the test's own check that it measures).
 #[test]
 fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
+    let stages = [("0", "1"), ("0", "0"), ("1", "1"), ("1", "0"), ("2", "1"), ("2", "0"), ("3", "1")];
     for (model, precision) in [("decoder", "f32"), ("decoder", "bf16"), ("cnn", "f32"), ("cnn", "bf16")] {
-        for zero in ["0", "1", "2", "3"] {
+        for (zero, overlap) in stages {
             let vars = [
                 ("WICK_DIST_SCENARIO", "memory"),
                 ("WICK_DIST_MODEL", model),
                 ("WICK_DIST_PRECISION", precision),
                 ("WICK_DIST_ZERO", zero),
+                ("WICK_DIST_OVERLAP", overlap),
             ];
-            let dir =
-                std::env::temp_dir().join(format!("wick-memory-{}-{model}-{precision}-{zero}", std::process::id()));
+            let dir = std::env::temp_dir()
+                .join(format!("wick-memory-{}-{model}-{precision}-{zero}-{overlap}", std::process::id()));
             let ckpt = dir.display().to_string();
             let mut vars = vars.to_vec();
             if zero != "0" {
@@ -185,9 +204,11 @@ fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
                 // Stage 3 is held to its bound, never under (measured over the whole heap:
                 // +0.8 … +4.6 % here, +2.9 / +3.8 % at 58 M and 168 M parameters).
                 let low = if zero == "3" { 1.0 } else { 0.99 };
+                let high = if zero != "3" && overlap == "1" { 1.12 } else { 1.05 };
                 assert!(
-                    (low..=1.05).contains(&ratio),
-                    "{model} {precision} ZeRO-{zero} rank {rank}: estimate {estimate}, measured {measured}"
+                    (low..=high).contains(&ratio),
+                    "{model} {precision} ZeRO-{zero}, overlap {overlap}, rank {rank}: estimate {estimate}, measured \
+                     {measured}"
                 );
             }
             let n = |k: &str| v[k].as_u64().unwrap();

@@ -163,11 +163,24 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
+        self.backward_with_hook(&mut |_, _| Ok(()))
+    }
+
+    /// [`Tensor::backward`], calling `ready(var, grads)` once for each variable the tensor
+    /// depends on, as soon as its gradient is complete: the nodes are visited in topological
+    /// order, so a variable is reached after every op that reads it has been back-propagated.
+    /// `ready` may take the gradient out of `grads` (a data-parallel reduction starts from it
+    /// while the rest of backward runs); the call order is the same for the same graph.
+    pub fn backward_with_hook(
+        &self,
+        ready: &mut dyn FnMut(&Tensor, &mut GradStore) -> Result<()>,
+    ) -> Result<GradStore> {
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
         grads.insert(self, self.ones_like()?.contiguous()?);
         for node in sorted_nodes.iter() {
             if node.is_variable() {
+                ready(node, &mut grads)?;
                 continue;
             }
             let grad = grads

@@ -28,12 +28,12 @@
 //! dtype (for two ranks that equals candle's own low-precision addition: see
 //! [`super::ProcessGroup`]).
 
-use std::time::Instant;
-
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::error::DistError;
+use super::flight::{Flight, Unit};
+use super::pending::Collective;
 use super::{ProcessGroup, ReduceOp};
 
 /// PyTorch DDP's default bucket cap (`bucket_cap_mb=25`).
@@ -83,6 +83,31 @@ pub fn largest_buffer(vars: &[Var], first: usize, cap: usize, sharded: bool, wor
         .unwrap_or(0)
 }
 
+/// f32 bytes of the units a reduction with overlap may start from inside backward (every unit
+/// but the last, see `flight`): (the largest, all of them) — what the estimator adds to
+/// backward's peak. Replicated, a bucket's packed gradients and each large f32 gradient are
+/// units of their own; sharded, a bucket padded to a multiple of the world size.
+pub fn in_backward_bytes(vars: &[Var], first: usize, cap: usize, sharded: bool, world: usize) -> (usize, usize) {
+    let elems: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+    let world = world.max(1);
+    let direct = |i: usize| !sharded && vars[i].dtype() == DType::F32 && elems[i] * 4 >= DIRECT_BYTES;
+    let mut units: Vec<usize> = Vec::new();
+    for bucket in assign_buckets(&elems, first, cap) {
+        let packed: usize = bucket.iter().filter(|&&i| !direct(i)).map(|&i| elems[i]).sum();
+        if sharded {
+            units.push(packed.div_ceil(world).max(1) * world);
+            continue;
+        }
+        if packed > 0 {
+            units.push(packed);
+        }
+        units.extend(bucket.iter().filter(|&&i| direct(i)).map(|&i| elems[i]));
+    }
+    units.pop();
+    let bytes = units.iter().map(|&u| u.saturating_mul(4));
+    (bytes.clone().max().unwrap_or(0), bytes.fold(0usize, |a, b| a.saturating_add(b)))
+}
+
 /// What the last reduction did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ReduceStats {
@@ -94,13 +119,42 @@ pub struct ReduceStats {
     pub comm_s: f64,
     /// Seconds copying gradients into buckets and back.
     pub pack_s: f64,
+    /// Buckets started from inside backward (the rest started after it).
+    pub overlapped: usize,
+    /// Seconds the buckets' collectives were in flight, start to completion, summed.
+    pub flight_s: f64,
+    /// Seconds waiting for a collective to complete (part of `comm_s`).
+    pub wait_s: f64,
+    /// Seconds from the end of backward until the last bucket was reduced: what the step
+    /// waited for the reduction beyond backward (packing what backward left, starting and
+    /// waiting).
+    pub exposed_s: f64,
+}
+
+impl ReduceStats {
+    /// Of the time the collectives were in flight, the share no rank sat waiting for them
+    /// (`1 − wait_s / flight_s`): 0 when every bucket was waited for from its start.
+    pub fn hidden_fraction(&self) -> f64 {
+        if self.flight_s > 0.0 {
+            (1.0 - self.wait_s / self.flight_s).clamp(0.0, 1.0)
+        } else {
+            0.0
+        }
+    }
 }
 
 /// Which of `vars` have a gradient on any rank (all-reduce MAX of the local presence): a
 /// parameter no rank computed stays without one, as in one process; one computed on some ranks
 /// only counts zeros for the others.
+#[cfg(feature = "nccl")]
 pub(crate) fn agreed_presence(group: &ProcessGroup, grads: &GradStore, vars: &[Var]) -> Result<Vec<bool>, DistError> {
-    let local: Vec<u8> = vars.iter().map(|v| grads.get(v.as_tensor()).is_some() as u8).collect();
+    let local: Vec<bool> = vars.iter().map(|v| grads.get(v.as_tensor()).is_some()).collect();
+    agree_presence(group, &local)
+}
+
+/// Which parameters have a gradient on any rank, from this rank's `local` presence.
+pub(crate) fn agree_presence(group: &ProcessGroup, local: &[bool]) -> Result<Vec<bool>, DistError> {
+    let local: Vec<u8> = local.iter().map(|&p| p as u8).collect();
     let mut any = vec![0u8; local.len()];
     group.comm().all_reduce(&local, &mut any, ReduceOp::Max)?;
     Ok(any.into_iter().map(|p| p != 0).collect())
@@ -169,87 +223,73 @@ impl GradBuckets {
         self.bytes
     }
 
+    /// The collectives of the replicated reduction, in order: each bucket's gradients packed
+    /// together, then each of its f32 gradients of [`DIRECT_BYTES`] or more on its own, from
+    /// its own storage.
+    pub(crate) fn units(&self, vars: &[Var]) -> Vec<Unit> {
+        let mut units = Vec::new();
+        for bucket in &self.plan {
+            let direct = |i: usize| vars[i].dtype() == DType::F32 && vars[i].elem_count() * 4 >= DIRECT_BYTES;
+            let (alone, packed): (Vec<usize>, Vec<usize>) = bucket.iter().partition(|&&i| direct(i));
+            if !packed.is_empty() {
+                let len = packed.iter().map(|&i| vars[i].elem_count()).sum();
+                units.push(Unit { members: packed, len, direct: false });
+            }
+            units.extend(alone.into_iter().map(|i| Unit { members: vec![i], len: vars[i].elem_count(), direct: true }));
+        }
+        units
+    }
+
+    /// A reduction of `vars`' gradients to start from inside backward ([`Flight::ready`]): each
+    /// unit's sum cut into its members' gradients as it completes (f32 ones views of it, others
+    /// rounded back to their dtype, so the f32 values of a low-precision model go at once).
+    pub(crate) fn flight(&self, vars: &[Var]) -> Result<Flight, DistError> {
+        let units = self.units(vars);
+        let (cut, owned) = (units.clone(), vars.to_vec());
+        let finisher = Box::new(move |u: usize, values: Vec<f32>| -> Result<Vec<Tensor>, DistError> {
+            let unit = &cut[u];
+            let bucket = Tensor::from_vec(values, unit.len, &Device::Cpu)?;
+            let mut at = 0;
+            let mut out = Vec::with_capacity(unit.members.len());
+            for &i in &unit.members {
+                let v = &owned[i];
+                let view = bucket.narrow(0, at, v.elem_count())?.reshape(v.dims())?;
+                at += v.elem_count();
+                out.push(if v.dtype() == DType::F32 { view } else { view.to_dtype(v.dtype())? });
+            }
+            Ok(out)
+        });
+        Flight::new(units, Collective::AllReduce, vars, finisher)
+    }
+
     /// Sums `grads` (of `vars`, as given to [`GradBuckets::new`]) over ranks in place: every
     /// rank calls it with its own gradients and gets the sum.
     pub fn reduce(&self, group: &ProcessGroup, grads: &mut GradStore, vars: &[Var]) -> Result<ReduceStats, DistError> {
-        let present = agreed_presence(group, grads, vars)?;
-        let mut stats = ReduceStats::default();
-        for bucket in &self.plan {
-            let members: Vec<usize> = bucket.iter().copied().filter(|&i| present[i]).collect();
-            let direct = |i: usize| vars[i].dtype() == DType::F32 && vars[i].elem_count() * 4 >= DIRECT_BYTES;
-            let (direct, packed): (Vec<usize>, Vec<usize>) = members.into_iter().partition(|&i| direct(i));
-            self.reduce_packed(group, grads, vars, &packed, &mut stats)?;
-            for i in direct {
-                let v = &vars[i];
-                let t0 = Instant::now();
-                let local = match grads.remove(v.as_tensor()) {
-                    Some(g) => g.detach().contiguous()?,
-                    None => v.as_tensor().zeros_like()?,
-                };
-                let mut recv = vec![0f32; v.elem_count()];
-                let t1 = Instant::now();
-                {
-                    let (storage, layout) = local.storage_and_layout();
-                    let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(values)), Some((a, b))) =
-                        (&*storage, layout.contiguous_offsets())
-                    else {
-                        return Err(DistError::internal("a contiguous f32 host gradient was expected"));
-                    };
-                    group.comm().all_reduce(&values[a..b], &mut recv, ReduceOp::Sum)?;
+        let mut flight = self.flight(vars)?;
+        flight.close(group.comm(), Some(grads))?;
+        self.finish(group, flight, grads, vars)
+    }
+
+    /// Completes `flight` (made by [`GradBuckets::flight`], closed or not) and puts the summed
+    /// gradients of the parameters any rank has one of into `grads`: f32 ones as views of their
+    /// bucket, others rounded back to their dtype.
+    pub(crate) fn finish(
+        &self,
+        group: &ProcessGroup,
+        flight: Flight,
+        grads: &mut GradStore,
+        vars: &[Var],
+    ) -> Result<ReduceStats, DistError> {
+        let (results, local, stats) = flight.finish(group.comm())?;
+        let present = agree_presence(group, &local)?;
+        for (unit, reduced) in self.units(vars).into_iter().zip(results) {
+            for (&i, g) in unit.members.iter().zip(reduced) {
+                if present[i] {
+                    grads.insert(vars[i].as_tensor(), g);
                 }
-                drop(local);
-                let t2 = Instant::now();
-                grads.insert(v.as_tensor(), Tensor::from_vec(recv, v.dims(), &Device::Cpu)?);
-                stats.buckets += 1;
-                stats.bytes += v.elem_count() * 4;
-                stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
-                stats.comm_s += (t2 - t1).as_secs_f64();
             }
         }
         Ok(stats)
-    }
-
-    /// Packs the gradients of `members` into one buffer, reduces it, and hands them back as
-    /// views of the reduced buffer.
-    fn reduce_packed(
-        &self,
-        group: &ProcessGroup,
-        grads: &mut GradStore,
-        vars: &[Var],
-        members: &[usize],
-        stats: &mut ReduceStats,
-    ) -> Result<(), DistError> {
-        let n: usize = members.iter().map(|&i| vars[i].elem_count()).sum();
-        if n == 0 {
-            return Ok(());
-        }
-        let t0 = Instant::now();
-        let mut send = Vec::with_capacity(n);
-        for &i in members {
-            match grads.remove(vars[i].as_tensor()) {
-                Some(g) => append_f32(&g, &mut send)?,
-                None => send.resize(send.len() + vars[i].elem_count(), 0.0),
-            }
-        }
-        let t1 = Instant::now();
-        let mut recv = vec![0f32; n];
-        group.comm().all_reduce(&send, &mut recv, ReduceOp::Sum)?;
-        drop(send);
-        let t2 = Instant::now();
-        let bucket = Tensor::from_vec(recv, n, &Device::Cpu)?;
-        let mut at = 0;
-        for &i in members {
-            let v = &vars[i];
-            let view = bucket.narrow(0, at, v.elem_count())?.reshape(v.dims())?;
-            at += v.elem_count();
-            let g = if v.dtype() == DType::F32 { view } else { view.to_dtype(v.dtype())? };
-            grads.insert(v.as_tensor(), g);
-        }
-        stats.buckets += 1;
-        stats.bytes += n * 4;
-        stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
-        stats.comm_s += (t2 - t1).as_secs_f64();
-        Ok(())
     }
 }
 

@@ -79,7 +79,7 @@ impl MpiWorld {
     }
 
     /// Runs `f` on the communicator, alone.
-    fn call<R>(&self, f: impl FnOnce(&mpi::topology::SimpleCommunicator) -> R) -> Result<R, DistError> {
+    pub(super) fn call<R>(&self, f: impl FnOnce(&mpi::topology::SimpleCommunicator) -> R) -> Result<R, DistError> {
         if self.only.is_some_and(|t| t != std::thread::current().id()) {
             return Err(DistError::unsupported(
                 "collective",
@@ -92,7 +92,7 @@ impl MpiWorld {
 }
 
 #[cfg(feature = "mpi")]
-fn system_op(op: ReduceOp) -> mpi::collective::SystemOperation {
+pub(super) fn system_op(op: ReduceOp) -> mpi::collective::SystemOperation {
     use mpi::collective::SystemOperation;
     match op {
         ReduceOp::Sum | ReduceOp::Avg => SystemOperation::sum(),
@@ -228,50 +228,6 @@ impl Comm {
         Ok((out, lens))
     }
 
-    /// Starts `op` over ranks of `send` (`size × n` values), block `rank` of it to come back
-    /// from [`PendingReduce::finish`]: MPI's non-blocking reduce-scatter, which runs on while
-    /// this rank computes (Open MPI moves it on inside the rank's later MPI calls) — one block's
-    /// gradients reduced during the next block's gather and backward. Alone, and for a block
-    /// past MPI's counts, it completes here.
-    pub(crate) fn reduce_scatter_start(
-        &self,
-        send: Vec<f32>,
-        n: usize,
-        op: ReduceOp,
-    ) -> Result<PendingReduce, DistError> {
-        let (_, size) = self.rank_and_size();
-        if n.checked_mul(size) != Some(send.len()) {
-            return Err(DistError::internal(format!("reduce_scatter: {} sent, {n} each to {size}", send.len())));
-        }
-        #[cfg(feature = "mpi")]
-        if let Comm::Mpi(m) = self {
-            if n <= MAX_COUNT / size.max(1) {
-                use mpi::traits::CommunicatorCollectives;
-                // Both buffers live until the request completes: leaked here, taken back by
-                // `finish` (or left leaked, with the request, by a drop before it).
-                let send: &'static mut [f32] = Box::leak(send.into_boxed_slice());
-                let recv: &'static mut [f32] = Box::leak(vec![0f32; n].into_boxed_slice());
-                let (send_ptr, recv_ptr): (*mut [f32], *mut [f32]) = (send, recv);
-                // SAFETY: the pointers come from the two leaked boxes just made; the request
-                // gets the only references used until it completes.
-                let (send, recv) = unsafe { (&*send_ptr, &mut *recv_ptr) };
-                let request = m.call(|w| {
-                    w.immediate_reduce_scatter_block_into(mpi::request::StaticScope, send, recv, system_op(op))
-                })?;
-                return Ok(PendingReduce { request: Some(request), buffers: Some((send_ptr, recv_ptr)), done: None });
-            }
-        }
-        let mut recv = vec![0f32; n];
-        self.reduce_scatter(&send, &mut recv, op)?;
-        Ok(PendingReduce {
-            #[cfg(feature = "mpi")]
-            request: None,
-            #[cfg(feature = "mpi")]
-            buffers: None,
-            done: Some(recv),
-        })
-    }
-
     /// `op` over ranks of `send` (`size × recv.len()`), block `rank` of it into `recv`.
     pub(crate) fn reduce_scatter<T: Element>(&self, send: &[T], recv: &mut [T], op: ReduceOp) -> Result<(), DistError> {
         let (_, size) = self.rank_and_size();
@@ -322,56 +278,6 @@ impl Comm {
                 // No lock: another thread may be inside a collective that will never finish.
                 m.world.abort(code)
             }
-        }
-    }
-}
-
-/// A reduce-scatter in flight ([`Comm::reduce_scatter_start`]), owning its buffers.
-pub(crate) struct PendingReduce {
-    #[cfg(feature = "mpi")]
-    request: Option<mpi::request::Request<'static, [f32], mpi::request::StaticScope>>,
-    /// The leaked send and receive buffers of `request`.
-    #[cfg(feature = "mpi")]
-    buffers: Option<(*mut [f32], *mut [f32])>,
-    /// The result, when it completed at the start.
-    done: Option<Vec<f32>>,
-}
-
-// SAFETY: the buffers are owned by this value alone (leaked boxes no one else points to), and
-// MPI calls on the request go through `MpiWorld::call`'s lock like every other call.
-unsafe impl Send for PendingReduce {}
-
-impl PendingReduce {
-    /// Waits for the reduction (on `comm`, the one that started it); this rank's block.
-    pub(crate) fn finish(mut self, comm: &Comm) -> Result<Vec<f32>, DistError> {
-        if let Some(done) = self.done.take() {
-            return Ok(done);
-        }
-        #[cfg(feature = "mpi")]
-        if let (Some(request), Comm::Mpi(m)) = (self.request.take(), comm) {
-            m.call(|_| request.wait())?;
-            if let Some((send, recv)) = self.buffers.take() {
-                // SAFETY: the request completed, so MPI no longer touches the buffers, which
-                // are the boxes leaked in `reduce_scatter_start`, taken back once.
-                unsafe {
-                    drop(Box::from_raw(send));
-                    return Ok(Box::from_raw(recv).into_vec());
-                }
-            }
-        }
-        let _ = comm;
-        Err(DistError::internal("a reduce-scatter finished twice"))
-    }
-}
-
-impl Drop for PendingReduce {
-    fn drop(&mut self) {
-        // Dropped before it completed (a step that failed): the request and its buffers are
-        // left as they are, never freed while MPI may still write into them (a failed step at
-        // stage 3 ends the group anyway).
-        #[cfg(feature = "mpi")]
-        if let Some(request) = self.request.take() {
-            std::mem::forget(request);
         }
     }
 }

@@ -12,6 +12,7 @@ use wick_nn::params::Params;
 
 use super::buckets::{GradBuckets, ReduceStats, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 use super::error::DistError;
+use super::flight::Flight;
 use super::group::to_bytes;
 use super::zero::{PieceInit, PieceRequest, ZeroOptimizer};
 use super::zero3::ParamShards;
@@ -30,6 +31,10 @@ pub struct DataParallelOptions {
     pub bucket_bytes: usize,
     /// The first bucket's cap (PyTorch's 1 MiB).
     pub first_bucket_bytes: usize,
+    /// Start each bucket's reduction from inside backward, as its last gradient completes
+    /// (host parameters at stages 0–2; stage 3 reduces each block as its backward ends).
+    /// Off: every bucket is reduced after backward.
+    pub overlap: bool,
 }
 
 impl Default for DataParallelOptions {
@@ -38,6 +43,7 @@ impl Default for DataParallelOptions {
             sharding: Sharding::None,
             bucket_bytes: BUCKET_BYTES,
             first_bucket_bytes: FIRST_BUCKET_BYTES,
+            overlap: true,
         }
     }
 }
@@ -82,6 +88,7 @@ pub(crate) struct Parallel {
     /// NCCL, when the parameters are on a GPU.
     gpu: Option<GpuComm>,
     pub(crate) last: ReduceStats,
+    overlap: bool,
 }
 
 /// NCCL for `vars` when they are on a GPU (replicated only), `None` for host parameters.
@@ -118,6 +125,7 @@ impl Parallel {
             "sharding": options.sharding,
             "bucket_bytes": options.bucket_bytes,
             "first_bucket_bytes": options.first_bucket_bytes,
+            "overlap": options.overlap,
         });
         group.check_same("training setup", &setup)?;
         let gpu = gpu_comm(group, &options, vars)?;
@@ -175,7 +183,7 @@ impl Parallel {
             Some(z)
         };
         broadcast_buffers(&group, params)?;
-        Ok(Parallel { group, buckets, zero, gpu, last: ReduceStats::default() })
+        Ok(Parallel { group, buckets, zero, gpu, last: ReduceStats::default(), overlap: options.overlap })
     }
 
     /// Starts a sharded run (`options.sharding` is not `None`) without the whole state ever
@@ -213,7 +221,14 @@ impl Parallel {
         };
         let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?;
         broadcast_buffers(&group, params)?;
-        Ok(Parallel { group, buckets, zero: Some(z), gpu: None, last: ReduceStats::default() })
+        Ok(Parallel {
+            group,
+            buckets,
+            zero: Some(z),
+            gpu: None,
+            last: ReduceStats::default(),
+            overlap: options.overlap,
+        })
     }
 
     /// This rank's shard of a sharded run as the checkpoint `reader` holds it (saved at any
@@ -320,11 +335,26 @@ impl Parallel {
         }
     }
 
-    /// The update: gradients summed over ranks (bucket by bucket), the inf/NaN decision of the
-    /// loss scaler agreed, then the replicated update (`masters`) or this rank's sharded one.
+    /// The step's reduction, to start from inside its last backward pass ([`Flight::ready`]),
+    /// when it overlaps: host parameters at stages 0–2 with `overlap` on.
+    pub(crate) fn flight(&self, vars: &[Var]) -> Result<Option<Flight>, TrainError> {
+        if !self.overlap || self.gpu.is_some() {
+            return Ok(None);
+        }
+        Ok(match &self.zero {
+            None => Some(self.buckets.flight(vars)?),
+            Some(Shard::Zero(z)) => Some(z.flight(&self.group, vars)?),
+            Some(Shard::Params(_)) => None,
+        })
+    }
+
+    /// The update: gradients summed over ranks (bucket by bucket; those in `flight` started
+    /// already), the inf/NaN decision of the loss scaler agreed, then the replicated update
+    /// (`masters`) or this rank's sharded one.
     pub(crate) fn update(
         &mut self,
         grads: &mut GradStore,
+        flight: Option<Flight>,
         vars: &[Var],
         masters: &mut MasterWeights,
         scaler: Option<&mut GradScaler>,
@@ -333,7 +363,10 @@ impl Parallel {
         match self.zero.as_mut() {
             Some(Shard::Zero(z)) => {
                 z.set_learning_rate(lr);
-                let (outcome, stats) = z.step(&self.group, grads, vars, scaler)?;
+                let (outcome, stats) = match flight {
+                    Some(f) => z.step_from(&self.group, f, vars, scaler)?,
+                    None => z.step(&self.group, grads, vars, scaler)?,
+                };
                 self.last = stats;
                 return Ok(outcome);
             }
@@ -345,12 +378,13 @@ impl Parallel {
             }
             None => {}
         }
-        self.last = match &self.gpu {
-            None => self.buckets.reduce(&self.group, grads, vars)?,
+        self.last = match (&self.gpu, flight) {
+            (None, Some(f)) => self.buckets.finish(&self.group, f, grads, vars)?,
+            (None, None) => self.buckets.reduce(&self.group, grads, vars)?,
             #[cfg(feature = "nccl")]
-            Some(nccl) => nccl.reduce_gradients(&self.group, self.buckets.plan(), grads, vars)?,
+            (Some(nccl), _) => nccl.reduce_gradients(&self.group, self.buckets.plan(), grads, vars)?,
             #[cfg(not(feature = "nccl"))]
-            Some(never) => match *never {},
+            (Some(never), _) => match *never {},
         };
         masters.set_learning_rate(lr);
         let refs: Vec<&Var> = vars.iter().collect();

@@ -17,9 +17,11 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::buckets::{agreed_presence, append_f32, ReduceStats};
+use super::buckets::{agree_presence, append_f32, ReduceStats};
 use super::error::DistError;
-use super::{ProcessGroup, ReduceOp, Sharding};
+use super::flight::{Flight, Unit};
+use super::pending::Collective;
+use super::{ProcessGroup, Sharding};
 use crate::amp::{GradScaler, StepOutcome};
 use crate::error::TrainError;
 use crate::optim::Optimizer;
@@ -221,9 +223,47 @@ impl ZeroOptimizer {
         self.optimizer.set_lr(lr);
     }
 
-    /// One sharded step from this rank's local gradients `grads` (consumed): reduce each bucket
-    /// (all-reduce for stage 1, reduce-scatter for stage 2), unscale and agree on inf/NaN
-    /// through the scaler, update this rank's pieces, all-gather the blocks into the parameters.
+    /// The collectives of the reduction: each bucket padded to a multiple of the world size,
+    /// all-reduced (stage 1) or reduce-scattered (stage 2).
+    fn units(&self, world: usize) -> (Vec<Unit>, Collective) {
+        let units = self
+            .buckets
+            .iter()
+            .map(|b| Unit { members: b.members.iter().map(|&(i, _)| i).collect(), len: b.block * world, direct: false })
+            .collect();
+        let collective = match self.stage {
+            Sharding::OptimizerState => Collective::AllReduce,
+            _ => Collective::ReduceScatter,
+        };
+        (units, collective)
+    }
+
+    /// A reduction of `vars`' gradients to start from inside backward ([`Flight::ready`]): each
+    /// bucket's reduced block (stage 1: inside the whole reduced bucket), its low-precision
+    /// pieces rounded to their dtype as the replicated path does, as it completes.
+    pub(crate) fn flight(&self, group: &ProcessGroup, vars: &[Var]) -> Result<Flight, DistError> {
+        let (units, collective) = self.units(group.world_size());
+        let at = match self.stage {
+            Sharding::OptimizerState => group.rank(),
+            _ => 0,
+        };
+        let low: Vec<Vec<(usize, usize, DType)>> = self
+            .buckets
+            .iter()
+            .map(|b| b.pieces.iter().map(|p| (at * b.block + p.at, p.len, vars[p.param].dtype())).collect())
+            .collect();
+        let finisher = Box::new(move |u: usize, mut values: Vec<f32>| -> Result<Vec<Tensor>, DistError> {
+            for &(start, len, dtype) in &low[u] {
+                rounded(&mut values[start..start + len], dtype);
+            }
+            let n = values.len();
+            Ok(vec![Tensor::from_vec(values, n, &Device::Cpu)?])
+        });
+        Flight::new(units, collective, vars, finisher)
+    }
+
+    /// One sharded step from this rank's local gradients `grads` (consumed): see
+    /// [`ZeroOptimizer::step_from`].
     pub(crate) fn step(
         &mut self,
         group: &ProcessGroup,
@@ -231,47 +271,33 @@ impl ZeroOptimizer {
         vars: &[Var],
         scaler: Option<&mut GradScaler>,
     ) -> Result<(StepOutcome, ReduceStats), TrainError> {
-        let (rank, world) = (group.rank(), group.world_size());
-        let present = agreed_presence(group, grads, vars)?;
-        let mut stats = ReduceStats::default();
-        // Each bucket's reduced gradient block (stage 1: inside the whole reduced bucket).
+        let mut flight = self.flight(group, vars)?;
+        flight.close(group.comm(), Some(grads))?;
+        self.step_from(group, flight, vars, scaler)
+    }
+
+    /// One sharded step from `flight` (made by [`ZeroOptimizer::flight`]): complete each
+    /// bucket's reduction (all-reduce for stage 1, reduce-scatter for stage 2), unscale and
+    /// agree on inf/NaN through the scaler, update this rank's pieces, all-gather the blocks
+    /// into the parameters.
+    pub(crate) fn step_from(
+        &mut self,
+        group: &ProcessGroup,
+        flight: Flight,
+        vars: &[Var],
+        scaler: Option<&mut GradScaler>,
+    ) -> Result<(StepOutcome, ReduceStats), TrainError> {
+        let (results, local, stats) = flight.finish(group.comm())?;
+        let present = agree_presence(group, &local)?;
+        // Each bucket's reduced gradient block, and where this rank's block starts in it.
         let mut blocks: Vec<(Tensor, usize)> = Vec::with_capacity(self.buckets.len());
-        for b in &self.buckets {
-            let t0 = std::time::Instant::now();
-            let padded = b.block * world;
-            let mut send = Vec::with_capacity(padded);
-            for &(i, _) in &b.members {
-                match grads.remove(vars[i].as_tensor()) {
-                    Some(g) if present[i] => append_f32(&g, &mut send)?,
-                    _ => send.resize(send.len() + vars[i].elem_count(), 0.0),
-                }
-            }
-            send.resize(padded, 0.0);
-            let t1 = std::time::Instant::now();
-            let (mut values, at) = match self.stage {
-                Sharding::OptimizerState => {
-                    let mut recv = vec![0f32; padded];
-                    group.comm().all_reduce(&send, &mut recv, ReduceOp::Sum)?;
-                    (recv, rank * b.block)
-                }
-                _ => {
-                    let mut recv = vec![0f32; b.block];
-                    group.comm().reduce_scatter(&send, &mut recv, ReduceOp::Sum)?;
-                    (recv, 0)
-                }
+        for (b, reduced) in self.buckets.iter().zip(results) {
+            let at = match self.stage {
+                Sharding::OptimizerState => group.rank() * b.block,
+                _ => 0,
             };
-            drop(send);
-            let t2 = std::time::Instant::now();
-            // A low-precision gradient is rounded to its dtype, as the replicated path does.
-            for p in &b.pieces {
-                rounded(&mut values[at + p.at..at + p.at + p.len], vars[p.param].dtype());
-            }
-            stats.buckets += 1;
-            stats.bytes += padded * 4;
-            stats.comm_s += (t2 - t1).as_secs_f64();
-            stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
-            let n = values.len();
-            blocks.push((Tensor::from_vec(values, n, &Device::Cpu)?, at));
+            let block = reduced.into_iter().next().ok_or_else(|| DistError::internal("a bucket reduced to nothing"))?;
+            blocks.push((block, at));
         }
         // The loss scaler (f16): unscale this rank's pieces, then every rank takes the same
         // decision from the all-reduced finding before anything changes.

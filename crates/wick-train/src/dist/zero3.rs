@@ -36,8 +36,8 @@ use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, TensorId, Var};
 
 use super::buckets::{append_f32, ReduceStats};
-use super::comm::PendingReduce;
 use super::error::DistError;
+use super::pending::{Collective, Outgoing, Pending};
 use super::zero::{PieceInit, PieceRequest};
 use super::{ProcessGroup, ReduceOp};
 use crate::amp::{GradScaler, StepOutcome};
@@ -73,7 +73,7 @@ struct State {
     step: u64,
     stats: ReduceStats,
     /// The last block's reduce-scatter, in flight: its parameters and their chunks.
-    pending: Option<(Vec<usize>, Vec<usize>, PendingReduce)>,
+    pending: Option<(Vec<usize>, Vec<usize>, Pending)>,
 }
 
 /// A rank's shard of every parameter, and the blocks' gather and reduce.
@@ -297,7 +297,7 @@ impl ParamShards {
             start += chunk;
         }
         let t1 = Instant::now();
-        let pending = self.group.comm().reduce_scatter_start(send, section, ReduceOp::Sum)?;
+        let pending = Pending::start(self.group.comm(), Outgoing::Owned(send), Collective::ReduceScatter)?;
         let t2 = Instant::now();
         let mut st = lock(&self.state);
         st.pending = Some((which.to_vec(), chunks, pending));

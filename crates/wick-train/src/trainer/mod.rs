@@ -45,6 +45,7 @@ use crate::checkpoint::{CheckpointDir, Manifest, ParamInfo};
 
 use crate::amp::{GradScaler, MasterWeights, StepOutcome};
 use crate::dist::buckets::ReduceStats;
+use crate::dist::flight::Flight;
 use crate::dist::parallel::{broadcast_buffers, Parallel};
 use crate::dist::{DataParallelOptions, ProcessGroup, Sharding};
 use crate::error::TrainError;
@@ -326,7 +327,22 @@ impl<M: Model> Trainer<M> {
         if let Some(p) = &self.parallel {
             broadcast_buffers(&p.group, self.model.params())?;
         }
-        let local = self.accumulate(micro_batches, n);
+        let mut flight = match &self.parallel {
+            Some(p) => p.flight(&self.vars)?,
+            None => None,
+        };
+        let mut local = self.accumulate(micro_batches, n, flight.as_mut());
+        if let (Some(p), Some(f)) = (&self.parallel, flight.as_mut()) {
+            // Every bucket is started before the step's agreement, whatever happened here: the
+            // other ranks' buckets are in flight, and collectives must match in order.
+            if let Err(e) = f.close(p.group.comm(), local.as_mut().ok().map(|(g, _)| g)) {
+                eprintln!(
+                    "rank {}: {e}; the other ranks' reductions cannot be matched, so the job ends here",
+                    p.group.rank()
+                );
+                p.group.abort(1);
+            }
+        }
         if let (Some(p), Err(e)) = (&self.parallel, &local) {
             if p.param_shards().is_some() && world > 1 {
                 // Under ZeRO-3 the other ranks are inside a block's collective that this rank
@@ -342,7 +358,16 @@ impl<M: Model> Trainer<M> {
         }
         let (mut grads, loss_sum) = match &self.parallel {
             Some(p) => {
-                let (grads, loss) = p.agree(local)?;
+                let (grads, loss) = match p.agree(local) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        // The step is off on every rank: its reductions complete and are dropped.
+                        if let Some(f) = flight.take() {
+                            let _ = f.finish(p.group.comm());
+                        }
+                        return Err(e);
+                    }
+                };
                 (grads, p.group.sum_f64(&[loss])?[0])
             }
             None => local?,
@@ -350,7 +375,7 @@ impl<M: Model> Trainer<M> {
         let _optimizer = push_label("optimizer");
         let lr = self.base_lr * self.options.schedule.factor(self.step);
         let outcome = match self.parallel.as_mut() {
-            Some(p) => p.update(&mut grads, &self.vars, &mut self.masters, self.scaler.as_mut(), lr)?,
+            Some(p) => p.update(&mut grads, flight, &self.vars, &mut self.masters, self.scaler.as_mut(), lr)?,
             None => {
                 self.masters.set_learning_rate(lr);
                 let refs: Vec<&Var> = self.vars.iter().collect();
@@ -362,11 +387,18 @@ impl<M: Model> Trainer<M> {
     }
 
     /// This rank's forward and backward passes over `micro_batches`, each loss divided by `n`:
-    /// the summed gradients and the summed (undivided) losses.
-    fn accumulate(&self, micro_batches: &[M::Batch], n: f64) -> Result<(GradStore, f64), TrainError> {
+    /// the summed gradients and the summed (undivided) losses. With `flight`, the last backward
+    /// pass hands each completed gradient to it (added to the earlier micro-batches' sum there)
+    /// and the store returned holds what it did not take.
+    fn accumulate(
+        &self,
+        micro_batches: &[M::Batch],
+        n: f64,
+        mut flight: Option<&mut Flight>,
+    ) -> Result<(GradStore, f64), TrainError> {
         let (mut total, mut loss_sum) = (None::<GradStore>, 0f64);
         let shards = self.parallel.as_ref().and_then(Parallel::param_shards);
-        for batch in micro_batches {
+        for (k, batch) in micro_batches.iter().enumerate() {
             let ckpt = match shards {
                 // ZeRO-3: every block takes its parameters from the shards.
                 Some(s) => Some(Checkpointing::sharded(crate::dist::zero3::blocks(s))),
@@ -381,6 +413,17 @@ impl<M: Model> Trainer<M> {
             }
             drop(forward);
             let _backward = push_label("backward");
+            if let (Some(f), Some(p), true) = (flight.as_deref_mut(), &self.parallel, k + 1 == micro_batches.len()) {
+                f.set_previous(total.take());
+                let comm = p.group.comm();
+                let mut ready =
+                    |var: &Tensor, store: &mut GradStore| f.ready(comm, var, store).map_err(candle_core::Error::wrap);
+                total = Some(match &ckpt {
+                    Some(c) => c.backward_with_hook(&loss, self.model.params(), &mut ready)?,
+                    None => loss.backward_with_hook(&mut ready)?,
+                });
+                continue;
+            }
             let grads = match &ckpt {
                 Some(c) => c.backward(&loss, self.model.params())?,
                 None => loss.backward()?,

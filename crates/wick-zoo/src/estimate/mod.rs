@@ -30,7 +30,7 @@ pub use profile::{
     profile_batches, ActivationProfile, Affine, Piecewise, CHECKPOINTED_PROFILE_BATCHES, EXTRAPOLATION_DIVISOR,
     INFERENCE_PROFILE_BATCHES, PROFILE_BATCHES,
 };
-pub use ranks::{estimate_per_rank, PeakPhase, RankEstimate, Ranks};
+pub use ranks::{estimate_per_rank, Overlap, PeakPhase, RankEstimate, Ranks};
 
 use wick_nn::params::Params;
 

@@ -43,6 +43,19 @@ pub struct Ranks {
     /// Stage 3: where the parameters are (`None`: no block, every parameter read whole, as a
     /// stage-3 rank holds a model without checkpoint segments).
     pub blocks: Option<BlockBytes>,
+    /// Stages 0–2: the reduction started from inside backward (wick-train's default), or
+    /// `None` when every bucket is reduced after it.
+    pub overlap: Option<Overlap>,
+}
+
+/// The buckets a reduction may start from inside backward (wick-train's
+/// `dist::buckets::in_backward_bytes`): f32 bytes of the largest and of all of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Overlap {
+    /// The largest such bucket (padded to the world size when sharded).
+    pub largest: usize,
+    /// All of them.
+    pub total: usize,
 }
 
 impl Ranks {
@@ -50,7 +63,9 @@ impl Ranks {
     /// the parameter bytes alone: a full bucket of `bucket_bytes` (or all the gradients when
     /// fewer), or the largest parameter when it is larger — for models too large to build.
     pub fn bounded(ranks: usize, zero_stage: u8, bucket_bytes: usize, p: ParamBytes) -> Self {
-        Ranks { ranks, zero_stage, largest_bucket: bucket_bytes.min(p.f32_total).max(p.largest_f32), blocks: None }
+        let largest_bucket = bucket_bytes.min(p.f32_total).max(p.largest_f32);
+        let overlap = Some(Overlap { largest: largest_bucket, total: p.f32_total });
+        Ranks { ranks, zero_stage, largest_bucket, blocks: None, overlap }
     }
 }
 
@@ -125,7 +140,21 @@ pub fn estimate_per_rank(
             p.f32_total.div_ceil(n).saturating_add(b).saturating_add(block.max(largest)).saturating_sub(e.gradients),
         ),
     };
-    e.workspace = e.workspace.max(reduction.saturating_sub(e.activations));
+    // Overlap: one bucket in flight beside backward's activations — while it is packed its
+    // gradients and the packed copy (`u`), then the copy and the receive buffer, a low-precision
+    // model's f32 copy beside its gradients (1.5 `u`); stage 1 of a low-precision model also
+    // keeps every reduced bucket in f32 from then on (half of `total` more than its gradients).
+    // A stage-2 bucket reduced during backward leaves only this rank's block of it, which is
+    // not counted: how many are reduced before backward's end depends on timing.
+    let during = ranks.overlap.map_or(0, |o| {
+        let u = o.largest;
+        match (ranks.zero_stage, masters) {
+            (0, true) => u.saturating_add(u / 2),
+            (1, true) => u.saturating_add(u / 2).saturating_add(o.total / 2),
+            _ => u,
+        }
+    });
+    e.workspace = e.workspace.saturating_add(during).max(reduction.saturating_sub(e.activations));
     e.add_up();
     RankEstimate { ranks, estimate: e, reduction, peak_phase: None }
 }
