@@ -54,7 +54,7 @@ def torch_worker(args):
     if world > 1:
         dist.init_process_group("gloo")
     s = spec(args.model, args.batch // world, args.image)
-    model, _, _ = zoo_speed.build(s)
+    model, _, _ = zoo_speed.build(s, "cpu")
     model.train()
     net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25) if world > 1 else model
     torch.manual_seed(1 + rank)

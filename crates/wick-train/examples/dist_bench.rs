@@ -3,8 +3,9 @@
 //! against one plain MPI all-reduce of the same bytes. Prints one JSON line (rank 0).
 //!
 //! ```text
-//! dist_bench train --model decoder|decoder-512|decoder-1024|resnet18 --batch 8 [--image 224] [--steps 5] [--warmup 2]
-//!                  [--zero 0..3] [--checkpointing]
+//! dist_bench train --model decoder|decoder-512|decoder-1024|minilm|bert-base|vit|resnet18|mobilenet_v2 --batch 8
+//!                  [--image 224] [--steps 5] [--warmup 2]
+//!                  [--zero 0..3] [--checkpointing] [--no-overlap]
 //! dist_bench allreduce --mb 1,4,25,100 [--reps 5]
 //! ```
 //! (`scripts/torch-reference/ddp_bench.py` runs it next to PyTorch DDP.)
@@ -19,8 +20,10 @@ use wick_train::dist::buckets::{GradBuckets, BUCKET_BYTES, FIRST_BUCKET_BYTES};
 use wick_train::dist::{DataParallelOptions, ProcessGroup, ReduceOp, Sharding};
 use wick_train::trainer::{TrainOptions, Trainer};
 use wick_train::Optimizer;
+use wick_zoo::bert::BertConfig;
 use wick_zoo::registry::ModelSpec;
 use wick_zoo::resnet::ResNetDepth;
+use wick_zoo::vit::VitConfig;
 
 fn arg(args: &[String], name: &str, default: &str) -> String {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned().unwrap_or_else(|| default.into())
@@ -63,6 +66,26 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
             ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 64, image },
             Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 },
         ),
+        // zoo-speed's shapes: MiniLM-L6 and BERT-base at 128 tokens, ViT-S/16 and MobileNetV2
+        // over 10 classes.
+        "minilm" => (ModelSpec::Bert { config: BertConfig::minilm_l6(), seq: 128 }, common::adamw(1e-4)),
+        "bert-base" => (ModelSpec::Bert { config: BertConfig::base(), seq: 128 }, common::adamw(1e-4)),
+        "vit" => {
+            let config = VitConfig {
+                image_size: image,
+                patch_size: 16,
+                hidden: 384,
+                layers: 12,
+                heads: 6,
+                mlp_dim: 1536,
+                num_classes: 10,
+            };
+            (ModelSpec::Vit(config), common::adamw(1e-4))
+        }
+        "mobilenet_v2" => (
+            ModelSpec::MobileNetV2 { classes: 10, width_mult: 1.0, image },
+            Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 },
+        ),
         m => bail!("unknown model {m}"),
     };
     let zero: u8 = arg(args, "--zero", "0").parse()?;
@@ -70,7 +93,10 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     let net = spec.build(DType::F32, &Device::Cpu)?;
     let options = TrainOptions { optimizer, activation_checkpointing, ..TrainOptions::default() };
     let describe = serde_json::json!({"model": model});
-    let parallel = DataParallelOptions { sharding: Sharding::from_stage(zero)?, ..DataParallelOptions::default() };
+    // `--no-overlap`: every bucket reduced after backward (the default starts them inside it).
+    let overlap = !args.iter().any(|a| a == "--no-overlap");
+    let parallel =
+        DataParallelOptions { sharding: Sharding::from_stage(zero)?, overlap, ..DataParallelOptions::default() };
     let mut trainer = if world > 1 || zero > 0 {
         Trainer::new_data_parallel(net, describe, None, options, group.clone(), parallel)?
     } else {
@@ -82,7 +108,7 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     let per_rank = batch / world;
     let all = spec.batch(batch, DType::F32, &Device::Cpu)?;
     let mine = all.narrow(rank * per_rank, per_rank)?;
-    let (mut ms, mut comm_ms) = (Vec::new(), Vec::new());
+    let (mut ms, mut comm_ms, mut reduce) = (Vec::new(), Vec::new(), Vec::new());
     let mut heap_base = 0;
     for i in 0..warmup + steps {
         if i == warmup {
@@ -102,13 +128,18 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
         if i >= warmup {
             ms.push(t);
             comm_ms.push(trainer.last_reduce().map_or(0.0, |r| r.comm_s * 1e3));
+            if let Some(r) = trainer.last_reduce() {
+                reduce.push(serde_json::json!({"buckets": r.buckets, "overlapped": r.overlapped,
+                    "exposed_ms": r.exposed_s * 1e3, "wait_ms": r.wait_s * 1e3, "flight_ms": r.flight_s * 1e3,
+                    "pack_ms": r.pack_s * 1e3, "hidden": r.hidden_fraction()}));
+            }
         }
     }
     let heap = wick::host_memory::exact_peak().map_or(0.0, |p| p.0 as f64 / (1 << 20) as f64);
     let mine = [peak_rss_mib(), heap, heap_base as f64 / (1 << 20) as f64, start_rss];
     let peaks = group.all_gather(&Tensor::new(&mine, &Device::Cpu)?)?.to_vec1::<f64>()?;
     Ok(serde_json::json!({"model": model, "batch": batch, "world": world, "zero": zero,
-        "checkpointing": activation_checkpointing, "ms": ms, "comm_ms": comm_ms,
+        "checkpointing": activation_checkpointing, "overlap": overlap, "ms": ms, "comm_ms": comm_ms, "reduce": reduce,
         "peak_rss_mib": peaks.iter().step_by(4).collect::<Vec<_>>(),
         "heap_peak_mib": peaks.iter().skip(1).step_by(4).collect::<Vec<_>>(),
         "heap_before_mib": peaks.iter().skip(2).step_by(4).collect::<Vec<_>>(),

@@ -7,11 +7,10 @@
 //! [`FIRST_BUCKET_BYTES`] (1 MiB) so the first-ready gradients do not wait in a large bucket.
 //! A parameter is never split; one larger than the cap has a bucket of its own.
 //!
-//! Rationale for reducing after backward rather than during it: candle's backward returns all
-//! gradients at once (there is no per-gradient hook to launch a bucket's all-reduce from), so the
-//! buckets are reduced one after another right after backward; each bucket's all-reduce is one
-//! blocking MPI call (with one thread per rank, a non-blocking call would make no progress
-//! until waited on). The time it costs is measured and reported ([`ReduceStats`]).
+//! The reduction itself is a `flight` (see that module): each bucket's collective started from
+//! inside backward as its last gradient is complete, in bucket order, or all of them after
+//! backward ([`GradBuckets::reduce`], and `overlap: false`). The time it costs, and how much of
+//! it backward hid, is measured and reported ([`ReduceStats`]).
 //!
 //! Rationale for reducing large gradients where they lie: a bucket is one contiguous buffer
 //! for MPI, so its gradients are first copied into it — for the large ones that copy cost a
@@ -125,9 +124,9 @@ pub struct ReduceStats {
     pub flight_s: f64,
     /// Seconds waiting for a collective to complete (part of `comm_s`).
     pub wait_s: f64,
-    /// Seconds from the end of backward until the last bucket was reduced: what the step
-    /// waited for the reduction beyond backward (packing what backward left, starting and
-    /// waiting).
+    /// Seconds the step spent on the reduction after backward: packing and starting what
+    /// backward left, and waiting for the buckets to complete (the step's other collectives
+    /// between those calls are not counted).
     pub exposed_s: f64,
 }
 
@@ -240,10 +239,11 @@ impl GradBuckets {
         units
     }
 
-    /// A reduction of `vars`' gradients to start from inside backward ([`Flight::ready`]): each
-    /// unit's sum cut into its members' gradients as it completes (f32 ones views of it, others
-    /// rounded back to their dtype, so the f32 values of a low-precision model go at once).
-    pub(crate) fn flight(&self, vars: &[Var]) -> Result<Flight, DistError> {
+    /// A reduction of `vars`' gradients, started from inside backward ([`Flight::ready`]) when
+    /// `in_backward`: each unit's sum cut into its members' gradients as it completes (f32 ones
+    /// views of it, others rounded back to their dtype, so the f32 values of a low-precision
+    /// model go at once).
+    pub(crate) fn flight(&self, vars: &[Var], in_backward: bool) -> Result<Flight, DistError> {
         let units = self.units(vars);
         let (cut, owned) = (units.clone(), vars.to_vec());
         let finisher = Box::new(move |u: usize, values: Vec<f32>| -> Result<Vec<Tensor>, DistError> {
@@ -259,13 +259,13 @@ impl GradBuckets {
             }
             Ok(out)
         });
-        Flight::new(units, Collective::AllReduce, vars, finisher)
+        Flight::new(units, Collective::AllReduce, vars, finisher, in_backward)
     }
 
     /// Sums `grads` (of `vars`, as given to [`GradBuckets::new`]) over ranks in place: every
     /// rank calls it with its own gradients and gets the sum.
     pub fn reduce(&self, group: &ProcessGroup, grads: &mut GradStore, vars: &[Var]) -> Result<ReduceStats, DistError> {
-        let mut flight = self.flight(vars)?;
+        let mut flight = self.flight(vars, false)?;
         flight.close(group.comm(), Some(grads))?;
         self.finish(group, flight, grads, vars)
     }

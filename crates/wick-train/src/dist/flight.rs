@@ -72,6 +72,8 @@ pub(crate) type Reduced = (Vec<Vec<Tensor>>, Vec<bool>, ReduceStats);
 pub(crate) struct Flight {
     units: Vec<Unit>,
     finisher: Finisher,
+    /// Whether units start from inside backward.
+    in_backward: bool,
     collective: Collective,
     vars: Vec<Var>,
     /// Parameter id → (unit, slot).
@@ -95,12 +97,14 @@ pub(crate) struct Flight {
 
 impl Flight {
     /// A reduction of `vars`' gradients in `units` (every parameter in one unit at most), each
-    /// unit's sum handed to `finisher` as it completes.
+    /// unit's sum handed to `finisher` as it completes; `in_backward`: its units are started
+    /// from inside backward ([`Flight::ready`]), otherwise all after it ([`Flight::close`]).
     pub(crate) fn new(
         units: Vec<Unit>,
         collective: Collective,
         vars: &[Var],
         finisher: Finisher,
+        in_backward: bool,
     ) -> Result<Self, DistError> {
         let mut place = HashMap::new();
         for (u, unit) in units.iter().enumerate() {
@@ -118,6 +122,7 @@ impl Flight {
         Ok(Flight {
             units,
             finisher,
+            in_backward,
             collective,
             vars: vars.to_vec(),
             place,
@@ -141,6 +146,9 @@ impl Flight {
 
     /// The backward hook: `var`'s gradient is complete in `grads`.
     pub(crate) fn ready(&mut self, comm: &Comm, var: &Tensor, grads: &mut GradStore) -> Result<(), DistError> {
+        if !self.in_backward {
+            return Err(DistError::internal("a reduction made for after backward was handed a gradient during it"));
+        }
         let Some(&(u, k)) = self.place.get(&var.id()) else { return Ok(()) };
         if self.filled[u][k] || self.closed.is_some() {
             return Ok(());
@@ -226,7 +234,12 @@ impl Flight {
             Outgoing::Owned(send)
         };
         let t1 = Instant::now();
-        let pending = Pending::start(comm, send, self.collective)?;
+        // The last unit, and every unit of a reduction after backward, have nothing left to
+        // overlap with: MPI's blocking collective (faster). Which units block is decided from
+        // what every rank knows alike — MPI matches a blocking collective only with a blocking
+        // one — never from when this rank starts them.
+        let now = !self.in_backward || u + 1 == self.units.len();
+        let pending = Pending::start(comm, send, self.collective, now)?;
         let t2 = Instant::now();
         self.stats.pack_s += (t1 - t0).as_secs_f64();
         self.stats.comm_s += (t2 - t1).as_secs_f64();
@@ -263,6 +276,7 @@ impl Flight {
             self.start(comm, self.next)?;
             self.next += 1;
         }
+        self.stats.exposed_s += self.closed.map_or(0.0, |t| t.elapsed().as_secs_f64());
         Ok(())
     }
 
@@ -270,9 +284,9 @@ impl Flight {
     /// had a gradient of each parameter, and what the reduction did. Closes it first if needed.
     pub(crate) fn finish(mut self, comm: &Comm) -> Result<Reduced, DistError> {
         self.close(comm, None)?;
+        let t = Instant::now();
         self.complete(comm, true)?;
-        let closed = self.closed.unwrap_or_else(Instant::now);
-        self.stats.exposed_s = closed.elapsed().as_secs_f64();
+        self.stats.exposed_s += t.elapsed().as_secs_f64();
         let results = self
             .results
             .into_iter()

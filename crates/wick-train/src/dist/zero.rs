@@ -11,8 +11,9 @@
 //!
 //! Stage 1 all-reduces each bucket (every rank holds the whole reduced gradient until the
 //! update); stage 2 reduce-scatters it (a rank keeps only its block, the rest is freed bucket by
-//! bucket). candle's backward hands over all gradients at once, so the two stages differ after
-//! backward, not during it: the peak at the end of backward holds every local gradient in both.
+//! bucket). The buckets' collectives start from inside backward (a `flight`) or after it; a
+//! stage-2 bucket reduced during backward leaves only this rank's block beside the rest of
+//! backward, the buckets still to come hold every local gradient in both stages.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
@@ -238,10 +239,10 @@ impl ZeroOptimizer {
         (units, collective)
     }
 
-    /// A reduction of `vars`' gradients to start from inside backward ([`Flight::ready`]): each
-    /// bucket's reduced block (stage 1: inside the whole reduced bucket), its low-precision
+    /// A reduction of `vars`' gradients, started from inside backward ([`Flight::ready`]) when
+    /// `in_backward`: each bucket's reduced block (stage 1: inside the whole reduced bucket), its low-precision
     /// pieces rounded to their dtype as the replicated path does, as it completes.
-    pub(crate) fn flight(&self, group: &ProcessGroup, vars: &[Var]) -> Result<Flight, DistError> {
+    pub(crate) fn flight(&self, group: &ProcessGroup, vars: &[Var], in_backward: bool) -> Result<Flight, DistError> {
         let (units, collective) = self.units(group.world_size());
         let at = match self.stage {
             Sharding::OptimizerState => group.rank(),
@@ -259,7 +260,7 @@ impl ZeroOptimizer {
             let n = values.len();
             Ok(vec![Tensor::from_vec(values, n, &Device::Cpu)?])
         });
-        Flight::new(units, collective, vars, finisher)
+        Flight::new(units, collective, vars, finisher, in_backward)
     }
 
     /// One sharded step from this rank's local gradients `grads` (consumed): see
@@ -271,7 +272,7 @@ impl ZeroOptimizer {
         vars: &[Var],
         scaler: Option<&mut GradScaler>,
     ) -> Result<(StepOutcome, ReduceStats), TrainError> {
-        let mut flight = self.flight(group, vars)?;
+        let mut flight = self.flight(group, vars, false)?;
         flight.close(group.comm(), Some(grads))?;
         self.step_from(group, flight, vars, scaler)
     }

@@ -3,8 +3,11 @@
 //! communication buffers on top.
 //!
 //! What one rank holds at its peak, as wick-train runs it:
-//! - parameters and their gradients whole on every rank at every stage — candle's backward
-//!   hands over all gradients at once, so ZeRO-2's gradient shards exist only after it;
+//! - parameters and their gradients whole on every rank at every stage (a stage-2 bucket
+//!   reduced during backward leaves only its block, which is not counted: how many are depends
+//!   on timing);
+//! - with the reduction overlapping backward ([`Overlap`]): one bucket in flight beside
+//!   backward's activations, which candle holds until backward returns;
 //! - optimizer state and f32 masters: whole (stage 0) or one rank's share (stages 1 and 2: the
 //!   buckets' elements dealt in equal blocks, so a share is the whole over the ranks, rounded up);
 //! - activations and backward's workspace at the per-rank batch;
