@@ -234,12 +234,11 @@ impl Flight {
             Outgoing::Owned(send)
         };
         let t1 = Instant::now();
-        // The last unit, and every unit of a reduction after backward, have nothing left to
-        // overlap with: MPI's blocking collective (faster). Which units block is decided from
-        // what every rank knows alike — MPI matches a blocking collective only with a blocking
-        // one — never from when this rank starts them.
-        let now = !self.in_backward || u + 1 == self.units.len();
-        let pending = Pending::start(comm, send, self.collective, now)?;
+        // Non-blocking for every unit, started in backward or after it: MPI matches a blocking
+        // collective only with a blocking one, and which units a rank starts in backward
+        // depends on its timing. (Blocking ones after backward were no faster: 103 against 73 ms
+        // a step for the 58 M decoder, within ±4 ms for ResNet-18; BENCHMARKS.md, "Overlap".)
+        let pending = Pending::start(comm, send, self.collective)?;
         let t2 = Instant::now();
         self.stats.pack_s += (t1 - t0).as_secs_f64();
         self.stats.comm_s += (t2 - t1).as_secs_f64();

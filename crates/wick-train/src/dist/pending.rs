@@ -2,8 +2,8 @@
 //! values), started now and finished later, owning its buffers until it completes.
 //!
 //! Open MPI moves a non-blocking collective on inside the rank's later MPI calls (this one's
-//! [`Pending::test`] among them); with one thread per rank nothing else does. Alone, past MPI's
-//! counts, and when asked to, the collective runs to completion when it is started.
+//! [`Pending::test`] among them); with one thread per rank nothing else does. Alone, and past
+//! MPI's counts, the collective runs to completion when it is started.
 
 use candle_core::{CpuStorage, Storage, Tensor};
 
@@ -74,11 +74,8 @@ pub(crate) struct Pending {
 unsafe impl Send for Pending {}
 
 impl Pending {
-    /// Starts the sum of `send` over ranks (`collective` says who gets what); with `now`, runs
-    /// it to completion as MPI's blocking collective instead (Open MPI's non-blocking ones go
-    /// through its libnbc, which took twice as long for 1–4 MB on 2 ranks here: BENCHMARKS.md,
-    /// "Overlap").
-    pub(crate) fn start(comm: &Comm, send: Outgoing, collective: Collective, now: bool) -> Result<Pending, DistError> {
+    /// Starts the sum of `send` over ranks (`collective` says who gets what).
+    pub(crate) fn start(comm: &Comm, send: Outgoing, collective: Collective) -> Result<Pending, DistError> {
         let (_, size) = comm.rank_and_size();
         let n = send.len();
         let out = match collective {
@@ -89,7 +86,7 @@ impl Pending {
             }
         };
         #[cfg(feature = "mpi")]
-        if let (Comm::Mpi(m), false) = (comm, now) {
+        if let Comm::Mpi(m) = comm {
             if n <= super::comm::MAX_COUNT {
                 use mpi::traits::CommunicatorCollectives;
                 let (held, from): (Held, *const [f32]) = match send {

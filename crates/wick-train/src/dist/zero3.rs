@@ -297,7 +297,7 @@ impl ParamShards {
             start += chunk;
         }
         let t1 = Instant::now();
-        let pending = Pending::start(self.group.comm(), Outgoing::Owned(send), Collective::ReduceScatter, false)?;
+        let pending = Pending::start(self.group.comm(), Outgoing::Owned(send), Collective::ReduceScatter)?;
         let t2 = Instant::now();
         let mut st = lock(&self.state);
         st.pending = Some((which.to_vec(), chunks, pending));
