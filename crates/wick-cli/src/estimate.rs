@@ -101,6 +101,10 @@ pub struct ModelArgs {
     /// backward, so it implies --checkpointing).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
+    /// A data-parallel run that reduces its gradients after backward (`wick train
+    /// --no-overlap`): no bucket in flight beside backward's activations.
+    #[arg(long)]
+    pub no_overlap: bool,
 }
 
 /// `wick estimate` arguments.
@@ -235,7 +239,10 @@ impl Profiled {
         };
         // The largest reduction buffer is bounded from the parameter bytes: the zoo's large
         // models are estimated without being built.
-        let ranks = Ranks { blocks, ..Ranks::bounded(args.ranks as usize, args.zero, 25 << 20, param_bytes) };
+        let mut ranks = Ranks { blocks, ..Ranks::bounded(args.ranks as usize, args.zero, 25 << 20, param_bytes) };
+        if args.no_overlap {
+            ranks.overlap = None;
+        }
         // Every parameter at 4 bytes: the count.
         let numel = param_bytes.f32_total / 4;
         spinner.finish_and_clear();

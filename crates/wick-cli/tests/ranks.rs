@@ -91,6 +91,18 @@ fn two_ranks_train_as_one_process_and_survive_a_killed_rank() {
     let status: serde_json::Value =
         serde_json::from_slice(&std::fs::read(tmp.join("two/status.json")).unwrap()).unwrap();
     assert_eq!(status["ranks"].as_array().map(Vec::len), Some(2), "per-rank figures: {status}");
+    // Each step's line names its reduction; buckets start inside backward by default.
+    let metrics = std::fs::read_to_string(tmp.join("two/metrics.jsonl")).unwrap();
+    for line in metrics.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let (buckets, started) = (v["reduce"]["buckets"].as_u64(), v["reduce"]["in_backward"].as_u64());
+        assert!(buckets.is_some_and(|b| b >= 1) && started.is_some(), "the reduction in {line}");
+    }
+    // Without overlap: the same parameters, and nothing started inside backward.
+    let late = finish(train(&wick, &tmp.join("late"), &["--ranks", "2", "--no-overlap"]));
+    assert_eq!(late, reference, "2 ranks reducing after backward");
+    let metrics = std::fs::read_to_string(tmp.join("late/metrics.jsonl")).unwrap();
+    assert!(metrics.lines().all(|l| l.contains("\"in_backward\":0")), "{metrics}");
 
     // Kill a rank at random moments, replicated (once) and ZeRO-2/3 (three times in a row, saving
     // every step, so kills land in saves too: a shard per rank in each checkpoint).

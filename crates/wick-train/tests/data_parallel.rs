@@ -220,3 +220,27 @@ fn an_overlapped_reduction_accumulates_as_the_plain_trainer() {
         }
     }
 }
+
+/// With activation checkpointing the blocks' parameters are not on the outer graph (their
+/// gradients come from the segments' own backward passes, after the hook's): they reach the
+/// reduction after backward, and the step is still the plain trainer's, to the bit.
+#[test]
+fn an_overlapped_reduction_with_checkpointing_steps_as_the_plain_trainer() {
+    let a = Tensor::new(&[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], &Device::Cpu).unwrap();
+    let b = Tensor::new(&[[3u32, 2, 2, 9, 11, 0], [7, 1, 5, 5, 8, 2]], &Device::Cpu).unwrap();
+    let make = || {
+        let model = Llama::new(LlamaConfig::tiny(32), DType::F32, &Device::Cpu).unwrap();
+        let options = TrainOptions { activation_checkpointing: true, ..TrainOptions::default() };
+        Trainer::new(model, serde_json::json!({"model": "tiny"}), None, options).unwrap()
+    };
+    let mut plain = make();
+    let options = DataParallelOptions { bucket_bytes: 8 << 10, first_bucket_bytes: 2 << 10, ..Default::default() };
+    let mut overlapped = make().data_parallel(ProcessGroup::single(), options).unwrap();
+    for _ in 0..2 {
+        let loss = plain.train_step(&[a.clone(), b.clone()]).unwrap().loss;
+        assert_eq!(overlapped.train_step(&[a.clone(), b.clone()]).unwrap().loss.to_bits(), loss.to_bits());
+        assert_eq!(weights(&overlapped), weights(&plain));
+        let r = overlapped.last_reduce().unwrap();
+        assert!(r.buckets > 2 && r.overlapped < r.buckets, "{r:?}");
+    }
+}

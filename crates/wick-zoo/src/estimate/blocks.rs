@@ -208,23 +208,20 @@ impl ShardedBlocks for BlockRecorder {
     fn gather(&self, weights: &[Tensor]) -> Result<Vec<Tensor>> {
         self.record(weights);
         let (bytes, _) = self.elems(weights);
-        // A rank widens each piece to f32 and packs it into its send buffer (grown as it goes),
-        // then receives every rank's: the block whole, in bytes.
+        // A rank packs each piece (its f32 master, read where it lies) into its send buffer in
+        // the parameter's dtype (grown as it goes), then receives every rank's: the block
+        // whole, in bytes.
         let mut send: Vec<u8> = Vec::new();
         for w in weights {
             let piece = w.elem_count().div_ceil(self.world);
-            let widened = black_box(vec![0f32; piece]);
-            send.extend(std::iter::repeat_n(0u8, piece * w.dtype().size_in_bytes()));
-            drop(widened);
+            send.resize(send.len() + piece * w.dtype().size_in_bytes(), 0);
         }
         let recv = black_box(vec![0u8; bytes]);
         drop(black_box(send));
-        // Then one fresh variable per parameter, each from a copy of its bytes cut out of them.
+        // Then one fresh variable per parameter, made from the pieces where they lie.
         let mut out = Vec::with_capacity(weights.len());
         for w in weights {
-            let whole = black_box(vec![0u8; bytes_of(w)]);
             out.push(Var::from_tensor(&w.detach())?.as_tensor().clone());
-            drop(whole);
         }
         drop(recv);
         Ok(out)
@@ -235,11 +232,12 @@ impl ShardedBlocks for BlockRecorder {
         self.finish();
         let (_, elems) = self.elems(weights);
         // Every rank's section of the block's gradients in f32 (the block, padded), each
-        // gradient widened on its own into it; then the reduce-scatter started, its receive
-        // buffer beside the send buffer, both in flight until the next block's reduction.
+        // gradient copied into it where it lies (a low-precision one widened on its own first);
+        // then the reduce-scatter started, its receive buffer beside the send buffer, both in
+        // flight until the next block's reduction.
         let section = elems.div_ceil(self.world) + weights.len();
         let send = black_box(vec![0f32; section * self.world]);
-        for g in grads.iter().flatten() {
+        for g in grads.iter().flatten().filter(|g| g.dtype() != candle_core::DType::F32) {
             drop(black_box(vec![0f32; g.elem_count()]));
         }
         let recv = black_box(vec![0f32; section]);
