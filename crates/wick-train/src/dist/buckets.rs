@@ -31,6 +31,7 @@ use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::error::DistError;
+pub use super::flight::ReduceStats;
 use super::flight::{Flight, Unit};
 use super::pending::Collective;
 use super::{ProcessGroup, ReduceOp};
@@ -107,41 +108,6 @@ pub fn in_backward_bytes(vars: &[Var], first: usize, cap: usize, sharded: bool, 
     (bytes.clone().max().unwrap_or(0), bytes.fold(0usize, |a, b| a.saturating_add(b)))
 }
 
-/// What the last reduction did.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct ReduceStats {
-    /// Buckets reduced.
-    pub buckets: usize,
-    /// Bytes each rank sent into the all-reduces.
-    pub bytes: usize,
-    /// Seconds in MPI calls.
-    pub comm_s: f64,
-    /// Seconds copying gradients into buckets and back.
-    pub pack_s: f64,
-    /// Buckets started from inside backward (the rest started after it).
-    pub overlapped: usize,
-    /// Seconds the buckets' collectives were in flight, start to completion, summed.
-    pub flight_s: f64,
-    /// Seconds waiting for a collective to complete (part of `comm_s`).
-    pub wait_s: f64,
-    /// Seconds the step spent on the reduction after backward: packing and starting what
-    /// backward left, and waiting for the buckets to complete (the step's other collectives
-    /// between those calls are not counted).
-    pub exposed_s: f64,
-}
-
-impl ReduceStats {
-    /// Of the time the collectives were in flight, the share no rank sat waiting for them
-    /// (`1 − wait_s / flight_s`): 0 when every bucket was waited for from its start.
-    pub fn hidden_fraction(&self) -> f64 {
-        if self.flight_s > 0.0 {
-            (1.0 - self.wait_s / self.flight_s).clamp(0.0, 1.0)
-        } else {
-            0.0
-        }
-    }
-}
-
 /// Which of `vars` have a gradient on any rank (all-reduce MAX of the local presence): a
 /// parameter no rank computed stays without one, as in one process; one computed on some ranks
 /// only counts zeros for the others.
@@ -157,41 +123,6 @@ pub(crate) fn agree_presence(group: &ProcessGroup, local: &[bool]) -> Result<Vec
     let mut any = vec![0u8; local.len()];
     group.comm().all_reduce(&local, &mut any, ReduceOp::Max)?;
     Ok(any.into_iter().map(|p| p != 0).collect())
-}
-
-/// Appends `t`'s values, widened to f32, to `out`.
-pub(crate) fn append_f32(t: &Tensor, out: &mut Vec<f32>) -> Result<(), DistError> {
-    use candle_core::{CpuStorage, Storage};
-    let t = t.detach().flatten_all()?;
-    {
-        // A contiguous CPU tensor is read where it lies: widening a bf16 one through `to_vec1`
-        // held a copy of it beside the f32 values (the largest gradient's bytes again).
-        let (storage, layout) = t.storage_and_layout();
-        if let Some((a, b)) = layout.contiguous_offsets() {
-            match &*storage {
-                Storage::Cpu(CpuStorage::F32(v)) => {
-                    out.extend_from_slice(&v[a..b]);
-                    return Ok(());
-                }
-                Storage::Cpu(CpuStorage::BF16(v)) => {
-                    out.extend(v[a..b].iter().map(|x| x.to_f32()));
-                    return Ok(());
-                }
-                Storage::Cpu(CpuStorage::F16(v)) => {
-                    out.extend(v[a..b].iter().map(|x| x.to_f32()));
-                    return Ok(());
-                }
-                _ => {}
-            }
-        }
-    }
-    match t.dtype() {
-        DType::F32 => out.extend(t.to_vec1::<f32>()?),
-        DType::BF16 => out.extend(t.to_vec1::<half::bf16>()?.into_iter().map(f32::from)),
-        DType::F16 => out.extend(t.to_vec1::<half::f16>()?.into_iter().map(f32::from)),
-        d => return Err(DistError::unsupported("gradient reduction", format!("a {d:?} gradient"))),
-    }
-    Ok(())
 }
 
 /// The data-parallel reduction: every rank's gradients summed, bucket by bucket, back into

@@ -34,7 +34,7 @@
 //! [`super::DataParallelOptions`] gives that back.
 //!
 //! Rationale for large gradients on their own: an f32 gradient of at least
-//! [`super::buckets::DIRECT_BYTES`] is its own unit, sent from its own storage (no copy into a
+//! `DIRECT_BYTES` (`buckets`) is its own unit, sent from its own storage (no copy into a
 //! bucket: the copy cost a quarter of the all-reduce's time, BENCHMARKS.md "More than one
 //! process").
 
@@ -44,10 +44,79 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, TensorId, Var};
 
-use super::buckets::{append_f32, ReduceStats};
 use super::comm::Comm;
 use super::error::DistError;
 use super::pending::{Collective, Outgoing, Pending};
+
+/// What the last reduction did.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReduceStats {
+    /// Buckets reduced.
+    pub buckets: usize,
+    /// Bytes each rank sent into the all-reduces.
+    pub bytes: usize,
+    /// Seconds in MPI calls.
+    pub comm_s: f64,
+    /// Seconds copying gradients into buckets and back.
+    pub pack_s: f64,
+    /// Buckets started from inside backward (the rest started after it).
+    pub overlapped: usize,
+    /// Seconds the buckets' collectives were in flight, start to completion, summed.
+    pub flight_s: f64,
+    /// Seconds waiting for a collective to complete (part of `comm_s`).
+    pub wait_s: f64,
+    /// Seconds the step spent on the reduction after backward: packing and starting what
+    /// backward left, and waiting for the buckets to complete (the step's other collectives
+    /// between those calls are not counted).
+    pub exposed_s: f64,
+}
+
+impl ReduceStats {
+    /// Of the time the collectives were in flight, the share no rank sat waiting for them
+    /// (`1 − wait_s / flight_s`): 0 when every bucket was waited for from its start.
+    pub fn hidden_fraction(&self) -> f64 {
+        if self.flight_s > 0.0 {
+            (1.0 - self.wait_s / self.flight_s).clamp(0.0, 1.0)
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Appends `t`'s values, widened to f32, to `out`.
+pub(crate) fn append_f32(t: &Tensor, out: &mut Vec<f32>) -> Result<(), DistError> {
+    use candle_core::{CpuStorage, Storage};
+    let t = t.detach().flatten_all()?;
+    {
+        // A contiguous CPU tensor is read where it lies: widening a bf16 one through `to_vec1`
+        // held a copy of it beside the f32 values (the largest gradient's bytes again).
+        let (storage, layout) = t.storage_and_layout();
+        if let Some((a, b)) = layout.contiguous_offsets() {
+            match &*storage {
+                Storage::Cpu(CpuStorage::F32(v)) => {
+                    out.extend_from_slice(&v[a..b]);
+                    return Ok(());
+                }
+                Storage::Cpu(CpuStorage::BF16(v)) => {
+                    out.extend(v[a..b].iter().map(|x| x.to_f32()));
+                    return Ok(());
+                }
+                Storage::Cpu(CpuStorage::F16(v)) => {
+                    out.extend(v[a..b].iter().map(|x| x.to_f32()));
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+    }
+    match t.dtype() {
+        DType::F32 => out.extend(t.to_vec1::<f32>()?),
+        DType::BF16 => out.extend(t.to_vec1::<half::bf16>()?.into_iter().map(f32::from)),
+        DType::F16 => out.extend(t.to_vec1::<half::f16>()?.into_iter().map(f32::from)),
+        d => return Err(DistError::unsupported("gradient reduction", format!("a {d:?} gradient"))),
+    }
+    Ok(())
+}
 
 /// What one collective reduces: parameters packed together (indices into the model's
 /// parameters, in bucket order) into `len` values (their elements, then zeros to a multiple of

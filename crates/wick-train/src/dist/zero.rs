@@ -18,8 +18,9 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::buckets::{agree_presence, append_f32, ReduceStats};
+use super::buckets::{agree_presence, ReduceStats};
 use super::error::DistError;
+use super::flight::append_f32;
 use super::flight::{Flight, Unit};
 use super::pending::Collective;
 use super::{ProcessGroup, Sharding};

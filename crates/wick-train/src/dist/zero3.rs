@@ -35,8 +35,9 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, TensorId, Var};
 
-use super::buckets::{append_f32, ReduceStats};
+use super::buckets::ReduceStats;
 use super::error::DistError;
+use super::flight::append_f32;
 use super::pending::{Collective, Outgoing, Pending};
 use super::zero::{PieceInit, PieceRequest};
 use super::{ProcessGroup, ReduceOp};
