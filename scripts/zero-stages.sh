@@ -11,12 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 models=${1:-decoder-512,decoder-1024}
 steps=${2:-3}
-bin=target/release/examples/dist_bench
-if [ ! -x "$bin" ]; then
-    cargo build --release -p wick-train --features mpi --example dist_bench
-fi
-if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-export RAYON_NUM_THREADS=1
+# shellcheck source=scripts/dist-bench-setup.sh
+. scripts/dist-bench-setup.sh
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 echo "# dist_bench train (release, feature mpi), mpirun -n 2 --oversubscribe --bind-to none, RAYON_NUM_THREADS=1; $(lscpu | sed -n 's/^Model name: *//p'); $(date -u)"

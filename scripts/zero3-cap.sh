@@ -13,12 +13,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 cap_mib=${1:-3072}
 model=${2:-decoder-1024}
-bin=target/release/examples/dist_bench
-if [ ! -x "$bin" ]; then
-    cargo build --release -p wick-train --features mpi --example dist_bench || exit 1
-fi
-if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-export RAYON_NUM_THREADS=1
+# shellcheck source=scripts/dist-bench-setup.sh
+. scripts/dist-bench-setup.sh
 # A refusal's backtrace, when asked for, is resolved from the binary's debug information at
 # exit: hundreds of MiB a capped process at its limit does not have (the kernel then ends it
 # after the typed error was printed). The run shows what a user without RUST_BACKTRACE sees.
