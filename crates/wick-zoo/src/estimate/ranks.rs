@@ -201,13 +201,16 @@ fn sharded_parameters(p: ParamBytes, mut e: Estimate, mode: Mode, masters: bool,
     let outside = b.outside.max(share(b.outside_f32));
     e.gradients = share(b.inside_f32).saturating_add(outside);
     // After the update (activations and gradients gone): the outside parameters gathered back,
-    // received whole beside their fresh copies, and the largest of them copied in.
-    let gather_back = b.outside.saturating_mul(2).saturating_add(b.outside_largest);
+    // received whole beside their fresh copies made from the pieces where they lie, and a
+    // low-precision one's f32 copy as it is copied in.
+    let low = if b.outside_largest < b.outside_largest_f32 { b.outside_largest_f32 } else { 0 };
+    let gather_back = b.outside.saturating_mul(2).saturating_add(low);
     let held = e.activations.saturating_add(e.gradients);
     // After backward (activations gone), the outside parameters' gradients reduced one at a
-    // time: the largest widened to f32 beside the send buffer it is cut into.
+    // time: the largest's send buffer and this rank's piece of it, beside a low-precision
+    // gradient's f32 copy (an f32 one is read where it lies).
     let f32s = b.outside_largest_f32;
-    let reduce_rest = f32s.saturating_mul(2).saturating_add(f32s.div_ceil(n));
+    let reduce_rest = low.saturating_add(f32s).saturating_add(f32s.div_ceil(n));
     let phases = [
         (PeakPhase::Backward, e.workspace),
         (PeakPhase::OutsideReduction, reduce_rest.saturating_sub(e.activations)),
