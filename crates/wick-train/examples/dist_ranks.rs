@@ -234,8 +234,9 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     // What the heap holds before the model exists (stage 3's figure is measured from here).
     let base = exact_heap().map_or(0, |h| h.0);
     let model = spec.build(dtype, &Device::Cpu)?;
+    let param_vars: Vec<_> = model.params().iter().map(|(_, v)| v.clone()).collect();
     let largest_bucket = wick_train::dist::buckets::largest_buffer(
-        &model.params().iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
+        &param_vars,
         wick_train::dist::buckets::FIRST_BUCKET_BYTES,
         wick_train::dist::buckets::BUCKET_BYTES,
         zero > 0,
@@ -243,7 +244,7 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     );
     let overlap = env("WICK_DIST_OVERLAP", "1") == "1";
     let (largest, total) = wick_train::dist::buckets::in_backward_bytes(
-        &model.params().iter().map(|(_, v)| v.clone()).collect::<Vec<_>>(),
+        &param_vars,
         wick_train::dist::buckets::FIRST_BUCKET_BYTES,
         wick_train::dist::buckets::BUCKET_BYTES,
         zero > 0,

@@ -88,24 +88,22 @@ pub fn largest_buffer(vars: &[Var], first: usize, cap: usize, sharded: bool, wor
 /// backward's peak. Replicated, a bucket's packed gradients and each large f32 gradient are
 /// units of their own; sharded, a bucket padded to a multiple of the world size.
 pub fn in_backward_bytes(vars: &[Var], first: usize, cap: usize, sharded: bool, world: usize) -> (usize, usize) {
-    let elems: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
-    let world = world.max(1);
-    let direct = |i: usize| !sharded && vars[i].dtype() == DType::F32 && elems[i] * 4 >= DIRECT_BYTES;
-    let mut units: Vec<usize> = Vec::new();
-    for bucket in assign_buckets(&elems, first, cap) {
-        let packed: usize = bucket.iter().filter(|&&i| !direct(i)).map(|&i| elems[i]).sum();
-        if sharded {
-            units.push(packed.div_ceil(world).max(1) * world);
-            continue;
-        }
-        if packed > 0 {
-            units.push(packed);
-        }
-        units.extend(bucket.iter().filter(|&&i| direct(i)).map(|&i| elems[i]));
-    }
+    let buckets = GradBuckets::new(vars, first, cap);
+    let mut units: Vec<usize> = if sharded {
+        let elems = |b: &Vec<usize>| b.iter().map(|&i| vars[i].elem_count()).sum::<usize>();
+        buckets.plan().iter().map(|b| block_of(elems(b), world) * world.max(1)).collect()
+    } else {
+        buckets.units(vars).iter().map(|u| u.len).collect()
+    };
     units.pop();
     let bytes = units.iter().map(|&u| u.saturating_mul(4));
     (bytes.clone().max().unwrap_or(0), bytes.fold(0usize, |a, b| a.saturating_add(b)))
+}
+
+/// Elements of each rank's block of a sharded bucket of `elems` (ZeRO's equal blocks: the
+/// bucket padded to a multiple of the world size, at least one element each).
+pub(crate) fn block_of(elems: usize, world: usize) -> usize {
+    elems.div_ceil(world.max(1)).max(1)
 }
 
 /// Which of `vars` have a gradient on any rank (all-reduce MAX of the local presence): a
@@ -170,15 +168,12 @@ impl GradBuckets {
         units
     }
 
-    /// A reduction of `vars`' gradients, started from inside backward ([`Flight::ready`]) when
-    /// `in_backward`: each unit's sum cut into its members' gradients as it completes (f32 ones
-    /// views of it, others rounded back to their dtype, so the f32 values of a low-precision
-    /// model go at once).
-    pub(crate) fn flight(&self, vars: &[Var], in_backward: bool) -> Result<Flight, DistError> {
-        let units = self.units(vars);
-        let (cut, owned) = (units.clone(), vars.to_vec());
-        let finisher = Box::new(move |u: usize, values: Vec<f32>| -> Result<Vec<Tensor>, DistError> {
-            let unit = &cut[u];
+    /// A reduction of `vars`' gradients (to start from inside backward, [`Flight::ready`]): each
+    /// unit's sum cut into its members' gradients as it completes (f32 ones views of it, others
+    /// rounded back to their dtype, so the f32 values of a low-precision model go at once).
+    pub(crate) fn flight(&self, vars: &[Var]) -> Result<Flight, DistError> {
+        let owned = vars.to_vec();
+        let finisher = Box::new(move |_: usize, unit: &Unit, values: Vec<f32>| -> Result<Vec<Tensor>, DistError> {
             let bucket = Tensor::from_vec(values, unit.len, &Device::Cpu)?;
             let mut at = 0;
             let mut out = Vec::with_capacity(unit.members.len());
@@ -190,13 +185,13 @@ impl GradBuckets {
             }
             Ok(out)
         });
-        Flight::new(units, Collective::AllReduce, vars, finisher, in_backward)
+        Flight::new(self.units(vars), Collective::AllReduce, vars, finisher)
     }
 
     /// Sums `grads` (of `vars`, as given to [`GradBuckets::new`]) over ranks in place: every
     /// rank calls it with its own gradients and gets the sum.
     pub fn reduce(&self, group: &ProcessGroup, grads: &mut GradStore, vars: &[Var]) -> Result<ReduceStats, DistError> {
-        let mut flight = self.flight(vars, false)?;
+        let mut flight = self.flight(vars)?;
         flight.close(group.comm(), Some(grads))?;
         self.finish(group, flight, grads, vars)
     }
@@ -213,7 +208,7 @@ impl GradBuckets {
     ) -> Result<ReduceStats, DistError> {
         let (results, local, stats) = flight.finish(group.comm())?;
         let present = agree_presence(group, &local)?;
-        for (unit, reduced) in self.units(vars).into_iter().zip(results) {
+        for (unit, reduced) in results {
             for (&i, g) in unit.members.iter().zip(reduced) {
                 if present[i] {
                     grads.insert(vars[i].as_tensor(), g);

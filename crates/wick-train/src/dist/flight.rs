@@ -128,21 +128,19 @@ pub(crate) struct Unit {
     pub(crate) direct: bool,
 }
 
-/// What becomes of a unit's reduced values when its collective completes (unit index, values):
-/// the tensors the update reads, made at once so that a low-precision model's f32 values do
-/// not wait beside its gradients.
-pub(crate) type Finisher = Box<dyn FnMut(usize, Vec<f32>) -> Result<Vec<Tensor>, DistError> + Send>;
+/// What becomes of a unit's reduced values when its collective completes (the unit's index,
+/// the unit, the values): the tensors the update reads, made at once so that a low-precision
+/// model's f32 values do not wait beside its gradients.
+pub(crate) type Finisher = Box<dyn FnMut(usize, &Unit, Vec<f32>) -> Result<Vec<Tensor>, DistError> + Send>;
 
-/// A completed reduction: each unit's tensors (what its [`Finisher`] made), whether this rank
-/// had a gradient of each parameter, and what the reduction did.
-pub(crate) type Reduced = (Vec<Vec<Tensor>>, Vec<bool>, ReduceStats);
+/// A completed reduction: each unit with its tensors (what the [`Finisher`] made), whether this
+/// rank had a gradient of each parameter, and what the reduction did.
+pub(crate) type Reduced = (Vec<(Unit, Vec<Tensor>)>, Vec<bool>, ReduceStats);
 
 /// A step's reduction, started unit by unit.
 pub(crate) struct Flight {
     units: Vec<Unit>,
     finisher: Finisher,
-    /// Whether units start from inside backward.
-    in_backward: bool,
     collective: Collective,
     vars: Vec<Var>,
     /// Parameter id → (unit, slot).
@@ -166,14 +164,13 @@ pub(crate) struct Flight {
 
 impl Flight {
     /// A reduction of `vars`' gradients in `units` (every parameter in one unit at most), each
-    /// unit's sum handed to `finisher` as it completes; `in_backward`: its units are started
-    /// from inside backward ([`Flight::ready`]), otherwise all after it ([`Flight::close`]).
+    /// unit's sum handed to `finisher` as it completes; its units start from inside backward
+    /// ([`Flight::ready`]) or, closed at once, all after it ([`Flight::close`]).
     pub(crate) fn new(
         units: Vec<Unit>,
         collective: Collective,
         vars: &[Var],
         finisher: Finisher,
-        in_backward: bool,
     ) -> Result<Self, DistError> {
         let mut place = HashMap::new();
         for (u, unit) in units.iter().enumerate() {
@@ -191,7 +188,6 @@ impl Flight {
         Ok(Flight {
             units,
             finisher,
-            in_backward,
             collective,
             vars: vars.to_vec(),
             place,
@@ -215,9 +211,6 @@ impl Flight {
 
     /// The backward hook: `var`'s gradient is complete in `grads`.
     pub(crate) fn ready(&mut self, comm: &Comm, var: &Tensor, grads: &mut GradStore) -> Result<(), DistError> {
-        if !self.in_backward {
-            return Err(DistError::internal("a reduction made for after backward was handed a gradient during it"));
-        }
         let Some(&(u, k)) = self.place.get(&var.id()) else { return Ok(()) };
         if self.filled[u][k] || self.closed.is_some() {
             return Ok(());
@@ -259,7 +252,7 @@ impl Flight {
             self.stats.wait_s += (now - t).as_secs_f64();
         }
         self.stats.flight_s += (now - since).as_secs_f64();
-        self.results[u] = Some((self.finisher)(u, values)?);
+        self.results[u] = Some((self.finisher)(u, &self.units[u], values)?);
         self.stats.pack_s += now.elapsed().as_secs_f64();
         Ok(true)
     }
@@ -348,7 +341,7 @@ impl Flight {
         Ok(())
     }
 
-    /// Waits for the last unit: every unit's reduced values (in unit order), whether this rank
+    /// Waits for the last unit: every unit with its reduced values (in unit order), whether this rank
     /// had a gradient of each parameter, and what the reduction did. Closes it first if needed.
     pub(crate) fn finish(mut self, comm: &Comm) -> Result<Reduced, DistError> {
         self.close(comm, None)?;
@@ -356,9 +349,12 @@ impl Flight {
         self.complete(comm, true)?;
         self.stats.exposed_s += t.elapsed().as_secs_f64();
         let results = self
-            .results
+            .units
             .into_iter()
-            .map(|r| r.ok_or_else(|| DistError::internal("a bucket's reduction did not complete")))
+            .zip(self.results)
+            .map(|(unit, r)| {
+                r.map(|t| (unit, t)).ok_or_else(|| DistError::internal("a bucket's reduction did not complete"))
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok((results, self.present, self.stats))
     }

@@ -342,8 +342,8 @@ impl Parallel {
             return Ok(None);
         }
         Ok(match &self.zero {
-            None => Some(self.buckets.flight(vars, true)?),
-            Some(Shard::Zero(z)) => Some(z.flight(&self.group, vars, true)?),
+            None => Some(self.buckets.flight(vars)?),
+            Some(Shard::Zero(z)) => Some(z.flight(&self.group, vars)?),
             Some(Shard::Params(_)) => None,
         })
     }

@@ -18,10 +18,9 @@
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::buckets::{agree_presence, ReduceStats};
+use super::buckets::{agree_presence, block_of, ReduceStats};
 use super::error::DistError;
-use super::flight::append_f32;
-use super::flight::{Flight, Unit};
+use super::flight::{append_f32, Flight, Unit};
 use super::pending::Collective;
 use super::{ProcessGroup, Sharding};
 use crate::amp::{GradScaler, StepOutcome};
@@ -135,7 +134,7 @@ impl ZeroOptimizer {
                     at.checked_add(vars[i].elem_count()).ok_or_else(|| DistError::internal("bucket size overflows"))?;
             }
             let elems = at;
-            let block = elems.div_ceil(world).max(1);
+            let block = block_of(elems, world);
             let (lo, hi) = (rank * block, ((rank + 1) * block).min(elems));
             let mut pieces = Vec::new();
             let mut states = Vec::new();
@@ -240,28 +239,36 @@ impl ZeroOptimizer {
         (units, collective)
     }
 
-    /// A reduction of `vars`' gradients, started from inside backward ([`Flight::ready`]) when
-    /// `in_backward`: each bucket's reduced block (stage 1: inside the whole reduced bucket), its low-precision
-    /// pieces rounded to their dtype as the replicated path does, as it completes.
-    pub(crate) fn flight(&self, group: &ProcessGroup, vars: &[Var], in_backward: bool) -> Result<Flight, DistError> {
-        let (units, collective) = self.units(group.world_size());
-        let at = match self.stage {
-            Sharding::OptimizerState => group.rank(),
+    /// Where this rank's block starts in bucket `b`'s reduced values: stage 1 reduces the whole
+    /// bucket, stage 2 only the block.
+    fn own_block_at(&self, rank: usize, b: &ShardBucket) -> usize {
+        match self.stage {
+            Sharding::OptimizerState => rank * b.block,
             _ => 0,
-        };
+        }
+    }
+
+    /// A reduction of `vars`' gradients (to start from inside backward, [`Flight::ready`]): each
+    /// bucket's reduced block (stage 1: inside the whole reduced bucket), its low-precision
+    /// pieces rounded to their dtype as the replicated path does, as it completes.
+    pub(crate) fn flight(&self, group: &ProcessGroup, vars: &[Var]) -> Result<Flight, DistError> {
+        let (units, collective) = self.units(group.world_size());
         let low: Vec<Vec<(usize, usize, DType)>> = self
             .buckets
             .iter()
-            .map(|b| b.pieces.iter().map(|p| (at * b.block + p.at, p.len, vars[p.param].dtype())).collect())
+            .map(|b| {
+                let at = self.own_block_at(group.rank(), b);
+                b.pieces.iter().map(|p| (at + p.at, p.len, vars[p.param].dtype())).collect()
+            })
             .collect();
-        let finisher = Box::new(move |u: usize, mut values: Vec<f32>| -> Result<Vec<Tensor>, DistError> {
+        let finisher = Box::new(move |u: usize, _: &Unit, mut values: Vec<f32>| -> Result<Vec<Tensor>, DistError> {
             for &(start, len, dtype) in &low[u] {
                 rounded(&mut values[start..start + len], dtype);
             }
             let n = values.len();
             Ok(vec![Tensor::from_vec(values, n, &Device::Cpu)?])
         });
-        Flight::new(units, collective, vars, finisher, in_backward)
+        Flight::new(units, collective, vars, finisher)
     }
 
     /// One sharded step from this rank's local gradients `grads` (consumed): see
@@ -273,7 +280,7 @@ impl ZeroOptimizer {
         vars: &[Var],
         scaler: Option<&mut GradScaler>,
     ) -> Result<(StepOutcome, ReduceStats), TrainError> {
-        let mut flight = self.flight(group, vars, false)?;
+        let mut flight = self.flight(group, vars)?;
         flight.close(group.comm(), Some(grads))?;
         self.step_from(group, flight, vars, scaler)
     }
@@ -293,11 +300,8 @@ impl ZeroOptimizer {
         let present = agree_presence(group, &local)?;
         // Each bucket's reduced gradient block, and where this rank's block starts in it.
         let mut blocks: Vec<(Tensor, usize)> = Vec::with_capacity(self.buckets.len());
-        for (b, reduced) in self.buckets.iter().zip(results) {
-            let at = match self.stage {
-                Sharding::OptimizerState => group.rank() * b.block,
-                _ => 0,
-            };
+        for (b, (_, reduced)) in self.buckets.iter().zip(results) {
+            let at = self.own_block_at(group.rank(), b);
             let block = reduced.into_iter().next().ok_or_else(|| DistError::internal("a bucket reduced to nothing"))?;
             blocks.push((block, at));
         }
