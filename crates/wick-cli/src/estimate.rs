@@ -105,6 +105,10 @@ pub struct ModelArgs {
     /// --no-overlap`): no bucket in flight beside backward's activations.
     #[arg(long)]
     pub no_overlap: bool,
+    /// A ZeRO stage-3 run that prefetches the next block's gather (`wick train --prefetch`):
+    /// one more block whole beside the one that runs.
+    #[arg(long)]
+    pub prefetch: bool,
 }
 
 /// `wick estimate` arguments.
@@ -243,6 +247,7 @@ impl Profiled {
         if args.no_overlap {
             ranks.overlap = None;
         }
+        ranks.prefetch = args.prefetch;
         // Every parameter at 4 bytes: the count.
         let numel = param_bytes.f32_total / 4;
         spinner.finish_and_clear();

@@ -113,6 +113,10 @@ pub struct TrainArgs {
     /// flight that overlap adds to backward's peak).
     #[arg(long)]
     no_overlap: bool,
+    /// At ZeRO stage 3, start the next block's gather while the current block runs (FSDP's
+    /// prefetch; one more block whole beside it).
+    #[arg(long)]
+    prefetch: bool,
 }
 
 const VOCAB: usize = 32;
@@ -388,7 +392,8 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
     // masters and optimizer state, and a resume reads only its share.
     let mut trainer = if world > 1 {
         let sharding = wick_train::dist::Sharding::from_stage(args.zero)?;
-        let parallel = DataParallelOptions { sharding, overlap: !args.no_overlap, ..Default::default() };
+        let parallel =
+            DataParallelOptions { sharding, overlap: !args.no_overlap, prefetch: args.prefetch, ..Default::default() };
         Trainer::new_data_parallel(model, describe, start.as_deref(), options, group.clone(), parallel)?
     } else {
         Trainer::new(model, describe, start.as_deref(), options)?
@@ -505,9 +510,11 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         });
         if let Some(r) = trainer.last_reduce() {
             // The step's gradient reduction: buckets, those started inside backward, the time in
-            // MPI calls and the time the step waited for it after backward.
+            // MPI calls and the time the step waited for it after backward (ZeRO-3: the
+            // blocks' gathers that were prefetched).
             line["reduce"] = serde_json::json!({"buckets": r.buckets, "in_backward": r.overlapped,
-                "comm_ms": r.comm_s * 1e3, "exposed_ms": r.exposed_s * 1e3, "hidden": r.hidden_fraction()});
+                "comm_ms": r.comm_s * 1e3, "exposed_ms": r.exposed_s * 1e3, "hidden": r.hidden_fraction(),
+                "prefetched": r.prefetched});
         }
         if args.eval_every > 0 && record.step % args.eval_every == 0 {
             let eval = wick_nn::no_grad(|| trainer.model().loss(&held_out))?;

@@ -104,6 +104,16 @@ fn two_ranks_train_as_one_process_and_survive_a_killed_rank() {
     assert_eq!(late, reference, "2 ranks reducing after backward");
     let metrics = std::fs::read_to_string(tmp.join("late/metrics.jsonl")).unwrap();
     assert!(metrics.lines().all(|l| l.contains("\"in_backward\":0")), "{metrics}");
+    // ZeRO-3 prefetching the next block's gather: the same parameters; from the second step on
+    // (the first learns the blocks' order) the blocks' gathers were started ahead.
+    let ahead = finish(train(&wick, &tmp.join("prefetch"), &["--ranks", "2", "--zero", "3", "--prefetch"]));
+    assert_eq!(ahead, reference, "2 ranks at ZeRO-3, prefetching");
+    let metrics = std::fs::read_to_string(tmp.join("prefetch/metrics.jsonl")).unwrap();
+    let prefetched: Vec<u64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["reduce"]["prefetched"].as_u64().unwrap())
+        .collect();
+    assert!(prefetched.len() > 1 && prefetched[0] == 0 && prefetched[1..].iter().all(|&n| n > 0), "{metrics}");
 
     // Kill a rank at random moments, replicated (once) and ZeRO-2/3 (three times in a row, saving
     // every step, so kills land in saves too: a shard per rank in each checkpoint).

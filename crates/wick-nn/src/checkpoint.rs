@@ -15,7 +15,7 @@
 //! block's full parameters just before the block runs forward, drops them after it, asks again
 //! in backward, and hands the block's parameter gradients over as soon as its backward is done.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -122,6 +122,8 @@ pub fn run_stateful<S: Clone + Send + Sync + 'static>(
 pub struct Checkpointing {
     stash: Stash,
     sharded: Option<Arc<dyn ShardedBlocks>>,
+    /// The weights the segments of this context take (by identity).
+    segment_weights: Arc<Mutex<HashSet<TensorId>>>,
 }
 
 impl Checkpointing {
@@ -135,7 +137,7 @@ impl Checkpointing {
     /// for its backward, its gradients handed to `blocks` when its backward is done (they are
     /// not in the gradient store [`Checkpointing::backward`] returns).
     pub fn sharded(blocks: Arc<dyn ShardedBlocks>) -> Self {
-        Checkpointing { stash: Stash::default(), sharded: Some(blocks) }
+        Checkpointing { sharded: Some(blocks), ..Self::default() }
     }
 
     /// Runs `f(x, weights)` without keeping its intermediates; they are recomputed in backward.
@@ -152,6 +154,7 @@ impl Checkpointing {
         };
         let y = f(&x.detach(), &detached)?;
         drop(detached);
+        self.segment_weights.lock().unwrap_or_else(|p| p.into_inner()).extend(weights.iter().map(Tensor::id));
         // The op must be on the graph even when the input itself is not tracked (raw images).
         let input = if x.track_op() { x.clone() } else { Var::from_tensor(x)?.as_tensor().clone() };
         input.apply_op1(SegmentOp {
@@ -169,16 +172,28 @@ impl Checkpointing {
     }
 
     /// [`Checkpointing::backward`], calling `ready` as candle's `Tensor::backward_with_hook`
-    /// does for each variable of the outer graph (a segment's parameters are not on it: their
-    /// gradients come from the segments' own backward passes, and are in the store this
-    /// returns).
+    /// does for each variable of the outer graph once its gradient there is complete — except
+    /// a segment's weight: its gradient comes from the segments' own backward passes, which
+    /// may run after the outer graph's part of it (a weight read inside a segment and outside
+    /// one), and is in the store this returns, whole.
     pub fn backward_with_hook(
         &self,
         loss: &Tensor,
         params: &Params,
         ready: &mut dyn FnMut(&Tensor, &mut GradStore) -> Result<()>,
     ) -> Result<GradStore> {
-        let mut grads = loss.backward_with_hook(ready)?;
+        let mut grads = {
+            // A copy: a segment recomputed in backward may record its weights again.
+            let inside = self.segment_weights.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let mut outer = |var: &Tensor, store: &mut GradStore| {
+                if inside.contains(&var.id()) {
+                    Ok(())
+                } else {
+                    ready(var, store)
+                }
+            };
+            loss.backward_with_hook(&mut outer)?
+        };
         let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
         for (_, var) in params.iter() {
             if let Some(g) = stash.remove(&var.id()) {
@@ -190,6 +205,7 @@ impl Checkpointing {
             }
         }
         stash.clear();
+        self.segment_weights.lock().unwrap_or_else(|p| p.into_inner()).clear();
         Ok(grads)
     }
 }

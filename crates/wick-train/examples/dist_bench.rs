@@ -5,7 +5,7 @@
 //! ```text
 //! dist_bench train --model decoder|decoder-512|decoder-1024|minilm|bert-base|vit|resnet18|mobilenet_v2 --batch 8
 //!                  [--image 224] [--steps 5] [--warmup 2]
-//!                  [--zero 0..3] [--checkpointing] [--no-overlap]
+//!                  [--zero 0..3] [--checkpointing] [--no-overlap] [--prefetch]
 //! dist_bench allreduce --mb 1,4,25,100 [--reps 5]
 //! ```
 //! (`scripts/torch-reference/ddp_bench.py` runs it next to PyTorch DDP.)
@@ -95,8 +95,14 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     let describe = serde_json::json!({"model": model});
     // `--no-overlap`: every bucket reduced after backward (the default starts them inside it).
     let overlap = !args.iter().any(|a| a == "--no-overlap");
-    let parallel =
-        DataParallelOptions { sharding: Sharding::from_stage(zero)?, overlap, ..DataParallelOptions::default() };
+    // `--prefetch`: stage 3 starts the next block's gather while the current one runs.
+    let prefetch = args.iter().any(|a| a == "--prefetch");
+    let parallel = DataParallelOptions {
+        sharding: Sharding::from_stage(zero)?,
+        overlap,
+        prefetch,
+        ..DataParallelOptions::default()
+    };
     let mut trainer = if world > 1 || zero > 0 {
         Trainer::new_data_parallel(net, describe, None, options, group.clone(), parallel)?
     } else {
@@ -131,7 +137,7 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
             if let Some(r) = trainer.last_reduce() {
                 reduce.push(serde_json::json!({"buckets": r.buckets, "overlapped": r.overlapped,
                     "exposed_ms": r.exposed_s * 1e3, "wait_ms": r.wait_s * 1e3, "flight_ms": r.flight_s * 1e3,
-                    "pack_ms": r.pack_s * 1e3, "hidden": r.hidden_fraction()}));
+                    "pack_ms": r.pack_s * 1e3, "hidden": r.hidden_fraction(), "prefetched": r.prefetched}));
             }
         }
     }
@@ -139,7 +145,7 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     let mine = [peak_rss_mib(), heap, heap_base as f64 / (1 << 20) as f64, start_rss];
     let peaks = group.all_gather(&Tensor::new(&mine, &Device::Cpu)?)?.to_vec1::<f64>()?;
     Ok(serde_json::json!({"model": model, "batch": batch, "world": world, "zero": zero,
-        "checkpointing": activation_checkpointing, "overlap": overlap, "ms": ms, "comm_ms": comm_ms, "reduce": reduce,
+        "checkpointing": activation_checkpointing, "overlap": overlap, "prefetch": prefetch, "ms": ms, "comm_ms": comm_ms, "reduce": reduce,
         "peak_rss_mib": peaks.iter().step_by(4).collect::<Vec<_>>(),
         "heap_peak_mib": peaks.iter().skip(1).step_by(4).collect::<Vec<_>>(),
         "heap_before_mib": peaks.iter().skip(2).step_by(4).collect::<Vec<_>>(),

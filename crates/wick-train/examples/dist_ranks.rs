@@ -7,7 +7,8 @@
 //!   `collectives` (each collective against a recomputation, and the refusals), `memory` (one
 //!   AdamW step's measured peak on each rank beside the estimator's per-rank figure);
 //! - `WICK_DIST_MODEL` `decoder`|`cnn`, `WICK_DIST_PRECISION` `f32`|`bf16`|`f16`,
-//!   `WICK_DIST_ZERO` `0`|`1`|`2`|`3`, `WICK_DIST_STEPS`;
+//!   `WICK_DIST_ZERO` `0`|`1`|`2`|`3`, `WICK_DIST_STEPS`, `WICK_DIST_OVERLAP` (`0`: every bucket
+//!   reduced after backward), `WICK_DIST_PREFETCH` (`1`: stage 3 prefetches the next block);
 //! - `WICK_DIST_CKPT`: a checkpoint folder; with `WICK_DIST_SAVE_AT=k` the run saves after step
 //!   k and stops there, with `WICK_DIST_RESUME=1` it resumes from the folder first (and with
 //!   `WICK_DIST_SAVE_NOW=1` saves again at once, at its own world size, and stops);
@@ -125,6 +126,8 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
         first_bucket_bytes: 4 << 10,
         // `WICK_DIST_OVERLAP=0`: every bucket reduced after backward.
         overlap: env("WICK_DIST_OVERLAP", "1") == "1",
+        // `WICK_DIST_PREFETCH=1`: stage 3 starts the next block's gather ahead of it.
+        prefetch: env("WICK_DIST_PREFETCH", "0") == "1",
     };
     let distributed = world > 1 || zero > 0;
     // `WICK_DIST_JOIN=1`: the whole state first (and the resume into it), then joining the group;
@@ -251,7 +254,8 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
         world,
     );
     let overlap_bytes = (overlap && zero < 3).then_some(Overlap { largest, total });
-    let ranks = Ranks { ranks: world, zero_stage: zero, largest_bucket, blocks, overlap: overlap_bytes };
+    let ranks =
+        Ranks { ranks: world, zero_stage: zero, largest_bucket, blocks, overlap: overlap_bytes, prefetch: false };
     let estimate = estimate_per_rank(bytes, &profile, batch, Mode::TrainAdamW, amp, Update::InPlace, ranks);
     let options = TrainOptions { optimizer: common::adamw(1e-6), autocast, ..TrainOptions::default() };
     // How much the start holds at its peak (the whole state, or only this rank's shard).

@@ -133,16 +133,24 @@ fn zero3_steps_as_the_plain_trainer_for_every_zoo_family() {
             let options = TrainOptions { autocast, ..TrainOptions::default() };
             let build = || spec.build(dtype, &Device::Cpu).unwrap();
             let mut plain = Trainer::new(build(), serde_json::json!({}), None, options).unwrap();
-            let parallel = DataParallelOptions { sharding: Sharding::Parameters, ..Default::default() };
-            let mut sharded = Trainer::new(build(), serde_json::json!({}), None, options)
-                .unwrap()
-                .data_parallel(ProcessGroup::single(), parallel)
-                .unwrap();
+            let sharded_with = |prefetch| {
+                let parallel = DataParallelOptions { sharding: Sharding::Parameters, prefetch, ..Default::default() };
+                Trainer::new(build(), serde_json::json!({}), None, options)
+                    .unwrap()
+                    .data_parallel(ProcessGroup::single(), parallel)
+                    .unwrap()
+            };
+            // Without and with the next block's gather prefetched (from the second step on).
+            let (mut sharded, mut ahead) = (sharded_with(false), sharded_with(true));
             let batch = spec.batch(2, dtype, &Device::Cpu).unwrap();
-            for step in 0..2 {
+            for step in 0..3 {
                 let a = plain.train_step(std::slice::from_ref(&batch)).unwrap().loss;
                 let b = sharded.train_step(std::slice::from_ref(&batch)).unwrap().loss;
+                let c = ahead.train_step(std::slice::from_ref(&batch)).unwrap().loss;
                 assert_eq!(a.to_bits(), b.to_bits(), "{spec:?} {dtype:?} step {step}: loss {a} against {b}");
+                assert_eq!(a.to_bits(), c.to_bits(), "{spec:?} {dtype:?} step {step}, prefetching: {a} against {c}");
+                let prefetched = ahead.last_reduce().map_or(0, |r| r.prefetched);
+                assert_eq!(prefetched > 0, step > 0, "{spec:?} {dtype:?} step {step}: {prefetched} prefetched");
             }
             let bits = |t: &Tensor| {
                 t.flatten_all()
@@ -158,6 +166,9 @@ fn zero3_steps_as_the_plain_trainer_for_every_zoo_family() {
             let (p, s) = (plain.gathered_parameters().unwrap(), sharded.gathered_parameters().unwrap());
             for ((name, a), (_, b)) in p.iter().zip(&s) {
                 assert_eq!(bits(a), bits(b), "{spec:?} {dtype:?}: {name}");
+            }
+            for ((name, a), (_, b)) in p.iter().zip(&ahead.gathered_parameters().unwrap()) {
+                assert_eq!(bits(a), bits(b), "{spec:?} {dtype:?}, prefetching: {name}");
             }
             let summary = wick::Engine::cpu();
             sharded.account(&summary);
@@ -189,8 +200,13 @@ fn an_overlapped_reduction_accumulates_as_the_plain_trainer() {
         for sharding in [Sharding::None, Sharding::OptimizerState, Sharding::Gradients] {
             for overlap in [true, false] {
                 // Small buckets, so that the model spans several.
-                let options =
-                    DataParallelOptions { sharding, overlap, bucket_bytes: 8 << 10, first_bucket_bytes: 2 << 10 };
+                let options = DataParallelOptions {
+                    sharding,
+                    overlap,
+                    bucket_bytes: 8 << 10,
+                    first_bucket_bytes: 2 << 10,
+                    prefetch: false,
+                };
                 runs.push((sharding, overlap, make().data_parallel(ProcessGroup::single(), options).unwrap()));
             }
         }

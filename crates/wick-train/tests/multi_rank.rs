@@ -205,6 +205,9 @@ fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
                 // +0.8 … +4.6 % here, +2.9 / +3.8 % at 58 M and 168 M parameters).
                 let low = if zero == "3" { 1.0 } else { 0.99 };
                 let high = if zero != "3" && overlap == "1" { 1.12 } else { 1.05 };
+                eprintln!(
+                    "{model} {precision} ZeRO-{zero} overlap {overlap} rank {rank}: estimate / measured {ratio:.4}"
+                );
                 assert!(
                     (low..=high).contains(&ratio),
                     "{model} {precision} ZeRO-{zero}, overlap {overlap}, rank {rank}: estimate {estimate}, measured \

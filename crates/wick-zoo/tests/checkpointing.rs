@@ -190,3 +190,47 @@ fn checkpointing_works_on_every_zoo_model() {
         );
     }
 }
+
+/// A weight read inside a checkpointed segment and outside it: the backward hook is never handed
+/// part of its gradient. Its outer part is complete at the outer graph's point for it, but the
+/// segment's part comes from the segment's own backward pass; the hook is skipped for it and the
+/// store returned holds the whole gradient (data-parallel overlap reduces what the hook takes,
+/// so a partial gradient there would be reduced short).
+#[test]
+fn a_weight_shared_with_a_segment_reaches_the_hook_never_in_part() {
+    let _turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    use wick_nn::params::Params;
+    let mut params = Params::with_seed(7);
+    let init = wick_nn::params::Init::Normal(0.5);
+    let w = params.create("w", &[4, 4], init, DType::F64, &Device::Cpu).unwrap();
+    let b = params.create("b", &[4], init, DType::F64, &Device::Cpu).unwrap();
+    let x = Tensor::arange(0f64, 8.0, &Device::Cpu).unwrap().reshape((2, 4)).unwrap();
+    let loss = |ckpt: Option<&Checkpointing>| {
+        let inner = |x: &Tensor, ws: &[Tensor]| x.matmul(&ws[0])?.broadcast_add(&ws[1])?.tanh();
+        let y = match ckpt {
+            Some(c) => c.segment(&x, vec![w.clone(), b.clone()], inner).unwrap(),
+            None => inner(&x, &[w.clone(), b.clone()]).unwrap(),
+        };
+        // `w` read outside the segment too.
+        (y.sum_all().unwrap() + w.sqr().unwrap().sum_all().unwrap()).unwrap()
+    };
+    let plain = loss(None).backward().unwrap();
+    let ckpt = Checkpointing::new();
+    let mut handed = Vec::new();
+    let mut hook = |v: &Tensor, store: &mut candle_core::backprop::GradStore| {
+        if let Some(g) = store.remove(v) {
+            handed.push((v.id(), g));
+        }
+        Ok(())
+    };
+    let rest = ckpt.backward_with_hook(&loss(Some(&ckpt)), &params, &mut hook).unwrap();
+    for var in [&w, &b] {
+        let expected = plain.get(var).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let from_hook: Vec<_> = handed.iter().filter(|(id, _)| *id == var.id()).collect();
+        assert!(from_hook.is_empty(), "a segment's weight is not handed to the hook");
+        let got = rest.get(var).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        for (g, e) in got.iter().zip(&expected) {
+            assert!((g - e).abs() <= 1e-12 * e.abs().max(1.0), "{got:?} against {expected:?}");
+        }
+    }
+}

@@ -69,6 +69,8 @@ pub struct ReduceStats {
     /// backward left, and waiting for the buckets to complete (the step's other collectives
     /// between those calls are not counted).
     pub exposed_s: f64,
+    /// ZeRO stage 3: blocks whose gather was started ahead of them (prefetched) and used.
+    pub prefetched: usize,
 }
 
 impl ReduceStats {

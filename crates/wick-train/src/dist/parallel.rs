@@ -35,6 +35,11 @@ pub struct DataParallelOptions {
     /// (host parameters at stages 0–2; stage 3 reduces each block as its backward ends).
     /// Off: every bucket is reduced after backward.
     pub overlap: bool,
+    /// ZeRO stage 3: start the next block's gather (in the last step's order) as soon as the
+    /// current block's is done, so that it moves on while the block computes — FSDP's forward
+    /// and backward prefetch. Holds one more block's parameters whole; off by default (see
+    /// BENCHMARKS.md "Prefetch": on two host ranks it measured no faster).
+    pub prefetch: bool,
 }
 
 impl Default for DataParallelOptions {
@@ -44,6 +49,7 @@ impl Default for DataParallelOptions {
             bucket_bytes: BUCKET_BYTES,
             first_bucket_bytes: FIRST_BUCKET_BYTES,
             overlap: true,
+            prefetch: false,
         }
     }
 }
@@ -80,6 +86,16 @@ impl Shard {
     }
 }
 
+impl Shard {
+    /// The same shard, prefetching at stage 3 when `on` ([`DataParallelOptions::prefetch`]).
+    fn prefetching(self, on: bool) -> Self {
+        if let Shard::Params(p) = &self {
+            p.set_prefetch(on);
+        }
+        self
+    }
+}
+
 /// A trainer's data-parallel state.
 pub(crate) struct Parallel {
     pub(crate) group: ProcessGroup,
@@ -89,6 +105,8 @@ pub(crate) struct Parallel {
     gpu: Option<GpuComm>,
     pub(crate) last: ReduceStats,
     overlap: bool,
+    /// Stage 3's prefetch ([`DataParallelOptions::prefetch`]).
+    prefetch: bool,
 }
 
 /// NCCL for `vars` when they are on a GPU (replicated only), `None` for host parameters.
@@ -126,6 +144,7 @@ impl Parallel {
             "bucket_bytes": options.bucket_bytes,
             "first_bucket_bytes": options.first_bucket_bytes,
             "overlap": options.overlap,
+            "prefetch": options.prefetch,
         });
         group.check_same("training setup", &setup)?;
         let gpu = gpu_comm(group, &options, vars)?;
@@ -178,12 +197,21 @@ impl Parallel {
                 }
                 PieceInit::narrowed(request, &master, Some(&state))
             };
-            let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, steps, &mut fetch)?;
+            let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, steps, &mut fetch)?
+                .prefetching(options.prefetch);
             *masters = MasterWeights::new(&[], optimizer)?;
             Some(z)
         };
         broadcast_buffers(&group, params)?;
-        Ok(Parallel { group, buckets, zero, gpu, last: ReduceStats::default(), overlap: options.overlap })
+        Ok(Parallel {
+            group,
+            buckets,
+            zero,
+            gpu,
+            last: ReduceStats::default(),
+            overlap: options.overlap,
+            prefetch: options.prefetch,
+        })
     }
 
     /// Starts a sharded run (`options.sharding` is not `None`) without the whole state ever
@@ -219,7 +247,8 @@ impl Parallel {
             }
             PieceInit::narrowed(request, &value, None)
         };
-        let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?;
+        let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?
+            .prefetching(options.prefetch);
         broadcast_buffers(&group, params)?;
         Ok(Parallel {
             group,
@@ -228,6 +257,7 @@ impl Parallel {
             gpu: None,
             last: ReduceStats::default(),
             overlap: options.overlap,
+            prefetch: options.prefetch,
         })
     }
 
@@ -258,7 +288,8 @@ impl Parallel {
             Ok(PieceInit { master, state })
         };
         let plan = self.buckets.plan();
-        let shard = Shard::new(&self.group, vars, plan, stage, optimizer, steps, &mut fetch)?;
+        let shard =
+            Shard::new(&self.group, vars, plan, stage, optimizer, steps, &mut fetch)?.prefetching(self.prefetch);
         if let (Shard::Params(new), Shard::Params(old)) = (&shard, z) {
             new.inherit(old);
         }

@@ -1,32 +1,36 @@
-//! A collective in flight: MPI's non-blocking all-reduce or reduce-scatter (a sum of f32
-//! values), started now and finished later, owning its buffers until it completes.
+//! A collective in flight: MPI's non-blocking all-reduce or reduce-scatter (a sum), or
+//! all-gather, started now and finished later, owning its buffers until it completes.
 //!
 //! Open MPI moves a non-blocking collective on inside the rank's later MPI calls (this one's
 //! [`Pending::test`] among them); with one thread per rank nothing else does. Alone, and past
 //! MPI's counts, the collective runs to completion when it is started.
 
+use std::any::Any;
+
 use candle_core::{CpuStorage, Storage, Tensor};
 
-use super::comm::Comm;
+use super::comm::{Comm, Element};
 use super::error::DistError;
 use super::ReduceOp;
 
-/// Which collective: every rank gets the whole sum, or block `rank` of it.
+/// Which collective: every rank gets the whole sum, or block `rank` of it, or every rank's
+/// values in rank order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Collective {
     AllReduce,
     /// The values are `world` equal blocks.
     ReduceScatter,
+    AllGather,
 }
 
 /// What a collective sends: values of its own, or a contiguous f32 host tensor read where it
 /// lies (a large gradient, reduced without a copy into a bucket).
-pub(crate) enum Outgoing {
-    Owned(Vec<f32>),
+pub(crate) enum Outgoing<T = f32> {
+    Owned(Vec<T>),
     Tensor(Tensor),
 }
 
-impl Outgoing {
+impl<T: Element> Outgoing<T> {
     fn len(&self) -> usize {
         match self {
             Outgoing::Owned(v) => v.len(),
@@ -35,14 +39,20 @@ impl Outgoing {
     }
 
     /// Runs `f` on the values.
-    fn with<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R, DistError> {
+    fn with<R>(&self, f: impl FnOnce(&[T]) -> R) -> Result<R, DistError> {
         match self {
             Outgoing::Owned(v) => Ok(f(v)),
             Outgoing::Tensor(t) => {
                 let (storage, layout) = t.storage_and_layout();
-                match (&*storage, layout.contiguous_offsets()) {
-                    (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => Ok(f(&v[a..b])),
-                    _ => Err(DistError::internal("a contiguous f32 host gradient was expected")),
+                let values = match (&*storage, layout.contiguous_offsets()) {
+                    (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) => {
+                        (v as &dyn Any).downcast_ref::<Vec<T>>().map(|v| &v[a..b])
+                    }
+                    _ => None,
+                };
+                match values {
+                    Some(v) => Ok(f(v)),
+                    None => Err(DistError::internal("a contiguous f32 host gradient was expected")),
                 }
             }
         }
@@ -52,30 +62,30 @@ impl Outgoing {
 /// The buffers a request in flight reads and writes: leaked boxes (taken back when it
 /// completes) or a tensor kept alive.
 #[cfg(feature = "mpi")]
-enum Held {
-    Leaked(*mut [f32]),
+enum Held<T> {
+    Leaked(*mut [T]),
     Tensor(Tensor),
 }
 
 /// A collective in flight ([`Pending::start`]).
-pub(crate) struct Pending {
+pub(crate) struct Pending<T: Element = f32> {
     #[cfg(feature = "mpi")]
-    request: Option<mpi::request::Request<'static, [f32], mpi::request::StaticScope>>,
+    request: Option<mpi::request::Request<'static, [T], mpi::request::StaticScope>>,
     /// What `request` sends from, and its receive buffer (a leaked box).
     #[cfg(feature = "mpi")]
-    buffers: Option<(Held, *mut [f32])>,
+    buffers: Option<(Held<T>, *mut [T])>,
     /// The result, once complete.
-    done: Option<Vec<f32>>,
+    done: Option<Vec<T>>,
 }
 
 // SAFETY: the buffers are owned by this value alone (leaked boxes no one else points to, or a
 // tensor whose storage no one writes: a gradient taken out of the store), and MPI calls on the
 // request go through `MpiWorld::call`'s lock like every other call.
-unsafe impl Send for Pending {}
+unsafe impl<T: Element> Send for Pending<T> {}
 
-impl Pending {
-    /// Starts the sum of `send` over ranks (`collective` says who gets what).
-    pub(crate) fn start(comm: &Comm, send: Outgoing, collective: Collective) -> Result<Pending, DistError> {
+impl<T: Element> Pending<T> {
+    /// Starts `collective` of `send` over ranks (a sum, or every rank's values).
+    pub(crate) fn start(comm: &Comm, send: Outgoing<T>, collective: Collective) -> Result<Self, DistError> {
         let (_, size) = comm.rank_and_size();
         let n = send.len();
         let out = match collective {
@@ -84,22 +94,25 @@ impl Pending {
             Collective::ReduceScatter => {
                 return Err(DistError::internal(format!("reduce_scatter: {n} values over {size} ranks")));
             }
+            Collective::AllGather => {
+                n.checked_mul(size).ok_or_else(|| DistError::internal(format!("all_gather: {n} × {size} values")))?
+            }
         };
         #[cfg(feature = "mpi")]
         if let Comm::Mpi(m) = comm {
-            if n <= super::comm::MAX_COUNT {
+            if out.max(n) <= super::comm::MAX_COUNT {
                 use mpi::traits::CommunicatorCollectives;
-                let (held, from): (Held, *const [f32]) = match send {
+                let (held, from): (Held<T>, *const [T]) = match send {
                     Outgoing::Owned(v) => {
                         let p = Box::into_raw(v.into_boxed_slice());
-                        (Held::Leaked(p), p as *const [f32])
+                        (Held::Leaked(p), p as *const [T])
                     }
                     Outgoing::Tensor(t) => {
-                        let p = Outgoing::Tensor(t.clone()).with(|v| v as *const [f32])?;
+                        let p = Outgoing::<T>::Tensor(t.clone()).with(|v| v as *const [T])?;
                         (Held::Tensor(t), p)
                     }
                 };
-                let recv: *mut [f32] = Box::into_raw(vec![0f32; out].into_boxed_slice());
+                let recv: *mut [T] = Box::into_raw(vec![T::default(); out].into_boxed_slice());
                 // SAFETY: `from` points into a leaked box or into the storage of a tensor held
                 // in `buffers` (a gradient no one writes, whose storage lives as long as the
                 // tensor); `recv` is a box just leaked. The request gets the only references
@@ -111,14 +124,16 @@ impl Pending {
                     Collective::ReduceScatter => {
                         w.immediate_reduce_scatter_block_into(mpi::request::StaticScope, s, r, sum)
                     }
+                    Collective::AllGather => w.immediate_all_gather_into(mpi::request::StaticScope, s, r),
                 })?;
                 return Ok(Pending { request: Some(request), buffers: Some((held, recv)), done: None });
             }
         }
-        let mut recv = vec![0f32; out];
+        let mut recv = vec![T::default(); out];
         send.with(|values| match collective {
             Collective::AllReduce => comm.all_reduce(values, &mut recv, ReduceOp::Sum),
             Collective::ReduceScatter => comm.reduce_scatter(values, &mut recv, ReduceOp::Sum),
+            Collective::AllGather => comm.all_gather(values, &mut recv),
         })??;
         Ok(Pending {
             #[cfg(feature = "mpi")]
@@ -151,8 +166,9 @@ impl Pending {
         Err(DistError::internal("a collective in flight without a request"))
     }
 
-    /// Waits for it (on `comm`, the one that started it): the sum, or this rank's block of it.
-    pub(crate) fn finish(mut self, comm: &Comm) -> Result<Vec<f32>, DistError> {
+    /// Waits for it (on `comm`, the one that started it): the sum, this rank's block of it, or
+    /// every rank's values.
+    pub(crate) fn finish(mut self, comm: &Comm) -> Result<Vec<T>, DistError> {
         if let Some(done) = self.done.take() {
             return Ok(done);
         }
@@ -167,7 +183,7 @@ impl Pending {
 
     /// The receive buffer of a completed request, its send buffer freed.
     #[cfg(feature = "mpi")]
-    fn take_result(&mut self) -> Result<Vec<f32>, DistError> {
+    fn take_result(&mut self) -> Result<Vec<T>, DistError> {
         let Some((held, recv)) = self.buffers.take() else {
             return Err(DistError::internal("a collective's buffers were taken twice"));
         };
@@ -183,7 +199,7 @@ impl Pending {
     }
 }
 
-impl Drop for Pending {
+impl<T: Element> Drop for Pending<T> {
     fn drop(&mut self) {
         // Dropped before it completed (a step that failed): the request and its buffers are
         // left as they are, never freed while MPI may still write into them.

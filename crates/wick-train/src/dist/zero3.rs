@@ -33,12 +33,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, TensorId, Var};
+use candle_core::{DType, Device, Tensor, TensorId, Var};
 
 use super::buckets::ReduceStats;
 use super::error::DistError;
-use super::flight::append_f32;
 use super::pending::{Collective, Outgoing, Pending};
+use super::pieces::{push_bytes, rounded, var_from_pieces, with_f32, ReleasePages, WritePieces};
 use super::zero::{PieceInit, PieceRequest};
 use super::{ProcessGroup, ReduceOp};
 use crate::amp::{GradScaler, StepOutcome};
@@ -75,6 +75,37 @@ struct State {
     stats: ReduceStats,
     /// The last block's reduce-scatter, in flight: its parameters and their chunks.
     pending: Option<(Vec<usize>, Vec<usize>, Pending)>,
+    prefetch: Prefetch,
+}
+
+/// Where a gather's parameters lie in each rank's bytes.
+struct Layout {
+    /// The parameters.
+    which: Vec<usize>,
+    /// Bytes each rank sends.
+    per_rank: usize,
+    /// Each parameter's offset and length in a rank's bytes, its dtype and shape.
+    placed: Vec<(usize, usize, DType, Vec<usize>)>,
+}
+
+/// A block's gather in flight (prefetched).
+struct Gathering {
+    layout: Layout,
+    pending: Pending<u8>,
+}
+
+/// The next block's gather started while the current one runs (FSDP's forward and backward
+/// prefetch): the blocks are gathered in the same order every step (forward, then backward's
+/// recomputations in reverse), so the last step's order says which block comes next.
+#[derive(Default)]
+struct Prefetch {
+    on: bool,
+    /// The blocks gathered in the last step, in order.
+    last: Vec<Vec<usize>>,
+    /// This step's so far.
+    this: Vec<Vec<usize>>,
+    /// The next block's gather, in flight.
+    in_flight: Option<Gathering>,
 }
 
 /// A rank's shard of every parameter, and the blocks' gather and reduce.
@@ -86,117 +117,6 @@ pub(crate) struct ParamShards {
 
 fn lock(m: &Mutex<State>) -> std::sync::MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn rounded(values: &mut [f32], dtype: DType) {
-    match dtype {
-        DType::BF16 => values.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
-        DType::F16 => values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
-        _ => {}
-    }
-}
-
-/// `values` as little-endian bytes of `dtype` (rounded).
-/// Appends `values` in `dtype`, little-endian, then zeros up to `chunk` elements (one pass over
-/// a buffer sized once: element-by-element appends ran at about 1 GB/s).
-fn push_bytes(values: &[f32], chunk: usize, dtype: DType, out: &mut Vec<u8>) -> Result<(), DistError> {
-    let size = match dtype {
-        DType::F32 => 4,
-        DType::BF16 | DType::F16 => 2,
-        d => return Err(DistError::unsupported("ZeRO-3", format!("a {d:?} parameter"))),
-    };
-    let at = out.len();
-    out.resize(at + chunk.max(values.len()) * size, 0);
-    let dst = &mut out[at..at + values.len() * size];
-    match dtype {
-        DType::F32 => dst.chunks_exact_mut(4).zip(values).for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
-        DType::BF16 => dst
-            .chunks_exact_mut(2)
-            .zip(values)
-            .for_each(|(d, v)| d.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes())),
-        _ => dst
-            .chunks_exact_mut(2)
-            .zip(values)
-            .for_each(|(d, v)| d.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes())),
-    }
-    Ok(())
-}
-
-/// A fresh variable of `dims`/`dtype` from the little-endian `pieces` laid end to end (every
-/// rank's piece of a gather; no copy made to track it, none made to join the pieces).
-fn var_from_pieces<'a>(
-    pieces: impl Iterator<Item = &'a [u8]> + Clone,
-    dtype: DType,
-    dims: &[usize],
-) -> Result<Tensor, DistError> {
-    let elems: usize = dims.iter().product();
-    fn join<'a, T>(pieces: impl Iterator<Item = &'a [u8]>, n: usize, elems: usize, f: impl Fn(&[u8]) -> T) -> Vec<T> {
-        let mut out = Vec::with_capacity(elems);
-        for p in pieces {
-            let room = elems - out.len();
-            out.extend(p.chunks_exact(n).take(room).map(&f));
-        }
-        out
-    }
-    let var = match dtype {
-        DType::F32 => {
-            Var::from_vec(join(pieces, 4, elems, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])), dims, &Device::Cpu)?
-        }
-        DType::BF16 => {
-            Var::from_vec(join(pieces, 2, elems, |b| half::bf16::from_le_bytes([b[0], b[1]])), dims, &Device::Cpu)?
-        }
-        DType::F16 => {
-            Var::from_vec(join(pieces, 2, elems, |b| half::f16::from_le_bytes([b[0], b[1]])), dims, &Device::Cpu)?
-        }
-        d => return Err(DistError::unsupported("ZeRO-3", format!("a {d:?} parameter"))),
-    };
-    Ok(var.as_tensor().clone())
-}
-
-fn vec_f32(t: &Tensor) -> Result<Vec<f32>, DistError> {
-    let mut out = Vec::with_capacity(t.elem_count());
-    append_f32(t, &mut out)?;
-    Ok(out)
-}
-
-/// Runs `f` on `t`'s values as f32: read where they lie for a contiguous f32 host tensor (a
-/// master, a gradient), widened into a copy otherwise.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, DistError> {
-    {
-        let (storage, layout) = t.storage_and_layout();
-        if let (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) = (&*storage, layout.contiguous_offsets())
-        {
-            return Ok(f(&v[a..b]));
-        }
-    }
-    Ok(f(&vec_f32(t)?))
-}
-
-/// Hands a tensor's whole pages back to the operating system (see the module documentation).
-struct ReleasePages;
-
-impl InplaceOp1 for ReleasePages {
-    fn name(&self) -> &'static str {
-        "release-pages"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        fn release<T>(v: &mut Vec<T>) {
-            let bytes = v.capacity() * std::mem::size_of::<T>();
-            // SAFETY: the vector's buffer is one live global-allocator request of its capacity
-            // in bytes, held exclusively under the storage's write lock during this call, and
-            // holds plain numbers, for which all-zero bytes are a valid value.
-            unsafe { wick::memory::release_pages(v.as_mut_ptr().cast(), bytes) };
-        }
-        match storage {
-            CpuStorage::F32(v) => release(v),
-            CpuStorage::BF16(v) => release(v),
-            CpuStorage::F16(v) => release(v),
-            CpuStorage::F64(v) => release(v),
-            _ => {}
-        }
-        Ok(())
-    }
 }
 
 impl ParamShards {
@@ -246,7 +166,14 @@ impl ParamShards {
             });
         }
         let by_id = vars.iter().enumerate().map(|(i, v)| (v.as_tensor().id(), i)).collect();
-        let state = State { shards, optimizer, step: steps, stats: ReduceStats::default(), pending: None };
+        let state = State {
+            shards,
+            optimizer,
+            step: steps,
+            stats: ReduceStats::default(),
+            pending: None,
+            prefetch: Prefetch::default(),
+        };
         Ok(ParamShards { group: group.clone(), by_id, state: Mutex::new(state) })
     }
 
@@ -267,35 +194,149 @@ impl ParamShards {
 
     /// Every rank's pieces of parameters `which`, whole, as fresh variables.
     fn gather_whole(&self, which: &[usize]) -> Result<Vec<Tensor>, DistError> {
+        let (send, layout) = self.pack(which)?;
+        let recv = self.all_gather(send)?;
+        self.made_whole(&recv, &layout)
+    }
+
+    /// Every rank's pieces of parameter `i`, written where they belong into `target` (the
+    /// model's own tensor of it, in its dtype): the parameter whole again with no copy of it
+    /// made on the way.
+    fn gather_into(&self, i: usize, target: &Tensor) -> Result<(), DistError> {
+        let (send, layout) = self.pack(&[i])?;
+        let recv = self.all_gather(send)?;
         let t0 = Instant::now();
-        let world = self.group.world_size();
+        for (at, bytes, dtype, dims) in layout.placed {
+            if target.dtype() != dtype || target.dims() != dims.as_slice() {
+                return Err(DistError::internal(format!("ZeRO-3: parameter {i} changed shape or dtype")));
+            }
+            let per_rank = layout.per_rank;
+            let pieces = (0..self.group.world_size()).map(|r| &recv[r * per_rank + at..r * per_rank + at + bytes]);
+            target.inplace_op1(&WritePieces { pieces: pieces.collect() })?;
+        }
+        lock(&self.state).stats.pack_s += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// This rank's pieces of parameters `which`, packed in their dtypes, and where each lies.
+    fn pack(&self, which: &[usize]) -> Result<(Vec<u8>, Layout), DistError> {
+        let t0 = Instant::now();
         let mut send = Vec::new();
-        let mut layout = Vec::with_capacity(which.len());
-        {
-            let st = lock(&self.state);
-            for &i in which {
-                let s = &st.shards[i];
-                let at = send.len();
-                with_f32(&s.master, |values| push_bytes(values, s.chunk, s.dtype, &mut send))??;
-                layout.push((at, send.len() - at, s.dtype, s.dims.clone()));
+        let mut placed = Vec::with_capacity(which.len());
+        let mut st = lock(&self.state);
+        for &i in which {
+            let s = &st.shards[i];
+            let at = send.len();
+            with_f32(&s.master, |values| push_bytes(values, s.chunk, s.dtype, &mut send))??;
+            placed.push((at, send.len() - at, s.dtype, s.dims.clone()));
+        }
+        st.stats.pack_s += t0.elapsed().as_secs_f64();
+        st.stats.bytes += send.len();
+        let layout = Layout { which: which.to_vec(), per_rank: send.len(), placed };
+        Ok((send, layout))
+    }
+
+    /// Every rank's `send`, laid end to end (one blocking all-gather).
+    fn all_gather(&self, send: Vec<u8>) -> Result<Vec<u8>, DistError> {
+        let size = send.len().checked_mul(self.group.world_size());
+        let mut recv = vec![0u8; size.ok_or_else(|| DistError::internal("gather size"))?];
+        let t0 = Instant::now();
+        self.group.comm().all_gather(&send, &mut recv)?;
+        lock(&self.state).stats.comm_s += t0.elapsed().as_secs_f64();
+        Ok(recv)
+    }
+
+    /// The parameters of a gather, as fresh variables made from every rank's bytes in `recv`.
+    fn made_whole(&self, recv: &[u8], layout: &Layout) -> Result<Vec<Tensor>, DistError> {
+        let t0 = Instant::now();
+        let per_rank = layout.per_rank;
+        let mut out = Vec::with_capacity(layout.placed.len());
+        for (at, bytes, dtype, dims) in &layout.placed {
+            let pieces = (0..self.group.world_size()).map(|r| &recv[r * per_rank + at..r * per_rank + at + bytes]);
+            out.push(var_from_pieces(pieces, *dtype, dims)?);
+        }
+        lock(&self.state).stats.pack_s += t0.elapsed().as_secs_f64();
+        Ok(out)
+    }
+
+    /// Starts the gather of parameters `which` (MPI's non-blocking all-gather), to be finished
+    /// when their block asks for them.
+    fn start_gather(&self, which: &[usize]) -> Result<Gathering, DistError> {
+        let (send, layout) = self.pack(which)?;
+        let t0 = Instant::now();
+        let pending = Pending::start(self.group.comm(), Outgoing::Owned(send), Collective::AllGather)?;
+        lock(&self.state).stats.comm_s += t0.elapsed().as_secs_f64();
+        Ok(Gathering { layout, pending })
+    }
+
+    /// Waits for a gather in flight: every rank's bytes.
+    fn finish_gather(&self, gathering: Gathering) -> Result<(Vec<u8>, Layout), DistError> {
+        let t0 = Instant::now();
+        let recv = gathering.pending.finish(self.group.comm())?;
+        lock(&self.state).stats.comm_s += t0.elapsed().as_secs_f64();
+        Ok((recv, gathering.layout))
+    }
+
+    /// Block `which`'s parameters whole: from the gather prefetched for it, or gathered now;
+    /// then, with prefetching on and this step following the last one's order so far, the
+    /// next block's gather started.
+    fn gather_block(&self, which: Vec<usize>) -> Result<Vec<Tensor>, DistError> {
+        let (prefetched, on) = {
+            let mut st = lock(&self.state);
+            which.iter().for_each(|&i| st.shards[i].in_block = true);
+            (st.prefetch.in_flight.take(), st.prefetch.on)
+        };
+        let out = match prefetched {
+            Some(g) if g.layout.which == which => {
+                let (recv, layout) = self.finish_gather(g)?;
+                lock(&self.state).stats.prefetched += 1;
+                self.made_whole(&recv, &layout)?
+            }
+            other => {
+                // Another block's (the order changed): every rank started it, so every rank
+                // completes it, and drops it.
+                if let Some(g) = other {
+                    drop(self.finish_gather(g)?);
+                }
+                self.gather_whole(&which)?
+            }
+        };
+        if on {
+            let next = {
+                let mut st = lock(&self.state);
+                let p = &mut st.prefetch;
+                let at = p.this.len();
+                let next = if p.last.get(at) == Some(&which) { p.last.get(at + 1).cloned() } else { None };
+                p.this.push(which);
+                next
+            };
+            if let Some(next) = next {
+                let g = self.start_gather(&next)?;
+                lock(&self.state).prefetch.in_flight = Some(g);
             }
         }
-        let per_rank = send.len();
-        let mut recv = vec![0u8; per_rank.checked_mul(world).ok_or_else(|| DistError::internal("gather size"))?];
-        let t1 = Instant::now();
-        self.group.comm().all_gather(&send, &mut recv)?;
-        let t2 = Instant::now();
-        drop(send);
-        let mut out = Vec::with_capacity(which.len());
-        for (at, bytes, dtype, dims) in layout {
-            let pieces = (0..world).map(|r| &recv[r * per_rank + at..r * per_rank + at + bytes]);
-            out.push(var_from_pieces(pieces, dtype, &dims)?);
-        }
-        let mut st = lock(&self.state);
-        st.stats.comm_s += (t2 - t1).as_secs_f64();
-        st.stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
-        st.stats.bytes += per_rank;
         Ok(out)
+    }
+
+    /// The end of a step's gathers: one still in flight completed and dropped, and this step's
+    /// order kept for the next.
+    fn end_prefetch(&self) -> Result<(), DistError> {
+        let stale = {
+            let mut st = lock(&self.state);
+            let p = &mut st.prefetch;
+            p.last = std::mem::take(&mut p.this);
+            p.in_flight.take()
+        };
+        if let Some(g) = stale {
+            drop(self.finish_gather(g)?);
+        }
+        Ok(())
+    }
+
+    /// Whether each block's forward and backward start the next block's gather (see
+    /// [`crate::DataParallelOptions::prefetch`]).
+    pub(crate) fn set_prefetch(&self, on: bool) {
+        lock(&self.state).prefetch.on = on;
     }
 
     /// Sums the gradients `grads` of parameters `which` over ranks into each rank's pieces (one
@@ -312,6 +353,24 @@ impl ParamShards {
             which.iter().map(|&i| st.shards[i].chunk).collect()
         };
         let section: usize = chunks.iter().sum();
+        // One f32 gradient that splits evenly (no padding): sent from where it lies.
+        if let ([g], [chunk]) = (grads, chunks.as_slice()) {
+            if let Some(g) = g.as_ref().filter(|g| {
+                g.dtype() == DType::F32 && g.device().is_cpu() && g.is_contiguous() && g.elem_count() == chunk * world
+            }) {
+                let t1 = Instant::now();
+                let pending =
+                    Pending::start(self.group.comm(), Outgoing::Tensor(g.clone()), Collective::ReduceScatter)?;
+                let t2 = Instant::now();
+                let mut st = lock(&self.state);
+                st.pending = Some((which.to_vec(), chunks, pending));
+                st.stats.buckets += 1;
+                st.stats.bytes += section * world * 4;
+                st.stats.comm_s += (t2 - t1).as_secs_f64();
+                st.stats.pack_s += (t1 - t0).as_secs_f64();
+                return Ok(());
+            }
+        }
         let mut send = vec![0f32; section * world];
         // One gradient widened at a time, straight into each rank's section.
         let mut start = 0;
@@ -344,13 +403,20 @@ impl ParamShards {
     fn finish_pending(&self) -> Result<(), DistError> {
         let Some((which, chunks, pending)) = lock(&self.state).pending.take() else { return Ok(()) };
         let t0 = Instant::now();
-        let recv = pending.finish(self.group.comm())?;
+        let mut recv = pending.finish(self.group.comm())?;
         let t1 = Instant::now();
         let mut st = lock(&self.state);
         let mut at = 0;
+        let single = which.len() == 1;
         for (&i, &chunk) in which.iter().zip(&chunks) {
             let s = &mut st.shards[i];
-            let mut piece = recv[at..at + s.len].to_vec();
+            // One parameter's piece is the receive buffer itself (no copy beside it).
+            let mut piece = if single {
+                recv.truncate(s.len);
+                std::mem::take(&mut recv)
+            } else {
+                recv[at..at + s.len].to_vec()
+            };
             at += chunk;
             rounded(&mut piece, s.dtype);
             match &mut s.grad {
@@ -370,6 +436,7 @@ impl ParamShards {
     /// from it), one parameter at a time; refuses a block's parameter that has one there too (used inside a block and
     /// outside).
     pub(crate) fn reduce_rest(&self, grads: &mut GradStore, vars: &[Var]) -> Result<(), TrainError> {
+        self.end_prefetch()?;
         self.finish_pending()?;
         let blocks: Vec<bool> = lock(&self.state).shards.iter().map(|s| s.in_block).collect();
         for (i, v) in vars.iter().enumerate() {
@@ -430,8 +497,10 @@ impl ParamShards {
         // Every rank's updated pieces of the parameters read outside blocks, into the model.
         let rest: Vec<usize> = (0..st.shards.len()).filter(|&i| !st.shards[i].in_block).collect();
         drop(st);
-        for (i, whole) in rest.iter().zip(self.gather_whole(&rest)?) {
-            crate::optim::copy_into(vars[*i].as_tensor(), &whole.to_dtype(DType::F32)?)?;
+        // One parameter at a time, written into the model's tensor from the receive buffer:
+        // never more than one whole beside the model.
+        for &i in &rest {
+            self.gather_into(i, vars[i].as_tensor())?;
         }
         let mut st = lock(&self.state);
         for (s, v) in st.shards.iter_mut().zip(vars) {
@@ -542,11 +611,7 @@ impl ParamShards {
 impl wick_nn::checkpoint::ShardedBlocks for ParamShards {
     fn gather(&self, weights: &[Tensor]) -> candle_core::Result<Vec<Tensor>> {
         let which = self.indices(weights)?;
-        {
-            let mut st = lock(&self.state);
-            which.iter().for_each(|&i| st.shards[i].in_block = true);
-        }
-        self.gather_whole(&which).map_err(candle_core::Error::wrap)
+        self.gather_block(which).map_err(candle_core::Error::wrap)
     }
 
     fn reduce(&self, weights: &[Tensor], grads: Vec<Option<Tensor>>) -> candle_core::Result<()> {

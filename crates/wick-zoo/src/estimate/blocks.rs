@@ -39,6 +39,10 @@ pub struct BlockBytes {
     pub outside_largest: usize,
     /// The same at 4 bytes an element (its gradient widened for the reduction).
     pub outside_largest_f32: usize,
+    /// The largest send buffer the reduction of a parameter read outside the blocks fills: its
+    /// gradient widened and padded to the ranks, or nothing for an f32 gradient that splits
+    /// evenly over them (sent from where it lies).
+    pub outside_largest_sent: usize,
     /// Every block's parameters at 4 bytes an element.
     pub inside_f32: usize,
     /// Bytes of the model's own copies of block parameters that stay after stage 3 hands them
@@ -150,6 +154,9 @@ impl BlockRecorder {
                 out.outside_f32 += elems * 4;
                 out.outside_largest = out.outside_largest.max(*bytes);
                 out.outside_largest_f32 = out.outside_largest_f32.max(elems * 4);
+                let even = *bytes == elems * 4 && elems % self.world == 0;
+                let sent = if even { 0 } else { elems.div_ceil(self.world) * self.world * 4 };
+                out.outside_largest_sent = out.outside_largest_sent.max(sent);
             } else {
                 out.inside_f32 += elems * 4;
                 out.kept += if *bytes < wick::memory::LARGE_REQUEST { *bytes } else { 2 * PAGE };

@@ -180,6 +180,13 @@ fn update_copies(mode: Mode, update: Update) -> usize {
     }
 }
 
+/// Backward's gradients in flight at `batch`: profiled, or at least an incoming and an outgoing
+/// gradient of the largest activation.
+fn backward_workspace(profile: &ActivationProfile, batch: usize) -> usize {
+    let largest = profile.largest.at(batch);
+    profile.backward_workspace.as_ref().map_or(largest.saturating_mul(2), |w| w.at_steeper(batch))
+}
+
 /// [`estimate`] (`masters` false) or [`estimate_amp`] (true) from parameter bytes, with the
 /// update run as `update` says ([`estimate`] and [`estimate_amp`] take [`Update::InPlace`], the
 /// CPU's).
@@ -205,8 +212,7 @@ pub fn estimate_bytes(
         // trainer's loss goes out of scope before it), so its temporaries count only beyond the
         // activations they replace.
         _ => {
-            let backward =
-                profile.backward_workspace.as_ref().map_or(largest.saturating_mul(2), |w| w.at_steeper(batch));
+            let backward = backward_workspace(profile, batch);
             let states = mode.optimizer_states();
             let transient = |update: usize| backward.max(update.saturating_sub(activations));
             let largest_update = if masters { largest_f32 } else { largest_param };

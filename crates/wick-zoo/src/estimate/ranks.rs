@@ -49,6 +49,9 @@ pub struct Ranks {
     /// Stages 0–2: the reduction started from inside backward (wick-train's default), or
     /// `None` when every bucket is reduced after it.
     pub overlap: Option<Overlap>,
+    /// Stage 3: the next block's gather started while a block runs (wick-train's
+    /// `DataParallelOptions::prefetch`): one more block whole beside it.
+    pub prefetch: bool,
 }
 
 /// The buckets a reduction may start from inside backward (wick-train's
@@ -68,7 +71,7 @@ impl Ranks {
     pub fn bounded(ranks: usize, zero_stage: u8, bucket_bytes: usize, p: ParamBytes) -> Self {
         let largest_bucket = bucket_bytes.min(p.f32_total).max(p.largest_f32);
         let overlap = Some(Overlap { largest: largest_bucket, total: p.f32_total });
-        Ranks { ranks, zero_stage, largest_bucket, blocks: None, overlap }
+        Ranks { ranks, zero_stage, largest_bucket, blocks: None, overlap, prefetch: false }
     }
 }
 
@@ -93,6 +96,8 @@ pub enum PeakPhase {
     Backward,
     /// After backward: the parameters read outside the blocks reduced one at a time.
     OutsideReduction,
+    /// The update of this rank's pieces.
+    Update,
     /// After the update: the parameters read outside the blocks gathered back whole.
     OutsideGather,
 }
@@ -102,6 +107,7 @@ impl std::fmt::Display for PeakPhase {
         f.write_str(match self {
             PeakPhase::Backward => "backward (the blocks gathered and recomputed one at a time, the loss's gradients)",
             PeakPhase::OutsideReduction => "the reduction of the parameters read outside the blocks, after backward",
+            PeakPhase::Update => "the update of this rank's pieces",
             PeakPhase::OutsideGather => "gathering the parameters read outside the blocks back, after the update",
         })
     }
@@ -124,7 +130,13 @@ pub fn estimate_per_rank(
         return RankEstimate { ranks, estimate: e, reduction: 0, peak_phase: None };
     }
     if ranks.zero_stage >= 3 {
-        return sharded_parameters(p, e, mode, masters, ranks);
+        let backward = super::backward_workspace(profile, per_rank_batch);
+        let update = Update3 {
+            backward,
+            copies: super::update_copies(mode, update),
+            kept: profile.kept_gradients.at(per_rank_batch),
+        };
+        return sharded_parameters(p, e, update, masters, ranks);
     }
     if ranks.zero_stage >= 1 {
         e.optimizer_state = e.optimizer_state.div_ceil(n);
@@ -168,9 +180,20 @@ pub fn estimate_per_rank(
 /// two-rank test models (62 parameters of a 16-wide ResNet-18: 76–80 KiB).
 const PIECE_HANDLES: usize = 1536;
 
+/// What stage 3 reads of the replicated estimate's transients, apart.
+struct Update3 {
+    /// Backward's workspace (the profile's, taken through the recorder: already stage 3's).
+    backward: usize,
+    /// Copies of a parameter the update makes beside it.
+    copies: usize,
+    /// The store's other gradients, live through the update.
+    kept: usize,
+}
+
 /// Stage 3 from `e`, the estimate of a profile taken through a [`super::BlockRecorder`] (see the
 /// module documentation).
-fn sharded_parameters(p: ParamBytes, mut e: Estimate, mode: Mode, masters: bool, ranks: Ranks) -> RankEstimate {
+fn sharded_parameters(p: ParamBytes, mut e: Estimate, u: Update3, masters: bool, ranks: Ranks) -> RankEstimate {
+    let mode = e.mode;
     let n = ranks.ranks.max(1);
     // Without blocks every parameter is read outside them.
     let b = ranks.blocks.unwrap_or(BlockBytes {
@@ -178,6 +201,7 @@ fn sharded_parameters(p: ParamBytes, mut e: Estimate, mode: Mode, masters: bool,
         outside_f32: p.f32_total,
         outside_largest: p.largest,
         outside_largest_f32: p.largest_f32,
+        outside_largest_sent: p.largest_f32,
         ..BlockBytes::default()
     });
     // A rank's piece of each parameter is its elements over the ranks rounded up: at most one
@@ -200,19 +224,28 @@ fn sharded_parameters(p: ParamBytes, mut e: Estimate, mode: Mode, masters: bool,
     // reduced, its piece after (one or the other: the larger counted).
     let outside = b.outside.max(share(b.outside_f32));
     e.gradients = share(b.inside_f32).saturating_add(outside);
-    // After the update (activations and gradients gone): the outside parameters gathered back,
-    // received whole beside their fresh copies made from the pieces where they lie, and a
-    // low-precision one's f32 copy as it is copied in.
-    let low = if b.outside_largest < b.outside_largest_f32 { b.outside_largest_f32 } else { 0 };
-    let gather_back = b.outside.saturating_mul(2).saturating_add(low);
     let held = e.activations.saturating_add(e.gradients);
+    // The update (activations gone, every gradient reduced to this rank's piece): the largest
+    // piece's gradient as a tensor and the new state made beside the old.
+    let piece = p.largest_f32.div_ceil(n).saturating_add(4);
+    let update =
+        share(p.f32_total).saturating_add(piece.saturating_mul(u.copies.saturating_add(1))).saturating_add(u.kept);
+    // After the update (gradients gone): the outside parameters gathered back one at a time,
+    // this rank's piece packed in the parameter's dtype and every rank's received, then
+    // written into the model's own tensor.
+    let gather_back = b.outside_largest.saturating_add(b.outside_largest.div_ceil(n));
     // After backward (activations gone), the outside parameters' gradients reduced one at a
-    // time: the largest's send buffer and this rank's piece of it, beside a low-precision
-    // gradient's f32 copy (an f32 one is read where it lies).
-    let f32s = b.outside_largest_f32;
-    let reduce_rest = low.saturating_add(f32s).saturating_add(f32s.div_ceil(n));
+    // time: the largest's send buffer (none for an f32 gradient that splits evenly: sent where
+    // it lies) and this rank's piece of it received, beside a low-precision gradient's f32
+    // copy.
+    let low = if b.outside_largest < b.outside_largest_f32 { b.outside_largest_f32 } else { 0 };
+    let reduce_rest = low.saturating_add(b.outside_largest_sent).saturating_add(b.outside_largest_f32.div_ceil(n));
+    // Prefetching, the next block's gather in flight beside the block that runs: its received
+    // bytes and this rank's piece packed for it.
+    let next = if ranks.prefetch { b.largest.saturating_add(b.largest.div_ceil(n)) } else { 0 };
     let phases = [
-        (PeakPhase::Backward, e.workspace),
+        (PeakPhase::Backward, u.backward.saturating_add(next)),
+        (PeakPhase::Update, update.saturating_sub(held)),
         (PeakPhase::OutsideReduction, reduce_rest.saturating_sub(e.activations)),
         (PeakPhase::OutsideGather, gather_back.saturating_sub(held)),
     ];

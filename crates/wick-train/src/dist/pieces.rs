@@ -1,0 +1,156 @@
+//! A parameter's pieces as ZeRO stage 3 moves them: this rank's piece packed as bytes in the
+//! parameter's dtype, every rank's pieces made back into a whole parameter (a fresh variable, or
+//! written into the model's own tensor), values read as f32 where they lie, and a tensor's
+//! pages handed back to the operating system.
+
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, Var};
+
+use super::error::DistError;
+use super::flight::append_f32;
+
+/// `values` rounded to `dtype` (kept in f32).
+pub(super) fn rounded(values: &mut [f32], dtype: DType) {
+    match dtype {
+        DType::BF16 => values.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
+        DType::F16 => values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
+        _ => {}
+    }
+}
+
+/// Appends `values` in `dtype`, little-endian, then zeros up to `chunk` elements (one pass over
+/// a buffer sized once: element-by-element appends ran at about 1 GB/s).
+pub(super) fn push_bytes(values: &[f32], chunk: usize, dtype: DType, out: &mut Vec<u8>) -> Result<(), DistError> {
+    let size = match dtype {
+        DType::F32 => 4,
+        DType::BF16 | DType::F16 => 2,
+        d => return Err(DistError::unsupported("ZeRO-3", format!("a {d:?} parameter"))),
+    };
+    let at = out.len();
+    out.resize(at + chunk.max(values.len()) * size, 0);
+    let dst = &mut out[at..at + values.len() * size];
+    match dtype {
+        DType::F32 => dst.chunks_exact_mut(4).zip(values).for_each(|(d, v)| d.copy_from_slice(&v.to_le_bytes())),
+        DType::BF16 => dst
+            .chunks_exact_mut(2)
+            .zip(values)
+            .for_each(|(d, v)| d.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes())),
+        _ => dst
+            .chunks_exact_mut(2)
+            .zip(values)
+            .for_each(|(d, v)| d.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes())),
+    }
+    Ok(())
+}
+
+/// A fresh variable of `dims`/`dtype` from the little-endian `pieces` laid end to end (every
+/// rank's piece of a gather; no copy made to track it, none made to join the pieces).
+pub(super) fn var_from_pieces<'a>(
+    pieces: impl Iterator<Item = &'a [u8]> + Clone,
+    dtype: DType,
+    dims: &[usize],
+) -> Result<Tensor, DistError> {
+    let elems: usize = dims.iter().product();
+    fn join<'a, T>(pieces: impl Iterator<Item = &'a [u8]>, n: usize, elems: usize, f: impl Fn(&[u8]) -> T) -> Vec<T> {
+        let mut out = Vec::with_capacity(elems);
+        for p in pieces {
+            let room = elems - out.len();
+            out.extend(p.chunks_exact(n).take(room).map(&f));
+        }
+        out
+    }
+    let var = match dtype {
+        DType::F32 => {
+            Var::from_vec(join(pieces, 4, elems, |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])), dims, &Device::Cpu)?
+        }
+        DType::BF16 => {
+            Var::from_vec(join(pieces, 2, elems, |b| half::bf16::from_le_bytes([b[0], b[1]])), dims, &Device::Cpu)?
+        }
+        DType::F16 => {
+            Var::from_vec(join(pieces, 2, elems, |b| half::f16::from_le_bytes([b[0], b[1]])), dims, &Device::Cpu)?
+        }
+        d => return Err(DistError::unsupported("ZeRO-3", format!("a {d:?} parameter"))),
+    };
+    Ok(var.as_tensor().clone())
+}
+
+pub(super) fn vec_f32(t: &Tensor) -> Result<Vec<f32>, DistError> {
+    let mut out = Vec::with_capacity(t.elem_count());
+    append_f32(t, &mut out)?;
+    Ok(out)
+}
+
+/// Runs `f` on `t`'s values as f32: read where they lie for a contiguous f32 host tensor (a
+/// master, a gradient), widened into a copy otherwise.
+pub(super) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, DistError> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) = (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(f(&v[a..b]));
+        }
+    }
+    Ok(f(&vec_f32(t)?))
+}
+
+/// Hands a tensor's whole pages back to the operating system (see the module documentation).
+pub(super) struct ReleasePages;
+
+impl InplaceOp1 for ReleasePages {
+    fn name(&self) -> &'static str {
+        "release-pages"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
+        fn release<T>(v: &mut Vec<T>) {
+            let bytes = v.capacity() * std::mem::size_of::<T>();
+            // SAFETY: the vector's buffer is one live global-allocator request of its capacity
+            // in bytes, held exclusively under the storage's write lock during this call, and
+            // holds plain numbers, for which all-zero bytes are a valid value.
+            unsafe { wick::memory::release_pages(v.as_mut_ptr().cast(), bytes) };
+        }
+        match storage {
+            CpuStorage::F32(v) => release(v),
+            CpuStorage::BF16(v) => release(v),
+            CpuStorage::F16(v) => release(v),
+            CpuStorage::F64(v) => release(v),
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// Writes every rank's piece of a parameter (little-endian, in the tensor's dtype, laid end
+/// to end) into the tensor's storage.
+pub(super) struct WritePieces<'a> {
+    /// Every rank's piece, in rank order.
+    pub(super) pieces: Vec<&'a [u8]>,
+}
+
+impl InplaceOp1 for WritePieces<'_> {
+    fn name(&self) -> &'static str {
+        "write-pieces"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        fn fill<T>(pieces: &[&[u8]], n: usize, dst: &mut [T], f: impl Fn(&[u8]) -> T) {
+            let mut at = 0;
+            for p in pieces {
+                for (d, b) in dst[at..].iter_mut().zip(p.chunks_exact(n)) {
+                    *d = f(b);
+                }
+                at = (at + p.len() / n).min(dst.len());
+            }
+        }
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::Msg("ZeRO-3: a parameter that is not contiguous".into()));
+        };
+        let p = &self.pieces;
+        match storage {
+            CpuStorage::F32(v) => fill(p, 4, &mut v[a..b], |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            CpuStorage::BF16(v) => fill(p, 2, &mut v[a..b], |b| half::bf16::from_le_bytes([b[0], b[1]])),
+            CpuStorage::F16(v) => fill(p, 2, &mut v[a..b], |b| half::f16::from_le_bytes([b[0], b[1]])),
+            _ => return Err(candle_core::Error::Msg("ZeRO-3: a parameter that is not f32, bf16 or f16".into())),
+        }
+        Ok(())
+    }
+}
