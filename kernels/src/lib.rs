@@ -8,9 +8,11 @@
 //!   wick-train wrap them as candle ops;
 //! - the CUDA C kernels: the `.cu` sources (`src/*.cu`: the fused AMP step — multi-tensor
 //!   unscale with inf/NaN check, the loss-scale update, AdamW on f32 masters writing the model's
-//!   low-precision copy), the build script that compiles them, the compiled fatbins embedded in
-//!   this crate ([`fatbin`]), and their CPU references ([`mod@reference`]). Loading and launching
-//!   them on candle's CUDA device is wick-train's `amp::cuda`.
+//!   low-precision copy — and the optimizer's step in one launch per parameter: SGD with
+//!   momentum and AdamW on an f32 tensor, the arithmetic of [`cpu::optim`] to the bit), the build
+//!   script that compiles them, the compiled fatbins embedded in this crate ([`fatbin`]), and
+//!   their CPU references ([`mod@reference`], [`cpu::optim`]). Loading and launching them on
+//!   candle's CUDA device is wick-train's `amp::cuda`.
 //!
 //! This crate depends on no candle or CUDA crate.
 //!
@@ -23,7 +25,7 @@ pub mod cpu;
 pub mod reference;
 
 /// The kernels, by the name of their source file (without `.cu`).
-pub const KERNELS: [&str; 3] = ["amp_unscale", "amp_update_scale", "amp_adamw"];
+pub const KERNELS: [&str; 4] = ["amp_unscale", "amp_update_scale", "amp_adamw", "optim_step"];
 
 /// True when this build compiled the kernels in.
 pub const COMPILED: bool = cfg!(wick_kernels);
@@ -35,6 +37,7 @@ pub fn fatbin(name: &str) -> Option<&'static [u8]> {
         "amp_unscale" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_unscale.fatbin"))),
         "amp_update_scale" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_update_scale.fatbin"))),
         "amp_adamw" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_adamw.fatbin"))),
+        "optim_step" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/optim_step.fatbin"))),
         _ => None,
     }
 }

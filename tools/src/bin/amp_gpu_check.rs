@@ -1,5 +1,6 @@
-//! GPU check of the fused AMP kernels: each kernel against its CPU reference
-//! (`wick_kernels::reference`) on random data, with NaN and inf cases. Prints one line per
+//! GPU check of the fused AMP kernels and the optimizer's step: each kernel against its CPU
+//! reference (`wick_kernels::reference`, `wick_kernels::cpu::optim`) on random data, with NaN
+//! and inf cases. Prints one line per
 //! check and exits non-zero if any fails. Run by `scripts/gpu-check.sh`.
 //!
 //! Only copies and the AMP kernels run on the device (dtype conversions happen on the host), so
@@ -11,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use wick_kernels::reference::{adamw_master, unscale_and_check, update_scale, ScaleState};
 use wick_nn::params::normal_tensor;
 use wick_train::amp::cuda::AmpKernels;
-use wick_train::optim::AdamW;
+use wick_train::optim::{AdamW, Optimizer};
 
 /// `values` in `dtype` on `dev` (converted on the host).
 fn upload(values: &[f32], dtype: DType, dev: &Device) -> Result<Tensor> {
@@ -157,10 +158,70 @@ fn run() -> Result<()> {
             &mut failures,
         );
     }
+    // The optimizer's step (`MasterWeights::step` on a CUDA device): SGD with momentum and
+    // AdamW, three steps each, an f32 parameter and the f32 master of an f16 / bf16 model,
+    // against the host's loops (`wick_kernels::cpu::optim`) to the bit.
+    let rules = [
+        Optimizer::SgdMomentum { lr: 0.05, momentum: 0.9 },
+        Optimizer::AdamW(AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 }),
+    ];
+    for rule in rules {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let n = 100_003;
+            let start: Vec<f32> = normal_tensor(&[n], 0.5, 11, DType::F32, &Device::Cpu)?.to_vec1()?;
+            let target = Tensor::new(start.as_slice(), &dev)?;
+            let model = (dtype != DType::F32).then(|| upload(&start, dtype, &dev)).transpose()?;
+            let mut state: Vec<Tensor> =
+                (0..rule.states()).map(|_| Tensor::zeros(n, DType::F32, &dev)).collect::<Result<_, _>>()?;
+            let (mut p, mut cs) = (start.clone(), vec![vec![0f32; n]; rule.states()]);
+            let mut same = true;
+            for step in 1..=3 {
+                let g: Vec<f32> = normal_tensor(&[n], 1.0, 90 + step as u64, DType::F32, &Device::Cpu)?
+                    .to_dtype(dtype)?
+                    .to_dtype(DType::F32)?
+                    .to_vec1()?;
+                let grad = upload(&g, dtype, &dev)?;
+                let next: Vec<Tensor> =
+                    (0..rule.states()).map(|_| Tensor::zeros(n, DType::F32, &dev)).collect::<Result<_, _>>()?;
+                kernels.optimizer_step_(&target, &grad, (&state, &next), model.as_ref(), rule, step)?;
+                state = next;
+                let mut new: Vec<Vec<f32>> = vec![vec![0f32; n]; rule.states()];
+                match rule {
+                    Optimizer::SgdMomentum { lr, momentum } => {
+                        let (old, out) = (&cs[0], &mut new[0]);
+                        wick_kernels::cpu::optim::sgd_momentum(&mut p, &g, old, out, lr, momentum);
+                    }
+                    Optimizer::AdamW(hyper) => {
+                        let (m_new, v_new) = new.split_at_mut(1);
+                        let moments = (&mut m_new[0][..], &mut v_new[0][..]);
+                        wick_kernels::cpu::optim::adamw(&mut p, &g, (&cs[0], &cs[1]), moments, &hyper, step);
+                    }
+                }
+                cs = new;
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                same &= bits(&host(&target)?) == bits(&p);
+                for (d, c) in state.iter().zip(&cs) {
+                    same &= bits(&host(d)?) == bits(c);
+                }
+                if let Some(m) = &model {
+                    let rounded: Vec<f32> =
+                        Tensor::new(p.as_slice(), &Device::Cpu)?.to_dtype(dtype)?.to_dtype(DType::F32)?.to_vec1()?;
+                    same &= bits(&host(m)?) == bits(&rounded);
+                }
+            }
+            let err = max_rel_err(&host(&target)?, &p);
+            check(
+                &format!("optimizer step {rule:?} {dtype:?}"),
+                same,
+                format!("3 steps, the host's to the bit: {same} (max rel err {err:.2e})"),
+                &mut failures,
+            );
+        }
+    }
     if failures > 0 {
         bail!("{failures} AMP kernel check(s) failed");
     }
-    println!("all AMP kernel checks passed");
+    println!("all AMP and optimizer kernel checks passed");
     Ok(())
 }
 

@@ -1,7 +1,9 @@
 //! The fused AMP kernels on a CUDA device (feature `cuda`): multi-tensor unscale with inf/NaN
 //! check, the loss-scale update, and AdamW on f32 masters writing the model's low-precision copy,
-//! compiled and embedded by the wick-kernels crate. Their CPU references are
-//! `wick_kernels::reference`; the `amp-gpu-check` tool compares the two.
+//! compiled and embedded by the wick-kernels crate — and the optimizer's step (SGD with momentum,
+//! AdamW) in one launch per parameter, which [`super::MasterWeights`] runs on a CUDA device.
+//! Their CPU references are `wick_kernels::reference` and `wick_kernels::cpu::optim`; the
+//! `amp-gpu-check` tool compares the two.
 //!
 //! The kernels work in place on the tensors they are given, on candle's stream of the device
 //! (so they are ordered after the ops that produced their inputs). Give them tensors that own
@@ -12,7 +14,7 @@ use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{DType, Device, Storage, Tensor};
 
 use crate::error::TrainError;
-use crate::optim::AdamW;
+use crate::optim::{AdamW, Optimizer};
 
 fn err(message: impl Into<String>) -> TrainError {
     TrainError::Invalid { what: "amp cuda kernels".into(), message: message.into() }
@@ -28,6 +30,9 @@ pub struct AmpKernels {
     update_scale: CudaFunction,
     /// f32, f16, bf16.
     adamw: [CudaFunction; 3],
+    /// The optimizer's step by the gradient's dtype (f32, f16, bf16): SGD with momentum, AdamW.
+    sgd_step: [CudaFunction; 3],
+    adamw_step: [CudaFunction; 3],
 }
 
 fn dtype_index(dtype: DType) -> Result<usize, TrainError> {
@@ -89,6 +94,7 @@ impl AmpKernels {
                 .map_err(|e| err(format!("loading {name}: {e}")))
         };
         let (unscale, update, adamw) = (module("amp_unscale")?, module("amp_update_scale")?, module("amp_adamw")?);
+        let optim = module("optim_step")?;
         let f = |m: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaModule>, name: &str| {
             m.load_function(name).map_err(|e| err(format!("{name}: {e}")))
         };
@@ -103,6 +109,16 @@ impl AmpKernels {
                 f(&adamw, "wick_amp_adamw_f32")?,
                 f(&adamw, "wick_amp_adamw_f16")?,
                 f(&adamw, "wick_amp_adamw_bf16")?,
+            ],
+            sgd_step: [
+                f(&optim, "wick_sgd_momentum_f32")?,
+                f(&optim, "wick_sgd_momentum_f16")?,
+                f(&optim, "wick_sgd_momentum_bf16")?,
+            ],
+            adamw_step: [
+                f(&optim, "wick_adamw_step_f32")?,
+                f(&optim, "wick_adamw_step_f16")?,
+                f(&optim, "wick_adamw_step_bf16")?,
             ],
             stream,
         })
@@ -214,6 +230,71 @@ impl AmpKernels {
         // SAFETY: argument types and order match `wick_amp_adamw_*`; every buffer holds `n`
         // elements of the stated type and is kept alive by the caller's tensors.
         unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Step `step` (from 1) of `rule` on `target` (f32, updated in place) from `grad`, reading
+    /// the old `state` and writing `new_state` (f32, `rule.states()` each, `grad`'s length; the
+    /// same tensors update the state in place), and writing the new values rounded into `model`
+    /// when given (a low-precision model's compute copy, `grad`'s dtype); an f32 `grad` takes no
+    /// `model` (the parameter is its own master). The arithmetic of `wick_kernels::cpu::optim`,
+    /// to the bit.
+    pub fn optimizer_step_(
+        &self,
+        target: &Tensor,
+        grad: &Tensor,
+        (state, new_state): (&[Tensor], &[Tensor]),
+        model: Option<&Tensor>,
+        rule: Optimizer,
+        step: i32,
+    ) -> Result<(), TrainError> {
+        let n = grad.elem_count();
+        let states = rule.states();
+        if state.len() != states || new_state.len() != states {
+            return Err(err(format!("{states} state tensors expected, {} and {} given", state.len(), new_state.len())));
+        }
+        for t in std::iter::once(target).chain(state).chain(new_state) {
+            if t.dtype() != DType::F32 || t.elem_count() != n {
+                return Err(err(format!("the target and the state must be f32 with {n} elements")));
+            }
+        }
+        match (model, grad.dtype()) {
+            (None, DType::F32) => {}
+            (Some(m), d) if d != DType::F32 && m.dtype() == d && m.elem_count() == n => {}
+            _ => return Err(err("an f32 gradient updates its own parameter; a low-precision one its model copy")),
+        }
+        let p = |t: &Tensor| address(t, &self.stream);
+        let (pt, pg) = (p(target)?, p(grad)?);
+        let pmodel = model.map(p).transpose()?.unwrap_or(0);
+        let len = n as i64;
+        let index = dtype_index(grad.dtype())?;
+        let config = LaunchConfig { grid_dim: (blocks(n), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        match rule {
+            Optimizer::SgdMomentum { lr, momentum } => {
+                let (pb, pb_new) = (p(&state[0])?, p(&new_state[0])?);
+                let (lr, momentum) = (lr as f32, momentum as f32);
+                let mut launch = self.stream.launch_builder(&self.sgd_step[index]);
+                launch.arg(&pt).arg(&pb).arg(&pb_new).arg(&pg).arg(&pmodel).arg(&len).arg(&lr).arg(&momentum);
+                // SAFETY: argument types and order match `wick_sgd_momentum_*`; every buffer holds
+                // `n` elements of the stated type (the model pointer is null for f32, where the
+                // kernel takes no copy) and is kept alive by the caller's tensors.
+                unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
+            }
+            Optimizer::AdamW(hyper) => {
+                let (pm, pv, pm_new, pv_new) = (p(&state[0])?, p(&state[1])?, p(&new_state[0])?, p(&new_state[1])?);
+                // The host loop's constants, computed in f64 and rounded to f32 alike.
+                let AdamW { lr, beta1, beta2, eps, weight_decay } = hyper;
+                let (bc1, bc2) = hyper.bias_corrections(step);
+                let (b1, b2, c1, c2) = (beta1 as f32, beta2 as f32, (1.0 - beta1) as f32, (1.0 - beta2) as f32);
+                let (eps, decay) = (eps as f32, (1.0 - lr * weight_decay) as f32);
+                let (step_size, inv_bc2_sqrt) = ((lr / bc1) as f32, (1.0 / bc2.sqrt()) as f32);
+                let mut launch = self.stream.launch_builder(&self.adamw_step[index]);
+                launch.arg(&pt).arg(&pm).arg(&pv).arg(&pm_new).arg(&pv_new).arg(&pg).arg(&pmodel).arg(&len);
+                launch.arg(&b1).arg(&b2).arg(&c1).arg(&c2).arg(&eps).arg(&decay).arg(&step_size).arg(&inv_bc2_sqrt);
+                // SAFETY: argument types and order match `wick_adamw_step_*`; as above.
+                unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
+            }
+        }
         Ok(())
     }
 }

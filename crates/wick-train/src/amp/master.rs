@@ -120,6 +120,10 @@ pub struct MasterWeights {
     optimizer: Optimizer,
     entries: Vec<Entry>,
     step: u64,
+    /// The fused step on a CUDA device, loaded at the first step there (`Some(None)`: not
+    /// available, the composed update runs instead).
+    #[cfg(feature = "cuda")]
+    device: Option<Option<std::sync::Arc<super::cuda::AmpKernels>>>,
 }
 
 impl MasterWeights {
@@ -150,7 +154,13 @@ impl MasterWeights {
                 Ok(Entry { model: v.clone(), master, state })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(MasterWeights { optimizer, entries, step: 0 })
+        Ok(MasterWeights {
+            optimizer,
+            entries,
+            step: 0,
+            #[cfg(feature = "cuda")]
+            device: None,
+        })
     }
 
     /// Bytes of the master copies and of the optimizer state (for the engine's summary). An f32
@@ -200,6 +210,20 @@ impl MasterWeights {
                     crate::optim::copy_into(e.model.as_tensor(), &e.master)?;
                 }
                 continue;
+            }
+            #[cfg(feature = "cuda")]
+            if let Some(kernels) = fused(&mut self.device, &e.master) {
+                // One launch: the master in place, the new state beside the old, the model's
+                // low-precision copy written (an f32 parameter is its own master).
+                let g = g.detach().contiguous()?;
+                let zeros = |t: &Tensor| Tensor::zeros(t.shape(), DType::F32, t.device());
+                let next = e.state.iter().map(zeros).collect::<Result<Vec<_>>>()?;
+                let model = (e.model.dtype() != DType::F32).then(|| e.model.as_tensor());
+                let done = kernels.optimizer_step_(&e.master, &g, (&e.state, &next), model, self.optimizer, t);
+                if done.is_ok() {
+                    e.state = next;
+                    continue;
+                }
             }
             let g = g.detach().to_dtype(DType::F32)?;
             match self.optimizer {
@@ -313,6 +337,19 @@ impl MasterWeights {
         self.step = state.step;
         Ok(())
     }
+}
+
+/// The fused CUDA kernels for a step of `master` (a CUDA tensor), loaded once (`cache`); `None`
+/// where they are not available (a build without them: the composed update runs).
+#[cfg(feature = "cuda")]
+fn fused(
+    cache: &mut Option<Option<std::sync::Arc<super::cuda::AmpKernels>>>,
+    master: &Tensor,
+) -> Option<std::sync::Arc<super::cuda::AmpKernels>> {
+    if !master.device().is_cuda() {
+        return None;
+    }
+    cache.get_or_insert_with(|| super::cuda::AmpKernels::load(master.device()).ok().map(std::sync::Arc::new)).clone()
 }
 
 #[cfg(test)]

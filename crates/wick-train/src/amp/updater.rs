@@ -18,7 +18,7 @@ enum Path {
         why: Option<String>,
     },
     #[cfg(feature = "cuda")]
-    Device(super::device_step::DeviceAmp),
+    Device(Box<super::device_step::DeviceAmp>),
 }
 
 /// Backward and the optimizer step of a (mixed-precision) training run: f32 masters and
@@ -47,7 +47,7 @@ impl Updater {
             match super::device_step::DeviceAmp::new(engine.device(), vars, Some(masters), optimizer, scaler) {
                 Ok(amp) => {
                     amp.account(engine);
-                    return Ok(Updater { path: Path::Device(amp) });
+                    return Ok(Updater { path: Path::Device(Box::new(amp)) });
                 }
                 Err(e) => why = Some(e.to_string()),
             }
