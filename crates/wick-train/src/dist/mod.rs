@@ -10,7 +10,7 @@
 //! | module | what it owns |
 //! |---|---|
 //! | `comm` | the transport under a group: MPI's world (serialised calls, counts split below `i32::MAX`) or the process alone |
-//! | `pending` | a collective in flight: MPI's non-blocking all-reduce or reduce-scatter owning its buffers, tested and finished later |
+//! | `pending` | a collective in flight: MPI's non-blocking all-reduce, reduce-scatter or all-gather owning its buffers, tested and finished later |
 //! | [`launch`] | who this process is, from the launcher's environment ([`Launch`]) |
 //! | [`group`] | [`ProcessGroup`]: rank, world size, and `all_reduce`/`broadcast`/`all_gather`/`reduce_scatter`/`barrier` over tensors, with every rank agreeing on dtypes and shapes first |
 //! | [`buckets`] | gradient buckets (PyTorch DDP's sizes and order) and the data-parallel gradient sum |
@@ -18,7 +18,7 @@
 //! | `flight` | one step's reduction in flight: buckets started in order from inside backward (the patched candle's gradient hook) as their gradients complete, the rest after it; one bucket in flight at a time |
 //! | `zero` | ZeRO stages 1 and 2: a rank's shard of masters and optimizer state, the reduce-scatter, the sharded update and the all-gather |
 //! | `pieces` | a parameter's pieces under stage 3: packed as bytes in its dtype, made whole again (a fresh variable, or written into the model's tensor), its pages handed back |
-//! | `zero3` | ZeRO stage 3: a rank's shard of every parameter; the blocks' gather before they run and reduce-scatter as their backward ends (in flight until the next block's) |
+//! | `zero3` | ZeRO stage 3: a rank's shard of every parameter; the blocks' gather before they run (the next one's prefetched, as an option) and reduce-scatter as their backward ends (in flight until the next block's) |
 //! | `nccl` | (feature `nccl`) `NcclGroup`: an NCCL communicator per rank on its GPU, its id broadcast through the group (MPI for several ranks); `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter` of CUDA tensors, each with a deadline; the trainer's GPU gradient buckets |
 //! | [`error`] | [`DistError`] |
 //!
