@@ -353,41 +353,41 @@ impl ParamShards {
             which.iter().map(|&i| st.shards[i].chunk).collect()
         };
         let section: usize = chunks.iter().sum();
-        // One f32 gradient that splits evenly (no padding): sent from where it lies.
-        if let ([g], [chunk]) = (grads, chunks.as_slice()) {
-            if let Some(g) = g.as_ref().filter(|g| {
-                g.dtype() == DType::F32 && g.device().is_cpu() && g.is_contiguous() && g.elem_count() == chunk * world
-            }) {
-                let t1 = Instant::now();
-                let pending =
-                    Pending::start(self.group.comm(), Outgoing::Tensor(g.clone()), Collective::ReduceScatter)?;
-                let t2 = Instant::now();
-                let mut st = lock(&self.state);
-                st.pending = Some((which.to_vec(), chunks, pending));
-                st.stats.buckets += 1;
-                st.stats.bytes += section * world * 4;
-                st.stats.comm_s += (t2 - t1).as_secs_f64();
-                st.stats.pack_s += (t1 - t0).as_secs_f64();
-                return Ok(());
+        // One f32 gradient that splits evenly (no padding) is sent from where it lies.
+        let direct = match (grads, chunks.as_slice()) {
+            ([Some(g)], [chunk])
+                if g.dtype() == DType::F32
+                    && g.device().is_cpu()
+                    && g.is_contiguous()
+                    && g.elem_count() == chunk * world =>
+            {
+                Some(g.clone())
             }
-        }
-        let mut send = vec![0f32; section * world];
-        // One gradient widened at a time, straight into each rank's section.
-        let mut start = 0;
-        for (g, &chunk) in grads.iter().zip(&chunks) {
-            if let Some(g) = g {
-                with_f32(g, |g| {
-                    for r in 0..world {
-                        let (a, b) = ((r * chunk).min(g.len()), ((r + 1) * chunk).min(g.len()));
-                        let at = r * section + start;
-                        send[at..at + (b - a)].copy_from_slice(&g[a..b]);
+            _ => None,
+        };
+        let send = match direct {
+            Some(g) => Outgoing::Tensor(g),
+            None => {
+                let mut send = vec![0f32; section * world];
+                // One gradient widened at a time, straight into each rank's section.
+                let mut start = 0;
+                for (g, &chunk) in grads.iter().zip(&chunks) {
+                    if let Some(g) = g {
+                        with_f32(g, |g| {
+                            for r in 0..world {
+                                let (a, b) = ((r * chunk).min(g.len()), ((r + 1) * chunk).min(g.len()));
+                                let at = r * section + start;
+                                send[at..at + (b - a)].copy_from_slice(&g[a..b]);
+                            }
+                        })?;
                     }
-                })?;
+                    start += chunk;
+                }
+                Outgoing::Owned(send)
             }
-            start += chunk;
-        }
+        };
         let t1 = Instant::now();
-        let pending = Pending::start(self.group.comm(), Outgoing::Owned(send), Collective::ReduceScatter)?;
+        let pending = Pending::start(self.group.comm(), send, Collective::ReduceScatter)?;
         let t2 = Instant::now();
         let mut st = lock(&self.state);
         st.pending = Some((which.to_vec(), chunks, pending));
