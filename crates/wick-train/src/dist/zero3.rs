@@ -17,7 +17,16 @@
 //! Parameters the model reads outside any block (embeddings, the head, a stem) stay whole in
 //! the model on every rank, as stage 2 keeps them: their gradients are reduce-scattered after
 //! backward and the updated pieces all-gathered back — FSDP's root unit, which holds its
-//! parameters for the whole step. A parameter used both inside a block and outside is refused.
+//! parameters for the whole step. One parameter at a time, with no copy beside it where none
+//! is needed: an f32 gradient that splits evenly is sent from where it lies, its piece is the
+//! receive buffer, and the gather writes every rank's piece straight into the model's tensor
+//! (the largest of these set a 58 M decoder's peak before: 666 MiB, now 621 in backward). A
+//! parameter used both inside a block and outside is refused.
+//!
+//! With prefetch on ([`super::DataParallelOptions::prefetch`]), each block's gather, once done,
+//! starts the next block's as a non-blocking collective, in the order the last step gathered
+//! them (forward, then backward's recomputations in reverse) — FSDP's forward and backward
+//! prefetch, for one more block whole.
 //!
 //! Why recompute: candle keeps a tensor an op saved for backward for as long as the graph
 //! lives, so a gathered parameter used by a kept graph could not be dropped after the forward
@@ -334,7 +343,7 @@ impl ParamShards {
     }
 
     /// Whether each block's forward and backward start the next block's gather (see
-    /// [`crate::DataParallelOptions::prefetch`]).
+    /// [`super::DataParallelOptions::prefetch`]).
     pub(crate) fn set_prefetch(&self, on: bool) {
         lock(&self.state).prefetch.on = on;
     }
