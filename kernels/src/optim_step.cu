@@ -1,8 +1,8 @@
 // The optimizer's update in one pass, on a CUDA device: SGD with momentum and AdamW on an f32
 // tensor (a parameter, or the f32 master of a low-precision one) from its gradient (f32, f16 or
-// bf16) and the old state, writing the new state (beside the old, as the host's update does; the
-// same buffers for both update it in place) and — for a low-precision model — the new value into
-// the model's compute copy. The same arithmetic, in the same order and rounding, as the
+// bf16) and the old state, writing the new state (beside the old, as the host's update does, or
+// in place when given the same buffers: the trainer's use) and — for a low-precision model — the
+// new value into the model's compute copy. The same arithmetic, in the same order and rounding, as the
 // host's loops (`wick_kernels::cpu::optim::{sgd_momentum, adamw}`): every product and sum is
 // rounded on its own (`__fmul_rn`, `__fadd_rn`: no fused multiply-add that the host does not
 // do), and `sqrtf` and `/` are IEEE-rounded (nvcc's defaults), so the device's step is the

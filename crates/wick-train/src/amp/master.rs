@@ -213,15 +213,12 @@ impl MasterWeights {
             }
             #[cfg(feature = "cuda")]
             if let Some(kernels) = fused(&mut self.device, &e.master) {
-                // One launch: the master in place, the new state beside the old, the model's
-                // low-precision copy written (an f32 parameter is its own master).
+                // One launch: the master and the state in place (this entry's own tensors: the
+                // snapshots of `state` and `load_state` are copies), the model's low-precision
+                // copy written (an f32 parameter is its own master).
                 let g = g.detach().contiguous()?;
-                let zeros = |t: &Tensor| Tensor::zeros(t.shape(), DType::F32, t.device());
-                let next = e.state.iter().map(zeros).collect::<Result<Vec<_>>>()?;
                 let model = (e.model.dtype() != DType::F32).then(|| e.model.as_tensor());
-                let done = kernels.optimizer_step_(&e.master, &g, (&e.state, &next), model, self.optimizer, t);
-                if done.is_ok() {
-                    e.state = next;
+                if kernels.optimizer_step_(&e.master, &g, (&e.state, &e.state), model, self.optimizer, t).is_ok() {
                     continue;
                 }
             }
