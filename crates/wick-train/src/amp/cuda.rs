@@ -235,10 +235,10 @@ impl AmpKernels {
 
     /// Step `step` (from 1) of `rule` on `target` (f32, updated in place) from `grad`, reading
     /// the old `state` and writing `new_state` (f32, `rule.states()` each, `grad`'s length; the
-    /// same tensors update the state in place, as [`super::MasterWeights`] does), and writing the new values rounded into `model`
-    /// when given (a low-precision model's compute copy, `grad`'s dtype); an f32 `grad` takes no
-    /// `model` (the parameter is its own master). The arithmetic of `wick_kernels::cpu::optim`,
-    /// to the bit.
+    /// same tensors update the state in place, as [`super::MasterWeights`] does), and writing
+    /// the new values rounded into `model` when given (a low-precision model's compute copy,
+    /// `grad`'s dtype); an f32 `grad` takes no `model` (the parameter is its own master). The
+    /// arithmetic of `wick_kernels::cpu::optim`, to the bit.
     pub fn optimizer_step_(
         &self,
         target: &Tensor,

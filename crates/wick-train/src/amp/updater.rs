@@ -1,8 +1,9 @@
 //! The optimizer step of a training run, placed where it runs best: on a CUDA device with
 //! wick-kernels' fused kernels compiled in, the fused device step (`amp::device_step`, feature
 //! `cuda`: loss scale and inf flag on the device, no host round trip); elsewhere f32
-//! [`MasterWeights`] and the host-side [`GradScaler`]. Callers hold one [`Updater`] and never ask which it is (the choice,
-//! and why the fused step was not taken, is in [`Updater::describe`]).
+//! [`MasterWeights`] and the host-side [`GradScaler`]. Callers hold one [`Updater`] and never
+//! ask which it is (the choice, and why the fused step was not taken, is in
+//! [`Updater::describe`]).
 
 use candle_core::{Tensor, Var};
 

@@ -84,9 +84,7 @@ impl Shard {
             _ => Shard::Zero(ZeroOptimizer::new(group, vars, plan, stage, optimizer, steps, fetch)?),
         })
     }
-}
 
-impl Shard {
     /// The same shard, prefetching at stage 3 when `on` ([`DataParallelOptions::prefetch`]).
     fn prefetching(self, on: bool) -> Self {
         if let Shard::Params(p) = &self {

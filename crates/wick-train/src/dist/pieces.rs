@@ -1,7 +1,8 @@
 //! A parameter's pieces as ZeRO stage 3 moves them: this rank's piece packed as bytes in the
-//! parameter's dtype, every rank's pieces made back into a whole parameter (a fresh variable, or
-//! written into the model's own tensor), values read as f32 where they lie, and a tensor's
-//! pages handed back to the operating system.
+//! parameter's dtype, where each parameter lies in a gather's bytes ([`GatherLayout`]), every
+//! rank's pieces made back into a whole parameter (a fresh variable, or written into the model's
+//! own tensor), values read as f32 where they lie, and a tensor's pages handed back to the
+//! operating system.
 
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, Var};
 
@@ -152,5 +153,29 @@ impl InplaceOp1 for WritePieces<'_> {
             _ => return Err(candle_core::Error::Msg("ZeRO-3: a parameter that is not f32, bf16 or f16".into())),
         }
         Ok(())
+    }
+}
+
+/// Where a gather's parameters lie in each rank's bytes.
+pub(super) struct GatherLayout {
+    /// The parameters.
+    pub(super) which: Vec<usize>,
+    /// Bytes each rank sends.
+    pub(super) per_rank: usize,
+    /// Each parameter's offset and length in a rank's bytes, its dtype and shape.
+    pub(super) placed: Vec<(usize, usize, DType, Vec<usize>)>,
+}
+
+impl GatherLayout {
+    /// Every rank's piece of parameter `k` in `recv` (the gather's bytes, `world` ranks laid end
+    /// to end), in rank order.
+    pub(super) fn pieces<'a>(
+        &self,
+        recv: &'a [u8],
+        world: usize,
+        k: usize,
+    ) -> impl Iterator<Item = &'a [u8]> + Clone + use<'a> {
+        let (per_rank, (at, bytes, ..)) = (self.per_rank, self.placed[k].clone());
+        (0..world).map(move |r| &recv[r * per_rank + at..r * per_rank + at + bytes])
     }
 }

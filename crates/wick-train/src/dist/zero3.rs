@@ -47,7 +47,8 @@ use candle_core::{DType, Device, Tensor, TensorId, Var};
 use super::buckets::ReduceStats;
 use super::error::DistError;
 use super::pending::{Collective, Outgoing, Pending};
-use super::pieces::{push_bytes, rounded, var_from_pieces, with_f32, ReleasePages, WritePieces};
+use super::pieces::{push_bytes, rounded, var_from_pieces, with_f32, GatherLayout, ReleasePages, WritePieces};
+use super::prefetch::{Gathering, Prefetch};
 use super::zero::{PieceInit, PieceRequest};
 use super::{ProcessGroup, ReduceOp};
 use crate::amp::{GradScaler, StepOutcome};
@@ -85,36 +86,6 @@ struct State {
     /// The last block's reduce-scatter, in flight: its parameters and their chunks.
     pending: Option<(Vec<usize>, Vec<usize>, Pending)>,
     prefetch: Prefetch,
-}
-
-/// Where a gather's parameters lie in each rank's bytes.
-struct Layout {
-    /// The parameters.
-    which: Vec<usize>,
-    /// Bytes each rank sends.
-    per_rank: usize,
-    /// Each parameter's offset and length in a rank's bytes, its dtype and shape.
-    placed: Vec<(usize, usize, DType, Vec<usize>)>,
-}
-
-/// A block's gather in flight (prefetched).
-struct Gathering {
-    layout: Layout,
-    pending: Pending<u8>,
-}
-
-/// The next block's gather started while the current one runs (FSDP's forward and backward
-/// prefetch): the blocks are gathered in the same order every step (forward, then backward's
-/// recomputations in reverse), so the last step's order says which block comes next.
-#[derive(Default)]
-struct Prefetch {
-    on: bool,
-    /// The blocks gathered in the last step, in order.
-    last: Vec<Vec<usize>>,
-    /// This step's so far.
-    this: Vec<Vec<usize>>,
-    /// The next block's gather, in flight.
-    in_flight: Option<Gathering>,
 }
 
 /// A rank's shard of every parameter, and the blocks' gather and reduce.
@@ -215,20 +186,19 @@ impl ParamShards {
         let (send, layout) = self.pack(&[i])?;
         let recv = self.all_gather(send)?;
         let t0 = Instant::now();
-        for (at, bytes, dtype, dims) in layout.placed {
-            if target.dtype() != dtype || target.dims() != dims.as_slice() {
+        for (k, (_, _, dtype, dims)) in layout.placed.iter().enumerate() {
+            if target.dtype() != *dtype || target.dims() != dims.as_slice() {
                 return Err(DistError::internal(format!("ZeRO-3: parameter {i} changed shape or dtype")));
             }
-            let per_rank = layout.per_rank;
-            let pieces = (0..self.group.world_size()).map(|r| &recv[r * per_rank + at..r * per_rank + at + bytes]);
-            target.inplace_op1(&WritePieces { pieces: pieces.collect() })?;
+            let pieces = layout.pieces(&recv, self.group.world_size(), k).collect();
+            target.inplace_op1(&WritePieces { pieces })?;
         }
         lock(&self.state).stats.pack_s += t0.elapsed().as_secs_f64();
         Ok(())
     }
 
     /// This rank's pieces of parameters `which`, packed in their dtypes, and where each lies.
-    fn pack(&self, which: &[usize]) -> Result<(Vec<u8>, Layout), DistError> {
+    fn pack(&self, which: &[usize]) -> Result<(Vec<u8>, GatherLayout), DistError> {
         let t0 = Instant::now();
         let mut send = Vec::new();
         let mut placed = Vec::with_capacity(which.len());
@@ -241,7 +211,7 @@ impl ParamShards {
         }
         st.stats.pack_s += t0.elapsed().as_secs_f64();
         st.stats.bytes += send.len();
-        let layout = Layout { which: which.to_vec(), per_rank: send.len(), placed };
+        let layout = GatherLayout { which: which.to_vec(), per_rank: send.len(), placed };
         Ok((send, layout))
     }
 
@@ -256,13 +226,11 @@ impl ParamShards {
     }
 
     /// The parameters of a gather, as fresh variables made from every rank's bytes in `recv`.
-    fn made_whole(&self, recv: &[u8], layout: &Layout) -> Result<Vec<Tensor>, DistError> {
+    fn made_whole(&self, recv: &[u8], layout: &GatherLayout) -> Result<Vec<Tensor>, DistError> {
         let t0 = Instant::now();
-        let per_rank = layout.per_rank;
         let mut out = Vec::with_capacity(layout.placed.len());
-        for (at, bytes, dtype, dims) in &layout.placed {
-            let pieces = (0..self.group.world_size()).map(|r| &recv[r * per_rank + at..r * per_rank + at + bytes]);
-            out.push(var_from_pieces(pieces, *dtype, dims)?);
+        for (k, (_, _, dtype, dims)) in layout.placed.iter().enumerate() {
+            out.push(var_from_pieces(layout.pieces(recv, self.group.world_size(), k), *dtype, dims)?);
         }
         lock(&self.state).stats.pack_s += t0.elapsed().as_secs_f64();
         Ok(out)
@@ -279,7 +247,7 @@ impl ParamShards {
     }
 
     /// Waits for a gather in flight: every rank's bytes.
-    fn finish_gather(&self, gathering: Gathering) -> Result<(Vec<u8>, Layout), DistError> {
+    fn finish_gather(&self, gathering: Gathering) -> Result<(Vec<u8>, GatherLayout), DistError> {
         let t0 = Instant::now();
         let recv = gathering.pending.finish(self.group.comm())?;
         lock(&self.state).stats.comm_s += t0.elapsed().as_secs_f64();
@@ -311,14 +279,7 @@ impl ParamShards {
             }
         };
         if on {
-            let next = {
-                let mut st = lock(&self.state);
-                let p = &mut st.prefetch;
-                let at = p.this.len();
-                let next = if p.last.get(at) == Some(&which) { p.last.get(at + 1).cloned() } else { None };
-                p.this.push(which);
-                next
-            };
+            let next = lock(&self.state).prefetch.follow(which);
             if let Some(next) = next {
                 let g = self.start_gather(&next)?;
                 lock(&self.state).prefetch.in_flight = Some(g);
@@ -330,12 +291,7 @@ impl ParamShards {
     /// The end of a step's gathers: one still in flight completed and dropped, and this step's
     /// order kept for the next.
     fn end_prefetch(&self) -> Result<(), DistError> {
-        let stale = {
-            let mut st = lock(&self.state);
-            let p = &mut st.prefetch;
-            p.last = std::mem::take(&mut p.this);
-            p.in_flight.take()
-        };
+        let stale = lock(&self.state).prefetch.end_step();
         if let Some(g) = stale {
             drop(self.finish_gather(g)?);
         }
