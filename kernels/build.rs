@@ -1,4 +1,5 @@
-//! With the `cuda` feature, compiles `src/*.cu` (the fused AMP and optimizer kernels) into fatbins that the
+//! With the `cuda` feature, compiles `src/cuda/*.cu` (the fused AMP and optimizer kernels, and the
+//! CUDA bodies of wick-nn's ops) into fatbins that the
 //! crate embeds (`wick_kernels::fatbin`): SASS for sm_80 and sm_90 plus compute_90 PTX. The
 //! compiler is `$WICK_KERNELS_NVCC` (a real nvcc, e.g. from `../shared/tools/cuda-toolkit-pypi.sh`);
 //! without it the crate builds and the kernels report that they were not compiled in.
@@ -10,7 +11,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 4] = ["amp_unscale", "amp_update_scale", "amp_adamw", "optim_step"];
+const KERNELS: [&str; 6] = ["amp_unscale", "amp_update_scale", "amp_adamw", "optim_step", "nn_act", "nn_norm"];
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(wick_kernels)");
@@ -18,7 +19,9 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR")).join("src");
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"))
+        .join("src")
+        .join("cuda");
     println!("cargo::rerun-if-changed={}", root.display());
     let Some(nvcc) = std::env::var_os("WICK_KERNELS_NVCC") else {
         println!("cargo::warning=WICK_KERNELS_NVCC is not set: the CUDA kernels are not compiled in");

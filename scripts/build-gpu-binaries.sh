@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the GPU-check binaries on a machine with no GPU and no CUDA toolkit, into .devbuild/:
-# wick's kernels (kernels/src/*.cu) and candle's are compiled by the real PyPI nvcc (7 min here on
+# wick's kernels (kernels/src/cuda/*.cu) and candle's are compiled by the real PyPI nvcc (7 min here on
 # 2 cores), candle's through scripts/nvcc-ptx-compat.sh, which writes PTX that a CUDA 13.0 driver
 # accepts; CUDA libraries are linked as empty stubs carrying the real SONAMEs.
 #
@@ -33,32 +33,36 @@ build() { # pass 1 links against empty stubs (the linker then drops them: --as-n
 build -p wick-tools --features cuda --bin gpu-check
 build -p wick-memory --features cuda --test conformance_cuda
 build -p wick-tools --features cuda --bin amp-gpu-check
+build -p wick-tools --features cuda --bin nn-gpu-check
 build -p wick-examples --features cuda --bin train-amp
 build -p wick-examples --features cuda --bin byo-model
 build -p wick-examples --features cuda --bin zoo-speed
 build -p wick-train --features nccl --example nccl_check
 test_bin() { ls -t target/release/deps/conformance_cuda-* | grep -v '\.d$' | head -1; }
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-gpu target/release/gpu-check target/release/amp-gpu-check \
+  target/release/nn-gpu-check \
   target/release/train-amp target/release/byo-model target/release/zoo-speed target/release/examples/nccl_check \
   "$(test_bin)"
 export LIBRARY_PATH="$PWD/target/cuda-stubs-gpu"
 touch tools/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs \
-  tools/src/bin/amp_gpu_check.rs examples/src/bin/train_amp.rs examples/src/bin/byo_model.rs \
+  tools/src/bin/amp_gpu_check.rs tools/src/bin/nn_gpu_check.rs examples/src/bin/train_amp.rs examples/src/bin/byo_model.rs \
   examples/src/bin/zoo_speed.rs crates/wick-train/examples/nccl_check.rs
 build -p wick-tools --features cuda --bin gpu-check
 build -p wick-memory --features cuda --test conformance_cuda
 build -p wick-tools --features cuda --bin amp-gpu-check
+build -p wick-tools --features cuda --bin nn-gpu-check
 build -p wick-examples --features cuda --bin train-amp
 build -p wick-examples --features cuda --bin byo-model
 build -p wick-examples --features cuda --bin zoo-speed
 build -p wick-train --features nccl --example nccl_check
 cp target/release/gpu-check target/release/amp-gpu-check target/release/examples/nccl_check .devbuild/
 # train-amp needs candle's kernels: keep it only when they were really compiled.
-# byo-model (a candle-transformers model) and zoo-speed (the zoo's models) too.
+# byo-model (a candle-transformers model), zoo-speed (the zoo's models) and nn-gpu-check (candle's
+# casts, products and sums around wick's ops) too.
 if [ "${WICK_CANDLE_NVCC:-real}" = real ]; then
-  cp target/release/train-amp target/release/byo-model target/release/zoo-speed .devbuild/
+  cp target/release/train-amp target/release/byo-model target/release/zoo-speed target/release/nn-gpu-check .devbuild/
 else
-  rm -f .devbuild/train-amp .devbuild/byo-model .devbuild/zoo-speed
+  rm -f .devbuild/train-amp .devbuild/byo-model .devbuild/zoo-speed .devbuild/nn-gpu-check
 fi
 cp "$(test_bin)" .devbuild/conformance_cuda
 for b in .devbuild/*; do echo "$b needs: $(readelf -d "$b" | awk '/NEEDED/ {print $5}' | tr -d '[]' | tr '\n' ' ')"; done

@@ -3,7 +3,7 @@
 #  1. type-check and lint every `cuda` code path with the fake nvcc from ../shared/tools;
 #  2. build the CUDA test binary, link it against stub CUDA libraries whose every call fails, run
 #     it, and check that the "no driver" path returns a clear error instead of panicking;
-#  3. compile kernels/src/*.cu with a real nvcc: PTX for sm_80 and sm_90, and the fatbins that
+#  3. compile kernels/src/cuda/*.cu with a real nvcc: PTX for sm_80 and sm_90, and the fatbins that
 #     the wick-kernels build script embeds (the cargo check of step 1 builds them with that nvcc);
 #  4. read the CUPTI figures the CUDA memory history relies on from CUPTI's real headers (PyPI's
 #     nvidia-cuda-cupti) and compare them with crates/wick/src/cupti_abi.expected.
@@ -17,7 +17,7 @@ mkdir -p .cache/fake-nvcc
 ln -sf "$(realpath "$shared/tools/fake-nvcc")" .cache/fake-nvcc/nvcc
 export PATH="$PWD/.cache/fake-nvcc:$PATH" CUDA_COMPUTE_CAP=80
 
-echo "-- a real nvcc for kernels/src/*.cu (PyPI CUDA toolkit)"
+echo "-- a real nvcc for kernels/src/cuda/*.cu (PyPI CUDA toolkit)"
 cuda_home=$(sh "$shared/tools/cuda-toolkit-pypi.sh" "$PWD/.cache/cuda-toolkit" | tail -1)
 export WICK_KERNELS_NVCC="$cuda_home/bin/nvcc"
 "$WICK_KERNELS_NVCC" --version | tail -1
@@ -53,9 +53,9 @@ binary=$(build_test "$PWD/$stubs")
 readelf -d "$binary" | grep -q 'libcuda' || { echo "!! the test binary does not link libcuda"; exit 1; }
 LD_LIBRARY_PATH="$PWD/$stubs" WICK_EXPECT_NO_DRIVER=1 "$binary" --nocapture
 
-echo "-- kernels/src/*.cu with a real nvcc"
+echo "-- kernels/src/cuda/*.cu with a real nvcc"
 shopt -s nullglob
-kernels=(kernels/src/*.cu)
+kernels=(kernels/src/cuda/*.cu)
 if [ ${#kernels[@]} -eq 0 ]; then
   echo "no CUDA kernels in kernels/ yet: nothing to compile"
 else

@@ -5,7 +5,9 @@
 #   - the CUDA memory history of labelled candle tensors (CUPTI), with its memory_viz pickle and HTML;
 #   - an alloc-heavy candle loop on the default pool vs wick's pool;
 #   - allocation traces through wick's CUDA allocator vs raw cuMemAllocAsync vs PyTorch;
-#   - the fused AMP kernels (kernels/src/*.cu) against their CPU references;
+#   - the fused AMP kernels (kernels/src/cuda/*.cu) against their CPU references;
+#   - wick-nn's CUDA op bodies (activations, layer and RMS norm) against their host bodies, that a
+#     GPU pass goes through them, and each beside the composed candle ops it replaces;
 #   - the AMP training example on CUDA (f16 with loss scaling, then bf16), through the fused
 #     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh);
 #   - a candle-transformers LLaMA under a CUDA engine: its forward time, and out-of-memory as an
@@ -13,7 +15,9 @@
 #   - a one-rank NCCL communicator: all-reduce of CUDA tensors against the input, and its time;
 #   - the zoo's CNNs at 224², batch 32 (f32 train, bf16 AMP train, eval) beside PyTorch on the same
 #     GPU: step time, peak allocated memory, and wick's estimator's figure for the same step
-#     (benchmarks/zoo-estimates-cuda.json, made on the CPU by scripts/zoo_estimates.py).
+#     (benchmarks/zoo-estimates-cuda.json, made on the CPU by scripts/zoo_estimates.py);
+#   - the zoo's transformers (MiniLM, ViT-S/16, the decoder) at zoo-speed's sizes beside PyTorch.
+# Nsight Compute's per-kernel profile of ResNet-18 runs only with WICK_GPU_NCU=1 (2-3 minutes).
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
 # .devbuild/ (this machine may have no Rust toolchain); the real driver and the CUDA 13 libraries
 # of PyTorch's wheels are found here and put on the loader path under the names the binaries need.
@@ -58,6 +62,13 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 scripts/gpu_check_torch
 echo "== AMP kernels against their CPU references"
 timeout 120 "$bin/amp-gpu-check" 2>&1 | tee "$out/gpu-amp-kernels.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
+echo "== wick-nn's CUDA op bodies against their host bodies, and beside the composed ops"
+if [ -x "$bin/nn-gpu-check" ]; then
+  timeout 120 "$bin/nn-gpu-check" 2>&1 | tee "$out/gpu-nn-ops.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+else
+  echo "!! SKIPPED: $bin/nn-gpu-check not built (scripts/build-gpu-binaries.sh with WICK_CANDLE_NVCC=fake leaves it out)"
+fi
 echo "== AMP training example on CUDA"
 if [ -x "$bin/train-amp" ]; then
   for precision in f16 bf16; do
@@ -103,13 +114,18 @@ if [ -x "$bin/zoo-speed" ]; then
     --models resnet18,resnet50,mobilenet_v2 --modes train,amp,eval --image 224 --batches 32 \
     --rounds 2 --steps 5 --warmup 2 --estimates "$estimates" --json "$out/gpu-zoo.json") 2>&1 | tee "$out/gpu-zoo.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== the zoo's transformers on the GPU beside PyTorch (zoo-speed's sizes)"
+  (cd scripts/torch-reference && PYTHONUNBUFFERED=1 timeout 150 python3 zoo_speed.py --wick "$zoo" --device cuda \
+    --models bert,vit,decoder --modes train,eval --rounds 1 --steps 5 --json "$out/gpu-zoo-transformers.json") 2>&1 \
+    | tee "$out/gpu-zoo-transformers.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
   echo "== where the zoo's GPU step goes: phases, and each kernel's time under Nsight Compute"
   for config in "resnet18 train" "resnet18 amp" "resnet18 eval" "resnet50 train"; do
     set -- $config
     timeout 60 "$bin/zoo-speed" --model $1 --mode $2 --image 224 --batch 32 --steps 3 --warmup 2 --device cuda 2>&1 \
       | tail -1 | tee -a "$out/gpu-zoo-phases.txt"
   done
-  if command -v ncu >/dev/null; then
+  if [ "${WICK_GPU_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
     # One metric (each kernel's duration): one replay pass per kernel. One step, no warm-up.
     for mode in eval train; do
       timeout 150 ncu --metrics gpu__time_duration.sum --print-summary per-kernel --csv \
@@ -119,7 +135,7 @@ if [ -x "$bin/zoo-speed" ]; then
     done
     python3 scripts/ncu_summary.py "$out/gpu-zoo-ncu-eval.csv" "$out/gpu-zoo-ncu-train.csv" | tee "$out/gpu-zoo-kernels.txt"
   else
-    echo "!! ncu not found: no per-kernel profile"
+    echo "   (no per-kernel profile: set WICK_GPU_NCU=1 with Nsight Compute installed)"
   fi
 else
   echo "!! SKIPPED: $bin/zoo-speed not built (the zoo's GPU table and profile)"
@@ -128,4 +144,5 @@ echo "== conformance suite on the CUDA backend"
 WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-10000} timeout 240 "$bin/conformance_cuda" --nocapture 2>&1 \
   | tail -20 | tee "$out/gpu-conformance.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
+date -u
 exit $status

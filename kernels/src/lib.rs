@@ -6,13 +6,16 @@
 //!   AVX512-BF16 or AMX, direct convolutions, vectorised `exp`/`erf`, batch norm's sums, max
 //!   pooling's window sweep, the optimizer updates) and the helpers they share; wick-nn and
 //!   wick-train wrap them as candle ops;
-//! - the CUDA C kernels: the `.cu` sources (`src/*.cu`: the fused AMP step — multi-tensor
-//!   unscale with inf/NaN check, the loss-scale update, AdamW on f32 masters writing the model's
-//!   low-precision copy — and the optimizer's step in one launch per parameter: SGD with
-//!   momentum and AdamW on an f32 tensor, the arithmetic of [`cpu::optim`] to the bit), the build
-//!   script that compiles them, the compiled fatbins embedded in this crate ([`fatbin`]), and
-//!   their CPU references ([`mod@reference`], [`cpu::optim`]). Loading and launching them on
-//!   candle's CUDA device is wick-train's `amp::cuda`.
+//! - the CUDA C kernels, `src/cuda/*.cu` beside `src/cpu/` (one layout: the host's kernels in
+//!   Rust, the device's in CUDA C): the fused AMP step (multi-tensor unscale with inf/NaN check,
+//!   the loss-scale update, AdamW on f32 masters writing the model's low-precision copy), the
+//!   optimizer's step in one launch per parameter (SGD with momentum and AdamW on an f32 tensor,
+//!   the arithmetic of [`cpu::optim`] to the bit), and the CUDA bodies of wick-nn's ops
+//!   (`nn_act`: the element-wise activations forward and backward; `nn_norm`: layer and RMS norm
+//!   forward and backward); the build script that compiles them, the compiled fatbins embedded in
+//!   this crate ([`fatbin`]), and their CPU references ([`mod@reference`], [`cpu::optim`], and
+//!   wick-nn's host bodies of the same ops). Loading and launching them on candle's CUDA device
+//!   is wick-train's `amp::cuda` and wick-nn's `cuda`.
 //!
 //! This crate depends on no candle or CUDA crate.
 //!
@@ -25,7 +28,7 @@ pub mod cpu;
 pub mod reference;
 
 /// The kernels, by the name of their source file (without `.cu`).
-pub const KERNELS: [&str; 4] = ["amp_unscale", "amp_update_scale", "amp_adamw", "optim_step"];
+pub const KERNELS: [&str; 6] = ["amp_unscale", "amp_update_scale", "amp_adamw", "optim_step", "nn_act", "nn_norm"];
 
 /// True when this build compiled the kernels in.
 pub const COMPILED: bool = cfg!(wick_kernels);
@@ -38,6 +41,8 @@ pub fn fatbin(name: &str) -> Option<&'static [u8]> {
         "amp_update_scale" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_update_scale.fatbin"))),
         "amp_adamw" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_adamw.fatbin"))),
         "optim_step" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/optim_step.fatbin"))),
+        "nn_act" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_act.fatbin"))),
+        "nn_norm" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_norm.fatbin"))),
         _ => None,
     }
 }
@@ -54,7 +59,7 @@ mod tests {
 
     #[test]
     fn every_kernel_has_its_source_and_a_fatbin_exactly_when_compiled() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src").join("cuda");
         for name in KERNELS {
             assert!(dir.join(format!("{name}.cu")).is_file(), "{name}.cu is missing");
             assert_eq!(fatbin(name).is_some(), COMPILED, "{name}");

@@ -11,6 +11,7 @@
 //! | [`cnn`] | convolution, depthwise convolution, batch norm with running statistics, pooling |
 //! | [`fused`] | composite ops as single graph nodes that recompute their forward during backward |
 //! | [`cpu`] | the CPU implementations of those ops: candle custom ops whose forward and backward passes run over plain slices (convolutions, norms, attention, activations, losses …) on `wick_kernels::cpu` (matrix products f32/bf16/AMX, vectorised math, batch-norm sums), and per-op timing ([`cpu::profile`]) |
+//! | `cuda` | (feature `cuda`) the CUDA bodies of the same ops — the element-wise activations, layer and RMS norm so far — loaded from wick-kernels' fatbins and launched on candle's stream; the others still compose candle's ops on a GPU |
 //! | [`params`] | named parameters with pre-flighted creation and the initialisers |
 //! | [`autocast`] | the mixed-precision op policy ([`Autocast`]: which ops run in bf16/f16, which in f32) |
 //! | [`checkpoint`] | activation checkpointing ([`Checkpointing`]: blocks recomputed in backward instead of kept) |
@@ -26,6 +27,8 @@ pub mod autocast;
 pub mod checkpoint;
 pub mod cnn;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod fused;
 pub mod grad;

@@ -70,7 +70,7 @@ pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// output, zeros included, and candle's rule then changed the first gradients of ResNet-50's
 /// residual norms completely (relative error 1 against PyTorch in f64). NaN propagates.
 pub fn relu(x: &Tensor) -> Result<Tensor> {
-    if cpu::serves(x) {
+    if cpu::serves_either(x) {
         return cpu::act::relu(x);
     }
     node("relu", &[x], x.dtype(), x.dtype(), |t| relu_composed(&t[0], None))
@@ -80,7 +80,7 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
 /// one node that keeps its input (candle's `clamp` keeps two tensors and halves the gradient
 /// where `x` equals a bound). NaN propagates.
 pub fn relu6(x: &Tensor) -> Result<Tensor> {
-    if cpu::serves(x) {
+    if cpu::serves_either(x) {
         return cpu::act::relu6(x);
     }
     node("relu6", &[x], x.dtype(), x.dtype(), |t| relu_composed(&t[0], Some(6.0)))
@@ -101,7 +101,7 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// `relu(a + b)` (the end of a residual block) with PyTorch's gradient: one op on the CPU that
 /// neither stores nor keeps the sum (backward recomputes it); `relu(a + b)` elsewhere.
 pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if cpu::serves(a) {
+    if cpu::serves_either(a) {
         return cpu::act::add_relu(a, b);
     }
     relu(&(a + b)?)
@@ -110,7 +110,7 @@ pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// GELU (erf form) as one op keeping its input: computed in f32 (f64 for f64) and rounded once
 /// on the CPU; candle's `gelu_erf` elsewhere.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if cpu::serves(x) {
+    if cpu::serves_either(x) {
         return cpu::act::gelu(x);
     }
     x.gelu_erf()
@@ -120,7 +120,7 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 /// dimension), as one fused gate-and-up projection writes them: one projection instead of two,
 /// and no gradient of their shared input summed by candle.
 pub fn silu_mul_packed(u: &Tensor) -> Result<Tensor> {
-    if cpu::serves(u) {
+    if cpu::serves_either(u) {
         return cpu::act::silu_mul_packed(u);
     }
     let half = u.dim(D::Minus1)? / 2;
@@ -130,7 +130,7 @@ pub fn silu_mul_packed(u: &Tensor) -> Result<Tensor> {
 /// `silu(a)·b` (SwiGLU's gate) as one op keeping `a` and `b`: computed in f32 (f64 for f64) on
 /// the CPU; candle's `silu` and `mul` elsewhere.
 pub fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if cpu::serves(a) {
+    if cpu::serves_either(a) {
         return cpu::act::silu_mul(a, b);
     }
     a.silu()? * b
@@ -252,8 +252,8 @@ pub fn layer_norm_composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64)
 /// computes in f32 (f64 for f64 inputs) and returns the input's dtype (an f32-class op under
 /// autocast).
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    if cpu::serves(x) {
-        return cpu::norm::layer_norm(x, weight, bias, eps);
+    if cpu::serves_either(x) {
+        return cpu::row_norm::layer_norm(x, weight, bias, eps);
     }
     node("layer_norm", &[x, weight, bias], fp32_compute(x.dtype()), x.dtype(), move |t| {
         layer_norm_composed(&t[0], &t[1], &t[2], eps)
@@ -268,8 +268,8 @@ pub fn rms_norm_composed(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor
 
 /// RMS normalisation over the last dimension (LLaMA): one graph node computing in f32.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    if cpu::serves(x) {
-        return cpu::norm::rms_norm(x, weight, eps);
+    if cpu::serves_either(x) {
+        return cpu::row_norm::rms_norm(x, weight, eps);
     }
     node("rms_norm", &[x, weight], fp32_compute(x.dtype()), x.dtype(), move |t| rms_norm_composed(&t[0], &t[1], eps))
 }

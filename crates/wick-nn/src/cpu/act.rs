@@ -2,16 +2,22 @@
 //! PyTorch's gradient at the kinks (`[x > 0]`, `[0 < x < 6]`; NaN propagates), GELU (erf form)
 //! and SwiGLU's `silu(a)·b`. Each keeps its inputs only. They read and write their tensors' own
 //! element types (the crate's `kernels::elem`): a bf16 op computes in f32 inside the loop and
-//! moves half the bytes of an f32 one.
+//! moves half the bytes of an f32 one. With the `cuda` feature each op but `add` (a host fix for
+//! candle's slow bf16 addition; candle's CUDA addition is one kernel already) has a CUDA body too
+//! (`crate::cuda::act`): the same node, keeping the same tensors, one launch per pass.
 
 use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI};
 use std::mem::MaybeUninit;
 
 use candle_core::backend::BackendStorage;
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 
 use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::Real;
+#[cfg(feature = "cuda")]
+use crate::cuda::act as cuda;
 
 /// Elements per parallel chunk: below this a thread's start-up costs more than the work.
 const CHUNK: usize = 1 << 15;
@@ -256,7 +262,15 @@ impl CustomOp1 for Clamp {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         by_elem!(s.dtype(), T, E => self.fwd::<T, E>(s, l))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        cuda::forward("clamp", &[(s, l)], self.max.unwrap_or(f64::INFINITY))
+    }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return cuda::grad("clamp_grad", &[x, g], self.max.unwrap_or(f64::INFINITY)).map(Some);
+        }
         by_elem!(x.dtype(), T, E => self.bwd::<T, E>(x, g).map(Some))
     }
 }
@@ -293,7 +307,15 @@ impl CustomOp1 for Gelu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         by_elem!(s.dtype(), T, E => Gelu::fwd::<T, E>(s, l))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        cuda::forward("gelu", &[(s, l)], 0.0)
+    }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return cuda::grad("gelu_grad", &[x, g], 0.0).map(Some);
+        }
         by_elem!(x.dtype(), T, E => Gelu::bwd::<T, E>(x, g).map(Some))
     }
 }
@@ -333,7 +355,16 @@ impl CustomOp2 for SiluMul {
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
         by_elem!(sa.dtype(), T, E => binary::<T, E>("silu_mul", (sa, la), (sb, lb), SiluMulF))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, sa: &CudaStorage, la: &Layout, sb: &CudaStorage, lb: &Layout) -> Result<(CudaStorage, Shape)> {
+        cuda::forward("silu_mul", &[(sa, la), (sb, lb)], 0.0)
+    }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if a.device().is_cuda() {
+            let (da, db) = cuda::silu_mul_grads(a, b, g)?;
+            return Ok((Some(da), Some(db)));
+        }
         let (da, db) = by_elem!(a.dtype(), T, E => SiluMul::bwd::<T, E>(a, b, g))?;
         Ok((Some(da), Some(db)))
     }
@@ -416,10 +447,19 @@ impl CustomOp1 for SiluMulPacked {
             by_elem!(s.dtype(), T, E => elems::<T, E>(s, l).map(|u| E::into_storage(silu_mul_rows::<T, E>(u, width))))?;
         Ok((y, shape))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        let (width, shape) = packed_half(l.shape())?;
+        cuda::silu_mul_packed(s, l, width, shape)
+    }
     fn bwd(&self, u: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         let (width, out) = packed_half(u.shape())?;
         if g.shape() != &out || g.dtype() != u.dtype() {
             return Err(candle_core::Error::Msg(format!("silu_mul: gradient {:?} for output {out:?}", g.shape())));
+        }
+        #[cfg(feature = "cuda")]
+        if u.device().is_cuda() {
+            return cuda::silu_mul_packed_grad(u, g, width).map(Some);
         }
         let du = by_elem!(u.dtype(), T, E => with_elems::<T, E, _>(u, |uv| {
             with_elems::<T, E, _>(g, |gv| Ok(silu_mul_rows_grad::<T, E>(uv, gv, width)))
@@ -478,8 +518,19 @@ impl CustomOp2 for AddRelu {
     fn cpu_fwd(&self, sa: &CpuStorage, la: &Layout, sb: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
         by_elem!(sa.dtype(), T, E => binary::<T, E>("add_relu", (sa, la), (sb, lb), AddReluF))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, sa: &CudaStorage, la: &Layout, sb: &CudaStorage, lb: &Layout) -> Result<(CudaStorage, Shape)> {
+        cuda::forward("add_relu", &[(sa, la), (sb, lb)], 0.0)
+    }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // Tensors are immutable: both gradient entries may share the one result.
+        #[cfg(feature = "cuda")]
+        let d = if a.device().is_cuda() {
+            cuda::grad("add_relu_grad", &[a, b, g], 0.0)?
+        } else {
+            by_elem!(a.dtype(), T, E => AddRelu::bwd::<T, E>(a, b, g))?
+        };
+        #[cfg(not(feature = "cuda"))]
         let d = by_elem!(a.dtype(), T, E => AddRelu::bwd::<T, E>(a, b, g))?;
         Ok((a.track_op().then(|| d.clone()), b.track_op().then_some(d)))
     }

@@ -8,14 +8,14 @@
 //! Numerics: the separate ops' outputs bit for bit. The product is `linear`'s, and each element
 //! takes the same operations in the same order (the bias, then the residual, in the output's
 //! type; GELU's per-element function and layer norm's row code are theirs, `act::gelu_at` and
-//! `norm::norm_row`).
+//! `row_norm::norm_row`).
 
 use candle_core::{Result, Tensor};
 
 use super::act::gelu_at;
 use super::elem::Elem;
 use super::linear::{dims, out_shape};
-use super::norm::norm_row;
+use super::row_norm::norm_row;
 use super::{gemm, par_ranges, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {

@@ -17,8 +17,8 @@
 //!   stride-1 convolutions without im2col; for inference, convolution + batch norm + residual +
 //!   activation in one pass over the output); `depthwise` convolution;
 //! - `norm`: batch norm (statistics once, mean and inverse deviation kept per channel; fused
-//!   with a following ReLU/ReLU6, whose input is then neither stored nor kept), layer norm and
-//!   RMS norm (per-row statistics kept);
+//!   with a following ReLU/ReLU6, whose input is then neither stored nor kept); `row_norm`:
+//!   layer norm and RMS norm (per-row statistics kept);
 //! - `pool`: max pooling (the first maximum of a window, as PyTorch) and global average pooling;
 //! - `act`: ReLU/ReLU6 with PyTorch's gradient at the kinks, a residual `relu(a + b)`, GELU,
 //!   SiLU·mul;
@@ -38,8 +38,10 @@
 //! widened inside the op and its result rounded once, autocast's f32-class behaviour, and every
 //! gradient sum is accumulated in f32). Linear layers and dense convolutions whose operands are
 //! all bf16 multiply them as bf16 with f32 sums on CPUs with AVX512-BF16 (`gemm_bf16`, as
-//! oneDNN's bf16 kernels do under PyTorch's CPU autocast). These kernels are the CPU implementations; on CUDA the
-//! callers keep candle's own ops (cuBLAS, cuDNN) in the composed form.
+//! oneDNN's bf16 kernels do under PyTorch's CPU autocast). These kernels are the CPU bodies of the ops. With the `cuda`
+//! feature the activations (`act`) and the row norms (`row_norm`) have CUDA bodies as well
+//! (`crate::cuda`'s, used where [`serves_either`] says so); on a GPU the other ops still run
+//! candle's own (cuBLAS, and composed kernels elsewhere).
 
 /// Runs `$body` with `$t` the compute type of `$dtype`: f64 for f64 tensors, f32 for the others
 /// (every op dispatches its generic forward and backward this way).
@@ -105,6 +107,7 @@ pub(crate) mod loss;
 pub(crate) mod norm;
 pub(crate) mod pool;
 pub mod profile;
+pub(crate) mod row_norm;
 
 use std::borrow::Cow;
 
@@ -383,6 +386,16 @@ pub(crate) fn apply3<C: candle_core::CustomOp3 + Send + Sync + 'static>(
 /// True when the fast CPU kernels serve tensors like `t`: on the CPU, in a float dtype.
 pub fn serves(t: &Tensor) -> bool {
     matches!(t.device(), Device::Cpu) && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+}
+
+/// True when an op with both bodies (the host's and, with the `cuda` feature, a CUDA one) serves
+/// `t`: [`serves`], or on a CUDA device whose kernels this build compiled in.
+pub fn serves_either(t: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::serves(t) {
+        return true;
+    }
+    serves(t)
 }
 
 /// `Σ f(a[i], b[i])` in f64: [`lane_sums`] of one sum.

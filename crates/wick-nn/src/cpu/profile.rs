@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 
 type Table = BTreeMap<(String, &'static str), (u64, Duration)>;
@@ -117,6 +119,10 @@ impl<C: CustomOp1> CustomOp1 for Profiled<C> {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         time(self.0.name(), "forward", || shapes(&[l.dims()]), || self.0.cpu_fwd(s, l))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+        time(self.0.name(), "forward", || shapes(&[l.dims()]), || self.0.cuda_fwd(s, l))
+    }
     fn bwd(&self, arg: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         ask_for_gradients(&[arg])?;
         time(self.0.name(), "backward", || shapes(&[arg.dims()]), || self.0.bwd(arg, res, g))
@@ -129,6 +135,10 @@ impl<C: CustomOp2> CustomOp2 for Profiled<C> {
     }
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         time(self.0.name(), "forward", || shapes(&[l1.dims(), l2.dims()]), || self.0.cpu_fwd(s1, l1, s2, l2))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &CudaStorage, l1: &Layout, s2: &CudaStorage, l2: &Layout) -> Result<(CudaStorage, Shape)> {
+        time(self.0.name(), "forward", || shapes(&[l1.dims(), l2.dims()]), || self.0.cuda_fwd(s1, l1, s2, l2))
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         ask_for_gradients(&[a, b])?;
@@ -154,6 +164,23 @@ impl<C: CustomOp3> CustomOp3 for Profiled<C> {
             "forward",
             || shapes(&[l1.dims(), l2.dims(), l3.dims()]),
             || self.0.cpu_fwd(s1, l1, s2, l2, s3, l3),
+        )
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        time(
+            self.0.name(),
+            "forward",
+            || shapes(&[l1.dims(), l2.dims(), l3.dims()]),
+            || self.0.cuda_fwd(s1, l1, s2, l2, s3, l3),
         )
     }
     fn bwd(

@@ -17,8 +17,8 @@ fn bf16_inputs_compute_in_f32_and_round_once() {
         ),
         (cpu::act::gelu(&x).unwrap(), cpu::act::gelu(&f32_of(&x)).unwrap()),
         (
-            cpu::norm::rms_norm(&x, &f32_of(&randn(&[16], 29)), 1e-6).unwrap(),
-            cpu::norm::rms_norm(&f32_of(&x), &f32_of(&randn(&[16], 29)), 1e-6).unwrap(),
+            cpu::row_norm::rms_norm(&x, &f32_of(&randn(&[16], 29)), 1e-6).unwrap(),
+            cpu::row_norm::rms_norm(&f32_of(&x), &f32_of(&randn(&[16], 29)), 1e-6).unwrap(),
         ),
     ];
     for (low, reference) in pairs {
@@ -181,11 +181,16 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
         ("max_pool 2×2 /2", Box::new(|t: &[Tensor]| cpu::pool::max_pool2d(&t[0], 2, 2, 0)), vec![vec![2, 2, 8, 9]], 1),
         (
             "layer_norm",
-            Box::new(|t: &[Tensor]| cpu::norm::layer_norm(&t[0], &t[1], &t[2], 1e-5)),
+            Box::new(|t: &[Tensor]| cpu::row_norm::layer_norm(&t[0], &t[1], &t[2], 1e-5)),
             vec![vec![6, 7, 48], vec![48], vec![48]],
             1,
         ),
-        ("rms_norm", Box::new(|t: &[Tensor]| cpu::norm::rms_norm(&t[0], &t[1], 1e-6)), vec![vec![5, 40], vec![40]], 1),
+        (
+            "rms_norm",
+            Box::new(|t: &[Tensor]| cpu::row_norm::rms_norm(&t[0], &t[1], 1e-6)),
+            vec![vec![5, 40], vec![40]],
+            1,
+        ),
         ("batch_norm", bn(Activation::Identity), vec![vec![3, 4, 9, 11], vec![4], vec![4]], 1),
         ("batch_norm+relu", bn(Activation::Relu), vec![vec![3, 4, 9, 11], vec![4], vec![4]], 1),
         ("batch_norm+relu6", bn(Activation::Relu6), vec![vec![2, 3, 40, 41], vec![3], vec![3]], 1),

@@ -102,13 +102,13 @@ fn norms_match_their_composed_forms() {
     check(
         "layer_norm",
         &[x.clone(), w.clone(), b],
-        |t| cpu::norm::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        |t| cpu::row_norm::layer_norm(&t[0], &t[1], &t[2], 1e-5),
         |t| ops::layer_norm_composed(&t[0], &t[1], &t[2], 1e-5),
     );
     check(
         "rms_norm",
         &[x, w],
-        |t| cpu::norm::rms_norm(&t[0], &t[1], 1e-6),
+        |t| cpu::row_norm::rms_norm(&t[0], &t[1], 1e-6),
         |t| ops::rms_norm_composed(&t[0], &t[1], 1e-6),
     );
 }

@@ -6,7 +6,7 @@
 // The update is PyTorch's AdamW (decoupled weight decay, bias-corrected moments):
 //   g = grad * inv_scale;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   master = master (1 - lr wd) - lr (m / bc1) / (sqrt(v / bc2) + eps),  bc_i = 1 - b_i^t
-#include "amp_common.cuh"
+#include "common.cuh"
 
 template <typename T>
 __device__ void adamw_master(float* master, float* m, float* v, const T* grad, T* model, long long n, float lr,

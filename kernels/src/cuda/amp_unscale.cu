@@ -5,7 +5,7 @@
 // One launch covers many tensors: `ptrs[t]` is tensor t's device address and `lens[t]` its
 // element count; grid.y walks the tensors, grid.x × block strides over each one's elements. The
 // scale lives on the device, so no host round trip is needed between backward and the step.
-#include "amp_common.cuh"
+#include "common.cuh"
 
 template <typename T>
 __device__ void unscale_tensors(const unsigned long long* ptrs, const long long* lens, int n_tensors,

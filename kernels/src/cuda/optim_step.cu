@@ -13,7 +13,7 @@
 //   AdamW:  m = b1 m + c1 g;  v = b2 v + c2 g^2;  p = p decay - step_size m / (sqrt(v) inv_bc2_sqrt + eps)
 //           (c_i = 1 - b_i, decay = 1 - lr wd, step_size = lr / bc1, inv_bc2_sqrt = 1 / sqrt(bc2),
 //           computed on the host in f64 and rounded to f32 as the host's loop does)
-#include "amp_common.cuh"
+#include "common.cuh"
 
 // No compute copy: the f32 tensor is the parameter itself.
 struct NoCopy {};

@@ -1,0 +1,30 @@
+// Shared helpers of wick's CUDA kernels: loads and stores of f32, f16 and bf16 through f32 (and of
+// f64 as itself), rounded to nearest even on the way back as the host's `half` crate rounds.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+__device__ __forceinline__ float wick_load(const float* p, long long i) { return p[i]; }
+__device__ __forceinline__ float wick_load(const __half* p, long long i) { return __half2float(p[i]); }
+__device__ __forceinline__ float wick_load(const __nv_bfloat16* p, long long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ double wick_load(const double* p, long long i) { return p[i]; }
+
+__device__ __forceinline__ void wick_store(float* p, long long i, float v) { p[i] = v; }
+__device__ __forceinline__ void wick_store(__half* p, long long i, float v) { p[i] = __float2half_rn(v); }
+__device__ __forceinline__ void wick_store(__nv_bfloat16* p, long long i, float v) { p[i] = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void wick_store(double* p, long long i, double v) { p[i] = v; }
+
+// The compute type of a storage type: f64 for f64, f32 for the others (the host kernels' rule).
+template <typename E> struct WickCompute { typedef float T; };
+template <> struct WickCompute<double> { typedef double T; };
+
+// A grid-stride loop over `n` elements.
+#define WICK_FOR_EACH(i, n) \
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+
+// Instantiates `WICK_KERNEL(E, suffix)` (a macro the file defines) for every storage type.
+#define WICK_FOR_FLOATS(WICK_KERNEL) \
+  WICK_KERNEL(float, f32)            \
+  WICK_KERNEL(__half, f16)           \
+  WICK_KERNEL(__nv_bfloat16, bf16)   \
+  WICK_KERNEL(double, f64)
