@@ -11,8 +11,9 @@
 //!   the loss-scale update, AdamW on f32 masters writing the model's low-precision copy), the
 //!   optimizer's step in one launch per parameter (SGD with momentum and AdamW on an f32 tensor,
 //!   the arithmetic of [`cpu::optim`] to the bit), and the CUDA bodies of wick-nn's ops
-//!   (`nn_act`: the element-wise activations forward and backward; `nn_norm`: layer and RMS norm
-//!   forward and backward); the build script that compiles them, the compiled fatbins embedded in
+//!   (`nn_act`: the element-wise activations; `nn_norm`: layer and RMS norm; `nn_attention`:
+//!   attention in the manner of FlashAttention-2; `nn_rows`: RoPE, cross-entropy, embeddings —
+//!   each forward and backward); the build script that compiles them, the compiled fatbins embedded in
 //!   this crate ([`fatbin`]), and their CPU references ([`mod@reference`], [`cpu::optim`], and
 //!   wick-nn's host bodies of the same ops). Loading and launching them on candle's CUDA device
 //!   is wick-train's `amp::cuda` and wick-nn's `cuda`.
@@ -28,7 +29,8 @@ pub mod cpu;
 pub mod reference;
 
 /// The kernels, by the name of their source file (without `.cu`).
-pub const KERNELS: [&str; 6] = ["amp_unscale", "amp_update_scale", "amp_adamw", "optim_step", "nn_act", "nn_norm"];
+pub const KERNELS: [&str; 8] =
+    ["amp_unscale", "amp_update_scale", "amp_adamw", "optim_step", "nn_act", "nn_norm", "nn_attention", "nn_rows"];
 
 /// True when this build compiled the kernels in.
 pub const COMPILED: bool = cfg!(wick_kernels);
@@ -43,6 +45,8 @@ pub fn fatbin(name: &str) -> Option<&'static [u8]> {
         "optim_step" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/optim_step.fatbin"))),
         "nn_act" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_act.fatbin"))),
         "nn_norm" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_norm.fatbin"))),
+        "nn_attention" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_attention.fatbin"))),
+        "nn_rows" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_rows.fatbin"))),
         _ => None,
     }
 }

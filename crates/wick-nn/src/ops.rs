@@ -31,7 +31,7 @@ pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 /// gradient adds up the gradients of every occurrence of a row, and candle's CPU `index_add`
 /// accumulates in the table's dtype, so under autocast the sums are made in f32 and rounded once.
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
-    if cpu::serves(table) {
+    if cpu::serves_either(table) {
         return cpu::loss::embedding(table, ids, None);
     }
     node("embedding", &[ids, table], table.dtype(), table.dtype(), |t| t[1].embedding(&t[0]))
@@ -42,7 +42,7 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// forward values are the same and only the gradient differs.
 pub fn embedding_with_padding(table: &Tensor, ids: &Tensor, padding: Option<u32>) -> Result<Tensor> {
     let Some(pad) = padding else { return embedding(table, ids) };
-    if cpu::serves(table) {
+    if cpu::serves_either(table) {
         return cpu::loss::embedding(table, ids, Some(pad));
     }
     node("embedding", &[ids, table], table.dtype(), table.dtype(), move |t| {
@@ -285,7 +285,7 @@ pub fn cross_entropy_composed(logits: &Tensor, targets: &Tensor) -> Result<Tenso
 /// Cross-entropy of `logits` (N, C) against integer `targets` (N), averaged: one graph node that
 /// computes in f32 and returns f32 whatever the logits' dtype (losses are f32-class ops).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    if cpu::serves(logits) {
+    if cpu::serves_either(logits) {
         return cpu::loss::cross_entropy(logits, targets);
     }
     let compute = fp32_compute(logits.dtype());
@@ -297,8 +297,8 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// pairs (i, i + head_dim/2) as in LLaMA, with precomputed `cos`/`sin` of shape (seq, head_dim/2).
 /// One graph node in `x`'s dtype (the tables are constants).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if cpu::serves(x) {
-        return cpu::attention::rope(x, cos, sin);
+    if cpu::serves_either(x) {
+        return cpu::rope::rope(x, cos, sin);
     }
     let (cos, sin) = (cos.clone(), sin.clone());
     // The tables follow the input's dtype (backward recomputes in f32).
@@ -312,8 +312,8 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// fused projection, rotation and attention instead of three projections, their head splits and
 /// two rotations (whose input, used three times, had its gradient summed by candle).
 pub fn rope_packed(qkv: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if cpu::serves(qkv) {
-        return cpu::attention::rope_packed(qkv, heads, cos, sin);
+    if cpu::serves_either(qkv) {
+        return cpu::rope::rope_packed(qkv, heads, cos, sin);
     }
     let (n, t, e) = qkv.dims3()?;
     if heads == 0 || e % (3 * heads) != 0 {
@@ -370,7 +370,7 @@ pub fn attention_composed(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tens
 /// One graph node: only q, k and v are kept, never the (seq × seq) scores or probabilities, which
 /// backward recomputes.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    if cpu::serves(q) {
+    if cpu::serves_attention(q, q.dim(D::Minus1)?) {
         return cpu::attention::attention(q, k, v, bias);
     }
     let bias = bias.cloned();
@@ -384,7 +384,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> R
 /// and v, no merge copy of the output, and in backward one packed gradient instead of three
 /// padded ones summed.
 pub fn attention_packed(qkv: &Tensor, heads: usize, bias: Option<&Tensor>) -> Result<Tensor> {
-    if cpu::serves(qkv) {
+    let head_dim = if heads == 0 { 0 } else { qkv.dim(D::Minus1)? / (3 * heads) };
+    if cpu::serves_attention(qkv, head_dim) {
         return cpu::attention::attention_packed(qkv, heads, bias);
     }
     let (n, t, e) = qkv.dims3()?;

@@ -1,4 +1,6 @@
-//! Scaled dot-product attention and rotary position embeddings with closed-form backward passes.
+//! Scaled dot-product attention with a closed-form backward pass. With the `cuda` feature the op
+//! has a CUDA body (`crate::cuda::attention`, the same contract: one log-sum-exp per query row
+//! kept, on the device).
 //!
 //! Attention over (batch, heads, seq, head_dim) keeps q, k, v and one log-sum-exp per query row;
 //! backward recomputes the scores from q and k (one gemm per head) instead of keeping any
@@ -10,7 +12,6 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
-use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::{dot, gemm, par_ranges, read, sum, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
@@ -47,7 +48,21 @@ struct Attention {
     bias: Option<Bias>,
     /// Log-sum-exp of each query row's scaled, biased scores, from the forward pass.
     lse: Mutex<Vec<f64>>,
+    /// The CUDA body's bias and log-sum-exps, on the device.
+    #[cfg(feature = "cuda")]
+    device: Device,
 }
+
+/// What the CUDA body keeps: the bias in the compute type, and forward's log-sum-exps.
+#[cfg(feature = "cuda")]
+#[derive(Default)]
+struct Device {
+    bias: Option<cuda::DeviceBias>,
+    lse: Mutex<Option<candle_core::cuda_backend::cudarc::driver::CudaSlice<f64>>>,
+}
+
+#[cfg(feature = "cuda")]
+use crate::cuda::attention as cuda;
 
 /// (batch, heads, seq_q, seq_k, head_dim) of q (B, H, Sq, D) and k, v (B, H, Sk, D).
 fn dims(q: &Shape, k: &Shape, v: &Shape) -> Result<(usize, usize, usize, usize, usize)> {
@@ -74,6 +89,12 @@ struct Heads {
 }
 
 impl Heads {
+    /// The layout as the CUDA kernels take it.
+    #[cfg(feature = "cuda")]
+    fn lay(self) -> cuda::Lay {
+        cuda::Lay::new([self.base, self.batch, self.head, self.row])
+    }
+
     /// (B, H, S, D), contiguous.
     fn apart(heads: usize, seq: usize, d: usize) -> Self {
         Heads { base: 0, batch: heads * seq * d, head: seq * d, row: d }
@@ -166,6 +187,52 @@ wide_kernel! {
 type Layouts = [Heads; 4];
 
 impl Attention {
+    /// Attention of `dims` (B, H, Sq, Sk) with an optional additive bias, kept on the host for a
+    /// CPU input and on the device for a CUDA one.
+    fn new(bias: Option<&Tensor>, dims: [usize; 4], input: &Tensor) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        if input.device().is_cuda() {
+            let bias = bias.map(|t| cuda::DeviceBias::new(t, dims, input.dtype())).transpose()?;
+            let device = Device { bias, lse: Mutex::new(None) };
+            return Ok(Attention { bias: None, lse: Mutex::new(Vec::new()), device });
+        }
+        let _ = input;
+        let bias = bias.map(|t| Bias::new(t, dims)).transpose()?;
+        Ok(Attention {
+            bias,
+            lse: Mutex::new(Vec::new()),
+            #[cfg(feature = "cuda")]
+            device: Device::default(),
+        })
+    }
+
+    /// The CUDA body's forward pass: the output and, kept, each query row's log-sum-exp.
+    #[cfg(feature = "cuda")]
+    fn cuda_forward(
+        &self,
+        inputs: [(&candle_core::CudaStorage, &Layout); 3],
+        geometry: &cuda::Geometry,
+        out_len: usize,
+    ) -> Result<candle_core::CudaStorage> {
+        let (out, lse) = cuda::forward(inputs, geometry, out_len, self.device.bias.as_ref())?;
+        *self.device.lse.lock().unwrap_or_else(|p| p.into_inner()) = Some(lse);
+        Ok(out)
+    }
+
+    /// The CUDA body's backward pass (see [`cuda::backward`]).
+    #[cfg(feature = "cuda")]
+    fn cuda_backward(
+        &self,
+        inputs: [&Tensor; 3],
+        (out, g): (&Tensor, &Tensor),
+        geometry: &cuda::Geometry,
+        packed: bool,
+    ) -> Result<Vec<Tensor>> {
+        let guard = self.device.lse.lock().unwrap_or_else(|p| p.into_inner());
+        let lse = guard.as_ref().ok_or_else(|| err("attention backward: no forward statistics".into()))?;
+        cuda::backward(inputs, out, g, lse, geometry, self.device.bias.as_ref(), packed)
+    }
+
     /// Scaled, biased scores of head `bh` into `s` (Sq × Sk).
     #[allow(clippy::too_many_arguments)]
     fn scores<T: Real>(
@@ -334,14 +401,38 @@ impl CustomOp3 for Attention {
     ) -> Result<(CpuStorage, Shape)> {
         by_real!(sq.dtype(), T => self.cpu::<T>(sq, lq, sk, lk, sv, lv))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sq: &candle_core::CudaStorage,
+        lq: &Layout,
+        sk: &candle_core::CudaStorage,
+        lk: &Layout,
+        sv: &candle_core::CudaStorage,
+        lv: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let dims @ (_, h, s_q, s_k, d) = dims(lq.shape(), lk.shape(), lv.shape())?;
+        let geometry = cuda::Geometry { dims, lays: Attention::apart(h, s_q, s_k, d).map(Heads::lay) };
+        let out = self.cuda_forward([(sq, lq), (sk, lk), (sv, lv)], &geometry, lq.shape().elem_count())?;
+        Ok((out, lq.shape().clone()))
+    }
     fn bwd(
         &self,
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if q.device().is_cuda() {
+            let dims @ (_, h, s_q, s_k, d) = dims(q.shape(), k.shape(), v.shape())?;
+            let geometry = cuda::Geometry { dims, lays: Attention::apart(h, s_q, s_k, d).map(Heads::lay) };
+            let mut grads = self.cuda_backward([q, k, v], (res, g), &geometry, false)?.into_iter();
+            let (dq, dk, dv) = (grads.next(), grads.next(), grads.next());
+            return Ok((dq.filter(|_| q.track_op()), dk.filter(|_| k.track_op()), dv.filter(|_| v.track_op())));
+        }
+        let _ = res;
         let [dq, dk, dv] = by_real!(q.dtype(), T => self.grads::<T>(q, k, v, g)?);
         Ok((q.track_op().then_some(dq), k.track_op().then_some(dk), v.track_op().then_some(dv)))
     }
@@ -350,8 +441,7 @@ impl CustomOp3 for Attention {
 /// Scaled dot-product attention on the CPU (see [`crate::ops::attention`]).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let (b, h, sq, sk, _) = dims(q.shape(), k.shape(), v.shape())?;
-    let bias = bias.map(|t| Bias::new(t, [b, h, sq, sk])).transpose()?;
-    let op = Attention { bias, lse: Mutex::new(Vec::new()) };
+    let op = Attention::new(bias, [b, h, sq, sk], q)?;
     super::apply3(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, op)
 }
 
@@ -380,6 +470,11 @@ impl Packed {
             Heads::packed(2, 3, h, seq, d),
             Heads::packed(0, 1, h, seq, d),
         ]
+    }
+
+    #[cfg(feature = "cuda")]
+    fn geometry(&self, b: usize, seq: usize, d: usize) -> cuda::Geometry {
+        cuda::Geometry { dims: (b, self.heads, seq, seq, d), lays: self.layouts(seq, d).map(Heads::lay) }
     }
 
     fn cpu<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
@@ -414,7 +509,21 @@ impl CustomOp1 for Packed {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         by_real!(s.dtype(), T => self.cpu::<T>(s, l))
     }
-    fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (b, seq, d) = packed_dims(l.shape(), self.heads)?;
+        let geometry = self.geometry(b, seq, d);
+        let out = self.attention.cuda_forward([(s, l), (s, l), (s, l)], &geometry, b * seq * self.heads * d)?;
+        Ok((out, Shape::from((b, seq, self.heads * d))))
+    }
+    fn bwd(&self, x: &Tensor, res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let (b, seq, d) = packed_dims(x.shape(), self.heads)?;
+            let geometry = self.geometry(b, seq, d);
+            return Ok(self.attention.cuda_backward([x, x, x], (res, g), &geometry, true)?.into_iter().next());
+        }
+        let _ = res;
         by_real!(x.dtype(), T => self.grad::<T>(x, g).map(Some))
     }
 }
@@ -423,93 +532,6 @@ impl CustomOp1 for Packed {
 /// side) into (B, S, H·D) on the CPU (see [`crate::ops::attention_packed`]).
 pub fn attention_packed(qkv: &Tensor, heads: usize, bias: Option<&Tensor>) -> Result<Tensor> {
     let (b, s, _) = packed_dims(qkv.shape(), heads)?;
-    let bias = bias.map(|t| Bias::new(t, [b, heads, s, s])).transpose()?;
-    super::apply1(&qkv.contiguous()?, Packed { attention: Attention { bias, lse: Mutex::new(Vec::new()) }, heads })
-}
-
-/// Rotary embedding of (…, seq, head_dim) with tables (seq, head_dim/2), rotating pairs
-/// (i, i + head_dim/2); or, `packed` with H heads, of the q and k of a (B, S, 3·H·D) fused
-/// projection (q, k and v side by side, heads side by side in each), v passed through.
-struct Rope {
-    cos: Vec<f64>,
-    sin: Vec<f64>,
-    packed: Option<usize>,
-}
-
-impl Rope {
-    /// (head_dim, positions, row width, rotated heads per row) of an input of `shape`.
-    fn geometry(&self, shape: &Shape) -> Result<(usize, usize, usize, usize)> {
-        let dims = shape.dims();
-        let (d, seq, width, rotated) = match (self.packed, dims) {
-            (Some(h), &[_, s, e]) if h > 0 && e % (3 * h) == 0 => (e / (3 * h), s, e, 2 * h),
-            (None, [.., s, d]) => (*d, *s, *d, 1),
-            _ => return Err(err(format!("rope: input {shape:?}"))),
-        };
-        if d % 2 != 0 || self.cos.len() != seq * (d / 2) {
-            return Err(err(format!("rope: input {shape:?} does not fit tables of {} values", self.cos.len())));
-        }
-        Ok((d, seq, width, rotated))
-    }
-
-    /// Rotates `x` (stored as `E`) by the tables (`sign` −1: by their inverse, the backward
-    /// pass), each element rounded once.
-    fn rotate<T: Real, E: Elem<T>>(&self, x: &[E], shape: &Shape, sign: f64) -> Result<Vec<E>> {
-        let (d, seq, width, rotated) = self.geometry(shape)?;
-        let half = d / 2;
-        let mut y = x.to_vec();
-        let out = SharedMut::new(&mut y);
-        let (cos, sin): (Vec<T>, Vec<T>) =
-            self.cos.iter().zip(&self.sin).map(|(c, s)| (T::of(*c), T::of(sign * s))).unzip();
-        par_ranges(x.len() / width.max(1), 64, |r| {
-            // SAFETY: disjoint row ranges.
-            let dst = unsafe { out.range(r.start * width, r.len() * width) };
-            for (row, yr) in r.zip(dst.chunks_mut(width)) {
-                let pos = row % seq;
-                let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
-                // The first `rotated` heads of the row (v, if packed, stays as copied).
-                for head in yr[..rotated * d].chunks_exact_mut(d) {
-                    let (lo, hi) = head.split_at_mut(half);
-                    for (((a, b), c), s) in lo.iter_mut().zip(hi.iter_mut()).zip(c).zip(s) {
-                        let (x1, x2) = (a.load(), b.load());
-                        *a = E::store(x1 * *c - x2 * *s);
-                        *b = E::store(x1 * *s + x2 * *c);
-                    }
-                }
-            }
-        });
-        Ok(y)
-    }
-}
-
-impl CustomOp1 for Rope {
-    fn name(&self) -> &'static str {
-        "rope"
-    }
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let y = by_elem!(s.dtype(), T, E => self.rotate::<T, E>(elems::<T, E>(s, l)?, l.shape(), 1.0).map(E::into_storage))?;
-        Ok((y, l.shape().clone()))
-    }
-    fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
-        let dx = by_elem!(x.dtype(), T, E => with_elems::<T, E, _>(g, |g| self.rotate::<T, E>(g, x.shape(), -1.0))
-            .and_then(|d| elem_tensor::<T, E>(d, x.shape())))?;
-        Ok(Some(dx))
-    }
-}
-
-fn tables(cos: &Tensor, sin: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
-    let table = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1() };
-    Ok((table(cos)?, table(sin)?))
-}
-
-/// Rotary position embedding on the CPU (see [`crate::ops::rope`]).
-pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (cos, sin) = tables(cos, sin)?;
-    super::apply1(&x.contiguous()?, Rope { cos, sin, packed: None })
-}
-
-/// Rotary position embedding of the q and k in a packed (B, S, 3·H·D) projection on the CPU (see
-/// [`crate::ops::rope_packed`]).
-pub fn rope_packed(qkv: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (cos, sin) = tables(cos, sin)?;
-    super::apply1(&qkv.contiguous()?, Rope { cos, sin, packed: Some(heads) })
+    let attention = Attention::new(bias, [b, heads, s, s], qkv)?;
+    super::apply1(&qkv.contiguous()?, Packed { attention, heads })
 }

@@ -1,5 +1,6 @@
 //! Cross-entropy, embedding lookups and broadcast additions with closed-form backward passes,
-//! every gradient sum accumulated in f32 (f64 for f64).
+//! every gradient sum accumulated in f32 (f64 for f64). With the `cuda` feature, cross-entropy and
+//! the embedding have CUDA bodies too (`crate::cuda::loss`).
 
 use std::sync::Mutex;
 
@@ -22,6 +23,9 @@ fn ids(t: &Tensor) -> Result<Vec<usize>> {
 struct CrossEntropy {
     targets: Vec<usize>,
     lse: Mutex<Vec<f64>>,
+    /// The CUDA body's targets (u32, on the device; the host's are then empty) and log-sum-exps.
+    #[cfg(feature = "cuda")]
+    device: Option<(Tensor, Mutex<Option<candle_core::cuda_backend::cudarc::driver::CudaSlice<f64>>>)>,
 }
 
 impl CrossEntropy {
@@ -77,7 +81,21 @@ impl CustomOp1 for CrossEntropy {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         by_real!(s.dtype(), T => self.fwd::<T>(s, l))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (targets, lse) =
+            self.device.as_ref().ok_or_else(|| err("cross_entropy: no targets on the device".into()))?;
+        let (loss, rows) = crate::cuda::loss::cross_entropy((s, l), targets)?;
+        *lse.lock().unwrap_or_else(|p| p.into_inner()) = Some(rows);
+        Ok((loss, Shape::from(())))
+    }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if let (Some((targets, lse)), true) = (&self.device, x.device().is_cuda()) {
+            let guard = lse.lock().unwrap_or_else(|p| p.into_inner());
+            let lse = guard.as_ref().ok_or_else(|| err("cross_entropy backward: no forward statistics".into()))?;
+            return crate::cuda::loss::cross_entropy_grad(x, targets, lse, g).map(Some);
+        }
         Ok(Some(by_real!(x.dtype(), T => self.bwd::<T>(x, g)?)))
     }
 }
@@ -85,7 +103,18 @@ impl CustomOp1 for CrossEntropy {
 /// Mean cross-entropy of `logits` (N, C) against integer `targets` (N) on the CPU (see
 /// [`crate::ops::cross_entropy`]): f32 (f64 for f64 logits) whatever the logits' dtype.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let op = CrossEntropy { targets: ids(targets)?, lse: Mutex::new(Vec::new()) };
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda() {
+        let device = Some((crate::cuda::loss::ids_on_device(targets)?, Mutex::new(None)));
+        let op = CrossEntropy { targets: Vec::new(), lse: Mutex::new(Vec::new()), device };
+        return super::apply1(&logits.contiguous()?, op);
+    }
+    let op = CrossEntropy {
+        targets: ids(targets)?,
+        lse: Mutex::new(Vec::new()),
+        #[cfg(feature = "cuda")]
+        device: None,
+    };
     super::apply1(&logits.contiguous()?, op)
 }
 
@@ -94,6 +123,9 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 struct Embedding {
     ids: Vec<usize>,
     padding: Option<usize>,
+    /// The CUDA body's ids (u32, on the device), besides the host's copy above.
+    #[cfg(feature = "cuda")]
+    device_ids: Option<Tensor>,
 }
 
 impl Embedding {
@@ -143,7 +175,20 @@ impl CustomOp1 for Embedding {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         by_elem!(s.dtype(), T, E => self.fwd::<T, E>(s, l))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let &[v, _] = l.shape().dims() else { return Err(err(format!("embedding: table {:?}", l.shape()))) };
+        if let Some(bad) = self.ids.iter().find(|i| **i >= v) {
+            return Err(err(format!("embedding: id {bad} outside a table of {v} rows")));
+        }
+        let ids = self.device_ids.as_ref().ok_or_else(|| err("embedding: no ids on the device".into()))?;
+        crate::cuda::loss::embedding((s, l), ids)
+    }
     fn bwd(&self, table: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if table.device().is_cuda() {
+            return crate::cuda::loss::embedding_grad(table, &self.ids, self.padding, g).map(Some);
+        }
         by_elem!(table.dtype(), T, E => self.bwd::<T, E>(table, g).map(Some))
     }
 }
@@ -151,7 +196,12 @@ impl CustomOp1 for Embedding {
 /// Rows `ids` (1-D, integer) of `table` (V, D) on the CPU, the `padding` row getting no gradient
 /// (see [`crate::ops::embedding_with_padding`]).
 pub fn embedding(table: &Tensor, ids_: &Tensor, padding: Option<u32>) -> Result<Tensor> {
-    let op = Embedding { ids: ids(ids_)?, padding: padding.map(|p| p as usize) };
+    let op = Embedding {
+        ids: ids(ids_)?,
+        padding: padding.map(|p| p as usize),
+        #[cfg(feature = "cuda")]
+        device_ids: if table.device().is_cuda() { Some(crate::cuda::loss::ids_on_device(ids_)?) } else { None },
+    };
     super::apply1(&table.contiguous()?, op)
 }
 

@@ -26,7 +26,7 @@
 //!   separate weights into their columns of one output); `epilogue`: for inference, the
 //!   product finished with GELU, a residual, or a residual and layer norm in one pass;
 //! - `attention`: scaled dot-product attention that keeps q, k, v and one log-sum-exp per row
-//!   (backward recomputes the scores; never an s×s tensor kept) and rotary embeddings;
+//!   (backward recomputes the scores; never an s×s tensor kept); `rope`: rotary embeddings;
 //! - `loss`: cross-entropy and embedding lookups with f32 gradient sums;
 //! - [`profile`]: per-op times (`WICK_PROFILE_OPS=1`).
 //!
@@ -39,7 +39,7 @@
 //! gradient sum is accumulated in f32). Linear layers and dense convolutions whose operands are
 //! all bf16 multiply them as bf16 with f32 sums on CPUs with AVX512-BF16 (`gemm_bf16`, as
 //! oneDNN's bf16 kernels do under PyTorch's CPU autocast). These kernels are the CPU bodies of the ops. With the `cuda`
-//! feature the activations (`act`) and the row norms (`row_norm`) have CUDA bodies as well
+//! feature the activations (`act`), the row norms (`row_norm`) and attention have CUDA bodies as well
 //! (`crate::cuda`'s, used where [`serves_either`] says so); on a GPU the other ops still run
 //! candle's own (cuBLAS, and composed kernels elsewhere).
 
@@ -107,6 +107,7 @@ pub(crate) mod loss;
 pub(crate) mod norm;
 pub(crate) mod pool;
 pub mod profile;
+pub(crate) mod rope;
 pub(crate) mod row_norm;
 
 use std::borrow::Cow;
@@ -395,6 +396,17 @@ pub fn serves_either(t: &Tensor) -> bool {
     if crate::cuda::serves(t) {
         return true;
     }
+    serves(t)
+}
+
+/// [`serves_either`] for attention of head dimension `head_dim`: the CUDA body takes head
+/// dimensions up to 128 (`crate::cuda::attention::MAX_HEAD_DIM`).
+pub fn serves_attention(t: &Tensor, head_dim: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::serves(t) {
+        return head_dim > 0 && head_dim <= crate::cuda::attention::MAX_HEAD_DIM;
+    }
+    let _ = head_dim;
     serves(t)
 }
 

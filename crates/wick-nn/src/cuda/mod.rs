@@ -12,6 +12,11 @@
 //!
 //! - `act`: the element-wise activations (ReLU, ReLU6, GELU, SiLU·mul, packed SiLU·mul, the
 //!   residual `relu(a + b)`) forward and backward;
+//! - [`attention`]: scaled dot-product attention (heads apart or packed, with an additive bias),
+//!   forward keeping one log-sum-exp per query row on the device, never an s × s tensor;
+//! - `loss`: cross-entropy over a vocabulary (one log-sum-exp a row kept, no probabilities) and
+//!   embedding lookups (each table row's gradient summed in position order);
+//! - `rope`: rotary position embeddings (heads apart or the q and k of a packed projection);
 //! - `norm`: layer norm and RMS norm, forward keeping one (mean, inverse deviation) pair per row
 //!   on the device, backward from them.
 //!
@@ -19,7 +24,10 @@
 //! answers false and the callers keep the composed form of candle's ops, as without the feature.
 
 pub(crate) mod act;
+pub mod attention;
+pub(crate) mod loss;
 pub(crate) mod norm;
+pub(crate) mod rope;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -138,7 +138,7 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
             "rope (packed)",
             Box::new(|t: &[Tensor]| {
                 let (cos, sin) = ops::rope_tables(5, 4, 10_000.0, DType::F32, &Device::Cpu)?;
-                cpu::attention::rope_packed(&t[0], 2, &cos, &sin)
+                cpu::rope::rope_packed(&t[0], 2, &cos, &sin)
             }),
             vec![vec![3, 5, 24]],
             1,

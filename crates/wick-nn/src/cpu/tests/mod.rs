@@ -402,7 +402,7 @@ fn attention_and_rope_match_their_composed_forms() {
     }
     assert!(cpu::attention::attention_packed(&qkv, 4, None).is_err(), "18 is not 3 × 4 heads × a width");
     assert!(cpu::attention::attention_packed(&qkv, 0, None).is_err(), "no heads");
-    check("rope", &[q], |t| cpu::attention::rope(&t[0], &cos, &sin), |t| ops::rope_composed(&t[0], &cos, &sin));
+    check("rope", &[q], |t| cpu::rope::rope(&t[0], &cos, &sin), |t| ops::rope_composed(&t[0], &cos, &sin));
     // q and k rotated inside a packed (2, 6, 3·2·4) projection, v passed through, against
     // splitting the heads out, rotating q and k alone and packing them back.
     let qkv = randn(&[2, 6, 24], 41);
@@ -411,7 +411,7 @@ fn attention_and_rope_match_their_composed_forms() {
     check(
         "rope (packed)",
         &[qkv],
-        |t| cpu::attention::rope_packed(&t[0], 2, &cos, &sin),
+        |t| cpu::rope::rope_packed(&t[0], 2, &cos, &sin),
         |t| {
             let q = back(ops::rope_composed(&part(&t[0], 0)?, &cos, &sin)?)?;
             let k = back(ops::rope_composed(&part(&t[0], 1)?, &cos, &sin)?)?;
@@ -419,11 +419,8 @@ fn attention_and_rope_match_their_composed_forms() {
         },
     );
     let wrong = randn(&[2, 6, 20], 42);
-    assert!(cpu::attention::rope_packed(&wrong, 2, &cos, &sin).is_err(), "20 is not 3 × 2 heads × a width");
-    assert!(
-        cpu::attention::rope_packed(&randn(&[2, 5, 24], 43), 2, &cos, &sin).is_err(),
-        "5 positions, 6 in the tables"
-    );
+    assert!(cpu::rope::rope_packed(&wrong, 2, &cos, &sin).is_err(), "20 is not 3 × 2 heads × a width");
+    assert!(cpu::rope::rope_packed(&randn(&[2, 5, 24], 43), 2, &cos, &sin).is_err(), "5 positions, 6 in the tables");
 }
 
 #[test]

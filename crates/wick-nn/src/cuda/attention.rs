@@ -1,0 +1,271 @@
+//! The CUDA body of scaled dot-product attention (`kernels/src/cuda/nn_attention.cu`), in the
+//! manner of FlashAttention-2: forward in one launch keeping the output and one log-sum-exp per
+//! query row on the device (never an s × s tensor); backward in two launches (dq with each row's
+//! `dO·o`, then dk and dv), each result row summed by one warp in a fixed order. Operands are
+//! addressed by the host op's layouts, so the packed (B, S, 3·H·D) form needs no split copies.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::CudaStorage;
+use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
+
+use super::{by_cuda_elem, err, function, output, storage_of, suffix, tensor, view};
+
+const MODULE: &str = "nn_attention";
+
+/// The largest head dimension the kernels take (32 lanes × 4 elements).
+pub const MAX_HEAD_DIM: usize = 128;
+
+/// Where an operand's rows lie, in elements: row `i` of head (b, h) starts at
+/// `base + b·batch + h·head + i·row` (the kernels' `Lay`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Lay {
+    base: i64,
+    batch: i64,
+    head: i64,
+    row: i64,
+}
+
+impl Lay {
+    pub(crate) fn new([base, batch, head, row]: [usize; 4]) -> Self {
+        Lay { base: base as i64, batch: batch as i64, head: head as i64, row: row as i64 }
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Dims {
+    b: i64,
+    h: i64,
+    sq: i64,
+    sk: i64,
+    d: i64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct BiasStrides {
+    b: i64,
+    h: i64,
+    q: i64,
+    k: i64,
+}
+
+// SAFETY: plain `repr(C)` structs of 64-bit integers, passed by value as the kernels declare them.
+unsafe impl DeviceRepr for Lay {}
+// SAFETY: as for `Lay`.
+unsafe impl DeviceRepr for Dims {}
+// SAFETY: as for `Lay`.
+unsafe impl DeviceRepr for BiasStrides {}
+
+/// An additive bias on the device: the compute type's values broadcast to (B, H, Sq, Sk) by
+/// strides (0 along broadcast axes), never expanded.
+pub(crate) struct DeviceBias {
+    values: Tensor,
+    strides: BiasStrides,
+}
+
+impl DeviceBias {
+    /// `bias` for attention of `dims` (B, H, Sq, Sk) over inputs of `dtype`.
+    pub(crate) fn new(bias: &Tensor, dims: [usize; 4], dtype: DType) -> Result<Self> {
+        let compute = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
+        let values = bias.to_dtype(compute)?.broadcast_as(dims.to_vec())?;
+        let s = values.stride();
+        let strides = BiasStrides { b: s[0] as i64, h: s[1] as i64, q: s[2] as i64, k: s[3] as i64 };
+        Ok(DeviceBias { values, strides })
+    }
+}
+
+/// (B, H, Sq, Sk, D) and each operand's layout: q, k, v, the output.
+pub(crate) struct Geometry {
+    pub(crate) dims: (usize, usize, usize, usize, usize),
+    pub(crate) lays: [Lay; 4],
+}
+
+impl Geometry {
+    fn dims(&self) -> Result<Dims> {
+        let (b, h, sq, sk, d) = self.dims;
+        if d == 0 || d > MAX_HEAD_DIM {
+            return Err(err(format!("attention: head dimension {d} (the kernels take 1 to {MAX_HEAD_DIM})")));
+        }
+        Ok(Dims { b: b as i64, h: h as i64, sq: sq as i64, sk: sk as i64, d: d as i64 })
+    }
+
+    fn rows(&self, keys: bool) -> usize {
+        let (b, h, sq, sk, _) = self.dims;
+        b * h * if keys { sk } else { sq }
+    }
+}
+
+/// One warp a row, 8 warps a block, at most 65 535 blocks (the kernels loop over the rest).
+fn warps(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(8).clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The bias's address (0: none) and strides, with the guard that keeps its storage read.
+fn bias_arg(bias: Option<&DeviceBias>) -> Result<(Option<Tensor>, BiasStrides)> {
+    Ok(match bias {
+        Some(b) => (Some(b.values.clone()), b.strides),
+        None => (None, BiasStrides::default()),
+    })
+}
+
+/// Runs `f` with the bias's view (or a null pointer) in compute type `T`.
+macro_rules! with_bias {
+    ($bias:expr, $t:ty, |$arg:ident| $body:expr) => {{
+        match &$bias {
+            Some(b) => {
+                let (s, l) = b.storage_and_layout();
+                let Storage::Cuda(s) = &*s else { return Err(err("attention: the bias is not on a CUDA device")) };
+                let slice = s.as_cuda_slice::<$t>()?;
+                let view = slice.slice(l.start_offset()..);
+                let $arg = &view;
+                $body
+            }
+            None => {
+                let null = 0u64;
+                let $arg = &null;
+                $body
+            }
+        }
+    }};
+}
+
+/// Forward: q, k, v (the same storage thrice for the packed form) into an output of `out_len`
+/// elements laid out as `geometry.lays[3]`, and each query row's log-sum-exp.
+pub(crate) fn forward(
+    [q, k, v]: [(&CudaStorage, &Layout); 3],
+    geometry: &Geometry,
+    out_len: usize,
+    bias: Option<&DeviceBias>,
+) -> Result<(CudaStorage, CudaSlice<f64>)> {
+    let dev = q.0.device();
+    let n = geometry.dims()?;
+    let [lq, lk, lv, lo] = geometry.lays;
+    let (bias, bs) = bias_arg(bias)?;
+    let rows = geometry.rows(false);
+    by_cuda_elem!(q.0.dtype(), E => {
+        let (qv, kv, vv) = (view::<E>(q.0, q.1)?, view::<E>(k.0, k.1)?, view::<E>(v.0, v.1)?);
+        let f = function(dev, MODULE, &format!("wick_attention_{}", suffix(E::DTYPE)?))?;
+        let mut out = output::<E>(dev, out_len)?;
+        let mut lse = output::<f64>(dev, rows)?;
+        let stream = dev.cuda_stream();
+        macro_rules! go {
+            ($t:ty) => {
+                with_bias!(bias, $t, |b| {
+                    let mut launch = stream.launch_builder(&f);
+                    launch.arg(&qv).arg(&kv).arg(&vv).arg(b).arg(&mut out).arg(&mut lse);
+                    launch.arg(&lq).arg(&lk).arg(&lv).arg(&lo).arg(&n).arg(&bs);
+                    // SAFETY: (q, k, v: E; bias: the compute type or null; out: E, `out_len`; lse:
+                    // f64, one a query row; the four layouts, the dims, the bias strides by value),
+                    // the kernel's parameters in order; every address the layouts name lies in its
+                    // operand (the host op checked the shapes).
+                    unsafe { launch.launch(warps(rows)) }.map_err(|e| err(format!("attention: {e}")))?;
+                })
+            };
+        }
+        if E::DTYPE == DType::F64 {
+            go!(f64)
+        } else {
+            go!(f32)
+        }
+        Ok((CudaStorage::wrap_cuda_slice(out, dev.clone()), lse))
+    })
+}
+
+/// Backward: the gradients of q, k and v, laid out as `grads` (the same layouts as the inputs':
+/// three tensors shaped like q, k and v, or — `packed` — one shaped like the packed input), from
+/// the inputs, the forward output `out`, its gradient `g` and forward's log-sum-exps.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    [q, k, v]: [&Tensor; 3],
+    out: &Tensor,
+    g: &Tensor,
+    lse: &CudaSlice<f64>,
+    geometry: &Geometry,
+    bias: Option<&DeviceBias>,
+    packed: bool,
+) -> Result<Vec<Tensor>> {
+    let n = geometry.dims()?;
+    let [lq, lk, lv, lo] = geometry.lays;
+    let (bias, bs) = bias_arg(bias)?;
+    let (rows_q, rows_k) = (geometry.rows(false), geometry.rows(true));
+    if lse.len() != rows_q {
+        return Err(err("attention backward: no forward statistics for these inputs"));
+    }
+    let owned = [q, k, v, out, g].map(storage_of);
+    let [q, k, v, out, g] = owned;
+    let (q, k, v, out, g) = (q?, k?, v?, out?, g?);
+    if g.shape() != out.shape() || g.dtype() != out.dtype() {
+        return Err(err(format!("attention backward: gradient {:?} for output {:?}", g.shape(), out.shape())));
+    }
+    let guards = [&q, &k, &v, &out, &g].map(|t| t.storage_and_layout());
+    let mut cs = Vec::with_capacity(5);
+    for (s, l) in &guards {
+        match &**s {
+            Storage::Cuda(c) => cs.push((c, *l)),
+            _ => return Err(err("attention backward: tensor is not on a CUDA device")),
+        }
+    }
+    let dev = cs[0].0.device();
+    let stream = dev.cuda_stream();
+    by_cuda_elem!(q.dtype(), E => {
+        let views = cs.iter().map(|(s, l)| view::<E>(s, l)).collect::<Result<Vec<_>>>()?;
+        let (qv, kv, vv, ov, gv) = (&views[0], &views[1], &views[2], &views[3], &views[4]);
+        let sfx = suffix(E::DTYPE)?;
+        let mut dsum = output::<f64>(dev, rows_q)?;
+        // One buffer for the packed form (its three parts interleave row by row), three apart.
+        let mut buffers = if packed {
+            vec![output::<E>(dev, q.elem_count())?]
+        } else {
+            vec![output::<E>(dev, q.elem_count())?, output::<E>(dev, k.elem_count())?, output::<E>(dev, v.elem_count())?]
+        };
+        {
+            let mut ptrs = Vec::with_capacity(3);
+            let mut syncs = Vec::with_capacity(3);
+            for b in buffers.iter_mut() {
+                let (p, sync) = b.device_ptr_mut(&stream);
+                ptrs.push(p);
+                syncs.push(sync);
+            }
+            let (pdq, pdk, pdv) = if packed { (ptrs[0], ptrs[0], ptrs[0]) } else { (ptrs[0], ptrs[1], ptrs[2]) };
+            let (ldq, ldk, ldv) = (lq, lk, lv);
+            let (fdq, fdkdv) = (
+                function(dev, MODULE, &format!("wick_attention_dq_{sfx}"))?,
+                function(dev, MODULE, &format!("wick_attention_dkdv_{sfx}"))?,
+            );
+            macro_rules! go {
+                ($t:ty) => {
+                    with_bias!(bias, $t, |b| {
+                        let mut launch = stream.launch_builder(&fdq);
+                        launch.arg(qv).arg(kv).arg(vv).arg(b).arg(ov).arg(gv).arg(lse).arg(&mut dsum).arg(&pdq);
+                        launch.arg(&lq).arg(&lk).arg(&lv).arg(&lo).arg(&ldq).arg(&n).arg(&bs);
+                        // SAFETY: (q, k, v: E; bias: compute type or null; out, dout: E; lse: f64;
+                        // dsum: f64, one a query row; dq: a device address of E with room for
+                        // every row `ldq` names; layouts, dims, strides by value), in order.
+                        unsafe { launch.launch(warps(rows_q)) }.map_err(|e| err(format!("attention backward: {e}")))?;
+                        let mut launch = stream.launch_builder(&fdkdv);
+                        launch.arg(qv).arg(kv).arg(vv).arg(b).arg(gv).arg(lse).arg(&dsum).arg(&pdk).arg(&pdv);
+                        launch.arg(&lq).arg(&lk).arg(&lv).arg(&lo).arg(&ldk).arg(&ldv).arg(&n).arg(&bs);
+                        // SAFETY: as above, dk and dv addresses with room for every row their
+                        // layouts name; ordered after the dq kernel (one stream), which wrote dsum.
+                        unsafe { launch.launch(warps(rows_k)) }.map_err(|e| err(format!("attention backward: {e}")))?;
+                    })
+                };
+            }
+            if E::DTYPE == DType::F64 {
+                go!(f64)
+            } else {
+                go!(f32)
+            }
+            drop(syncs);
+        }
+        let shapes = if packed { vec![q.shape().clone()] } else { vec![q.shape().clone(), k.shape().clone(), v.shape().clone()] };
+        Ok(buffers.into_iter().zip(shapes).map(|(b, s)| tensor(b, dev, s)).collect())
+    })
+}
