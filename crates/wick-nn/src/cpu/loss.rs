@@ -105,7 +105,7 @@ impl CustomOp1 for CrossEntropy {
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if logits.device().is_cuda() {
-        let device = Some((crate::cuda::loss::ids_on_device(targets)?, Mutex::new(None)));
+        let device = Some((crate::cuda::loss::ids_on_device(targets, logits.device())?, Mutex::new(None)));
         let op = CrossEntropy { targets: Vec::new(), lse: Mutex::new(Vec::new()), device };
         return super::apply1(&logits.contiguous()?, op);
     }
@@ -200,7 +200,7 @@ pub fn embedding(table: &Tensor, ids_: &Tensor, padding: Option<u32>) -> Result<
         ids: ids(ids_)?,
         padding: padding.map(|p| p as usize),
         #[cfg(feature = "cuda")]
-        device_ids: if table.device().is_cuda() { Some(crate::cuda::loss::ids_on_device(ids_)?) } else { None },
+        device_ids: if table.device().is_cuda() { Some(crate::cuda::loss::ids_on_device(ids_, table.device())?) } else { None },
     };
     super::apply1(&table.contiguous()?, op)
 }

@@ -29,9 +29,9 @@ fn cuda_of(t: &Tensor) -> Result<(impl std::ops::Deref<Target = Storage> + '_, &
     Ok((s, l))
 }
 
-/// Integer ids or targets as a contiguous u32 tensor on their device.
-pub(crate) fn ids_on_device(t: &Tensor) -> Result<Tensor> {
-    t.to_dtype(DType::U32)?.flatten_all()?.contiguous()
+/// Integer ids or targets as a contiguous u32 tensor on `device` (where the table or the logits are).
+pub(crate) fn ids_on_device(t: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
+    t.to_device(device)?.to_dtype(DType::U32)?.flatten_all()?.contiguous()
 }
 
 /// Cross-entropy's forward pass on logits (n, c): the mean loss (one element of the compute
