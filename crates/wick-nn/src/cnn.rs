@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex};
 use candle_core::{DType, Device, Result, Tensor, D};
 
 use crate::autocast::{conv_compute, fp32_compute};
-use crate::cpu;
-pub use crate::cpu::norm::Activation;
 use crate::fused::node;
+use crate::native;
+pub use crate::native::norm::Activation;
 use crate::params::{Buffer, Init, Params};
 
 /// Pads the two spatial dimensions of (N, C, H, W) with `value` on every side.
@@ -60,8 +60,8 @@ fn out_size(len: usize, kernel: usize, stride: usize, pad: usize) -> usize {
 /// bf16 ties are common (that doubled gradients into ResNet's stem, the one place its first bf16
 /// gradients differed from PyTorch autocast's: BENCHMARKS.md, "Mixed precision (issue 6)").
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
-    if cpu::serves(x) {
-        return cpu::pool::max_pool2d(x, kernel, stride, pad);
+    if native::serves(x) {
+        return native::pool::max_pool2d(x, kernel, stride, pad);
     }
     node("max_pool2d", &[x], x.dtype(), x.dtype(), move |t| {
         let windows = stacked_windows(&t[0], kernel, stride, pad)?;
@@ -90,8 +90,8 @@ fn stacked_windows(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Resu
 /// windows scaled per channel (vectorised, and differentiable through every term), as one graph
 /// node (in f32 for bf16 on the CPU, like [`conv2d`]).
 pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
-    if cpu::serves(x) {
-        return cpu::depthwise::depthwise_conv2d(x, weight, pad, stride);
+    if native::serves(x) {
+        return native::depthwise::depthwise_conv2d(x, weight, pad, stride);
     }
     let compute = conv_compute(x.dtype(), x.device());
     node("conv2d", &[x, weight], compute, x.dtype(), move |t| depthwise_conv2d_composed(&t[0], &t[1], pad, stride))
@@ -120,8 +120,8 @@ pub fn depthwise_conv2d_composed(x: &Tensor, weight: &Tensor, pad: usize, stride
 /// A dense (groups = 1) convolution under the autocast policy: native in `x`'s dtype, except
 /// bf16 on the CPU (which candle cannot convolve), computed in f32 as one node that returns bf16.
 pub fn conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
-    if cpu::serves(x) {
-        return cpu::conv::conv2d(x, weight, pad, stride);
+    if native::serves(x) {
+        return native::conv::conv2d(x, weight, pad, stride);
     }
     let compute = conv_compute(x.dtype(), x.device());
     if compute == x.dtype() {
@@ -149,8 +149,8 @@ pub fn conv2d_bias(x: &Tensor, weight: &Tensor, bias: &Tensor, pad: usize, strid
 
 /// Global average pooling: (N, C, H, W) → (N, C).
 pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
-    if cpu::serves(x) {
-        return cpu::pool::global_avg_pool(x);
+    if native::serves(x) {
+        return native::pool::global_avg_pool(x);
     }
     // A mean is an f32-class reduction (candle's CPU reductions accumulate in the input dtype).
     node("mean", &[x], fp32_compute(x.dtype()), x.dtype(), |t| t[0].mean(D::Minus1)?.mean(D::Minus1))
@@ -207,7 +207,7 @@ impl RunningStats {
         act: Activation,
     ) -> Result<Tensor> {
         let (eps, momentum) = (BN_EPS, 0.1);
-        if cpu::serves(x) {
+        if native::serves(x) {
             return self.normalize_cpu(x, weight, bias, (train, update, act), eps, momentum);
         }
         let y = self.normalize_composed(x, weight, bias, train, update, eps, momentum)?;
@@ -237,10 +237,10 @@ impl RunningStats {
         let eps = BN_EPS;
         let no_grad_wanted =
             !crate::grad::grad_enabled() || ![x, w, weight, bias].iter().chain(residual.as_ref()).any(|t| t.track_op());
-        if !train && no_grad_wanted && cpu::serves(x) {
+        if !train && no_grad_wanted && native::serves(x) {
             let (mean, var) = self.get();
-            let norm = cpu::conv::EvalNorm { weight, bias, mean: &mean, var: &var, eps };
-            if let Some(y) = cpu::conv::conv_norm_eval(x, w, (pad, stride), norm, residual, act)? {
+            let norm = native::conv::EvalNorm { weight, bias, mean: &mean, var: &var, eps };
+            if let Some(y) = native::conv::conv_norm_eval(x, w, (pad, stride), norm, residual, act)? {
                 return Ok(y);
             }
         }
@@ -320,9 +320,9 @@ impl RunningStats {
         let vec = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(DType::F64)?.flatten_all()?.to_vec1() };
         if !train {
             let (mean, var) = self.get();
-            return cpu::norm::batch_norm(x, &vec(&mean)?, &vec(&var)?, weight, bias, eps, false, act);
+            return native::norm::batch_norm(x, &vec(&mean)?, &vec(&var)?, weight, bias, eps, false, act);
         }
-        let (mean, var) = cpu::norm::batch_stats(x)?;
+        let (mean, var) = native::norm::batch_stats(x)?;
         if update {
             let (n, _, h, w) = x.dims4()?;
             let count = (n * h * w) as f64;
@@ -336,7 +336,7 @@ impl RunningStats {
             };
             self.set(&blend(&old_mean, &mean, 1.0)?, &blend(&old_var, &var, unbiased)?)?;
         }
-        cpu::norm::batch_norm(x, &mean, &var, weight, bias, eps, true, act)
+        native::norm::batch_norm(x, &mean, &var, weight, bias, eps, true, act)
     }
 }
 

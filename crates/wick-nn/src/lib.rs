@@ -10,8 +10,7 @@
 //! | [`ops`] | differentiable ops: linear, attention (plain and packed q/k/v), RoPE, norms, activations, cross-entropy, embeddings, residual adds |
 //! | [`cnn`] | convolution, depthwise convolution, batch norm with running statistics, pooling |
 //! | [`fused`] | composite ops as single graph nodes that recompute their forward during backward |
-//! | [`cpu`] | the CPU implementations of those ops: candle custom ops whose forward and backward passes run over plain slices (convolutions, norms, attention, activations, losses …) on `wick_kernels::cpu` (matrix products f32/bf16/AMX, vectorised math, batch-norm sums), and per-op timing ([`cpu::profile`]) |
-//! | `cuda` | (feature `cuda`) the CUDA bodies of the same ops — the element-wise activations, layer and RMS norm so far — loaded from wick-kernels' fatbins and launched on candle's stream; the others still compose candle's ops on a GPU |
+//! | [`native`] | wick's own ops: candle custom ops whose forward and backward are written out — on the CPU over plain slices (convolutions, norms, attention, activations, losses …) on `wick_kernels::cpu` (matrix products f32/bf16/AMX, vectorised math, batch-norm sums); with the `cuda` feature, the transformers' ops also on a CUDA device (`native::cuda`, on wick-kernels' CUDA C), the same node on both; and per-op timing and counts ([`native::profile`]) |
 //! | [`params`] | named parameters with pre-flighted creation and the initialisers |
 //! | [`autocast`] | the mixed-precision op policy ([`Autocast`]: which ops run in bf16/f16, which in f32) |
 //! | [`checkpoint`] | activation checkpointing ([`Checkpointing`]: blocks recomputed in backward instead of kept) |
@@ -26,9 +25,6 @@
 pub mod autocast;
 pub mod checkpoint;
 pub mod cnn;
-pub mod cpu;
-#[cfg(feature = "cuda")]
-pub mod cuda;
 pub mod error;
 pub mod fused;
 pub mod grad;
@@ -36,6 +32,13 @@ pub mod grad;
 pub mod gradcheck;
 pub mod graph;
 pub mod model;
+pub mod native;
+/// Renamed [`native`]: its ops have CUDA bodies too now (feature `cuda`), so they are no longer
+/// the CPU's alone.
+#[deprecated(since = "0.1.0", note = "renamed `wick_nn::native`")]
+pub mod cpu {
+    pub use crate::native::*;
+}
 pub mod ops;
 pub mod params;
 

@@ -9,8 +9,8 @@
 use candle_core::{DType, Result, Tensor, D};
 
 use crate::autocast::fp32_compute;
-use crate::cpu;
 use crate::fused::node;
+use crate::native;
 
 /// Softmax over the last dimension, stabilised by subtracting the row maximum (which carries no
 /// gradient of its own: softmax is invariant to the shift).
@@ -31,8 +31,8 @@ pub fn log_softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 /// gradient adds up the gradients of every occurrence of a row, and candle's CPU `index_add`
 /// accumulates in the table's dtype, so under autocast the sums are made in f32 and rounded once.
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
-    if cpu::serves_either(table) {
-        return cpu::loss::embedding(table, ids, None);
+    if native::serves_either(table) {
+        return native::loss::embedding(table, ids, None);
     }
     node("embedding", &[ids, table], table.dtype(), table.dtype(), |t| t[1].embedding(&t[0]))
 }
@@ -42,8 +42,8 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// forward values are the same and only the gradient differs.
 pub fn embedding_with_padding(table: &Tensor, ids: &Tensor, padding: Option<u32>) -> Result<Tensor> {
     let Some(pad) = padding else { return embedding(table, ids) };
-    if cpu::serves_either(table) {
-        return cpu::loss::embedding(table, ids, Some(pad));
+    if native::serves_either(table) {
+        return native::loss::embedding(table, ids, Some(pad));
     }
     node("embedding", &[ids, table], table.dtype(), table.dtype(), move |t| {
         let (ids, table) = (&t[0], &t[1]);
@@ -57,8 +57,8 @@ pub fn embedding_with_padding(table: &Tensor, ids: &Tensor, padding: Option<u32>
 /// `x + a + b` with `a` and `b` broadcast to `x`'s shape (position and type embeddings added
 /// to every sequence), as one node whose backward sums the broadcast gradients in f32.
 pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if cpu::serves(x) {
-        return cpu::loss::add_broadcast(x, a, b);
+    if native::serves(x) {
+        return native::loss::add_broadcast(x, a, b);
     }
     node("add", &[x, a, b], x.dtype(), x.dtype(), |t| t[0].broadcast_add(&t[1])?.broadcast_add(&t[2]))
 }
@@ -70,8 +70,8 @@ pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// output, zeros included, and candle's rule then changed the first gradients of ResNet-50's
 /// residual norms completely (relative error 1 against PyTorch in f64). NaN propagates.
 pub fn relu(x: &Tensor) -> Result<Tensor> {
-    if cpu::serves_either(x) {
-        return cpu::act::relu(x);
+    if native::serves_either(x) {
+        return native::act::relu(x);
     }
     node("relu", &[x], x.dtype(), x.dtype(), |t| relu_composed(&t[0], None))
 }
@@ -80,8 +80,8 @@ pub fn relu(x: &Tensor) -> Result<Tensor> {
 /// one node that keeps its input (candle's `clamp` keeps two tensors and halves the gradient
 /// where `x` equals a bound). NaN propagates.
 pub fn relu6(x: &Tensor) -> Result<Tensor> {
-    if cpu::serves_either(x) {
-        return cpu::act::relu6(x);
+    if native::serves_either(x) {
+        return native::act::relu6(x);
     }
     node("relu6", &[x], x.dtype(), x.dtype(), |t| relu_composed(&t[0], Some(6.0)))
 }
@@ -92,8 +92,8 @@ pub fn relu6(x: &Tensor) -> Result<Tensor> {
 /// f32 it is as fast, without a custom op's overhead).
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let low = matches!(a.dtype(), DType::BF16 | DType::F16);
-    if low && cpu::serves(a) && a.shape() == b.shape() && a.dtype() == b.dtype() {
-        return cpu::act::add(a, b);
+    if low && native::serves(a) && a.shape() == b.shape() && a.dtype() == b.dtype() {
+        return native::act::add(a, b);
     }
     a + b
 }
@@ -101,8 +101,8 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// `relu(a + b)` (the end of a residual block) with PyTorch's gradient: one op on the CPU that
 /// neither stores nor keeps the sum (backward recomputes it); `relu(a + b)` elsewhere.
 pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if cpu::serves_either(a) {
-        return cpu::act::add_relu(a, b);
+    if native::serves_either(a) {
+        return native::act::add_relu(a, b);
     }
     relu(&(a + b)?)
 }
@@ -110,8 +110,8 @@ pub fn add_relu(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// GELU (erf form) as one op keeping its input: computed in f32 (f64 for f64) and rounded once
 /// on the CPU; candle's `gelu_erf` elsewhere.
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
-    if cpu::serves_either(x) {
-        return cpu::act::gelu(x);
+    if native::serves_either(x) {
+        return native::act::gelu(x);
     }
     x.gelu_erf()
 }
@@ -120,8 +120,8 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 /// dimension), as one fused gate-and-up projection writes them: one projection instead of two,
 /// and no gradient of their shared input summed by candle.
 pub fn silu_mul_packed(u: &Tensor) -> Result<Tensor> {
-    if cpu::serves_either(u) {
-        return cpu::act::silu_mul_packed(u);
+    if native::serves_either(u) {
+        return native::act::silu_mul_packed(u);
     }
     let half = u.dim(D::Minus1)? / 2;
     silu_mul(&u.narrow(D::Minus1, 0, half)?, &u.narrow(D::Minus1, half, half)?)
@@ -130,8 +130,8 @@ pub fn silu_mul_packed(u: &Tensor) -> Result<Tensor> {
 /// `silu(a)·b` (SwiGLU's gate) as one op keeping `a` and `b`: computed in f32 (f64 for f64) on
 /// the CPU; candle's `silu` and `mul` elsewhere.
 pub fn silu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if cpu::serves_either(a) {
-        return cpu::act::silu_mul(a, b);
+    if native::serves_either(a) {
+        return native::act::silu_mul(a, b);
     }
     a.silu()? * b
 }
@@ -154,8 +154,8 @@ pub fn relu_composed(x: &Tensor, max: Option<f64>) -> Result<Tensor> {
 /// autocast (the matmul runs in `x`'s dtype), as one node whose backward accumulates the weight
 /// and bias gradients in f32.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    if cpu::serves(x) {
-        return cpu::linear::linear(x, weight, bias);
+    if native::serves(x) {
+        return native::linear::linear(x, weight, bias);
     }
     let f = |t: &[Tensor]| -> Result<Tensor> {
         // candle's CUDA product takes rows only at their natural stride: a strided input (ViT's
@@ -179,7 +179,7 @@ fn cpu_inference(inputs: &[&Tensor]) -> bool {
     let Some(first) = inputs.first() else { return false };
     let no_grad_wanted = !crate::grad_enabled() || !inputs.iter().any(|t| t.track_op());
     no_grad_wanted
-        && cpu::serves(first)
+        && native::serves(first)
         && matches!(first.dtype(), DType::F32 | DType::F64)
         && inputs.iter().all(|t| t.dtype() == first.dtype())
 }
@@ -194,7 +194,7 @@ pub fn linear_stacked(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]
     let mut inputs = vec![x];
     inputs.extend(weights.iter().copied().chain(biases.unwrap_or(&[]).iter().copied()));
     if cpu_inference(&inputs) {
-        return cpu::linear::linear_stacked(x, weights, biases);
+        return native::linear::linear_stacked(x, weights, biases);
     }
     let bias = biases.map(|b| Tensor::cat(b, 0)).transpose()?;
     linear(x, &Tensor::cat(weights, 0)?, bias.as_ref())
@@ -206,7 +206,7 @@ pub fn linear_stacked(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]
 /// intermediate tensor), equal to the two ops' output bit for bit; otherwise the two ops.
 pub fn linear_gelu(x: &Tensor, weight: &Tensor, bias: &Tensor) -> Result<Tensor> {
     if cpu_inference(&[x, weight, bias]) {
-        return cpu::epilogue::linear_then(x, weight, Some(bias), cpu::epilogue::Then::Gelu);
+        return native::epilogue::linear_then(x, weight, Some(bias), native::epilogue::Then::Gelu);
     }
     gelu(&linear(x, weight, Some(bias))?)
 }
@@ -217,7 +217,7 @@ pub fn linear_add(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>, residual: 
     let mut inputs = vec![x, weight, residual];
     inputs.extend(bias);
     if cpu_inference(&inputs) {
-        return cpu::epilogue::linear_then(x, weight, bias, cpu::epilogue::Then::Add(residual));
+        return native::epilogue::linear_then(x, weight, bias, native::epilogue::Then::Add(residual));
     }
     add(&linear(x, weight, bias)?, residual)
 }
@@ -232,8 +232,8 @@ pub fn linear_add_layer_norm(
     eps: f64,
 ) -> Result<Tensor> {
     if cpu_inference(&[x, weight, bias, residual, norm_weight, norm_bias]) {
-        let then = cpu::epilogue::Then::AddLayerNorm { residual, weight: norm_weight, bias: norm_bias, eps };
-        return cpu::epilogue::linear_then(x, weight, Some(bias), then);
+        let then = native::epilogue::Then::AddLayerNorm { residual, weight: norm_weight, bias: norm_bias, eps };
+        return native::epilogue::linear_then(x, weight, Some(bias), then);
     }
     layer_norm(&add(&linear(x, weight, Some(bias))?, residual)?, norm_weight, norm_bias, eps)
 }
@@ -252,8 +252,8 @@ pub fn layer_norm_composed(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64)
 /// computes in f32 (f64 for f64 inputs) and returns the input's dtype (an f32-class op under
 /// autocast).
 pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f64) -> Result<Tensor> {
-    if cpu::serves_either(x) {
-        return cpu::row_norm::layer_norm(x, weight, bias, eps);
+    if native::serves_either(x) {
+        return native::row_norm::layer_norm(x, weight, bias, eps);
     }
     node("layer_norm", &[x, weight, bias], fp32_compute(x.dtype()), x.dtype(), move |t| {
         layer_norm_composed(&t[0], &t[1], &t[2], eps)
@@ -268,8 +268,8 @@ pub fn rms_norm_composed(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor
 
 /// RMS normalisation over the last dimension (LLaMA): one graph node computing in f32.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    if cpu::serves_either(x) {
-        return cpu::row_norm::rms_norm(x, weight, eps);
+    if native::serves_either(x) {
+        return native::row_norm::rms_norm(x, weight, eps);
     }
     node("rms_norm", &[x, weight], fp32_compute(x.dtype()), x.dtype(), move |t| rms_norm_composed(&t[0], &t[1], eps))
 }
@@ -285,8 +285,8 @@ pub fn cross_entropy_composed(logits: &Tensor, targets: &Tensor) -> Result<Tenso
 /// Cross-entropy of `logits` (N, C) against integer `targets` (N), averaged: one graph node that
 /// computes in f32 and returns f32 whatever the logits' dtype (losses are f32-class ops).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    if cpu::serves_either(logits) {
-        return cpu::loss::cross_entropy(logits, targets);
+    if native::serves_either(logits) {
+        return native::loss::cross_entropy(logits, targets);
     }
     let compute = fp32_compute(logits.dtype());
     let targets = targets.clone();
@@ -297,8 +297,8 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 /// pairs (i, i + head_dim/2) as in LLaMA, with precomputed `cos`/`sin` of shape (seq, head_dim/2).
 /// One graph node in `x`'s dtype (the tables are constants).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if cpu::serves_either(x) {
-        return cpu::rope::rope(x, cos, sin);
+    if native::serves_either(x) {
+        return native::rope::rope(x, cos, sin);
     }
     let (cos, sin) = (cos.clone(), sin.clone());
     // The tables follow the input's dtype (backward recomputes in f32).
@@ -312,8 +312,8 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// fused projection, rotation and attention instead of three projections, their head splits and
 /// two rotations (whose input, used three times, had its gradient summed by candle).
 pub fn rope_packed(qkv: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    if cpu::serves_either(qkv) {
-        return cpu::rope::rope_packed(qkv, heads, cos, sin);
+    if native::serves_either(qkv) {
+        return native::rope::rope_packed(qkv, heads, cos, sin);
     }
     let (n, t, e) = qkv.dims3()?;
     if heads == 0 || e % (3 * heads) != 0 {
@@ -370,8 +370,8 @@ pub fn attention_composed(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tens
 /// One graph node: only q, k and v are kept, never the (seq × seq) scores or probabilities, which
 /// backward recomputes.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    if cpu::serves_attention(q, q.dim(D::Minus1)?) {
-        return cpu::attention::attention(q, k, v, bias);
+    if native::serves_attention(q, q.dim(D::Minus1)?) {
+        return native::attention::attention(q, k, v, bias);
     }
     let bias = bias.cloned();
     node("attention", &[q, k, v], q.dtype(), q.dtype(), move |t| attention_composed(&t[0], &t[1], &t[2], bias.as_ref()))
@@ -385,8 +385,8 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> R
 /// padded ones summed.
 pub fn attention_packed(qkv: &Tensor, heads: usize, bias: Option<&Tensor>) -> Result<Tensor> {
     let head_dim = if heads == 0 { 0 } else { qkv.dim(D::Minus1)? / (3 * heads) };
-    if cpu::serves_attention(qkv, head_dim) {
-        return cpu::attention::attention_packed(qkv, heads, bias);
+    if native::serves_attention(qkv, head_dim) {
+        return native::attention::attention_packed(qkv, heads, bias);
     }
     let (n, t, e) = qkv.dims3()?;
     if heads == 0 || e % (3 * heads) != 0 {

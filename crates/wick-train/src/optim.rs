@@ -11,8 +11,8 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
 
 use wick_kernels::cpu::{optim, par_ranges, SharedMut};
-use wick_nn::cpu::elem::elems;
-use wick_nn::cpu::{narrow_into, read, tensor, with};
+use wick_nn::native::elem::elems;
+use wick_nn::native::{narrow_into, read, tensor, with};
 
 pub use wick_kernels::cpu::optim::AdamW;
 

@@ -67,10 +67,10 @@ pub mod checkpoint {
 pub mod model {
     pub use wick_nn::model::*;
 }
-/// Moved to `wick_nn::cpu`.
-#[deprecated(since = "0.1.0", note = "moved to `wick_nn::cpu`")]
+/// Moved to `wick_nn::native` (first `wick_nn::cpu`).
+#[deprecated(since = "0.1.0", note = "moved to `wick_nn::native`")]
 pub mod kernels {
-    pub use wick_nn::cpu::*;
+    pub use wick_nn::native::*;
 }
 /// Moved to `wick_nn::no_grad`.
 #[deprecated(since = "0.1.0", note = "moved to `wick_nn::no_grad`")]

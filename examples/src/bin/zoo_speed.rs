@@ -331,7 +331,7 @@ fn run() -> Result<()> {
     let mut last_loss = None;
     for step in 0..args.warmup + args.steps {
         if step == args.warmup {
-            wick_nn::cpu::profile::reset();
+            wick_nn::native::profile::reset();
             engine.reset_peak_memory_stats();
             if args.record_history.is_some() {
                 engine.record_memory_history_with(1 << 21, args.history_min_size)?;
@@ -404,8 +404,8 @@ fn run() -> Result<()> {
         line["ms_on"] = json!(times.iter().skip(1).step_by(2).collect::<Vec<_>>());
     }
     println!("{line}");
-    if wick_nn::cpu::profile::enabled() {
-        eprintln!("{}", wick_nn::cpu::profile::report());
+    if wick_nn::native::profile::enabled() {
+        eprintln!("{}", wick_nn::native::profile::report());
     }
     Ok(())
 }

@@ -1,5 +1,5 @@
 // The CUDA bodies of wick-nn's element-wise activations, forward and backward: the same functions
-// as the host kernels (wick-nn's `cpu::act`), each element computed in f32 (f64 for f64 tensors)
+// as the host kernels (wick-nn's `native::act`), each element computed in f32 (f64 for f64 tensors)
 // and rounded once to the tensor's type. One launch per op, grid-stride over contiguous tensors;
 // each backward writes its gradient directly (no composed mask, no intermediate tensor).
 //

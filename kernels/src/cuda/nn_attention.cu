@@ -1,5 +1,5 @@
 // The CUDA body of wick-nn's scaled dot-product attention (the host body: wick-nn's
-// `cpu::attention`), in the manner of FlashAttention-2: forward keeps the output and one
+// `native::attention`), in the manner of FlashAttention-2: forward keeps the output and one
 // log-sum-exp per query row and never an s × s tensor (an online softmax over the keys);
 // backward recomputes each probability from q, k and that log-sum-exp.
 //

@@ -1,5 +1,5 @@
 // The CUDA bodies of wick-nn's row norms (layer norm and RMS norm over the last dimension),
-// forward and backward, with the host kernels' arithmetic (wick-nn's `cpu::norm`): each row's
+// forward and backward, with the host kernels' arithmetic (wick-nn's `native::row_norm`): each row's
 // mean and variance summed in f64, the output computed in the compute type (f32; f64 for f64
 // tensors) and rounded once; forward keeps one (mean, inverse deviation) pair per row in f64,
 // as the host op does, and backward reads it instead of recomputing the statistics.

@@ -1,6 +1,6 @@
 // The CUDA bodies of wick-nn's row-wise ops outside the norms: rotary position embeddings,
 // softmax cross-entropy over a vocabulary, and embedding lookups — forward and backward, with
-// the host bodies' arithmetic (wick-nn's `cpu::rope` and `cpu::loss`).
+// the host bodies' arithmetic (wick-nn's `native::rope` and `native::loss`).
 //
 //   rope:           (x1, x2) -> (x1 c - x2 s, x1 s + x2 c) for the pairs (j, j + d/2) of each rotated head,
 //                   s = sign · sin (sign -1: the backward pass, the rotation by the inverse angles)

@@ -6,7 +6,7 @@
 //!    dimensions that fill a warp's lanes in part, padding and causal masks, repeated and padding
 //!    ids, PyTorch's kinks of ReLU and ReLU6 at exactly 0 and 6);
 //! 2. that the CUDA pass went through the op's own node, forward and backward (the per-op call
-//!    counts of `wick_nn::cpu::profile`, which only wick's ops report), not the composed fallback;
+//!    counts of `wick_nn::native::profile`, which only wick's ops report), not the composed fallback;
 //! 3. the op beside the composed form of candle's ops it replaces on a GPU, at the zoo's sizes:
 //!    time of forward + backward, and the bytes the output's graph keeps for backward.
 //!
@@ -21,8 +21,8 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use wick_nn::autocast::fp32_compute;
-use wick_nn::cpu::profile;
 use wick_nn::fused::node;
+use wick_nn::native::profile;
 use wick_nn::ops;
 use wick_nn::params::normal_tensor;
 

@@ -1,5 +1,5 @@
 //! Scaled dot-product attention with a closed-form backward pass. With the `cuda` feature the op
-//! has a CUDA body (`crate::cuda::attention`, the same contract: one log-sum-exp per query row
+//! has a CUDA body (`crate::native::cuda::attention`, the same contract: one log-sum-exp per query row
 //! kept, on the device).
 //!
 //! Attention over (batch, heads, seq, head_dim) keeps q, k, v and one log-sum-exp per query row;
@@ -62,7 +62,7 @@ struct Device {
 }
 
 #[cfg(feature = "cuda")]
-use crate::cuda::attention as cuda;
+use crate::native::cuda::attention as cuda;
 
 /// (batch, heads, seq_q, seq_k, head_dim) of q (B, H, Sq, D) and k, v (B, H, Sk, D).
 fn dims(q: &Shape, k: &Shape, v: &Shape) -> Result<(usize, usize, usize, usize, usize)> {

@@ -1,7 +1,7 @@
 //! The CPU kernels against the composed forms they replace (kept as the oracle: candle's
 //! primitive ops under candle's autograd) and against finite differences, in f64 (here); in
 //! bf16 against the f32 computation ([`bf16`]); and the dtype conversions against the `half`
-//! crate's. Child modules of `cpu`, so the kernels need not be public to be tested.
+//! crate's. Child modules of `native`, so the kernels need not be public to be tested.
 
 mod bf16;
 mod linear;
@@ -9,7 +9,7 @@ mod linear;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 
 use crate::cnn::Activation;
-use crate::cpu;
+use crate::native;
 use crate::ops;
 use crate::params::normal_tensor;
 
@@ -91,9 +91,9 @@ fn check_finite_differences(name: &str, inputs: &[Tensor], kernel: impl Fn(&[Ten
 fn linear_matches_matmul_plus_bias() {
     let (x, w, b) = (randn(&[2, 5, 7], 1), randn(&[4, 7], 2), randn(&[4], 3));
     let oracle = |t: &[Tensor]| t[0].broadcast_matmul(&t[1].t()?)?.broadcast_add(&t[2]);
-    check("linear", &[x.clone(), w.clone(), b], |t| cpu::linear::linear(&t[0], &t[1], Some(&t[2])), oracle);
+    check("linear", &[x.clone(), w.clone(), b], |t| native::linear::linear(&t[0], &t[1], Some(&t[2])), oracle);
     let oracle = |t: &[Tensor]| t[0].broadcast_matmul(&t[1].t()?);
-    check("linear without bias", &[x, w], |t| cpu::linear::linear(&t[0], &t[1], None), oracle);
+    check("linear without bias", &[x, w], |t| native::linear::linear(&t[0], &t[1], None), oracle);
 }
 
 #[test]
@@ -102,13 +102,13 @@ fn norms_match_their_composed_forms() {
     check(
         "layer_norm",
         &[x.clone(), w.clone(), b],
-        |t| cpu::row_norm::layer_norm(&t[0], &t[1], &t[2], 1e-5),
+        |t| native::row_norm::layer_norm(&t[0], &t[1], &t[2], 1e-5),
         |t| ops::layer_norm_composed(&t[0], &t[1], &t[2], 1e-5),
     );
     check(
         "rms_norm",
         &[x, w],
-        |t| cpu::row_norm::rms_norm(&t[0], &t[1], 1e-6),
+        |t| native::row_norm::rms_norm(&t[0], &t[1], 1e-6),
         |t| ops::rms_norm_composed(&t[0], &t[1], 1e-6),
     );
 }
@@ -133,8 +133,8 @@ fn batch_norm_matches_its_composed_form_in_training_and_eval() {
     ];
     for (act, name) in acts {
         let train = |t: &[Tensor]| {
-            let (mean, var) = cpu::norm::batch_stats(&t[0].detach())?;
-            cpu::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, true, act)
+            let (mean, var) = native::norm::batch_stats(&t[0].detach())?;
+            native::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, true, act)
         };
         let oracle = |t: &[Tensor]| {
             let y = batch_norm_composed(&t[0], &t[1], &t[2], 1e-5)?;
@@ -153,7 +153,7 @@ fn batch_norm_matches_its_composed_form_in_training_and_eval() {
     let (m, v) =
         (Tensor::new(mean.as_slice(), &Device::Cpu).unwrap(), Tensor::new(var.as_slice(), &Device::Cpu).unwrap());
     let eval =
-        |t: &[Tensor]| cpu::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, false, Activation::Identity);
+        |t: &[Tensor]| native::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, false, Activation::Identity);
     let oracle = |t: &[Tensor]| {
         let shape = (1, 4, 1, 1);
         let normed = t[0].broadcast_sub(&m.reshape(shape)?)?.broadcast_div(&(v.reshape(shape)? + 1e-5)?.sqrt()?)?;
@@ -178,14 +178,14 @@ fn convolutions_match_candles() {
         check(
             &name,
             &[x, w],
-            |t| cpu::conv::conv2d(&t[0], &t[1], pad, stride),
+            |t| native::conv::conv2d(&t[0], &t[1], pad, stride),
             |t| t[0].conv2d(&t[1], pad, stride, 1, 1),
         );
     }
     for (k, stride, pad) in [(3, 2, 1), (4, 4, 0), (2, 3, 1)] {
         let (x, w) = (randn(&[2, 2, 10, 9], 30), randn(&[3, 2, k, k], 31));
         check_finite_differences(&format!("conv2d k{k} s{stride} p{pad} on 10 × 9"), &[x, w], |t| {
-            cpu::conv::conv2d(&t[0], &t[1], pad, stride)
+            native::conv::conv2d(&t[0], &t[1], pad, stride)
         });
     }
     for (stride, pad) in [(1, 1), (2, 1), (2, 0)] {
@@ -193,7 +193,7 @@ fn convolutions_match_candles() {
         check(
             &format!("depthwise s{stride} p{pad}"),
             &[x, w],
-            |t| cpu::depthwise::depthwise_conv2d(&t[0], &t[1], pad, stride),
+            |t| native::depthwise::depthwise_conv2d(&t[0], &t[1], pad, stride),
             |t| crate::cnn::depthwise_conv2d_composed(&t[0], &t[1], pad, stride),
         );
     }
@@ -213,13 +213,13 @@ fn chunked_convolutions_match_candles_and_the_unchunked_kernel() {
             check(
                 &name,
                 &[x.clone(), w.clone()],
-                |t| cpu::conv::conv2d_chunked(&t[0], &t[1], pad, stride, 1),
+                |t| native::conv::conv2d_chunked(&t[0], &t[1], pad, stride, 1),
                 |t| t[0].conv2d(&t[1], pad, stride, 1, 1),
             );
             let (x, w) = (x.to_dtype(DType::F32).unwrap(), w.to_dtype(DType::F32).unwrap());
             let run = |chunk: usize| {
                 let (xv, wv) = (Var::from_tensor(&x).unwrap(), Var::from_tensor(&w).unwrap());
-                let y = cpu::conv::conv2d_chunked(xv.as_tensor(), wv.as_tensor(), pad, stride, chunk).unwrap();
+                let y = native::conv::conv2d_chunked(xv.as_tensor(), wv.as_tensor(), pad, stride, chunk).unwrap();
                 let g = weighted_sum(&y.to_dtype(DType::F64).unwrap()).unwrap().backward().unwrap();
                 let grad = |v: &Var| values(g.get(v).unwrap());
                 (values(&y), grad(&xv), grad(&wv))
@@ -262,7 +262,7 @@ fn direct_f32_convolutions_match_the_f64_product() {
                 Var::from_tensor(&x.to_dtype(dtype).unwrap()).unwrap(),
                 Var::from_tensor(&w.to_dtype(dtype).unwrap()).unwrap(),
             );
-            let y = cpu::conv::conv2d(xv.as_tensor(), wv.as_tensor(), pad, stride).unwrap();
+            let y = native::conv::conv2d(xv.as_tensor(), wv.as_tensor(), pad, stride).unwrap();
             let g = weighted_sum(&y.to_dtype(DType::F64).unwrap()).unwrap().backward().unwrap();
             let grad = |v: &Var| values(g.get(v).unwrap());
             (values(&y), grad(&xv), grad(&wv))
@@ -301,10 +301,10 @@ fn pooling_matches_its_composed_forms() {
     check(
         "max_pool2d",
         std::slice::from_ref(&x),
-        |t| cpu::pool::max_pool2d(&t[0], 3, 2, 1),
+        |t| native::pool::max_pool2d(&t[0], 3, 2, 1),
         |t| max_pool2d_composed(&t[0], 3, 2, 1),
     );
-    check("global_avg_pool", &[x], |t| cpu::pool::global_avg_pool(&t[0]), |t| t[0].mean(D::Minus1)?.mean(D::Minus1));
+    check("global_avg_pool", &[x], |t| native::pool::global_avg_pool(&t[0]), |t| t[0].mean(D::Minus1)?.mean(D::Minus1));
 }
 
 /// Max pooling over planes with ties and NaN against a per-window reference written from
@@ -323,7 +323,7 @@ fn max_pooling_routes_ties_and_nan_as_pytorch() {
     data[h * w + w + 5] = f32::NAN;
     for (kernel, stride, pad) in [(3, 2, 1), (2, 2, 0), (3, 1, 1), (3, 3, 0)] {
         let x = Var::from_vec(data.clone(), (n, c, h, w), &Device::Cpu).unwrap();
-        let y = cpu::pool::max_pool2d(x.as_tensor(), kernel, stride, pad).unwrap();
+        let y = native::pool::max_pool2d(x.as_tensor(), kernel, stride, pad).unwrap();
         let (oh, ow) = ((h + 2 * pad - kernel) / stride + 1, (w + 2 * pad - kernel) / stride + 1);
         // Gradients that round when summed: an input that wins several windows must get their
         // gradients added in the outputs' order, as PyTorch's loop over outputs adds them.
@@ -373,7 +373,7 @@ fn attention_and_rope_match_their_composed_forms() {
     check(
         "attention (padding bias)",
         &[q, k.clone(), v.clone()],
-        |t| cpu::attention::attention(&t[0], &t[1], &t[2], Some(&bias)),
+        |t| native::attention::attention(&t[0], &t[1], &t[2], Some(&bias)),
         |t| ops::attention_composed(&t[0], &t[1], &t[2], Some(&bias)),
     );
     let q = randn(&[2, 3, 6, 4], 18);
@@ -381,7 +381,7 @@ fn attention_and_rope_match_their_composed_forms() {
     check(
         "attention (causal)",
         &[q.clone(), k, v],
-        |t| cpu::attention::attention(&t[0], &t[1], &t[2], Some(&causal)),
+        |t| native::attention::attention(&t[0], &t[1], &t[2], Some(&causal)),
         |t| ops::attention_composed(&t[0], &t[1], &t[2], Some(&causal)),
     );
     let (cos, sin) = ops::rope_tables(6, 4, 10_000.0, DType::F64, &Device::Cpu).unwrap();
@@ -396,13 +396,13 @@ fn attention_and_rope_match_their_composed_forms() {
         check(
             name,
             std::slice::from_ref(&qkv),
-            |t| cpu::attention::attention_packed(&t[0], 2, bias),
+            |t| native::attention::attention_packed(&t[0], 2, bias),
             |t| merged(ops::attention_composed(&split(&t[0], 0)?, &split(&t[0], 1)?, &split(&t[0], 2)?, bias)?),
         );
     }
-    assert!(cpu::attention::attention_packed(&qkv, 4, None).is_err(), "18 is not 3 × 4 heads × a width");
-    assert!(cpu::attention::attention_packed(&qkv, 0, None).is_err(), "no heads");
-    check("rope", &[q], |t| cpu::rope::rope(&t[0], &cos, &sin), |t| ops::rope_composed(&t[0], &cos, &sin));
+    assert!(native::attention::attention_packed(&qkv, 4, None).is_err(), "18 is not 3 × 4 heads × a width");
+    assert!(native::attention::attention_packed(&qkv, 0, None).is_err(), "no heads");
+    check("rope", &[q], |t| native::rope::rope(&t[0], &cos, &sin), |t| ops::rope_composed(&t[0], &cos, &sin));
     // q and k rotated inside a packed (2, 6, 3·2·4) projection, v passed through, against
     // splitting the heads out, rotating q and k alone and packing them back.
     let qkv = randn(&[2, 6, 24], 41);
@@ -411,7 +411,7 @@ fn attention_and_rope_match_their_composed_forms() {
     check(
         "rope (packed)",
         &[qkv],
-        |t| cpu::rope::rope_packed(&t[0], 2, &cos, &sin),
+        |t| native::rope::rope_packed(&t[0], 2, &cos, &sin),
         |t| {
             let q = back(ops::rope_composed(&part(&t[0], 0)?, &cos, &sin)?)?;
             let k = back(ops::rope_composed(&part(&t[0], 1)?, &cos, &sin)?)?;
@@ -419,8 +419,8 @@ fn attention_and_rope_match_their_composed_forms() {
         },
     );
     let wrong = randn(&[2, 6, 20], 42);
-    assert!(cpu::rope::rope_packed(&wrong, 2, &cos, &sin).is_err(), "20 is not 3 × 2 heads × a width");
-    assert!(cpu::rope::rope_packed(&randn(&[2, 5, 24], 43), 2, &cos, &sin).is_err(), "5 positions, 6 in the tables");
+    assert!(native::rope::rope_packed(&wrong, 2, &cos, &sin).is_err(), "20 is not 3 × 2 heads × a width");
+    assert!(native::rope::rope_packed(&randn(&[2, 5, 24], 43), 2, &cos, &sin).is_err(), "5 positions, 6 in the tables");
 }
 
 #[test]
@@ -429,21 +429,26 @@ fn activations_match_candles() {
     // Composed from erf: candle's own `gelu_erf` backward uses 0.398942 for 1/√(2π) (a 7e-7
     // relative error); PyTorch's and the kernel's use the exact constant.
     let gelu_composed = |t: &[Tensor]| (&t[0] * 0.5)? * ((&t[0] / 2f64.sqrt())?.erf()? + 1.0)?;
-    check("gelu", std::slice::from_ref(&a), |t| cpu::act::gelu(&t[0]), gelu_composed);
-    check("silu_mul", &[a, b], |t| cpu::act::silu_mul(&t[0], &t[1]), |t| t[0].silu()? * &t[1]);
+    check("gelu", std::slice::from_ref(&a), |t| native::act::gelu(&t[0]), gelu_composed);
+    check("silu_mul", &[a, b], |t| native::act::silu_mul(&t[0], &t[1]), |t| t[0].silu()? * &t[1]);
     // The halves of a packed (…, 2·I) projection, against narrowing them apart.
     let u = randn(&[2, 3, 10], 44);
     check(
         "silu_mul (packed)",
         &[u],
-        |t| cpu::act::silu_mul_packed(&t[0]),
+        |t| native::act::silu_mul_packed(&t[0]),
         |t| t[0].narrow(2, 0, 5)?.silu()? * t[0].narrow(2, 5, 5)?,
     );
-    assert!(cpu::act::silu_mul_packed(&randn(&[2, 7], 45)).is_err(), "an odd last dimension does not halve");
+    assert!(native::act::silu_mul_packed(&randn(&[2, 7], 45)).is_err(), "an odd last dimension does not halve");
     let (a, b) = (randn(&[4, 9], 32), randn(&[4, 9], 33));
-    check("add", &[a.clone(), b.clone()], |t| cpu::act::add(&t[0], &t[1]), |t| &t[0] + &t[1]);
-    assert!(cpu::act::add(&a, &b.narrow(1, 0, 8).unwrap()).is_err(), "shapes differ");
-    check("add_relu", &[a, b], |t| cpu::act::add_relu(&t[0], &t[1]), |t| ops::relu_composed(&(&t[0] + &t[1])?, None));
+    check("add", &[a.clone(), b.clone()], |t| native::act::add(&t[0], &t[1]), |t| &t[0] + &t[1]);
+    assert!(native::act::add(&a, &b.narrow(1, 0, 8).unwrap()).is_err(), "shapes differ");
+    check(
+        "add_relu",
+        &[a, b],
+        |t| native::act::add_relu(&t[0], &t[1]),
+        |t| ops::relu_composed(&(&t[0] + &t[1])?, None),
+    );
 }
 
 #[test]
@@ -453,17 +458,17 @@ fn losses_and_lookups_match_their_composed_forms() {
     check(
         "cross_entropy",
         &[logits],
-        |t| cpu::loss::cross_entropy(&t[0], &targets),
+        |t| native::loss::cross_entropy(&t[0], &targets),
         |t| ops::cross_entropy_composed(&t[0], &targets),
     );
     let table = randn(&[5, 3], 22);
     let ids = Tensor::new(&[4u32, 0, 4, 1, 3], &Device::Cpu).unwrap();
-    check("embedding", &[table], |t| cpu::loss::embedding(&t[0], &ids, None), |t| t[0].embedding(&ids));
+    check("embedding", &[table], |t| native::loss::embedding(&t[0], &ids, None), |t| t[0].embedding(&ids));
     let (x, a, b) = (randn(&[2, 3, 4], 23), randn(&[3, 4], 24), randn(&[1, 4], 25));
     check(
         "add_broadcast",
         &[x, a, b],
-        |t| cpu::loss::add_broadcast(&t[0], &t[1], &t[2]),
+        |t| native::loss::add_broadcast(&t[0], &t[1], &t[2]),
         |t| t[0].broadcast_add(&t[1])?.broadcast_add(&t[2]),
     );
 }
@@ -472,21 +477,21 @@ fn losses_and_lookups_match_their_composed_forms() {
 /// per-element `half` conversions, in bf16 and f16.
 #[test]
 fn widen_and_narrow_match_elementwise_conversion() -> Result<()> {
-    let n = 2 * cpu::CONVERT_CHUNK + 123;
+    let n = 2 * native::CONVERT_CHUNK + 123;
     let wide: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.377).sin() * 1e3 / (1.0 + i as f32)).collect();
-    let narrow: Vec<half::bf16> = cpu::narrow_elems(&wide);
+    let narrow: Vec<half::bf16> = native::narrow_elems(&wide);
     assert_eq!(narrow.len(), n);
     assert!(narrow.iter().zip(&wide).all(|(a, b)| a.to_bits() == half::bf16::from_f32(*b).to_bits()));
     let mut into = vec![half::bf16::ONE; n];
-    cpu::narrow_into(&wide, &mut into);
+    native::narrow_into(&wide, &mut into);
     assert_eq!(into, narrow);
-    let back = cpu::widen_elems(&narrow, 7, n - 7)?;
+    let back = native::widen_elems(&narrow, 7, n - 7)?;
     assert_eq!(back.len(), n - 7);
     assert!(back.iter().zip(&narrow[7..]).all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
-    assert!(cpu::widen_elems(&narrow, 8, n).is_err(), "a range past the end is refused");
-    let f16s: Vec<half::f16> = cpu::narrow_elems(&wide);
+    assert!(native::widen_elems(&narrow, 8, n).is_err(), "a range past the end is refused");
+    let f16s: Vec<half::f16> = native::narrow_elems(&wide);
     assert!(f16s.iter().zip(&wide).all(|(a, b)| a.to_bits() == half::f16::from_f32(*b).to_bits()));
-    let back = cpu::widen_elems(&f16s, 0, n)?;
+    let back = native::widen_elems(&f16s, 0, n)?;
     assert!(back.iter().zip(&f16s).all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
     Ok(())
 }
@@ -498,16 +503,16 @@ fn fused_inference_refuses_what_does_not_fit() -> Result<()> {
     let (x, w) = (randn(&[1, 2, 8, 8], 50).to_dtype(DType::F32)?, randn(&[3, 2, 3, 3], 51).to_dtype(DType::F32)?);
     let ones = |c: usize| Tensor::ones(c, DType::F32, &Device::Cpu);
     let (o3, z3, o4) = (ones(3)?, ones(3)?.zeros_like()?, ones(4)?);
-    let norm = |weight| cpu::conv::EvalNorm { weight, bias: &z3, mean: &z3, var: &o3, eps: 1e-5 };
+    let norm = |weight| native::conv::EvalNorm { weight, bias: &z3, mean: &z3, var: &o3, eps: 1e-5 };
     let act = Activation::Relu;
     let wrong = Tensor::zeros((1, 3, 7, 8), DType::F32, &Device::Cpu)?;
-    assert!(cpu::conv::conv_norm_eval(&x, &w, (1, 1), norm(&o3), Some(&wrong), act).is_err());
-    assert!(cpu::conv::conv_norm_eval(&x, &w, (1, 1), norm(&o4), None, act).is_err());
+    assert!(native::conv::conv_norm_eval(&x, &w, (1, 1), norm(&o3), Some(&wrong), act).is_err());
+    assert!(native::conv::conv_norm_eval(&x, &w, (1, 1), norm(&o4), None, act).is_err());
     let (xb, wb) = (x.to_dtype(DType::BF16)?, w.to_dtype(DType::BF16)?);
-    assert!(cpu::conv::conv_norm_eval(&xb, &wb, (1, 1), norm(&o3), None, act)?.is_none());
+    assert!(native::conv::conv_norm_eval(&xb, &wb, (1, 1), norm(&o3), None, act)?.is_none());
     // What it computes: with unit scale, zero shift and ReLU, the ReLU of the convolution.
-    let y = cpu::conv::conv_norm_eval(&x, &w, (1, 1), norm(&o3), None, act)?.expect("f32 is taken");
-    let reference = cpu::conv::conv2d(&x, &w, 1, 1)?.relu()?.affine(1.0 / (1.0f64 + 1e-5).sqrt(), 0.0)?;
+    let y = native::conv::conv_norm_eval(&x, &w, (1, 1), norm(&o3), None, act)?.expect("f32 is taken");
+    let reference = native::conv::conv2d(&x, &w, 1, 1)?.relu()?.affine(1.0 / (1.0f64 + 1e-5).sqrt(), 0.0)?;
     assert!(max_rel_diff(&values(&y), &values(&reference)) < 1e-6);
     Ok(())
 }

@@ -1,6 +1,6 @@
 //! The CUDA bodies of the element-wise activations (`kernels/src/cuda/nn_act.cu`): each forward
 //! and each backward one launch over contiguous tensors, computing in f32 (f64 for f64) and
-//! rounding once, as the host bodies in `crate::cpu::act` do.
+//! rounding once, as the host bodies in `crate::native::act` do.
 
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};

@@ -13,21 +13,27 @@ use super::err;
 
 /// The geometry of a convolution: square kernel, same stride and padding on both axes.
 #[derive(Clone, Copy, Debug)]
-pub(in crate::cpu) struct Geometry {
-    pub(in crate::cpu) n: usize,
-    pub(in crate::cpu) c_in: usize,
-    pub(in crate::cpu) h: usize,
-    pub(in crate::cpu) w: usize,
-    pub(in crate::cpu) c_out: usize,
-    pub(in crate::cpu) k: usize,
-    pub(in crate::cpu) stride: usize,
-    pub(in crate::cpu) pad: usize,
-    pub(in crate::cpu) oh: usize,
-    pub(in crate::cpu) ow: usize,
+pub(in crate::native) struct Geometry {
+    pub(in crate::native) n: usize,
+    pub(in crate::native) c_in: usize,
+    pub(in crate::native) h: usize,
+    pub(in crate::native) w: usize,
+    pub(in crate::native) c_out: usize,
+    pub(in crate::native) k: usize,
+    pub(in crate::native) stride: usize,
+    pub(in crate::native) pad: usize,
+    pub(in crate::native) oh: usize,
+    pub(in crate::native) ow: usize,
 }
 
 impl Geometry {
-    pub(in crate::cpu) fn new(x: &Shape, weight: &Shape, stride: usize, pad: usize, depthwise: bool) -> Result<Self> {
+    pub(in crate::native) fn new(
+        x: &Shape,
+        weight: &Shape,
+        stride: usize,
+        pad: usize,
+        depthwise: bool,
+    ) -> Result<Self> {
         let (&[n, c_in, h, w], &[c_out, wc, kh, kw]) = (x.dims(), weight.dims()) else {
             return Err(err(format!("conv2d: input {x:?} and weight {weight:?} must be 4-D")));
         };
@@ -49,7 +55,7 @@ impl Geometry {
     }
 
     /// Columns of the column matrix (OH·OW).
-    pub(in crate::cpu) fn cols(&self) -> usize {
+    pub(in crate::native) fn cols(&self) -> usize {
         self.oh * self.ow
     }
 
@@ -78,14 +84,14 @@ impl Geometry {
 
     /// The input row feeding output row `o` at kernel offset `d`, if inside the image.
     #[inline]
-    pub(in crate::cpu) fn source(&self, o: usize, d: usize, len: usize) -> Option<usize> {
+    pub(in crate::native) fn source(&self, o: usize, d: usize, len: usize) -> Option<usize> {
         (o * self.stride + d).checked_sub(self.pad).filter(|i| *i < len)
     }
 
     /// The outputs `o` (of `out` along an axis of `len` inputs) whose input `o·stride + d − pad`
     /// lies inside the image.
     #[inline]
-    pub(in crate::cpu) fn valid(&self, d: usize, len: usize, out: usize) -> Range<usize> {
+    pub(in crate::native) fn valid(&self, d: usize, len: usize, out: usize) -> Range<usize> {
         let (s, p) = (self.stride, self.pad);
         let lo = if p > d { (p - d).div_ceil(s) } else { 0 };
         let hi = if len + p > d { ((len + p - d - 1) / s + 1).min(out) } else { 0 };
@@ -96,7 +102,7 @@ impl Geometry {
     /// ([`Geometry::valid`] along a row) and the input column of the first of them (0 when there
     /// is none). They depend on neither the channel nor the row, so loops over rows take them
     /// from here instead of dividing again per row.
-    pub(in crate::cpu) fn taps(&self) -> Vec<(Range<usize>, usize)> {
+    pub(in crate::native) fn taps(&self) -> Vec<(Range<usize>, usize)> {
         (0..self.k)
             .map(|dx| {
                 let r = self.valid(dx, self.w, self.ow);

@@ -1,6 +1,6 @@
 //! Cross-entropy, embedding lookups and broadcast additions with closed-form backward passes,
 //! every gradient sum accumulated in f32 (f64 for f64). With the `cuda` feature, cross-entropy and
-//! the embedding have CUDA bodies too (`crate::cuda::loss`).
+//! the embedding have CUDA bodies too (`crate::native::cuda::loss`).
 
 use std::sync::Mutex;
 
@@ -85,7 +85,7 @@ impl CustomOp1 for CrossEntropy {
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let (targets, lse) =
             self.device.as_ref().ok_or_else(|| err("cross_entropy: no targets on the device".into()))?;
-        let (loss, rows) = crate::cuda::loss::cross_entropy((s, l), targets)?;
+        let (loss, rows) = crate::native::cuda::loss::cross_entropy((s, l), targets)?;
         *lse.lock().unwrap_or_else(|p| p.into_inner()) = Some(rows);
         Ok((loss, Shape::from(())))
     }
@@ -94,7 +94,7 @@ impl CustomOp1 for CrossEntropy {
         if let (Some((targets, lse)), true) = (&self.device, x.device().is_cuda()) {
             let guard = lse.lock().unwrap_or_else(|p| p.into_inner());
             let lse = guard.as_ref().ok_or_else(|| err("cross_entropy backward: no forward statistics".into()))?;
-            return crate::cuda::loss::cross_entropy_grad(x, targets, lse, g).map(Some);
+            return crate::native::cuda::loss::cross_entropy_grad(x, targets, lse, g).map(Some);
         }
         Ok(Some(by_real!(x.dtype(), T => self.bwd::<T>(x, g)?)))
     }
@@ -105,7 +105,7 @@ impl CustomOp1 for CrossEntropy {
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if logits.device().is_cuda() {
-        let device = Some((crate::cuda::loss::ids_on_device(targets, logits.device())?, Mutex::new(None)));
+        let device = Some((crate::native::cuda::loss::ids_on_device(targets, logits.device())?, Mutex::new(None)));
         let op = CrossEntropy { targets: Vec::new(), lse: Mutex::new(Vec::new()), device };
         return super::apply1(&logits.contiguous()?, op);
     }
@@ -182,12 +182,12 @@ impl CustomOp1 for Embedding {
             return Err(err(format!("embedding: id {bad} outside a table of {v} rows")));
         }
         let ids = self.device_ids.as_ref().ok_or_else(|| err("embedding: no ids on the device".into()))?;
-        crate::cuda::loss::embedding((s, l), ids)
+        crate::native::cuda::loss::embedding((s, l), ids)
     }
     fn bwd(&self, table: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if table.device().is_cuda() {
-            return crate::cuda::loss::embedding_grad(table, &self.ids, self.padding, g).map(Some);
+            return crate::native::cuda::loss::embedding_grad(table, &self.ids, self.padding, g).map(Some);
         }
         by_elem!(table.dtype(), T, E => self.bwd::<T, E>(table, g).map(Some))
     }
@@ -200,7 +200,11 @@ pub fn embedding(table: &Tensor, ids_: &Tensor, padding: Option<u32>) -> Result<
         ids: ids(ids_)?,
         padding: padding.map(|p| p as usize),
         #[cfg(feature = "cuda")]
-        device_ids: if table.device().is_cuda() { Some(crate::cuda::loss::ids_on_device(ids_, table.device())?) } else { None },
+        device_ids: if table.device().is_cuda() {
+            Some(crate::native::cuda::loss::ids_on_device(ids_, table.device())?)
+        } else {
+            None
+        },
     };
     super::apply1(&table.contiguous()?, op)
 }

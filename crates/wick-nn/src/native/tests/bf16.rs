@@ -12,13 +12,13 @@ fn bf16_inputs_compute_in_f32_and_round_once() {
     let (x, w, b) = (bf(&randn(&[4, 8, 16], 26)), bf(&randn(&[12, 16], 27)), bf(&randn(&[12], 28)));
     let pairs = [
         (
-            cpu::linear::linear(&x, &w, Some(&b)).unwrap(),
-            cpu::linear::linear(&f32_of(&x), &f32_of(&w), Some(&f32_of(&b))).unwrap(),
+            native::linear::linear(&x, &w, Some(&b)).unwrap(),
+            native::linear::linear(&f32_of(&x), &f32_of(&w), Some(&f32_of(&b))).unwrap(),
         ),
-        (cpu::act::gelu(&x).unwrap(), cpu::act::gelu(&f32_of(&x)).unwrap()),
+        (native::act::gelu(&x).unwrap(), native::act::gelu(&f32_of(&x)).unwrap()),
         (
-            cpu::row_norm::rms_norm(&x, &f32_of(&randn(&[16], 29)), 1e-6).unwrap(),
-            cpu::row_norm::rms_norm(&f32_of(&x), &f32_of(&randn(&[16], 29)), 1e-6).unwrap(),
+            native::row_norm::rms_norm(&x, &f32_of(&randn(&[16], 29)), 1e-6).unwrap(),
+            native::row_norm::rms_norm(&f32_of(&x), &f32_of(&randn(&[16], 29)), 1e-6).unwrap(),
         ),
     ];
     for (low, reference) in pairs {
@@ -56,7 +56,7 @@ fn bf16_conversions_round_to_nearest_even() {
     let at = Tensor::from_vec(a.clone(), (1, n), &dev).unwrap();
     let zero = Tensor::zeros((1, 1), DType::BF16, &dev).unwrap();
     let y: Vec<half::bf16> =
-        cpu::loss::add_broadcast(&xt, &at, &zero).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        native::loss::add_broadcast(&xt, &at, &zero).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     for i in 0..n {
         let exact = x[i].to_f32() + a[i].to_f32() + 0.0;
         let expected = bf(exact);
@@ -90,26 +90,26 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
     type Op = Box<dyn Fn(&[Tensor]) -> Result<Tensor>>;
     let bn = |act: Activation| -> Op {
         Box::new(move |t: &[Tensor]| {
-            let (mean, var) = cpu::norm::batch_stats(&t[0].detach())?;
-            cpu::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, true, act)
+            let (mean, var) = native::norm::batch_stats(&t[0].detach())?;
+            native::norm::batch_norm(&t[0], &mean, &var, &t[1], &t[2], 1e-5, true, act)
         })
     };
     // (name, op, input shapes, how many inputs are activations: the rest are f32 parameters)
     let cases: Vec<(&str, Op, Vec<Vec<usize>>, usize)> = vec![
-        ("relu", Box::new(|t: &[Tensor]| cpu::act::relu(&t[0])), vec![vec![70_001]], 1),
-        ("relu6", Box::new(|t: &[Tensor]| cpu::act::relu6(&(&t[0] * 4.0)?)), vec![vec![3, 5, 7]], 1),
-        ("gelu", Box::new(|t: &[Tensor]| cpu::act::gelu(&t[0])), vec![vec![66_000]], 1),
-        ("silu_mul", Box::new(|t: &[Tensor]| cpu::act::silu_mul(&t[0], &t[1])), vec![vec![40_000]; 2], 2),
-        ("silu_mul (packed)", Box::new(|t: &[Tensor]| cpu::act::silu_mul_packed(&t[0])), vec![vec![30, 1_000]], 1),
-        ("add_relu", Box::new(|t: &[Tensor]| cpu::act::add_relu(&t[0], &t[1])), vec![vec![2, 3, 50, 400]; 2], 2),
-        ("add", Box::new(|t: &[Tensor]| cpu::act::add(&t[0], &t[1])), vec![vec![3, 70_000]; 2], 2),
+        ("relu", Box::new(|t: &[Tensor]| native::act::relu(&t[0])), vec![vec![70_001]], 1),
+        ("relu6", Box::new(|t: &[Tensor]| native::act::relu6(&(&t[0] * 4.0)?)), vec![vec![3, 5, 7]], 1),
+        ("gelu", Box::new(|t: &[Tensor]| native::act::gelu(&t[0])), vec![vec![66_000]], 1),
+        ("silu_mul", Box::new(|t: &[Tensor]| native::act::silu_mul(&t[0], &t[1])), vec![vec![40_000]; 2], 2),
+        ("silu_mul (packed)", Box::new(|t: &[Tensor]| native::act::silu_mul_packed(&t[0])), vec![vec![30, 1_000]], 1),
+        ("add_relu", Box::new(|t: &[Tensor]| native::act::add_relu(&t[0], &t[1])), vec![vec![2, 3, 50, 400]; 2], 2),
+        ("add", Box::new(|t: &[Tensor]| native::act::add(&t[0], &t[1])), vec![vec![3, 70_000]; 2], 2),
         // Rows copied as stored; each used row's gradient summed in f32 (id 3 three times) and
         // rounded once, the padding row (1) getting none.
         (
             "embedding",
             Box::new(|t: &[Tensor]| {
                 let ids = Tensor::new(&[3u32, 1, 3, 0, 6, 3, 1], &Device::Cpu)?;
-                cpu::loss::embedding(&t[0], &ids, Some(1))
+                native::loss::embedding(&t[0], &ids, Some(1))
             }),
             vec![vec![7, 5]],
             1,
@@ -117,19 +117,19 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
         // Depthwise convolutions widen images and output gradients as they read them.
         (
             "depthwise 3×3",
-            Box::new(|t: &[Tensor]| cpu::depthwise::depthwise_conv2d(&t[0], &t[1], 1, 1)),
+            Box::new(|t: &[Tensor]| native::depthwise::depthwise_conv2d(&t[0], &t[1], 1, 1)),
             vec![vec![2, 5, 9, 9], vec![5, 1, 3, 3]],
             1,
         ),
         (
             "depthwise 3×3 /2",
-            Box::new(|t: &[Tensor]| cpu::depthwise::depthwise_conv2d(&t[0], &t[1], 1, 2)),
+            Box::new(|t: &[Tensor]| native::depthwise::depthwise_conv2d(&t[0], &t[1], 1, 2)),
             vec![vec![2, 5, 10, 10], vec![5, 1, 3, 3]],
             1,
         ),
         (
             "depthwise 3×3 /3",
-            Box::new(|t: &[Tensor]| cpu::depthwise::depthwise_conv2d(&t[0], &t[1], 1, 3)),
+            Box::new(|t: &[Tensor]| native::depthwise::depthwise_conv2d(&t[0], &t[1], 1, 3)),
             vec![vec![2, 4, 10, 10], vec![4, 1, 3, 3]],
             1,
         ),
@@ -138,7 +138,7 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
             "rope (packed)",
             Box::new(|t: &[Tensor]| {
                 let (cos, sin) = ops::rope_tables(5, 4, 10_000.0, DType::F32, &Device::Cpu)?;
-                cpu::rope::rope_packed(&t[0], 2, &cos, &sin)
+                native::rope::rope_packed(&t[0], 2, &cos, &sin)
             }),
             vec![vec![3, 5, 24]],
             1,
@@ -147,25 +147,25 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
         // widens the image first); the same f32 products, rounded once.
         (
             "conv 3×3",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 1)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 1, 1)),
             vec![vec![2, 3, 9, 9], vec![4, 3, 3, 3]],
             1,
         ),
         (
             "conv 3×3 /2",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 2)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 1, 2)),
             vec![vec![2, 3, 10, 10], vec![5, 3, 3, 3]],
             1,
         ),
         (
             "conv 1×1",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 1)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 0, 1)),
             vec![vec![2, 6, 5, 5], vec![4, 6, 1, 1]],
             1,
         ),
         (
             "conv 1×1 /2",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 2)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 0, 2)),
             vec![vec![3, 6, 6, 6], vec![4, 6, 1, 1]],
             1,
         ),
@@ -173,21 +173,31 @@ fn bf16_element_kernels_equal_the_f32_computation_rounded_once() {
         // stride 2, padding 1) sum a gradient in f32 from several outputs and round it once.
         (
             "max_pool 3×3 /2",
-            Box::new(|t: &[Tensor]| cpu::pool::max_pool2d(&t[0], 3, 2, 1)),
+            Box::new(|t: &[Tensor]| native::pool::max_pool2d(&t[0], 3, 2, 1)),
             vec![vec![2, 3, 17, 16]],
             1,
         ),
-        ("max_pool 3×3 /1", Box::new(|t: &[Tensor]| cpu::pool::max_pool2d(&t[0], 3, 1, 1)), vec![vec![1, 2, 9, 40]], 1),
-        ("max_pool 2×2 /2", Box::new(|t: &[Tensor]| cpu::pool::max_pool2d(&t[0], 2, 2, 0)), vec![vec![2, 2, 8, 9]], 1),
+        (
+            "max_pool 3×3 /1",
+            Box::new(|t: &[Tensor]| native::pool::max_pool2d(&t[0], 3, 1, 1)),
+            vec![vec![1, 2, 9, 40]],
+            1,
+        ),
+        (
+            "max_pool 2×2 /2",
+            Box::new(|t: &[Tensor]| native::pool::max_pool2d(&t[0], 2, 2, 0)),
+            vec![vec![2, 2, 8, 9]],
+            1,
+        ),
         (
             "layer_norm",
-            Box::new(|t: &[Tensor]| cpu::row_norm::layer_norm(&t[0], &t[1], &t[2], 1e-5)),
+            Box::new(|t: &[Tensor]| native::row_norm::layer_norm(&t[0], &t[1], &t[2], 1e-5)),
             vec![vec![6, 7, 48], vec![48], vec![48]],
             1,
         ),
         (
             "rms_norm",
-            Box::new(|t: &[Tensor]| cpu::row_norm::rms_norm(&t[0], &t[1], 1e-6)),
+            Box::new(|t: &[Tensor]| native::row_norm::rms_norm(&t[0], &t[1], 1e-6)),
             vec![vec![5, 40], vec![40]],
             1,
         ),
@@ -257,98 +267,98 @@ fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
     let cases: Vec<(&str, Op, Vec<Vec<usize>>)> = vec![
         (
             "linear",
-            Box::new(|t: &[Tensor]| cpu::linear::linear(&t[0], &t[1], Some(&t[2]))),
+            Box::new(|t: &[Tensor]| native::linear::linear(&t[0], &t[1], Some(&t[2]))),
             vec![vec![3, 37, 70], vec![45, 70], vec![45]],
         ),
         (
             "conv 1×1",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 1)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 0, 1)),
             vec![vec![2, 24, 9, 9], vec![40, 24, 1, 1]],
         ),
         (
             "conv 3×3",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 1)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 1, 1)),
             vec![vec![2, 13, 12, 12], vec![16, 13, 3, 3]],
         ),
         // Planes of 2048 positions or more: the weight gradient summed along them in place, with
         // more output channels than input ones and fewer (a ragged last step of positions).
         (
             "conv 1×1 over large planes",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 1)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 0, 1)),
             vec![vec![2, 8, 48, 48], vec![12, 8, 1, 1]],
         ),
         (
             "conv 1×1 over large planes, fewer outputs",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 1)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 0, 1)),
             vec![vec![2, 12, 46, 45], vec![4, 12, 1, 1]],
         ),
         (
             "conv 3×3 /2",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 2)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 1, 2)),
             vec![vec![3, 8, 11, 11], vec![20, 8, 3, 3]],
         ),
         (
             "conv 7×7 /2",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 3, 2)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 3, 2)),
             vec![vec![2, 3, 20, 20], vec![8, 3, 7, 7]],
         ),
         (
             "conv 3×3 /2 direct",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 2)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 1, 2)),
             vec![vec![2, 18, 9, 10], vec![36, 18, 3, 3]],
         ),
         (
             "conv 3×3 /2 direct, input gradient phase by phase",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 2)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 1, 2)),
             vec![vec![2, 20, 8, 10], vec![24, 20, 3, 3]],
         ),
         (
             "conv 1×1 /2 direct",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 2)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 0, 2)),
             vec![vec![2, 32, 7, 7], vec![40, 32, 1, 1]],
         ),
         (
             "conv 1×1 /2 direct, input gradient phase by phase",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 0, 2)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 0, 2)),
             vec![vec![2, 32, 8, 6], vec![40, 32, 1, 1]],
         ),
         (
             "conv 5×5 direct",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 2, 1)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 2, 1)),
             vec![vec![1, 17, 6, 9], vec![20, 17, 5, 5]],
         ),
         (
             "conv grouped",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 1)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 1, 1)),
             vec![vec![9, 32, 4, 4], vec![24, 32, 3, 3]],
         ),
         // Deeper than one slice of the product (576 > 512): f32 sums, rounded afterwards.
         (
             "conv deep",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 1)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 1, 1)),
             vec![vec![2, 64, 5, 5], vec![8, 64, 3, 3]],
         ),
         // An input gradient summed over 64·9 = 576 > 512 output channels and taps.
         (
             "conv deep input gradient",
-            Box::new(|t: &[Tensor]| cpu::conv::conv2d(&t[0], &t[1], 1, 1)),
+            Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 1, 1)),
             vec![vec![2, 8, 5, 5], vec![64, 8, 3, 3]],
         ),
         // Without a bias the sums are rounded as stored; deeper than a slice, afterwards.
         (
             "linear (no bias)",
-            Box::new(|t: &[Tensor]| cpu::linear::linear(&t[0], &t[1], None)),
+            Box::new(|t: &[Tensor]| native::linear::linear(&t[0], &t[1], None)),
             vec![vec![2, 19, 70], vec![33, 70]],
         ),
         (
             "linear (deep)",
-            Box::new(|t: &[Tensor]| cpu::linear::linear(&t[0], &t[1], None)),
+            Box::new(|t: &[Tensor]| native::linear::linear(&t[0], &t[1], None)),
             vec![vec![5, 600], vec![20, 600]],
         ),
         // A weight gradient summed over 600 rows (deeper than a slice).
         (
             "linear (many rows)",
-            Box::new(|t: &[Tensor]| cpu::linear::linear(&t[0], &t[1], None)),
+            Box::new(|t: &[Tensor]| native::linear::linear(&t[0], &t[1], None)),
             vec![vec![2, 300, 16], vec![8, 16]],
         ),
     ];

@@ -4,7 +4,7 @@
 //! element types (the crate's `kernels::elem`): a bf16 op computes in f32 inside the loop and
 //! moves half the bytes of an f32 one. With the `cuda` feature each op but `add` (a host fix for
 //! candle's slow bf16 addition; candle's CUDA addition is one kernel already) has a CUDA body too
-//! (`crate::cuda::act`): the same node, keeping the same tensors, one launch per pass.
+//! (`crate::native::cuda::act`): the same node, keeping the same tensors, one launch per pass.
 
 use std::f64::consts::{FRAC_1_SQRT_2, FRAC_2_SQRT_PI};
 use std::mem::MaybeUninit;
@@ -17,7 +17,7 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
 use super::Real;
 #[cfg(feature = "cuda")]
-use crate::cuda::act as cuda;
+use crate::native::cuda::act as cuda;
 
 /// Elements per parallel chunk: below this a thread's start-up costs more than the work.
 const CHUNK: usize = 1 << 15;

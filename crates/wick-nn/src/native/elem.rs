@@ -235,7 +235,7 @@ macro_rules! by_elem {
                 type $e = half::f16;
                 $body
             }
-            other => Err($crate::cpu::unsupported(other)),
+            other => Err($crate::native::unsupported(other)),
         }
     };
 }

@@ -22,7 +22,7 @@ struct Rope {
     packed: Option<usize>,
     /// The CUDA body's tables, on the device (the host's are then empty).
     #[cfg(feature = "cuda")]
-    device: Option<crate::cuda::rope::Tables>,
+    device: Option<crate::native::cuda::rope::Tables>,
 }
 
 impl Rope {
@@ -77,7 +77,7 @@ impl CustomOp1 for Rope {
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         let tables = self.device.as_ref().ok_or_else(|| err("rope: no tables on the device".into()))?;
-        Ok((crate::cuda::rope::rotate((s, l), tables, self.geometry(l.shape())?, 1.0)?, l.shape().clone()))
+        Ok((crate::native::cuda::rope::rotate((s, l), tables, self.geometry(l.shape())?, 1.0)?, l.shape().clone()))
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let y = by_elem!(s.dtype(), T, E => self.rotate::<T, E>(elems::<T, E>(s, l)?, l.shape(), 1.0).map(E::into_storage))?;
@@ -86,7 +86,7 @@ impl CustomOp1 for Rope {
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if let (Some(tables), true) = (&self.device, x.device().is_cuda()) {
-            return crate::cuda::rope::rotate_tensor(g, tables, self.geometry(x.shape())?, -1.0).map(Some);
+            return crate::native::cuda::rope::rotate_tensor(g, tables, self.geometry(x.shape())?, -1.0).map(Some);
         }
         let dx = by_elem!(x.dtype(), T, E => with_elems::<T, E, _>(g, |g| self.rotate::<T, E>(g, x.shape(), -1.0))
             .and_then(|d| elem_tensor::<T, E>(d, x.shape())))?;
@@ -104,7 +104,7 @@ impl Rope {
         let table_len = cos.elem_count();
         #[cfg(feature = "cuda")]
         if input.device().is_cuda() {
-            let device = Some(crate::cuda::rope::Tables::new(cos, sin, input)?);
+            let device = Some(crate::native::cuda::rope::Tables::new(cos, sin, input)?);
             return Ok(Rope { cos: Vec::new(), sin: Vec::new(), table_len, packed, device });
         }
         let _ = input;

@@ -1,5 +1,5 @@
 //! The CUDA bodies of wick-nn's ops (feature `cuda`): the second body of the same candle custom
-//! ops whose host bodies are [`crate::cpu`]'s, so a model's graph — its nodes, what each keeps
+//! ops whose host bodies are [`super`]'s, so a model's graph — its nodes, what each keeps
 //! for backward, the structure of its backward pass — is the same on both devices.
 //!
 //! The kernels are `wick-kernels`' CUDA C (`kernels/src/cuda/nn_*.cu`), compiled by the real nvcc
@@ -162,7 +162,7 @@ macro_rules! by_cuda_elem {
                 type $e = f64;
                 $body
             }
-            other => Err($crate::cuda::err(format!("no kernel takes {other:?} tensors"))),
+            other => Err($crate::native::cuda::err(format!("no kernel takes {other:?} tensors"))),
         }
     };
 }

@@ -1,4 +1,6 @@
-//! CPU kernels with closed-form backward passes, and the graph ops built on them.
+//! wick's own ops ("native", as PyTorch's ATen calls its own): candle custom ops with closed-form
+//! backward passes, each one graph node with a CPU body and — with the `cuda` feature, for the
+//! transformers' ops so far — a CUDA body ([`cuda`]), keeping the same tensors on both devices.
 //!
 //! wick-nn's differentiable building blocks ([`crate::ops`], [`crate::cnn`]) were first composed
 //! from candle's primitive ops under candle's autograd, and then wrapped as single graph nodes
@@ -6,8 +8,8 @@
 //! lean in memory, but slow on the CPU: every op allocates, strided reductions run on one core,
 //! every broadcast is differentiated, and backward recomputes each node with autograd on
 //! (profiled on ResNet-18, batch norm and the convolutions were each tens of times PyTorch's:
-//! BENCHMARKS.md, "Kernel design measurements"). Each op here is one candle custom op whose forward and backward are written out
-//! over plain slices, parallel over independent rows, channels or images with rayon, with the
+//! BENCHMARKS.md, "Kernel design measurements"). Each op here is one candle custom op whose forward and backward are written out;
+//! its CPU body runs over plain slices, parallel over independent rows, channels or images with rayon, with the
 //! matrix products, the vectorised math and batch norm's sums from `wick_kernels::cpu` (the
 //! products through the `gemm` crate, candle's own CPU matmul, with its AVX-512 kernels):
 //!
@@ -38,16 +40,16 @@
 //! widened inside the op and its result rounded once, autocast's f32-class behaviour, and every
 //! gradient sum is accumulated in f32). Linear layers and dense convolutions whose operands are
 //! all bf16 multiply them as bf16 with f32 sums on CPUs with AVX512-BF16 (`gemm_bf16`, as
-//! oneDNN's bf16 kernels do under PyTorch's CPU autocast). These kernels are the CPU bodies of the ops. With the `cuda`
-//! feature the activations (`act`), the row norms (`row_norm`) and attention have CUDA bodies as well
-//! (`crate::cuda`'s, used where [`serves_either`] says so); on a GPU the other ops still run
-//! candle's own (cuBLAS, and composed kernels elsewhere).
+//! oneDNN's bf16 kernels do under PyTorch's CPU autocast). With the `cuda` feature the activations (`act`), the row
+//! norms (`row_norm`), attention, RoPE, cross-entropy and the embedding have CUDA bodies as well
+//! ([`cuda`]'s, used where [`serves_either`] says so); on a GPU the convolutions, batch norm and
+//! pooling still run as candle's composed ops, and linear layers as candle's cuBLAS products.
 
 /// Runs `$body` with `$t` the compute type of `$dtype`: f64 for f64 tensors, f32 for the others
 /// (every op dispatches its generic forward and backward this way).
 macro_rules! by_real {
     ($dtype:expr, $t:ident => $body:expr) => {
-        if $crate::cpu::is_f64($dtype) {
+        if $crate::native::is_f64($dtype) {
             type $t = f64;
             $body
         } else {
@@ -72,15 +74,15 @@ macro_rules! wide_kernel {
     ($(#[$m:meta])* $vis:vis fn $name:ident<$t:ident $(, $e:ident)?>($($a:ident: $ty:ty),* $(,)?) $(-> $r:ty)? $body:block) => {
         $(#[$m])*
         #[allow(clippy::too_many_arguments)]
-        $vis fn $name<$t: $crate::cpu::Real $(, $e: $crate::cpu::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? {
+        $vis fn $name<$t: $crate::native::Real $(, $e: $crate::native::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                fn v4<$t: $crate::cpu::Real $(, $e: $crate::cpu::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? $body
+                fn v4<$t: $crate::native::Real $(, $e: $crate::native::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? $body
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                fn v3<$t: $crate::cpu::Real $(, $e: $crate::cpu::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? $body
+                fn v3<$t: $crate::native::Real $(, $e: $crate::native::elem::Elem<$t>)?>($($a: $ty),*) $(-> $r)? $body
                 if wick_kernels::cpu::avx512() {
                     // SAFETY: the CPU has AVX-512F (and with it AVX2 and FMA).
                     return unsafe { v4::<$t $(, $e)?>($($a),*) };
@@ -98,6 +100,8 @@ macro_rules! wide_kernel {
 pub(crate) mod act;
 pub(crate) mod attention;
 pub(crate) mod conv;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub(crate) mod depthwise;
 pub mod elem;
 pub(crate) mod epilogue;
@@ -393,18 +397,18 @@ pub fn serves(t: &Tensor) -> bool {
 /// `t`: [`serves`], or on a CUDA device whose kernels this build compiled in.
 pub fn serves_either(t: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
-    if crate::cuda::serves(t) {
+    if crate::native::cuda::serves(t) {
         return true;
     }
     serves(t)
 }
 
 /// [`serves_either`] for attention of head dimension `head_dim`: the CUDA body takes head
-/// dimensions up to 128 (`crate::cuda::attention::MAX_HEAD_DIM`).
+/// dimensions up to 128 (`crate::native::cuda::attention::MAX_HEAD_DIM`).
 pub fn serves_attention(t: &Tensor, head_dim: usize) -> bool {
     #[cfg(feature = "cuda")]
-    if crate::cuda::serves(t) {
-        return head_dim > 0 && head_dim <= crate::cuda::attention::MAX_HEAD_DIM;
+    if crate::native::cuda::serves(t) {
+        return head_dim > 0 && head_dim <= crate::native::cuda::attention::MAX_HEAD_DIM;
     }
     let _ = head_dim;
     serves(t)

@@ -1,6 +1,6 @@
 //! Layer norm and RMS norm over the last dimension with closed-form backward passes: each row's
 //! mean and variance summed in f64 in the forward pass and kept (two numbers per row) for
-//! backward. With the `cuda` feature, the same op has a CUDA body (`crate::cuda::norm`) that keeps
+//! backward. With the `cuda` feature, the same op has a CUDA body (`crate::native::cuda::norm`) that keeps
 //! those numbers on the device.
 
 use std::sync::Mutex;
@@ -17,7 +17,7 @@ fn err(msg: String) -> candle_core::Error {
 
 /// Layer norm (`affine`: with weight and bias) or RMS norm over the last dimension, with the
 /// per-row mean (0 for RMS norm) and inverse deviation kept for backward: on the host for a CPU
-/// tensor, on the device for a CUDA one (the op's CUDA body, `crate::cuda::norm`).
+/// tensor, on the device for a CUDA one (the op's CUDA body, `crate::native::cuda::norm`).
 struct RowNorm {
     eps: f64,
     rms: bool,
@@ -29,7 +29,7 @@ enum Kept {
     Nothing,
     Host(Vec<(f64, f64)>),
     #[cfg(feature = "cuda")]
-    Device(crate::cuda::norm::Stats),
+    Device(crate::native::cuda::norm::Stats),
 }
 
 impl RowNorm {
@@ -49,7 +49,7 @@ impl RowNorm {
         w: (&candle_core::CudaStorage, &Layout),
         b: Option<(&candle_core::CudaStorage, &Layout)>,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (y, shape, stats) = crate::cuda::norm::forward(x, w, b, self.rms, self.eps)?;
+        let (y, shape, stats) = crate::native::cuda::norm::forward(x, w, b, self.rms, self.eps)?;
         self.keep(Kept::Device(stats));
         Ok((y, shape))
     }
@@ -63,7 +63,7 @@ impl RowNorm {
             let Kept::Device(stats) = &*guard else {
                 return Err(err("norm backward: no statistics kept on the device".into()));
             };
-            let (dx, dw, db) = crate::cuda::norm::backward(x, w, g, stats, self.rms)?;
+            let (dx, dw, db) = crate::native::cuda::norm::backward(x, w, g, stats, self.rms)?;
             return Ok((dx, dw.to_dtype(w.dtype())?, db.to_dtype(bias_dtype)?));
         }
         let d = w.elem_count();
