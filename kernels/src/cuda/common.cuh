@@ -14,6 +14,14 @@ __device__ __forceinline__ void wick_store(__half* p, long long i, float v) { p[
 __device__ __forceinline__ void wick_store(__nv_bfloat16* p, long long i, float v) { p[i] = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void wick_store(double* p, long long i, double v) { p[i] = v; }
 
+// exp, log and erf of the compute type (f32 or f64), for templates over it.
+__device__ __forceinline__ float wick_exp(float v) { return expf(v); }
+__device__ __forceinline__ double wick_exp(double v) { return exp(v); }
+__device__ __forceinline__ float wick_log(float v) { return logf(v); }
+__device__ __forceinline__ double wick_log(double v) { return log(v); }
+__device__ __forceinline__ float wick_erf(float v) { return erff(v); }
+__device__ __forceinline__ double wick_erf(double v) { return erf(v); }
+
 // The compute type of a storage type: f64 for f64, f32 for the others (the host kernels' rule).
 template <typename E> struct WickCompute { typedef float T; };
 template <> struct WickCompute<double> { typedef double T; };

@@ -11,13 +11,6 @@
 //   add_relu:       relu(a + b);  add_relu_grad: a + b > 0 ? g : 0
 #include "common.cuh"
 
-template <typename T> __device__ __forceinline__ T wick_erf(T v);
-template <> __device__ __forceinline__ float wick_erf(float v) { return erff(v); }
-template <> __device__ __forceinline__ double wick_erf(double v) { return erf(v); }
-template <typename T> __device__ __forceinline__ T wick_exp(T v);
-template <> __device__ __forceinline__ float wick_exp(float v) { return expf(v); }
-template <> __device__ __forceinline__ double wick_exp(double v) { return exp(v); }
-
 template <typename T> __device__ __forceinline__ T sigmoid(T v) { return T(1) / (T(1) + wick_exp(-v)); }
 
 struct Clamp {

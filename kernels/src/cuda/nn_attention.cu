@@ -43,13 +43,6 @@ __device__ __forceinline__ long long at(const Lay& l, long long bh, long long he
   return l.base + (bh / heads) * l.batch + (bh % heads) * l.head + i * l.row;
 }
 
-template <typename T> __device__ __forceinline__ T att_exp(T v);
-template <> __device__ __forceinline__ float att_exp(float v) { return expf(v); }
-template <> __device__ __forceinline__ double att_exp(double v) { return exp(v); }
-template <typename T> __device__ __forceinline__ T att_log(T v);
-template <> __device__ __forceinline__ float att_log(float v) { return logf(v); }
-template <> __device__ __forceinline__ double att_log(double v) { return log(v); }
-
 // This lane's elements of a row (lane, lane + 32, …), widened; zero past d.
 template <typename E, typename T>
 __device__ __forceinline__ void load_row(const E* p, long long start, long long d, int lane, T* r) {
@@ -96,7 +89,7 @@ __device__ void attention_forward(const E* q, const E* k, const E* v, const type
       const T s = scale * dot_row(qr, k, at(lk, bh, n.h, j), n.d, lane) + bias_at(bias, bs, bh, n.h, i, j);
       const T m_new = s > m ? s : m;
       if (m_new == -INFINITY) continue;  // every score so far -inf: nothing to weigh yet
-      const T corr = att_exp(m - m_new), p = att_exp(s - m_new);
+      const T corr = wick_exp(m - m_new), p = wick_exp(s - m_new);
       l = l * corr + p;
       const long long vs = at(lv, bh, n.h, j);
 #pragma unroll
@@ -113,7 +106,7 @@ __device__ void attention_forward(const E* q, const E* k, const E* v, const type
       const long long c = lane + 32 * t;
       if (c < n.d) wick_store(out, os + c, acc[t] * inv);
     }
-    if (lane == 0) lse[w] = (double)m + (double)att_log(l);
+    if (lane == 0) lse[w] = (double)m + (double)wick_log(l);
   }
 }
 
@@ -139,7 +132,7 @@ __device__ void attention_dq(const E* q, const E* k, const E* v, const typename 
     for (long long j = 0; j < n.sk; j++) {
       const long long ks = at(lk, bh, n.h, j);
       const T s = scale * dot_row(qr, k, ks, n.d, lane) + bias_at(bias, bs, bh, n.h, i, j);
-      const T p = att_exp(s - lse_i);
+      const T p = wick_exp(s - lse_i);
       const T ds = p * (dot_row(gr, v, at(lv, bh, n.h, j), n.d, lane) - dsum_i);
 #pragma unroll
       for (int t = 0; t < WICK_ATT_LANES; t++) {
@@ -175,7 +168,7 @@ __device__ void attention_dkdv(const E* q, const E* k, const E* v, const typenam
     for (long long i = 0; i < n.sq; i++) {
       const long long qs = at(lq, bh, n.h, i), gs = at(lo, bh, n.h, i), row = bh * n.sq + i;
       const T s = scale * dot_row(kr, q, qs, n.d, lane) + bias_at(bias, bs, bh, n.h, i, j);
-      const T p = att_exp(s - (T)lse[row]);
+      const T p = wick_exp(s - (T)lse[row]);
       const T ds = p * (dot_row(vr, dout, gs, n.d, lane) - (T)dsum[row]);
 #pragma unroll
       for (int t = 0; t < WICK_ATT_LANES; t++) {

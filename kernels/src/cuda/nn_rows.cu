@@ -13,10 +13,6 @@
 // past the row: the host checks nothing on the device's ids, so no synchronisation is needed.
 #include "common.cuh"
 
-template <typename T> __device__ __forceinline__ T rows_exp(T v);
-template <> __device__ __forceinline__ float rows_exp(float v) { return expf(v); }
-template <> __device__ __forceinline__ double rows_exp(double v) { return exp(v); }
-
 // Rows of `width` elements (position row % seq); the first `rotated` heads of d elements of each
 // row are rotated, the rest copied. Tables (seq × d/2) in the compute type.
 template <typename E>

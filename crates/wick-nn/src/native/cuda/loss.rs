@@ -61,23 +61,19 @@ pub(crate) fn cross_entropy(
         Ok(())
     })?;
     let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let out = if s.dtype() == DType::F64 {
-        let mut out = output::<f64>(dev, 1)?;
-        let f = function(dev, MODULE, "wick_mean_f64")?;
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&loss).arg(&mut out).arg(&nn);
-        // SAFETY: (loss: n f64; out: one f64; n).
-        unsafe { launch.launch(one) }.map_err(|e| err(format!("cross_entropy: {e}")))?;
-        CudaStorage::wrap_cuda_slice(out, dev.clone())
-    } else {
-        let mut out = output::<f32>(dev, 1)?;
-        let f = function(dev, MODULE, "wick_mean_f32")?;
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&loss).arg(&mut out).arg(&nn);
-        // SAFETY: (loss: n f64; out: one f32; n).
-        unsafe { launch.launch(one) }.map_err(|e| err(format!("cross_entropy: {e}")))?;
-        CudaStorage::wrap_cuda_slice(out, dev.clone())
-    };
+    // The mean in the loss's dtype (f32, or f64 for f64 logits), summed by one block in order.
+    macro_rules! mean {
+        ($t:ty, $name:literal) => {{
+            let mut out = output::<$t>(dev, 1)?;
+            let f = function(dev, MODULE, $name)?;
+            let mut launch = stream.launch_builder(&f);
+            launch.arg(&loss).arg(&mut out).arg(&nn);
+            // SAFETY: (loss: n f64; out: one element of the loss's type; n).
+            unsafe { launch.launch(one) }.map_err(|e| err(format!("cross_entropy: {e}")))?;
+            CudaStorage::wrap_cuda_slice(out, dev.clone())
+        }};
+    }
+    let out = if s.dtype() == DType::F64 { mean!(f64, "wick_mean_f64") } else { mean!(f32, "wick_mean_f32") };
     Ok((out, lse))
 }
 
