@@ -1,6 +1,6 @@
 //! wick's own ops ("native", as PyTorch's ATen calls its own): candle custom ops with closed-form
 //! backward passes, each one graph node with a CPU body and — with the `cuda` feature, for the
-//! transformers' ops so far — a CUDA body ([`cuda`]), keeping the same tensors on both devices.
+//! transformers' ops so far — a CUDA body (`cuda`), keeping the same tensors on both devices.
 //!
 //! wick-nn's differentiable building blocks ([`crate::ops`], [`crate::cnn`]) were first composed
 //! from candle's primitive ops under candle's autograd, and then wrapped as single graph nodes
@@ -42,7 +42,7 @@
 //! all bf16 multiply them as bf16 with f32 sums on CPUs with AVX512-BF16 (`gemm_bf16`, as
 //! oneDNN's bf16 kernels do under PyTorch's CPU autocast). With the `cuda` feature the activations (`act`), the row
 //! norms (`row_norm`), attention, RoPE, cross-entropy and the embedding have CUDA bodies as well
-//! ([`cuda`]'s, used where [`serves_either`] says so); on a GPU the convolutions, batch norm and
+//! (`cuda`'s, used where [`serves_either`] says so); on a GPU the convolutions, batch norm and
 //! pooling still run as candle's composed ops, and linear layers as candle's cuBLAS products.
 
 /// Runs `$body` with `$t` the compute type of `$dtype`: f64 for f64 tensors, f32 for the others
