@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the GPU-check binaries on a machine with no GPU and no CUDA toolkit, into .devbuild/:
+# Builds the GPU-check binaries on a machine with no GPU and no CUDA toolkit, into .devbuild/ (and
+# packed for the GPU machine into .devpack/gpu-binaries.tar.xz, at the end):
 # wick's kernels (kernels/src/cuda/*.cu) and candle's are compiled by the real PyPI nvcc (7 min here on
 # 2 cores), candle's through scripts/nvcc-ptx-compat.sh, which writes PTX that a CUDA 13.0 driver
 # accepts; CUDA libraries are linked as empty stubs carrying the real SONAMEs.
@@ -66,3 +67,13 @@ else
 fi
 cp "$(test_bin)" .devbuild/conformance_cuda
 for b in .devbuild/*; do echo "$b needs: $(readelf -d "$b" | awk '/NEEDED/ {print $5}' | tr -d '[]' | tr '\n' ' ')"; done
+# What travels to a lent GPU machine (its working tree carries 64 MiB at most): the binaries
+# stripped and packed with a window that spans them all (they share candle's and wick's kernels),
+# 370 MB -> about 11 MB; scripts/gpu-check.sh unpacks it when .devbuild/ is not there.
+pack=$(mktemp -d)
+mkdir -p "$pack/bin" .devpack
+for b in .devbuild/*; do strip -o "$pack/bin/$(basename "$b")" "$b"; done
+tar -cf - -C "$pack" bin | xz -9 --lzma2=preset=9,dict=384MiB -T1 > .devpack/gpu-binaries.tar.xz.tmp
+mv .devpack/gpu-binaries.tar.xz.tmp .devpack/gpu-binaries.tar.xz
+rm -rf "$pack"
+ls -l .devpack/gpu-binaries.tar.xz

@@ -19,12 +19,35 @@
 #   - the zoo's transformers (MiniLM, ViT-S/16, the decoder) at zoo-speed's sizes beside PyTorch.
 # Nsight Compute's per-kernel profile of ResNet-18 runs only with WICK_GPU_NCU=1 (2-3 minutes).
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
-# .devbuild/ (this machine may have no Rust toolchain); the real driver and the CUDA 13 libraries
-# of PyTorch's wheels are found here and put on the loader path under the names the binaries need.
+# .devbuild/ (this machine may have no Rust toolchain), and packed, stripped, into
+# .devpack/gpu-binaries.tar.xz (about 11 MB: what travels to a lent GPU machine, whose working
+# tree may carry 64 MiB; the device tool's call names `.devpack` in `carry`). Without .devbuild/
+# the pack is unpacked here. The real driver and the CUDA 13 libraries of PyTorch's wheels are
+# found here and put on the loader path under the names the binaries need.
+# Everything it writes (each step's output, the console) is packed at the end into one file,
+# $OUT/gpu-check-results.tar.gz (the device tool returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${WICK_GPU_BIN:-.devbuild}
-out=${OUT:-/tmp}
+if [ ! -x "$bin/gpu-check" ] && [ -f .devpack/gpu-binaries.tar.xz ]; then
+  unpacked=$(mktemp -d)
+  # Python's tarfile and lzma: no xz program needed there.
+  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+    .devpack/gpu-binaries.tar.xz "$unpacked" || { echo "!! cannot unpack .devpack/gpu-binaries.tar.xz"; exit 1; }
+  bin="$unpacked/$(ls "$unpacked" | head -1)"
+  echo "== binaries unpacked from .devpack/gpu-binaries.tar.xz: $(ls "$bin" | tr '\n' ' ')"
+fi
+final=${OUT:-/tmp}
+out=$(mktemp -d)
+exec > >(tee "$out/console.txt") 2>&1
+tee_pid=$!
+pack_results() {
+  echo "== results: $final/gpu-check-results.tar.gz"
+  exec 1>&- 2>&-
+  wait "$tee_pid" 2>/dev/null
+  tar -czf "$final/gpu-check-results.tar.gz" -C "$out" .
+}
+trap pack_results EXIT
 libs=$(mktemp -d)
 link() { # link NAME: find the real library NAME.* and expose it as NAME
   local found
