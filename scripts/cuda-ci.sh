@@ -5,6 +5,8 @@
 #     it, and check that the "no driver" path returns a clear error instead of panicking;
 #  3. compile kernels/src/cuda/*.cu with a real nvcc: PTX for sm_80 and sm_90, and the fatbins that
 #     the wick-kernels build script embeds (the cargo check of step 1 builds them with that nvcc);
+#     and run wick-nn's kernels on the host emulator (kernels/emu: one OS thread per CUDA thread)
+#     against direct f64 references, so their indexing and arithmetic are tested without a GPU;
 #  4. read the CUPTI figures the CUDA memory history relies on from CUPTI's real headers (PyPI's
 #     nvidia-cuda-cupti) and compare them with crates/wick/src/cupti_abi.expected.
 set -euo pipefail
@@ -67,6 +69,11 @@ else
   done
   ls target/ptx
 fi
+
+echo "-- wick-nn's CUDA kernels on the host emulator (kernels/emu) against direct f64 references"
+mkdir -p target
+g++ -std=c++20 -O1 -pthread -Wall -Wno-unknown-pragmas -Werror -I kernels/emu kernels/emu/check.cpp -o target/emu-check
+target/emu-check | tail -3
 
 echo "-- CUPTI ABI of the CUDA memory history, from CUPTI's headers"
 cupti_dir=.cache/cupti

@@ -16,7 +16,9 @@
 //!   each forward and backward); the build script that compiles them, the compiled fatbins embedded in
 //!   this crate ([`fatbin`]), and their CPU references ([`mod@reference`], [`cpu::optim`], and
 //!   wick-nn's host bodies of the same ops). Loading and launching them on candle's CUDA device
-//!   is wick-train's `amp::cuda` and wick-nn's `cuda`.
+//!   is wick-train's `amp::cuda` and wick-nn's `native::cuda`. `emu/` (not part of the crate) runs
+//!   wick-nn's kernels on a host emulator of CUDA's threads against direct f64 references
+//!   (`scripts/cuda-ci.sh`), so their indexing and arithmetic are tested without a GPU.
 //!
 //! This crate depends on no candle or CUDA crate.
 //!

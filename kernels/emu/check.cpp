@@ -1,0 +1,343 @@
+// wick-nn's CUDA kernels (kernels/src/cuda/nn_*.cu) run on the host emulator (emu.h) with the
+// launch shapes wick-nn's launchers use (crates/wick-nn/src/native/cuda), against direct
+// reference computations in f64 written here: activations, layer/RMS norm, attention (heads apart
+// and packed, with a broadcast padding bias and a causal one), RoPE, cross-entropy, embeddings —
+// forward and backward. Prints one line per check; exits non-zero if any fails.
+//
+//   g++ -std=c++20 -O1 -pthread -Wall -Wno-unknown-pragmas -I kernels/emu kernels/emu/check.cpp -o target/emu-check
+//   target/emu-check     (scripts/cuda-ci.sh runs it)
+#include "emu.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+
+#include "../src/cuda/nn_act.cu"
+#undef WICK_KERNEL
+#include "../src/cuda/nn_norm.cu"
+#undef WICK_KERNEL
+#include "../src/cuda/nn_attention.cu"
+#undef WICK_KERNEL
+#include "../src/cuda/nn_rows.cu"
+#undef WICK_KERNEL
+
+static int failures = 0;
+
+// Largest |a - b| / (1 + |b|).
+static double err(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return INFINITY;
+  double e = 0;
+  for (size_t i = 0; i < a.size(); i++) {
+    const double d = std::fabs(a[i] - b[i]) / (1 + std::fabs(b[i]));
+    e = std::isnan(a[i]) != std::isnan(b[i]) ? INFINITY : std::max(e, std::isnan(d) ? 0.0 : d);
+  }
+  return e;
+}
+
+static void check(const std::string& what, const std::vector<double>& got, const std::vector<double>& want, double tol) {
+  const double e = err(got, want);
+  const bool ok = e <= tol;
+  std::printf("%s %s: max rel err %.2e (%zu values)\n", ok ? "PASS" : "FAIL", what.c_str(), e, want.size());
+  failures += !ok;
+}
+
+template <typename T> static std::vector<double> wide(const std::vector<T>& v) { return std::vector<double>(v.begin(), v.end()); }
+
+static std::vector<double> randn(size_t n, unsigned seed, double scale = 1.0) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<double> d(0.0, scale);
+  std::vector<double> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+template <typename T> static std::vector<T> narrow(const std::vector<double>& v) { return std::vector<T>(v.begin(), v.end()); }
+
+// The launchers' shapes (wick-nn's native::cuda).
+static dim3 elementwise(size_t n) { return dim3{(unsigned)std::clamp<size_t>((n + 255) / 256, 1, 65535), 1, 1}; }
+static dim3 per_row(size_t rows) { return dim3{(unsigned)std::clamp<size_t>(rows, 1, 65535), 1, 1}; }
+static dim3 warps(size_t rows) { return dim3{(unsigned)std::clamp<size_t>((rows + 7) / 8, 1, 65535), 1, 1}; }
+static const dim3 THREADS{256, 1, 1};
+
+static void activations() {
+  const long long n = 1000;
+  auto x = randn(n, 1, 4.0), y = randn(n, 2), g = randn(n, 3);
+  x[0] = 0, x[1] = 6;
+  auto xf = narrow<float>(x), yf = narrow<float>(y), gf = narrow<float>(g);
+  std::vector<float> out(n), out2(n);
+  launch(elementwise(n), THREADS, [&] { wick_clamp_f32(xf.data(), out.data(), n, 6.0); });
+  std::vector<double> want(n);
+  for (long long i = 0; i < n; i++) want[i] = xf[i] <= 0 ? 0 : xf[i] >= 6 ? 6 : xf[i];
+  check("relu6 forward", wide(out), want, 0);
+  launch(elementwise(n), THREADS, [&] { wick_clamp_grad_f32(xf.data(), gf.data(), out.data(), n, 6.0); });
+  for (long long i = 0; i < n; i++) want[i] = xf[i] > 0 && xf[i] < 6 ? gf[i] : 0;
+  check("relu6 backward (0 at 0 and 6)", wide(out), want, 0);
+  launch(elementwise(n), THREADS, [&] { wick_gelu_grad_f32(xf.data(), gf.data(), out.data(), n, 0.0); });
+  for (long long i = 0; i < n; i++) {
+    const double v = xf[i];
+    want[i] = gf[i] * (0.5 * (1 + std::erf(v / std::sqrt(2.0))) + v * std::exp(-v * v / 2) / std::sqrt(2 * M_PI));
+  }
+  check("gelu backward", wide(out), want, 1e-5);
+  // Packed SiLU·mul: rows of 2w holding a then b.
+  const long long rows = 7, w = 100;
+  auto u = randn(rows * 2 * w, 4);
+  auto uf = narrow<float>(u);
+  std::vector<float> yo(rows * w), du(rows * 2 * w);
+  auto gg = narrow<float>(randn(rows * w, 5));
+  launch(elementwise(rows * w), THREADS, [&] { wick_silu_mul_packed_f32(uf.data(), yo.data(), rows, w); });
+  launch(elementwise(rows * w), THREADS, [&] { wick_silu_mul_packed_grad_f32(uf.data(), gg.data(), du.data(), rows, w); });
+  std::vector<double> wy(rows * w), wdu(rows * 2 * w);
+  for (long long r = 0; r < rows; r++)
+    for (long long j = 0; j < w; j++) {
+      const double a = uf[r * 2 * w + j], b = uf[r * 2 * w + w + j], s = 1 / (1 + std::exp(-a)), gv = gg[r * w + j];
+      wy[r * w + j] = a * s * b;
+      wdu[r * 2 * w + j] = gv * b * s * (1 + a * (1 - s));
+      wdu[r * 2 * w + w + j] = gv * a * s;
+    }
+  check("silu_mul packed forward", wide(yo), wy, 1e-6);
+  check("silu_mul packed backward", wide(du), wdu, 1e-6);
+  // bf16 through the conversions: relu(a + b) and its gradient, a + b exactly 0 at [2].
+  std::vector<__nv_bfloat16> ab(n), bb(n), gb(n), ob(n);
+  for (long long i = 0; i < n; i++) ab[i] = __float2bfloat16_rn((float)x[i]), bb[i] = __float2bfloat16_rn((float)y[i]), gb[i] = __float2bfloat16_rn((float)g[i]);
+  bb[2].bits = ab[2].bits ^ 0x8000;
+  launch(elementwise(n), THREADS, [&] { wick_add_relu_grad_bf16(ab.data(), bb.data(), gb.data(), ob.data(), n, 0.0); });
+  std::vector<double> got(n);
+  for (long long i = 0; i < n; i++) {
+    got[i] = __bfloat162float(ob[i]);
+    const double s = (double)__bfloat162float(ab[i]) + __bfloat162float(bb[i]);
+    want[i] = s > 0 ? __bfloat162float(gb[i]) : 0;
+  }
+  check("add_relu backward bf16 (0 where a + b = 0)", got, want, 0);
+}
+
+// Layer norm (rms = false) or RMS norm, forward and backward, against the direct formulas.
+static void norms(bool rms, long long rows, long long d) {
+  auto x = randn(rows * d, 10 + d), w = randn(d, 11), b = randn(d, 12), g = randn(rows * d, 13);
+  for (auto& v : w) v += 1;
+  auto xf = narrow<float>(x), wf = narrow<float>(w), bf = narrow<float>(b), gf = narrow<float>(g);
+  std::vector<float> y(rows * d), dx(rows * d), dw(d), db(d);
+  std::vector<double> stats(2 * rows);
+  const double eps = 1e-5;
+  launch(per_row(rows), THREADS, [&] {
+    wick_row_norm_f32(xf.data(), wf.data(), rms ? nullptr : bf.data(), y.data(), stats.data(), rows, d, rms, eps);
+  });
+  launch(per_row(rows), THREADS, [&] { wick_row_norm_input_grad_f32(xf.data(), wf.data(), gf.data(), stats.data(), dx.data(), rows, d, rms); });
+  const long long chunk = std::max<long long>(64, (rows + 65534) / 65535), chunks = std::max<long long>(1, (rows + chunk - 1) / chunk);
+  std::vector<double> partial(chunks * 2 * d);
+  launch(dim3{(unsigned)((d + 255) / 256), (unsigned)chunks, 1}, THREADS,
+         [&] { wick_row_norm_weight_partials_f32(xf.data(), gf.data(), stats.data(), partial.data(), rows, d, chunk); });
+  launch(elementwise(2 * d), THREADS, [&] { wick_row_norm_weight_sums_f32(partial.data(), dw.data(), db.data(), chunks, d); });
+  std::vector<double> wy(rows * d), wdx(rows * d), wdw(d, 0), wdb(d, 0);
+  for (long long r = 0; r < rows; r++) {
+    double mean = 0, var = 0;
+    if (!rms) {
+      for (long long j = 0; j < d; j++) mean += xf[r * d + j];
+      mean /= d;
+    }
+    for (long long j = 0; j < d; j++) var += (xf[r * d + j] - mean) * (xf[r * d + j] - mean);
+    const double inv = 1 / std::sqrt(var / d + eps);
+    double s1 = 0, s2 = 0;
+    for (long long j = 0; j < d; j++) {
+      const double xh = (xf[r * d + j] - mean) * inv, gw = (double)gf[r * d + j] * wf[j];
+      wy[r * d + j] = xh * wf[j] + (rms ? 0 : bf[j]);
+      s1 += gw, s2 += gw * xh;
+      wdw[j] += gf[r * d + j] * xh, wdb[j] += gf[r * d + j];
+    }
+    for (long long j = 0; j < d; j++) {
+      const double xh = (xf[r * d + j] - mean) * inv, gw = (double)gf[r * d + j] * wf[j];
+      wdx[r * d + j] = inv * (gw - (rms ? 0 : s1 / d) - xh * s2 / d);
+    }
+  }
+  const std::string what = std::string(rms ? "rms_norm " : "layer_norm ") + std::to_string(rows) + "x" + std::to_string(d);
+  check(what + " forward", wide(y), wy, 1e-5);
+  check(what + " dx", wide(dx), wdx, 1e-5);
+  check(what + " dweight", wide(dw), wdw, 1e-5);
+  if (!rms) check(what + " dbias", wide(db), wdb, 1e-5);
+}
+
+// Attention of (b, h, s, d), heads apart or packed ((b, s, 3·h·d) input, (b, s, h·d) output),
+// with no bias, a padding bias (b, 1, 1, s) or a causal one (s, s), against the direct formulas.
+static void attention(long long b, long long h, long long s, long long d, bool packed, int bias_kind) {
+  const std::string what = std::string("attention ") + (packed ? "packed " : "") + std::to_string(b) + "x" + std::to_string(h) + "x" +
+                           std::to_string(s) + "x" + std::to_string(d) + (bias_kind == 1 ? " padding" : bias_kind == 2 ? " causal" : "");
+  // Layouts: element (bh, i, c) of q, k, v, out.
+  auto lay = [&](int part) -> Lay {
+    if (!packed) return Lay{0, h * s * d, s * d, d};
+    const long long width = (part < 3 ? 3 : 1) * h * d;
+    return Lay{(part < 3 ? part : 0) * h * d, s * width, d, width};
+  };
+  const Lay lq = lay(0), lk = lay(1), lv = lay(2), lo = lay(3);
+  auto idx = [&](const Lay& l, long long bh, long long i, long long c) { return l.base + (bh / h) * l.batch + (bh % h) * l.head + i * l.row + c; };
+  const long long n_in = b * h * s * d;
+  auto qv = narrow<float>(randn(packed ? 3 * n_in : n_in, 20)), kv = narrow<float>(randn(n_in, 21)), vv = narrow<float>(randn(n_in, 22));
+  const float *q = qv.data(), *k = packed ? qv.data() : kv.data(), *v = packed ? qv.data() : vv.data();
+  std::vector<float> bias;
+  BiasStrides bs{0, 0, 0, 0};
+  if (bias_kind == 1) {
+    bias.assign(b * s, 0.f);
+    for (long long k2 = s - std::min<long long>(3, s - 1); k2 < s; k2++) bias[(b - 1) * s + k2] = -1e4f;
+    bs = BiasStrides{s, 0, 0, 1};
+  } else if (bias_kind == 2) {
+    bias.assign(s * s, 0.f);
+    for (long long i = 0; i < s; i++)
+      for (long long j = i + 1; j < s; j++) bias[i * s + j] = -1e4f;
+    bs = BiasStrides{0, 0, s, 1};
+  }
+  const float* bp = bias.empty() ? nullptr : bias.data();
+  const Dims n{b, h, s, s, d};
+  std::vector<float> out(n_in), dout = narrow<float>(randn(n_in, 23));
+  std::vector<double> lse(b * h * s), dsum(b * h * s);
+  launch(warps(b * h * s), THREADS, [&] { wick_attention_f32(q, k, v, bp, out.data(), lse.data(), lq, lk, lv, lo, n, bs); });
+  std::vector<float> grads(packed ? 3 * n_in : 3 * n_in);
+  float *dq = grads.data(), *dk = packed ? grads.data() : grads.data() + n_in, *dv = packed ? grads.data() : grads.data() + 2 * n_in;
+  launch(warps(b * h * s), THREADS,
+         [&] { wick_attention_dq_f32(q, k, v, bp, out.data(), dout.data(), lse.data(), dsum.data(), dq, lq, lk, lv, lo, lq, n, bs); });
+  launch(warps(b * h * s), THREADS,
+         [&] { wick_attention_dkdv_f32(q, k, v, bp, dout.data(), lse.data(), dsum.data(), dk, dv, lq, lk, lv, lo, lk, lv, n, bs); });
+  // The reference.
+  std::vector<double> wout(n_in), wlse(b * h * s), wgrad(grads.size(), 0.0);
+  const double scale = 1 / std::sqrt((double)d);
+  for (long long bh = 0; bh < b * h; bh++) {
+    std::vector<double> p(s * s), dp(s * s);
+    for (long long i = 0; i < s; i++) {
+      double m = -INFINITY;
+      for (long long j = 0; j < s; j++) {
+        double dot = 0;
+        for (long long c = 0; c < d; c++) dot += (double)q[idx(lq, bh, i, c)] * k[idx(lk, bh, j, c)];
+        const double bias_v = bp ? bp[(bh / h) * bs.b + (bh % h) * bs.h + i * bs.q + j * bs.k] : 0;
+        p[i * s + j] = scale * dot + bias_v;
+        m = std::max(m, p[i * s + j]);
+      }
+      double sum = 0;
+      for (long long j = 0; j < s; j++) sum += std::exp(p[i * s + j] - m);
+      wlse[bh * s + i] = m + std::log(sum);
+      for (long long j = 0; j < s; j++) p[i * s + j] = std::exp(p[i * s + j] - wlse[bh * s + i]);
+      for (long long c = 0; c < d; c++) {
+        double o = 0;
+        for (long long j = 0; j < s; j++) o += p[i * s + j] * v[idx(lv, bh, j, c)];
+        wout[idx(lo, bh, i, c)] = o;
+      }
+      double rowdot = 0;
+      for (long long j = 0; j < s; j++) {
+        double dpv = 0;
+        for (long long c = 0; c < d; c++) dpv += (double)dout[idx(lo, bh, i, c)] * v[idx(lv, bh, j, c)];
+        dp[i * s + j] = dpv;
+        rowdot += p[i * s + j] * dpv;
+      }
+      for (long long j = 0; j < s; j++) dp[i * s + j] = p[i * s + j] * (dp[i * s + j] - rowdot);  // ds
+    }
+    const long long gq = 0, gk = packed ? 0 : n_in, gv = packed ? 0 : 2 * n_in;
+    for (long long i = 0; i < s; i++)
+      for (long long j = 0; j < s; j++)
+        for (long long c = 0; c < d; c++) {
+          wgrad[gq + idx(lq, bh, i, c)] += scale * dp[i * s + j] * k[idx(lk, bh, j, c)];
+          wgrad[gk + idx(lk, bh, j, c)] += scale * dp[i * s + j] * q[idx(lq, bh, i, c)];
+          wgrad[gv + idx(lv, bh, j, c)] += p[i * s + j] * dout[idx(lo, bh, i, c)];
+        }
+  }
+  check(what + " output", wide(out), wout, 2e-5);
+  check(what + " log-sum-exp", lse, wlse, 2e-5);
+  check(what + " dq, dk, dv", wide(grads), wgrad, 2e-5);
+}
+
+static void rope(bool packed) {
+  const long long b = 2, h = 3, s = 5, d = 8, half = d / 2;
+  const long long width = packed ? 3 * h * d : d, rotated = packed ? 2 * h : 1, rows = packed ? b * s : b * h * s;
+  auto x = narrow<float>(randn(rows * width, 30));
+  std::vector<float> cos(s * half), sin(s * half), y(x.size());
+  for (long long p = 0; p < s; p++)
+    for (long long i = 0; i < half; i++) cos[p * half + i] = std::cos(p * 0.3 * (i + 1)), sin[p * half + i] = std::sin(p * 0.3 * (i + 1));
+  for (double sign : {1.0, -1.0}) {
+    launch(elementwise(x.size()), THREADS, [&] { wick_rope_f32(x.data(), y.data(), cos.data(), sin.data(), rows, s, width, d, rotated, sign); });
+    std::vector<double> want(x.begin(), x.end());
+    for (long long r = 0; r < rows; r++)
+      for (long long hd = 0; hd < rotated; hd++)
+        for (long long i = 0; i < half; i++) {
+          const long long at = r * width + hd * d + i, pos = r % s;
+          const double c = cos[pos * half + i], sn = sign * sin[pos * half + i], x1 = x[at], x2 = x[at + half];
+          want[at] = x1 * c - x2 * sn, want[at + half] = x1 * sn + x2 * c;
+        }
+    check(std::string("rope ") + (packed ? "packed " : "") + (sign > 0 ? "forward" : "backward"), wide(y), want, 1e-6);
+  }
+}
+
+static void cross_entropy() {
+  const long long n = 70, c = 1000;
+  auto x = narrow<float>(randn(n * c, 40, 3.0));
+  std::vector<unsigned> t(n);
+  for (long long i = 0; i < n; i++) t[i] = (unsigned)((i * 7919 + 3) % c);
+  t[5] = (unsigned)c;  // outside the vocabulary: NaN
+  std::vector<double> lse(n), loss(n);
+  std::vector<float> mean(1), dx(n * c), g{2.0f};
+  launch(per_row(n), THREADS, [&] { wick_cross_entropy_rows_f32(x.data(), t.data(), lse.data(), loss.data(), n, c); });
+  launch(dim3{1, 1, 1}, THREADS, [&] { wick_mean_f32(loss.data(), mean.data(), n); });
+  launch(elementwise(n * c), THREADS, [&] { wick_cross_entropy_grad_f32(x.data(), t.data(), lse.data(), g.data(), dx.data(), n, c); });
+  std::vector<double> wl(n), wloss(n), wdx(n * c);
+  for (long long i = 0; i < n; i++) {
+    double m = -INFINITY, sum = 0;
+    for (long long j = 0; j < c; j++) m = std::max(m, (double)x[i * c + j]);
+    for (long long j = 0; j < c; j++) sum += std::exp(x[i * c + j] - m);
+    wl[i] = m + std::log(sum);
+    wloss[i] = t[i] < c ? wl[i] - x[i * c + t[i]] : NAN;
+    for (long long j = 0; j < c; j++) wdx[i * c + j] = t[i] < c ? (std::exp(x[i * c + j] - wl[i]) - (j == t[i])) * 2.0 / n : NAN;
+  }
+  check("cross_entropy log-sum-exp", lse, wl, 1e-12);
+  check("cross_entropy row losses (NaN for a target outside the vocabulary)", loss, wloss, 1e-12);
+  check("cross_entropy mean (NaN with it)", wide(mean), {NAN}, 0);
+  check("cross_entropy dx", wide(dx), wdx, 1e-6);
+}
+
+static void embedding() {
+  const long long v = 50, d = 300, n = 80;
+  const unsigned pad = 3;
+  auto table = narrow<float>(randn(v * d, 50)), g = narrow<float>(randn(n * d, 51));
+  std::vector<unsigned> ids(n);
+  for (long long k = 0; k < n; k++) ids[k] = (unsigned)((k * 7919 + 3) % v);
+  std::vector<float> y(n * d), dt(v * d, 0.f);
+  launch(elementwise(n * d), THREADS, [&] { wick_embedding_f32(table.data(), ids.data(), y.data(), n, d); });
+  // The host's preparation (wick-nn's native::cuda::loss::embedding_grad).
+  std::vector<unsigned> order, start, run_id;
+  for (long long k = 0; k < n; k++)
+    if (ids[k] != pad) order.push_back((unsigned)k);
+  std::stable_sort(order.begin(), order.end(), [&](unsigned a, unsigned b2) { return ids[a] < ids[b2]; });
+  for (size_t i = 0; i < order.size(); i++)
+    if (i == 0 || ids[order[i - 1]] != ids[order[i]]) start.push_back((unsigned)i), run_id.push_back(ids[order[i]]);
+  const long long runs = (long long)run_id.size();
+  start.push_back((unsigned)order.size());
+  launch(per_row(runs), THREADS, [&] { wick_embedding_grad_f32(g.data(), order.data(), start.data(), run_id.data(), runs, dt.data(), d); });
+  std::vector<double> wy(n * d), wdt(v * d, 0.0);
+  for (long long k = 0; k < n; k++)
+    for (long long j = 0; j < d; j++) {
+      wy[k * d + j] = table[ids[k] * d + j];
+      if (ids[k] != pad) wdt[ids[k] * d + j] += g[k * d + j];
+    }
+  check("embedding forward", wide(y), wy, 0);
+  check("embedding backward (padding id's row zero)", wide(dt), wdt, 1e-6);
+}
+
+int main() {
+  activations();
+  for (bool rms : {false, true}) {
+    norms(rms, 130, 37);
+    norms(rms, 3, 1000);
+    norms(rms, 70, 768);
+  }
+  attention(2, 3, 1, 8, false, 0);
+  attention(2, 3, 16, 32, false, 1);
+  attention(2, 3, 9, 100, false, 2);
+  attention(1, 2, 33, 64, true, 2);
+  attention(2, 2, 7, 20, true, 1);
+  rope(false);
+  rope(true);
+  cross_entropy();
+  embedding();
+  if (failures) {
+    std::printf("%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("all kernels agree with the references\n");
+  return 0;
+}
