@@ -11,8 +11,17 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 8] =
-    ["amp_unscale", "amp_update_scale", "amp_adamw", "optim_step", "nn_act", "nn_norm", "nn_attention", "nn_rows"];
+const KERNELS: [&str; 9] = [
+    "amp_unscale",
+    "amp_update_scale",
+    "amp_adamw",
+    "optim_step",
+    "nn_act",
+    "nn_norm",
+    "nn_attention",
+    "nn_rows",
+    "nn_pool",
+];
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(wick_kernels)");

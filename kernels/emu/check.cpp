@@ -1,7 +1,8 @@
 // wick-nn's CUDA kernels (kernels/src/cuda/nn_*.cu) run on the host emulator (emu.h) with the
 // launch shapes wick-nn's launchers use (crates/wick-nn/src/native/cuda), against direct
 // reference computations in f64 written here: activations, layer/RMS norm, attention (heads apart
-// and packed, with a broadcast padding bias and a causal one), RoPE, cross-entropy, embeddings —
+// and packed, with a broadcast padding bias and a causal one), RoPE, cross-entropy, embeddings,
+// max and global average pooling —
 // forward and backward. Prints one line per check; exits non-zero if any fails.
 //
 //   g++ -std=c++20 -O1 -pthread -Wall -Wno-unknown-pragmas -I kernels/emu kernels/emu/check.cpp -o target/emu-check
@@ -22,6 +23,8 @@
 #include "../src/cuda/nn_attention.cu"
 #undef WICK_KERNEL
 #include "../src/cuda/nn_rows.cu"
+#undef WICK_KERNEL
+#include "../src/cuda/nn_pool.cu"
 #undef WICK_KERNEL
 
 static int failures = 0;
@@ -318,6 +321,47 @@ static void embedding() {
   check("embedding backward (padding id's row zero)", wide(dt), wdt, 1e-6);
 }
 
+// Max pooling (first maximum in row-major order, a NaN winning, padding never winning; ties made
+// on purpose) and global average pooling, forward and backward.
+static void pooling(long long h, long long w, long long k, long long st, long long p, bool nan) {
+  const long long planes = 3, oh = (h + 2 * p - k) / st + 1, ow = (w + 2 * p - k) / st + 1;
+  auto xd = randn(planes * h * w, 60);
+  for (long long i = 0; i < planes * h * w; i += 5) xd[i] = std::round(xd[i]);  // ties
+  if (nan) xd[h * w + 4] = NAN;
+  auto x = narrow<float>(xd), g = narrow<float>(randn(planes * oh * ow, 61));
+  std::vector<float> y(planes * oh * ow), dx(planes * h * w);
+  launch(elementwise(y.size()), THREADS, [&] { wick_max_pool_f32(x.data(), y.data(), planes, h, w, oh, ow, k, st, p); });
+  launch(elementwise(dx.size()), THREADS, [&] { wick_max_pool_grad_f32(x.data(), g.data(), dx.data(), planes, h, w, oh, ow, k, st, p); });
+  std::vector<double> wy(y.size()), wdx(dx.size(), 0.0);
+  for (long long pl = 0; pl < planes; pl++)
+    for (long long oy = 0; oy < oh; oy++)
+      for (long long ox = 0; ox < ow; ox++) {
+        long long at = -1;
+        double best = 0;
+        for (long long iy = std::max(oy * st - p, 0LL); iy < std::min(oy * st - p + k, h); iy++)
+          for (long long ix = std::max(ox * st - p, 0LL); ix < std::min(ox * st - p + k, w); ix++) {
+            const double v = x[pl * h * w + iy * w + ix];
+            if (at < 0 || v > best || std::isnan(v)) best = v, at = iy * w + ix;
+          }
+        wy[(pl * oh + oy) * ow + ox] = best;
+        wdx[pl * h * w + at] += g[(pl * oh + oy) * ow + ox];
+      }
+  const std::string what = "max_pool " + std::to_string(h) + "x" + std::to_string(w) + " k" + std::to_string(k) + " s" +
+                           std::to_string(st) + " p" + std::to_string(p) + (nan ? " with a NaN" : "");
+  check(what + " forward", wide(y), wy, 0);
+  check(what + " backward", wide(dx), wdx, 1e-6);
+  std::vector<float> avg(planes), davg(planes * h * w);
+  launch(warps(planes), THREADS, [&] { wick_global_avg_f32(x.data(), avg.data(), planes, h * w); });
+  launch(elementwise(davg.size()), THREADS, [&] { wick_global_avg_grad_f32(g.data(), davg.data(), planes, h * w); });
+  std::vector<double> wavg(planes, 0.0), wdavg(davg.size());
+  for (long long pl = 0; pl < planes; pl++) {
+    for (long long i = 0; i < h * w; i++) wavg[pl] += x[pl * h * w + i] / (double)(h * w);
+    for (long long i = 0; i < h * w; i++) wdavg[pl * h * w + i] = g[pl] / (double)(h * w);
+  }
+  check("global_avg_pool " + std::to_string(h) + "x" + std::to_string(w) + (nan ? " with a NaN" : "") + " forward", wide(avg), wavg, 1e-6);
+  check("global_avg_pool " + std::to_string(h) + "x" + std::to_string(w) + " backward", wide(davg), wdavg, 1e-6);
+}
+
 int main() {
   activations();
   for (bool rms : {false, true}) {
@@ -334,6 +378,10 @@ int main() {
   rope(true);
   cross_entropy();
   embedding();
+  pooling(9, 7, 3, 2, 1, false);
+  pooling(9, 7, 3, 2, 1, true);
+  pooling(8, 8, 2, 2, 0, false);
+  pooling(5, 6, 3, 1, 1, false);
   if (failures) {
     std::printf("%d check(s) failed\n", failures);
     return 1;

@@ -12,13 +12,14 @@
 //!   optimizer's step in one launch per parameter (SGD with momentum and AdamW on an f32 tensor,
 //!   the arithmetic of [`cpu::optim`] to the bit), and the CUDA bodies of wick-nn's ops
 //!   (`nn_act`: the element-wise activations; `nn_norm`: layer and RMS norm; `nn_attention`:
-//!   attention in the manner of FlashAttention-2; `nn_rows`: RoPE, cross-entropy, embeddings —
-//!   each forward and backward); the build script that compiles them, the compiled fatbins embedded in
-//!   this crate ([`fatbin`]), and their CPU references ([`mod@reference`], [`cpu::optim`], and
-//!   wick-nn's host bodies of the same ops). Loading and launching them on candle's CUDA device
-//!   is wick-train's `amp::cuda` and wick-nn's `native::cuda`. `emu/` (not part of the crate) runs
-//!   wick-nn's kernels on a host emulator of CUDA's threads against direct f64 references
-//!   (`scripts/cuda-ci.sh`), so their indexing and arithmetic are tested without a GPU.
+//!   attention in the manner of FlashAttention-2; `nn_rows`: RoPE, cross-entropy, embeddings;
+//!   `nn_pool`: max and global average pooling — each forward and backward); the build script
+//!   that compiles them, the compiled fatbins embedded in this crate ([`fatbin`]), and their CPU
+//!   references ([`mod@reference`], [`cpu::optim`], and wick-nn's host bodies of the same ops).
+//!   Loading and launching them on candle's CUDA device is wick-train's `amp::cuda` and wick-nn's
+//!   `native::cuda`. `emu/` (not part of the crate) runs wick-nn's kernels on a host emulator of
+//!   CUDA's threads against direct f64 references (`scripts/cuda-ci.sh`), so their indexing and
+//!   arithmetic are tested without a GPU.
 //!
 //! This crate depends on no candle or CUDA crate.
 //!
@@ -31,8 +32,17 @@ pub mod cpu;
 pub mod reference;
 
 /// The kernels, by the name of their source file (without `.cu`).
-pub const KERNELS: [&str; 8] =
-    ["amp_unscale", "amp_update_scale", "amp_adamw", "optim_step", "nn_act", "nn_norm", "nn_attention", "nn_rows"];
+pub const KERNELS: [&str; 9] = [
+    "amp_unscale",
+    "amp_update_scale",
+    "amp_adamw",
+    "optim_step",
+    "nn_act",
+    "nn_norm",
+    "nn_attention",
+    "nn_rows",
+    "nn_pool",
+];
 
 /// True when this build compiled the kernels in.
 pub const COMPILED: bool = cfg!(wick_kernels);
@@ -49,6 +59,7 @@ pub fn fatbin(name: &str) -> Option<&'static [u8]> {
         "nn_norm" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_norm.fatbin"))),
         "nn_attention" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_attention.fatbin"))),
         "nn_rows" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_rows.fatbin"))),
+        "nn_pool" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_pool.fatbin"))),
         _ => None,
     }
 }

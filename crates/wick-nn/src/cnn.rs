@@ -60,9 +60,15 @@ fn out_size(len: usize, kernel: usize, stride: usize, pad: usize) -> usize {
 /// bf16 ties are common (that doubled gradients into ResNet's stem, the one place its first bf16
 /// gradients differed from PyTorch autocast's: BENCHMARKS.md, "Mixed precision (issue 6)").
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
-    if native::serves(x) {
+    if native::serves_either(x) {
         return native::pool::max_pool2d(x, kernel, stride, pad);
     }
+    max_pool2d_composed(x, kernel, stride, pad)
+}
+
+/// [`max_pool2d`] composed from candle's ops (the oracle of its bodies, and the op elsewhere): the
+/// windows stacked, their first maxima picked by `argmax` and `gather`, as one node.
+pub fn max_pool2d_composed(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
     node("max_pool2d", &[x], x.dtype(), x.dtype(), move |t| {
         let windows = stacked_windows(&t[0], kernel, stride, pad)?;
         // argmax keeps the first of equal values; gather's backward scatters to that one only.
@@ -149,9 +155,14 @@ pub fn conv2d_bias(x: &Tensor, weight: &Tensor, bias: &Tensor, pad: usize, strid
 
 /// Global average pooling: (N, C, H, W) → (N, C).
 pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
-    if native::serves(x) {
+    if native::serves_either(x) {
         return native::pool::global_avg_pool(x);
     }
+    global_avg_pool_composed(x)
+}
+
+/// [`global_avg_pool`] composed from candle's means, as one node.
+pub fn global_avg_pool_composed(x: &Tensor) -> Result<Tensor> {
     // A mean is an f32-class reduction (candle's CPU reductions accumulate in the input dtype).
     node("mean", &[x], fp32_compute(x.dtype()), x.dtype(), |t| t[0].mean(D::Minus1)?.mean(D::Minus1))
 }

@@ -21,6 +21,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
 use wick_nn::autocast::fp32_compute;
+use wick_nn::cnn;
 use wick_nn::fused::node;
 use wick_nn::native::profile;
 use wick_nn::ops;
@@ -59,6 +60,11 @@ fn layer_norm_3d(r: usize, d: usize) -> Vec<Vec<usize>> {
 }
 fn rms_norm_shapes(r: usize, d: usize) -> Vec<Vec<usize>> {
     vec![vec![r, d], vec![d]]
+}
+
+/// Images (N, C, side, side) of `planes` = N·C planes (C up to 8).
+fn image(planes: usize, side: usize) -> Vec<Vec<usize>> {
+    vec![vec![(planes / 8).max(1), planes.min(8), side, side]]
 }
 
 /// Heads of attention and RoPE: (batch 2, HEADS, seq, head_dim) from (2·HEADS·seq, head_dim).
@@ -157,7 +163,26 @@ fn embedding_padded(t: &[Tensor]) -> candle_core::Result<Tensor> {
     ops::embedding_with_padding(&t[0], &spread(v + v / 2, v, t[0].device())?, Some(3))
 }
 
+fn max_pool_3x3(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    cnn::max_pool2d(&t[0], 3, 2, 1)
+}
+fn max_pool_2x2(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    cnn::max_pool2d(&t[0], 2, 2, 0)
+}
+fn global_avg_pool(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    cnn::global_avg_pool(&t[0])
+}
+
 // What a GPU ran before the CUDA bodies (wick-nn's `ops` without them).
+fn max_pool_3x3_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    cnn::max_pool2d_composed(&t[0], 3, 2, 1)
+}
+fn max_pool_2x2_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    cnn::max_pool2d_composed(&t[0], 2, 2, 0)
+}
+fn global_avg_pool_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    cnn::global_avg_pool_composed(&t[0])
+}
 fn relu_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
     let x = &t[0];
     node("relu", &[x], x.dtype(), x.dtype(), |t| ops::relu_composed(&t[0], None))
@@ -254,10 +279,12 @@ fn embedding_padded_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
 const ROWS: &[(usize, usize)] = &[(130, 37), (3, 1000), (70, 768)];
 const ELEMENTS: &[(usize, usize)] = &[(3, 37), (64, 1000)];
 /// Sequences of 1, 16, 33 and 8 tokens; head dimensions 8, 32, 64 and 100 (a warp's lanes in part).
+/// Planes and sides: odd and even sides, more planes than a block's threads cover at once.
+const IMAGES: &[(usize, usize)] = &[(6, 9), (24, 16)];
 const HEAD_SIZES: &[(usize, usize)] = &[(8, 8), (128, 32), (264, 64), (64, 100)];
 
 #[rustfmt::skip]
-const CASES: [Case; 18] = [
+const CASES: [Case; 21] = [
     Case { name: "relu", counted: "relu", shapes: one, sizes: ELEMENTS, zoo: (32 * 64 * 56, 56, "ResNet-18's first stage, batch 32"), op: relu, composed: relu_composed },
     Case { name: "relu6", counted: "relu6", shapes: one, sizes: ELEMENTS, zoo: (32 * 96 * 56, 56, "MobileNetV2's expansion, batch 32"), op: relu6, composed: relu6_composed },
     Case { name: "gelu", counted: "gelu", shapes: one, sizes: ELEMENTS, zoo: (32 * 128, 3072, "BERT-base's feed-forward, 32 × 128 tokens"), op: gelu, composed: gelu_composed },
@@ -275,6 +302,9 @@ const CASES: [Case; 18] = [
     Case { name: "rope packed", counted: "rope", shapes: qkv_packed, sizes: HEAD_SIZES, zoo: (8 * 1024, 64, "packed q, k, v"), op: rope_packed, composed: rope_packed_composed },
     Case { name: "cross_entropy", counted: "cross_entropy", shapes: one, sizes: ROWS, zoo: (8 * 256, 32_000, "decoder-512's head, 8 × 256 tokens"), op: cross_entropy, composed: cross_entropy_composed },
     Case { name: "embedding", counted: "embedding", shapes: one, sizes: ROWS, zoo: (32_000, 512, "decoder-512's table, 48 000 lookups"), op: embedding, composed: embedding_composed },
+    Case { name: "max_pool 3x3/2", counted: "max_pool2d", shapes: image, sizes: IMAGES, zoo: (32 * 64, 112, "ResNet's stem, batch 32"), op: max_pool_3x3, composed: max_pool_3x3_composed },
+    Case { name: "max_pool 2x2/2", counted: "max_pool2d", shapes: image, sizes: IMAGES, zoo: (32 * 64, 56, "a 2×2 pool, batch 32"), op: max_pool_2x2, composed: max_pool_2x2_composed },
+    Case { name: "global_avg_pool", counted: "global_avg_pool", shapes: image, sizes: IMAGES, zoo: (32 * 512, 7, "ResNet-18's head, batch 32"), op: global_avg_pool, composed: global_avg_pool_composed },
     Case { name: "embedding padded", counted: "embedding", shapes: one, sizes: ROWS, zoo: (1000, 64, "a small table, padding id 3"), op: embedding_padded, composed: embedding_padded_composed },
 ];
 

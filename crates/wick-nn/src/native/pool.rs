@@ -1,6 +1,7 @@
 //! Pooling with closed-form backward passes: max pooling (the gradient of each window goes to its
 //! first maximum in row-major order, as PyTorch's `max_pool2d`; padding never wins) and global
 //! average pooling. Max pooling keeps only its input: backward finds each window's maximum again.
+//! With the `cuda` feature both have CUDA bodies too (`super::cuda::pool`).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
@@ -129,6 +130,15 @@ impl MaxPool {
                 }
             }
         }
+    }
+
+    /// The CUDA body's sweep over an input of `shape`, checked as the host's.
+    #[cfg(feature = "cuda")]
+    fn sweep(&self, shape: &Shape) -> Result<super::cuda::pool::Sweep> {
+        let (n, c, h, w) = dims4(shape)?;
+        let (oh, ow) = self.out(h, w)?;
+        let (kernel, stride, pad) = (self.kernel, self.stride, self.pad);
+        Ok(super::cuda::pool::Sweep { planes: n * c, h, w, oh, ow, kernel, stride, pad })
     }
 
     /// Output sizes, checked.
@@ -278,12 +288,22 @@ impl CustomOp1 for MaxPool {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         by_elem!(s.dtype(), T, E => self.fwd::<T, E>(s, l))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let sweep = self.sweep(l.shape())?;
+        let (n, c, _, _) = dims4(l.shape())?;
+        super::cuda::pool::max_pool((s, l), sweep, Shape::from((n, c, sweep.oh, sweep.ow)))
+    }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return super::cuda::pool::max_pool_grad(x, g, self.sweep(x.shape())?).map(Some);
+        }
         by_elem!(x.dtype(), T, E => self.bwd::<T, E>(x, g)).map(Some)
     }
 }
 
-/// Max pooling on the CPU (see [`crate::cnn::max_pool2d`]).
+/// Max pooling on the CPU or (feature `cuda`) a CUDA device (see [`crate::cnn::max_pool2d`]).
 pub fn max_pool2d(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Result<Tensor> {
     super::apply1(&x.contiguous()?, MaxPool { kernel, stride, pad })
 }
@@ -316,12 +336,23 @@ impl CustomOp1 for GlobalAvg {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         by_real!(s.dtype(), T => GlobalAvg::fwd::<T>(s, l))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (n, c, h, w) = dims4(l.shape())?;
+        super::cuda::pool::global_avg((s, l), n * c, h * w, Shape::from((n, c)))
+    }
     fn bwd(&self, x: &Tensor, _res: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let (_, _, h, w) = dims4(x.shape())?;
+            return super::cuda::pool::global_avg_grad(x, g, h * w).map(Some);
+        }
         Ok(Some(by_real!(x.dtype(), T => GlobalAvg::bwd::<T>(x, g)?)))
     }
 }
 
-/// Global average pooling on the CPU (see [`crate::cnn::global_avg_pool`]).
+/// Global average pooling on the CPU or (feature `cuda`) a CUDA device (see
+/// [`crate::cnn::global_avg_pool`]).
 pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     super::apply1(&x.contiguous()?, GlobalAvg)
 }

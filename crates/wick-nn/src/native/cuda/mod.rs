@@ -16,6 +16,8 @@
 //!   forward keeping one log-sum-exp per query row on the device, never an s × s tensor;
 //! - `loss`: cross-entropy over a vocabulary (one log-sum-exp a row kept, no probabilities) and
 //!   embedding lookups (each table row's gradient summed in position order);
+//! - `pool`: max pooling (PyTorch's first-maximum rule, backward as a gather in the host's order)
+//!   and global average pooling;
 //! - `rope`: rotary position embeddings (heads apart or the q and k of a packed projection);
 //! - `norm`: layer norm and RMS norm, forward keeping one (mean, inverse deviation) pair per row
 //!   on the device, backward from them.
@@ -27,6 +29,7 @@ pub(crate) mod act;
 pub mod attention;
 pub(crate) mod loss;
 pub(crate) mod norm;
+pub(crate) mod pool;
 pub(crate) mod rope;
 
 use std::collections::HashMap;
