@@ -72,7 +72,7 @@ fi
 
 echo "-- wick-nn's CUDA kernels on the host emulator (kernels/emu) against direct f64 references"
 mkdir -p target
-g++ -std=c++20 -O1 -pthread -Wall -Wno-unknown-pragmas -Werror -I kernels/emu kernels/emu/check.cpp -o target/emu-check
+g++ -std=c++20 -O1 -ffp-contract=off -pthread -Wall -Wno-unknown-pragmas -Werror -I kernels/emu kernels/emu/check.cpp -o target/emu-check
 target/emu-check | tail -3
 
 echo "-- CUPTI ABI of the CUDA memory history, from CUPTI's headers"

@@ -2,10 +2,11 @@
 // launch shapes wick-nn's launchers use (crates/wick-nn/src/native/cuda), against direct
 // reference computations in f64 written here: activations, layer/RMS norm, attention (heads apart
 // and packed, with a broadcast padding bias and a causal one), RoPE, cross-entropy, embeddings,
-// max and global average pooling —
+// max and global average pooling, and the optimizer's step (to the bit) —
 // forward and backward. Prints one line per check; exits non-zero if any fails.
 //
-//   g++ -std=c++20 -O1 -pthread -Wall -Wno-unknown-pragmas -I kernels/emu kernels/emu/check.cpp -o target/emu-check
+//   g++ -std=c++20 -O1 -ffp-contract=off -pthread -Wall -Wno-unknown-pragmas -I kernels/emu
+//     kernels/emu/check.cpp -o target/emu-check
 //   target/emu-check     (scripts/cuda-ci.sh runs it)
 #include "emu.h"
 
@@ -26,6 +27,7 @@
 #undef WICK_KERNEL
 #include "../src/cuda/nn_pool.cu"
 #undef WICK_KERNEL
+#include "../src/cuda/optim_step.cu"
 
 static int failures = 0;
 
@@ -362,6 +364,64 @@ static void pooling(long long h, long long w, long long k, long long st, long lo
   check("global_avg_pool " + std::to_string(h) + "x" + std::to_string(w) + " backward", wide(davg), wdavg, 1e-6);
 }
 
+// The optimizer's step (optim_step.cu) against the host loops' arithmetic (wick_kernels::cpu::optim,
+// transcribed: the same operations in the same order, each rounded to f32), to the bit: SGD with
+// momentum and AdamW, on an f32 parameter and on an f32 master with a bf16 model copy, the state
+// updated in place as the trainer does.
+static void optimizer() {
+  const long long n = 3001;
+  auto p0 = narrow<float>(randn(n, 70)), g32 = narrow<float>(randn(n, 71, 3.0)), m0 = narrow<float>(randn(n, 72, 0.1));
+  std::vector<float> v0(n);
+  for (long long i = 0; i < n; i++) v0[i] = std::fabs(m0[i]) * 0.5f;
+  std::vector<__nv_bfloat16> gb(n);
+  for (long long i = 0; i < n; i++) gb[i] = __float2bfloat16_rn(g32[i]);
+  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps_d = 1e-8, wd = 0.01;
+  const int step = 3;
+  const double bc1 = 1 - std::pow(beta1, step), bc2 = 1 - std::pow(beta2, step);
+  const float step_size = (float)(lr / bc1), inv_bc2_sqrt = (float)(1 / std::sqrt(bc2)), decay = (float)(1 - lr * wd);
+  const float b1 = (float)beta1, b2 = (float)beta2, c1 = (float)(1 - beta1), c2 = (float)(1 - beta2), eps = (float)eps_d;
+  for (bool bf16 : {false, true}) {
+    auto p = p0, m = m0, v = v0;
+    std::vector<__nv_bfloat16> model(n);
+    if (bf16) {
+      launch(elementwise(n), THREADS, [&] {
+        wick_adamw_step_bf16(p.data(), m.data(), v.data(), m.data(), v.data(), gb.data(), model.data(), n, b1, b2, c1, c2, eps, decay,
+                             step_size, inv_bc2_sqrt);
+      });
+    } else {
+      launch(elementwise(n), THREADS, [&] {
+        wick_adamw_step_f32(p.data(), m.data(), v.data(), m.data(), v.data(), g32.data(), nullptr, n, b1, b2, c1, c2, eps, decay,
+                            step_size, inv_bc2_sqrt);
+      });
+    }
+    std::vector<double> wp(n), wm(n), wv(n), gotm(n), gotv(n), wmodel(n), gotmodel(n);
+    for (long long i = 0; i < n; i++) {
+      const float gi = bf16 ? __bfloat162float(gb[i]) : g32[i];
+      const float mi = b1 * m0[i] + c1 * gi;
+      const float vi = b2 * v0[i] + c2 * gi * gi;
+      const float denom = std::sqrt(vi) * inv_bc2_sqrt + eps;
+      const float w = p0[i] * decay - step_size * mi / denom;
+      wp[i] = w, wm[i] = mi, wv[i] = vi, gotm[i] = m[i], gotv[i] = v[i];
+      wmodel[i] = __bfloat162float(__float2bfloat16_rn(w)), gotmodel[i] = __bfloat162float(model[i]);
+    }
+    const std::string what = std::string("AdamW step ") + (bf16 ? "(bf16 gradient, f32 master, bf16 model)" : "(f32)");
+    check(what + " parameter, to the bit", wide(p), wp, 0);
+    check(what + " moments, to the bit", [&] { auto a = gotm; a.insert(a.end(), gotv.begin(), gotv.end()); return a; }(),
+          [&] { auto a = wm; a.insert(a.end(), wv.begin(), wv.end()); return a; }(), 0);
+    if (bf16) check(what + " model copy, to the bit", gotmodel, wmodel, 0);
+  }
+  auto p = p0, b = m0;
+  const float lrf = (float)0.05, mu = (float)0.9;
+  launch(elementwise(n), THREADS, [&] { wick_sgd_momentum_f32(p.data(), b.data(), b.data(), g32.data(), nullptr, n, lrf, mu); });
+  std::vector<double> wp(n), wb(n);
+  for (long long i = 0; i < n; i++) {
+    const float bi = mu * m0[i] + g32[i];
+    wb[i] = bi, wp[i] = p0[i] - lrf * bi;
+  }
+  check("SGD momentum step (f32) parameter, to the bit", wide(p), wp, 0);
+  check("SGD momentum step (f32) buffer, to the bit", wide(b), wb, 0);
+}
+
 int main() {
   activations();
   for (bool rms : {false, true}) {
@@ -382,6 +442,7 @@ int main() {
   pooling(9, 7, 3, 2, 1, true);
   pooling(8, 8, 2, 2, 0, false);
   pooling(5, 6, 3, 1, 1, false);
+  optimizer();
   if (failures) {
     std::printf("%d check(s) failed\n", failures);
     return 1;

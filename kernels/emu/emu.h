@@ -38,6 +38,12 @@ inline Block* current = nullptr;
 
 inline void __syncthreads() { emu::current->all->arrive_and_wait(); }
 
+// IEEE f32 operations rounded on their own (compile with -ffp-contract=off: no fused multiply-add).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+
 template <typename T> T __shfl_xor_sync(unsigned, T v, int o) {
   emu::Block& b = *emu::current;
   const unsigned t = threadIdx.x, w = t / 32, lane = t % 32;
