@@ -192,7 +192,7 @@ impl Attention {
     fn new(bias: Option<&Tensor>, dims: [usize; 4], input: &Tensor) -> Result<Self> {
         #[cfg(feature = "cuda")]
         if input.device().is_cuda() {
-            let bias = bias.map(|t| cuda::DeviceBias::new(t, dims, input.dtype())).transpose()?;
+            let bias = bias.map(|t| cuda::DeviceBias::new(t, dims, input)).transpose()?;
             let device = Device { bias, lse: Mutex::new(None) };
             return Ok(Attention { bias: None, lse: Mutex::new(Vec::new()), device });
         }

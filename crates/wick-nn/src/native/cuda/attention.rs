@@ -67,10 +67,10 @@ pub(crate) struct DeviceBias {
 }
 
 impl DeviceBias {
-    /// `bias` for attention of `dims` (B, H, Sq, Sk) over inputs of `dtype`.
-    pub(crate) fn new(bias: &Tensor, dims: [usize; 4], dtype: DType) -> Result<Self> {
-        let compute = if dtype == DType::F64 { DType::F64 } else { DType::F32 };
-        let values = bias.to_dtype(compute)?.broadcast_as(dims.to_vec())?;
+    /// `bias` for attention of `dims` (B, H, Sq, Sk) over `input` (its device and dtype).
+    pub(crate) fn new(bias: &Tensor, dims: [usize; 4], input: &Tensor) -> Result<Self> {
+        let compute = if input.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+        let values = bias.to_device(input.device())?.to_dtype(compute)?.broadcast_as(dims.to_vec())?;
         let s = values.stride();
         let strides = BiasStrides { b: s[0] as i64, h: s[1] as i64, q: s[2] as i64, k: s[3] as i64 };
         Ok(DeviceBias { values, strides })
