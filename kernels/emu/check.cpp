@@ -420,6 +420,55 @@ static void optimizer() {
   }
   check("SGD momentum step (f32) parameter, to the bit", wide(p), wp, 0);
   check("SGD momentum step (f32) buffer, to the bit", wide(b), wb, 0);
+
+  // The multi-tensor forms against the single-tensor kernels, to the bit: three tensors of
+  // different lengths (one, 1 000, 3 001 elements) in one launch, bf16 gradients and model copies.
+  const long long lens[3] = {1, 1000, 3001};
+  std::vector<std::vector<float>> ps, ms, vs, ps1, ms1, vs1;
+  std::vector<std::vector<__nv_bfloat16>> gs, models, models1;
+  for (int t = 0; t < 3; t++) {
+    auto pt = narrow<float>(randn(lens[t], 80 + t)), mt = narrow<float>(randn(lens[t], 90 + t, 0.1));
+    std::vector<float> vt(lens[t]);
+    for (long long i = 0; i < lens[t]; i++) vt[i] = std::fabs(mt[i]);
+    std::vector<__nv_bfloat16> gt(lens[t]);
+    auto gd = randn(lens[t], 100 + t);
+    for (long long i = 0; i < lens[t]; i++) gt[i] = __float2bfloat16_rn((float)gd[i]);
+    ps.push_back(pt), ms.push_back(mt), vs.push_back(vt), gs.push_back(gt), models.emplace_back(lens[t]);
+  }
+  ps1 = ps, ms1 = ms, vs1 = vs, models1 = models;
+  std::vector<long long> ptrs, lens_v(lens, lens + 3);
+  for (int t = 0; t < 3; t++) {
+    for (void* q : {(void*)ps[t].data(), (void*)ms[t].data(), (void*)vs[t].data(), (void*)gs[t].data(), (void*)models[t].data()})
+      ptrs.push_back((long long)(intptr_t)q);
+  }
+  launch(dim3{4, 3, 1}, THREADS, [&] {
+    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt);
+  });
+  bool same = true;
+  for (int t = 0; t < 3; t++) {
+    launch(elementwise(lens[t]), THREADS, [&] {
+      wick_adamw_step_bf16(ps1[t].data(), ms1[t].data(), vs1[t].data(), ms1[t].data(), vs1[t].data(), gs[t].data(), models1[t].data(),
+                           lens[t], b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt);
+    });
+    for (long long i = 0; i < lens[t]; i++) {
+      same &= ps[t][i] == ps1[t][i] && ms[t][i] == ms1[t][i] && vs[t][i] == vs1[t][i] && models[t][i].bits == models1[t][i].bits;
+    }
+  }
+  check("AdamW multi-tensor (3 tensors, bf16) = one launch each, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
+  std::vector<long long> sptrs;
+  for (int t = 0; t < 3; t++) {
+    for (void* q : {(void*)ps[t].data(), (void*)ms[t].data(), (void*)gs[t].data(), (void*)models[t].data()})
+      sptrs.push_back((long long)(intptr_t)q);
+  }
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu); });
+  same = true;
+  for (int t = 0; t < 3; t++) {
+    launch(elementwise(lens[t]), THREADS, [&] {
+      wick_sgd_momentum_bf16(ps1[t].data(), ms1[t].data(), ms1[t].data(), gs[t].data(), models1[t].data(), lens[t], lrf, mu);
+    });
+    for (long long i = 0; i < lens[t]; i++) same &= ps[t][i] == ps1[t][i] && ms[t][i] == ms1[t][i] && models[t][i].bits == models1[t][i].bits;
+  }
+  check("SGD momentum multi-tensor (3 tensors, bf16) = one launch each, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
 }
 
 int main() {

@@ -7,7 +7,8 @@
 // rounded on its own (`__fmul_rn`, `__fadd_rn`: no fused multiply-add that the host does not
 // do), and `sqrtf` and `/` are IEEE-rounded (nvcc's defaults), so the device's step is the
 // host's to the bit. One launch per parameter replaces the dozen composed tensor ops (each a
-// kernel and an allocation) the device update was.
+// kernel and an allocation) the device update was; the multi-tensor forms (end of the file) take
+// every parameter of one gradient dtype in one launch.
 //
 //   SGD with momentum (PyTorch's form):  b = mu b + g;  p = p - lr b
 //   AdamW:  m = b1 m + c1 g;  v = b2 v + c2 g^2;  p = p decay - step_size m / (sqrt(v) inv_bc2_sqrt + eps)
@@ -23,34 +24,88 @@ __device__ __forceinline__ void wick_copy(T* model, long long i, float v) {
     wick_store(model, i, v);
 }
 
+// One element of SGD with momentum.
+template <typename G, typename M>
+__device__ __forceinline__ void sgd_at(float* p, const float* b, float* b_new, const G* g, M* model, long long i, float lr,
+                                       float momentum) {
+    const float bi = __fadd_rn(__fmul_rn(momentum, b[i]), wick_load(g, i));
+    const float w = __fsub_rn(p[i], __fmul_rn(lr, bi));
+    b_new[i] = bi;
+    p[i] = w;
+    wick_copy(model, i, w);
+}
+
 template <typename G, typename M>
 __device__ void sgd_momentum(float* p, const float* b, float* b_new, const G* g, M* model, long long n, float lr,
                              float momentum) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const float bi = __fadd_rn(__fmul_rn(momentum, b[i]), wick_load(g, i));
-        const float w = __fsub_rn(p[i], __fmul_rn(lr, bi));
-        b_new[i] = bi;
-        p[i] = w;
-        wick_copy(model, i, w);
+        sgd_at(p, b, b_new, g, model, i, lr, momentum);
     }
+}
+
+// AdamW's constants, as the host computes them (f64, rounded to f32).
+struct AdamWConsts {
+    float b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt;
+};
+
+// One element of AdamW.
+template <typename G, typename M>
+__device__ __forceinline__ void adamw_at(float* p, const float* m, const float* v, float* m_new, float* v_new, const G* g,
+                                         M* model, long long i, const AdamWConsts& k) {
+    const float gi = wick_load(g, i);
+    const float mi = __fadd_rn(__fmul_rn(k.b1, m[i]), __fmul_rn(k.c1, gi));
+    const float vi = __fadd_rn(__fmul_rn(k.b2, v[i]), __fmul_rn(__fmul_rn(k.c2, gi), gi));
+    const float denom = __fadd_rn(__fmul_rn(sqrtf(vi), k.inv_bc2_sqrt), k.eps);
+    const float w = __fsub_rn(__fmul_rn(p[i], k.decay), __fdiv_rn(__fmul_rn(k.step_size, mi), denom));
+    m_new[i] = mi;
+    v_new[i] = vi;
+    p[i] = w;
+    wick_copy(model, i, w);
 }
 
 template <typename G, typename M>
 __device__ void adamw(float* p, const float* m, const float* v, float* m_new, float* v_new, const G* g, M* model,
                       long long n, float b1, float b2, float c1, float c2, float eps, float decay, float step_size,
                       float inv_bc2_sqrt) {
+    const AdamWConsts k{b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt};
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const float gi = wick_load(g, i);
-        const float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(c1, gi));
-        const float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(c2, gi), gi));
-        const float denom = __fadd_rn(__fmul_rn(sqrtf(vi), inv_bc2_sqrt), eps);
-        const float w = __fsub_rn(__fmul_rn(p[i], decay), __fdiv_rn(__fmul_rn(step_size, mi), denom));
-        m_new[i] = mi;
-        v_new[i] = vi;
-        p[i] = w;
-        wick_copy(model, i, w);
+        adamw_at(p, m, v, m_new, v_new, g, model, i, k);
+    }
+}
+
+// Multi-tensor forms: every parameter of one gradient dtype in one launch, the state in place
+// (the trainer's use). Tensor t's buffers are at ptrs[t·K + j] — SGD (K = 4): parameter or
+// master, momentum buffer, gradient, model copy (0: none); AdamW (K = 5): parameter or master,
+// first moment, second moment, gradient, model copy — and its length at lens[t]. Grid: y over
+// the tensors, x grid-stride within each.
+template <typename G, typename M>
+__device__ void sgd_multi(const long long* ptrs, const long long* lens, int count, float lr, float momentum) {
+    for (int t = blockIdx.y; t < count; t += gridDim.y) {
+        float* p = (float*)ptrs[4 * t];
+        float* b = (float*)ptrs[4 * t + 1];
+        const G* g = (const G*)ptrs[4 * t + 2];
+        M* model = (M*)ptrs[4 * t + 3];
+        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < lens[t];
+             i += (long long)gridDim.x * blockDim.x) {
+            sgd_at(p, b, b, g, model, i, lr, momentum);
+        }
+    }
+}
+
+template <typename G, typename M>
+__device__ void adamw_multi(const long long* ptrs, const long long* lens, int count, const AdamWConsts& k) {
+    for (int t = blockIdx.y; t < count; t += gridDim.y) {
+        float* p = (float*)ptrs[5 * t];
+        float* m = (float*)ptrs[5 * t + 1];
+        float* v = (float*)ptrs[5 * t + 2];
+        const G* g = (const G*)ptrs[5 * t + 3];
+        M* model = (M*)ptrs[5 * t + 4];
+        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < lens[t];
+             i += (long long)gridDim.x * blockDim.x) {
+            adamw_at(p, m, v, m, v, g, model, i, k);
+        }
     }
 }
 
@@ -75,3 +130,23 @@ WICK_SGD(wick_sgd_momentum_bf16, __nv_bfloat16, __nv_bfloat16)
 WICK_ADAMW_STEP(wick_adamw_step_f32, float, NoCopy)
 WICK_ADAMW_STEP(wick_adamw_step_f16, __half, __half)
 WICK_ADAMW_STEP(wick_adamw_step_bf16, __nv_bfloat16, __nv_bfloat16)
+
+#define WICK_SGD_MULTI(name, G, M)                                                                               \
+    extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, float lr,          \
+                                    float momentum) {                                                           \
+        sgd_multi<G, M>(ptrs, lens, count, lr, momentum);                                                        \
+    }
+
+#define WICK_ADAMW_MULTI(name, G, M)                                                                             \
+    extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, float b1, float b2, \
+                                    float c1, float c2, float eps, float decay, float step_size,                \
+                                    float inv_bc2_sqrt) {                                                       \
+        adamw_multi<G, M>(ptrs, lens, count, AdamWConsts{b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt});  \
+    }
+
+WICK_SGD_MULTI(wick_sgd_momentum_multi_f32, float, NoCopy)
+WICK_SGD_MULTI(wick_sgd_momentum_multi_f16, __half, __half)
+WICK_SGD_MULTI(wick_sgd_momentum_multi_bf16, __nv_bfloat16, __nv_bfloat16)
+WICK_ADAMW_MULTI(wick_adamw_multi_f32, float, NoCopy)
+WICK_ADAMW_MULTI(wick_adamw_multi_f16, __half, __half)
+WICK_ADAMW_MULTI(wick_adamw_multi_bf16, __nv_bfloat16, __nv_bfloat16)

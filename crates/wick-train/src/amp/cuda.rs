@@ -1,7 +1,8 @@
 //! The fused AMP kernels on a CUDA device (feature `cuda`): multi-tensor unscale with inf/NaN
 //! check, the loss-scale update, and AdamW on f32 masters writing the model's low-precision copy,
 //! compiled and embedded by the wick-kernels crate — and the optimizer's step (SGD with momentum,
-//! AdamW) in one launch per parameter, which [`super::MasterWeights`] runs on a CUDA device.
+//! AdamW), per parameter or multi-tensor (every parameter of one gradient dtype in one launch,
+//! which [`super::MasterWeights`] runs on a CUDA device).
 //! Their CPU references are `wick_kernels::reference` and `wick_kernels::cpu::optim`; the
 //! `amp-gpu-check` tool compares the two.
 //!
@@ -33,6 +34,23 @@ pub struct AmpKernels {
     /// The optimizer's step by the gradient's dtype (f32, f16, bf16): SGD with momentum, AdamW.
     sgd_step: [CudaFunction; 3],
     adamw_step: [CudaFunction; 3],
+    /// The same, every parameter of one gradient dtype in one launch (state in place).
+    sgd_multi: [CudaFunction; 3],
+    adamw_multi: [CudaFunction; 3],
+}
+
+/// One parameter's part in [`AmpKernels::optimizer_step_multi_`]: the f32 tensor updated (the
+/// parameter, or the master of a low-precision one), its gradient, its optimizer state (updated
+/// in place) and, for a low-precision parameter, its model copy.
+pub struct StepItem<'a> {
+    /// The f32 parameter or master.
+    pub target: &'a Tensor,
+    /// Its gradient (f32, or the model's dtype).
+    pub grad: &'a Tensor,
+    /// Its f32 state: SGD's momentum buffer, or AdamW's two moments.
+    pub state: &'a [Tensor],
+    /// The model's low-precision copy (None for an f32 parameter, its own master).
+    pub model: Option<&'a Tensor>,
 }
 
 fn dtype_index(dtype: DType) -> Result<usize, TrainError> {
@@ -119,6 +137,16 @@ impl AmpKernels {
                 f(&optim, "wick_adamw_step_f32")?,
                 f(&optim, "wick_adamw_step_f16")?,
                 f(&optim, "wick_adamw_step_bf16")?,
+            ],
+            sgd_multi: [
+                f(&optim, "wick_sgd_momentum_multi_f32")?,
+                f(&optim, "wick_sgd_momentum_multi_f16")?,
+                f(&optim, "wick_sgd_momentum_multi_bf16")?,
+            ],
+            adamw_multi: [
+                f(&optim, "wick_adamw_multi_f32")?,
+                f(&optim, "wick_adamw_multi_f16")?,
+                f(&optim, "wick_adamw_multi_bf16")?,
             ],
             stream,
         })
@@ -293,6 +321,83 @@ impl AmpKernels {
                 launch.arg(&b1).arg(&b2).arg(&c1).arg(&c2).arg(&eps).arg(&decay).arg(&step_size).arg(&inv_bc2_sqrt);
                 // SAFETY: argument types and order match `wick_adamw_step_*`; as above.
                 unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The optimizer's step for many parameters at once, in place (the trainer's use): one launch
+    /// per gradient dtype over every item of that dtype, the same arithmetic as
+    /// [`AmpKernels::optimizer_step_`] element for element (the host's to the bit). Every item is
+    /// checked before anything launches; an error leaves every tensor as it was.
+    pub fn optimizer_step_multi_(&self, items: &[StepItem<'_>], rule: Optimizer, step: i32) -> Result<(), TrainError> {
+        let states = rule.states();
+        let mut groups: [Vec<u64>; 3] = Default::default();
+        let mut lens: [Vec<i64>; 3] = Default::default();
+        for item in items {
+            let n = item.grad.elem_count();
+            if item.state.len() != states {
+                return Err(err(format!("{states} state tensors expected, {} given", item.state.len())));
+            }
+            for t in std::iter::once(item.target).chain(item.state) {
+                if t.dtype() != DType::F32 || t.elem_count() != n {
+                    return Err(err(format!("the target and the state must be f32 with {n} elements")));
+                }
+            }
+            match (item.model, item.grad.dtype()) {
+                (None, DType::F32) => {}
+                (Some(m), d) if d != DType::F32 && m.dtype() == d && m.elem_count() == n => {}
+                _ => return Err(err("an f32 gradient updates its own parameter; a low-precision one its model copy")),
+            }
+            let index = dtype_index(item.grad.dtype())?;
+            let p = |t: &Tensor| address(t, &self.stream);
+            let group = &mut groups[index];
+            group.push(p(item.target)?);
+            for s in item.state {
+                group.push(p(s)?);
+            }
+            group.push(p(item.grad)?);
+            group.push(item.model.map(p).transpose()?.unwrap_or(0));
+            lens[index].push(n as i64);
+        }
+        for (index, (ptrs, lens)) in groups.iter().zip(&lens).enumerate() {
+            if lens.is_empty() {
+                continue;
+            }
+            let longest = lens.iter().copied().max().unwrap_or(1) as usize;
+            let (ptrs_dev, lens_dev) = (
+                self.stream.clone_htod(ptrs).map_err(|e| err(e.to_string()))?,
+                self.stream.clone_htod(lens).map_err(|e| err(e.to_string()))?,
+            );
+            let count = i32::try_from(lens.len()).map_err(|_| err("more parameters than one launch takes"))?;
+            let config = LaunchConfig {
+                grid_dim: (blocks(longest).min(64), (lens.len() as u32).min(65_535), 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            match rule {
+                Optimizer::SgdMomentum { lr, momentum } => {
+                    let (lr, momentum) = (lr as f32, momentum as f32);
+                    let mut launch = self.stream.launch_builder(&self.sgd_multi[index]);
+                    launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count).arg(&lr).arg(&momentum);
+                    // SAFETY: `wick_sgd_momentum_multi_*`'s arguments in order; four live device
+                    // addresses per item (parameter, buffer, gradient, model copy or 0), each of the
+                    // item's length and stated type, kept alive by the caller's tensors.
+                    unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
+                }
+                Optimizer::AdamW(hyper) => {
+                    let AdamW { lr, beta1, beta2, eps, weight_decay } = hyper;
+                    let (bc1, bc2) = hyper.bias_corrections(step);
+                    let (b1, b2, c1, c2) = (beta1 as f32, beta2 as f32, (1.0 - beta1) as f32, (1.0 - beta2) as f32);
+                    let (eps, decay) = (eps as f32, (1.0 - lr * weight_decay) as f32);
+                    let (step_size, inv_bc2_sqrt) = ((lr / bc1) as f32, (1.0 / bc2.sqrt()) as f32);
+                    let mut launch = self.stream.launch_builder(&self.adamw_multi[index]);
+                    launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count);
+                    launch.arg(&b1).arg(&b2).arg(&c1).arg(&c2).arg(&eps).arg(&decay).arg(&step_size).arg(&inv_bc2_sqrt);
+                    // SAFETY: `wick_adamw_multi_*`'s arguments in order; five live device addresses
+                    // per item (parameter, two moments, gradient, model copy or 0), as above.
+                    unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
+                }
             }
         }
         Ok(())

@@ -195,11 +195,17 @@ impl MasterWeights {
     }
 
     /// One update from `grads` (already unscaled), in f32; parameters without a gradient keep
-    /// their values. The model's parameters are then refreshed from the masters.
+    /// their values. The model's parameters are then refreshed from the masters. On a CUDA device
+    /// with wick's kernels every parameter is updated in one launch per gradient dtype, the state
+    /// in place (the host's arithmetic to the bit); elsewhere on a device, composed tensor ops.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
         self.step += 1;
         let t = self.step as i32;
-        for e in &mut self.entries {
+        // The entries for the fused multi-tensor step, with their gradients.
+        #[cfg(feature = "cuda")]
+        let mut batch = Batch::default();
+        for i in 0..self.entries.len() {
+            let e = &mut self.entries[i];
             let Some(g) = grads.get(e.model.as_tensor()) else { continue };
             // Detached: candle's parameter gradients carry the graph of the ops that made them
             // (activations included), and state built from them would keep it alive across steps.
@@ -211,44 +217,84 @@ impl MasterWeights {
                 }
                 continue;
             }
+            // The kernels are loaded on the first device's stream: a master on another device
+            // (one model over several GPUs) takes the composed update.
             #[cfg(feature = "cuda")]
-            if let Some(kernels) = fused(&mut self.device, &e.master) {
-                // One launch: the master and the state in place (this entry's own tensors: the
-                // snapshots of `state` and `load_state` are copies), the model's low-precision
-                // copy written (an f32 parameter is its own master).
-                let g = g.detach().contiguous()?;
-                let model = (e.model.dtype() != DType::F32).then(|| e.model.as_tensor());
-                if kernels.optimizer_step_(&e.master, &g, (&e.state, &e.state), model, self.optimizer, t).is_ok() {
-                    continue;
-                }
+            if let Some(kernels) = fused(&mut self.device, &e.master).filter(|_| batch.takes(e.master.device())) {
+                // Each master's own tensors, in place (the snapshots of `state` and `load_state`
+                // are copies): collected, then one launch per gradient dtype below.
+                batch.entries.push((i, g.detach().contiguous()?));
+                batch.kernels = Some(kernels);
+                batch.device = Some(e.master.device().clone());
+                continue;
             }
-            let g = g.detach().to_dtype(DType::F32)?;
-            match self.optimizer {
-                Optimizer::SgdMomentum { lr, momentum } => {
-                    let b = ((&e.state[0] * momentum)? + &g)?;
-                    e.master = (&e.master - (&b * lr)?)?;
-                    e.state[0] = b;
-                }
-                Optimizer::AdamW(AdamW { lr, beta1, beta2, eps, weight_decay }) => {
-                    let m = ((&e.state[0] * beta1)? + (&g * (1.0 - beta1))?)?;
-                    let v = ((&e.state[1] * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
-                    let m_hat = (&m / (1.0 - beta1.powi(t)))?;
-                    let v_hat = (&v / (1.0 - beta2.powi(t)))?;
-                    let decayed = (&e.master * (1.0 - lr * weight_decay))?;
-                    e.master = (decayed - ((m_hat / (v_hat.sqrt()? + eps)?)? * lr)?)?;
-                    e.state = vec![m, v];
-                }
-            }
-            if e.model.dtype() == DType::F32 {
-                // Its own master: write the new value into the parameter and keep sharing it.
-                e.model.set(&e.master)?;
-                e.master = e.model.as_tensor().detach();
-            } else {
-                e.model.set(&e.master.to_dtype(e.model.dtype())?)?;
-            }
+            composed_step(e, g, self.optimizer, t)?;
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(kernels) = batch.kernels {
+            let items: Vec<super::cuda::StepItem<'_>> = batch
+                .entries
+                .iter()
+                .map(|(i, g)| {
+                    let e = &self.entries[*i];
+                    let model = (e.model.dtype() != DType::F32).then(|| e.model.as_tensor());
+                    super::cuda::StepItem { target: &e.master, grad: g, state: &e.state, model }
+                })
+                .collect();
+            kernels
+                .optimizer_step_multi_(&items, self.optimizer, t)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         }
         Ok(())
     }
+}
+
+/// The parameters of one step that take the fused multi-tensor update on a CUDA device.
+#[cfg(feature = "cuda")]
+#[derive(Default)]
+struct Batch {
+    /// (entry index, its gradient made contiguous).
+    entries: Vec<(usize, Tensor)>,
+    kernels: Option<std::sync::Arc<super::cuda::AmpKernels>>,
+    /// The device of the kernels' stream (the first batched master's).
+    device: Option<candle_core::Device>,
+}
+
+#[cfg(feature = "cuda")]
+impl Batch {
+    /// True when a master on `device` can join: the kernels launch on one device's stream.
+    fn takes(&self, device: &candle_core::Device) -> bool {
+        self.device.as_ref().is_none_or(|d| d.same_device(device))
+    }
+}
+
+/// One parameter's update as composed tensor ops (a device without wick's kernels).
+fn composed_step(e: &mut Entry, g: &Tensor, optimizer: Optimizer, t: i32) -> Result<()> {
+    let g = g.detach().to_dtype(DType::F32)?;
+    match optimizer {
+        Optimizer::SgdMomentum { lr, momentum } => {
+            let b = ((&e.state[0] * momentum)? + &g)?;
+            e.master = (&e.master - (&b * lr)?)?;
+            e.state[0] = b;
+        }
+        Optimizer::AdamW(AdamW { lr, beta1, beta2, eps, weight_decay }) => {
+            let m = ((&e.state[0] * beta1)? + (&g * (1.0 - beta1))?)?;
+            let v = ((&e.state[1] * beta2)? + (g.sqr()? * (1.0 - beta2))?)?;
+            let m_hat = (&m / (1.0 - beta1.powi(t)))?;
+            let v_hat = (&v / (1.0 - beta2.powi(t)))?;
+            let decayed = (&e.master * (1.0 - lr * weight_decay))?;
+            e.master = (decayed - ((m_hat / (v_hat.sqrt()? + eps)?)? * lr)?)?;
+            e.state = vec![m, v];
+        }
+    }
+    if e.model.dtype() == DType::F32 {
+        // Its own master: write the new value into the parameter and keep sharing it.
+        e.model.set(&e.master)?;
+        e.master = e.model.as_tensor().detach();
+    } else {
+        e.model.set(&e.master.to_dtype(e.model.dtype())?)?;
+    }
+    Ok(())
 }
 
 /// Everything [`MasterWeights`] needs to continue exactly where it was: the step count (AdamW's
