@@ -2,11 +2,12 @@
 //! and each backward one launch over contiguous tensors, computing in f32 (f64 for f64) and
 //! rounding once, as the host bodies in `crate::native::act` do.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{Layout, Result, Shape, Storage, Tensor, WithDType};
 
-use super::{by_cuda_elem, elementwise, err, function, output, storage_of, suffix, tensor, view};
+use super::{by_cuda_elem, elementwise, err, function, output, suffix, tensor, view, with_cuda};
 
 const MODULE: &str = "nn_act";
 
@@ -50,8 +51,6 @@ pub(crate) fn forward(kernel: &str, inputs: &[(&CudaStorage, &Layout)], param: f
     Ok((storage, layout.shape().clone()))
 }
 
-use candle_core::backend::BackendStorage;
-
 /// Runs `f` over the CUDA storages and layouts of same-shaped, same-dtype tensors (made
 /// contiguous first).
 fn with_storages<R>(what: &str, ts: &[&Tensor], f: impl FnOnce(&[(&CudaStorage, &Layout)]) -> Result<R>) -> Result<R> {
@@ -59,16 +58,7 @@ fn with_storages<R>(what: &str, ts: &[&Tensor], f: impl FnOnce(&[(&CudaStorage, 
     if ts.iter().any(|t| t.shape() != first.shape() || t.dtype() != first.dtype()) {
         return Err(err(format!("{what}: inputs of different shapes or dtypes")));
     }
-    let owned = ts.iter().map(|t| storage_of(t)).collect::<Result<Vec<_>>>()?;
-    let guards = owned.iter().map(|t| t.storage_and_layout()).collect::<Vec<_>>();
-    let mut pairs = Vec::with_capacity(guards.len());
-    for (s, l) in &guards {
-        match &**s {
-            Storage::Cuda(c) => pairs.push((c, *l)),
-            _ => return Err(err(format!("{what}: tensor is not on a CUDA device"))),
-        }
-    }
-    f(&pairs)
+    with_cuda(what, ts, f)
 }
 
 /// A gradient: `kernel` over same-shaped tensors (the op's inputs, then the output gradient), a
@@ -119,27 +109,24 @@ pub(crate) fn silu_mul_packed(s: &CudaStorage, l: &Layout, width: usize, shape: 
 
 /// The packed `silu(a)·b`'s gradient: `du` shaped like `u`, each row's `a` part then `b` part.
 pub(crate) fn silu_mul_packed_grad(u: &Tensor, g: &Tensor, width: usize) -> Result<Tensor> {
-    let (u, g) = (storage_of(u)?, storage_of(g)?);
-    let (su, lu) = u.storage_and_layout();
-    let (sg, lg) = g.storage_and_layout();
-    let (Storage::Cuda(su), Storage::Cuda(sg)) = (&*su, &*sg) else {
-        return Err(err("silu_mul backward: tensor is not on a CUDA device"));
-    };
-    let dev = su.device();
-    by_cuda_elem!(u.dtype(), E => {
-        let (uv, gv) = (view::<E>(su, lu)?, view::<E>(sg, lg)?);
-        let rows = uv.len() / (2 * width).max(1);
-        if gv.len() != rows * width {
-            return Err(err(format!("silu_mul backward: gradient of {} elements for {rows} × {width}", gv.len())));
-        }
-        let f = function(dev, MODULE, &format!("wick_silu_mul_packed_grad_{}", suffix(E::DTYPE)?))?;
-        let mut du = output::<E>(dev, uv.len())?;
-        let (r, w) = (rows as i64, width as i64);
-        let stream = dev.cuda_stream();
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&uv).arg(&gv).arg(&mut du).arg(&r).arg(&w);
-        // SAFETY: u and du hold rows × 2·width elements, g rows × width; then the two counts.
-        unsafe { launch.launch(elementwise(rows * width)) }.map_err(|e| err(format!("silu_mul backward: {e}")))?;
-        Ok(tensor(du, dev, u.shape()))
+    with_cuda("silu_mul backward", &[u, g], |p| {
+        let [(su, lu), (sg, lg)] = [p[0], p[1]];
+        let dev = su.device();
+        by_cuda_elem!(u.dtype(), E => {
+            let (uv, gv) = (view::<E>(su, lu)?, view::<E>(sg, lg)?);
+            let rows = uv.len() / (2 * width).max(1);
+            if gv.len() != rows * width {
+                return Err(err(format!("silu_mul backward: gradient of {} elements for {rows} × {width}", gv.len())));
+            }
+            let f = function(dev, MODULE, &format!("wick_silu_mul_packed_grad_{}", suffix(E::DTYPE)?))?;
+            let mut du = output::<E>(dev, uv.len())?;
+            let (r, w) = (rows as i64, width as i64);
+            let stream = dev.cuda_stream();
+            let mut launch = stream.launch_builder(&f);
+            launch.arg(&uv).arg(&gv).arg(&mut du).arg(&r).arg(&w);
+            // SAFETY: u and du hold rows × 2·width elements, g rows × width; then the two counts.
+            unsafe { launch.launch(elementwise(rows * width)) }.map_err(|e| err(format!("silu_mul backward: {e}")))?;
+            Ok(tensor(du, dev, u.shape()))
+        })
     })
 }

@@ -9,7 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceR
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 
-use super::{by_cuda_elem, err, function, output, storage_of, suffix, tensor, view};
+use super::{by_cuda_elem, err, function, output, suffix, tensor, view, with_cuda};
 
 const MODULE: &str = "nn_attention";
 
@@ -107,20 +107,17 @@ fn warps(rows: usize) -> LaunchConfig {
     }
 }
 
-/// The bias's address (0: none) and strides, with the guard that keeps its storage read.
-fn bias_arg(bias: Option<&DeviceBias>) -> Result<(Option<Tensor>, BiasStrides)> {
-    Ok(match bias {
-        Some(b) => (Some(b.values.clone()), b.strides),
-        None => (None, BiasStrides::default()),
-    })
+/// The bias's strides (zeros without one: the kernels then read none).
+fn bias_strides(bias: Option<&DeviceBias>) -> BiasStrides {
+    bias.map_or(BiasStrides::default(), |b| b.strides)
 }
 
 /// Runs `f` with the bias's view (or a null pointer) in compute type `T`.
 macro_rules! with_bias {
     ($bias:expr, $t:ty, |$arg:ident| $body:expr) => {{
-        match &$bias {
+        match $bias {
             Some(b) => {
-                let (s, l) = b.storage_and_layout();
+                let (s, l) = b.values.storage_and_layout();
                 let Storage::Cuda(s) = &*s else { return Err(err("attention: the bias is not on a CUDA device")) };
                 let slice = s.as_cuda_slice::<$t>()?;
                 let view = slice.slice(l.start_offset()..);
@@ -147,7 +144,7 @@ pub(crate) fn forward(
     let dev = q.0.device();
     let n = geometry.dims()?;
     let [lq, lk, lv, lo] = geometry.lays;
-    let (bias, bs) = bias_arg(bias)?;
+    let bs = bias_strides(bias);
     let rows = geometry.rows(false);
     by_cuda_elem!(q.0.dtype(), E => {
         let (qv, kv, vv) = (view::<E>(q.0, q.1)?, view::<E>(k.0, k.1)?, view::<E>(v.0, v.1)?);
@@ -193,79 +190,70 @@ pub(crate) fn backward(
 ) -> Result<Vec<Tensor>> {
     let n = geometry.dims()?;
     let [lq, lk, lv, lo] = geometry.lays;
-    let (bias, bs) = bias_arg(bias)?;
+    let bs = bias_strides(bias);
     let (rows_q, rows_k) = (geometry.rows(false), geometry.rows(true));
     if lse.len() != rows_q {
         return Err(err("attention backward: no forward statistics for these inputs"));
     }
-    let owned = [q, k, v, out, g].map(storage_of);
-    let [q, k, v, out, g] = owned;
-    let (q, k, v, out, g) = (q?, k?, v?, out?, g?);
     if g.shape() != out.shape() || g.dtype() != out.dtype() {
         return Err(err(format!("attention backward: gradient {:?} for output {:?}", g.shape(), out.shape())));
     }
-    let guards = [&q, &k, &v, &out, &g].map(|t| t.storage_and_layout());
-    let mut cs = Vec::with_capacity(5);
-    for (s, l) in &guards {
-        match &**s {
-            Storage::Cuda(c) => cs.push((c, *l)),
-            _ => return Err(err("attention backward: tensor is not on a CUDA device")),
-        }
-    }
-    let dev = cs[0].0.device();
-    let stream = dev.cuda_stream();
-    by_cuda_elem!(q.dtype(), E => {
-        let views = cs.iter().map(|(s, l)| view::<E>(s, l)).collect::<Result<Vec<_>>>()?;
-        let (qv, kv, vv, ov, gv) = (&views[0], &views[1], &views[2], &views[3], &views[4]);
-        let sfx = suffix(E::DTYPE)?;
-        let mut dsum = output::<f64>(dev, rows_q)?;
-        // One buffer for the packed form (its three parts interleave row by row), three apart.
-        let mut buffers = if packed {
-            vec![output::<E>(dev, q.elem_count())?]
-        } else {
-            vec![output::<E>(dev, q.elem_count())?, output::<E>(dev, k.elem_count())?, output::<E>(dev, v.elem_count())?]
-        };
-        {
-            let mut ptrs = Vec::with_capacity(3);
-            let mut syncs = Vec::with_capacity(3);
-            for b in buffers.iter_mut() {
-                let (p, sync) = b.device_ptr_mut(&stream);
-                ptrs.push(p);
-                syncs.push(sync);
-            }
-            let (pdq, pdk, pdv) = if packed { (ptrs[0], ptrs[0], ptrs[0]) } else { (ptrs[0], ptrs[1], ptrs[2]) };
-            let (ldq, ldk, ldv) = (lq, lk, lv);
-            let (fdq, fdkdv) = (
-                function(dev, MODULE, &format!("wick_attention_dq_{sfx}"))?,
-                function(dev, MODULE, &format!("wick_attention_dkdv_{sfx}"))?,
-            );
-            macro_rules! go {
-                ($t:ty) => {
-                    with_bias!(bias, $t, |b| {
-                        let mut launch = stream.launch_builder(&fdq);
-                        launch.arg(qv).arg(kv).arg(vv).arg(b).arg(ov).arg(gv).arg(lse).arg(&mut dsum).arg(&pdq);
-                        launch.arg(&lq).arg(&lk).arg(&lv).arg(&lo).arg(&ldq).arg(&n).arg(&bs);
-                        // SAFETY: (q, k, v: E; bias: compute type or null; out, dout: E; lse: f64;
-                        // dsum: f64, one a query row; dq: a device address of E with room for
-                        // every row `ldq` names; layouts, dims, strides by value), in order.
-                        unsafe { launch.launch(warps(rows_q)) }.map_err(|e| err(format!("attention backward: {e}")))?;
-                        let mut launch = stream.launch_builder(&fdkdv);
-                        launch.arg(qv).arg(kv).arg(vv).arg(b).arg(gv).arg(lse).arg(&dsum).arg(&pdk).arg(&pdv);
-                        launch.arg(&lq).arg(&lk).arg(&lv).arg(&lo).arg(&ldk).arg(&ldv).arg(&n).arg(&bs);
-                        // SAFETY: as above, dk and dv addresses with room for every row their
-                        // layouts name; ordered after the dq kernel (one stream), which wrote dsum.
-                        unsafe { launch.launch(warps(rows_k)) }.map_err(|e| err(format!("attention backward: {e}")))?;
-                    })
-                };
-            }
-            if E::DTYPE == DType::F64 {
-                go!(f64)
+    with_cuda("attention backward", &[q, k, v, out, g], |cs| {
+        let dev = cs[0].0.device();
+        let stream = dev.cuda_stream();
+        by_cuda_elem!(q.dtype(), E => {
+            let views = cs.iter().map(|(s, l)| view::<E>(s, l)).collect::<Result<Vec<_>>>()?;
+            let (qv, kv, vv, ov, gv) = (&views[0], &views[1], &views[2], &views[3], &views[4]);
+            let sfx = suffix(E::DTYPE)?;
+            let mut dsum = output::<f64>(dev, rows_q)?;
+            // One buffer for the packed form (its three parts interleave row by row), three apart.
+            let mut buffers = if packed {
+                vec![output::<E>(dev, q.elem_count())?]
             } else {
-                go!(f32)
+                vec![output::<E>(dev, q.elem_count())?, output::<E>(dev, k.elem_count())?, output::<E>(dev, v.elem_count())?]
+            };
+            {
+                let mut ptrs = Vec::with_capacity(3);
+                let mut syncs = Vec::with_capacity(3);
+                for b in buffers.iter_mut() {
+                    let (p, sync) = b.device_ptr_mut(&stream);
+                    ptrs.push(p);
+                    syncs.push(sync);
+                }
+                let (pdq, pdk, pdv) = if packed { (ptrs[0], ptrs[0], ptrs[0]) } else { (ptrs[0], ptrs[1], ptrs[2]) };
+                let (ldq, ldk, ldv) = (lq, lk, lv);
+                let (fdq, fdkdv) = (
+                    function(dev, MODULE, &format!("wick_attention_dq_{sfx}"))?,
+                    function(dev, MODULE, &format!("wick_attention_dkdv_{sfx}"))?,
+                );
+                macro_rules! go {
+                    ($t:ty) => {
+                        with_bias!(bias, $t, |b| {
+                            let mut launch = stream.launch_builder(&fdq);
+                            launch.arg(qv).arg(kv).arg(vv).arg(b).arg(ov).arg(gv).arg(lse).arg(&mut dsum).arg(&pdq);
+                            launch.arg(&lq).arg(&lk).arg(&lv).arg(&lo).arg(&ldq).arg(&n).arg(&bs);
+                            // SAFETY: (q, k, v: E; bias: compute type or null; out, dout: E; lse: f64;
+                            // dsum: f64, one a query row; dq: a device address of E with room for
+                            // every row `ldq` names; layouts, dims, strides by value), in order.
+                            unsafe { launch.launch(warps(rows_q)) }.map_err(|e| err(format!("attention backward: {e}")))?;
+                            let mut launch = stream.launch_builder(&fdkdv);
+                            launch.arg(qv).arg(kv).arg(vv).arg(b).arg(gv).arg(lse).arg(&dsum).arg(&pdk).arg(&pdv);
+                            launch.arg(&lq).arg(&lk).arg(&lv).arg(&lo).arg(&ldk).arg(&ldv).arg(&n).arg(&bs);
+                            // SAFETY: as above, dk and dv addresses with room for every row their
+                            // layouts name; ordered after the dq kernel (one stream), which wrote dsum.
+                            unsafe { launch.launch(warps(rows_k)) }.map_err(|e| err(format!("attention backward: {e}")))?;
+                        })
+                    };
+                }
+                if E::DTYPE == DType::F64 {
+                    go!(f64)
+                } else {
+                    go!(f32)
+                }
+                drop(syncs);
             }
-            drop(syncs);
-        }
-        let shapes = if packed { vec![q.shape().clone()] } else { vec![q.shape().clone(), k.shape().clone(), v.shape().clone()] };
-        Ok(buffers.into_iter().zip(shapes).map(|(b, s)| tensor(b, dev, s)).collect())
+            let shapes = if packed { vec![q.shape().clone()] } else { vec![q.shape().clone(), k.shape().clone(), v.shape().clone()] };
+            Ok(buffers.into_iter().zip(shapes).map(|(b, s)| tensor(b, dev, s)).collect())
+        })
     })
 }

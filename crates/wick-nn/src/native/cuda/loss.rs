@@ -9,24 +9,15 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
-use candle_core::{DType, Layout, Result, Shape, Storage, Tensor, WithDType};
+use candle_core::{DType, Layout, Result, Shape, Tensor, WithDType};
 
-use super::{by_cuda_elem, elementwise, err, function, output, storage_of, suffix, tensor, view, THREADS};
+use super::{by_cuda_elem, elementwise, err, function, output, suffix, tensor, view, with_cuda, THREADS};
 
 const MODULE: &str = "nn_rows";
 
 /// One block a row, at most 65 535 (the kernels loop over the rest).
 fn per_row(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows.clamp(1, 65_535) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
-}
-
-/// The CUDA storage of a contiguous tensor.
-fn cuda_of(t: &Tensor) -> Result<(impl std::ops::Deref<Target = Storage> + '_, &Layout)> {
-    let (s, l) = t.storage_and_layout();
-    if !matches!(&*s, Storage::Cuda(_)) {
-        return Err(err("tensor is not on a CUDA device"));
-    }
-    Ok((s, l))
 }
 
 /// Integer ids or targets as a contiguous u32 tensor on `device` (where the table or the logits are).
@@ -45,36 +36,37 @@ pub(crate) fn cross_entropy(
         return Err(err(format!("cross_entropy: {} targets for {n} rows", targets.elem_count())));
     }
     let dev = s.device();
-    let (ts, tl) = cuda_of(targets)?;
-    let Storage::Cuda(ts) = &*ts else { return Err(err("cross_entropy: targets are not on a CUDA device")) };
-    let tv = view::<u32>(ts, tl)?;
-    let stream = dev.cuda_stream();
-    let (mut lse, mut loss) = (output::<f64>(dev, n)?, output::<f64>(dev, n)?);
-    let (nn, cc) = (n as i64, c as i64);
-    by_cuda_elem!(s.dtype(), E => {
-        let x = view::<E>(s, l)?;
-        let f = function(dev, MODULE, &format!("wick_cross_entropy_rows_{}", suffix(E::DTYPE)?))?;
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&x).arg(&tv).arg(&mut lse).arg(&mut loss).arg(&nn).arg(&cc);
-        // SAFETY: (x: n × c of E; targets: n u32; lse, loss: n f64; n, c), in order.
-        unsafe { launch.launch(per_row(n)) }.map_err(|e| err(format!("cross_entropy: {e}")))?;
-        Ok(())
-    })?;
-    let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    // The mean in the loss's dtype (f32, or f64 for f64 logits), summed by one block in order.
-    macro_rules! mean {
-        ($t:ty, $name:literal) => {{
-            let mut out = output::<$t>(dev, 1)?;
-            let f = function(dev, MODULE, $name)?;
+    with_cuda("cross_entropy", &[targets], |t| {
+        let (ts, tl) = t[0];
+        let tv = view::<u32>(ts, tl)?;
+        let stream = dev.cuda_stream();
+        let (mut lse, mut loss) = (output::<f64>(dev, n)?, output::<f64>(dev, n)?);
+        let (nn, cc) = (n as i64, c as i64);
+        by_cuda_elem!(s.dtype(), E => {
+            let x = view::<E>(s, l)?;
+            let f = function(dev, MODULE, &format!("wick_cross_entropy_rows_{}", suffix(E::DTYPE)?))?;
             let mut launch = stream.launch_builder(&f);
-            launch.arg(&loss).arg(&mut out).arg(&nn);
-            // SAFETY: (loss: n f64; out: one element of the loss's type; n).
-            unsafe { launch.launch(one) }.map_err(|e| err(format!("cross_entropy: {e}")))?;
-            CudaStorage::wrap_cuda_slice(out, dev.clone())
-        }};
-    }
-    let out = if s.dtype() == DType::F64 { mean!(f64, "wick_mean_f64") } else { mean!(f32, "wick_mean_f32") };
-    Ok((out, lse))
+            launch.arg(&x).arg(&tv).arg(&mut lse).arg(&mut loss).arg(&nn).arg(&cc);
+            // SAFETY: (x: n × c of E; targets: n u32; lse, loss: n f64; n, c), in order.
+            unsafe { launch.launch(per_row(n)) }.map_err(|e| err(format!("cross_entropy: {e}")))?;
+            Ok(())
+        })?;
+        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        // The mean in the loss's dtype (f32, or f64 for f64 logits), summed by one block in order.
+        macro_rules! mean {
+            ($t:ty, $name:literal) => {{
+                let mut out = output::<$t>(dev, 1)?;
+                let f = function(dev, MODULE, $name)?;
+                let mut launch = stream.launch_builder(&f);
+                launch.arg(&loss).arg(&mut out).arg(&nn);
+                // SAFETY: (loss: n f64; out: one element of the loss's type; n).
+                unsafe { launch.launch(one) }.map_err(|e| err(format!("cross_entropy: {e}")))?;
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        let out = if s.dtype() == DType::F64 { mean!(f64, "wick_mean_f64") } else { mean!(f32, "wick_mean_f32") };
+        Ok((out, lse))
+    })
 }
 
 /// Cross-entropy's input gradient for the loss gradient `g` (one element).
@@ -84,37 +76,34 @@ pub(crate) fn cross_entropy_grad(x: &Tensor, targets: &Tensor, lse: &CudaSlice<f
         return Err(err("cross_entropy backward: no forward statistics for these logits"));
     }
     let compute = if x.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-    let (x, g) = (storage_of(x)?, storage_of(&g.to_dtype(compute)?)?);
-    let (xs, xl) = cuda_of(&x)?;
-    let (gs, gl) = cuda_of(&g)?;
-    let (ts, tl) = cuda_of(targets)?;
-    let (Storage::Cuda(xs), Storage::Cuda(gs), Storage::Cuda(ts)) = (&*xs, &*gs, &*ts) else {
-        return Err(err("cross_entropy backward: tensor is not on a CUDA device"));
-    };
-    let dev = xs.device();
-    let stream = dev.cuda_stream();
-    let tv = view::<u32>(ts, tl)?;
-    let (nn, cc) = (n as i64, c as i64);
-    by_cuda_elem!(x.dtype(), E => {
-        let xv = view::<E>(xs, xl)?;
-        let f = function(dev, MODULE, &format!("wick_cross_entropy_grad_{}", suffix(E::DTYPE)?))?;
-        let mut dx = output::<E>(dev, n * c)?;
-        macro_rules! go {
-            ($t:ty) => {{
-                let gv = view::<$t>(gs, gl)?;
-                let mut launch = stream.launch_builder(&f);
-                launch.arg(&xv).arg(&tv).arg(lse).arg(&gv).arg(&mut dx).arg(&nn).arg(&cc);
-                // SAFETY: (x: n × c of E; targets: n u32; lse: n f64; g: one of the compute type;
-                // dx: n × c of E; n, c), in order.
-                unsafe { launch.launch(elementwise(n * c)) }.map_err(|e| err(format!("cross_entropy backward: {e}")))?;
-            }};
-        }
-        if compute == DType::F64 {
-            go!(f64)
-        } else {
-            go!(f32)
-        }
-        Ok(tensor(dx, dev, x.shape()))
+    let g = g.to_dtype(compute)?;
+    with_cuda("cross_entropy backward", &[x, &g, targets], |p| {
+        let [(xs, xl), (gs, gl), (ts, tl)] = [p[0], p[1], p[2]];
+        let dev = xs.device();
+        let stream = dev.cuda_stream();
+        let tv = view::<u32>(ts, tl)?;
+        let (nn, cc) = (n as i64, c as i64);
+        by_cuda_elem!(x.dtype(), E => {
+                let xv = view::<E>(xs, xl)?;
+                let f = function(dev, MODULE, &format!("wick_cross_entropy_grad_{}", suffix(E::DTYPE)?))?;
+                let mut dx = output::<E>(dev, n * c)?;
+                macro_rules! go {
+                    ($t:ty) => {{
+                        let gv = view::<$t>(gs, gl)?;
+                        let mut launch = stream.launch_builder(&f);
+                        launch.arg(&xv).arg(&tv).arg(lse).arg(&gv).arg(&mut dx).arg(&nn).arg(&cc);
+                        // SAFETY: (x: n × c of E; targets: n u32; lse: n f64; g: one of the compute type;
+                        // dx: n × c of E; n, c), in order.
+                        unsafe { launch.launch(elementwise(n * c)) }.map_err(|e| err(format!("cross_entropy backward: {e}")))?;
+                    }};
+                }
+                if compute == DType::F64 {
+                    go!(f64)
+                } else {
+                    go!(f32)
+                }
+            Ok(tensor(dx, dev, x.shape()))
+        })
     })
 }
 
@@ -123,21 +112,21 @@ pub(crate) fn embedding((s, l): (&CudaStorage, &Layout), ids: &Tensor) -> Result
     let &[_, d] = l.shape().dims() else { return Err(err(format!("embedding: table {:?}", l.shape()))) };
     let n = ids.elem_count();
     let dev = s.device();
-    let (is, il) = cuda_of(ids)?;
-    let Storage::Cuda(is) = &*is else { return Err(err("embedding: ids are not on a CUDA device")) };
-    let iv = view::<u32>(is, il)?;
-    let storage = by_cuda_elem!(s.dtype(), E => {
-        let table = view::<E>(s, l)?;
-        let f = function(dev, MODULE, &format!("wick_embedding_{}", suffix(E::DTYPE)?))?;
-        let mut y = output::<E>(dev, n * d)?;
-        let (nn, dd) = (n as i64, d as i64);
-        let stream = dev.cuda_stream();
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&table).arg(&iv).arg(&mut y).arg(&nn).arg(&dd);
-        // SAFETY: (table: v × d of E; ids: n u32, each below v (checked by the caller); y: n × d
-        // of E; n, d), in order.
-        unsafe { launch.launch(elementwise(n * d)) }.map_err(|e| err(format!("embedding: {e}")))?;
-        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    let storage = with_cuda("embedding", &[ids], |i| {
+        let iv = view::<u32>(i[0].0, i[0].1)?;
+        by_cuda_elem!(s.dtype(), E => {
+            let table = view::<E>(s, l)?;
+            let f = function(dev, MODULE, &format!("wick_embedding_{}", suffix(E::DTYPE)?))?;
+            let mut y = output::<E>(dev, n * d)?;
+            let (nn, dd) = (n as i64, d as i64);
+            let stream = dev.cuda_stream();
+            let mut launch = stream.launch_builder(&f);
+            launch.arg(&table).arg(&iv).arg(&mut y).arg(&nn).arg(&dd);
+            // SAFETY: (table: v × d of E; ids: n u32, each below v (checked by the caller); y: n × d
+            // of E; n, d), in order.
+            unsafe { launch.launch(elementwise(n * d)) }.map_err(|e| err(format!("embedding: {e}")))?;
+            Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+        })
     })?;
     Ok((storage, Shape::from((n, d))))
 }
@@ -176,29 +165,24 @@ pub(crate) fn embedding_grad(table: &Tensor, ids: &[usize], padding: Option<usiz
         Tensor::from_vec(v, n, device)
     };
     let (order, start, run_id) = (upload(order)?, upload(start)?, upload(run_id)?);
-    let g = storage_of(g)?;
-    let (gs, gl) = cuda_of(&g)?;
-    let (os, ol) = cuda_of(&order)?;
-    let (ss, sl) = cuda_of(&start)?;
-    let (rs, rl) = cuda_of(&run_id)?;
-    let (Storage::Cuda(gs), Storage::Cuda(os), Storage::Cuda(ss), Storage::Cuda(rs)) = (&*gs, &*os, &*ss, &*rs) else {
-        return Err(err("embedding backward: tensor is not on a CUDA device"));
-    };
-    let dev = gs.device();
-    let (ov, sv, rv) = (view::<u32>(os, ol)?, view::<u32>(ss, sl)?, view::<u32>(rs, rl)?);
-    by_cuda_elem!(table.dtype(), E => {
-        let gv = view::<E>(gs, gl)?;
-        let mut dt = zeros::<E>(dev, v * d)?;
-        if runs > 0 {
-            let f = function(dev, MODULE, &format!("wick_embedding_grad_{}", suffix(E::DTYPE)?))?;
-            let (r, dd) = (runs as i64, d as i64);
-            let stream = dev.cuda_stream();
-            let mut launch = stream.launch_builder(&f);
-            launch.arg(&gv).arg(&ov).arg(&sv).arg(&rv).arg(&r).arg(&mut dt).arg(&dd);
-            // SAFETY: (g: n × d of E; order: the kept positions; start: runs + 1 offsets into
-            // order; run_id: runs ids below v; runs; dt: v × d of E; d), in order.
-            unsafe { launch.launch(per_row(runs)) }.map_err(|e| err(format!("embedding backward: {e}")))?;
-        }
-        Ok(tensor(dt, dev, table.shape()))
+    with_cuda("embedding backward", &[g, &order, &start, &run_id], |p| {
+        let [(gs, gl), (os, ol), (ss, sl), (rs, rl)] = [p[0], p[1], p[2], p[3]];
+        let dev = gs.device();
+        let (ov, sv, rv) = (view::<u32>(os, ol)?, view::<u32>(ss, sl)?, view::<u32>(rs, rl)?);
+        by_cuda_elem!(table.dtype(), E => {
+            let gv = view::<E>(gs, gl)?;
+            let mut dt = zeros::<E>(dev, v * d)?;
+            if runs > 0 {
+                let f = function(dev, MODULE, &format!("wick_embedding_grad_{}", suffix(E::DTYPE)?))?;
+                let (r, dd) = (runs as i64, d as i64);
+                let stream = dev.cuda_stream();
+                let mut launch = stream.launch_builder(&f);
+                launch.arg(&gv).arg(&ov).arg(&sv).arg(&rv).arg(&r).arg(&mut dt).arg(&dd);
+                // SAFETY: (g: n × d of E; order: the kept positions; start: runs + 1 offsets into
+                // order; run_id: runs ids below v; runs; dt: v × d of E; d), in order.
+                unsafe { launch.launch(per_row(runs)) }.map_err(|e| err(format!("embedding backward: {e}")))?;
+            }
+            Ok(tensor(dt, dev, table.shape()))
+        })
     })
 }

@@ -136,13 +136,23 @@ pub(crate) fn tensor<E: CudaDType>(slice: CudaSlice<E>, dev: &CudaDevice, shape:
     Tensor::from_storage(storage, shape, BackpropOp::none(), false)
 }
 
-/// `t`'s CUDA storage (made contiguous first) and layout, for a backward pass's inputs.
-pub(crate) fn storage_of(t: &Tensor) -> Result<Tensor> {
-    let t = t.contiguous()?;
-    if !matches!(t.device(), Device::Cuda(_)) {
-        return Err(err("tensor is not on a CUDA device"));
+/// Runs `f` over the CUDA storages and layouts of `ts`, each made contiguous first (a backward
+/// pass's inputs, ids, tables); `what` names the op in the error when one is not on a CUDA device.
+pub(crate) fn with_cuda<R>(
+    what: &str,
+    ts: &[&Tensor],
+    f: impl FnOnce(&[(&CudaStorage, &Layout)]) -> Result<R>,
+) -> Result<R> {
+    let owned = ts.iter().map(|t| t.contiguous()).collect::<Result<Vec<_>>>()?;
+    let guards = owned.iter().map(|t| t.storage_and_layout()).collect::<Vec<_>>();
+    let mut pairs = Vec::with_capacity(guards.len());
+    for (s, l) in &guards {
+        match &**s {
+            Storage::Cuda(c) => pairs.push((c, *l)),
+            _ => return Err(err(format!("{what}: tensor is not on a CUDA device"))),
+        }
     }
-    Ok(t)
+    f(&pairs)
 }
 
 /// Runs `$body` with `$e` the storage type of `$dtype` (f32, f16, bf16, f64).

@@ -6,9 +6,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaStorage;
-use candle_core::{DType, Layout, Result, Shape, Storage, Tensor, WithDType};
+use candle_core::{DType, Layout, Result, Shape, Tensor, WithDType};
 
-use super::{by_cuda_elem, elementwise, err, function, output, storage_of, suffix, tensor, view, THREADS};
+use super::{by_cuda_elem, elementwise, err, function, output, suffix, tensor, view, with_cuda, THREADS};
 
 const MODULE: &str = "nn_norm";
 
@@ -113,8 +113,7 @@ pub(crate) fn backward(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let d = x.dims().last().copied().unwrap_or(1).max(1);
     let c = compute(x.dtype());
-    let (x, g) = (storage_of(x)?, storage_of(g)?);
-    let w = storage_of(&w.to_dtype(c)?)?;
+    let w = w.to_dtype(c)?;
     if g.shape() != x.shape() || g.dtype() != x.dtype() {
         return Err(err(format!("norm backward: gradient {:?} for input {:?}", g.shape(), x.shape())));
     }
@@ -122,66 +121,63 @@ pub(crate) fn backward(
     if stats.len() != 2 * rows {
         return Err(err(format!("norm backward: {} rows kept, {rows} now", stats.len() / 2)));
     }
-    let (sx, lx) = x.storage_and_layout();
-    let (sg, lg) = g.storage_and_layout();
-    let (sw, lw) = w.storage_and_layout();
-    let (Storage::Cuda(sx), Storage::Cuda(sg), Storage::Cuda(sw)) = (&*sx, &*sg, &*sw) else {
-        return Err(err("norm backward: tensor is not on a CUDA device"));
-    };
-    let dev = sx.device();
-    let stream = dev.cuda_stream();
-    let chunk = CHUNK.max(rows.div_ceil(65_535));
-    let chunks = rows.div_ceil(chunk).max(1);
-    let (r, dd, ch, nch, rms_flag) = (rows as i64, d as i64, chunk as i64, chunks as i64, i32::from(rms));
-    let dx = by_cuda_elem!(x.dtype(), E => {
-        let (xv, gv) = (view::<E>(sx, lx)?, view::<E>(sg, lg)?);
-        let sfx = suffix(E::DTYPE)?;
-        let mut dx = output::<E>(dev, xv.len())?;
-        let mut partial = output::<f64>(dev, chunks * 2 * d)?;
-        let f = function(dev, MODULE, &format!("wick_row_norm_input_grad_{sfx}"))?;
-        macro_rules! input_grad {
-            ($t:ty) => {{
-                let wv = view::<$t>(sw, lw)?;
+    with_cuda("norm backward", &[x, g, &w], |p| {
+        let [(sx, lx), (sg, lg), (sw, lw)] = [p[0], p[1], p[2]];
+        let dev = sx.device();
+        let stream = dev.cuda_stream();
+        let chunk = CHUNK.max(rows.div_ceil(65_535));
+        let chunks = rows.div_ceil(chunk).max(1);
+        let (r, dd, ch, nch, rms_flag) = (rows as i64, d as i64, chunk as i64, chunks as i64, i32::from(rms));
+        let dx = by_cuda_elem!(x.dtype(), E => {
+            let (xv, gv) = (view::<E>(sx, lx)?, view::<E>(sg, lg)?);
+            let sfx = suffix(E::DTYPE)?;
+            let mut dx = output::<E>(dev, xv.len())?;
+            let mut partial = output::<f64>(dev, chunks * 2 * d)?;
+            let f = function(dev, MODULE, &format!("wick_row_norm_input_grad_{sfx}"))?;
+            macro_rules! input_grad {
+                ($t:ty) => {{
+                    let wv = view::<$t>(sw, lw)?;
+                    let mut launch = stream.launch_builder(&f);
+                    launch.arg(&xv).arg(&wv).arg(&gv).arg(stats).arg(&mut dx).arg(&r).arg(&dd).arg(&rms_flag);
+                    // SAFETY: (x: rows × d of E; w: d of the compute type; g: rows × d of E; stats:
+                    // 2 × rows f64; dx: rows × d of E; rows, d; rms), the kernel's parameters in order.
+                    unsafe { launch.launch(per_row(rows)) }.map_err(|e| err(format!("norm backward: {e}")))?;
+                }};
+            }
+            if c == DType::F64 {
+                input_grad!(f64)
+            } else {
+                input_grad!(f32)
+            }
+            let f = function(dev, MODULE, &format!("wick_row_norm_weight_partials_{sfx}"))?;
+            let mut launch = stream.launch_builder(&f);
+            launch.arg(&xv).arg(&gv).arg(stats).arg(&mut partial).arg(&r).arg(&dd).arg(&ch);
+            let grid = LaunchConfig {
+                grid_dim: (d.div_ceil(THREADS as usize) as u32, chunks as u32, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: (x, g: rows × d of E; stats: 2 × rows f64; partial: chunks × 2d f64; rows, d,
+            // chunk), the kernel's parameters in order; the grid covers d columns and `chunks` chunks.
+            unsafe { launch.launch(grid) }.map_err(|e| err(format!("norm backward: {e}")))?;
+            Ok((tensor(dx, dev, x.shape()), partial))
+        })?;
+        let (dx, partial) = dx;
+        let sums = |suffix: &str| function(dev, MODULE, &format!("wick_row_norm_weight_sums_{suffix}"));
+        macro_rules! weight_sums {
+            ($t:ty, $sfx:literal) => {{
+                let (mut dw, mut db) = (output::<$t>(dev, d)?, output::<$t>(dev, d)?);
+                let f = sums($sfx)?;
                 let mut launch = stream.launch_builder(&f);
-                launch.arg(&xv).arg(&wv).arg(&gv).arg(stats).arg(&mut dx).arg(&r).arg(&dd).arg(&rms_flag);
-                // SAFETY: (x: rows × d of E; w: d of the compute type; g: rows × d of E; stats:
-                // 2 × rows f64; dx: rows × d of E; rows, d; rms), the kernel's parameters in order.
-                unsafe { launch.launch(per_row(rows)) }.map_err(|e| err(format!("norm backward: {e}")))?;
+                launch.arg(&partial).arg(&mut dw).arg(&mut db).arg(&nch).arg(&dd);
+                // SAFETY: (partial: chunks × 2d f64; dw, db: d of the compute type; chunks, d).
+                unsafe { launch.launch(elementwise(2 * d)) }.map_err(|e| err(format!("norm backward: {e}")))?;
+                (tensor(dw, dev, d), tensor(db, dev, d))
             }};
         }
-        if c == DType::F64 {
-            input_grad!(f64)
-        } else {
-            input_grad!(f32)
-        }
-        let f = function(dev, MODULE, &format!("wick_row_norm_weight_partials_{sfx}"))?;
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&xv).arg(&gv).arg(stats).arg(&mut partial).arg(&r).arg(&dd).arg(&ch);
-        let grid = LaunchConfig {
-            grid_dim: (d.div_ceil(THREADS as usize) as u32, chunks as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: (x, g: rows × d of E; stats: 2 × rows f64; partial: chunks × 2d f64; rows, d,
-        // chunk), the kernel's parameters in order; the grid covers d columns and `chunks` chunks.
-        unsafe { launch.launch(grid) }.map_err(|e| err(format!("norm backward: {e}")))?;
-        Ok((tensor(dx, dev, x.shape()), partial))
-    })?;
-    let (dx, partial) = dx;
-    let sums = |suffix: &str| function(dev, MODULE, &format!("wick_row_norm_weight_sums_{suffix}"));
-    macro_rules! weight_sums {
-        ($t:ty, $sfx:literal) => {{
-            let (mut dw, mut db) = (output::<$t>(dev, d)?, output::<$t>(dev, d)?);
-            let f = sums($sfx)?;
-            let mut launch = stream.launch_builder(&f);
-            launch.arg(&partial).arg(&mut dw).arg(&mut db).arg(&nch).arg(&dd);
-            // SAFETY: (partial: chunks × 2d f64; dw, db: d of the compute type; chunks, d).
-            unsafe { launch.launch(elementwise(2 * d)) }.map_err(|e| err(format!("norm backward: {e}")))?;
-            (tensor(dw, dev, d), tensor(db, dev, d))
-        }};
-    }
-    let (dw, db) = if c == DType::F64 { weight_sums!(f64, "f64") } else { weight_sums!(f32, "f32") };
-    Ok((dx, dw, db))
+        let (dw, db) = if c == DType::F64 { weight_sums!(f64, "f64") } else { weight_sums!(f32, "f32") };
+        Ok((dx, dw, db))
+    })
 }
 
 /// What forward keeps on the device: (mean, inverse deviation) per row, f64.

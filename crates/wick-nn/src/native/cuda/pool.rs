@@ -5,9 +5,9 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::CudaStorage;
-use candle_core::{Layout, Result, Shape, Storage, Tensor, WithDType};
+use candle_core::{Layout, Result, Shape, Tensor, WithDType};
 
-use super::{by_cuda_elem, elementwise, err, function, output, storage_of, suffix, tensor, view};
+use super::{by_cuda_elem, elementwise, err, function, output, suffix, tensor, view, with_cuda};
 
 const MODULE: &str = "nn_pool";
 
@@ -58,27 +58,24 @@ pub(crate) fn max_pool_grad(x: &Tensor, g: &Tensor, sweep: Sweep) -> Result<Tens
     if g.elem_count() != sweep.planes * sweep.oh * sweep.ow || g.dtype() != x.dtype() {
         return Err(err("max_pool2d backward: gradient shape"));
     }
-    let (x, g) = (storage_of(x)?, storage_of(g)?);
-    let (sx, lx) = x.storage_and_layout();
-    let (sg, lg) = g.storage_and_layout();
-    let (Storage::Cuda(sx), Storage::Cuda(sg)) = (&*sx, &*sg) else {
-        return Err(err("max_pool2d backward: tensor is not on a CUDA device"));
-    };
-    let dev = sx.device();
-    by_cuda_elem!(x.dtype(), E => {
-        let (xv, gv) = (view::<E>(sx, lx)?, view::<E>(sg, lg)?);
-        let f = function(dev, MODULE, &format!("wick_max_pool_grad_{}", suffix(E::DTYPE)?))?;
-        let mut dx = output::<E>(dev, xv.len())?;
-        let a = sweep.args();
-        let stream = dev.cuda_stream();
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&xv).arg(&gv).arg(&mut dx);
-        for v in &a {
-            launch.arg(v);
-        }
-        // SAFETY: (x, dx: planes × h × w of E; g: planes × oh × ow of E; eight sizes), in order.
-        unsafe { launch.launch(elementwise(xv.len())) }.map_err(|e| err(format!("max_pool2d backward: {e}")))?;
-        Ok(tensor(dx, dev, x.shape()))
+    with_cuda("max_pool2d backward", &[x, g], |p| {
+        let [(sx, lx), (sg, lg)] = [p[0], p[1]];
+        let dev = sx.device();
+        by_cuda_elem!(x.dtype(), E => {
+            let (xv, gv) = (view::<E>(sx, lx)?, view::<E>(sg, lg)?);
+            let f = function(dev, MODULE, &format!("wick_max_pool_grad_{}", suffix(E::DTYPE)?))?;
+            let mut dx = output::<E>(dev, xv.len())?;
+            let a = sweep.args();
+            let stream = dev.cuda_stream();
+            let mut launch = stream.launch_builder(&f);
+            launch.arg(&xv).arg(&gv).arg(&mut dx);
+            for v in &a {
+                launch.arg(v);
+            }
+            // SAFETY: (x, dx: planes × h × w of E; g: planes × oh × ow of E; eight sizes), in order.
+            unsafe { launch.launch(elementwise(xv.len())) }.map_err(|e| err(format!("max_pool2d backward: {e}")))?;
+            Ok(tensor(dx, dev, x.shape()))
+        })
     })
 }
 
@@ -116,20 +113,20 @@ pub(crate) fn global_avg_grad(x: &Tensor, g: &Tensor, hw: usize) -> Result<Tenso
     if g.elem_count() != planes || g.dtype() != x.dtype() {
         return Err(err("global_avg_pool backward: gradient shape"));
     }
-    let g = storage_of(g)?;
-    let (sg, lg) = g.storage_and_layout();
-    let Storage::Cuda(sg) = &*sg else { return Err(err("global_avg_pool backward: tensor is not on a CUDA device")) };
-    let dev = sg.device();
-    by_cuda_elem!(x.dtype(), E => {
-        let gv = view::<E>(sg, lg)?;
-        let f = function(dev, MODULE, &format!("wick_global_avg_grad_{}", suffix(E::DTYPE)?))?;
-        let mut dx = output::<E>(dev, planes * hw)?;
-        let (p, n) = (planes as i64, hw as i64);
-        let stream = dev.cuda_stream();
-        let mut launch = stream.launch_builder(&f);
-        launch.arg(&gv).arg(&mut dx).arg(&p).arg(&n);
-        // SAFETY: (g: planes of E; dx: planes × hw of E; planes, hw), in order.
-        unsafe { launch.launch(elementwise(planes * hw)) }.map_err(|e| err(format!("global_avg_pool backward: {e}")))?;
-        Ok(tensor(dx, dev, x.shape()))
+    with_cuda("global_avg_pool backward", &[g], |p| {
+        let (sg, lg) = p[0];
+        let dev = sg.device();
+        by_cuda_elem!(x.dtype(), E => {
+            let gv = view::<E>(sg, lg)?;
+            let f = function(dev, MODULE, &format!("wick_global_avg_grad_{}", suffix(E::DTYPE)?))?;
+            let mut dx = output::<E>(dev, planes * hw)?;
+            let (np, n) = (planes as i64, hw as i64);
+            let stream = dev.cuda_stream();
+            let mut launch = stream.launch_builder(&f);
+            launch.arg(&gv).arg(&mut dx).arg(&np).arg(&n);
+            // SAFETY: (g: planes of E; dx: planes × hw of E; planes, hw), in order.
+            unsafe { launch.launch(elementwise(planes * hw)) }.map_err(|e| err(format!("global_avg_pool backward: {e}")))?;
+            Ok(tensor(dx, dev, x.shape()))
+        })
     })
 }

@@ -6,7 +6,7 @@ use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 
-use super::{by_cuda_elem, elementwise, err, function, output, storage_of, suffix, view};
+use super::{by_cuda_elem, elementwise, err, function, output, suffix, view, with_cuda};
 
 /// The cos and sin tables (seq × head_dim/2) on the input's device, in its compute type.
 pub(crate) struct Tables {
@@ -38,33 +38,32 @@ pub(crate) fn rotate(
     if tables.len() != seq * (d / 2) {
         return Err(err(format!("rope: tables of {} values for {seq} positions of {d}", tables.len())));
     }
-    let (cos, sin) = (tables.cos.storage_and_layout(), tables.sin.storage_and_layout());
-    let (Storage::Cuda(cs), Storage::Cuda(ss)) = (&*cos.0, &*sin.0) else {
-        return Err(err("rope: the tables are not on a CUDA device"));
-    };
-    by_cuda_elem!(s.dtype(), E => {
-        let x = view::<E>(s, l)?;
-        let rows = x.len() / width.max(1);
-        let f = function(dev, "nn_rows", &format!("wick_rope_{}", suffix(E::DTYPE)?))?;
-        let mut y = output::<E>(dev, x.len())?;
-        let (r, q, w, dd, rot) = (rows as i64, seq as i64, width as i64, d as i64, rotated as i64);
-        let stream = dev.cuda_stream();
-        macro_rules! go {
-            ($t:ty) => {{
-                let (c, sn) = (view::<$t>(cs, cos.1)?, view::<$t>(ss, sin.1)?);
-                let mut launch = stream.launch_builder(&f);
-                launch.arg(&x).arg(&mut y).arg(&c).arg(&sn).arg(&r).arg(&q).arg(&w).arg(&dd).arg(&rot).arg(&sign);
-                // SAFETY: (x, y: rows × width of E; cos, sin: seq × d/2 of the compute type; rows,
-                // seq, width, d, rotated; sign), the kernel's parameters in order.
-                unsafe { launch.launch(elementwise(x.len())) }.map_err(|e| err(format!("rope: {e}")))?;
-            }};
-        }
-        if E::DTYPE == DType::F64 {
-            go!(f64)
-        } else {
-            go!(f32)
-        }
-        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    with_cuda("rope", &[&tables.cos, &tables.sin], |t| {
+        let [(cs, lc), (ss, ls)] = [t[0], t[1]];
+        by_cuda_elem!(s.dtype(), E => {
+            let x = view::<E>(s, l)?;
+            let rows = x.len() / width.max(1);
+            let f = function(dev, "nn_rows", &format!("wick_rope_{}", suffix(E::DTYPE)?))?;
+            let mut y = output::<E>(dev, x.len())?;
+            let (r, q, w, dd, rot) = (rows as i64, seq as i64, width as i64, d as i64, rotated as i64);
+            let stream = dev.cuda_stream();
+            macro_rules! go {
+                ($t:ty) => {{
+                    let (c, sn) = (view::<$t>(cs, lc)?, view::<$t>(ss, ls)?);
+                    let mut launch = stream.launch_builder(&f);
+                    launch.arg(&x).arg(&mut y).arg(&c).arg(&sn).arg(&r).arg(&q).arg(&w).arg(&dd).arg(&rot).arg(&sign);
+                    // SAFETY: (x, y: rows × width of E; cos, sin: seq × d/2 of the compute type; rows,
+                    // seq, width, d, rotated; sign), the kernel's parameters in order.
+                    unsafe { launch.launch(elementwise(x.len())) }.map_err(|e| err(format!("rope: {e}")))?;
+                }};
+            }
+            if E::DTYPE == DType::F64 {
+                go!(f64)
+            } else {
+                go!(f32)
+            }
+            Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+        })
     })
 }
 
@@ -75,9 +74,6 @@ pub(crate) fn rotate_tensor(
     geometry: (usize, usize, usize, usize),
     sign: f64,
 ) -> Result<Tensor> {
-    let g = storage_of(g)?;
-    let (s, l) = g.storage_and_layout();
-    let Storage::Cuda(s) = &*s else { return Err(err("rope backward: tensor is not on a CUDA device")) };
-    let y = rotate((s, l), tables, geometry, sign)?;
+    let y = with_cuda("rope backward", &[g], |p| rotate(p[0], tables, geometry, sign))?;
     Ok(Tensor::from_storage(Storage::Cuda(y), g.shape().clone(), candle_core::op::BackpropOp::none(), false))
 }
