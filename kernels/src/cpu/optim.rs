@@ -25,6 +25,45 @@ impl AdamW {
     pub fn bias_corrections(&self, step: i32) -> (f64, f64) {
         (1.0 - self.beta1.powi(step), 1.0 - self.beta2.powi(step))
     }
+
+    /// The constants of step `t` (from 1) as [`adamw`]'s per-element arithmetic takes them:
+    /// computed in f64, each rounded to f32 once. The CUDA optimizer kernels take the same values
+    /// as arguments, so the two updates round alike.
+    pub fn step_constants(&self, step: i32) -> AdamWStep {
+        let (bc1, bc2) = self.bias_corrections(step);
+        AdamWStep {
+            b1: self.beta1 as f32,
+            b2: self.beta2 as f32,
+            c1: (1.0 - self.beta1) as f32,
+            c2: (1.0 - self.beta2) as f32,
+            eps: self.eps as f32,
+            decay: (1.0 - self.lr * self.weight_decay) as f32,
+            step_size: (self.lr / bc1) as f32,
+            inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
+        }
+    }
+}
+
+/// One AdamW step's constants in f32 ([`AdamW::step_constants`]): `m = b1·m + c1·g`,
+/// `v = b2·v + c2·g²`, `p = p·decay − step_size·m / (√v·inv_bc2_sqrt + eps)`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// β1.
+    pub b1: f32,
+    /// β2.
+    pub b2: f32,
+    /// 1 − β1.
+    pub c1: f32,
+    /// 1 − β2.
+    pub c2: f32,
+    /// ε.
+    pub eps: f32,
+    /// 1 − lr·weight decay.
+    pub decay: f32,
+    /// lr / (1 − β1^t).
+    pub step_size: f32,
+    /// 1 / √(1 − β2^t).
+    pub inv_bc2_sqrt: f32,
 }
 
 /// One AdamW step of `p` from `g` (each element widened to f32 where it is used) and the old
@@ -39,13 +78,7 @@ pub fn adamw<G: Copy + Into<f32>>(
     hyper: &AdamW,
     step: i32,
 ) {
-    let AdamW { lr, beta1, beta2, eps, weight_decay } = *hyper;
-    let (bc1, bc2) = hyper.bias_corrections(step);
-    let step_size = (lr / bc1) as f32;
-    let inv_bc2_sqrt = (1.0 / bc2.sqrt()) as f32;
-    let decay = (1.0 - lr * weight_decay) as f32;
-    let (b1, b2, eps) = (beta1 as f32, beta2 as f32, eps as f32);
-    let (c1, c2) = ((1.0 - beta1) as f32, (1.0 - beta2) as f32);
+    let AdamWStep { b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt } = hyper.step_constants(step);
     let moments = m_new.iter_mut().zip(v_new.iter_mut()).zip(m).zip(v);
     for ((p, (((mn, vn), mo), vo)), g) in p.iter_mut().zip(moments).zip(g) {
         let g: f32 = (*g).into();

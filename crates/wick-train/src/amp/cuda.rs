@@ -16,6 +16,7 @@ use candle_core::{DType, Device, Storage, Tensor};
 
 use crate::error::TrainError;
 use crate::optim::{AdamW, Optimizer};
+use wick_kernels::cpu::optim::AdamWStep;
 
 fn err(message: impl Into<String>) -> TrainError {
     TrainError::Invalid { what: "amp cuda kernels".into(), message: message.into() }
@@ -25,6 +26,8 @@ use wick_kernels::fatbin;
 
 /// The AMP kernels loaded on one device.
 pub struct AmpKernels {
+    /// The device they were loaded on: they launch on its stream, for its tensors only.
+    device: Device,
     stream: std::sync::Arc<CudaStream>,
     /// f32, f16, bf16.
     unscale: [CudaFunction; 3],
@@ -149,7 +152,13 @@ impl AmpKernels {
                 f(&optim, "wick_adamw_multi_bf16")?,
             ],
             stream,
+            device: device.clone(),
         })
+    }
+
+    /// The device the kernels were loaded on (they take its tensors only).
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// Multiplies every gradient by `inv_scale` (a one-element f32 tensor on the device) in
@@ -311,11 +320,7 @@ impl AmpKernels {
             Optimizer::AdamW(hyper) => {
                 let (pm, pv, pm_new, pv_new) = (p(&state[0])?, p(&state[1])?, p(&new_state[0])?, p(&new_state[1])?);
                 // The host loop's constants, computed in f64 and rounded to f32 alike.
-                let AdamW { lr, beta1, beta2, eps, weight_decay } = hyper;
-                let (bc1, bc2) = hyper.bias_corrections(step);
-                let (b1, b2, c1, c2) = (beta1 as f32, beta2 as f32, (1.0 - beta1) as f32, (1.0 - beta2) as f32);
-                let (eps, decay) = (eps as f32, (1.0 - lr * weight_decay) as f32);
-                let (step_size, inv_bc2_sqrt) = ((lr / bc1) as f32, (1.0 / bc2.sqrt()) as f32);
+                let AdamWStep { b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt } = hyper.step_constants(step);
                 let mut launch = self.stream.launch_builder(&self.adamw_step[index]);
                 launch.arg(&pt).arg(&pm).arg(&pv).arg(&pm_new).arg(&pv_new).arg(&pg).arg(&pmodel).arg(&len);
                 launch.arg(&b1).arg(&b2).arg(&c1).arg(&c2).arg(&eps).arg(&decay).arg(&step_size).arg(&inv_bc2_sqrt);
@@ -386,11 +391,7 @@ impl AmpKernels {
                     unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
                 }
                 Optimizer::AdamW(hyper) => {
-                    let AdamW { lr, beta1, beta2, eps, weight_decay } = hyper;
-                    let (bc1, bc2) = hyper.bias_corrections(step);
-                    let (b1, b2, c1, c2) = (beta1 as f32, beta2 as f32, (1.0 - beta1) as f32, (1.0 - beta2) as f32);
-                    let (eps, decay) = (eps as f32, (1.0 - lr * weight_decay) as f32);
-                    let (step_size, inv_bc2_sqrt) = ((lr / bc1) as f32, (1.0 / bc2.sqrt()) as f32);
+                    let AdamWStep { b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt } = hyper.step_constants(step);
                     let mut launch = self.stream.launch_builder(&self.adamw_multi[index]);
                     launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count);
                     launch.arg(&b1).arg(&b2).arg(&c1).arg(&c2).arg(&eps).arg(&decay).arg(&step_size).arg(&inv_bc2_sqrt);

@@ -217,15 +217,12 @@ impl MasterWeights {
                 }
                 continue;
             }
-            // The kernels are loaded on the first device's stream: a master on another device
-            // (one model over several GPUs) takes the composed update.
             #[cfg(feature = "cuda")]
-            if let Some(kernels) = fused(&mut self.device, &e.master).filter(|_| batch.takes(e.master.device())) {
+            if let Some(kernels) = fused(&mut self.device, &e.master) {
                 // Each master's own tensors, in place (the snapshots of `state` and `load_state`
                 // are copies): collected, then one launch per gradient dtype below.
                 batch.entries.push((i, g.detach().contiguous()?));
                 batch.kernels = Some(kernels);
-                batch.device = Some(e.master.device().clone());
                 continue;
             }
             composed_step(e, g, self.optimizer, t)?;
@@ -249,23 +246,14 @@ impl MasterWeights {
     }
 }
 
-/// The parameters of one step that take the fused multi-tensor update on a CUDA device.
+/// The parameters of one step that take the fused multi-tensor update on a CUDA device (all on
+/// the kernels' device: [`fused`] answers for no other).
 #[cfg(feature = "cuda")]
 #[derive(Default)]
 struct Batch {
     /// (entry index, its gradient made contiguous).
     entries: Vec<(usize, Tensor)>,
     kernels: Option<std::sync::Arc<super::cuda::AmpKernels>>,
-    /// The device of the kernels' stream (the first batched master's).
-    device: Option<candle_core::Device>,
-}
-
-#[cfg(feature = "cuda")]
-impl Batch {
-    /// True when a master on `device` can join: the kernels launch on one device's stream.
-    fn takes(&self, device: &candle_core::Device) -> bool {
-        self.device.as_ref().is_none_or(|d| d.same_device(device))
-    }
 }
 
 /// One parameter's update as composed tensor ops (a device without wick's kernels).
@@ -382,8 +370,9 @@ impl MasterWeights {
     }
 }
 
-/// The fused CUDA kernels for a step of `master` (a CUDA tensor), loaded once (`cache`); `None`
-/// where they are not available (a build without them: the composed update runs).
+/// The fused CUDA kernels for a step of `master` (a CUDA tensor), loaded once (`cache`) on the
+/// first CUDA master's device; `None` where they are not available (a build without them) or
+/// `master` lies on another device (one model over several GPUs): the composed update runs.
 #[cfg(feature = "cuda")]
 fn fused(
     cache: &mut Option<Option<std::sync::Arc<super::cuda::AmpKernels>>>,
@@ -392,7 +381,10 @@ fn fused(
     if !master.device().is_cuda() {
         return None;
     }
-    cache.get_or_insert_with(|| super::cuda::AmpKernels::load(master.device()).ok().map(std::sync::Arc::new)).clone()
+    let kernels = cache
+        .get_or_insert_with(|| super::cuda::AmpKernels::load(master.device()).ok().map(std::sync::Arc::new))
+        .clone()?;
+    kernels.device().same_device(master.device()).then_some(kernels)
 }
 
 #[cfg(test)]
