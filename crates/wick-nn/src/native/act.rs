@@ -502,7 +502,17 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 struct AddRelu;
 
 impl AddRelu {
-    /// The gradient both inputs receive (the same values: one tensor, handed to both).
+    /// The gradient both inputs receive (the same values: one tensor, handed to both), on the CPU
+    /// or (feature `cuda`) a CUDA device.
+    fn grad(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if a.device().is_cuda() {
+            return cuda::grad("add_relu_grad", &[a, b, g], 0.0);
+        }
+        by_elem!(a.dtype(), T, E => AddRelu::bwd::<T, E>(a, b, g))
+    }
+
+    /// [`AddRelu::grad`]'s host body.
     fn bwd<T: Real, E: Elem<T>>(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
         let d = with_elems::<T, E, _>(a, |a| {
             with_elems::<T, E, _>(b, |b| with_elems::<T, E, _>(g, |g| map3("add_relu backward", a, b, g, AddReluGrad)))
@@ -524,14 +534,7 @@ impl CustomOp2 for AddRelu {
     }
     fn bwd(&self, a: &Tensor, b: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // Tensors are immutable: both gradient entries may share the one result.
-        #[cfg(feature = "cuda")]
-        let d = if a.device().is_cuda() {
-            cuda::grad("add_relu_grad", &[a, b, g], 0.0)?
-        } else {
-            by_elem!(a.dtype(), T, E => AddRelu::bwd::<T, E>(a, b, g))?
-        };
-        #[cfg(not(feature = "cuda"))]
-        let d = by_elem!(a.dtype(), T, E => AddRelu::bwd::<T, E>(a, b, g))?;
+        let d = AddRelu::grad(a, b, g)?;
         Ok((a.track_op().then(|| d.clone()), b.track_op().then_some(d)))
     }
 }
