@@ -56,6 +56,27 @@ pub struct StepItem<'a> {
     pub model: Option<&'a Tensor>,
 }
 
+impl StepItem<'_> {
+    /// Checks the item for `rule`: its state's count, every f32 tensor as long as the gradient,
+    /// and a model copy exactly when the gradient is low-precision (of the copy's dtype).
+    fn check(&self, rule: Optimizer) -> Result<(), TrainError> {
+        let (n, states) = (self.grad.elem_count(), rule.states());
+        if self.state.len() != states {
+            return Err(err(format!("{states} state tensors expected, {} given", self.state.len())));
+        }
+        for t in std::iter::once(self.target).chain(self.state) {
+            if t.dtype() != DType::F32 || t.elem_count() != n {
+                return Err(err(format!("the target and the state must be f32 with {n} elements")));
+            }
+        }
+        match (self.model, self.grad.dtype()) {
+            (None, DType::F32) => Ok(()),
+            (Some(m), d) if d != DType::F32 && m.dtype() == d && m.elem_count() == n => Ok(()),
+            _ => Err(err("an f32 gradient updates its own parameter; a low-precision one its model copy")),
+        }
+    }
+}
+
 fn dtype_index(dtype: DType) -> Result<usize, TrainError> {
     match dtype {
         DType::F32 => Ok(0),
@@ -286,19 +307,9 @@ impl AmpKernels {
         step: i32,
     ) -> Result<(), TrainError> {
         let n = grad.elem_count();
-        let states = rule.states();
-        if state.len() != states || new_state.len() != states {
-            return Err(err(format!("{states} state tensors expected, {} and {} given", state.len(), new_state.len())));
-        }
-        for t in std::iter::once(target).chain(state).chain(new_state) {
-            if t.dtype() != DType::F32 || t.elem_count() != n {
-                return Err(err(format!("the target and the state must be f32 with {n} elements")));
-            }
-        }
-        match (model, grad.dtype()) {
-            (None, DType::F32) => {}
-            (Some(m), d) if d != DType::F32 && m.dtype() == d && m.elem_count() == n => {}
-            _ => return Err(err("an f32 gradient updates its own parameter; a low-precision one its model copy")),
+        // The new state is checked as the old one is (the same count, f32, the same length).
+        for state in [state, new_state] {
+            StepItem { target, grad, state, model }.check(rule)?;
         }
         let p = |t: &Tensor| address(t, &self.stream);
         let (pt, pg) = (p(target)?, p(grad)?);
@@ -336,24 +347,11 @@ impl AmpKernels {
     /// [`AmpKernels::optimizer_step_`] element for element (the host's to the bit). Every item is
     /// checked before anything launches; an error leaves every tensor as it was.
     pub fn optimizer_step_multi_(&self, items: &[StepItem<'_>], rule: Optimizer, step: i32) -> Result<(), TrainError> {
-        let states = rule.states();
         let mut groups: [Vec<u64>; 3] = Default::default();
         let mut lens: [Vec<i64>; 3] = Default::default();
         for item in items {
             let n = item.grad.elem_count();
-            if item.state.len() != states {
-                return Err(err(format!("{states} state tensors expected, {} given", item.state.len())));
-            }
-            for t in std::iter::once(item.target).chain(item.state) {
-                if t.dtype() != DType::F32 || t.elem_count() != n {
-                    return Err(err(format!("the target and the state must be f32 with {n} elements")));
-                }
-            }
-            match (item.model, item.grad.dtype()) {
-                (None, DType::F32) => {}
-                (Some(m), d) if d != DType::F32 && m.dtype() == d && m.elem_count() == n => {}
-                _ => return Err(err("an f32 gradient updates its own parameter; a low-precision one its model copy")),
-            }
+            item.check(rule)?;
             let index = dtype_index(item.grad.dtype())?;
             let p = |t: &Tensor| address(t, &self.stream);
             let group = &mut groups[index];
