@@ -67,7 +67,8 @@ pub(crate) fn suffix(dtype: DType) -> Result<&'static str> {
 }
 
 type Modules = HashMap<(DeviceId, &'static str), Arc<CudaModule>>;
-type Functions = HashMap<(DeviceId, String), CudaFunction>;
+/// Per device, by name: looked up with the name as it is (no key built on the launch path).
+type Functions = HashMap<DeviceId, HashMap<String, CudaFunction>>;
 
 /// Loaded modules and functions, per device (a device's context owns them: a module loaded on one
 /// device cannot launch on another).
@@ -81,7 +82,7 @@ fn cache() -> &'static Mutex<(Modules, Functions)> {
 pub(crate) fn function(dev: &CudaDevice, module: &'static str, name: &str) -> Result<CudaFunction> {
     let mut guard = cache().lock().unwrap_or_else(|p| p.into_inner());
     let (modules, functions) = &mut *guard;
-    if let Some(f) = functions.get(&(dev.id(), name.to_string())) {
+    if let Some(f) = functions.get(&dev.id()).and_then(|by_name| by_name.get(name)) {
         return Ok(f.clone());
     }
     let m = match modules.get(&(dev.id(), module)) {
@@ -100,7 +101,7 @@ pub(crate) fn function(dev: &CudaDevice, module: &'static str, name: &str) -> Re
         }
     };
     let f = m.load_function(name).map_err(|e| err(format!("{name}: {e}")))?;
-    functions.insert((dev.id(), name.to_string()), f.clone());
+    functions.entry(dev.id()).or_default().insert(name.to_string(), f.clone());
     Ok(f)
 }
 
