@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 9] = [
+const KERNELS: [&str; 10] = [
     "amp_unscale",
     "amp_update_scale",
     "amp_adamw",
@@ -21,6 +21,7 @@ const KERNELS: [&str; 9] = [
     "nn_attention",
     "nn_rows",
     "nn_pool",
+    "nn_batch_norm",
 ];
 
 fn main() {

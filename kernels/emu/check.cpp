@@ -29,43 +29,7 @@
 #undef WICK_KERNEL
 #include "../src/cuda/optim_step.cu"
 
-static int failures = 0;
-
-// Largest |a - b| / (1 + |b|).
-static double err(const std::vector<double>& a, const std::vector<double>& b) {
-  if (a.size() != b.size()) return INFINITY;
-  double e = 0;
-  for (size_t i = 0; i < a.size(); i++) {
-    const double d = std::fabs(a[i] - b[i]) / (1 + std::fabs(b[i]));
-    e = std::isnan(a[i]) != std::isnan(b[i]) ? INFINITY : std::max(e, std::isnan(d) ? 0.0 : d);
-  }
-  return e;
-}
-
-static void check(const std::string& what, const std::vector<double>& got, const std::vector<double>& want, double tol) {
-  const double e = err(got, want);
-  const bool ok = e <= tol;
-  std::printf("%s %s: max rel err %.2e (%zu values)\n", ok ? "PASS" : "FAIL", what.c_str(), e, want.size());
-  failures += !ok;
-}
-
-template <typename T> static std::vector<double> wide(const std::vector<T>& v) { return std::vector<double>(v.begin(), v.end()); }
-
-static std::vector<double> randn(size_t n, unsigned seed, double scale = 1.0) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<double> d(0.0, scale);
-  std::vector<double> v(n);
-  for (auto& x : v) x = d(g);
-  return v;
-}
-
-template <typename T> static std::vector<T> narrow(const std::vector<double>& v) { return std::vector<T>(v.begin(), v.end()); }
-
-// The launchers' shapes (wick-nn's native::cuda).
-static dim3 elementwise(size_t n) { return dim3{(unsigned)std::clamp<size_t>((n + 255) / 256, 1, 65535), 1, 1}; }
-static dim3 per_row(size_t rows) { return dim3{(unsigned)std::clamp<size_t>(rows, 1, 65535), 1, 1}; }
-static dim3 warps(size_t rows) { return dim3{(unsigned)std::clamp<size_t>((rows + 7) / 8, 1, 65535), 1, 1}; }
-static const dim3 THREADS{256, 1, 1};
+#include "harness.h"
 
 static void activations() {
   const long long n = 1000;
@@ -492,6 +456,7 @@ int main() {
   pooling(8, 8, 2, 2, 0, false);
   pooling(5, 6, 3, 1, 1, false);
   optimizer();
+  batch_norm_checks();
   if (failures) {
     std::printf("%d check(s) failed\n", failures);
     return 1;

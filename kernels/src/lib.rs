@@ -13,7 +13,8 @@
 //!   the arithmetic of [`cpu::optim`] to the bit), and the CUDA bodies of wick-nn's ops
 //!   (`nn_act`: the element-wise activations; `nn_norm`: layer and RMS norm; `nn_attention`:
 //!   attention in the manner of FlashAttention-2; `nn_rows`: RoPE, cross-entropy, embeddings;
-//!   `nn_pool`: max and global average pooling — each forward and backward); the build script
+//!   `nn_pool`: max and global average pooling; `nn_batch_norm`: batch norm with its fused
+//!   ReLU/ReLU6, the statistics and running estimates on the device — each forward and backward); the build script
 //!   that compiles them, the compiled fatbins embedded in this crate ([`fatbin`]), and their CPU
 //!   references ([`mod@reference`], [`cpu::optim`], and wick-nn's host bodies of the same ops).
 //!   Loading and launching them on candle's CUDA device is wick-train's `amp::cuda` and wick-nn's
@@ -32,7 +33,7 @@ pub mod cpu;
 pub mod reference;
 
 /// The kernels, by the name of their source file (without `.cu`).
-pub const KERNELS: [&str; 9] = [
+pub const KERNELS: [&str; 10] = [
     "amp_unscale",
     "amp_update_scale",
     "amp_adamw",
@@ -42,6 +43,7 @@ pub const KERNELS: [&str; 9] = [
     "nn_attention",
     "nn_rows",
     "nn_pool",
+    "nn_batch_norm",
 ];
 
 /// True when this build compiled the kernels in.
@@ -60,6 +62,7 @@ pub fn fatbin(name: &str) -> Option<&'static [u8]> {
         "nn_attention" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_attention.fatbin"))),
         "nn_rows" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_rows.fatbin"))),
         "nn_pool" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_pool.fatbin"))),
+        "nn_batch_norm" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_batch_norm.fatbin"))),
         _ => None,
     }
 }

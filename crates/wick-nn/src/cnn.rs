@@ -206,8 +206,8 @@ impl RunningStats {
     }
 
     /// [`RunningStats::normalize`] followed by `act` (ReLU or ReLU6, PyTorch's gradients). On
-    /// the CPU it is one op: the normalised values before the activation are neither stored nor
-    /// kept for backward.
+    /// the CPU, and on a CUDA device with wick's kernels, it is one op: the normalised values
+    /// before the activation are neither stored nor kept for backward.
     pub fn normalize_act(
         &self,
         x: &Tensor,
@@ -218,8 +218,8 @@ impl RunningStats {
         act: Activation,
     ) -> Result<Tensor> {
         let (eps, momentum) = (BN_EPS, 0.1);
-        if native::serves(x) {
-            return self.normalize_cpu(x, weight, bias, (train, update, act), eps, momentum);
+        if native::serves_either(x) {
+            return self.normalize_native(x, weight, bias, (train, update, act), eps, momentum);
         }
         let y = self.normalize_composed(x, weight, bias, train, update, eps, momentum)?;
         match act {
@@ -267,7 +267,7 @@ impl RunningStats {
         }
     }
 
-    /// Batch norm as graph nodes over candle's ops (CUDA).
+    /// Batch norm as graph nodes over candle's ops (a device without wick's kernels).
     #[allow(clippy::too_many_arguments)]
     fn normalize_composed(
         &self,
@@ -317,9 +317,10 @@ impl RunningStats {
 }
 
 impl RunningStats {
-    /// [`RunningStats::normalize_act`] with the CPU kernels: the statistics computed once
-    /// (summed in f64), the running estimates moved from them.
-    fn normalize_cpu(
+    /// [`RunningStats::normalize_act`] as one op of wick-nn's (`native::norm`; on the CPU or a
+    /// CUDA device): the statistics computed once (summed in f64), the running estimates moved
+    /// from them.
+    fn normalize_native(
         &self,
         x: &Tensor,
         weight: &Tensor,
@@ -328,26 +329,16 @@ impl RunningStats {
         eps: f64,
         momentum: f64,
     ) -> Result<Tensor> {
-        let vec = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(DType::F64)?.flatten_all()?.to_vec1() };
+        let (mean, var) = self.get();
         if !train {
-            let (mean, var) = self.get();
-            return native::norm::batch_norm(x, &vec(&mean)?, &vec(&var)?, weight, bias, eps, false, act);
+            return native::norm::batch_norm_given(x, (&mean, &var), (weight, bias), eps, act);
         }
-        let (mean, var) = native::norm::batch_stats(x)?;
-        if update {
-            let (n, _, h, w) = x.dims4()?;
-            let count = (n * h * w) as f64;
-            let unbiased = count / (count - 1.0).max(1.0);
-            let (old_mean, old_var) = self.get();
-            let (dtype, device) = (old_mean.dtype(), old_mean.device().clone());
-            let blend = |old: &Tensor, new: &[f64], factor: f64| -> Result<Tensor> {
-                let moved: Vec<f64> =
-                    vec(old)?.iter().zip(new).map(|(o, v)| o * (1.0 - momentum) + v * factor * momentum).collect();
-                Tensor::from_vec(moved, new.len(), &device)?.to_dtype(dtype)
-            };
-            self.set(&blend(&old_mean, &mean, 1.0)?, &blend(&old_var, &var, unbiased)?)?;
+        let running = update.then_some(native::norm::Running { mean: &mean, var: &var, momentum });
+        let (y, moved) = native::norm::batch_norm_train(x, (weight, bias), eps, act, running)?;
+        if let Some((mean, var)) = moved {
+            self.set(&mean, &var)?;
         }
-        native::norm::batch_norm(x, &mean, &var, weight, bias, eps, true, act)
+        Ok(y)
     }
 }
 

@@ -26,6 +26,20 @@ __device__ __forceinline__ double wick_erf(double v) { return erf(v); }
 template <typename E> struct WickCompute { typedef float T; };
 template <> struct WickCompute<double> { typedef double T; };
 
+// The sum of `v` over the block (every thread gets it). `scratch` holds one double per warp;
+// the call begins and ends with a barrier, so it can be called again at once.
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  double total = 0.0;
+  for (int w = 0; w < warps; w++) total += scratch[w];  // the same order in every thread
+  __syncthreads();
+  return total;
+}
+
 // A grid-stride loop over `n` elements.
 #define WICK_FOR_EACH(i, n) \
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)

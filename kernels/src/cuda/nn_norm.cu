@@ -13,20 +13,6 @@
 // Weights, biases and their gradients are in the compute type (the host converts them).
 #include "common.cuh"
 
-// The sum of `v` over the block (every thread gets it). `scratch` holds one double per warp;
-// the call begins and ends with a barrier, so it can be called again at once.
-__device__ __forceinline__ double block_sum(double v, double* scratch) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  double total = 0.0;
-  for (int w = 0; w < warps; w++) total += scratch[w];  // the same order in every thread
-  __syncthreads();
-  return total;
-}
-
 template <typename E>
 __device__ void row_norm_forward(const E* x, const typename WickCompute<E>::T* w, const typename WickCompute<E>::T* b,
                                  E* y, double* stats, long long rows, long long d, int rms, double eps) {

@@ -163,6 +163,31 @@ fn embedding_padded(t: &[Tensor]) -> candle_core::Result<Tensor> {
     ops::embedding_with_padding(&t[0], &spread(v + v / 2, v, t[0].device())?, Some(3))
 }
 
+/// Batch norm's images: (BN_BATCH, channels, side, side) and a weight and bias per channel.
+const BN_BATCH: usize = 4;
+fn batch_norm_shapes(c: usize, side: usize) -> Vec<Vec<usize>> {
+    vec![vec![BN_BATCH, c, side, side], vec![c], vec![c]]
+}
+/// Running estimates for the eval-mode case: means spread around 0, variances from 0.5 up.
+fn estimates(c: usize, dev: &Device) -> candle_core::Result<(Tensor, Tensor)> {
+    let mean: Vec<f32> = (0..c).map(|k| (k as f32 * 0.37).sin()).collect();
+    let var: Vec<f32> = (0..c).map(|k| 0.5 + (k % 7) as f32 / 4.0).collect();
+    Ok((Tensor::from_vec(mean, c, dev)?, Tensor::from_vec(var, c, dev)?))
+}
+/// Batch norm as a model runs it (`cnn::RunningStats`), in training (this batch's statistics, the
+/// running estimates not moved: each check runs the op twice) or eval mode.
+fn batch_norm_with(t: &[Tensor], train: bool, act: cnn::Activation) -> candle_core::Result<Tensor> {
+    let (mean, var) = estimates(t[1].elem_count(), t[0].device())?;
+    let running = cnn::RunningStats::register(&mut wick_nn::params::Params::default(), "bn", mean, var);
+    running.normalize_act(&t[0], &t[1], &t[2], train, false, act)
+}
+fn batch_norm_train(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    batch_norm_with(t, true, cnn::Activation::Relu)
+}
+fn batch_norm_eval(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    batch_norm_with(t, false, cnn::Activation::Relu6)
+}
+
 fn max_pool_3x3(t: &[Tensor]) -> candle_core::Result<Tensor> {
     cnn::max_pool2d(&t[0], 3, 2, 1)
 }
@@ -182,6 +207,31 @@ fn max_pool_2x2_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
 }
 fn global_avg_pool_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
     cnn::global_avg_pool_composed(&t[0])
+}
+/// Batch norm as wick-nn's `cnn` composes it without the op (statistics from candle's means, in
+/// f32 inside one node), then the activation.
+fn batch_norm_composed(t: &[Tensor], given: Option<(Tensor, Tensor)>, six: bool) -> candle_core::Result<Tensor> {
+    let x = &t[0];
+    node("batch_norm", &[x, &t[1], &t[2]], fp32_compute(x.dtype()), x.dtype(), move |t| {
+        let shape = (1, t[0].dim(1)?, 1, 1);
+        let (mean, var) = match &given {
+            Some((m, v)) => (m.to_dtype(t[0].dtype())?.reshape(shape)?, v.to_dtype(t[0].dtype())?.reshape(shape)?),
+            None => {
+                let mean = t[0].mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+                let var = t[0].broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
+                (mean, var)
+            }
+        };
+        let normed = t[0].broadcast_sub(&mean)?.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
+        let y = normed.broadcast_mul(&t[1].reshape(shape)?)?.broadcast_add(&t[2].reshape(shape)?)?;
+        ops::relu_composed(&y, six.then_some(6.0))
+    })
+}
+fn batch_norm_train_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    batch_norm_composed(t, None, false)
+}
+fn batch_norm_eval_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    batch_norm_composed(t, Some(estimates(t[1].elem_count(), t[0].device())?), true)
 }
 fn relu_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
     let x = &t[0];
@@ -281,10 +331,13 @@ const ELEMENTS: &[(usize, usize)] = &[(3, 37), (64, 1000)];
 /// Sequences of 1, 16, 33 and 8 tokens; head dimensions 8, 32, 64 and 100 (a warp's lanes in part).
 /// Planes and sides: odd and even sides, more planes than a block's threads cover at once.
 const IMAGES: &[(usize, usize)] = &[(6, 9), (24, 16)];
+/// Batch norm's (channels, side): one segment a channel; more channels than a block's threads;
+/// five segments a channel (4 × 100² elements, over 8 192 each).
+const BN_SIZES: &[(usize, usize)] = &[(5, 9), (300, 7), (3, 100)];
 const HEAD_SIZES: &[(usize, usize)] = &[(8, 8), (128, 32), (264, 64), (64, 100)];
 
 #[rustfmt::skip]
-const CASES: [Case; 21] = [
+const CASES: [Case; 23] = [
     Case { name: "relu", counted: "relu", shapes: one, sizes: ELEMENTS, zoo: (32 * 64 * 56, 56, "ResNet-18's first stage, batch 32"), op: relu, composed: relu_composed },
     Case { name: "relu6", counted: "relu6", shapes: one, sizes: ELEMENTS, zoo: (32 * 96 * 56, 56, "MobileNetV2's expansion, batch 32"), op: relu6, composed: relu6_composed },
     Case { name: "gelu", counted: "gelu", shapes: one, sizes: ELEMENTS, zoo: (32 * 128, 3072, "BERT-base's feed-forward, 32 × 128 tokens"), op: gelu, composed: gelu_composed },
@@ -305,6 +358,8 @@ const CASES: [Case; 21] = [
     Case { name: "max_pool 3x3/2", counted: "max_pool2d", shapes: image, sizes: IMAGES, zoo: (32 * 64, 112, "ResNet's stem, batch 32"), op: max_pool_3x3, composed: max_pool_3x3_composed },
     Case { name: "max_pool 2x2/2", counted: "max_pool2d", shapes: image, sizes: IMAGES, zoo: (32 * 64, 56, "a 2×2 pool, batch 32"), op: max_pool_2x2, composed: max_pool_2x2_composed },
     Case { name: "global_avg_pool", counted: "global_avg_pool", shapes: image, sizes: IMAGES, zoo: (32 * 512, 7, "ResNet-18's head, batch 32"), op: global_avg_pool, composed: global_avg_pool_composed },
+    Case { name: "batch_norm train + relu", counted: "batch_norm", shapes: batch_norm_shapes, sizes: BN_SIZES, zoo: (64, 112, "ResNet's stem (batch 4 here)"), op: batch_norm_train, composed: batch_norm_train_composed },
+    Case { name: "batch_norm eval + relu6", counted: "batch_norm", shapes: batch_norm_shapes, sizes: BN_SIZES, zoo: (576, 14, "MobileNetV2's expansion at 14² (batch 4 here)"), op: batch_norm_eval, composed: batch_norm_eval_composed },
     Case { name: "embedding padded", counted: "embedding", shapes: one, sizes: ROWS, zoo: (1000, 64, "a small table, padding id 3"), op: embedding_padded, composed: embedding_padded_composed },
 ];
 
@@ -315,7 +370,7 @@ fn host_inputs(case: &Case, shapes: &[Vec<usize>], seed: u64) -> Result<Vec<Vec<
         let std = if case.name == "relu6" { 4.0 } else { 1.0 };
         let mut v: Vec<f64> =
             normal_tensor(s, std, seed + i as u64, DType::F64, &Device::Cpu)?.flatten_all()?.to_vec1()?;
-        if case.counted == "layer_norm" || case.counted == "rms_norm" {
+        if matches!(case.counted, "layer_norm" | "rms_norm" | "batch_norm") {
             if i == 1 {
                 v.iter_mut().for_each(|w| *w += 1.0); // weights around 1, as trained norms have
             }
@@ -445,6 +500,38 @@ fn check(case: &Case, shapes: &[Vec<usize>], dtype: DType, dev: &Device, host: b
     ))
 }
 
+/// Batch norm's running estimates moved by a training step on `dev` (on the device there, no
+/// host round trip) against their direct recomputation in f64 from the same input: PyTorch's
+/// momentum 0.1 and unbiased variance, stored in f32.
+fn running_estimates(dev: &Device) -> Result<(bool, String)> {
+    let (n, c, side) = (4usize, 6usize, 11usize);
+    let x = normal_tensor(&[n, c, side, side], 2.0, 77, DType::F32, &Device::Cpu)?;
+    let host: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    let (mean0, var0) = estimates(c, &Device::Cpu)?;
+    let running = cnn::RunningStats::register(
+        &mut wick_nn::params::Params::default(),
+        "bn",
+        mean0.to_device(dev)?,
+        var0.to_device(dev)?,
+    );
+    let (w, b) = (Tensor::ones(c, DType::F32, dev)?, Tensor::zeros(c, DType::F32, dev)?);
+    running.normalize_act(&x.to_device(dev)?, &w, &b, true, true, cnn::Activation::Relu)?;
+    let (got_mean, got_var) = running.get();
+    let (m0, v0): (Vec<f32>, Vec<f32>) = (mean0.to_vec1()?, var0.to_vec1()?);
+    let (mut want_mean, mut want_var) = (Vec::new(), Vec::new());
+    let count = (n * side * side) as f64;
+    for ch in 0..c {
+        let plane = |b: usize| &host[(b * c + ch) * side * side..(b * c + ch + 1) * side * side];
+        let xs: Vec<f64> = (0..n).flat_map(plane).map(|v| f64::from(*v)).collect();
+        let m = xs.iter().sum::<f64>() / count;
+        let v = xs.iter().map(|x| (x - m) * (x - m)).sum::<f64>() / (count - 1.0);
+        want_mean.push(f64::from((f64::from(m0[ch]) * 0.9 + m * 0.1) as f32));
+        want_var.push(f64::from((f64::from(v0[ch]) * 0.9 + v * 0.1) as f32));
+    }
+    let (em, ev) = (max_rel_err(&vals(&got_mean)?, &want_mean), max_rel_err(&vals(&got_var)?, &want_var));
+    Ok((em <= 2.4e-7 && ev <= 2.4e-7, format!("max rel err {em:.1e} (mean) / {ev:.1e} (unbiased variance)")))
+}
+
 fn main() -> Result<()> {
     // The per-op counts are read from wick-nn's profile, which reads this once.
     if std::env::var_os("WICK_PROFILE_OPS").is_none() {
@@ -481,6 +568,10 @@ fn main() -> Result<()> {
             }
         }
     }
+
+    let (ok, detail) = running_estimates(&dev).unwrap_or_else(|e| (false, format!("error: {e:#}")));
+    println!("{} batch_norm running estimates after a training step: {detail}", if ok { "PASS" } else { "FAIL" });
+    failures += usize::from(!ok);
 
     if !host {
         println!("== the CUDA body beside the composed candle ops it replaces (forward + backward, ms a pass; bytes the graph keeps)");

@@ -58,12 +58,33 @@ pub fn batch_stats(x: &Tensor) -> Result<(Vec<f64>, Vec<f64>)> {
 
 /// Batch normalisation of (N, C, H, W) with given per-channel statistics: `batch` when they are
 /// this batch's own (their dependence on `x` enters the gradient), the running estimates
-/// otherwise.
+/// otherwise. One op, two bodies: the statistics are on the host for a CPU tensor, on the device
+/// for a CUDA one (`crate::native::cuda::batch_norm`), and are what backward reads.
 struct BatchNorm {
-    mean: Vec<f64>,
-    invstd: Vec<f64>,
+    stats: ChannelStats,
     batch: bool,
     act: Activation,
+}
+
+/// A batch norm's per-channel (mean, inverse deviation).
+enum ChannelStats {
+    Host {
+        mean: Vec<f64>,
+        invstd: Vec<f64>,
+    },
+    #[cfg(feature = "cuda")]
+    Device(crate::native::cuda::batch_norm::Stats),
+}
+
+impl ChannelStats {
+    /// The host's (mean, inverse deviation), or an error for statistics on a device.
+    fn host(&self) -> Result<(&[f64], &[f64])> {
+        match self {
+            ChannelStats::Host { mean, invstd } => Ok((mean, invstd)),
+            #[cfg(feature = "cuda")]
+            ChannelStats::Device(_) => Err(err("batch norm: statistics on a device for a CPU tensor".into())),
+        }
+    }
 }
 
 /// An activation applied to a normalisation's output inside the same op (its input, the
@@ -79,6 +100,16 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// The activation's code in the CUDA kernels (0 none, 1 ReLU, 2 ReLU6).
+    #[cfg(feature = "cuda")]
+    fn code(self) -> i32 {
+        match self {
+            Activation::Identity => 0,
+            Activation::Relu => 1,
+            Activation::Relu6 => 2,
+        }
+    }
+
     /// The activation of `y` (selections: NaN passes through). Selects, not branches: the
     /// signs of normalised values are random.
     #[inline(always)]
@@ -118,8 +149,9 @@ pub(crate) fn affine<T: Real>(
 
 impl BatchNorm {
     /// Per-channel `(scale, shift)` with `y = x·scale + shift`.
-    fn affine<T: Real>(&self, w: &[T], b: &[T]) -> (Vec<T>, Vec<T>) {
-        affine(|c| T::wide(w[c]), |c| T::wide(b[c]), &self.mean, &self.invstd)
+    fn affine<T: Real>(&self, w: &[T], b: &[T]) -> Result<(Vec<T>, Vec<T>)> {
+        let (mean, invstd) = self.stats.host()?;
+        Ok(affine(|c| T::wide(w[c]), |c| T::wide(b[c]), mean, invstd))
     }
 
     fn fwd<T: Real, E: Elem<T>>(
@@ -133,10 +165,10 @@ impl BatchNorm {
     ) -> Result<(CpuStorage, Shape)> {
         let (n, c, hw) = nchw(lx.shape())?;
         let (x, w, b) = (elems::<T, E>(sx, lx)?, read::<T>(sw, lw)?, read::<T>(sb, lb)?);
-        if w.len() != c || b.len() != c || self.mean.len() != c {
+        if w.len() != c || b.len() != c || self.stats.host()?.0.len() != c {
             return Err(err(format!("batch norm: {c} channels, {} weights, {} biases", w.len(), b.len())));
         }
-        let (scale, shift) = self.affine(&w, &b);
+        let (scale, shift) = self.affine(&w, &b)?;
         let y = bn_forward::<T, E>(x, (n, c, hw), &scale, &shift, self.act);
         Ok((E::into_storage(y), lx.shape().clone()))
     }
@@ -154,8 +186,9 @@ impl BatchNorm {
             with::<T, _>(w, |w| {
                 with::<T, _>(b, |b| {
                     with_elems::<T, E, _>(g, |g| {
-                        let (scale, shift) = self.affine(w, b);
-                        let stats = Stats { mean: &self.mean, invstd: &self.invstd, scale: &scale, shift: &shift };
+                        let (scale, shift) = self.affine(w, b)?;
+                        let (mean, invstd) = self.stats.host()?;
+                        let stats = Stats { mean, invstd, scale: &scale, shift: &shift };
                         Ok(bn_backward::<T, E>(x, w, g, (n, c, hw), stats, self.batch, self.act))
                     })
                 })
@@ -338,6 +371,21 @@ impl CustomOp3 for BatchNorm {
     ) -> Result<(CpuStorage, Shape)> {
         by_elem!(sx.dtype(), T, E => self.fwd::<T, E>(sx, lx, sw, lw, sb, lb))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sw: &candle_core::CudaStorage,
+        lw: &Layout,
+        sb: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let ChannelStats::Device(stats) = &self.stats else {
+            return Err(err("batch norm: statistics on the host for a CUDA tensor".into()));
+        };
+        crate::native::cuda::batch_norm::forward((sx, lx), (sw, lw), (sb, lb), stats, self.act.code())
+    }
     fn bwd(
         &self,
         x: &Tensor,
@@ -346,12 +394,25 @@ impl CustomOp3 for BatchNorm {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dw, db) = self.grads(x, w, b, g)?;
+        Ok((x.track_op().then_some(dx), w.track_op().then_some(dw), b.track_op().then_some(db)))
+    }
+}
+
+impl BatchNorm {
+    /// (dx, dweight, dbias) as tensors: dx like `x`, the others like `w` and `b`.
+    fn grads(&self, x: &Tensor, w: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if let ChannelStats::Device(stats) = &self.stats {
+            let (dx, dw, db) =
+                crate::native::cuda::batch_norm::backward(x, (w, b), g, stats, (self.batch, self.act.code()))?;
+            return Ok((dx, dw.to_dtype(w.dtype())?, db.to_dtype(b.dtype())?));
+        }
         let c = w.elem_count();
-        let (dx, dw, db) = by_elem!(x.dtype(), T, E => {
+        by_elem!(x.dtype(), T, E => {
             let (dx, dw, db) = self.bwd::<T, E>(x, w, b, g)?;
             Ok((elem_tensor::<T, E>(dx, x.shape())?, tensor(dw, c, w.dtype())?, tensor(db, c, b.dtype())?))
-        })?;
-        Ok((x.track_op().then_some(dx), w.track_op().then_some(dw), b.track_op().then_some(db)))
+        })
     }
 }
 
@@ -370,6 +431,81 @@ pub fn batch_norm(
     act: Activation,
 ) -> Result<Tensor> {
     let invstd = inverse_deviations(var, eps);
-    let op = BatchNorm { mean: mean.to_vec(), invstd, batch, act };
+    let op = BatchNorm { stats: ChannelStats::Host { mean: mean.to_vec(), invstd }, batch, act };
     super::apply3(&x.contiguous()?, &weight.contiguous()?, &bias.contiguous()?, op)
+}
+
+/// Running estimates a training-mode batch norm moves: `mean`, `var` (C each, any float dtype)
+/// and PyTorch's `momentum` (0.1 by default).
+#[derive(Clone, Copy)]
+pub struct Running<'a> {
+    /// The running mean.
+    pub mean: &'a Tensor,
+    /// The running (unbiased) variance.
+    pub var: &'a Tensor,
+    /// The weight of this batch's statistics in the moved estimates.
+    pub momentum: f64,
+}
+
+/// Training-mode batch normalisation of `x` (N, C, H, W) with this batch's statistics (their
+/// dependence on `x` enters the gradient), `weight` and `bias` (C), followed by `act` in the same
+/// op, on the CPU or (feature `cuda`) a CUDA device. With `running`, also the moved running
+/// estimates (`old·(1 − momentum) + new·momentum`, the variance unbiased), in their dtype, for the
+/// caller to store: on the device they are computed there (no host synchronisation).
+pub fn batch_norm_train(
+    x: &Tensor,
+    (weight, bias): (&Tensor, &Tensor),
+    eps: f64,
+    act: Activation,
+    running: Option<Running<'_>>,
+) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let x = x.contiguous()?;
+        let old = running.map(|r| (r.mean, r.var, r.momentum));
+        let (stats, moved) = crate::native::cuda::batch_norm::batch_stats(&x, eps, old)?;
+        let op = BatchNorm { stats: ChannelStats::Device(stats), batch: true, act };
+        let y = super::apply3(&x, &weight.contiguous()?, &bias.contiguous()?, op)?;
+        return Ok((y, moved));
+    }
+    let (mean, var) = batch_stats(x)?;
+    let moved = match running {
+        None => None,
+        Some(r) => {
+            let (n, _, h, w) = x.dims4()?;
+            let count = (n * h * w) as f64;
+            let unbiased = count / (count - 1.0).max(1.0);
+            let blend = |old: &Tensor, new: &[f64], factor: f64| -> Result<Tensor> {
+                let old: Vec<f64> = old.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1()?;
+                if old.len() != new.len() {
+                    return Err(err(format!("batch norm: {} channels, running estimates of {}", new.len(), old.len())));
+                }
+                let moved: Vec<f64> =
+                    old.iter().zip(new).map(|(o, v)| o * (1.0 - r.momentum) + v * factor * r.momentum).collect();
+                Tensor::from_vec(moved, new.len(), r.mean.device())?.to_dtype(r.mean.dtype())
+            };
+            Some((blend(r.mean, &mean, 1.0)?, blend(r.var, &var, unbiased)?))
+        }
+    };
+    Ok((batch_norm(x, &mean, &var, weight, bias, eps, true, act)?, moved))
+}
+
+/// Batch normalisation of `x` (N, C, H, W) with given estimates `mean` and `var` (C each: the
+/// running estimates in eval mode), `weight` and `bias`, followed by `act` in the same op, on the
+/// CPU or (feature `cuda`) a CUDA device.
+pub fn batch_norm_given(
+    x: &Tensor,
+    (mean, var): (&Tensor, &Tensor),
+    (weight, bias): (&Tensor, &Tensor),
+    eps: f64,
+    act: Activation,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let stats = crate::native::cuda::batch_norm::given_stats(mean, var, eps)?;
+        let op = BatchNorm { stats: ChannelStats::Device(stats), batch: false, act };
+        return super::apply3(&x.contiguous()?, &weight.contiguous()?, &bias.contiguous()?, op);
+    }
+    let vec = |t: &Tensor| -> Result<Vec<f64>> { t.to_dtype(candle_core::DType::F64)?.flatten_all()?.to_vec1() };
+    batch_norm(x, &vec(mean)?, &vec(var)?, weight, bias, eps, false, act)
 }

@@ -20,13 +20,16 @@
 //!   and global average pooling;
 //! - `rope`: rotary position embeddings (heads apart or the q and k of a packed projection);
 //! - `norm`: layer norm and RMS norm, forward keeping one (mean, inverse deviation) pair per row
-//!   on the device, backward from them.
+//!   on the device, backward from them;
+//! - `batch_norm`: batch norm with its fused ReLU/ReLU6, the statistics and the running estimates
+//!   computed on the device, one (mean, inverse deviation) pair per channel kept for backward.
 //!
 //! Where the kernels were not compiled in (a build without `WICK_KERNELS_NVCC`), [`serves`]
 //! answers false and the callers keep the composed form of candle's ops, as without the feature.
 
 pub(crate) mod act;
 pub mod attention;
+pub(crate) mod batch_norm;
 pub(crate) mod loss;
 pub(crate) mod norm;
 pub(crate) mod pool;
@@ -35,6 +38,7 @@ pub(crate) mod rope;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, CudaSlice, CudaView, LaunchConfig};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, DeviceId};
 use candle_core::op::BackpropOp;
@@ -103,6 +107,24 @@ pub(crate) fn function(dev: &CudaDevice, module: &'static str, name: &str) -> Re
     let f = m.load_function(name).map_err(|e| err(format!("{name}: {e}")))?;
     functions.entry(dev.id()).or_default().insert(name.to_string(), f.clone());
     Ok(f)
+}
+
+/// The compute type of a tensor dtype: f64 for f64, f32 otherwise (the kernels' weights).
+pub(crate) fn compute(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// `s` in dtype `to` (a converted copy only when it differs).
+pub(crate) fn in_dtype(s: &CudaStorage, l: &Layout, to: DType) -> Result<(Option<CudaStorage>, Layout)> {
+    if s.dtype() == to {
+        Ok((None, l.clone()))
+    } else {
+        Ok((Some(s.to_dtype(l, to)?), Layout::contiguous(l.shape())))
+    }
 }
 
 /// A launch of `n` independent elements, grid-stride (at most 65 535 blocks).

@@ -8,7 +8,9 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, LaunchConfig, PushKer
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{DType, Layout, Result, Shape, Tensor, WithDType};
 
-use super::{by_cuda_elem, elementwise, err, function, output, suffix, tensor, view, with_cuda, THREADS};
+use super::{
+    by_cuda_elem, compute, elementwise, err, function, in_dtype, output, suffix, tensor, view, with_cuda, THREADS,
+};
 
 const MODULE: &str = "nn_norm";
 
@@ -16,27 +18,9 @@ const MODULE: &str = "nn_norm";
 /// chunks, a grid's limit in y).
 const CHUNK: usize = 64;
 
-/// The compute type of a tensor dtype: f64 for f64, f32 otherwise (the kernels' weights).
-fn compute(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
 /// One block per row, at most 65 535 (the kernels loop over the rest).
 fn per_row(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows.clamp(1, 65_535) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
-}
-
-/// `s` in dtype `to` (a converted copy only when it differs).
-fn in_dtype(s: &CudaStorage, l: &Layout, to: DType) -> Result<(Option<CudaStorage>, Layout)> {
-    if s.dtype() == to {
-        Ok((None, l.clone()))
-    } else {
-        Ok((Some(s.to_dtype(l, to)?), Layout::contiguous(l.shape())))
-    }
 }
 
 /// Layer norm (with `b`; RMS norm with `rms`) over the last dimension: the output and the
