@@ -96,7 +96,7 @@ fn stacked_windows(x: &Tensor, kernel: usize, stride: usize, pad: usize) -> Resu
 /// windows scaled per channel (vectorised, and differentiable through every term), as one graph
 /// node (in f32 for bf16 on the CPU, like [`conv2d`]).
 pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
-    if native::serves(x) {
+    if native::serves(x) || native::serves_conv_on_device(x) {
         return native::depthwise::depthwise_conv2d(x, weight, pad, stride);
     }
     let compute = conv_compute(x.dtype(), x.device());
@@ -123,10 +123,11 @@ pub fn depthwise_conv2d_composed(x: &Tensor, weight: &Tensor, pad: usize, stride
     acc.ok_or_else(|| candle_core::Error::Msg("empty depthwise kernel".into()))
 }
 
-/// A dense (groups = 1) convolution under the autocast policy: native in `x`'s dtype, except
-/// bf16 on the CPU (which candle cannot convolve), computed in f32 as one node that returns bf16.
+/// A dense (groups = 1) convolution under the autocast policy: wick's op on the CPU and (feature
+/// `cuda`, through cuDNN) on a CUDA device; elsewhere candle's, native in `x`'s dtype except bf16
+/// on the CPU (which candle cannot convolve), computed in f32 as one node that returns bf16.
 pub fn conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
-    if native::serves(x) {
+    if native::serves(x) || native::serves_conv_on_device(x) {
         return native::conv::conv2d(x, weight, pad, stride);
     }
     let compute = conv_compute(x.dtype(), x.device());

@@ -188,6 +188,32 @@ fn batch_norm_eval(t: &[Tensor]) -> candle_core::Result<Tensor> {
     batch_norm_with(t, false, cnn::Activation::Relu6)
 }
 
+/// Convolutions: images (batch, C_in, side, side) from (batch, side), and their filters.
+fn conv_3x3_64(n: usize, side: usize) -> Vec<Vec<usize>> {
+    vec![vec![n, 64, side, side], vec![64, 64, 3, 3]]
+}
+fn conv_7x7_stem(n: usize, side: usize) -> Vec<Vec<usize>> {
+    vec![vec![n, 3, side, side], vec![64, 3, 7, 7]]
+}
+fn conv_1x1_256(n: usize, side: usize) -> Vec<Vec<usize>> {
+    vec![vec![n, 256, side, side], vec![64, 256, 1, 1]]
+}
+fn depthwise_96(n: usize, side: usize) -> Vec<Vec<usize>> {
+    vec![vec![n, 96, side, side], vec![96, 1, 3, 3]]
+}
+fn conv_3x3_s1(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    cnn::conv2d(&t[0], &t[1], 1, 1)
+}
+fn conv_7x7_s2(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    cnn::conv2d(&t[0], &t[1], 3, 2)
+}
+fn conv_1x1(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    cnn::conv2d(&t[0], &t[1], 0, 1)
+}
+fn depthwise_3x3_s2(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    cnn::depthwise_conv2d(&t[0], &t[1], 1, 2)
+}
+
 fn max_pool_3x3(t: &[Tensor]) -> candle_core::Result<Tensor> {
     cnn::max_pool2d(&t[0], 3, 2, 1)
 }
@@ -232,6 +258,29 @@ fn batch_norm_train_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
 }
 fn batch_norm_eval_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
     batch_norm_composed(t, Some(estimates(t[1].elem_count(), t[0].device())?), true)
+}
+/// candle's own convolution (what a GPU ran before cuDNN), in f32 for half types on the CPU
+/// (which candle cannot convolve in them), as one node.
+fn conv_composed(t: &[Tensor], pad: usize, stride: usize) -> candle_core::Result<Tensor> {
+    let x = &t[0];
+    let half = matches!(x.dtype(), DType::BF16 | DType::F16);
+    let compute = if half && x.device().is_cpu() { DType::F32 } else { x.dtype() };
+    node("conv2d", &[x, &t[1]], compute, x.dtype(), move |t| t[0].conv2d(&t[1], pad, stride, 1, 1))
+}
+fn conv_3x3_s1_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    conv_composed(t, 1, 1)
+}
+fn conv_7x7_s2_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    conv_composed(t, 3, 2)
+}
+fn conv_1x1_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    conv_composed(t, 0, 1)
+}
+fn depthwise_3x3_s2_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    let x = &t[0];
+    node("depthwise_conv2d", &[x, &t[1]], fp32_compute(x.dtype()), x.dtype(), |t| {
+        cnn::depthwise_conv2d_composed(&t[0], &t[1], 1, 2)
+    })
 }
 fn relu_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
     let x = &t[0];
@@ -331,13 +380,15 @@ const ELEMENTS: &[(usize, usize)] = &[(3, 37), (64, 1000)];
 /// Sequences of 1, 16, 33 and 8 tokens; head dimensions 8, 32, 64 and 100 (a warp's lanes in part).
 /// Planes and sides: odd and even sides, more planes than a block's threads cover at once.
 const IMAGES: &[(usize, usize)] = &[(6, 9), (24, 16)];
+/// Convolutions' (batch, side): odd and even sides, one image and two.
+const CONV_SIZES: &[(usize, usize)] = &[(2, 9), (1, 14)];
 /// Batch norm's (channels, side): one segment a channel; more channels than a block's threads;
 /// five segments a channel (4 × 100² elements, over 8 192 each).
 const BN_SIZES: &[(usize, usize)] = &[(5, 9), (300, 7), (3, 100)];
 const HEAD_SIZES: &[(usize, usize)] = &[(8, 8), (128, 32), (264, 64), (64, 100)];
 
 #[rustfmt::skip]
-const CASES: [Case; 23] = [
+const CASES: [Case; 27] = [
     Case { name: "relu", counted: "relu", shapes: one, sizes: ELEMENTS, zoo: (32 * 64 * 56, 56, "ResNet-18's first stage, batch 32"), op: relu, composed: relu_composed },
     Case { name: "relu6", counted: "relu6", shapes: one, sizes: ELEMENTS, zoo: (32 * 96 * 56, 56, "MobileNetV2's expansion, batch 32"), op: relu6, composed: relu6_composed },
     Case { name: "gelu", counted: "gelu", shapes: one, sizes: ELEMENTS, zoo: (32 * 128, 3072, "BERT-base's feed-forward, 32 × 128 tokens"), op: gelu, composed: gelu_composed },
@@ -360,6 +411,10 @@ const CASES: [Case; 23] = [
     Case { name: "global_avg_pool", counted: "global_avg_pool", shapes: image, sizes: IMAGES, zoo: (32 * 512, 7, "ResNet-18's head, batch 32"), op: global_avg_pool, composed: global_avg_pool_composed },
     Case { name: "batch_norm train + relu", counted: "batch_norm", shapes: batch_norm_shapes, sizes: BN_SIZES, zoo: (64, 112, "ResNet's stem (batch 4 here)"), op: batch_norm_train, composed: batch_norm_train_composed },
     Case { name: "batch_norm eval + relu6", counted: "batch_norm", shapes: batch_norm_shapes, sizes: BN_SIZES, zoo: (576, 14, "MobileNetV2's expansion at 14² (batch 4 here)"), op: batch_norm_eval, composed: batch_norm_eval_composed },
+    Case { name: "conv2d 3x3/1 64→64", counted: "conv2d", shapes: conv_3x3_64, sizes: CONV_SIZES, zoo: (32, 56, "ResNet-18's first stage, batch 32"), op: conv_3x3_s1, composed: conv_3x3_s1_composed },
+    Case { name: "conv2d 7x7/2 stem", counted: "conv2d", shapes: conv_7x7_stem, sizes: CONV_SIZES, zoo: (32, 224, "ResNet's stem, batch 32"), op: conv_7x7_s2, composed: conv_7x7_s2_composed },
+    Case { name: "conv2d 1x1 256→64", counted: "conv2d", shapes: conv_1x1_256, sizes: CONV_SIZES, zoo: (32, 56, "ResNet-50's bottleneck entry, batch 32"), op: conv_1x1, composed: conv_1x1_composed },
+    Case { name: "depthwise 3x3/2 96", counted: "depthwise_conv2d", shapes: depthwise_96, sizes: CONV_SIZES, zoo: (32, 112, "MobileNetV2's first strided depthwise, batch 32"), op: depthwise_3x3_s2, composed: depthwise_3x3_s2_composed },
     Case { name: "embedding padded", counted: "embedding", shapes: one, sizes: ROWS, zoo: (1000, 64, "a small table, padding id 3"), op: embedding_padded, composed: embedding_padded_composed },
 ];
 
@@ -485,9 +540,14 @@ fn check(case: &Case, shapes: &[Vec<usize>], dtype: DType, dev: &Device, host: b
     let worst = errs.iter().copied().fold(0.0, f64::max);
     // The composed forms round once more in low precision (each of their ops rounds), and candle's
     // f64 GELU gradient carries f32 constants (3.7e-7 from the host body's).
+    // A dense convolution's outputs and gradients are sums of hundreds of products (576 for a
+    // 3×3 over 64 channels), added in another order by each body: f32's rounding grows with the
+    // sum's length (the half types round each output once, which dominates).
+    let long_sums = case.counted == "conv2d" && dtype == DType::F32;
     let tol = match (host, dtype) {
         (true, DType::BF16 | DType::F16) => 8.0 * tolerance(dtype),
         (true, DType::F64) => 1e-6,
+        _ if long_sums => 1e-4,
         _ => tolerance(dtype),
     };
     let ok = worst <= tol && got.len() == want.len() && (host || (fwd >= 1 && bwd >= 1));
@@ -549,6 +609,10 @@ fn main() -> Result<()> {
         engine.device().clone()
     };
     let mut failures = 0usize;
+    // The checks compare f32 exactly enough for f32's tolerance: cuDNN without TF32 (the timings
+    // below run with it, PyTorch's default for convolutions).
+    #[cfg(feature = "cuda")]
+    wick_nn::native::cuda::conv::set_tf32(false);
 
     if host {
         println!("== (--host) the composed forms against the host bodies, on the CPU: a check of this harness");
@@ -573,6 +637,15 @@ fn main() -> Result<()> {
     println!("{} batch_norm running estimates after a training step: {detail}", if ok { "PASS" } else { "FAIL" });
     failures += usize::from(!ok);
 
+    #[cfg(feature = "cuda")]
+    wick_nn::native::cuda::conv::set_tf32(true);
+    #[cfg(feature = "cuda")]
+    if !host {
+        match wick_nn::native::cuda::conv::cudnn_version() {
+            Ok(v) => println!("cuDNN {v} for the convolutions (TF32 on for the timings, off for the checks)"),
+            Err(e) => println!("cuDNN: {e}"),
+        }
+    }
     if !host {
         println!("== the CUDA body beside the composed candle ops it replaces (forward + backward, ms a pass; bytes the graph keeps)");
         for case in &CASES {

@@ -297,13 +297,28 @@ impl CustomOp2 for Depthwise {
     fn cpu_fwd(&self, sx: &CpuStorage, lx: &Layout, sw: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
         by_elem!(sx.dtype(), T, E => self.fwd::<T, E>(sx, lx, sw, lw))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sw: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::conv::forward((sx, lx), (sw, lw), self.stride, self.pad, true)
+    }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let want_dx = x.track_op();
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return super::cuda::conv::backward(x, w, dy, (self.stride, self.pad, true), (want_dx, w.track_op()));
+        }
         by_elem!(x.dtype(), T, E => self.bwd::<T, E>(x, w, dy, want_dx))
     }
 }
 
-/// A depthwise convolution on the CPU (`weight` (C, 1, k, k)), computed in f32 (f64 for f64).
+/// A depthwise convolution (`weight` (C, 1, k, k)): on the CPU computed in f32 (f64 for f64); on a
+/// CUDA device (feature `cuda`) through cuDNN with C groups.
 pub fn depthwise_conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
     super::apply2(&x.contiguous()?, &weight.contiguous()?, Depthwise { stride, pad })
 }

@@ -403,6 +403,18 @@ pub fn serves_either(t: &Tensor) -> bool {
     serves(t)
 }
 
+/// True when a convolution of `x` on a CUDA device runs as wick's op through cuDNN (feature
+/// `cuda`, the kernels compiled in, and not `WICK_CUDNN=off`). A missing cuDNN is then the
+/// convolution's `Err`, which says how to install it.
+pub fn serves_conv_on_device(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    if crate::native::cuda::serves(x) {
+        return crate::native::cuda::conv::uses_cudnn();
+    }
+    let _ = x;
+    false
+}
+
 /// [`serves_either`] for attention of head dimension `head_dim`: the CUDA body takes head
 /// dimensions up to 128 (`crate::native::cuda::attention::MAX_HEAD_DIM`).
 pub fn serves_attention(t: &Tensor, head_dim: usize) -> bool {

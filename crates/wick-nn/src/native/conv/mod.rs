@@ -413,9 +413,23 @@ impl CustomOp2 for Conv2d {
         }
         by_elem!(sx.dtype(), T, E => self.fwd::<T, E>(sx, lx, sw, lw))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sw: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::conv::forward((sx, lx), (sw, lw), self.stride, self.pad, false)
+    }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         // The input image of a network needs no gradient: skip backward-input for it.
         let want_dx = x.track_op();
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return super::cuda::conv::backward(x, w, dy, (self.stride, self.pad, false), (want_dx, w.track_op()));
+        }
         if bf16_products(x.dtype()) && w.dtype() == x.dtype() && dy.dtype() == x.dtype() {
             return self.bwd_bf16(x, w, dy, want_dx);
         }
@@ -428,8 +442,9 @@ impl CustomOp2 for Conv2d {
     }
 }
 
-/// A dense convolution on the CPU (`weight` (C_out, C_in, k, k), square stride and padding),
-/// computed in f32 (f64 for f64) and returned in `x`'s dtype.
+/// A dense convolution (`weight` (C_out, C_in, k, k), square stride and padding): on the CPU
+/// computed in f32 (f64 for f64) and returned in `x`'s dtype; on a CUDA device (feature `cuda`)
+/// through cuDNN in `x`'s dtype (`super::cuda::conv`).
 pub fn conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
     conv2d_chunked(x, weight, pad, stride, CHUNK_BYTES)
 }

@@ -21,6 +21,8 @@
 //! - `rope`: rotary position embeddings (heads apart or the q and k of a packed projection);
 //! - `norm`: layer norm and RMS norm, forward keeping one (mean, inverse deviation) pair per row
 //!   on the device, backward from them;
+//! - [`conv`]: the dense and depthwise convolutions through cuDNN (`cudnn`: opened at run time,
+//!   so a machine without it still builds and runs; a GPU convolution then says how to install it);
 //! - `batch_norm`: batch norm with its fused ReLU/ReLU6, the statistics and the running estimates
 //!   computed on the device, one (mean, inverse deviation) pair per channel kept for backward.
 //!
@@ -30,6 +32,8 @@
 pub(crate) mod act;
 pub mod attention;
 pub(crate) mod batch_norm;
+pub mod conv;
+pub(crate) mod cudnn;
 pub(crate) mod loss;
 pub(crate) mod norm;
 pub(crate) mod pool;
