@@ -7,7 +7,9 @@
 #     the wick-kernels build script embeds (the cargo check of step 1 builds them with that nvcc);
 #     and run wick-nn's kernels on the host emulator (kernels/emu: one OS thread per CUDA thread)
 #     against direct f64 references, so their indexing and arithmetic are tested without a GPU;
-#  4. read the CUPTI figures the CUDA memory history relies on from CUPTI's real headers (PyPI's
+#  4. check the cuDNN figures the GPU convolutions pass (crates/wick-nn/src/native/cuda/cudnn.rs)
+#     against cudarc's bindings of cuDNN's headers (scripts/cudnn_abi.py);
+#  5. read the CUPTI figures the CUDA memory history relies on from CUPTI's real headers (PyPI's
 #     nvidia-cuda-cupti) and compare them with crates/wick/src/cupti_abi.expected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,6 +78,9 @@ mkdir -p target
 command -v g++ >/dev/null 2>&1 || apt-get install -y g++ >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y g++ >/dev/null; }
 g++ -std=c++20 -O1 -ffp-contract=off -pthread -Wall -Wno-unknown-pragmas -Werror -I kernels/emu kernels/emu/check.cpp kernels/emu/check_batch_norm.cpp -o target/emu-check
 target/emu-check | tail -3
+
+echo "-- cuDNN figures of the GPU convolutions (opened at run time), against cudarc's bindings of cuDNN's headers"
+python3 scripts/cudnn_abi.py | tail -1
 
 echo "-- CUPTI ABI of the CUDA memory history, from CUPTI's headers"
 cupti_dir=.cache/cupti

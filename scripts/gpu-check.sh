@@ -6,7 +6,8 @@
 #   - an alloc-heavy candle loop on the default pool vs wick's pool;
 #   - allocation traces through wick's CUDA allocator vs raw cuMemAllocAsync vs PyTorch;
 #   - the fused AMP kernels (kernels/src/cuda/*.cu) against their CPU references;
-#   - wick-nn's CUDA op bodies (activations, layer and RMS norm) against their host bodies, that a
+#   - wick-nn's CUDA op bodies (activations, norms, batch norm, attention, RoPE, cross-entropy,
+#     embeddings, pooling, and the convolutions through cuDNN) against their host bodies, that a
 #     GPU pass goes through them, and each beside the composed candle ops it replaces;
 #   - the AMP training example on CUDA (f16 with loss scaling, then bf16), through the fused
 #     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh);
@@ -68,6 +69,16 @@ link libcudart.so libcudart.so.13
 link libnccl.so libnccl.so.2
 # CUPTI for the CUDA memory history (PyTorch's wheels carry one; wick opens it at run time).
 link libcupti.so libcupti.so && export WICK_CUPTI="$libs/libcupti.so"
+# cuDNN for the convolutions (PyTorch's nvidia-cudnn wheel; wick opens it at run time). Its real
+# path, not a link: the wheel's front library finds its sub-libraries beside itself ($ORIGIN).
+cudnn=$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(nvidia.cudnn.__path__[0], "lib", "libcudnn.so.9"))' 2>/dev/null)
+[ -f "$cudnn" ] || cudnn=$(ldconfig -p 2>/dev/null | awk '$1 ~ /^libcudnn.so.9/ {print $NF}' | head -1)
+if [ -n "$cudnn" ] && [ -f "$cudnn" ]; then
+  export WICK_CUDNN="$cudnn"
+  echo "  cuDNN -> $cudnn"
+else
+  echo "!! no cuDNN found: wick's GPU convolutions will say so"
+fi
 export LD_LIBRARY_PATH="$libs:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 date -u
@@ -88,6 +99,8 @@ timeout 120 "$bin/amp-gpu-check" 2>&1 | tee "$out/gpu-amp-kernels.txt"
 echo "== wick-nn's CUDA op bodies against their host bodies, and beside the composed ops"
 if [ -x "$bin/nn-gpu-check" ]; then
   timeout 120 "$bin/nn-gpu-check" 2>&1 | tee "$out/gpu-nn-ops.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  WICK_CUDNN=/nonexistent/libcudnn.so.9 timeout 30 "$bin/nn-gpu-check" --expect-no-cudnn 2>&1 | tee -a "$out/gpu-nn-ops.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 else
   echo "!! SKIPPED: $bin/nn-gpu-check not built (scripts/build-gpu-binaries.sh with WICK_CANDLE_NVCC=fake leaves it out)"
