@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 10] = [
+const KERNELS: [&str; 11] = [
     "amp_unscale",
     "amp_update_scale",
     "amp_adamw",
@@ -22,6 +22,7 @@ const KERNELS: [&str; 10] = [
     "nn_rows",
     "nn_pool",
     "nn_batch_norm",
+    "nn_linear",
 ];
 
 fn main() {

@@ -6,7 +6,7 @@
 // forward and backward. Prints one line per check; exits non-zero if any fails.
 //
 //   g++ -std=c++20 -O1 -ffp-contract=off -pthread -Wall -Wno-unknown-pragmas -I kernels/emu
-//     kernels/emu/check.cpp -o target/emu-check
+//     kernels/emu/check*.cpp -o target/emu-check
 //   target/emu-check     (scripts/cuda-ci.sh runs it)
 #include "emu.h"
 
@@ -457,6 +457,7 @@ int main() {
   pooling(5, 6, 3, 1, 1, false);
   optimizer();
   batch_norm_checks();
+  linear_checks();
   if (failures) {
     std::printf("%d check(s) failed\n", failures);
     return 1;

@@ -55,3 +55,4 @@ inline long long bn_seg(long long count) { return std::max<long long>(8192, (cou
 
 // The checks in other files.
 void batch_norm_checks();
+void linear_checks();

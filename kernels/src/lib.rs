@@ -14,7 +14,8 @@
 //!   (`nn_act`: the element-wise activations; `nn_norm`: layer and RMS norm; `nn_attention`:
 //!   attention in the manner of FlashAttention-2; `nn_rows`: RoPE, cross-entropy, embeddings;
 //!   `nn_pool`: max and global average pooling; `nn_batch_norm`: batch norm with its fused
-//!   ReLU/ReLU6, the statistics and running estimates on the device — each forward and backward); the build script
+//!   ReLU/ReLU6, the statistics and running estimates on the device; `nn_linear`: the linear
+//!   layer's bias rows and bias-gradient sums around cuBLAS's products — each forward and backward); the build script
 //!   that compiles them, the compiled fatbins embedded in this crate ([`fatbin`]), and their CPU
 //!   references ([`mod@reference`], [`cpu::optim`], and wick-nn's host bodies of the same ops).
 //!   Loading and launching them on candle's CUDA device is wick-train's `amp::cuda` and wick-nn's
@@ -33,7 +34,7 @@ pub mod cpu;
 pub mod reference;
 
 /// The kernels, by the name of their source file (without `.cu`).
-pub const KERNELS: [&str; 10] = [
+pub const KERNELS: [&str; 11] = [
     "amp_unscale",
     "amp_update_scale",
     "amp_adamw",
@@ -44,6 +45,7 @@ pub const KERNELS: [&str; 10] = [
     "nn_rows",
     "nn_pool",
     "nn_batch_norm",
+    "nn_linear",
 ];
 
 /// True when this build compiled the kernels in.
@@ -63,6 +65,7 @@ pub fn fatbin(name: &str) -> Option<&'static [u8]> {
         "nn_rows" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_rows.fatbin"))),
         "nn_pool" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_pool.fatbin"))),
         "nn_batch_norm" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_batch_norm.fatbin"))),
+        "nn_linear" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_linear.fatbin"))),
         _ => None,
     }
 }

@@ -154,7 +154,7 @@ pub fn relu_composed(x: &Tensor, max: Option<f64>) -> Result<Tensor> {
 /// autocast (the matmul runs in `x`'s dtype), as one node whose backward accumulates the weight
 /// and bias gradients in f32.
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
-    if native::serves(x) {
+    if native::serves_either(x) {
         return native::linear::linear(x, weight, bias);
     }
     let f = |t: &[Tensor]| -> Result<Tensor> {

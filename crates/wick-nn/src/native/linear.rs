@@ -25,7 +25,7 @@ struct Linear;
 type Grads<T> = (Option<Vec<T>>, Vec<T>, Option<Vec<T>>);
 
 /// (rows, in, out) of `x` (…, in) times `w` (out, in).
-pub(super) fn dims(x: &Shape, w: &Shape) -> Result<(usize, usize, usize)> {
+pub(crate) fn dims(x: &Shape, w: &Shape) -> Result<(usize, usize, usize)> {
     let (Some(&k), &[out, wk]) = (x.dims().last(), w.dims()) else {
         return Err(err(format!("linear: input {x:?}, weight {w:?}")));
     };
@@ -145,6 +145,10 @@ impl Linear {
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (want_dx, want_db) = (x.track_op(), b.is_some_and(|b| b.track_op()));
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return super::cuda::linear::backward(x, w, b, g, (want_dx, w.track_op(), want_db));
+        }
         if [x, w, g].iter().all(|t| t.dtype() == DType::BF16) && gemm_bf16::available() {
             let (dx, dw, db) = Linear::bwd_bf16(x, w, g, want_dx, want_db)?;
             let dx = dx.map(|v| elem_tensor::<f32, bf16>(v, x.shape())).transpose()?;
@@ -184,6 +188,16 @@ impl CustomOp2 for Linear {
         }
         by_real!(sx.dtype(), T => Linear::fwd::<T>(sx, lx, sw, lw, None))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sw: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::linear::forward((sx, lx), (sw, lw), None)
+    }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dx, dw, _) = Linear::grads(x, w, None, g)?;
         Ok((dx, dw))
@@ -208,6 +222,18 @@ impl CustomOp3 for Linear {
         }
         by_real!(sx.dtype(), T => Linear::fwd::<T>(sx, lx, sw, lw, Some((sb, lb))))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sw: &candle_core::CudaStorage,
+        lw: &Layout,
+        sb: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda::linear::forward((sx, lx), (sw, lw), Some((sb, lb)))
+    }
     fn bwd(
         &self,
         x: &Tensor,
@@ -221,7 +247,7 @@ impl CustomOp3 for Linear {
 }
 
 /// The output's shape: `x`'s with `n` in its last dimension.
-pub(super) fn out_shape(x: &Shape, n: usize) -> Shape {
+pub(crate) fn out_shape(x: &Shape, n: usize) -> Shape {
     let mut shape = x.dims().to_vec();
     if let Some(last) = shape.last_mut() {
         *last = n;
@@ -281,7 +307,7 @@ fn bf16_operands<'a>(
     Ok(Some((elems::<f32, bf16>(sx, lx)?, elems::<f32, bf16>(sw, lw)?)))
 }
 
-/// `x·weightᵀ (+ bias)` on the CPU (see [`crate::ops::linear`]).
+/// `x·weightᵀ (+ bias)` on the CPU or (feature `cuda`) a CUDA device (see [`crate::ops::linear`]).
 pub fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let (x, w) = (x.contiguous()?, weight.contiguous()?);
     match bias {

@@ -1,6 +1,6 @@
 //! wick's own ops ("native", as PyTorch's ATen calls its own): candle custom ops with closed-form
-//! backward passes, each one graph node with a CPU body and — with the `cuda` feature, for the
-//! transformers' ops so far — a CUDA body (`cuda`), keeping the same tensors on both devices.
+//! backward passes, each one graph node with a CPU body and — with the `cuda` feature — a CUDA
+//! body (`cuda`), keeping the same tensors on both devices.
 //!
 //! wick-nn's differentiable building blocks ([`crate::ops`], [`crate::cnn`]) were first composed
 //! from candle's primitive ops under candle's autograd, and then wrapped as single graph nodes
@@ -40,10 +40,12 @@
 //! widened inside the op and its result rounded once, autocast's f32-class behaviour, and every
 //! gradient sum is accumulated in f32). Linear layers and dense convolutions whose operands are
 //! all bf16 multiply them as bf16 with f32 sums on CPUs with AVX512-BF16 (`gemm_bf16`, as
-//! oneDNN's bf16 kernels do under PyTorch's CPU autocast). With the `cuda` feature the activations (`act`), the row
-//! norms (`row_norm`), attention, RoPE, cross-entropy and the embedding have CUDA bodies as well
-//! (`cuda`'s, used where [`serves_either`] says so); on a GPU the convolutions, batch norm and
-//! pooling still run as candle's composed ops, and linear layers as candle's cuBLAS products.
+//! oneDNN's bf16 kernels do under PyTorch's CPU autocast). With the `cuda` feature every op above
+//! has a CUDA body as well (`cuda`'s, used where [`serves_either`] says so): wick's CUDA C for the
+//! element-wise, normalisation, attention, row and pooling ops; cuDNN for the convolutions
+//! (opened at run time, [`serves_conv_on_device`]); cuBLAS for the linear layer's products, the
+//! bias added inside the forward product's sums (`colmajor`: the row-major products as cuBLAS's
+//! column-major calls).
 
 /// Runs `$body` with `$t` the compute type of `$dtype`: f64 for f64 tensors, f32 for the others
 /// (every op dispatches its generic forward and backward this way).
@@ -99,6 +101,7 @@ macro_rules! wide_kernel {
 
 pub(crate) mod act;
 pub(crate) mod attention;
+pub(crate) mod colmajor;
 pub(crate) mod conv;
 #[cfg(feature = "cuda")]
 pub mod cuda;

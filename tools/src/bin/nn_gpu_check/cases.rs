@@ -169,6 +169,34 @@ fn batch_norm_eval(t: &[Tensor]) -> candle_core::Result<Tensor> {
     batch_norm_with(t, false, cnn::Activation::Relu6)
 }
 
+/// Linear layers: rows × d inputs, a square weight and its bias (2-D, or the rows of two sequences).
+fn linear_shapes(r: usize, d: usize) -> Vec<Vec<usize>> {
+    vec![vec![r, d], vec![d, d], vec![d]]
+}
+fn linear_3d(r: usize, d: usize) -> Vec<Vec<usize>> {
+    vec![vec![2, r, d], vec![d, d], vec![d]]
+}
+fn linear_no_bias(r: usize, d: usize) -> Vec<Vec<usize>> {
+    vec![vec![r, d], vec![d, d]]
+}
+fn linear(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    ops::linear(&t[0], &t[1], t.get(2))
+}
+/// The linear layer as wick-nn's `ops` composed it on a GPU: a node over candle's product and
+/// bias addition (backward recomputes the product).
+fn linear_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    let x = &t[0];
+    let f = |t: &[Tensor]| -> candle_core::Result<Tensor> {
+        let y = t[0].contiguous()?.broadcast_matmul(&t[1].t()?)?;
+        match t.get(2) {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    };
+    let inputs: Vec<&Tensor> = t.iter().collect();
+    node("linear", &inputs, x.dtype(), x.dtype(), f)
+}
+
 /// Convolutions: images (batch, C_in, side, side) from (batch, side), and their filters.
 fn conv_3x3_64(n: usize, side: usize) -> Vec<Vec<usize>> {
     vec![vec![n, 64, side, side], vec![64, 64, 3, 3]]
@@ -369,7 +397,7 @@ const BN_SIZES: &[(usize, usize)] = &[(5, 9), (300, 7), (3, 100)];
 const HEAD_SIZES: &[(usize, usize)] = &[(8, 8), (128, 32), (264, 64), (64, 100)];
 
 #[rustfmt::skip]
-pub(crate) const CASES: [Case; 27] = [
+pub(crate) const CASES: [Case; 30] = [
     Case { name: "relu", counted: "relu", shapes: one, sizes: ELEMENTS, zoo: (32 * 64 * 56, 56, "ResNet-18's first stage, batch 32"), op: relu, composed: relu_composed },
     Case { name: "relu6", counted: "relu6", shapes: one, sizes: ELEMENTS, zoo: (32 * 96 * 56, 56, "MobileNetV2's expansion, batch 32"), op: relu6, composed: relu6_composed },
     Case { name: "gelu", counted: "gelu", shapes: one, sizes: ELEMENTS, zoo: (32 * 128, 3072, "BERT-base's feed-forward, 32 × 128 tokens"), op: gelu, composed: gelu_composed },
@@ -392,6 +420,9 @@ pub(crate) const CASES: [Case; 27] = [
     Case { name: "global_avg_pool", counted: "global_avg_pool", shapes: image, sizes: IMAGES, zoo: (32 * 512, 7, "ResNet-18's head, batch 32"), op: global_avg_pool, composed: global_avg_pool_composed },
     Case { name: "batch_norm train + relu", counted: "batch_norm", shapes: batch_norm_shapes, sizes: BN_SIZES, zoo: (64, 112, "ResNet's stem (batch 4 here)"), op: batch_norm_train, composed: batch_norm_train_composed },
     Case { name: "batch_norm eval + relu6", counted: "batch_norm", shapes: batch_norm_shapes, sizes: BN_SIZES, zoo: (576, 14, "MobileNetV2's expansion at 14² (batch 4 here)"), op: batch_norm_eval, composed: batch_norm_eval_composed },
+    Case { name: "linear", counted: "linear", shapes: linear_shapes, sizes: ROWS, zoo: (32 * 128, 768, "BERT-base's attention output, 32 × 128 tokens"), op: linear, composed: linear_composed },
+    Case { name: "linear 3-D", counted: "linear", shapes: linear_3d, sizes: &[(5, 96)], zoo: (8 * 512, 768, "decoder-768, 8 × 512 tokens"), op: linear, composed: linear_composed },
+    Case { name: "linear no bias", counted: "linear", shapes: linear_no_bias, sizes: ROWS, zoo: (8 * 512, 768, "a projection without bias, 8 × 512 tokens"), op: linear, composed: linear_composed },
     Case { name: "conv2d 3x3/1 64→64", counted: "conv2d", shapes: conv_3x3_64, sizes: CONV_SIZES, zoo: (32, 56, "ResNet-18's first stage, batch 32"), op: conv_3x3_s1, composed: conv_3x3_s1_composed },
     Case { name: "conv2d 7x7/2 stem", counted: "conv2d", shapes: conv_7x7_stem, sizes: CONV_SIZES, zoo: (32, 224, "ResNet's stem, batch 32"), op: conv_7x7_s2, composed: conv_7x7_s2_composed },
     Case { name: "conv2d 1x1 256→64", counted: "conv2d", shapes: conv_1x1_256, sizes: CONV_SIZES, zoo: (32, 56, "ResNet-50's bottleneck entry, batch 32"), op: conv_1x1, composed: conv_1x1_composed },

@@ -23,6 +23,8 @@
 //!   on the device, backward from them;
 //! - [`conv`]: the dense and depthwise convolutions through cuDNN (`cudnn`: opened at run time,
 //!   so a machine without it still builds and runs; a GPU convolution then says how to install it);
+//! - `linear`: the linear layer's products on cuBLAS (the bias added inside the forward product's
+//!   sums; three products a step, nothing recomputed) and its bias gradient;
 //! - `batch_norm`: batch norm with its fused ReLU/ReLU6, the statistics and the running estimates
 //!   computed on the device, one (mean, inverse deviation) pair per channel kept for backward.
 //!
@@ -34,6 +36,7 @@ pub mod attention;
 pub(crate) mod batch_norm;
 pub mod conv;
 pub(crate) mod cudnn;
+pub(crate) mod linear;
 pub(crate) mod loss;
 pub(crate) mod norm;
 pub(crate) mod pool;
