@@ -98,9 +98,11 @@ timeout 120 "$bin/amp-gpu-check" 2>&1 | tee "$out/gpu-amp-kernels.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 echo "== wick-nn's CUDA op bodies against their host bodies, and beside the composed ops"
 if [ -x "$bin/nn-gpu-check" ]; then
-  timeout 120 "$bin/nn-gpu-check" 2>&1 | tee "$out/gpu-nn-ops.txt"
+  timeout 180 "$bin/nn-gpu-check" 2>&1 | tee "$out/gpu-nn-ops.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   WICK_CUDNN=/nonexistent/libcudnn.so.9 timeout 30 "$bin/nn-gpu-check" --expect-no-cudnn 2>&1 | tee -a "$out/gpu-nn-ops.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  timeout 60 "$bin/nn-gpu-check" --capped-oom 2>&1 | tee -a "$out/gpu-nn-ops.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 else
   echo "!! SKIPPED: $bin/nn-gpu-check not built (scripts/build-gpu-binaries.sh with WICK_CANDLE_NVCC=fake leaves it out)"

@@ -14,6 +14,8 @@
 //! default); `--expect-no-cudnn`, run with `WICK_CUDNN` naming no library, checks that a GPU
 //! convolution without cuDNN is an error that says how to install it, and that the next op runs.
 //!
+//! `--capped-oom` runs the ops out of memory under a capped pool instead (`oom`).
+//!
 //! Prints one line per check and per timing; exits non-zero if a check fails. Run by
 //! `scripts/gpu-check.sh` (needs candle's CUDA kernels: `scripts/build-gpu-binaries.sh` with the
 //! real nvcc). With `--host` it needs no GPU: the composed forms are checked against the host
@@ -21,6 +23,7 @@
 //! before a device run; `cargo run -p wick-tools --release --bin nn-gpu-check -- --host`.
 
 mod cases;
+mod oom;
 
 use std::time::Instant;
 
@@ -220,7 +223,16 @@ fn main() -> Result<()> {
         if !wick_kernels::COMPILED {
             bail!("this build has no CUDA kernels: build with WICK_KERNELS_NVCC=<path to nvcc>");
         }
-        engine = wick::Engine::cuda(0, None).context("opening cuda:0")?;
+        let capped = std::env::args().any(|a| a == "--capped-oom");
+        engine = wick::Engine::cuda(0, capped.then_some(oom::CAP)).context("opening cuda:0")?;
+        if capped {
+            println!("== out of memory inside the ops, under a pool capped at {} MiB", oom::CAP >> 20);
+            let failures = oom::run(&engine)?;
+            if failures > 0 {
+                bail!("{failures} out-of-memory case(s) failed");
+            }
+            return Ok(());
+        }
         engine.device().clone()
     };
     if std::env::args().any(|a| a == "--expect-no-cudnn") {
