@@ -17,6 +17,8 @@
 #   - the zoo's CNNs at 224², batch 32 (f32 train, bf16 AMP train, eval) beside PyTorch on the same
 #     GPU: step time, peak allocated memory, and wick's estimator's figure for the same step
 #     (benchmarks/zoo-estimates-cuda.json, made on the CPU by scripts/zoo_estimates.py);
+#   - a zoo training step (two, from the same seeded model and batch) and an eval pass on the GPU
+#     against the same on the CPU, every model, f32 and bf16 AMP (zoo-speed --against-cpu);
 #   - the zoo's transformers (MiniLM, ViT-S/16, the decoder) at zoo-speed's sizes beside PyTorch.
 # Nsight Compute's per-kernel profile of ResNet-18 runs only with WICK_GPU_NCU=1 (2-3 minutes).
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
@@ -152,6 +154,14 @@ if [ -x "$bin/zoo-speed" ]; then
     --models resnet18,resnet50,mobilenet_v2 --modes train,amp,eval --image 224 --batches 32 \
     --rounds 2 --steps 5 --warmup 2 --estimates "$estimates" --json "$out/gpu-zoo.json") 2>&1 | tee "$out/gpu-zoo.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== a zoo training step on the GPU against the same step on the CPU (two steps; eval: the outputs)"
+  for model in resnet18 resnet50 mobilenet_v2 bert vit decoder; do
+    for mode in train amp eval; do
+      timeout 60 "$bin/zoo-speed" --model $model --mode $mode --image 64 --batch 4 --seq 32 --against-cpu --device cuda \
+        2>&1 | tail -1 | tee -a "$out/gpu-zoo-against-cpu.txt"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
+  done
   echo "== the zoo's transformers on the GPU beside PyTorch (zoo-speed's sizes)"
   (cd scripts/torch-reference && PYTHONUNBUFFERED=1 timeout 150 python3 zoo_speed.py --wick "$zoo" --device cuda \
     --models bert,vit,decoder --modes train,eval --rounds 1 --steps 5 --json "$out/gpu-zoo-transformers.json") 2>&1 \

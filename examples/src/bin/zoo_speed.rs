@@ -18,6 +18,9 @@
 //! `DIR/MODEL-MODE.{history.json,trace.json,pickle,html}`: the history (for `wick report`), a
 //! wick trace (for `wick replay`), a PyTorch memory_viz snapshot and the HTML report.
 //!
+//! `--against-cpu` checks the device's step against the CPU's instead of timing it (see
+//! `against_cpu`): `zoo-speed --model resnet18 --image 64 --batch 4 --against-cpu --device cuda`.
+//!
 //! `scripts/torch-reference/zoo_speed.py` reads the same configurations, runs PyTorch on them in
 //! turn with this binary, and prints the side-by-side table of BENCHMARKS.md.
 
@@ -91,6 +94,11 @@ struct Args {
     /// cpu, or cuda (GPU 0; needs `--features cuda`).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Instead of timing: two steps (train, amp) or the forward pass (eval) on `--device` and on
+    /// the CPU from the same seeded model and batch, and their losses, parameters after the steps
+    /// (or outputs) compared (see `against_cpu`); exits non-zero beyond the stated bounds.
+    #[arg(long)]
+    against_cpu: bool,
 }
 
 /// The inputs' sizes: side of the square images, and inputs per batch and tokens per sequence
@@ -274,6 +282,76 @@ fn build(name: &str, sizes: Sizes, dtype: DType, device: &Device) -> Result<Benc
     Ok(Bench { model, batch, eval, optimizer })
 }
 
+/// The elements of `t` in f64, on the host.
+fn host_values(t: &Tensor) -> Result<Vec<f64>> {
+    Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)
+}
+
+/// Largest |a − b| / (1 + |b|) over two lists of values (infinite when their lengths differ).
+fn max_rel_err(a: &[f64], b: &[f64]) -> f64 {
+    if a.len() != b.len() {
+        return f64::INFINITY;
+    }
+    a.iter().zip(b).map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() / (1.0 + y.abs()) }).fold(0.0, f64::max)
+}
+
+/// `--against-cpu`: the same seeded model and batch on `device` and on the CPU. Training modes run
+/// two steps (forward, backward, the optimizer's update; under AMP from f32 masters) and compare
+/// both losses and every parameter afterwards; eval compares the outputs. Bounds: f32 (the
+/// convolutions without TF32) 1e-4 on the losses and 1e-4 on the parameters and outputs, relative
+/// to 1 + |value| — the two devices add their sums in different orders and nothing more; bf16
+/// (AMP) 2e-2 on the losses, 1e-2 on parameters and outputs (a bf16 value may round either way).
+fn against_cpu(name: &str, sizes: Sizes, mode: Mode, device: &Device) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    wick_nn::native::cuda::conv::set_tf32(false);
+    let autocast = if mode == Mode::Amp { Autocast::bf16() } else { Autocast::off() };
+    let run_on = |dev: &Device| -> Result<(Vec<f64>, Vec<Vec<f64>>)> {
+        let bench = build(name, sizes, autocast.model_dtype(), dev)?;
+        if mode == Mode::Eval {
+            let out = wick_nn::no_grad(|| bench.model.forward(&bench.eval))?;
+            return Ok((Vec::new(), vec![host_values(&out)?]));
+        }
+        let start = if autocast.enabled() {
+            let f32_model = build(name, sizes, DType::F32, dev)?.model;
+            Some(f32_model.vars().iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())
+        } else {
+            None
+        };
+        let mut masters = MasterWeights::with_masters(&bench.model.vars(), start.as_deref(), bench.optimizer)?;
+        let mut losses = Vec::new();
+        for _ in 0..2 {
+            let loss = bench.model.loss(&bench.batch)?;
+            let grads = loss.backward()?;
+            masters.step(&grads)?;
+            losses.push(f64::from(loss.to_dtype(DType::F32)?.to_scalar::<f32>()?));
+        }
+        let params = bench.model.vars().iter().map(|v| host_values(v.as_tensor())).collect::<Result<Vec<_>>>()?;
+        Ok((losses, params))
+    };
+    let (cpu_losses, cpu_values) = run_on(&Device::Cpu)?;
+    let (losses, values) = run_on(device)?;
+    let loss_err = max_rel_err(&losses, &cpu_losses);
+    let value_err = values.iter().zip(&cpu_values).map(|(a, b)| max_rel_err(a, b)).fold(0.0, f64::max);
+    let (loss_bound, value_bound) = if autocast.enabled() { (2e-2, 1e-2) } else { (1e-4, 1e-4) };
+    let ok = values.len() == cpu_values.len() && loss_err <= loss_bound && value_err <= value_bound;
+    let line = json!({
+        "model": name,
+        "mode": format!("{mode:?}").to_lowercase(),
+        "against_cpu": if ok { "pass" } else { "FAIL" },
+        "losses": losses,
+        "cpu_losses": cpu_losses,
+        "loss_max_rel_err": loss_err,
+        "values_max_rel_err": value_err,
+        "tensors": values.len(),
+        "bounds": [loss_bound, value_bound],
+    });
+    println!("{line}");
+    if !ok {
+        bail!("{name} ({mode:?}) on {device:?} differs from the CPU beyond the bounds");
+    }
+    Ok(())
+}
+
 /// Writes the recorded history as JSON, a wick trace, a memory_viz snapshot and the HTML report.
 fn write_history(engine: &wick::Engine, dir: &std::path::Path, name: &str, mode: Mode) -> Result<()> {
     let history = engine.memory_history();
@@ -304,6 +382,9 @@ fn run() -> Result<()> {
     let name = args.model.context("--model is required (see --list)")?;
     let engine = wick_examples::open_engine(&args.device, None)?;
     let device = engine.device().clone();
+    if args.against_cpu {
+        return against_cpu(&name, sizes, args.mode, &device);
+    }
     // bf16 on both devices, as PyTorch's side runs autocast (no loss scaling needed).
     let autocast = if args.mode == Mode::Amp { Autocast::bf16() } else { Autocast::off() };
     let bench = build(&name, sizes, autocast.model_dtype(), &device)?;
