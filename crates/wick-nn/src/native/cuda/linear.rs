@@ -4,14 +4,18 @@
 //! backward `dx = g·W` and `dW = gᵀ·x` as two more products and `db` as column sums of `g` in f64
 //! per chunk of rows, added in chunk order (`kernels/src/cuda/nn_linear.cu`). Three products a
 //! step and nothing recomputed, where the composed node recomputed the forward product in backward
-//! and copied its output once more. The products are cuBLAS's on candle's handle and stream (f32 as
-//! candle's own f32 products; f16/bf16 with f32 sums; f64), in the column-major shapes of
-//! `super::super::colmajor`.
+//! and copied its output once more. The products are cuBLAS's `gemm` on candle's handle and
+//! stream (f32 and f16/bf16 with f32 sums, f64; candle's switches for reduced precision honoured),
+//! in the column-major shapes of `super::super::colmajor`.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::cublas::sys::cublasOperation_t;
-use candle_core::cuda_backend::cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use std::ffi::c_void;
+
+use candle_core::cuda_backend::cudarc::cublas::result;
+use candle_core::cuda_backend::cudarc::cublas::sys::{cublasGemmAlgo_t, cublasOperation_t};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::{DType, Layout, Result, Shape, Tensor, WithDType};
 
@@ -30,30 +34,31 @@ fn int(v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| err(format!("linear: size {v} exceeds cuBLAS's 32-bit sizes")))
 }
 
-/// `c = op(a)·op(b) (+ c when accumulate)` as cuBLAS's gemm in the shape `g` (`a` and `b` the
-/// buffers `g.operands` names, in that order).
-fn gemm<E: WithDType>(
+/// `c = op(a)·op(b) (+ c when accumulate)` as cuBLAS's `gemm` in the shape `g` (`a` and `b` the
+/// buffers `g.operands` names, in that order), summed in f32 for f32, f16 and bf16 (f64 for f64).
+/// It follows candle's switches for its own products: TF32 for f32 only with
+/// `candle_core::cuda::set_gemm_reduced_precision_f32(true)` (off by default, as PyTorch's
+/// matmul), bf16's reduced-precision sums only with `set_gemm_reduced_precision_bf16(true)`.
+fn gemm<E: WithDType + DeviceRepr>(
     dev: &CudaDevice,
     g: colmajor::Gemm,
     (a, b): (&CudaView<'_, E>, &CudaView<'_, E>),
     c: &mut CudaSlice<E>,
     accumulate: bool,
-) -> Result<()>
-where
-    CudaBlas: Gemm<E>,
-{
-    let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
-    let cfg = GemmConfig {
-        transa: op(g.transa),
-        transb: op(g.transb),
-        m: int(g.m)?,
-        n: int(g.n)?,
-        k: int(g.k)?,
-        alpha: E::from_f64(1.0),
-        lda: int(g.lda)?,
-        ldb: int(g.ldb)?,
-        beta: E::from_f64(if accumulate { 1.0 } else { 0.0 }),
-        ldc: int(g.ldc)?,
+) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::cublas::sys::{cublasComputeType_t as Compute, cudaDataType_t as Data};
+    let (data, compute) = match E::DTYPE {
+        DType::F32 if candle_core::cuda::gemm_reduced_precision_f32() => {
+            (Data::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F_FAST_TF32)
+        }
+        DType::F32 => (Data::CUDA_R_32F, Compute::CUBLAS_COMPUTE_32F),
+        DType::F16 => (Data::CUDA_R_16F, Compute::CUBLAS_COMPUTE_32F),
+        DType::BF16 if candle_core::cuda::gemm_reduced_precision_bf16() => {
+            (Data::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F_FAST_16BF)
+        }
+        DType::BF16 => (Data::CUDA_R_16BF, Compute::CUBLAS_COMPUTE_32F),
+        DType::F64 => (Data::CUDA_R_64F, Compute::CUBLAS_COMPUTE_64F),
+        other => return Err(err(format!("linear: no cuBLAS product of {other:?}"))),
     };
     // The elements a column-major (rows × cols) matrix with leading dimension `ld` spans.
     let span = |ld: usize, rows: usize, cols: usize| if rows == 0 || cols == 0 { 0 } else { ld * (cols - 1) + rows };
@@ -62,9 +67,46 @@ where
     if a.len() < a_need || b.len() < b_need || c.len() < span(g.ldc, g.m, g.n) {
         return Err(err(format!("linear: buffers of {}, {} and {} elements for {g:?}", a.len(), b.len(), c.len())));
     }
+    let op = |t: bool| if t { cublasOperation_t::CUBLAS_OP_T } else { cublasOperation_t::CUBLAS_OP_N };
+    // alpha and beta in the compute type's scalar: double for f64, float otherwise.
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    let (one64, beta64, one32, beta32) = (1.0f64, beta, 1.0f32, beta as f32);
+    let (alpha_ptr, beta_ptr): (*const c_void, *const c_void) = if E::DTYPE == DType::F64 {
+        (&one64 as *const f64 as *const c_void, &beta64 as *const f64 as *const c_void)
+    } else {
+        (&one32 as *const f32 as *const c_void, &beta32 as *const f32 as *const c_void)
+    };
+    let blas = dev.cublas_handle();
+    let stream = dev.cuda_stream();
+    let ((ap, _ga), (bp, _gb)) = (a.device_ptr(&stream), b.device_ptr(&stream));
+    let (cp, _gc) = c.device_ptr_mut(&stream);
     // SAFETY: A, B and C are device buffers of E on the handle's stream (candle's), each at least
-    // the elements the call reads or writes (checked above).
-    unsafe { dev.cublas_handle().gemm(cfg, a, b, c) }.map_err(|e| err(format!("linear: cuBLAS: {e:?}")))
+    // the elements the call reads or writes (checked above); alpha and beta point to host scalars
+    // of the compute type's kind that outlive the call.
+    unsafe {
+        result::gemm_ex(
+            *blas.handle(),
+            op(g.transa),
+            op(g.transb),
+            int(g.m)?,
+            int(g.n)?,
+            int(g.k)?,
+            alpha_ptr,
+            ap as *const c_void,
+            data,
+            int(g.lda)?,
+            bp as *const c_void,
+            data,
+            int(g.ldb)?,
+            beta_ptr,
+            cp as *mut c_void,
+            data,
+            int(g.ldc)?,
+            compute,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| err(format!("linear: cuBLAS: {e:?}")))
 }
 
 /// The linear layer's forward pass: x (…, in) times W (out, in) plus the bias (out), in x's dtype
@@ -155,7 +197,7 @@ pub(crate) fn backward(
 }
 
 /// Σ over the rows of g (rows × n), in the compute type `t` (f32, or f64 for f64).
-fn bias_grad<E: WithDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
+fn bias_grad<E: WithDType + DeviceRepr>(
     dev: &CudaDevice,
     g: &CudaView<'_, E>,
     rows: usize,
