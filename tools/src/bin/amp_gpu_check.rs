@@ -329,10 +329,63 @@ fn run() -> Result<()> {
         "TIME optimizer step AdamW 25 M f32: fused {fused:.3} ms, composed {composed:.3} ms ({:.1}x)",
         composed / fused
     );
+    scaler_on_device(&dev, &mut failures)?;
     if failures > 0 {
         bail!("{failures} AMP kernel check(s) failed");
     }
     println!("all AMP and optimizer kernel checks passed");
+    Ok(())
+}
+
+/// The trainer's loss scaler on device gradients (`GradScaler::unscale`: the multi-tensor kernel
+/// and one read of its flag) against the same scaler on the same gradients on the CPU: f32, f16 and
+/// bf16 gradients, one a view into another's storage (copied, not unscaled twice), then an inf.
+fn scaler_on_device(dev: &Device, failures: &mut usize) -> Result<()> {
+    use candle_core::backprop::GradStore;
+    use candle_core::Var;
+    use wick_train::amp::GradScaler;
+    let values: Vec<Vec<f32>> = (0..4)
+        .map(|k| Ok(normal_tensor(&[1000 + 37 * k], 1e3, 60 + k as u64, DType::F32, &Device::Cpu)?.to_vec1()?))
+        .collect::<Result<_>>()?;
+    let dtypes = [DType::F32, DType::F16, DType::BF16, DType::F32];
+    for poison in [false, true] {
+        let mut outcome = Vec::new();
+        for on in [&Device::Cpu, dev] {
+            let vars: Vec<Var> =
+                dtypes.iter().map(|&d| Ok(Var::from_tensor(&Tensor::zeros(1, d, on)?)?)).collect::<Result<_>>()?;
+            let mut grads = GradStore::default();
+            let mut held: Vec<Tensor> = Vec::new();
+            for (i, (v, &d)) in values.iter().zip(&dtypes).enumerate() {
+                let mut v = v.clone();
+                if poison && i == 2 {
+                    v[5] = f32::INFINITY;
+                }
+                let g = upload(&v, d, on)?;
+                // The last gradient: a view into the first's storage.
+                let g = if i == 3 { held[0].narrow(0, 3, 997)? } else { g };
+                held.push(g.clone());
+                grads.insert(vars[i].as_tensor(), g);
+            }
+            let refs: Vec<&Var> = vars.iter().collect();
+            let mut scaler = GradScaler::new();
+            let found = scaler.unscale(&mut grads, &refs)?;
+            let unscaled = vars
+                .iter()
+                .map(|v| host(grads.get(v.as_tensor()).context("a gradient went missing")?))
+                .collect::<Result<Vec<_>>>()?;
+            outcome.push((found, unscaled));
+        }
+        let (cpu, gpu) = (&outcome[0], &outcome[1]);
+        let err = cpu.1.iter().zip(&gpu.1).map(|(c, g)| max_rel_err(g, c)).fold(0.0, f32::max);
+        let ok = cpu.0 == gpu.0 && cpu.0 == poison && (poison || err <= 1e-6);
+        let what = if poison { "with an inf" } else { "finite" };
+        check(
+            &format!("GradScaler::unscale on the device ({what}; f32, f16, bf16 and a view)"),
+            ok,
+            format!("found inf: CPU {}, device {}; max rel err {err:.1e}", cpu.0, gpu.0),
+            failures,
+        );
+    }
     Ok(())
 }
 

@@ -118,6 +118,67 @@ fn blocks(n: usize) -> u32 {
     n.div_ceil(256).clamp(1, 1024) as u32
 }
 
+/// The kernels on `device`, loaded once per device for the process; `None` where they cannot be
+/// (a build without them, a device other than CUDA, or a driver that rejects them).
+pub fn shared(device: &Device) -> Option<std::sync::Arc<AmpKernels>> {
+    type Loaded = Vec<(Device, Option<std::sync::Arc<AmpKernels>>)>;
+    static LOADED: std::sync::Mutex<Loaded> = std::sync::Mutex::new(Vec::new());
+    if !device.is_cuda() {
+        return None;
+    }
+    let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, kernels)) = loaded.iter().find(|(d, _)| d.same_device(device)) {
+        return kernels.clone();
+    }
+    let kernels = AmpKernels::load(device).ok().map(std::sync::Arc::new);
+    loaded.push((device.clone(), kernels.clone()));
+    kernels
+}
+
+/// [`super::GradScaler::unscale`] on a CUDA device: the gradients of `vars` multiplied by `inv`
+/// in place by the multi-tensor kernel (one launch per dtype) and checked for inf/NaN on the
+/// device, with one read of the flag — where the composed form read one sum back per parameter.
+/// `None` (nothing done) unless every gradient is an f32, f16 or bf16 tensor on one CUDA device
+/// whose kernels load. A gradient that is a view, or whose storage another gradient shares, is
+/// copied first (the kernel works in place).
+pub(crate) fn unscale_grads(
+    grads: &mut candle_core::backprop::GradStore,
+    vars: &[&candle_core::Var],
+    inv: f64,
+) -> Result<Option<bool>, TrainError> {
+    let present: Vec<(&candle_core::Var, Tensor)> =
+        vars.iter().filter_map(|v| grads.get(v.as_tensor()).map(|g| (*v, g.detach()))).collect();
+    let Some((_, first)) = present.first() else { return Ok(None) };
+    let device = first.device().clone();
+    let fits =
+        |g: &Tensor| g.device().same_device(&device) && matches!(g.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    if !present.iter().all(|(_, g)| fits(g)) {
+        return Ok(None);
+    }
+    let Some(kernels) = shared(&device) else { return Ok(None) };
+    // Each storage once: a gradient sharing another's storage, or a view, gets its own copy.
+    let mut seen = std::collections::HashSet::new();
+    let mut owned = Vec::with_capacity(present.len());
+    for (var, g) in present {
+        let storage = {
+            let (storage, _) = g.storage_and_layout();
+            &*storage as *const Storage as usize
+        };
+        let whole = g.is_contiguous() && g.layout().start_offset() == 0;
+        let g = if whole && seen.insert(storage) { g } else { g.copy().map_err(|e| err(e.to_string()))? };
+        owned.push((var, g));
+    }
+    let refs: Vec<&Tensor> = owned.iter().map(|(_, g)| g).collect();
+    let inv_scale = Tensor::new(&[inv as f32], &device).map_err(|e| err(e.to_string()))?;
+    let found = Tensor::zeros(1, DType::F32, &device).map_err(|e| err(e.to_string()))?;
+    kernels.unscale_(&refs, &inv_scale, &found)?;
+    let flag = found.to_vec1::<f32>().map_err(|e| err(e.to_string()))?;
+    for (var, g) in owned {
+        grads.insert(var.as_tensor(), g);
+    }
+    Ok(Some(flag.first().is_some_and(|f| *f != 0.0)))
+}
+
 impl AmpKernels {
     /// Loads the kernels on `device` (a CUDA device). Errors when the crate was built without
     /// `WICK_KERNELS_NVCC` or the driver rejects the module.

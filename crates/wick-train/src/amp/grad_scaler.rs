@@ -123,12 +123,20 @@ impl GradScaler {
     }
 
     /// Divides the gradients of `vars` by the scale in place and records whether any is inf or
-    /// NaN. Once per step.
+    /// NaN. Once per step. On a CUDA device with wick's kernels it is one launch per gradient
+    /// dtype and one read of a device flag (`super::cuda::unscale_grads`).
     pub fn unscale(&mut self, grads: &mut GradStore, vars: &[&Var]) -> Result<bool, ScalerError> {
         if self.found_inf.is_some() {
             return Err(ScalerError::AlreadyUnscaled);
         }
         let inv = 1.0 / self.scale;
+        #[cfg(feature = "cuda")]
+        if let Some(found) = super::cuda::unscale_grads(grads, vars, inv)
+            .map_err(|e| ScalerError::Candle(candle_core::Error::Msg(e.to_string())))?
+        {
+            self.found_inf = Some(found);
+            return Ok(found);
+        }
         let mut found_inf = false;
         for var in vars {
             if let Some(g) = grads.remove(var.as_tensor()) {

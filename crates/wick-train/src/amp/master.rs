@@ -381,9 +381,7 @@ fn fused(
     if !master.device().is_cuda() {
         return None;
     }
-    let kernels = cache
-        .get_or_insert_with(|| super::cuda::AmpKernels::load(master.device()).ok().map(std::sync::Arc::new))
-        .clone()?;
+    let kernels = cache.get_or_insert_with(|| super::cuda::shared(master.device())).clone()?;
     kernels.device().same_device(master.device()).then_some(kernels)
 }
 
