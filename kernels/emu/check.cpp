@@ -406,7 +406,7 @@ static void optimizer() {
       ptrs.push_back((long long)(intptr_t)q);
   }
   launch(dim3{4, 3, 1}, THREADS, [&] {
-    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt);
+    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt, nullptr);
   });
   bool same = true;
   for (int t = 0; t < 3; t++) {
@@ -424,7 +424,8 @@ static void optimizer() {
     for (void* q : {(void*)ps[t].data(), (void*)ms[t].data(), (void*)gs[t].data(), (void*)models[t].data()})
       sptrs.push_back((long long)(intptr_t)q);
   }
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu); });
+  const float clear = 0.0f;
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu, &clear); });
   same = true;
   for (int t = 0; t < 3; t++) {
     launch(elementwise(lens[t]), THREADS, [&] {
@@ -433,6 +434,18 @@ static void optimizer() {
     for (long long i = 0; i < lens[t]; i++) same &= ps[t][i] == ps1[t][i] && ms[t][i] == ms1[t][i] && models[t][i].bits == models1[t][i].bits;
   }
   check("SGD momentum multi-tensor (3 tensors, bf16) = one launch each, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
+  // With the loss scaler's flag raised, a multi-tensor launch changes nothing.
+  const float raised = 1.0f;
+  const auto before_p = ps, before_m = ms, before_v = vs;
+  const auto before_models = models;
+  launch(dim3{4, 3, 1}, THREADS, [&] {
+    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt, &raised);
+  });
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu, &raised); });
+  same = ps == before_p && ms == before_m && vs == before_v;
+  for (int t = 0; t < 3; t++)
+    for (long long i = 0; i < lens[t]; i++) same &= models[t][i].bits == before_models[t][i].bits;
+  check("multi-tensor steps with the inf flag raised change nothing", {same ? 0.0 : 1.0}, {0.0}, 0);
 }
 
 int main() {

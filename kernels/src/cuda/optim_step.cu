@@ -79,9 +79,13 @@ __device__ void adamw(float* p, const float* m, const float* v, float* m_new, fl
 // (the trainer's use). Tensor t's buffers are at ptrs[t·K + j] — SGD (K = 4): parameter or
 // master, momentum buffer, gradient, model copy (0: none); AdamW (K = 5): parameter or master,
 // first moment, second moment, gradient, model copy — and its length at lens[t]. Grid: y over
-// the tensors, x grid-stride within each.
+// the tensors, x grid-stride within each. `skip` (null: none) is a device flag, the loss
+// scaler's `found_inf`: when it is non-zero the launch changes nothing, so a step with non-finite
+// gradients is skipped without the host reading the flag first.
 template <typename G, typename M>
-__device__ void sgd_multi(const long long* ptrs, const long long* lens, int count, float lr, float momentum) {
+__device__ void sgd_multi(const long long* ptrs, const long long* lens, int count, float lr, float momentum,
+                          const float* skip) {
+    if (skip && *skip != 0.0f) return;
     for (int t = blockIdx.y; t < count; t += gridDim.y) {
         float* p = (float*)ptrs[4 * t];
         float* b = (float*)ptrs[4 * t + 1];
@@ -95,7 +99,9 @@ __device__ void sgd_multi(const long long* ptrs, const long long* lens, int coun
 }
 
 template <typename G, typename M>
-__device__ void adamw_multi(const long long* ptrs, const long long* lens, int count, const AdamWConsts& k) {
+__device__ void adamw_multi(const long long* ptrs, const long long* lens, int count, const AdamWConsts& k,
+                            const float* skip) {
+    if (skip && *skip != 0.0f) return;
     for (int t = blockIdx.y; t < count; t += gridDim.y) {
         float* p = (float*)ptrs[5 * t];
         float* m = (float*)ptrs[5 * t + 1];
@@ -133,15 +139,16 @@ WICK_ADAMW_STEP(wick_adamw_step_bf16, __nv_bfloat16, __nv_bfloat16)
 
 #define WICK_SGD_MULTI(name, G, M)                                                                               \
     extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, float lr,          \
-                                    float momentum) {                                                           \
-        sgd_multi<G, M>(ptrs, lens, count, lr, momentum);                                                        \
+                                    float momentum, const float* skip) {                                        \
+        sgd_multi<G, M>(ptrs, lens, count, lr, momentum, skip);                                                  \
     }
 
 #define WICK_ADAMW_MULTI(name, G, M)                                                                             \
     extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, float b1, float b2, \
                                     float c1, float c2, float eps, float decay, float step_size,                \
-                                    float inv_bc2_sqrt) {                                                       \
-        adamw_multi<G, M>(ptrs, lens, count, AdamWConsts{b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt});  \
+                                    float inv_bc2_sqrt, const float* skip) {                                    \
+        adamw_multi<G, M>(ptrs, lens, count, AdamWConsts{b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt},   \
+                          skip);                                                                                \
     }
 
 WICK_SGD_MULTI(wick_sgd_momentum_multi_f32, float, NoCopy)

@@ -273,7 +273,7 @@ fn run() -> Result<()> {
                     model: models[k].as_ref(),
                 })
                 .collect();
-            kernels.optimizer_step_multi_(&items, rule, step)?;
+            kernels.optimizer_step_multi_(&items, rule, step, None)?;
         }
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for (k, (p, cs, dtype)) in hosts.iter().enumerate() {

@@ -406,8 +406,23 @@ impl AmpKernels {
     /// The optimizer's step for many parameters at once, in place (the trainer's use): one launch
     /// per gradient dtype over every item of that dtype, the same arithmetic as
     /// [`AmpKernels::optimizer_step_`] element for element (the host's to the bit). Every item is
-    /// checked before anything launches; an error leaves every tensor as it was.
-    pub fn optimizer_step_multi_(&self, items: &[StepItem<'_>], rule: Optimizer, step: i32) -> Result<(), TrainError> {
+    /// checked before anything launches; an error leaves every tensor as it was. With `skip` (a
+    /// one-element f32 device flag: the loss scaler's `found_inf`), the launches change nothing
+    /// when the flag is non-zero — the step is skipped on the device, without a host read.
+    pub fn optimizer_step_multi_(
+        &self,
+        items: &[StepItem<'_>],
+        rule: Optimizer,
+        step: i32,
+        skip: Option<&Tensor>,
+    ) -> Result<(), TrainError> {
+        let skip = match skip {
+            Some(flag) => {
+                check_scalar(flag, DType::F32, "skip")?;
+                address(flag, &self.stream)?
+            }
+            None => 0,
+        };
         let mut groups: [Vec<u64>; 3] = Default::default();
         let mut lens: [Vec<i64>; 3] = Default::default();
         for item in items {
@@ -443,10 +458,11 @@ impl AmpKernels {
                 Optimizer::SgdMomentum { lr, momentum } => {
                     let (lr, momentum) = (lr as f32, momentum as f32);
                     let mut launch = self.stream.launch_builder(&self.sgd_multi[index]);
-                    launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count).arg(&lr).arg(&momentum);
+                    launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count).arg(&lr).arg(&momentum).arg(&skip);
                     // SAFETY: `wick_sgd_momentum_multi_*`'s arguments in order; four live device
                     // addresses per item (parameter, buffer, gradient, model copy or 0), each of the
-                    // item's length and stated type, kept alive by the caller's tensors.
+                    // item's length and stated type, kept alive by the caller's tensors; the skip
+                    // flag's address (a live one-element f32 buffer) or 0.
                     unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
                 }
                 Optimizer::AdamW(hyper) => {
@@ -454,8 +470,10 @@ impl AmpKernels {
                     let mut launch = self.stream.launch_builder(&self.adamw_multi[index]);
                     launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count);
                     launch.arg(&b1).arg(&b2).arg(&c1).arg(&c2).arg(&eps).arg(&decay).arg(&step_size).arg(&inv_bc2_sqrt);
+                    launch.arg(&skip);
                     // SAFETY: `wick_adamw_multi_*`'s arguments in order; five live device addresses
-                    // per item (parameter, two moments, gradient, model copy or 0), as above.
+                    // per item (parameter, two moments, gradient, model copy or 0), and the skip
+                    // flag's address or 0, as above.
                     unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
                 }
             }

@@ -1,68 +1,62 @@
 //! The AMP step on a CUDA device with the fused kernels (feature `cuda`): the loss scale, the
 //! growth tracker and the inf flag live on the device, so a step needs no host round trip — the
 //! loss is multiplied by the device scale, the gradients are unscaled and checked in one
-//! multi-tensor launch per dtype, every parameter gets one fused AdamW launch (which does nothing
-//! when the flag is set), and the scale is updated on the device. This is PyTorch's
-//! `GradScaler` + fused `AdamW` arrangement; the host-side [`super::GradScaler`] and
-//! [`super::MasterWeights::step`] compute the same thing with candle tensor ops.
+//! multi-tensor launch per dtype, the optimizer's update (AdamW, or SGD with momentum) runs on
+//! every parameter in one multi-tensor launch per dtype that does nothing when the flag is set,
+//! and the scale is updated on the device. This is PyTorch's `GradScaler` + fused optimizer
+//! arrangement; the host-side [`super::GradScaler`] and [`super::MasterWeights::step`] compute the
+//! same thing (the update's arithmetic is the same kernels', the host's to the bit).
 
-use crate::optim::AdamW;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::cuda::AmpKernels;
+use super::cuda::{AmpKernels, StepItem};
 use super::GradScalerConfig;
 use crate::error::TrainError;
+use crate::optim::Optimizer;
 
-/// One parameter: the model's compute copy, its f32 master and the f32 AdamW moments.
+/// One parameter: the model's compute copy, its f32 master (the parameter itself when it is f32)
+/// and its f32 optimizer state (AdamW's two moments, or SGD's momentum buffer).
 struct Slot {
     model: Var,
     master: Tensor,
-    m: Tensor,
-    v: Tensor,
+    state: Vec<Tensor>,
 }
 
-/// f32 masters, f32 AdamW state and a device-resident loss scale, stepped by the fused kernels.
+/// f32 masters, f32 optimizer state and a device-resident loss scale, stepped by the fused kernels.
 pub struct DeviceAmp {
-    kernels: AmpKernels,
+    kernels: std::sync::Arc<AmpKernels>,
     slots: Vec<Slot>,
-    /// The optimizer as given (for the memory summary's names).
-    optimizer: crate::optim::Optimizer,
-    /// AdamW's settings.
-    adamw: AdamW,
+    optimizer: Optimizer,
     step: i32,
     scaler: Option<(GradScalerConfig, Tensor, Tensor)>,
-    one: Tensor,
     /// The previous step's inf flag, read at the next step: a skipped step must not advance
     /// AdamW's step count (its bias corrections), as in PyTorch's fused AdamW.
     last_flag: Option<Tensor>,
 }
 
 impl DeviceAmp {
-    /// Masters and zeroed moments for `vars` (on `device`, a CUDA device), AdamW with the given
-    /// settings, and a loss scaler with `scaler`'s settings when given (f16 training). The
+    /// Masters and zeroed optimizer state for `vars` (on `device`, a CUDA device), the optimizer
+    /// `optimizer`, and a loss scaler with `scaler`'s settings when given (f16 training). The
     /// masters start at `masters` (the f32 values the low-precision parameters were made from;
     /// see [`super::MasterWeights::with_masters`] for why) or at the parameters' values.
     pub fn new(
         device: &Device,
         vars: &[Var],
         masters: Option<&[Tensor]>,
-        optimizer: crate::optim::Optimizer,
+        optimizer: Optimizer,
         scaler: Option<GradScalerConfig>,
     ) -> Result<Self, TrainError> {
-        let crate::optim::Optimizer::AdamW(adamw) = optimizer else {
-            return Err(TrainError::Invalid {
-                what: "device AMP step".into(),
-                message: format!("the fused device step implements AdamW, not {optimizer:?}"),
-            });
-        };
-        let kernels = AmpKernels::load(device)?;
-        // Own copies: the kernels write them in place.
+        let kernels =
+            super::cuda::shared(device).map_or_else(|| AmpKernels::load(device).map(std::sync::Arc::new), Ok)?;
+        // The masters are own copies (the kernels write them in place); an f32 parameter is its
+        // own master.
         let slots = vars
             .iter()
             .zip(super::master::initial_masters(vars, masters)?)
             .map(|(v, master)| -> Result<Slot, TrainError> {
-                Ok(Slot { model: v.clone(), m: master.zeros_like()?, v: master.zeros_like()?, master })
+                let state = (0..optimizer.states()).map(|_| master.zeros_like()).collect::<Result<Vec<_>, _>>()?;
+                Ok(Slot { model: v.clone(), master, state })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let scaler = match scaler {
@@ -71,16 +65,7 @@ impl DeviceAmp {
             }
             None => None,
         };
-        Ok(DeviceAmp {
-            kernels,
-            slots,
-            optimizer,
-            adamw,
-            step: 0,
-            scaler,
-            one: Tensor::new(&[1f32], device)?,
-            last_flag: None,
-        })
+        Ok(DeviceAmp { kernels, slots, optimizer, step: 0, scaler, last_flag: None })
     }
 
     /// The loss to call `backward` on: multiplied by the device scale when scaling.
@@ -99,9 +84,10 @@ impl DeviceAmp {
         }
     }
 
-    /// One step from `grads` (of the scaled loss): unscale and check, fused AdamW on every
-    /// parameter with a gradient (skipped on the device when a gradient is not finite), scale
-    /// update. Returns the device flag (1.0 when the step was skipped) without reading it.
+    /// One step from `grads` (of the scaled loss): unscale and check, the optimizer's update on
+    /// every parameter with a gradient in one launch per dtype (skipped on the device when a
+    /// gradient is not finite), scale update. Returns the device flag (1.0 when the step was
+    /// skipped) without reading it.
     pub fn step(&mut self, grads: &GradStore) -> Result<Tensor, TrainError> {
         if let Some(flag) = self.last_flag.take() {
             // One scalar read, of a step that finished while this one's backward ran.
@@ -110,7 +96,8 @@ impl DeviceAmp {
             }
         }
         self.step += 1;
-        let found_inf = Tensor::zeros(1, DType::F32, self.one.device())?;
+        let device = self.kernels.device().clone();
+        let found_inf = Tensor::zeros(1, DType::F32, &device)?;
         let present: Vec<(usize, Tensor)> = self
             .slots
             .iter()
@@ -123,20 +110,15 @@ impl DeviceAmp {
             let refs: Vec<&Tensor> = present.iter().map(|(_, g)| g).collect();
             self.kernels.unscale_(&refs, &inv, &found_inf)?;
         }
-        for (i, g) in &present {
-            let s = &self.slots[*i];
-            self.kernels.adamw_(
-                &s.master,
-                &s.m,
-                &s.v,
-                g,
-                s.model.as_tensor(),
-                &self.adamw,
-                self.step,
-                &self.one,
-                &found_inf,
-            )?;
-        }
+        let items: Vec<StepItem<'_>> = present
+            .iter()
+            .map(|(i, g)| {
+                let s = &self.slots[*i];
+                let model = (s.model.dtype() != DType::F32).then(|| s.model.as_tensor());
+                StepItem { target: &s.master, grad: g, state: &s.state, model }
+            })
+            .collect();
+        self.kernels.optimizer_step_multi_(&items, self.optimizer, self.step, Some(&found_inf))?;
         if let Some((config, scale, tracker)) = &self.scaler {
             self.kernels.update_scale_(
                 scale,
@@ -151,13 +133,15 @@ impl DeviceAmp {
         Ok(found_inf)
     }
 
-    /// Bytes of the f32 masters and of the f32 moments.
+    /// Bytes of the f32 masters of the low-precision parameters and of the f32 optimizer state.
     pub fn memory_bytes(&self) -> (usize, usize) {
-        let master = self.slots.iter().map(|s| s.master.elem_count() * 4).sum();
-        (master, 2 * master)
+        let bytes = |s: &Slot| s.master.elem_count() * 4;
+        let master = self.slots.iter().filter(|s| s.model.dtype() != DType::F32).map(bytes).sum();
+        let state = self.slots.iter().map(|s| bytes(s) * s.state.len()).sum();
+        (master, state)
     }
 
-    /// Puts the compute copies, the f32 masters and the f32 AdamW moments in `engine`'s memory
+    /// Puts the compute copies, the f32 masters and the f32 optimizer state in `engine`'s memory
     /// summary, under the names [`super::MasterWeights::account`] uses.
     pub fn account(&self, engine: &wick::Engine) {
         let (master, state) = self.memory_bytes();

@@ -239,7 +239,7 @@ impl MasterWeights {
                 })
                 .collect();
             kernels
-                .optimizer_step_multi_(&items, self.optimizer, t)
+                .optimizer_step_multi_(&items, self.optimizer, t, None)
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         }
         Ok(())

@@ -32,8 +32,9 @@ impl Updater {
     /// An updater for `vars` (the model's compute copies), whose f32 masters start at `masters`
     /// (the f32 values the parameters were made from; see [`MasterWeights::with_masters`]), with
     /// its memory accounted in `engine`'s report. On a CUDA engine the fused device step is
-    /// tried first; when it cannot be had (kernels not compiled in, an optimizer other than
-    /// AdamW) the host path runs and [`Updater::describe`] says why.
+    /// tried first (AdamW or SGD with momentum, one launch per gradient dtype); when it cannot be
+    /// had (kernels not compiled in, a driver that rejects them) the host path runs and
+    /// [`Updater::describe`] says why.
     pub fn new(
         engine: &wick::Engine,
         vars: &[Var],
