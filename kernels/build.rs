@@ -11,10 +11,9 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 11] = [
+const KERNELS: [&str; 10] = [
     "amp_unscale",
     "amp_update_scale",
-    "amp_adamw",
     "optim_step",
     "nn_act",
     "nn_norm",

@@ -7,10 +7,11 @@
 //!   pooling's window sweep, the optimizer updates) and the helpers they share; wick-nn and
 //!   wick-train wrap them as candle ops;
 //! - the CUDA C kernels, `src/cuda/*.cu` beside `src/cpu/` (one layout: the host's kernels in
-//!   Rust, the device's in CUDA C): the fused AMP step (multi-tensor unscale with inf/NaN check,
-//!   the loss-scale update, AdamW on f32 masters writing the model's low-precision copy), the
-//!   optimizer's step in one launch per parameter (SGD with momentum and AdamW on an f32 tensor,
-//!   the arithmetic of [`cpu::optim`] to the bit), and the CUDA bodies of wick-nn's ops
+//!   Rust, the device's in CUDA C): the AMP kernels (multi-tensor unscale with inf/NaN check, the
+//!   loss-scale update), the optimizer's step per parameter or multi-tensor (SGD with momentum and
+//!   AdamW on an f32 tensor or the f32 master of a low-precision one, writing its model copy; the
+//!   arithmetic of [`cpu::optim`] to the bit; the multi-tensor form skipped by a device flag), and
+//!   the CUDA bodies of wick-nn's ops
 //!   (`nn_act`: the element-wise activations; `nn_norm`: layer and RMS norm; `nn_attention`:
 //!   attention in the manner of FlashAttention-2; `nn_rows`: RoPE, cross-entropy, embeddings;
 //!   `nn_pool`: max and global average pooling; `nn_batch_norm`: batch norm with its fused
@@ -34,10 +35,9 @@ pub mod cpu;
 pub mod reference;
 
 /// The kernels, by the name of their source file (without `.cu`).
-pub const KERNELS: [&str; 11] = [
+pub const KERNELS: [&str; 10] = [
     "amp_unscale",
     "amp_update_scale",
-    "amp_adamw",
     "optim_step",
     "nn_act",
     "nn_norm",
@@ -57,7 +57,6 @@ pub fn fatbin(name: &str) -> Option<&'static [u8]> {
     match name {
         "amp_unscale" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_unscale.fatbin"))),
         "amp_update_scale" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_update_scale.fatbin"))),
-        "amp_adamw" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/amp_adamw.fatbin"))),
         "optim_step" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/optim_step.fatbin"))),
         "nn_act" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_act.fatbin"))),
         "nn_norm" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_norm.fatbin"))),

@@ -2,8 +2,7 @@
 //! f32 parameters (or the f32 masters of low-precision ones) from their gradients, reading the
 //! old optimizer state and writing the new, in f32 in PyTorch's order of operations (its AdamW on
 //! f32 parameters), vectorised. [`AdamW`] is the one description of AdamW's settings: this
-//! update, the fused CUDA update's launcher and its CPU reference
-//! ([`crate::reference::adamw_master`]) all take it.
+//! update and the CUDA update's launcher (whose constants, [`AdamWStep`], it computes) take it.
 
 /// AdamW's settings: decoupled weight decay, bias-corrected moments.
 #[derive(Debug, Clone, Copy, PartialEq)]

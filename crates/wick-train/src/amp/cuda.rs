@@ -1,8 +1,9 @@
 //! The fused AMP kernels on a CUDA device (feature `cuda`): multi-tensor unscale with inf/NaN
-//! check, the loss-scale update, and AdamW on f32 masters writing the model's low-precision copy,
-//! compiled and embedded by the wick-kernels crate — and the optimizer's step (SGD with momentum,
-//! AdamW), per parameter or multi-tensor (every parameter of one gradient dtype in one launch,
-//! which [`super::MasterWeights`] runs on a CUDA device).
+//! check and the loss-scale update, compiled and embedded by the wick-kernels crate — and the
+//! optimizer's step (SGD with momentum, AdamW, on f32 parameters or on the f32 masters of
+//! low-precision ones, writing the model's copy), per parameter or multi-tensor (every parameter
+//! of one gradient dtype in one launch, optionally skipped by a device flag: what
+//! [`super::MasterWeights`] and the device AMP step run on a CUDA device).
 //! Their CPU references are `wick_kernels::reference` and `wick_kernels::cpu::optim`; the
 //! `amp-gpu-check` tool compares the two.
 //!
@@ -15,7 +16,7 @@ use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{DType, Device, Storage, Tensor};
 
 use crate::error::TrainError;
-use crate::optim::{AdamW, Optimizer};
+use crate::optim::Optimizer;
 use wick_kernels::cpu::optim::AdamWStep;
 
 fn err(message: impl Into<String>) -> TrainError {
@@ -32,8 +33,6 @@ pub struct AmpKernels {
     /// f32, f16, bf16.
     unscale: [CudaFunction; 3],
     update_scale: CudaFunction,
-    /// f32, f16, bf16.
-    adamw: [CudaFunction; 3],
     /// The optimizer's step by the gradient's dtype (f32, f16, bf16): SGD with momentum, AdamW.
     sgd_step: [CudaFunction; 3],
     adamw_step: [CudaFunction; 3],
@@ -196,7 +195,7 @@ impl AmpKernels {
                 .load_module(candle_core::cuda_backend::cudarc::nvrtc::Ptx::from_binary(bytes.to_vec()))
                 .map_err(|e| err(format!("loading {name}: {e}")))
         };
-        let (unscale, update, adamw) = (module("amp_unscale")?, module("amp_update_scale")?, module("amp_adamw")?);
+        let (unscale, update) = (module("amp_unscale")?, module("amp_update_scale")?);
         let optim = module("optim_step")?;
         let f = |m: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaModule>, name: &str| {
             m.load_function(name).map_err(|e| err(format!("{name}: {e}")))
@@ -208,11 +207,6 @@ impl AmpKernels {
                 f(&unscale, "wick_amp_unscale_bf16")?,
             ],
             update_scale: f(&update, "wick_amp_update_scale")?,
-            adamw: [
-                f(&adamw, "wick_amp_adamw_f32")?,
-                f(&adamw, "wick_amp_adamw_f16")?,
-                f(&adamw, "wick_amp_adamw_bf16")?,
-            ],
             sgd_step: [
                 f(&optim, "wick_sgd_momentum_f32")?,
                 f(&optim, "wick_sgd_momentum_f16")?,
@@ -300,55 +294,6 @@ impl AmpKernels {
         launch.arg(&s).arg(&g).arg(&f).arg(&growth_factor).arg(&backoff_factor).arg(&growth_interval);
         // SAFETY: three one-element device buffers of the kernel's types, kept alive by the caller.
         unsafe { launch.launch(LaunchConfig::for_num_elems(1)) }.map_err(|e| err(e.to_string()))?;
-        Ok(())
-    }
-
-    /// Fused AdamW step `step` (from 1): `master`, `m`, `v` (f32, same length as `grad`) are
-    /// updated in place from `grad` × `inv_scale`, and `model` (the compute copy, `grad`'s dtype)
-    /// receives the new masters rounded; nothing happens when `found_inf` is set. The kernel
-    /// takes `hyper` in f32 and its bias corrections computed in f64, as its CPU reference does
-    /// (`wick_kernels::reference::adamw_master`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn adamw_(
-        &self,
-        master: &Tensor,
-        m: &Tensor,
-        v: &Tensor,
-        grad: &Tensor,
-        model: &Tensor,
-        hyper: &AdamW,
-        step: i32,
-        inv_scale: &Tensor,
-        found_inf: &Tensor,
-    ) -> Result<(), TrainError> {
-        let n = grad.elem_count();
-        for (t, what) in [(master, "master"), (m, "m"), (v, "v")] {
-            if t.dtype() != DType::F32 || t.elem_count() != n {
-                return Err(err(format!("{what} must be f32 with {n} elements")));
-            }
-        }
-        if model.dtype() != grad.dtype() || model.elem_count() != n {
-            return Err(err("model must have the gradient's dtype and length"));
-        }
-        check_scalar(inv_scale, DType::F32, "inv_scale")?;
-        check_scalar(found_inf, DType::F32, "found_inf")?;
-        let func = &self.adamw[dtype_index(grad.dtype())?];
-        let p = |t: &Tensor| address(t, &self.stream);
-        let (pm, pm1, pv, pg, pmodel, pinv, pflag) =
-            (p(master)?, p(m)?, p(v)?, p(grad)?, p(model)?, p(inv_scale)?, p(found_inf)?);
-        let (bc1, bc2) = hyper.bias_corrections(step);
-        let (bc1, bc2) = (bc1 as f32, bc2 as f32);
-        let (lr, beta1, beta2, eps, weight_decay) =
-            (hyper.lr as f32, hyper.beta1 as f32, hyper.beta2 as f32, hyper.eps as f32, hyper.weight_decay as f32);
-        let len = n as i64;
-        let mut launch = self.stream.launch_builder(func);
-        launch.arg(&pm).arg(&pm1).arg(&pv).arg(&pg).arg(&pmodel).arg(&len);
-        launch.arg(&lr).arg(&beta1).arg(&beta2).arg(&eps).arg(&weight_decay);
-        launch.arg(&bc1).arg(&bc2).arg(&pinv).arg(&pflag);
-        let config = LaunchConfig { grid_dim: (blocks(n), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: argument types and order match `wick_amp_adamw_*`; every buffer holds `n`
-        // elements of the stated type and is kept alive by the caller's tensors.
-        unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
         Ok(())
     }
 
