@@ -38,20 +38,17 @@ pub enum Precision {
 pub enum Target {
     /// The CPU: wick-train updates each parameter in one pass, in place.
     Cpu,
-    /// A CUDA GPU: the masters' update runs as tensor ops, each result a new tensor.
+    /// A CUDA GPU: the masters' update runs in wick's multi-tensor kernels, in place.
     Cuda,
 }
 
 /// What a GPU's figures are worth today, printed (on stderr) with every `--on cuda` estimate and
-/// every `fit-batch` against a GPU's budget. The estimator profiles wick's CPU graph; on a GPU the
-/// layers run as candle's composed ops, which keep far more (BENCHMARKS.md, CUDA: "Every CUDA path
-/// on a device": 0.18–0.53 of the measured peak for the CNNs at 224², batch 32, and 0.79–0.87
-/// for MiniLM at batch 8 × 128 tokens, on an H200).
-pub const GPU_CAVEAT: &str = "warning: not a bound on a GPU yet. The estimator profiles wick's CPU graph (fused \
-ops); on a GPU wick's layers run as candle's composed ops, which keep more: on an H200 the measured peaks \
-were 1.15-5.6x these estimates (MiniLM 1.15-1.27x, the CNNs 1.9-5.6x; BENCHMARKS.md, \"Every CUDA path on a \
-device\"). Leave that headroom, or let \
-`Engine::find_executable_batch_size` search on the GPU itself.";
+/// every `fit-batch` against a GPU's budget. On the last device run (BENCHMARKS.md, CUDA: "Every
+/// CUDA path on a device") wick's layers ran on a GPU as candle's composed ops and kept 1.15–5.6×
+/// these estimates; since then every layer has a CUDA body that keeps what the CPU graph keeps
+/// and the update runs in place, which is what the estimate models — not yet checked against a
+/// device's measured peak, and without cuDNN's per-convolution workspaces.
+pub const GPU_CAVEAT: &str = "warning: not checked against a GPU's measured peak yet. The estimate models wick's GPU step as it now runs (every layer's CUDA body keeps what the CPU graph keeps; the update in place), but the last device run measured the older GPU path, whose composed ops kept 1.15-5.6x these estimates (BENCHMARKS.md, \"Every CUDA path on a device\"), and cuDNN's per-convolution workspaces are not counted. Leave headroom, or let `Engine::find_executable_batch_size` search on the GPU itself.";
 
 /// Which estimates to print.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -273,7 +270,7 @@ impl Profiled {
     fn rank_estimate(&self, batch: usize, mode: Mode, on: Target) -> RankEstimate {
         let update = match on {
             Target::Cpu => Update::InPlace,
-            Target::Cuda => Update::OutOfPlace,
+            Target::Cuda => Update::Fused,
         };
         let amp = self.precision == Precision::AmpBf16;
         estimate_per_rank(self.param_bytes, &self.profile, batch, mode, amp, update, self.ranks)

@@ -163,10 +163,14 @@ pub enum Update {
     /// is the new optimizer state of that parameter (a momentum buffer; AdamW's two moments).
     /// Plain SGD (`Params::sgd_step`) makes `g·lr` and `p − g·lr`: two copies.
     InPlace,
-    /// An update from tensor ops, each result a new tensor (wick-train's masters update off
-    /// the CPU): the old and new value and state, the gradient and AdamW's bias-corrected
-    /// moments — up to eight copies for AdamW, five for momentum, two for plain SGD.
+    /// An update from tensor ops, each result a new tensor (wick-train's masters update on a
+    /// device without wick's kernels): the old and new value and state, the gradient and AdamW's
+    /// bias-corrected moments — up to eight copies for AdamW, five for momentum, two for plain SGD.
     OutOfPlace,
+    /// wick-train's update on a CUDA device with wick's kernels: every parameter of a dtype in one
+    /// multi-tensor launch, the value and the state updated in place, nothing made beside them
+    /// (plain SGD, `Params::sgd_step`, still makes its two copies).
+    Fused,
 }
 
 /// Copies of the largest parameter the update of `mode` holds at once, run as `update` says.
@@ -177,6 +181,7 @@ fn update_copies(mode: Mode, update: Update) -> usize {
         (Mode::TrainSgd, _) => 2,
         (_, Update::InPlace) => states,
         (_, Update::OutOfPlace) => 2 + 3 * states,
+        (_, Update::Fused) => 0,
     }
 }
 
