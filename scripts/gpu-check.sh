@@ -19,6 +19,8 @@
 #     (benchmarks/zoo-estimates-cuda.json, made on the CPU by scripts/zoo_estimates.py);
 #   - a zoo training step (two, from the same seeded model and batch) and an eval pass on the GPU
 #     against the same on the CPU, every model, f32 and bf16 AMP (zoo-speed --against-cpu);
+#   - which ops of each zoo model's step still run as candle's composition on the GPU (the
+#     per-op counts of WICK_PROFILE_OPS: a composed node reports as `NAME (composed)`);
 #   - the zoo's transformers (MiniLM, ViT-S/16, the decoder) at zoo-speed's sizes beside PyTorch.
 # Nsight Compute's per-kernel profile of ResNet-18 runs only with WICK_GPU_NCU=1 (2-3 minutes).
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
@@ -165,6 +167,15 @@ if [ -x "$bin/zoo-speed" ]; then
       timeout 60 "$bin/zoo-speed" --model $model --mode $mode --image 64 --batch 4 --seq 32 --against-cpu --device cuda \
         2>&1 | tail -1 | tee -a "$out/gpu-zoo-against-cpu.txt"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
+  done
+  section "the ops of a zoo step that still run as candle's composition on the GPU (WICK_PROFILE_OPS counts)"
+  for model in resnet18 resnet50 mobilenet_v2 bert vit decoder; do
+    for mode in train amp; do
+      in_budget || { echo "   $model $mode: skipped, over the time budget"; continue; }
+      composed=$(WICK_PROFILE_OPS=1 timeout 60 "$bin/zoo-speed" --model $model --mode $mode --image 64 --batch 4 \
+        --seq 32 --steps 1 --warmup 0 --device cuda 2>&1 | grep '(composed)' | awk '{print $1, $2, $4, $5}' | tr '\n' ';')
+      echo "   $model $mode: ${composed:-none}" | tee -a "$out/gpu-zoo-composed.txt"
     done
   done
   section "the zoo's transformers on the GPU beside PyTorch (zoo-speed's sizes)"

@@ -211,6 +211,24 @@ pub fn node(
     out: DType,
     f: impl Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
 ) -> Result<Tensor> {
+    // Under `WICK_PROFILE_OPS` each composed node's forward is counted as `NAME (composed)`: on a
+    // GPU, the ops that still run as candle's composition rather than an op of their own.
+    if crate::native::profile::enabled() {
+        let key = format!("{name} (composed)");
+        let shapes = || inputs.iter().map(|t| format!("{:?}", t.dims())).collect::<Vec<_>>().join(" · ");
+        return crate::native::profile::time(&key, "forward", shapes, || composed(name, inputs, compute, out, f));
+    }
+    composed(name, inputs, compute, out, f)
+}
+
+/// [`node`]'s body.
+fn composed(
+    name: &'static str,
+    inputs: &[&Tensor],
+    compute: DType,
+    out: DType,
+    f: impl Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+) -> Result<Tensor> {
     let detached: Vec<Tensor> = inputs.iter().map(|t| to_compute(&t.detach(), compute)).collect::<Result<_>>()?;
     let y = f(&detached)?.to_dtype(out)?;
     drop(detached);

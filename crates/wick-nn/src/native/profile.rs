@@ -41,7 +41,7 @@ pub fn enabled() -> bool {
 /// Runs `f`, adding its time to `(op, phase)` when profiling is on; `shapes` (called only when
 /// the rows are split by shape) names the operands' shapes.
 pub(crate) fn time<R>(
-    op: &'static str,
+    op: &str,
     phase: &'static str,
     shapes: impl FnOnce() -> String,
     f: impl FnOnce() -> R,
