@@ -88,23 +88,24 @@ void run(const Case& k) {
   }
   check(what + ": forward", wide(y), want, 1e-6);
 
-  // Backward.
+  // Backward (f32 outputs: the kinks themselves, 0 and 6 or ∞).
+  const float upper = k.act == 1 ? INFINITY : 6.0f;
   std::vector<double> partial(2 * c * segs);
   std::vector<float> dw(c), db(c), coef(4 * c), dx(total);
   launch(grid, THREADS, [&] {
-    wick_bn_grad_sums_f32(x.data(), g.data(), affine.data(), stats.data(), partial.data(), n, c, hw, seg, segs, k.act);
+    wick_bn_grad_sums_f32(x.data(), g.data(), affine.data(), stats.data(), partial.data(), n, c, hw, seg, segs, k.act,
+                          0.0f, upper);
   });
   launch(elementwise(c), THREADS, [&] {
     wick_bn_grad_finish_f32(partial.data(), stats.data(), w.data(), c, segs, count, k.batch, dw.data(), db.data(),
                             coef.data());
   });
   launch(elementwise(total), THREADS, [&] {
-    wick_bn_input_grad_f32(x.data(), g.data(), affine.data(), coef.data(), dx.data(), n, c, hw, k.act);
+    wick_bn_input_grad_f32(x.data(), g.data(), affine.data(), coef.data(), dx.data(), n, c, hw, k.act, 0.0f, upper);
   });
   std::vector<double> gp(total), sg(c), sgx(c), want_dx(total);
   for (long long i = 0; i < total; i++) {
     const long long ch = (i / hw) % c;
-    const double upper = k.act == 1 ? INFINITY : 6;
     gp[i] = k.act == 0 || (yf[i] > 0 && yf[i] < upper) ? g[i] : 0;
     sg[ch] += gp[i];
     sgx[ch] += gp[i] * (x[i] - mean[ch]) * want_stats[c + ch];

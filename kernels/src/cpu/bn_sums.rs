@@ -16,18 +16,21 @@ use std::any::TypeId;
 use half::bf16;
 
 /// What reaches the sums from `g`: `g` itself, or `g` where the normalised value `x·a + t` lies
-/// strictly inside (0, `upper`) and +0 elsewhere (the gradient through a ReLU or ReLU6).
+/// strictly inside (`lower`, `upper`) and +0 elsewhere (the gradient through a ReLU or ReLU6: the
+/// bounds are the kinks 0 and 6, moved to where the value as stored would reach them).
 #[derive(Clone, Copy)]
 pub enum Through {
     /// `g` itself.
     Identity,
-    /// `g` where `x·a + t` lies strictly inside (0, `upper`), +0 elsewhere.
+    /// `g` where `x·a + t` lies strictly inside (`lower`, `upper`), +0 elsewhere.
     Masked {
         /// The normalised value's scale.
         a: f32,
         /// Its shift.
         t: f32,
-        /// The activation's upper kink (ReLU6: 6; ReLU: +∞).
+        /// The activation's lower kink (0, or the largest value that rounds to 0 when stored).
+        lower: f32,
+        /// Its upper kink (ReLU6: 6, or the least value that rounds to 6 when stored; ReLU: +∞).
         upper: f32,
     },
 }
@@ -223,10 +226,10 @@ unsafe fn sums<L: Load8, const P: usize>(planes: [(&[L], &[L]); P], mean: f64, t
             let (gv, xv) = unsafe { (L::load8(g.as_ptr().add(i)), L::load8(x.as_ptr().add(i))) };
             let gv = match through {
                 Through::Identity => gv,
-                Through::Masked { a, t, upper } => {
+                Through::Masked { a, t, lower, upper } => {
                     let y = _mm256_add_ps(_mm256_mul_ps(xv, _mm256_set1_ps(a)), _mm256_set1_ps(t));
                     let inside = _mm256_and_ps(
-                        _mm256_cmp_ps::<_CMP_GT_OQ>(y, _mm256_setzero_ps()),
+                        _mm256_cmp_ps::<_CMP_GT_OQ>(y, _mm256_set1_ps(lower)),
                         _mm256_cmp_ps::<_CMP_LT_OQ>(y, _mm256_set1_ps(upper)),
                     );
                     _mm256_and_ps(gv, inside)
@@ -244,9 +247,9 @@ unsafe fn sums<L: Load8, const P: usize>(planes: [(&[L], &[L]); P], mean: f64, t
             let (gv, xv) = (gv.f32(), xv.f32());
             let gv = match through {
                 Through::Identity => gv,
-                Through::Masked { a, t, upper } => {
+                Through::Masked { a, t, lower, upper } => {
                     let y = xv * a + t;
-                    if y > 0.0 && y < upper {
+                    if y > lower && y < upper {
                         gv
                     } else {
                         0.0
@@ -317,8 +320,8 @@ mod tests {
             let (gv, xv): (f32, f32) = (gv.into(), xv.into());
             let gv = match through {
                 Through::Identity => gv,
-                Through::Masked { a, t, upper } => {
-                    std::hint::select_unpredictable((xv * a + t > 0.0) & (xv * a + t < upper), gv, 0.0)
+                Through::Masked { a, t, lower, upper } => {
+                    std::hint::select_unpredictable((xv * a + t > lower) & (xv * a + t < upper), gv, 0.0)
                 }
             };
             let gv = f64::from(gv);
@@ -347,8 +350,9 @@ mod tests {
         }
         let throughs = [
             Through::Identity,
-            Through::Masked { a: 1.3, t: -0.2, upper: f32::INFINITY },
-            Through::Masked { a: 0.7, t: 0.4, upper: 6.0 },
+            Through::Masked { a: 1.3, t: -0.2, lower: 0.0, upper: f32::INFINITY },
+            Through::Masked { a: 0.7, t: 0.4, lower: 0.0, upper: 6.0 },
+            Through::Masked { a: 0.7, t: 0.4, lower: 0.25, upper: 5.984375 },
         ];
         for len in [0usize, 1, 7, 8, 9, 15, 16, 17, 63, 1000, 3137] {
             for count in [1usize, 2, 3, 4, 5, 9] {

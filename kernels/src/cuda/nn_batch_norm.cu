@@ -13,7 +13,8 @@
 //
 // Per-channel buffers: stats = [mean C | inverse deviation C] (f64); affine = [scale C | shift C]
 // and coef = [k C | e C | c C | mean C] (compute type); partials = C × segs (× 2 for backward).
-// Activations: 0 none, 1 ReLU (gradient where y > 0), 2 ReLU6 (where 0 < y < 6).
+// Activations: 0 none, 1 ReLU (gradient where y > 0), 2 ReLU6 (where 0 < y < 6); backward takes
+// the kinks as the host moves them to where the stored value reaches them (`lower`, `upper`).
 #include "common.cuh"
 
 // The channel of element i of an (N, C, HW) tensor, in 32-bit arithmetic when the tensor's size
@@ -130,11 +131,12 @@ template <typename T> __device__ __forceinline__ T bn_act(T y, int act) {
   return act == 2 && y >= (T)6 ? (T)6 : y;
 }
 
-// The gradient through the activation at normalised value y: g where 0 < y < upper (∞ for ReLU).
-template <typename T> __device__ __forceinline__ T bn_through(T g, T y, int act) {
+// The gradient through the activation at normalised value y: g where lower < y < upper — the
+// kinks (0, and 6 for ReLU6, ∞ for ReLU) moved to where the value as stored reaches them (the host
+// computes them: wick-nn's `native::norm::mask_bounds`).
+template <typename T> __device__ __forceinline__ T bn_through(T g, T y, int act, T lower, T upper) {
   if (act == 0) return g;
-  const T upper = act == 1 ? (T)INFINITY : (T)6;
-  return y > (T)0 && y < upper ? g : (T)0;
+  return y > lower && y < upper ? g : (T)0;
 }
 
 template <typename E>
@@ -154,7 +156,7 @@ __device__ void bn_forward(const E* x, const typename WickCompute<E>::T* affine,
 template <typename E>
 __device__ void bn_grad_sums(const E* x, const E* g, const typename WickCompute<E>::T* affine, const double* stats,
                              double* partial, long long n, long long c, long long hw, long long seg, long long segs,
-                             int act) {
+                             int act, typename WickCompute<E>::T lower, typename WickCompute<E>::T upper) {
   typedef typename WickCompute<E>::T T;
   __shared__ double scratch[32];
   for (long long ch = blockIdx.y; ch < c; ch += gridDim.y) {
@@ -163,7 +165,7 @@ __device__ void bn_grad_sums(const E* x, const E* g, const typename WickCompute<
     double sg = 0.0, sgx = 0.0;
     bn_segment(ch, (long long)blockIdx.x, n, c, hw, seg, [&](long long i) {
       const T xv = (T)wick_load(x, i);
-      const double gv = (double)bn_through((T)wick_load(g, i), xv * a + t, act);
+      const double gv = (double)bn_through((T)wick_load(g, i), xv * a + t, act, lower, upper);
       sg += gv;
       sgx += gv * ((double)xv - mean);
     });
@@ -203,14 +205,14 @@ __device__ void bn_grad_finish(const double* partial, const double* stats, const
 template <typename E>
 __device__ void bn_input_grad(const E* x, const E* g, const typename WickCompute<E>::T* affine,
                               const typename WickCompute<E>::T* coef, E* dx, long long n, long long c, long long hw,
-                              int act) {
+                              int act, typename WickCompute<E>::T lower, typename WickCompute<E>::T upper) {
   typedef typename WickCompute<E>::T T;
   const long long total = n * c * hw;
   const bool narrow = total < 4294967296LL;
   WICK_FOR_EACH(i, total) {
     const long long ch = bn_channel(i, c, hw, narrow);
     const T xv = (T)wick_load(x, i);
-    const T gv = bn_through((T)wick_load(g, i), xv * affine[ch] + affine[c + ch], act);
+    const T gv = bn_through((T)wick_load(g, i), xv * affine[ch] + affine[c + ch], act, lower, upper);
     wick_store(dx, i, coef[ch] * gv + coef[c + ch] * (xv - coef[3 * c + ch]) + coef[2 * c + ch]);
   }
 }
@@ -228,15 +230,17 @@ __device__ void bn_input_grad(const E* x, const E* g, const typename WickCompute
                                                    long long c, long long hw, int act) {                              \
     bn_forward(x, affine, y, n, c, hw, act);                                                                          \
   }                                                                                                                   \
-  extern "C" __global__ void wick_bn_grad_sums_##sfx(const E* x, const E* g, const WickCompute<E>::T* affine,        \
-                                                     const double* stats, double* partial, long long n, long long c,  \
-                                                     long long hw, long long seg, long long segs, int act) {          \
-    bn_grad_sums(x, g, affine, stats, partial, n, c, hw, seg, segs, act);                                             \
+  extern "C" __global__ void wick_bn_grad_sums_##sfx(                                                                \
+      const E* x, const E* g, const WickCompute<E>::T* affine, const double* stats, double* partial, long long n,      \
+      long long c, long long hw, long long seg, long long segs, int act, WickCompute<E>::T lower,                      \
+      WickCompute<E>::T upper) {                                                                                      \
+    bn_grad_sums(x, g, affine, stats, partial, n, c, hw, seg, segs, act, lower, upper);                               \
   }                                                                                                                   \
   extern "C" __global__ void wick_bn_input_grad_##sfx(const E* x, const E* g, const WickCompute<E>::T* affine,       \
                                                       const WickCompute<E>::T* coef, E* dx, long long n, long long c, \
-                                                      long long hw, int act) {                                        \
-    bn_input_grad(x, g, affine, coef, dx, n, c, hw, act);                                                             \
+                                                      long long hw, int act, WickCompute<E>::T lower,                 \
+                                                      WickCompute<E>::T upper) {                                      \
+    bn_input_grad(x, g, affine, coef, dx, n, c, hw, act, lower, upper);                                               \
   }
 
 WICK_FOR_FLOATS(WICK_KERNEL)

@@ -391,16 +391,43 @@ pub(crate) fn apply3<C: candle_core::CustomOp3 + Send + Sync + 'static>(
     }
 }
 
-/// True when the fast CPU kernels serve tensors like `t`: on the CPU, in a float dtype.
+/// While set, every op takes its composed form ([`with_composed`]).
+static COMPOSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Runs `f` with wick's own ops switched off, process-wide: every building block takes its
+/// composed form over candle's ops — what a device without wick's kernels runs — forward and
+/// backward (a node's backward inside `f` recomputes through the composed forms too). For
+/// comparisons and benchmarks (nn-gpu-check times each op beside its real fallback, and checks the
+/// fallbacks against the ops on the CPU); the switch is restored when `f` returns or unwinds.
+pub fn with_composed<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            COMPOSED.store(self.0, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    let _restore = Restore(COMPOSED.swap(true, std::sync::atomic::Ordering::Relaxed));
+    f()
+}
+
+/// True inside [`with_composed`].
+fn composed_only() -> bool {
+    COMPOSED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// True when the fast CPU kernels serve tensors like `t`: on the CPU, in a float dtype (and not
+/// inside [`with_composed`]).
 pub fn serves(t: &Tensor) -> bool {
-    matches!(t.device(), Device::Cpu) && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+    !composed_only()
+        && matches!(t.device(), Device::Cpu)
+        && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
 }
 
 /// True when an op with both bodies (the host's and, with the `cuda` feature, a CUDA one) serves
 /// `t`: [`serves`], or on a CUDA device whose kernels this build compiled in.
 pub fn serves_either(t: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
-    if crate::native::cuda::serves(t) {
+    if !composed_only() && crate::native::cuda::serves(t) {
         return true;
     }
     serves(t)
@@ -411,7 +438,7 @@ pub fn serves_either(t: &Tensor) -> bool {
 /// convolution's `Err`, which says how to install it.
 pub fn serves_conv_on_device(x: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
-    if crate::native::cuda::serves(x) {
+    if !composed_only() && crate::native::cuda::serves(x) {
         return crate::native::cuda::conv::uses_cudnn();
     }
     let _ = x;
@@ -422,7 +449,7 @@ pub fn serves_conv_on_device(x: &Tensor) -> bool {
 /// dimensions up to 128 (`crate::native::cuda::attention::MAX_HEAD_DIM`).
 pub fn serves_attention(t: &Tensor, head_dim: usize) -> bool {
     #[cfg(feature = "cuda")]
-    if crate::native::cuda::serves(t) {
+    if !composed_only() && crate::native::cuda::serves(t) {
         return head_dim > 0 && head_dim <= crate::native::cuda::attention::MAX_HEAD_DIM;
     }
     let _ = head_dim;

@@ -251,15 +251,15 @@ wide_kernel! {
         let mut dx = vec![E::store(T::zero()); x.len()];
         let (sdw, sdb, sdx) =
             (SharedMut::new(&mut dw), SharedMut::new(&mut db), SharedMut::new(&mut dx));
-        let upper = match act {
+        let bounds = match act {
             Activation::Identity => None,
-            Activation::Relu => Some(T::infinity()),
-            Activation::Relu6 => Some(T::of(6.0)),
+            Activation::Relu => Some(mask_bounds::<T, E>(T::infinity())),
+            Activation::Relu6 => Some(mask_bounds::<T, E>(T::of(6.0))),
         };
         // Two passes per channel, each reading g and x once: the sums, then dx.
         // The activation's gradient mask is recomputed in each (the normalised
         // value is never stored): it passes g where that value lies strictly
-        // inside (0, upper).
+        // between the bounds (the kinks as the stored value reaches them).
         par_ranges(c, 1, |r| {
             let (mut pairs, mut per_plane) = (Vec::with_capacity(n), vec![(0.0, 0.0); n]);
             for ch in r {
@@ -270,11 +270,11 @@ wide_kernel! {
                 // at once where the kernel takes them, added in order.
                 pairs.clear();
                 pairs.extend(planes().map(|s| (&g[s..s + hw], &x[s..s + hw])));
-                match upper {
-                    Some(u) => {
+                match bounds {
+                    Some((lo, hi)) => {
                         let f = |v: T| T::wide(v) as f32;
-                        let fast = Through::Masked { a: f(a), t: f(t), upper: f(u) };
-                        plane_sums(&pairs, mean, |gv, xv| masked(gv, xv * a + t, u), fast, &mut per_plane)
+                        let fast = Through::Masked { a: f(a), t: f(t), lower: f(lo), upper: f(hi) };
+                        plane_sums(&pairs, mean, |gv, xv| masked(gv, xv * a + t, (lo, hi)), fast, &mut per_plane)
                     }
                     None => plane_sums(&pairs, mean, |gv, _| gv, Through::Identity, &mut per_plane),
                 };
@@ -296,8 +296,8 @@ wide_kernel! {
                     // SAFETY: as above.
                     let dst = unsafe { sdx.range(start, hw) };
                     let (gp, xp) = (&g[start..start + hw], &x[start..start + hw]);
-                    match upper {
-                        Some(u) => plane_dx(dst, gp, xp, (ka, e, c0, m), |gv, xv| masked(gv, xv * a + t, u)),
+                    match bounds {
+                        Some(b) => plane_dx(dst, gp, xp, (ka, e, c0, m), |gv, xv| masked(gv, xv * a + t, b)),
                         None => plane_dx(dst, gp, xp, (ka, e, c0, m), |gv, _| gv),
                     }
                 }
@@ -307,12 +307,64 @@ wide_kernel! {
     }
 }
 
-/// `g` where the normalised value `y` lies strictly inside (0, `upper`), else 0: the gradient
-/// through a ReLU (`upper` = ∞) or ReLU6 (6) at `y`.
+/// `g` where the normalised value `y` lies strictly inside (`lower`, `upper`), else 0: the
+/// gradient through a ReLU or ReLU6 at `y`, its kinks as [`mask_bounds`] gives them.
 #[inline(always)]
-fn masked<T: Real>(g: T, y: T, upper: T) -> T {
+fn masked<T: Real>(g: T, y: T, (lower, upper): (T, T)) -> T {
     // A select, not a branch: half of a ReLU's inputs are negative, at random.
-    std::hint::select_unpredictable((y > T::zero()) & (y < upper), g, T::zero())
+    std::hint::select_unpredictable((y > lower) & (y < upper), g, T::zero())
+}
+
+/// [`mask_bounds`] of `act` for an output of `dtype`, in f64 (exact in the compute type); `None`
+/// for no activation.
+#[cfg(feature = "cuda")]
+fn mask_bounds_of(dtype: candle_core::DType, act: Activation) -> Result<Option<(f64, f64)>> {
+    let upper = match act {
+        Activation::Identity => return Ok(None),
+        Activation::Relu => f64::INFINITY,
+        Activation::Relu6 => 6.0,
+    };
+    by_elem!(dtype, T, E => {
+        let (lo, hi) = mask_bounds::<T, E>(T::of(upper));
+        Ok(Some((T::wide(lo), T::wide(hi))))
+    })
+}
+
+/// The bounds on a normalised value `y` (computed in `T`) strictly between which the gradient of
+/// a ReLU (`upper` = ∞) or ReLU6 (`upper` = 6) passes, when the op's output is stored as `E`: the
+/// largest value that rounds to 0 in `E`, and the least that rounds to `upper`. The activation's
+/// gradient then reads the value as stored, as PyTorch's separate activation reads the rounded
+/// output of the norm before it (a bf16 value within 1/64 below 6 is stored as 6.0, and passes
+/// nothing there); for f32 and f64 outputs they are 0 and `upper` themselves.
+pub(crate) fn mask_bounds<T: Real, E: Elem<T>>(upper: T) -> (T, T) {
+    let round = |v: f64| T::wide(E::store(T::of(v)).load());
+    let probe = 1.0 + 2f64.powi(-20);
+    if round(probe) == probe {
+        return (T::zero(), upper);
+    }
+    // `E` rounds: `T` is f32 (every low-precision element widens to f32), so bisect over the bit
+    // patterns of positive f32 values, on which rounding is monotonic.
+    let at = |bits: u32| f64::from(f32::from_bits(bits));
+    let bisect = |mut below: u32, mut above: u32, is_above: &dyn Fn(f64) -> bool| {
+        while above - below > 1 {
+            let mid = below + (above - below) / 2;
+            if is_above(at(mid)) {
+                above = mid;
+            } else {
+                below = mid;
+            }
+        }
+        (below, above)
+    };
+    let (zero, _) = bisect(0, 1.0f32.to_bits(), &|v| round(v) != 0.0);
+    let lower = T::of(at(zero));
+    let k = T::wide(upper);
+    if !k.is_finite() || k <= 0.0 {
+        return (lower, upper);
+    }
+    let kf = k as f32;
+    let (_, reaches) = bisect((kf * 0.5).to_bits(), kf.to_bits(), &|v| round(v) >= k);
+    (lower, T::of(at(reaches)))
 }
 
 /// `(Σ g', Σ g'·(x − mean))` over each plane `(g, x)` in f64 into `out`, `g' = through(g, x)`, in the
@@ -404,8 +456,9 @@ impl BatchNorm {
     fn grads(&self, x: &Tensor, w: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
         if let ChannelStats::Device(stats) = &self.stats {
+            let bounds = mask_bounds_of(x.dtype(), self.act)?.unwrap_or((0.0, f64::INFINITY));
             let (dx, dw, db) =
-                crate::native::cuda::batch_norm::backward(x, (w, b), g, stats, (self.batch, self.act.code()))?;
+                crate::native::cuda::batch_norm::backward(x, (w, b), g, stats, (self.batch, self.act.code(), bounds))?;
             return Ok((dx, dw.to_dtype(w.dtype())?, db.to_dtype(b.dtype())?));
         }
         let c = w.elem_count();

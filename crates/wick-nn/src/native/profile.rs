@@ -40,12 +40,7 @@ pub fn enabled() -> bool {
 
 /// Runs `f`, adding its time to `(op, phase)` when profiling is on; `shapes` (called only when
 /// the rows are split by shape) names the operands' shapes.
-pub(crate) fn time<R>(
-    op: &str,
-    phase: &'static str,
-    shapes: impl FnOnce() -> String,
-    f: impl FnOnce() -> R,
-) -> R {
+pub(crate) fn time<R>(op: &str, phase: &'static str, shapes: impl FnOnce() -> String, f: impl FnOnce() -> R) -> R {
     let key = match mode() {
         Mode::Off => return f(),
         Mode::Ops => op.to_string(),

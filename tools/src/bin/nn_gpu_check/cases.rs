@@ -1,19 +1,18 @@
-//! The ops nn-gpu-check runs: for each, its inputs' shapes at the sizes checked and timed, the op
-//! as wick-nn runs it, and the composed form of candle's ops it replaces on a GPU (what a GPU ran
-//! before the op's CUDA body).
+//! The ops nn-gpu-check runs: for each, its inputs' shapes at the sizes checked and timed, and the
+//! op as wick-nn runs it. Its composed form — the candle ops a GPU ran before the op's CUDA body,
+//! and still runs without wick's kernels — is the same call under
+//! `wick_nn::native::with_composed`, so the comparison is with the real fallback.
 
-use candle_core::{DType, Device, Tensor, D};
-use wick_nn::autocast::fp32_compute;
+use candle_core::{DType, Device, Tensor};
 use wick_nn::cnn;
-use wick_nn::fused::node;
 use wick_nn::ops;
 
 pub(crate) type Op = fn(&[Tensor]) -> candle_core::Result<Tensor>;
 pub(crate) type Shapes = fn(usize, usize) -> Vec<Vec<usize>>;
 
 /// One op: its name, the name it reports in the per-op counts, its inputs' shapes for a size
-/// (rows, width), the sizes checked and the zoo's size timed, how to run it, and the composed form
-/// of candle's ops it replaces on a GPU.
+/// (rows, width), the sizes checked and the zoo's size timed, and how to run it (its composed form
+/// is the same call under `wick_nn::native::with_composed`).
 pub(crate) struct Case {
     pub(crate) name: &'static str,
     pub(crate) counted: &'static str,
@@ -21,7 +20,6 @@ pub(crate) struct Case {
     pub(crate) sizes: &'static [(usize, usize)],
     pub(crate) zoo: (usize, usize, &'static str),
     pub(crate) op: Op,
-    pub(crate) composed: Op,
 }
 
 fn one(r: usize, d: usize) -> Vec<Vec<usize>> {
@@ -182,20 +180,6 @@ fn linear_no_bias(r: usize, d: usize) -> Vec<Vec<usize>> {
 fn linear(t: &[Tensor]) -> candle_core::Result<Tensor> {
     ops::linear(&t[0], &t[1], t.get(2))
 }
-/// The linear layer as wick-nn's `ops` composed it on a GPU: a node over candle's product and
-/// bias addition (backward recomputes the product).
-fn linear_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let x = &t[0];
-    let f = |t: &[Tensor]| -> candle_core::Result<Tensor> {
-        let y = t[0].contiguous()?.broadcast_matmul(&t[1].t()?)?;
-        match t.get(2) {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
-        }
-    };
-    let inputs: Vec<&Tensor> = t.iter().collect();
-    node("linear", &inputs, x.dtype(), x.dtype(), f)
-}
 
 /// Convolutions: images (batch, C_in, side, side) from (batch, side), and their filters.
 fn conv_3x3_64(n: usize, side: usize) -> Vec<Vec<usize>> {
@@ -233,156 +217,6 @@ fn global_avg_pool(t: &[Tensor]) -> candle_core::Result<Tensor> {
     cnn::global_avg_pool(&t[0])
 }
 
-// What a GPU ran before the CUDA bodies (wick-nn's `ops` without them).
-fn max_pool_3x3_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    cnn::max_pool2d_composed(&t[0], 3, 2, 1)
-}
-fn max_pool_2x2_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    cnn::max_pool2d_composed(&t[0], 2, 2, 0)
-}
-fn global_avg_pool_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    cnn::global_avg_pool_composed(&t[0])
-}
-/// Batch norm as wick-nn's `cnn` composes it without the op (statistics from candle's means, in
-/// f32 inside one node), then the activation.
-fn batch_norm_composed(t: &[Tensor], given: Option<(Tensor, Tensor)>, six: bool) -> candle_core::Result<Tensor> {
-    let x = &t[0];
-    node("batch_norm", &[x, &t[1], &t[2]], fp32_compute(x.dtype()), x.dtype(), move |t| {
-        let shape = (1, t[0].dim(1)?, 1, 1);
-        let (mean, var) = match &given {
-            Some((m, v)) => (m.to_dtype(t[0].dtype())?.reshape(shape)?, v.to_dtype(t[0].dtype())?.reshape(shape)?),
-            None => {
-                let mean = t[0].mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
-                let var = t[0].broadcast_sub(&mean)?.sqr()?.mean_keepdim(0)?.mean_keepdim(2)?.mean_keepdim(3)?;
-                (mean, var)
-            }
-        };
-        let normed = t[0].broadcast_sub(&mean)?.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
-        let y = normed.broadcast_mul(&t[1].reshape(shape)?)?.broadcast_add(&t[2].reshape(shape)?)?;
-        ops::relu_composed(&y, six.then_some(6.0))
-    })
-}
-fn batch_norm_train_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    batch_norm_composed(t, None, false)
-}
-fn batch_norm_eval_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    batch_norm_composed(t, Some(estimates(t[1].elem_count(), t[0].device())?), true)
-}
-/// candle's own convolution (what a GPU ran before cuDNN), in f32 for half types on the CPU
-/// (which candle cannot convolve in them), as one node.
-fn conv_composed(t: &[Tensor], pad: usize, stride: usize) -> candle_core::Result<Tensor> {
-    let x = &t[0];
-    let half = matches!(x.dtype(), DType::BF16 | DType::F16);
-    let compute = if half && x.device().is_cpu() { DType::F32 } else { x.dtype() };
-    node("conv2d", &[x, &t[1]], compute, x.dtype(), move |t| t[0].conv2d(&t[1], pad, stride, 1, 1))
-}
-fn conv_3x3_s1_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    conv_composed(t, 1, 1)
-}
-fn conv_7x7_s2_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    conv_composed(t, 3, 2)
-}
-fn conv_1x1_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    conv_composed(t, 0, 1)
-}
-fn depthwise_3x3_s2_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let x = &t[0];
-    node("depthwise_conv2d", &[x, &t[1]], fp32_compute(x.dtype()), x.dtype(), |t| {
-        cnn::depthwise_conv2d_composed(&t[0], &t[1], 1, 2)
-    })
-}
-fn relu_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let x = &t[0];
-    node("relu", &[x], x.dtype(), x.dtype(), |t| ops::relu_composed(&t[0], None))
-}
-fn relu6_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let x = &t[0];
-    node("relu6", &[x], x.dtype(), x.dtype(), |t| ops::relu_composed(&t[0], Some(6.0)))
-}
-fn gelu_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    t[0].gelu_erf()
-}
-fn silu_mul_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    t[0].silu()? * &t[1]
-}
-fn silu_mul_packed_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let half = t[0].dim(D::Minus1)? / 2;
-    silu_mul_composed(&[t[0].narrow(D::Minus1, 0, half)?, t[0].narrow(D::Minus1, half, half)?])
-}
-fn add_relu_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    relu_composed(&[(&t[0] + &t[1])?])
-}
-fn layer_norm_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let x = &t[0];
-    node("layer_norm", &[x, &t[1], &t[2]], fp32_compute(x.dtype()), x.dtype(), |t| {
-        ops::layer_norm_composed(&t[0], &t[1], &t[2], 1e-12)
-    })
-}
-fn rms_norm_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let x = &t[0];
-    node("rms_norm", &[x, &t[1]], fp32_compute(x.dtype()), x.dtype(), |t| ops::rms_norm_composed(&t[0], &t[1], 1e-6))
-}
-fn attention_with(t: &[Tensor], bias: Option<Tensor>) -> candle_core::Result<Tensor> {
-    let q = &t[0];
-    node("attention", &[q, &t[1], &t[2]], q.dtype(), q.dtype(), move |t| {
-        ops::attention_composed(&t[0], &t[1], &t[2], bias.as_ref())
-    })
-}
-fn attention_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    attention_with(t, None)
-}
-fn attention_masked_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    attention_with(t, Some(padding_bias(t[0].dim(2)?, t[0].dtype(), t[0].device())?))
-}
-fn attention_causal_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    attention_with(t, Some(ops::causal_bias(t[0].dim(2)?, t[0].dtype(), t[0].device())?))
-}
-fn attention_packed_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let (n, s, e) = t[0].dims3()?;
-    let (h, hd) = (e / 3, e / (3 * HEADS));
-    let split = |i: usize| t[0].narrow(2, i * h, h)?.reshape((n, s, HEADS, hd))?.transpose(1, 2)?.contiguous();
-    let bias = ops::causal_bias(s, t[0].dtype(), t[0].device())?;
-    attention_with(&[split(0)?, split(1)?, split(2)?], Some(bias))?.transpose(1, 2)?.reshape((n, s, h))
-}
-fn rope_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let x = &t[0];
-    let (cos, sin) = tables(x.dim(2)?, x.dim(3)?, x.device())?;
-    // The tables follow the input's dtype inside the node (its backward recomputes in f32).
-    node("rope", &[x], x.dtype(), x.dtype(), move |t| {
-        ops::rope_composed(&t[0], &cos.to_dtype(t[0].dtype())?, &sin.to_dtype(t[0].dtype())?)
-    })
-}
-fn rope_packed_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let (n, s, e) = t[0].dims3()?;
-    let (h, hd) = (e / 3, e / (3 * HEADS));
-    let part = |i: usize| t[0].narrow(2, i * h, h)?.reshape((n, s, HEADS, hd))?.transpose(1, 2)?.contiguous();
-    let rotated = |i: usize| rope_composed(&[part(i)?])?.transpose(1, 2)?.reshape((n, s, h));
-    Tensor::cat(&[rotated(0)?, rotated(1)?, t[0].narrow(2, 2 * h, h)?], 2)
-}
-fn cross_entropy_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let (n, c) = t[0].dims2()?;
-    let targets = spread(n, c, t[0].device())?;
-    let compute = fp32_compute(t[0].dtype());
-    node("cross_entropy", &[&t[0]], compute, compute, move |t| ops::cross_entropy_composed(&t[0], &targets))
-}
-fn embedding_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let v = t[0].dim(0)?;
-    let ids = spread(v + v / 2, v, t[0].device())?;
-    node("embedding", &[&ids, &t[0]], t[0].dtype(), t[0].dtype(), |t| t[1].embedding(&t[0]))
-}
-/// The padded lookup as wick-nn's `ops` composes it: the padding id's rows from a detached table.
-fn embedding_padded_composed(t: &[Tensor]) -> candle_core::Result<Tensor> {
-    let v = t[0].dim(0)?;
-    let ids = spread(v + v / 2, v, t[0].device())?;
-    node("embedding", &[&ids, &t[0]], t[0].dtype(), t[0].dtype(), |t| {
-        let (ids, table) = (&t[0], &t[1]);
-        let rows = table.embedding(ids)?;
-        let frozen = table.detach().embedding(ids)?;
-        let is_pad = ids.eq(3f64)?.unsqueeze(D::Minus1)?.broadcast_as(rows.shape())?;
-        is_pad.where_cond(&frozen, &rows)
-    })
-}
-
 /// Rows longer than a block (1000 > 256 threads), more rows than a chunk (130 > 64).
 const ROWS: &[(usize, usize)] = &[(130, 37), (3, 1000), (70, 768)];
 const ELEMENTS: &[(usize, usize)] = &[(3, 37), (64, 1000)];
@@ -398,34 +232,34 @@ const HEAD_SIZES: &[(usize, usize)] = &[(8, 8), (128, 32), (264, 64), (64, 100)]
 
 #[rustfmt::skip]
 pub(crate) const CASES: [Case; 30] = [
-    Case { name: "relu", counted: "relu", shapes: one, sizes: ELEMENTS, zoo: (32 * 64 * 56, 56, "ResNet-18's first stage, batch 32"), op: relu, composed: relu_composed },
-    Case { name: "relu6", counted: "relu6", shapes: one, sizes: ELEMENTS, zoo: (32 * 96 * 56, 56, "MobileNetV2's expansion, batch 32"), op: relu6, composed: relu6_composed },
-    Case { name: "gelu", counted: "gelu", shapes: one, sizes: ELEMENTS, zoo: (32 * 128, 3072, "BERT-base's feed-forward, 32 × 128 tokens"), op: gelu, composed: gelu_composed },
-    Case { name: "silu_mul", counted: "silu_mul", shapes: two, sizes: ELEMENTS, zoo: (8 * 256, 1408, "decoder-512's SwiGLU, 8 × 256 tokens"), op: silu_mul, composed: silu_mul_composed },
-    Case { name: "silu_mul packed", counted: "silu_mul", shapes: packed_pair, sizes: ELEMENTS, zoo: (8 * 256, 1408, "the same, gate and up packed"), op: silu_mul_packed, composed: silu_mul_packed_composed },
-    Case { name: "add_relu", counted: "add_relu", shapes: two, sizes: ELEMENTS, zoo: (32 * 64 * 56, 56, "ResNet-18's residual end, batch 32"), op: add_relu, composed: add_relu_composed },
-    Case { name: "layer_norm", counted: "layer_norm", shapes: layer_norm_shapes, sizes: ROWS, zoo: (32 * 128, 768, "BERT-base, 32 × 128 tokens"), op: layer_norm, composed: layer_norm_composed },
-    Case { name: "layer_norm 3-D", counted: "layer_norm", shapes: layer_norm_3d, sizes: &[(5, 768)], zoo: (1024, 384, "MiniLM, 2 × 1024 tokens"), op: layer_norm, composed: layer_norm_composed },
-    Case { name: "rms_norm", counted: "rms_norm", shapes: rms_norm_shapes, sizes: ROWS, zoo: (8 * 256, 512, "decoder-512, 8 × 256 tokens"), op: rms_norm, composed: rms_norm_composed },
-    Case { name: "attention", counted: "attention", shapes: qkv_apart, sizes: HEAD_SIZES, zoo: (8 * 512, 64, "512 tokens"), op: attention, composed: attention_composed },
-    Case { name: "attention masked", counted: "attention", shapes: qkv_apart, sizes: HEAD_SIZES, zoo: (8 * 512, 64, "512 tokens, padding mask"), op: attention_masked, composed: attention_masked_composed },
-    Case { name: "attention causal", counted: "attention", shapes: qkv_apart, sizes: HEAD_SIZES, zoo: (8 * 1024, 64, "1 024 tokens, causal"), op: attention_causal, composed: attention_causal_composed },
-    Case { name: "attention packed", counted: "attention", shapes: qkv_packed, sizes: HEAD_SIZES, zoo: (8 * 1024, 64, "packed q, k, v, causal"), op: attention_packed, composed: attention_packed_composed },
-    Case { name: "rope", counted: "rope", shapes: heads_apart, sizes: HEAD_SIZES, zoo: (8 * 1024, 64, "1 024 tokens"), op: rope, composed: rope_composed },
-    Case { name: "rope packed", counted: "rope", shapes: qkv_packed, sizes: HEAD_SIZES, zoo: (8 * 1024, 64, "packed q, k, v"), op: rope_packed, composed: rope_packed_composed },
-    Case { name: "cross_entropy", counted: "cross_entropy", shapes: one, sizes: ROWS, zoo: (8 * 256, 32_000, "decoder-512's head, 8 × 256 tokens"), op: cross_entropy, composed: cross_entropy_composed },
-    Case { name: "embedding", counted: "embedding", shapes: one, sizes: ROWS, zoo: (32_000, 512, "decoder-512's table, 48 000 lookups"), op: embedding, composed: embedding_composed },
-    Case { name: "max_pool 3x3/2", counted: "max_pool2d", shapes: image, sizes: IMAGES, zoo: (32 * 64, 112, "ResNet's stem, batch 32"), op: max_pool_3x3, composed: max_pool_3x3_composed },
-    Case { name: "max_pool 2x2/2", counted: "max_pool2d", shapes: image, sizes: IMAGES, zoo: (32 * 64, 56, "a 2×2 pool, batch 32"), op: max_pool_2x2, composed: max_pool_2x2_composed },
-    Case { name: "global_avg_pool", counted: "global_avg_pool", shapes: image, sizes: IMAGES, zoo: (32 * 512, 7, "ResNet-18's head, batch 32"), op: global_avg_pool, composed: global_avg_pool_composed },
-    Case { name: "batch_norm train + relu", counted: "batch_norm", shapes: batch_norm_shapes, sizes: BN_SIZES, zoo: (64, 112, "ResNet's stem (batch 4 here)"), op: batch_norm_train, composed: batch_norm_train_composed },
-    Case { name: "batch_norm eval + relu6", counted: "batch_norm", shapes: batch_norm_shapes, sizes: BN_SIZES, zoo: (576, 14, "MobileNetV2's expansion at 14² (batch 4 here)"), op: batch_norm_eval, composed: batch_norm_eval_composed },
-    Case { name: "linear", counted: "linear", shapes: linear_shapes, sizes: ROWS, zoo: (32 * 128, 768, "BERT-base's attention output, 32 × 128 tokens"), op: linear, composed: linear_composed },
-    Case { name: "linear 3-D", counted: "linear", shapes: linear_3d, sizes: &[(5, 96)], zoo: (8 * 512, 768, "decoder-768, 8 × 512 tokens"), op: linear, composed: linear_composed },
-    Case { name: "linear no bias", counted: "linear", shapes: linear_no_bias, sizes: ROWS, zoo: (8 * 512, 768, "a projection without bias, 8 × 512 tokens"), op: linear, composed: linear_composed },
-    Case { name: "conv2d 3x3/1 64→64", counted: "conv2d", shapes: conv_3x3_64, sizes: CONV_SIZES, zoo: (32, 56, "ResNet-18's first stage, batch 32"), op: conv_3x3_s1, composed: conv_3x3_s1_composed },
-    Case { name: "conv2d 7x7/2 stem", counted: "conv2d", shapes: conv_7x7_stem, sizes: CONV_SIZES, zoo: (32, 224, "ResNet's stem, batch 32"), op: conv_7x7_s2, composed: conv_7x7_s2_composed },
-    Case { name: "conv2d 1x1 256→64", counted: "conv2d", shapes: conv_1x1_256, sizes: CONV_SIZES, zoo: (32, 56, "ResNet-50's bottleneck entry, batch 32"), op: conv_1x1, composed: conv_1x1_composed },
-    Case { name: "depthwise 3x3/2 96", counted: "depthwise_conv2d", shapes: depthwise_96, sizes: CONV_SIZES, zoo: (32, 112, "MobileNetV2's first strided depthwise, batch 32"), op: depthwise_3x3_s2, composed: depthwise_3x3_s2_composed },
-    Case { name: "embedding padded", counted: "embedding", shapes: one, sizes: ROWS, zoo: (1000, 64, "a small table, padding id 3"), op: embedding_padded, composed: embedding_padded_composed },
+    Case { name: "relu", counted: "relu", shapes: one, sizes: ELEMENTS, zoo: (32 * 64 * 56, 56, "ResNet-18's first stage, batch 32"), op: relu },
+    Case { name: "relu6", counted: "relu6", shapes: one, sizes: ELEMENTS, zoo: (32 * 96 * 56, 56, "MobileNetV2's expansion, batch 32"), op: relu6 },
+    Case { name: "gelu", counted: "gelu", shapes: one, sizes: ELEMENTS, zoo: (32 * 128, 3072, "BERT-base's feed-forward, 32 × 128 tokens"), op: gelu },
+    Case { name: "silu_mul", counted: "silu_mul", shapes: two, sizes: ELEMENTS, zoo: (8 * 256, 1408, "decoder-512's SwiGLU, 8 × 256 tokens"), op: silu_mul },
+    Case { name: "silu_mul packed", counted: "silu_mul", shapes: packed_pair, sizes: ELEMENTS, zoo: (8 * 256, 1408, "the same, gate and up packed"), op: silu_mul_packed },
+    Case { name: "add_relu", counted: "add_relu", shapes: two, sizes: ELEMENTS, zoo: (32 * 64 * 56, 56, "ResNet-18's residual end, batch 32"), op: add_relu },
+    Case { name: "layer_norm", counted: "layer_norm", shapes: layer_norm_shapes, sizes: ROWS, zoo: (32 * 128, 768, "BERT-base, 32 × 128 tokens"), op: layer_norm },
+    Case { name: "layer_norm 3-D", counted: "layer_norm", shapes: layer_norm_3d, sizes: &[(5, 768)], zoo: (1024, 384, "MiniLM, 2 × 1024 tokens"), op: layer_norm },
+    Case { name: "rms_norm", counted: "rms_norm", shapes: rms_norm_shapes, sizes: ROWS, zoo: (8 * 256, 512, "decoder-512, 8 × 256 tokens"), op: rms_norm },
+    Case { name: "attention", counted: "attention", shapes: qkv_apart, sizes: HEAD_SIZES, zoo: (8 * 512, 64, "512 tokens"), op: attention },
+    Case { name: "attention masked", counted: "attention", shapes: qkv_apart, sizes: HEAD_SIZES, zoo: (8 * 512, 64, "512 tokens, padding mask"), op: attention_masked },
+    Case { name: "attention causal", counted: "attention", shapes: qkv_apart, sizes: HEAD_SIZES, zoo: (8 * 1024, 64, "1 024 tokens, causal"), op: attention_causal },
+    Case { name: "attention packed", counted: "attention", shapes: qkv_packed, sizes: HEAD_SIZES, zoo: (8 * 1024, 64, "packed q, k, v, causal"), op: attention_packed },
+    Case { name: "rope", counted: "rope", shapes: heads_apart, sizes: HEAD_SIZES, zoo: (8 * 1024, 64, "1 024 tokens"), op: rope },
+    Case { name: "rope packed", counted: "rope", shapes: qkv_packed, sizes: HEAD_SIZES, zoo: (8 * 1024, 64, "packed q, k, v"), op: rope_packed },
+    Case { name: "cross_entropy", counted: "cross_entropy", shapes: one, sizes: ROWS, zoo: (8 * 256, 32_000, "decoder-512's head, 8 × 256 tokens"), op: cross_entropy },
+    Case { name: "embedding", counted: "embedding", shapes: one, sizes: ROWS, zoo: (32_000, 512, "decoder-512's table, 48 000 lookups"), op: embedding },
+    Case { name: "max_pool 3x3/2", counted: "max_pool2d", shapes: image, sizes: IMAGES, zoo: (32 * 64, 112, "ResNet's stem, batch 32"), op: max_pool_3x3 },
+    Case { name: "max_pool 2x2/2", counted: "max_pool2d", shapes: image, sizes: IMAGES, zoo: (32 * 64, 56, "a 2×2 pool, batch 32"), op: max_pool_2x2 },
+    Case { name: "global_avg_pool", counted: "global_avg_pool", shapes: image, sizes: IMAGES, zoo: (32 * 512, 7, "ResNet-18's head, batch 32"), op: global_avg_pool },
+    Case { name: "batch_norm train + relu", counted: "batch_norm", shapes: batch_norm_shapes, sizes: BN_SIZES, zoo: (64, 112, "ResNet's stem (batch 4 here)"), op: batch_norm_train },
+    Case { name: "batch_norm eval + relu6", counted: "batch_norm", shapes: batch_norm_shapes, sizes: BN_SIZES, zoo: (576, 14, "MobileNetV2's expansion at 14² (batch 4 here)"), op: batch_norm_eval },
+    Case { name: "linear", counted: "linear", shapes: linear_shapes, sizes: ROWS, zoo: (32 * 128, 768, "BERT-base's attention output, 32 × 128 tokens"), op: linear },
+    Case { name: "linear 3-D", counted: "linear", shapes: linear_3d, sizes: &[(5, 96)], zoo: (8 * 512, 768, "decoder-768, 8 × 512 tokens"), op: linear },
+    Case { name: "linear no bias", counted: "linear", shapes: linear_no_bias, sizes: ROWS, zoo: (8 * 512, 768, "a projection without bias, 8 × 512 tokens"), op: linear },
+    Case { name: "conv2d 3x3/1 64→64", counted: "conv2d", shapes: conv_3x3_64, sizes: CONV_SIZES, zoo: (32, 56, "ResNet-18's first stage, batch 32"), op: conv_3x3_s1 },
+    Case { name: "conv2d 7x7/2 stem", counted: "conv2d", shapes: conv_7x7_stem, sizes: CONV_SIZES, zoo: (32, 224, "ResNet's stem, batch 32"), op: conv_7x7_s2 },
+    Case { name: "conv2d 1x1 256→64", counted: "conv2d", shapes: conv_1x1_256, sizes: CONV_SIZES, zoo: (32, 56, "ResNet-50's bottleneck entry, batch 32"), op: conv_1x1 },
+    Case { name: "depthwise 3x3/2 96", counted: "depthwise_conv2d", shapes: depthwise_96, sizes: CONV_SIZES, zoo: (32, 112, "MobileNetV2's first strided depthwise, batch 32"), op: depthwise_3x3_s2 },
+    Case { name: "embedding padded", counted: "embedding", shapes: one, sizes: ROWS, zoo: (1000, 64, "a small table, padding id 3"), op: embedding_padded },
 ];

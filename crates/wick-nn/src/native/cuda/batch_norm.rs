@@ -255,13 +255,15 @@ pub(crate) fn forward(
 
 /// Batch norm's gradients (dx, dweight, dbias) from its input `x`, weights `w`, biases `b`, output
 /// gradient `g` and forward's statistics; `batch` when they were this batch's own (their
-/// dependence on `x` enters dx). dweight and dbias in the compute type (f32 or f64).
+/// dependence on `x` enters dx); `act` the activation's code and `(lower, upper)` the bounds its
+/// gradient passes between (`native::norm::mask_bounds`). dweight and dbias in the compute type
+/// (f32 or f64).
 pub(crate) fn backward(
     x: &Tensor,
     (w, b): (&Tensor, &Tensor),
     g: &Tensor,
     stats: &Stats,
-    (batch, act): (bool, i32),
+    (batch, act, (lower, upper)): (bool, i32, (f64, f64)),
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (n, c, hw) = nchw(x.shape())?;
     if g.shape() != x.shape() || g.dtype() != x.dtype() {
@@ -296,9 +298,11 @@ pub(crate) fn backward(
                     a.iter().for_each(|v| {
                         launch.arg(v);
                     });
-                    launch.arg(&act);
+                    let (lo, hi) = (lower as $t, upper as $t);
+                    launch.arg(&act).arg(&lo).arg(&hi);
                     // SAFETY: (x, g: n·c·hw of E; affine: 2c of the compute type; stats: 2c f64;
-                    // partial: 2c × segs f64; n, c, hw, seg, segs; act), in order.
+                    // partial: 2c × segs f64; n, c, hw, seg, segs; act; the bounds in the compute
+                    // type), in order.
                     unsafe { launch.launch(reduction(segs, c)) }.map_err(|e| err(format!("batch norm backward: {e}")))?;
                     let (mut dw, mut db, mut coef) = (output::<$t>(dev, c)?, output::<$t>(dev, c)?, output::<$t>(dev, 4 * c)?);
                     let f = function(dev, MODULE, concat!("wick_bn_grad_finish_", $tsfx))?;
@@ -310,9 +314,9 @@ pub(crate) fn backward(
                     unsafe { launch.launch(elementwise(c)) }.map_err(|e| err(format!("batch norm backward: {e}")))?;
                     let mut launch = stream.launch_builder(&input);
                     launch.arg(&xv).arg(&gv).arg(&affine).arg(&coef).arg(&mut dx);
-                    launch.arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&act);
+                    launch.arg(&a[0]).arg(&a[1]).arg(&a[2]).arg(&act).arg(&lo).arg(&hi);
                     // SAFETY: (x, g: n·c·hw of E; affine: 2c, coef: 4c of the compute type; dx:
-                    // n·c·hw of E; n, c, hw; act), in order.
+                    // n·c·hw of E; n, c, hw; act; the bounds in the compute type), in order.
                     unsafe { launch.launch(elementwise(xv.len())) }
                         .map_err(|e| err(format!("batch norm backward: {e}")))?;
                     (tensor(dw, dev, c), tensor(db, dev, c))

@@ -516,3 +516,27 @@ fn fused_inference_refuses_what_does_not_fit() -> Result<()> {
     assert!(max_rel_diff(&values(&y), &values(&reference)) < 1e-6);
     Ok(())
 }
+
+/// Batch norm's fused activation reads its input as the op stores it: the gradient passes strictly
+/// between the largest value that rounds to 0 and the least that rounds to the upper kink, in the
+/// output's dtype (each bound checked against the dtype's own rounding, one f32 step either side).
+#[test]
+fn activation_masks_read_the_stored_value() {
+    use half::{bf16, f16};
+    let next = |v: f32| f32::from_bits(v.to_bits() + 1);
+    let prev = |v: f32| f32::from_bits(v.to_bits() - 1);
+    assert_eq!(native::norm::mask_bounds::<f32, f32>(6.0), (0.0, 6.0));
+    assert_eq!(native::norm::mask_bounds::<f64, f64>(6.0), (0.0, 6.0));
+    assert_eq!(native::norm::mask_bounds::<f32, f32>(f32::INFINITY), (0.0, f32::INFINITY));
+    let (lo, hi) = native::norm::mask_bounds::<f32, bf16>(6.0);
+    assert_eq!(hi, 5.984375, "bf16: the midpoint below 6 rounds to 6 (ties to even)");
+    assert_eq!((bf16::from_f32(hi).to_f32(), bf16::from_f32(prev(hi)).to_f32()), (6.0, 5.96875));
+    assert_eq!((bf16::from_f32(lo).to_f32(), bf16::from_f32(next(lo)).to_f32() > 0.0), (0.0, true));
+    let (lo, hi) = native::norm::mask_bounds::<f32, f16>(6.0);
+    assert_eq!(hi, 6.0 - 2f32.powi(-9), "f16: the midpoint below 6");
+    assert!(f16::from_f32(hi).to_f32() == 6.0 && f16::from_f32(prev(hi)).to_f32() < 6.0);
+    assert!(f16::from_f32(lo).to_f32() == 0.0 && f16::from_f32(next(lo)).to_f32() > 0.0);
+    assert_eq!(lo, 2f32.powi(-25), "f16: half its least subnormal rounds to 0 (ties to even)");
+    let (_, hi) = native::norm::mask_bounds::<f32, bf16>(f32::INFINITY);
+    assert_eq!(hi, f32::INFINITY);
+}
