@@ -45,9 +45,14 @@ bash scripts/cuda-link-stubs.sh target/cuda-stubs-gpu target/release/gpu-check t
   target/release/train-amp target/release/byo-model target/release/zoo-speed target/release/examples/nccl_check \
   "$(test_bin)"
 export LIBRARY_PATH="$PWD/target/cuda-stubs-gpu"
-touch tools/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs \
-  tools/src/bin/amp_gpu_check.rs tools/src/bin/nn_gpu_check.rs examples/src/bin/train_amp.rs examples/src/bin/byo_model.rs \
-  examples/src/bin/zoo_speed.rs crates/wick-train/examples/nccl_check.rs
+# Each binary's own source, touched so that pass 2 relinks it (a path that moved would silently
+# leave its binary linked against the empty stubs: refused here).
+for f in tools/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs \
+  tools/src/bin/amp_gpu_check.rs tools/src/bin/nn_gpu_check/main.rs examples/src/bin/train_amp.rs examples/src/bin/byo_model.rs \
+  examples/src/bin/zoo_speed.rs crates/wick-train/examples/nccl_check.rs; do
+  [ -f "$f" ] || { echo "!! $f does not exist: update this list"; exit 1; }
+  touch "$f"
+done
 build -p wick-tools --features cuda --bin gpu-check
 build -p wick-memory --features cuda --test conformance_cuda
 build -p wick-tools --features cuda --bin amp-gpu-check
@@ -67,6 +72,10 @@ else
 fi
 cp "$(test_bin)" .devbuild/conformance_cuda
 for b in .devbuild/*; do echo "$b needs: $(readelf -d "$b" | awk '/NEEDED/ {print $5}' | tr -d '[]' | tr '\n' ' ')"; done
+# Every one of them drives the GPU: one that does not record libcuda was not relinked by pass 2.
+for b in .devbuild/*; do
+  readelf -d "$b" | grep -q 'libcuda.so' || { echo "!! $b does not link libcuda: pass 2 did not relink it"; exit 1; }
+done
 # What travels to a lent GPU machine (its working tree carries 64 MiB at most): the binaries
 # stripped and packed with a window that spans them all (they share candle's and wick's kernels),
 # 370 MB -> about 11 MB; scripts/gpu-check.sh unpacks it when .devbuild/ is not there.
