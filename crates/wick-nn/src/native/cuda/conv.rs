@@ -4,8 +4,9 @@
 //! Policies (PyTorch's `Conv_v7.cpp` with `benchmark=False`, unless said):
 //! - **Algorithm**: cuDNN's heuristic list for the shape, the first that succeeds *and is
 //!   deterministic* (the same bits on every run: wick's resume is exact; PyTorch's default allows
-//!   atomics in backward-filter) and whose workspace can be drawn; chosen once per (device, shape,
-//!   dtype, direction) and cached.
+//!   atomics in backward-filter) and whose workspace can be drawn — a non-deterministic one only
+//!   where no deterministic one can run; chosen once per (device, shape, dtype, direction) and
+//!   cached.
 //! - **Workspace**: drawn from the device's pool for the call (candle's `alloc`: governed, no zero
 //!   fill, out of memory an `Err`), freed stream-ordered after it. At the choice, an algorithm whose
 //!   workspace cannot be drawn is passed over for the next, as PyTorch does.
@@ -272,8 +273,8 @@ fn workspace(dev: &CudaDevice, bytes: usize) -> Result<Option<CudaSlice<u8>>> {
     Ok(Some(unsafe { dev.alloc::<u8>(bytes) }?))
 }
 
-/// The first deterministic algorithm of cuDNN's list whose workspace can be drawn: (algorithm,
-/// workspace bytes, the workspace).
+/// The first deterministic algorithm of cuDNN's list whose workspace can be drawn (else the first
+/// other one): (algorithm, workspace bytes, the workspace).
 #[allow(clippy::type_complexity)]
 fn choose(
     api: &Api,
@@ -289,25 +290,30 @@ fn choose(
         let status = (api.algos[direction as usize])(handle, d0, d1, d2, d3, 16, &mut count, perf.as_mut_ptr());
         api.check(status, &format!("{direction:?} algorithm list"))?;
     }
+    let listed = &perf[..count.clamp(0, 16) as usize];
     let mut why = Vec::new();
-    for p in perf.iter().take(count.clamp(0, 16) as usize) {
-        if p.status != cudnn::SUCCESS || p.determinism != cudnn::DETERMINISTIC {
-            continue;
-        }
-        let mut bytes = 0usize;
-        // SAFETY: the size query for an algorithm cuDNN listed, writing one size.
-        let status = unsafe { (api.workspace[direction as usize])(handle, d0, d1, d2, d3, p.algo, &mut bytes) };
-        if status != cudnn::SUCCESS {
-            continue;
-        }
-        match workspace(dev, bytes) {
-            Ok(ws) => return Ok((p.algo, bytes, ws)),
-            Err(e) => why.push(format!("algorithm {} ({bytes} bytes of workspace): {e}", p.algo)),
+    // The deterministic algorithms first; only where none of them can run (none listed for the
+    // shape, or none whose workspace fits), the others — a result whose last bits may then vary
+    // from run to run, rather than no convolution.
+    for deterministic in [true, false] {
+        for p in listed {
+            if p.status != cudnn::SUCCESS || (p.determinism == cudnn::DETERMINISTIC) != deterministic {
+                continue;
+            }
+            let mut bytes = 0usize;
+            // SAFETY: the size query for an algorithm cuDNN listed, writing one size.
+            let status = unsafe { (api.workspace[direction as usize])(handle, d0, d1, d2, d3, p.algo, &mut bytes) };
+            if status != cudnn::SUCCESS {
+                continue;
+            }
+            match workspace(dev, bytes) {
+                Ok(ws) => return Ok((p.algo, bytes, ws)),
+                Err(e) => why.push(format!("algorithm {} ({bytes} bytes of workspace): {e}", p.algo)),
+            }
         }
     }
     Err(err(format!(
-        "cuDNN offers no deterministic {direction:?} algorithm that fits ({} listed){}{}",
-        count,
+        "cuDNN offers no {direction:?} algorithm that fits ({count} listed){}{}",
         if why.is_empty() { "" } else { ": " },
         why.join("; ")
     )))
