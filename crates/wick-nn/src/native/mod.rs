@@ -411,7 +411,7 @@ pub fn with_composed<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// True inside [`with_composed`].
-fn composed_only() -> bool {
+pub(crate) fn composed_only() -> bool {
     COMPOSED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
@@ -427,7 +427,7 @@ pub fn serves(t: &Tensor) -> bool {
 /// `t`: [`serves`], or on a CUDA device whose kernels this build compiled in.
 pub fn serves_either(t: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
-    if !composed_only() && crate::native::cuda::serves(t) {
+    if crate::native::cuda::serves(t) {
         return true;
     }
     serves(t)
@@ -438,7 +438,7 @@ pub fn serves_either(t: &Tensor) -> bool {
 /// convolution's `Err`, which says how to install it.
 pub fn serves_conv_on_device(x: &Tensor) -> bool {
     #[cfg(feature = "cuda")]
-    if !composed_only() && crate::native::cuda::serves(x) {
+    if crate::native::cuda::serves(x) {
         return crate::native::cuda::conv::uses_cudnn();
     }
     let _ = x;
@@ -449,7 +449,7 @@ pub fn serves_conv_on_device(x: &Tensor) -> bool {
 /// dimensions up to 128 (`crate::native::cuda::attention::MAX_HEAD_DIM`).
 pub fn serves_attention(t: &Tensor, head_dim: usize) -> bool {
     #[cfg(feature = "cuda")]
-    if !composed_only() && crate::native::cuda::serves(t) {
+    if crate::native::cuda::serves(t) {
         return head_dim > 0 && head_dim <= crate::native::cuda::attention::MAX_HEAD_DIM;
     }
     let _ = head_dim;

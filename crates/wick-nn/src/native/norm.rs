@@ -14,7 +14,7 @@ fn err(msg: String) -> candle_core::Error {
 }
 
 /// (N, C, H·W) of a 4-D shape.
-fn nchw(shape: &Shape) -> Result<(usize, usize, usize)> {
+pub(super) fn nchw(shape: &Shape) -> Result<(usize, usize, usize)> {
     match shape.dims() {
         [n, c, h, w] => Ok((*n, *c, h * w)),
         d => Err(err(format!("batch norm: expected (N, C, H, W), got {d:?}"))),

@@ -117,21 +117,29 @@ fn blocks(n: usize) -> u32 {
     n.div_ceil(256).clamp(1, 1024) as u32
 }
 
-/// The kernels on `device`, loaded once per device for the process; `None` where they cannot be
-/// (a build without them, a device other than CUDA, or a driver that rejects them).
-pub fn shared(device: &Device) -> Option<std::sync::Arc<AmpKernels>> {
-    type Loaded = Vec<(Device, Option<std::sync::Arc<AmpKernels>>)>;
+/// The kernels on `device`, loaded once per device for the process (the outcome kept: a device
+/// whose kernels cannot be loaded — a build without them, a driver that rejects them — gives the
+/// same error every time without loading again).
+pub fn shared(device: &Device) -> Result<std::sync::Arc<AmpKernels>, TrainError> {
+    type Loaded = Vec<(Device, Result<std::sync::Arc<AmpKernels>, String>)>;
     static LOADED: std::sync::Mutex<Loaded> = std::sync::Mutex::new(Vec::new());
     if !device.is_cuda() {
-        return None;
+        return Err(err(format!("the AMP kernels need a CUDA device, not {:?}", device.location())));
     }
     let mut loaded = LOADED.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((_, kernels)) = loaded.iter().find(|(d, _)| d.same_device(device)) {
-        return kernels.clone();
-    }
-    let kernels = AmpKernels::load(device).ok().map(std::sync::Arc::new);
-    loaded.push((device.clone(), kernels.clone()));
-    kernels
+    let outcome = match loaded.iter().find(|(d, _)| d.same_device(device)) {
+        Some((_, outcome)) => outcome.clone(),
+        None => {
+            // The reason kept as its message (a TrainError is not Clone), given back as the same error.
+            let outcome = AmpKernels::load(device).map(std::sync::Arc::new).map_err(|e| match e {
+                TrainError::Invalid { message, .. } => message,
+                other => other.to_string(),
+            });
+            loaded.push((device.clone(), outcome.clone()));
+            outcome
+        }
+    };
+    outcome.map_err(err)
 }
 
 /// [`super::GradScaler::unscale`] on a CUDA device: the gradients of `vars` multiplied by `inv`
@@ -154,7 +162,7 @@ pub(crate) fn unscale_grads(
     if !present.iter().all(|(_, g)| fits(g)) {
         return Ok(None);
     }
-    let Some(kernels) = shared(&device) else { return Ok(None) };
+    let Ok(kernels) = shared(&device) else { return Ok(None) };
     // Each storage once: a gradient sharing another's storage, or a view, gets its own copy.
     let mut seen = std::collections::HashSet::new();
     let mut owned = Vec::with_capacity(present.len());

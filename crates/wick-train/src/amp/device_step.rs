@@ -47,8 +47,7 @@ impl DeviceAmp {
         optimizer: Optimizer,
         scaler: Option<GradScalerConfig>,
     ) -> Result<Self, TrainError> {
-        let kernels =
-            super::cuda::shared(device).map_or_else(|| AmpKernels::load(device).map(std::sync::Arc::new), Ok)?;
+        let kernels = super::cuda::shared(device)?;
         // The masters are own copies (the kernels write them in place); an f32 parameter is its
         // own master.
         let slots = vars

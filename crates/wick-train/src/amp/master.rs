@@ -120,10 +120,6 @@ pub struct MasterWeights {
     optimizer: Optimizer,
     entries: Vec<Entry>,
     step: u64,
-    /// The fused step on a CUDA device, loaded at the first step there (`Some(None)`: not
-    /// available, the composed update runs instead).
-    #[cfg(feature = "cuda")]
-    device: Option<Option<std::sync::Arc<super::cuda::AmpKernels>>>,
 }
 
 impl MasterWeights {
@@ -154,13 +150,7 @@ impl MasterWeights {
                 Ok(Entry { model: v.clone(), master, state })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(MasterWeights {
-            optimizer,
-            entries,
-            step: 0,
-            #[cfg(feature = "cuda")]
-            device: None,
-        })
+        Ok(MasterWeights { optimizer, entries, step: 0 })
     }
 
     /// Bytes of the master copies and of the optimizer state (for the engine's summary). An f32
@@ -218,7 +208,7 @@ impl MasterWeights {
                 continue;
             }
             #[cfg(feature = "cuda")]
-            if let Some(kernels) = fused(&mut self.device, &e.master) {
+            if let Some(kernels) = fused(batch.kernels.as_ref(), &e.master) {
                 // Each master's own tensors, in place (the snapshots of `state` and `load_state`
                 // are copies): collected, then one launch per gradient dtype below.
                 batch.entries.push((i, g.detach().contiguous()?));
@@ -370,18 +360,23 @@ impl MasterWeights {
     }
 }
 
-/// The fused CUDA kernels for a step of `master` (a CUDA tensor), loaded once (`cache`) on the
-/// first CUDA master's device; `None` where they are not available (a build without them) or
-/// `master` lies on another device (one model over several GPUs): the composed update runs.
+/// The fused CUDA kernels for the update of `master` (a CUDA tensor) in this step's batch: those
+/// of the device `chosen` for the batch (the first CUDA master's; `super::cuda::shared` loads them
+/// once per device for the process), else the master's own; `None` where they are not available
+/// (a build without them) or `master` lies on another device than the batch's (one model over
+/// several GPUs): the composed update runs.
 #[cfg(feature = "cuda")]
 fn fused(
-    cache: &mut Option<Option<std::sync::Arc<super::cuda::AmpKernels>>>,
+    chosen: Option<&std::sync::Arc<super::cuda::AmpKernels>>,
     master: &Tensor,
 ) -> Option<std::sync::Arc<super::cuda::AmpKernels>> {
     if !master.device().is_cuda() {
         return None;
     }
-    let kernels = cache.get_or_insert_with(|| super::cuda::shared(master.device())).clone()?;
+    let kernels = match chosen {
+        Some(kernels) => kernels.clone(),
+        None => super::cuda::shared(master.device()).ok()?,
+    };
     kernels.device().same_device(master.device()).then_some(kernels)
 }
 

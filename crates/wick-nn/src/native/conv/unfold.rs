@@ -12,7 +12,7 @@ use super::super::Real;
 use super::err;
 
 /// The geometry of a convolution: square kernel, same stride and padding on both axes.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(in crate::native) struct Geometry {
     pub(in crate::native) n: usize,
     pub(in crate::native) c_in: usize,

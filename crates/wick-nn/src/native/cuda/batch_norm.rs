@@ -13,6 +13,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfi
 use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::{DType, Layout, Result, Shape, Tensor, WithDType};
 
+use super::super::norm::nchw;
 use super::{
     by_cuda_elem, compute, elementwise, err, function, in_dtype, output, suffix, tensor, view, with_cuda, THREADS,
 };
@@ -35,23 +36,6 @@ fn reduction(segs: usize, c: usize) -> LaunchConfig {
         grid_dim: (segs as u32, c.clamp(1, 65_535) as u32, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
-    }
-}
-
-/// (N, C, H·W) of a 4-D shape.
-fn nchw(shape: &Shape) -> Result<(usize, usize, usize)> {
-    match shape.dims() {
-        [n, c, h, w] => Ok((*n, *c, h * w)),
-        d => Err(err(format!("batch norm: expected (N, C, H, W), got {d:?}"))),
-    }
-}
-
-/// The dtype the per-channel kernels take a running estimate in: f64 stays, others go through f32.
-fn estimate_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
     }
 }
 
@@ -130,7 +114,8 @@ fn finish(
         )));
     }
     let kept = old_mean.dtype();
-    let r = estimate_dtype(kept);
+    // The per-channel kernels take the estimates in the compute type (f64 stays, others f32).
+    let r = compute(kept);
     let (m, v) = (old_mean.to_dtype(r)?, old_var.to_dtype(r)?);
     let moved = with_cuda("batch norm", &[&m, &v], |p| {
         let [(sm, lm), (sv, lv)] = [p[0], p[1]];
@@ -161,7 +146,7 @@ pub(crate) fn given_stats(mean: &Tensor, var: &Tensor, eps: f64) -> Result<Stats
     if var.elem_count() != c {
         return Err(err(format!("batch norm: {c} means, {} variances", var.elem_count())));
     }
-    let r = estimate_dtype(mean.dtype());
+    let r = compute(mean.dtype());
     let (m, v) = (mean.to_dtype(r)?, var.to_dtype(r)?);
     with_cuda("batch norm", &[&m, &v], |p| {
         let [(sm, lm), (sv, lv)] = [p[0], p[1]];

@@ -23,6 +23,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrM
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, DeviceId};
 use candle_core::{DType, Layout, Result, Shape, Tensor, WithDType};
 
+use super::super::conv::Geometry;
 use super::cudnn::{self, Api, Desc, Handle};
 use super::{by_cuda_elem, err, in_dtype, output, tensor, view, with_cuda};
 
@@ -33,38 +34,19 @@ pub fn set_tf32(allow: bool) {
     TF32.store(allow, Ordering::Relaxed);
 }
 
-/// A convolution's shape: images (n, c_in, h, w), filters (c_out, c_in / groups, k, k), square
-/// stride and padding, outputs (oh, ow).
+/// A convolution as cuDNN takes it: the host op's geometry (the same checks on both devices) and
+/// its group count (C for a depthwise convolution, 1 for a dense one).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
-pub(crate) struct Geometry {
-    pub(crate) n: usize,
-    pub(crate) c_in: usize,
-    pub(crate) h: usize,
-    pub(crate) w: usize,
-    pub(crate) c_out: usize,
-    pub(crate) k: usize,
-    pub(crate) stride: usize,
-    pub(crate) pad: usize,
-    pub(crate) groups: usize,
-    pub(crate) oh: usize,
-    pub(crate) ow: usize,
+struct Conv {
+    g: Geometry,
+    groups: usize,
 }
 
-impl Geometry {
-    /// The geometry of images `x` and filters `w` (dense when `depthwise` is false).
-    pub(crate) fn new(x: &Shape, w: &Shape, stride: usize, pad: usize, depthwise: bool) -> Result<Self> {
-        let ([n, c_in, h, wd], [c_out, per_group, kh, kw]) = (x.dims(), w.dims()) else {
-            return Err(err(format!("conv2d: images {x:?} and filters {w:?} must be 4-D")));
-        };
-        let groups = if depthwise { *c_in } else { 1 };
-        if kh != kw || *per_group * groups != *c_in || depthwise && c_out != c_in || stride == 0 {
-            return Err(err(format!("conv2d: images {x:?}, filters {w:?}, stride {stride}")));
-        }
-        let span = |len: usize| (len + 2 * pad).checked_sub(*kh).map(|s| s / stride + 1);
-        let (Some(oh), Some(ow)) = (span(*h), span(*wd)) else {
-            return Err(err(format!("conv2d: a {kh}×{kw} filter is larger than the padded {h}×{wd} image")));
-        };
-        Ok(Geometry { n: *n, c_in: *c_in, h: *h, w: *wd, c_out: *c_out, k: *kh, stride, pad, groups, oh, ow })
+impl Conv {
+    /// The convolution of images `x` and filters `w` (dense when `depthwise` is false).
+    fn new(x: &Shape, w: &Shape, stride: usize, pad: usize, depthwise: bool) -> Result<Self> {
+        let g = Geometry::new(x, w, stride, pad, depthwise)?;
+        Ok(Conv { g, groups: if depthwise { g.c_in } else { 1 } })
     }
 }
 
@@ -102,7 +84,7 @@ fn handles() -> &'static Mutex<Handles> {
 }
 
 /// (algorithm, workspace bytes) chosen per device, geometry, dtype, direction and math.
-type Choices = HashMap<(DeviceId, Geometry, DType, Direction, bool), (c_int, usize)>;
+type Choices = HashMap<(DeviceId, Conv, DType, Direction, bool), (c_int, usize)>;
 
 fn choices() -> &'static Mutex<Choices> {
     static CHOICES: OnceLock<Mutex<Choices>> = OnceLock::new();
@@ -140,7 +122,7 @@ impl Drop for Descriptors<'_> {
 }
 
 impl<'a> Descriptors<'a> {
-    fn new(api: &'a Api, g: &Geometry, dtype: DType, tf32: bool) -> Result<Self> {
+    fn new(api: &'a Api, conv: &Conv, dtype: DType, tf32: bool) -> Result<Self> {
         let data = data_type(dtype)?;
         let mut d = Descriptors {
             api,
@@ -155,8 +137,9 @@ impl<'a> Descriptors<'a> {
             DType::F32 => (cudnn::DATA_FLOAT, cudnn::FMA_MATH),
             _ => (cudnn::DATA_FLOAT, cudnn::TENSOR_OP_MATH),
         };
-        let [n, c_in, h, w, c_out, k, oh, ow, stride, pad, groups] =
-            [g.n, g.c_in, g.h, g.w, g.c_out, g.k, g.oh, g.ow, g.stride, g.pad, g.groups];
+        let (g, groups) = (&conv.g, conv.groups);
+        let [n, c_in, h, w, c_out, k, oh, ow, stride, pad] =
+            [g.n, g.c_in, g.h, g.w, g.c_out, g.k, g.oh, g.ow, g.stride, g.pad];
         let per_group = c_in / groups.max(1);
         // SAFETY: cuDNN's descriptor calls on descriptors this function creates (each stored in
         // `d` at once, so a failure later destroys it), with C ints of the geometry.
@@ -190,10 +173,10 @@ impl<'a> Descriptors<'a> {
 
 /// Runs `direction` of the convolution `g` in `dtype` on `dev`: `a` and `b` the inputs (device
 /// addresses: x and w, w and dy, or x and dy), `out` the output's.
-fn run(dev: &CudaDevice, g: &Geometry, dtype: DType, direction: Direction, (a, b, out): (u64, u64, u64)) -> Result<()> {
+fn run(dev: &CudaDevice, conv: &Conv, dtype: DType, direction: Direction, (a, b, out): (u64, u64, u64)) -> Result<()> {
     let api = cudnn::api()?;
     let tf32 = dtype == DType::F32 && TF32.load(Ordering::Relaxed);
-    let d = Descriptors::new(api, g, dtype, tf32)?;
+    let d = Descriptors::new(api, conv, dtype, tf32)?;
     let stream = dev.cuda_stream();
     // cuDNN runs in the calling thread's current context: the device's.
     stream.context().bind_to_thread().map_err(|e| err(format!("conv2d: binding the device's context: {e}")))?;
@@ -212,7 +195,7 @@ fn run(dev: &CudaDevice, g: &Geometry, dtype: DType, direction: Direction, (a, b
             h
         }
     };
-    let key = (dev.id(), *g, dtype, direction, tf32);
+    let key = (dev.id(), *conv, dtype, direction, tf32);
     let chosen = choices().lock().unwrap_or_else(|p| p.into_inner()).get(&key).copied();
     let order = d.order(direction);
     let (algo, workspace) = match chosen {
@@ -260,7 +243,7 @@ fn run(dev: &CudaDevice, g: &Geometry, dtype: DType, direction: Direction, (a, b
     // The workspace is freed after the call, in stream order.
     drop(ws_guard);
     drop(workspace);
-    api.check(status, &format!("{direction:?} convolution of {g:?} in {dtype:?}"))?;
+    api.check(status, &format!("{direction:?} convolution of {conv:?} in {dtype:?}"))?;
     Ok(())
 }
 
@@ -328,7 +311,8 @@ pub(crate) fn forward(
     pad: usize,
     depthwise: bool,
 ) -> Result<(CudaStorage, Shape)> {
-    let g = Geometry::new(lx.shape(), lw.shape(), stride, pad, depthwise)?;
+    let conv = Conv::new(lx.shape(), lw.shape(), stride, pad, depthwise)?;
+    let g = conv.g;
     let dev = sx.device();
     let (w_conv, lw) = in_dtype(sw, lw, sx.dtype())?;
     let sw = w_conv.as_ref().unwrap_or(sw);
@@ -340,7 +324,7 @@ pub(crate) fn forward(
         {
             let ((xp, _sx), (wp, _sw)) = (x.device_ptr(&stream), w.device_ptr(&stream));
             let (yp, _sy) = y.device_ptr_mut(&stream);
-            run(dev, &g, E::DTYPE, Direction::Forward, (xp, wp, yp))?;
+            run(dev, &conv, E::DTYPE, Direction::Forward, (xp, wp, yp))?;
         }
         Ok((CudaStorage::wrap_cuda_slice(y, dev.clone()), Shape::from((g.n, g.c_out, g.oh, g.ow))))
     })
@@ -355,7 +339,8 @@ pub(crate) fn backward(
     (stride, pad, depthwise): (usize, usize, bool),
     (want_dx, want_dw): (bool, bool),
 ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-    let g = Geometry::new(x.shape(), w.shape(), stride, pad, depthwise)?;
+    let conv = Conv::new(x.shape(), w.shape(), stride, pad, depthwise)?;
+    let g = conv.g;
     let wc = w.to_dtype(x.dtype())?;
     let dy = dy.to_dtype(x.dtype())?;
     if dy.dims() != [g.n, g.c_out, g.oh, g.ow] {
@@ -372,7 +357,7 @@ pub(crate) fn backward(
                 {
                     let ((wp, _a), (dp, _b)) = (wv.device_ptr(&stream), dv.device_ptr(&stream));
                     let (xp, _c) = dx.device_ptr_mut(&stream);
-                    run(dev, &g, E::DTYPE, Direction::Data, (wp, dp, xp))?;
+                    run(dev, &conv, E::DTYPE, Direction::Data, (wp, dp, xp))?;
                 }
                 Some(tensor(dx, dev, x.shape()))
             } else {
@@ -385,7 +370,7 @@ pub(crate) fn backward(
             {
                 let ((xp, _a), (dp, _b)) = (xv.device_ptr(&stream), dv.device_ptr(&stream));
                 let (wp, _c) = dw.device_ptr_mut(&stream);
-                run(dev, &g, E::DTYPE, Direction::Filter, (xp, dp, wp))?;
+                run(dev, &conv, E::DTYPE, Direction::Filter, (xp, dp, wp))?;
             }
             Ok((dx, Some(tensor(dw, dev, w.shape()))))
         })

@@ -22,13 +22,11 @@ use candle_core::{DType, Layout, Result, Shape, Tensor, WithDType};
 use super::super::colmajor;
 use super::super::linear::{dims, out_shape};
 use super::{
-    by_cuda_elem, compute, elementwise, err, function, in_dtype, output, suffix, tensor, view, with_cuda, THREADS,
+    by_cuda_elem, compute, elementwise, err, function, in_dtype, output, row_chunks, suffix, tensor, view, with_cuda,
+    THREADS,
 };
 
 const MODULE: &str = "nn_linear";
-
-/// Rows of the bias gradient's partial sums per chunk (more when there would be over 65 535).
-const CHUNK: usize = 64;
 
 fn int(v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| err(format!("linear: size {v} exceeds cuBLAS's 32-bit sizes")))
@@ -204,8 +202,7 @@ fn bias_grad<E: WithDType + DeviceRepr>(
     n: usize,
     t: DType,
 ) -> Result<Tensor> {
-    let chunk = CHUNK.max(rows.div_ceil(65_535));
-    let chunks = rows.div_ceil(chunk).max(1);
+    let (chunk, chunks) = row_chunks(rows);
     let mut partial = output::<f64>(dev, chunks * n)?;
     let stream = dev.cuda_stream();
     let f = function(dev, MODULE, &format!("wick_column_partials_{}", suffix(E::DTYPE)?))?;

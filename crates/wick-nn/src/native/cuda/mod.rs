@@ -55,9 +55,10 @@ use candle_core::{DType, Device, Layout, Result, Shape, Storage, Tensor};
 pub(crate) const THREADS: u32 = 256;
 
 /// True when the CUDA bodies serve tensors like `t`: on a CUDA device, in a float dtype, with the
-/// kernels compiled into this build.
+/// kernels compiled into this build (and not inside [`super::with_composed`]).
 pub fn serves(t: &Tensor) -> bool {
     wick_kernels::COMPILED
+        && !super::composed_only()
         && matches!(t.device(), Device::Cuda(_))
         && matches!(t.dtype(), DType::F32 | DType::F64 | DType::BF16 | DType::F16)
 }
@@ -132,6 +133,13 @@ pub(crate) fn in_dtype(s: &CudaStorage, l: &Layout, to: DType) -> Result<(Option
     } else {
         Ok((Some(s.to_dtype(l, to)?), Layout::contiguous(l.shape())))
     }
+}
+
+/// Rows a chunk of a column sum's partial sums takes (more when there would be over 65 535 chunks,
+/// a grid's limit in y), and the chunks for `rows` rows: (rows a chunk, chunks).
+pub(crate) fn row_chunks(rows: usize) -> (usize, usize) {
+    let chunk = 64usize.max(rows.div_ceil(65_535));
+    (chunk, rows.div_ceil(chunk).max(1))
 }
 
 /// A launch of `n` independent elements, grid-stride (at most 65 535 blocks).

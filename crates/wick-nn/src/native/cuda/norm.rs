@@ -9,14 +9,11 @@ use candle_core::cuda_backend::CudaStorage;
 use candle_core::{DType, Layout, Result, Shape, Tensor, WithDType};
 
 use super::{
-    by_cuda_elem, compute, elementwise, err, function, in_dtype, output, suffix, tensor, view, with_cuda, THREADS,
+    by_cuda_elem, compute, elementwise, err, function, in_dtype, output, row_chunks, suffix, tensor, view, with_cuda,
+    THREADS,
 };
 
 const MODULE: &str = "nn_norm";
-
-/// Rows of the weight gradient's partial sums per chunk (more when there would be over 65 535
-/// chunks, a grid's limit in y).
-const CHUNK: usize = 64;
 
 /// One block per row, at most 65 535 (the kernels loop over the rest).
 fn per_row(rows: usize) -> LaunchConfig {
@@ -109,8 +106,7 @@ pub(crate) fn backward(
         let [(sx, lx), (sg, lg), (sw, lw)] = [p[0], p[1], p[2]];
         let dev = sx.device();
         let stream = dev.cuda_stream();
-        let chunk = CHUNK.max(rows.div_ceil(65_535));
-        let chunks = rows.div_ceil(chunk).max(1);
+        let (chunk, chunks) = row_chunks(rows);
         let (r, dd, ch, nch, rms_flag) = (rows as i64, d as i64, chunk as i64, chunks as i64, i32::from(rms));
         let dx = by_cuda_elem!(x.dtype(), E => {
             let (xv, gv) = (view::<E>(sx, lx)?, view::<E>(sg, lg)?);
