@@ -2,7 +2,7 @@
 // launch shapes wick-nn's launchers use (crates/wick-nn/src/native/cuda), against direct
 // reference computations in f64 written here: activations, layer/RMS norm, attention (heads apart
 // and packed, with a broadcast padding bias and a causal one), RoPE, cross-entropy, embeddings,
-// max and global average pooling, and the optimizer's step (to the bit) —
+// the broadcast sum of embeddings, max and global average pooling, and the optimizer's step (to the bit) —
 // forward and backward. Prints one line per check; exits non-zero if any fails.
 //
 //   g++ -std=c++20 -O1 -ffp-contract=off -pthread -Wall -Wno-unknown-pragmas -I kernels/emu
@@ -287,6 +287,29 @@ static void embedding() {
   check("embedding backward (padding id's row zero)", wide(dt), wdt, 1e-6);
 }
 
+// The broadcast sum of embeddings: y_i = x_i + a_(i mod |a|) + b_(i mod |b|) in f32 left to right,
+// rounded once (the host body's arithmetic, so the same bits), in f32 and bf16.
+static void add_broadcast() {
+  const long long n = 6 * 105, na = 35, nb = 105;
+  auto x = narrow<float>(randn(n, 60)), a = narrow<float>(randn(na, 61)), b = narrow<float>(randn(nb, 62));
+  std::vector<float> y(n);
+  launch(elementwise(n), THREADS, [&] { wick_add_broadcast_f32(x.data(), a.data(), b.data(), y.data(), n, na, nb); });
+  std::vector<double> want(n);
+  for (long long i = 0; i < n; i++) want[i] = (double)(x[i] + a[i % na] + b[i % nb]);
+  check("add_broadcast f32 (the host's sum, bit for bit)", wide(y), want, 0);
+  std::vector<__nv_bfloat16> xb(n), ab(na), bb(nb), yb(n);
+  for (long long i = 0; i < n; i++) xb[i] = __float2bfloat16_rn(x[i]);
+  for (long long i = 0; i < na; i++) ab[i] = __float2bfloat16_rn(a[i]);
+  for (long long i = 0; i < nb; i++) bb[i] = __float2bfloat16_rn(b[i]);
+  launch(elementwise(n), THREADS, [&] { wick_add_broadcast_bf16(xb.data(), ab.data(), bb.data(), yb.data(), n, na, nb); });
+  bool same = true;
+  for (long long i = 0; i < n; i++) {
+    const float s = __bfloat162float(xb[i]) + __bfloat162float(ab[i % na]) + __bfloat162float(bb[i % nb]);
+    same &= yb[i].bits == __float2bfloat16_rn(s).bits;
+  }
+  check("add_broadcast bf16 (summed in f32, rounded once)", {same ? 0.0 : 1.0}, {0.0}, 0);
+}
+
 // Max pooling (first maximum in row-major order, a NaN winning, padding never winning; ties made
 // on purpose) and global average pooling, forward and backward.
 static void pooling(long long h, long long w, long long k, long long st, long long p, bool nan) {
@@ -464,6 +487,7 @@ int main() {
   rope(true);
   cross_entropy();
   embedding();
+  add_broadcast();
   pooling(9, 7, 3, 2, 1, false);
   pooling(9, 7, 3, 2, 1, true);
   pooling(8, 8, 2, 2, 0, false);

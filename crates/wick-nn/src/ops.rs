@@ -57,7 +57,7 @@ pub fn embedding_with_padding(table: &Tensor, ids: &Tensor, padding: Option<u32>
 /// `x + a + b` with `a` and `b` broadcast to `x`'s shape (position and type embeddings added
 /// to every sequence), as one node whose backward sums the broadcast gradients in f32.
 pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if native::serves(x) {
+    if native::serves_either(x) {
         return native::loss::add_broadcast(x, a, b);
     }
     node("add", &[x, a, b], x.dtype(), x.dtype(), |t| t[0].broadcast_add(&t[1])?.broadcast_add(&t[2]))

@@ -198,15 +198,19 @@ impl Vit {
         let n = x.dim(0)?;
         let (h, heads) = (c.hidden, c.heads);
         let embed = push_label("embed");
-        let patches =
-            wick_nn::cnn::conv2d_bias(x, &self.p("conv_proj.weight")?, &self.p("conv_proj.bias")?, 0, c.patch_size)?;
+        let patches = wick_nn::cnn::conv2d(x, &self.p("conv_proj.weight")?, 0, c.patch_size)?;
         let tokens = patches.flatten_from(2)?.transpose(1, 2)?; // (N, patches, h)
-                                                                // Class token and position embedding as one node: their gradients are sums over the
-                                                                // batch, which candle's CPU reductions would accumulate in bf16 under autocast.
-        let (cls, pos) = (self.p("class_token")?, self.p("encoder.pos_embedding")?);
-        let mut z = wick_nn::fused::node("embed", &[&tokens, &cls, &pos], tokens.dtype(), tokens.dtype(), move |t| {
-            Tensor::cat(&[&t[1].broadcast_as((n, 1, h))?, &t[0]], 1)?.broadcast_add(&t[2])
-        })?;
+                                                                // The patch bias, the class token and the position embedding go in through `add_broadcast`
+                                                                // (one op on the CPU and on a GPU): their gradients are sums over the batch (and the
+                                                                // patches), made in f32 there where candle's CPU reductions would accumulate bf16 in bf16
+                                                                // under autocast. Row 0 is the class token plus its position, the rest the patches plus
+                                                                // the bias and theirs.
+        let (cls, pos, bias) = (self.p("class_token")?, self.p("encoder.pos_embedding")?, self.p("conv_proj.bias")?);
+        let patches = tokens.dim(1)?;
+        let rows = ops::add_broadcast(&tokens, &bias, &pos.narrow(1, 1, patches)?)?;
+        let zero = Tensor::zeros((n, 1, h), tokens.dtype(), tokens.device())?;
+        let first = ops::add_broadcast(&zero, &cls, &pos.narrow(1, 0, 1)?)?;
+        let mut z = Tensor::cat(&[&first, &rows], 1)?;
         drop(embed);
         for l in 0..c.layers {
             let _layer = push_label(&format!("encoder.layers.{l}"));

@@ -151,14 +151,17 @@ fn vit_trains_every_parameter() {
     let loss = || cross_entropy(&model.forward(&x).unwrap(), &y).unwrap();
     let grads = loss().backward().unwrap();
     check_gradients(&model.params, &grads);
-    for name in [
-        "conv_proj.weight",
-        "class_token",
-        "encoder.layers.encoder_layer_1.self_attention.in_proj_weight",
-        "heads.head.bias",
+    // The position embedding's entries 0 and 1 are the class token's row, 20 and 37 patch rows.
+    for (name, entries) in [
+        ("conv_proj.weight", &[0, 1][..]),
+        ("conv_proj.bias", &[0, 5]),
+        ("class_token", &[0, 1]),
+        ("encoder.pos_embedding", &[0, 1, 20, 37]),
+        ("encoder.layers.encoder_layer_1.self_attention.in_proj_weight", &[0, 1]),
+        ("heads.head.bias", &[0, 1]),
     ] {
         let var = model.params.get(name).unwrap();
-        finite_difference(name, var, grads.get(var).unwrap(), &[0, 1], || loss().to_scalar::<f64>().unwrap());
+        finite_difference(name, var, grads.get(var).unwrap(), entries, || loss().to_scalar::<f64>().unwrap());
     }
     let model = Vit::new(config, DType::F32, &Device::Cpu).unwrap();
     let (first, last) = train(|x| model.forward(x).unwrap(), &model.params, 0.1, 40);

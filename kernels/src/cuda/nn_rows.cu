@@ -1,12 +1,15 @@
 // The CUDA bodies of wick-nn's row-wise ops outside the norms: rotary position embeddings,
 // softmax cross-entropy over a vocabulary, and embedding lookups — forward and backward, with
-// the host bodies' arithmetic (wick-nn's `native::rope` and `native::loss`).
+// the host bodies' arithmetic (wick-nn's `native::rope` and `native::loss`) — and the broadcast
+// sum of position and type embeddings.
 //
 //   rope:           (x1, x2) -> (x1 c - x2 s, x1 s + x2 c) for the pairs (j, j + d/2) of each rotated head,
 //                   s = sign · sin (sign -1: the backward pass, the rotation by the inverse angles)
 //   cross-entropy:  lse_i = log sum_j exp(x_ij);  loss = mean_i (lse_i - x_i,t_i);
 //                   dx_ij = (exp(x_ij - lse_i) - [j = t_i]) · g / n — no probability tensor kept
 //   embedding:      y_k = table[id_k];  dtable[r] = the sum, in position order, of g_k over k with id_k = r
+//   add_broadcast:  y_i = x_i + a_(i mod |a|) + b_(i mod |b|), summed left to right in the compute type and
+//                   rounded once (its gradients: dx = g, da and db column sums, nn_linear.cu's)
 //
 // Sums over a row or the rows are in f64, each in a fixed order (the same bits on every run).
 // A target outside the vocabulary makes its row's loss (and gradient) NaN rather than reading
@@ -117,6 +120,12 @@ __device__ void embedding_grad(const E* g, const unsigned int* order, const unsi
   }
 }
 
+// y_i = x_i + a_(i mod na) + b_(i mod nb) in the compute type, left to right, rounded once.
+template <typename E>
+__device__ void add_broadcast(const E* x, const E* a, const E* b, E* y, long long n, long long na, long long nb) {
+  WICK_FOR_EACH(i, n) wick_store(y, i, wick_load(x, i) + wick_load(a, i % na) + wick_load(b, i % nb));
+}
+
 #define WICK_KERNEL(E, sfx)                                                                                           \
   extern "C" __global__ void wick_rope_##sfx(const E* x, E* y, const WickCompute<E>::T* cos,                          \
                                              const WickCompute<E>::T* sin, long long rows, long long seq,             \
@@ -140,6 +149,10 @@ __device__ void embedding_grad(const E* g, const unsigned int* order, const unsi
                                                        const unsigned int* start, const unsigned int* run_id,         \
                                                        long long runs, E* dt, long long d) {                          \
     embedding_grad(g, order, start, run_id, runs, dt, d);                                                             \
+  }                                                                                                                   \
+  extern "C" __global__ void wick_add_broadcast_##sfx(const E* x, const E* a, const E* b, E* y, long long n,          \
+                                                      long long na, long long nb) {                                   \
+    add_broadcast(x, a, b, y, n, na, nb);                                                                             \
   }
 
 WICK_FOR_FLOATS(WICK_KERNEL)

@@ -25,7 +25,10 @@ struct Bias {
 }
 
 impl Bias {
-    fn new(bias: &Tensor, dims: [usize; 4]) -> Result<Self> {
+    /// The bias broadcast to `dims`, or `None` when every value is zero (the padding mask of a
+    /// batch without padding): adding zeros changes no score (a −0 score becomes +0, which the
+    /// softmax and its gradient treat alike), and PyTorch's SDPA path drops such a mask too.
+    fn new(bias: &Tensor, dims: [usize; 4]) -> Result<Option<Self>> {
         let b = bias.to_dtype(candle_core::DType::F64)?.broadcast_as(dims.to_vec())?;
         let (storage, layout) = b.storage_and_layout();
         let Storage::Cpu(CpuStorage::F64(all)) = &*storage else {
@@ -34,7 +37,10 @@ impl Bias {
         let (start, stride) = (layout.start_offset(), layout.stride());
         let extent: usize = dims.iter().zip(stride).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>() + 1;
         let values = all.get(start..start + extent).ok_or_else(|| err("attention: bias out of range".into()))?.to_vec();
-        Ok(Bias { values, strides: [stride[0], stride[1], stride[2], stride[3]] })
+        if values.iter().all(|v| *v == 0.0) {
+            return Ok(None);
+        }
+        Ok(Some(Bias { values, strides: [stride[0], stride[1], stride[2], stride[3]] }))
     }
 
     /// The bias row for (b, h, i) and its stride along keys.
@@ -158,6 +164,18 @@ impl<T: Real> Target<'_, T> {
 }
 
 wide_kernel! {
+    /// `s[j] += bias[j·stride]` along one row of scores (a padding mask's row lies along the
+    /// keys, stride 1: converted and added a vector at a time).
+    fn add_bias<T>(s: &mut [T], bias: &[f64], stride: usize) {
+        if stride == 1 {
+            s.iter_mut().zip(bias).for_each(|(v, b)| *v = *v + T::of(*b));
+        } else {
+            s.iter_mut().enumerate().for_each(|(j, v)| *v = *v + T::of(bias[j * stride]));
+        }
+    }
+}
+
+wide_kernel! {
     /// Each `sk`-long row of `s` replaced by its softmax, and its log-sum-exp into `lse`
     /// (compiled for the CPU's vector width: the exponentials are most of attention's forward
     /// outside its products).
@@ -197,7 +215,7 @@ impl Attention {
             return Ok(Attention { bias: None, lse: Mutex::new(Vec::new()), device });
         }
         let _ = input;
-        let bias = bias.map(|t| Bias::new(t, dims)).transpose()?;
+        let bias = bias.map(|t| Bias::new(t, dims)).transpose()?.flatten();
         Ok(Attention {
             bias,
             lse: Mutex::new(Vec::new()),
@@ -250,9 +268,7 @@ impl Attention {
         if let Some(bias) = &self.bias {
             for i in 0..sq {
                 let (row, stride) = bias.row(bh / heads, bh % heads, i);
-                for (j, v) in s[i * sk..(i + 1) * sk].iter_mut().enumerate() {
-                    *v = *v + T::of(row[j * stride]);
-                }
+                add_bias::<T>(&mut s[i * sk..(i + 1) * sk], row, stride);
             }
         }
         Ok(())

@@ -249,6 +249,19 @@ impl CustomOp3 for AddBroadcast {
         });
         Ok((y, lx.shape().clone()))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        sx: &candle_core::CudaStorage,
+        lx: &Layout,
+        sa: &candle_core::CudaStorage,
+        la: &Layout,
+        sb: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let y = crate::native::cuda::loss::add_broadcast((sx, lx), (sa, la), (sb, lb))?;
+        Ok((y, lx.shape().clone()))
+    }
     fn bwd(
         &self,
         x: &Tensor,
@@ -257,6 +270,13 @@ impl CustomOp3 for AddBroadcast {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if g.device().is_cuda() {
+            let (da, db) = crate::native::cuda::loss::add_broadcast_grads(g, a.elem_count(), b.elem_count())?;
+            let (da, db) = (da.reshape(a.shape())?.to_dtype(a.dtype())?, db.reshape(b.shape())?.to_dtype(b.dtype())?);
+            let dx = g.to_dtype(x.dtype())?;
+            return Ok((x.track_op().then_some(dx), a.track_op().then_some(da), b.track_op().then_some(db)));
+        }
         let (da, db) = by_real!(x.dtype(), T => {
             let (da, db) = with::<T, _>(g, |g| Ok((fold(g, a.elem_count()), fold(g, b.elem_count()))))?;
             (tensor(da, a.shape(), a.dtype())?, tensor(db, b.shape(), b.dtype())?)
@@ -266,7 +286,7 @@ impl CustomOp3 for AddBroadcast {
     }
 }
 
-/// `x + a + b` on the CPU with `a` and `b` broadcast along `x`'s leading dimensions (see
+/// `x + a + b` on the CPU (or, feature `cuda`, a CUDA device) with `a` and `b` broadcast along `x`'s leading dimensions (see
 /// [`crate::ops::add_broadcast`]).
 pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let suffix = |t: &Tensor| {
@@ -280,5 +300,8 @@ pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
             x.dims()
         )));
     }
+    // The CUDA kernel takes one dtype (the host body reads each in its compute type).
+    let (a, b) =
+        if x.device().is_cuda() { (a.to_dtype(x.dtype())?, b.to_dtype(x.dtype())?) } else { (a.clone(), b.clone()) };
     super::apply3(&x.contiguous()?, &a.contiguous()?, &b.contiguous()?, AddBroadcast)
 }

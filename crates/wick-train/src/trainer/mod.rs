@@ -396,7 +396,9 @@ impl<M: Model> Trainer<M> {
         n: f64,
         mut flight: Option<&mut Flight>,
     ) -> Result<(GradStore, f64), TrainError> {
-        let (mut total, mut loss_sum) = (None::<GradStore>, 0f64);
+        // The losses are read back once, after every backward pass: on a GPU each read waits for
+        // the device, and one read a micro-batch stalled the host between them.
+        let (mut total, mut losses) = (None::<GradStore>, Vec::with_capacity(micro_batches.len()));
         let shards = self.parallel.as_ref().and_then(Parallel::param_shards);
         for (k, batch) in micro_batches.iter().enumerate() {
             let ckpt = match shards {
@@ -406,7 +408,7 @@ impl<M: Model> Trainer<M> {
             };
             let forward = push_label("forward");
             let loss = self.model.loss_with(batch, ckpt.as_ref())?;
-            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+            losses.push(loss.detach());
             let mut loss = if n > 1.0 { (loss / n)? } else { loss };
             if let Some(s) = &self.scaler {
                 loss = s.scale_loss(&loss)?;
@@ -445,7 +447,8 @@ impl<M: Model> Trainer<M> {
             });
         }
         let grads = total.ok_or_else(|| invalid("train step", "no gradients".into()))?;
-        Ok((grads, loss_sum))
+        let losses = Tensor::stack(&losses, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;
+        Ok((grads, losses.iter().sum()))
     }
 
     /// The parameters as a manifest records them.

@@ -142,6 +142,14 @@ fn embedding_padded(t: &[Tensor]) -> candle_core::Result<Tensor> {
     ops::embedding_with_padding(&t[0], &spread(v + v / 2, v, t[0].device())?, Some(3))
 }
 
+/// Embeddings summed (BERT's word + position + type): (2, r, d) tokens, (r, d) positions, (d) a type.
+fn add_broadcast_shapes(r: usize, d: usize) -> Vec<Vec<usize>> {
+    vec![vec![2, r, d], vec![r, d], vec![d]]
+}
+fn add_broadcast(t: &[Tensor]) -> candle_core::Result<Tensor> {
+    ops::add_broadcast(&t[0], &t[1], &t[2])
+}
+
 /// Batch norm's images: (BN_BATCH, channels, side, side) and a weight and bias per channel.
 const BN_BATCH: usize = 4;
 fn batch_norm_shapes(c: usize, side: usize) -> Vec<Vec<usize>> {
@@ -231,7 +239,7 @@ const BN_SIZES: &[(usize, usize)] = &[(5, 9), (300, 7), (3, 100)];
 const HEAD_SIZES: &[(usize, usize)] = &[(8, 8), (128, 32), (264, 64), (64, 100)];
 
 #[rustfmt::skip]
-pub(crate) const CASES: [Case; 30] = [
+pub(crate) const CASES: [Case; 31] = [
     Case { name: "relu", counted: "relu", shapes: one, sizes: ELEMENTS, zoo: (32 * 64 * 56, 56, "ResNet-18's first stage, batch 32"), op: relu },
     Case { name: "relu6", counted: "relu6", shapes: one, sizes: ELEMENTS, zoo: (32 * 96 * 56, 56, "MobileNetV2's expansion, batch 32"), op: relu6 },
     Case { name: "gelu", counted: "gelu", shapes: one, sizes: ELEMENTS, zoo: (32 * 128, 3072, "BERT-base's feed-forward, 32 × 128 tokens"), op: gelu },
@@ -261,5 +269,6 @@ pub(crate) const CASES: [Case; 30] = [
     Case { name: "conv2d 7x7/2 stem", counted: "conv2d", shapes: conv_7x7_stem, sizes: CONV_SIZES, zoo: (32, 224, "ResNet's stem, batch 32"), op: conv_7x7_s2 },
     Case { name: "conv2d 1x1 256→64", counted: "conv2d", shapes: conv_1x1_256, sizes: CONV_SIZES, zoo: (32, 56, "ResNet-50's bottleneck entry, batch 32"), op: conv_1x1 },
     Case { name: "depthwise 3x3/2 96", counted: "depthwise_conv2d", shapes: depthwise_96, sizes: CONV_SIZES, zoo: (32, 112, "MobileNetV2's first strided depthwise, batch 32"), op: depthwise_3x3_s2 },
+    Case { name: "add_broadcast", counted: "add_broadcast", shapes: add_broadcast_shapes, sizes: ROWS, zoo: (128, 768, "BERT-base's embeddings, 2 × 128 tokens"), op: add_broadcast },
     Case { name: "embedding padded", counted: "embedding", shapes: one, sizes: ROWS, zoo: (1000, 64, "a small table, padding id 3"), op: embedding_padded },
 ];

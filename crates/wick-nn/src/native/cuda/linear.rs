@@ -180,7 +180,7 @@ pub(crate) fn backward(
                 None
             };
             let db = match (want.2, b) {
-                (true, Some(_)) => Some(bias_grad(dev, &gv, m, n, t)?),
+                (true, Some(_)) => Some(column_sums(dev, &gv, m, n, t)?),
                 _ => None,
             };
             Ok((dx, dw, db))
@@ -194,8 +194,10 @@ pub(crate) fn backward(
     Ok((dx, dw, db))
 }
 
-/// Σ over the rows of g (rows × n), in the compute type `t` (f32, or f64 for f64).
-fn bias_grad<E: WithDType + DeviceRepr>(
+/// Σ over the rows of g (rows × n), in the compute type `t` (f32, or f64 for f64): f64 sums per
+/// chunk of rows, the chunks added in order (the same bits on every run). The bias gradient here
+/// and the broadcast embeddings' gradients (`super::loss::add_broadcast_grads`).
+pub(crate) fn column_sums<E: WithDType + DeviceRepr>(
     dev: &CudaDevice,
     g: &CudaView<'_, E>,
     rows: usize,
@@ -216,7 +218,7 @@ fn bias_grad<E: WithDType + DeviceRepr>(
     };
     // SAFETY: (g: rows × n of E; partial: chunks × n f64; rows, n, chunk), in order; the grid
     // covers n columns and `chunks` chunks.
-    unsafe { launch.launch(grid) }.map_err(|e| err(format!("linear backward: {e}")))?;
+    unsafe { launch.launch(grid) }.map_err(|e| err(format!("column sums: {e}")))?;
     macro_rules! finish {
         ($t:ty, $sfx:literal) => {{
             let mut db = output::<$t>(dev, n)?;
@@ -224,7 +226,7 @@ fn bias_grad<E: WithDType + DeviceRepr>(
             let mut launch = stream.launch_builder(&f);
             launch.arg(&partial).arg(&mut db).arg(&nch).arg(&nn);
             // SAFETY: (partial: chunks × n f64; db: n of the compute type; chunks, n), in order.
-            unsafe { launch.launch(elementwise(n)) }.map_err(|e| err(format!("linear backward: {e}")))?;
+            unsafe { launch.launch(elementwise(n)) }.map_err(|e| err(format!("column sums: {e}")))?;
             tensor(db, dev, n)
         }};
     }

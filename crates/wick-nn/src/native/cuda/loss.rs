@@ -1,4 +1,5 @@
-//! The CUDA bodies of cross-entropy and embedding lookups (`kernels/src/cuda/nn_rows.cu`).
+//! The CUDA bodies of cross-entropy, embedding lookups and the broadcast sum of embeddings
+//! (`kernels/src/cuda/nn_rows.cu`).
 //!
 //! Cross-entropy keeps one log-sum-exp per row on the device and no probability tensor; its
 //! targets stay on the device (no copy to the host, so no synchronisation), and a target outside
@@ -183,6 +184,57 @@ pub(crate) fn embedding_grad(table: &Tensor, ids: &[usize], padding: Option<usiz
                 unsafe { launch.launch(per_row(runs)) }.map_err(|e| err(format!("embedding backward: {e}")))?;
             }
             Ok(tensor(dt, dev, table.shape()))
+        })
+    })
+}
+
+/// `x + a + b` with `a` and `b` repeated over `x`'s elements (contiguous, one dtype; their element
+/// counts divide x's, checked by the caller), summed in the compute type and rounded once.
+pub(crate) fn add_broadcast(
+    (sx, lx): (&CudaStorage, &Layout),
+    (sa, la): (&CudaStorage, &Layout),
+    (sb, lb): (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    if sa.dtype() != sx.dtype() || sb.dtype() != sx.dtype() {
+        return Err(err(format!("add_broadcast: {:?}, {:?} and {:?}", sx.dtype(), sa.dtype(), sb.dtype())));
+    }
+    let (n, na, nb) = (lx.shape().elem_count(), la.shape().elem_count(), lb.shape().elem_count());
+    if na == 0 || nb == 0 || !n.is_multiple_of(na) || !n.is_multiple_of(nb) {
+        return Err(err(format!("add_broadcast: {n} elements with {na} and {nb}")));
+    }
+    let dev = sx.device();
+    by_cuda_elem!(sx.dtype(), E => {
+        let (x, a, b) = (view::<E>(sx, lx)?, view::<E>(sa, la)?, view::<E>(sb, lb)?);
+        let f = function(dev, MODULE, &format!("wick_add_broadcast_{}", suffix(E::DTYPE)?))?;
+        let mut y = output::<E>(dev, n)?;
+        let (n64, na64, nb64) = (n as i64, na as i64, nb as i64);
+        let stream = dev.cuda_stream();
+        let mut launch = stream.launch_builder(&f);
+        launch.arg(&x).arg(&a).arg(&b).arg(&mut y).arg(&n64).arg(&na64).arg(&nb64);
+        // SAFETY: (x: n of E; a: na of E; b: nb of E; y: n of E; n, na, nb), in order; na and nb
+        // are non-zero.
+        unsafe { launch.launch(elementwise(n)) }.map_err(|e| err(format!("add_broadcast: {e}")))?;
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    })
+}
+
+/// The gradients of `a` (`na` elements) and `b` (`nb`) from `x + a + b`'s output gradient `g`:
+/// column sums of `g` seen as rows of `na` (and of `nb`) elements, in `g`'s compute type (f32, or
+/// f64 for f64).
+pub(crate) fn add_broadcast_grads(g: &Tensor, na: usize, nb: usize) -> Result<(Tensor, Tensor)> {
+    let n = g.elem_count();
+    if na == 0 || nb == 0 || !n.is_multiple_of(na) || !n.is_multiple_of(nb) {
+        return Err(err(format!("add_broadcast backward: {n} gradients for {na} and {nb}")));
+    }
+    let t = super::compute(g.dtype());
+    with_cuda("add_broadcast backward", &[g], |p| {
+        let (gs, gl) = p[0];
+        let dev = gs.device();
+        by_cuda_elem!(g.dtype(), E => {
+            let gv = view::<E>(gs, gl)?;
+            let da = super::linear::column_sums(dev, &gv, n / na, na, t)?;
+            let db = super::linear::column_sums(dev, &gv, n / nb, nb, t)?;
+            Ok((da, db))
         })
     })
 }

@@ -364,6 +364,33 @@ fn max_pooling_routes_ties_and_nan_as_pytorch() {
     }
 }
 
+/// A bias of zeros (the padding mask of a batch without padding) is dropped: the output and
+/// every gradient are those of attention without a bias, to the bit (f32); a bias with one
+/// padded key is not.
+#[test]
+fn attention_with_a_zero_bias_is_attention_without_one() {
+    let f32s = |shape: &[usize], seed| Var::from_tensor(&randn(shape, seed).to_dtype(DType::F32).unwrap()).unwrap();
+    let (q, k, v) = (f32s(&[2, 3, 5, 8], 51), f32s(&[2, 3, 7, 8], 52), f32s(&[2, 3, 7, 8], 53));
+    let run = |bias: Option<&Tensor>| {
+        let y = native::attention::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), bias).unwrap();
+        let grads = weighted_sum(&y).unwrap().backward().unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+        };
+        let mut all = bits(&y);
+        for var in [&q, &k, &v] {
+            all.extend(bits(grads.get(var.as_tensor()).unwrap()));
+        }
+        all
+    };
+    let zeros = Tensor::zeros((2, 1, 1, 7), DType::F32, &Device::Cpu).unwrap();
+    assert_eq!(run(Some(&zeros)), run(None));
+    let mut one = vec![0f32; 14];
+    one[13] = -1e4;
+    let padded = Tensor::from_vec(one, (2, 1, 1, 7), &Device::Cpu).unwrap();
+    assert_ne!(run(Some(&padded)), run(None));
+}
+
 #[test]
 fn attention_and_rope_match_their_composed_forms() {
     let (q, k, v) = (randn(&[2, 3, 5, 4], 15), randn(&[2, 3, 6, 4], 16), randn(&[2, 3, 6, 4], 17));
