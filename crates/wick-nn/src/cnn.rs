@@ -137,23 +137,6 @@ pub fn conv2d(x: &Tensor, weight: &Tensor, pad: usize, stride: usize) -> Result<
     node("conv2d", &[x, weight], compute, x.dtype(), move |t| t[0].conv2d(&t[1], pad, stride, 1, 1))
 }
 
-/// [`conv2d`] plus a per-channel `bias` (C_out). In bf16/f16 it is one node: the bias is added
-/// before the single rounding to the activation dtype (as in a convolution with bias), and its
-/// gradient — a sum over batch and positions — is accumulated in f32 (a bias added in bf16
-/// outside the node had its gradient summed in bf16 by candle's CPU reductions, several times
-/// PyTorch autocast's error on ViT's patch-embedding bias: BENCHMARKS.md, "Mixed precision
-/// (issue 6)").
-pub fn conv2d_bias(x: &Tensor, weight: &Tensor, bias: &Tensor, pad: usize, stride: usize) -> Result<Tensor> {
-    let channels = (1, bias.elem_count(), 1, 1);
-    if matches!(x.dtype(), DType::F32 | DType::F64) {
-        return conv2d(x, weight, pad, stride)?.broadcast_add(&bias.reshape(channels)?);
-    }
-    let compute = conv_compute(x.dtype(), x.device());
-    node("conv2d", &[x, weight, bias], compute, x.dtype(), move |t| {
-        conv2d(&t[0], &t[1], pad, stride)?.broadcast_add(&t[2].reshape(channels)?)
-    })
-}
-
 /// Global average pooling: (N, C, H, W) → (N, C).
 pub fn global_avg_pool(x: &Tensor) -> Result<Tensor> {
     if native::serves_either(x) {
