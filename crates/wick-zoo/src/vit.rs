@@ -199,15 +199,15 @@ impl Vit {
         let (h, heads) = (c.hidden, c.heads);
         let embed = push_label("embed");
         let patches = wick_nn::cnn::conv2d(x, &self.p("conv_proj.weight")?, 0, c.patch_size)?;
-        let tokens = patches.flatten_from(2)?.transpose(1, 2)?; // (N, patches, h)
-                                                                // The patch bias, the class token and the position embedding go in through `add_broadcast`
-                                                                // (one op on the CPU and on a GPU): their gradients are sums over the batch (and the
-                                                                // patches), made in f32 there where candle's CPU reductions would accumulate bf16 in bf16
-                                                                // under autocast. Row 0 is the class token plus its position, the rest the patches plus
-                                                                // the bias and theirs.
+        let tokens = patches.flatten_from(2)?.transpose(1, 2)?;
+        // Tokens (N, patches, h). The patch bias, the class token and the position embedding go
+        // in through `add_broadcast` (one op on the CPU and on a GPU): their gradients are sums
+        // over the batch (and the patches), made in f32 there where candle's CPU reductions would
+        // accumulate bf16 in bf16 under autocast. Row 0 is the class token plus its position, the
+        // rest the patches plus the bias and theirs.
         let (cls, pos, bias) = (self.p("class_token")?, self.p("encoder.pos_embedding")?, self.p("conv_proj.bias")?);
-        let patches = tokens.dim(1)?;
-        let rows = ops::add_broadcast(&tokens, &bias, &pos.narrow(1, 1, patches)?)?;
+        let count = tokens.dim(1)?;
+        let rows = ops::add_broadcast(&tokens, &bias, &pos.narrow(1, 1, count)?)?;
         let zero = Tensor::zeros((n, 1, h), tokens.dtype(), tokens.device())?;
         let first = ops::add_broadcast(&zero, &cls, &pos.narrow(1, 0, 1)?)?;
         let mut z = Tensor::cat(&[&first, &rows], 1)?;

@@ -222,6 +222,18 @@ fn fold<T: Real>(g: &[T], len: usize) -> Vec<T> {
 }
 
 impl AddBroadcast {
+    /// `a`'s and `b`'s gradients from a CUDA gradient `g` (column sums on the device), shaped and
+    /// typed as `a` and `b`.
+    #[cfg(feature = "cuda")]
+    fn cuda_grads(a: &Tensor, b: &Tensor, g: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (da, db) = crate::native::cuda::loss::add_broadcast_grads(g, a.elem_count(), b.elem_count())?;
+        Ok((da.reshape(a.shape())?.to_dtype(a.dtype())?, db.reshape(b.shape())?.to_dtype(b.dtype())?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    fn cuda_grads(_: &Tensor, _: &Tensor, _: &Tensor) -> Result<(Tensor, Tensor)> {
+        Err(err("add_broadcast: a CUDA gradient in a build without the `cuda` feature".into()))
+    }
+
     fn fwd<T: Real>(x: &[T], a: &[T], b: &[T]) -> Result<Vec<T>> {
         if a.is_empty() || b.is_empty() || !x.len().is_multiple_of(a.len()) || !x.len().is_multiple_of(b.len()) {
             return Err(err(format!("add_broadcast: {} elements with {} and {}", x.len(), a.len(), b.len())));
@@ -270,24 +282,21 @@ impl CustomOp3 for AddBroadcast {
         _res: &Tensor,
         g: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        #[cfg(feature = "cuda")]
-        if g.device().is_cuda() {
-            let (da, db) = crate::native::cuda::loss::add_broadcast_grads(g, a.elem_count(), b.elem_count())?;
-            let (da, db) = (da.reshape(a.shape())?.to_dtype(a.dtype())?, db.reshape(b.shape())?.to_dtype(b.dtype())?);
-            let dx = g.to_dtype(x.dtype())?;
-            return Ok((x.track_op().then_some(dx), a.track_op().then_some(da), b.track_op().then_some(db)));
-        }
-        let (da, db) = by_real!(x.dtype(), T => {
-            let (da, db) = with::<T, _>(g, |g| Ok((fold(g, a.elem_count()), fold(g, b.elem_count()))))?;
-            (tensor(da, a.shape(), a.dtype())?, tensor(db, b.shape(), b.dtype())?)
-        });
+        let (da, db) = if g.device().is_cuda() {
+            Self::cuda_grads(a, b, g)?
+        } else {
+            by_real!(x.dtype(), T => {
+                let (da, db) = with::<T, _>(g, |g| Ok((fold(g, a.elem_count()), fold(g, b.elem_count()))))?;
+                (tensor(da, a.shape(), a.dtype())?, tensor(db, b.shape(), b.dtype())?)
+            })
+        };
         let dx = g.to_dtype(x.dtype())?;
         Ok((x.track_op().then_some(dx), a.track_op().then_some(da), b.track_op().then_some(db)))
     }
 }
 
-/// `x + a + b` on the CPU (or, feature `cuda`, a CUDA device) with `a` and `b` broadcast along `x`'s leading dimensions (see
-/// [`crate::ops::add_broadcast`]).
+/// `x + a + b` on the CPU (or, feature `cuda`, a CUDA device) with `a` and `b` broadcast along
+/// `x`'s leading dimensions (see [`crate::ops::add_broadcast`]).
 pub fn add_broadcast(x: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let suffix = |t: &Tensor| {
         x.dims().ends_with(t.dims().iter().skip_while(|d| **d == 1).copied().collect::<Vec<_>>().as_slice())
