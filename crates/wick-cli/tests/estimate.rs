@@ -133,7 +133,11 @@ fn gpu_estimates_say_they_are_not_a_bound_yet() {
     assert!(json["warning"].is_null(), "{json}");
     // On a GPU the update runs in place in wick's multi-tensor kernels: no new state beside the
     // old (the CPU's update makes the new state of one parameter at a time), so a GPU training
-    // step is estimated at most at the CPU's, the gradients, state and parameters the same.
+    // step is estimated at most at the CPU's, the gradients, state and parameters the same. Each
+    // call profiles the model in its own process, and backward's measured workspace moves by a
+    // few bytes between processes (host allocations of the thread pool: 35 bytes in one CI run),
+    // so the totals compare within the estimate's own noise allowance; wick-zoo's estimator
+    // test orders the three updates from one profile exactly.
     let total = |on: &str| -> serde_json::Value {
         let (ok, out, err) = wick(&["estimate", "resnet18", "--image", "32", "--mode", "adamw", "--on", on, "--json"]);
         assert!(ok, "{err}");
@@ -143,7 +147,8 @@ fn gpu_estimates_say_they_are_not_a_bound_yet() {
     for k in ["parameters", "gradients", "optimizer_state", "activations"] {
         assert_eq!(cpu[k], gpu[k], "{k}");
     }
-    assert!(gpu["total"].as_u64() <= cpu["total"].as_u64(), "GPU {} against CPU {}", gpu["total"], cpu["total"]);
+    let n = |e: &serde_json::Value, k: &str| e[k].as_u64().unwrap();
+    assert!(n(&gpu, "total") <= n(&cpu, "total") + n(&cpu, "allowance"), "GPU {gpu} against CPU {cpu}");
 }
 
 #[test]

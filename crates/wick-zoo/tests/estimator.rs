@@ -143,6 +143,34 @@ fn estimates_are_within_15_percent_of_measured_peaks() {
     // No upper bound on the search: the estimate saturates ("does not fit") instead of overflowing.
     assert_eq!(largest_batch(&mbn.params, &profile, Mode::TrainAdamW, budget, usize::MAX), 40);
     assert_eq!(estimate(&mbn.params, &profile, usize::MAX, Mode::TrainAdamW).total, usize::MAX);
+    // One profile, the three ways an update runs: only the workspace moves, and it orders as the
+    // updates' temporaries do (a fused in-place update makes nothing beside the state; the CPU's
+    // makes one parameter's new state; tensor ops make old and new of everything). A GPU estimate
+    // (fused) is thus never above the CPU's from the same profile.
+    use wick_zoo::estimate::{estimate_bytes, ParamBytes, Update};
+    let bytes = ParamBytes::of(&mbn.params);
+    let mut apart = 0;
+    for batch in [1, 8, 40] {
+        for mode in [Mode::TrainSgdMomentum, Mode::TrainAdamW] {
+            let [fused, in_place, out_of_place] = [Update::Fused, Update::InPlace, Update::OutOfPlace]
+                .map(|u| estimate_bytes(bytes, &profile, batch, mode, false, u));
+            for e in [&fused, &out_of_place] {
+                assert_eq!(
+                    (e.parameters, e.gradients, e.optimizer_state, e.activations),
+                    (in_place.parameters, in_place.gradients, in_place.optimizer_state, in_place.activations)
+                );
+            }
+            assert!(
+                fused.workspace <= in_place.workspace && in_place.workspace <= out_of_place.workspace,
+                "{batch} {mode:?}"
+            );
+            assert!(fused.total <= in_place.total && in_place.total <= out_of_place.total, "{batch} {mode:?}");
+            apart += usize::from(fused.total < out_of_place.total);
+        }
+    }
+    // Where backward's gradients in flight outgrow every update's temporaries the three meet;
+    // at batch 1 they do not.
+    assert!(apart >= 2, "{apart}");
 
     println!("\n| model (batch {BATCH}, f32) | inference: estimate / measured MiB | training (SGD): estimate / measured MiB | training: params / activations / workspace MiB |");
     println!("|---|---|---|---|");
