@@ -429,7 +429,7 @@ static void optimizer() {
       ptrs.push_back((long long)(intptr_t)q);
   }
   launch(dim3{4, 3, 1}, THREADS, [&] {
-    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt, nullptr);
+    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt, 1.0f, nullptr);
   });
   bool same = true;
   for (int t = 0; t < 3; t++) {
@@ -448,7 +448,7 @@ static void optimizer() {
       sptrs.push_back((long long)(intptr_t)q);
   }
   const float clear = 0.0f;
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu, &clear); });
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu, 1.0f, &clear); });
   same = true;
   for (int t = 0; t < 3; t++) {
     launch(elementwise(lens[t]), THREADS, [&] {
@@ -462,13 +462,46 @@ static void optimizer() {
   const auto before_p = ps, before_m = ms, before_v = vs;
   const auto before_models = models;
   launch(dim3{4, 3, 1}, THREADS, [&] {
-    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt, &raised);
+    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt, 1.0f, &raised);
   });
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu, &raised); });
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu, 1.0f, &raised); });
   same = ps == before_p && ms == before_m && vs == before_v;
   for (int t = 0; t < 3; t++)
     for (long long i = 0; i < lens[t]; i++) same &= models[t][i].bits == before_models[t][i].bits;
   check("multi-tensor steps with the inf flag raised change nothing", {same ? 0.0 : 1.0}, {0.0}, 0);
+  // Gradient clipping's factor: each bf16 gradient element widened, times the factor (rounded),
+  // then the step — the same as the single f32 kernel given those products as its gradient.
+  const float factor = 0.37f;
+  ps1 = ps, ms1 = ms, vs1 = vs;
+  launch(dim3{4, 3, 1}, THREADS, [&] {
+    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt, factor, nullptr);
+  });
+  same = true;
+  for (int t = 0; t < 3; t++) {
+    std::vector<float> scaled(lens[t]);
+    for (long long i = 0; i < lens[t]; i++) scaled[i] = __bfloat162float(gs[t][i]) * factor;
+    launch(elementwise(lens[t]), THREADS, [&] {
+      wick_adamw_step_f32(ps1[t].data(), ms1[t].data(), vs1[t].data(), ms1[t].data(), vs1[t].data(), scaled.data(), nullptr, lens[t],
+                          b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt);
+    });
+    for (long long i = 0; i < lens[t]; i++) {
+      same &= ps[t][i] == ps1[t][i] && ms[t][i] == ms1[t][i] && vs[t][i] == vs1[t][i] &&
+              models[t][i].bits == __float2bfloat16_rn(ps1[t][i]).bits;
+    }
+  }
+  check("AdamW multi-tensor with a clipping factor = the step on the scaled gradient, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
+  ps1 = ps, ms1 = ms;
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu, factor, &clear); });
+  same = true;
+  for (int t = 0; t < 3; t++) {
+    std::vector<float> scaled(lens[t]);
+    for (long long i = 0; i < lens[t]; i++) scaled[i] = __bfloat162float(gs[t][i]) * factor;
+    launch(elementwise(lens[t]), THREADS, [&] {
+      wick_sgd_momentum_f32(ps1[t].data(), ms1[t].data(), ms1[t].data(), scaled.data(), nullptr, lens[t], lrf, mu);
+    });
+    for (long long i = 0; i < lens[t]; i++) same &= ps[t][i] == ps1[t][i] && ms[t][i] == ms1[t][i];
+  }
+  check("SGD momentum multi-tensor with a clipping factor = the step on the scaled gradient, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
 }
 
 int main() {

@@ -119,8 +119,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def torch_times(spec, mode, steps, warmup, device):
-    """Milliseconds of each timed step, and the peak allocated bytes over them (None on the CPU)."""
+def torch_times(spec, mode, steps, warmup, device, clip=None):
+    """Milliseconds of each timed step, and the peak allocated bytes over them (None on the CPU);
+    with `clip`, training clips the gradients to that total norm between backward and step."""
     model, loss_fn, eval_fn = build(spec, device)
     times = []
     sync(device)
@@ -151,6 +152,8 @@ def torch_times(spec, mode, steps, warmup, device):
             else:
                 loss = loss_fn()
             loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             timed(i, start)
             if not torch.isfinite(loss):
@@ -162,10 +165,11 @@ def torch_times(spec, mode, steps, warmup, device):
     return times, peak
 
 
-def wick_run(binary, model, mode, steps, warmup, sizes, device):
+def wick_run(binary, model, mode, steps, warmup, sizes, device, clip=None):
     """zoo-speed's JSON line for one configuration (`ms`, and `peak_allocated` on a GPU)."""
+    extra = ["--clip-grad-norm", str(clip)] if clip and mode != "eval" else []
     out = subprocess.run([binary, "--model", model, "--mode", mode, "--steps", str(steps), "--warmup", str(warmup),
-                          "--device", device] + sizes,
+                          "--device", device] + sizes + extra,
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -192,6 +196,8 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clip-grad-norm", type=float, default=None,
+                    help="train with the gradients clipped to this total norm (clip_grad_norm_ on PyTorch's side)")
     ap.add_argument("--json", default=None, help="also write the raw figures here")
     ap.add_argument("--image", type=int, default=None, help="side of the vision models' images (zoo-speed's default: 112)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (GPU 0, for both)")
@@ -231,7 +237,7 @@ def main():
                 w, t, wp, tp = [], [], [], []
                 for _ in range(args.rounds):
                     try:
-                        line = wick_run(args.wick, model, mode, args.steps, args.warmup, sizes, args.device)
+                        line = wick_run(args.wick, model, mode, args.steps, args.warmup, sizes, args.device, args.clip_grad_norm)
                     except subprocess.CalledProcessError as e:
                         # One configuration failing (a GPU path never run before, say) leaves the rest.
                         lines = (e.stderr or "").strip().splitlines()
@@ -241,7 +247,7 @@ def main():
                         break
                     w += line["ms"]
                     wp.append(line.get("peak_allocated"))
-                    times, peak = torch_times(spec, mode, args.steps, args.warmup, args.device)
+                    times, peak = torch_times(spec, mode, args.steps, args.warmup, args.device, args.clip_grad_norm)
                     t += times
                     tp.append(peak)
                 if not w:

@@ -81,6 +81,10 @@ pub struct TrainArgs {
     /// Recompute each layer in backward instead of keeping its activations.
     #[arg(long)]
     checkpointing: bool,
+    /// Clip the gradients to this total 2-norm before each update (PyTorch's `clip_grad_norm_`;
+    /// the norm before clipping is in each step's metrics as `grad_norm`).
+    #[arg(long, value_parser = positive_norm)]
+    clip_grad_norm: Option<f64>,
     /// Train on this token file (little-endian u16 ids below 32, windows of --seq tokens, shuffled
     /// by --seed, read by `wick_train::data`) instead of the synthetic language.
     #[arg(long)]
@@ -387,6 +391,7 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         schedule: LrSchedule::WarmupCosine { warmup: args.warmup, total: args.steps, min_factor: 0.1 },
         autocast,
         activation_checkpointing: args.checkpointing,
+        clip_grad_norm: args.clip_grad_norm,
     };
     // Several ranks start in their group: sharded (ZeRO), each rank makes only its shard of the
     // masters and optimizer state, and a resume reads only its share.
@@ -508,6 +513,9 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         let mut line = serde_json::json!({
             "step": record.step, "loss": record.loss, "lr": record.lr, "ms": ms, "rss_bytes": rss, "heap": heap,
         });
+        if let Some(norm) = record.grad_norm {
+            line["grad_norm"] = serde_json::json!(norm);
+        }
         if let Some(r) = trainer.last_reduce() {
             // The step's gradient reduction: buckets, those started inside backward, the time in
             // MPI calls and the time the step waited for it after backward (ZeRO-3: the
@@ -574,4 +582,12 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
     wick::files::write_atomic(&path, serde_json::to_string_pretty(&summary)?.as_bytes())?;
     println!("trained {} steps; final loss {last_loss:.4}; summary in {}", trainer.step(), path.display());
     Ok(())
+}
+
+/// `--clip-grad-norm`'s value: a positive finite number.
+fn positive_norm(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("expected a positive number (the largest total gradient norm), not {text:?}")),
+    }
 }

@@ -112,7 +112,9 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
     }
     let inner = spec.build(dtype, &Device::Cpu)?;
     let model = Faulty { inner, fault, calls: Cell::new(0), engine };
-    let options = TrainOptions { optimizer: common::adamw(1e-3), autocast, ..TrainOptions::default() };
+    // `WICK_DIST_CLIP=x`: the gradients clipped to a total norm of x.
+    let clip_grad_norm = std::env::var("WICK_DIST_CLIP").ok().map(|s| s.parse()).transpose()?;
+    let options = TrainOptions { optimizer: common::adamw(1e-3), autocast, clip_grad_norm, ..TrainOptions::default() };
     let describe = serde_json::json!({ "model": model_name, "precision": precision });
     let checkpoints =
         std::env::var("WICK_DIST_CKPT").ok().map(|d| wick_train::CheckpointDir::new(d.as_ref(), 3)).transpose()?;
@@ -158,6 +160,7 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
     }
     let all = spec.batch(steps * 2 * micro, dtype, &Device::Cpu)?;
     let (mut losses, mut hashes, mut outcomes, mut errors) = (vec![], vec![], vec![], vec![]);
+    let mut norms = vec![];
     for step in trainer.step() as usize..steps {
         let mine: Vec<ZooBatch> = if world == 1 {
             vec![all.narrow(2 * step * micro, micro)?, all.narrow((2 * step + 1) * micro, micro)?]
@@ -167,6 +170,7 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
         match trainer.train_step(&mine) {
             Ok(record) => {
                 losses.push(record.loss.to_bits());
+                norms.push(record.grad_norm);
                 outcomes.push(format!("{:?}", record.outcome));
                 errors.push(String::new());
             }
@@ -198,6 +202,7 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
     let per_rank = group.all_gather(&Tensor::new(&[master as u64 as f64, state as u64 as f64], &Device::Cpu)?)?;
     Ok(serde_json::json!({
         "losses": losses,
+        "norms": norms,
         "hashes": hashes,
         "outcomes": outcomes,
         "errors": errors,

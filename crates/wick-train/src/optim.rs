@@ -79,6 +79,8 @@ struct Update<'a> {
     rule: Optimizer,
     /// The step number, from 1 (AdamW's bias correction).
     step: i32,
+    /// Every gradient element is multiplied by it first (gradient clipping's coefficient).
+    factor: f32,
     state: Vec<&'a [f32]>,
     next: Mutex<Vec<Vec<f32>>>,
 }
@@ -118,7 +120,7 @@ impl Update<'_> {
         {
             let pp = SharedMut::new(p);
             let outs: Vec<SharedMut<f32>> = next.iter_mut().map(|v| SharedMut::new(v)).collect();
-            let (rule, step) = (self.rule, self.step);
+            let (rule, step, factor) = (self.rule, self.step, self.factor);
             par_ranges(n, 1 << 14, |r| {
                 // SAFETY: `par_ranges` hands out disjoint ranges.
                 let p = unsafe { pp.range(r.start, r.len()) };
@@ -129,12 +131,12 @@ impl Update<'_> {
                 match rule {
                     Optimizer::SgdMomentum { lr, momentum } => {
                         let Some(new) = out.next() else { return };
-                        optim::sgd_momentum(p, g, &self.state[0][r.clone()], new, lr, momentum);
+                        optim::sgd_momentum(p, g, &self.state[0][r.clone()], new, (lr, momentum), factor);
                     }
                     Optimizer::AdamW(hyper) => {
                         let (Some(m_new), Some(v_new)) = (out.next(), out.next()) else { return };
                         let old = (&self.state[0][r.clone()], &self.state[1][r.clone()]);
-                        optim::adamw(p, g, old, (m_new, v_new), &hyper, step);
+                        optim::adamw(p, g, old, (m_new, v_new), &hyper, step, factor);
                     }
                 }
             });
@@ -145,24 +147,37 @@ impl Update<'_> {
 }
 
 /// Applies step number `step` (from 1) of `rule` in place to `target` (an f32 CPU tensor) from
-/// `grad` (any float dtype, same element count) and the old `state` tensors (f32,
-/// `rule.states()` of them); returns the new state tensors.
-pub fn step(target: &Tensor, grad: &Tensor, state: &[Tensor], rule: Optimizer, step: i32) -> Result<Vec<Tensor>> {
+/// `grad` (any float dtype, same element count) multiplied by `factor` (gradient clipping's
+/// coefficient, [`crate::clip`]; 1 for none) and the old `state` tensors (f32, `rule.states()`
+/// of them); returns the new state tensors.
+pub fn step(
+    target: &Tensor,
+    grad: &Tensor,
+    state: &[Tensor],
+    (rule, step): (Optimizer, i32),
+    factor: f32,
+) -> Result<Vec<Tensor>> {
     // The new state is made beside the old one, outside candle's allocations: asked for as
     // candle asks for its CPU buffers, so an update the host cannot hold is an error.
     let bytes = target.elem_count().checked_mul(4).and_then(|b| b.checked_mul(state.len()));
     wick_alloc_check::check(bytes).map_err(candle_core::Error::Msg)?;
     let grad = grad.contiguous()?;
     let next = match state {
-        [s] => with::<f32, _>(s, |s| run(target, &grad, vec![s], rule, step))?,
-        [m, v] => with::<f32, _>(m, |m| with::<f32, _>(v, |v| run(target, &grad, vec![m, v], rule, step)))?,
+        [s] => with::<f32, _>(s, |s| run(target, &grad, vec![s], (rule, step), factor))?,
+        [m, v] => with::<f32, _>(m, |m| with::<f32, _>(v, |v| run(target, &grad, vec![m, v], (rule, step), factor)))?,
         _ => return Err(candle_core::Error::Msg(format!("optimizer step: {} state tensors", state.len()))),
     };
     next.into_iter().map(|v| tensor(v, target.shape(), candle_core::DType::F32)).collect()
 }
 
-fn run(target: &Tensor, grad: &Tensor, state: Vec<&[f32]>, rule: Optimizer, step: i32) -> Result<Vec<Vec<f32>>> {
-    let op = Update { rule, step, state, next: Mutex::new(Vec::new()) };
+fn run(
+    target: &Tensor,
+    grad: &Tensor,
+    state: Vec<&[f32]>,
+    (rule, step): (Optimizer, i32),
+    factor: f32,
+) -> Result<Vec<Vec<f32>>> {
+    let op = Update { rule, step, factor, state, next: Mutex::new(Vec::new()) };
     target.inplace_op2(grad, &op)?;
     Ok(op.next.into_inner().unwrap_or_else(|e| e.into_inner()))
 }

@@ -72,6 +72,44 @@ fn one_process_groups_step_as_the_plain_trainer() {
 /// After ZeRO-3's first step the model's own copies of the blocks' parameters are handed back
 /// (their whole pages read as zeros), those read outside the blocks stay, and the gathered
 /// values are a plain run's.
+/// Clipping under every sharding: the norm is of all gradients, each rank's share of the squares
+/// summed (ZeRO-1/2/3 hold pieces of the gradients), so the norm and the steps are the plain
+/// trainer's — the norm to f64 rounding (the pieces' squares are added in another order), the
+/// parameters to f32 rounding.
+#[test]
+fn clipping_steps_as_the_plain_trainer_under_every_sharding() {
+    let ids = Tensor::new(&[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], &Device::Cpu).unwrap();
+    let clipped = |sharding: Option<Sharding>| {
+        let model = Llama::new(LlamaConfig::tiny(32), DType::F32, &Device::Cpu).unwrap();
+        let options = TrainOptions { clip_grad_norm: Some(0.1), ..TrainOptions::default() };
+        let t = Trainer::new(model, serde_json::json!({"model": "tiny"}), None, options).unwrap();
+        match sharding {
+            None => t,
+            Some(sharding) => {
+                t.data_parallel(ProcessGroup::single(), DataParallelOptions { sharding, ..Default::default() }).unwrap()
+            }
+        }
+    };
+    let mut plain = clipped(None);
+    let mut others: Vec<Trainer<Llama>> =
+        [Sharding::None, Sharding::OptimizerState, Sharding::Gradients, Sharding::Parameters]
+            .map(|s| clipped(Some(s)))
+            .into();
+    for _ in 0..3 {
+        let want = plain.train_step(std::slice::from_ref(&ids)).unwrap().grad_norm.unwrap();
+        assert!(want > 0.1, "{want}: the bound clips");
+        for t in &mut others {
+            let norm = t.train_step(std::slice::from_ref(&ids)).unwrap().grad_norm.unwrap();
+            assert!((norm - want).abs() <= want * 1e-12, "{norm} vs {want}");
+            let (a, b) = (weights(t), weights(&plain));
+            for (x, y) in a.iter().zip(&b) {
+                let (x, y) = (f32::from_bits(*x), f32::from_bits(*y));
+                assert!((x - y).abs() <= 1e-6 * y.abs().max(1.0), "{x} vs {y}");
+            }
+        }
+    }
+}
+
 #[test]
 fn zero3_hands_back_the_model_copies_of_block_parameters() {
     use wick_nn::Model;

@@ -117,6 +117,38 @@ fn two_ranks_equal_accumulation(model: &str, precision: &str) {
     }
 }
 
+/// Clipping over two ranks: the norm of the summed gradients (each rank's share of the squares
+/// summed under ZeRO), the same on both ranks (the program checks their parameters agree after
+/// every step) and one process's: replicated to the bit, sharded to f64 rounding (the squares
+/// are added in another order), the losses then to f32 rounding.
+#[test]
+fn clipping_over_two_ranks_takes_one_process_norm() {
+    let base = [("WICK_DIST_MODEL", "decoder"), ("WICK_DIST_PRECISION", "f32"), ("WICK_DIST_STEPS", "3")];
+    let clip = [base.as_slice(), &[("WICK_DIST_CLIP", "0.05")]].concat();
+    let Some(alone) = run(1, &clip) else { return };
+    let norms = |v: &serde_json::Value| -> Vec<f64> { serde_json::from_value(v["norms"].clone()).unwrap() };
+    let losses = |v: &serde_json::Value| -> Vec<f32> {
+        v["losses"].as_array().unwrap().iter().map(|b| f32::from_bits(b.as_u64().unwrap() as u32)).collect()
+    };
+    let want = norms(&alone);
+    assert!(want.len() == 3 && want.iter().all(|n| *n > 0.05), "every step is clipped: {want:?}");
+    let unclipped = run(1, &base).unwrap();
+    assert_ne!(unclipped["hashes"], alone["hashes"], "clipping changed the steps");
+    for zero in ["0", "1", "2", "3"] {
+        let two = run(2, &[clip.as_slice(), &[("WICK_DIST_ZERO", zero)]].concat()).unwrap();
+        if zero == "0" {
+            assert_eq!((&two["norms"], &two["hashes"]), (&alone["norms"], &alone["hashes"]), "replicated");
+            continue;
+        }
+        for (n, w) in norms(&two).iter().zip(&want) {
+            assert!((n - w).abs() <= 1e-12 * w, "ZeRO-{zero}: norm {n} vs {w}");
+        }
+        for (l, w) in losses(&two).iter().zip(losses(&alone)) {
+            assert!((l - w).abs() <= 1e-5 * w.abs(), "ZeRO-{zero}: loss {l} vs {w}");
+        }
+    }
+}
+
 #[test]
 fn decoder_f32_two_ranks_equal_one_process_accumulating() {
     two_ranks_equal_accumulation("decoder", "f32");

@@ -99,6 +99,10 @@ struct Args {
     /// (or outputs) compared (see `against_cpu`); exits non-zero beyond the stated bounds.
     #[arg(long)]
     against_cpu: bool,
+    /// Train with the gradients clipped to this total norm (the norm taken after backward, its
+    /// coefficient folded into the update), timed in the optimizer's phase.
+    #[arg(long)]
+    clip_grad_norm: Option<f64>,
 }
 
 /// The inputs' sizes: side of the square images, and inputs per batch and tokens per sequence
@@ -438,7 +442,15 @@ fn run() -> Result<()> {
                 let backward = start.elapsed();
                 drop(phase);
                 let _phase = engine.label("optimizer");
-                masters.step(&grads)?;
+                match args.clip_grad_norm {
+                    Some(max_norm) => {
+                        let vars = bench.model.vars();
+                        let refs: Vec<&candle_core::Var> = vars.iter().collect();
+                        let norm = wick_train::clip::grad_norm(&grads, &refs)?;
+                        masters.step_clipped(&grads, wick_train::clip::checked_coefficient(norm, max_norm)?)?;
+                    }
+                    None => masters.step(&grads)?,
+                }
                 device.synchronize()?;
                 if step >= args.warmup {
                     let end = start.elapsed();

@@ -65,9 +65,10 @@ pub struct AdamWStep {
     pub inv_bc2_sqrt: f32,
 }
 
-/// One AdamW step of `p` from `g` (each element widened to f32 where it is used) and the old
-/// moments `(m, v)`, writing the new moments into `(m_new, v_new)`; every slice the same length
-/// (the caller checks). The step's constants in f64, the per-element arithmetic in f32.
+/// One AdamW step of `p` from `g` (each element widened to f32 where it is used, then multiplied
+/// by `factor`: gradient clipping's coefficient, 1 for none — exact) and the old moments
+/// `(m, v)`, writing the new moments into `(m_new, v_new)`; every slice the same length (the
+/// caller checks). The step's constants in f64, the per-element arithmetic in f32.
 #[inline(always)]
 pub fn adamw<G: Copy + Into<f32>>(
     p: &mut [f32],
@@ -76,11 +77,12 @@ pub fn adamw<G: Copy + Into<f32>>(
     (m_new, v_new): (&mut [f32], &mut [f32]),
     hyper: &AdamW,
     step: i32,
+    factor: f32,
 ) {
     let AdamWStep { b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt } = hyper.step_constants(step);
     let moments = m_new.iter_mut().zip(v_new.iter_mut()).zip(m).zip(v);
     for ((p, (((mn, vn), mo), vo)), g) in p.iter_mut().zip(moments).zip(g) {
-        let g: f32 = (*g).into();
+        let g: f32 = (*g).into() * factor;
         let m = b1 * *mo + c1 * g;
         let v = b2 * *vo + c2 * g * g;
         let denom = v.sqrt() * inv_bc2_sqrt + eps;
@@ -89,16 +91,48 @@ pub fn adamw<G: Copy + Into<f32>>(
     }
 }
 
-/// One step of SGD with momentum μ (PyTorch's form: `b = μ·b + g`, `p −= lr·b`) from `g` and the
-/// old buffer `b`, writing the new buffer into `b_new`; every slice the same length.
+/// One step of SGD with momentum μ (PyTorch's form: `b = μ·b + g`, `p −= lr·b`) from `g` (times
+/// `factor`, as in [`adamw`]) and the old buffer `b`, writing the new buffer into `b_new`; every
+/// slice the same length.
 #[inline(always)]
-pub fn sgd_momentum<G: Copy + Into<f32>>(p: &mut [f32], g: &[G], b: &[f32], b_new: &mut [f32], lr: f64, momentum: f64) {
+pub fn sgd_momentum<G: Copy + Into<f32>>(
+    p: &mut [f32],
+    g: &[G],
+    b: &[f32],
+    b_new: &mut [f32],
+    (lr, momentum): (f64, f64),
+    factor: f32,
+) {
     let (lr, momentum) = (lr as f32, momentum as f32);
     for (((p, b_new), b_old), g) in p.iter_mut().zip(b_new.iter_mut()).zip(b).zip(g) {
-        let b = momentum * *b_old + (*g).into();
+        let b = momentum * *b_old + (*g).into() * factor;
         *b_new = b;
         *p -= lr * b;
     }
+}
+
+/// Elements per chunk of [`sum_of_squares`]: fixed, so the sum's rounding does not depend on the
+/// number of threads.
+const SQUARES_CHUNK: usize = 1 << 16;
+
+/// `Σ x²` over `x` (each element widened to f32, squared and summed in f64): the squared 2-norm
+/// that gradient clipping takes. Fixed-size chunks summed in parallel, each in [`super::LANES`]
+/// lanes, then the chunks' sums in order: the same bits on every machine and thread count.
+pub fn sum_of_squares<T: Copy + Into<f32> + Sync>(x: &[T]) -> f64 {
+    use rayon::prelude::*;
+    let chunk = |c: &[T]| {
+        super::math::vectorized(|| {
+            super::lane_sums(c, c, |a, _| {
+                let a = f64::from(a.into());
+                [a * a]
+            })[0]
+        })
+    };
+    if x.len() <= SQUARES_CHUNK {
+        return chunk(x);
+    }
+    let sums: Vec<f64> = x.par_chunks(SQUARES_CHUNK).map(chunk).collect();
+    sums.iter().sum()
 }
 
 #[cfg(test)]
@@ -118,7 +152,7 @@ mod tests {
             let mut p: Vec<f32> = (0..n).map(|i| 1.0 - i as f32 * 0.01).collect();
             let p0 = p.clone();
             let (mut m1, mut v1) = (vec![0f32; n], vec![0f32; n]);
-            adamw(&mut p, &gb, (&m0, &v0), (&mut m1, &mut v1), &hyper, step);
+            adamw(&mut p, &gb, (&m0, &v0), (&mut m1, &mut v1), &hyper, step, 1.0);
             let (bc1, bc2) = hyper.bias_corrections(step);
             for i in 0..n {
                 let gi = f64::from(f32::from(gb[i]));
@@ -131,12 +165,33 @@ mod tests {
         }
     }
 
+    /// The squared norm against a plain f64 sum, over lengths around the lanes and the chunk.
+    #[test]
+    fn sum_of_squares_is_the_squared_norm() {
+        for n in [0, 1, 7, 8, 9, 1000, SQUARES_CHUNK, SQUARES_CHUNK + 3, 3 * SQUARES_CHUNK + 17] {
+            let x: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.37).sin() * 3.0).collect();
+            let want: f64 = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum();
+            let got = sum_of_squares(&x);
+            assert!((got - want).abs() <= want * 1e-12, "{n}: {got} vs {want}");
+            let xb: Vec<half::bf16> = x.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let want_b: f64 = xb.iter().map(|&v| f64::from(f32::from(v)).powi(2)).sum();
+            assert!((sum_of_squares(&xb) - want_b).abs() <= want_b * 1e-12);
+        }
+        assert!(sum_of_squares(&[1.0f32, f32::INFINITY]).is_infinite());
+        assert!(sum_of_squares(&[1.0f32, f32::NAN]).is_nan());
+    }
+
     #[test]
     fn sgd_momentum_is_pytorchs_form() {
         let (mut p, g, b) = (vec![1.0f32, -2.0], vec![0.5f32, 0.25], vec![0.1f32, -0.2]);
         let mut b_new = vec![0f32; 2];
-        sgd_momentum(&mut p, &g, &b, &mut b_new, 0.1, 0.9);
+        sgd_momentum(&mut p, &g, &b, &mut b_new, (0.1, 0.9), 1.0);
         assert_eq!(b_new, vec![0.9 * 0.1 + 0.5, 0.9 * -0.2 + 0.25]);
         assert_eq!(p, vec![1.0 - 0.1 * b_new[0], -2.0 - 0.1 * b_new[1]]);
+        // A clipping factor scales the gradient before anything else.
+        let (mut q, mut c_new) = (vec![1.0f32, -2.0], vec![0f32; 2]);
+        sgd_momentum(&mut q, &g, &b, &mut c_new, (0.1, 0.9), 0.5);
+        assert_eq!(c_new, vec![0.9 * 0.1 + 0.25, 0.9 * -0.2 + 0.125]);
+        assert_eq!(q, vec![1.0 - 0.1 * c_new[0], -2.0 - 0.1 * c_new[1]]);
     }
 }

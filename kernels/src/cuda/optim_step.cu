@@ -25,10 +25,12 @@ __device__ __forceinline__ void wick_copy(T* model, long long i, float v) {
 }
 
 // One element of SGD with momentum.
+// `factor` multiplies the gradient as it is read: gradient clipping's coefficient (the host's
+// loops multiply by it too; 1 leaves every bit as it was).
 template <typename G, typename M>
 __device__ __forceinline__ void sgd_at(float* p, const float* b, float* b_new, const G* g, M* model, long long i, float lr,
-                                       float momentum) {
-    const float bi = __fadd_rn(__fmul_rn(momentum, b[i]), wick_load(g, i));
+                                       float momentum, float factor) {
+    const float bi = __fadd_rn(__fmul_rn(momentum, b[i]), __fmul_rn(wick_load(g, i), factor));
     const float w = __fsub_rn(p[i], __fmul_rn(lr, bi));
     b_new[i] = bi;
     p[i] = w;
@@ -40,7 +42,7 @@ __device__ void sgd_momentum(float* p, const float* b, float* b_new, const G* g,
                              float momentum) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        sgd_at(p, b, b_new, g, model, i, lr, momentum);
+        sgd_at(p, b, b_new, g, model, i, lr, momentum, 1.0f);
     }
 }
 
@@ -52,8 +54,8 @@ struct AdamWConsts {
 // One element of AdamW.
 template <typename G, typename M>
 __device__ __forceinline__ void adamw_at(float* p, const float* m, const float* v, float* m_new, float* v_new, const G* g,
-                                         M* model, long long i, const AdamWConsts& k) {
-    const float gi = wick_load(g, i);
+                                         M* model, long long i, const AdamWConsts& k, float factor) {
+    const float gi = __fmul_rn(wick_load(g, i), factor);
     const float mi = __fadd_rn(__fmul_rn(k.b1, m[i]), __fmul_rn(k.c1, gi));
     const float vi = __fadd_rn(__fmul_rn(k.b2, v[i]), __fmul_rn(__fmul_rn(k.c2, gi), gi));
     const float denom = __fadd_rn(__fmul_rn(sqrtf(vi), k.inv_bc2_sqrt), k.eps);
@@ -71,7 +73,7 @@ __device__ void adamw(float* p, const float* m, const float* v, float* m_new, fl
     const AdamWConsts k{b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt};
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        adamw_at(p, m, v, m_new, v_new, g, model, i, k);
+        adamw_at(p, m, v, m_new, v_new, g, model, i, k, 1.0f);
     }
 }
 
@@ -81,10 +83,11 @@ __device__ void adamw(float* p, const float* m, const float* v, float* m_new, fl
 // first moment, second moment, gradient, model copy — and its length at lens[t]. Grid: y over
 // the tensors, x grid-stride within each. `skip` (null: none) is a device flag, the loss
 // scaler's `found_inf`: when it is non-zero the launch changes nothing, so a step with non-finite
-// gradients is skipped without the host reading the flag first.
+// gradients is skipped without the host reading the flag first. `factor` multiplies every
+// gradient element as it is read (gradient clipping's coefficient; 1 for none).
 template <typename G, typename M>
 __device__ void sgd_multi(const long long* ptrs, const long long* lens, int count, float lr, float momentum,
-                          const float* skip) {
+                          float factor, const float* skip) {
     if (skip && *skip != 0.0f) return;
     for (int t = blockIdx.y; t < count; t += gridDim.y) {
         float* p = (float*)ptrs[4 * t];
@@ -93,14 +96,14 @@ __device__ void sgd_multi(const long long* ptrs, const long long* lens, int coun
         M* model = (M*)ptrs[4 * t + 3];
         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < lens[t];
              i += (long long)gridDim.x * blockDim.x) {
-            sgd_at(p, b, b, g, model, i, lr, momentum);
+            sgd_at(p, b, b, g, model, i, lr, momentum, factor);
         }
     }
 }
 
 template <typename G, typename M>
 __device__ void adamw_multi(const long long* ptrs, const long long* lens, int count, const AdamWConsts& k,
-                            const float* skip) {
+                            float factor, const float* skip) {
     if (skip && *skip != 0.0f) return;
     for (int t = blockIdx.y; t < count; t += gridDim.y) {
         float* p = (float*)ptrs[5 * t];
@@ -110,7 +113,7 @@ __device__ void adamw_multi(const long long* ptrs, const long long* lens, int co
         M* model = (M*)ptrs[5 * t + 4];
         for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < lens[t];
              i += (long long)gridDim.x * blockDim.x) {
-            adamw_at(p, m, v, m, v, g, model, i, k);
+            adamw_at(p, m, v, m, v, g, model, i, k, factor);
         }
     }
 }
@@ -139,16 +142,16 @@ WICK_ADAMW_STEP(wick_adamw_step_bf16, __nv_bfloat16, __nv_bfloat16)
 
 #define WICK_SGD_MULTI(name, G, M)                                                                               \
     extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, float lr,          \
-                                    float momentum, const float* skip) {                                        \
-        sgd_multi<G, M>(ptrs, lens, count, lr, momentum, skip);                                                  \
+                                    float momentum, float factor, const float* skip) {                          \
+        sgd_multi<G, M>(ptrs, lens, count, lr, momentum, factor, skip);                                          \
     }
 
 #define WICK_ADAMW_MULTI(name, G, M)                                                                             \
     extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, float b1, float b2, \
                                     float c1, float c2, float eps, float decay, float step_size,                \
-                                    float inv_bc2_sqrt, const float* skip) {                                    \
+                                    float inv_bc2_sqrt, float factor, const float* skip) {                      \
         adamw_multi<G, M>(ptrs, lens, count, AdamWConsts{b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt},   \
-                          skip);                                                                                \
+                          factor, skip);                                                                        \
     }
 
 WICK_SGD_MULTI(wick_sgd_momentum_multi_f32, float, NoCopy)

@@ -157,12 +157,12 @@ fn run() -> Result<()> {
                 match rule {
                     Optimizer::SgdMomentum { lr, momentum } => {
                         let (old, out) = (&cs[0], &mut new[0]);
-                        wick_kernels::cpu::optim::sgd_momentum(&mut p, &g, old, out, lr, momentum);
+                        wick_kernels::cpu::optim::sgd_momentum(&mut p, &g, old, out, (lr, momentum), 1.0);
                     }
                     Optimizer::AdamW(hyper) => {
                         let (m_new, v_new) = new.split_at_mut(1);
                         let moments = (&mut m_new[0][..], &mut v_new[0][..]);
-                        wick_kernels::cpu::optim::adamw(&mut p, &g, (&cs[0], &cs[1]), moments, &hyper, step);
+                        wick_kernels::cpu::optim::adamw(&mut p, &g, (&cs[0], &cs[1]), moments, &hyper, step, 1.0);
                     }
                 }
                 cs = new;
@@ -187,8 +187,8 @@ fn run() -> Result<()> {
         }
     }
     // The multi-tensor step (what `MasterWeights::step` runs on a device): three parameters of
-    // different lengths per dtype, f32 and bf16 in one call (one launch each), two steps, against
-    // the host's loops to the bit.
+    // different lengths per dtype, f32 and bf16 in one call (one launch each), two steps (the
+    // second with a gradient-clipping coefficient), against the host's loops to the bit.
     for rule in rules {
         let lens = [1usize, 1000, 70_001];
         let mut targets = Vec::new();
@@ -205,6 +205,8 @@ fn run() -> Result<()> {
         }
         let mut same = true;
         for step in 1..=2i32 {
+            // The second step with a gradient-clipping coefficient folded in.
+            let factor = if step == 2 { 0.37f32 } else { 1.0 };
             let mut grads = Vec::new();
             for (k, (p, cs, dtype)) in hosts.iter_mut().enumerate() {
                 let n = p.len();
@@ -217,12 +219,12 @@ fn run() -> Result<()> {
                 let mut new: Vec<Vec<f32>> = vec![vec![0f32; n]; rule.states()];
                 match rule {
                     Optimizer::SgdMomentum { lr, momentum } => {
-                        wick_kernels::cpu::optim::sgd_momentum(p, &g, &cs[0], &mut new[0], lr, momentum)
+                        wick_kernels::cpu::optim::sgd_momentum(p, &g, &cs[0], &mut new[0], (lr, momentum), factor)
                     }
                     Optimizer::AdamW(hyper) => {
                         let (m_new, v_new) = new.split_at_mut(1);
                         let moments = (&mut m_new[0][..], &mut v_new[0][..]);
-                        wick_kernels::cpu::optim::adamw(p, &g, (&cs[0], &cs[1]), moments, &hyper, step);
+                        wick_kernels::cpu::optim::adamw(p, &g, (&cs[0], &cs[1]), moments, &hyper, step, factor);
                     }
                 }
                 *cs = new;
@@ -235,7 +237,7 @@ fn run() -> Result<()> {
                     model: models[k].as_ref(),
                 })
                 .collect();
-            kernels.optimizer_step_multi_(&items, rule, step, None)?;
+            kernels.optimizer_step_multi_(&items, rule, step, None, factor)?;
         }
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for (k, (p, cs, dtype)) in hosts.iter().enumerate() {
@@ -252,7 +254,9 @@ fn run() -> Result<()> {
         check(
             &format!("optimizer step, multi-tensor {rule:?}"),
             same,
-            format!("6 parameters (f32 and bf16, 1 to 70 001 elements), 2 steps, the host's to the bit: {same}"),
+            format!(
+                "6 parameters (f32 and bf16, 1 to 70 001 elements), 2 steps (one clipped), the host's to the bit: {same}"
+            ),
             &mut failures,
         );
         // A third step with the loss scaler's flag raised on the device changes nothing.
@@ -266,7 +270,7 @@ fn run() -> Result<()> {
         let items: Vec<StepItem<'_>> = (0..targets.len())
             .map(|k| StepItem { target: &targets[k], grad: &grads[k], state: &states[k], model: models[k].as_ref() })
             .collect();
-        kernels.optimizer_step_multi_(&items, rule, 3, Some(&Tensor::new(&[1f32], &dev)?))?;
+        kernels.optimizer_step_multi_(&items, rule, 3, Some(&Tensor::new(&[1f32], &dev)?), 1.0)?;
         let unchanged = snapshot(&targets)? == before && snapshot(&states.concat())? == before_states;
         check(
             &format!("optimizer step, multi-tensor {rule:?}, the inf flag raised"),

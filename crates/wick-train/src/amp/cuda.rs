@@ -361,13 +361,16 @@ impl AmpKernels {
     /// [`AmpKernels::optimizer_step_`] element for element (the host's to the bit). Every item is
     /// checked before anything launches; an error leaves every tensor as it was. With `skip` (a
     /// one-element f32 device flag: the loss scaler's `found_inf`), the launches change nothing
-    /// when the flag is non-zero — the step is skipped on the device, without a host read.
+    /// when the flag is non-zero — the step is skipped on the device, without a host read. Every
+    /// gradient element is multiplied by `factor` as it is read (gradient clipping's coefficient,
+    /// [`crate::clip`]; 1 for none, which changes no bit).
     pub fn optimizer_step_multi_(
         &self,
         items: &[StepItem<'_>],
         rule: Optimizer,
         step: i32,
         skip: Option<&Tensor>,
+        factor: f32,
     ) -> Result<(), TrainError> {
         let skip = match skip {
             Some(flag) => {
@@ -411,11 +414,11 @@ impl AmpKernels {
                 Optimizer::SgdMomentum { lr, momentum } => {
                     let (lr, momentum) = (lr as f32, momentum as f32);
                     let mut launch = self.stream.launch_builder(&self.sgd_multi[index]);
-                    launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count).arg(&lr).arg(&momentum).arg(&skip);
+                    launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count).arg(&lr).arg(&momentum).arg(&factor).arg(&skip);
                     // SAFETY: `wick_sgd_momentum_multi_*`'s arguments in order; four live device
                     // addresses per item (parameter, buffer, gradient, model copy or 0), each of the
-                    // item's length and stated type, kept alive by the caller's tensors; the skip
-                    // flag's address (a live one-element f32 buffer) or 0.
+                    // item's length and stated type, kept alive by the caller's tensors; the factor;
+                    // the skip flag's address (a live one-element f32 buffer) or 0.
                     unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
                 }
                 Optimizer::AdamW(hyper) => {
@@ -423,10 +426,10 @@ impl AmpKernels {
                     let mut launch = self.stream.launch_builder(&self.adamw_multi[index]);
                     launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count);
                     launch.arg(&b1).arg(&b2).arg(&c1).arg(&c2).arg(&eps).arg(&decay).arg(&step_size).arg(&inv_bc2_sqrt);
-                    launch.arg(&skip);
+                    launch.arg(&factor).arg(&skip);
                     // SAFETY: `wick_adamw_multi_*`'s arguments in order; five live device addresses
-                    // per item (parameter, two moments, gradient, model copy or 0), and the skip
-                    // flag's address or 0, as above.
+                    // per item (parameter, two moments, gradient, model copy or 0), the factor, and
+                    // the skip flag's address or 0, as above.
                     unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
                 }
             }

@@ -117,7 +117,7 @@ impl DeviceAmp {
                 StepItem { target: &s.master, grad: g, state: &s.state, model }
             })
             .collect();
-        self.kernels.optimizer_step_multi_(&items, self.optimizer, self.step, Some(&found_inf))?;
+        self.kernels.optimizer_step_multi_(&items, self.optimizer, self.step, Some(&found_inf), 1.0)?;
         if let Some((config, scale, tracker)) = &self.scaler {
             self.kernels.update_scale_(
                 scale,

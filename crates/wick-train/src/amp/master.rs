@@ -189,6 +189,13 @@ impl MasterWeights {
     /// with wick's kernels every parameter is updated in one launch per gradient dtype, the state
     /// in place (the host's arithmetic to the bit); elsewhere on a device, composed tensor ops.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
+        self.step_clipped(grads, 1.0)
+    }
+
+    /// [`MasterWeights::step`] with every gradient element multiplied by `coefficient` as the
+    /// update reads it: gradient clipping's ([`crate::clip::coefficient`]), folded into the
+    /// update instead of a pass over the gradients of its own. 1 is the plain step, to the bit.
+    pub fn step_clipped(&mut self, grads: &GradStore, coefficient: f32) -> Result<()> {
         self.step += 1;
         let t = self.step as i32;
         // The entries for the fused multi-tensor step, with their gradients.
@@ -201,7 +208,7 @@ impl MasterWeights {
             // (activations included), and state built from them would keep it alive across steps.
             if e.master.device().is_cpu() && g.device().is_cpu() {
                 // One fused pass, in place (the f32 parameter itself when it is its own master).
-                e.state = crate::optim::step(&e.master, &g.detach(), &e.state, self.optimizer, t)?;
+                e.state = crate::optim::step(&e.master, &g.detach(), &e.state, (self.optimizer, t), coefficient)?;
                 if e.model.dtype() != DType::F32 {
                     crate::optim::copy_into(e.model.as_tensor(), &e.master)?;
                 }
@@ -215,7 +222,7 @@ impl MasterWeights {
                 batch.kernels = Some(kernels);
                 continue;
             }
-            composed_step(e, g, self.optimizer, t)?;
+            composed_step(e, g, (self.optimizer, t), coefficient)?;
         }
         #[cfg(feature = "cuda")]
         if let Some(kernels) = batch.kernels {
@@ -229,7 +236,7 @@ impl MasterWeights {
                 })
                 .collect();
             kernels
-                .optimizer_step_multi_(&items, self.optimizer, t, None)
+                .optimizer_step_multi_(&items, self.optimizer, t, None, coefficient)
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         }
         Ok(())
@@ -247,8 +254,11 @@ struct Batch {
 }
 
 /// One parameter's update as composed tensor ops (a device without wick's kernels).
-fn composed_step(e: &mut Entry, g: &Tensor, optimizer: Optimizer, t: i32) -> Result<()> {
-    let g = g.detach().to_dtype(DType::F32)?;
+fn composed_step(e: &mut Entry, g: &Tensor, (optimizer, t): (Optimizer, i32), coefficient: f32) -> Result<()> {
+    let mut g = g.detach().to_dtype(DType::F32)?;
+    if coefficient != 1.0 {
+        g = g.affine(f64::from(coefficient), 0.0)?;
+    }
     match optimizer {
         Optimizer::SgdMomentum { lr, momentum } => {
             let b = ((&e.state[0] * momentum)? + &g)?;

@@ -14,10 +14,10 @@ use super::buckets::{GradBuckets, ReduceStats, BUCKET_BYTES, FIRST_BUCKET_BYTES}
 use super::error::DistError;
 use super::flight::Flight;
 use super::group::to_bytes;
-use super::zero::{PieceInit, PieceRequest, ZeroOptimizer};
+use super::zero::{PieceInit, PieceRequest, Stepped, ZeroOptimizer};
 use super::zero3::ParamShards;
 use super::{ProcessGroup, Sharding};
-use crate::amp::{GradScaler, MasterState, MasterWeights, StepOutcome};
+use crate::amp::{GradScaler, MasterState, MasterWeights};
 use crate::checkpoint::CheckpointReader;
 use crate::error::TrainError;
 use crate::optim::Optimizer;
@@ -379,29 +379,30 @@ impl Parallel {
 
     /// The update: gradients summed over ranks (bucket by bucket; those in `flight` started
     /// already), the inf/NaN decision of the loss scaler agreed, then the replicated update
-    /// (`masters`) or this rank's sharded one.
+    /// (`masters`) or this rank's sharded one, clipped to `max_norm` when given; the outcome and
+    /// the gradients' norm (when clipping).
     pub(crate) fn update(
         &mut self,
         grads: &mut GradStore,
         flight: Option<Flight>,
         vars: &[Var],
         masters: &mut MasterWeights,
-        scaler: Option<&mut GradScaler>,
+        (scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
         lr: f64,
-    ) -> Result<StepOutcome, TrainError> {
+    ) -> Result<Stepped, TrainError> {
         match self.zero.as_mut() {
             Some(Shard::Zero(z)) => {
                 z.set_learning_rate(lr);
                 let (outcome, stats) = match flight {
-                    Some(f) => z.step_from(&self.group, f, vars, scaler)?,
-                    None => z.step(&self.group, grads, vars, scaler)?,
+                    Some(f) => z.step_from(&self.group, f, vars, (scaler, max_norm))?,
+                    None => z.step(&self.group, grads, vars, (scaler, max_norm))?,
                 };
                 self.last = stats;
                 return Ok(outcome);
             }
             Some(Shard::Params(p)) => {
                 p.reduce_rest(grads, vars)?;
-                let (outcome, stats) = p.step(vars, scaler, lr)?;
+                let (outcome, stats) = p.step(vars, (scaler, max_norm), lr)?;
                 self.last = stats;
                 return Ok(outcome);
             }
@@ -427,7 +428,8 @@ impl Parallel {
             }
             None => None,
         };
-        Ok(crate::amp::master_step(grads, masters, scaler, &refs)?)
+        // Every rank holds the same summed gradients: the same norm and coefficient everywhere.
+        crate::amp::clipped_master_step(grads, masters, scaler, &refs, max_norm)
     }
 }
 

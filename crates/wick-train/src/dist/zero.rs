@@ -20,8 +20,9 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::buckets::{agree_presence, block_of, ReduceStats};
 use super::error::DistError;
-use super::flight::{append_f32, Flight, Unit};
+use super::flight::{Flight, Unit};
 use super::pending::Collective;
+use super::pieces::{rounded, vec_f32, with_f32};
 use super::{ProcessGroup, Sharding};
 use crate::amp::{GradScaler, StepOutcome};
 use crate::error::TrainError;
@@ -55,19 +56,8 @@ pub(crate) struct ZeroOptimizer {
     buckets: Vec<ShardBucket>,
 }
 
-fn rounded(values: &mut [f32], dtype: DType) {
-    match dtype {
-        DType::BF16 => values.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
-        DType::F16 => values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
-        _ => {}
-    }
-}
-
-fn vec_f32(t: &Tensor) -> Result<Vec<f32>, DistError> {
-    let mut out = Vec::with_capacity(t.elem_count());
-    append_f32(t, &mut out)?;
-    Ok(out)
-}
+/// A step's outcome and, when clipping, the gradients' total norm before it.
+pub(crate) type Stepped = (StepOutcome, Option<f64>);
 
 /// What [`ZeroOptimizer::new`] asks for one parameter.
 pub(crate) struct PieceRequest {
@@ -278,24 +268,24 @@ impl ZeroOptimizer {
         group: &ProcessGroup,
         grads: &mut GradStore,
         vars: &[Var],
-        scaler: Option<&mut GradScaler>,
-    ) -> Result<(StepOutcome, ReduceStats), TrainError> {
+        (scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
+    ) -> Result<(Stepped, ReduceStats), TrainError> {
         let mut flight = self.flight(group, vars)?;
         flight.close(group.comm(), Some(grads))?;
-        self.step_from(group, flight, vars, scaler)
+        self.step_from(group, flight, vars, (scaler, max_norm))
     }
 
     /// One sharded step from `flight` (made by [`ZeroOptimizer::flight`]): complete each
     /// bucket's reduction (all-reduce for stage 1, reduce-scatter for stage 2), unscale and
-    /// agree on inf/NaN through the scaler, update this rank's pieces, all-gather the blocks
-    /// into the parameters.
+    /// agree on inf/NaN through the scaler, clip by the norm over every rank's pieces (when
+    /// `max_norm` is given), update this rank's pieces, all-gather the blocks into the parameters.
     pub(crate) fn step_from(
         &mut self,
         group: &ProcessGroup,
         flight: Flight,
         vars: &[Var],
-        scaler: Option<&mut GradScaler>,
-    ) -> Result<(StepOutcome, ReduceStats), TrainError> {
+        (scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
+    ) -> Result<(Stepped, ReduceStats), TrainError> {
         let (results, local, stats) = flight.finish(group.comm())?;
         let present = agree_presence(group, &local)?;
         // Each bucket's reduced gradient block, and where this rank's block starts in it.
@@ -323,11 +313,42 @@ impl ZeroOptimizer {
             }
             let agreed = group.any(found)?;
             s.set_found_inf(agreed);
-            let outcome = if agreed { StepOutcome::Skipped } else { self.update(group, vars, &blocks, &present)? };
+            let outcome = if agreed {
+                (StepOutcome::Skipped, None)
+            } else {
+                let (factor, norm) = self.clip(group, &blocks, &present, max_norm)?;
+                (self.update(group, vars, &blocks, &present, factor)?, norm)
+            };
             s.update()?;
             return Ok((outcome, stats));
         }
-        Ok((self.update(group, vars, &blocks, &present)?, stats))
+        let (factor, norm) = self.clip(group, &blocks, &present, max_norm)?;
+        Ok(((self.update(group, vars, &blocks, &present, factor)?, norm), stats))
+    }
+
+    /// Gradient clipping's coefficient and the norm (1 and none without `max_norm`): this
+    /// rank's pieces' squares summed over the ranks, so every rank takes the same coefficient.
+    fn clip(
+        &self,
+        group: &ProcessGroup,
+        blocks: &[(Tensor, usize)],
+        present: &[bool],
+        max_norm: Option<f64>,
+    ) -> Result<(f32, Option<f64>), TrainError> {
+        let Some(max_norm) = max_norm else { return Ok((1.0, None)) };
+        crate::clip::check_max_norm(max_norm)?;
+        let mut squares = 0.0;
+        for (b, (block, at)) in self.buckets.iter().zip(blocks) {
+            squares += with_f32(block, |values| {
+                b.pieces
+                    .iter()
+                    .filter(|p| present[p.param])
+                    .map(|p| crate::clip::squares_of(&values[*at + p.at..*at + p.at + p.len]))
+                    .sum::<f64>()
+            })?;
+        }
+        let norm = group.sum_f64(&[squares])?[0].sqrt();
+        Ok((crate::clip::checked_coefficient(norm, max_norm)?, Some(norm)))
     }
 
     fn update(
@@ -336,6 +357,7 @@ impl ZeroOptimizer {
         vars: &[Var],
         blocks: &[(Tensor, usize)],
         present: &[bool],
+        factor: f32,
     ) -> Result<StepOutcome, TrainError> {
         let world = group.world_size();
         self.step += 1;
@@ -355,7 +377,7 @@ impl ZeroOptimizer {
                         *state = (0..self.optimizer.states()).map(zeros).collect::<Result<_, _>>()?;
                     }
                     let g = grad.narrow(0, at + p.at, p.len)?;
-                    *state = crate::optim::step(&target, &g, state, self.optimizer, t)?;
+                    *state = crate::optim::step(&target, &g, state, (self.optimizer, t), factor)?;
                 }
                 mine[p.at..p.at + p.len].copy_from_slice(&vec_f32(&target)?);
             }

@@ -49,7 +49,7 @@ use super::error::DistError;
 use super::pending::{Collective, Outgoing, Pending};
 use super::pieces::{push_bytes, rounded, var_from_pieces, with_f32, GatherLayout, ReleasePages, WritePieces};
 use super::prefetch::{Gathering, Prefetch};
-use super::zero::{PieceInit, PieceRequest};
+use super::zero::{PieceInit, PieceRequest, Stepped};
 use super::{ProcessGroup, ReduceOp};
 use crate::amp::{GradScaler, StepOutcome};
 use crate::error::TrainError;
@@ -425,14 +425,15 @@ impl ParamShards {
     }
 
     /// The step: the reduced gradients' presence agreed, unscaled and checked through the
-    /// scaler, each piece updated, the parameters outside blocks all-gathered back into the
-    /// model, and (once) the model's copies of the blocks' parameters handed back.
+    /// scaler, clipped by the norm over every rank's shards (with `max_norm`), each piece
+    /// updated, the parameters outside blocks all-gathered back into the model, and (once) the
+    /// model's copies of the blocks' parameters handed back.
     pub(crate) fn step(
         &self,
         vars: &[Var],
-        scaler: Option<&mut GradScaler>,
+        (scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
         lr: f64,
-    ) -> Result<(StepOutcome, ReduceStats), TrainError> {
+    ) -> Result<(Stepped, ReduceStats), TrainError> {
         self.finish_pending()?;
         let mut st = lock(&self.state);
         st.optimizer.set_lr(lr);
@@ -452,11 +453,19 @@ impl ParamShards {
                 }
                 let agreed = self.group.any(found)?;
                 s.set_found_inf(agreed);
-                let outcome = if agreed { StepOutcome::Skipped } else { Self::update(&mut st, &present)? };
+                let outcome = if agreed {
+                    (StepOutcome::Skipped, None)
+                } else {
+                    let (factor, norm) = self.clip(&st, max_norm)?;
+                    (Self::update(&mut st, &present, factor)?, norm)
+                };
                 s.update()?;
                 outcome
             }
-            None => Self::update(&mut st, &present)?,
+            None => {
+                let (factor, norm) = self.clip(&st, max_norm)?;
+                (Self::update(&mut st, &present, factor)?, norm)
+            }
         };
         st.shards.iter_mut().for_each(|s| s.grad = None);
         // Every rank's updated pieces of the parameters read outside blocks, into the model.
@@ -483,7 +492,17 @@ impl ParamShards {
         Ok((outcome, stats))
     }
 
-    fn update(st: &mut State, present: &[u8]) -> Result<StepOutcome, TrainError> {
+    /// Gradient clipping's coefficient and the norm (1 and none without `max_norm`): this
+    /// rank's shards' squares summed over the ranks, so every rank takes the same coefficient.
+    fn clip(&self, st: &State, max_norm: Option<f64>) -> Result<(f32, Option<f64>), TrainError> {
+        let Some(max_norm) = max_norm else { return Ok((1.0, None)) };
+        crate::clip::check_max_norm(max_norm)?;
+        let squares: f64 = st.shards.iter().filter_map(|s| s.grad.as_deref()).map(crate::clip::squares_of).sum();
+        let norm = self.group.sum_f64(&[squares])?[0].sqrt();
+        Ok((crate::clip::checked_coefficient(norm, max_norm)?, Some(norm)))
+    }
+
+    fn update(st: &mut State, present: &[u8], factor: f32) -> Result<StepOutcome, TrainError> {
         st.step += 1;
         let (t, optimizer) = (st.step as i32, st.optimizer);
         for (s, _) in st.shards.iter_mut().zip(present).filter(|(s, p)| **p != 0 && s.len > 0) {
@@ -495,7 +514,7 @@ impl ParamShards {
                 let zeros = |_| Tensor::zeros(s.len, DType::F32, &Device::Cpu);
                 s.state = (0..optimizer.states()).map(zeros).collect::<Result<_, _>>()?;
             }
-            s.state = crate::optim::step(&s.master, &g, &s.state, optimizer, t)?;
+            s.state = crate::optim::step(&s.master, &g, &s.state, (optimizer, t), factor)?;
         }
         Ok(StepOutcome::Applied)
     }

@@ -68,16 +68,21 @@ pub struct TrainOptions {
     pub autocast: Autocast,
     /// Recompute each block in backward instead of keeping its activations.
     pub activation_checkpointing: bool,
+    /// Clip the gradients to this total 2-norm before each update (PyTorch's
+    /// `clip_grad_norm_(params, max_norm)` between `backward` and `step`; see [`crate::clip`]).
+    pub clip_grad_norm: Option<f64>,
 }
 
 impl Default for TrainOptions {
-    /// AdamW (lr 1e-3, β 0.9/0.999, ε 1e-8, no decay), constant rate, f32, no checkpointing.
+    /// AdamW (lr 1e-3, β 0.9/0.999, ε 1e-8, no decay), constant rate, f32, no checkpointing, no
+    /// clipping.
     fn default() -> Self {
         TrainOptions {
             optimizer: Optimizer::AdamW(AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }),
             schedule: LrSchedule::Constant,
             autocast: Autocast::off(),
             activation_checkpointing: false,
+            clip_grad_norm: None,
         }
     }
 }
@@ -93,6 +98,9 @@ pub struct StepRecord {
     pub lr: f64,
     /// Whether the update ran (skipped when the loss scaler found inf/NaN gradients).
     pub outcome: StepOutcome,
+    /// With [`TrainOptions::clip_grad_norm`], the gradients' total norm before clipping (what
+    /// PyTorch's `clip_grad_norm_` returns); none for a skipped step or without clipping.
+    pub grad_norm: Option<f64>,
 }
 
 /// Where [`Trainer::resume`] continued from.
@@ -320,6 +328,9 @@ impl<M: Model> Trainer<M> {
         if micro_batches.is_empty() {
             return Err(invalid("train step", "no micro-batches".into()));
         }
+        if let Some(max_norm) = self.options.clip_grad_norm {
+            crate::clip::check_max_norm(max_norm)?;
+        }
         let world = self.parallel.as_ref().map_or(1, |p| p.group.world_size());
         let n = micro_batches.len() as f64 * world as f64;
         // What is allocated is recorded under the step and its phase (a history names them).
@@ -374,16 +385,20 @@ impl<M: Model> Trainer<M> {
         };
         let _optimizer = push_label("optimizer");
         let lr = self.base_lr * self.options.schedule.factor(self.step);
-        let outcome = match self.parallel.as_mut() {
-            Some(p) => p.update(&mut grads, flight, &self.vars, &mut self.masters, self.scaler.as_mut(), lr)?,
+        let clip = self.options.clip_grad_norm;
+        let (outcome, grad_norm) = match self.parallel.as_mut() {
+            Some(p) => {
+                let scaling = (self.scaler.as_mut(), clip);
+                p.update(&mut grads, flight, &self.vars, &mut self.masters, scaling, lr)?
+            }
             None => {
                 self.masters.set_learning_rate(lr);
                 let refs: Vec<&Var> = self.vars.iter().collect();
-                crate::amp::master_step(&mut grads, &mut self.masters, self.scaler.as_mut(), &refs)?
+                crate::amp::clipped_master_step(&mut grads, &mut self.masters, self.scaler.as_mut(), &refs, clip)?
             }
         };
         self.step += 1;
-        Ok(StepRecord { step: self.step, loss: (loss_sum / n) as f32, lr, outcome })
+        Ok(StepRecord { step: self.step, loss: (loss_sum / n) as f32, lr, outcome, grad_norm })
     }
 
     /// This rank's forward and backward passes over `micro_batches`, each loss divided by `n`:
