@@ -502,6 +502,18 @@ static void optimizer() {
     for (long long i = 0; i < lens[t]; i++) same &= ps[t][i] == ps1[t][i] && ms[t][i] == ms1[t][i];
   }
   check("SGD momentum multi-tensor with a clipping factor = the step on the scaled gradient, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
+  // Clipping's squared norm: the partial sums of every (block, tensor), added up in order as the
+  // host does, against the plain f64 sum of the widened squares.
+  std::vector<long long> gptrs;
+  for (int t = 0; t < 3; t++) gptrs.push_back((long long)(intptr_t)gs[t].data());
+  const int gx = 4;
+  std::vector<double> partials(3 * gx, -1.0);
+  launch(dim3{gx, 3, 1}, THREADS, [&] { wick_squares_multi_bf16(gptrs.data(), lens_v.data(), 3, partials.data()); });
+  double got = 0.0, want = 0.0;
+  for (double p : partials) got += p;
+  for (int t = 0; t < 3; t++)
+    for (long long i = 0; i < lens[t]; i++) want += (double)__bfloat162float(gs[t][i]) * (double)__bfloat162float(gs[t][i]);
+  check("squared norm over 3 bf16 tensors (one launch, partials in order)", {got}, {want}, 1e-12);
 }
 
 int main() {

@@ -31,8 +31,8 @@ pub fn coefficient(norm: f64, max_norm: f64) -> f32 {
 
 /// `Σ x²` over one tensor's elements, in f64 (widened from its dtype). On the CPU it reads the
 /// tensor in place (`wick_kernels::cpu::optim::sum_of_squares`: the same bits on every machine);
-/// on a device it is one reduction there, returned as a device scalar so that many can be read
-/// in one transfer ([`grad_norm`]).
+/// on a device without wick's kernels it is a reduction there, returned as a device scalar so
+/// that many can be read in one transfer ([`grad_squares`]).
 fn squares(t: &Tensor) -> Result<Tensor> {
     if !t.device().is_cpu() {
         return t.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_dtype(DType::F64);
@@ -63,6 +63,10 @@ pub(crate) fn squares_of(values: &[f32]) -> f64 {
 /// The sum of the squared 2-norms of the gradients of `vars` present in `grads` (parameters
 /// without a gradient count as zero), in f64: one read from the device for all of them.
 pub fn grad_squares(grads: &GradStore, vars: &[&Var]) -> Result<f64> {
+    #[cfg(feature = "cuda")]
+    if let Some(total) = device_squares(grads, vars)? {
+        return Ok(total);
+    }
     let sums: Vec<Tensor> = vars.iter().filter_map(|v| grads.get(v.as_tensor())).map(squares).collect::<Result<_>>()?;
     if sums.is_empty() {
         return Ok(0.0);
@@ -75,6 +79,25 @@ pub fn grad_squares(grads: &GradStore, vars: &[&Var]) -> Result<f64> {
         sums.iter().map(|s| s.to_device(&Device::Cpu)?.to_scalar::<f64>()).collect::<Result<_>>()?
     };
     Ok(values.iter().sum())
+}
+
+/// [`grad_squares`] on a CUDA device with wick's kernels: every gradient in one launch per dtype
+/// (`AmpKernels::squares_multi`), or `None` where the gradients are not all f32/f16/bf16 on one
+/// CUDA device whose kernels load (the reduction per tensor runs then).
+#[cfg(feature = "cuda")]
+fn device_squares(grads: &GradStore, vars: &[&Var]) -> Result<Option<f64>> {
+    let present: Vec<Tensor> =
+        vars.iter().filter_map(|v| grads.get(v.as_tensor())).map(|g| g.contiguous()).collect::<Result<_>>()?;
+    let Some(first) = present.first() else { return Ok(None) };
+    let device = first.device().clone();
+    let fits =
+        |g: &Tensor| g.device().same_device(&device) && matches!(g.dtype(), DType::F32 | DType::F16 | DType::BF16);
+    if !device.is_cuda() || !present.iter().all(fits) {
+        return Ok(None);
+    }
+    let Ok(kernels) = crate::amp::cuda::shared(&device) else { return Ok(None) };
+    let refs: Vec<&Tensor> = present.iter().collect();
+    kernels.squares_multi(&refs).map(Some).map_err(candle_core::Error::wrap)
 }
 
 /// The global 2-norm of the gradients of `vars` in `grads` (PyTorch's `total_norm`).

@@ -160,3 +160,32 @@ WICK_SGD_MULTI(wick_sgd_momentum_multi_bf16, __nv_bfloat16, __nv_bfloat16)
 WICK_ADAMW_MULTI(wick_adamw_multi_f32, float, NoCopy)
 WICK_ADAMW_MULTI(wick_adamw_multi_f16, __half, __half)
 WICK_ADAMW_MULTI(wick_adamw_multi_bf16, __nv_bfloat16, __nv_bfloat16)
+
+// Gradient clipping's squared norm, sum of g^2 over every gradient of one dtype in one launch:
+// tensor t's gradient at ptrs[t], its length at lens[t]. Block (x, t) sums its grid-stride share
+// in f64 (each element widened to f32, then to f64, as the host's sum reads it) and writes the
+// sum to partials[t * gridDim.x + x]; the host adds the partials up in order. No atomics: the
+// same bits every run.
+template <typename G>
+__device__ void squares_multi(const long long* ptrs, const long long* lens, int count, double* partials) {
+    __shared__ double scratch[32];
+    for (int t = blockIdx.y; t < count; t += gridDim.y) {
+        const G* g = (const G*)ptrs[t];
+        double s = 0.0;
+        WICK_FOR_EACH(i, lens[t]) {
+            const double v = (double)wick_load(g, i);
+            s = __dadd_rn(s, __dmul_rn(v, v));
+        }
+        s = block_sum(s, scratch);
+        if (threadIdx.x == 0) partials[(long long)t * gridDim.x + blockIdx.x] = s;
+    }
+}
+
+#define WICK_SQUARES_MULTI(name, G)                                                                              \
+    extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, double* partials) { \
+        squares_multi<G>(ptrs, lens, count, partials);                                                           \
+    }
+
+WICK_SQUARES_MULTI(wick_squares_multi_f32, float)
+WICK_SQUARES_MULTI(wick_squares_multi_f16, __half)
+WICK_SQUARES_MULTI(wick_squares_multi_bf16, __nv_bfloat16)

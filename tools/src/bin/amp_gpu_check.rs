@@ -279,6 +279,33 @@ fn run() -> Result<()> {
             &mut failures,
         );
     }
+    // Gradient clipping's squared norm in one launch per dtype against the host's f64 sum of the
+    // same values (f32 and bf16 tensors of 1 to 70 001 elements, and an empty one).
+    let mut grads = Vec::new();
+    let mut want = 0.0f64;
+    for (k, (n, dtype)) in
+        [DType::F32, DType::BF16].into_iter().flat_map(|d| [0usize, 1, 1000, 70_001].map(|n| (n, d))).enumerate()
+    {
+        let g: Vec<f32> = normal_tensor(&[n], 2.0, 500 + k as u64, DType::F32, &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_dtype(DType::F32)?
+            .to_vec1()?;
+        want += wick_kernels::cpu::optim::sum_of_squares(&g);
+        grads.push(upload(&g, dtype, &dev)?);
+    }
+    let refs: Vec<&Tensor> = grads.iter().collect();
+    let got = kernels.squares_multi(&refs)?;
+    let again = kernels.squares_multi(&refs)?;
+    let rel = (got - want).abs() / want;
+    check(
+        "squared gradient norm, multi-tensor",
+        rel <= 1e-12 && got.to_bits() == again.to_bits(),
+        format!(
+            "{got} vs the host's {want} (rel err {rel:.1e}), the same bits twice: {}",
+            got.to_bits() == again.to_bits()
+        ),
+        &mut failures,
+    );
     // Its time beside the composed update it replaced (the dozen tensor ops `MasterWeights::step`
     // ran on a device before), AdamW on 25 M f32 parameters (BERT-base's largest share): the
     // fused step in place, as the trainer runs it.

@@ -39,6 +39,8 @@ pub struct AmpKernels {
     /// The same, every parameter of one gradient dtype in one launch (state in place).
     sgd_multi: [CudaFunction; 3],
     adamw_multi: [CudaFunction; 3],
+    /// Gradient clipping's squared norm, every gradient of one dtype in one launch.
+    squares_multi: [CudaFunction; 3],
 }
 
 /// One parameter's part in [`AmpKernels::optimizer_step_multi_`]: the f32 tensor updated (the
@@ -235,9 +237,52 @@ impl AmpKernels {
                 f(&optim, "wick_adamw_multi_f16")?,
                 f(&optim, "wick_adamw_multi_bf16")?,
             ],
+            squares_multi: [
+                f(&optim, "wick_squares_multi_f32")?,
+                f(&optim, "wick_squares_multi_f16")?,
+                f(&optim, "wick_squares_multi_bf16")?,
+            ],
             stream,
             device: device.clone(),
         })
+    }
+
+    /// `Σ g²` over every element of `grads` (f32, f16 or bf16, on this device), in f64: one
+    /// launch per dtype, each block's sum of each tensor written apart and the sums read back in
+    /// one transfer per dtype and added up in order on the host — gradient clipping's squared
+    /// norm without a per-parameter kernel, allocation or read, and the same bits every run.
+    pub fn squares_multi(&self, grads: &[&Tensor]) -> Result<f64, TrainError> {
+        let mut total = 0.0;
+        for (index, func) in self.squares_multi.iter().enumerate() {
+            let mut ptrs = Vec::new();
+            let mut lens = Vec::new();
+            for g in grads {
+                if dtype_index(g.dtype())? == index && g.elem_count() > 0 {
+                    ptrs.push(address(g, &self.stream)?);
+                    lens.push(g.elem_count() as i64);
+                }
+            }
+            if ptrs.is_empty() {
+                continue;
+            }
+            let longest = lens.iter().copied().max().unwrap_or(1) as usize;
+            let (x, y) = (blocks(longest).min(64), (ptrs.len() as u32).min(65_535));
+            let ptrs_dev = self.stream.clone_htod(&ptrs).map_err(|e| err(e.to_string()))?;
+            let lens_dev = self.stream.clone_htod(&lens).map_err(|e| err(e.to_string()))?;
+            let slots = (x as usize).checked_mul(ptrs.len()).ok_or_else(|| err("too many gradients"))?;
+            let partials = self.stream.alloc_zeros::<f64>(slots).map_err(|e| err(e.to_string()))?;
+            let n = i32::try_from(ptrs.len()).map_err(|_| err("more gradients than one launch takes"))?;
+            let config = LaunchConfig { grid_dim: (x, y, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let mut launch = self.stream.launch_builder(func);
+            launch.arg(&ptrs_dev).arg(&lens_dev).arg(&n).arg(&partials);
+            // SAFETY: `wick_squares_multi_*`'s arguments in order; every pointer a live device
+            // buffer of the stated length and dtype, kept alive by the caller's tensors; the
+            // partials buffer holds one double per (block, tensor), x × count of them.
+            unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
+            let sums = self.stream.clone_dtoh(&partials).map_err(|e| err(e.to_string()))?;
+            total += sums.iter().sum::<f64>();
+        }
+        Ok(total)
     }
 
     /// The device the kernels were loaded on (they take its tensors only).
