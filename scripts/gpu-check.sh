@@ -183,6 +183,13 @@ if [ -x "$bin/zoo-speed" ]; then
     --models bert,vit,decoder --modes train,eval --rounds 1 --steps 5 --json "$out/gpu-zoo-transformers.json") 2>&1 \
     | tee "$out/gpu-zoo-transformers.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  section "gradient clipping on the GPU: what it adds to a step, beside PyTorch's clip_grad_norm_"
+  if in_budget; then
+    (cd scripts/torch-reference && PYTHONUNBUFFERED=1 timeout 90 python3 clip_speed.py --wick "$zoo" --device cuda \
+      --models decoder,resnet18 --rounds 1 --steps 5) 2>&1 | tee "$out/gpu-clip-speed.txt"
+  else
+    echo "   skipped, over the time budget" | tee "$out/gpu-clip-speed.txt"
+  fi
   section "where the zoo's GPU step goes: phases, and each kernel's time under Nsight Compute"
   for config in "resnet18 train" "resnet18 amp" "resnet18 eval" "resnet50 train"; do
     set -- $config

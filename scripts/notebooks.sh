@@ -22,16 +22,16 @@ export JUPYTER_PATH="$venv/share/jupyter" JUPYTER_DATA_DIR="$venv/share/jupyter"
 evcxr_jupyter --install >/dev/null
 # Per evcxr: statics are per cell and a panic must not pass silently; cache builds between runs.
 # evcxr's build cache (`:cache`) lives under XDG_CACHE_HOME/evcxr and keys a crate by its
-# version, not by the content of the patched candle-core under it: one cache per patch, or a
+# version, not by the content of the patched crates under it: one cache per patch, or a
 # crate cached against an older patch is "can't find crate" at the next run.
-patch_key=$(sha256sum vendor/candle-core.patch | cut -c1-12)
+patch_key=$(cat vendor/candle-core.patch vendor/rayon-core.patch | sha256sum | cut -c1-12)
 export EVCXR_CONFIG_DIR="$root/target/evcxr-config" XDG_CACHE_HOME="${XDG_CACHE_HOME:-$HOME/.cache}/wick-evcxr-$patch_key"
 mkdir -p "$XDG_CACHE_HOME"
 mkdir -p "$EVCXR_CONFIG_DIR" target/notebooks
 printf ':preserve_vars_on_panic 0\n:cache 4000\n' > "$EVCXR_CONFIG_DIR/init.evcxr"
 # evcxr writes its own Cargo.toml, where no `[patch]` applies; cargo also reads `[patch]` from
 # configuration files above the folder it builds in. The kernels build in a folder whose parent's
-# .cargo/config.toml puts wick's patched candle-core in place, as the workspace's Cargo.toml does
+# .cargo/config.toml puts wick's patched candle-core and rayon-core in place, as the workspace's Cargo.toml does
 # (the README's line for any project; see vendor/README.md). Outside the repository (under it,
 # cargo would take evcxr's project for a member of this workspace), in a fresh folder under /tmp
 # (a kernel built in a folder under ~/.cache failed to load its code here: "dlopen failed").
@@ -39,7 +39,8 @@ build=$(mktemp -d "${TMPDIR:-/tmp}/wick-notebook-build.XXXXXX")
 trap 'rm -rf "$build"' EXIT
 export EVCXR_TMPDIR="$build/evcxr"
 mkdir -p "$EVCXR_TMPDIR" "$build/.cargo"
-printf '[patch.crates-io]\ncandle-core = { path = "%s/vendor/candle-core" }\n' "$root" > "$build/.cargo/config.toml"
+printf '[patch.crates-io]\ncandle-core = { path = "%s/vendor/candle-core" }\nrayon-core = { path = "%s/vendor/rayon-core" }\n' \
+    "$root" "$root" > "$build/.cargo/config.toml"
 # The long-jobs notebook starts `wick train` as separate processes.
 cargo build -q -p wick-cli
 export WICK_BIN="${CARGO_TARGET_DIR:-$root/target}/debug/wick"

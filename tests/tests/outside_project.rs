@@ -40,9 +40,10 @@ fn manifest(root: &Path) -> String {
                 || l.starts_with("wick =")
                 || l.starts_with("[patch.crates-io]")
                 || l.starts_with("candle-core =")
+                || l.starts_with("rayon-core =")
         })
         .collect();
-    assert_eq!(kept.len(), 4, "the README's block changed shape: {kept:?}");
+    assert_eq!(kept.len(), 5, "the README's block changed shape: {kept:?}");
     let lines = kept.join("\n").replace("../wick/", &format!("{}/", root.display()));
     let lines = lines.replacen("[dependencies]", "[dependencies]\ncandle-core = \"0.11.1\"", 1);
     // `[workspace]`: the folder lies under this workspace's target/, but the project is its own.
@@ -58,7 +59,10 @@ fn a_project_outside_the_workspace_gets_the_patched_candle_core_from_the_readme_
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("outside-project");
     std::fs::create_dir_all(dir.join("src")).unwrap();
     let toml = manifest(&root);
-    assert!(toml.contains("[patch.crates-io]") && toml.contains("vendor/candle-core"), "{toml}");
+    assert!(
+        toml.contains("[patch.crates-io]") && toml.contains("vendor/candle-core") && toml.contains("vendor/rayon-core"),
+        "{toml}"
+    );
     std::fs::write(dir.join("Cargo.toml"), &toml).unwrap();
     std::fs::write(dir.join("src/main.rs"), MAIN).unwrap();
     // The workspace's lock file pins the same versions, so the build needs no network.
