@@ -9,8 +9,12 @@ use wick_train::CheckpointDir;
 use wick_zoo::llama::{Llama, LlamaConfig};
 
 fn trainer(sharding: Option<Sharding>) -> Trainer<Llama> {
+    trainer_with(sharding, TrainOptions::default())
+}
+
+fn trainer_with(sharding: Option<Sharding>, options: TrainOptions) -> Trainer<Llama> {
     let model = Llama::new(LlamaConfig::tiny(32), DType::F32, &Device::Cpu).unwrap();
-    let t = Trainer::new(model, serde_json::json!({"model": "tiny"}), None, TrainOptions::default()).unwrap();
+    let t = Trainer::new(model, serde_json::json!({"model": "tiny"}), None, options).unwrap();
     match sharding {
         None => t,
         Some(sharding) => {
@@ -79,17 +83,8 @@ fn one_process_groups_step_as_the_plain_trainer() {
 #[test]
 fn clipping_steps_as_the_plain_trainer_under_every_sharding() {
     let ids = Tensor::new(&[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], &Device::Cpu).unwrap();
-    let clipped = |sharding: Option<Sharding>| {
-        let model = Llama::new(LlamaConfig::tiny(32), DType::F32, &Device::Cpu).unwrap();
-        let options = TrainOptions { clip_grad_norm: Some(0.1), ..TrainOptions::default() };
-        let t = Trainer::new(model, serde_json::json!({"model": "tiny"}), None, options).unwrap();
-        match sharding {
-            None => t,
-            Some(sharding) => {
-                t.data_parallel(ProcessGroup::single(), DataParallelOptions { sharding, ..Default::default() }).unwrap()
-            }
-        }
-    };
+    let clipped =
+        |sharding| trainer_with(sharding, TrainOptions { clip_grad_norm: Some(0.1), ..TrainOptions::default() });
     let mut plain = clipped(None);
     let mut others: Vec<Trainer<Llama>> =
         [Sharding::None, Sharding::OptimizerState, Sharding::Gradients, Sharding::Parameters]
