@@ -2,8 +2,9 @@
 //! norm is taken over every parameter's gradient at once (`‖g‖ = √Σ‖gᵢ‖²`), and each gradient is
 //! multiplied by `min(1, max_norm / (‖g‖ + 10⁻⁶))`, PyTorch's coefficient and ε.
 //!
-//! The trainer ([`crate::TrainOptions::clip_grad_norm`]) does not multiply the gradients: it
-//! hands the coefficient to the optimizer's update, which multiplies each gradient element as it
+//! The trainer ([`crate::trainer::TrainOptions::clip_grad_norm`], through
+//! [`clipped_master_step`]) does not multiply the gradients: it hands the coefficient to the
+//! optimizer's update, which multiplies each gradient element as it
 //! reads it (`wick_kernels::cpu::optim`, and the fused CUDA update) — no pass and no copy of its
 //! own. Under the loss scaler the norm is that of the unscaled gradients, taken only for a step
 //! that is applied (PyTorch's order: `unscale_`, clip, `step`). Data-parallel, the norm is of the
@@ -17,6 +18,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor, Var};
 
+use crate::amp::{GradScaler, MasterWeights, StepOutcome};
 use crate::error::TrainError;
 
 /// PyTorch's ε in the coefficient's denominator.
@@ -148,6 +150,42 @@ pub fn check_max_norm(max_norm: f64) -> std::result::Result<(), TrainError> {
         what: "gradient clipping".into(),
         message: format!("the maximum norm must be a positive finite number, not {max_norm}"),
     })
+}
+
+/// [`crate::amp::master_step`] with the gradients clipped to a total norm of `max_norm` when
+/// given: the norm of the unscaled gradients, taken only when the step is applied,
+/// its coefficient folded into the update. Returns the outcome and the norm before clipping (none
+/// without clipping, or for a skipped step). A non-finite norm without a scaler is an error and
+/// nothing is applied.
+pub fn clipped_master_step(
+    grads: &mut GradStore,
+    masters: &mut MasterWeights,
+    scaler: Option<&mut GradScaler>,
+    vars: &[&Var],
+    max_norm: Option<f64>,
+) -> std::result::Result<(StepOutcome, Option<f64>), TrainError> {
+    let Some(max_norm) = max_norm else {
+        return Ok((crate::amp::master_step(grads, masters, scaler, vars)?, None));
+    };
+    check_max_norm(max_norm)?;
+    match scaler {
+        Some(s) => {
+            let mut norm = None;
+            let outcome = s.step(grads, vars, |g| {
+                // Every gradient is finite here (the scaler skips the step otherwise).
+                let n = grad_norm(g, vars)?;
+                norm = Some(n);
+                masters.step_clipped(g, coefficient(n, max_norm))
+            })?;
+            s.update()?;
+            Ok((outcome, norm))
+        }
+        None => {
+            let n = grad_norm(grads, vars)?;
+            masters.step_clipped(grads, checked_coefficient(n, max_norm)?)?;
+            Ok((StepOutcome::Applied, Some(n)))
+        }
+    }
 }
 
 #[cfg(test)]

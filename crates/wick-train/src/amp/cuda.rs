@@ -408,7 +408,7 @@ impl AmpKernels {
     /// one-element f32 device flag: the loss scaler's `found_inf`), the launches change nothing
     /// when the flag is non-zero — the step is skipped on the device, without a host read. Every
     /// gradient element is multiplied by `factor` as it is read (gradient clipping's coefficient,
-    /// [`crate::clip`]; 1 for none, which changes no bit).
+    /// 1 for none, which changes no bit).
     pub fn optimizer_step_multi_(
         &self,
         items: &[StepItem<'_>],

@@ -193,8 +193,8 @@ impl MasterWeights {
     }
 
     /// [`MasterWeights::step`] with every gradient element multiplied by `coefficient` as the
-    /// update reads it: gradient clipping's ([`crate::clip::coefficient`]), folded into the
-    /// update instead of a pass over the gradients of its own. 1 is the plain step, to the bit.
+    /// update reads it: gradient clipping's coefficient, folded into the update instead of a pass
+    /// over the gradients of its own. 1 is the plain step, to the bit.
     pub fn step_clipped(&mut self, grads: &GradStore, coefficient: f32) -> Result<()> {
         self.step += 1;
         let t = self.step as i32;

@@ -50,39 +50,3 @@ pub fn master_step(
         }
     }
 }
-
-/// [`master_step`] with the gradients clipped to a total norm of `max_norm` when given
-/// ([`crate::clip`]): the norm of the unscaled gradients, taken only when the step is applied,
-/// its coefficient folded into the update. Returns the outcome and the norm before clipping (none
-/// without clipping, or for a skipped step). A non-finite norm without a scaler is an error and
-/// nothing is applied.
-pub fn clipped_master_step(
-    grads: &mut GradStore,
-    masters: &mut MasterWeights,
-    scaler: Option<&mut GradScaler>,
-    vars: &[&Var],
-    max_norm: Option<f64>,
-) -> Result<(StepOutcome, Option<f64>), crate::TrainError> {
-    let Some(max_norm) = max_norm else {
-        return Ok((master_step(grads, masters, scaler, vars)?, None));
-    };
-    crate::clip::check_max_norm(max_norm)?;
-    match scaler {
-        Some(s) => {
-            let mut norm = None;
-            let outcome = s.step(grads, vars, |g| {
-                // Every gradient is finite here (the scaler skips the step otherwise).
-                let n = crate::clip::grad_norm(g, vars)?;
-                norm = Some(n);
-                masters.step_clipped(g, crate::clip::coefficient(n, max_norm))
-            })?;
-            s.update()?;
-            Ok((outcome, norm))
-        }
-        None => {
-            let n = crate::clip::grad_norm(grads, vars)?;
-            masters.step_clipped(grads, crate::clip::checked_coefficient(n, max_norm)?)?;
-            Ok((StepOutcome::Applied, Some(n)))
-        }
-    }
-}

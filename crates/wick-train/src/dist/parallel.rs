@@ -429,7 +429,7 @@ impl Parallel {
             None => None,
         };
         // Every rank holds the same summed gradients: the same norm and coefficient everywhere.
-        crate::amp::clipped_master_step(grads, masters, scaler, &refs, max_norm)
+        crate::clip::clipped_master_step(grads, masters, scaler, &refs, max_norm)
     }
 }
 

@@ -22,7 +22,7 @@ use super::buckets::{agree_presence, block_of, ReduceStats};
 use super::error::DistError;
 use super::flight::{Flight, Unit};
 use super::pending::Collective;
-use super::pieces::{rounded, vec_f32, with_f32};
+use super::pieces::{clip_over_ranks, rounded, vec_f32, with_f32};
 use super::{ProcessGroup, Sharding};
 use crate::amp::{GradScaler, StepOutcome};
 use crate::error::TrainError;
@@ -326,8 +326,7 @@ impl ZeroOptimizer {
         Ok(((self.update(group, vars, &blocks, &present, factor)?, norm), stats))
     }
 
-    /// Gradient clipping's coefficient and the norm (1 and none without `max_norm`): this
-    /// rank's pieces' squares summed over the ranks, so every rank takes the same coefficient.
+    /// Gradient clipping's coefficient and the norm, over this rank's pieces and the others'.
     fn clip(
         &self,
         group: &ProcessGroup,
@@ -335,20 +334,16 @@ impl ZeroOptimizer {
         present: &[bool],
         max_norm: Option<f64>,
     ) -> Result<(f32, Option<f64>), TrainError> {
-        let Some(max_norm) = max_norm else { return Ok((1.0, None)) };
-        crate::clip::check_max_norm(max_norm)?;
-        let mut squares = 0.0;
-        for (b, (block, at)) in self.buckets.iter().zip(blocks) {
-            squares += with_f32(block, |values| {
-                b.pieces
-                    .iter()
-                    .filter(|p| present[p.param])
-                    .map(|p| crate::clip::squares_of(&values[*at + p.at..*at + p.at + p.len]))
-                    .sum::<f64>()
-            })?;
-        }
-        let norm = group.sum_f64(&[squares])?[0].sqrt();
-        Ok((crate::clip::checked_coefficient(norm, max_norm)?, Some(norm)))
+        clip_over_ranks(group, max_norm, || {
+            let mut squares = 0.0;
+            for (b, (block, at)) in self.buckets.iter().zip(blocks) {
+                squares += with_f32(block, |values| {
+                    let pieces = b.pieces.iter().filter(|p| present[p.param]);
+                    pieces.map(|p| crate::clip::squares_of(&values[*at + p.at..*at + p.at + p.len])).sum::<f64>()
+                })?;
+            }
+            Ok(squares)
+        })
     }
 
     fn update(

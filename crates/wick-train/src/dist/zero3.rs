@@ -47,7 +47,9 @@ use candle_core::{DType, Device, Tensor, TensorId, Var};
 use super::buckets::ReduceStats;
 use super::error::DistError;
 use super::pending::{Collective, Outgoing, Pending};
-use super::pieces::{push_bytes, rounded, var_from_pieces, with_f32, GatherLayout, ReleasePages, WritePieces};
+use super::pieces::{
+    clip_over_ranks, push_bytes, rounded, var_from_pieces, with_f32, GatherLayout, ReleasePages, WritePieces,
+};
 use super::prefetch::{Gathering, Prefetch};
 use super::zero::{PieceInit, PieceRequest, Stepped};
 use super::{ProcessGroup, ReduceOp};
@@ -492,14 +494,11 @@ impl ParamShards {
         Ok((outcome, stats))
     }
 
-    /// Gradient clipping's coefficient and the norm (1 and none without `max_norm`): this
-    /// rank's shards' squares summed over the ranks, so every rank takes the same coefficient.
+    /// Gradient clipping's coefficient and the norm, over this rank's shards and the others'.
     fn clip(&self, st: &State, max_norm: Option<f64>) -> Result<(f32, Option<f64>), TrainError> {
-        let Some(max_norm) = max_norm else { return Ok((1.0, None)) };
-        crate::clip::check_max_norm(max_norm)?;
-        let squares: f64 = st.shards.iter().filter_map(|s| s.grad.as_deref()).map(crate::clip::squares_of).sum();
-        let norm = self.group.sum_f64(&[squares])?[0].sqrt();
-        Ok((crate::clip::checked_coefficient(norm, max_norm)?, Some(norm)))
+        clip_over_ranks(&self.group, max_norm, || {
+            Ok(st.shards.iter().filter_map(|s| s.grad.as_deref()).map(crate::clip::squares_of).sum())
+        })
     }
 
     fn update(st: &mut State, present: &[u8], factor: f32) -> Result<StepOutcome, TrainError> {
