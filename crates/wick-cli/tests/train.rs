@@ -337,3 +337,47 @@ fn bad_multi_process_settings_say_what_to_do() {
     assert!(!ok && err.contains("without the `mpi` feature"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn clipping_reports_each_steps_norm_and_a_bad_bound_is_refused() {
+    let run = |dir: &Path, extra: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_wick"))
+            .args(["train", "--steps", "3", "--save-every", "3", "--dir", dir.to_str().unwrap()])
+            .args(extra)
+            .output()
+            .expect("wick runs");
+        (
+            out.status.success(),
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        )
+    };
+    let metrics = |dir: &Path| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let (clipped, plain) = (temp_dir("clipped"), temp_dir("unclipped"));
+    let (ok, text) = run(&clipped, &["--clip-grad-norm", "0.05"]);
+    assert!(ok, "{text}");
+    let (ok, text) = run(&plain, &[]);
+    assert!(ok, "{text}");
+    let (c, p) = (metrics(&clipped), metrics(&plain));
+    assert_eq!((c.len(), p.len()), (3, 3));
+    // Every step's norm, before clipping, above the bound: each update was clipped.
+    for line in &c {
+        let norm = line["grad_norm"].as_f64().unwrap_or(f64::NAN);
+        assert!(norm.is_finite() && norm > 0.05, "{line}");
+    }
+    assert!(p.iter().all(|l| l.get("grad_norm").is_none()), "{p:?}");
+    // The first loss comes before any update; the later ones follow the clipped updates.
+    assert_eq!(c[0]["loss"], p[0]["loss"]);
+    assert_ne!(c[2]["loss"], p[2]["loss"]);
+    for bad in ["0", "-1", "nan", "inf", "x"] {
+        let dir = temp_dir("bad-bound");
+        let (ok, text) = run(&dir, &[&format!("--clip-grad-norm={bad}")]);
+        assert!(!ok && text.contains("positive number") && !text.contains("panicked"), "{bad}: {text}");
+        assert!(!dir.join("metrics.jsonl").exists());
+    }
+    for dir in [clipped, plain] {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
