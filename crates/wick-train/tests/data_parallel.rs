@@ -23,6 +23,13 @@ fn trainer_with(sharding: Option<Sharding>, options: TrainOptions) -> Trainer<Ll
     }
 }
 
+/// One trainer per sharding (replicated, ZeRO-1, -2, -3), each in a group of one process.
+fn every_sharding(options: TrainOptions) -> Vec<Trainer<Llama>> {
+    [Sharding::None, Sharding::OptimizerState, Sharding::Gradients, Sharding::Parameters]
+        .map(|s| trainer_with(Some(s), options))
+        .into()
+}
+
 fn weights(t: &Trainer<Llama>) -> Vec<u32> {
     let mut out = Vec::new();
     for (_, v) in t.gathered_parameters().unwrap() {
@@ -35,10 +42,7 @@ fn weights(t: &Trainer<Llama>) -> Vec<u32> {
 fn one_process_groups_step_as_the_plain_trainer() {
     let ids = Tensor::new(&[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], &Device::Cpu).unwrap();
     let mut plain = trainer(None);
-    let mut others: Vec<Trainer<Llama>> =
-        [Sharding::None, Sharding::OptimizerState, Sharding::Gradients, Sharding::Parameters]
-            .map(|s| trainer(Some(s)))
-            .into();
+    let mut others = every_sharding(TrainOptions::default());
     for _ in 0..3 {
         let loss = plain.train_step(std::slice::from_ref(&ids)).unwrap().loss;
         for t in &mut others {
@@ -83,13 +87,9 @@ fn one_process_groups_step_as_the_plain_trainer() {
 #[test]
 fn clipping_steps_as_the_plain_trainer_under_every_sharding() {
     let ids = Tensor::new(&[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], &Device::Cpu).unwrap();
-    let clipped =
-        |sharding| trainer_with(sharding, TrainOptions { clip_grad_norm: Some(0.1), ..TrainOptions::default() });
-    let mut plain = clipped(None);
-    let mut others: Vec<Trainer<Llama>> =
-        [Sharding::None, Sharding::OptimizerState, Sharding::Gradients, Sharding::Parameters]
-            .map(|s| clipped(Some(s)))
-            .into();
+    let options = TrainOptions { clip_grad_norm: Some(0.1), ..TrainOptions::default() };
+    let mut plain = trainer_with(None, options);
+    let mut others = every_sharding(options);
     for _ in 0..3 {
         let want = plain.train_step(std::slice::from_ref(&ids)).unwrap().grad_norm.unwrap();
         assert!(want > 0.1, "{want}: the bound clips");
