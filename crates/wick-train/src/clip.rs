@@ -153,8 +153,8 @@ pub fn check_max_norm(max_norm: f64) -> std::result::Result<(), TrainError> {
 }
 
 /// [`crate::amp::master_step`] with the gradients clipped to a total norm of `max_norm` when
-/// given: the norm of the unscaled gradients, taken only when the step is applied,
-/// its coefficient folded into the update. Returns the outcome and the norm before clipping (none
+/// given: the norm of the unscaled gradients, taken only when the step is applied, its
+/// coefficient folded into the update. Returns the outcome and the norm before clipping (none
 /// without clipping, or for a skipped step). A non-finite norm without a scaler is an error and
 /// nothing is applied.
 pub fn clipped_master_step(
