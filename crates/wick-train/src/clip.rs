@@ -31,56 +31,48 @@ pub fn coefficient(norm: f64, max_norm: f64) -> f32 {
     (max_norm / (norm + EPS)).min(1.0) as f32
 }
 
-/// `Σ x²` over one tensor's elements, in f64 (widened from its dtype). On the CPU it reads the
-/// tensor in place (`wick_kernels::cpu::optim::sum_of_squares`: the same bits on every machine);
-/// on a device without wick's kernels it is a reduction there, returned as a device scalar so
-/// that many can be read in one transfer ([`grad_squares`]).
-fn squares(t: &Tensor) -> Result<Tensor> {
-    if !t.device().is_cpu() {
-        return t.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_dtype(DType::F64);
-    }
+/// `Σ x²` over a CPU tensor's elements in f64 (each widened from its dtype), read in place
+/// (`wick_kernels::cpu::optim::sum_of_squares`: the same bits on every machine).
+fn cpu_squares(t: &Tensor) -> Result<f64> {
     use wick_kernels::cpu::optim::sum_of_squares;
     let t = t.contiguous()?;
-    let sum = {
-        let (storage, layout) = t.storage_and_layout();
-        let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) else {
-            return Err(candle_core::Error::Msg("gradient clipping: a CPU gradient that is not contiguous".into()));
-        };
-        match cpu {
-            CpuStorage::F32(v) => sum_of_squares(&v[a..b]),
-            CpuStorage::BF16(v) => sum_of_squares(&v[a..b]),
-            CpuStorage::F16(v) => sum_of_squares(&v[a..b]),
-            CpuStorage::F64(v) => v[a..b].iter().map(|x| x * x).sum(),
-            _ => return Err(candle_core::Error::Msg(format!("gradient clipping: a {:?} gradient", t.dtype()))),
-        }
+    let (storage, layout) = t.storage_and_layout();
+    let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) else {
+        return Err(candle_core::Error::Msg("gradient clipping: a CPU gradient that is not contiguous".into()));
     };
-    Tensor::new(sum, &Device::Cpu)
-}
-
-/// `Σ x²` over `values` in f64 (a ZeRO rank's shard of the gradients, already f32).
-pub(crate) fn squares_of(values: &[f32]) -> f64 {
-    wick_kernels::cpu::optim::sum_of_squares(values)
+    Ok(match cpu {
+        CpuStorage::F32(v) => sum_of_squares(&v[a..b]),
+        CpuStorage::BF16(v) => sum_of_squares(&v[a..b]),
+        CpuStorage::F16(v) => sum_of_squares(&v[a..b]),
+        CpuStorage::F64(v) => v[a..b].iter().map(|x| x * x).sum(),
+        _ => return Err(candle_core::Error::Msg(format!("gradient clipping: a {:?} gradient", t.dtype()))),
+    })
 }
 
 /// The sum of the squared 2-norms of the gradients of `vars` present in `grads` (parameters
-/// without a gradient count as zero), in f64: one read from the device for all of them.
+/// without a gradient count as zero), in f64. CPU gradients are read in place; on a device each
+/// gradient is reduced there and the sums are read back together, one transfer for all.
 pub fn grad_squares(grads: &GradStore, vars: &[&Var]) -> Result<f64> {
     #[cfg(feature = "cuda")]
     if let Some(total) = device_squares(grads, vars)? {
         return Ok(total);
     }
-    let sums: Vec<Tensor> = vars.iter().filter_map(|v| grads.get(v.as_tensor())).map(squares).collect::<Result<_>>()?;
-    if sums.is_empty() {
-        return Ok(0.0);
+    let mut total = 0.0;
+    let mut on_device = Vec::new();
+    for g in vars.iter().filter_map(|v| grads.get(v.as_tensor())) {
+        if g.device().is_cpu() {
+            total += cpu_squares(g)?;
+        } else {
+            on_device.push(g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_dtype(DType::F64)?);
+        }
     }
-    // Each tensor's sum was taken where it lives, read back together (one transfer when they
-    // share a device), and added up in order on the host.
-    let values: Vec<f64> = if sums.iter().all(|s| s.device().same_device(sums[0].device())) {
-        Tensor::stack(&sums, 0)?.to_device(&Device::Cpu)?.to_vec1()?
+    let Some(first) = on_device.first() else { return Ok(total) };
+    let values: Vec<f64> = if on_device.iter().all(|s| s.device().same_device(first.device())) {
+        Tensor::stack(&on_device, 0)?.to_device(&Device::Cpu)?.to_vec1()?
     } else {
-        sums.iter().map(|s| s.to_device(&Device::Cpu)?.to_scalar::<f64>()).collect::<Result<_>>()?
+        on_device.iter().map(|s| s.to_device(&Device::Cpu)?.to_scalar::<f64>()).collect::<Result<_>>()?
     };
-    Ok(values.iter().sum())
+    Ok(values.iter().fold(total, |sum, v| sum + v))
 }
 
 /// [`grad_squares`] on a CUDA device with wick's kernels: every gradient in one launch per dtype

@@ -11,7 +11,9 @@
 //! (so they are ordered after the ops that produced their inputs). Give them tensors that own
 //! their storage (gradients, masters, moments, parameters), not views into another tensor.
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{DType, Device, Storage, Tensor};
 
@@ -41,6 +43,15 @@ pub struct AmpKernels {
     adamw_multi: [CudaFunction; 3],
     /// Gradient clipping's squared norm, every gradient of one dtype in one launch.
     squares_multi: [CudaFunction; 3],
+}
+
+/// One dtype's tensors for a multi-tensor launch ([`AmpKernels::unscale_`] and
+/// [`AmpKernels::squares_multi`]): their addresses and lengths on the device, how many, the grid.
+struct TensorList {
+    ptrs: CudaSlice<u64>,
+    lens: CudaSlice<i64>,
+    count: i32,
+    config: LaunchConfig,
 }
 
 /// One parameter's part in [`AmpKernels::optimizer_step_multi_`]: the f32 tensor updated (the
@@ -253,11 +264,34 @@ impl AmpKernels {
     /// norm without a per-parameter kernel, allocation or read, and the same bits every run.
     pub fn squares_multi(&self, grads: &[&Tensor]) -> Result<f64, TrainError> {
         let mut total = 0.0;
-        for (index, func) in self.squares_multi.iter().enumerate() {
+        for (func, list) in self.squares_multi.iter().zip(self.tensor_lists(grads)?) {
+            let Some(l) = list else { continue };
+            let slots = (l.config.grid_dim.0 as usize)
+                .checked_mul(l.count as usize)
+                .ok_or_else(|| err("too many gradients"))?;
+            let partials = self.stream.alloc_zeros::<f64>(slots).map_err(|e| err(e.to_string()))?;
+            let mut launch = self.stream.launch_builder(func);
+            launch.arg(&l.ptrs).arg(&l.lens).arg(&l.count).arg(&partials);
+            // SAFETY: `wick_squares_multi_*`'s arguments in order; every pointer a live device
+            // buffer of the stated length and dtype, kept alive by the caller's tensors; the
+            // partials buffer holds one double per (block, tensor), x × count of them.
+            unsafe { launch.launch(l.config) }.map_err(|e| err(e.to_string()))?;
+            let sums = self.stream.clone_dtoh(&partials).map_err(|e| err(e.to_string()))?;
+            total += sums.iter().sum::<f64>();
+        }
+        Ok(total)
+    }
+
+    /// The tensors of `grads` by dtype (f32, f16, bf16) as a multi-tensor launch takes them — each
+    /// list's addresses and lengths on the device, its count, and its grid (x: blocks within a
+    /// tensor, y: the tensors) — or `None` for a dtype none of them has.
+    fn tensor_lists(&self, grads: &[&Tensor]) -> Result<[Option<TensorList>; 3], TrainError> {
+        let mut lists: [Option<TensorList>; 3] = Default::default();
+        for (index, list) in lists.iter_mut().enumerate() {
             let mut ptrs = Vec::new();
             let mut lens = Vec::new();
             for g in grads {
-                if dtype_index(g.dtype())? == index && g.elem_count() > 0 {
+                if dtype_index(g.dtype())? == index {
                     ptrs.push(address(g, &self.stream)?);
                     lens.push(g.elem_count() as i64);
                 }
@@ -266,23 +300,20 @@ impl AmpKernels {
                 continue;
             }
             let longest = lens.iter().copied().max().unwrap_or(1) as usize;
-            let (x, y) = (blocks(longest).min(64), (ptrs.len() as u32).min(65_535));
-            let ptrs_dev = self.stream.clone_htod(&ptrs).map_err(|e| err(e.to_string()))?;
-            let lens_dev = self.stream.clone_htod(&lens).map_err(|e| err(e.to_string()))?;
-            let slots = (x as usize).checked_mul(ptrs.len()).ok_or_else(|| err("too many gradients"))?;
-            let partials = self.stream.alloc_zeros::<f64>(slots).map_err(|e| err(e.to_string()))?;
-            let n = i32::try_from(ptrs.len()).map_err(|_| err("more gradients than one launch takes"))?;
-            let config = LaunchConfig { grid_dim: (x, y, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            let mut launch = self.stream.launch_builder(func);
-            launch.arg(&ptrs_dev).arg(&lens_dev).arg(&n).arg(&partials);
-            // SAFETY: `wick_squares_multi_*`'s arguments in order; every pointer a live device
-            // buffer of the stated length and dtype, kept alive by the caller's tensors; the
-            // partials buffer holds one double per (block, tensor), x × count of them.
-            unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
-            let sums = self.stream.clone_dtoh(&partials).map_err(|e| err(e.to_string()))?;
-            total += sums.iter().sum::<f64>();
+            let count = i32::try_from(ptrs.len()).map_err(|_| err("more tensors than one launch takes"))?;
+            let config = LaunchConfig {
+                grid_dim: (blocks(longest).min(64), (ptrs.len() as u32).min(65_535), 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            *list = Some(TensorList {
+                ptrs: self.stream.clone_htod(&ptrs).map_err(|e| err(e.to_string()))?,
+                lens: self.stream.clone_htod(&lens).map_err(|e| err(e.to_string()))?,
+                count,
+                config,
+            });
         }
-        Ok(total)
+        Ok(lists)
     }
 
     /// The device the kernels were loaded on (they take its tensors only).
@@ -297,32 +328,13 @@ impl AmpKernels {
         check_scalar(inv_scale, DType::F32, "inv_scale")?;
         check_scalar(found_inf, DType::F32, "found_inf")?;
         let (inv, flag) = (address(inv_scale, &self.stream)?, address(found_inf, &self.stream)?);
-        for (index, func) in self.unscale.iter().enumerate() {
-            let mut ptrs = Vec::new();
-            let mut lens = Vec::new();
-            for g in grads {
-                if dtype_index(g.dtype())? == index {
-                    ptrs.push(address(g, &self.stream)?);
-                    lens.push(g.elem_count() as i64);
-                }
-            }
-            if ptrs.is_empty() {
-                continue;
-            }
-            let longest = lens.iter().copied().max().unwrap_or(1) as usize;
-            let ptrs_dev = self.stream.clone_htod(&ptrs).map_err(|e| err(e.to_string()))?;
-            let lens_dev = self.stream.clone_htod(&lens).map_err(|e| err(e.to_string()))?;
-            let n = ptrs.len() as i32;
-            let config = LaunchConfig {
-                grid_dim: (blocks(longest).min(64), (ptrs.len() as u32).min(65_535), 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+        for (func, list) in self.unscale.iter().zip(self.tensor_lists(grads)?) {
+            let Some(l) = list else { continue };
             let mut launch = self.stream.launch_builder(func);
-            launch.arg(&ptrs_dev).arg(&lens_dev).arg(&n).arg(&flag).arg(&inv);
+            launch.arg(&l.ptrs).arg(&l.lens).arg(&l.count).arg(&flag).arg(&inv);
             // SAFETY: the arguments match the kernel's signature; every pointer is a live
             // device buffer of the stated length, kept alive by the caller's tensors.
-            unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
+            unsafe { launch.launch(l.config) }.map_err(|e| err(e.to_string()))?;
         }
         Ok(())
     }

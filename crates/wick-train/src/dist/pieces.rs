@@ -181,15 +181,15 @@ impl GatherLayout {
 }
 
 /// Gradient clipping's coefficient and the norm for a sharded step (1 and none without
-/// `max_norm`): `squares` (this rank's share of the gradients' squares) summed over the ranks,
-/// so that every rank takes the same coefficient ([`crate::clip`]).
+/// `max_norm`, which the trainer checked before the step): `squares` (this rank's share of the
+/// gradients' squares) summed over the ranks, so that every rank takes the same coefficient
+/// ([`crate::clip`]).
 pub(super) fn clip_over_ranks(
     group: &super::ProcessGroup,
     max_norm: Option<f64>,
     squares: impl FnOnce() -> Result<f64, DistError>,
 ) -> Result<(f32, Option<f64>), crate::TrainError> {
     let Some(max_norm) = max_norm else { return Ok((1.0, None)) };
-    crate::clip::check_max_norm(max_norm)?;
     let norm = group.sum_f64(&[squares()?])?[0].sqrt();
     Ok((crate::clip::checked_coefficient(norm, max_norm)?, Some(norm)))
 }

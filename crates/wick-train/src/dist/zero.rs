@@ -284,7 +284,7 @@ impl ZeroOptimizer {
         group: &ProcessGroup,
         flight: Flight,
         vars: &[Var],
-        (scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
+        (mut scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
     ) -> Result<(Stepped, ReduceStats), TrainError> {
         let (results, local, stats) = flight.finish(group.comm())?;
         let present = agree_presence(group, &local)?;
@@ -297,7 +297,8 @@ impl ZeroOptimizer {
         }
         // The loss scaler (f16): unscale this rank's pieces, then every rank takes the same
         // decision from the all-reduced finding before anything changes.
-        if let Some(s) = scaler {
+        let mut skipped = false;
+        if let Some(s) = scaler.as_deref_mut() {
             let inv = (1.0 / s.scale()) as f32;
             let mut found = false;
             for (b, (block, at)) in self.buckets.iter().zip(blocks.iter_mut()) {
@@ -311,19 +312,19 @@ impl ZeroOptimizer {
                 let n = values.len();
                 *block = Tensor::from_vec(values, n, &Device::Cpu)?;
             }
-            let agreed = group.any(found)?;
-            s.set_found_inf(agreed);
-            let outcome = if agreed {
-                (StepOutcome::Skipped, None)
-            } else {
-                let (factor, norm) = self.clip(group, &blocks, &present, max_norm)?;
-                (self.update(group, vars, &blocks, &present, factor)?, norm)
-            };
-            s.update()?;
-            return Ok((outcome, stats));
+            skipped = group.any(found)?;
+            s.set_found_inf(skipped);
         }
-        let (factor, norm) = self.clip(group, &blocks, &present, max_norm)?;
-        Ok(((self.update(group, vars, &blocks, &present, factor)?, norm), stats))
+        let outcome = if skipped {
+            (StepOutcome::Skipped, None)
+        } else {
+            let (factor, norm) = self.clip(group, &blocks, &present, max_norm)?;
+            (self.update(group, vars, &blocks, &present, factor)?, norm)
+        };
+        if let Some(s) = scaler {
+            s.update()?;
+        }
+        Ok((outcome, stats))
     }
 
     /// Gradient clipping's coefficient and the norm, over this rank's pieces and the others'.
@@ -339,7 +340,9 @@ impl ZeroOptimizer {
             for (b, (block, at)) in self.buckets.iter().zip(blocks) {
                 squares += with_f32(block, |values| {
                     let pieces = b.pieces.iter().filter(|p| present[p.param]);
-                    pieces.map(|p| crate::clip::squares_of(&values[*at + p.at..*at + p.at + p.len])).sum::<f64>()
+                    pieces
+                        .map(|p| wick_kernels::cpu::optim::sum_of_squares(&values[*at + p.at..*at + p.at + p.len]))
+                        .sum::<f64>()
                 })?;
             }
             Ok(squares)

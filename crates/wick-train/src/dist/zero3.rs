@@ -433,7 +433,7 @@ impl ParamShards {
     pub(crate) fn step(
         &self,
         vars: &[Var],
-        (scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
+        (mut scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
         lr: f64,
     ) -> Result<(Stepped, ReduceStats), TrainError> {
         self.finish_pending()?;
@@ -442,33 +442,29 @@ impl ParamShards {
         let local: Vec<u8> = st.shards.iter().map(|s| s.grad.is_some() as u8).collect();
         let mut present = vec![0u8; local.len()];
         self.group.comm().all_reduce(&local, &mut present, ReduceOp::Max)?;
-        let outcome = match scaler {
-            Some(s) => {
-                let inv = (1.0 / s.scale()) as f32;
-                let mut found = false;
-                for sh in st.shards.iter_mut() {
-                    if let Some(g) = &mut sh.grad {
-                        g.iter_mut().for_each(|v| *v *= inv);
-                        rounded(g, sh.dtype);
-                        found |= g.iter().any(|v| !v.is_finite());
-                    }
+        let mut skipped = false;
+        if let Some(s) = scaler.as_deref_mut() {
+            let inv = (1.0 / s.scale()) as f32;
+            let mut found = false;
+            for sh in st.shards.iter_mut() {
+                if let Some(g) = &mut sh.grad {
+                    g.iter_mut().for_each(|v| *v *= inv);
+                    rounded(g, sh.dtype);
+                    found |= g.iter().any(|v| !v.is_finite());
                 }
-                let agreed = self.group.any(found)?;
-                s.set_found_inf(agreed);
-                let outcome = if agreed {
-                    (StepOutcome::Skipped, None)
-                } else {
-                    let (factor, norm) = self.clip(&st, max_norm)?;
-                    (Self::update(&mut st, &present, factor)?, norm)
-                };
-                s.update()?;
-                outcome
             }
-            None => {
-                let (factor, norm) = self.clip(&st, max_norm)?;
-                (Self::update(&mut st, &present, factor)?, norm)
-            }
+            skipped = self.group.any(found)?;
+            s.set_found_inf(skipped);
+        }
+        let outcome = if skipped {
+            (StepOutcome::Skipped, None)
+        } else {
+            let (factor, norm) = self.clip(&st, max_norm)?;
+            (Self::update(&mut st, &present, factor)?, norm)
         };
+        if let Some(s) = scaler {
+            s.update()?;
+        }
         st.shards.iter_mut().for_each(|s| s.grad = None);
         // Every rank's updated pieces of the parameters read outside blocks, into the model.
         let rest: Vec<usize> = (0..st.shards.len()).filter(|&i| !st.shards[i].in_block).collect();
@@ -497,7 +493,7 @@ impl ParamShards {
     /// Gradient clipping's coefficient and the norm, over this rank's shards and the others'.
     fn clip(&self, st: &State, max_norm: Option<f64>) -> Result<(f32, Option<f64>), TrainError> {
         clip_over_ranks(&self.group, max_norm, || {
-            Ok(st.shards.iter().filter_map(|s| s.grad.as_deref()).map(crate::clip::squares_of).sum())
+            Ok(st.shards.iter().filter_map(|s| s.grad.as_deref()).map(wick_kernels::cpu::optim::sum_of_squares).sum())
         })
     }
 
