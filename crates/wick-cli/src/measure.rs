@@ -44,6 +44,8 @@ pub fn peak(step: &Step, batch: usize, mode: Mode) -> Result<Option<usize>> {
     let device = Device::Cpu;
     let model = step.spec.build(dtype, &device).context("building the model to measure")?;
     let params = ParamBytes::of(model.params()).total;
+    // The products' per-thread scratch lives as long as the process's threads: not the step's.
+    wick_nn::cpu::allocate_thread_scratch();
     let Some((before, _)) = exact_heap() else { return Ok(None) };
     reset_exact_peak();
     let batch = || step.spec.batch(batch, dtype, &device);

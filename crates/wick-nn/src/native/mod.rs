@@ -117,6 +117,10 @@ pub mod profile;
 pub(crate) mod rope;
 pub(crate) mod row_norm;
 
+/// Allocates the matrix products' per-thread scratch before a memory measurement (the kernels'
+/// [`wick_kernels::cpu::gemm::allocate_thread_scratch`]).
+pub use wick_kernels::cpu::gemm::allocate_thread_scratch;
+
 use std::borrow::Cow;
 
 use candle_core::backend::BackendStorage;

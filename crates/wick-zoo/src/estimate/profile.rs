@@ -225,7 +225,9 @@ impl ActivationProfile {
         let training = &with_extra(profile_batches(checkpointing))[..];
         let inference_batches = &with_extra(INFERENCE_PROFILE_BATCHES)[..];
         // A first pass warms up what the process creates once (thread pools, kernel caches), so
-        // it is not mistaken for the model's memory.
+        // it is not mistaken for the model's memory; the matrix products' per-thread scratch is
+        // allocated on every thread first (a batch-1 pass may not multiply on every thread).
+        wick_nn::cpu::allocate_thread_scratch();
         for (index, batch) in std::iter::once(1).chain(training.iter().copied()).enumerate() {
             let before = wick::host_memory::exact_heap().map(|(b, _)| b);
             wick::host_memory::reset_exact_peak();
