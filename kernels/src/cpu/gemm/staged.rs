@@ -43,6 +43,20 @@ pub(super) fn applies<T>(a: &Mat<'_, T>, b: &Mat<'_, T>) -> bool {
         && (MIN_ROWS..MAX_ROWS).contains(&a.rows)
 }
 
+/// Columns a block holds a multiple of: the rows of the crate's widest micro-kernel (it runs
+/// with the destination transposed, so `b`'s columns are its rows), 4 vectors of 16 f32 on
+/// AVX-512 (its `x4x6`), 16 elements otherwise (AVX2's `x2x6`, and the f64 kernels'). A ragged
+/// block runs its last columns on the narrower kernels: at 128 rows, MiniLM's 1536 → 384 in
+/// blocks of 80 columns (64 + 16) ran at 94 G multiply-adds a second, in blocks of 64 at 106, the
+/// decoder's 1408 → 512 at 90 against 103 (BENCHMARKS.md, "Transformer inference (issue 50)").
+fn kernel_rows<T>() -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if std::mem::size_of::<T>() == 4 && std::is_x86_feature_detected!("avx512f") {
+        return 64;
+    }
+    16
+}
+
 /// Elements from one staged column to the next: the depth rounded up to a 64-byte line, and
 /// one line more where that is a multiple of 1 KiB (columns in the same L1 set every few).
 fn stride<T>(k: usize) -> usize {
@@ -79,7 +93,8 @@ pub(super) unsafe fn product<T: Scalar>(
         return;
     }
     let st = stride::<T>(k);
-    let per_block = (BLOCK_BYTES / (st * std::mem::size_of::<T>()) / 16 * 16).clamp(16, 256);
+    let rows = kernel_rows::<T>();
+    let per_block = (BLOCK_BYTES / (st * std::mem::size_of::<T>()) / rows * rows).clamp(rows, 256);
     let mut buf: Vec<T> = Vec::with_capacity(per_block.min(n) * st);
     for c0 in (0..n).step_by(per_block) {
         let cols = per_block.min(n - c0);
