@@ -11,6 +11,8 @@
 //! 89 (PyTorch's oneDNN: 87 at the first; `cargo bench -p wick-kernels --bench f32_products`).
 //! The copy is one contiguous read of each column into a buffer of [`BLOCK_BYTES`] that stays in
 //! L2 while the crate packs it, rows [`stride`] apart so that they fall in different sets.
+//! With few rows (f32 on AVX-512), the columns are instead transposed into the crate's own panel
+//! layout ([`by_panels`]), which it reads without packing them again.
 //!
 //! Numerics: the crate's own sums, over the same elements; only where `b` is read from changes.
 
@@ -29,6 +31,14 @@ const MIN_ROWS: usize = 64;
 /// at 4 096 rows on the AVX2 paths: 74–76 G multiply-adds a second in blocks of 32 columns, 93 in
 /// blocks of 128, 98–100 in place; at 1 024 rows on AVX-512, 104 staged against 96 in place.
 const MAX_ROWS: usize = 2048;
+
+/// Rows of `a` up to which `b`'s columns are copied as the crate's micro-kernel panels
+/// ([`by_panels`], f32 on AVX-512) rather than in blocks: the crate then reads them in place
+/// instead of packing each block again, which weighs most when few rows share the packing; each
+/// panel is a call of its own, so with more rows `a` is read once a panel. At 128 rows 1.07–1.31×
+/// on 10 of 13 layer shapes (medians of 24 alternating runs), at 1 024 rows 0.79–1.10×
+/// (BENCHMARKS.md, "Transformer inference (issue 50)").
+const PANEL_MAX_ROWS: usize = 256;
 
 /// Depth from which products are staged.
 const MIN_DEPTH: usize = 256;
@@ -92,6 +102,11 @@ pub(super) unsafe fn product<T: Scalar>(
         unsafe { crate_product(dst, dst_row, (m, k, n), a, b, j0, beta, accumulate, none) };
         return;
     }
+    if m <= PANEL_MAX_ROWS && kernel_rows::<T>() == 64 {
+        // SAFETY: the caller's contract.
+        unsafe { by_panels(dst, dst_row, (m, k, n), a, b, j0, beta, accumulate) };
+        return;
+    }
     let st = stride::<T>(k);
     let rows = kernel_rows::<T>();
     let per_block = (BLOCK_BYTES / (st * std::mem::size_of::<T>()) / rows * rows).clamp(rows, 256);
@@ -109,6 +124,36 @@ pub(super) unsafe fn product<T: Scalar>(
         // SAFETY: the caller's contract for the destination's columns c0..c0 + cols (inside its
         // n); the staged block holds `cols` columns of k elements `st` apart.
         unsafe { crate_product(dst.add(c0), dst_row, (m, k, cols), a, staged, 0, beta, accumulate, none) };
+    }
+}
+
+/// [`product`] with `b`'s columns copied into panels of the crate's micro-kernel width
+/// ([`kernel_rows`]): panel q holds columns qR..qR + R, element (p, j) at p·R + j, which the
+/// crate reads as a column-major left operand (its transposed problem) without packing it into
+/// its own panels first (it copies it whole into its per-thread buffer, a contiguous read).
+///
+/// # Safety
+/// As [`product`]'s.
+#[allow(clippy::too_many_arguments)]
+unsafe fn by_panels<T: Scalar>(
+    dst: *mut T,
+    dst_row: usize,
+    (m, k, n): (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    j0: usize,
+    beta: T,
+    accumulate: bool,
+) {
+    let none = ::gemm::Parallelism::None;
+    let r = kernel_rows::<T>();
+    let mut panel: Vec<T> = vec![T::default(); r * k];
+    for c0 in (0..n).step_by(r) {
+        let w = r.min(n - c0);
+        super::pack::fill_panel(&mut panel, b.data, b.col_stride, (j0 + c0, w, k));
+        let staged = Mat { data: &panel[..w * k], rows: k, cols: w, row_stride: w, col_stride: 1 };
+        // SAFETY: the caller's contract for the destination's columns c0..c0 + w.
+        unsafe { crate_product(dst.add(c0), dst_row, (m, k, w), a, staged, 0, beta, accumulate, none) };
     }
 }
 
