@@ -165,10 +165,10 @@ unsafe fn transpose8(src: [&[bf16]; T8], dst: &mut [u32], stride: usize) {
     unsafe { transpose8x8(src.map(|r| r.as_ptr().cast()), dst.as_mut_ptr(), stride) }
 }
 
-/// Columns `first..first + w` of `b` (each `k` long: `b` lies along the depth, `b.row_stride`
-/// 1) laid out as one panel: element (p, j) at `panel[p · w + j]`. f32 goes through eight-by-
-/// eight transposes on CPUs with AVX2 (a plain loop ran at a third of a copy's speed), the
-/// ragged edges and f64 element by element.
+/// Columns `first..first + w` of `b` (each `k` long, `col_stride` apart: `b` lies along the
+/// depth) laid out as one panel: element (p, j) at `panel[p · w + j]`. f32 goes through 8 × 8
+/// transposes on CPUs with AVX2 (a plain loop ran at a third of a copy's speed), the ragged
+/// edges and f64 element by element.
 pub(super) fn fill_panel<T: Copy + 'static>(
     panel: &mut [T],
     b: &[T],
