@@ -16,7 +16,7 @@ use super::act::gelu_at;
 use super::elem::Elem;
 use super::linear::{dims, out_shape};
 use super::row_norm::norm_row;
-use super::{gemm, par_ranges, tensor, with, Mat, Real, SharedMut};
+use super::{par_ranges, product, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -66,9 +66,8 @@ fn run<T: Real + Elem<T>>(x: &Tensor, w: &Tensor, b: Option<&Tensor>, then: Then
     };
     let bias = b.map(|b| vector(b, "bias")).transpose()?;
     super::ask_for_output::<T>(len)?;
-    let mut y = vec![T::zero(); len];
-    with::<T, _>(x, |xs| {
-        with::<T, _>(w, |ws| gemm(&mut y, Mat::rows(xs, m, k), Mat::rows(ws, n, k).t(), T::one(), false, true))
+    let mut y = with::<T, _>(x, |xs| {
+        with::<T, _>(w, |ws| product(Mat::rows(xs, m, k), Mat::rows(ws, n, k).t(), T::one(), true))
     })?;
     match then {
         Then::Gelu => finish::<T, T>(&mut y, n, bias.as_deref(), None, true, None),

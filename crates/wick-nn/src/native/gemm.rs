@@ -40,6 +40,20 @@ pub(crate) fn gemm_rows_apart<T: Real>(
     kernel::gemm_rows_apart(dst, dst_row, a, b, T::one(), false, parallel).map_err(candle)
 }
 
+/// A fresh m × n `beta·a·b` (row-major), written into memory that is not zero-filled first
+/// ([`kernel::gemm_into`]).
+pub(crate) fn product<T: Real>(a: Mat<'_, T>, b: Mat<'_, T>, beta: T, parallel: bool) -> Result<Vec<T>> {
+    let len = a
+        .rows
+        .checked_mul(b.cols)
+        .ok_or_else(|| candle_core::Error::Msg(format!("linear: {} rows of {} outputs overflow", a.rows, b.cols)))?;
+    let mut y: Vec<T> = Vec::with_capacity(len);
+    kernel::gemm_into(&mut y.spare_capacity_mut()[..len], a, b, beta, parallel).map_err(candle)?;
+    // SAFETY: `gemm_into` initialised the first `len` elements (the capacity holds them).
+    unsafe { y.set_len(len) };
+    Ok(y)
+}
+
 /// bf16 × bf16 products with f32 sums ([`kernel::bf16`]).
 pub(crate) mod gemm_bf16 {
     use candle_core::Result;

@@ -13,7 +13,7 @@ use half::bf16;
 use super::elem::{elem_tensor, elems, with_elems};
 use super::gemm::gemm_rows_apart;
 use super::gemm_bf16::{self, gemm_bf16};
-use super::{gemm, par_ranges, read, tensor, with, Mat, Real, SharedMut};
+use super::{gemm, par_ranges, product, read, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -44,9 +44,8 @@ impl Linear {
         bias: Option<(&CpuStorage, &Layout)>,
     ) -> Result<(CpuStorage, Shape)> {
         let (m, k, n) = dims(lx.shape(), lw.shape())?;
-        let mut y = vec![T::zero(); m * n];
         let (x, w) = (read::<T>(sx, lx)?, read::<T>(sw, lw)?);
-        gemm(&mut y, Mat::rows(&x, m, k), Mat::rows(&w, n, k).t(), T::one(), false, true)?;
+        let y = product(Mat::rows(&x, m, k), Mat::rows(&w, n, k).t(), T::one(), true)?;
         Self::finish(y, lx, sx.dtype(), n, bias)
     }
 

@@ -129,7 +129,7 @@ use candle_core::{CpuStorage, DType, Device, Layout, Result, Shape, Storage, Ten
 use elem::Elem;
 
 use crate::grad::grad_enabled;
-pub(crate) use gemm::{gemm, gemm_bf16, Mat};
+pub(crate) use gemm::{gemm, gemm_bf16, product, Mat};
 pub(crate) use wick_kernels::cpu::{lane_sums, math, par_ranges, round_bf16, SharedMut};
 
 /// A compute type of the kernels: f32 (for f32, bf16 and f16 tensors) or f64.

@@ -71,7 +71,23 @@ pub(crate) fn product_dims_of<T, D: Copy + Default>(
     (dst, dst_row): (&mut [D], usize),
     accumulate: bool,
 ) -> Result<Option<(usize, usize, usize)>, KernelError> {
-    let (n, len) = (b.cols, dst.len());
+    check_product(what, (m, k, fits), b, (dst.len(), dst_row))?;
+    let n = b.cols;
+    if k == 0 && !accumulate && n > 0 {
+        dst.chunks_mut(dst_row).take(m).for_each(|row| row[..n].fill(D::default()));
+    }
+    Ok((m > 0 && n > 0 && k > 0).then_some((m, k, n)))
+}
+
+/// The checks of [`product_dims_of`] against a destination of `len` elements, rows `dst_row`
+/// apart, without touching it.
+pub(crate) fn check_product<T>(
+    what: &'static str,
+    (m, k, fits): (usize, usize, bool),
+    b: &Mat<'_, T>,
+    (len, dst_row): (usize, usize),
+) -> Result<(), KernelError> {
+    let n = b.cols;
     // Elements from the destination's first to past its last: m rows dst_row apart, n the last.
     let extent = if m == 0 || n == 0 { Some(0) } else { (m - 1).checked_mul(dst_row).and_then(|e| e.checked_add(n)) };
     if b.rows != k || !fits || !b.fits() || dst_row < n || extent.is_none_or(|e| e > len) {
@@ -81,10 +97,7 @@ pub(crate) fn product_dims_of<T, D: Copy + Default>(
             message: format!("({m}×{k})·({}×{}) into {len} elements{apart}", b.rows, b.cols),
         });
     }
-    if k == 0 && !accumulate && n > 0 {
-        dst.chunks_mut(dst_row).take(m).for_each(|row| row[..n].fill(D::default()));
-    }
-    Ok((m > 0 && n > 0 && k > 0).then_some((m, k, n)))
+    Ok(())
 }
 
 /// Depth of a packed slice, in k-pairs (512 bf16 values of k).

@@ -21,6 +21,8 @@ mod staged;
 
 pub use blocking::Mat;
 
+use std::mem::MaybeUninit;
+
 use crate::cpu::KernelError;
 
 /// Allocates the scratch the `gemm` crate keeps for the life of each thread that runs a product
@@ -42,6 +44,10 @@ pub trait Scalar: Copy + Default + Send + Sync + 'static + sealed::Sealed {
     /// 1.
     const ONE: Self;
 
+    /// True where [`Scalar::own_kernel`] runs the product (it reads its destination's rows as
+    /// slices, so [`gemm_into`] initialises the destination first there).
+    fn has_own_kernel(a: &Mat<'_, Self>, b: &Mat<'_, Self>) -> bool;
+
     /// Runs `dst = beta·a·b + (dst if accumulate)` (rows `dst_row` apart) on a kernel of wick's
     /// own and returns true where one applies (f32 operands both along the depth, few rows:
     /// `along_k_f32`); false leaves the product to the `gemm` crate. The shapes were checked.
@@ -59,6 +65,10 @@ pub trait Scalar: Copy + Default + Send + Sync + 'static + sealed::Sealed {
 impl Scalar for f32 {
     const ONE: f32 = 1.0;
 
+    fn has_own_kernel(a: &Mat<'_, f32>, b: &Mat<'_, f32>) -> bool {
+        along_k_f32::applies(a, b) && !gemm_crate_only()
+    }
+
     fn own_kernel(
         dst: &mut [f32],
         dst_row: usize,
@@ -68,7 +78,7 @@ impl Scalar for f32 {
         accumulate: bool,
         parallel: bool,
     ) -> bool {
-        if !along_k_f32::applies(&a, &b) || gemm_crate_only() {
+        if !Self::has_own_kernel(&a, &b) {
             return false;
         }
         along_k_f32::product(dst, dst_row, a, b, beta, accumulate, parallel);
@@ -85,6 +95,10 @@ fn gemm_crate_only() -> bool {
 
 impl Scalar for f64 {
     const ONE: f64 = 1.0;
+
+    fn has_own_kernel(_: &Mat<'_, f64>, _: &Mat<'_, f64>) -> bool {
+        false
+    }
 
     fn own_kernel(_: &mut [f64], _: usize, _: Mat<'_, f64>, _: Mat<'_, f64>, _: f64, _: bool, _: bool) -> bool {
         false
@@ -130,30 +144,84 @@ pub fn gemm_rows_apart<T: Scalar>(
     if T::own_kernel(dst, dst_row, a, b, beta, accumulate, parallel) {
         return Ok(());
     }
+    // SAFETY: every element of `a`, `b` and the m rows of n elements dst_row apart lies inside
+    // its slice (checked above), and `dst` does not alias the inputs (a `&mut` borrow).
+    unsafe { crate_paths(Dst(dst.as_mut_ptr()), dst_row, (m, k, n), a, b, beta, accumulate, parallel) };
+    Ok(())
+}
+
+/// `dst (m × n, row-major) = beta·a·b` into a destination that need not be initialised, returned
+/// initialised: [`gemm()`] without the zero fill of a `vec![0; m·n]` that the product overwrites
+/// anyway (a write of every output before the product writes it again: 2–4 % of a transformer's
+/// pass). `dst` must hold exactly m·n elements.
+pub fn gemm_into<'d, T: Scalar>(
+    dst: &'d mut [MaybeUninit<T>],
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    beta: T,
+    parallel: bool,
+) -> Result<&'d mut [T], KernelError> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    blocking::check_product("wick gemm", (m, k, a.fits()), &b, (dst.len(), n))?;
+    if m.checked_mul(n) != Some(dst.len()) {
+        return Err(KernelError { kernel: "wick gemm", message: format!("{m}×{n} into {} elements", dst.len()) });
+    }
+    if m == 0 || n == 0 || k == 0 || T::has_own_kernel(&a, &b) {
+        // The own kernel takes its destination as slices: initialised first, as `gemm` has it.
+        dst.fill(MaybeUninit::new(T::default()));
+        // SAFETY: every element was just written; MaybeUninit<T> has T's layout.
+        let init = unsafe { &mut *(dst as *mut [MaybeUninit<T>] as *mut [T]) };
+        gemm(init, a, b, beta, false, parallel)?;
+        return Ok(init);
+    }
+    // SAFETY: the shapes were checked against `a`, `b` and the destination's m·n elements, which
+    // `a` and `b` (shared borrows) cannot alias; the crate's paths write every element without
+    // reading any (`accumulate` false).
+    unsafe { crate_paths(Dst(dst.as_mut_ptr().cast()), n, (m, k, n), a, b, beta, false, parallel) };
+    // SAFETY: every element was written above; MaybeUninit<T> has T's layout.
+    Ok(unsafe { &mut *(dst as *mut [MaybeUninit<T>] as *mut [T]) })
+}
+
+/// The destination of [`crate_paths`], handed to the threads that write its disjoint columns.
+#[derive(Clone, Copy)]
+struct Dst<T>(*mut T);
+
+// SAFETY: the threads write disjoint columns only (`crate_paths`).
+unsafe impl<T: Send> Send for Dst<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for Dst<T> {}
+
+/// The product on the `gemm` crate: one thread, the crate's own threading for few columns, or
+/// the destination's columns split between the threads.
+///
+/// # Safety
+/// Every element of `a`, `b` and of the m rows of n elements `dst_row` apart at `dst` lies
+/// inside its allocation; the destination aliases neither input and nothing else reads or writes
+/// it meanwhile; where `accumulate` holds, its elements are initialised.
+#[allow(clippy::too_many_arguments)]
+unsafe fn crate_paths<T: Scalar>(
+    dst: Dst<T>,
+    dst_row: usize,
+    (m, k, n): (usize, usize, usize),
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    beta: T,
+    accumulate: bool,
+    parallel: bool,
+) {
     let threads = if parallel { rayon::current_num_threads() } else { 1 };
     if threads < 2 {
-        // SAFETY: every element of `a`, `b` and the m rows of n elements dst_row apart lies
-        // inside its slice (checked above), and `dst` does not alias the inputs (a `&mut` borrow).
-        unsafe { staged::product(dst.as_mut_ptr(), dst_row, (m, k, n), a, b, 0, beta, accumulate) };
-        return Ok(());
+        // SAFETY: the caller's contract.
+        unsafe { staged::product(dst.0, dst_row, (m, k, n), a, b, 0, beta, accumulate) };
+        return;
     }
     if n < SPLIT_COLUMNS * threads {
         // Too few columns to split: the crate's own threading.
-        // SAFETY: as above.
+        // SAFETY: the caller's contract.
         unsafe {
-            crate_product(
-                dst.as_mut_ptr(),
-                dst_row,
-                (m, k, n),
-                a,
-                b,
-                0,
-                beta,
-                accumulate,
-                ::gemm::Parallelism::Rayon(threads),
-            )
+            crate_product(dst.0, dst_row, (m, k, n), a, b, 0, beta, accumulate, ::gemm::Parallelism::Rayon(threads))
         };
-        return Ok(());
+        return;
     }
     // The destination's columns split between the threads, each a one-thread product: the
     // crate's own threading of a long depth against few columns left a thread idle (BERT-base's
@@ -161,19 +229,18 @@ pub fn gemm_rows_apart<T: Scalar>(
     // 76 and 96 at 1024 tokens; `cargo bench -p wick-kernels --bench f32_products`, and
     // BENCHMARKS.md "Transformer inference (issue 50)" for whole models).
     let chunk = n.div_ceil(threads).div_ceil(16) * 16;
-    let out = crate::cpu::SharedMut::new(dst);
-    let out = &out;
     rayon::scope(|s| {
         for j0 in (0..n).step_by(chunk) {
             let cols = chunk.min(n - j0);
             s.spawn(move |_| {
-                // SAFETY: columns j0..j0 + cols of every row of the checked destination and of
-                // `b`, written by this task only (the tasks' column ranges are disjoint).
-                unsafe { staged::product(out.ptr_at(j0), dst_row, (m, k, cols), a, b, j0, beta, accumulate) }
+                let out = dst;
+                // SAFETY: columns j0..j0 + cols (j0 < n) of every row of the destination and of
+                // `b` (the caller's contract), written by this task only (the tasks' column
+                // ranges are disjoint).
+                unsafe { staged::product(out.0.add(j0), dst_row, (m, k, cols), a, b, j0, beta, accumulate) }
             });
         }
     });
-    Ok(())
 }
 
 /// Columns per thread from which the threads split the destination's columns.
@@ -293,6 +360,36 @@ mod tests {
             // f32 sums of 1030 terms of size ≤ 1: within 1e-3 of the f64 truth.
             assert!(out.iter().zip(&expected).all(|(x, y)| (*x as f64 - y).abs() < 1e-3));
         }
+    }
+
+    /// `gemm_into` writes every element, equal to the bit to `gemm` into zeros, on each path:
+    /// the own kernel (few rows along the depth), the f32 panels, the staged blocks, the crate in
+    /// place (past the staged rows), the crate's own threading (few columns), f64; the
+    /// destination starts as NaN so that an element left unwritten shows. A destination of the
+    /// wrong length is an error.
+    #[test]
+    fn products_into_fresh_memory_equal_products_into_zeros() {
+        fn check<T: Scalar + std::fmt::Debug + PartialEq>(m: usize, k: usize, n: usize, nan: T, of: impl Fn(f64) -> T) {
+            let x: Vec<T> = (0..m * k).map(|i| of((i as f64 * 0.37).sin())).collect();
+            let w: Vec<T> = (0..n * k).map(|i| of((i as f64 * 0.11).cos())).collect();
+            let (xm, wm) = (Mat::rows(&x, m, k), Mat::rows(&w, n, k).t());
+            for parallel in [false, true] {
+                let mut want = vec![T::default(); m * n];
+                gemm(&mut want, xm, wm, of(0.5), false, parallel).unwrap();
+                let mut fresh = vec![MaybeUninit::new(nan); m * n];
+                let got = gemm_into(&mut fresh, xm, wm, of(0.5), parallel).unwrap();
+                assert!(got == &want[..], "{m}×{k}×{n} parallel {parallel}");
+            }
+        }
+        for (m, k, n) in [(8, 300, 40), (70, 1030, 300), (300, 300, 200), (2100, 260, 150), (90, 64, 100), (3, 0, 5)] {
+            check::<f32>(m, k, n, f32::NAN, |v| v as f32);
+        }
+        check::<f64>(300, 300, 200, f64::NAN, |v| v);
+        let (x, w) = (vec![1f32; 6], vec![1f32; 6]);
+        let mut short = vec![MaybeUninit::new(0f32); 3];
+        assert!(gemm_into(&mut short, Mat::rows(&x, 2, 3), Mat::rows(&w, 2, 3).t(), 1.0, false).is_err());
+        let mut long = vec![MaybeUninit::new(0f32); 5];
+        assert!(gemm_into(&mut long, Mat::rows(&x, 2, 3), Mat::rows(&w, 2, 3).t(), 1.0, false).is_err());
     }
 
     /// Products written side by side into one destination (rows wider than each) equal the
