@@ -146,7 +146,9 @@ pub fn gemm_rows_apart<T: Scalar>(
     }
     // SAFETY: every element of `a`, `b` and the m rows of n elements dst_row apart lies inside
     // its slice (checked above), and `dst` does not alias the inputs (a `&mut` borrow).
-    unsafe { crate_paths(Dst(dst.as_mut_ptr()), dst_row, (m, k, n), a, b, beta, accumulate, parallel) };
+    unsafe {
+        crate_paths(Dst(dst.as_mut_ptr()), dst_row, Job { dims: (m, k, n), a, b, j0: 0, beta, accumulate }, parallel)
+    };
     Ok(())
 }
 
@@ -174,10 +176,11 @@ pub fn gemm_into<'d, T: Scalar>(
         gemm(init, a, b, beta, false, parallel)?;
         return Ok(init);
     }
+    let job = Job { dims: (m, k, n), a, b, j0: 0, beta, accumulate: false };
     // SAFETY: the shapes were checked against `a`, `b` and the destination's m·n elements, which
     // `a` and `b` (shared borrows) cannot alias; the crate's paths write every element without
     // reading any (`accumulate` false).
-    unsafe { crate_paths(Dst(dst.as_mut_ptr().cast()), n, (m, k, n), a, b, beta, false, parallel) };
+    unsafe { crate_paths(Dst(dst.as_mut_ptr().cast()), n, job, parallel) };
     // SAFETY: every element was written above; MaybeUninit<T> has T's layout.
     Ok(unsafe { &mut *(dst as *mut [MaybeUninit<T>] as *mut [T]) })
 }
@@ -191,36 +194,44 @@ unsafe impl<T: Send> Send for Dst<T> {}
 // SAFETY: as above.
 unsafe impl<T: Send> Sync for Dst<T> {}
 
+/// One product as the crate's paths take it: `beta·a·b` over columns `j0..j0 + n` of `b` (`dims`
+/// m, k, n) into an m × n destination, added to what it holds where `accumulate`.
+#[derive(Clone, Copy)]
+pub(super) struct Job<'a, T> {
+    pub(super) dims: (usize, usize, usize),
+    pub(super) a: Mat<'a, T>,
+    pub(super) b: Mat<'a, T>,
+    pub(super) j0: usize,
+    pub(super) beta: T,
+    pub(super) accumulate: bool,
+}
+
+impl<'a, T: Copy> Job<'a, T> {
+    /// The same product over the `n` columns of `b` from `j0`.
+    pub(super) fn columns(self, b: Mat<'a, T>, j0: usize, n: usize) -> Self {
+        Job { dims: (self.dims.0, self.dims.1, n), b, j0, ..self }
+    }
+}
+
 /// The product on the `gemm` crate: one thread, the crate's own threading for few columns, or
 /// the destination's columns split between the threads.
 ///
 /// # Safety
-/// Every element of `a`, `b` and of the m rows of n elements `dst_row` apart at `dst` lies
-/// inside its allocation; the destination aliases neither input and nothing else reads or writes
-/// it meanwhile; where `accumulate` holds, its elements are initialised.
-#[allow(clippy::too_many_arguments)]
-unsafe fn crate_paths<T: Scalar>(
-    dst: Dst<T>,
-    dst_row: usize,
-    (m, k, n): (usize, usize, usize),
-    a: Mat<'_, T>,
-    b: Mat<'_, T>,
-    beta: T,
-    accumulate: bool,
-    parallel: bool,
-) {
+/// Every element of `a`, of the job's columns of `b` and of the m rows of n elements `dst_row`
+/// apart at `dst` lies inside its allocation; the destination aliases neither input and nothing
+/// else reads or writes it meanwhile; where `accumulate` holds, its elements are initialised.
+unsafe fn crate_paths<T: Scalar>(dst: Dst<T>, dst_row: usize, job: Job<'_, T>, parallel: bool) {
+    let n = job.dims.2;
     let threads = if parallel { rayon::current_num_threads() } else { 1 };
     if threads < 2 {
         // SAFETY: the caller's contract.
-        unsafe { staged::product(dst.0, dst_row, (m, k, n), a, b, 0, beta, accumulate) };
+        unsafe { staged::product(dst.0, dst_row, job) };
         return;
     }
     if n < SPLIT_COLUMNS * threads {
         // Too few columns to split: the crate's own threading.
         // SAFETY: the caller's contract.
-        unsafe {
-            crate_product(dst.0, dst_row, (m, k, n), a, b, 0, beta, accumulate, ::gemm::Parallelism::Rayon(threads))
-        };
+        unsafe { crate_product(dst.0, dst_row, job, ::gemm::Parallelism::Rayon(threads)) };
         return;
     }
     // The destination's columns split between the threads, each a one-thread product: the
@@ -237,7 +248,7 @@ unsafe fn crate_paths<T: Scalar>(
                 // SAFETY: columns j0..j0 + cols (j0 < n) of every row of the destination and of
                 // `b` (the caller's contract), written by this task only (the tasks' column
                 // ranges are disjoint).
-                unsafe { staged::product(out.0.add(j0), dst_row, (m, k, cols), a, b, j0, beta, accumulate) }
+                unsafe { staged::product(out.0.add(j0), dst_row, job.columns(job.b, job.j0 + j0, cols)) }
             });
         }
     });
@@ -246,25 +257,14 @@ unsafe fn crate_paths<T: Scalar>(
 /// Columns per thread from which the threads split the destination's columns.
 const SPLIT_COLUMNS: usize = 64;
 
-/// The `gemm` crate's product of `a` and columns `j0..j0 + n` of `b` into the m × n matrix at
-/// `dst` with rows `dst_row` apart.
+/// The `gemm` crate's product `job` into the m × n matrix at `dst` with rows `dst_row` apart.
 ///
 /// # Safety
-/// Every element of `a`, of those columns of `b` and of the destination lies inside its
+/// Every element of `a`, of the job's columns of `b` and of the destination lies inside its
 /// allocation, strides fit in isize, the destination aliases neither input, and nothing else
 /// reads or writes the destination's elements meanwhile.
-#[allow(clippy::too_many_arguments)]
-unsafe fn crate_product<T: Scalar>(
-    dst: *mut T,
-    dst_row: usize,
-    (m, k, n): (usize, usize, usize),
-    a: Mat<'_, T>,
-    b: Mat<'_, T>,
-    j0: usize,
-    beta: T,
-    accumulate: bool,
-    parallelism: ::gemm::Parallelism,
-) {
+unsafe fn crate_product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>, parallelism: ::gemm::Parallelism) {
+    let Job { dims: (m, k, n), a, b, j0, beta, accumulate } = job;
     // SAFETY: the caller's contract; column j0 of `b` starts inside its slice.
     unsafe {
         ::gemm::gemm(

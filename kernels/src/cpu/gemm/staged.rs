@@ -17,7 +17,7 @@
 //! Numerics: the crate's own sums, over the same elements; only where `b` is read from changes.
 
 use super::blocking::Mat;
-use super::{crate_product, Scalar};
+use super::{crate_product, Job, Scalar};
 
 /// Bytes of `b` copied at a time: half of a 1 MiB L2, beside the crate's packed panels.
 const BLOCK_BYTES: usize = 512 << 10;
@@ -85,26 +85,17 @@ fn stride<T>(k: usize) -> usize {
 ///
 /// # Safety
 /// As [`crate_product`]'s.
-#[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn product<T: Scalar>(
-    dst: *mut T,
-    dst_row: usize,
-    (m, k, n): (usize, usize, usize),
-    a: Mat<'_, T>,
-    b: Mat<'_, T>,
-    j0: usize,
-    beta: T,
-    accumulate: bool,
-) {
+pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>) {
+    let Job { dims: (m, k, n), a, b, j0, .. } = job;
     let none = ::gemm::Parallelism::None;
     if !applies(&a, &b) {
         // SAFETY: the caller's contract.
-        unsafe { crate_product(dst, dst_row, (m, k, n), a, b, j0, beta, accumulate, none) };
+        unsafe { crate_product(dst, dst_row, job, none) };
         return;
     }
     if m <= PANEL_MAX_ROWS && kernel_rows::<T>() == 64 {
         // SAFETY: the caller's contract.
-        unsafe { by_panels(dst, dst_row, (m, k, n), a, b, j0, beta, accumulate) };
+        unsafe { by_panels(dst, dst_row, job) };
         return;
     }
     let st = stride::<T>(k);
@@ -123,7 +114,7 @@ pub(super) unsafe fn product<T: Scalar>(
         let staged = Mat { data: &buf[..], rows: k, cols, row_stride: 1, col_stride: st };
         // SAFETY: the caller's contract for the destination's columns c0..c0 + cols (inside its
         // n); the staged block holds `cols` columns of k elements `st` apart.
-        unsafe { crate_product(dst.add(c0), dst_row, (m, k, cols), a, staged, 0, beta, accumulate, none) };
+        unsafe { crate_product(dst.add(c0), dst_row, job.columns(staged, 0, cols), none) };
     }
 }
 
@@ -134,17 +125,8 @@ pub(super) unsafe fn product<T: Scalar>(
 ///
 /// # Safety
 /// As [`product`]'s.
-#[allow(clippy::too_many_arguments)]
-unsafe fn by_panels<T: Scalar>(
-    dst: *mut T,
-    dst_row: usize,
-    (m, k, n): (usize, usize, usize),
-    a: Mat<'_, T>,
-    b: Mat<'_, T>,
-    j0: usize,
-    beta: T,
-    accumulate: bool,
-) {
+unsafe fn by_panels<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>) {
+    let Job { dims: (_, k, n), b, j0, .. } = job;
     let none = ::gemm::Parallelism::None;
     let r = kernel_rows::<T>();
     let mut panel: Vec<T> = vec![T::default(); r * k];
@@ -153,7 +135,7 @@ unsafe fn by_panels<T: Scalar>(
         super::pack::fill_panel(&mut panel, b.data, b.col_stride, (j0 + c0, w, k));
         let staged = Mat { data: &panel[..w * k], rows: k, cols: w, row_stride: w, col_stride: 1 };
         // SAFETY: the caller's contract for the destination's columns c0..c0 + w.
-        unsafe { crate_product(dst.add(c0), dst_row, (m, k, w), a, staged, 0, beta, accumulate, none) };
+        unsafe { crate_product(dst.add(c0), dst_row, job.columns(staged, 0, w), none) };
     }
 }
 
