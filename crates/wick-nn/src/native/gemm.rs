@@ -28,16 +28,17 @@ pub(crate) fn gemm<T: Real>(
     kernel::gemm(dst, a, b, beta, accumulate, parallel).map_err(candle)
 }
 
-/// [`gemm`] into a destination whose rows lie `dst_row` elements apart
-/// ([`kernel::gemm_rows_apart`]).
-pub(crate) fn gemm_rows_apart<T: Real>(
-    dst: &mut [T],
+/// `a·b` into memory that need not be initialised, its rows `dst_row` elements apart: the
+/// n elements from each of the m rows' starts written, nothing else
+/// ([`kernel::gemm_into_rows_apart`]).
+pub(crate) fn gemm_into_rows_apart<T: Real>(
+    dst: &mut [std::mem::MaybeUninit<T>],
     dst_row: usize,
     a: Mat<'_, T>,
     b: Mat<'_, T>,
     parallel: bool,
 ) -> Result<()> {
-    kernel::gemm_rows_apart(dst, dst_row, a, b, T::one(), false, parallel).map_err(candle)
+    kernel::gemm_into_rows_apart(dst, dst_row, a, b, T::one(), parallel).map_err(candle)
 }
 
 /// A fresh m × n `beta·a·b` (row-major), written into memory that is not zero-filled first

@@ -11,7 +11,7 @@ use candle_core::DType;
 use half::bf16;
 
 use super::elem::{elem_tensor, elems, with_elems};
-use super::gemm::gemm_rows_apart;
+use super::gemm::gemm_into_rows_apart;
 use super::gemm_bf16::{self, gemm_bf16};
 use super::{gemm, par_ranges, product, read, tensor, with, Mat, Real, SharedMut};
 
@@ -338,16 +338,22 @@ fn stacked<T: Real>(x: &Tensor, weights: &[&Tensor], biases: Option<&[&Tensor]>)
         return Err(err(format!("linear: {outs:?} outputs of {m} rows overflow")));
     };
     super::ask_for_output::<T>(len)?;
-    let mut y = vec![T::zero(); len];
+    // Each weight writes its columns of every row into memory not zero-filled first; the
+    // output is whole once the last has (the outputs sum to n).
+    let mut y: Vec<T> = Vec::with_capacity(len);
     with::<T, _>(x, |xs| {
+        let fresh = &mut y.spare_capacity_mut()[..len];
         let mut j0 = 0;
         for (w, &out) in weights.iter().zip(&outs) {
-            let dst = y.get_mut(j0..).unwrap_or_default();
-            with::<T, _>(w, |wv| gemm_rows_apart(dst, n, Mat::rows(xs, m, k), Mat::rows(wv, out, k).t(), true))?;
+            let dst = fresh.get_mut(j0..).unwrap_or_default();
+            with::<T, _>(w, |wv| gemm_into_rows_apart(dst, n, Mat::rows(xs, m, k), Mat::rows(wv, out, k).t(), true))?;
             j0 += out;
         }
         Ok(())
     })?;
+    // SAFETY: the products above wrote columns j0..j0 + out of all m rows for every weight, and
+    // those ranges tile 0..n: every one of the m·n = len elements (the capacity holds them).
+    unsafe { y.set_len(len) };
     if let Some(biases) = biases {
         if biases.len() != weights.len() {
             return Err(err(format!("linear: {} biases for {} weights", biases.len(), weights.len())));

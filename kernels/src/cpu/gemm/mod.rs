@@ -176,13 +176,48 @@ pub fn gemm_into<'d, T: Scalar>(
         gemm(init, a, b, beta, false, parallel)?;
         return Ok(init);
     }
-    let job = Job { dims: (m, k, n), a, b, j0: 0, beta, accumulate: false };
-    // SAFETY: the shapes were checked against `a`, `b` and the destination's m·n elements, which
-    // `a` and `b` (shared borrows) cannot alias; the crate's paths write every element without
-    // reading any (`accumulate` false).
-    unsafe { crate_paths(Dst(dst.as_mut_ptr().cast()), n, job, parallel) };
-    // SAFETY: every element was written above; MaybeUninit<T> has T's layout.
+    gemm_into_rows_apart(dst, n, a, b, beta, parallel)?;
+    // SAFETY: every element was written above (m rows of n, n apart: all m·n); MaybeUninit<T>
+    // has T's layout.
     Ok(unsafe { &mut *(dst as *mut [MaybeUninit<T>] as *mut [T]) })
+}
+
+/// [`gemm_into`] into a destination whose rows lie `dst_row ≥ n` elements apart, as
+/// [`gemm_rows_apart`] has it: writes the n elements from each of the m rows' starts, every one
+/// of them, and nothing else, without reading any. Products side by side in one output (Q, K
+/// and V from their three weights) fill it without a zero fill first; the output is initialised
+/// once every column has been written.
+pub fn gemm_into_rows_apart<T: Scalar>(
+    dst: &mut [MaybeUninit<T>],
+    dst_row: usize,
+    a: Mat<'_, T>,
+    b: Mat<'_, T>,
+    beta: T,
+    parallel: bool,
+) -> Result<(), KernelError> {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    blocking::check_product("wick gemm", (m, k, a.fits()), &b, (dst.len(), dst_row))?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 || T::has_own_kernel(&a, &b) {
+        // The own kernel (few rows) takes its destination as slices: its product is made in
+        // memory of its own and copied into the columns. m·n ≤ (m − 1)·dst_row + n ≤ len.
+        let mut own = vec![T::default(); m * n];
+        gemm(&mut own, a, b, beta, false, parallel)?;
+        for (row, src) in dst.chunks_mut(dst_row).zip(own.chunks_exact(n)) {
+            row[..n].iter_mut().zip(src).for_each(|(d, s)| {
+                d.write(*s);
+            });
+        }
+        return Ok(());
+    }
+    let job = Job { dims: (m, k, n), a, b, j0: 0, beta, accumulate: false };
+    // SAFETY: the shapes were checked against `a`, `b` and the destination's m rows of n
+    // elements dst_row apart, which `a` and `b` (shared borrows) cannot alias; the crate's paths
+    // write every one of those elements without reading any (`accumulate` false).
+    unsafe { crate_paths(Dst(dst.as_mut_ptr().cast()), dst_row, job, parallel) };
+    Ok(())
 }
 
 /// The destination of [`crate_paths`], handed to the threads that write its disjoint columns.
@@ -394,10 +429,18 @@ mod tests {
 
     /// Products written side by side into one destination (rows wider than each) equal the
     /// product of the stacked operands, and leave the elements between rows as they were; the
-    /// own kernel's, the staged and the crate's paths alike.
+    /// own kernel's, the panels', the staged and the crate's paths alike, and a depth of 0. Into
+    /// fresh memory (`gemm_into_rows_apart`) they write the same bits and nothing between rows.
     #[test]
     fn products_side_by_side_match_one_product() {
-        for (m, k, parts) in [(5, 200, [30, 7]), (90, 300, [150, 40]), (70, 20, [9, 3])] {
+        for (m, k, parts) in [
+            (5, 200, [30, 7]),
+            (90, 300, [150, 40]),
+            (70, 20, [9, 3]),
+            (300, 300, [150, 70]),
+            (2100, 64, [150, 40]),
+            (3, 0, [5, 2]),
+        ] {
             let n: usize = parts.iter().sum();
             let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
             let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
@@ -417,7 +460,27 @@ mod tests {
                 assert!(got.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-4 * (1.0 + b.abs())), "row {i}");
                 assert!(side[i * row + n..(i + 1) * row].iter().all(|&v| v == -7.0));
             }
+            // The same into memory that starts as NaN: each product's columns equal, to the
+            // bit, what `gemm_rows_apart` wrote into the zeros' place, and the gaps keep NaN.
+            let mut fresh = vec![MaybeUninit::new(f32::NAN); m * row];
+            let mut j0 = 0;
+            for p in parts {
+                let wp = Mat::rows(&w[j0 * k..(j0 + p) * k], p, k).t();
+                gemm_into_rows_apart(&mut fresh[j0..], row, Mat::rows(&x, m, k), wp, 1.0, true).unwrap();
+                j0 += p;
+            }
+            // SAFETY: every element was initialised (NaN, then the products).
+            let fresh: Vec<f32> = fresh.iter().map(|v| unsafe { v.assume_init() }).collect();
+            for i in 0..m {
+                let (got, want) = (&fresh[i * row..i * row + n], &side[i * row..i * row + n]);
+                assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "row {i}");
+                assert!(fresh[i * row + n..(i + 1) * row].iter().all(|v| v.is_nan()));
+            }
         }
+        let mut gaps = vec![MaybeUninit::new(0f32); 8];
+        let a = vec![0f32; 6];
+        assert!(gemm_into_rows_apart(&mut gaps, 1, Mat::rows(&a, 2, 3), Mat::rows(&a, 3, 2), 1.0, false).is_err());
+        assert!(gemm_into_rows_apart(&mut gaps, 7, Mat::rows(&a, 2, 3), Mat::rows(&a, 3, 2), 1.0, false).is_err());
         let (a, mut out) = (vec![0f32; 6], vec![0f32; 8]);
         // Rows closer than a row's length, or a last row past the end.
         assert!(gemm_rows_apart(&mut out, 1, Mat::rows(&a, 2, 3), Mat::rows(&a, 3, 2), 1.0, false, false).is_err());

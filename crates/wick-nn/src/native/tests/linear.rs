@@ -7,8 +7,9 @@ use super::{check, max_rel_diff, randn, values};
 use crate::ops;
 
 /// Separate weights as one projection: with gradients through the stacked weights, as the
-/// product of the stacked matrix; with none wanted, each product in its columns in place (the
-/// own kernel's few rows, the staged copies' many, split columns), against f64 in f32 and f64.
+/// product of the stacked matrix; with none wanted, each product in its columns in place, in
+/// memory not zero-filled first (the own kernel's few rows, the panels', the staged copies',
+/// the crate's past them, split columns), against f64 in f32 and f64.
 #[test]
 fn stacked_linear_matches_the_stacked_weights() -> Result<()> {
     let (x, ws, bs) = (randn(&[2, 3, 6], 4), [randn(&[4, 6], 5), randn(&[2, 6], 6)], [randn(&[4], 7), randn(&[2], 8)]);
@@ -18,7 +19,9 @@ fn stacked_linear_matches_the_stacked_weights() -> Result<()> {
     };
     let inputs = [x, ws[0].clone(), ws[1].clone(), bs[0].clone(), bs[1].clone()];
     check("linear_stacked", &inputs, |t| ops::linear_stacked(&t[0], &[&t[1], &t[2]], Some(&[&t[3], &t[4]])), oracle);
-    for (rows, k, outs) in [(40, 300, [50, 20, 70]), (150, 300, [200, 60, 90]), (150, 64, [30, 5, 9])] {
+    for (rows, k, outs) in
+        [(40, 300, [50, 20, 70]), (150, 300, [200, 60, 90]), (150, 64, [30, 5, 9]), (2100, 64, [80, 7, 30])]
+    {
         let x = randn(&[rows, k], 9);
         let ws: Vec<Tensor> = outs.iter().enumerate().map(|(i, &o)| randn(&[o, k], 10 + i as u64)).collect();
         let bs: Vec<Tensor> = outs.iter().enumerate().map(|(i, &o)| randn(&[o], 20 + i as u64)).collect();
