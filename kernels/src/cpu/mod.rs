@@ -48,8 +48,9 @@ pub fn round_bf16(x: f32) -> bf16 {
 
 /// True when the CPU has AVX-512F and `WICK_CPU_AVX512` is not `0` (decided once per process).
 /// The kernels that choose between AVX-512 and AVX2 code ([`math::vectorized`], wick-nn's wide
-/// kernels, the f32 products of a few rows along the depth) ask here, so that `WICK_CPU_AVX512=0`
-/// measures an AVX2 machine's paths on an AVX-512 one. The `gemm` crate (the other f32 products;
+/// kernels, the f32 products of a few rows along the depth, the blocks and panels in which the
+/// other f32 products reach the `gemm` crate) ask here, so that `WICK_CPU_AVX512=0` measures an
+/// AVX2 machine's paths on an AVX-512 one. The `gemm` crate (the other f32 products;
 /// its AVX-512 kernels are a build feature) and the kernels that need AVX-512 itself (bf16, AMX,
 /// the direct convolutions) keep their own checks.
 pub fn avx512() -> bool {

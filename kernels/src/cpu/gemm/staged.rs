@@ -11,7 +11,7 @@
 //! 89 (PyTorch's oneDNN: 87 at the first; `cargo bench -p wick-kernels --bench f32_products`).
 //! The copy is one contiguous read of each column into a buffer of [`BLOCK_BYTES`] that stays in
 //! L2 while the crate packs it, rows [`stride`] apart so that they fall in different sets.
-//! With few rows (f32 on AVX-512), the columns are instead transposed into the crate's own panel
+//! With few rows (f32 on AVX2 and AVX-512), the columns are instead transposed into the crate's panel
 //! layout ([`by_panels`]), which it reads without packing them again.
 //!
 //! Numerics: the crate's own sums, over the same elements; only where `b` is read from changes.
@@ -33,7 +33,7 @@ const MIN_ROWS: usize = 64;
 const MAX_ROWS: usize = 2048;
 
 /// Rows of `a` up to which `b`'s columns are copied as the crate's micro-kernel panels
-/// ([`by_panels`], f32 on AVX-512) rather than in blocks: the crate then reads them in place
+/// ([`by_panels`], f32 where [`panel_columns`] gives their width) rather than in blocks: the crate then reads them in place
 /// instead of packing each block again, which weighs most when few rows share the packing; each
 /// panel is a call of its own, so with more rows `a` is read once a panel. At 128 rows 1.07–1.31×
 /// on 10 of 13 layer shapes (medians of 24 alternating runs), at 1 024 rows 0.79–1.10×
@@ -59,12 +59,35 @@ pub(super) fn applies<T>(a: &Mat<'_, T>, b: &Mat<'_, T>) -> bool {
 /// block runs its last columns on the narrower kernels: at 128 rows, MiniLM's 1536 → 384 in
 /// blocks of 80 columns (64 + 16) ran at 94 G multiply-adds a second, in blocks of 64 at 106, the
 /// decoder's 1408 → 512 at 90 against 103 (BENCHMARKS.md, "Transformer inference (issue 50)").
+/// Asked of [`crate::cpu::avx512`], so that `WICK_CPU_AVX512=0` (with a build of the crate
+/// without its AVX-512 kernels) blocks as an AVX2 CPU does: on hardware detection alone, that
+/// measurement ran the AVX-512 panels against the crate's AVX2 kernels, which no AVX2 CPU does.
 fn kernel_rows<T>() -> usize {
-    #[cfg(target_arch = "x86_64")]
-    if std::mem::size_of::<T>() == 4 && std::is_x86_feature_detected!("avx512f") {
+    if std::mem::size_of::<T>() == 4 && crate::cpu::avx512() {
         return 64;
     }
     16
+}
+
+/// Columns of each panel where [`by_panels`] takes the product (f32 on CPUs with AVX2), `None`
+/// where the blocks do. On AVX-512 the crate's widest micro-kernel (64). On AVX2 two of its
+/// 16-row micro-kernels: against the blocks, panels of 16 and of 32 both ran 1.00–1.08× on most
+/// of the 13 layer shapes at 128 and 256 rows, and 32 kept the vocabulary head (512 → 32 000)
+/// level where 16 lost 1–3 % (`WICK_CPU_AVX512=0`, the crate without its AVX-512 kernels, on a
+/// Xeon; BERT-base's 768 → 2304 at 128 rows 1.05–1.77×; BENCHMARKS.md "Transformer inference
+/// (issue 50)").
+fn panel_columns<T>() -> Option<usize> {
+    if std::mem::size_of::<T>() != 4 {
+        return None;
+    }
+    if crate::cpu::avx512() {
+        return Some(64);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        return Some(32);
+    }
+    None
 }
 
 /// Elements from one staged column to the next: the depth rounded up to a 64-byte line, and
@@ -93,9 +116,9 @@ pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_
         unsafe { crate_product(dst, dst_row, job, none) };
         return;
     }
-    if m <= PANEL_MAX_ROWS && kernel_rows::<T>() == 64 {
+    if let Some(r) = panel_columns::<T>().filter(|_| m <= PANEL_MAX_ROWS) {
         // SAFETY: the caller's contract.
-        unsafe { by_panels(dst, dst_row, job) };
+        unsafe { by_panels(dst, dst_row, job, r) };
         return;
     }
     let st = stride::<T>(k);
@@ -118,17 +141,16 @@ pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_
     }
 }
 
-/// [`product`] with `b`'s columns copied into panels of the crate's micro-kernel width
-/// ([`kernel_rows`]): panel q holds columns qR..qR + R, element (p, j) at p·R + j, which the
-/// crate reads as a column-major left operand (its transposed problem) without packing it into
-/// its own panels first (it copies it whole into its per-thread buffer, a contiguous read).
+/// [`product`] with `b`'s columns copied into panels of `r` columns ([`panel_columns`]): panel q
+/// holds columns qr..qr + r, element (p, j) at p·r + j, which the crate reads as a column-major
+/// left operand (its transposed problem) without packing it into its own panels first (it
+/// copies it whole into its per-thread buffer, a contiguous read).
 ///
 /// # Safety
 /// As [`product`]'s.
-unsafe fn by_panels<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>) {
+unsafe fn by_panels<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>, r: usize) {
     let Job { dims: (_, k, n), b, j0, .. } = job;
     let none = ::gemm::Parallelism::None;
-    let r = kernel_rows::<T>();
     let mut panel: Vec<T> = vec![T::default(); r * k];
     for c0 in (0..n).step_by(r) {
         let w = r.min(n - c0);
