@@ -365,8 +365,8 @@ mod tests {
     /// Linear layers' products that `staged` copies (W's columns along the depth, far apart):
     /// more columns than one copied block holds, W inside a wider buffer, one thread and split
     /// columns, written and accumulated; against the naive loop in f64. 70 rows take the f32
-    /// panels on AVX2 and AVX-512 (ragged in both directions: 1030 deep, a last panel of 44 or 12 columns), 300
-    /// the blocks.
+    /// panels on AVX2 and AVX-512 (ragged in both directions: 1030 deep, a last panel narrower
+    /// than the others), 300 the blocks.
     #[test]
     fn staged_products_match_a_naive_loop() {
         for m in [70, 300] {

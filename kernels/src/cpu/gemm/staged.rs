@@ -33,11 +33,11 @@ const MIN_ROWS: usize = 64;
 const MAX_ROWS: usize = 2048;
 
 /// Rows of `a` up to which `b`'s columns are copied as the crate's micro-kernel panels
-/// ([`by_panels`], f32 where [`panel_columns`] gives their width) rather than in blocks: the crate then reads them in place
-/// instead of packing each block again, which weighs most when few rows share the packing; each
-/// panel is a call of its own, so with more rows `a` is read once a panel. At 128 rows 1.07–1.31×
-/// on 10 of 13 layer shapes (medians of 24 alternating runs), at 1 024 rows 0.79–1.10×
-/// (BENCHMARKS.md, "Transformer inference (issue 50)").
+/// ([`by_panels`], f32 where [`panel_columns`] gives their width) rather than in blocks: the crate
+/// then reads them in place instead of packing each block again, which weighs most when few rows
+/// share the packing; each panel is a call of its own, so with more rows `a` is read once a panel.
+/// At 128 rows 1.07–1.31× on 10 of 13 layer shapes (medians of 24 alternating runs), at 1 024 rows
+/// 0.79–1.10× (BENCHMARKS.md, "Transformer inference (issue 50)").
 const PANEL_MAX_ROWS: usize = 256;
 
 /// Depth from which products are staged.
@@ -71,11 +71,11 @@ fn kernel_rows<T>() -> usize {
 
 /// Columns of each panel where [`by_panels`] takes the product (f32 on CPUs with AVX2), `None`
 /// where the blocks do. On AVX-512 the crate's widest micro-kernel (64). On AVX2 two of its
-/// 16-row micro-kernels: against the blocks, panels of 16 and of 32 both ran 1.00–1.08× on most
-/// of the 13 layer shapes at 128 and 256 rows, and 32 kept the vocabulary head (512 → 32 000)
-/// level where 16 lost 1–3 % (`WICK_CPU_AVX512=0`, the crate without its AVX-512 kernels, on a
-/// Xeon; BERT-base's 768 → 2304 at 128 rows 1.05–1.77×; BENCHMARKS.md "Transformer inference
-/// (issue 50)").
+/// 16-row micro-kernels: against the blocks, panels of 32 ran at or above 1.0× on 9 to 12 of the
+/// 13 layer shapes in each of four paired runs at 128 to 256 rows (mostly 1.00–1.17×, BERT-base's
+/// 768 → 2304 1.04–1.51×, the lowest 0.95×); panels of 16 about as well, but 0.97–0.99× on the
+/// vocabulary head (512 → 32 000), where 32 held level (`WICK_CPU_AVX512=0` with the crate built
+/// without its AVX-512 kernels, on a Xeon; BENCHMARKS.md "Transformer inference (issue 50)").
 fn panel_columns<T>() -> Option<usize> {
     if std::mem::size_of::<T>() != 4 {
         return None;
