@@ -11,8 +11,8 @@
 //! 89 (PyTorch's oneDNN: 87 at the first; `cargo bench -p wick-kernels --bench f32_products`).
 //! The copy is one contiguous read of each column into a buffer of [`BLOCK_BYTES`] that stays in
 //! L2 while the crate packs it, rows [`stride`] apart so that they fall in different sets.
-//! With few rows (f32 on AVX2 and AVX-512), the columns are instead transposed into the crate's panel
-//! layout ([`by_panels`]), which it reads without packing them again.
+//! With few rows (f32 on AVX2 and AVX-512), the columns are instead transposed into the crate's
+//! panel layout ([`by_panels`]), which it reads without packing them again.
 //!
 //! Numerics: the crate's own sums, over the same elements; only where `b` is read from changes.
 
@@ -174,6 +174,38 @@ mod tests {
         for k in 1..5000 {
             let s = stride::<f32>(k);
             assert!(s >= k && s.is_multiple_of(16) && !(s * 4).is_multiple_of(1024), "{k} → {s}");
+        }
+    }
+
+    /// Panels of every width a CPU may take (32 on AVX2, 64 on AVX-512, whichever this CPU
+    /// uses), written and accumulated into rows wider than the product, against an f64 loop: W
+    /// inside a wider buffer (columns 1030 deep, 1040 apart), a first column other than 0, a
+    /// last panel narrower than the others.
+    #[test]
+    fn panels_of_each_width_match_a_naive_loop() {
+        let (m, k, n, row, j0, dst_row) = (70, 1030, 150, 1040, 3, 157);
+        let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w: Vec<f32> = (0..(n + j0) * row).map(|i| (i as f32 * 0.11).cos()).collect();
+        let truth =
+            |i: usize, j: usize| -> f64 { (0..k).map(|p| x[i * k + p] as f64 * w[(j0 + j) * row + p] as f64).sum() };
+        let b = Mat { data: &w[..], rows: k, cols: n + j0, row_stride: 1, col_stride: row };
+        for r in [32, 64] {
+            let mut out = vec![f32::NAN; m * dst_row];
+            for (accumulate, scale) in [(false, 1.0), (true, 2.0)] {
+                let job = Job { dims: (m, k, n), a: Mat::rows(&x, m, k), b, j0, beta: 2.0, accumulate };
+                // SAFETY: x holds m rows of k; W columns j0..j0 + n of k elements; the destination
+                // m rows of n elements dst_row apart; no aliasing; `accumulate` only after the
+                // first product has written every element.
+                unsafe { by_panels(out.as_mut_ptr(), dst_row, job, r) };
+                for i in 0..m {
+                    for j in 0..n {
+                        let (got, want) = (out[i * dst_row + j] as f64, 2.0 * scale * truth(i, j));
+                        assert!((got - want).abs() < 2e-3, "panels of {r}: ({i}, {j}) {got} against {want}");
+                    }
+                    // Nothing written between rows.
+                    assert!(out[i * dst_row + n..(i + 1) * dst_row].iter().all(|v| v.is_nan()), "panels of {r}");
+                }
+            }
         }
     }
 }
