@@ -59,9 +59,10 @@ pub(super) fn applies<T>(a: &Mat<'_, T>, b: &Mat<'_, T>) -> bool {
 /// block runs its last columns on the narrower kernels: at 128 rows, MiniLM's 1536 → 384 in
 /// blocks of 80 columns (64 + 16) ran at 94 G multiply-adds a second, in blocks of 64 at 106, the
 /// decoder's 1408 → 512 at 90 against 103 (BENCHMARKS.md, "Transformer inference (issue 50)").
-/// Asked of [`crate::cpu::avx512`], so that `WICK_CPU_AVX512=0` (with a build of the crate
-/// without its AVX-512 kernels) blocks as an AVX2 CPU does: on hardware detection alone, that
-/// measurement ran the AVX-512 panels against the crate's AVX2 kernels, which no AVX2 CPU does.
+/// Asked of [`crate::cpu::avx512`] (as [`panel_columns`] is), so that `WICK_CPU_AVX512=0` (with a
+/// build of the crate without its AVX-512 kernels) blocks as an AVX2 CPU does: on hardware
+/// detection alone, that measurement rounded blocks to 64 columns (and took AVX-512's panels) for
+/// the crate's AVX2 kernels, which no AVX2 CPU does.
 fn kernel_rows<T>() -> usize {
     if std::mem::size_of::<T>() == 4 && crate::cpu::avx512() {
         return 64;
