@@ -18,6 +18,7 @@ mod blocking;
 mod operand;
 mod pack;
 mod staged;
+mod tiles_f32;
 
 pub use blocking::Mat;
 

@@ -17,7 +17,7 @@
 //! Numerics: the crate's own sums, over the same elements; only where `b` is read from changes.
 
 use super::blocking::Mat;
-use super::{crate_product, Job, Scalar};
+use super::{crate_product, tiles_f32, Job, Scalar};
 
 /// Bytes of `b` copied at a time: half of a 1 MiB L2, beside the crate's packed panels.
 const BLOCK_BYTES: usize = 512 << 10;
@@ -117,6 +117,13 @@ pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_
         unsafe { crate_product(dst, dst_row, job, none) };
         return;
     }
+    if m <= TILES_MAX_ROWS && tiles_wanted() {
+        if let Some(job) = as_f32(job).filter(tiles_f32::applies) {
+            // SAFETY: the caller's contract; T is f32.
+            unsafe { tiles_f32::product(dst.cast(), dst_row, job) };
+            return;
+        }
+    }
     if let Some(r) = panel_columns::<T>().filter(|_| m <= PANEL_MAX_ROWS) {
         // SAFETY: the caller's contract.
         unsafe { by_panels(dst, dst_row, job, r) };
@@ -140,6 +147,33 @@ pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_
         // n); the staged block holds `cols` columns of k elements `st` apart.
         unsafe { crate_product(dst.add(c0), dst_row, job.columns(staged, 0, cols), none) };
     }
+}
+
+/// Rows of `a` up to which f32 products run on wick's own tiles ([`tiles_f32`]).
+const TILES_MAX_ROWS: usize = 256;
+
+/// Experiment switch: `WICK_CPU_TILES=0` leaves the products to the crate.
+fn tiles_wanted() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("WICK_CPU_TILES").is_none_or(|v| v != "0"))
+}
+
+/// The job as the f32 job it is, where `T` is f32.
+fn as_f32<T: Scalar>(job: Job<'_, T>) -> Option<Job<'_, f32>> {
+    if std::any::TypeId::of::<T>() != std::any::TypeId::of::<f32>() {
+        return None;
+    }
+    let cast = |m: Mat<'_, T>| Mat {
+        // SAFETY: T is f32 (checked above): the same elements, the same layout.
+        data: unsafe { std::slice::from_raw_parts(m.data.as_ptr().cast::<f32>(), m.data.len()) },
+        rows: m.rows,
+        cols: m.cols,
+        row_stride: m.row_stride,
+        col_stride: m.col_stride,
+    };
+    // SAFETY: as above, for the one scalar.
+    let beta = unsafe { std::mem::transmute_copy::<T, f32>(&job.beta) };
+    Some(Job { dims: job.dims, a: cast(job.a), b: cast(job.b), j0: job.j0, beta, accumulate: job.accumulate })
 }
 
 /// [`product`] with `b`'s columns copied into panels of `r` columns ([`panel_columns`]): panel q
