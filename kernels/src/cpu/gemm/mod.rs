@@ -21,6 +21,7 @@ mod staged;
 mod tiles_f32;
 
 pub use blocking::Mat;
+pub use tiles_f32::use_tiles;
 
 use std::mem::MaybeUninit;
 

@@ -210,7 +210,7 @@ pub(super) fn fill_panel<T: Copy + 'static>(
 /// writable for every p < 8.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn transpose8x8(src: [*const u8; T8], dst: *mut u32, stride: usize) {
+pub(super) unsafe fn transpose8x8(src: [*const u8; T8], dst: *mut u32, stride: usize) {
     use std::arch::x86_64::*;
     // A loop, not `std::array::from_fn` (whose closure is not inlined under target features).
     let mut r = [_mm256_setzero_si256(); T8];
