@@ -18,7 +18,10 @@ if [ ! -e "$src/.git" ]; then
   rm -rf "$src"
   git worktree add --detach "$src" HEAD >/dev/null
 fi
-git -C "$src" checkout -q -- Cargo.toml
+# Whatever was changed or added in the worktree (its Cargo.toml edit, files copied in by hand
+# for an experiment) is dropped: it builds HEAD as committed.
+git -C "$src" reset -q --hard
+git -C "$src" clean -fdq
 git -C "$src" checkout -q --detach "$(git rev-parse HEAD)"
 sed -i 's/^gemm = { version = "\([^"]*\)", features = \["x86-v4"\] }/gemm = { version = "\1" }/' "$src/Cargo.toml"
 if grep -q 'x86-v4' "$src/Cargo.toml"; then

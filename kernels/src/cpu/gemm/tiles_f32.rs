@@ -4,19 +4,20 @@
 //! panel's two vectors and the broadcast.
 //!
 //! Why: on the AVX2 paths the `gemm` crate's own kernel (its `x2x6`, run on the transposed
-//! problem) multiplied the transformers' layers at 128 rows 3–14 % slower than these tiles
-//! (medians of alternating runs in one process; 1.00–1.05× at 256 rows, but 0.93–1.08× at 1 024,
-//! where the crate keeps them; `cargo bench -p wick-kernels --bench tiles_ab`, BENCHMARKS.md
-//! "Transformer inference (issue 50)"). On AVX-512 the same design (8 × 32 tiles) ran at
-//! 0.87–1.02× the crate's 64 × 6 kernel, which keeps those products.
+//! problem, W copied into its panels by `staged`) multiplied the transformers' layers at 128
+//! rows 2–12 % slower than these tiles (medians of alternating runs in one process; at 197 and
+//! 256 rows 0–13 %; level at 1 024 rows, where the crate keeps them; `cargo bench -p
+//! wick-kernels --bench tiles_ab`, BENCHMARKS.md "Transformer inference (issue 50)"). On AVX-512
+//! the same design (8 × 32 tiles) ran at 0.87–1.02× the crate's 64 × 6 kernel, which keeps those
+//! products.
 //!
-//! Blocking: W in blocks of [`NC`] columns by [`KC`] depths, copied as panels of 16 columns
-//! (depth-major, each panel 16 KiB, in L1 while the tiles of a block of rows pass it); x packed
-//! once per product, tile by tile (element (i, p) of a tile's slice at p·6 + i: one pointer and
-//! immediate offsets in the inner loop, no address arithmetic beside the multiply-adds), swept in
-//! blocks of [`MC`] rows (in L2 while every panel of a block passes them). While one block of W
-//! is multiplied, the next one's columns are fetched into L2: W comes from memory (a model's
-//! weights are not in cache), and the copy would otherwise wait on it.
+//! Blocking: W a panel of 16 columns at a time, copied depth-major a slice of [`KC`] depths at a
+//! time (16 KiB, in L1 while every tile of x's rows passes it; the slice of x's rows stays in
+//! L2). While one slice is multiplied, the next one's columns are fetched into L2: W comes from
+//! memory (a model's weights are not in cache), and the copy would otherwise wait on it. x is
+//! read in place, or, for wide products ([`PACK_MIN_COLUMNS`]), packed once per product tile by
+//! tile (element (i, p) of a tile's slice at p·6 + i: one pointer and immediate offsets in the
+//! inner loop, no address arithmetic beside the multiply-adds).
 //!
 //! Numerics: f32 sums in depth order within a slice of [`KC`], the slices added into the
 //! destination in depth order: each element the same whatever m, n and the thread count.
@@ -28,13 +29,14 @@ use super::Job;
 /// Depths of one slice.
 const KC: usize = 256;
 
-/// Columns of W copied at a time (a block of [`KC`] depths: 384 KiB, in L2 while every block of
-/// rows passes it).
-const NC: usize = 384;
-
-/// Rows of x swept against a block of W at a time (192 × [`KC`] f32: 192 KiB, in L2 while every
-/// panel of the block passes them); a multiple of [`ROWS`].
-const MC: usize = 192;
+/// Columns of W (of this thread's part of the product) from which x is packed: each element of
+/// x then serves at least that many multiply-adds, against a share of one register
+/// transposition. With fewer, reading x's rows in place (six rows' addresses formed beside the
+/// multiply-adds) led: BERT-base's 768 → 768 and 3072 → 768 and MiniLM's 1536 → 384 (384 or
+/// 192 columns a thread) 1.03–1.10× the crate in place against 0.92–1.06× packed, while the
+/// wide layers (1 152 columns a thread and more) ran 1.04–1.29× packed against 1.02–1.11× in
+/// place (medians of alternating runs in one process at 128, 197 and 256 rows).
+const PACK_MIN_COLUMNS: usize = 1024;
 
 /// Rows of x in one tile.
 const ROWS: usize = 6;
@@ -125,74 +127,69 @@ pub(super) unsafe fn product(dst: *mut f32, dst_row: usize, job: Job<'_, f32>) {
         a_end.is_some_and(|e| e <= a.data.len()) && b_end.is_some_and(|e| e <= b.data.len()),
         "tiles_f32: an operand shorter than its shape"
     );
-    let (rows, nr) = (ROWS, NR);
-    let xs = pack_rows(&a, (m, k), rows);
-    let mut panels = vec![0f32; NC.min(n).div_ceil(nr) * nr * KC.min(k)];
+    // x packed where each of its elements serves enough columns to pay for the copy.
+    let xs = (n >= PACK_MIN_COLUMNS).then(|| pack_rows(&a, (m, k)));
+    let mut panel = vec![0f32; NR * KC.min(k)];
     let mut narrow: Vec<f32> = Vec::new();
-    let blocks = (0..n).step_by(NC).flat_map(|c0| (0..k).step_by(KC).map(move |p0| (c0, p0)));
+    let tiles = m.div_ceil(ROWS);
+    let blocks = (0..n).step_by(NR).flat_map(|c0| (0..k).step_by(KC).map(move |p0| (c0, p0)));
     let mut ahead = blocks.clone().skip(1);
     for (c0, p0) in blocks {
-        let (nc, kc) = (NC.min(n - c0), KC.min(k - p0));
+        let (w, kc) = (NR.min(n - c0), KC.min(k - p0));
         let add = accumulate || p0 > 0;
-        for (q, panel) in panels.chunks_exact_mut(nr * kc).take(nc.div_ceil(nr)).enumerate() {
-            let (first, w) = (j0 + c0 + q * nr, nr.min(nc - q * nr));
-            if w == nr {
-                fill_panel(panel, &b.data[p0..], b.col_stride, (first, w, kc));
-            } else {
-                // The last, narrower panel: its columns spread to the tile's width, zeros beside.
-                narrow.resize(w * kc, 0.0);
-                fill_panel(&mut narrow, &b.data[p0..], b.col_stride, (first, w, kc));
-                for (to, from) in panel.chunks_exact_mut(nr).zip(narrow.chunks_exact(w)) {
-                    to[..w].copy_from_slice(from);
-                    to[w..].fill(0.0);
-                }
+        if w == NR {
+            fill_panel(&mut panel, &b.data[p0..], b.col_stride, (j0 + c0, w, kc));
+        } else {
+            // The last, narrower panel: its columns spread to the tile's width, zeros beside.
+            narrow.resize(w * kc, 0.0);
+            fill_panel(&mut narrow, &b.data[p0..], b.col_stride, (j0 + c0, w, kc));
+            for (to, from) in panel.chunks_exact_mut(NR).zip(narrow.chunks_exact(w)) {
+                to[..w].copy_from_slice(from);
+                to[w..].fill(0.0);
             }
         }
         let next = ahead.next().map(|(c, p)| Runs {
             first: (j0 + c) * b.col_stride + p,
             apart: b.col_stride,
-            count: NC.min(n - c),
+            count: NR.min(n - c),
             len: KC.min(k - p),
         });
-        let tiles = m.div_ceil(rows) * nc.div_ceil(nr);
-        let mut t = 0;
-        for r_block in (0..m).step_by(MC) {
-            let r_end = (r_block + MC).min(m);
-            for (q, panel) in panels.chunks_exact(nr * kc).take(nc.div_ceil(nr)).enumerate() {
-                for r0 in (r_block..r_end).step_by(rows) {
-                    if let Some(next) = &next {
-                        next.prefetch(b.data, t, tiles);
-                    }
-                    t += 1;
-                    let r = rows.min(r_end - r0);
-                    let tile = Tile {
-                        kc,
-                        x: xs[r0 * k + p0 * r..].as_ptr(),
-                        panel: panel.as_ptr(),
-                        // SAFETY: row r0 and column c0 + q·nr of the destination (both inside).
-                        dst: unsafe { dst.add(r0 * dst_row + c0 + q * nr) },
-                        dst_row,
-                        cols: nr.min(nc - q * nr),
-                        beta,
-                        add,
-                    };
-                    // SAFETY: AVX2 and FMA were detected; the packed tile holds kc depths of r
-                    // rows, the panel kc steps of 16, the destination r rows of its columns (the
-                    // caller's contract).
-                    unsafe { tile.run(r) };
-                }
+        for (t, r0) in (0..m).step_by(ROWS).enumerate() {
+            if let Some(next) = &next {
+                next.prefetch(b.data, t, tiles);
             }
+            let r = ROWS.min(m - r0);
+            let (x, x_row) = match &xs {
+                Some(xs) => (xs[r0 * k + p0 * r..].as_ptr(), None),
+                None => (a.data[r0 * a.row_stride + p0..].as_ptr(), Some(a.row_stride)),
+            };
+            let tile = Tile {
+                kc,
+                x,
+                x_row,
+                panel: panel.as_ptr(),
+                // SAFETY: row r0 and column c0 of the destination (r0 < m, c0 < n).
+                dst: unsafe { dst.add(r0 * dst_row + c0) },
+                dst_row,
+                cols: w,
+                beta,
+                add,
+            };
+            // SAFETY: AVX2 and FMA were detected; x holds kc depths of rows r0..r0 + r (packed,
+            // or in place: checked above), the panel kc steps of 16, the destination r rows of w
+            // elements (the caller's contract).
+            unsafe { tile.run(r) };
         }
     }
 }
 
-/// x's m rows packed as the tiles read them: the tile of rows r0..r0 + r (r ≤ `rows` ≤ 8) from
+/// x's m rows packed as the tiles read them: the tile of rows r0..r0 + r (r ≤ [`ROWS`]) from
 /// r0·k, its slice of depths from p0 at r0·k + p0·r, element (i, p) of the slice at p·r + i;
 /// eight elements more at the end. Eight depths of eight rows at a time are one register
 /// transposition (AVX2), each depth's r elements stored as eight lanes, the lanes past r written
 /// over by the next depth (or the next slice); the depths past the last eight one by one.
-fn pack_rows(a: &Mat<'_, f32>, (m, k): (usize, usize), rows: usize) -> Vec<f32> {
-    assert!(rows <= 8, "tiles_f32: tiles of more than eight rows");
+fn pack_rows(a: &Mat<'_, f32>, (m, k): (usize, usize)) -> Vec<f32> {
+    let rows = ROWS;
     let mut xs = vec![0f32; m * k + 8];
     for r0 in (0..m).step_by(rows) {
         let r = rows.min(m - r0);
@@ -259,6 +256,7 @@ impl Runs {
 struct Tile {
     kc: usize,
     x: *const f32,
+    x_row: Option<usize>,
     panel: *const f32,
     dst: *mut f32,
     dst_row: usize,
@@ -276,13 +274,24 @@ impl Tile {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller's contract.
         unsafe {
-            match r {
-                6 => avx2::<6>(self),
-                5 => avx2::<5>(self),
-                4 => avx2::<4>(self),
-                3 => avx2::<3>(self),
-                2 => avx2::<2>(self),
-                _ => avx2::<1>(self),
+            if self.x_row.is_none() {
+                match r {
+                    6 => avx2::<6>(self),
+                    5 => avx2::<5>(self),
+                    4 => avx2::<4>(self),
+                    3 => avx2::<3>(self),
+                    2 => avx2::<2>(self),
+                    _ => avx2::<1>(self),
+                }
+            } else {
+                match r {
+                    6 => avx2_rows::<6>(self),
+                    5 => avx2_rows::<5>(self),
+                    4 => avx2_rows::<4>(self),
+                    3 => avx2_rows::<3>(self),
+                    2 => avx2_rows::<2>(self),
+                    _ => avx2_rows::<1>(self),
+                }
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -345,20 +354,65 @@ unsafe fn avx2<const R: usize>(t: &Tile) {
     }
 }
 
+/// R rows × 16 columns on AVX2 with FMA.
+///
+/// # Safety
+/// As [`Tile::run`]'s, with `R` rows and a panel 16 wide.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2_rows<const R: usize>(t: &Tile) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    // SAFETY: rows i < R of x, depths p < kc; panel steps p < kc of 16 (the caller's contract).
+    unsafe {
+        let x_row = t.x_row.unwrap_or(R);
+        let x: [*const f32; R] = std::array::from_fn(|i| t.x.add(i * x_row));
+        let mut wp = t.panel;
+        for p in 0..t.kc {
+            let w0 = _mm256_loadu_ps(wp);
+            let w1 = _mm256_loadu_ps(wp.add(8));
+            for (sums, row) in acc.iter_mut().zip(&x) {
+                let v = _mm256_broadcast_ss(&*row.add(p));
+                sums[0] = _mm256_fmadd_ps(v, w0, sums[0]);
+                sums[1] = _mm256_fmadd_ps(v, w1, sums[1]);
+            }
+            wp = wp.add(16);
+        }
+        let beta = _mm256_set1_ps(t.beta);
+        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let cols = t.cols.min(16) as i32;
+        let masks =
+            [_mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane), _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane)];
+        for (i, sums) in acc.iter().enumerate() {
+            for (h, (&s, &mask)) in sums.iter().zip(&masks).enumerate() {
+                let d = t.dst.add(i * t.dst_row + 8 * h);
+                let mut v = _mm256_mul_ps(s, beta);
+                if t.add {
+                    v = _mm256_add_ps(_mm256_maskload_ps(d, mask), v);
+                }
+                _mm256_maskstore_ps(d, mask, v);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// Against an f64 loop: ragged rows (every tile height) and columns (a last panel narrower
-    /// than the tile), a depth over several slices and not a multiple of one, x and W inside
-    /// wider buffers, a first column other than 0, written into NaN (unread) and accumulated.
+    /// than the tile), a depth over several slices and not a multiple of one (nor of the packing's
+    /// eight), x and W inside wider buffers, a first column other than 0, written into NaN
+    /// (unread) and accumulated; x read in place and packed (from [`PACK_MIN_COLUMNS`] columns).
     #[test]
     fn tiles_match_a_naive_loop() {
         if !runs_here() {
             eprintln!("tiles_f32: SKIPPED, this CPU has no AVX2 with FMA");
             return;
         }
-        for (m, k, n) in [(13, 600, 45), (8, 256, 32), (70, 1030, 150), (1, 5, 3), (3, 0, 7)] {
+        for (m, k, n) in
+            [(13, 600, 45), (8, 256, 32), (70, 1030, 150), (1, 5, 3), (3, 0, 7), (20, 300, 1030), (7, 261, 1024)]
+        {
             let (x_row, w_row, j0, dst_row) = (k + 5, k + 3, 2, n + 4);
             let x: Vec<f32> = (0..m * x_row).map(|i| (i as f32 * 0.37).sin()).collect();
             let w: Vec<f32> = (0..(n + j0) * w_row).map(|i| (i as f32 * 0.11).cos()).collect();
