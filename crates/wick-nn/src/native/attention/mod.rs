@@ -6,48 +6,26 @@
 //! backward recomputes the scores from q and k (one gemm per head) instead of keeping any
 //! seq × seq tensor, as flash attention does. Everything computes in f32 (f64 for f64), softmax
 //! included; bf16 inputs are widened once and the output rounded once.
+//!
+//! The forward pass takes a head's query rows a block at a time (its scores stay in cache
+//! between the two products and the softmax) and, with a bias, weighs a block's keys only up to
+//! its rows' last unmasked one (`bias`: the keys after it, a causal mask's future or a padding
+//! mask's padding, take no part in the softmax): a causal decoder's attention is about half the
+//! work. Backward recomputes whole rows (the left-out keys' probabilities are 0 there too).
 
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tensor};
+
+mod bias;
+
+use bias::Bias;
 
 use super::{dot, gemm, par_ranges, read, sum, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
-}
-
-/// An additive bias broadcast to (batch, heads, seq_q, seq_k): its values and strides.
-struct Bias {
-    values: Vec<f64>,
-    strides: [usize; 4],
-}
-
-impl Bias {
-    /// The bias broadcast to `dims`, or `None` when every value is zero (the padding mask of a
-    /// batch without padding): adding zeros changes no score (a −0 score becomes +0, which the
-    /// softmax and its gradient treat alike), and PyTorch's SDPA path drops such a mask too.
-    fn new(bias: &Tensor, dims: [usize; 4]) -> Result<Option<Self>> {
-        let b = bias.to_dtype(candle_core::DType::F64)?.broadcast_as(dims.to_vec())?;
-        let (storage, layout) = b.storage_and_layout();
-        let Storage::Cpu(CpuStorage::F64(all)) = &*storage else {
-            return Err(err("attention: the bias is not on the CPU".into()));
-        };
-        let (start, stride) = (layout.start_offset(), layout.stride());
-        let extent: usize = dims.iter().zip(stride).map(|(d, s)| d.saturating_sub(1) * s).sum::<usize>() + 1;
-        let values = all.get(start..start + extent).ok_or_else(|| err("attention: bias out of range".into()))?.to_vec();
-        if values.iter().all(|v| *v == 0.0) {
-            return Ok(None);
-        }
-        Ok(Some(Bias { values, strides: [stride[0], stride[1], stride[2], stride[3]] }))
-    }
-
-    /// The bias row for (b, h, i) and its stride along keys.
-    fn row(&self, b: usize, h: usize, i: usize) -> (&[f64], usize) {
-        let start = b * self.strides[0] + h * self.strides[1] + i * self.strides[2];
-        (&self.values[start..], self.strides[3])
-    }
 }
 
 struct Attention {
@@ -119,7 +97,20 @@ impl Heads {
 
     /// Head `bh`'s `rows × d` matrix in `data`.
     fn mat<'a, T>(&self, data: &'a [T], bh: usize, heads: usize, rows: usize, d: usize) -> Result<Mat<'a, T>> {
-        let data = data.get(self.start(bh, heads)..).ok_or_else(|| err("attention: operand out of range".into()))?;
+        self.rows_from(data, bh, heads, (0, rows), d)
+    }
+
+    /// Rows `first..first + rows` of head `bh`'s matrix in `data`, as a `rows × d` matrix.
+    fn rows_from<'a, T>(
+        &self,
+        data: &'a [T],
+        bh: usize,
+        heads: usize,
+        (first, rows): (usize, usize),
+        d: usize,
+    ) -> Result<Mat<'a, T>> {
+        let at = self.start(bh, heads) + first * self.row;
+        let data = data.get(at..).ok_or_else(|| err("attention: operand out of range".into()))?;
         Ok(Mat { data, rows, cols: d, row_stride: self.row, col_stride: 1 })
     }
 }
@@ -147,7 +138,24 @@ impl<T: Real> Target<'_, T> {
         b: Mat<'_, T>,
         alpha: T,
     ) -> Result<()> {
-        let start = self.layout.start(bh, heads);
+        // SAFETY: the caller's contract.
+        unsafe { self.put_rows(bh, heads, (0, rows, d), scratch, (a, b), alpha) }
+    }
+
+    /// [`Target::put`] of rows `first..first + rows` of head `bh`.
+    ///
+    /// # Safety
+    /// No other call writes those rows of head `bh` of this target at the same time.
+    unsafe fn put_rows(
+        &self,
+        bh: usize,
+        heads: usize,
+        (first, rows, d): (usize, usize, usize),
+        scratch: &mut [T],
+        (a, b): (Mat<'_, T>, Mat<'_, T>),
+        alpha: T,
+    ) -> Result<()> {
+        let start = self.layout.start(bh, heads) + first * self.layout.row;
         if self.layout.row == d {
             // SAFETY: head `bh`'s block, written by this call only (the caller's contract).
             return gemm(unsafe { self.data.range(start, rows * d) }, a, b, alpha, false, false);
@@ -203,6 +211,17 @@ wide_kernel! {
 
 /// The layouts of q, k, v and the output.
 type Layouts = [Heads; 4];
+
+/// Query rows of one block of the forward pass with a bias: fine enough that a causal mask's
+/// blocks weigh little more than half the keys, coarse enough for the products. The decoder's
+/// attention at 1 024 tokens (one sequence, Xeon, AVX-512): 58 ms a pass in blocks of 128, 67 in
+/// blocks of 64, 80 in blocks of 32, 59–64 in blocks of 192 or 256, 97 over all rows at once; at
+/// 256 tokens 6.0 in blocks of 64 or 128, 6.9 over all rows.
+const QUERY_BLOCK: usize = 128;
+
+/// Query rows of one block without a bias (every block weighs every key): the scores of one
+/// block (256 × 1 024 f32 at 1 024 tokens: 1 MiB) stay in L2.
+const QUERY_BLOCK_UNMASKED: usize = 256;
 
 impl Attention {
     /// Attention of `dims` (B, H, Sq, Sk) with an optional additive bias, kept on the host for a
@@ -263,15 +282,39 @@ impl Attention {
         (sq, sk, d): (usize, usize, usize),
         s: &mut [T],
     ) -> Result<()> {
+        self.scores_of_rows(q, k, lay, (bh, heads), (0, sq, sk, d), s)
+    }
+
+    /// Scaled, biased scores of query rows `first..first + rows` of head `bh` against its first
+    /// `keys` keys into `s` (rows × keys).
+    fn scores_of_rows<T: Real>(
+        &self,
+        q: &[T],
+        k: &[T],
+        lay: &Layouts,
+        (bh, heads): (usize, usize),
+        (first, rows, keys, d): (usize, usize, usize, usize),
+        s: &mut [T],
+    ) -> Result<()> {
         let scale = T::of(1.0 / (d as f64).sqrt());
-        gemm(s, lay[0].mat(q, bh, heads, sq, d)?, lay[1].mat(k, bh, heads, sk, d)?.t(), scale, false, false)?;
+        let (qm, km) = (lay[0].rows_from(q, bh, heads, (first, rows), d)?, lay[1].mat(k, bh, heads, keys, d)?);
+        gemm(&mut s[..rows * keys], qm, km.t(), scale, false, false)?;
         if let Some(bias) = &self.bias {
-            for i in 0..sq {
-                let (row, stride) = bias.row(bh / heads, bh % heads, i);
-                add_bias::<T>(&mut s[i * sk..(i + 1) * sk], row, stride);
+            for (i, row) in s[..rows * keys].chunks_exact_mut(keys).enumerate() {
+                let (b_row, stride) = bias.row(bh / heads, bh % heads, first + i);
+                add_bias::<T>(row, b_row, stride);
             }
         }
         Ok(())
+    }
+
+    /// Keys that query rows `first..first + rows` of head `bh` weigh: all `sk` without a bias,
+    /// else up to the last row's end ([`Bias::end`]).
+    fn keys_of_rows(&self, (bh, heads): (usize, usize), (first, rows): (usize, usize), sk: usize) -> usize {
+        match &self.bias {
+            Some(bias) => (first..first + rows).map(|i| bias.end(bh / heads, bh % heads, i)).max().unwrap_or(sk),
+            None => sk,
+        }
     }
 
     /// The output (laid out as `lay[3]`) and each query row's log-sum-exp.
@@ -286,16 +329,26 @@ impl Attention {
         let (so, sl) = (SharedMut::new(&mut out), SharedMut::new(&mut lse));
         let target = Target { data: &so, layout: lay[3] };
         let failure = Mutex::new(None);
+        // Query rows a block at a time: each block's scores stay in cache between the product, the
+        // softmax and the product with V, and a block weighs only the keys up to its rows' ends
+        // (a causal mask's: about half of them).
+        let block = if self.bias.is_some() { QUERY_BLOCK } else { QUERY_BLOCK_UNMASKED }.min(sq);
         par_ranges(b * h, 1, |r| {
-            let (mut s, mut scratch) = (vec![T::zero(); sq * sk], vec![T::zero(); sq * d]);
+            let (mut s, mut scratch) = (vec![T::zero(); block * sk], vec![T::zero(); block * d]);
             for bh in r {
                 let mut run = || -> Result<()> {
-                    self.scores(q, k, lay, bh, h, (sq, sk, d), &mut s)?;
-                    // SAFETY: one head's rows per index.
-                    softmax_rows::<T>(&mut s, sk, unsafe { sl.range(bh * sq, sq) });
-                    let vm = lay[2].mat(v, bh, h, sk, d)?;
-                    // SAFETY: one head per index.
-                    unsafe { target.put(bh, h, (sq, d), &mut scratch, Mat::rows(&s, sq, sk), vm, T::one()) }
+                    for first in (0..sq).step_by(block.max(1)) {
+                        let rows = block.min(sq - first);
+                        let keys = self.keys_of_rows((bh, h), (first, rows), sk);
+                        self.scores_of_rows(q, k, lay, (bh, h), (first, rows, keys, d), &mut s)?;
+                        let scores = &mut s[..rows * keys];
+                        // SAFETY: rows of one head per index.
+                        softmax_rows::<T>(scores, keys, unsafe { sl.range(bh * sq + first, rows) });
+                        let (pm, vm) = (Mat::rows(scores, rows, keys), lay[2].mat(v, bh, h, keys, d)?);
+                        // SAFETY: one head per index.
+                        unsafe { target.put_rows(bh, h, (first, rows, d), &mut scratch, (pm, vm), T::one())? };
+                    }
+                    Ok(())
                 };
                 if let Err(e) = run() {
                     *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
