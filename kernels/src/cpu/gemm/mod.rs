@@ -1,14 +1,15 @@
 //! Matrix products over slices, with the dimensions and strides checked against the slices
 //! before any pointer is formed: f32 and f64 through the `gemm` crate (the crate candle's CPU
 //! matmul uses, with its AVX-512 kernels; products of a few rows along the depth on wick's own,
-//! `along_k_f32`; `staged` copies a layer's weight to the crate a block at a time), bf16 × bf16
+//! `along_k_f32`; `staged` copies a layer's weight to the crate a block at a time, or, up to 256
+//! rows on CPUs with AVX2 but not AVX-512, multiplies it on wick's own tiles, `tiles_f32`), bf16 × bf16
 //! with f32 sums on CPUs with AVX512-BF16 ([`bf16`], on AMX's tile unit where there is one). The
 //! modules form a tree: `blocking` (the matrix view and the bf16 blocking) is the leaf; `pack`
 //! and `amx` use it; `operand` (packed and row-wise operands) uses `blocking` and `pack`;
 //! `along_k` and `along_k_f32` (bf16 and f32 products whose operands both lie along the depth, in
-//! place) use `blocking`; [`bf16`] uses them all and chooses the unit and the kernel. This
-//! module's [`gemm()`] chooses among `along_k_f32`, `staged` and the crate called in place
-//! (`staged` calls back into it).
+//! place) use `blocking`; `tiles_f32` uses `blocking` and `pack`; [`bf16`] uses them all and
+//! chooses the unit and the kernel. This module's [`gemm()`] chooses among `along_k_f32`,
+//! `staged` and the crate called in place (`staged` calls back into it, and into `tiles_f32`).
 
 pub(crate) mod along_k;
 mod along_k_f32;

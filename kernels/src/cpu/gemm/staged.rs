@@ -14,7 +14,11 @@
 //! With few rows (f32 on AVX2 and AVX-512), the columns are instead transposed into the crate's
 //! panel layout ([`by_panels`]), which it reads without packing them again.
 //!
-//! Numerics: the crate's own sums, over the same elements; only where `b` is read from changes.
+//! Up to [`TILES_MAX_ROWS`] rows of f32 on CPUs with AVX2 but not AVX-512, the product runs on
+//! wick's own tiles instead ([`tiles_f32`], which copies W into its own panels).
+//!
+//! Numerics: the crate's own sums, over the same elements; only where `b` is read from changes
+//! (the tiles' own order of f32 sums where they take the product).
 
 use super::blocking::Mat;
 use super::{crate_product, tiles_f32, Job, Scalar};

@@ -3,13 +3,13 @@
 //! of x × 16 columns of W, twelve 8-lane sums, three of the sixteen registers left for the
 //! panel's two vectors and the broadcast.
 //!
-//! Why: on the AVX2 paths the `gemm` crate's own kernel (its `x2x6`, run on the transposed
-//! problem, W copied into its panels by `staged`) multiplied the transformers' layers at 128
-//! rows 2–12 % slower than these tiles (medians of alternating runs in one process; at 197 and
-//! 256 rows 0–13 %; level at 1 024 rows, where the crate keeps them; `cargo bench -p
-//! wick-kernels --bench tiles_ab`, BENCHMARKS.md "Transformer inference (issue 50)"). On AVX-512
-//! the same design (8 × 32 tiles) ran at 0.87–1.02× the crate's 64 × 6 kernel, which keeps those
-//! products.
+//! Why: on the AVX2 paths these tiles multiplied the transformers' layer shapes 1.05–1.29× as
+//! fast as the `gemm` crate's own kernel (its `x2x6`, run on the transposed problem, W copied
+//! into its panels by `staged`) at 128 rows, 1.01–1.08× at 197 and 0.98–1.15× at 256 (medians of
+//! 7 alternating rounds in one process, `cargo bench -p wick-kernels --bench tiles_ab`;
+//! BENCHMARKS.md "Transformer inference (issue 50)"). At 1 024 rows an earlier form of them ran
+//! 0.93–1.08× (the crate keeps those). On AVX-512 the same design (8 × 32 or 12 × 32 tiles) ran
+//! at 0.85–1.05× the crate's 64 × 6 kernel, which keeps those products.
 //!
 //! Blocking: W a panel of 16 columns at a time, copied depth-major a slice of [`KC`] depths at a
 //! time (16 KiB, in L1 while every tile of x's rows passes it; the slice of x's rows stays in
