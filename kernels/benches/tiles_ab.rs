@@ -1,31 +1,34 @@
-//! Experiment: tiles against the crate, alternating in one process.
+//! wick's own f32 tiles against the `gemm` crate's kernel at the transformers' linear-layer
+//! shapes, side by side in one process: each round times both (the order reversed every other
+//! round, weights read from memory as in `f32_products`), and each shape prints the median over
+//! the rounds of crate time / tiles time (above 1: the tiles faster), then the median over the
+//! shapes. The tiles run on CPUs with AVX2 but not AVX-512; elsewhere both columns are the crate
+//! (run with `WICK_CPU_AVX512=0`, and a build from `scripts/build-avx2-binaries.sh`, for an AVX2
+//! machine's paths on an AVX-512 one).
+//!
+//! `cargo bench -p wick-kernels --bench tiles_ab [-- M,M,... [ROUNDS]]` (default 128,256 and 7)
+
 use wick_kernels::cpu::gemm::{gemm, use_tiles, Mat};
+
+mod layers;
 mod timing;
-const LAYERS: [(&str, &str, usize, usize); 13] = [
-    ("BERT-base", "qkv", 768, 2304),
-    ("BERT-base", "out", 768, 768),
-    ("BERT-base", "fc1", 768, 3072),
-    ("BERT-base", "fc2", 3072, 768),
-    ("MiniLM", "qkv", 384, 1152),
-    ("MiniLM", "out", 384, 384),
-    ("MiniLM", "fc1", 384, 1536),
-    ("MiniLM", "fc2", 1536, 384),
-    ("decoder-512", "qkv", 512, 1536),
-    ("decoder-512", "out", 512, 512),
-    ("decoder-512", "gate+up", 512, 2816),
-    ("decoder-512", "down", 1408, 512),
-    ("decoder-512", "head", 512, 32_000),
-];
-fn data(len: usize, seed: u64) -> Vec<f32> {
-    (0..len).map(|i| (((i as u64 * seed + 7) % 1013) as f32 / 1013.0) - 0.5).collect()
+
+use layers::{data, LAYERS};
+
+/// The median of `v` (sorted here).
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let rows: Vec<usize> =
         args.first().map(|a| a.split(',').filter_map(|m| m.parse().ok()).collect()).unwrap_or(vec![128, 256]);
-    let rounds: usize = args.get(1).and_then(|r| r.parse().ok()).unwrap_or(7);
+    let rounds: usize = args.get(1).and_then(|r| r.parse().ok()).unwrap_or(7).max(1);
+    println!("{} threads, {rounds} rounds", rayon::current_num_threads());
     for &m in &rows {
-        let mut ratios_all = vec![];
+        let mut medians = vec![];
         for (model, layer, k, n) in LAYERS {
             let copies = ((96 << 20) / (n * k * 4)).max(1);
             let x = data(m * k, 97);
@@ -33,29 +36,31 @@ fn main() {
             let mut y = vec![0f32; m * n];
             let mut turn = 0;
             let reps = ((5e8 / (m * k * n) as f64) as usize).max(2);
-            let mut ratios = vec![];
-            let (mut best_c, mut best_t) = (f64::MAX, f64::MAX);
+            let (mut ratios, mut best) = (vec![], [f64::MAX; 2]);
             for r in 0..rounds {
                 let mut t = [0.0; 2];
-                for which in if r % 2 == 0 { [0, 1] } else { [1, 0] } {
-                    use_tiles(which == 1);
-                    t[which] = timing::best(1, reps, &mut || {
+                for tiles in if r % 2 == 0 { [false, true] } else { [true, false] } {
+                    use_tiles(tiles);
+                    t[tiles as usize] = timing::best(1, reps, &mut || {
                         let w = &ws[turn % copies];
                         turn += 1;
                         drop(gemm(&mut y, Mat::rows(&x, m, k), Mat::rows(w, n, k).t(), 1.0, false, true))
                     });
                 }
-                best_c = best_c.min(t[0]);
-                best_t = best_t.min(t[1]);
+                best = [best[0].min(t[0]), best[1].min(t[1])];
                 ratios.push(t[0] / t[1]);
             }
-            ratios.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            let med = ratios[ratios.len() / 2];
-            ratios_all.push(med);
-            let g = |t: f64| (m * k * n) as f64 / t / 1e9;
-            println!("| {model} {layer} {m}×{k}×{n} | crate {:.1} | tiles {:.1} | median ratio {med:.2} (range {:.2}–{:.2}) |", g(best_c), g(best_t), ratios[0], ratios[ratios.len() - 1]);
+            let (lo, hi) = ratios.iter().fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+            let med = median(&mut ratios);
+            medians.push(med);
+            let rate = |t: f64| (m * k * n) as f64 / t / 1e9;
+            println!(
+                "| {model} {layer} {m}×{k}×{n} | crate {:.1} | tiles {:.1} | median ratio {med:.2} (range {lo:.2}–{hi:.2}) |",
+                rate(best[0]),
+                rate(best[1])
+            );
         }
-        ratios_all.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        println!("rows {m}: median of shape medians {:.3}", ratios_all[ratios_all.len() / 2]);
+        println!("rows {m}: median of shape medians {:.3}", median(&mut medians));
     }
+    use_tiles(true);
 }

@@ -336,21 +336,7 @@ unsafe fn avx2<const R: usize>(t: &Tile) {
             step!(p, 0);
             p += 1;
         }
-        let beta = _mm256_set1_ps(t.beta);
-        let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let cols = t.cols.min(16) as i32;
-        let masks =
-            [_mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane), _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane)];
-        for (i, sums) in acc.iter().enumerate() {
-            for (h, (&s, &mask)) in sums.iter().zip(&masks).enumerate() {
-                let d = t.dst.add(i * t.dst_row + 8 * h);
-                let mut v = _mm256_mul_ps(s, beta);
-                if t.add {
-                    v = _mm256_add_ps(_mm256_maskload_ps(d, mask), v);
-                }
-                _mm256_maskstore_ps(d, mask, v);
-            }
-        }
+        store(t, &acc);
     }
 }
 
@@ -378,6 +364,22 @@ unsafe fn avx2_rows<const R: usize>(t: &Tile) {
             }
             wp = wp.add(16);
         }
+        store(t, &acc);
+    }
+}
+
+/// A tile's sums times beta into its R rows of `cols` columns, added to what they hold where
+/// `add` (masked loads and stores: nothing past `cols` is read or written).
+///
+/// # Safety
+/// As [`Tile::run`]'s, with `R` rows.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn store<const R: usize>(t: &Tile, acc: &[[std::arch::x86_64::__m256; 2]; R]) {
+    use std::arch::x86_64::*;
+    // SAFETY: rows i < R of the destination, columns below `cols` (the caller's contract).
+    unsafe {
         let beta = _mm256_set1_ps(t.beta);
         let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         let cols = t.cols.min(16) as i32;

@@ -214,9 +214,9 @@ type Layouts = [Heads; 4];
 
 /// Query rows of one block of the forward pass with a bias: fine enough that a causal mask's
 /// blocks weigh little more than half the keys, coarse enough for the products. The decoder's
-/// attention at 1 024 tokens (one sequence, Xeon, AVX-512): 58 ms a pass in blocks of 128, 67 in
-/// blocks of 64, 80 in blocks of 32, 59–64 in blocks of 192 or 256, 97 over all rows at once; at
-/// 256 tokens 6.0 in blocks of 64 or 128, 6.9 over all rows.
+/// attention at 1 024 tokens (one sequence, Xeon, AVX-512): 72–74 ms a pass in blocks of 128, 83–85
+/// in blocks of 64, 100–102 in blocks of 32, 74–81 in blocks of 192 or 256, 121 over all rows at
+/// once; at 256 tokens 6.0 in blocks of 64 or 128, 6.9 over all rows.
 const QUERY_BLOCK: usize = 128;
 
 /// Query rows of one block without a bias (every block weighs every key): the scores of one
