@@ -86,10 +86,15 @@ fn runs_here() -> bool {
     false
 }
 
-/// True when [`product`] takes the job: x's rows and W's columns along the depth, on a CPU
-/// where the tiles run ([`available`]).
+/// True when x's rows and W's columns lie along the depth, as the tiles read them.
+fn along_depth(job: &Job<'_, f32>) -> bool {
+    job.a.col_stride == 1 && job.b.row_stride == 1
+}
+
+/// True when [`product`] takes the job: operands [`along_depth`], on a CPU where the tiles run
+/// ([`available`]).
 pub(super) fn applies(job: &Job<'_, f32>) -> bool {
-    job.a.col_stride == 1 && job.b.row_stride == 1 && available()
+    along_depth(job) && available()
 }
 
 /// `dst (m × n, rows dst_row apart) = beta·a·b + (dst if accumulate)` over columns
@@ -103,10 +108,10 @@ pub(super) fn applies(job: &Job<'_, f32>) -> bool {
 /// `dst_row` apart, aliases neither operand, and nothing else reads or writes them meanwhile.
 /// The operands' extents are checked here.
 pub(super) unsafe fn product(dst: *mut f32, dst_row: usize, job: Job<'_, f32>) {
-    let Job { dims: (m, k, n), a, b, j0, beta, accumulate } = job;
-    if a.col_stride != 1 || b.row_stride != 1 || !runs_here() {
+    if !along_depth(&job) || !runs_here() {
         return;
     }
+    let Job { dims: (m, k, n), a, b, j0, beta, accumulate } = job;
     if m == 0 || n == 0 {
         return;
     }
@@ -250,9 +255,10 @@ impl Runs {
     }
 }
 
-/// One tile's operands: `kc` depths of R rows of x (packed: element (i, p) at p·R + i) against
-/// a panel of `kc` steps of 16 columns, into R rows of `cols` (≤ 16) elements at `dst`; `add`:
-/// added to what the destination holds, else written over it unread.
+/// One tile's operands: `kc` depths of R rows of x (packed: element (i, p) at p·R + i; or in
+/// place, rows `x_row` apart) against a panel of `kc` steps of 16 columns, into R rows of `cols`
+/// (≤ 16) elements at `dst`; `add`: added to what the destination holds, else written over it
+/// unread.
 struct Tile {
     kc: usize,
     x: *const f32,
@@ -274,24 +280,13 @@ impl Tile {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller's contract.
         unsafe {
-            if self.x_row.is_none() {
-                match r {
-                    6 => avx2::<6>(self),
-                    5 => avx2::<5>(self),
-                    4 => avx2::<4>(self),
-                    3 => avx2::<3>(self),
-                    2 => avx2::<2>(self),
-                    _ => avx2::<1>(self),
-                }
-            } else {
-                match r {
-                    6 => avx2_rows::<6>(self),
-                    5 => avx2_rows::<5>(self),
-                    4 => avx2_rows::<4>(self),
-                    3 => avx2_rows::<3>(self),
-                    2 => avx2_rows::<2>(self),
-                    _ => avx2_rows::<1>(self),
-                }
+            match r {
+                6 => avx2::<6>(self),
+                5 => avx2::<5>(self),
+                4 => avx2::<4>(self),
+                3 => avx2::<3>(self),
+                2 => avx2::<2>(self),
+                _ => avx2::<1>(self),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -299,7 +294,7 @@ impl Tile {
     }
 }
 
-/// R rows × 16 columns on AVX2 with FMA.
+/// R rows × 16 columns on AVX2 with FMA, x packed or read in place (`x_row`).
 ///
 /// # Safety
 /// As [`Tile::run`]'s, with `R` rows and a panel 16 wide.
@@ -310,59 +305,48 @@ unsafe fn avx2<const R: usize>(t: &Tile) {
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
     // SAFETY: rows i < R of x, depths p < kc; panel steps p < kc of 16 (the caller's contract).
     unsafe {
-        // One step of the depth: two vectors of the panel against a broadcast of each row.
-        // Written out four steps at a time, so that each row's address is formed once per four.
-        macro_rules! step {
-            ($p:expr, $u:expr) => {{
-                let w0 = _mm256_loadu_ps(t.panel.add(($p + $u) * 16));
-                let w1 = _mm256_loadu_ps(t.panel.add(($p + $u) * 16 + 8));
-                for (i, sums) in acc.iter_mut().enumerate() {
-                    let v = _mm256_broadcast_ss(&*t.x.add(($p + $u) * R + i));
+        if let Some(x_row) = t.x_row {
+            // In place: each row's own run. Not written out several steps at a time: with R row
+            // addresses live, that spilled registers.
+            let x: [*const f32; R] = std::array::from_fn(|i| t.x.add(i * x_row));
+            let mut wp = t.panel;
+            for p in 0..t.kc {
+                let w0 = _mm256_loadu_ps(wp);
+                let w1 = _mm256_loadu_ps(wp.add(8));
+                for (sums, row) in acc.iter_mut().zip(&x) {
+                    let v = _mm256_broadcast_ss(&*row.add(p));
                     sums[0] = _mm256_fmadd_ps(v, w0, sums[0]);
                     sums[1] = _mm256_fmadd_ps(v, w1, sums[1]);
                 }
-            }};
-        }
-        let whole = t.kc / 4 * 4;
-        let mut p = 0;
-        while p < whole {
-            step!(p, 0);
-            step!(p, 1);
-            step!(p, 2);
-            step!(p, 3);
-            p += 4;
-        }
-        while p < t.kc {
-            step!(p, 0);
-            p += 1;
-        }
-        store(t, &acc);
-    }
-}
-
-/// R rows × 16 columns on AVX2 with FMA.
-///
-/// # Safety
-/// As [`Tile::run`]'s, with `R` rows and a panel 16 wide.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn avx2_rows<const R: usize>(t: &Tile) {
-    use std::arch::x86_64::*;
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    // SAFETY: rows i < R of x, depths p < kc; panel steps p < kc of 16 (the caller's contract).
-    unsafe {
-        let x_row = t.x_row.unwrap_or(R);
-        let x: [*const f32; R] = std::array::from_fn(|i| t.x.add(i * x_row));
-        let mut wp = t.panel;
-        for p in 0..t.kc {
-            let w0 = _mm256_loadu_ps(wp);
-            let w1 = _mm256_loadu_ps(wp.add(8));
-            for (sums, row) in acc.iter_mut().zip(&x) {
-                let v = _mm256_broadcast_ss(&*row.add(p));
-                sums[0] = _mm256_fmadd_ps(v, w0, sums[0]);
-                sums[1] = _mm256_fmadd_ps(v, w1, sums[1]);
+                wp = wp.add(16);
             }
-            wp = wp.add(16);
+        } else {
+            // Packed: one step of the depth is two vectors of the panel against a broadcast of
+            // each row, written out four steps at a time (immediate offsets from one pointer).
+            macro_rules! step {
+                ($p:expr, $u:expr) => {{
+                    let w0 = _mm256_loadu_ps(t.panel.add(($p + $u) * 16));
+                    let w1 = _mm256_loadu_ps(t.panel.add(($p + $u) * 16 + 8));
+                    for (i, sums) in acc.iter_mut().enumerate() {
+                        let v = _mm256_broadcast_ss(&*t.x.add(($p + $u) * R + i));
+                        sums[0] = _mm256_fmadd_ps(v, w0, sums[0]);
+                        sums[1] = _mm256_fmadd_ps(v, w1, sums[1]);
+                    }
+                }};
+            }
+            let whole = t.kc / 4 * 4;
+            let mut p = 0;
+            while p < whole {
+                step!(p, 0);
+                step!(p, 1);
+                step!(p, 2);
+                step!(p, 3);
+                p += 4;
+            }
+            while p < t.kc {
+                step!(p, 0);
+                p += 1;
+            }
         }
         store(t, &acc);
     }
