@@ -156,6 +156,9 @@ pub trait Real:
     fn of(v: f64) -> Self;
     /// `e^v` (vectorisable in f32: [`math::exp_f32`]).
     fn exp_(v: Self) -> Self;
+    /// `e^v` for `v ≤ 0`, a softmax's arguments (in f32 [`math::exp_nonpositive_f32`], cheaper than
+    /// [`Real::exp_`]; a positive `v` counts as 0 there).
+    fn exp_nonpositive(v: Self) -> Self;
     /// The error function (vectorisable in f32: [`math::erf_f32`]).
     fn erf_(v: Self) -> Self;
     /// `v` itself when this is f32 (the kernels that take f32 slices only).
@@ -249,6 +252,10 @@ impl Real for f32 {
         math::exp_f32(v)
     }
     #[inline(always)]
+    fn exp_nonpositive(v: f32) -> f32 {
+        math::exp_nonpositive_f32(v)
+    }
+    #[inline(always)]
     fn erf_(v: f32) -> f32 {
         math::erf_f32(v)
     }
@@ -282,6 +289,9 @@ impl Real for f64 {
         v
     }
     fn exp_(v: f64) -> f64 {
+        v.exp()
+    }
+    fn exp_nonpositive(v: f64) -> f64 {
         v.exp()
     }
     fn erf_(v: f64) -> f64 {

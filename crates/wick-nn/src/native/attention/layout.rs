@@ -93,7 +93,7 @@ impl<T: Real> Target<'_, T> {
         alpha: T,
     ) -> Result<()> {
         // SAFETY: the caller's contract.
-        unsafe { self.put_rows(bh, heads, (0, rows, d), scratch, (a, b), alpha) }
+        unsafe { self.put_rows(bh, heads, (0, rows, d), scratch, (a, b), Scale::All(alpha)) }
     }
 
     /// [`Target::put`] of rows `first..first + rows` of head `bh`.
@@ -107,20 +107,52 @@ impl<T: Real> Target<'_, T> {
         (first, rows, d): (usize, usize, usize),
         scratch: &mut [T],
         (a, b): (Mat<'_, T>, Mat<'_, T>),
-        alpha: T,
+        scale: Scale<'_, T>,
     ) -> Result<()> {
         let start = self.layout.start(bh, heads) + first * self.layout.row;
-        if self.layout.row == d {
+        let alpha = match scale {
+            Scale::All(alpha) => alpha,
+            Scale::Rows(_) => T::one(),
+        };
+        let contiguous = self.layout.row == d;
+        let block = if contiguous {
             // SAFETY: head `bh`'s block, written by this call only (the caller's contract).
-            return gemm(unsafe { self.data.range(start, rows * d) }, a, b, alpha, false, false);
-        }
-        let block = &mut scratch[..rows * d];
+            unsafe { self.data.range(start, rows * d) }
+        } else {
+            &mut scratch[..rows * d]
+        };
         gemm(block, a, b, alpha, false, false)?;
+        if let Scale::Rows(by) = scale {
+            let by = by.get(..rows).ok_or_else(|| err("attention: fewer row scales than rows".into()))?;
+            scale_rows::<T>(block, d, by);
+        }
+        if contiguous {
+            return Ok(());
+        }
         for (i, r) in block.chunks_exact(d).enumerate() {
             // SAFETY: row `i` of head `bh`, written by this call only (the caller's contract);
             // the heads' rows of a packed layout do not overlap.
             unsafe { self.data.range(start + i * self.layout.row, d) }.copy_from_slice(r);
         }
         Ok(())
+    }
+}
+
+/// How [`Target::put_rows`] scales its product: all of it by one factor, or each row by its own.
+#[derive(Clone, Copy)]
+pub(super) enum Scale<'a, T> {
+    /// `alpha·a·b`.
+    All(T),
+    /// Row `i` of `a·b` times `by[i]` (the forward pass's softmax normalisation, applied to the
+    /// `head_dim` outputs of a row instead of its probabilities).
+    Rows(&'a [T]),
+}
+
+wide_kernel! {
+    /// Each `d`-long row of `m` times its factor in `by`.
+    fn scale_rows<T>(m: &mut [T], d: usize, by: &[T]) {
+        for (row, f) in m.chunks_exact_mut(d).zip(by) {
+            row.iter_mut().for_each(|v| *v = *v * *f);
+        }
     }
 }

@@ -12,6 +12,10 @@
 //! its rows' last unmasked one (`bias`: the keys after it, a causal mask's future or a padding
 //! mask's padding, take no part in the softmax): a causal decoder's attention is about half the
 //! work. Backward recomputes whole rows (the left-out keys' probabilities are 0 there too).
+//! A block's softmax leaves its rows undivided (`exp(s − max)` on the vector kernel of
+//! `wick_kernels::cpu::softmax`); each row's `head_dim` outputs are divided by its sum instead of
+//! its keys' probabilities, and the log-sum-exps are worked out only when a backward pass can
+//! follow (in eval, under `no_grad` or on untracked inputs, they are not).
 //!
 //! Modules: `bias` (the additive bias and where each row's keys end), `layout` (where the heads'
 //! rows lie, and the result buffer their threads write); this one holds the op and its passes.
@@ -24,10 +28,10 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp3, Layout, Result, Shape, Tenso
 mod bias;
 mod layout;
 
-use bias::Bias;
-use layout::{Heads, Target};
+use bias::{Bias, Rows};
+use layout::{Heads, Scale, Target};
 
-use super::{dot, gemm, par_ranges, read, sum, tensor, with, Mat, Real, SharedMut};
+use super::{dot, gemm, par_ranges, read, tensor, with, Mat, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
     candle_core::Error::Msg(msg)
@@ -35,6 +39,9 @@ fn err(msg: String) -> candle_core::Error {
 
 struct Attention {
     bias: Option<Bias>,
+    /// Whether a backward pass can follow (gradients on, an input tracked): only then does the
+    /// forward pass work out the log-sum-exps (a library `ln` a row) and keep them.
+    keep: bool,
     /// Log-sum-exp of each query row's scaled, biased scores, from the forward pass.
     lse: Mutex<Vec<f64>>,
     /// The CUDA body's bias and log-sum-exps, on the device.
@@ -68,37 +75,40 @@ fn dims(q: &Shape, k: &Shape, v: &Shape) -> Result<(usize, usize, usize, usize, 
 wide_kernel! {
     /// `s[j] += bias[j·stride]` along one row of scores (a padding mask's row lies along the
     /// keys, stride 1: converted and added a vector at a time).
-    fn add_bias<T>(s: &mut [T], bias: &[f64], stride: usize) {
+    fn add_bias<T>(s: &mut [T], bias: &[T], stride: usize) {
         if stride == 1 {
-            s.iter_mut().zip(bias).for_each(|(v, b)| *v = *v + T::of(*b));
+            s.iter_mut().zip(bias).for_each(|(v, b)| *v = *v + *b);
         } else {
-            s.iter_mut().enumerate().for_each(|(j, v)| *v = *v + T::of(bias[j * stride]));
+            s.iter_mut().enumerate().for_each(|(j, v)| *v = *v + bias[j * stride]);
+        }
+    }
+}
+
+/// Each `sk`-long row of `s` replaced by `exp(s − its max)`, the softmax before its division by
+/// the row's sum; each row's max and sum into `max` and `sum`. f32 on the vector kernel
+/// ([`wick_kernels::cpu::softmax`]: the exponentials are most of attention's forward outside its
+/// products — as much as the products at a head width of 32).
+fn exp_rows<T: Real>(s: &mut [T], sk: usize, max: &mut [T], sum: &mut [T]) {
+    if let (Some(s), Some(max), Some(sum)) = (T::as_f32_mut(s), T::as_f32_mut(max), T::as_f32_mut(sum)) {
+        return wick_kernels::cpu::softmax::exp_rows_f32(s, sk, max, sum);
+    }
+    for ((row, m), sm) in s.chunks_mut(sk).zip(max.iter_mut()).zip(sum.iter_mut()) {
+        *m = row.iter().fold(T::neg_infinity(), |m, v| if *v > m { *v } else { m });
+        *sm = T::zero();
+        for v in row.iter_mut() {
+            *v = T::exp_nonpositive(*v - *m);
+            *sm = *sm + *v;
         }
     }
 }
 
 wide_kernel! {
-    /// Each `sk`-long row of `s` replaced by its softmax, and its log-sum-exp into `lse`
-    /// (compiled for the CPU's vector width: the exponentials are most of attention's forward
-    /// outside its products).
-    fn softmax_rows<T>(s: &mut [T], sk: usize, lse: &mut [f64]) {
-        for (row, l) in s.chunks_mut(sk).zip(lse.iter_mut()) {
-            let max = row.iter().fold(T::neg_infinity(), |m, v| m.max(*v));
-            row.iter_mut().for_each(|v| *v = T::exp_(*v - max));
-            let sum = sum::<T, T>(row);
-            let inv = T::of(1.0 / sum);
-            row.iter_mut().for_each(|v| *v = *v * inv);
-            *l = T::wide(max) + sum.ln();
-        }
-    }
-}
-
-wide_kernel! {
-    /// Each `sk`-long row of scores `p` replaced by `exp(p − lse)`, its probabilities again.
+    /// Each `sk`-long row of scores `p` replaced by `exp(p − lse)`, its probabilities again (the
+    /// arguments are at most 0: a log-sum-exp is at least its row's largest score).
     fn probabilities<T>(p: &mut [T], sk: usize, lse: &[f64]) {
         for (row, l) in p.chunks_mut(sk).zip(lse) {
             let l = T::of(*l);
-            row.iter_mut().for_each(|v| *v = T::exp_(*v - l));
+            row.iter_mut().for_each(|v| *v = T::exp_nonpositive(*v - l));
         }
     }
 }
@@ -120,17 +130,20 @@ const QUERY_BLOCK_UNMASKED: usize = 256;
 impl Attention {
     /// Attention of `dims` (B, H, Sq, Sk) with an optional additive bias, kept on the host for a
     /// CPU input and on the device for a CUDA one.
-    fn new(bias: Option<&Tensor>, dims: [usize; 4], input: &Tensor) -> Result<Self> {
+    /// `inputs` are q, k and v (or the packed qkv): whether any of them is tracked decides
+    /// whether the log-sum-exps are kept for backward.
+    fn new(bias: Option<&Tensor>, dims: [usize; 4], inputs: &[&Tensor]) -> Result<Self> {
+        let keep = super::grad_enabled() && inputs.iter().any(|t| t.track_op());
         #[cfg(feature = "cuda")]
-        if input.device().is_cuda() {
+        if let Some(input) = inputs.first().filter(|t| t.device().is_cuda()) {
             let bias = bias.map(|t| cuda::DeviceBias::new(t, dims, input)).transpose()?;
             let device = Device { bias, lse: Mutex::new(None) };
-            return Ok(Attention { bias: None, lse: Mutex::new(Vec::new()), device });
+            return Ok(Attention { bias: None, keep, lse: Mutex::new(Vec::new()), device });
         }
-        let _ = input;
         let bias = bias.map(|t| Bias::new(t, dims)).transpose()?.flatten();
         Ok(Attention {
             bias,
+            keep,
             lse: Mutex::new(Vec::new()),
             #[cfg(feature = "cuda")]
             device: Device::default(),
@@ -167,7 +180,7 @@ impl Attention {
     /// Scaled, biased scores of head `bh` into `s` (Sq × Sk).
     #[allow(clippy::too_many_arguments)]
     fn scores<T: Real>(
-        &self,
+        bias: Option<&Rows<'_, T>>,
         q: &[T],
         k: &[T],
         lay: &Layouts,
@@ -176,13 +189,13 @@ impl Attention {
         (sq, sk, d): (usize, usize, usize),
         s: &mut [T],
     ) -> Result<()> {
-        self.scores_of_rows(q, k, lay, (bh, heads), (0, sq, sk, d), s)
+        Self::scores_of_rows(bias, q, k, lay, (bh, heads), (0, sq, sk, d), s)
     }
 
     /// Scaled, biased scores of query rows `first..first + rows` of head `bh` against its first
     /// `keys` keys into `s` (rows × keys).
     fn scores_of_rows<T: Real>(
-        &self,
+        bias: Option<&Rows<'_, T>>,
         q: &[T],
         k: &[T],
         lay: &Layouts,
@@ -193,7 +206,7 @@ impl Attention {
         let scale = T::of(1.0 / (d as f64).sqrt());
         let (qm, km) = (lay[0].rows_from(q, bh, heads, (first, rows), d)?, lay[1].mat(k, bh, heads, keys, d)?);
         gemm(&mut s[..rows * keys], qm, km.t(), scale, false, false)?;
-        if let Some(bias) = &self.bias {
+        if let Some(bias) = bias {
             for (i, row) in s[..rows * keys].chunks_exact_mut(keys).enumerate() {
                 let (b_row, stride) = bias.row(bh / heads, bh % heads, first + i);
                 add_bias::<T>(row, b_row, stride);
@@ -211,15 +224,34 @@ impl Attention {
         }
     }
 
+    /// `f` of the bias's rows in the compute type (`None` without a bias).
+    fn biased<T: Real, R>(&self, f: impl FnOnce(Option<&Rows<'_, T>>) -> Result<R>) -> Result<R> {
+        match &self.bias {
+            Some(bias) => bias.with_rows(|rows| f(Some(rows))),
+            None => f(None),
+        }
+    }
+
     /// The output (laid out as `lay[3]`) and each query row's log-sum-exp.
     fn fwd<T: Real>(
         &self,
+        inputs: (&[T], &[T], &[T]),
+        lay: &Layouts,
+        dims: (usize, usize, usize, usize, usize),
+    ) -> Result<(Vec<T>, Vec<f64>)> {
+        self.biased(|bias| self.fwd_biased(bias, inputs, lay, dims))
+    }
+
+    /// [`Attention::fwd`] with the bias's rows.
+    fn fwd_biased<T: Real>(
+        &self,
+        bias: Option<&Rows<'_, T>>,
         (q, k, v): (&[T], &[T], &[T]),
         lay: &Layouts,
         (b, h, sq, sk, d): (usize, usize, usize, usize, usize),
     ) -> Result<(Vec<T>, Vec<f64>)> {
         let mut out = vec![T::zero(); b * h * sq * d];
-        let mut lse = vec![0.0; b * h * sq];
+        let mut lse = vec![0.0; if self.keep { b * h * sq } else { 0 }];
         let (so, sl) = (SharedMut::new(&mut out), SharedMut::new(&mut lse));
         let target = Target { data: &so, layout: lay[3] };
         let failure = Mutex::new(None);
@@ -229,18 +261,26 @@ impl Attention {
         let block = if self.bias.is_some() { QUERY_BLOCK } else { QUERY_BLOCK_UNMASKED }.min(sq);
         par_ranges(b * h, 1, |r| {
             let (mut s, mut scratch) = (vec![T::zero(); block * sk], vec![T::zero(); block * d]);
+            let (mut max, mut sum) = (vec![T::zero(); block], vec![T::zero(); block]);
             for bh in r {
                 let mut run = || -> Result<()> {
                     for first in (0..sq).step_by(block.max(1)) {
                         let rows = block.min(sq - first);
                         let keys = self.keys_of_rows((bh, h), (first, rows), sk);
-                        self.scores_of_rows(q, k, lay, (bh, h), (first, rows, keys, d), &mut s)?;
+                        Self::scores_of_rows(bias, q, k, lay, (bh, h), (first, rows, keys, d), &mut s)?;
                         let scores = &mut s[..rows * keys];
-                        // SAFETY: rows of one head per index.
-                        softmax_rows::<T>(scores, keys, unsafe { sl.range(bh * sq + first, rows) });
+                        exp_rows::<T>(scores, keys, &mut max, &mut sum);
+                        if self.keep {
+                            // SAFETY: rows of one head per index.
+                            let lse = unsafe { sl.range(bh * sq + first, rows) };
+                            for (l, (m, s)) in lse.iter_mut().zip(max.iter().zip(&sum)) {
+                                *l = T::wide(*m) + T::wide(*s).ln();
+                            }
+                        }
+                        sum[..rows].iter_mut().for_each(|s| *s = T::one() / *s);
                         let (pm, vm) = (Mat::rows(scores, rows, keys), lay[2].mat(v, bh, h, keys, d)?);
                         // SAFETY: one head per index.
-                        unsafe { target.put_rows(bh, h, (first, rows, d), &mut scratch, (pm, vm), T::one())? };
+                        unsafe { target.put_rows(bh, h, (first, rows, d), &mut scratch, (pm, vm), Scale::Rows(&sum))? };
                     }
                     Ok(())
                 };
@@ -258,6 +298,18 @@ impl Attention {
     /// dq, dk and dv into `grads` (each buffer `b·h·s·d` long where its layout puts it).
     fn bwd<T: Real>(
         &self,
+        inputs: (&[T], &[T], &[T], &[T]),
+        lay: &Layouts,
+        dims: (usize, usize, usize, usize, usize),
+        targets: [Target<'_, T>; 3],
+    ) -> Result<()> {
+        self.biased(|bias| self.bwd_biased(bias, inputs, lay, dims, targets))
+    }
+
+    /// [`Attention::bwd`] with the bias's rows.
+    fn bwd_biased<T: Real>(
+        &self,
+        bias: Option<&Rows<'_, T>>,
         (q, k, v, go): (&[T], &[T], &[T], &[T]),
         lay: &Layouts,
         (b, h, sq, sk, d): (usize, usize, usize, usize, usize),
@@ -275,7 +327,7 @@ impl Attention {
             for bh in r {
                 let mut run = || -> Result<()> {
                     // P = exp(S − lse), recomputed.
-                    self.scores(q, k, lay, bh, h, (sq, sk, d), &mut p)?;
+                    Self::scores(bias, q, k, lay, bh, h, (sq, sk, d), &mut p)?;
                     probabilities::<T>(&mut p, sk, &lse[bh * sq..(bh + 1) * sq]);
                     let gm = lay[3].mat(go, bh, h, sq, d)?;
                     // SAFETY: one head per index (each thread its own heads).
@@ -404,7 +456,7 @@ impl CustomOp3 for Attention {
 /// Scaled dot-product attention on the CPU (see [`crate::ops::attention`]).
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     let (b, h, sq, sk, _) = dims(q.shape(), k.shape(), v.shape())?;
-    let op = Attention::new(bias, [b, h, sq, sk], q)?;
+    let op = Attention::new(bias, [b, h, sq, sk], &[q, k, v])?;
     super::apply3(&q.contiguous()?, &k.contiguous()?, &v.contiguous()?, op)
 }
 
@@ -495,6 +547,6 @@ impl CustomOp1 for Packed {
 /// side) into (B, S, H·D) on the CPU (see [`crate::ops::attention_packed`]).
 pub fn attention_packed(qkv: &Tensor, heads: usize, bias: Option<&Tensor>) -> Result<Tensor> {
     let (b, s, _) = packed_dims(qkv.shape(), heads)?;
-    let attention = Attention::new(bias, [b, heads, s, s], qkv)?;
+    let attention = Attention::new(bias, [b, heads, s, s], &[qkv])?;
     super::apply1(&qkv.contiguous()?, Packed { attention, heads })
 }

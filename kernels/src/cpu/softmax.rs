@@ -1,0 +1,300 @@
+//! The exponentials of a softmax over rows of f32 scores, as attention's forward pass takes them:
+//! each row replaced by `exp(row − its max)`, with its max and the sum of its exponentials (the
+//! caller divides the row's outputs rather than its probabilities, and takes the log-sum-exp
+//! `max + ln sum` only where a backward pass will want it: one library `ln` per row cost a third
+//! of a 128-key row's exponentials).
+//!
+//! Written with AVX-512 and AVX2 intrinsics because the rows are short — a head of 128 tokens
+//! has 128 scores a row — and per row a maximum and a sum must be reduced across a vector's
+//! lanes: compiled from plain loops, those reductions went through the stack lane by lane and
+//! cost as much as the row's exponentials. The exponential is [`math::exp_nonpositive_f32`]'s
+//! (the same reduction and polynomial, with fused multiply-adds), so the three bodies agree to
+//! within the rounding of those fused operations.
+
+use super::math;
+
+/// Rows of `s`, `sk` scores each: every score replaced by `exp(score − the row's max)`, the row's
+/// max into `max` and the sum of its exponentials into `sum`. Rows beyond the shortest of
+/// `s.len() / sk`, `max` and `sum` are left alone; `sk = 0` does nothing.
+pub fn exp_rows_f32(s: &mut [f32], sk: usize, max: &mut [f32], sum: &mut [f32]) {
+    if sk == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        if super::avx512() {
+            // SAFETY: the CPU has AVX-512F (checked by `avx512`).
+            return unsafe { rows_avx512(s, sk, max, sum) };
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { rows_avx2(s, sk, max, sum) };
+        }
+    }
+    rows_scalar(s, sk, max, sum);
+}
+
+/// The portable body (and the reference of the tests).
+fn rows_scalar(s: &mut [f32], sk: usize, maxes: &mut [f32], sums: &mut [f32]) {
+    for ((row, m), sm) in s.chunks_exact_mut(sk).zip(maxes.iter_mut()).zip(sums.iter_mut()) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, v| if *v > m { *v } else { m });
+        let mut sum = 0.0;
+        for v in row.iter_mut() {
+            *v = math::exp_nonpositive_f32(*v - max);
+            sum += *v;
+        }
+        (*m, *sm) = (max, sum);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The polynomial of `math::exp_nonpositive_f32` on vectors.
+
+    use std::arch::x86_64::*;
+
+    pub(super) const LN2_HI: f32 = 0.693_359_4;
+    pub(super) const LN2_LO: f32 = -2.121_944_4e-4;
+    pub(super) const LO: f32 = -87.336_55;
+    pub(super) const ROUND: f32 = 12_582_912.0;
+    pub(super) const POLY: [f32; 6] =
+        [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+
+    /// `e^x` of 16 arguments at most 0 (a positive one counts as 0); NaN stays NaN.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn exp16(x: __m512) -> __m512 {
+        // `min(0, x)` and `max(LO, ·)` return their second operand for a NaN one.
+        let xc = _mm512_max_ps(_mm512_set1_ps(LO), _mm512_min_ps(_mm512_setzero_ps(), x));
+        let round = _mm512_set1_ps(ROUND);
+        let t = _mm512_fmadd_ps(xc, _mm512_set1_ps(std::f32::consts::LOG2_E), round);
+        let n = _mm512_sub_ps(t, round);
+        let ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(ROUND.to_bits() as i32));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut p = _mm512_set1_ps(POLY[0]);
+        for c in &POLY[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+        }
+        let e = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0));
+        let scale = _mm512_slli_epi32::<23>(_mm512_add_epi32(ni, _mm512_set1_epi32(127)));
+        let y = _mm512_mul_ps(e, _mm512_castsi512_ps(scale));
+        // 0 below LO (false for NaN, which keeps its NaN).
+        let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(LO));
+        _mm512_maskz_mov_ps(!below, y)
+    }
+
+    /// [`exp16`] on 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn exp8(x: __m256) -> __m256 {
+        let xc = _mm256_max_ps(_mm256_set1_ps(LO), _mm256_min_ps(_mm256_setzero_ps(), x));
+        let round = _mm256_set1_ps(ROUND);
+        let t = _mm256_fmadd_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E), round);
+        let n = _mm256_sub_ps(t, round);
+        let ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(ROUND.to_bits() as i32));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut p = _mm256_set1_ps(POLY[0]);
+        for c in &POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(ni, _mm256_set1_epi32(127)));
+        let y = _mm256_mul_ps(e, _mm256_castsi256_ps(scale));
+        let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(LO));
+        _mm256_andnot_ps(below, y)
+    }
+
+    /// The largest and the sum of 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn fold8(v: __m256, f: impl Fn(__m128, __m128) -> __m128) -> f32 {
+        let h = f(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let h = f(h, _mm_movehl_ps(h, h));
+        _mm_cvtss_f32(f(h, _mm_movehdup_ps(h)))
+    }
+}
+
+/// [`exp_rows_f32`] on 16 lanes, the rows' tails under a mask.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn rows_avx512(s: &mut [f32], sk: usize, maxes: &mut [f32], sums: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let (whole, tail) = (sk / 16 * 16, sk % 16);
+    let tail_mask: __mmask16 = ((1u32 << tail) - 1) as __mmask16;
+    for ((row, m_out), s_out) in s.chunks_exact_mut(sk).zip(maxes.iter_mut()).zip(sums.iter_mut()) {
+        // Every load and store below: 16 lanes from an offset below `whole`, or the tail's
+        // `tail` lanes from `whole` under `tail_mask` — within the row's `sk` elements.
+        let p = row.as_mut_ptr();
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        for j in (0..whole).step_by(16) {
+            // SAFETY: within the row (above).
+            let v = unsafe { _mm512_loadu_ps(p.add(j)) };
+            m = _mm512_max_ps(m, v);
+        }
+        if tail > 0 {
+            // SAFETY: the tail's lanes under its mask (above).
+            let v = unsafe { _mm512_maskz_loadu_ps(tail_mask, p.add(whole)) };
+            m = _mm512_mask_max_ps(m, tail_mask, m, v);
+        }
+        let max = _mm512_reduce_max_ps(m);
+        let mv = _mm512_set1_ps(max);
+        let mut acc = _mm512_setzero_ps();
+        for j in (0..whole).step_by(16) {
+            // SAFETY: within the row (above).
+            let v = unsafe { _mm512_loadu_ps(p.add(j)) };
+            let e = x86::exp16(_mm512_sub_ps(v, mv));
+            // SAFETY: within the row (above).
+            unsafe { _mm512_storeu_ps(p.add(j), e) };
+            acc = _mm512_add_ps(acc, e);
+        }
+        if tail > 0 {
+            // SAFETY: the tail's lanes under its mask (above).
+            let v = unsafe { _mm512_maskz_loadu_ps(tail_mask, p.add(whole)) };
+            let e = x86::exp16(_mm512_sub_ps(v, mv));
+            // SAFETY: the tail's lanes under its mask (above).
+            unsafe { _mm512_mask_storeu_ps(p.add(whole), tail_mask, e) };
+            acc = _mm512_mask_add_ps(acc, tail_mask, acc, e);
+        }
+        (*m_out, *s_out) = (max, _mm512_reduce_add_ps(acc));
+    }
+}
+
+/// [`exp_rows_f32`] on 8 lanes, the rows' tails one score at a time.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_avx2(s: &mut [f32], sk: usize, maxes: &mut [f32], sums: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let whole = sk / 8 * 8;
+    for ((row, m_out), s_out) in s.chunks_exact_mut(sk).zip(maxes.iter_mut()).zip(sums.iter_mut()) {
+        // Every load and store below: 8 lanes from an offset below `whole`, within the row.
+        let p = row.as_mut_ptr();
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        for j in (0..whole).step_by(8) {
+            // SAFETY: within the row (above).
+            let v = unsafe { _mm256_loadu_ps(p.add(j)) };
+            m = _mm256_max_ps(m, v);
+        }
+        let tail_max = row[whole..].iter().fold(f32::NEG_INFINITY, |a, v| if *v > a { *v } else { a });
+        let max = x86::fold8(m, |a, b| _mm_max_ps(a, b));
+        let max = if tail_max > max { tail_max } else { max };
+        let mv = _mm256_set1_ps(max);
+        let mut acc = _mm256_setzero_ps();
+        for j in (0..whole).step_by(8) {
+            // SAFETY: within the row (above).
+            let v = unsafe { _mm256_loadu_ps(p.add(j)) };
+            let e = x86::exp8(_mm256_sub_ps(v, mv));
+            // SAFETY: within the row (above).
+            unsafe { _mm256_storeu_ps(p.add(j), e) };
+            acc = _mm256_add_ps(acc, e);
+        }
+        let mut sum = x86::fold8(acc, |a, b| _mm_add_ps(a, b));
+        for v in &mut row[whole..] {
+            *v = math::exp_nonpositive_f32(*v - max);
+            sum += *v;
+        }
+        (*m_out, *s_out) = (max, sum);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Scores with long and short rows, tails of every length, masked (−1e4) and −∞ keys, against
+    /// the scalar body and against f64.
+    #[test]
+    fn every_body_matches_f64() {
+        for sk in [1, 3, 7, 8, 9, 15, 16, 17, 31, 33, 128, 200] {
+            let rows = 5;
+            let s: Vec<f32> = (0..rows * sk)
+                .map(|i| {
+                    let (row, j) = (i / sk, i % sk);
+                    match (row, j % 7) {
+                        (1, _) if j > 0 => -1e4,
+                        (2, 3) => f32::NEG_INFINITY,
+                        _ => ((i * 2_654_435_761) % 1000) as f32 / 40.0 - 12.0,
+                    }
+                })
+                .collect();
+            let mut want = s.clone();
+            let (mut max0, mut sum0) = (vec![0.0; rows], vec![0.0; rows]);
+            rows_scalar(&mut want, sk, &mut max0, &mut sum0);
+            for (body, run) in bodies() {
+                let mut got = s.clone();
+                let (mut max, mut sum) = (vec![0.0; rows], vec![0.0; rows]);
+                run(&mut got, sk, &mut max, &mut sum);
+                check(body, &s, sk, (&got, &max, &sum), (&want, &max0, &sum0));
+            }
+        }
+    }
+
+    type Body = fn(&mut [f32], usize, &mut [f32], &mut [f32]);
+
+    /// The bodies this CPU runs: the dispatcher's choice and each vector body it has.
+    fn bodies() -> Vec<(&'static str, Body)> {
+        let mut all: Vec<(&'static str, Body)> = vec![("dispatched", exp_rows_f32)];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F.
+                all.push(("avx512", |s, sk, l, i| unsafe { rows_avx512(s, sk, l, i) }));
+            }
+            if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                // SAFETY: the CPU has AVX2 and FMA.
+                all.push(("avx2", |s, sk, l, i| unsafe { rows_avx2(s, sk, l, i) }));
+            }
+        }
+        all
+    }
+
+    /// One body's rows against f64 and against the scalar body.
+    #[allow(clippy::type_complexity)]
+    fn check(
+        body: &str,
+        s: &[f32],
+        sk: usize,
+        (got, max, sum): (&[f32], &[f32], &[f32]),
+        (want, max0, sum0): (&[f32], &[f32], &[f32]),
+    ) {
+        for (r, row) in s.chunks(sk).enumerate() {
+            let exact_max = row.iter().map(|v| f64::from(*v)).fold(f64::NEG_INFINITY, f64::max);
+            let exact_sum: f64 = row.iter().map(|v| (f64::from(*v) - exact_max).exp()).sum();
+            assert_eq!(f64::from(max[r]), exact_max, "{body} sk {sk} row {r}: max");
+            let err = (f64::from(sum[r]) - exact_sum).abs() / exact_sum;
+            assert!(err < 1e-6, "{body} sk {sk} row {r}: sum {} vs {exact_sum}", sum[r]);
+            assert!(max[r] == max0[r] && (sum[r] - sum0[r]).abs() <= 1e-6 * sum0[r], "{body} sk {sk} row {r}");
+            let maxf = row.iter().fold(f32::NEG_INFINITY, |m, v| m.max(*v));
+            for (j, v) in row.iter().enumerate() {
+                // From the difference as the kernels round it.
+                let exact = f64::from(*v - maxf).exp();
+                let (g, w) = (got[r * sk + j], want[r * sk + j]);
+                assert!(
+                    (f64::from(g) - exact).abs() <= 4e-7 * exact + 1e-37,
+                    "{body} sk {sk} ({r}, {j}): {g} vs {exact}"
+                );
+                assert!((g - w).abs() <= 3e-7 * w, "{body} sk {sk} ({r}, {j}): {g} vs scalar {w}");
+            }
+        }
+    }
+
+    /// A NaN score makes its row NaN in every body, as the composed softmax does.
+    #[test]
+    fn a_nan_score_gives_a_nan_row() {
+        for (sk, (body, run)) in [5, 16, 40].into_iter().flat_map(|sk| bodies().into_iter().map(move |b| (sk, b))) {
+            let mut s: Vec<f32> = (0..sk).map(|j| j as f32).collect();
+            s[sk / 2] = f32::NAN;
+            let (mut max, mut sum) = ([0.0], [0.0]);
+            run(&mut s, sk, &mut max, &mut sum);
+            assert!(sum[0].is_nan(), "{body} sk {sk}: sum {}", sum[0]);
+            assert!(s[sk / 2].is_nan(), "{body} sk {sk}: the NaN score stays NaN");
+        }
+    }
+}
