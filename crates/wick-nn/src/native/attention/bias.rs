@@ -5,7 +5,10 @@
 //!
 //! The op keeps the bias tensor itself (it shares the caller's storage): its values are read in
 //! place when they are of the compute type ([`Bias::with_rows`]), never copied into a wider
-//! buffer per call — a causal mask at 1 024 tokens is 10⁶ values, in every layer.
+//! buffer per call — a causal mask at 1 024 tokens is 10⁶ values, in every layer. Backward reads
+//! it again: a bias changed in place between the two passes (candle allows that) is read as it is
+//! then, where PyTorch's autograd would refuse; the row ends stay those of the forward pass,
+//! which backward does not use (it recomputes whole rows).
 
 use std::borrow::Cow;
 

@@ -63,6 +63,7 @@ use crate::native::cuda::attention as cuda;
 /// (batch, heads, seq_q, seq_k, head_dim) of q (B, H, Sq, D) and k, v (B, H, Sk, D).
 fn dims(q: &Shape, k: &Shape, v: &Shape) -> Result<(usize, usize, usize, usize, usize)> {
     match (q.dims(), k.dims(), v.dims()) {
+        (&[_, _, _, _], &[_, _, 0, _], _) => Err(err(format!("attention: k {k:?} has no keys to attend to"))),
         (&[b, h, sq, d], &[b2, h2, sk, d2], &[b3, h3, sk3, d3])
             if (b, h, d) == (b2, h2, d2) && (b, h, sk, d) == (b3, h3, sk3, d3) =>
         {
@@ -74,7 +75,7 @@ fn dims(q: &Shape, k: &Shape, v: &Shape) -> Result<(usize, usize, usize, usize, 
 
 wide_kernel! {
     /// `s[j] += bias[j·stride]` along one row of scores (a padding mask's row lies along the
-    /// keys, stride 1: converted and added a vector at a time).
+    /// keys, stride 1: added a vector at a time).
     fn add_bias<T>(s: &mut [T], bias: &[T], stride: usize) {
         if stride == 1 {
             s.iter_mut().zip(bias).for_each(|(v, b)| *v = *v + *b);
@@ -471,8 +472,8 @@ struct Packed {
 /// (batch, seq, head_dim) of a packed (B, S, 3·heads·D) input.
 fn packed_dims(shape: &Shape, heads: usize) -> Result<(usize, usize, usize)> {
     match shape.dims() {
-        &[b, s, e] if heads > 0 && e > 0 && e % (3 * heads) == 0 => Ok((b, s, e / (3 * heads))),
-        d => Err(err(format!("attention: packed q, k, v {d:?} are not (batch, seq, 3·{heads}·head_dim)"))),
+        &[b, s, e] if heads > 0 && s > 0 && e > 0 && e % (3 * heads) == 0 => Ok((b, s, e / (3 * heads))),
+        d => Err(err(format!("attention: packed q, k, v {d:?} are not (batch, seq > 0, 3·{heads}·head_dim)"))),
     }
 }
 

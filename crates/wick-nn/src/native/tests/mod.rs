@@ -430,6 +430,14 @@ fn attention_and_rope_match_their_composed_forms() {
     }
     assert!(native::attention::attention_packed(&qkv, 4, None).is_err(), "18 is not 3 × 4 heads × a width");
     assert!(native::attention::attention_packed(&qkv, 0, None).is_err(), "no heads");
+    // No keys: an error in every dtype (a softmax over nothing; the f64 body split its rows by 0).
+    for dtype in [DType::F64, DType::F32] {
+        let empty = Tensor::zeros((1, 2, 0, 4), dtype, &Device::Cpu).unwrap();
+        let q = Tensor::zeros((1, 2, 3, 4), dtype, &Device::Cpu).unwrap();
+        assert!(native::attention::attention(&q, &empty, &empty, None).is_err(), "no keys ({dtype:?})");
+        let packed = Tensor::zeros((1, 0, 24), dtype, &Device::Cpu).unwrap();
+        assert!(native::attention::attention_packed(&packed, 2, None).is_err(), "no tokens ({dtype:?})");
+    }
     check("rope", &[q], |t| native::rope::rope(&t[0], &cos, &sin), |t| ops::rope_composed(&t[0], &cos, &sin));
     // q and k rotated inside a packed (2, 6, 3·2·4) projection, v passed through, against
     // splitting the heads out, rotating q and k alone and packing them back.
