@@ -36,6 +36,43 @@ unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// ln 2 in two parts for exp's Cody–Waite reduction: `n·LN2_HI` is exact for the n that occur.
+pub(crate) const EXP_LN2_HI: f32 = 0.693_359_4;
+/// The rest of ln 2 after [`EXP_LN2_HI`].
+pub(crate) const EXP_LN2_LO: f32 = -2.121_944_4e-4;
+/// Above this, e^x overflows f32.
+const EXP_HI: f32 = 88.722_84;
+/// Below this, e^x is under f32's smallest normal: exp gives 0.
+pub(crate) const EXP_LO: f32 = -87.336_55;
+/// Rounds to nearest by adding 1.5·2²³: the sum's low mantissa bits are then the integer (no
+/// `round`, a library call on baseline x86-64, and no float-to-int conversion).
+pub(crate) const EXP_ROUND: f32 = 12_582_912.0;
+/// The Cephes `expf` polynomial's coefficients, highest degree first (its 5.0000001201e-1 is 0.5
+/// in f32).
+pub(crate) const EXP_POLY: [f32; 6] =
+    [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+
+/// exp's reduction and polynomial for `xc` in [`EXP_LO`, `EXP_HI`]: `(e, n)` with
+/// `e^xc = e · 2^n`, `e` in [1/√2, √2].
+#[inline(always)]
+fn exp_parts(xc: f32) -> (f32, i32) {
+    let t = xc * std::f32::consts::LOG2_E + EXP_ROUND;
+    let n = t - EXP_ROUND;
+    let ni = t.to_bits() as i32 - EXP_ROUND.to_bits() as i32;
+    let r = xc - n * EXP_LN2_HI - n * EXP_LN2_LO;
+    let mut p = EXP_POLY[0];
+    for c in &EXP_POLY[1..] {
+        p = p * r + c;
+    }
+    (p * r * r + r + 1.0, ni)
+}
+
+/// 2^k for k in −126..=127, through the exponent bits.
+#[inline(always)]
+fn pow2(k: i32) -> f32 {
+    f32::from_bits(((k + 127) as u32) << 23)
+}
+
 /// `e^x` in f32: Cody–Waite range reduction by ln 2 and a degree-6 polynomial (the Cephes
 /// `expf` coefficients); within 2 ulp of the correctly rounded value over the whole range, 0 below
 /// −87.3 and +∞ above 88.7, NaN for NaN.
@@ -43,38 +80,19 @@ unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
 // `max`/`min` rather than `clamp`: they lower to vector min/max (clamp's NaN rule does not).
 #[allow(clippy::manual_clamp)]
 pub fn exp_f32(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const HI: f32 = 88.722_84;
-    const LO: f32 = -87.336_55;
-    // Rounds to nearest by adding 1.5·2²³: the sum's low mantissa bits are then the integer
-    // (no `round`, a library call on baseline x86-64, and no float-to-int conversion).
-    const ROUND: f32 = 12_582_912.0;
     // Below LO the result is 0 (selected at the end); computing it from x = 0 instead of from
     // LO keeps the scaling below from producing a subnormal product, which Intel cores finish in
     // a microcode assist (~100 cycles): a causal mask's −∞ scores, half of every softmax row,
     // made attention's forward several times slower on a Xeon (BENCHMARKS.md, "On a Xeon with
     // AMX").
-    let xc = if x < LO { 0.0 } else { x.min(HI) };
-    let t = xc * std::f32::consts::LOG2_E + ROUND;
-    let n = t - ROUND;
-    let ni = t.to_bits() as i32 - ROUND.to_bits() as i32;
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let p = 1.987_569_1e-4f32;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    // Cephes' 5.0000001201e-1, which is 0.5 in f32.
-    let p = p * r + 0.5;
-    let e = p * r * r + r + 1.0;
-    // 2^n through the exponent bits, in two halves so n = 128 (x near the top) and n = −126
-    // (near the bottom) stay representable.
+    let xc = if x < EXP_LO { 0.0 } else { x.min(EXP_HI) };
+    let (e, ni) = exp_parts(xc);
+    // 2^n in two halves so n = 128 (x near the top) and n = −126 (near the bottom) stay
+    // representable.
     let half = ni >> 1;
-    let scale = |k: i32| f32::from_bits(((k + 127) as u32) << 23);
-    let y = e * scale(half) * scale(ni - half);
-    let y = if x > HI { f32::INFINITY } else { y };
-    let y = if x < LO { 0.0 } else { y };
+    let y = e * pow2(half) * pow2(ni - half);
+    let y = if x > EXP_HI { f32::INFINITY } else { y };
+    let y = if x < EXP_LO { 0.0 } else { y };
     if x.is_nan() {
         x
     } else {
@@ -88,31 +106,16 @@ pub fn exp_f32(x: f32) -> f32 {
 /// through the arithmetic) — about a third fewer vector operations. Within 2 ulp of the
 /// correctly rounded value down to −87.3, 0 below; a positive `x` counts as 0 (the result is 1).
 #[inline(always)]
-#[allow(clippy::manual_clamp)]
 pub fn exp_nonpositive_f32(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const LO: f32 = -87.336_55;
-    const ROUND: f32 = 12_582_912.0;
     // Below LO the result is 0 (selected at the end), computed from LO so that no subnormal
     // product takes a microcode assist (see `exp_f32`); compares that are false for NaN, so NaN
     // stays NaN.
     let xc = if x > 0.0 { 0.0 } else { x };
-    let xc = if xc < LO { LO } else { xc };
-    let t = xc * std::f32::consts::LOG2_E + ROUND;
-    let n = t - ROUND;
-    let ni = t.to_bits() as i32 - ROUND.to_bits() as i32;
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let p = 1.987_569_1e-4f32;
-    let p = p * r + 1.398_199_9e-3;
-    let p = p * r + 8.333_452e-3;
-    let p = p * r + 4.166_579_6e-2;
-    let p = p * r + 1.666_666_5e-1;
-    let p = p * r + 0.5;
-    let e = p * r * r + r + 1.0;
+    let xc = if xc < EXP_LO { EXP_LO } else { xc };
+    let (e, ni) = exp_parts(xc);
     // n ≥ −126 here, so 2^n is one normal f32.
-    let y = e * f32::from_bits(((ni + 127) as u32) << 23);
-    if x < LO {
+    let y = e * pow2(ni);
+    if x < EXP_LO {
         0.0
     } else {
         y

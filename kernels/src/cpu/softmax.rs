@@ -53,12 +53,9 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
-    pub(super) const LN2_HI: f32 = 0.693_359_4;
-    pub(super) const LN2_LO: f32 = -2.121_944_4e-4;
-    pub(super) const LO: f32 = -87.336_55;
-    pub(super) const ROUND: f32 = 12_582_912.0;
-    pub(super) const POLY: [f32; 6] =
-        [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
+    use crate::cpu::math::{
+        EXP_LN2_HI as LN2_HI, EXP_LN2_LO as LN2_LO, EXP_LO as LO, EXP_POLY as POLY, EXP_ROUND as ROUND,
+    };
 
     /// `e^x` of 16 arguments at most 0 (a positive one counts as 0); NaN stays NaN.
     #[inline]
