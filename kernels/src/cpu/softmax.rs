@@ -103,7 +103,7 @@ mod x86 {
         _mm256_andnot_ps(below, y)
     }
 
-    /// The largest and the sum of 8 lanes.
+    /// 8 lanes folded into one by `f` (`max` for the row's largest, `add` for its sum).
     #[inline]
     #[target_feature(enable = "avx2")]
     pub(super) fn fold8(v: __m256, f: impl Fn(__m128, __m128) -> __m128) -> f32 {

@@ -278,6 +278,7 @@ impl Attention {
                                 *l = T::wide(*m) + T::wide(*s).ln();
                             }
                         }
+                        // The sums become their inverses, each row's factor after the product.
                         sum[..rows].iter_mut().for_each(|s| *s = T::one() / *s);
                         let (pm, vm) = (Mat::rows(scores, rows, keys), lay[2].mat(v, bh, h, keys, d)?);
                         // SAFETY: one head per index.
