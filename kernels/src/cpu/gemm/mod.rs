@@ -2,14 +2,17 @@
 //! before any pointer is formed: f32 and f64 through the `gemm` crate (the crate candle's CPU
 //! matmul uses, with its AVX-512 kernels; products of a few rows along the depth on wick's own,
 //! `along_k_f32`; `staged` copies a layer's weight to the crate a block at a time, or, up to 256
-//! rows on CPUs with AVX2 but not AVX-512, multiplies it on wick's own tiles, `tiles_f32`), bf16 × bf16
-//! with f32 sums on CPUs with AVX512-BF16 ([`bf16`], on AMX's tile unit where there is one). The
-//! modules form a tree: `blocking` (the matrix view and the bf16 blocking) is the leaf; `pack`
-//! and `amx` use it; `operand` (packed and row-wise operands) uses `blocking` and `pack`;
-//! `along_k` and `along_k_f32` (bf16 and f32 products whose operands both lie along the depth, in
-//! place) use `blocking`; `tiles_f32` uses `blocking` and `pack`; [`bf16`] uses them all and
-//! chooses the unit and the kernel. This module's [`gemm()`] chooses among `along_k_f32`,
-//! `staged` and the crate called in place (`staged` calls back into it, and into `tiles_f32`).
+//! rows on CPUs with AVX2 but not AVX-512, multiplies it on wick's own tiles, `tiles_f32`; from 80
+//! to 160 rows on AVX-512, `transposed` computes the product's transpose with W read in place),
+//! bf16 × bf16 with f32 sums on CPUs with AVX512-BF16 ([`bf16`], on AMX's tile unit where there
+//! is one). The modules form a tree: `blocking` (the matrix view and the bf16 blocking) and
+//! `switch` (a path's on/off switch) are leaves; `pack` and `amx` use `blocking`; `operand`
+//! (packed and row-wise operands) uses `blocking` and `pack`; `along_k` and `along_k_f32` (bf16
+//! and f32 products whose operands both lie along the depth, in place) use `blocking`;
+//! `tiles_f32` uses `blocking`, `pack` and `switch`, `transposed` `blocking` and `switch`;
+//! [`bf16`] uses them all and chooses the unit and the kernel. This module's [`gemm()`] chooses
+//! among `along_k_f32`, `transposed`, `staged` and the crate called in place (`staged` calls
+//! back into it, and into `tiles_f32`).
 
 pub(crate) mod along_k;
 mod along_k_f32;
@@ -19,10 +22,13 @@ mod blocking;
 mod operand;
 mod pack;
 mod staged;
+mod switch;
 mod tiles_f32;
+mod transposed;
 
 pub use blocking::Mat;
 pub use tiles_f32::use_tiles;
+pub use transposed::use_transposed;
 
 use std::mem::MaybeUninit;
 
@@ -261,12 +267,7 @@ impl<'a, T: Copy> Job<'a, T> {
 unsafe fn crate_paths<T: Scalar>(dst: Dst<T>, dst_row: usize, job: Job<'_, T>, parallel: bool) {
     let n = job.dims.2;
     let threads = if parallel { rayon::current_num_threads() } else { 1 };
-    if threads < 2 {
-        // SAFETY: the caller's contract.
-        unsafe { staged::product(dst.0, dst_row, job) };
-        return;
-    }
-    if n < SPLIT_COLUMNS * threads {
+    if threads >= 2 && n < SPLIT_COLUMNS * threads {
         // Too few columns to split: the crate's own threading.
         // SAFETY: the caller's contract.
         unsafe { crate_product(dst.0, dst_row, job, ::gemm::Parallelism::Rayon(threads)) };
@@ -277,7 +278,22 @@ unsafe fn crate_paths<T: Scalar>(dst: Dst<T>, dst_row: usize, job: Job<'_, T>, p
     // 3072 → 768 projection: 26 G multiply-adds a second at 128 tokens on two threads, 49 split;
     // 76 and 96 at 1024 tokens; `cargo bench -p wick-kernels --bench f32_products`, and
     // BENCHMARKS.md "Transformer inference (issue 50)" for whole models).
-    let chunk = n.div_ceil(threads).div_ceil(16) * 16;
+    let chunk = if threads < 2 { n } else { n.div_ceil(threads).div_ceil(16) * 16 };
+    // Each part on the transposed form (x laid along its rows once for all of them) or on the
+    // staged paths.
+    let along_rows;
+    let (job, part): (Job<'_, T>, PartFn<T>) = if transposed::applies(&job, chunk) {
+        along_rows = transposed::along_rows(job.a);
+        (Job { a: along_rows.view(), ..job }, transposed::product::<T>)
+    } else {
+        (job, staged::product::<T>)
+    };
+    if threads < 2 {
+        // SAFETY: the caller's contract (for the transposed form, without `accumulate`: checked
+        // by `applies`).
+        unsafe { part(dst.0, dst_row, job) };
+        return;
+    }
     rayon::scope(|s| {
         for j0 in (0..n).step_by(chunk) {
             let cols = chunk.min(n - j0);
@@ -285,12 +301,15 @@ unsafe fn crate_paths<T: Scalar>(dst: Dst<T>, dst_row: usize, job: Job<'_, T>, p
                 let out = dst;
                 // SAFETY: columns j0..j0 + cols (j0 < n) of every row of the destination and of
                 // `b` (the caller's contract), written by this task only (the tasks' column
-                // ranges are disjoint).
-                unsafe { staged::product(out.0.add(j0), dst_row, job.columns(job.b, job.j0 + j0, cols)) }
+                // ranges are disjoint); as above for `accumulate`.
+                unsafe { part(out.0.add(j0), dst_row, job.columns(job.b, job.j0 + j0, cols)) }
             });
         }
     });
 }
+
+/// One thread's part of a product on one of the paths (`staged::product`, `transposed::product`).
+type PartFn<T> = unsafe fn(*mut T, usize, Job<'_, T>);
 
 /// Columns per thread from which the threads split the destination's columns.
 const SPLIT_COLUMNS: usize = 64;

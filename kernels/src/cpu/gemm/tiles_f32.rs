@@ -6,7 +6,7 @@
 //! Why: on the AVX2 paths these tiles multiplied the transformers' layer shapes 1.05–1.29× as
 //! fast as the `gemm` crate's own kernel (its `x2x6`, run on the transposed problem, W copied
 //! into its panels by `staged`) at 128 rows, 1.01–1.08× at 197 and 0.98–1.15× at 256 (medians of
-//! 7 alternating rounds in one process, `cargo bench -p wick-kernels --bench tiles_ab`;
+//! 7 alternating rounds in one process, `cargo bench -p wick-kernels --bench paths_ab -- 128,197,256 7 tiles`;
 //! BENCHMARKS.md "Transformer inference (issue 50)"). At 1 024 rows an earlier form of them ran
 //! 0.93–1.08× (the crate keeps those). On AVX-512 the same design (8 × 32 or 12 × 32 tiles) ran
 //! at 0.85–1.05× the crate's 64 × 6 kernel, which keeps those products.
@@ -24,6 +24,7 @@
 
 use super::blocking::Mat;
 use super::pack::fill_panel;
+use super::switch::Switch;
 use super::Job;
 
 /// Depths of one slice.
@@ -51,29 +52,18 @@ fn available() -> bool {
     runs_here() && !crate::cpu::avx512() && switched_on()
 }
 
-/// [`use_tiles`]'s switch: 0 until first read (then the environment's `WICK_CPU_TILES` decides),
-/// 1 on, 2 off.
-static SWITCH: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+/// [`use_tiles`]'s switch.
+static SWITCH: Switch = Switch::new("WICK_CPU_TILES");
 
 fn switched_on() -> bool {
-    use std::sync::atomic::Ordering;
-    match SWITCH.load(Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => {
-            let on = std::env::var_os("WICK_CPU_TILES").is_none_or(|v| v != "0");
-            // Only where nothing was set meanwhile: a `use_tiles` call wins over the environment.
-            let _ = SWITCH.compare_exchange(0, if on { 1 } else { 2 }, Ordering::Relaxed, Ordering::Relaxed);
-            SWITCH.load(Ordering::Relaxed) == 1
-        }
-    }
+    SWITCH.on()
 }
 
 /// Turns wick's own f32 tiles on (the default) or off, for side-by-side measurements against the
-/// `gemm` crate's kernel in one process (`benches/tiles_ab.rs`); whole processes take
+/// `gemm` crate's kernel in one process (`benches/paths_ab.rs`); whole processes take
 /// `WICK_CPU_TILES=0`. Results differ only in the order of the f32 sums.
 pub fn use_tiles(on: bool) {
-    SWITCH.store(if on { 1 } else { 2 }, std::sync::atomic::Ordering::Relaxed);
+    SWITCH.set(on);
 }
 
 /// True on CPUs with AVX2 and FMA, which the tiles need.

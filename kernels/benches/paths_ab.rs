@@ -1,14 +1,17 @@
-//! wick's own f32 tiles against the `gemm` crate's kernel at the transformers' linear-layer
-//! shapes, side by side in one process: each round times both (the order reversed every other
-//! round, weights read from memory as in `f32_products`), and each shape prints the median over
-//! the rounds of crate time / tiles time (above 1: the tiles faster), then the median over the
-//! shapes. The tiles run on CPUs with AVX2 but not AVX-512; elsewhere both columns are the crate
-//! (run with `WICK_CPU_AVX512=0`, and a build from `scripts/build-avx2-binaries.sh`, for an AVX2
-//! machine's paths on an AVX-512 one).
+//! One of the f32 products' paths on and off at the transformers' linear-layer shapes, side by
+//! side in one process: each round times both (the order reversed every other round, weights
+//! read from memory as in `f32_products`), and each shape prints the median over the rounds of
+//! time off / time on (above 1: the path faster), then the median over the shapes. The paths:
+//! `tiles`, wick's own f32 tiles against the `gemm` crate's kernel (CPUs with AVX2 but not
+//! AVX-512: run with `WICK_CPU_AVX512=0`, and a build from `scripts/build-avx2-binaries.sh`, for
+//! an AVX2 machine's paths on an AVX-512 one); `transposed`, the product as its transpose with W
+//! read in place against W's panels (AVX-512). Where the path does not run, both columns time
+//! the same code.
 //!
-//! `cargo bench -p wick-kernels --bench tiles_ab [-- M,M,... [ROUNDS]]` (default 128,256 and 7)
+//! `cargo bench -p wick-kernels --bench paths_ab [-- M,M,... [ROUNDS [tiles|transposed]]]`
+//! (default 128,256, 7 and tiles)
 
-use wick_kernels::cpu::gemm::{gemm, use_tiles, Mat};
+use wick_kernels::cpu::gemm::{gemm, use_tiles, use_transposed, Mat};
 
 mod layers;
 mod timing;
@@ -26,7 +29,16 @@ fn main() {
     let rows: Vec<usize> =
         args.first().map(|a| a.split(',').filter_map(|m| m.parse().ok()).collect()).unwrap_or(vec![128, 256]);
     let rounds: usize = args.get(1).and_then(|r| r.parse().ok()).unwrap_or(7).max(1);
-    println!("{} threads, {rounds} rounds", rayon::current_num_threads());
+    let path = args.get(2).map_or("tiles", String::as_str);
+    let switch: fn(bool) = match path {
+        "tiles" => use_tiles,
+        "transposed" => use_transposed,
+        other => {
+            eprintln!("paths_ab: no path {other:?} (tiles or transposed)");
+            std::process::exit(2);
+        }
+    };
+    println!("{} threads, {rounds} rounds, path {path}", rayon::current_num_threads());
     for &m in &rows {
         let mut medians = vec![];
         for (model, layer, k, n) in LAYERS {
@@ -39,9 +51,9 @@ fn main() {
             let (mut ratios, mut best) = (vec![], [f64::MAX; 2]);
             for r in 0..rounds {
                 let mut t = [0.0; 2];
-                for tiles in if r % 2 == 0 { [false, true] } else { [true, false] } {
-                    use_tiles(tiles);
-                    t[tiles as usize] = timing::best(1, reps, &mut || {
+                for on in if r % 2 == 0 { [false, true] } else { [true, false] } {
+                    switch(on);
+                    t[on as usize] = timing::best(1, reps, &mut || {
                         let w = &ws[turn % copies];
                         turn += 1;
                         drop(gemm(&mut y, Mat::rows(&x, m, k), Mat::rows(w, n, k).t(), 1.0, false, true))
@@ -55,12 +67,12 @@ fn main() {
             medians.push(med);
             let rate = |t: f64| (m * k * n) as f64 / t / 1e9;
             println!(
-                "| {model} {layer} {m}×{k}×{n} | crate {:.1} | tiles {:.1} | median ratio {med:.2} (range {lo:.2}–{hi:.2}) |",
+                "| {model} {layer} {m}×{k}×{n} | off {:.1} | on {:.1} | median ratio {med:.2} (range {lo:.2}–{hi:.2}) |",
                 rate(best[0]),
                 rate(best[1])
             );
         }
         println!("rows {m}: median of shape medians {:.3}", median(&mut medians));
     }
-    use_tiles(true);
+    switch(true);
 }
