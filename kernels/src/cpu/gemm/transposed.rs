@@ -15,9 +15,11 @@
 //! transposed into place from L2.
 //!
 //! Where: f32 on CPUs with AVX-512 (`WICK_CPU_AVX512`), [`MIN_ROWS`] to [`MAX_ROWS`] rows of x
-//! that are a multiple of the kernel's vector (16: no tail kernel runs at a fraction of its lanes
-//! — at 197 rows this form ran 0.77–0.95× the panels), at least [`MIN_COLUMNS`] columns a thread,
-//! W along the depth, unless turned off ([`use_transposed`], `WICK_CPU_TRANSPOSED=0`). Medians of
+//! (other counts padded with zero rows to a multiple of the kernel's vector, 16, so that no
+//! micro-kernel runs at a fraction of its lanes: at 100 rows, padded to 112, 0.96–1.12× the
+//! panels, the large layers 1.05–1.12×; ViT's 197, padded to 208, lost, 0.84–1.01×), at least
+//! [`MIN_COLUMNS`] columns a thread, W along the depth, unless turned off ([`use_transposed`],
+//! `WICK_CPU_TRANSPOSED=0`). Medians of
 //! alternating rounds in one process against the panels (`cargo bench -p wick-kernels --bench
 //! paths_ab -- 128,160,192,256 7 transposed`, two threads, BENCHMARKS.md "W read in place"): at
 //! 128 rows 1.00–1.17× on the 13 layer shapes (BERT-base's 1.04–1.17×, the decoder's head 1.17×,
@@ -25,8 +27,8 @@
 //! ran at 164–179.
 //!
 //! Numerics: each output the crate's dot product along k over the same terms in the same order
-//! as on the panels' path: equal to the bit at the rows this path takes (tested; the crate's
-//! tail kernels for other row counts can differ in the last bit).
+//! as on the panels' path: equal to the bit where the rows are a multiple of 16 (tested; with
+//! padded rows the crate's kernels for the last rows can differ from the panels' in the last bit).
 
 use super::blocking::Mat;
 use super::switch::Switch;
@@ -73,39 +75,49 @@ pub(super) fn applies<T: Scalar>(job: &Job<'_, T>, columns: usize) -> bool {
         && columns >= MIN_COLUMNS
         && k >= 16
         && (MIN_ROWS..=MAX_ROWS).contains(&m)
-        && m.is_multiple_of(16)
-        && m.checked_mul(k).is_some()
+        && m.next_multiple_of(16).checked_mul(k).is_some()
         && crate::cpu::avx512()
         && std::is_x86_feature_detected!("avx2")
         && SWITCH.on()
 }
 
-/// x laid along its rows: element (i, p) at `p·m + i`, which the crate reads as a column-major
-/// left operand (xᵀ's rows side by side).
+/// x laid along its rows, its row count rounded up to the kernel's vector (16) with rows of
+/// zeros: element (i, p) at `p·rows + i`, which the crate reads as a column-major left operand
+/// (xᵀ's rows side by side) whose every micro-kernel runs whole vectors.
 pub(super) struct AlongRows<T> {
     data: Vec<T>,
+    /// x's rows and the zero rows after them: a multiple of 16.
     rows: usize,
     cols: usize,
 }
 
 impl<T> AlongRows<T> {
-    /// The matrix x again (m × k), its rows along the memory.
+    /// x again, with the zero rows (`rows` × k), its rows along the memory.
     pub(super) fn view(&self) -> Mat<'_, T> {
         Mat { data: &self.data, rows: self.rows, cols: self.cols, row_stride: 1, col_stride: self.rows }
     }
 }
 
-/// `a` (any strides) laid along its rows, in memory that is written once (no zero fill first).
+/// `a` (any strides) laid along its rows with zero rows up to a multiple of 16, in memory that is
+/// written once (no zero fill first).
 pub(super) fn along_rows<T: Scalar>(a: Mat<'_, T>) -> AlongRows<T> {
     let (m, k) = (a.rows, a.cols);
-    let len = m.checked_mul(k).expect("m × k fits in usize (checked by `applies`)");
+    let rows = m.next_multiple_of(16);
+    let len = rows.checked_mul(k).expect("rows × k fits in usize (checked by `applies`)");
     let mut data: Vec<T> = Vec::with_capacity(len);
-    // SAFETY: the buffer holds m·k elements, element (i, p) at p·m + i for i < m, p < k, and
-    // nothing else refers to it.
-    unsafe { transpose(data.as_mut_ptr(), m, a) };
-    // SAFETY: every one of the m·k elements was written just now.
+    let out = data.as_mut_ptr();
+    // SAFETY: the buffer holds rows·k elements, element (i, p) at p·rows + i for i < m ≤ rows,
+    // p < k, and nothing else refers to it.
+    unsafe { transpose(out, rows, a) };
+    for p in 0..k {
+        for i in m..rows {
+            // SAFETY: p·rows + i < rows·k, inside the buffer.
+            unsafe { out.add(p * rows + i).write(T::default()) };
+        }
+    }
+    // SAFETY: every one of the rows·k elements was written just now.
     unsafe { data.set_len(len) };
-    AlongRows { data, rows: m, cols: k }
+    AlongRows { data, rows, cols: k }
 }
 
 /// `dst[p · ld + i] = a(i, p)` for every element of `a` (rows × cols): 16 × 16 blocks in AVX-512
@@ -195,28 +207,31 @@ unsafe fn blocks16(src: *const f32, src_row: usize, (rows, cols): (usize, usize)
 }
 
 /// `dst (m × n, rows dst_row apart) = beta·a·b` over columns `j0..j0 + n` of `b`, as yᵀ = bᵀ·aᵀ
-/// made [`BLOCK_COLUMNS`] at a time and transposed into place. Any layout of `a` gives the same
-/// bits; x laid along its rows ([`along_rows`]) is the fast one.
+/// made [`BLOCK_COLUMNS`] at a time and transposed into place. `a` may have more rows than m
+/// (x [`along_rows`] with its zero rows: those are multiplied too, and dropped). Any layout of
+/// `a` gives the same bits; x laid along its rows is the fast one.
 ///
 /// # Safety
 /// As `crate_product`'s, and `job.accumulate` is false.
 pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>) {
     let Job { dims: (m, k, n), a, b, j0, beta, .. } = job;
-    debug_assert!(!job.accumulate);
-    let mut block: Vec<T> = Vec::with_capacity(m * BLOCK_COLUMNS.min(n));
+    debug_assert!(!job.accumulate && a.rows >= m && a.cols == k);
+    // The rows multiplied: x's and its zero rows.
+    let rows = a.rows.max(m);
+    let mut block: Vec<T> = Vec::with_capacity(rows * BLOCK_COLUMNS.min(n));
     for c0 in (0..n).step_by(BLOCK_COLUMNS) {
         let cols = BLOCK_COLUMNS.min(n - c0);
-        // SAFETY: `a` holds m × k elements at its strides and `b` columns j0 + c0..j0 + c0 +
-        // cols of k (the caller's contract); the block's capacity holds m × cols elements,
-        // column-major, which the crate writes without reading (`read_dst` false), and aliases
-        // neither.
+        // SAFETY: `a` holds `rows` × k elements at its strides and `b` columns j0 + c0..j0 + c0 +
+        // cols of k (the caller's contract, `along_rows`); the block's capacity holds rows × cols
+        // elements, column-major, which the crate writes without reading (`read_dst` false), and
+        // aliases neither.
         unsafe {
             ::gemm::gemm(
-                m,
+                rows,
                 cols,
                 k,
                 block.as_mut_ptr(),
-                m as isize,
+                rows as isize,
                 1,
                 false,
                 a.data.as_ptr(),
@@ -232,9 +247,10 @@ pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_
                 false,
                 ::gemm::Parallelism::None,
             );
-            block.set_len(m * cols);
+            block.set_len(rows * cols);
         }
-        let made = Mat { data: &block[..], rows: cols, cols: m, row_stride: m, col_stride: 1 };
+        // x's m rows of the block (its zero rows' products left out).
+        let made = Mat { data: &block[..], rows: cols, cols: m, row_stride: rows, col_stride: 1 };
         // SAFETY: the destination's m rows of columns c0..c0 + cols, dst_row apart, are this
         // call's (the caller's contract): element (i, c0 + j) at i·dst_row + c0 + j.
         unsafe { transpose(dst.add(c0), dst_row, made) };
@@ -252,7 +268,9 @@ mod tests {
     /// wider than n, x row-major and laid along its rows.
     #[test]
     fn equals_the_row_major_product_to_the_bit() {
-        for (m, k, n) in [(64, 300, 200), (128, 768, 420), (96, 17, 7), (130, 64, 385), (112, 40, 1600)] {
+        for (m, k, n) in
+            [(64, 300, 200), (128, 768, 420), (96, 17, 7), (130, 64, 385), (112, 40, 1600), (197, 384, 500)]
+        {
             let (j0, row, dst_row) = (3, k + 5, n + 9);
             let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
             let w: Vec<f32> = (0..(n + j0) * row).map(|i| (i as f32 * 0.11).cos()).collect();
@@ -263,16 +281,18 @@ mod tests {
             // dst_row apart.
             unsafe { super::super::crate_product(want.as_mut_ptr(), dst_row, job, ::gemm::Parallelism::None) };
             let xt = along_rows(Mat::rows(&x, m, k));
-            assert!((0..m).all(|i| (0..k).all(|p| xt.data[p * m + i] == x[i * k + p])));
+            // x's rows, then zero rows up to a multiple of 16.
+            let rows = m.next_multiple_of(16);
+            let of_x = |i: usize, p: usize| if i < m { x[i * k + p] } else { 0.0 };
+            assert!((0..rows).all(|i| (0..k).all(|p| xt.data[p * rows + i] == of_x(i, p))));
             for a in [Mat::rows(&x, m, k), xt.view()] {
                 let mut got = vec![f32::NAN; m * dst_row];
                 // SAFETY: as above.
                 unsafe { product(got.as_mut_ptr(), dst_row, Job { a, ..job }) };
                 for i in 0..m {
                     let (g, w) = (&got[i * dst_row..][..n], &want[i * dst_row..][..n]);
-                    // Bit for bit where the rows are the path's (a multiple of 16); elsewhere
-                    // the crate's tail kernels may order a sum otherwise (130 rows: 1 element
-                    // of 385 a row, 1 ulp).
+                    // Bit for bit where the rows are a multiple of 16; elsewhere the crate's tail
+                    // kernels may order a sum otherwise (130 rows: 1 element of 385 a row, 1 ulp).
                     let same = |g: &f32, w: &f32| {
                         g.to_bits() == w.to_bits() || (m % 16 != 0 && (g - w).abs() <= 1e-6 * (1.0 + w.abs()))
                     };
