@@ -6,10 +6,11 @@
 //! to 160 rows on AVX-512, `transposed` computes the product's transpose with W read in place),
 //! bf16 × bf16 with f32 sums on CPUs with AVX512-BF16 ([`bf16`], on AMX's tile unit where there
 //! is one). The modules form a tree: `blocking` (the matrix view and the bf16 blocking) and
-//! `switch` (a path's on/off switch) are leaves; `pack` and `amx` use `blocking`; `operand`
-//! (packed and row-wise operands) uses `blocking` and `pack`; `along_k` and `along_k_f32` (bf16
-//! and f32 products whose operands both lie along the depth, in place) use `blocking`;
-//! `tiles_f32` uses `blocking`, `pack` and `switch`, `transposed` `blocking` and `switch`;
+//! `switch` (a path's on/off switch) are leaves; `transpose` (register transpositions) and `amx`
+//! use `blocking`; `pack` uses `blocking` and `transpose`; `operand` (packed and row-wise
+//! operands) uses `blocking` and `pack`; `along_k` and `along_k_f32` (bf16 and f32 products whose
+//! operands both lie along the depth, in place) use `blocking`; `tiles_f32` uses `blocking`,
+//! `pack`, `transpose` and `switch`, `transposed` `blocking`, `transpose` and `switch`;
 //! [`bf16`] uses them all and chooses the unit and the kernel. This module's [`gemm()`] chooses
 //! among `along_k_f32`, `transposed`, `staged` and the crate called in place (`staged` calls
 //! back into it, and into `tiles_f32`).
@@ -24,6 +25,7 @@ mod pack;
 mod staged;
 mod switch;
 mod tiles_f32;
+mod transpose;
 mod transposed;
 
 pub use blocking::Mat;

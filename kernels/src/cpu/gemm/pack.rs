@@ -7,11 +7,13 @@
 //! transpositions of 32-bit lanes in AVX2 registers (8 row loads, 24 shuffles, 8 stores per 64
 //! lanes). Why not the compiler's: the former block-buffer form compiled to a gather per 8 lanes,
 //! slow on AMD's cores, where packing, most of it there, was a visible share of a ResNet-18 AMP
-//! step (BENCHMARKS.md, "Kernel design measurements").
+//! step (BENCHMARKS.md, "Kernel design measurements"). The 8 × 8 transposition itself lives in
+//! [`super::transpose`], beside the f32 panels' ([`fill_panel`]) it also serves.
 
 use half::bf16;
 
-use super::blocking::KMajor;
+use super::blocking::{KMajor, Mat};
+use super::transpose::{self, transpose8x8, T8};
 
 /// Packs rows `r0..r0+count` of `v`, depths `k0..k0+depth`, as `width`-lane panels of k-pairs:
 /// lane i of pair p of panel P holds row P·width+i's depths 2p (low half) and 2p+1 (high half);
@@ -57,9 +59,6 @@ pub(super) fn pack_to(
     }
     pack_into::<false>(v, r0, count, k0, depth, width, &mut out[..len])
 }
-
-/// Rows and pairs of one register transposition.
-const T8: usize = 8;
 
 /// [`pack`]'s body; `WIDE`: the caller is compiled for AVX-512 (AVX2 included), so the 8 × 8
 /// transpositions may run.
@@ -166,9 +165,9 @@ unsafe fn transpose8(src: [&[bf16]; T8], dst: &mut [u32], stride: usize) {
 }
 
 /// Columns `first..first + w` of `b` (each `k` long, `col_stride` apart: `b` lies along the
-/// depth) laid out as one panel: element (p, j) at `panel[p · w + j]`. f32 goes through 8 × 8
-/// transposes on CPUs with AVX2 (a plain loop ran at a third of a copy's speed), the ragged
-/// edges and f64 element by element.
+/// depth) laid out as one panel: element (p, j) at `panel[p · w + j]`, through
+/// [`transpose::transpose`] (register blocks for f32; a plain loop ran at a third of a copy's
+/// speed).
 pub(super) fn fill_panel<T: Copy + 'static>(
     panel: &mut [T],
     b: &[T],
@@ -176,83 +175,14 @@ pub(super) fn fill_panel<T: Copy + 'static>(
     (first, w, k): (usize, usize, usize),
 ) {
     assert!(panel.len() >= w * k);
-    let column = |j: usize| &b[(first + j) * col_stride..][..k];
-    // Assigned on x86-64 only.
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
-    let (mut whole_j, mut whole_p) = (0, 0);
-    #[cfg(target_arch = "x86_64")]
-    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() && std::is_x86_feature_detected!("avx2") {
-        (whole_j, whole_p) = (w / T8 * T8, k / T8 * T8);
-        for j0 in (0..whole_j).step_by(T8) {
-            let cols: [&[T]; T8] = std::array::from_fn(|r| column(j0 + r));
-            for p0 in (0..whole_p).step_by(T8) {
-                let dst = &mut panel[p0 * w + j0..];
-                assert!(dst.len() >= (T8 - 1) * w + T8);
-                // SAFETY: AVX2 is present; each column holds elements p0..p0 + 8 (p0 + 8 ≤ k)
-                // of 4 bytes (T is f32); `dst` holds the eight runs, `w` apart (checked).
-                unsafe { transpose8x8(cols.map(|c| c[p0..].as_ptr().cast()), dst.as_mut_ptr().cast(), w) };
-            }
-        }
+    if w == 0 || k == 0 {
+        return;
     }
-    for j in 0..w {
-        let col = column(j);
-        let ps = if j < whole_j { whole_p..k } else { 0..k };
-        for p in ps {
-            panel[p * w + j] = col[p];
-        }
-    }
-}
-
-/// Eight rows of eight 32-bit lanes transposed: lane p of row r to `dst[p · stride + r]`.
-///
-/// # Safety
-/// The CPU has AVX2; each `src[r]` is readable for 32 bytes; `dst[p · stride..][..8]` is
-/// writable for every p < 8.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-pub(super) unsafe fn transpose8x8(src: [*const u8; T8], dst: *mut u32, stride: usize) {
-    use std::arch::x86_64::*;
-    // A loop, not `std::array::from_fn` (whose closure is not inlined under target features).
-    let mut r = [_mm256_setzero_si256(); T8];
-    for (reg, row) in r.iter_mut().zip(&src) {
-        // SAFETY: 32 readable bytes (the caller's contract), read unaligned.
-        *reg = unsafe { _mm256_loadu_si256(row.cast()) };
-    }
-    // Pairs of rows interleaved by lane, then by lane pairs, then the 128-bit halves exchanged.
-    let t = [
-        _mm256_unpacklo_epi32(r[0], r[1]),
-        _mm256_unpackhi_epi32(r[0], r[1]),
-        _mm256_unpacklo_epi32(r[2], r[3]),
-        _mm256_unpackhi_epi32(r[2], r[3]),
-        _mm256_unpacklo_epi32(r[4], r[5]),
-        _mm256_unpackhi_epi32(r[4], r[5]),
-        _mm256_unpacklo_epi32(r[6], r[7]),
-        _mm256_unpackhi_epi32(r[6], r[7]),
-    ];
-    let u = [
-        _mm256_unpacklo_epi64(t[0], t[2]),
-        _mm256_unpackhi_epi64(t[0], t[2]),
-        _mm256_unpacklo_epi64(t[1], t[3]),
-        _mm256_unpackhi_epi64(t[1], t[3]),
-        _mm256_unpacklo_epi64(t[4], t[6]),
-        _mm256_unpackhi_epi64(t[4], t[6]),
-        _mm256_unpacklo_epi64(t[5], t[7]),
-        _mm256_unpackhi_epi64(t[5], t[7]),
-    ];
-    let out = [
-        _mm256_permute2x128_si256::<0x20>(u[0], u[4]),
-        _mm256_permute2x128_si256::<0x20>(u[1], u[5]),
-        _mm256_permute2x128_si256::<0x20>(u[2], u[6]),
-        _mm256_permute2x128_si256::<0x20>(u[3], u[7]),
-        _mm256_permute2x128_si256::<0x31>(u[0], u[4]),
-        _mm256_permute2x128_si256::<0x31>(u[1], u[5]),
-        _mm256_permute2x128_si256::<0x31>(u[2], u[6]),
-        _mm256_permute2x128_si256::<0x31>(u[3], u[7]),
-    ];
-    for (p, o) in out.iter().enumerate() {
-        // SAFETY: lanes p·stride..p·stride + 8 are writable (the caller's contract).
-        unsafe { _mm256_storeu_si256(dst.add(p * stride).cast(), *o) };
-    }
+    let start = first.checked_mul(col_stride).filter(|&s| s <= b.len()).expect("the panel's columns lie in b");
+    let columns = Mat { data: &b[start..], rows: w, cols: k, row_stride: col_stride, col_stride: 1 };
+    // SAFETY: element (p, j) goes to p·w + j < k·w ≤ panel.len() (checked), which nothing else
+    // touches (a `&mut` borrow).
+    unsafe { transpose::transpose(panel.as_mut_ptr(), w, columns) };
 }
 
 /// Two bf16 values as one 32-bit lane: `lo` in the low half (the instruction's even element).

@@ -200,7 +200,7 @@ fn pack_rows(a: &Mat<'_, f32>, (m, k): (usize, usize)) -> Vec<f32> {
                 assert!(to.len() >= 7 * r + 8);
                 // SAFETY: the CPU has AVX2 (every tile's ISA does); each source holds eight f32;
                 // `to` holds the eight depths' stores, r apart, eight lanes each (checked).
-                unsafe { super::pack::transpose8x8(src, to.as_mut_ptr().cast(), r) };
+                unsafe { super::transpose::transpose8x8(src, to.as_mut_ptr().cast(), r) };
             }
             #[cfg(not(target_arch = "x86_64"))]
             let whole = 0;

@@ -32,6 +32,7 @@
 
 use super::blocking::Mat;
 use super::switch::Switch;
+use super::transpose::transpose;
 use super::{Job, Scalar};
 
 /// [`use_transposed`]'s switch.
@@ -118,92 +119,6 @@ pub(super) fn along_rows<T: Scalar>(a: Mat<'_, T>) -> AlongRows<T> {
     // SAFETY: every one of the rows·k elements was written just now.
     unsafe { data.set_len(len) };
     AlongRows { data, rows, cols: k }
-}
-
-/// `dst[p · ld + i] = a(i, p)` for every element of `a` (rows × cols): 16 × 16 blocks in AVX-512
-/// registers where `a`'s rows are contiguous, T is f32 and the CPU has AVX-512, the edges (and
-/// everything else) element by element. Writes those elements only, through the pointer (the
-/// rows of `dst` may lie between other threads' parts).
-///
-/// # Safety
-/// `dst.add(p · ld + i)` is valid for writes for every i < a.rows, p < a.cols, and nothing else
-/// reads or writes those elements meanwhile.
-unsafe fn transpose<T: Scalar>(dst: *mut T, ld: usize, a: Mat<'_, T>) {
-    let (rows, cols) = (a.rows, a.cols);
-    assert!(a.fits(), "the transposed matrix lies in its slice");
-    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
-    let (mut whole_i, mut whole_p) = (0, 0);
-    #[cfg(target_arch = "x86_64")]
-    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
-        && a.col_stride == 1
-        && rows > 0
-        && cols > 0
-        && std::is_x86_feature_detected!("avx512f")
-    {
-        (whole_i, whole_p) = (rows / 16 * 16, cols / 16 * 16);
-        // SAFETY: AVX-512F is present; T is f32; every (i, p) with i < rows, p < cols lies at
-        // i·row_stride + p inside `a.data` (`fits`, col_stride 1); the writes are the caller's.
-        unsafe { blocks16(a.data.as_ptr().cast(), a.row_stride, (whole_i, whole_p), dst.cast(), ld) };
-    }
-    for i in 0..rows {
-        let ps = if i < whole_i { whole_p..cols } else { 0..cols };
-        for p in ps {
-            // SAFETY: i < rows, p < cols: the caller's contract.
-            unsafe { dst.add(p * ld + i).write(a.data[i * a.row_stride + p * a.col_stride]) };
-        }
-    }
-}
-
-/// The 16 × 16 blocks of [`transpose`]: `dst[p · ld + i] = src[i · src_row + p]` for i < rows,
-/// p < cols, both multiples of 16. Per block 16 loads, 64 shuffles and 16 stores.
-///
-/// # Safety
-/// The CPU has AVX-512F; `src[i · src_row + p]` is readable and `dst[p · ld + i]` writable (and
-/// untouched by others) for those i and p.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn blocks16(src: *const f32, src_row: usize, (rows, cols): (usize, usize), dst: *mut f32, ld: usize) {
-    use std::arch::x86_64::*;
-    let lo = |a: __m512, b: __m512| _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-    let hi = |a: __m512, b: __m512| _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)));
-    for i0 in (0..rows).step_by(16) {
-        for p0 in (0..cols).step_by(16) {
-            let mut r = [_mm512_setzero_ps(); 16];
-            for (i, reg) in r.iter_mut().enumerate() {
-                // SAFETY: row i0 + i, elements p0..p0 + 16: readable (the caller's contract).
-                *reg = unsafe { _mm512_loadu_ps(src.add((i0 + i) * src_row + p0)) };
-            }
-            // Lanes of row pairs interleaved, then lane pairs, then 128-bit quarters twice: row
-            // q of the result holds lane q of every source row.
-            let mut t = [_mm512_setzero_ps(); 16];
-            for q in 0..8 {
-                t[2 * q] = _mm512_unpacklo_ps(r[2 * q], r[2 * q + 1]);
-                t[2 * q + 1] = _mm512_unpackhi_ps(r[2 * q], r[2 * q + 1]);
-            }
-            for q in 0..4 {
-                let b = 4 * q;
-                r[b] = lo(t[b], t[b + 2]);
-                r[b + 1] = hi(t[b], t[b + 2]);
-                r[b + 2] = lo(t[b + 1], t[b + 3]);
-                r[b + 3] = hi(t[b + 1], t[b + 3]);
-            }
-            for h in 0..2 {
-                let b = 8 * h;
-                for q in 0..4 {
-                    t[b + q] = _mm512_shuffle_f32x4::<0x88>(r[b + q], r[b + q + 4]);
-                    t[b + q + 4] = _mm512_shuffle_f32x4::<0xdd>(r[b + q], r[b + q + 4]);
-                }
-            }
-            for q in 0..8 {
-                r[q] = _mm512_shuffle_f32x4::<0x88>(t[q], t[q + 8]);
-                r[q + 8] = _mm512_shuffle_f32x4::<0xdd>(t[q], t[q + 8]);
-            }
-            for (p, reg) in r.iter().enumerate() {
-                // SAFETY: depth p0 + p, rows i0..i0 + 16: writable (the caller's contract).
-                unsafe { _mm512_storeu_ps(dst.add((p0 + p) * ld + i0), *reg) };
-            }
-        }
-    }
 }
 
 /// `dst (m × n, rows dst_row apart) = beta·a·b` over columns `j0..j0 + n` of `b`, as yᵀ = bᵀ·aᵀ
@@ -301,33 +216,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// The transposition by definition: whole 16 × 16 blocks, ragged edges both ways, rows of
-    /// the source wider than its columns, a destination with room between its rows that stays
-    /// untouched; f32 (the register blocks) and f64 (element by element).
-    #[test]
-    fn transposes_by_definition() {
-        fn check<T: Scalar + PartialEq + std::fmt::Debug>(of: impl Fn(usize) -> T, gap: T) {
-            for rows in [1, 15, 16, 17, 33, 64] {
-                for cols in [1, 16, 31, 48] {
-                    let (src_row, ld) = (cols + 3, rows + 5);
-                    let src: Vec<T> = (0..rows * src_row).map(&of).collect();
-                    let a = Mat { data: &src[..], rows, cols, row_stride: src_row, col_stride: 1 };
-                    let mut dst = vec![gap; cols * ld];
-                    // SAFETY: dst holds cols runs of ld ≥ rows elements.
-                    unsafe { transpose(dst.as_mut_ptr(), ld, a) };
-                    for p in 0..cols {
-                        for i in 0..ld {
-                            let want = if i < rows { src[i * src_row + p] } else { gap };
-                            assert_eq!(dst[p * ld + i], want, "{rows}×{cols} at ({i}, {p})");
-                        }
-                    }
-                }
-            }
-        }
-        check(|i| i as f32, -1.0);
-        check(|i| i as f64, -1.0);
     }
 
     /// Through the products' dispatch (`gemm`, one thread and split between the threads): the
