@@ -5,13 +5,14 @@
 //! `tiles`, wick's own f32 tiles against the `gemm` crate's kernel (CPUs with AVX2 but not
 //! AVX-512: run with `WICK_CPU_AVX512=0`, and a build from `scripts/build-avx2-binaries.sh`, for
 //! an AVX2 machine's paths on an AVX-512 one); `transposed`, the product as its transpose with W
-//! read in place against W's panels (AVX-512). Where the path does not run, both columns time
-//! the same code.
+//! read in place against W's panels (AVX-512); `blocks`, W's columns copied a block at a time
+//! for the crate against the crate reading them in place (more rows than the panels take). Where
+//! the path does not run, both columns time the same code.
 //!
-//! `cargo bench -p wick-kernels --bench paths_ab [-- M,M,... [ROUNDS [tiles|transposed]]]`
+//! `cargo bench -p wick-kernels --bench paths_ab [-- M,M,... [ROUNDS [tiles|transposed|blocks]]]`
 //! (default 128,256, 7 and tiles)
 
-use wick_kernels::cpu::gemm::{gemm, use_tiles, use_transposed, Mat};
+use wick_kernels::cpu::gemm::{gemm, use_blocks, use_tiles, use_transposed, Mat};
 
 mod layers;
 mod timing;
@@ -33,8 +34,9 @@ fn main() {
     let switch: fn(bool) = match path {
         "tiles" => use_tiles,
         "transposed" => use_transposed,
+        "blocks" => use_blocks,
         other => {
-            eprintln!("paths_ab: no path {other:?} (tiles or transposed)");
+            eprintln!("paths_ab: no path {other:?} (tiles, transposed or blocks)");
             std::process::exit(2);
         }
     };

@@ -29,6 +29,7 @@ mod transpose;
 mod transposed;
 
 pub use blocking::Mat;
+pub use staged::use_blocks;
 pub use tiles_f32::use_tiles;
 pub use transposed::use_transposed;
 
@@ -390,7 +391,8 @@ mod tests {
     /// more columns than one copied block holds, W inside a wider buffer, one thread and split
     /// columns, written and accumulated; against the naive loop in f64. 70 rows take the f32
     /// panels on AVX2 and AVX-512 (ragged in both directions: 1030 deep, a last panel narrower
-    /// than the others), 300 the blocks.
+    /// than the others), 300 the blocks (or, on an L1 of 12 ways or more, the crate in place;
+    /// `staged`'s own test runs the blocks on every CPU).
     #[test]
     fn staged_products_match_a_naive_loop() {
         for m in [70, 300] {
@@ -422,8 +424,8 @@ mod tests {
     }
 
     /// `gemm_into` writes every element, equal to the bit to `gemm` into zeros, on each path:
-    /// the own kernel (few rows along the depth), the f32 panels, the staged blocks, the crate in
-    /// place (past the staged rows), the crate's own threading (few columns), f64; the
+    /// the own kernel (few rows along the depth), the f32 panels, the staged blocks (the crate in
+    /// place on an L1 of 12 ways or more), the crate in place (past the staged rows), the crate's own threading (few columns), f64; the
     /// destination starts as NaN so that an element left unwritten shows. A destination of the
     /// wrong length is an error.
     #[test]

@@ -12,7 +12,9 @@
 //! The copy is one contiguous read of each column into a buffer of [`BLOCK_BYTES`] that stays in
 //! L2 while the crate packs it, rows [`stride`] apart so that they fall in different sets.
 //! With few rows (f32 on AVX2 and AVX-512), the columns are instead transposed into the crate's
-//! panel layout ([`by_panels`]), which it reads without packing them again.
+//! panel layout ([`by_panels`]), which it reads without packing them again. With more, on CPUs
+//! whose L1 has [`IN_PLACE_L1_WAYS`] ways or more (where the sets' conflicts did not show), the
+//! crate reads W in place.
 //!
 //! Up to [`TILES_MAX_ROWS`] rows of f32 on CPUs with AVX2 but not AVX-512, the product runs on
 //! wick's own tiles instead ([`tiles_f32`], which copies W into its own panels).
@@ -21,6 +23,7 @@
 //! (the tiles' own order of f32 sums where they take the product).
 
 use super::blocking::Mat;
+use super::switch::Switch;
 use super::{crate_product, tiles_f32, Job, Scalar};
 
 /// Bytes of `b` copied at a time: half of a 1 MiB L2, beside the crate's packed panels.
@@ -114,7 +117,7 @@ fn stride<T>(k: usize) -> usize {
 /// # Safety
 /// As [`crate_product`]'s.
 pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>) {
-    let Job { dims: (m, k, n), a, b, j0, .. } = job;
+    let Job { dims: (m, ..), a, b, .. } = job;
     let none = ::gemm::Parallelism::None;
     if !applies(&a, &b) {
         // SAFETY: the caller's contract.
@@ -133,6 +136,22 @@ pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_
         unsafe { by_panels(dst, dst_row, job, r) };
         return;
     }
+    if !blocks_pay() {
+        // SAFETY: the caller's contract.
+        unsafe { crate_product(dst, dst_row, job, none) };
+        return;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { by_blocks(dst, dst_row, job) };
+}
+
+/// [`product`] with `b`'s columns copied a block of [`BLOCK_BYTES`] at a time, rows [`stride`]
+/// apart, for the crate.
+///
+/// # Safety
+/// As [`product`]'s.
+unsafe fn by_blocks<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>) {
+    let Job { dims: (_, k, n), b, j0, .. } = job;
     let st = stride::<T>(k);
     let rows = kernel_rows::<T>();
     let per_block = (BLOCK_BYTES / (st * std::mem::size_of::<T>()) / rows * rows).clamp(rows, 256);
@@ -149,8 +168,37 @@ pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_
         let staged = Mat { data: &buf[..], rows: k, cols, row_stride: 1, col_stride: st };
         // SAFETY: the caller's contract for the destination's columns c0..c0 + cols (inside its
         // n); the staged block holds `cols` columns of k elements `st` apart.
-        unsafe { crate_product(dst.add(c0), dst_row, job.columns(staged, 0, cols), none) };
+        unsafe { crate_product(dst.add(c0), dst_row, job.columns(staged, 0, cols), ::gemm::Parallelism::None) };
     }
+}
+
+/// L1 ways from which W is read in place rather than copied in blocks. The blocks exist for the
+/// columns that fall in the same L1 sets (module doc): on an AMD EPYC (Zen 4: 32 KiB, 8 ways)
+/// they ran 1.5–1.9× the crate in place at 128 rows (before the panels took those) and 1.08×
+/// at 1 024 (BERT-base's 3072 → 768). On a Xeon with a 48 KiB, 12-way L1 the crate in place
+/// led on every layer shape but those 2 KiB apart: at 1 024 rows the blocks ran 0.94–1.00× over
+/// depths 384–3 072 (512: 1.03×), BERT-base's and MiniLM's layers 0.96–0.99× at 1 024 rows and
+/// 0.93–1.02× at 2 000, the decoder's 1.00–1.08× (`cargo bench -p wick-kernels --bench paths_ab
+/// -- 512,1024,2000 5 blocks`, BENCHMARKS.md "W read in place"); in place the crate ran level
+/// with PyTorch's MKL there. So on such a cache the blocks give way to the crate in place.
+const IN_PLACE_L1_WAYS: usize = 12;
+
+/// True where W is copied in blocks for products of more rows than the panels take: the switch
+/// on ([`use_blocks`]) and an L1 of fewer than [`IN_PLACE_L1_WAYS`] ways.
+fn blocks_pay() -> bool {
+    static FEW_WAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let few_ways = *FEW_WAYS.get_or_init(|| gemm_common::cache::CACHE_INFO[0].associativity < IN_PLACE_L1_WAYS);
+    few_ways && BLOCKS.on()
+}
+
+/// [`use_blocks`]'s switch.
+static BLOCKS: Switch = Switch::new("WICK_CPU_BLOCKS");
+
+/// Turns the copied blocks (products of more rows than the panels take) on (the default) or off
+/// (the crate reading W in place), for side-by-side measurements in one process
+/// (`benches/paths_ab.rs`); whole processes take `WICK_CPU_BLOCKS=0`. Results are the same bits.
+pub fn use_blocks(on: bool) {
+    BLOCKS.set(on);
 }
 
 /// Rows of `a` up to which f32 products run on wick's own tiles where [`tiles_f32::applies`]
@@ -209,6 +257,48 @@ mod tests {
         for k in 1..5000 {
             let s = stride::<f32>(k);
             assert!(s >= k && s.is_multiple_of(16) && !(s * 4).is_multiple_of(1024), "{k} → {s}");
+        }
+    }
+
+    /// The copied blocks whatever this CPU's L1 (on a 12-way one the products' dispatch reads W
+    /// in place instead): f32 and f64, several blocks with a ragged last one (depth 1030: 64
+    /// columns a block), columns from j0 > 0, written and accumulated, against an f64 loop.
+    #[test]
+    fn blocks_match_a_naive_loop() {
+        let (m, k, n, row, j0, dst_row) = (300, 1030, 150, 1040, 3, 157);
+        let x: Vec<f64> = (0..m * k).map(|i| (i as f64 * 0.37).sin()).collect();
+        let w: Vec<f64> = (0..(n + j0) * row).map(|i| (i as f64 * 0.11).cos()).collect();
+        let truth = |i: usize, j: usize| -> f64 { (0..k).map(|p| x[i * k + p] * w[(j0 + j) * row + p]).sum() };
+        fn run<T: Scalar>(
+            x: &[T],
+            w: &[T],
+            (m, k, n, row, j0, dst_row): (usize, usize, usize, usize, usize, usize),
+            beta: T,
+        ) -> Vec<T> {
+            let b = Mat { data: w, rows: k, cols: n + j0, row_stride: 1, col_stride: row };
+            let mut out = vec![T::default(); m * dst_row];
+            for accumulate in [false, true] {
+                let job = Job { dims: (m, k, n), a: Mat::rows(x, m, k), b, j0, beta, accumulate };
+                // SAFETY: x holds m rows of k; W columns j0..j0 + n of k elements, row apart; the
+                // destination m rows of n elements dst_row apart; no aliasing; `accumulate` only
+                // after the first product wrote every element.
+                unsafe { by_blocks(out.as_mut_ptr(), dst_row, job) };
+            }
+            out
+        }
+        let dims = (m, k, n, row, j0, dst_row);
+        let got64 = run(&x, &w, dims, 2.0);
+        let (x32, w32): (Vec<f32>, Vec<f32>) =
+            (x.iter().map(|&v| v as f32).collect(), w.iter().map(|&v| v as f32).collect());
+        let got32 = run(&x32, &w32, dims, 2.0f32);
+        for i in 0..m {
+            for j in 0..n {
+                // Written (2·truth), then accumulated (2·truth more).
+                let want = 4.0 * truth(i, j);
+                assert!((got64[i * dst_row + j] - want).abs() < 1e-9, "f64 ({i}, {j})");
+                assert!((got32[i * dst_row + j] as f64 - want).abs() < 4e-3, "f32 ({i}, {j})");
+            }
+            assert!(got64[i * dst_row + n..(i + 1) * dst_row].iter().all(|&v| v == 0.0));
         }
     }
 
