@@ -183,20 +183,21 @@ unsafe fn by_blocks<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>) {
 /// with PyTorch's MKL there. So on such a cache the blocks give way to the crate in place.
 const IN_PLACE_L1_WAYS: usize = 12;
 
-/// True where W is copied in blocks for products of more rows than the panels take: the switch
-/// on ([`use_blocks`]) and an L1 of fewer than [`IN_PLACE_L1_WAYS`] ways.
+/// True where W is copied in blocks for products of more rows than the panels take: by default
+/// on an L1 of fewer than [`IN_PLACE_L1_WAYS`] ways ([`use_blocks`] and `WICK_CPU_BLOCKS` set it
+/// either way).
 fn blocks_pay() -> bool {
-    static FEW_WAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let few_ways = *FEW_WAYS.get_or_init(|| gemm_common::cache::CACHE_INFO[0].associativity < IN_PLACE_L1_WAYS);
-    few_ways && BLOCKS.on()
+    BLOCKS.on()
 }
 
 /// [`use_blocks`]'s switch.
-static BLOCKS: Switch = Switch::new("WICK_CPU_BLOCKS");
+static BLOCKS: Switch =
+    Switch::with_default("WICK_CPU_BLOCKS", || gemm_common::cache::CACHE_INFO[0].associativity < IN_PLACE_L1_WAYS);
 
-/// Turns the copied blocks (products of more rows than the panels take) on (the default) or off
-/// (the crate reading W in place), for side-by-side measurements in one process
-/// (`benches/paths_ab.rs`); whole processes take `WICK_CPU_BLOCKS=0`. Results are the same bits.
+/// Turns the copied blocks (products of more rows than the panels take) on or off (the crate
+/// reading W in place) whatever the CPU's L1, for side-by-side measurements in one process
+/// (`benches/paths_ab.rs`); whole processes take `WICK_CPU_BLOCKS=0` or `=1`. Results are the
+/// same bits.
 pub fn use_blocks(on: bool) {
     BLOCKS.set(on);
 }
