@@ -324,6 +324,22 @@ const SPLIT_COLUMNS: usize = 64;
 /// allocation, strides fit in isize, the destination aliases neither input, and nothing else
 /// reads or writes the destination's elements meanwhile.
 unsafe fn crate_product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>, parallelism: ::gemm::Parallelism) {
+    // SAFETY: the caller's contract; element (i, j) at i·dst_row + j.
+    unsafe { crate_call(dst, (dst_row, 1), job, parallelism) }
+}
+
+/// The `gemm` crate's product `job` into the m × n matrix at `dst` whose element (i, j) lies at
+/// `i·rows + j·cols` for `(rows, cols)` = `dst_strides`: row-major (`crate_product`) or
+/// column-major (`transposed`'s blocks).
+///
+/// # Safety
+/// As [`crate_product`]'s.
+unsafe fn crate_call<T: Scalar>(
+    dst: *mut T,
+    (dst_rs, dst_cs): (usize, usize),
+    job: Job<'_, T>,
+    parallelism: ::gemm::Parallelism,
+) {
     let Job { dims: (m, k, n), a, b, j0, beta, accumulate } = job;
     // SAFETY: the caller's contract; column j0 of `b` starts inside its slice.
     unsafe {
@@ -332,8 +348,8 @@ unsafe fn crate_product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>,
             n,
             k,
             dst,
-            1,
-            dst_row as isize,
+            dst_cs as isize,
+            dst_rs as isize,
             accumulate,
             a.data.as_ptr(),
             a.col_stride as isize,

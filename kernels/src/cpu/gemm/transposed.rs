@@ -141,27 +141,8 @@ pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_
         // elements, column-major, which the crate writes without reading (`read_dst` false), and
         // aliases neither.
         unsafe {
-            ::gemm::gemm(
-                rows,
-                cols,
-                k,
-                block.as_mut_ptr(),
-                rows as isize,
-                1,
-                false,
-                a.data.as_ptr(),
-                a.col_stride as isize,
-                a.row_stride as isize,
-                b.data.as_ptr().add((j0 + c0) * b.col_stride),
-                b.col_stride as isize,
-                b.row_stride as isize,
-                T::ONE,
-                beta,
-                false,
-                false,
-                false,
-                ::gemm::Parallelism::None,
-            );
+            let part = Job { dims: (rows, k, cols), a, b, j0: j0 + c0, beta, accumulate: false };
+            super::crate_call(block.as_mut_ptr(), (1, rows), part, ::gemm::Parallelism::None);
             block.set_len(rows * cols);
         }
         // x's m rows of the block (its zero rows' products left out).
