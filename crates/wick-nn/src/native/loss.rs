@@ -136,7 +136,12 @@ impl Embedding {
             return Err(err(format!("embedding: id {bad} outside a table of {v} rows")));
         }
         let table = elems::<T, E>(s, l)?;
-        let y: Vec<E> = self.ids.iter().flat_map(|i| table[i * d..(i + 1) * d].iter().copied()).collect();
+        // Row copies into memory sized once (a `flat_map` collect copied element by element,
+        // checking the capacity at each: 3.4 ms a pass of MiniLM at 32 sentences).
+        let mut y: Vec<E> = Vec::with_capacity(self.ids.len().saturating_mul(d));
+        for i in &self.ids {
+            y.extend_from_slice(&table[i * d..(i + 1) * d]);
+        }
         Ok((E::into_storage(y), Shape::from((self.ids.len(), d))))
     }
 
@@ -212,6 +217,14 @@ pub fn embedding(table: &Tensor, ids_: &Tensor, padding: Option<u32>) -> Result<
 /// `x + a + b`, `a` and `b` repeated over `x`'s leading elements (each a suffix of `x`'s shape).
 struct AddBroadcast;
 
+/// The greatest common divisor (`gcd(n, 0) = n`).
+fn gcd(mut a: usize, mut b: usize) -> usize {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
 /// Sums `g` (R repeats of `len` elements) into `len` values.
 fn fold<T: Real>(g: &[T], len: usize) -> Vec<T> {
     let mut out = vec![T::zero(); len];
@@ -238,7 +251,17 @@ impl AddBroadcast {
         if a.is_empty() || b.is_empty() || !x.len().is_multiple_of(a.len()) || !x.len().is_multiple_of(b.len()) {
             return Err(err(format!("add_broadcast: {} elements with {} and {}", x.len(), a.len(), b.len())));
         }
-        Ok(x.iter().enumerate().map(|(i, v)| *v + a[i % a.len()] + b[i % b.len()]).collect())
+        // Runs of g elements (g divides both lengths, so each run lies within one repeat of a
+        // and of b): two remainders a run instead of two an element, and loops that vectorise
+        // (5.7 ms a pass of MiniLM at 32 sentences before, element by element). The same sums,
+        // (x + a) + b.
+        let g = gcd(a.len(), b.len());
+        let mut y = Vec::with_capacity(x.len());
+        for (run, xs) in x.chunks_exact(g).enumerate() {
+            let (ia, ib) = (run * g % a.len(), run * g % b.len());
+            y.extend(xs.iter().zip(&a[ia..ia + g]).zip(&b[ib..ib + g]).map(|((v, p), q)| *v + *p + *q));
+        }
+        Ok(y)
     }
 }
 

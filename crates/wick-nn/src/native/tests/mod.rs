@@ -507,6 +507,16 @@ fn losses_and_lookups_match_their_composed_forms() {
         |t| native::loss::add_broadcast(&t[0], &t[1], &t[2]),
         |t| t[0].broadcast_add(&t[1])?.broadcast_add(&t[2]),
     );
+    // The longer repeat second, and one as long as x itself.
+    for (a, b) in [(&[1, 4][..], &[3, 4][..]), (&[4][..], &[2, 3, 4][..])] {
+        let (x, a, b) = (randn(&[2, 3, 4], 26), randn(a, 27), randn(b, 28));
+        check(
+            "add_broadcast",
+            &[x, a, b],
+            |t| native::loss::add_broadcast(&t[0], &t[1], &t[2]),
+            |t| t[0].broadcast_add(&t[1])?.broadcast_add(&t[2]),
+        );
+    }
 }
 
 /// The parallel conversions over several chunks and a ragged tail, from an offset, against
