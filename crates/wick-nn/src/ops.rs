@@ -400,7 +400,15 @@ pub fn attention_packed(qkv: &Tensor, heads: usize, bias: Option<&Tensor>) -> Re
 /// An additive causal mask (seq, seq): 0 on and below the diagonal, `-1e4` above. A finite value
 /// keeps low-precision dtypes free of NaN (exp underflows to exactly 0 either way in f32).
 pub fn causal_bias(seq: usize, dtype: DType, device: &candle_core::Device) -> Result<Tensor> {
-    let mask: Vec<f32> = (0..seq).flat_map(|i| (0..seq).map(move |j| if j > i { -1e4 } else { 0.0 })).collect();
+    let len = seq
+        .checked_mul(seq)
+        .ok_or_else(|| candle_core::Error::Msg(format!("causal_bias: {seq} × {seq} elements overflow")))?;
+    // Zeros, then each row's part above the diagonal filled (a per-element `flat_map` collect
+    // was 1 M closures and capacity checks at 1 024 tokens, once per forward pass).
+    let mut mask = vec![0f32; len];
+    for (i, row) in mask.chunks_exact_mut(seq.max(1)).enumerate() {
+        row[i + 1..].fill(-1e4);
+    }
     Tensor::from_vec(mask, (seq, seq), device)?.to_dtype(dtype)
 }
 
@@ -470,6 +478,17 @@ mod tests {
         let fused: Vec<f32> =
             candle_nn::ops::layer_norm(&x, &wf, &bf, 1e-5).unwrap().flatten_all().unwrap().to_vec1().unwrap();
         assert!(ours.iter().zip(&fused).all(|(a, b)| (a - b).abs() < 1e-5));
+    }
+
+    /// The causal bias by its definition: 0 on and below the diagonal, -1e4 above; no rows.
+    #[test]
+    fn causal_bias_is_its_definition() {
+        let dev = Device::Cpu;
+        for seq in [0, 1, 5] {
+            let got: Vec<f32> = causal_bias(seq, DType::F32, &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let want: Vec<f32> = (0..seq * seq).map(|e| if e % seq > e / seq { -1e4 } else { 0.0 }).collect();
+            assert_eq!(got, want, "{seq}");
+        }
     }
 
     #[test]
