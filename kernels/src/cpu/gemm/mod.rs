@@ -441,9 +441,9 @@ mod tests {
 
     /// `gemm_into` writes every element, equal to the bit to `gemm` into zeros, on each path:
     /// the own kernel (few rows along the depth), the f32 panels, the staged blocks (the crate in
-    /// place on an L1 of 12 ways or more), the crate in place (past the staged rows), the crate's own threading (few columns), f64; the
-    /// destination starts as NaN so that an element left unwritten shows. A destination of the
-    /// wrong length is an error.
+    /// place on an L1 of 12 ways or more), the crate in place (past the staged rows), the crate's
+    /// own threading (few columns), f64; the destination starts as NaN so that an element left
+    /// unwritten shows. A destination of the wrong length is an error.
     #[test]
     fn products_into_fresh_memory_equal_products_into_zeros() {
         fn check<T: Scalar + std::fmt::Debug + PartialEq>(m: usize, k: usize, n: usize, nan: T, of: impl Fn(f64) -> T) {

@@ -136,7 +136,7 @@ pub(super) unsafe fn product<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_
         unsafe { by_panels(dst, dst_row, job, r) };
         return;
     }
-    if !blocks_pay() {
+    if !BLOCKS.on() {
         // SAFETY: the caller's contract.
         unsafe { crate_product(dst, dst_row, job, none) };
         return;
@@ -183,14 +183,9 @@ unsafe fn by_blocks<T: Scalar>(dst: *mut T, dst_row: usize, job: Job<'_, T>) {
 /// with PyTorch's MKL there. So on such a cache the blocks give way to the crate in place.
 const IN_PLACE_L1_WAYS: usize = 12;
 
-/// True where W is copied in blocks for products of more rows than the panels take: by default
-/// on an L1 of fewer than [`IN_PLACE_L1_WAYS`] ways ([`use_blocks`] and `WICK_CPU_BLOCKS` set it
+/// On where W is copied in blocks for products of more rows than the panels take: by default on
+/// an L1 of fewer than [`IN_PLACE_L1_WAYS`] ways ([`use_blocks`] and `WICK_CPU_BLOCKS` set it
 /// either way).
-fn blocks_pay() -> bool {
-    BLOCKS.on()
-}
-
-/// [`use_blocks`]'s switch.
 static BLOCKS: Switch =
     Switch::with_default("WICK_CPU_BLOCKS", || gemm_common::cache::CACHE_INFO[0].associativity < IN_PLACE_L1_WAYS);
 

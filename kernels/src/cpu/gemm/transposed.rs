@@ -78,7 +78,6 @@ pub(super) fn applies<T: Scalar>(job: &Job<'_, T>, columns: usize) -> bool {
         && (MIN_ROWS..=MAX_ROWS).contains(&m)
         && m.next_multiple_of(16).checked_mul(k).is_some()
         && crate::cpu::avx512()
-        && std::is_x86_feature_detected!("avx2")
         && SWITCH.on()
 }
 
