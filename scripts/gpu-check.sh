@@ -21,7 +21,8 @@
 #     against the same on the CPU, every model, f32 and bf16 AMP (zoo-speed --against-cpu);
 #   - which ops of each zoo model's step still run as candle's composition on the GPU (the
 #     per-op counts of WICK_PROFILE_OPS: a composed node reports as `NAME (composed)`);
-#   - the zoo's transformers (MiniLM, ViT-S/16, the decoder) at zoo-speed's sizes beside PyTorch.
+#   - the zoo's transformers (MiniLM, ViT-S/16, the decoder) at zoo-speed's sizes beside PyTorch,
+#     then, while the time budget lasts, at issue 46's sizes (the 12 x 768 decoder by --set).
 # Nsight Compute's per-kernel profile of ResNet-18 runs only with WICK_GPU_NCU=1 (2-3 minutes).
 # The Rust binaries are built on a machine without a GPU by scripts/build-gpu-binaries.sh into
 # .devbuild/ (this machine may have no Rust toolchain), and packed, stripped, into
@@ -190,6 +191,16 @@ if [ -x "$bin/zoo-speed" ]; then
   else
     echo "   skipped, over the time budget" | tee "$out/gpu-clip-speed.txt"
   fi
+  section "issue 46's transformer rows at its sizes beside PyTorch (while the time budget lasts)"
+  # MiniLM and BERT-base at 128 tokens x 32, ViT-B/16 at 224^2 x 64, and a 12 x 768 decoder
+  # (zoo-speed's decoder-512 widened by --set; SwiGLU 2 112, 2.75 x the width) at 512 tokens x 8.
+  for row in "bert --seqs 128 --batches 32" "bert-base --seqs 128 --batches 32" "vit-b16 --image 224 --batches 64" \
+      "decoder-512 --seqs 512 --batches 8 --set hidden_size=768 --set num_layers=12 --set num_heads=12 --set intermediate_size=2112"; do
+    in_budget || { echo "   ${row%% *}: skipped, over the time budget" | tee -a "$out/gpu-issue46-rows.txt"; continue; }
+    (cd scripts/torch-reference && PYTHONUNBUFFERED=1 timeout 90 python3 zoo_speed.py --wick "$zoo" --device cuda \
+      --models $row --modes train,amp,eval --rounds 1 --steps 3 --warmup 2) 2>&1 | tee -a "$out/gpu-issue46-rows.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
   section "where the zoo's GPU step goes: phases, and each kernel's time under Nsight Compute"
   for config in "resnet18 train" "resnet18 amp" "resnet18 eval" "resnet50 train"; do
     set -- $config

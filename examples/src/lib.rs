@@ -1,8 +1,11 @@
 //! What the example programs share: the decoder of the main job (`train-amp`), which
 //! `zoo-speed` also times; the candle-transformers models `byo-model` and `byo-model-alone` time
-//! governed and alone ([`byo_model`]); and [`open_engine`], the engine for their `--device`.
+//! governed and alone ([`byo_model`]); the zoo's benchmark configurations, which `zoo-speed`
+//! builds and prints for PyTorch's side, any field changeable by `--set` ([`zoo_bench`]); and
+//! [`open_engine`], the engine for their `--device`.
 
 pub mod byo_model;
+pub mod zoo_bench;
 
 use wick_zoo::llama::LlamaConfig;
 

@@ -11,12 +11,16 @@ every round; the ratio is PyTorch's time over wick's (above 1: wick is faster).
 
     python scripts/torch-reference/zoo_speed.py --wick target/release/zoo-speed \\
         [--models resnet18,decoder] [--modes train,amp,eval] [--rounds 3] [--steps 3] [--threads 2] \\
-        [--image 224] [--batches 1,8,32] [--seqs 128,256] [--device cuda]
+        [--image 224] [--batches 1,8,32] [--seqs 128,256] [--device cuda] [--set hidden_size=768 ...]
 
 `--device cuda` runs both on GPU 0 (wick's binary built with `--features cuda`): autocast is
 `torch.autocast("cuda", torch.bfloat16)`, every step ends with the device synchronised, and the
 table adds each side's peak allocated memory over the timed steps (`torch.cuda.max_memory_allocated`
 after a reset at the end of the warm-up; wick's engine reports the same figure for its pool).
+`--set KEY=VALUE` (repeatable, with one model in `--models`) changes a field of that model's
+configuration on both sides (zoo-speed's `--set`: its `--list` prints the changed shapes, which
+PyTorch's side builds), e.g. the 512 × 8 decoder made 12 × 768 wide with
+`--models decoder-512 --set hidden_size=768 --set num_layers=12 --set num_heads=12`.
 `--estimates FILE` (JSON from `scripts/zoo_estimates.py`) adds wick's estimator's figure for the
 same step beside them.
 
@@ -208,9 +212,14 @@ def main():
     ap.add_argument("--seqs", default=None,
                     help="comma-separated tokens per sequence for the text models, one table row each "
                          "(default: zoo-speed's per model)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="change a field of the model's configuration (zoo-speed's --set; repeatable; one model)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.set and (not args.models or "," in args.models):
+        raise SystemExit("--set changes one model's configuration: name exactly one with --models")
     image = ["--image", str(args.image)] if args.image else []
+    image += [a for kv in args.set for a in ("--set", kv)]
     seqs = [["--seq", q] for q in args.seqs.split(",")] if args.seqs else [[]]
     batches = [["--batch", b] + q for q in seqs for b in args.batches.split(",")] if args.batches else seqs
     raw, failed = [], []
@@ -227,7 +236,8 @@ def main():
         print("|---|---|---|---|---|---|---|")
     for batch in batches:
         sizes = image + batch
-        configs = json.loads(subprocess.run([args.wick, "--list"] + sizes, check=True, capture_output=True,
+        named = ["--model", args.models] if args.set else []
+        configs = json.loads(subprocess.run([args.wick, "--list"] + named + sizes, check=True, capture_output=True,
                                             text=True).stdout)
         models = args.models.split(",") if args.models else list(configs)
         for model in models:

@@ -168,8 +168,25 @@ impl ModelSpec {
     }
 
     /// Whether the input fits the architecture: images of at least 32², sequences within the
-    /// model's positions (and of at least two tokens for a decoder).
+    /// model's positions (and of at least two tokens for a decoder); and whether the architecture
+    /// is one: no size that must count something (classes, widths, heads, a vocabulary) is zero,
+    /// MobileNetV2's width multiplier is positive and finite, BERT's heads divide its width.
     pub fn check(&self) -> Result<(), ZooError> {
+        if let Some(name) = self.counts().iter().find(|(_, n)| *n == 0).map(|(name, _)| name) {
+            return Err(invalid(format!("`{name}` is 0; the model needs at least 1")));
+        }
+        match self {
+            ModelSpec::MobileNetV2 { width_mult, .. } if !(width_mult.is_finite() && *width_mult > 0.0) => {
+                return Err(invalid(format!("a width multiplier of {width_mult} is not a positive number")));
+            }
+            ModelSpec::Bert { config, .. } if !config.hidden_size.is_multiple_of(config.num_attention_heads) => {
+                return Err(invalid(format!(
+                    "hidden_size {} is not divisible by num_attention_heads {}",
+                    config.hidden_size, config.num_attention_heads
+                )));
+            }
+            _ => {}
+        }
         match self {
             ModelSpec::ResNet { image, .. } | ModelSpec::MobileNetV2 { image, .. } if *image < 32 => {
                 Err(invalid(format!("an image side of {image} is below the 32 the CNNs downsample by")))
@@ -185,6 +202,34 @@ impl ModelSpec {
                 config.max_seq
             ))),
             _ => Ok(()),
+        }
+    }
+
+    /// The sizes of the architecture that count something and so cannot be 0, by field name.
+    fn counts(&self) -> Vec<(&'static str, usize)> {
+        match self {
+            ModelSpec::ResNet { classes, width, .. } => vec![("classes", *classes), ("width", *width)],
+            ModelSpec::MobileNetV2 { classes, .. } => vec![("classes", *classes)],
+            ModelSpec::Vit(c) => vec![
+                ("patch_size", c.patch_size),
+                ("hidden", c.hidden),
+                ("heads", c.heads),
+                ("mlp_dim", c.mlp_dim),
+                ("num_classes", c.num_classes),
+            ],
+            ModelSpec::Bert { config: c, .. } => vec![
+                ("vocab_size", c.vocab_size),
+                ("hidden_size", c.hidden_size),
+                ("num_attention_heads", c.num_attention_heads),
+                ("intermediate_size", c.intermediate_size),
+                ("type_vocab_size", c.type_vocab_size),
+            ],
+            ModelSpec::Llama { config: c, .. } => vec![
+                ("vocab_size", c.vocab_size),
+                ("hidden_size", c.hidden_size),
+                ("num_heads", c.num_heads),
+                ("intermediate_size", c.intermediate_size),
+            ],
         }
     }
 

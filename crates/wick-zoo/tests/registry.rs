@@ -130,6 +130,36 @@ fn what_does_not_fit_is_refused_by_name() {
     assert!(model.forward(&tokens).is_err());
 }
 
+/// An architecture with a count of zero (a vocabulary, heads, classes, a width) or BERT heads
+/// that do not divide its width is refused by name before anything is built; a size of 0 that
+/// counts nothing (a depth of no layers) still builds.
+#[test]
+fn zero_sizes_are_refused_by_name() {
+    let refused = |spec: ModelSpec, name: &str| {
+        let e = spec.check().unwrap_err().to_string();
+        assert!(e.contains(&format!("`{name}` is 0")), "{name}: {e}");
+        assert!(spec.build(DType::F32, &Device::Cpu).is_err(), "{name}: built");
+    };
+    let llama = LlamaConfig::tiny(10);
+    refused(ModelSpec::Llama { config: LlamaConfig { vocab_size: 0, ..llama }, seq: 4 }, "vocab_size");
+    refused(ModelSpec::Llama { config: LlamaConfig { intermediate_size: 0, ..llama }, seq: 4 }, "intermediate_size");
+    let bert = BertConfig::tiny(10);
+    refused(ModelSpec::Bert { config: BertConfig { type_vocab_size: 0, ..bert.clone() }, seq: 4 }, "type_vocab_size");
+    refused(ModelSpec::Vit(VitConfig { num_classes: 0, ..VitConfig::tiny(10) }), "num_classes");
+    refused(ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 0, image: 32 }, "width");
+    refused(ModelSpec::MobileNetV2 { classes: 0, width_mult: 1.0, image: 32 }, "classes");
+    for width_mult in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let e = ModelSpec::MobileNetV2 { classes: 10, width_mult, image: 32 }.check().unwrap_err().to_string();
+        assert!(e.contains("width multiplier"), "{width_mult}: {e}");
+    }
+    let heads = BertConfig { num_attention_heads: bert.hidden_size + 1, ..bert.clone() };
+    let e = ModelSpec::Bert { config: heads, seq: 4 }.check().unwrap_err().to_string();
+    assert!(e.contains("not divisible by num_attention_heads"), "{e}");
+    let shallow = ModelSpec::Llama { config: LlamaConfig { num_layers: 0, ..llama }, seq: 4 };
+    let model = shallow.build(DType::F32, &Device::Cpu).unwrap();
+    assert!(scalar(&model.loss(&shallow.batch(2, DType::F32, &Device::Cpu).unwrap()).unwrap()).is_finite());
+}
+
 /// `ZooBatch::narrow` takes examples out of a batch: the parts are the whole's rows, BERT's
 /// readout is shared, and a range past the batch is refused.
 #[test]

@@ -6,6 +6,7 @@
 //! zoo-speed --model resnet18 --mode train --steps 5 # one JSON line: milliseconds per step
 //! zoo-speed --model resnet50 --image 224 --batch 8   # the vision models at other sizes
 //! zoo-speed --model bert-base --mode eval --batch 32 --seq 128  # the text models too
+//! zoo-speed --model decoder-512 --seq 512 --set hidden_size=768 --set num_layers=12 --set num_heads=12
 //! WICK_PROFILE_OPS=1 zoo-speed --model vit           # and each kernel op's time, on stderr
 //! zoo-speed --model resnet18 --record-history DIR   # and the timed steps' allocation history
 //! ```
@@ -29,18 +30,15 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use clap::{Parser, ValueEnum};
-use serde_json::json;
-use wick_examples::DECODER;
+use serde_json::{json, Value};
+use wick_examples::zoo_bench::{self, Sizes};
 use wick_nn::params::normal_tensor;
 use wick_nn::Autocast;
 use wick_nn::{Labelled, Model};
 use wick_train::amp::MasterWeights;
-use wick_train::optim::{AdamW, Optimizer};
-use wick_zoo::bert::{BertConfig, SentenceBatch};
-use wick_zoo::llama::LlamaConfig;
+use wick_train::optim::Optimizer;
+use wick_zoo::bert::SentenceBatch;
 use wick_zoo::registry::{ModelSpec, ZooBatch, ZooModel};
-use wick_zoo::resnet::ResNetDepth;
-use wick_zoo::vit::VitConfig;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Mode {
@@ -103,125 +101,12 @@ struct Args {
     /// coefficient folded into the update), timed in the optimizer's phase.
     #[arg(long)]
     clip_grad_norm: Option<f64>,
-}
-
-/// The inputs' sizes: side of the square images, and inputs per batch and tokens per sequence
-/// where given (each model's default otherwise).
-#[derive(Clone, Copy)]
-struct Sizes {
-    image: usize,
-    batch: Option<usize>,
-    seq: Option<usize>,
-}
-
-impl Sizes {
-    fn images(&self) -> usize {
-        self.batch.unwrap_or(IMAGES)
-    }
-
-    fn sequences(&self) -> usize {
-        self.batch.unwrap_or(SEQUENCES)
-    }
-}
-
-/// all-MiniLM-L6-v2's shapes (a BERT encoder, 6 × 384) at 128 tokens.
-const MINILM: BertConfig = BertConfig::minilm_l6();
-
-/// ViT-S/16 (DeiT-S's shapes) on `image`² images.
-fn vit_s16(image: usize) -> VitConfig {
-    VitConfig { image_size: image, patch_size: 16, hidden: 384, layers: 12, heads: 6, mlp_dim: 1536, num_classes: 10 }
-}
-/// BERT-base (12 × 768, 30 522 tokens) at 128 tokens.
-const BERT_BASE: BertConfig = BertConfig::base();
-
-/// ViT-B/16 (torchvision's shapes) on `image`² images.
-fn vit_b16(image: usize) -> VitConfig {
-    VitConfig { image_size: image, patch_size: 16, hidden: 768, layers: 12, heads: 12, mlp_dim: 3072, num_classes: 10 }
-}
-
-/// A 512 × 8 LLaMA-style decoder on a 32 000-token vocabulary (LLaMA's), SwiGLU at 1 408
-/// (2.75 × the width, a multiple of 64): a small language model's shapes, where the output
-/// layer is a third of the parameters and of a prefill's products.
-const DECODER_512: LlamaConfig = LlamaConfig {
-    vocab_size: 32_000,
-    hidden_size: 512,
-    num_layers: 8,
-    num_heads: 8,
-    intermediate_size: 1408,
-    max_seq: 256,
-    rms_eps: 1e-6,
-    rope_theta: 10_000.0,
-};
-
-const CLASSES: usize = 10;
-const IMAGES: usize = 16;
-const SEQUENCES: usize = 8;
-const BERT_TOKENS: usize = 128;
-const DECODER_TOKENS: usize = 64;
-const DECODER_512_TOKENS: usize = 256;
-
-/// A text model's architecture and shapes.
-enum Text {
-    Llama(LlamaConfig),
-    Bert(BertConfig),
-}
-
-/// The text models: name, configuration and default tokens (all trained with AdamW).
-const TEXT_MODELS: [(&str, Text, usize); 4] = [
-    ("decoder", Text::Llama(DECODER), DECODER_TOKENS),
-    ("decoder-512", Text::Llama(DECODER_512), DECODER_512_TOKENS),
-    ("bert", Text::Bert(MINILM), BERT_TOKENS),
-    ("bert-base", Text::Bert(BERT_BASE), BERT_TOKENS),
-];
-
-impl Text {
-    /// The model at `tokens` a sequence. The decoder trains on `tokens` + 1 ids (next-token
-    /// prediction of `tokens`; the one more position changes only the length of the rotary
-    /// tables).
-    fn spec(&self, tokens: usize) -> ModelSpec {
-        match self {
-            Text::Llama(config) => {
-                let seq = tokens + 1;
-                ModelSpec::Llama { config: LlamaConfig { max_seq: seq, ..*config }, seq }
-            }
-            Text::Bert(config) => ModelSpec::Bert { config: config.clone(), seq: tokens },
-        }
-    }
-
-    /// Its configuration as the PyTorch script reads it.
-    fn json(&self) -> serde_json::Value {
-        match self {
-            Text::Llama(config) => json!({"kind": "llama", "config": config, "optimizer": "adamw"}),
-            Text::Bert(config) => json!({"kind": "bert", "config": config, "optimizer": "adamw"}),
-        }
-    }
-}
-
-/// Adds `extra`'s fields to the object `v`.
-fn extend(mut v: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
-    if let (Some(v), Some(extra)) = (v.as_object_mut(), extra.as_object()) {
-        v.extend(extra.clone());
-    }
-    v
-}
-
-/// The benchmark configurations, as the PyTorch script reads them.
-fn configs(sizes: Sizes) -> serde_json::Value {
-    let vision = |extra: serde_json::Value| {
-        let v = json!({"batch": sizes.images(), "image": sizes.image, "classes": CLASSES, "optimizer": "sgd"});
-        extend(v, extra)
-    };
-    let mut all = json!({
-        "vit": vision(json!({"kind": "vit", "config": vit_s16(sizes.image), "optimizer": "adamw"})),
-        "vit-b16": vision(json!({"kind": "vit", "config": vit_b16(sizes.image), "optimizer": "adamw"})),
-        "resnet18": vision(json!({"kind": "resnet", "depth": 18, "width": 64})),
-        "resnet50": vision(json!({"kind": "resnet", "depth": 50, "width": 64})),
-        "mobilenet_v2": vision(json!({"kind": "mobilenet_v2", "width_mult": 1.0})),
-    });
-    for (name, text, tokens) in &TEXT_MODELS {
-        all[*name] = extend(text.json(), json!({"batch": sizes.sequences(), "seq": sizes.seq.unwrap_or(*tokens)}));
-    }
-    all
+    /// Change a field of the model's configuration, as `--list` prints it (`KEY=VALUE`,
+    /// repeatable): a transformer's width, depth, heads or vocabulary (`--set hidden_size=768
+    /// --set num_layers=12`), a ResNet's `width`, MobileNetV2's `width_mult`. Needs `--model`;
+    /// with `--list`, that model's entry shows the change (what PyTorch's side then builds).
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = zoo_bench::parse_set)]
+    set: Vec<(String, Value)>,
 }
 
 /// Seeded token ids in `0..vocab`.
@@ -245,22 +130,11 @@ struct Bench {
     optimizer: Optimizer,
 }
 
-fn build(name: &str, sizes: Sizes, dtype: DType, device: &Device) -> Result<Bench> {
-    let (image, images, sequences) = (sizes.image, sizes.images(), sizes.sequences());
-    let adamw = Optimizer::AdamW(AdamW { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 });
-    let sgd = Optimizer::SgdMomentum { lr: 0.01, momentum: 0.9 };
-    let cnn = |depth| ModelSpec::ResNet { depth, classes: CLASSES, width: 64, image };
-    let text = TEXT_MODELS.iter().find(|(n, ..)| *n == name);
-    let (spec, optimizer) = match (name, text) {
-        (_, Some((_, text, tokens))) => (text.spec(sizes.seq.unwrap_or(*tokens)), adamw),
-        ("vit", _) => (ModelSpec::Vit(vit_s16(image)), adamw),
-        ("vit-b16", _) => (ModelSpec::Vit(vit_b16(image)), adamw),
-        ("resnet18", _) => (cnn(ResNetDepth::R18), sgd),
-        ("resnet50", _) => (cnn(ResNetDepth::R50), sgd),
-        ("mobilenet_v2", _) => (ModelSpec::MobileNetV2 { classes: CLASSES, width_mult: 1.0, image }, sgd),
-        (other, None) => bail!("unknown model `{other}`; --list shows the configurations"),
-    };
-    spec.check()?;
+fn build(name: &str, sizes: Sizes, sets: &[(String, Value)], dtype: DType, device: &Device) -> Result<Bench> {
+    let (images, sequences) = (sizes.images(), sizes.sequences());
+    let all = zoo_bench::configs(sizes, Some(name), sets)?;
+    let Some(entry) = all.get(name) else { bail!("unknown model `{name}`; --list shows the configurations") };
+    let (spec, optimizer) = zoo_bench::spec(name, entry)?;
     let model = spec.build(dtype, device)?;
     let (batch, eval) = match &spec {
         ModelSpec::Llama { config, seq } => {
@@ -278,8 +152,9 @@ fn build(name: &str, sizes: Sizes, dtype: DType, device: &Device) -> Result<Benc
             (ZooBatch::Sentences(batch.clone()), ZooBatch::Sentences(batch))
         }
         _ => {
+            let (image, classes) = (sizes.image, entry["classes"].as_u64().context("no classes")? as usize);
             let x = normal_tensor(&[images, 3, image, image], 1.0, 11, DType::F32, device)?.to_dtype(dtype)?;
-            let batch = ZooBatch::Images(Labelled { inputs: x, labels: labels(images, CLASSES, device)? });
+            let batch = ZooBatch::Images(Labelled { inputs: x, labels: labels(images, classes, device)? });
             (batch.clone(), batch)
         }
     };
@@ -305,18 +180,18 @@ fn max_rel_err(a: &[f64], b: &[f64]) -> f64 {
 /// convolutions without TF32) 1e-4 on the losses and 1e-4 on the parameters and outputs, relative
 /// to 1 + |value| — the two devices add their sums in different orders and nothing more; bf16
 /// (AMP) 2e-2 on the losses, 1e-2 on parameters and outputs (a bf16 value may round either way).
-fn against_cpu(name: &str, sizes: Sizes, mode: Mode, device: &Device) -> Result<()> {
+fn against_cpu(name: &str, (sizes, sets): (Sizes, &[(String, Value)]), mode: Mode, device: &Device) -> Result<()> {
     #[cfg(feature = "cuda")]
     wick_nn::native::cuda::conv::set_tf32(false);
     let autocast = if mode == Mode::Amp { Autocast::bf16() } else { Autocast::off() };
     let run_on = |dev: &Device| -> Result<(Vec<f64>, Vec<Vec<f64>>)> {
-        let bench = build(name, sizes, autocast.model_dtype(), dev)?;
+        let bench = build(name, sizes, sets, autocast.model_dtype(), dev)?;
         if mode == Mode::Eval {
             let out = wick_nn::no_grad(|| bench.model.forward(&bench.eval))?;
             return Ok((Vec::new(), vec![host_values(&out)?]));
         }
         let start = if autocast.enabled() {
-            let f32_model = build(name, sizes, DType::F32, dev)?.model;
+            let f32_model = build(name, sizes, sets, DType::F32, dev)?.model;
             Some(f32_model.vars().iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())
         } else {
             None
@@ -380,25 +255,25 @@ fn run() -> Result<()> {
     }
     let sizes = Sizes { image: args.image, batch: args.batch, seq: args.seq };
     if args.list {
-        println!("{}", serde_json::to_string_pretty(&configs(sizes))?);
+        println!("{}", serde_json::to_string_pretty(&zoo_bench::configs(sizes, args.model.as_deref(), &args.set)?)?);
         return Ok(());
     }
     let name = args.model.context("--model is required (see --list)")?;
     let engine = wick_examples::open_engine(&args.device, None)?;
     let device = engine.device().clone();
     if args.against_cpu {
-        return against_cpu(&name, sizes, args.mode, &device);
+        return against_cpu(&name, (sizes, &args.set), args.mode, &device);
     }
     // bf16 on both devices, as PyTorch's side runs autocast (no loss scaling needed).
     let autocast = if args.mode == Mode::Amp { Autocast::bf16() } else { Autocast::off() };
-    let bench = build(&name, sizes, autocast.model_dtype(), &device)?;
+    let bench = build(&name, sizes, &args.set, autocast.model_dtype(), &device)?;
     let mut masters = if args.mode == Mode::Eval {
         None
     } else {
         // Under autocast the masters start at the f32 values (the same seeded model in f32).
         let start = if autocast.enabled() {
             Some(
-                build(&name, sizes, DType::F32, &device)?
+                build(&name, sizes, &args.set, DType::F32, &device)?
                     .model
                     .vars()
                     .iter()
