@@ -9,7 +9,8 @@
 #   - wick-nn's CUDA op bodies (activations, norms, batch norm, attention, RoPE, cross-entropy,
 #     embeddings, pooling, and the convolutions through cuDNN) against their host bodies, that a
 #     GPU pass goes through them, and each beside the composed candle ops it replaces;
-#   - the AMP training example on CUDA (f16 with loss scaling, then bf16), through the fused
+#   - the fused device step with gradient clipping against the host's clipped step;
+#   - the AMP training example on CUDA (f16 with loss scaling, then bf16 clipped), through the fused
 #     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh);
 #   - a candle-transformers LLaMA under a CUDA engine: its forward time, and out-of-memory as an
 #     error both at loading (pre-flight) and in the forward pass (the pool's cap);
@@ -118,8 +119,10 @@ else
 fi
 section "AMP training example on CUDA"
 if [ -x "$bin/train-amp" ]; then
+  # bf16 also clips its gradients (the fused step with the norm's coefficient, no scaler).
   for precision in f16 bf16; do
-    timeout 90 "$bin/train-amp" --device cuda --precision $precision --steps 100 --batch 32 --seq 128 \
+    clip=(); [ $precision = bf16 ] && clip=(--clip-grad-norm 1.0)
+    timeout 90 "$bin/train-amp" --device cuda --precision $precision --steps 100 --batch 32 --seq 128 "${clip[@]}" \
       --report "$out/gpu-train-amp-$precision.html" 2>&1 | tee "$out/gpu-train-amp-$precision.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done

@@ -17,8 +17,9 @@ use wick_nn::graph::graph_bytes;
 use wick_nn::params::normal_tensor;
 use wick_nn::Autocast;
 use wick_nn::Model;
-use wick_train::amp::{masters_by_name, StepOutcome, Updater};
+use wick_train::amp::{masters_by_name, StepOutcome};
 use wick_train::optim::{AdamW, Optimizer};
+use wick_train::updater::Updater;
 use wick_zoo::llama::{Llama, LlamaConfig};
 
 #[derive(Parser, Debug)]
@@ -42,6 +43,10 @@ struct Args {
     /// Where to write the HTML memory report.
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Clip the gradients to this total norm (PyTorch's `clip_grad_norm_` after `unscale_`),
+    /// its coefficient folded into the update; the last step's norm is printed.
+    #[arg(long)]
+    clip_grad_norm: Option<f64>,
 }
 
 /// A synthetic language: each token is followed by one of four successors (a fixed, seeded
@@ -110,6 +115,7 @@ fn run() -> Result<()> {
     };
     let optimizer = Optimizer::AdamW(AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 });
     let mut updater = Updater::new(&engine, &vars, &masters, optimizer, autocast)?;
+    updater.clip_grad_norm(args.clip_grad_norm)?;
     if engine.device().is_cuda() {
         println!("{}", updater.describe());
     }
@@ -155,7 +161,8 @@ fn run() -> Result<()> {
         first_loss.get_or_insert(value);
         last_loss = value;
         let scale = updater.scale()?.map(|s| format!(" scale {s}")).unwrap_or_default();
-        bar.set_message(format!("loss {value:.3}{scale}"));
+        let norm = updater.last_grad_norm().map(|n| format!(" grad norm {n:.3}")).unwrap_or_default();
+        bar.set_message(format!("loss {value:.3}{scale}{norm}"));
         bar.inc(1);
     }
     bar.finish();
@@ -166,6 +173,9 @@ fn run() -> Result<()> {
         first_loss.unwrap_or(last_loss),
         4f32.ln()
     );
+    if let (Some(norm), Some(bound)) = (updater.last_grad_norm(), args.clip_grad_norm) {
+        println!("The last step's gradient norm before clipping: {norm:.4} (bound {bound}).");
+    }
     // The same step's graph in f32, measured on an f32 copy of the model, for comparison.
     let f32_model = Llama::new(config, DType::F32, &device)?;
     let f32_kept = graph_bytes(&f32_model.loss(&language.batch(args.batch, args.seq, &device)?)?).total;

@@ -342,6 +342,7 @@ fn run() -> Result<()> {
         composed / fused
     );
     scaler_on_device(&dev, &mut failures)?;
+    clipped_step_on_device(&dev, &mut failures)?;
     if failures > 0 {
         bail!("{failures} AMP kernel check(s) failed");
     }
@@ -395,6 +396,79 @@ fn scaler_on_device(dev: &Device, failures: &mut usize) -> Result<()> {
             &format!("GradScaler::unscale on the device ({what}; f32, f16, bf16 and a view)"),
             ok,
             format!("found inf: CPU {}, device {}; max rel err {err:.1e}", cpu.0, gpu.0),
+            failures,
+        );
+    }
+    Ok(())
+}
+
+/// The fused device step with gradient clipping (`DeviceAmp::unscale`, `squares`, `apply` with
+/// the coefficient: what `Updater` runs on a CUDA device) against the host's clipped step
+/// (`clip::grad_norm`, `MasterWeights::step_clipped`) on the same gradients: an f32 and a bf16
+/// parameter with f32 masters, AdamW, three steps, without a loss scaler and with one (the
+/// gradients uploaded multiplied by its initial scale). The norms and the parameters must agree.
+fn clipped_step_on_device(dev: &Device, failures: &mut usize) -> Result<()> {
+    use candle_core::backprop::GradStore;
+    use candle_core::Var;
+    use wick_train::amp::device_step::DeviceAmp;
+    use wick_train::amp::{GradScalerConfig, MasterWeights};
+    use wick_train::clip;
+    let adamw = Optimizer::AdamW(AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 });
+    let dtypes = [DType::F32, DType::BF16];
+    let start: Vec<Vec<f32>> = (0..2)
+        .map(|k| Ok(normal_tensor(&[3000 + 101 * k], 0.5, 80 + k as u64, DType::F32, &Device::Cpu)?.to_vec1()?))
+        .collect::<Result<_>>()?;
+    for scaled in [false, true] {
+        let config = GradScalerConfig::default();
+        let scale = if scaled { config.init_scale as f32 } else { 1.0 };
+        let make = |on: &Device| -> Result<(Vec<Var>, Vec<Tensor>)> {
+            let masters: Vec<Tensor> = start.iter().map(|v| upload(v, DType::F32, on)).collect::<Result<_>>()?;
+            // Converted on the host: only copies and the AMP kernels run on the device.
+            let vars = start
+                .iter()
+                .zip(&dtypes)
+                .map(|(v, &d)| Ok(Var::from_tensor(&upload(v, d, on)?)?))
+                .collect::<Result<Vec<_>>>()?;
+            Ok((vars, masters))
+        };
+        let (dev_vars, dev_masters) = make(dev)?;
+        let (cpu_vars, cpu_masters) = make(&Device::Cpu)?;
+        let mut amp = DeviceAmp::new(dev, &dev_vars, Some(&dev_masters), adamw, scaled.then_some(config))?;
+        let mut on_host = MasterWeights::with_masters(&cpu_vars, Some(&cpu_masters), adamw)?;
+        let cpu_refs: Vec<&Var> = cpu_vars.iter().collect();
+        let mut worst: (f64, f32) = (0.0, 0.0);
+        for step in 0..3u64 {
+            let grads: Vec<Vec<f32>> = (0..2)
+                .map(|k| {
+                    Ok(normal_tensor(&[3000 + 101 * k], 3.0, 90 + 7 * step + k as u64, DType::F32, &Device::Cpu)?
+                        .to_vec1()?)
+                })
+                .collect::<Result<_>>()?;
+            let (mut on_dev, mut on_cpu) = (GradStore::default(), GradStore::default());
+            for (k, g) in grads.iter().enumerate() {
+                let scaled_g: Vec<f32> = g.iter().map(|x| x * scale).collect();
+                on_dev.insert(dev_vars[k].as_tensor(), upload(&scaled_g, dtypes[k], dev)?);
+                on_cpu.insert(cpu_vars[k].as_tensor(), upload(g, dtypes[k], &Device::Cpu)?);
+            }
+            let unscaled = amp.unscale(&on_dev)?;
+            let norm = amp.squares(&unscaled)?.sqrt();
+            let flag = host(&amp.apply(unscaled, clip::coefficient(norm, 1.0))?)?;
+            let want = clip::grad_norm(&on_cpu, &cpu_refs)?;
+            on_host.step_clipped(&on_cpu, clip::coefficient(want, 1.0))?;
+            if flag.first().is_some_and(|f| *f != 0.0) {
+                bail!("the clipped device step was skipped on finite gradients");
+            }
+            worst.0 = worst.0.max((norm - want).abs() / want);
+        }
+        for (k, (d, c)) in dev_vars.iter().zip(&cpu_vars).enumerate() {
+            let err = max_rel_err(&host(d.as_tensor())?, &host(c.as_tensor())?);
+            worst.1 = worst.1.max(err / tolerance(dtypes[k]).max(1e-5));
+        }
+        let what = if scaled { "with the loss scaler" } else { "no scaler" };
+        check(
+            &format!("clipped fused step on the device ({what}; f32 and bf16 parameters, AdamW, 3 steps)"),
+            worst.0 <= 1e-6 && worst.1 <= 1.0,
+            format!("norm rel err {:.1e}, parameters' error / tolerance {:.2}", worst.0, worst.1),
             failures,
         );
     }

@@ -23,6 +23,13 @@ struct Slot {
     state: Vec<Tensor>,
 }
 
+/// The gradients of one step between [`DeviceAmp::unscale`] and [`DeviceAmp::apply`]: each
+/// parameter's index and its (unscaled) gradient, and the device's inf flag.
+pub struct Unscaled {
+    present: Vec<(usize, Tensor)>,
+    found_inf: Tensor,
+}
+
 /// f32 masters, f32 optimizer state and a device-resident loss scale, stepped by the fused kernels.
 pub struct DeviceAmp {
     kernels: std::sync::Arc<AmpKernels>,
@@ -83,20 +90,24 @@ impl DeviceAmp {
         }
     }
 
-    /// One step from `grads` (of the scaled loss): unscale and check, the optimizer's update on
-    /// every parameter with a gradient in one launch per dtype (skipped on the device when a
-    /// gradient is not finite), scale update. Returns the device flag (1.0 when the step was
-    /// skipped) without reading it.
+    /// True when the loss is scaled (f16): a step with an inf or NaN gradient is then skipped.
+    pub fn scales(&self) -> bool {
+        self.scaler.is_some()
+    }
+
+    /// One step from `grads` (of the scaled loss): [`DeviceAmp::unscale`], then
+    /// [`DeviceAmp::apply`] with the gradients as they are. Returns the device flag (1.0 when the
+    /// step was skipped) without reading it.
     pub fn step(&mut self, grads: &GradStore) -> Result<Tensor, TrainError> {
-        if let Some(flag) = self.last_flag.take() {
-            // One scalar read, of a step that finished while this one's backward ran.
-            if flag.to_device(&Device::Cpu)?.to_vec1::<f32>()?[0] != 0.0 {
-                self.step -= 1;
-            }
-        }
-        self.step += 1;
-        let device = self.kernels.device().clone();
-        let found_inf = Tensor::zeros(1, DType::F32, &device)?;
+        let unscaled = self.unscale(grads)?;
+        self.apply(unscaled, 1.0)
+    }
+
+    /// The first half of a step: the gradients of the parameters that have one, unscaled in
+    /// place and checked for inf/NaN in one launch per dtype when the loss is scaled (the
+    /// device flag set where one is found). Nothing is read back.
+    pub fn unscale(&self, grads: &GradStore) -> Result<Unscaled, TrainError> {
+        let found_inf = Tensor::zeros(1, DType::F32, self.kernels.device())?;
         let present: Vec<(usize, Tensor)> = self
             .slots
             .iter()
@@ -109,6 +120,30 @@ impl DeviceAmp {
             let refs: Vec<&Tensor> = present.iter().map(|(_, g)| g).collect();
             self.kernels.unscale_(&refs, &inv, &found_inf)?;
         }
+        Ok(Unscaled { present, found_inf })
+    }
+
+    /// The sum of the squares of the unscaled gradients, every gradient of a dtype in one launch
+    /// and one read for all (gradient clipping's norm, squared; inf or NaN where a gradient is).
+    pub fn squares(&self, unscaled: &Unscaled) -> Result<f64, TrainError> {
+        let refs: Vec<&Tensor> = unscaled.present.iter().map(|(_, g)| g).collect();
+        self.kernels.squares_multi(&refs)
+    }
+
+    /// The second half of a step: the optimizer's update on every parameter with a gradient in
+    /// one launch per dtype, each gradient element multiplied by `factor` as it is read
+    /// (clipping's coefficient; 1 leaves it as it is), skipped on the device when the flag is set;
+    /// then the scale's update. Returns the device flag (1.0 when the step was skipped) without
+    /// reading it.
+    pub fn apply(&mut self, unscaled: Unscaled, factor: f32) -> Result<Tensor, TrainError> {
+        if let Some(flag) = self.last_flag.take() {
+            // One scalar read, of a step that finished while this one's backward ran.
+            if flag.to_device(&Device::Cpu)?.to_vec1::<f32>()?[0] != 0.0 {
+                self.step -= 1;
+            }
+        }
+        self.step += 1;
+        let Unscaled { present, found_inf } = unscaled;
         let items: Vec<StepItem<'_>> = present
             .iter()
             .map(|(i, g)| {
@@ -117,7 +152,7 @@ impl DeviceAmp {
                 StepItem { target: &s.master, grad: g, state: &s.state, model }
             })
             .collect();
-        self.kernels.optimizer_step_multi_(&items, self.optimizer, self.step, Some(&found_inf), 1.0)?;
+        self.kernels.optimizer_step_multi_(&items, self.optimizer, self.step, Some(&found_inf), factor)?;
         if let Some((config, scale, tracker)) = &self.scaler {
             self.kernels.update_scale_(
                 scale,

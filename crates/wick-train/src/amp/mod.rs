@@ -1,7 +1,7 @@
 //! Mixed precision: the loss scaler ([`GradScaler`]), fp32 master weights with fp32 optimizer
-//! state ([`MasterWeights`]), the update that runs them on the host or fused on a CUDA device
-//! ([`Updater`]; the fused kernels of the wick-kernels crate are launched by `cuda` and
-//! `device_step` with the `cuda` feature). The autocast switch, the op policy the models
+//! state ([`MasterWeights`]), and the fused device step (`device_step`: the kernels of the
+//! wick-kernels crate, launched by `cuda`, with the `cuda` feature) that `crate::updater::Updater`
+//! takes on a CUDA device. The autocast switch, the op policy the models
 //! follow, is the network layer's (`wick_nn::Autocast`). The AMP-vs-f32
 //! trial that checks all of it is a harness, in `tools/` (wick-tools).
 
@@ -11,13 +11,11 @@ pub mod cuda;
 pub mod device_step;
 mod grad_scaler;
 mod master;
-mod updater;
 
 pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, ScalerState, StepOutcome};
 pub(crate) use master::account as account_holdings;
 pub(crate) use master::check_masters;
 pub use master::{masters_by_name, MasterState, MasterWeights};
-pub use updater::Updater;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
