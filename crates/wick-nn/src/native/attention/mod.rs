@@ -103,13 +103,35 @@ fn exp_rows<T: Real>(s: &mut [T], sk: usize, max: &mut [T], sum: &mut [T]) {
     }
 }
 
+/// Each `sk`-long row of scores `p` replaced by `exp(p − lse)`, its probabilities again (the
+/// arguments are at most 0: a log-sum-exp is at least its row's largest score). f32 on the vector
+/// kernel ([`wick_kernels::cpu::softmax::exp_shifted_rows_f32`], as the forward pass's
+/// exponentials).
+fn probabilities<T: Real>(p: &mut [T], sk: usize, lse: &[f64]) {
+    if let Some(p) = T::as_f32_mut(p) {
+        let shift: Vec<f32> = lse.iter().map(|l| *l as f32).collect();
+        return wick_kernels::cpu::softmax::exp_shifted_rows_f32(p, sk, &shift);
+    }
+    probabilities_wide(p, sk, lse);
+}
+
 wide_kernel! {
-    /// Each `sk`-long row of scores `p` replaced by `exp(p − lse)`, its probabilities again (the
-    /// arguments are at most 0: a log-sum-exp is at least its row's largest score).
-    fn probabilities<T>(p: &mut [T], sk: usize, lse: &[f64]) {
+    /// [`probabilities`] for any dtype.
+    fn probabilities_wide<T>(p: &mut [T], sk: usize, lse: &[f64]) {
         for (row, l) in p.chunks_mut(sk).zip(lse) {
             let l = T::of(*l);
             row.iter_mut().for_each(|v| *v = T::exp_nonpositive(*v - l));
+        }
+    }
+}
+
+wide_kernel! {
+    /// The softmax's backward on rows of `sk`: `dS = P ∘ (dP − Σ_j P∘dP)` into `dp`, each row's
+    /// sum in f64.
+    fn softmax_grad_rows<T>(p: &[T], dp: &mut [T], sk: usize) {
+        for (prow, drow) in p.chunks(sk).zip(dp.chunks_mut(sk)) {
+            let dot = T::of(dot(prow, drow));
+            drow.iter_mut().zip(prow).for_each(|(g, pv)| *g = *pv * (*g - dot));
         }
     }
 }
@@ -336,10 +358,7 @@ impl Attention {
                     unsafe { dv.put(bh, h, (sk, d), &mut scratch, Mat::rows(&p, sq, sk).t(), gm, T::one())? };
                     gemm(&mut dp, gm, lay[2].mat(v, bh, h, sk, d)?.t(), T::one(), false, false)?;
                     // dS = P ∘ (dP − Σ_j P∘dP), into `dp`.
-                    for (prow, drow) in p.chunks(sk).zip(dp.chunks_mut(sk)) {
-                        let dot = T::of(dot(prow, drow));
-                        drow.iter_mut().zip(prow).for_each(|(g, pv)| *g = *pv * (*g - dot));
-                    }
+                    softmax_grad_rows::<T>(&p, &mut dp, sk);
                     let (km, qm) = (lay[1].mat(k, bh, h, sk, d)?, lay[0].mat(q, bh, h, sq, d)?);
                     // SAFETY: as for dv.
                     unsafe { dq.put(bh, h, (sq, d), &mut scratch, Mat::rows(&dp, sq, sk), km, scale)? };
