@@ -122,7 +122,7 @@ if [ -x "$bin/train-amp" ]; then
   # bf16 also clips its gradients (the fused step with the norm's coefficient, no scaler).
   for precision in f16 bf16; do
     clip=(); [ $precision = bf16 ] && clip=(--clip-grad-norm 1.0)
-    timeout 90 "$bin/train-amp" --device cuda --precision $precision --steps 100 --batch 32 --seq 128 "${clip[@]}" \
+    timeout 90 "$bin/train-amp" --device cuda --precision $precision --steps 100 --batch 32 --seq 128 ${clip[@]+"${clip[@]}"} \
       --report "$out/gpu-train-amp-$precision.html" 2>&1 | tee "$out/gpu-train-amp-$precision.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
