@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark in one call (well under 8 minutes on one H200):
+# Every GPU check and benchmark in one call (well under 8 minutes on one H200; sections after
+# WICK_GPU_BUDGET_S, default 420 s, are skipped or shortened, and the run ends at WICK_GPU_HARD_S,
+# default 500 s, with what ran packed):
 #   - the allocator conformance suite on the CUDA backend;
 #   - candle allocations drawn from wick's pool, the cap enforced, candle OOM -> typed error;
 #   - the CUDA memory history of labelled candle tensors (CUPTI), with its memory_viz pickle and HTML;
@@ -59,6 +61,20 @@ pack_results() {
   tar -czf "$final/gpu-check-results.tar.gz" -C "$out" .
 }
 trap pack_results EXIT
+# The hard stop: the device call is killed at its own limit (540-600 s), and a killed script packs
+# nothing. At WICK_GPU_HARD_S (default 500) the watchdog ends whatever step runs (the script's
+# children but the console's tee) and the script exits through the trap above, so what ran so far
+# comes back. (bash runs a TERM trap only once the foreground command has ended: hence the kill.)
+hard=${WICK_GPU_HARD_S:-500}
+trap 'echo "!! stopped at ${SECONDS}s by the hard limit of ${hard}s (WICK_GPU_HARD_S): the steps after this did not run"; exit 124' TERM
+(
+  sleep "$hard"
+  for p in $(pgrep -P $$); do
+    [ "$p" != "$tee_pid" ] && [ "$p" != "$BASHPID" ] && kill -TERM "$p" 2>/dev/null
+  done
+  kill -TERM $$ 2>/dev/null
+) &
+watchdog=$!
 libs=$(mktemp -d)
 link() { # link NAME: find the real library NAME.* and expose it as NAME
   local found
@@ -206,6 +222,7 @@ if [ -x "$bin/zoo-speed" ]; then
   done
   section "where the zoo's GPU step goes: phases, and each kernel's time under Nsight Compute"
   for config in "resnet18 train" "resnet18 amp" "resnet18 eval" "resnet50 train"; do
+    in_budget || { echo "   $config: skipped, over the time budget"; continue; }
     set -- $config
     timeout 60 "$bin/zoo-speed" --model $1 --mode $2 --image 224 --batch 32 --steps 3 --warmup 2 --device cuda 2>&1 \
       | tail -1 | tee -a "$out/gpu-zoo-phases.txt"
@@ -231,4 +248,5 @@ WICK_CONFORMANCE_CASES=${WICK_CONFORMANCE_CASES:-10000} timeout 240 "$bin/confor
   | tail -20 | tee "$out/gpu-conformance.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 date -u
+kill "$watchdog" 2>/dev/null
 exit $status
