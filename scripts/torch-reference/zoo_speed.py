@@ -218,6 +218,8 @@ def main():
     torch.set_num_threads(args.threads)
     if args.set and (not args.models or "," in args.models):
         raise SystemExit("--set changes one model's configuration: name exactly one with --models")
+    if args.set and args.estimates:
+        raise SystemExit("--estimates holds the default configurations' figures, not a model changed by --set")
     image = ["--image", str(args.image)] if args.image else []
     image += [a for kv in args.set for a in ("--set", kv)]
     seqs = [["--seq", q] for q in args.seqs.split(",")] if args.seqs else [[]]
