@@ -153,16 +153,23 @@ impl BertConfig {
             return Err(err(format!("position_embedding_type `{p}` is not supported (only `absolute`)")));
         }
         let config: BertConfig = serde_json::from_value(value.clone()).map_err(|e| err(e.to_string()))?;
-        if config.num_attention_heads == 0 || !config.hidden_size.is_multiple_of(config.num_attention_heads) {
-            return Err(err(format!(
-                "hidden_size {} is not divisible by num_attention_heads {}",
-                config.hidden_size, config.num_attention_heads
-            )));
-        }
-        if let Some(pad) = config.pad_token_id.filter(|p| *p as usize >= config.vocab_size) {
-            return Err(err(format!("pad_token_id {pad} is outside the vocabulary of {}", config.vocab_size)));
-        }
+        config.check().map_err(|e| err(e.to_string()))?;
         Ok(config)
+    }
+
+    /// Whether the heads divide the width and the padding id lies in the vocabulary.
+    pub(crate) fn check(&self) -> Result<(), NnError> {
+        let invalid = |message: String| Err(NnError::Invalid { what: "BertConfig".into(), message });
+        if self.num_attention_heads == 0 || !self.hidden_size.is_multiple_of(self.num_attention_heads) {
+            return invalid(format!(
+                "hidden_size {} is not divisible by num_attention_heads {}",
+                self.hidden_size, self.num_attention_heads
+            ));
+        }
+        if let Some(pad) = self.pad_token_id.filter(|p| *p as usize >= self.vocab_size) {
+            return invalid(format!("pad_token_id {pad} is outside the vocabulary of {}", self.vocab_size));
+        }
+        Ok(())
     }
 }
 
@@ -240,6 +247,7 @@ fn all_shapes(c: &BertConfig) -> Vec<(String, Vec<usize>, Init)> {
 impl Bert {
     /// A freshly initialised model (normal(0, 0.02) weights, as BERT's initialiser).
     pub fn new(config: BertConfig, dtype: DType, device: &Device) -> Result<Self, NnError> {
+        config.check()?;
         wick_nn::params::preflight_parameters(config.parameter_count(), dtype, device, "BERT")?;
         let mut params = Params::default();
         for (name, shape, init) in all_shapes(&config) {
@@ -247,12 +255,6 @@ impl Bert {
         }
         if let Some(pad) = config.pad_token_id {
             let vocab = config.vocab_size;
-            if pad as usize >= vocab {
-                return Err(NnError::Invalid {
-                    what: "BertConfig".into(),
-                    message: format!("pad_token_id {pad} is outside the vocabulary of {vocab}"),
-                });
-            }
             // Hugging Face initialises the padding row to zeros.
             let table = params
                 .get("embeddings.word_embeddings.weight")

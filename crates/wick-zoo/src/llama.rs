@@ -157,7 +157,8 @@ impl LlamaConfig {
         wick_nn::params::layered_count(Some(fixed), Some(per_layer), self.num_layers)
     }
 
-    fn check(&self) -> Result<(), NnError> {
+    /// Whether the heads split the width into even head sizes (RoPE rotates pairs).
+    pub(crate) fn check(&self) -> Result<(), NnError> {
         if self.num_heads == 0
             || !self.hidden_size.is_multiple_of(self.num_heads)
             || !(self.hidden_size / self.num_heads).is_multiple_of(2)

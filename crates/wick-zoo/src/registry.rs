@@ -170,21 +170,21 @@ impl ModelSpec {
     /// Whether the input fits the architecture: images of at least 32², sequences within the
     /// model's positions (and of at least two tokens for a decoder); and whether the architecture
     /// is one: no size that must count something (classes, widths, heads, a vocabulary) is zero,
-    /// MobileNetV2's width multiplier is positive and finite, BERT's heads divide its width.
+    /// MobileNetV2's width multiplier is positive and finite, and each transformer's own
+    /// configuration check passes (heads that divide the width, whole patches, a padding id in
+    /// the vocabulary).
     pub fn check(&self) -> Result<(), ZooError> {
         if let Some(name) = self.counts().iter().find(|(_, n)| *n == 0).map(|(name, _)| name) {
             return Err(invalid(format!("`{name}` is 0; the model needs at least 1")));
         }
+        // Each transformer's configuration checks its own shapes (as its constructor does).
         match self {
             ModelSpec::MobileNetV2 { width_mult, .. } if !(width_mult.is_finite() && *width_mult > 0.0) => {
                 return Err(invalid(format!("a width multiplier of {width_mult} is not a positive number")));
             }
-            ModelSpec::Bert { config, .. } if !config.hidden_size.is_multiple_of(config.num_attention_heads) => {
-                return Err(invalid(format!(
-                    "hidden_size {} is not divisible by num_attention_heads {}",
-                    config.hidden_size, config.num_attention_heads
-                )));
-            }
+            ModelSpec::Vit(config) => config.check()?,
+            ModelSpec::Bert { config, .. } => config.check()?,
+            ModelSpec::Llama { config, .. } => config.check()?,
             _ => {}
         }
         match self {

@@ -79,6 +79,24 @@ impl VitConfig {
         }
     }
 
+    /// Whether the image splits into whole patches and the heads divide the width.
+    pub(crate) fn check(&self) -> Result<(), NnError> {
+        if self.patch_size == 0
+            || !self.image_size.is_multiple_of(self.patch_size)
+            || self.heads == 0
+            || !self.hidden.is_multiple_of(self.heads)
+        {
+            return Err(NnError::Invalid {
+                what: "vit config".into(),
+                message: format!(
+                    "image {} must be a multiple of patch {} and hidden {} of heads {}",
+                    self.image_size, self.patch_size, self.hidden, self.heads
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Patches per image plus the class token (`usize::MAX` for a zero patch size or a count that
     /// does not fit; [`Vit::new`] refuses those configurations).
     pub fn tokens(&self) -> usize {
@@ -122,19 +140,7 @@ impl Vit {
     /// A fresh model.
     pub fn new(config: VitConfig, dtype: DType, device: &Device) -> Result<Self, NnError> {
         let c = config;
-        if c.patch_size == 0
-            || !c.image_size.is_multiple_of(c.patch_size)
-            || c.heads == 0
-            || !c.hidden.is_multiple_of(c.heads)
-        {
-            return Err(NnError::Invalid {
-                what: "vit config".into(),
-                message: format!(
-                    "image {} must be a multiple of patch {} and hidden {} of heads {}",
-                    c.image_size, c.patch_size, c.hidden, c.heads
-                ),
-            });
-        }
+        c.check()?;
         wick_nn::params::preflight_parameters(c.parameter_count(), dtype, device, "ViT")?;
         let (h, m) = (c.hidden, c.mlp_dim);
         let mut p = Params::default();
