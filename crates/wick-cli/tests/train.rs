@@ -56,9 +56,16 @@ fn losses(dir: &Path) -> Vec<(u64, u32)> {
 
 /// Waits until the run in `dir` has logged `steps` steps, sends it SIGTERM, and checks that it
 /// saved and exited cleanly, saying so; returns what it printed.
+///
+/// A resumed run starts from a metrics file an earlier run left (perhaps already `steps` lines
+/// long) and installs its SIGTERM handler only after truncating it to its checkpoint, so it
+/// counts as started only once the file holds a line more than it did here: truncation never
+/// lengthens it, and the run appends only after its handler is in place.
 fn stop_after(child: Child, dir: &Path, steps: usize) -> String {
     let started = Instant::now();
-    while std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |t| t.lines().count()) < steps {
+    let lines = || std::fs::read_to_string(dir.join("metrics.jsonl")).map_or(0, |t| t.lines().count());
+    let wanted = steps.max(lines() + 1);
+    while lines() < wanted {
         assert!(started.elapsed() < Duration::from_secs(120), "no progress");
         std::thread::sleep(Duration::from_millis(5));
     }
