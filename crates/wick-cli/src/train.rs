@@ -121,6 +121,10 @@ pub struct TrainArgs {
     /// prefetch; one more block whole beside it).
     #[arg(long)]
     prefetch: bool,
+    /// At ZeRO stage 3, keep each block's activations instead of recomputing the block in
+    /// backward (FSDP without checkpointing): one forward pass a block fewer, all kept.
+    #[arg(long)]
+    no_recompute: bool,
 }
 
 const VOCAB: usize = 32;
@@ -397,8 +401,13 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
     // masters and optimizer state, and a resume reads only its share.
     let mut trainer = if world > 1 {
         let sharding = wick_train::dist::Sharding::from_stage(args.zero)?;
-        let parallel =
-            DataParallelOptions { sharding, overlap: !args.no_overlap, prefetch: args.prefetch, ..Default::default() };
+        let parallel = DataParallelOptions {
+            sharding,
+            overlap: !args.no_overlap,
+            prefetch: args.prefetch,
+            recompute: !args.no_recompute,
+            ..Default::default()
+        };
         Trainer::new_data_parallel(model, describe, start.as_deref(), options, group.clone(), parallel)?
     } else {
         Trainer::new(model, describe, start.as_deref(), options)?

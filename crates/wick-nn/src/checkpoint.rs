@@ -14,6 +14,16 @@
 //! come whole: a context made with [`Checkpointing::sharded`] asks its [`ShardedBlocks`] for a
 //! block's full parameters just before the block runs forward, drops them after it, asks again
 //! in backward, and hands the block's parameter gradients over as soon as its backward is done.
+//!
+//! Where the blocks say so ([`ShardedBlocks::keeps_activations`]), a sharded block is not
+//! recomputed: it runs forward with its graph on the gathered parameters, whose values are then
+//! released (their pages go back; the graph keeps the tensors), and an identity node on its
+//! output gathers them again into the same tensors when backward reaches it — before any op of
+//! the block, which all lie between that node and the block's input. Each gathered tensor's
+//! values are released again once its gradient is complete (every op that read it is done), and
+//! the block's gradients are handed over when the last of them is; those of parameters that got
+//! none are handed over at the end of backward. PyTorch's FSDP without checkpointing: one
+//! forward pass per block fewer, every block's activations kept.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -41,6 +51,99 @@ pub trait ShardedBlocks: Send + Sync {
     /// The block's gradients of `weights` (`None` where it gave none), handed over as soon as
     /// the block's backward is done: the implementation reduces them to their owners.
     fn reduce(&self, weights: &[Tensor], grads: Vec<Option<Tensor>>) -> Result<()>;
+    /// Whether the blocks keep their activations (no recomputation in backward): then
+    /// [`ShardedBlocks::release`] and [`ShardedBlocks::regather`] are called. Default: no.
+    fn keeps_activations(&self) -> bool {
+        false
+    }
+    /// Gives back the memory of gathered values (tensors [`ShardedBlocks::gather`] returned)
+    /// that nothing reads until they are gathered again: they read as zeros meanwhile.
+    fn release(&self, _gathered: &[Tensor]) -> Result<()> {
+        Err(candle_core::Error::Msg("these sharded blocks recompute; they do not release gathered values".into()))
+    }
+    /// Writes the full current values of `weights` into `into`, the tensors an earlier
+    /// [`ShardedBlocks::gather`] of the same weights returned (released since). Every process
+    /// calls this for the same block at the same point.
+    fn regather(&self, _weights: &[Tensor], _into: &[Tensor]) -> Result<()> {
+        Err(candle_core::Error::Msg("these sharded blocks recompute; they do not gather again in place".into()))
+    }
+}
+
+/// A block run with its graph kept on gathered parameters ([`ShardedBlocks::keeps_activations`]).
+struct KeptBlock {
+    /// The model's parameters (by identity, for the shards).
+    weights: Vec<Tensor>,
+    /// Their gradients, as they complete.
+    grads: Vec<Option<Tensor>>,
+    /// Gathered tensors whose gradient is not complete yet.
+    waiting: usize,
+    /// Whether the gradients were handed over.
+    reduced: bool,
+}
+
+/// The kept blocks of a context: in forward order, and which block and slot each gathered
+/// tensor is.
+#[derive(Default)]
+struct Kept {
+    blocks: Vec<KeptBlock>,
+    slots: HashMap<TensorId, (usize, usize)>,
+}
+
+impl Kept {
+    /// Takes a gathered tensor's complete gradient out of `store`, releases its values, and
+    /// hands its block's gradients over once they are all complete. `false` when `var` is not
+    /// a gathered tensor of this context.
+    fn ready(&mut self, var: &Tensor, store: &mut GradStore, blocks: &dyn ShardedBlocks) -> Result<bool> {
+        let Some(&(b, slot)) = self.slots.get(&var.id()) else { return Ok(false) };
+        let block = &mut self.blocks[b];
+        block.grads[slot] = store.remove(var).map(|g| g.detach());
+        blocks.release(std::slice::from_ref(var))?;
+        block.waiting = block.waiting.saturating_sub(1);
+        if block.waiting == 0 && !block.reduced {
+            block.reduced = true;
+            blocks.reduce(&block.weights, std::mem::take(&mut block.grads))?;
+        }
+        Ok(true)
+    }
+
+    /// Hands over the blocks whose gradients did not all complete (parameters without one), the
+    /// last block first, and forgets every block.
+    fn finish(&mut self, blocks: &dyn ShardedBlocks) -> Result<()> {
+        self.slots.clear();
+        for block in std::mem::take(&mut self.blocks).into_iter().rev().filter(|b| !b.reduced) {
+            let grads = block.grads.into_iter().collect();
+            blocks.reduce(&block.weights, grads)?;
+        }
+        Ok(())
+    }
+}
+
+/// The identity on a kept block's output: its backward gathers the block's parameters again
+/// before any op of the block runs backward.
+struct Regather {
+    blocks: Arc<dyn ShardedBlocks>,
+    weights: Vec<Tensor>,
+    gathered: Vec<Tensor>,
+    result: Handoff,
+}
+
+impl CustomOp1 for Regather {
+    fn name(&self) -> &'static str {
+        "wick-regather"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.result.cpu()
+    }
+
+    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        self.result.cuda()
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        self.blocks.regather(&self.weights, &self.gathered)?;
+        Ok(Some(grad_res.clone()))
+    }
 }
 
 struct SegmentOp {
@@ -124,6 +227,8 @@ pub struct Checkpointing {
     sharded: Option<Arc<dyn ShardedBlocks>>,
     /// The weights the segments of this context take (by identity).
     segment_weights: Arc<Mutex<HashSet<TensorId>>>,
+    /// Sharded blocks run with their graphs kept ([`ShardedBlocks::keeps_activations`]).
+    kept: Arc<Mutex<Kept>>,
 }
 
 impl Checkpointing {
@@ -148,6 +253,9 @@ impl Checkpointing {
         weights: Vec<Tensor>,
         f: impl Fn(&Tensor, &[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
     ) -> Result<Tensor> {
+        if let Some(sharded) = self.sharded.as_ref().filter(|s| s.keeps_activations()) {
+            return self.kept_segment(sharded, x, weights, f);
+        }
         let detached: Vec<Tensor> = match &self.sharded {
             Some(sharded) => sharded.gather(&weights)?.iter().map(Tensor::detach).collect(),
             None => weights.iter().map(|w| w.detach()).collect(),
@@ -164,6 +272,38 @@ impl Checkpointing {
             stash: self.stash.clone(),
             sharded: self.sharded.clone(),
         })
+    }
+
+    /// A sharded segment that keeps its graph (see the module's documentation).
+    fn kept_segment(
+        &self,
+        sharded: &Arc<dyn ShardedBlocks>,
+        x: &Tensor,
+        weights: Vec<Tensor>,
+        f: impl Fn(&Tensor, &[Tensor]) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let gathered = sharded.gather(&weights)?;
+        let y = f(x, &gathered)?;
+        sharded.release(&gathered)?;
+        if !y.track_op() {
+            // Nothing of the block is back-propagated: nothing to gather again or reduce.
+            return Ok(y);
+        }
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        let b = kept.blocks.len();
+        for (slot, g) in gathered.iter().enumerate() {
+            kept.slots.insert(g.id(), (b, slot));
+        }
+        let block = KeptBlock {
+            weights: weights.clone(),
+            grads: vec![None; gathered.len()],
+            waiting: gathered.len(),
+            reduced: false,
+        };
+        kept.blocks.push(block);
+        drop(kept);
+        let result = Handoff::new("wick-regather", y.clone());
+        y.apply_op1(Regather { blocks: sharded.clone(), weights, gathered, result })
     }
 
     /// Back-propagates `loss` and adds the checkpointed segments' parameter gradients.
@@ -185,14 +325,32 @@ impl Checkpointing {
         let mut grads = {
             // A copy: a segment recomputed in backward may record its weights again.
             let inside = self.segment_weights.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+            let sharded = self.sharded.as_deref();
             let mut outer = |var: &Tensor, store: &mut GradStore| {
                 if inside.contains(&var.id()) {
-                    Ok(())
-                } else {
-                    ready(var, store)
+                    return Ok(());
                 }
+                if let Some(blocks) = sharded {
+                    if kept.ready(var, store, blocks)? {
+                        return Ok(());
+                    }
+                }
+                ready(var, store)
             };
-            loss.backward_with_hook(&mut outer)?
+            let grads = loss.backward_with_hook(&mut outer);
+            match (grads, sharded) {
+                (Ok(grads), Some(blocks)) => {
+                    kept.finish(blocks)?;
+                    grads
+                }
+                (grads, _) => {
+                    // A failed backward hands nothing over (the caller stops the step on every
+                    // process); its blocks are not kept for the next.
+                    *kept = Kept::default();
+                    grads?
+                }
+            }
         };
         let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
         for (_, var) in params.iter() {

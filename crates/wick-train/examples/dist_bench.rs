@@ -5,7 +5,7 @@
 //! ```text
 //! dist_bench train --model decoder|decoder-512|decoder-1024|minilm|bert-base|vit|resnet18|mobilenet_v2 --batch 8
 //!                  [--image 224] [--steps 5] [--warmup 2]
-//!                  [--zero 0..3] [--checkpointing] [--no-overlap] [--prefetch]
+//!                  [--zero 0..3] [--checkpointing] [--no-overlap] [--prefetch] [--no-recompute]
 //! dist_bench allreduce --mb 1,4,25,100 [--reps 5]
 //! ```
 //! (`scripts/torch-reference/ddp_bench.py` runs it next to PyTorch DDP.)
@@ -97,10 +97,13 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     let overlap = !args.iter().any(|a| a == "--no-overlap");
     // `--prefetch`: stage 3 starts the next block's gather while the current one runs.
     let prefetch = args.iter().any(|a| a == "--prefetch");
+    // `--no-recompute`: stage 3's blocks keep their activations (FSDP without checkpointing).
+    let recompute = !args.iter().any(|a| a == "--no-recompute");
     let parallel = DataParallelOptions {
         sharding: Sharding::from_stage(zero)?,
         overlap,
         prefetch,
+        recompute,
         ..DataParallelOptions::default()
     };
     let mut trainer = if world > 1 || zero > 0 {

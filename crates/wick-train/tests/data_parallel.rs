@@ -133,9 +133,10 @@ fn zero3_hands_back_the_model_copies_of_block_parameters() {
 }
 
 /// ZeRO-3 works for every family of the zoo, f32 and bf16: in a one-process group (each block
-/// gathered, recomputed and reduced through the shards) BERT, ViT, ResNet-18 and MobileNetV2 take
-/// the plain trainer's steps, to the bit — losses and every gathered parameter — and the model's
-/// copies of the blocks' parameters are handed back.
+/// gathered, recomputed — or kept, its parameters released after forward and gathered again in
+/// backward — and reduced through the shards) BERT, ViT, ResNet-18 and MobileNetV2 take the plain
+/// trainer's steps, to the bit — losses and every gathered parameter — and the model's copies of
+/// the blocks' parameters are handed back.
 #[test]
 fn zero3_steps_as_the_plain_trainer_for_every_zoo_family() {
     use wick_nn::Autocast;
@@ -166,24 +167,28 @@ fn zero3_steps_as_the_plain_trainer_for_every_zoo_family() {
             let options = TrainOptions { autocast, ..TrainOptions::default() };
             let build = || spec.build(dtype, &Device::Cpu).unwrap();
             let mut plain = Trainer::new(build(), serde_json::json!({}), None, options).unwrap();
-            let sharded_with = |prefetch| {
-                let parallel = DataParallelOptions { sharding: Sharding::Parameters, prefetch, ..Default::default() };
+            let sharded_with = |prefetch, recompute| {
+                let parallel =
+                    DataParallelOptions { sharding: Sharding::Parameters, prefetch, recompute, ..Default::default() };
                 Trainer::new(build(), serde_json::json!({}), None, options)
                     .unwrap()
                     .data_parallel(ProcessGroup::single(), parallel)
                     .unwrap()
             };
-            // Without and with the next block's gather prefetched (from the second step on).
-            let (mut sharded, mut ahead) = (sharded_with(false), sharded_with(true));
+            // Recomputing and keeping the activations, each without and with the next block's
+            // gather prefetched (from the second step on).
+            let mut runs = [(false, true), (true, true), (false, false), (true, false)]
+                .map(|(prefetch, recompute)| (prefetch, recompute, sharded_with(prefetch, recompute)));
             let batch = spec.batch(2, dtype, &Device::Cpu).unwrap();
             for step in 0..3 {
                 let a = plain.train_step(std::slice::from_ref(&batch)).unwrap().loss;
-                let b = sharded.train_step(std::slice::from_ref(&batch)).unwrap().loss;
-                let c = ahead.train_step(std::slice::from_ref(&batch)).unwrap().loss;
-                assert_eq!(a.to_bits(), b.to_bits(), "{spec:?} {dtype:?} step {step}: loss {a} against {b}");
-                assert_eq!(a.to_bits(), c.to_bits(), "{spec:?} {dtype:?} step {step}, prefetching: {a} against {c}");
-                let prefetched = ahead.last_reduce().map_or(0, |r| r.prefetched);
-                assert_eq!(prefetched > 0, step > 0, "{spec:?} {dtype:?} step {step}: {prefetched} prefetched");
+                for (prefetch, recompute, t) in &mut runs {
+                    let what = format!("{spec:?} {dtype:?} step {step}, prefetch {prefetch}, recompute {recompute}");
+                    let b = t.train_step(std::slice::from_ref(&batch)).unwrap().loss;
+                    assert_eq!(a.to_bits(), b.to_bits(), "{what}: loss {a} against {b}");
+                    let prefetched = t.last_reduce().map_or(0, |r| r.prefetched);
+                    assert_eq!(prefetched > 0, *prefetch && step > 0, "{what}: {prefetched} prefetched");
+                }
             }
             let bits = |t: &Tensor| {
                 t.flatten_all()
@@ -196,13 +201,17 @@ fn zero3_steps_as_the_plain_trainer_for_every_zoo_family() {
                     .map(f32::to_bits)
                     .collect::<Vec<_>>()
             };
-            let (p, s) = (plain.gathered_parameters().unwrap(), sharded.gathered_parameters().unwrap());
-            for ((name, a), (_, b)) in p.iter().zip(&s) {
-                assert_eq!(bits(a), bits(b), "{spec:?} {dtype:?}: {name}");
+            let p = plain.gathered_parameters().unwrap();
+            for (prefetch, recompute, t) in &runs {
+                for ((name, a), (_, b)) in p.iter().zip(&t.gathered_parameters().unwrap()) {
+                    assert_eq!(
+                        bits(a),
+                        bits(b),
+                        "{spec:?} {dtype:?}, prefetch {prefetch}, recompute {recompute}: {name}"
+                    );
+                }
             }
-            for ((name, a), (_, b)) in p.iter().zip(&ahead.gathered_parameters().unwrap()) {
-                assert_eq!(bits(a), bits(b), "{spec:?} {dtype:?}, prefetching: {name}");
-            }
+            let sharded = &runs[0].2;
             let summary = wick::Engine::cpu();
             sharded.account(&summary);
             let text = summary.memory_report().to_string();
@@ -238,7 +247,7 @@ fn an_overlapped_reduction_accumulates_as_the_plain_trainer() {
                     overlap,
                     bucket_bytes: 8 << 10,
                     first_bucket_bytes: 2 << 10,
-                    prefetch: false,
+                    ..Default::default()
                 };
                 runs.push((sharding, overlap, make().data_parallel(ProcessGroup::single(), options).unwrap()));
             }

@@ -40,6 +40,13 @@ pub struct DataParallelOptions {
     /// and backward prefetch. Holds one more block's parameters whole; off by default (see
     /// BENCHMARKS.md "Prefetch": on two host ranks it measured no faster).
     pub prefetch: bool,
+    /// ZeRO stage 3: recompute each block in backward (activation checkpointing, the default:
+    /// only a block's input is kept, and its gathered parameters are dropped after its forward
+    /// pass). Off: the blocks keep their activations as FSDP without checkpointing does — one
+    /// forward pass per block fewer, every block's activations held — while each block's
+    /// gathered parameters still give their memory back after its forward pass and are gathered
+    /// again, into the same tensors, when backward reaches it.
+    pub recompute: bool,
 }
 
 impl Default for DataParallelOptions {
@@ -50,6 +57,7 @@ impl Default for DataParallelOptions {
             first_bucket_bytes: FIRST_BUCKET_BYTES,
             overlap: true,
             prefetch: false,
+            recompute: true,
         }
     }
 }
@@ -85,10 +93,12 @@ impl Shard {
         })
     }
 
-    /// The same shard, prefetching at stage 3 when `on` ([`DataParallelOptions::prefetch`]).
-    fn prefetching(self, on: bool) -> Self {
+    /// The same shard, with stage 3's block options ([`DataParallelOptions::prefetch`],
+    /// [`DataParallelOptions::recompute`]).
+    fn blocks(self, prefetch: bool, recompute: bool) -> Self {
         if let Shard::Params(p) = &self {
-            p.set_prefetch(on);
+            p.set_prefetch(prefetch);
+            p.set_recompute(recompute);
         }
         self
     }
@@ -105,6 +115,8 @@ pub(crate) struct Parallel {
     overlap: bool,
     /// Stage 3's prefetch ([`DataParallelOptions::prefetch`]).
     prefetch: bool,
+    /// Stage 3's recomputation ([`DataParallelOptions::recompute`]).
+    recompute: bool,
 }
 
 /// NCCL for `vars` when they are on a GPU (replicated only), `None` for host parameters.
@@ -143,6 +155,7 @@ impl Parallel {
             "first_bucket_bytes": options.first_bucket_bytes,
             "overlap": options.overlap,
             "prefetch": options.prefetch,
+            "recompute": options.recompute,
         });
         group.check_same("training setup", &setup)?;
         let gpu = gpu_comm(group, &options, vars)?;
@@ -196,7 +209,7 @@ impl Parallel {
                 PieceInit::narrowed(request, &master, Some(&state))
             };
             let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, steps, &mut fetch)?
-                .prefetching(options.prefetch);
+                .blocks(options.prefetch, options.recompute);
             *masters = MasterWeights::new(&[], optimizer)?;
             Some(z)
         };
@@ -209,6 +222,7 @@ impl Parallel {
             last: ReduceStats::default(),
             overlap: options.overlap,
             prefetch: options.prefetch,
+            recompute: options.recompute,
         })
     }
 
@@ -246,7 +260,7 @@ impl Parallel {
             PieceInit::narrowed(request, &value, None)
         };
         let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?
-            .prefetching(options.prefetch);
+            .blocks(options.prefetch, options.recompute);
         broadcast_buffers(&group, params)?;
         Ok(Parallel {
             group,
@@ -256,6 +270,7 @@ impl Parallel {
             last: ReduceStats::default(),
             overlap: options.overlap,
             prefetch: options.prefetch,
+            recompute: options.recompute,
         })
     }
 
@@ -286,8 +301,8 @@ impl Parallel {
             Ok(PieceInit { master, state })
         };
         let plan = self.buckets.plan();
-        let shard =
-            Shard::new(&self.group, vars, plan, stage, optimizer, steps, &mut fetch)?.prefetching(self.prefetch);
+        let shard = Shard::new(&self.group, vars, plan, stage, optimizer, steps, &mut fetch)?
+            .blocks(self.prefetch, self.recompute);
         if let (Shard::Params(new), Shard::Params(old)) = (&shard, z) {
             new.inherit(old);
         }

@@ -28,11 +28,16 @@
 //! them (forward, then backward's recomputations in reverse) — FSDP's forward and backward
 //! prefetch, for one more block whole.
 //!
-//! Why recompute: candle keeps a tensor an op saved for backward for as long as the graph
-//! lives, so a gathered parameter used by a kept graph could not be dropped after the forward
-//! pass. Recomputing the block in backward (activation checkpointing) keeps only its input,
-//! and the gathered values are dropped for real; the cost is one more forward pass of each
-//! block.
+//! Why recompute (the default): candle keeps a tensor an op saved for backward for as long as
+//! the graph lives, so a gathered parameter used by a kept graph cannot be dropped after the
+//! forward pass. Recomputing the block in backward (activation checkpointing) keeps only its
+//! input, and the gathered values are dropped for real; the cost is one more forward pass of
+//! each block. With [`super::DataParallelOptions::recompute`] off the blocks keep their graphs
+//! instead ([`wick_nn::checkpoint`]): the gathered tensors stay in the graph but their pages go
+//! back after the block's forward pass ([`ReleasePages`]), the block's parameters are gathered
+//! again into them when backward reaches the block's output, and each goes back again once its
+//! gradient is complete — FSDP's reshard after forward and its pre-backward gather, with every
+//! block's activations held as FSDP holds them without checkpointing.
 //!
 //! The update is the element-wise rule on each rank's pieces — the same rule on the same values
 //! as the replicated update, so stage 3 takes the same step as one process, to the bit.
@@ -89,6 +94,8 @@ struct State {
     /// The last block's reduce-scatter, in flight: its parameters and their chunks.
     pending: Option<(Vec<usize>, Vec<usize>, Pending)>,
     prefetch: Prefetch,
+    /// Blocks run without recomputation ([`super::DataParallelOptions::recompute`] off).
+    keep_activations: bool,
 }
 
 /// A rank's shard of every parameter, and the blocks' gather and reduce.
@@ -156,6 +163,7 @@ impl ParamShards {
             stats: ReduceStats::default(),
             pending: None,
             prefetch: Prefetch::default(),
+            keep_activations: false,
         };
         Ok(ParamShards { group: group.clone(), by_id, state: Mutex::new(state) })
     }
@@ -261,6 +269,37 @@ impl ParamShards {
     /// then, with prefetching on and this step following the last one's order so far, the
     /// next block's gather started.
     fn gather_block(&self, which: Vec<usize>) -> Result<Vec<Tensor>, DistError> {
+        self.gather_block_with(which, |recv, layout| self.made_whole(recv, layout))
+    }
+
+    /// Block `which`'s parameters whole again, written into `into` (what an earlier
+    /// [`ParamShards::gather_block`] of them returned), as [`ParamShards::gather_block`] gathers.
+    fn regather_block(&self, which: Vec<usize>, into: &[Tensor]) -> Result<(), DistError> {
+        if into.len() != which.len() {
+            return Err(DistError::internal("ZeRO-3: a block gathered again into another number of tensors"));
+        }
+        self.gather_block_with(which, |recv, layout| {
+            let t0 = Instant::now();
+            for (k, ((_, _, dtype, dims), target)) in layout.placed.iter().zip(into).enumerate() {
+                if target.dtype() != *dtype || target.dims() != dims.as_slice() {
+                    return Err(DistError::internal("ZeRO-3: a block's gathered tensor changed shape or dtype"));
+                }
+                let pieces = layout.pieces(recv, self.group.world_size(), k).collect();
+                target.inplace_op1(&WritePieces { pieces })?;
+            }
+            lock(&self.state).stats.pack_s += t0.elapsed().as_secs_f64();
+            Ok(())
+        })
+    }
+
+    /// Every rank's bytes of block `which`'s parameters, from the gather prefetched for it or
+    /// gathered now, handed to `deliver`; then, with prefetching on and this step following the
+    /// last one's order so far, the next block's gather started.
+    fn gather_block_with<R>(
+        &self,
+        which: Vec<usize>,
+        deliver: impl FnOnce(&[u8], &GatherLayout) -> Result<R, DistError>,
+    ) -> Result<R, DistError> {
         let (prefetched, on) = {
             let mut st = lock(&self.state);
             which.iter().for_each(|&i| st.shards[i].in_block = true);
@@ -270,7 +309,7 @@ impl ParamShards {
             Some(g) if g.layout.which == which => {
                 let (recv, layout) = self.finish_gather(g)?;
                 lock(&self.state).stats.prefetched += 1;
-                self.made_whole(&recv, &layout)?
+                deliver(&recv, &layout)?
             }
             other => {
                 // Another block's (the order changed): every rank started it, so every rank
@@ -278,7 +317,9 @@ impl ParamShards {
                 if let Some(g) = other {
                     drop(self.finish_gather(g)?);
                 }
-                self.gather_whole(&which)?
+                let (send, layout) = self.pack(&which)?;
+                let recv = self.all_gather(send)?;
+                deliver(&recv, &layout)?
             }
         };
         if on {
@@ -305,6 +346,12 @@ impl ParamShards {
     /// [`super::DataParallelOptions::prefetch`]).
     pub(crate) fn set_prefetch(&self, on: bool) {
         lock(&self.state).prefetch.on = on;
+    }
+
+    /// Whether the blocks keep their activations instead of recomputing them in backward (see
+    /// [`super::DataParallelOptions::recompute`]).
+    pub(crate) fn set_recompute(&self, on: bool) {
+        lock(&self.state).keep_activations = !on;
     }
 
     /// The step: the reduced gradients' presence agreed, unscaled and checked through the
@@ -477,6 +524,19 @@ impl wick_nn::checkpoint::ShardedBlocks for ParamShards {
     fn reduce(&self, weights: &[Tensor], grads: Vec<Option<Tensor>>) -> candle_core::Result<()> {
         let which = self.indices(weights)?;
         self.reduce_into(&which, &grads).map_err(candle_core::Error::wrap)
+    }
+
+    fn keeps_activations(&self) -> bool {
+        lock(&self.state).keep_activations
+    }
+
+    fn release(&self, gathered: &[Tensor]) -> candle_core::Result<()> {
+        gathered.iter().try_for_each(|t| t.inplace_op1(&ReleasePages))
+    }
+
+    fn regather(&self, weights: &[Tensor], into: &[Tensor]) -> candle_core::Result<()> {
+        let which = self.indices(weights)?;
+        self.regather_block(which, into).map_err(candle_core::Error::wrap)
     }
 }
 
