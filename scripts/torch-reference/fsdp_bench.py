@@ -5,10 +5,9 @@ ViT-S/16, ResNet-18 and MobileNetV2 at 224²), in turns (rounds), 2 processes x 
 global batch:
 
     wick ZeRO-0 (replicated)        PyTorch DDP (gloo, bucket_cap_mb=25)
-    wick ZeRO-3                     PyTorch FSDP FULL_SHARD (gloo, one unit per block: decoder or
+    wick ZeRO-3 (blocks recomputed) PyTorch FSDP FULL_SHARD + activation checkpointing per block
+    wick ZeRO-3, no recompute       PyTorch FSDP FULL_SHARD (gloo, one unit per block: decoder or
                                     encoder layer, residual block, inverted residual — wick's blocks)
-                                    PyTorch FSDP FULL_SHARD + activation checkpointing per block
-                                    (wick's stage 3 always recomputes its blocks)
 
 wick runs `dist_bench` (built with `--features mpi`) under mpirun, PyTorch under torchrun. The
 figure per configuration is the median step over every timed step of every round (rank 0's
@@ -17,7 +16,7 @@ both; wick's caching-heap peak beside it).
 
     python scripts/torch-reference/fsdp_bench.py --wick target/release/examples/dist_bench \\
         [--models decoder-512,decoder-1024,minilm,bert-base,vit,resnet18,mobilenet_v2] [--batch 8]
-        [--rounds 2] [--steps 3] [--warmup 2]
+        [--rounds 2] [--steps 3] [--warmup 2] [--configs zero0,ddp,zero3,zero3-kept,fsdp,fsdp-ckpt]
 
 Needs torch 2.5.1, torchvision 0.20.1 and transformers 4.46.3 (a venv) and Open MPI's mpirun;
 not part of CI.
@@ -160,6 +159,7 @@ def main():
     ap.add_argument("--torch-worker", action="store_true")
     ap.add_argument("--model", default="decoder-512")
     ap.add_argument("--mode", default="ddp")
+    ap.add_argument("--configs", default="zero0,ddp,zero3,zero3-kept,fsdp,fsdp-ckpt")
     args = ap.parse_args()
     if args.torch_worker:
         return torch_worker(args)
@@ -168,9 +168,12 @@ def main():
     env = {"RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     mpirun = ["mpirun", "-n", "2", "--oversubscribe", "--bind-to", "none", "-x", "RAYON_NUM_THREADS"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", me]
-    configs = [("wick ZeRO-0", "wick", ["--zero", "0"]), ("PyTorch DDP", "torch", "ddp"),
-               ("wick ZeRO-3", "wick", ["--zero", "3"]), ("PyTorch FSDP", "torch", "fsdp"),
-               ("PyTorch FSDP + checkpointing", "torch", "fsdp-ckpt")]
+    every = {"zero0": ("wick ZeRO-0", "wick", ["--zero", "0"]), "ddp": ("PyTorch DDP", "torch", "ddp"),
+             "zero3": ("wick ZeRO-3", "wick", ["--zero", "3"]),
+             "zero3-kept": ("wick ZeRO-3, no recompute", "wick", ["--zero", "3", "--no-recompute"]),
+             "fsdp": ("PyTorch FSDP", "torch", "fsdp"),
+             "fsdp-ckpt": ("PyTorch FSDP + checkpointing", "torch", "fsdp-ckpt")}
+    configs = [every[c] for c in args.configs.split(",")]
     print(f"# {args.batch} global, 2 processes x 1 thread, rounds {args.rounds}, steps {args.steps} "
           f"(+{args.warmup} warm-up)", flush=True)
     table = []

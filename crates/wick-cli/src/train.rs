@@ -401,13 +401,8 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
     // masters and optimizer state, and a resume reads only its share.
     let mut trainer = if world > 1 {
         let sharding = wick_train::dist::Sharding::from_stage(args.zero)?;
-        let parallel = DataParallelOptions {
-            sharding,
-            overlap: !args.no_overlap,
-            prefetch: args.prefetch,
-            recompute: !args.no_recompute,
-            ..Default::default()
-        };
+        let (overlap, prefetch, recompute) = (!args.no_overlap, args.prefetch, !args.no_recompute);
+        let parallel = DataParallelOptions { sharding, overlap, prefetch, recompute, ..Default::default() };
         Trainer::new_data_parallel(model, describe, start.as_deref(), options, group.clone(), parallel)?
     } else {
         Trainer::new(model, describe, start.as_deref(), options)?

@@ -115,6 +115,10 @@ fn two_ranks_train_as_one_process_and_survive_a_killed_rank() {
         .collect();
     assert!(prefetched.len() > 1 && prefetched[0] == 0 && prefetched[1..].iter().all(|&n| n > 0), "{metrics}");
 
+    // ZeRO-3 keeping the blocks' activations (gathered again in backward, not recomputed).
+    let kept = finish(train(&wick, &tmp.join("kept"), &["--ranks", "2", "--zero", "3", "--no-recompute"]));
+    assert_eq!(kept, reference, "2 ranks at ZeRO-3 without recomputation");
+
     // Kill a rank at random moments, replicated (once) and ZeRO-2/3 (three times in a row, saving
     // every step, so kills land in saves too: a shard per rank in each checkpoint).
     let mut rng = Moments::new();

@@ -13,7 +13,7 @@
 //! | [`native`] | wick's own ops: candle custom ops whose forward and backward are written out — on the CPU over plain slices (convolutions, norms, attention, activations, losses …) on `wick_kernels::cpu` (matrix products f32/bf16/AMX, vectorised math, batch-norm sums); with the `cuda` feature, the transformers' ops also on a CUDA device (`native::cuda`, on wick-kernels' CUDA C), the same node on both; and per-op timing and counts ([`native::profile`]) |
 //! | [`params`] | named parameters with pre-flighted creation and the initialisers |
 //! | [`autocast`] | the mixed-precision op policy ([`Autocast`]: which ops run in bf16/f16, which in f32) |
-//! | [`checkpoint`] | activation checkpointing ([`Checkpointing`]: blocks recomputed in backward instead of kept) |
+//! | [`checkpoint`] | activation checkpointing ([`Checkpointing`]: blocks recomputed in backward instead of kept); the blocks of parameters sharded over processes (recomputed, or kept with their parameters gathered again in backward) |
 //! | [`grad`] | [`no_grad`] and [`grad_enabled`] |
 //! | `gradcheck` | central finite differences against autograd, for gradient tests (feature `testing`) |
 //! | [`graph`] | what an output's autograd graph keeps alive ([`graph::graph_bytes`]) |

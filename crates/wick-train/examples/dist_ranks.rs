@@ -8,8 +8,8 @@
 //!   AdamW step's measured peak on each rank beside the estimator's per-rank figure);
 //! - `WICK_DIST_MODEL` `decoder`|`cnn`, `WICK_DIST_PRECISION` `f32`|`bf16`|`f16`,
 //!   `WICK_DIST_ZERO` `0`|`1`|`2`|`3`, `WICK_DIST_STEPS`, `WICK_DIST_OVERLAP` (`0`: every bucket
-//!   reduced after backward), `WICK_DIST_PREFETCH` (`1`: stage 3 prefetches the next block); `WICK_DIST_RECOMPUTE` (`0`: stage 3's
-//!   blocks keep their activations);
+//!   reduced after backward), `WICK_DIST_PREFETCH` (`1`: stage 3 prefetches the next block),
+//!   `WICK_DIST_RECOMPUTE` (`0`: stage 3's blocks keep their activations);
 //! - `WICK_DIST_CKPT`: a checkpoint folder; with `WICK_DIST_SAVE_AT=k` the run saves after step
 //!   k and stops there, with `WICK_DIST_RESUME=1` it resumes from the folder first (and with
 //!   `WICK_DIST_SAVE_NOW=1` saves again at once, at its own world size, and stops);

@@ -149,6 +149,24 @@ fn clipping_over_two_ranks_takes_one_process_norm() {
     }
 }
 
+/// ZeRO-3 on two ranks, recomputing the blocks and keeping their activations (each block's
+/// parameters gathered again in backward into the tensors its forward pass released), with and
+/// without prefetch: one process's accumulated steps, to the bit.
+#[test]
+fn zero3_two_ranks_equal_one_process_accumulating() {
+    for (model, precision) in [("decoder", "f32"), ("decoder", "bf16"), ("cnn", "f32")] {
+        let base = [("WICK_DIST_MODEL", model), ("WICK_DIST_PRECISION", precision), ("WICK_DIST_STEPS", "3")];
+        let Some(alone) = run(1, &base) else { return };
+        for (recompute, prefetch) in [("1", "0"), ("0", "0"), ("0", "1")] {
+            let vars = [("WICK_DIST_ZERO", "3"), ("WICK_DIST_RECOMPUTE", recompute), ("WICK_DIST_PREFETCH", prefetch)];
+            let two = run(2, &[base.as_slice(), &vars].concat()).unwrap();
+            let what = format!("{model} {precision} ZeRO-3, recompute {recompute}, prefetch {prefetch}");
+            assert_eq!(two["losses"], alone["losses"], "{what}: losses");
+            assert_eq!(two["hashes"], alone["hashes"], "{what}: parameters");
+        }
+    }
+}
+
 #[test]
 fn decoder_f32_two_ranks_equal_one_process_accumulating() {
     two_ranks_equal_accumulation("decoder", "f32");

@@ -19,7 +19,7 @@
 //! | `zero` | ZeRO stages 1 and 2: a rank's shard of masters and optimizer state, the reduce-scatter, the sharded update and the all-gather |
 //! | `pieces` | a parameter's pieces under stage 3: packed as bytes in its dtype, placed in a gather's bytes, made whole again (a fresh variable, or written into the model's tensor), its pages handed back |
 //! | `prefetch` | stage 3's prefetch: the next block in the last step's order, and its gather in flight |
-//! | `zero3` | ZeRO stage 3: a rank's shard of every parameter; the blocks' gather before they run (the next one's prefetched, as an option) and reduce-scatter as their backward ends (in flight until the next block's; `zero3::reduce`) |
+//! | `zero3` | ZeRO stage 3: a rank's shard of every parameter; the blocks' gather before they run (the next one's prefetched, as an option), again for backward (recomputed, or gathered back into the tensors the forward pass released) and reduce-scatter as their backward ends (in flight until the next block's; `zero3::reduce`) |
 //! | `nccl` | (feature `nccl`) `NcclGroup`: an NCCL communicator per rank on its GPU, its id broadcast through the group (MPI for several ranks); `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter` of CUDA tensors, each with a deadline; the trainer's GPU gradient buckets |
 //! | [`error`] | [`DistError`] |
 //!

@@ -145,6 +145,20 @@ impl InplaceOp1 for WritePieces<'_> {
         let Some((a, b)) = layout.contiguous_offsets() else {
             return Err(candle_core::Error::Msg("ZeRO-3: a parameter that is not contiguous".into()));
         };
+        fn reclaim<T>(v: &mut Vec<T>) {
+            let bytes = v.capacity() * std::mem::size_of::<T>();
+            // SAFETY: as in `ReleasePages`: the vector's buffer is one live global-allocator
+            // request of its capacity in bytes, held under the storage's write lock. Pages
+            // handed back earlier (a kept block's gathered tensor) count as live again before
+            // they are written; for others this changes nothing.
+            unsafe { wick::memory::reclaim_pages(v.as_mut_ptr().cast(), bytes) };
+        }
+        match storage {
+            CpuStorage::F32(v) => reclaim(v),
+            CpuStorage::BF16(v) => reclaim(v),
+            CpuStorage::F16(v) => reclaim(v),
+            _ => {}
+        }
         let p = &self.pieces;
         match storage {
             CpuStorage::F32(v) => fill(p, 4, &mut v[a..b], |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
