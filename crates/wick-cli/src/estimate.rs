@@ -106,6 +106,9 @@ pub struct ModelArgs {
     /// one more block whole beside the one that runs.
     #[arg(long)]
     pub prefetch: bool,
+    /// A ZeRO stage-3 run whose blocks keep their activations (`wick train --no-recompute`).
+    #[arg(long)]
+    pub no_recompute: bool,
 }
 
 /// `wick estimate` arguments.
@@ -229,10 +232,11 @@ impl Profiled {
         spinner.set_message(format!("profiling {what} {how} on the CPU"));
         let started = Instant::now();
         let (profile, param_bytes, blocks, largest_block) = if args.zero == 3 {
-            // Each block as a stage-3 rank runs it: gathered, recomputed, its gradients
-            // reduce-scattered (see `ModelSpec::profile_sharded`).
-            let (profile, bytes, blocks, name) =
-                spec.profile_sharded(dtype, args.ranks as usize, extra).context("profiling the model")?;
+            // Each block as a stage-3 rank runs it: gathered, recomputed (or kept, gathered
+            // again), its gradients reduce-scattered (see `ModelSpec::profile_sharded`).
+            let (profile, bytes, blocks, name) = spec
+                .profile_sharded(dtype, args.ranks as usize, !args.no_recompute, extra)
+                .context("profiling the model")?;
             (profile, bytes, Some(blocks), Some((name, blocks.largest)))
         } else {
             let (profile, bytes) = spec.profile(dtype, args.checkpointing, extra).context("profiling the model")?;

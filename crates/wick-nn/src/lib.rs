@@ -14,6 +14,7 @@
 //! | [`params`] | named parameters with pre-flighted creation and the initialisers |
 //! | [`autocast`] | the mixed-precision op policy ([`Autocast`]: which ops run in bf16/f16, which in f32) |
 //! | [`checkpoint`] | activation checkpointing ([`Checkpointing`]: blocks recomputed in backward instead of kept); the blocks of parameters sharded over processes (recomputed, or kept with their parameters gathered again in backward) |
+//! | [`pages`] | a CPU tensor's pages handed back while it lives, and counted again before it is written |
 //! | [`grad`] | [`no_grad`] and [`grad_enabled`] |
 //! | `gradcheck` | central finite differences against autograd, for gradient tests (feature `testing`) |
 //! | [`graph`] | what an output's autograd graph keeps alive ([`graph::graph_bytes`]) |
@@ -40,6 +41,7 @@ pub mod cpu {
     pub use crate::native::*;
 }
 pub mod ops;
+pub mod pages;
 pub mod params;
 
 pub use autocast::Autocast;

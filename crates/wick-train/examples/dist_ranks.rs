@@ -235,7 +235,8 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     let (dtype, autocast) = if amp { (DType::BF16, Autocast::bf16()) } else { (DType::F32, Autocast::off()) };
     // Stage 3 is profiled as its ranks run the blocks (see `ModelSpec::profile_sharded`).
     let (profile, bytes, blocks) = if zero == 3 {
-        let (profile, bytes, blocks, _) = spec.profile_sharded(dtype, world, &[batch])?;
+        let recompute = env("WICK_DIST_RECOMPUTE", "1") == "1";
+        let (profile, bytes, blocks, _) = spec.profile_sharded(dtype, world, recompute, &[batch])?;
         (profile, bytes, Some(blocks))
     } else {
         let (profile, bytes) = spec.profile(dtype, false, &[batch])?;
@@ -269,7 +270,9 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     // How much the start holds at its peak (the whole state, or only this rank's shard).
     let before = exact_heap().map_or(0, |h| h.0);
     reset_exact_peak();
-    let parallel = DataParallelOptions { sharding: Sharding::from_stage(zero)?, overlap, ..Default::default() };
+    let recompute = env("WICK_DIST_RECOMPUTE", "1") == "1";
+    let parallel =
+        DataParallelOptions { sharding: Sharding::from_stage(zero)?, overlap, recompute, ..Default::default() };
     let mut trainer = if world == 1 && zero == 0 {
         Trainer::new(model, serde_json::json!({}), None, options)?
     } else if env("WICK_DIST_JOIN", "0") == "1" {

@@ -361,8 +361,9 @@ impl ModelSpec {
     }
 
     /// [`ModelSpec::profile`] for a rank of `world` under ZeRO stage 3: every block run through a
-    /// [`BlockRecorder`] ([`ActivationProfile::measure_sharded`]: checkpointed, with the
-    /// gather's and the reduce-scatter's buffers a rank allocates); with the parameters' bytes,
+    /// [`BlockRecorder`] ([`ActivationProfile::measure_sharded`]: recomputed, or with
+    /// `recompute` false kept as wick-train's `DataParallelOptions::recompute` keeps them, with
+    /// the gather's and the reduce-scatter's buffers a rank allocates); with the parameters' bytes,
     /// where they are ([`BlockBytes`]) and the largest block's name (its parameters' common
     /// prefix). A decoder is profiled through one and two layers, as there, its blocks counted
     /// to its depth.
@@ -370,11 +371,12 @@ impl ModelSpec {
         &self,
         dtype: DType,
         world: usize,
+        recompute: bool,
         extra: &[usize],
     ) -> Result<(ActivationProfile, ParamBytes, BlockBytes, String), ZooError> {
         let profile_of = |spec: &ModelSpec| {
             with_loss(spec, dtype, |params, loss| {
-                let recorder = Arc::new(BlockRecorder::new(params, world));
+                let recorder = Arc::new(BlockRecorder::new(params, world).keeping_activations(!recompute));
                 let profile = ActivationProfile::measure_sharded(params, loss, recorder.clone(), extra)?;
                 let (blocks, largest) = recorder.bytes();
                 Ok((profile, ParamBytes::of(params), blocks, largest))

@@ -93,33 +93,6 @@ pub(super) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, 
     Ok(f(&vec_f32(t)?))
 }
 
-/// Hands a tensor's whole pages back to the operating system (see the module documentation).
-pub(super) struct ReleasePages;
-
-impl InplaceOp1 for ReleasePages {
-    fn name(&self) -> &'static str {
-        "release-pages"
-    }
-
-    fn cpu_fwd(&self, storage: &mut CpuStorage, _: &Layout) -> candle_core::Result<()> {
-        fn release<T>(v: &mut Vec<T>) {
-            let bytes = v.capacity() * std::mem::size_of::<T>();
-            // SAFETY: the vector's buffer is one live global-allocator request of its capacity
-            // in bytes, held exclusively under the storage's write lock during this call, and
-            // holds plain numbers, for which all-zero bytes are a valid value.
-            unsafe { wick::memory::release_pages(v.as_mut_ptr().cast(), bytes) };
-        }
-        match storage {
-            CpuStorage::F32(v) => release(v),
-            CpuStorage::BF16(v) => release(v),
-            CpuStorage::F16(v) => release(v),
-            CpuStorage::F64(v) => release(v),
-            _ => {}
-        }
-        Ok(())
-    }
-}
-
 /// Writes every rank's piece of a parameter (little-endian, in the tensor's dtype, laid end
 /// to end) into the tensor's storage.
 pub(super) struct WritePieces<'a> {
@@ -145,20 +118,9 @@ impl InplaceOp1 for WritePieces<'_> {
         let Some((a, b)) = layout.contiguous_offsets() else {
             return Err(candle_core::Error::Msg("ZeRO-3: a parameter that is not contiguous".into()));
         };
-        fn reclaim<T>(v: &mut Vec<T>) {
-            let bytes = v.capacity() * std::mem::size_of::<T>();
-            // SAFETY: as in `ReleasePages`: the vector's buffer is one live global-allocator
-            // request of its capacity in bytes, held under the storage's write lock. Pages
-            // handed back earlier (a kept block's gathered tensor) count as live again before
-            // they are written; for others this changes nothing.
-            unsafe { wick::memory::reclaim_pages(v.as_mut_ptr().cast(), bytes) };
-        }
-        match storage {
-            CpuStorage::F32(v) => reclaim(v),
-            CpuStorage::BF16(v) => reclaim(v),
-            CpuStorage::F16(v) => reclaim(v),
-            _ => {}
-        }
+        // A kept block's gathered tensor, released after its forward pass, counts as live again
+        // before it is written (for other tensors this changes nothing).
+        wick_nn::pages::reclaim_storage(storage);
         let p = &self.pieces;
         match storage {
             CpuStorage::F32(v) => fill(p, 4, &mut v[a..b], |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),

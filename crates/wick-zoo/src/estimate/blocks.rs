@@ -3,8 +3,9 @@
 //! profile runs the blocks through ([`BlockRecorder`]).
 //!
 //! A stage-3 rank runs every block through [`wick_nn::checkpoint::Checkpointing::sharded`]: the
-//! block's parameters whole only while it runs, its gradients handed over as its backward ends
-//! and never kept in the gradient store. Profiled through the recorder, a training step holds
+//! block's parameters whole only while it runs (recomputed in backward, or kept and gathered
+//! again into the tensors whose pages went back after its forward pass), its gradients handed
+//! over as its backward ends and never kept in the gradient store. Profiled through the recorder, a training step holds
 //! and frees what a rank's holds at the same points — the received bytes and the fresh
 //! variables of a gather, the gradients widened into the reduce-scatter's send buffer and the
 //! received section beside them — at the rank count it is made for, so the profile's backward
@@ -96,6 +97,10 @@ pub struct BlockRecorder {
     /// The last block's reduce-scatter in flight: its send and receive buffers, and the sizes
     /// of the pieces it will give.
     in_flight: Mutex<Option<InFlight>>,
+    /// Whether the blocks keep their activations (wick-train's `DataParallelOptions::recompute`
+    /// off): the gathered values released after each block's forward pass and gathered again
+    /// for its backward.
+    keep: bool,
 }
 
 type InFlight = (Vec<f32>, Vec<f32>, Vec<usize>);
@@ -119,7 +124,29 @@ impl BlockRecorder {
             seen: Mutex::new(Seen { blocks: Vec::new(), known: HashMap::new() }),
             pieces: Mutex::new(Vec::new()),
             in_flight: Mutex::new(None),
+            keep: false,
         }
+    }
+
+    /// The same recorder standing in for a rank whose blocks keep their activations (`true`)
+    /// or recompute (`false`, the default).
+    pub fn keeping_activations(self, keep: bool) -> Self {
+        BlockRecorder { keep, ..self }
+    }
+
+    /// A rank's gather buffers for `weights`: its pieces packed into a send buffer in the
+    /// parameters' dtypes (grown as it goes), then every rank's received — the block whole, in
+    /// bytes; the send buffer freed. Returns the received bytes, to be dropped by the caller.
+    fn gather_buffers(&self, weights: &[Tensor]) -> Vec<u8> {
+        let (bytes, _) = self.elems(weights);
+        let mut send: Vec<u8> = Vec::new();
+        for w in weights {
+            let piece = w.elem_count().div_ceil(self.world);
+            send.resize(send.len() + piece * w.dtype().size_in_bytes(), 0);
+        }
+        let recv = black_box(vec![0u8; bytes]);
+        drop(black_box(send));
+        recv
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Seen> {
@@ -214,17 +241,9 @@ fn common_prefix<'a>(mut names: impl Iterator<Item = &'a str>) -> String {
 impl ShardedBlocks for BlockRecorder {
     fn gather(&self, weights: &[Tensor]) -> Result<Vec<Tensor>> {
         self.record(weights);
-        let (bytes, _) = self.elems(weights);
-        // A rank packs each piece (its f32 master, read where it lies) into its send buffer in
-        // the parameter's dtype (grown as it goes), then receives every rank's: the block
-        // whole, in bytes.
-        let mut send: Vec<u8> = Vec::new();
-        for w in weights {
-            let piece = w.elem_count().div_ceil(self.world);
-            send.resize(send.len() + piece * w.dtype().size_in_bytes(), 0);
-        }
-        let recv = black_box(vec![0u8; bytes]);
-        drop(black_box(send));
+        // A rank packs each piece (its f32 master, read where it lies) and receives every
+        // rank's.
+        let recv = self.gather_buffers(weights);
         // Then one fresh variable per parameter, made from the pieces where they lie.
         let mut out = Vec::with_capacity(weights.len());
         for w in weights {
@@ -251,6 +270,23 @@ impl ShardedBlocks for BlockRecorder {
         let sizes = weights.iter().map(|w| w.elem_count().div_ceil(self.world)).collect();
         *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) = Some((send, recv, sizes));
         drop(grads);
+        Ok(())
+    }
+
+    fn keeps_activations(&self) -> bool {
+        self.keep
+    }
+
+    fn release(&self, gathered: &[Tensor]) -> Result<()> {
+        gathered.iter().try_for_each(wick_nn::pages::release)
+    }
+
+    fn regather(&self, weights: &[Tensor], into: &[Tensor]) -> Result<()> {
+        // The gather's buffers again, and the released tensors counted live before a rank
+        // writes them (their values stay zeros here: a profile reads only sizes).
+        let recv = self.gather_buffers(weights);
+        into.iter().try_for_each(wick_nn::pages::reclaim)?;
+        drop(recv);
         Ok(())
     }
 }

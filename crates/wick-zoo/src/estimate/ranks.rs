@@ -22,7 +22,8 @@
 //! [`super::BlockRecorder`] ([`super::ActivationProfile::measure_sharded`]), whose backward
 //! workspace is already the stage-3 step's: a block's gathered parameters, its recomputation, its
 //! gradients and the reduce-scatter's buffers, with the blocks' reduced pieces where they
-//! coincide. On top, what a rank keeps all along: the parameters read outside the blocks whole
+//! coincide (blocks kept instead of recomputed: every block's activations in the profile's
+//! graph, and a block's parameters gathered again for its backward). On top, what a rank keeps all along: the parameters read outside the blocks whole
 //! (their gradients whole until reduced one by one after backward, then pieces), its piece of
 //! every parameter as an f32 master (an f32 block parameter's piece is the parameter), the
 //! pieces' optimizer state — and, after backward and the update, the outside parameters'

@@ -34,7 +34,7 @@
 //! input, and the gathered values are dropped for real; the cost is one more forward pass of
 //! each block. With [`super::DataParallelOptions::recompute`] off the blocks keep their graphs
 //! instead ([`wick_nn::checkpoint`]): the gathered tensors stay in the graph but their pages go
-//! back after the block's forward pass ([`ReleasePages`]), the block's parameters are gathered
+//! back after the block's forward pass ([`wick_nn::pages::release`]), the block's parameters are gathered
 //! again into them when backward reaches the block's output, and each goes back again once its
 //! gradient is complete — FSDP's reshard after forward and its pre-backward gather, with every
 //! block's activations held as FSDP holds them without checkpointing.
@@ -51,9 +51,7 @@ use candle_core::{DType, Device, Tensor, TensorId, Var};
 use super::buckets::ReduceStats;
 use super::error::DistError;
 use super::pending::{Collective, Outgoing, Pending};
-use super::pieces::{
-    clip_over_ranks, push_bytes, rounded, var_from_pieces, with_f32, GatherLayout, ReleasePages, WritePieces,
-};
+use super::pieces::{clip_over_ranks, push_bytes, rounded, var_from_pieces, with_f32, GatherLayout, WritePieces};
 use super::prefetch::{Gathering, Prefetch};
 use super::zero::{PieceInit, PieceRequest, Stepped};
 use super::{ProcessGroup, ReduceOp};
@@ -405,7 +403,7 @@ impl ParamShards {
         let mut st = lock(&self.state);
         for (s, v) in st.shards.iter_mut().zip(vars) {
             if s.in_block && !s.released {
-                v.as_tensor().inplace_op1(&ReleasePages)?;
+                wick_nn::pages::release(v.as_tensor())?;
                 s.released = true;
             } else if !s.in_block && s.dtype == DType::F32 && !s.viewed && s.len > 0 {
                 // A whole f32 parameter is its own master, as in the other stages: its piece
@@ -531,7 +529,7 @@ impl wick_nn::checkpoint::ShardedBlocks for ParamShards {
     }
 
     fn release(&self, gathered: &[Tensor]) -> candle_core::Result<()> {
-        gathered.iter().try_for_each(|t| t.inplace_op1(&ReleasePages))
+        gathered.iter().try_for_each(wick_nn::pages::release)
     }
 
     fn regather(&self, weights: &[Tensor], into: &[Tensor]) -> candle_core::Result<()> {
