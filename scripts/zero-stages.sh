@@ -17,7 +17,7 @@ out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 echo "# dist_bench train (release, feature mpi), mpirun -n 2 --oversubscribe --bind-to none, RAYON_NUM_THREADS=1; $(lscpu | sed -n 's/^Model name: *//p'); $(date -u)"
 for model in ${models//,/ }; do
-    for flags in "--zero 0" "--zero 2" "--zero 2 --checkpointing" "--zero 3"; do
+    for flags in "--zero 0" "--zero 2" "--zero 2 --checkpointing" "--zero 3" "--zero 3 --no-recompute"; do
         echo "== 2 ranks $model batch 8 $flags"
         # shellcheck disable=SC2086
         mpirun -n 2 --oversubscribe --bind-to none -x RAYON_NUM_THREADS "$bin" train --model "$model" \
@@ -36,6 +36,7 @@ for r in rows:
     if r["zero"] == 0:
         base[r["model"]] = ms
     stage = f"ZeRO-{r['zero']}" + (" + checkpointing" if r["checkpointing"] else "")
+    stage += " without recomputation" if r["zero"] == 3 and not r.get("recompute", True) else ""
     print(f"| {r['model']} | {stage} | {ms / 1e3:.2f} | {ms / base[r['model']]:.2f} | {max(r['heap_peak_mib']):.0f} | "
           f"{max(r['peak_rss_mib']):.0f} | {statistics.median(r['comm_ms']) / 1e3:.2f} |")
 EOF

@@ -249,6 +249,7 @@ impl Profiled {
             ranks.overlap = None;
         }
         ranks.prefetch = args.prefetch;
+        ranks.recompute = !args.no_recompute;
         // Every parameter at 4 bytes: the count.
         let numel = param_bytes.f32_total / 4;
         spinner.finish_and_clear();
@@ -300,7 +301,11 @@ impl Profiled {
             "profiled on the CPU {batches} in {:.1} s (activations from the graph's tensors{}; backward \
              transients {}; inference profiled under no_grad)",
             self.seconds,
-            if self.checkpointing { ", training with activation checkpointing" } else { "" },
+            match (self.checkpointing, self.ranks.zero_stage == 3 && !self.ranks.recompute) {
+                (true, true) => ", training with ZeRO-3's blocks kept, gathered again for backward",
+                (true, false) => ", training with activation checkpointing",
+                (false, _) => "",
+            },
             if self.profile.backward_workspace.is_some() { "measured by the caching heap" } else { "a lower bound" },
         )
     }

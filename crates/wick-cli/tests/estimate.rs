@@ -358,6 +358,17 @@ fn ranks_and_zero_stages_give_one_ranks_share() {
     }
     let (name, bytes) = (&out["largest_block"][0], out["largest_block"][1].as_u64().unwrap());
     assert!(name.as_str().is_some_and(|n| n.starts_with("layer")) && bytes > 0, "{}", out["largest_block"]);
+    // Stage 3 keeping the blocks' activations (`--no-recompute`): the same shards, the activations
+    // of every block instead of their inputs (the profile runs the blocks kept).
+    let mut kept = a.clone();
+    kept.push("--no-recompute");
+    let out_kept = estimate(&kept);
+    let k = &out_kept["estimates"][0];
+    assert_eq!(out_kept["ranks"]["recompute"], false);
+    for key in ["optimizer_state", "master_weights", "parameters"] {
+        assert_eq!(field(k, key), field(e, key), "kept ZeRO-3: {key}");
+    }
+    assert!(field(k, "activations") > field(e, "activations"), "kept activations {k} against recomputed {e}");
     let mut cuda = a.clone();
     cuda.extend(["--on", "cuda"]);
     cuda.insert(0, "estimate");

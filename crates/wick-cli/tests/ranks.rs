@@ -127,6 +127,9 @@ fn two_ranks_train_as_one_process_and_survive_a_killed_rank() {
     // ZeRO-3: most of a step is inside the blocks' gathers, recomputations and reduce-scatters,
     // so the kills land in collectives; its checkpoints resume at stage 3 and on one process.
     kill_and_resume(&wick, &tmp, "killed-zero3", &["--zero", "3", "--save-every", "1"], 3, &mut rng, &reference);
+    // The same without recomputation: kills land in the gathers for backward too.
+    let kept = ["--zero", "3", "--no-recompute", "--save-every", "1"];
+    kill_and_resume(&wick, &tmp, "killed-zero3-kept", &kept, 1, &mut rng, &reference);
     let _ = std::fs::remove_dir_all(&tmp);
 }
 

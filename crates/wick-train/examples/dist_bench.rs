@@ -148,7 +148,7 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     let mine = [peak_rss_mib(), heap, heap_base as f64 / (1 << 20) as f64, start_rss];
     let peaks = group.all_gather(&Tensor::new(&mine, &Device::Cpu)?)?.to_vec1::<f64>()?;
     Ok(serde_json::json!({"model": model, "batch": batch, "world": world, "zero": zero,
-        "checkpointing": activation_checkpointing, "overlap": overlap, "prefetch": prefetch, "ms": ms, "comm_ms": comm_ms, "reduce": reduce,
+        "checkpointing": activation_checkpointing, "overlap": overlap, "prefetch": prefetch, "recompute": recompute, "ms": ms, "comm_ms": comm_ms, "reduce": reduce,
         "peak_rss_mib": peaks.iter().step_by(4).collect::<Vec<_>>(),
         "heap_peak_mib": peaks.iter().skip(1).step_by(4).collect::<Vec<_>>(),
         "heap_before_mib": peaks.iter().skip(2).step_by(4).collect::<Vec<_>>(),

@@ -234,8 +234,8 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     };
     let (dtype, autocast) = if amp { (DType::BF16, Autocast::bf16()) } else { (DType::F32, Autocast::off()) };
     // Stage 3 is profiled as its ranks run the blocks (see `ModelSpec::profile_sharded`).
+    let recompute = env("WICK_DIST_RECOMPUTE", "1") == "1";
     let (profile, bytes, blocks) = if zero == 3 {
-        let recompute = env("WICK_DIST_RECOMPUTE", "1") == "1";
         let (profile, bytes, blocks, _) = spec.profile_sharded(dtype, world, recompute, &[batch])?;
         (profile, bytes, Some(blocks))
     } else {
@@ -263,14 +263,20 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
         world,
     );
     let overlap_bytes = (overlap && zero < 3).then_some(Overlap { largest, total });
-    let ranks =
-        Ranks { ranks: world, zero_stage: zero, largest_bucket, blocks, overlap: overlap_bytes, prefetch: false };
+    let ranks = Ranks {
+        ranks: world,
+        zero_stage: zero,
+        largest_bucket,
+        blocks,
+        overlap: overlap_bytes,
+        prefetch: false,
+        recompute,
+    };
     let estimate = estimate_per_rank(bytes, &profile, batch, Mode::TrainAdamW, amp, Update::InPlace, ranks);
     let options = TrainOptions { optimizer: common::adamw(1e-6), autocast, ..TrainOptions::default() };
     // How much the start holds at its peak (the whole state, or only this rank's shard).
     let before = exact_heap().map_or(0, |h| h.0);
     reset_exact_peak();
-    let recompute = env("WICK_DIST_RECOMPUTE", "1") == "1";
     let parallel =
         DataParallelOptions { sharding: Sharding::from_stage(zero)?, overlap, recompute, ..Default::default() };
     let mut trainer = if world == 1 && zero == 0 {

@@ -53,6 +53,10 @@ pub struct Ranks {
     /// Stage 3: the next block's gather started while a block runs (wick-train's
     /// `DataParallelOptions::prefetch`): one more block whole beside it.
     pub prefetch: bool,
+    /// Stage 3: the blocks recomputed in backward (wick-train's default), or kept with their
+    /// activations (`DataParallelOptions::recompute` off); the profile the estimate reads must
+    /// have been made the same way ([`crate::registry::ModelSpec::profile_sharded`]).
+    pub recompute: bool,
 }
 
 /// The buckets a reduction may start from inside backward (wick-train's
@@ -72,7 +76,7 @@ impl Ranks {
     pub fn bounded(ranks: usize, zero_stage: u8, bucket_bytes: usize, p: ParamBytes) -> Self {
         let largest_bucket = bucket_bytes.min(p.f32_total).max(p.largest_f32);
         let overlap = Some(Overlap { largest: largest_bucket, total: p.f32_total });
-        Ranks { ranks, zero_stage, largest_bucket, blocks: None, overlap, prefetch: false }
+        Ranks { ranks, zero_stage, largest_bucket, blocks: None, overlap, prefetch: false, recompute: true }
     }
 }
 
@@ -93,7 +97,8 @@ pub struct RankEstimate {
 /// Where a ZeRO stage-3 step reaches its peak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum PeakPhase {
-    /// Backward: the blocks gathered and recomputed one at a time, the loss's gradients.
+    /// Backward: the blocks gathered again one at a time (recomputed, or their kept
+    /// activations back-propagated), the loss's gradients.
     Backward,
     /// After backward: the parameters read outside the blocks reduced one at a time.
     OutsideReduction,
@@ -106,7 +111,7 @@ pub enum PeakPhase {
 impl std::fmt::Display for PeakPhase {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            PeakPhase::Backward => "backward (the blocks gathered and recomputed one at a time, the loss's gradients)",
+            PeakPhase::Backward => "backward (the blocks gathered again one at a time, the loss's gradients)",
             PeakPhase::OutsideReduction => "the reduction of the parameters read outside the blocks, after backward",
             PeakPhase::Update => "the update of this rank's pieces",
             PeakPhase::OutsideGather => "gathering the parameters read outside the blocks back, after the update",
