@@ -57,9 +57,10 @@ pub trait ShardedBlocks: Send + Sync {
         false
     }
     /// Gives back the memory of gathered values (tensors [`ShardedBlocks::gather`] returned)
-    /// that nothing reads until they are gathered again: they read as zeros meanwhile.
-    fn release(&self, _gathered: &[Tensor]) -> Result<()> {
-        Err(candle_core::Error::Msg("these sharded blocks recompute; they do not release gathered values".into()))
+    /// that nothing reads until they are gathered again: they read as zeros meanwhile. Default:
+    /// their pages go back ([`crate::pages::release`]).
+    fn release(&self, gathered: &[Tensor]) -> Result<()> {
+        gathered.iter().try_for_each(crate::pages::release)
     }
     /// Writes the full current values of `weights` into `into`, the tensors an earlier
     /// [`ShardedBlocks::gather`] of the same weights returned (released since). Every process
@@ -75,14 +76,12 @@ struct KeptBlock {
     weights: Vec<Tensor>,
     /// Their gradients, as they complete.
     grads: Vec<Option<Tensor>>,
-    /// Gathered tensors whose gradient is not complete yet.
+    /// Gathered tensors whose gradient is not complete yet (0: handed over).
     waiting: usize,
-    /// Whether the gradients were handed over.
-    reduced: bool,
 }
 
 /// The kept blocks of a context: in forward order, and which block and slot each gathered
-/// tensor is.
+/// tensor whose gradient is not complete yet is.
 #[derive(Default)]
 struct Kept {
     blocks: Vec<KeptBlock>,
@@ -94,25 +93,22 @@ impl Kept {
     /// hands its block's gradients over once they are all complete. `false` when `var` is not
     /// a gathered tensor of this context.
     fn ready(&mut self, var: &Tensor, store: &mut GradStore, blocks: &dyn ShardedBlocks) -> Result<bool> {
-        let Some(&(b, slot)) = self.slots.get(&var.id()) else { return Ok(false) };
+        let Some((b, slot)) = self.slots.remove(&var.id()) else { return Ok(false) };
         let block = &mut self.blocks[b];
         block.grads[slot] = store.remove(var).map(|g| g.detach());
         blocks.release(std::slice::from_ref(var))?;
-        block.waiting = block.waiting.saturating_sub(1);
-        if block.waiting == 0 && !block.reduced {
-            block.reduced = true;
+        block.waiting -= 1;
+        if block.waiting == 0 {
             blocks.reduce(&block.weights, std::mem::take(&mut block.grads))?;
         }
         Ok(true)
     }
 
     /// Hands over the blocks whose gradients did not all complete (parameters without one), the
-    /// last block first, and forgets every block.
-    fn finish(&mut self, blocks: &dyn ShardedBlocks) -> Result<()> {
-        self.slots.clear();
-        for block in std::mem::take(&mut self.blocks).into_iter().rev().filter(|b| !b.reduced) {
-            let grads = block.grads.into_iter().collect();
-            blocks.reduce(&block.weights, grads)?;
+    /// last block first.
+    fn finish(self, blocks: &dyn ShardedBlocks) -> Result<()> {
+        for block in self.blocks.into_iter().rev().filter(|b| b.waiting > 0) {
+            blocks.reduce(&block.weights, block.grads)?;
         }
         Ok(())
     }
@@ -124,7 +120,6 @@ struct Regather {
     blocks: Arc<dyn ShardedBlocks>,
     weights: Vec<Tensor>,
     gathered: Vec<Tensor>,
-    result: Handoff,
 }
 
 impl CustomOp1 for Regather {
@@ -132,12 +127,12 @@ impl CustomOp1 for Regather {
         "wick-regather"
     }
 
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        self.result.cpu()
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((crate::fused::materialize_cpu(s, l)?, l.shape().clone()))
     }
 
-    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        self.result.cuda()
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::fused::materialize_cuda(s, l)?, l.shape().clone()))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -294,16 +289,10 @@ impl Checkpointing {
         for (slot, g) in gathered.iter().enumerate() {
             kept.slots.insert(g.id(), (b, slot));
         }
-        let block = KeptBlock {
-            weights: weights.clone(),
-            grads: vec![None; gathered.len()],
-            waiting: gathered.len(),
-            reduced: false,
-        };
+        let block = KeptBlock { weights: weights.clone(), grads: vec![None; gathered.len()], waiting: gathered.len() };
         kept.blocks.push(block);
         drop(kept);
-        let result = Handoff::new("wick-regather", y.clone());
-        y.apply_op1(Regather { blocks: sharded.clone(), weights, gathered, result })
+        y.apply_op1(Regather { blocks: sharded.clone(), weights, gathered })
     }
 
     /// Back-propagates `loss` and adds the checkpointed segments' parameter gradients.
@@ -339,18 +328,14 @@ impl Checkpointing {
                 ready(var, store)
             };
             let grads = loss.backward_with_hook(&mut outer);
-            match (grads, sharded) {
-                (Ok(grads), Some(blocks)) => {
-                    kept.finish(blocks)?;
-                    grads
-                }
-                (grads, _) => {
-                    // A failed backward hands nothing over (the caller stops the step on every
-                    // process); its blocks are not kept for the next.
-                    *kept = Kept::default();
-                    grads?
-                }
+            // The blocks are not kept for the next backward; a failed one hands nothing over
+            // (the caller stops the step on every process).
+            let blocks = std::mem::take(&mut *kept);
+            let grads = grads?;
+            if let Some(sharded) = sharded {
+                blocks.finish(sharded)?;
             }
+            grads
         };
         let mut stash = self.stash.lock().unwrap_or_else(|p| p.into_inner());
         for (_, var) in params.iter() {

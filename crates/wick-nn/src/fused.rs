@@ -36,13 +36,13 @@ pub(crate) struct Handoff {
 
 /// A fresh, exactly sized, contiguous copy of `layout`'s elements of `src` (a storage's own
 /// clone would copy the whole buffer behind a view).
-fn materialize_cpu(src: &CpuStorage, layout: &Layout) -> Result<CpuStorage> {
+pub(crate) fn materialize_cpu(src: &CpuStorage, layout: &Layout) -> Result<CpuStorage> {
     let mut dst = src.device().zeros_impl(layout.shape(), src.dtype())?;
     src.copy_strided_src(&mut dst, 0, layout)?;
     Ok(dst)
 }
 
-fn materialize_cuda(src: &candle_core::CudaStorage, layout: &Layout) -> Result<candle_core::CudaStorage> {
+pub(crate) fn materialize_cuda(src: &candle_core::CudaStorage, layout: &Layout) -> Result<candle_core::CudaStorage> {
     let mut dst = src.device().zeros_impl(layout.shape(), src.dtype())?;
     src.copy_strided_src(&mut dst, 0, layout)?;
     Ok(dst)

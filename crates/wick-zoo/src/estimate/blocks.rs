@@ -277,10 +277,6 @@ impl ShardedBlocks for BlockRecorder {
         self.keep
     }
 
-    fn release(&self, gathered: &[Tensor]) -> Result<()> {
-        gathered.iter().try_for_each(wick_nn::pages::release)
-    }
-
     fn regather(&self, weights: &[Tensor], into: &[Tensor]) -> Result<()> {
         // The gather's buffers again, and the released tensors counted live before a rank
         // writes them (their values stay zeros here: a profile reads only sizes).

@@ -194,12 +194,23 @@ impl ParamShards {
     fn gather_into(&self, i: usize, target: &Tensor) -> Result<(), DistError> {
         let (send, layout) = self.pack(&[i])?;
         let recv = self.all_gather(send)?;
+        self.write_whole(&recv, &layout, std::slice::from_ref(target))
+    }
+
+    /// Every rank's pieces of a gather's parameters (`recv`, laid out as `layout` says)
+    /// written where they belong into `into`, one tensor per parameter, each in its shape and
+    /// dtype.
+    fn write_whole(&self, recv: &[u8], layout: &GatherLayout, into: &[Tensor]) -> Result<(), DistError> {
+        if into.len() != layout.placed.len() {
+            return Err(DistError::internal("ZeRO-3: parameters gathered into another number of tensors"));
+        }
         let t0 = Instant::now();
-        for (k, (_, _, dtype, dims)) in layout.placed.iter().enumerate() {
+        for (k, ((_, _, dtype, dims), target)) in layout.placed.iter().zip(into).enumerate() {
             if target.dtype() != *dtype || target.dims() != dims.as_slice() {
+                let i = layout.which[k];
                 return Err(DistError::internal(format!("ZeRO-3: parameter {i} changed shape or dtype")));
             }
-            let pieces = layout.pieces(&recv, self.group.world_size(), k).collect();
+            let pieces = layout.pieces(recv, self.group.world_size(), k).collect();
             target.inplace_op1(&WritePieces { pieces })?;
         }
         lock(&self.state).stats.pack_s += t0.elapsed().as_secs_f64();
@@ -273,21 +284,7 @@ impl ParamShards {
     /// Block `which`'s parameters whole again, written into `into` (what an earlier
     /// [`ParamShards::gather_block`] of them returned), as [`ParamShards::gather_block`] gathers.
     fn regather_block(&self, which: Vec<usize>, into: &[Tensor]) -> Result<(), DistError> {
-        if into.len() != which.len() {
-            return Err(DistError::internal("ZeRO-3: a block gathered again into another number of tensors"));
-        }
-        self.gather_block_with(which, |recv, layout| {
-            let t0 = Instant::now();
-            for (k, ((_, _, dtype, dims), target)) in layout.placed.iter().zip(into).enumerate() {
-                if target.dtype() != *dtype || target.dims() != dims.as_slice() {
-                    return Err(DistError::internal("ZeRO-3: a block's gathered tensor changed shape or dtype"));
-                }
-                let pieces = layout.pieces(recv, self.group.world_size(), k).collect();
-                target.inplace_op1(&WritePieces { pieces })?;
-            }
-            lock(&self.state).stats.pack_s += t0.elapsed().as_secs_f64();
-            Ok(())
-        })
+        self.gather_block_with(which, |recv, layout| self.write_whole(recv, layout, into))
     }
 
     /// Every rank's bytes of block `which`'s parameters, from the gather prefetched for it or
@@ -526,10 +523,6 @@ impl wick_nn::checkpoint::ShardedBlocks for ParamShards {
 
     fn keeps_activations(&self) -> bool {
         lock(&self.state).keep_activations
-    }
-
-    fn release(&self, gathered: &[Tensor]) -> candle_core::Result<()> {
-        gathered.iter().try_for_each(wick_nn::pages::release)
     }
 
     fn regather(&self, weights: &[Tensor], into: &[Tensor]) -> candle_core::Result<()> {
