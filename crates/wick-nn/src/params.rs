@@ -77,11 +77,13 @@ pub fn layered_count(fixed: Option<usize>, per_layer: Option<usize>, layers: usi
     per_layer?.checked_mul(layers)?.checked_add(fixed?)
 }
 
-/// Parameters by name, in name order. Fresh parameters are drawn from a seeded generator: the
-/// same seed gives the same model.
+/// Parameters by name, in name order, remembering the order they were registered in. Fresh
+/// parameters are drawn from a seeded generator: the same seed gives the same model.
 #[derive(Debug)]
 pub struct Params {
     vars: BTreeMap<String, Var>,
+    /// The names in the order they were first registered.
+    registered: Vec<String>,
     buffers: BTreeMap<String, Buffer>,
     seed: u64,
 }
@@ -136,7 +138,7 @@ impl Default for Params {
 impl Params {
     /// An empty store whose fresh parameters derive from `seed`.
     pub fn with_seed(seed: u64) -> Self {
-        Params { vars: BTreeMap::new(), buffers: BTreeMap::new(), seed }
+        Params { vars: BTreeMap::new(), registered: Vec::new(), buffers: BTreeMap::new(), seed }
     }
 
     /// Creates and registers a parameter. A tensor of [`PREFLIGHT_FROM`] bytes or more is
@@ -162,13 +164,26 @@ impl Params {
     pub fn insert(&mut self, name: &str, t: Tensor) -> Result<Tensor> {
         let var = Var::from_tensor(&t)?;
         let out = var.as_tensor().clone();
-        self.vars.insert(name.to_string(), var);
+        if self.vars.insert(name.to_string(), var).is_none() {
+            self.registered.push(name.to_string());
+        }
         Ok(out)
     }
 
     /// All parameters, in name order.
     pub fn iter(&self) -> impl Iterator<Item = (&String, &Var)> {
         self.vars.iter()
+    }
+
+    /// The parameters' positions in [`Params::iter`]'s (name) order, listed in the order they
+    /// were registered — for a model built layer by layer, the order its forward pass first
+    /// reads them, which backward reverses (the order PyTorch's DDP buckets gradients in, from
+    /// `model.parameters()`). Name order differs from it as soon as a name holds a number of two
+    /// digits: `layers.10` sorts before `layers.2`.
+    pub fn registration_order(&self) -> Vec<usize> {
+        let at: std::collections::HashMap<&str, usize> =
+            self.vars.keys().enumerate().map(|(i, name)| (name.as_str(), i)).collect();
+        self.registered.iter().filter_map(|name| at.get(name.as_str()).copied()).collect()
     }
 
     /// The parameter `name`.

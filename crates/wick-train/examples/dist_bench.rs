@@ -177,7 +177,7 @@ fn allreduce(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value>
         let vars: Vec<Var> = (0..8)
             .map(|_| Var::from_tensor(&Tensor::ones(n / 8, DType::F32, &Device::Cpu)?))
             .collect::<Result<_, _>>()?;
-        let buckets = GradBuckets::new(&vars, FIRST_BUCKET_BYTES, BUCKET_BYTES);
+        let buckets = GradBuckets::new(&vars, &(0..vars.len()).collect::<Vec<_>>(), FIRST_BUCKET_BYTES, BUCKET_BYTES);
         let (mut bucketed, mut comm, mut pack) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..reps {
             let loss = vars.iter().map(|v| v.as_tensor().sum_all()).collect::<Result<Vec<_>, _>>()?;

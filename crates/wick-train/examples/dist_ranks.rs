@@ -247,8 +247,10 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     let base = exact_heap().map_or(0, |h| h.0);
     let model = spec.build(dtype, &Device::Cpu)?;
     let param_vars: Vec<_> = model.params().iter().map(|(_, v)| v.clone()).collect();
+    let registered = model.params().registration_order();
     let largest_bucket = wick_train::dist::buckets::largest_buffer(
         &param_vars,
+        &registered,
         wick_train::dist::buckets::FIRST_BUCKET_BYTES,
         wick_train::dist::buckets::BUCKET_BYTES,
         zero > 0,
@@ -257,6 +259,7 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     let overlap = env("WICK_DIST_OVERLAP", "1") == "1";
     let (largest, total) = wick_train::dist::buckets::in_backward_bytes(
         &param_vars,
+        &registered,
         wick_train::dist::buckets::FIRST_BUCKET_BYTES,
         wick_train::dist::buckets::BUCKET_BYTES,
         zero > 0,

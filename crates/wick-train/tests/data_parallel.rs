@@ -77,9 +77,6 @@ fn one_process_groups_step_as_the_plain_trainer() {
     let _ = std::fs::remove_dir_all(&dir3);
 }
 
-/// After ZeRO-3's first step the model's own copies of the blocks' parameters are handed back
-/// (their whole pages read as zeros), those read outside the blocks stay, and the gathered
-/// values are a plain run's.
 /// Clipping under every sharding: the norm is of all gradients, each rank's share of the squares
 /// summed (ZeRO-1/2/3 hold pieces of the gradients), so the norm and the steps are the plain
 /// trainer's — the norm to f64 rounding (the pieces' squares are added in another order), the
@@ -105,6 +102,9 @@ fn clipping_steps_as_the_plain_trainer_under_every_sharding() {
     }
 }
 
+/// After ZeRO-3's first step the model's own copies of the blocks' parameters are handed back
+/// (their whole pages read as zeros), those read outside the blocks stay, and the gathered
+/// values are a plain run's.
 #[test]
 fn zero3_hands_back_the_model_copies_of_block_parameters() {
     use wick_nn::Model;
@@ -303,5 +303,74 @@ fn an_overlapped_reduction_with_checkpointing_steps_as_the_plain_trainer() {
         assert_eq!(weights(&overlapped), weights(&plain));
         let r = overlapped.last_reduce().unwrap();
         assert!(r.buckets > 2 && r.overlapped < r.buckets, "{r:?}");
+    }
+}
+
+/// A step that fails in its second micro-batch — after the first one's backward, which at
+/// stage 3 has already reduced the blocks' gradients into the shards — is an error that leaves
+/// nothing behind, under every sharding: the steps after it are the plain trainer's, to the bit.
+#[test]
+fn a_step_failing_in_its_second_micro_batch_leaves_nothing_behind() {
+    use std::cell::Cell;
+    use wick_nn::checkpoint::Checkpointing;
+    use wick_nn::params::Params;
+    use wick_nn::{Model, NnError};
+    /// The model, refusing its `fail_at`-th loss.
+    struct Failing {
+        inner: Llama,
+        fail_at: u64,
+        calls: Cell<u64>,
+    }
+    impl Model for Failing {
+        type Batch = Tensor;
+        fn params(&self) -> &Params {
+            self.inner.params()
+        }
+        fn loss_with(&self, batch: &Tensor, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
+            self.calls.set(self.calls.get() + 1);
+            if self.calls.get() == self.fail_at {
+                return Err(NnError::invalid("test", "a refused micro-batch"));
+            }
+            self.inner.loss_with(batch, checkpoint)
+        }
+    }
+    let build = |sharding: Option<Sharding>| {
+        let inner = Llama::new(LlamaConfig::tiny(32), DType::F32, &Device::Cpu).unwrap();
+        // Step 1 takes call 1, step 2 calls 2 and 3 (refused), step 3 calls 4 and 5.
+        let model = Failing { inner, fail_at: 3, calls: Cell::new(0) };
+        let t = Trainer::new(model, serde_json::json!({}), None, TrainOptions::default()).unwrap();
+        match sharding {
+            None => t,
+            Some(sharding) => {
+                let parallel = DataParallelOptions { sharding, ..Default::default() };
+                t.data_parallel(ProcessGroup::single(), parallel).unwrap()
+            }
+        }
+    };
+    let weights = |t: &Trainer<Failing>| -> Vec<u32> {
+        let mut out = Vec::new();
+        for (_, v) in t.gathered_parameters().unwrap() {
+            out.extend(v.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits));
+        }
+        out
+    };
+    let a = Tensor::new(&[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], &Device::Cpu).unwrap();
+    let b = Tensor::new(&[[3u32, 1, 0, 9, 9, 2], [6, 5, 4, 3, 2, 1]], &Device::Cpu).unwrap();
+    let steps = [vec![a.clone()], vec![a.clone(), b.clone()], vec![b.clone(), a.clone()], vec![a.clone()]];
+    let mut plain = build(None);
+    let shardings = [Sharding::None, Sharding::OptimizerState, Sharding::Gradients, Sharding::Parameters];
+    let mut others = shardings.map(|s| (s, build(Some(s))));
+    for (k, micro) in steps.iter().enumerate() {
+        let want = plain.train_step(micro);
+        assert_eq!(want.is_err(), k == 1, "step {k}: only the second fails");
+        for (s, t) in &mut others {
+            let got = t.train_step(micro);
+            match (&want, got) {
+                (Ok(w), Ok(g)) => assert_eq!(w.loss.to_bits(), g.loss.to_bits(), "{s:?} step {k}"),
+                (Err(_), Err(e)) => assert!(e.to_string().contains("a refused micro-batch"), "{s:?}: {e}"),
+                (w, g) => panic!("{s:?} step {k}: {:?} against {:?}", w.as_ref().map(|r| r.loss), g.map(|r| r.loss)),
+            }
+            assert!(weights(t) == weights(&plain), "{s:?}: the parameters after step {k} are not the plain run's");
+        }
     }
 }

@@ -2,7 +2,9 @@
 //! that sums every rank's gradients into them.
 //!
 //! Policy (PyTorch DDP's, `torch/nn/parallel/distributed.py` and `reducer.hpp`): parameters in
-//! reverse registration order — roughly the order backward produces their gradients — packed
+//! reverse registration order ([`wick_nn::params::Params::registration_order`], not the name
+//! order a model's parameters are listed in) — roughly the order backward produces their
+//! gradients — packed
 //! into buckets of at most [`BUCKET_BYTES`] (25 MiB), the first one capped at
 //! [`FIRST_BUCKET_BYTES`] (1 MiB) so the first-ready gradients do not wait in a large bucket.
 //! A parameter is never split; one larger than the cap has a bucket of its own.
@@ -43,13 +45,20 @@ pub const FIRST_BUCKET_BYTES: usize = 1 << 20;
 /// f32 gradients this large are reduced from their own storage instead of being packed.
 pub const DIRECT_BYTES: usize = 256 << 10;
 
-/// The parameters (indices into the model's parameter list) of each bucket, in the order the
-/// buckets are reduced: reverse parameter order, the first at most `first` bytes, the rest at
-/// most `cap` (f32 bytes; a parameter over the cap alone in its bucket).
-pub fn assign_buckets(elems: &[usize], first: usize, cap: usize) -> Vec<Vec<usize>> {
+/// The parameters (indices into the model's parameter list, of `elems` elements each) of each
+/// bucket, in the order the buckets are reduced: `registered` (the indices in the order the
+/// parameters were registered) reversed, the first bucket at most `first` bytes, the rest at
+/// most `cap` (f32 bytes; a parameter over the cap alone in its bucket). An index `registered`
+/// leaves out (or repeats, or that is out of range) is taken as registered after every listed
+/// one, in index order.
+pub fn assign_buckets(elems: &[usize], registered: &[usize], first: usize, cap: usize) -> Vec<Vec<usize>> {
+    let mut listed = vec![false; elems.len()];
+    let mut order: Vec<usize> =
+        registered.iter().filter(|&&i| i < elems.len() && !std::mem::replace(&mut listed[i], true)).copied().collect();
+    order.extend((0..elems.len()).filter(|&i| !listed[i]));
     let mut buckets: Vec<Vec<usize>> = Vec::new();
     let (mut current, mut bytes) = (Vec::new(), 0usize);
-    for i in (0..elems.len()).rev() {
+    for i in order.into_iter().rev() {
         let b = elems[i].saturating_mul(4);
         let limit = if buckets.is_empty() { first } else { cap };
         if !current.is_empty() && bytes.saturating_add(b) > limit {
@@ -68,10 +77,17 @@ pub fn assign_buckets(elems: &[usize], first: usize, cap: usize) -> Vec<Vec<usiz
 /// Bytes of the largest buffer a reduction of `vars` fills (what the estimator's per-rank figure
 /// needs): replicated, a packed bucket or a large f32 gradient reduced on its own; sharded,
 /// a whole bucket padded to the world size.
-pub fn largest_buffer(vars: &[Var], first: usize, cap: usize, sharded: bool, world: usize) -> usize {
+pub fn largest_buffer(
+    vars: &[Var],
+    registered: &[usize],
+    first: usize,
+    cap: usize,
+    sharded: bool,
+    world: usize,
+) -> usize {
     let elems: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
     let direct = |i: usize| !sharded && vars[i].dtype() == DType::F32 && elems[i] * 4 >= DIRECT_BYTES;
-    assign_buckets(&elems, first, cap)
+    assign_buckets(&elems, registered, first, cap)
         .iter()
         .map(|bucket| {
             let packed: usize = bucket.iter().filter(|&&i| !direct(i)).map(|&i| elems[i]).sum();
@@ -87,8 +103,15 @@ pub fn largest_buffer(vars: &[Var], first: usize, cap: usize, sharded: bool, wor
 /// but the last, see `flight`): (the largest, all of them) — what the estimator adds to
 /// backward's peak. Replicated, a bucket's packed gradients and each large f32 gradient are
 /// units of their own; sharded, a bucket padded to a multiple of the world size.
-pub fn in_backward_bytes(vars: &[Var], first: usize, cap: usize, sharded: bool, world: usize) -> (usize, usize) {
-    let buckets = GradBuckets::new(vars, first, cap);
+pub fn in_backward_bytes(
+    vars: &[Var],
+    registered: &[usize],
+    first: usize,
+    cap: usize,
+    sharded: bool,
+    world: usize,
+) -> (usize, usize) {
+    let buckets = GradBuckets::new(vars, registered, first, cap);
     let mut units: Vec<usize> = if sharded {
         let elems = |b: &Vec<usize>| b.iter().map(|&i| vars[i].elem_count()).sum::<usize>();
         buckets.plan().iter().map(|b| block_of(elems(b), world) * world.max(1)).collect()
@@ -133,12 +156,13 @@ pub struct GradBuckets {
 }
 
 impl GradBuckets {
-    /// The buckets of `vars` (the model's parameters in registration order), the first at most
-    /// `first` bytes, the others at most `cap`.
-    pub fn new(vars: &[Var], first: usize, cap: usize) -> Self {
+    /// The buckets of `vars` (the model's parameters, in its list's order), given the order
+    /// they were `registered` in (see [`assign_buckets`]), the first at most `first` bytes, the
+    /// others at most `cap`.
+    pub fn new(vars: &[Var], registered: &[usize], first: usize, cap: usize) -> Self {
         let elems: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
         let bytes = elems.iter().fold(0usize, |a, &e| a.saturating_add(e.saturating_mul(4)));
-        GradBuckets { plan: assign_buckets(&elems, first, cap), bytes }
+        GradBuckets { plan: assign_buckets(&elems, registered, first, cap), bytes }
     }
 
     /// The parameters (indices into `vars`) of each bucket, in reduction order.
@@ -228,13 +252,24 @@ mod tests {
         // 1 MiB = 262144 f32 elements. Reverse order; the first bucket closes before 1 MiB.
         let mib = 1 << 18;
         let elems = [mib * 30, 10, mib / 2, mib / 2, 100];
-        let plan = assign_buckets(&elems, FIRST_BUCKET_BYTES, BUCKET_BYTES);
+        let plan = assign_buckets(&elems, &[0, 1, 2, 3, 4], FIRST_BUCKET_BYTES, BUCKET_BYTES);
         assert_eq!(plan, vec![vec![4, 3], vec![2, 1], vec![0]]);
         // Every parameter exactly once.
         let mut all: Vec<usize> = plan.concat();
         all.sort();
         assert_eq!(all, (0..elems.len()).collect::<Vec<_>>());
-        assert!(assign_buckets(&[], 1, 1).is_empty());
+        assert!(assign_buckets(&[], &[], 1, 1).is_empty());
+    }
+
+    #[test]
+    fn buckets_reverse_the_registration_order_not_the_list_order() {
+        // Listed by name (`l.0`, `l.1`, `l.10`, `l.11`, `l.2`), registered by layer.
+        let elems = [10, 20, 30, 40, 50];
+        let plan = assign_buckets(&elems, &[0, 1, 4, 2, 3], 100, 100);
+        assert_eq!(plan, vec![vec![3, 2], vec![4, 1], vec![0]]);
+        // Left out, repeated or out of range: the rest come as if registered last, in list order.
+        let plan = assign_buckets(&elems, &[3, 3, 9, 1], 1000, 1000);
+        assert_eq!(plan, vec![vec![4, 2, 0, 1, 3]]);
     }
 
     #[test]
@@ -247,7 +282,7 @@ mod tests {
             .unwrap();
         let mut grads = loss.backward().unwrap();
         let vars = vec![a.clone(), b.clone()];
-        let buckets = GradBuckets::new(&vars, FIRST_BUCKET_BYTES, BUCKET_BYTES);
+        let buckets = GradBuckets::new(&vars, &[0, 1], FIRST_BUCKET_BYTES, BUCKET_BYTES);
         let stats = buckets.reduce(&group, &mut grads, &vars).unwrap();
         assert_eq!((stats.buckets, stats.bytes), (1, 7 * 4));
         assert_eq!(grads.get(&a).unwrap().to_vec1::<f32>().unwrap(), vec![6., 12., 18.]);

@@ -144,6 +144,7 @@ impl Parallel {
         options: DataParallelOptions,
         setup: serde_json::Value,
         vars: &[Var],
+        params: &Params,
     ) -> Result<(GradBuckets, Option<GpuComm>), TrainError> {
         if options.bucket_bytes == 0 || options.first_bucket_bytes == 0 {
             return Err(DistError::unsupported("data parallel", "bucket caps must be positive").into());
@@ -159,7 +160,8 @@ impl Parallel {
         });
         group.check_same("training setup", &setup)?;
         let gpu = gpu_comm(group, &options, vars)?;
-        Ok((GradBuckets::new(vars, options.first_bucket_bytes, options.bucket_bytes), gpu))
+        let registered = if std::env::var_os("WICK_AB_NAME_ORDER").is_some() { (0..vars.len()).collect() } else { params.registration_order() };
+        Ok((GradBuckets::new(vars, &registered, options.first_bucket_bytes, options.bucket_bytes), gpu))
     }
 
     /// Joins the group with the whole state in `masters`: refuses unless `setup` is the same on
@@ -173,7 +175,7 @@ impl Parallel {
         masters: &mut MasterWeights,
         params: &Params,
     ) -> Result<Self, TrainError> {
-        let (buckets, gpu) = Self::prepare(&group, options, setup, vars)?;
+        let (buckets, gpu) = Self::prepare(&group, options, setup, vars, params)?;
         // Rank 0's f32 master and optimizer state of parameter `i`, on every rank (a GPU's
         // through the host, once).
         let from_root = |i: usize| -> Result<(Tensor, Vec<Tensor>), TrainError> {
@@ -245,7 +247,7 @@ impl Parallel {
             return Err(DistError::internal("a sharded start without sharding").into());
         }
         // Sharded runs are on the host (`gpu_comm` refuses GPU parameters with ZeRO).
-        let (buckets, _) = Self::prepare(&group, options, setup, vars)?;
+        let (buckets, _) = Self::prepare(&group, options, setup, vars, params)?;
         let mut fetch = |request: &PieceRequest| -> Result<PieceInit, TrainError> {
             let v = &vars[request.param];
             let own = match start {

@@ -35,6 +35,13 @@ impl Prefetch {
         next
     }
 
+    /// A step that did not end (it failed): its order so far forgotten (the last whole step's
+    /// is kept), and a gather still in flight handed out.
+    pub(super) fn abandon(&mut self) -> Option<Gathering> {
+        self.this.clear();
+        self.in_flight.take()
+    }
+
     /// The end of a step: its order kept for the next, and a gather still in flight handed out.
     pub(super) fn end_step(&mut self) -> Option<Gathering> {
         self.last = std::mem::take(&mut self.this);

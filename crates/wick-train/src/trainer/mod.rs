@@ -323,6 +323,9 @@ impl<M: Model> Trainer<M> {
         let _step = push_label("train_step");
         if let Some(p) = &self.parallel {
             broadcast_buffers(&p.group, self.model.params())?;
+            if let Some(shards) = p.param_shards() {
+                shards.begin_step()?;
+            }
         }
         let mut flight = match &self.parallel {
             Some(p) => p.flight(&self.vars)?,

@@ -73,6 +73,25 @@ impl ParamShards {
         Ok(())
     }
 
+    /// The start of a step: what a step that failed in this process left behind — a
+    /// reduce-scatter in flight, earlier micro-batches' gradients summed into the pieces, a
+    /// block's gather prefetched, the gathers' order so far — dropped, so that every step starts
+    /// from nothing, as the plain trainer's does. (On several ranks a failure inside a step ends
+    /// the job instead: the others wait in a collective it will not reach.)
+    pub(crate) fn begin_step(&self) -> Result<(), DistError> {
+        self.finish_pending()?;
+        let stale = {
+            let mut st = lock(&self.state);
+            st.shards.iter_mut().for_each(|s| s.grad = None);
+            st.stats = Default::default();
+            st.prefetch.abandon()
+        };
+        if let Some(g) = stale {
+            drop(self.finish_gather(g)?);
+        }
+        Ok(())
+    }
+
     /// Completes the reduce-scatter in flight, if any: each rank's piece of the sum added to
     /// the step's gradients.
     pub(super) fn finish_pending(&self) -> Result<(), DistError> {
@@ -111,6 +130,7 @@ impl ParamShards {
     /// from it), one parameter at a time; refuses a block's parameter that has one there too (used inside a block and
     /// outside).
     pub(crate) fn reduce_rest(&self, grads: &mut GradStore, vars: &[Var]) -> Result<(), TrainError> {
+        let t0 = Instant::now();
         self.end_prefetch()?;
         self.finish_pending()?;
         let blocks: Vec<bool> = lock(&self.state).shards.iter().map(|s| s.in_block).collect();
@@ -131,6 +151,7 @@ impl ParamShards {
             self.reduce_into(&[i], &[g])?;
             self.finish_pending()?;
         }
+        lock(&self.state).stats.exposed_s += t0.elapsed().as_secs_f64();
         Ok(())
     }
 }
