@@ -94,8 +94,8 @@ pub struct ModelArgs {
     pub ranks: u64,
     /// ZeRO stage of a data-parallel run: 0 replicates everything, 1 shards the optimizer's
     /// state and the f32 masters over the ranks, 2 also reduce-scatters the gradients, 3 also
-    /// shards the parameters (gathered a block at a time; the blocks always recomputed in
-    /// backward, so it implies --checkpointing).
+    /// shards the parameters (gathered a block at a time; the blocks recomputed in backward,
+    /// so it implies --checkpointing, unless --no-recompute).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
     /// A data-parallel run that reduces its gradients after backward (`wick train
@@ -218,6 +218,7 @@ impl Profiled {
     /// Builds the model on the CPU and profiles it (a spinner meanwhile), the batches of
     /// `extra` inside the profiled range too (see `ActivationProfile::measure_at`).
     pub fn new(args: &ModelArgs, extra: &[usize]) -> Result<Self> {
+        crate::ranks::check_stage_options(args.zero, args.no_overlap, args.prefetch, args.no_recompute)?;
         let dtype = match args.precision {
             Precision::F32 => DType::F32,
             Precision::AmpBf16 => DType::BF16,

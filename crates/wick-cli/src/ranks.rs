@@ -2,7 +2,9 @@
 //! flags: `--oversubscribe` so a small machine takes N ranks, `--bind-to none`, and as root the
 //! `--allow-run-as-root` Open MPI asks for), each rank with its share of the cores
 //! (`RAYON_NUM_THREADS`, unless set), the same `wick train` arguments otherwise. Under `mpirun`
-//! directly (`mpirun -n N wick train ...`) each process joins the group by itself.
+//! directly (`mpirun -n N wick train ...`) each process joins the group by itself. And the
+//! ZeRO options that only some stages read, refused where the stage would ignore them (`wick
+//! train`, `estimate` and `fit-batch` alike).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -52,4 +54,46 @@ pub fn forwarded_args() -> Vec<String> {
         }
     }
     out
+}
+
+/// Refuses a data-parallel option that ZeRO stage `zero` would ignore: `--prefetch` and
+/// `--no-recompute` change how stage 3 gathers and runs its blocks, `--no-overlap` how stages
+/// 0–2 reduce (stage 3 reduce-scatters each block's gradients from inside backward whatever it
+/// says).
+pub fn check_stage_options(zero: u8, no_overlap: bool, prefetch: bool, no_recompute: bool) -> Result<()> {
+    for (given, flag) in [(prefetch, "--prefetch"), (no_recompute, "--no-recompute")] {
+        if given && zero != 3 {
+            bail!(
+                "{flag} changes how ZeRO stage 3 runs its blocks: give it with --zero 3 (this run is at stage {zero})"
+            );
+        }
+    }
+    if no_overlap && zero == 3 {
+        bail!(
+            "--no-overlap is for ZeRO stages 0-2: at stage 3 each block's gradients are reduce-scattered from inside \
+             backward in any case"
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_stage_options;
+
+    #[test]
+    fn options_a_stage_would_ignore_are_refused() {
+        for zero in 0..=3u8 {
+            let ok = |no_overlap, prefetch, no_recompute| check_stage_options(zero, no_overlap, prefetch, no_recompute);
+            assert!(ok(false, false, false).is_ok());
+            assert_eq!(ok(true, false, false).is_ok(), zero < 3, "--no-overlap at stage {zero}");
+            for (prefetch, no_recompute) in [(true, false), (false, true), (true, true)] {
+                let r = ok(false, prefetch, no_recompute);
+                assert_eq!(r.is_ok(), zero == 3, "stage {zero}");
+                if let Err(e) = r {
+                    assert!(e.to_string().contains("--zero 3"), "{e}");
+                }
+            }
+        }
+    }
 }

@@ -318,6 +318,7 @@ fn detach(args: &TrainArgs) -> Result<()> {
 
 /// Runs `wick train`, reporting the run's state in DIR/status.json (and why it ended).
 pub fn run(args: &TrainArgs) -> Result<()> {
+    crate::ranks::check_stage_options(args.zero, args.no_overlap, args.prefetch, args.no_recompute)?;
     let launched = wick_train::dist::Launch::from_env()?;
     if args.ranks > 1 && launched.world_size > 1 {
         bail!(

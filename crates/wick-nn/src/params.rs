@@ -270,4 +270,17 @@ mod tests {
             y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
         );
     }
+
+    #[test]
+    fn the_registration_order_is_kept_beside_the_name_order() {
+        let mut p = Params::default();
+        for name in ["layers.0.w", "layers.1.w", "layers.2.w", "layers.10.w", "head.w", "layers.1.w"] {
+            p.create(name, &[1], Init::Zeros, DType::F32, &Device::Cpu).unwrap();
+        }
+        let names: Vec<&str> = p.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["head.w", "layers.0.w", "layers.1.w", "layers.10.w", "layers.2.w"]);
+        // A name registered again keeps its first place.
+        let order: Vec<&str> = p.registration_order().into_iter().map(|i| names[i]).collect();
+        assert_eq!(order, ["layers.0.w", "layers.1.w", "layers.2.w", "layers.10.w", "head.w"]);
+    }
 }

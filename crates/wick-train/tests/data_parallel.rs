@@ -374,3 +374,69 @@ fn a_step_failing_in_its_second_micro_batch_leaves_nothing_behind() {
         }
     }
 }
+
+/// The gradient buckets of every zoo family, made as the trainer makes them (reverse
+/// registration order), complete in order during backward — each bucket's last gradient
+/// arrives no later than the next bucket's — so each can start its reduction from inside
+/// backward as soon as it is full. In name order (`layers.10` before `layers.2`) they do not:
+/// the first bucket waited for the tenth-from-last layer, and almost nothing overlapped.
+#[test]
+fn every_zoo_familys_buckets_complete_in_the_order_they_are_reduced() {
+    use std::collections::HashMap;
+    use wick_nn::Model;
+    use wick_train::dist::buckets::assign_buckets;
+    use wick_zoo::bert::BertConfig;
+    use wick_zoo::registry::ModelSpec;
+    use wick_zoo::resnet::ResNetDepth;
+    use wick_zoo::vit::VitConfig;
+    let bert = BertConfig {
+        vocab_size: 50,
+        hidden_size: 32,
+        num_hidden_layers: 12,
+        num_attention_heads: 4,
+        intermediate_size: 64,
+        max_position_embeddings: 32,
+        type_vocab_size: 2,
+        layer_norm_eps: 1e-12,
+        pad_token_id: Some(0),
+    };
+    let vit =
+        VitConfig { image_size: 32, patch_size: 8, hidden: 32, layers: 12, heads: 4, mlp_dim: 64, num_classes: 2 };
+    let decoder = LlamaConfig { num_layers: 12, ..LlamaConfig::tiny(32) };
+    let specs = [
+        (ModelSpec::Llama { config: decoder, seq: 8 }, true),
+        (ModelSpec::Bert { config: bert, seq: 16 }, true),
+        (ModelSpec::Vit(vit), true),
+        (ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 3, width: 8, image: 32 }, false),
+        (ModelSpec::MobileNetV2 { classes: 3, width_mult: 0.25, image: 32 }, true),
+    ];
+    for (spec, numbered_past_ten) in specs {
+        let model = spec.build(DType::F32, &Device::Cpu).unwrap();
+        let vars: Vec<_> = model.params().iter().map(|(_, v)| v.clone()).collect();
+        let loss = model.loss(&spec.batch(2, DType::F32, &Device::Cpu).unwrap()).unwrap();
+        // When each parameter's gradient completes, as the trainer's hook sees it.
+        let mut arrived = HashMap::new();
+        loss.backward_with_hook(&mut |v, _| {
+            let k = arrived.len();
+            arrived.insert(v.id(), k);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(arrived.len(), vars.len(), "{spec:?}: every parameter has a gradient");
+        let elems: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+        // Caps that make about a dozen buckets of this small model.
+        let cap = elems.iter().sum::<usize>() * 4 / 12;
+        let in_order = |registered: &[usize]| {
+            let plan = assign_buckets(&elems, registered, cap, cap);
+            let last: Vec<usize> =
+                plan.iter().map(|b| b.iter().map(|&i| arrived[&vars[i].id()]).max().unwrap()).collect();
+            // The last bucket is started after backward in any case (ViT's is its stem, whose
+            // gradient comes just before the class token's and position embedding's).
+            (plan.len(), last[..last.len() - 1].windows(2).all(|w| w[0] <= w[1]))
+        };
+        let (buckets, ok) = in_order(&model.params().registration_order());
+        assert!(buckets >= 8 && ok, "{spec:?}: {buckets} buckets out of the order backward fills them");
+        let by_name: Vec<usize> = (0..vars.len()).collect();
+        assert_eq!(in_order(&by_name).1, !numbered_past_ten, "{spec:?} in name order");
+    }
+}

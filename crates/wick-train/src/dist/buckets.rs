@@ -6,8 +6,20 @@
 //! order a model's parameters are listed in) — roughly the order backward produces their
 //! gradients — packed
 //! into buckets of at most [`BUCKET_BYTES`] (25 MiB), the first one capped at
-//! [`FIRST_BUCKET_BYTES`] (1 MiB) so the first-ready gradients do not wait in a large bucket.
-//! A parameter is never split; one larger than the cap has a bucket of its own.
+//! [`FIRST_BUCKET_BYTES`] (1 MiB) so the first-ready gradients do not wait in a large bucket —
+//! and, unlike DDP, the last one capped at 1 MiB too (below). A parameter is never split; one
+//! larger than the cap has a bucket of its own.
+//!
+//! Rationale for registration order: the model's parameter list is in name order, which puts
+//! `layers.10` before `layers.2`. Buckets made from it waited for the tenth-from-last layer
+//! before the first could start, and on ViT-S/16 2 of 55 started inside backward at stage 0, 1
+//! of 5 at stage 2 (BENCHMARKS.md, "Buckets in the order backward fills them").
+//!
+//! Rationale for a small last bucket: the last bucket's gradients are the last backward makes,
+//! so its reduction starts after backward and nothing hides it. DDP's plan leaves it whatever
+//! the 25 MiB buckets before it did not take (ResNet-18: 21.7 MB, 1.5 % of the step exposed at
+//! stage 2); taking it first, from the first-registered parameters (the stem) up to 1 MiB, lets
+//! the rest start while backward still runs the first layers (0.1 % there).
 //!
 //! The reduction itself is a `flight` (see that module): each bucket's collective started from
 //! inside backward as its last gradient is complete, in bucket order, or all of them after
@@ -47,19 +59,26 @@ pub const DIRECT_BYTES: usize = 256 << 10;
 
 /// The parameters (indices into the model's parameter list, of `elems` elements each) of each
 /// bucket, in the order the buckets are reduced: `registered` (the indices in the order the
-/// parameters were registered) reversed, the first bucket at most `first` bytes, the rest at
-/// most `cap` (f32 bytes; a parameter over the cap alone in its bucket). An index `registered`
-/// leaves out (or repeats, or that is out of range) is taken as registered after every listed
-/// one, in index order.
+/// parameters were registered) reversed, the first and the last bucket at most `first` bytes,
+/// the rest at most `cap` (f32 bytes; a parameter over its bucket's cap alone in it). An index
+/// `registered` leaves out (or repeats, or that is out of range) is taken as registered after
+/// every listed one, in index order.
 pub fn assign_buckets(elems: &[usize], registered: &[usize], first: usize, cap: usize) -> Vec<Vec<usize>> {
     let mut listed = vec![false; elems.len()];
     let mut order: Vec<usize> =
         registered.iter().filter(|&&i| i < elems.len() && !std::mem::replace(&mut listed[i], true)).copied().collect();
     order.extend((0..elems.len()).filter(|&i| !listed[i]));
+    let bytes_of = |i: usize| elems[i].saturating_mul(4);
+    // The last bucket: the first-registered parameters, up to `first` bytes (at least one).
+    let (mut tail, mut tail_bytes) = (0usize, 0usize);
+    while tail < order.len() && (tail == 0 || tail_bytes.saturating_add(bytes_of(order[tail])) <= first) {
+        tail_bytes = tail_bytes.saturating_add(bytes_of(order[tail]));
+        tail += 1;
+    }
     let mut buckets: Vec<Vec<usize>> = Vec::new();
     let (mut current, mut bytes) = (Vec::new(), 0usize);
-    for i in order.into_iter().rev() {
-        let b = elems[i].saturating_mul(4);
+    for &i in order[tail..].iter().rev() {
+        let b = bytes_of(i);
         let limit = if buckets.is_empty() { first } else { cap };
         if !current.is_empty() && bytes.saturating_add(b) > limit {
             buckets.push(std::mem::take(&mut current));
@@ -70,6 +89,9 @@ pub fn assign_buckets(elems: &[usize], registered: &[usize], first: usize, cap: 
     }
     if !current.is_empty() {
         buckets.push(current);
+    }
+    if tail > 0 {
+        buckets.push(order[..tail].iter().rev().copied().collect());
     }
     buckets
 }
@@ -263,13 +285,28 @@ mod tests {
 
     #[test]
     fn buckets_reverse_the_registration_order_not_the_list_order() {
-        // Listed by name (`l.0`, `l.1`, `l.10`, `l.11`, `l.2`), registered by layer.
+        // Listed by name (`l.0`, `l.1`, `l.10`, `l.11`, `l.2`), registered by layer; f32 bytes
+        // 40, 80, 120, 160 and 200.
         let elems = [10, 20, 30, 40, 50];
-        let plan = assign_buckets(&elems, &[0, 1, 4, 2, 3], 100, 100);
-        assert_eq!(plan, vec![vec![3, 2], vec![4, 1], vec![0]]);
-        // Left out, repeated or out of range: the rest come as if registered last, in list order.
-        let plan = assign_buckets(&elems, &[3, 3, 9, 1], 1000, 1000);
-        assert_eq!(plan, vec![vec![4, 2, 0, 1, 3]]);
+        let plan = assign_buckets(&elems, &[0, 1, 4, 2, 3], 200, 320);
+        // The last bucket first: the first-registered up to 200 bytes (0 and 1); then from the
+        // last-registered, 200 bytes in the first bucket, 320 in the others.
+        assert_eq!(plan, vec![vec![3], vec![2, 4], vec![1, 0]]);
+        // Left out, repeated or out of range: the rest come as if registered last, in list order
+        // (3, 1, then 0, 2, 4): the last bucket takes 3 alone (it is over the cap).
+        let plan = assign_buckets(&elems, &[3, 3, 9, 1], 100, 1000);
+        assert_eq!(plan, vec![vec![4], vec![2, 0, 1], vec![3]]);
+    }
+
+    #[test]
+    fn the_last_bucket_is_as_small_as_the_first() {
+        // ResNet-18-like: a small stem registered first, then 25 MiB of layers, then a head.
+        let mib = 1 << 18;
+        let elems = [mib / 8, 40 * mib, mib / 16];
+        let plan = assign_buckets(&elems, &[0, 1, 2], FIRST_BUCKET_BYTES, BUCKET_BYTES);
+        assert_eq!(plan, vec![vec![2], vec![1], vec![0]]);
+        // Everything under the first cap: one bucket.
+        assert_eq!(assign_buckets(&[10, 10], &[0, 1], FIRST_BUCKET_BYTES, BUCKET_BYTES), vec![vec![1, 0]]);
     }
 
     #[test]

@@ -29,7 +29,7 @@ pub struct DataParallelOptions {
     pub sharding: Sharding,
     /// The gradient bucket cap in bytes (PyTorch's 25 MiB).
     pub bucket_bytes: usize,
-    /// The first bucket's cap (PyTorch's 1 MiB).
+    /// The first bucket's cap (PyTorch's 1 MiB), and the last one's (see [`super::buckets`]).
     pub first_bucket_bytes: usize,
     /// Start each bucket's reduction from inside backward, as its last gradient completes
     /// (host parameters at stages 0–2; stage 3 reduces each block as its backward ends).
@@ -160,7 +160,7 @@ impl Parallel {
         });
         group.check_same("training setup", &setup)?;
         let gpu = gpu_comm(group, &options, vars)?;
-        let registered = if std::env::var_os("WICK_AB_NAME_ORDER").is_some() { (0..vars.len()).collect() } else { params.registration_order() };
+        let registered = params.registration_order();
         Ok((GradBuckets::new(vars, &registered, options.first_bucket_bytes, options.bucket_bytes), gpu))
     }
 
