@@ -215,14 +215,16 @@ fn a_typed_oom_on_one_rank_stops_the_step_on_both() {
 
 /// Each rank's measured peak of one AdamW step (the caching heap's, plus what the run held at
 /// its start) beside the estimator's per-rank figure (`wick_zoo::estimate::estimate_per_rank`),
-/// plain and ZeRO-1/2/3, f32 and bf16 AMP: within ±5 % (measured: −0.5 … +4.8 % at stages
+/// plain and ZeRO-1/2/3, f32 and bf16 AMP: within ±5 % (measured: −0.2 … +2.3 % at stages
 /// 0–2; stage 3, profiled through `BlockRecorder` and measured over the whole heap, see below,
-/// recomputing its blocks and keeping their activations: +0.5 … +2.7 % kept).
+/// recomputing its blocks and keeping their activations: +0.5 … +4.6 %).
 /// Stages 0–2 are measured with the reduction overlapping backward (the default) and without;
-/// with it, the estimate adds a bucket in flight beside backward's activations, which on the
-/// ResNet does not meet backward's peak (and a stage-2 bucket reduced during backward leaves
-/// only its block, which the estimate does not count): up to +12 % there (measured +10.4 %),
-/// never under.
+/// with it, the estimate adds the largest bucket that can start inside backward at backward's
+/// peak (and at stage 1 of a bf16 model every such bucket kept in f32), and a stage-2 bucket
+/// reduced during backward leaves only its block, which the estimate does not count. With the
+/// buckets in the order backward fills them and the last one small (`dist::buckets`) that is
+/// most of the gradients, which on these small models start late in backward, when its
+/// transients are already gone: up to +25 % there (measured −0.1 … +22.9 %), never under.
 ///
 /// And the start itself (`Trainer::new_data_parallel`): sharded, its peak stays below one
 /// process's masters and optimizer state — the shard plus a parameter's f32 value at a time —
@@ -258,7 +260,7 @@ fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
                 // Stage 3 is held to its bound, never under (measured over the whole heap:
                 // +0.8 … +4.6 % here, +0.4 / +0.5 % at 58 M and 168 M parameters).
                 let low = if zero == "3" { 1.0 } else { 0.99 };
-                let high = if zero != "3" && overlap == "1" { 1.12 } else { 1.05 };
+                let high = if zero != "3" && overlap == "1" { 1.25 } else { 1.05 };
                 eprintln!(
                     "{model} {precision} ZeRO-{stage} overlap {overlap} rank {rank}: estimate / measured {ratio:.4}"
                 );

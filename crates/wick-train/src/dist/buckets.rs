@@ -221,13 +221,21 @@ impl GradBuckets {
         let owned = vars.to_vec();
         let finisher = Box::new(move |_: usize, unit: &Unit, values: Vec<f32>| -> Result<Vec<Tensor>, DistError> {
             let bucket = Tensor::from_vec(values, unit.len, &Device::Cpu)?;
+            // Views of the bucket only when every gradient in it is f32: one f32 gradient's view
+            // keeps the whole bucket alive, which beside low-precision gradients (a bf16 model's
+            // f32 norm weights) held every such bucket in f32 until the update.
+            let all_f32 = unit.members.iter().all(|&i| owned[i].dtype() == DType::F32);
             let mut at = 0;
             let mut out = Vec::with_capacity(unit.members.len());
             for &i in &unit.members {
                 let v = &owned[i];
                 let view = bucket.narrow(0, at, v.elem_count())?.reshape(v.dims())?;
                 at += v.elem_count();
-                out.push(if v.dtype() == DType::F32 { view } else { view.to_dtype(v.dtype())? });
+                out.push(match (v.dtype(), all_f32) {
+                    (DType::F32, true) => view,
+                    (DType::F32, false) => view.force_contiguous()?,
+                    (dtype, _) => view.to_dtype(dtype)?,
+                });
             }
             Ok(out)
         });
