@@ -242,10 +242,18 @@ impl NcclGroup {
             self.run(Kind::AllReduce(ReduceOp::Sum), &reduced, None)?;
             let t2 = Instant::now();
             let mut at = 0;
+            // As on the host (`buckets`): views only of an all-f32 bucket, or one f32 gradient's
+            // view would hold the whole bucket beside the low-precision ones until the update.
+            let all_f32 = bucket.iter().all(|&i| vars[i].dtype() == DType::F32);
             for &i in bucket {
                 let v = &vars[i];
                 if present[i] {
-                    let g = reduced.narrow(0, at, v.elem_count())?.reshape(v.dims())?.to_dtype(v.dtype())?;
+                    let view = reduced.narrow(0, at, v.elem_count())?.reshape(v.dims())?;
+                    let g = match (v.dtype(), all_f32) {
+                        (DType::F32, true) => view,
+                        (DType::F32, false) => view.force_contiguous()?,
+                        (dtype, _) => view.to_dtype(dtype)?,
+                    };
                     grads.insert(v.as_tensor(), g);
                 }
                 at += v.elem_count();
