@@ -30,6 +30,31 @@ fn every_sharding(options: TrainOptions) -> Vec<Trainer<Llama>> {
         .into()
 }
 
+/// A small BERT and ViT of `layers` blocks each.
+fn small_encoders(layers: usize) -> (wick_zoo::bert::BertConfig, wick_zoo::vit::VitConfig) {
+    let bert = wick_zoo::bert::BertConfig {
+        vocab_size: 50,
+        hidden_size: 32,
+        num_hidden_layers: layers,
+        num_attention_heads: 4,
+        intermediate_size: 64,
+        max_position_embeddings: 32,
+        type_vocab_size: 2,
+        layer_norm_eps: 1e-12,
+        pad_token_id: Some(0),
+    };
+    let vit = wick_zoo::vit::VitConfig {
+        image_size: 32,
+        patch_size: 8,
+        hidden: 32,
+        layers,
+        heads: 4,
+        mlp_dim: 64,
+        num_classes: 2,
+    };
+    (bert, vit)
+}
+
 fn weights(t: &Trainer<Llama>) -> Vec<u32> {
     let mut out = Vec::new();
     for (_, v) in t.gathered_parameters().unwrap() {
@@ -140,22 +165,9 @@ fn zero3_hands_back_the_model_copies_of_block_parameters() {
 #[test]
 fn zero3_steps_as_the_plain_trainer_for_every_zoo_family() {
     use wick_nn::Autocast;
-    use wick_zoo::bert::BertConfig;
     use wick_zoo::registry::ModelSpec;
     use wick_zoo::resnet::ResNetDepth;
-    use wick_zoo::vit::VitConfig;
-    let bert = BertConfig {
-        vocab_size: 50,
-        hidden_size: 32,
-        num_hidden_layers: 2,
-        num_attention_heads: 4,
-        intermediate_size: 64,
-        max_position_embeddings: 32,
-        type_vocab_size: 2,
-        layer_norm_eps: 1e-12,
-        pad_token_id: Some(0),
-    };
-    let vit = VitConfig { image_size: 32, patch_size: 8, hidden: 32, layers: 2, heads: 4, mlp_dim: 64, num_classes: 2 };
+    let (bert, vit) = small_encoders(2);
     let specs = [
         ModelSpec::Bert { config: bert, seq: 16 },
         ModelSpec::Vit(vit),
@@ -385,23 +397,9 @@ fn every_zoo_familys_buckets_complete_in_the_order_they_are_reduced() {
     use std::collections::HashMap;
     use wick_nn::Model;
     use wick_train::dist::buckets::assign_buckets;
-    use wick_zoo::bert::BertConfig;
     use wick_zoo::registry::ModelSpec;
     use wick_zoo::resnet::ResNetDepth;
-    use wick_zoo::vit::VitConfig;
-    let bert = BertConfig {
-        vocab_size: 50,
-        hidden_size: 32,
-        num_hidden_layers: 12,
-        num_attention_heads: 4,
-        intermediate_size: 64,
-        max_position_embeddings: 32,
-        type_vocab_size: 2,
-        layer_norm_eps: 1e-12,
-        pad_token_id: Some(0),
-    };
-    let vit =
-        VitConfig { image_size: 32, patch_size: 8, hidden: 32, layers: 12, heads: 4, mlp_dim: 64, num_classes: 2 };
+    let (bert, vit) = small_encoders(12);
     let decoder = LlamaConfig { num_layers: 12, ..LlamaConfig::tiny(32) };
     let specs = [
         (ModelSpec::Llama { config: decoder, seq: 8 }, true),
