@@ -247,24 +247,15 @@ fn memory(group: &ProcessGroup) -> Result<serde_json::Value> {
     let base = exact_heap().map_or(0, |h| h.0);
     let model = spec.build(dtype, &Device::Cpu)?;
     let param_vars: Vec<_> = model.params().iter().map(|(_, v)| v.clone()).collect();
-    let registered = model.params().registration_order();
-    let largest_bucket = wick_train::dist::buckets::largest_buffer(
+    let buckets = wick_train::dist::buckets::GradBuckets::new(
         &param_vars,
-        &registered,
+        &model.params().registration_order(),
         wick_train::dist::buckets::FIRST_BUCKET_BYTES,
         wick_train::dist::buckets::BUCKET_BYTES,
-        zero > 0,
-        world,
     );
+    let largest_bucket = buckets.largest_buffer(&param_vars, zero > 0, world);
     let overlap = env("WICK_DIST_OVERLAP", "1") == "1";
-    let (largest, total) = wick_train::dist::buckets::in_backward_bytes(
-        &param_vars,
-        &registered,
-        wick_train::dist::buckets::FIRST_BUCKET_BYTES,
-        wick_train::dist::buckets::BUCKET_BYTES,
-        zero > 0,
-        world,
-    );
+    let (largest, total) = buckets.in_backward_bytes(&param_vars, zero > 0, world);
     let overlap_bytes = (overlap && zero < 3).then_some(Overlap { largest, total });
     let ranks = Ranks {
         ranks: world,

@@ -96,55 +96,6 @@ pub fn assign_buckets(elems: &[usize], registered: &[usize], first: usize, cap: 
     buckets
 }
 
-/// Bytes of the largest buffer a reduction of `vars` fills (what the estimator's per-rank figure
-/// needs): replicated, a packed bucket or a large f32 gradient reduced on its own; sharded,
-/// a whole bucket padded to the world size.
-pub fn largest_buffer(
-    vars: &[Var],
-    registered: &[usize],
-    first: usize,
-    cap: usize,
-    sharded: bool,
-    world: usize,
-) -> usize {
-    let elems: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
-    let direct = |i: usize| !sharded && vars[i].dtype() == DType::F32 && elems[i] * 4 >= DIRECT_BYTES;
-    assign_buckets(&elems, registered, first, cap)
-        .iter()
-        .map(|bucket| {
-            let packed: usize = bucket.iter().filter(|&&i| !direct(i)).map(|&i| elems[i]).sum();
-            let packed = if sharded { packed.div_ceil(world.max(1)) * world.max(1) } else { packed };
-            let alone = bucket.iter().filter(|&&i| direct(i)).map(|&i| elems[i]).max().unwrap_or(0);
-            packed.max(alone) * 4
-        })
-        .max()
-        .unwrap_or(0)
-}
-
-/// f32 bytes of the units a reduction with overlap may start from inside backward (every unit
-/// but the last, see `flight`): (the largest, all of them) — what the estimator adds to
-/// backward's peak. Replicated, a bucket's packed gradients and each large f32 gradient are
-/// units of their own; sharded, a bucket padded to a multiple of the world size.
-pub fn in_backward_bytes(
-    vars: &[Var],
-    registered: &[usize],
-    first: usize,
-    cap: usize,
-    sharded: bool,
-    world: usize,
-) -> (usize, usize) {
-    let buckets = GradBuckets::new(vars, registered, first, cap);
-    let mut units: Vec<usize> = if sharded {
-        let elems = |b: &Vec<usize>| b.iter().map(|&i| vars[i].elem_count()).sum::<usize>();
-        buckets.plan().iter().map(|b| block_of(elems(b), world) * world.max(1)).collect()
-    } else {
-        buckets.units(vars).iter().map(|u| u.len).collect()
-    };
-    units.pop();
-    let bytes = units.iter().map(|&u| u.saturating_mul(4));
-    (bytes.clone().max().unwrap_or(0), bytes.fold(0usize, |a, b| a.saturating_add(b)))
-}
-
 /// Elements of each rank's block of a sharded bucket of `elems` (ZeRO's equal blocks: the
 /// bucket padded to a multiple of the world size, at least one element each).
 pub(crate) fn block_of(elems: usize, world: usize) -> usize {
@@ -195,6 +146,39 @@ impl GradBuckets {
     /// f32 bytes of every bucket together.
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+
+    /// Bytes of the largest buffer a reduction of `vars` (as given to [`GradBuckets::new`])
+    /// fills, what the estimator's per-rank figure needs: replicated, a packed bucket or a large
+    /// f32 gradient reduced on its own; `sharded`, a whole bucket padded to `world` ranks.
+    pub fn largest_buffer(&self, vars: &[Var], sharded: bool, world: usize) -> usize {
+        let direct = |i: usize| !sharded && vars[i].dtype() == DType::F32 && vars[i].elem_count() * 4 >= DIRECT_BYTES;
+        self.plan
+            .iter()
+            .map(|bucket| {
+                let packed: usize = bucket.iter().filter(|&&i| !direct(i)).map(|&i| vars[i].elem_count()).sum();
+                let packed = if sharded { packed.div_ceil(world.max(1)) * world.max(1) } else { packed };
+                let alone = bucket.iter().filter(|&&i| direct(i)).map(|&i| vars[i].elem_count()).max().unwrap_or(0);
+                packed.max(alone) * 4
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// f32 bytes of the units a reduction of `vars` with overlap may start from inside backward
+    /// (every unit but the last, see `flight`): (the largest, all of them) — what the estimator
+    /// adds to backward's peak. Replicated, a bucket's packed gradients and each large f32
+    /// gradient are units of their own; `sharded`, a bucket padded to a multiple of `world`.
+    pub fn in_backward_bytes(&self, vars: &[Var], sharded: bool, world: usize) -> (usize, usize) {
+        let mut units: Vec<usize> = if sharded {
+            let elems = |b: &Vec<usize>| b.iter().map(|&i| vars[i].elem_count()).sum::<usize>();
+            self.plan.iter().map(|b| block_of(elems(b), world) * world.max(1)).collect()
+        } else {
+            self.units(vars).iter().map(|u| u.len).collect()
+        };
+        units.pop();
+        let bytes = units.iter().map(|&u| u.saturating_mul(4));
+        (bytes.clone().max().unwrap_or(0), bytes.fold(0usize, |a, b| a.saturating_add(b)))
     }
 
     /// The collectives of the replicated reduction, in order: each bucket's gradients packed

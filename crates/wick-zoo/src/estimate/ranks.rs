@@ -42,7 +42,7 @@ pub struct Ranks {
     /// 3 (parameters too, gathered a block at a time).
     pub zero_stage: u8,
     /// Bytes of the largest buffer the reduction fills: a bucket, or a large gradient reduced
-    /// on its own (wick-train's `dist::buckets::largest_buffer` for a model's parameters).
+    /// on its own (wick-train's `dist::buckets::GradBuckets::largest_buffer` for a model's parameters).
     pub largest_bucket: usize,
     /// Stage 3: where the parameters are (`None`: no block, every parameter read whole, as a
     /// stage-3 rank holds a model without checkpoint segments).
@@ -60,7 +60,7 @@ pub struct Ranks {
 }
 
 /// The buckets a reduction may start from inside backward (wick-train's
-/// `dist::buckets::in_backward_bytes`): f32 bytes of the largest and of all of them.
+/// `dist::buckets::GradBuckets::in_backward_bytes`): f32 bytes of the largest and of all of them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Overlap {
     /// The largest such bucket (padded to the world size when sharded).
