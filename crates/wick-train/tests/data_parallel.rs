@@ -438,3 +438,24 @@ fn every_zoo_familys_buckets_complete_in_the_order_they_are_reduced() {
         assert_eq!(in_order(&by_name).1, !numbered_past_ten, "{spec:?} in name order");
     }
 }
+
+/// The trainer's own buckets follow that order: in a one-process group (each collective
+/// completes as it starts) a 12-layer decoder with small buckets starts every one but the last
+/// from inside backward, at every stage that overlaps.
+#[test]
+fn the_trainer_starts_every_bucket_but_the_last_inside_backward() {
+    let ids = Tensor::new(&[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], &Device::Cpu).unwrap();
+    for sharding in [Sharding::None, Sharding::OptimizerState, Sharding::Gradients] {
+        let model = Llama::new(LlamaConfig { num_layers: 12, ..LlamaConfig::tiny(32) }, DType::F32, &Device::Cpu);
+        let options =
+            DataParallelOptions { sharding, bucket_bytes: 16 << 10, first_bucket_bytes: 4 << 10, ..Default::default() };
+        let mut t = Trainer::new(model.unwrap(), serde_json::json!({}), None, TrainOptions::default())
+            .unwrap()
+            .data_parallel(ProcessGroup::single(), options)
+            .unwrap();
+        t.train_step(std::slice::from_ref(&ids)).unwrap();
+        let r = t.last_reduce().unwrap();
+        assert!(r.buckets >= 12, "{sharding:?}: {} buckets", r.buckets);
+        assert_eq!(r.overlapped, r.buckets - 1, "{sharding:?}: started inside backward");
+    }
+}
