@@ -439,23 +439,28 @@ fn every_zoo_familys_buckets_complete_in_the_order_they_are_reduced() {
     }
 }
 
-/// The trainer's own buckets follow that order: in a one-process group (each collective
-/// completes as it starts) a 12-layer decoder with small buckets starts every one but the last
-/// from inside backward, at every stage that overlaps.
+/// The trainer makes its buckets that way: its plan is `assign_buckets` over the model's
+/// registration order, at every stage.
 #[test]
-fn the_trainer_starts_every_bucket_but_the_last_inside_backward() {
-    let ids = Tensor::new(&[[1u32, 5, 9, 2, 7, 3], [4, 4, 8, 1, 0, 6]], &Device::Cpu).unwrap();
-    for sharding in [Sharding::None, Sharding::OptimizerState, Sharding::Gradients] {
+fn the_trainers_buckets_follow_the_registration_order() {
+    use wick_nn::Model;
+    use wick_train::dist::buckets::assign_buckets;
+    for sharding in [Sharding::None, Sharding::OptimizerState, Sharding::Gradients, Sharding::Parameters] {
         let model = Llama::new(LlamaConfig { num_layers: 12, ..LlamaConfig::tiny(32) }, DType::F32, &Device::Cpu);
         let options =
             DataParallelOptions { sharding, bucket_bytes: 16 << 10, first_bucket_bytes: 4 << 10, ..Default::default() };
-        let mut t = Trainer::new(model.unwrap(), serde_json::json!({}), None, TrainOptions::default())
+        let t = Trainer::new(model.unwrap(), serde_json::json!({}), None, TrainOptions::default())
             .unwrap()
             .data_parallel(ProcessGroup::single(), options)
             .unwrap();
-        t.train_step(std::slice::from_ref(&ids)).unwrap();
-        let r = t.last_reduce().unwrap();
-        assert!(r.buckets >= 12, "{sharding:?}: {} buckets", r.buckets);
-        assert_eq!(r.overlapped, r.buckets - 1, "{sharding:?}: started inside backward");
+        let params = t.model().params();
+        let elems: Vec<usize> = params.iter().map(|(_, v)| v.elem_count()).collect();
+        let want = assign_buckets(&elems, &params.registration_order(), 4 << 10, 16 << 10);
+        let names: Vec<&String> = params.iter().map(|(n, _)| n).collect();
+        // The head and the last layer first, the embedding last.
+        assert_eq!(names[want[0][0]], "lm_head.weight", "{sharding:?}");
+        assert_eq!(names[*want.last().unwrap().last().unwrap()], "embed.weight", "{sharding:?}");
+        assert_eq!(t.gradient_buckets(), Some(want.as_slice()), "{sharding:?}");
     }
+    assert!(trainer(None).gradient_buckets().is_none());
 }

@@ -107,7 +107,7 @@ impl Shard {
 /// A trainer's data-parallel state.
 pub(crate) struct Parallel {
     pub(crate) group: ProcessGroup,
-    buckets: GradBuckets,
+    pub(crate) buckets: GradBuckets,
     zero: Option<Shard>,
     /// NCCL, when the parameters are on a GPU.
     gpu: Option<GpuComm>,

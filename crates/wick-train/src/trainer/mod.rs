@@ -305,6 +305,12 @@ impl<M: Model> Trainer<M> {
         self.parallel.as_ref().map(|p| p.last)
     }
 
+    /// A data-parallel trainer's gradient buckets: each one's parameters (positions in the
+    /// model's `params().iter()`), in the order they are reduced (see `dist::buckets`).
+    pub fn gradient_buckets(&self) -> Option<&[Vec<usize>]> {
+        self.parallel.as_ref().map(|p| p.buckets.plan())
+    }
+
     /// One step over `micro_batches` (gradient accumulation: each micro-batch's loss counts
     /// `1/n`, the gradients are summed in order, then one update). Data-parallel, every rank
     /// passes its own `n` micro-batches and each counts `1/(n × world size)`: two ranks with one
