@@ -116,6 +116,12 @@ fn bad_arguments_say_what_was_expected() {
     assert!(!ok && err.contains("plain SGD is not a mixed-precision mode"), "{err}");
     let (ok, _, err) = wick(&["estimate", "resnet18", "--on", "cuda", "--measure"]);
     assert!(!ok && err.contains("--measure runs the step on the CPU"), "{err}");
+    // A ZeRO option its stage would ignore, for `fit-batch` too.
+    let (ok, _, err) = wick(&["estimate", "resnet18", "--ranks", "2", "--zero", "1", "--no-recompute"]);
+    assert!(!ok && err.contains("--no-recompute") && err.contains("--zero 3"), "{err}");
+    let (ok, _, err) =
+        wick(&["fit-batch", "resnet18", "--budget", "8GiB", "--ranks", "2", "--zero", "3", "--no-overlap"]);
+    assert!(!ok && err.contains("--no-overlap is for ZeRO stages 0-2"), "{err}");
 }
 
 #[test]

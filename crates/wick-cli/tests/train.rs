@@ -318,7 +318,8 @@ fn a_run_on_a_token_file_resumes_its_data_loader_exactly_and_reports_eval_loss()
 
 /// Bad multi-process settings are refused before anything starts: `--ranks` in a build without
 /// MPI (this test binary's `wick` has no `mpi` feature) or under a launcher that started ranks
-/// already, a ZeRO stage that does not exist, a torchrun-style world without MPI.
+/// already, a ZeRO stage that does not exist, an option the stage would ignore, a torchrun-style
+/// world without MPI.
 #[test]
 fn bad_multi_process_settings_say_what_to_do() {
     let dir = temp_dir("ranks-refused");
@@ -338,6 +339,13 @@ fn bad_multi_process_settings_say_what_to_do() {
     assert!(!ok && err.contains("give one or the other"), "{err}");
     let (ok, err) = run(&["--zero", "4"], &[]);
     assert!(!ok && err.contains("--zero"), "{err}");
+    // Options the stage would ignore.
+    let (ok, err) = run(&["--zero", "2", "--prefetch"], &[]);
+    assert!(!ok && err.contains("--prefetch") && err.contains("--zero 3"), "{err}");
+    let (ok, err) = run(&["--no-recompute"], &[]);
+    assert!(!ok && err.contains("--no-recompute") && err.contains("stage 0"), "{err}");
+    let (ok, err) = run(&["--zero", "3", "--no-overlap"], &[]);
+    assert!(!ok && err.contains("--no-overlap is for ZeRO stages 0-2"), "{err}");
     let (ok, err) = run(&[], &[("RANK", "0"), ("WORLD_SIZE", "2")]);
     assert!(!ok && err.contains("mpirun -n 2"), "{err}");
     let (ok, err) = run(&[], &[("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")]);
