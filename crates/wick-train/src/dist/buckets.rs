@@ -36,8 +36,9 @@
 //! the same calls in the same order.
 //!
 //! Rationale for f32 buckets: MPI has no bf16/f16 sum. A bucket holds f32; an f32 gradient
-//! becomes a view into its bucket (no second copy: the bucket *is* the gradient's storage, as
-//! with PyTorch's `gradient_as_bucket_view`), a low-precision gradient is rounded back to its
+//! becomes a view into its bucket when the bucket is all f32 (no second copy: the bucket *is*
+//! the gradient's storage, as with PyTorch's `gradient_as_bucket_view`; see `gradients_of`
+//! for a mixed one), a low-precision gradient is rounded back to its
 //! dtype (for two ranks that equals candle's own low-precision addition: see
 //! [`super::ProcessGroup`]).
 
@@ -94,6 +95,28 @@ pub fn assign_buckets(elems: &[usize], registered: &[usize], first: usize, cap: 
         buckets.push(order[..tail].iter().rev().copied().collect());
     }
     buckets
+}
+
+/// The gradients of `members` (of `vars`) cut out of their reduced f32 bucket, in order: views
+/// of it when every member is f32 (the bucket is their storage), otherwise low-precision ones
+/// rounded back to their dtype and f32 ones copied out — one f32 view would keep the whole
+/// bucket alive beside the low-precision gradients (a bf16 model's f32 norm weights held every
+/// such bucket in f32 until the update). The host's and the NCCL path's replicated reduction.
+pub(crate) fn gradients_of(bucket: &Tensor, members: &[usize], vars: &[Var]) -> candle_core::Result<Vec<Tensor>> {
+    let all_f32 = members.iter().all(|&i| vars[i].dtype() == DType::F32);
+    let mut at = 0;
+    let mut out = Vec::with_capacity(members.len());
+    for &i in members {
+        let v = &vars[i];
+        let view = bucket.narrow(0, at, v.elem_count())?.reshape(v.dims())?;
+        at += v.elem_count();
+        out.push(match (v.dtype(), all_f32) {
+            (DType::F32, true) => view,
+            (DType::F32, false) => view.force_contiguous()?,
+            (dtype, _) => view.to_dtype(dtype)?,
+        });
+    }
+    Ok(out)
 }
 
 /// Elements of each rank's block of a sharded bucket of `elems` (ZeRO's equal blocks: the
@@ -199,29 +222,13 @@ impl GradBuckets {
     }
 
     /// A reduction of `vars`' gradients (to start from inside backward, [`Flight::ready`]): each
-    /// unit's sum cut into its members' gradients as it completes (f32 ones views of it, others
-    /// rounded back to their dtype, so the f32 values of a low-precision model go at once).
+    /// unit's sum cut into its members' gradients as it completes (`gradients_of`: so the f32
+    /// values of a low-precision model go at once).
     pub(crate) fn flight(&self, vars: &[Var]) -> Result<Flight, DistError> {
         let owned = vars.to_vec();
         let finisher = Box::new(move |_: usize, unit: &Unit, values: Vec<f32>| -> Result<Vec<Tensor>, DistError> {
             let bucket = Tensor::from_vec(values, unit.len, &Device::Cpu)?;
-            // Views of the bucket only when every gradient in it is f32: one f32 gradient's view
-            // keeps the whole bucket alive, which beside low-precision gradients (a bf16 model's
-            // f32 norm weights) held every such bucket in f32 until the update.
-            let all_f32 = unit.members.iter().all(|&i| owned[i].dtype() == DType::F32);
-            let mut at = 0;
-            let mut out = Vec::with_capacity(unit.members.len());
-            for &i in &unit.members {
-                let v = &owned[i];
-                let view = bucket.narrow(0, at, v.elem_count())?.reshape(v.dims())?;
-                at += v.elem_count();
-                out.push(match (v.dtype(), all_f32) {
-                    (DType::F32, true) => view,
-                    (DType::F32, false) => view.force_contiguous()?,
-                    (dtype, _) => view.to_dtype(dtype)?,
-                });
-            }
-            Ok(out)
+            Ok(gradients_of(&bucket, &unit.members, &owned)?)
         });
         Flight::new(self.units(vars), Collective::AllReduce, vars, finisher)
     }

@@ -25,7 +25,7 @@ use candle_core::cuda::CudaDType;
 use candle_core::{CudaStorage, DType, Device, InplaceOp1, InplaceOp2, Layout, Tensor, Var};
 use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp as NcclOp};
 
-use super::buckets::{agreed_presence, ReduceStats};
+use super::buckets::{agreed_presence, gradients_of, ReduceStats};
 use super::error::DistError;
 use super::{ProcessGroup, ReduceOp};
 
@@ -241,25 +241,13 @@ impl NcclGroup {
             let t1 = Instant::now();
             self.run(Kind::AllReduce(ReduceOp::Sum), &reduced, None)?;
             let t2 = Instant::now();
-            let mut at = 0;
-            // As on the host (`buckets`): views only of an all-f32 bucket, or one f32 gradient's
-            // view would hold the whole bucket beside the low-precision ones until the update.
-            let all_f32 = bucket.iter().all(|&i| vars[i].dtype() == DType::F32);
-            for &i in bucket {
-                let v = &vars[i];
+            for (&i, g) in bucket.iter().zip(gradients_of(&reduced, bucket, vars)?) {
                 if present[i] {
-                    let view = reduced.narrow(0, at, v.elem_count())?.reshape(v.dims())?;
-                    let g = match (v.dtype(), all_f32) {
-                        (DType::F32, true) => view,
-                        (DType::F32, false) => view.force_contiguous()?,
-                        (dtype, _) => view.to_dtype(dtype)?,
-                    };
-                    grads.insert(v.as_tensor(), g);
+                    grads.insert(vars[i].as_tensor(), g);
                 }
-                at += v.elem_count();
             }
             stats.buckets += 1;
-            stats.bytes += at * 4;
+            stats.bytes += reduced.elem_count() * 4;
             stats.comm_s += (t2 - t1).as_secs_f64();
             stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
         }
