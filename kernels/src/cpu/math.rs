@@ -151,6 +151,71 @@ pub fn erf_f32(v: f32) -> f32 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86 {
+    //! The polynomial of [`super::exp_nonpositive_f32`] on AVX-512 and AVX2 vectors (the
+    //! softmax rows and cross-entropy kernels), and a lane fold.
+
+    use std::arch::x86_64::*;
+
+    use super::{EXP_LN2_HI as LN2_HI, EXP_LN2_LO as LN2_LO, EXP_LO as LO, EXP_POLY as POLY, EXP_ROUND as ROUND};
+
+    /// `e^x` of 16 arguments at most 0 (a positive one counts as 0); NaN stays NaN.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn exp16(x: __m512) -> __m512 {
+        // `min(0, x)` and `max(LO, ·)` return their second operand for a NaN one.
+        let xc = _mm512_max_ps(_mm512_set1_ps(LO), _mm512_min_ps(_mm512_setzero_ps(), x));
+        let round = _mm512_set1_ps(ROUND);
+        let t = _mm512_fmadd_ps(xc, _mm512_set1_ps(std::f32::consts::LOG2_E), round);
+        let n = _mm512_sub_ps(t, round);
+        let ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(ROUND.to_bits() as i32));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut p = _mm512_set1_ps(POLY[0]);
+        for c in &POLY[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+        }
+        let e = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0));
+        let scale = _mm512_slli_epi32::<23>(_mm512_add_epi32(ni, _mm512_set1_epi32(127)));
+        let y = _mm512_mul_ps(e, _mm512_castsi512_ps(scale));
+        // 0 below LO (false for NaN, which keeps its NaN).
+        let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(LO));
+        _mm512_maskz_mov_ps(!below, y)
+    }
+
+    /// [`exp16`] on 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) fn exp8(x: __m256) -> __m256 {
+        let xc = _mm256_max_ps(_mm256_set1_ps(LO), _mm256_min_ps(_mm256_setzero_ps(), x));
+        let round = _mm256_set1_ps(ROUND);
+        let t = _mm256_fmadd_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E), round);
+        let n = _mm256_sub_ps(t, round);
+        let ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(ROUND.to_bits() as i32));
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+        let mut p = _mm256_set1_ps(POLY[0]);
+        for c in &POLY[1..] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
+        }
+        let e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(ni, _mm256_set1_epi32(127)));
+        let y = _mm256_mul_ps(e, _mm256_castsi256_ps(scale));
+        let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(LO));
+        _mm256_andnot_ps(below, y)
+    }
+
+    /// 8 lanes folded into one by `f` (`max` for the row's largest, `add` for its sum).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) fn fold8(v: __m256, f: impl Fn(__m128, __m128) -> __m128) -> f32 {
+        let h = f(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let h = f(h, _mm_movehl_ps(h, h));
+        _mm_cvtss_f32(f(h, _mm_movehdup_ps(h)))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,7 +3,8 @@
 //! direct convolutions on the images in place, bf16 and f32 on AVX-512 ([`conv`]), the
 //! vectorisable `exp`/`erf` and the widest-vector dispatch ([`math`]), batch norm's sums
 //! ([`bn_sums`]: backward's and the statistics'), max pooling's window sweep ([`pool`]), the
-//! exponentials of attention's softmax rows ([`softmax`]), the optimizer updates ([`optim`]),
+//! exponentials of attention's softmax rows ([`softmax`]), cross-entropy's log-sum-exps and
+//! probabilities over a vocabulary ([`cross_entropy`]), the optimizer updates ([`optim`]),
 //! and the helpers every slice kernel shares: parallel ranges ([`par_ranges`]), disjoint writes
 //! from many threads ([`SharedMut`]), f64 lane sums ([`lane_sums`]) and bf16 rounding
 //! ([`round_bf16`]). wick-nn wraps them as candle ops with
@@ -11,6 +12,7 @@
 
 pub mod bn_sums;
 pub mod conv;
+pub mod cross_entropy;
 pub mod gemm;
 pub mod math;
 pub mod optim;

@@ -92,13 +92,13 @@ unsafe fn shifted_avx512(s: &mut [f32], sk: usize, shift: &[f32]) {
         let (p, lv) = (row.as_mut_ptr(), _mm512_set1_ps(*l));
         for j in (0..whole).step_by(16) {
             // SAFETY: within the row (above).
-            unsafe { _mm512_storeu_ps(p.add(j), x86::exp16(_mm512_sub_ps(_mm512_loadu_ps(p.add(j)), lv))) };
+            unsafe { _mm512_storeu_ps(p.add(j), math::x86::exp16(_mm512_sub_ps(_mm512_loadu_ps(p.add(j)), lv))) };
         }
         if tail > 0 {
             // SAFETY: the tail's lanes under its mask (above).
             unsafe {
                 let v = _mm512_maskz_loadu_ps(tail_mask, p.add(whole));
-                _mm512_mask_storeu_ps(p.add(whole), tail_mask, x86::exp16(_mm512_sub_ps(v, lv)));
+                _mm512_mask_storeu_ps(p.add(whole), tail_mask, math::x86::exp16(_mm512_sub_ps(v, lv)));
             }
         }
     }
@@ -117,77 +117,11 @@ unsafe fn shifted_avx2(s: &mut [f32], sk: usize, shift: &[f32]) {
         let (p, lv) = (row.as_mut_ptr(), _mm256_set1_ps(*l));
         for j in (0..whole).step_by(8) {
             // SAFETY: 8 lanes from an offset below `whole`, within the row.
-            unsafe { _mm256_storeu_ps(p.add(j), x86::exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), lv))) };
+            unsafe { _mm256_storeu_ps(p.add(j), math::x86::exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(j)), lv))) };
         }
         for v in &mut row[whole..] {
             *v = math::exp_nonpositive_f32(*v - l);
         }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod x86 {
-    //! The polynomial of `math::exp_nonpositive_f32` on vectors.
-
-    use std::arch::x86_64::*;
-
-    use crate::cpu::math::{
-        EXP_LN2_HI as LN2_HI, EXP_LN2_LO as LN2_LO, EXP_LO as LO, EXP_POLY as POLY, EXP_ROUND as ROUND,
-    };
-
-    /// `e^x` of 16 arguments at most 0 (a positive one counts as 0); NaN stays NaN.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn exp16(x: __m512) -> __m512 {
-        // `min(0, x)` and `max(LO, ·)` return their second operand for a NaN one.
-        let xc = _mm512_max_ps(_mm512_set1_ps(LO), _mm512_min_ps(_mm512_setzero_ps(), x));
-        let round = _mm512_set1_ps(ROUND);
-        let t = _mm512_fmadd_ps(xc, _mm512_set1_ps(std::f32::consts::LOG2_E), round);
-        let n = _mm512_sub_ps(t, round);
-        let ni = _mm512_sub_epi32(_mm512_castps_si512(t), _mm512_set1_epi32(ROUND.to_bits() as i32));
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-        let mut p = _mm512_set1_ps(POLY[0]);
-        for c in &POLY[1..] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
-        }
-        let e = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0));
-        let scale = _mm512_slli_epi32::<23>(_mm512_add_epi32(ni, _mm512_set1_epi32(127)));
-        let y = _mm512_mul_ps(e, _mm512_castsi512_ps(scale));
-        // 0 below LO (false for NaN, which keeps its NaN).
-        let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(LO));
-        _mm512_maskz_mov_ps(!below, y)
-    }
-
-    /// [`exp16`] on 8 lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn exp8(x: __m256) -> __m256 {
-        let xc = _mm256_max_ps(_mm256_set1_ps(LO), _mm256_min_ps(_mm256_setzero_ps(), x));
-        let round = _mm256_set1_ps(ROUND);
-        let t = _mm256_fmadd_ps(xc, _mm256_set1_ps(std::f32::consts::LOG2_E), round);
-        let n = _mm256_sub_ps(t, round);
-        let ni = _mm256_sub_epi32(_mm256_castps_si256(t), _mm256_set1_epi32(ROUND.to_bits() as i32));
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), xc);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-        let mut p = _mm256_set1_ps(POLY[0]);
-        for c in &POLY[1..] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
-        }
-        let e = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
-        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(ni, _mm256_set1_epi32(127)));
-        let y = _mm256_mul_ps(e, _mm256_castsi256_ps(scale));
-        let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(LO));
-        _mm256_andnot_ps(below, y)
-    }
-
-    /// 8 lanes folded into one by `f` (`max` for the row's largest, `add` for its sum).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub(super) fn fold8(v: __m256, f: impl Fn(__m128, __m128) -> __m128) -> f32 {
-        let h = f(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let h = f(h, _mm_movehl_ps(h, h));
-        _mm_cvtss_f32(f(h, _mm_movehdup_ps(h)))
     }
 }
 
@@ -222,7 +156,7 @@ unsafe fn rows_avx512(s: &mut [f32], sk: usize, maxes: &mut [f32], sums: &mut [f
         for j in (0..whole).step_by(16) {
             // SAFETY: within the row (above).
             let v = unsafe { _mm512_loadu_ps(p.add(j)) };
-            let e = x86::exp16(_mm512_sub_ps(v, mv));
+            let e = math::x86::exp16(_mm512_sub_ps(v, mv));
             // SAFETY: within the row (above).
             unsafe { _mm512_storeu_ps(p.add(j), e) };
             acc = _mm512_add_ps(acc, e);
@@ -230,7 +164,7 @@ unsafe fn rows_avx512(s: &mut [f32], sk: usize, maxes: &mut [f32], sums: &mut [f
         if tail > 0 {
             // SAFETY: the tail's lanes under its mask (above).
             let v = unsafe { _mm512_maskz_loadu_ps(tail_mask, p.add(whole)) };
-            let e = x86::exp16(_mm512_sub_ps(v, mv));
+            let e = math::x86::exp16(_mm512_sub_ps(v, mv));
             // SAFETY: the tail's lanes under its mask (above).
             unsafe { _mm512_mask_storeu_ps(p.add(whole), tail_mask, e) };
             acc = _mm512_mask_add_ps(acc, tail_mask, acc, e);
@@ -258,19 +192,19 @@ unsafe fn rows_avx2(s: &mut [f32], sk: usize, maxes: &mut [f32], sums: &mut [f32
             m = _mm256_max_ps(m, v);
         }
         let tail_max = row[whole..].iter().fold(f32::NEG_INFINITY, |a, v| if *v > a { *v } else { a });
-        let max = x86::fold8(m, |a, b| _mm_max_ps(a, b));
+        let max = math::x86::fold8(m, |a, b| _mm_max_ps(a, b));
         let max = if tail_max > max { tail_max } else { max };
         let mv = _mm256_set1_ps(max);
         let mut acc = _mm256_setzero_ps();
         for j in (0..whole).step_by(8) {
             // SAFETY: within the row (above).
             let v = unsafe { _mm256_loadu_ps(p.add(j)) };
-            let e = x86::exp8(_mm256_sub_ps(v, mv));
+            let e = math::x86::exp8(_mm256_sub_ps(v, mv));
             // SAFETY: within the row (above).
             unsafe { _mm256_storeu_ps(p.add(j), e) };
             acc = _mm256_add_ps(acc, e);
         }
-        let mut sum = x86::fold8(acc, |a, b| _mm_add_ps(a, b));
+        let mut sum = math::x86::fold8(acc, |a, b| _mm_add_ps(a, b));
         for v in &mut row[whole..] {
             *v = math::exp_nonpositive_f32(*v - max);
             sum += *v;

@@ -36,12 +36,9 @@ impl CrossEntropy {
         }
         let x = read::<T>(s, l)?;
         let mut lse = vec![0.0; n];
-        let mut total = 0.0;
-        for (i, row) in x.chunks(c).enumerate() {
-            let max = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(T::wide(*v)));
-            lse[i] = max + row.iter().map(|v| (T::wide(*v) - max).exp()).sum::<f64>().ln();
-            total += lse[i] - T::wide(row[self.targets[i]]);
-        }
+        row_log_sum_exps::<T>(&x, c, &mut lse);
+        // Added in row order whatever the threads: the same loss on any machine.
+        let total: f64 = lse.iter().zip(&self.targets).enumerate().map(|(i, (l, t))| l - T::wide(x[i * c + t])).sum();
         *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
         // The loss is f32-class: f32 for f32/bf16/f16 logits, f64 for f64.
         let dtype = if super::is_f64(s.dtype()) { DType::F64 } else { DType::F32 };
@@ -51,26 +48,62 @@ impl CrossEntropy {
     fn bwd<T: Real>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
         let (n, c) = x.dims2()?;
         let lse = self.lse.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if lse.len() != n {
+            return Err(err("cross_entropy backward: no forward statistics for these logits".into()));
+        }
         let scale = T::wide(with::<T, _>(g, |g| {
             g.first().copied().ok_or_else(|| err("cross_entropy: empty gradient".into()))
         })?) / n.max(1) as f64;
         let dx = with::<T, _>(x, |x| {
             let mut dx = vec![T::zero(); x.len()];
             let out = SharedMut::new(&mut dx);
-            par_ranges(n, 64, |r| {
+            par_ranges(n, 1, |r| {
                 for i in r {
                     // SAFETY: one row per index.
                     let dst = unsafe { out.range(i * c, c) };
-                    for (j, (d, v)) in dst.iter_mut().zip(&x[i * c..(i + 1) * c]).enumerate() {
-                        let p = (T::wide(*v) - lse[i]).exp();
-                        let onehot = if j == self.targets[i] { 1.0 } else { 0.0 };
-                        *d = T::of((p - onehot) * scale);
-                    }
+                    let row = &x[i * c..(i + 1) * c];
+                    probabilities_scaled::<T>(row, dst, lse[i], scale);
+                    // The target's `p − 1`, from its score again in f64.
+                    let t = self.targets[i];
+                    dst[t] = T::of(((T::wide(row[t]) - lse[i]).exp() - 1.0) * scale);
                 }
             });
             Ok(dx)
         })?;
         tensor(dx, x.shape(), x.dtype())
+    }
+}
+
+/// Each `c`-long row's log-sum-exp of `x` into `lse`, rows in parallel: f32 rows on the vector
+/// kernel ([`wick_kernels::cpu::cross_entropy`]: f32 exponentials summed in f64 per block), f64
+/// rows with the library's `exp`.
+fn row_log_sum_exps<T: Real>(x: &[T], c: usize, lse: &mut [f64]) {
+    let n = lse.len();
+    let out = SharedMut::new(lse);
+    par_ranges(n, 1, |r| {
+        // SAFETY: each range's rows are written by this call only.
+        let dst = unsafe { out.range(r.start, r.len()) };
+        for (l, i) in dst.iter_mut().zip(r) {
+            let row = &x[i * c..(i + 1) * c];
+            *l = match T::as_f32(row) {
+                Some(row) => wick_kernels::cpu::cross_entropy::log_sum_exp_f32(row),
+                None => {
+                    let max = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(T::wide(*v)));
+                    max + row.iter().map(|v| (T::wide(*v) - max).exp()).sum::<f64>().ln()
+                }
+            };
+        }
+    });
+}
+
+/// `dst = exp(row − lse)·scale`, a row's probabilities times the loss's gradient over the rows:
+/// f32 on the vector kernel, f64 with the library's `exp`.
+fn probabilities_scaled<T: Real>(row: &[T], dst: &mut [T], lse: f64, scale: f64) {
+    if let (Some(row), Some(dst)) = (T::as_f32(row), T::as_f32_mut(dst)) {
+        return wick_kernels::cpu::cross_entropy::exp_shifted_scaled_f32(row, dst, lse as f32, scale as f32);
+    }
+    for (d, v) in dst.iter_mut().zip(row) {
+        *d = T::of((T::wide(*v) - lse).exp() * scale);
     }
 }
 

@@ -6,6 +6,7 @@
 mod attention;
 mod bf16;
 mod linear;
+mod loss;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 
