@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
-use super::elem::{by_elem, elem_tensor, elems, with_elems, Elem};
+use super::elem::{by_elem, elem_tensor, elems, into_plane, widened, with_elems, Elem};
 use super::{par_ranges, read, tensor, with, Real, SharedMut};
 
 fn err(msg: String) -> candle_core::Error {
@@ -29,71 +29,87 @@ struct CrossEntropy {
 }
 
 impl CrossEntropy {
-    fn fwd<T: Real>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn fwd<T: Real, E: Elem<T>>(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let &[n, c] = l.shape().dims() else { return Err(err(format!("cross_entropy: logits {:?}", l.shape()))) };
         if self.targets.len() != n || self.targets.iter().any(|t| *t >= c) {
             return Err(err(format!("cross_entropy: {} targets in 0..{c} for {n} rows", self.targets.len())));
         }
-        let x = read::<T>(s, l)?;
-        let mut lse = vec![0.0; n];
-        row_log_sum_exps::<T>(&x, c, &mut lse);
+        let x = elems::<T, E>(s, l)?;
+        let lse = row_log_sum_exps::<T, E>(x, c, n);
         // Added in row order whatever the threads: the same loss on any machine.
-        let total: f64 = lse.iter().zip(&self.targets).enumerate().map(|(i, (l, t))| l - T::wide(x[i * c + t])).sum();
+        let total: f64 =
+            lse.iter().zip(&self.targets).enumerate().map(|(i, (l, t))| l - T::wide(x[i * c + t].load())).sum();
         *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = lse;
         // The loss is f32-class: f32 for f32/bf16/f16 logits, f64 for f64.
         let dtype = if super::is_f64(s.dtype()) { DType::F64 } else { DType::F32 };
         Ok((T::storage(vec![T::of(total / n.max(1) as f64)], dtype)?, Shape::from(())))
     }
 
-    fn bwd<T: Real>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    fn bwd<T: Real, E: Elem<T>>(&self, x: &Tensor, g: &Tensor) -> Result<Tensor> {
         let (n, c) = x.dims2()?;
         let lse = self.lse.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        if lse.len() != n {
+        if lse.len() != n || self.targets.len() != n {
             return Err(err("cross_entropy backward: no forward statistics for these logits".into()));
         }
         let scale = T::wide(with::<T, _>(g, |g| {
             g.first().copied().ok_or_else(|| err("cross_entropy: empty gradient".into()))
         })?) / n.max(1) as f64;
-        let dx = with::<T, _>(x, |x| {
-            let mut dx = vec![T::zero(); x.len()];
-            let out = SharedMut::new(&mut dx);
-            par_ranges(n, 1, |r| {
-                for i in r {
-                    // SAFETY: one row per index.
-                    let dst = unsafe { out.range(i * c, c) };
-                    let row = &x[i * c..(i + 1) * c];
-                    probabilities_scaled::<T>(row, dst, lse[i], scale);
-                    // The target's `p − 1`, from its score again in f64.
-                    let t = self.targets[i];
-                    dst[t] = T::of(((T::wide(row[t]) - lse[i]).exp() - 1.0) * scale);
-                }
-            });
-            Ok(dx)
-        })?;
-        tensor(dx, x.shape(), x.dtype())
+        let dx = with_elems::<T, E, _>(x, |x| Ok(probability_rows::<T, E>(x, c, &lse, &self.targets, scale)))?;
+        elem_tensor::<T, E>(dx, x.shape())
     }
 }
 
-/// Each `c`-long row's log-sum-exp of `x` into `lse`, rows in parallel: f32 rows on the vector
-/// kernel ([`wick_kernels::cpu::cross_entropy`]: f32 exponentials summed in f64 per block), f64
-/// rows with the library's `exp`.
-fn row_log_sum_exps<T: Real>(x: &[T], c: usize, lse: &mut [f64]) {
-    let n = lse.len();
-    let out = SharedMut::new(lse);
-    par_ranges(n, 1, |r| {
-        // SAFETY: each range's rows are written by this call only.
-        let dst = unsafe { out.range(r.start, r.len()) };
-        for (l, i) in dst.iter_mut().zip(r) {
-            let row = &x[i * c..(i + 1) * c];
-            *l = match T::as_f32(row) {
-                Some(row) => wick_kernels::cpu::cross_entropy::log_sum_exp_f32(row),
-                None => {
-                    let max = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(T::wide(*v)));
-                    max + row.iter().map(|v| (T::wide(*v) - max).exp()).sum::<f64>().ln()
-                }
-            };
-        }
-    });
+wide_kernel! {
+    /// Each `c`-long row's log-sum-exp of `x` (`n` rows), rows in parallel, a bf16 row widened
+    /// into a thread's scratch (never the whole tensor at once).
+    fn row_log_sum_exps<T, E>(x: &[E], c: usize, n: usize) -> Vec<f64> {
+        let mut lse = vec![0.0; n];
+        let out = SharedMut::new(&mut lse);
+        par_ranges(n, 1, |r| {
+            let mut scratch = Vec::new();
+            // SAFETY: each range's rows are written by this call only.
+            let dst = unsafe { out.range(r.start, r.len()) };
+            for (l, i) in dst.iter_mut().zip(r) {
+                *l = log_sum_exp::<T>(widened::<T, E>(&x[i * c..(i + 1) * c], &mut scratch));
+            }
+        });
+        lse
+    }
+}
+
+/// A row's log-sum-exp: f32 on the vector kernel ([`wick_kernels::cpu::cross_entropy`]: f32
+/// exponentials summed in f64 per block), f64 with the library's `exp`.
+fn log_sum_exp<T: Real>(row: &[T]) -> f64 {
+    if let Some(row) = T::as_f32(row) {
+        return wick_kernels::cpu::cross_entropy::log_sum_exp_f32(row);
+    }
+    let max = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(T::wide(*v)));
+    max + row.iter().map(|v| (T::wide(*v) - max).exp()).sum::<f64>().ln()
+}
+
+wide_kernel! {
+    /// The logits' gradient, `(p − onehot)·scale` a row, rows in parallel: each row's
+    /// probabilities from its log-sum-exp, the target's `p − 1` from its score again in f64; a
+    /// bf16 row widened and its gradient rounded through a thread's scratch.
+    fn probability_rows<T, E>(x: &[E], c: usize, lse: &[f64], targets: &[usize], scale: f64) -> Vec<E> {
+        let n = lse.len();
+        let mut dx = vec![E::store(T::zero()); n * c];
+        let out = SharedMut::new(&mut dx);
+        par_ranges(n, 1, |r| {
+            let (mut wide, mut plane) = (Vec::new(), Vec::new());
+            for i in r {
+                // SAFETY: one row per index.
+                let dst = unsafe { out.range(i * c, c) };
+                let row = widened::<T, E>(&x[i * c..(i + 1) * c], &mut wide);
+                let (t, l) = (targets[i], lse[i]);
+                into_plane::<T, E>(dst, &mut plane, |p| {
+                    probabilities_scaled::<T>(row, p, l, scale);
+                    p[t] = T::of(((T::wide(row[t]) - l).exp() - 1.0) * scale);
+                });
+            }
+        });
+        dx
+    }
 }
 
 /// `dst = exp(row − lse)·scale`, a row's probabilities times the loss's gradient over the rows:
@@ -112,7 +128,7 @@ impl CustomOp1 for CrossEntropy {
         "cross_entropy"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        by_real!(s.dtype(), T => self.fwd::<T>(s, l))
+        by_elem!(s.dtype(), T, E => self.fwd::<T, E>(s, l))
     }
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
@@ -129,7 +145,7 @@ impl CustomOp1 for CrossEntropy {
             let lse = guard.as_ref().ok_or_else(|| err("cross_entropy backward: no forward statistics".into()))?;
             return crate::native::cuda::loss::cross_entropy_grad(x, targets, lse, g).map(Some);
         }
-        Ok(Some(by_real!(x.dtype(), T => self.bwd::<T>(x, g)?)))
+        by_elem!(x.dtype(), T, E => self.bwd::<T, E>(x, g).map(Some))
     }
 }
 

@@ -46,6 +46,24 @@ fn f32_cross_entropy_matches_f64_at_every_width() {
     }
 }
 
+/// bf16 logits (a model under autocast), widened a row at a time: the loss as f32 logits of the
+/// same values give it, the gradient that one rounded to bf16.
+#[test]
+fn bf16_cross_entropy_is_the_f32_one_rounded() {
+    for (rows, width) in [(3, 7), (4, 33), (2, 32_000)] {
+        let logits = normal_tensor(&[rows, width], 3.0, 5 + width as u64, DType::BF16, &Device::Cpu).unwrap();
+        let t: Vec<u32> = (0..rows).map(|i| ((i * 104_729 + 1) % width) as u32).collect();
+        let targets = Tensor::new(t.as_slice(), &Device::Cpu).unwrap();
+        let (lb, gb) = loss_and_grad(&logits, &targets, DType::BF16);
+        let (l32, g32) = loss_and_grad(&logits, &targets, DType::F32);
+        assert_eq!(lb, l32, "{rows} x {width}: the loss of the same values");
+        for (j, (a, b)) in gb.iter().zip(&g32).enumerate() {
+            let rounded = f64::from(half::bf16::from_f32(*b as f32).to_f32());
+            assert_eq!(*a, rounded, "{rows} x {width}: gradient {j}");
+        }
+    }
+}
+
 /// A target outside the vocabulary is an error, not a panic.
 #[test]
 fn f32_cross_entropy_refuses_bad_targets() {
