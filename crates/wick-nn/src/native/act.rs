@@ -410,10 +410,36 @@ wide_kernel! {
                 let (a, b) = u[row * 2 * width..(row + 1) * 2 * width].split_at(width);
                 let gr = &g[row * width..(row + 1) * width];
                 let (da, db) = d.split_at_mut(width);
-                for ((((da, db), a), b), g) in da.iter_mut().zip(db.iter_mut()).zip(a).zip(b).zip(gr) {
-                    let (a, b, g) = (a.load(), b.load(), g.load());
-                    *da = E::store(SiluMulGradA.at([a, b, g]));
-                    *db = E::store(SiluMulGradB.at([a, g]));
+                if E::compute_slice(a).is_none() {
+                    // Stored narrower than computed (bf16): one loop, both outputs.
+                    for ((((da, db), a), b), g) in da.iter_mut().zip(db.iter_mut()).zip(a).zip(b).zip(gr) {
+                        let (a, b, g) = (a.load(), b.load(), g.load());
+                        *da = E::store(SiluMulGradA.at([a, b, g]));
+                        *db = E::store(SiluMulGradB.at([a, g]));
+                    }
+                    continue;
+                }
+                // Stored as computed (f32): that loop stayed scalar (the compiler could not tell
+                // the stores from the loads), 8× the bf16 one's time; both outputs go through
+                // local blocks instead (bf16 measured slower that way: 39–41 ms against 33–34
+                // for the decoder's three steps).
+                const BLOCK: usize = 16;
+                let (mut oa, mut ob) = ([T::zero(); BLOCK], [T::zero(); BLOCK]);
+                let whole = width / BLOCK * BLOCK;
+                for at in (0..whole).step_by(BLOCK) {
+                    let (a, b, g) = (&a[at..at + BLOCK], &b[at..at + BLOCK], &gr[at..at + BLOCK]);
+                    for i in 0..BLOCK {
+                        let (a, b, g) = (a[i].load(), b[i].load(), g[i].load());
+                        oa[i] = SiluMulGradA.at([a, b, g]);
+                        ob[i] = SiluMulGradB.at([a, g]);
+                    }
+                    da[at..at + BLOCK].iter_mut().zip(&oa).for_each(|(d, v)| *d = E::store(*v));
+                    db[at..at + BLOCK].iter_mut().zip(&ob).for_each(|(d, v)| *d = E::store(*v));
+                }
+                for i in whole..width {
+                    let (a, b, g) = (a[i].load(), b[i].load(), gr[i].load());
+                    da[i] = E::store(SiluMulGradA.at([a, b, g]));
+                    db[i] = E::store(SiluMulGradB.at([a, g]));
                 }
             }
         });

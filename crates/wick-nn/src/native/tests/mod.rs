@@ -476,6 +476,14 @@ fn activations_match_candles() {
         |t| native::act::silu_mul_packed(&t[0]),
         |t| t[0].narrow(2, 0, 5)?.silu()? * t[0].narrow(2, 5, 5)?,
     );
+    // Halves of 40: two whole blocks of the backward's local outputs and a tail.
+    let u = randn(&[2, 80], 46);
+    check(
+        "silu_mul (packed, 40 wide)",
+        &[u],
+        |t| native::act::silu_mul_packed(&t[0]),
+        |t| t[0].narrow(1, 0, 40)?.silu()? * t[0].narrow(1, 40, 40)?,
+    );
     assert!(native::act::silu_mul_packed(&randn(&[2, 7], 45)).is_err(), "an odd last dimension does not halve");
     let (a, b) = (randn(&[4, 9], 32), randn(&[4, 9], 33));
     check("add", &[a.clone(), b.clone()], |t| native::act::add(&t[0], &t[1]), |t| &t[0] + &t[1]);
