@@ -18,11 +18,14 @@ use candle_core::{CpuStorage, DType, Result, Storage, Tensor};
 use super::err;
 use crate::native::Real;
 
-/// A bias at or below which a key at the end of a row is left out: exp(score − 10⁴ − max) is 0 in
-/// f32 (and below f64's smallest normal) unless the masked key's score exceeds the row's largest
-/// by more than about 9 900, so leaving it out changes no probability. wick's causal mask
-/// ([`crate::ops::causal_bias`]) is −10⁴; PyTorch's is the dtype's lowest value.
-pub(super) const MASKED: f64 = -1e4;
+/// A bias at or below which a key at the end of a row is left out: exp(score − 9 900 − max) is 0
+/// in f32 (and below f64's smallest normal) unless the masked key's score exceeds the row's
+/// largest by more than about 9 800, so leaving it out changes no probability. wick's causal mask
+/// ([`crate::ops::causal_bias`]) is −10⁴ in f32, f64 and f16, and −9 984 in bf16, whose spacing
+/// there is 64 (with −10⁴ itself as the bound, a bf16 model's causal attention weighed every key:
+/// its forward and backward passes did the masked half of the work for nothing); PyTorch's mask
+/// is the dtype's lowest value.
+pub(super) const MASKED: f64 = -9.9e3;
 
 /// Keys scanned at a time from a row's end for its last unmasked one (compared as one vector).
 const SCAN: usize = 16;
@@ -149,4 +152,24 @@ fn row_end<T: Real>(row: &[T], stride: usize, sk: usize, masked: T) -> Option<us
         end -= chunk.len();
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device};
+
+    use super::Bias;
+
+    /// wick's causal mask in every float dtype ends row `i` after key `i` (bf16 rounds −10⁴ to
+    /// −9 984: the bound must take it, or a bf16 model's attention weighs every key).
+    #[test]
+    fn a_causal_mask_ends_each_row_at_its_diagonal_in_every_dtype() {
+        for dtype in [DType::F64, DType::F32, DType::BF16, DType::F16] {
+            let mask = crate::ops::causal_bias(6, dtype, &Device::Cpu).unwrap();
+            let bias = Bias::new(&mask, [2, 3, 6, 6]).unwrap().expect("a causal mask is not all zeros");
+            for (b, h, i) in (0..2).flat_map(|b| (0..3).flat_map(move |h| (0..6).map(move |i| (b, h, i)))) {
+                assert_eq!(bias.end(b, h, i), i + 1, "{dtype:?}: row {i} of ({b}, {h})");
+            }
+        }
+    }
 }

@@ -76,27 +76,8 @@ pub(super) struct Target<'a, T> {
 }
 
 impl<T: Real> Target<'_, T> {
-    /// `gemm` of head `bh`'s `rows × d` result into its places: straight in when the head's
-    /// rows are one block, through `scratch` otherwise.
-    ///
-    /// # Safety
-    /// No other call writes head `bh` of this target at the same time.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn put(
-        &self,
-        bh: usize,
-        heads: usize,
-        (rows, d): (usize, usize),
-        scratch: &mut [T],
-        a: Mat<'_, T>,
-        b: Mat<'_, T>,
-        alpha: T,
-    ) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.put_rows(bh, heads, (0, rows, d), scratch, (a, b), Scale::All(alpha)) }
-    }
-
-    /// [`Target::put`] of rows `first..first + rows` of head `bh`.
+    /// `gemm` of rows `first..first + rows` of head `bh` (`rows × d`) into their places: straight
+    /// in when the head's rows are one block, through `scratch` otherwise.
     ///
     /// # Safety
     /// No other call writes those rows of head `bh` of this target at the same time.
@@ -130,6 +111,34 @@ impl<T: Real> Target<'_, T> {
             return Ok(());
         }
         for (i, r) in block.chunks_exact(d).enumerate() {
+            // SAFETY: row `i` of head `bh`, written by this call only (the caller's contract);
+            // the heads' rows of a packed layout do not overlap.
+            unsafe { self.data.range(start + i * self.layout.row, d) }.copy_from_slice(r);
+        }
+        Ok(())
+    }
+}
+
+impl<T: Copy> Target<'_, T> {
+    /// Writes `src` (`rows × d`, contiguous) as head `bh`'s first `rows` rows.
+    ///
+    /// # Safety
+    /// No other call writes those rows of head `bh` of this target at the same time.
+    pub(super) unsafe fn write_rows(
+        &self,
+        bh: usize,
+        heads: usize,
+        (rows, d): (usize, usize),
+        src: &[T],
+    ) -> Result<()> {
+        let src = src.get(..rows * d).ok_or_else(|| err("attention: fewer values than rows".into()))?;
+        let start = self.layout.start(bh, heads);
+        if self.layout.row == d {
+            // SAFETY: head `bh`'s rows, written by this call only (the caller's contract).
+            unsafe { self.data.range(start, rows * d) }.copy_from_slice(src);
+            return Ok(());
+        }
+        for (i, r) in src.chunks_exact(d.max(1)).enumerate() {
             // SAFETY: row `i` of head `bh`, written by this call only (the caller's contract);
             // the heads' rows of a packed layout do not overlap.
             unsafe { self.data.range(start + i * self.layout.row, d) }.copy_from_slice(r);

@@ -11,7 +11,9 @@
 //! between the two products and the softmax) and, with a bias, weighs a block's keys only up to
 //! its rows' last unmasked one (`bias`: the keys after it, a causal mask's future or a padding
 //! mask's padding, take no part in the softmax): a causal decoder's attention is about half the
-//! work. Backward recomputes whole rows (the left-out keys' probabilities are 0 there too).
+//! work. Backward takes the same rows in blocks against the same keys (dK and dV summed over a
+//! head's blocks), so a causal mask halves its products too; without a bias it takes a head's
+//! rows at once.
 //! A block's softmax leaves its rows undivided (`exp(s − max)` on the vector kernel of
 //! `wick_kernels::cpu::softmax`); each row's `head_dim` outputs are divided by its sum instead of
 //! its keys' probabilities, and the log-sum-exps are worked out only when a backward pass can
@@ -146,6 +148,12 @@ type Layouts = [Heads; 4];
 /// once; at 256 tokens 6.0 in blocks of 64 or 128, 6.9 over all rows.
 const QUERY_BLOCK: usize = 128;
 
+/// Query rows of one block of the backward pass with a bias (see [`Attention::bwd`]). The
+/// decoder-512's attention backward, 8 layers over two steps (Zen 5, AVX-512): at 2 × 1 024 tokens
+/// 291–312 ms in blocks of 128, 360–373 in blocks of 64, 311–313 in blocks of 256, 507 over all
+/// rows at once; at 8 × 256 tokens 112–124, 116–123, 139–140 and 144.
+const QUERY_BLOCK_BACKWARD: usize = 128;
+
 /// Query rows of one block without a bias (every block weighs every key): the scores of one
 /// block (256 × 1 024 f32 at 1 024 tokens: 1 MiB) stay in L2.
 const QUERY_BLOCK_UNMASKED: usize = 256;
@@ -198,21 +206,6 @@ impl Attention {
         let guard = self.device.lse.lock().unwrap_or_else(|p| p.into_inner());
         let lse = guard.as_ref().ok_or_else(|| err("attention backward: no forward statistics".into()))?;
         cuda::backward(inputs, out, g, lse, geometry, self.device.bias.as_ref(), packed)
-    }
-
-    /// Scaled, biased scores of head `bh` into `s` (Sq × Sk).
-    #[allow(clippy::too_many_arguments)]
-    fn scores<T: Real>(
-        bias: Option<&Rows<'_, T>>,
-        q: &[T],
-        k: &[T],
-        lay: &Layouts,
-        bh: usize,
-        heads: usize,
-        (sq, sk, d): (usize, usize, usize),
-        s: &mut [T],
-    ) -> Result<()> {
-        Self::scores_of_rows(bias, q, k, lay, (bh, heads), (0, sq, sk, d), s)
     }
 
     /// Scaled, biased scores of query rows `first..first + rows` of head `bh` against its first
@@ -345,25 +338,52 @@ impl Attention {
         }
         let scale = T::of(1.0 / (d as f64).sqrt());
         let failure = Mutex::new(None);
+        // With a bias, query rows a block at a time, each against the keys up to its rows' last
+        // unmasked one, as the forward pass weighs them (a causal mask's blocks: about half the
+        // products); without one, all rows at once (one product each, as before blocks).
+        let block = if self.bias.is_some() { QUERY_BLOCK_BACKWARD } else { sq }.clamp(1, sq.max(1));
         par_ranges(b * h, 1, |r| {
-            let (mut p, mut dp) = (vec![T::zero(); sq * sk], vec![T::zero(); sq * sk]);
-            let mut scratch = vec![T::zero(); sq.max(sk) * d];
+            let (mut p, mut dp) = (vec![T::zero(); block * sk], vec![T::zero(); block * sk]);
+            let mut scratch = vec![T::zero(); block.max(sk) * d];
+            // dK and dV of a head, summed over its blocks of query rows.
+            let (mut dk_sum, mut dv_sum) = (vec![T::zero(); sk * d], vec![T::zero(); sk * d]);
             for bh in r {
                 let mut run = || -> Result<()> {
-                    // P = exp(S − lse), recomputed.
-                    Self::scores(bias, q, k, lay, bh, h, (sq, sk, d), &mut p)?;
-                    probabilities::<T>(&mut p, sk, &lse[bh * sq..(bh + 1) * sq]);
-                    let gm = lay[3].mat(go, bh, h, sq, d)?;
-                    // SAFETY: one head per index (each thread its own heads).
-                    unsafe { dv.put(bh, h, (sk, d), &mut scratch, Mat::rows(&p, sq, sk).t(), gm, T::one())? };
-                    gemm(&mut dp, gm, lay[2].mat(v, bh, h, sk, d)?.t(), T::one(), false, false)?;
-                    // dS = P ∘ (dP − Σ_j P∘dP), into `dp`.
-                    softmax_grad_rows::<T>(&p, &mut dp, sk);
-                    let (km, qm) = (lay[1].mat(k, bh, h, sk, d)?, lay[0].mat(q, bh, h, sq, d)?);
-                    // SAFETY: as for dv.
-                    unsafe { dq.put(bh, h, (sq, d), &mut scratch, Mat::rows(&dp, sq, sk), km, scale)? };
-                    // SAFETY: as for dv.
-                    unsafe { dk.put(bh, h, (sk, d), &mut scratch, Mat::rows(&dp, sq, sk).t(), qm, scale) }
+                    dk_sum.fill(T::zero());
+                    dv_sum.fill(T::zero());
+                    for first in (0..sq).step_by(block) {
+                        let rows = block.min(sq - first);
+                        let keys = self.keys_of_rows((bh, h), (first, rows), sk);
+                        let (p, dp) = (&mut p[..rows * keys], &mut dp[..rows * keys]);
+                        // P = exp(S − lse), recomputed.
+                        Self::scores_of_rows(bias, q, k, lay, (bh, h), (first, rows, keys, d), p)?;
+                        probabilities::<T>(p, keys, &lse[bh * sq + first..bh * sq + first + rows]);
+                        let gm = lay[3].rows_from(go, bh, h, (first, rows), d)?;
+                        // dV += Pᵀ·dO.
+                        gemm(&mut dv_sum[..keys * d], Mat::rows(p, rows, keys).t(), gm, T::one(), true, false)?;
+                        gemm(dp, gm, lay[2].mat(v, bh, h, keys, d)?.t(), T::one(), false, false)?;
+                        // dS = P ∘ (dP − Σ_j P∘dP), into `dp`.
+                        softmax_grad_rows::<T>(p, dp, keys);
+                        let (km, qm) = (lay[1].mat(k, bh, h, keys, d)?, lay[0].rows_from(q, bh, h, (first, rows), d)?);
+                        // SAFETY: one head per index (each thread its own heads), these rows once.
+                        unsafe {
+                            dq.put_rows(
+                                bh,
+                                h,
+                                (first, rows, d),
+                                &mut scratch,
+                                (Mat::rows(dp, rows, keys), km),
+                                Scale::All(scale),
+                            )?
+                        };
+                        // dK += scale·dSᵀ·Q.
+                        gemm(&mut dk_sum[..keys * d], Mat::rows(dp, rows, keys).t(), qm, scale, true, false)?;
+                    }
+                    // SAFETY: as for dq (keys no row weighs keep their zeros).
+                    unsafe {
+                        dk.write_rows(bh, h, (sk, d), &dk_sum)?;
+                        dv.write_rows(bh, h, (sk, d), &dv_sum)
+                    }
                 };
                 if let Err(e) = run() {
                     *failure.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
