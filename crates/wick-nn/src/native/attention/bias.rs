@@ -8,7 +8,7 @@
 //! buffer per call — a causal mask at 1 024 tokens is 10⁶ values, in every layer. Backward reads
 //! it again: a bias changed in place between the two passes (candle allows that) is read as it is
 //! then, where PyTorch's autograd would refuse; the row ends stay those of the forward pass,
-//! which backward does not use (it recomputes whole rows).
+//! which backward weighs the same keys by.
 
 use std::borrow::Cow;
 
