@@ -15,6 +15,7 @@ Needs torch 2.5.1 (CPU); not part of CI.
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -79,7 +80,7 @@ def main():
         w, t = [], []
         for _ in range(a.rounds):
             out = subprocess.run([a.wick, case], capture_output=True, text=True, check=True,
-                                 env={**__import__("os").environ, **env})
+                                 env={**os.environ, **env})
             line = json.loads(out.stdout.strip().splitlines()[-1])
             w.append((line["forward_ms"], line["forward_backward_ms"]))
             t.append(torch_case(rows, vocab, dtype))
