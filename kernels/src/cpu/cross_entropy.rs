@@ -41,15 +41,9 @@ pub fn log_sum_exp_f32(row: &[f32]) -> f64 {
     lse_scalar(row)
 }
 
-/// The largest of `row` (−∞ for an empty row; a NaN may or may not be taken: the exponentials'
-/// sum carries it anyway).
-fn max_scalar(row: &[f32]) -> f32 {
-    row.iter().fold(f32::NEG_INFINITY, |m, v| if *v > m { *v } else { m })
-}
-
 /// The portable body of [`log_sum_exp_f32`] (and the reference of the tests).
 fn lse_scalar(row: &[f32]) -> f64 {
-    let max = max_scalar(row);
+    let max = math::max_f32(row);
     let sum: f64 = row
         .chunks(BLOCK)
         .map(|block| f64::from(block.iter().map(|v| math::exp_nonpositive_f32(*v - max)).sum::<f32>()))
@@ -96,17 +90,7 @@ unsafe fn lse_avx512(row: &[f32]) -> f64 {
     let tail_mask: __mmask16 = ((1u32 << tail) - 1) as __mmask16;
     // Every load: 16 lanes from an offset below `whole`, or the tail's lanes from `whole` under
     // `tail_mask` — within the row.
-    let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
-    for j in (0..whole).step_by(16) {
-        // SAFETY: within the row (above).
-        m = _mm512_max_ps(m, unsafe { _mm512_loadu_ps(p.add(j)) });
-    }
-    if tail > 0 {
-        // SAFETY: the tail's lanes under its mask (above).
-        let v = unsafe { _mm512_maskz_loadu_ps(tail_mask, p.add(whole)) };
-        m = _mm512_mask_max_ps(m, tail_mask, m, v);
-    }
-    let max = _mm512_reduce_max_ps(m);
+    let max = math::x86::max16(row);
     let mv = _mm512_set1_ps(max);
     let mut sum = 0.0f64;
     for start in (0..whole).step_by(BLOCK) {
@@ -137,14 +121,7 @@ unsafe fn lse_avx2(row: &[f32]) -> f64 {
     let (n, p) = (row.len(), row.as_ptr());
     let whole = n / 8 * 8;
     // Every load: 8 lanes from an offset below `whole`, within the row.
-    let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
-    for j in (0..whole).step_by(8) {
-        // SAFETY: within the row (above).
-        m = _mm256_max_ps(m, unsafe { _mm256_loadu_ps(p.add(j)) });
-    }
-    let max = math::x86::fold8(m, |a, b| _mm_max_ps(a, b));
-    let tail_max = max_scalar(&row[whole..]);
-    let max = if tail_max > max { tail_max } else { max };
+    let max = math::x86::max8(row);
     let mv = _mm256_set1_ps(max);
     let mut sum = 0.0f64;
     for start in (0..whole).step_by(BLOCK) {

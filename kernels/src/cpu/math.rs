@@ -151,6 +151,13 @@ pub fn erf_f32(v: f32) -> f32 {
     }
 }
 
+/// The largest of `row` (−∞ for an empty row; a NaN is passed over unless it comes first) — the
+/// softmax rows' and cross-entropy's maximum, before their exponentials (which carry a NaN on).
+#[inline(always)]
+pub(crate) fn max_f32(row: &[f32]) -> f32 {
+    row.iter().fold(f32::NEG_INFINITY, |m, v| if *v > m { *v } else { m })
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod x86 {
     //! The polynomial of [`super::exp_nonpositive_f32`] on AVX-512 and AVX2 vectors (the
@@ -213,6 +220,45 @@ pub(crate) mod x86 {
         let h = f(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let h = f(h, _mm_movehl_ps(h, h));
         _mm_cvtss_f32(f(h, _mm_movehdup_ps(h)))
+    }
+
+    /// [`super::max_f32`] on 16 lanes, the tail under a mask (a NaN may or may not be taken).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) fn max16(row: &[f32]) -> f32 {
+        let (n, p) = (row.len(), row.as_ptr());
+        let (whole, tail) = (n / 16 * 16, n % 16);
+        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
+        for j in (0..whole).step_by(16) {
+            // SAFETY: 16 lanes from an offset below `whole`, within the row.
+            m = _mm512_max_ps(m, unsafe { _mm512_loadu_ps(p.add(j)) });
+        }
+        if tail > 0 {
+            let tail_mask: __mmask16 = ((1u32 << tail) - 1) as __mmask16;
+            // SAFETY: the tail's `tail` lanes from `whole` under their mask, within the row.
+            let v = unsafe { _mm512_maskz_loadu_ps(tail_mask, p.add(whole)) };
+            m = _mm512_mask_max_ps(m, tail_mask, m, v);
+        }
+        _mm512_reduce_max_ps(m)
+    }
+
+    /// [`super::max_f32`] on 8 lanes, the tail one value at a time.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) fn max8(row: &[f32]) -> f32 {
+        let whole = row.len() / 8 * 8;
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        for j in (0..whole).step_by(8) {
+            // SAFETY: 8 lanes from an offset below `whole`, within the row.
+            m = _mm256_max_ps(m, unsafe { _mm256_loadu_ps(row.as_ptr().add(j)) });
+        }
+        let max = fold8(m, |a, b| _mm_max_ps(a, b));
+        let tail_max = super::max_f32(&row[whole..]);
+        if tail_max > max {
+            tail_max
+        } else {
+            max
+        }
     }
 }
 

@@ -38,7 +38,7 @@ pub fn exp_rows_f32(s: &mut [f32], sk: usize, max: &mut [f32], sum: &mut [f32]) 
 /// The portable body (and the reference of the tests).
 fn rows_scalar(s: &mut [f32], sk: usize, maxes: &mut [f32], sums: &mut [f32]) {
     for ((row, m), sm) in s.chunks_exact_mut(sk).zip(maxes.iter_mut()).zip(sums.iter_mut()) {
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, v| if *v > m { *v } else { m });
+        let max = math::max_f32(row);
         let mut sum = 0.0;
         for v in row.iter_mut() {
             *v = math::exp_nonpositive_f32(*v - max);
@@ -138,19 +138,8 @@ unsafe fn rows_avx512(s: &mut [f32], sk: usize, maxes: &mut [f32], sums: &mut [f
     for ((row, m_out), s_out) in s.chunks_exact_mut(sk).zip(maxes.iter_mut()).zip(sums.iter_mut()) {
         // Every load and store below: 16 lanes from an offset below `whole`, or the tail's
         // `tail` lanes from `whole` under `tail_mask` — within the row's `sk` elements.
+        let max = math::x86::max16(row);
         let p = row.as_mut_ptr();
-        let mut m = _mm512_set1_ps(f32::NEG_INFINITY);
-        for j in (0..whole).step_by(16) {
-            // SAFETY: within the row (above).
-            let v = unsafe { _mm512_loadu_ps(p.add(j)) };
-            m = _mm512_max_ps(m, v);
-        }
-        if tail > 0 {
-            // SAFETY: the tail's lanes under its mask (above).
-            let v = unsafe { _mm512_maskz_loadu_ps(tail_mask, p.add(whole)) };
-            m = _mm512_mask_max_ps(m, tail_mask, m, v);
-        }
-        let max = _mm512_reduce_max_ps(m);
         let mv = _mm512_set1_ps(max);
         let mut acc = _mm512_setzero_ps();
         for j in (0..whole).step_by(16) {
@@ -184,16 +173,8 @@ unsafe fn rows_avx2(s: &mut [f32], sk: usize, maxes: &mut [f32], sums: &mut [f32
     let whole = sk / 8 * 8;
     for ((row, m_out), s_out) in s.chunks_exact_mut(sk).zip(maxes.iter_mut()).zip(sums.iter_mut()) {
         // Every load and store below: 8 lanes from an offset below `whole`, within the row.
+        let max = math::x86::max8(row);
         let p = row.as_mut_ptr();
-        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
-        for j in (0..whole).step_by(8) {
-            // SAFETY: within the row (above).
-            let v = unsafe { _mm256_loadu_ps(p.add(j)) };
-            m = _mm256_max_ps(m, v);
-        }
-        let tail_max = row[whole..].iter().fold(f32::NEG_INFINITY, |a, v| if *v > a { *v } else { a });
-        let max = math::x86::fold8(m, |a, b| _mm_max_ps(a, b));
-        let max = if tail_max > max { tail_max } else { max };
         let mv = _mm256_set1_ps(max);
         let mut acc = _mm256_setzero_ps();
         for j in (0..whole).step_by(8) {
