@@ -110,17 +110,13 @@ impl<T: Real> Target<'_, T> {
         if contiguous {
             return Ok(());
         }
-        for (i, r) in block.chunks_exact(d).enumerate() {
-            // SAFETY: row `i` of head `bh`, written by this call only (the caller's contract);
-            // the heads' rows of a packed layout do not overlap.
-            unsafe { self.data.range(start + i * self.layout.row, d) }.copy_from_slice(r);
-        }
-        Ok(())
+        // SAFETY: the caller's contract.
+        unsafe { self.write_rows(bh, heads, (first, rows, d), block) }
     }
 }
 
 impl<T: Copy> Target<'_, T> {
-    /// Writes `src` (`rows × d`, contiguous) as head `bh`'s first `rows` rows.
+    /// Writes `src` (`rows × d`, contiguous) as rows `first..first + rows` of head `bh`.
     ///
     /// # Safety
     /// No other call writes those rows of head `bh` of this target at the same time.
@@ -128,11 +124,11 @@ impl<T: Copy> Target<'_, T> {
         &self,
         bh: usize,
         heads: usize,
-        (rows, d): (usize, usize),
+        (first, rows, d): (usize, usize, usize),
         src: &[T],
     ) -> Result<()> {
         let src = src.get(..rows * d).ok_or_else(|| err("attention: fewer values than rows".into()))?;
-        let start = self.layout.start(bh, heads);
+        let start = self.layout.start(bh, heads) + first * self.layout.row;
         if self.layout.row == d {
             // SAFETY: head `bh`'s rows, written by this call only (the caller's contract).
             unsafe { self.data.range(start, rows * d) }.copy_from_slice(src);

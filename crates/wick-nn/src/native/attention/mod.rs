@@ -381,8 +381,8 @@ impl Attention {
                     }
                     // SAFETY: as for dq (keys no row weighs keep their zeros).
                     unsafe {
-                        dk.write_rows(bh, h, (sk, d), &dk_sum)?;
-                        dv.write_rows(bh, h, (sk, d), &dv_sum)
+                        dk.write_rows(bh, h, (0, sk, d), &dk_sum)?;
+                        dv.write_rows(bh, h, (0, sk, d), &dv_sum)
                     }
                 };
                 if let Err(e) = run() {
