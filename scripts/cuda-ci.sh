@@ -76,7 +76,10 @@ echo "-- wick-nn's CUDA kernels on the host emulator (kernels/emu) against direc
 mkdir -p target
 # C++20 (<barrier>) and _Float16: Debian's g++ 12.
 command -v g++ >/dev/null 2>&1 || apt-get install -y g++ >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y g++ >/dev/null; }
-g++ -std=c++20 -O1 -ffp-contract=off -pthread -Wall -Wno-unknown-pragmas -Werror -I kernels/emu kernels/emu/check*.cpp -o target/emu-check
+# Under AddressSanitizer: a kernel that strays past its shared memory (the launchers' byte counts,
+# which the checks give exactly) or past an operand fails here.
+g++ -std=c++20 -O1 -g -fsanitize=address -ffp-contract=off -pthread -Wall -Wno-unknown-pragmas -Werror -I kernels/emu \
+  kernels/emu/check*.cpp -o target/emu-check
 target/emu-check | tail -3
 
 echo "-- cuDNN figures of the GPU convolutions (opened at run time), against cudarc's bindings of cuDNN's headers"

@@ -1,11 +1,11 @@
 // wick-nn's CUDA kernels (kernels/src/cuda/nn_*.cu) run on the host emulator (emu.h) with the
 // launch shapes wick-nn's launchers use (crates/wick-nn/src/native/cuda), against direct
-// reference computations in f64 written here: activations, layer/RMS norm, attention (heads apart
-// and packed, with a broadcast padding bias and a causal one), RoPE, cross-entropy, embeddings,
-// the broadcast sum of embeddings, max and global average pooling, and the optimizer's step (to the bit) —
-// forward and backward. Prints one line per check; exits non-zero if any fails.
+// reference computations in f64 written here: activations, layer/RMS norm, RoPE, cross-entropy,
+// embeddings, the broadcast sum of embeddings, max and global average pooling, and the
+// optimizer's step (to the bit) — forward and backward; attention, batch norm and the linear
+// layer's passes in check_*.cpp. Prints one line per check; exits non-zero if any fails.
 //
-//   g++ -std=c++20 -O1 -ffp-contract=off -pthread -Wall -Wno-unknown-pragmas -I kernels/emu
+//   g++ -std=c++20 -O1 -g -fsanitize=address -ffp-contract=off -pthread -Wall -Wno-unknown-pragmas -I kernels/emu
 //     kernels/emu/check*.cpp -o target/emu-check
 //   target/emu-check     (scripts/cuda-ci.sh runs it)
 #include "emu.h"
@@ -20,8 +20,6 @@
 #include "../src/cuda/nn_act.cu"
 #undef WICK_KERNEL
 #include "../src/cuda/nn_norm.cu"
-#undef WICK_KERNEL
-#include "../src/cuda/nn_attention.cu"
 #undef WICK_KERNEL
 #include "../src/cuda/nn_rows.cu"
 #undef WICK_KERNEL
@@ -125,91 +123,6 @@ static void norms(bool rms, long long rows, long long d) {
   check(what + " dx", wide(dx), wdx, 1e-5);
   check(what + " dweight", wide(dw), wdw, 1e-5);
   if (!rms) check(what + " dbias", wide(db), wdb, 1e-5);
-}
-
-// Attention of (b, h, s, d), heads apart or packed ((b, s, 3·h·d) input, (b, s, h·d) output),
-// with no bias, a padding bias (b, 1, 1, s) or a causal one (s, s), against the direct formulas.
-static void attention(long long b, long long h, long long s, long long d, bool packed, int bias_kind) {
-  const std::string what = std::string("attention ") + (packed ? "packed " : "") + std::to_string(b) + "x" + std::to_string(h) + "x" +
-                           std::to_string(s) + "x" + std::to_string(d) + (bias_kind == 1 ? " padding" : bias_kind == 2 ? " causal" : "");
-  // Layouts: element (bh, i, c) of q, k, v, out.
-  auto lay = [&](int part) -> Lay {
-    if (!packed) return Lay{0, h * s * d, s * d, d};
-    const long long width = (part < 3 ? 3 : 1) * h * d;
-    return Lay{(part < 3 ? part : 0) * h * d, s * width, d, width};
-  };
-  const Lay lq = lay(0), lk = lay(1), lv = lay(2), lo = lay(3);
-  auto idx = [&](const Lay& l, long long bh, long long i, long long c) { return l.base + (bh / h) * l.batch + (bh % h) * l.head + i * l.row + c; };
-  const long long n_in = b * h * s * d;
-  auto qv = narrow<float>(randn(packed ? 3 * n_in : n_in, 20)), kv = narrow<float>(randn(n_in, 21)), vv = narrow<float>(randn(n_in, 22));
-  const float *q = qv.data(), *k = packed ? qv.data() : kv.data(), *v = packed ? qv.data() : vv.data();
-  std::vector<float> bias;
-  BiasStrides bs{0, 0, 0, 0};
-  if (bias_kind == 1) {
-    bias.assign(b * s, 0.f);
-    for (long long k2 = s - std::min<long long>(3, s - 1); k2 < s; k2++) bias[(b - 1) * s + k2] = -1e4f;
-    bs = BiasStrides{s, 0, 0, 1};
-  } else if (bias_kind == 2) {
-    bias.assign(s * s, 0.f);
-    for (long long i = 0; i < s; i++)
-      for (long long j = i + 1; j < s; j++) bias[i * s + j] = -1e4f;
-    bs = BiasStrides{0, 0, s, 1};
-  }
-  const float* bp = bias.empty() ? nullptr : bias.data();
-  const Dims n{b, h, s, s, d};
-  std::vector<float> out(n_in), dout = narrow<float>(randn(n_in, 23));
-  std::vector<double> lse(b * h * s), dsum(b * h * s);
-  launch(warps(b * h * s), THREADS, [&] { wick_attention_f32(q, k, v, bp, out.data(), lse.data(), lq, lk, lv, lo, n, bs); });
-  std::vector<float> grads(packed ? 3 * n_in : 3 * n_in);
-  float *dq = grads.data(), *dk = packed ? grads.data() : grads.data() + n_in, *dv = packed ? grads.data() : grads.data() + 2 * n_in;
-  launch(warps(b * h * s), THREADS,
-         [&] { wick_attention_dq_f32(q, k, v, bp, out.data(), dout.data(), lse.data(), dsum.data(), dq, lq, lk, lv, lo, lq, n, bs); });
-  launch(warps(b * h * s), THREADS,
-         [&] { wick_attention_dkdv_f32(q, k, v, bp, dout.data(), lse.data(), dsum.data(), dk, dv, lq, lk, lv, lo, lk, lv, n, bs); });
-  // The reference.
-  std::vector<double> wout(n_in), wlse(b * h * s), wgrad(grads.size(), 0.0);
-  const double scale = 1 / std::sqrt((double)d);
-  for (long long bh = 0; bh < b * h; bh++) {
-    std::vector<double> p(s * s), dp(s * s);
-    for (long long i = 0; i < s; i++) {
-      double m = -INFINITY;
-      for (long long j = 0; j < s; j++) {
-        double dot = 0;
-        for (long long c = 0; c < d; c++) dot += (double)q[idx(lq, bh, i, c)] * k[idx(lk, bh, j, c)];
-        const double bias_v = bp ? bp[(bh / h) * bs.b + (bh % h) * bs.h + i * bs.q + j * bs.k] : 0;
-        p[i * s + j] = scale * dot + bias_v;
-        m = std::max(m, p[i * s + j]);
-      }
-      double sum = 0;
-      for (long long j = 0; j < s; j++) sum += std::exp(p[i * s + j] - m);
-      wlse[bh * s + i] = m + std::log(sum);
-      for (long long j = 0; j < s; j++) p[i * s + j] = std::exp(p[i * s + j] - wlse[bh * s + i]);
-      for (long long c = 0; c < d; c++) {
-        double o = 0;
-        for (long long j = 0; j < s; j++) o += p[i * s + j] * v[idx(lv, bh, j, c)];
-        wout[idx(lo, bh, i, c)] = o;
-      }
-      double rowdot = 0;
-      for (long long j = 0; j < s; j++) {
-        double dpv = 0;
-        for (long long c = 0; c < d; c++) dpv += (double)dout[idx(lo, bh, i, c)] * v[idx(lv, bh, j, c)];
-        dp[i * s + j] = dpv;
-        rowdot += p[i * s + j] * dpv;
-      }
-      for (long long j = 0; j < s; j++) dp[i * s + j] = p[i * s + j] * (dp[i * s + j] - rowdot);  // ds
-    }
-    const long long gq = 0, gk = packed ? 0 : n_in, gv = packed ? 0 : 2 * n_in;
-    for (long long i = 0; i < s; i++)
-      for (long long j = 0; j < s; j++)
-        for (long long c = 0; c < d; c++) {
-          wgrad[gq + idx(lq, bh, i, c)] += scale * dp[i * s + j] * k[idx(lk, bh, j, c)];
-          wgrad[gk + idx(lk, bh, j, c)] += scale * dp[i * s + j] * q[idx(lq, bh, i, c)];
-          wgrad[gv + idx(lv, bh, j, c)] += p[i * s + j] * dout[idx(lo, bh, i, c)];
-        }
-  }
-  check(what + " output", wide(out), wout, 2e-5);
-  check(what + " log-sum-exp", lse, wlse, 2e-5);
-  check(what + " dq, dk, dv", wide(grads), wgrad, 2e-5);
 }
 
 static void rope(bool packed) {
@@ -523,11 +436,7 @@ int main() {
     norms(rms, 3, 1000);
     norms(rms, 70, 768);
   }
-  attention(2, 3, 1, 8, false, 0);
-  attention(2, 3, 16, 32, false, 1);
-  attention(2, 3, 9, 100, false, 2);
-  attention(1, 2, 33, 64, true, 2);
-  attention(2, 2, 7, 20, true, 1);
+  attention_checks();
   rope(false);
   rope(true);
   cross_entropy();

@@ -7,6 +7,7 @@
 // coalescing) and the driver's launch path. Include this before a .cu file, with this folder
 // first on the include path (its cuda_fp16.h and cuda_bf16.h stand in for CUDA's).
 #pragma once
+#define WICK_EMU 1
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -32,11 +33,13 @@ struct Block {
   std::barrier<>* all;
   std::vector<std::unique_ptr<std::barrier<>>> warps;
   std::vector<uint64_t> slots;
+  std::vector<double> shared;  // the launch's dynamic shared memory (8-byte aligned)
 };
 inline Block* current = nullptr;
 }  // namespace emu
 
 inline void __syncthreads() { emu::current->all->arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::current->warps[threadIdx.x / 32]->arrive_and_wait(); }
 
 // IEEE f32 operations rounded on their own (compile with -ffp-contract=off: no fused multiply-add).
 inline float __fmul_rn(float a, float b) { return a * b; }
@@ -60,15 +63,17 @@ template <typename T> T __shfl_xor_sync(unsigned, T v, int o) {
   return r;
 }
 
-// Runs `kernel` over `grid` × `block` (x and y of the grid, x of the block; a multiple of 32).
-template <typename F> void launch(dim3 grid, dim3 block, F kernel) {
+// Runs `kernel` over `grid` × `block` (x and y of the grid, x of the block; a multiple of 32) with
+// `shared` bytes of dynamic shared memory a block.
+template <typename F> void launch(dim3 grid, dim3 block, F kernel, size_t shared = 0) {
   gridDim = grid;
   blockDim = block;
   for (unsigned by = 0; by < grid.y; by++) {
     for (unsigned bx = 0; bx < grid.x; bx++) {
       std::barrier<> all(block.x);
-      emu::Block b{&all, {}, std::vector<uint64_t>(block.x)};
+      emu::Block b{&all, {}, std::vector<uint64_t>(block.x), std::vector<double>((shared + 7) / 8)};
       for (unsigned w = 0; w < block.x / 32; w++) b.warps.push_back(std::make_unique<std::barrier<>>(32));
+      std::memset(b.shared.data(), 0xff, b.shared.size() * sizeof(double));  // NaN until written, as garbage would be
       emu::current = &b;
       std::vector<std::thread> threads;
       for (unsigned t = 0; t < block.x; t++) {

@@ -54,5 +54,6 @@ inline const dim3 THREADS{256, 1, 1};
 inline long long bn_seg(long long count) { return std::max<long long>(8192, (count + 255) / 256); }
 
 // The checks in other files.
+void attention_checks();
 void batch_norm_checks();
 void linear_checks();

@@ -40,6 +40,15 @@ __device__ __forceinline__ double block_sum(double v, double* scratch) {
   return total;
 }
 
+// `name`: the block's dynamic shared memory (as many bytes as the launch gives) as an array of T.
+#ifdef WICK_EMU
+#define WICK_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(emu::current->shared.data())
+#else
+#define WICK_DYNAMIC_SHARED(T, name)                                  \
+  extern __shared__ __align__(16) unsigned char wick_dynamic_shared[]; \
+  T* name = reinterpret_cast<T*>(wick_dynamic_shared)
+#endif
+
 // A grid-stride loop over `n` elements.
 #define WICK_FOR_EACH(i, n) \
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)

@@ -1,23 +1,35 @@
 // The CUDA body of wick-nn's scaled dot-product attention (the host body: wick-nn's
 // `native::attention`), in the manner of FlashAttention-2: forward keeps the output and one
-// log-sum-exp per query row and never an s × s tensor (an online softmax over the keys);
+// log-sum-exp per query row and never an s × s tensor (an online softmax over tiles of keys);
 // backward recomputes each probability from q, k and that log-sum-exp.
 //
 //   forward:   s_ij = scale q_i·k_j + bias_ij;  o_i = sum_j softmax_j(s_i) v_j;  lse_i = log sum_j exp(s_ij)
 //   backward:  p_ij = exp(s_ij - lse_i);  D_i = dO_i·o_i;  ds_ij = p_ij (dO_i·v_j - D_i)
 //              dq_i = scale sum_j ds_ij k_j;  dk_j = scale sum_i ds_ij q_i;  dv_j = sum_i p_ij dO_i
 //
-// One warp per row (a query row forward and for dq, a key row for dk and dv), the head dimension
-// split over its lanes (at most 4 elements a lane: head_dim <= 128), dot products by warp
-// shuffles; each result row summed by one warp in a fixed order, so the same inputs give the
-// same bits on every run (no atomics). dq's kernel writes D for dk/dv's, which runs after it.
-// K and V rows are read from global memory (one head's are a few tens of KiB and stay in cache).
-// Computes in f32 (f64 for f64 tensors); inputs and outputs in the tensors' own type.
+// Tiles in shared memory. A block of 4 warps takes a tile of R rows a warp (8 in f32, 4 in f64)
+// — query rows forward and for dq, key rows for dk and dv — and walks the other side in tiles of
+// 32, one row of that tile a lane: each lane computes its 32-wide column of the tile's scores
+// against the warp's R rows (row values read from shared memory as broadcasts, the lane's own
+// row from a tile padded to d + 1 so that the 32 lanes hit 32 banks), and the products with V,
+// K, Q or dO read the probabilities back from shared memory, a lane owning the head columns
+// lane, lane + 32, … (at most 4: head_dim <= 128). Every result row is summed by one thread in a
+// fixed order (tile after tile), so the same inputs give the same bits on every run; dq's kernel
+// writes D for dk/dv's, which runs after it (no atomics). Computes in f32 (f64 for f64 tensors);
+// inputs and outputs in the tensors' own type.
+//
+// Row ends, as the host body: a query row weighs the keys up to its last one whose bias is above
+// WICK_ATT_MASKED (-9 900: a bf16 -1e4 is -9 984), all of them when there is none; the keys after
+// it count as exactly 0 and are never read past the last end of a block's rows (a NaN there
+// changes nothing). `wick_attention_ends_*` finds each distinct bias row's end once (the op keeps
+// them for backward); a tile of keys after every end of a block's rows is never loaded, so a
+// causal mask costs half the work of none.
 //
 // Operands are addressed by a layout (`Lay`): row i of head (b, h) starts at
 // base + b·batch + h·head + i·row, its head_dim elements contiguous — heads apart (B, H, S, D) or
 // packed side by side in a (B, S, 3·H·D) projection. The bias (optional: null) is the compute
-// type, addressed by four strides (0 along broadcast axes) over (B, H, Sq, Sk).
+// type, addressed by four strides (0 along broadcast axes) over (B, H, Sq, Sk); the row ends
+// (null without a bias) by two more: end of (b, h, i) = ends[b·eb + h·eh + i].
 #include "common.cuh"
 
 struct Lay {
@@ -29,39 +41,32 @@ struct Dims {
 };
 
 struct BiasStrides {
-  long long b, h, q, k;
+  long long b, h, q, k, eb, eh;
 };
 
-#define WICK_ATT_LANES 4  // head_dim <= 32 * WICK_ATT_LANES
+#define WICK_ATT_LANES 4      // head_dim <= 32 * WICK_ATT_LANES
+#define WICK_ATT_WARPS 4      // warps (and so 128 threads) a block
+#define WICK_ATT_MASKED -9900.0
+
+// Rows a warp owns in a tile: fewer in f64 (twice the registers a value).
+template <typename T> struct AttRows { static const int R = 8; };
+template <> struct AttRows<double> { static const int R = 4; };
 
 template <typename T> __device__ __forceinline__ T warp_sum(T v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
+template <typename T> __device__ __forceinline__ T warp_max(T v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const T u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = u > v ? u : v;
+  }
+  return v;
+}
+
 __device__ __forceinline__ long long at(const Lay& l, long long bh, long long heads, long long i) {
   return l.base + (bh / heads) * l.batch + (bh % heads) * l.head + i * l.row;
-}
-
-// This lane's elements of a row (lane, lane + 32, …), widened; zero past d.
-template <typename E, typename T>
-__device__ __forceinline__ void load_row(const E* p, long long start, long long d, int lane, T* r) {
-#pragma unroll
-  for (int t = 0; t < WICK_ATT_LANES; t++) {
-    const long long c = lane + 32 * t;
-    r[t] = c < d ? (T)wick_load(p, start + c) : T(0);
-  }
-}
-
-template <typename E, typename T>
-__device__ __forceinline__ T dot_row(const T* r, const E* p, long long start, long long d, int lane) {
-  T s = T(0);
-#pragma unroll
-  for (int t = 0; t < WICK_ATT_LANES; t++) {
-    const long long c = lane + 32 * t;
-    if (c < d) s += r[t] * (T)wick_load(p, start + c);
-  }
-  return warp_sum(s);
 }
 
 template <typename T>
@@ -70,122 +75,351 @@ __device__ __forceinline__ T bias_at(const T* bias, const BiasStrides& bs, long 
   return bias ? bias[(bh / heads) * bs.b + (bh % heads) * bs.h + i * bs.q + j * bs.k] : T(0);
 }
 
-// One warp per (head, query row): the output row and its log-sum-exp.
-template <typename E>
-__device__ void attention_forward(const E* q, const E* k, const E* v, const typename WickCompute<E>::T* bias, E* out,
-                                  double* lse, Lay lq, Lay lk, Lay lv, Lay lo, Dims n, BiasStrides bs) {
-  typedef typename WickCompute<E>::T T;
-  const int lane = threadIdx.x % 32;
-  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-  const T scale = (T)(1.0 / sqrt((double)n.d));
-  for (long long w = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w < n.b * n.h * n.sq; w += warps) {
-    const long long bh = w / n.sq, i = w % n.sq;
-    T qr[WICK_ATT_LANES], acc[WICK_ATT_LANES];
-    load_row(q, at(lq, bh, n.h, i), n.d, lane, qr);
-#pragma unroll
-    for (int t = 0; t < WICK_ATT_LANES; t++) acc[t] = T(0);
-    T m = -INFINITY, l = T(0);
-    for (long long j = 0; j < n.sk; j++) {
-      const T s = scale * dot_row(qr, k, at(lk, bh, n.h, j), n.d, lane) + bias_at(bias, bs, bh, n.h, i, j);
-      const T m_new = s > m ? s : m;
-      if (m_new == -INFINITY) continue;  // every score so far -inf: nothing to weigh yet
-      const T corr = wick_exp(m - m_new), p = wick_exp(s - m_new);
-      l = l * corr + p;
-      const long long vs = at(lv, bh, n.h, j);
-#pragma unroll
-      for (int t = 0; t < WICK_ATT_LANES; t++) {
-        const long long c = lane + 32 * t;
-        acc[t] = acc[t] * corr + (c < n.d ? p * (T)wick_load(v, vs + c) : T(0));
-      }
-      m = m_new;
-    }
-    const long long os = at(lo, bh, n.h, i);
-    const T inv = T(1) / l;
-#pragma unroll
-    for (int t = 0; t < WICK_ATT_LANES; t++) {
-      const long long c = lane + 32 * t;
-      if (c < n.d) wick_store(out, os + c, acc[t] * inv);
-    }
-    if (lane == 0) lse[w] = (double)m + (double)wick_log(l);
+// The keys query row i of head bh weighs (those before the end); 0 past the last row.
+__device__ __forceinline__ long long row_end(const int* ends, const BiasStrides& bs, const Dims& n, long long bh,
+                                             long long i) {
+  if (i >= n.sq) return 0;
+  return ends ? (long long)ends[(bh / n.h) * bs.eb + (bh % n.h) * bs.eh + i] : n.sk;
+}
+
+// The largest end among query rows i0 … i0 + rows - 1 (every thread reads them: a block-uniform value).
+__device__ __forceinline__ long long tile_end(const int* ends, const BiasStrides& bs, const Dims& n, long long bh,
+                                              long long i0, long long rows) {
+  long long e = 0;
+  for (long long r = 0; r < rows; r++) {
+    const long long x = row_end(ends, bs, n, bh, i0 + r);
+    e = x > e ? x : e;
+  }
+  return e;
+}
+
+// Rows r0 … r0 + rows - 1 of an operand into shared memory (row r at dst + r·stride), widened;
+// zero past the operand's last row. Every thread of the block takes part.
+template <typename E, typename T>
+__device__ __forceinline__ void load_tile(const E* p, const Lay& l, long long bh, long long heads, long long r0,
+                                          long long last, int rows, int d, T* dst, int stride) {
+  for (int e = threadIdx.x; e < rows * d; e += blockDim.x) {
+    const int r = e / d, c = e - r * d;
+    dst[r * stride + c] = r0 + r < last ? (T)wick_load(p, at(l, bh, heads, r0 + r) + c) : T(0);
   }
 }
 
-// One warp per (head, query row): D_i = dO_i·o_i (written for the dk/dv kernel) and dq_i.
-template <typename E>
-__device__ void attention_dq(const E* q, const E* k, const E* v, const typename WickCompute<E>::T* bias, const E* out,
-                             const E* dout, const double* lse, double* dsum, E* dq, Lay lq, Lay lk, Lay lv, Lay lo,
-                             Lay ldq, Dims n, BiasStrides bs) {
-  typedef typename WickCompute<E>::T T;
+// Each distinct bias row's end: one warp a row, 32 keys at a time from the row's end.
+template <typename T>
+__device__ void attention_ends(const T* bias, int* ends, Dims n, BiasStrides bs, long long nb, long long nh) {
   const int lane = threadIdx.x % 32;
   const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-  const T scale = (T)(1.0 / sqrt((double)n.d));
-  for (long long w = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w < n.b * n.h * n.sq; w += warps) {
-    const long long bh = w / n.sq, i = w % n.sq;
-    T qr[WICK_ATT_LANES], gr[WICK_ATT_LANES], acc[WICK_ATT_LANES];
-    load_row(q, at(lq, bh, n.h, i), n.d, lane, qr);
-    load_row(dout, at(lo, bh, n.h, i), n.d, lane, gr);
-    const T dsum_i = dot_row(gr, out, at(lo, bh, n.h, i), n.d, lane);
-    if (lane == 0) dsum[w] = (double)dsum_i;
-    const T lse_i = (T)lse[w];
-#pragma unroll
-    for (int t = 0; t < WICK_ATT_LANES; t++) acc[t] = T(0);
-    for (long long j = 0; j < n.sk; j++) {
-      const long long ks = at(lk, bh, n.h, j);
-      const T s = scale * dot_row(qr, k, ks, n.d, lane) + bias_at(bias, bs, bh, n.h, i, j);
-      const T p = wick_exp(s - lse_i);
-      const T ds = p * (dot_row(gr, v, at(lv, bh, n.h, j), n.d, lane) - dsum_i);
-#pragma unroll
-      for (int t = 0; t < WICK_ATT_LANES; t++) {
-        const long long c = lane + 32 * t;
-        if (c < n.d) acc[t] += ds * (T)wick_load(k, ks + c);
+  for (long long w = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w < nb * nh * n.sq; w += warps) {
+    const long long b = w / (nh * n.sq), h = (w / n.sq) % nh, i = w % n.sq;
+    const T* row = bias + b * bs.b + h * bs.h + i * bs.q;
+    long long end = n.sk;
+    for (long long top = n.sk; top > 0; top -= 32) {
+      const long long j = top - 1 - lane;
+      const long long found = warp_max(j >= 0 && row[j * bs.k] > (T)WICK_ATT_MASKED ? j : -1LL);
+      if (found >= 0) {
+        end = found + 1;
+        break;
       }
     }
-    const long long os = at(ldq, bh, n.h, i);
-#pragma unroll
-    for (int t = 0; t < WICK_ATT_LANES; t++) {
-      const long long c = lane + 32 * t;
-      if (c < n.d) wick_store(dq, os + c, acc[t] * scale);
-    }
+    if (lane == 0) ends[w] = (int)end;
   }
 }
 
-// One warp per (head, key row): dk_j and dv_j (after attention_dq has written D).
+// Forward: a block takes R·4 query rows of one head (R a warp) and walks the keys up to its
+// rows' last end in tiles of 32. Shared memory: the query tile [R·4][d], one key-or-value tile
+// [32][d + 1] (K, then V in the same place), the warps' probabilities [R·4][32].
 template <typename E>
-__device__ void attention_dkdv(const E* q, const E* k, const E* v, const typename WickCompute<E>::T* bias,
-                               const E* dout, const double* lse, const double* dsum, E* dk, E* dv, Lay lq, Lay lk,
-                               Lay lv, Lay lo, Lay ldk, Lay ldv, Dims n, BiasStrides bs) {
+__device__ void attention_forward(const E* q, const E* k, const E* v, const typename WickCompute<E>::T* bias,
+                                  const int* ends, E* out, double* lse, Lay lq, Lay lk, Lay lv, Lay lo, Dims n,
+                                  BiasStrides bs) {
   typedef typename WickCompute<E>::T T;
-  const int lane = threadIdx.x % 32;
-  const long long warps = (long long)gridDim.x * (blockDim.x / 32);
-  const T scale = (T)(1.0 / sqrt((double)n.d));
-  for (long long w = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; w < n.b * n.h * n.sk; w += warps) {
-    const long long bh = w / n.sk, j = w % n.sk;
-    T kr[WICK_ATT_LANES], vr[WICK_ATT_LANES], ak[WICK_ATT_LANES], av[WICK_ATT_LANES];
-    load_row(k, at(lk, bh, n.h, j), n.d, lane, kr);
-    load_row(v, at(lv, bh, n.h, j), n.d, lane, vr);
+  const int R = AttRows<T>::R, ROWS = R * WICK_ATT_WARPS;
+  WICK_DYNAMIC_SHARED(T, smem);
+  const int d = (int)n.d, kd = d + 1;  // at most 128 (the launcher checks)
+  T* qs = smem;
+  T* kv = qs + ROWS * d;
+  T* ps = kv + 32 * kd;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const long long tiles = (n.sq + ROWS - 1) / ROWS;
+  const T scale = (T)(1.0 / sqrt((double)d));
+  for (long long blk = blockIdx.x; blk < n.b * n.h * tiles; blk += gridDim.x) {
+    const long long bh = blk / tiles, i0 = (blk % tiles) * ROWS;
+    const long long kend = tile_end(ends, bs, n, bh, i0, ROWS);
+    __syncthreads();  // the previous tile's readers are done with the shared memory
+    load_tile(q, lq, bh, n.h, i0, n.sq, ROWS, d, qs, d);
+    T m[R], l[R], acc[R][WICK_ATT_LANES];
+    long long iend[R];
 #pragma unroll
-    for (int t = 0; t < WICK_ATT_LANES; t++) ak[t] = av[t] = T(0);
-    for (long long i = 0; i < n.sq; i++) {
-      const long long qs = at(lq, bh, n.h, i), gs = at(lo, bh, n.h, i), row = bh * n.sq + i;
-      const T s = scale * dot_row(kr, q, qs, n.d, lane) + bias_at(bias, bs, bh, n.h, i, j);
-      const T p = wick_exp(s - (T)lse[row]);
-      const T ds = p * (dot_row(vr, dout, gs, n.d, lane) - (T)dsum[row]);
+    for (int r = 0; r < R; r++) {
+      iend[r] = row_end(ends, bs, n, bh, i0 + warp * R + r);
+      m[r] = -INFINITY, l[r] = T(0);
 #pragma unroll
-      for (int t = 0; t < WICK_ATT_LANES; t++) {
-        const long long c = lane + 32 * t;
-        if (c < n.d) {
-          av[t] += p * (T)wick_load(dout, gs + c);
-          ak[t] += ds * (T)wick_load(q, qs + c);
+      for (int t = 0; t < WICK_ATT_LANES; t++) acc[r][t] = T(0);
+    }
+    for (long long j0 = 0; j0 < kend; j0 += 32) {
+      __syncthreads();
+      load_tile(k, lk, bh, n.h, j0, kend, 32, d, kv, kd);
+      __syncthreads();
+      T s[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) s[r] = T(0);
+      for (int c = 0; c < d; c++) {
+        const T kc = kv[lane * kd + c];
+#pragma unroll
+        for (int r = 0; r < R; r++) s[r] += qs[(warp * R + r) * d + c] * kc;
+      }
+      const long long j = j0 + lane;
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const long long i = i0 + warp * R + r;
+        const T sv = j < iend[r] ? scale * s[r] + bias_at(bias, bs, bh, n.h, i, j) : (T)-INFINITY;
+        const T top = warp_max(sv);
+        const T m_new = top > m[r] ? top : m[r];
+        // Every score so far -inf: nothing to weigh yet (warp-uniform).
+        const T corr = m_new == (T)-INFINITY ? T(1) : wick_exp(m[r] - m_new);
+        const T p = m_new == (T)-INFINITY ? T(0) : wick_exp(sv - m_new);
+        l[r] = l[r] * corr + warp_sum(p);
+#pragma unroll
+        for (int t = 0; t < WICK_ATT_LANES; t++) acc[r][t] *= corr;
+        ps[(warp * R + r) * 32 + lane] = p;
+        m[r] = m_new;
+      }
+      __syncthreads();
+      load_tile(v, lv, bh, n.h, j0, kend, 32, d, kv, kd);
+      __syncthreads();
+#pragma unroll 4
+      for (int jj = 0; jj < 32; jj++) {
+        T vr[WICK_ATT_LANES];
+#pragma unroll
+        for (int t = 0; t < WICK_ATT_LANES; t++) {
+          const int c = lane + 32 * t;
+          vr[t] = c < d ? kv[jj * kd + c] : T(0);
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          const T p = ps[(warp * R + r) * 32 + jj];
+#pragma unroll
+          for (int t = 0; t < WICK_ATT_LANES; t++) acc[r][t] += p * vr[t];
         }
       }
     }
-    const long long ks = at(ldk, bh, n.h, j), vs = at(ldv, bh, n.h, j);
 #pragma unroll
-    for (int t = 0; t < WICK_ATT_LANES; t++) {
-      const long long c = lane + 32 * t;
-      if (c < n.d) {
-        wick_store(dk, ks + c, ak[t] * scale);
-        wick_store(dv, vs + c, av[t]);
+    for (int r = 0; r < R; r++) {
+      const long long i = i0 + warp * R + r;
+      if (i >= n.sq) continue;
+      const long long os = at(lo, bh, n.h, i);
+      const T inv = T(1) / l[r];
+#pragma unroll
+      for (int t = 0; t < WICK_ATT_LANES; t++) {
+        const int c = lane + 32 * t;
+        if (c < d) wick_store(out, os + c, acc[r][t] * inv);
+      }
+      if (lane == 0) lse[bh * n.sq + i] = (double)m[r] + (double)wick_log(l[r]);
+    }
+  }
+}
+
+// dq (and D_i = dO_i·o_i, written for the dk/dv kernel): a block takes R·4 query rows of one head
+// and walks the keys up to its rows' last end in tiles of 32. Shared memory: the query and dO
+// tiles [R·4][d] each, the K and V tiles [32][d + 1] each, the warps' ds [R·4][32].
+template <typename E>
+__device__ void attention_dq(const E* q, const E* k, const E* v, const typename WickCompute<E>::T* bias,
+                             const int* ends, const E* out, const E* dout, const double* lse, double* dsum, E* dq,
+                             Lay lq, Lay lk, Lay lv, Lay lo, Lay ldq, Dims n, BiasStrides bs) {
+  typedef typename WickCompute<E>::T T;
+  const int R = AttRows<T>::R, ROWS = R * WICK_ATT_WARPS;
+  WICK_DYNAMIC_SHARED(T, smem);
+  const int d = (int)n.d, kd = d + 1;  // at most 128 (the launcher checks)
+  T* qs = smem;
+  T* gs = qs + ROWS * d;
+  T* ks = gs + ROWS * d;
+  T* vs = ks + 32 * kd;
+  T* dss = vs + 32 * kd;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const long long tiles = (n.sq + ROWS - 1) / ROWS;
+  const T scale = (T)(1.0 / sqrt((double)d));
+  for (long long blk = blockIdx.x; blk < n.b * n.h * tiles; blk += gridDim.x) {
+    const long long bh = blk / tiles, i0 = (blk % tiles) * ROWS;
+    const long long kend = tile_end(ends, bs, n, bh, i0, ROWS);
+    __syncthreads();
+    load_tile(q, lq, bh, n.h, i0, n.sq, ROWS, d, qs, d);
+    load_tile(dout, lo, bh, n.h, i0, n.sq, ROWS, d, gs, d);
+    __syncthreads();
+    T dsum_r[R], lse_r[R], acc[R][WICK_ATT_LANES];
+    long long iend[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const long long i = i0 + warp * R + r;
+      iend[r] = row_end(ends, bs, n, bh, i);
+      T part = T(0);
+      if (i < n.sq) {
+        const long long os = at(lo, bh, n.h, i);
+#pragma unroll
+        for (int t = 0; t < WICK_ATT_LANES; t++) {
+          const int c = lane + 32 * t;
+          if (c < d) part += gs[(warp * R + r) * d + c] * (T)wick_load(out, os + c);
+        }
+      }
+      dsum_r[r] = warp_sum(part);
+      if (i < n.sq && lane == 0) dsum[bh * n.sq + i] = (double)dsum_r[r];
+      lse_r[r] = i < n.sq ? (T)lse[bh * n.sq + i] : T(0);
+#pragma unroll
+      for (int t = 0; t < WICK_ATT_LANES; t++) acc[r][t] = T(0);
+    }
+    for (long long j0 = 0; j0 < kend; j0 += 32) {
+      __syncthreads();
+      load_tile(k, lk, bh, n.h, j0, kend, 32, d, ks, kd);
+      load_tile(v, lv, bh, n.h, j0, kend, 32, d, vs, kd);
+      __syncthreads();
+      T s[R], dp[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) s[r] = dp[r] = T(0);
+      for (int c = 0; c < d; c++) {
+        const T kc = ks[lane * kd + c], vc = vs[lane * kd + c];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          s[r] += qs[(warp * R + r) * d + c] * kc;
+          dp[r] += gs[(warp * R + r) * d + c] * vc;
+        }
+      }
+      const long long j = j0 + lane;
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const long long i = i0 + warp * R + r;
+        const bool in = j < iend[r];
+        const T p = in ? wick_exp(scale * s[r] + bias_at(bias, bs, bh, n.h, i, j) - lse_r[r]) : T(0);
+        dss[(warp * R + r) * 32 + lane] = in ? p * (dp[r] - dsum_r[r]) : T(0);
+      }
+      __syncwarp();
+#pragma unroll 4
+      for (int jj = 0; jj < 32; jj++) {
+        T kr[WICK_ATT_LANES];
+#pragma unroll
+        for (int t = 0; t < WICK_ATT_LANES; t++) {
+          const int c = lane + 32 * t;
+          kr[t] = c < d ? ks[jj * kd + c] : T(0);
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          const T ds = dss[(warp * R + r) * 32 + jj];
+#pragma unroll
+          for (int t = 0; t < WICK_ATT_LANES; t++) acc[r][t] += ds * kr[t];
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const long long i = i0 + warp * R + r;
+      if (i >= n.sq) continue;
+      const long long os = at(ldq, bh, n.h, i);
+#pragma unroll
+      for (int t = 0; t < WICK_ATT_LANES; t++) {
+        const int c = lane + 32 * t;
+        if (c < d) wick_store(dq, os + c, acc[r][t] * scale);
+      }
+    }
+  }
+}
+
+// dk and dv (after attention_dq has written D): a block takes R·4 key rows of one head and walks
+// the query rows in tiles of 32, leaving out the tiles whose rows all end at or before its first
+// key. Shared memory: the K and V tiles [R·4][d] each, the Q and dO tiles [32][d + 1] each, the
+// warps' p and ds [R·4][32] each, and the query tile's log-sum-exps, D and ends.
+template <typename E>
+__device__ void attention_dkdv(const E* q, const E* k, const E* v, const typename WickCompute<E>::T* bias,
+                               const int* ends, const E* dout, const double* lse, const double* dsum, E* dk, E* dv,
+                               Lay lq, Lay lk, Lay lv, Lay lo, Lay ldk, Lay ldv, Dims n, BiasStrides bs) {
+  typedef typename WickCompute<E>::T T;
+  const int R = AttRows<T>::R, ROWS = R * WICK_ATT_WARPS;
+  WICK_DYNAMIC_SHARED(T, smem);
+  const int d = (int)n.d, kd = d + 1;  // at most 128 (the launcher checks)
+  T* ks = smem;
+  T* vs = ks + ROWS * d;
+  T* qs = vs + ROWS * d;
+  T* gs = qs + 32 * kd;
+  T* ps = gs + 32 * kd;
+  T* dss = ps + ROWS * 32;
+  T* lse_s = dss + ROWS * 32;
+  T* dsum_s = lse_s + 32;
+  int* end_s = reinterpret_cast<int*>(dsum_s + 32);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const long long tiles = (n.sk + ROWS - 1) / ROWS;
+  const T scale = (T)(1.0 / sqrt((double)d));
+  for (long long blk = blockIdx.x; blk < n.b * n.h * tiles; blk += gridDim.x) {
+    const long long bh = blk / tiles, j0 = (blk % tiles) * ROWS;
+    __syncthreads();
+    load_tile(k, lk, bh, n.h, j0, n.sk, ROWS, d, ks, d);
+    load_tile(v, lv, bh, n.h, j0, n.sk, ROWS, d, vs, d);
+    T ak[R][WICK_ATT_LANES], av[R][WICK_ATT_LANES];
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+      for (int t = 0; t < WICK_ATT_LANES; t++) ak[r][t] = av[r][t] = T(0);
+    for (long long i0 = 0; i0 < n.sq; i0 += 32) {
+      if (tile_end(ends, bs, n, bh, i0, 32) <= j0) continue;  // every row ends before these keys
+      __syncthreads();
+      load_tile(q, lq, bh, n.h, i0, n.sq, 32, d, qs, kd);
+      load_tile(dout, lo, bh, n.h, i0, n.sq, 32, d, gs, kd);
+      if (threadIdx.x < 32) {
+        const long long i = i0 + threadIdx.x;
+        lse_s[threadIdx.x] = i < n.sq ? (T)lse[bh * n.sq + i] : T(0);
+        dsum_s[threadIdx.x] = i < n.sq ? (T)dsum[bh * n.sq + i] : T(0);
+        end_s[threadIdx.x] = (int)row_end(ends, bs, n, bh, i);
+      }
+      __syncthreads();
+      T s[R], dp[R];
+#pragma unroll
+      for (int r = 0; r < R; r++) s[r] = dp[r] = T(0);
+      for (int c = 0; c < d; c++) {
+        const T qc = qs[lane * kd + c], gc = gs[lane * kd + c];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          s[r] += ks[(warp * R + r) * d + c] * qc;
+          dp[r] += vs[(warp * R + r) * d + c] * gc;
+        }
+      }
+      const long long i = i0 + lane;
+#pragma unroll
+      for (int r = 0; r < R; r++) {
+        const long long j = j0 + warp * R + r;
+        const bool in = j < end_s[lane];
+        const T p = in ? wick_exp(scale * s[r] + bias_at(bias, bs, bh, n.h, i, j) - lse_s[lane]) : T(0);
+        ps[(warp * R + r) * 32 + lane] = p;
+        dss[(warp * R + r) * 32 + lane] = in ? p * (dp[r] - dsum_s[lane]) : T(0);
+      }
+      __syncwarp();
+#pragma unroll 4
+      for (int ii = 0; ii < 32; ii++) {
+        T qr[WICK_ATT_LANES], gr[WICK_ATT_LANES];
+#pragma unroll
+        for (int t = 0; t < WICK_ATT_LANES; t++) {
+          const int c = lane + 32 * t;
+          qr[t] = c < d ? qs[ii * kd + c] : T(0);
+          gr[t] = c < d ? gs[ii * kd + c] : T(0);
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          const T p = ps[(warp * R + r) * 32 + ii], ds = dss[(warp * R + r) * 32 + ii];
+#pragma unroll
+          for (int t = 0; t < WICK_ATT_LANES; t++) {
+            av[r][t] += p * gr[t];
+            ak[r][t] += ds * qr[t];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const long long j = j0 + warp * R + r;
+      if (j >= n.sk) continue;
+      const long long ks_at = at(ldk, bh, n.h, j), vs_at = at(ldv, bh, n.h, j);
+#pragma unroll
+      for (int t = 0; t < WICK_ATT_LANES; t++) {
+        const int c = lane + 32 * t;
+        if (c < d) {
+          wick_store(dk, ks_at + c, ak[r][t] * scale);
+          wick_store(dv, vs_at + c, av[r][t]);
+        }
       }
     }
   }
@@ -193,22 +427,30 @@ __device__ void attention_dkdv(const E* q, const E* k, const E* v, const typenam
 
 #define WICK_KERNEL(E, sfx)                                                                                         \
   extern "C" __global__ void wick_attention_##sfx(const E* q, const E* k, const E* v, const WickCompute<E>::T* bias, \
-                                                  E* out, double* lse, Lay lq, Lay lk, Lay lv, Lay lo, Dims n,      \
-                                                  BiasStrides bs) {                                                 \
-    attention_forward(q, k, v, bias, out, lse, lq, lk, lv, lo, n, bs);                                              \
+                                                  const int* ends, E* out, double* lse, Lay lq, Lay lk, Lay lv,     \
+                                                  Lay lo, Dims n, BiasStrides bs) {                                 \
+    attention_forward(q, k, v, bias, ends, out, lse, lq, lk, lv, lo, n, bs);                                        \
   }                                                                                                                 \
-  extern "C" __global__ void wick_attention_dq_##sfx(const E* q, const E* k, const E* v,                             \
-                                                     const WickCompute<E>::T* bias, const E* out, const E* dout,    \
-                                                     const double* lse, double* dsum, E* dq, Lay lq, Lay lk,        \
-                                                     Lay lv, Lay lo, Lay ldq, Dims n, BiasStrides bs) {             \
-    attention_dq(q, k, v, bias, out, dout, lse, dsum, dq, lq, lk, lv, lo, ldq, n, bs);                              \
+  extern "C" __global__ void wick_attention_dq_##sfx(                                                               \
+      const E* q, const E* k, const E* v, const WickCompute<E>::T* bias, const int* ends, const E* out,              \
+      const E* dout, const double* lse, double* dsum, E* dq, Lay lq, Lay lk, Lay lv, Lay lo, Lay ldq, Dims n,        \
+      BiasStrides bs) {                                                                                             \
+    attention_dq(q, k, v, bias, ends, out, dout, lse, dsum, dq, lq, lk, lv, lo, ldq, n, bs);                         \
   }                                                                                                                 \
-  extern "C" __global__ void wick_attention_dkdv_##sfx(const E* q, const E* k, const E* v,                           \
-                                                       const WickCompute<E>::T* bias, const E* dout,                \
-                                                       const double* lse, const double* dsum, E* dk, E* dv, Lay lq, \
-                                                       Lay lk, Lay lv, Lay lo, Lay ldk, Lay ldv, Dims n,            \
-                                                       BiasStrides bs) {                                            \
-    attention_dkdv(q, k, v, bias, dout, lse, dsum, dk, dv, lq, lk, lv, lo, ldk, ldv, n, bs);                        \
+  extern "C" __global__ void wick_attention_dkdv_##sfx(                                                             \
+      const E* q, const E* k, const E* v, const WickCompute<E>::T* bias, const int* ends, const E* dout,             \
+      const double* lse, const double* dsum, E* dk, E* dv, Lay lq, Lay lk, Lay lv, Lay lo, Lay ldk, Lay ldv, Dims n, \
+      BiasStrides bs) {                                                                                             \
+    attention_dkdv(q, k, v, bias, ends, dout, lse, dsum, dk, dv, lq, lk, lv, lo, ldk, ldv, n, bs);                  \
   }
 
 WICK_FOR_FLOATS(WICK_KERNEL)
+
+extern "C" __global__ void wick_attention_ends_f32(const float* bias, int* ends, Dims n, BiasStrides bs, long long nb,
+                                                   long long nh) {
+  attention_ends(bias, ends, n, bs, nb, nh);
+}
+extern "C" __global__ void wick_attention_ends_f64(const double* bias, int* ends, Dims n, BiasStrides bs, long long nb,
+                                                   long long nh) {
+  attention_ends(bias, ends, n, bs, nb, nh);
+}

@@ -1,12 +1,19 @@
 //! The CUDA body of scaled dot-product attention (`kernels/src/cuda/nn_attention.cu`), in the
-//! manner of FlashAttention-2: forward in one launch keeping the output and one log-sum-exp per
-//! query row on the device (never an s × s tensor); backward in two launches (dq with each row's
-//! `dO·o`, then dk and dv), each result row summed by one warp in a fixed order. Operands are
-//! addressed by the host op's layouts, so the packed (B, S, 3·H·D) form needs no split copies.
+//! manner of FlashAttention-2: tiles of q, k, v and dO in shared memory, forward in one launch
+//! keeping the output and one log-sum-exp per query row on the device (never an s × s tensor);
+//! backward in two launches (dq with each row's `dO·o`, then dk and dv), each result row summed
+//! by one thread in a fixed order. A bias's row ends (the host body's rule: the keys after a
+//! row's last one above the masked bound take no part) are found once, when the op is made, and
+//! a tile of keys after every end of a block's rows is never loaded: a causal mask costs half the
+//! work. Operands are addressed by the host op's layouts, so the packed (B, S, 3·H·D) form needs no
+//! split copies.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::CudaStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage};
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 
 use super::{by_cuda_elem, err, function, output, suffix, tensor, view, with_cuda};
@@ -15,6 +22,12 @@ const MODULE: &str = "nn_attention";
 
 /// The largest head dimension the kernels take (32 lanes × 4 elements).
 pub const MAX_HEAD_DIM: usize = 128;
+
+/// Threads of a block: 4 warps.
+const BLOCK_THREADS: u32 = 128;
+
+/// Shared memory a block may use without the function's opt-in (CUDA's static limit).
+const DEFAULT_SHARED: usize = 48 * 1024;
 
 /// Where an operand's rows lie, in elements: row `i` of head (b, h) starts at
 /// `base + b·batch + h·head + i·row` (the kernels' `Lay`).
@@ -43,6 +56,7 @@ struct Dims {
     d: i64,
 }
 
+/// The bias's strides over (B, H, Sq, Sk) and its row ends' over (B, H) (the query row's is 1).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
 struct BiasStrides {
@@ -50,6 +64,8 @@ struct BiasStrides {
     h: i64,
     q: i64,
     k: i64,
+    eb: i64,
+    eh: i64,
 }
 
 // SAFETY: plain `repr(C)` structs of 64-bit integers, passed by value as the kernels declare them.
@@ -60,20 +76,67 @@ unsafe impl DeviceRepr for Dims {}
 unsafe impl DeviceRepr for BiasStrides {}
 
 /// An additive bias on the device: the compute type's values broadcast to (B, H, Sq, Sk) by
-/// strides (0 along broadcast axes), never expanded.
+/// strides (0 along broadcast axes), never expanded, and the end of each of its distinct rows
+/// (one per batch and head it varies over, and query row).
 pub(crate) struct DeviceBias {
     values: Tensor,
     strides: BiasStrides,
+    ends: CudaSlice<i32>,
 }
 
 impl DeviceBias {
-    /// `bias` for attention of `dims` (B, H, Sq, Sk) over `input` (its device and dtype).
+    /// `bias` for attention of `dims` (B, H, Sq, Sk) over `input` (its device and dtype); finds
+    /// its row ends on the device.
     pub(crate) fn new(bias: &Tensor, dims: [usize; 4], input: &Tensor) -> Result<Self> {
         let compute = if input.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
         let values = bias.to_device(input.device())?.to_dtype(compute)?.broadcast_as(dims.to_vec())?;
+        let [b, h, sq, sk] = dims;
+        if i32::try_from(sk).is_err() {
+            return Err(err(format!("attention: {sk} keys (the row ends are 32-bit)")));
+        }
         let s = values.stride();
-        let strides = BiasStrides { b: s[0] as i64, h: s[1] as i64, q: s[2] as i64, k: s[3] as i64 };
-        Ok(DeviceBias { values, strides })
+        let (nb, nh) = (if s[0] == 0 { 1 } else { b }, if s[1] == 0 { 1 } else { h });
+        let strides = BiasStrides {
+            b: s[0] as i64,
+            h: s[1] as i64,
+            q: s[2] as i64,
+            k: s[3] as i64,
+            eb: if nb == 1 { 0 } else { (nh * sq) as i64 },
+            eh: if nh == 1 { 0 } else { sq as i64 },
+        };
+        let rows = nb * nh * sq;
+        let (storage, layout) = values.storage_and_layout();
+        let Storage::Cuda(cs) = &*storage else { return Err(err("attention: the bias is not on a CUDA device")) };
+        let dev = cs.device();
+        let n = Dims { b: b as i64, h: h as i64, sq: sq as i64, sk: sk as i64, d: 0 };
+        let mut ends = output::<i32>(dev, rows)?;
+        let (nb, nh) = (nb as i64, nh as i64);
+        let stream = dev.cuda_stream();
+        macro_rules! go {
+            ($t:ty, $name:literal) => {{
+                let f = function(dev, MODULE, $name)?;
+                let slice = cs.as_cuda_slice::<$t>()?;
+                let values = slice.slice(layout.start_offset()..);
+                let mut launch = stream.launch_builder(&f);
+                launch.arg(&values).arg(&mut ends).arg(&n).arg(&strides).arg(&nb).arg(&nh);
+                let config = LaunchConfig {
+                    grid_dim: (rows.div_ceil(8).clamp(1, 65_535) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: (bias: the compute type, every address its strides name over `dims` in
+                // the storage — `broadcast_as` checked the shape; ends: i32, `rows` of them; the
+                // dims, strides and distinct batches and heads by value), the kernel's parameters.
+                unsafe { launch.launch(config) }.map_err(|e| err(format!("attention row ends: {e}")))?;
+            }};
+        }
+        if compute == DType::F64 {
+            go!(f64, "wick_attention_ends_f64")
+        } else {
+            go!(f32, "wick_attention_ends_f32")
+        }
+        drop(storage);
+        Ok(DeviceBias { values, strides, ends })
     }
 }
 
@@ -92,19 +155,82 @@ impl Geometry {
         Ok(Dims { b: b as i64, h: h as i64, sq: sq as i64, sk: sk as i64, d: d as i64 })
     }
 
-    fn rows(&self, keys: bool) -> usize {
-        let (b, h, sq, sk, _) = self.dims;
-        b * h * if keys { sk } else { sq }
+    /// Batches × heads.
+    fn heads(&self) -> usize {
+        self.dims.0 * self.dims.1
+    }
+
+    /// Query rows over every head (one log-sum-exp each).
+    fn rows(&self) -> usize {
+        let (b, h, sq, _, _) = self.dims;
+        b * h * sq
     }
 }
 
-/// One warp a row, 8 warps a block, at most 65 535 blocks (the kernels loop over the rest).
-fn warps(rows: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (rows.div_ceil(8).clamp(1, 65_535) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+/// The kernels' three launches.
+#[derive(Clone, Copy)]
+enum Kernel {
+    Forward,
+    Dq,
+    DkDv,
+}
+
+/// Rows a block takes (4 warps of 8 rows; of 4 in f64, whose values take twice the registers).
+fn block_rows(dtype: DType) -> usize {
+    if dtype == DType::F64 {
+        16
+    } else {
+        32
     }
+}
+
+/// The shared memory a block of `kernel` uses for head dimension `d`: the kernels' tiles (rows a
+/// block by `d`, 32 rows by `d + 1`, probabilities rows by 32; dk/dv's query tile's log-sum-exps,
+/// D and ends). The emulator's check (`kernels/emu/check_attention.cpp`) gives its launches
+/// exactly these bytes, under AddressSanitizer in `scripts/cuda-ci.sh`.
+fn shared_bytes(kernel: Kernel, dtype: DType, d: usize) -> usize {
+    let size = if dtype == DType::F64 { 8 } else { 4 };
+    let (rows, kd) = (block_rows(dtype), d + 1);
+    match kernel {
+        Kernel::Forward => (rows * d + 32 * kd + rows * 32) * size,
+        Kernel::Dq => (2 * rows * d + 2 * 32 * kd + rows * 32) * size,
+        Kernel::DkDv => (2 * rows * d + 2 * 32 * kd + 2 * rows * 32 + 64) * size + 32 * 4,
+    }
+}
+
+/// A block per tile of `rows` rows (at most 65 535 blocks: the kernels loop over the rest), with
+/// the kernel's shared memory — opted into where it exceeds the default 48 KiB (the backward
+/// kernels above head dimension 78 in f32, 51 in f64), refused where the device has less.
+fn tiles(
+    f: &CudaFunction,
+    dev: &CudaDevice,
+    kernel: Kernel,
+    dtype: DType,
+    heads: usize,
+    rows: usize,
+    d: usize,
+) -> Result<LaunchConfig> {
+    let bytes = shared_bytes(kernel, dtype, d);
+    if bytes > DEFAULT_SHARED {
+        let most = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| err(format!("attention: {e}")))?;
+        if bytes > most.max(0) as usize {
+            return Err(err(format!(
+                "attention: head dimension {d} in {dtype:?} needs {bytes} bytes of shared memory a block; this device gives {most}"
+            )));
+        }
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+            .map_err(|e| err(format!("attention: {e}")))?;
+    }
+    let blocks = heads.saturating_mul(rows.div_ceil(block_rows(dtype)));
+    Ok(LaunchConfig {
+        grid_dim: (blocks.clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (BLOCK_THREADS, 1, 1),
+        shared_mem_bytes: bytes as u32,
+    })
 }
 
 /// The bias's strides (zeros without one: the kernels then read none).
@@ -112,9 +238,9 @@ fn bias_strides(bias: Option<&DeviceBias>) -> BiasStrides {
     bias.map_or(BiasStrides::default(), |b| b.strides)
 }
 
-/// Runs `f` with the bias's view (or a null pointer) in compute type `T`.
+/// Runs `f` with the bias's view and its row ends (or two null pointers) in compute type `T`.
 macro_rules! with_bias {
-    ($bias:expr, $t:ty, |$arg:ident| $body:expr) => {{
+    ($bias:expr, $t:ty, |$arg:ident, $ends:ident| $body:expr) => {{
         match $bias {
             Some(b) => {
                 let (s, l) = b.values.storage_and_layout();
@@ -122,11 +248,12 @@ macro_rules! with_bias {
                 let slice = s.as_cuda_slice::<$t>()?;
                 let view = slice.slice(l.start_offset()..);
                 let $arg = &view;
+                let $ends = &b.ends;
                 $body
             }
             None => {
                 let null = 0u64;
-                let $arg = &null;
+                let ($arg, $ends) = (&null, &null);
                 $body
             }
         }
@@ -145,24 +272,26 @@ pub(crate) fn forward(
     let n = geometry.dims()?;
     let [lq, lk, lv, lo] = geometry.lays;
     let bs = bias_strides(bias);
-    let rows = geometry.rows(false);
+    let rows = geometry.rows();
     by_cuda_elem!(q.0.dtype(), E => {
         let (qv, kv, vv) = (view::<E>(q.0, q.1)?, view::<E>(k.0, k.1)?, view::<E>(v.0, v.1)?);
         let f = function(dev, MODULE, &format!("wick_attention_{}", suffix(E::DTYPE)?))?;
+        let config = tiles(&f, dev, Kernel::Forward, E::DTYPE, geometry.heads(), geometry.dims.2, geometry.dims.4)?;
         let mut out = output::<E>(dev, out_len)?;
         let mut lse = output::<f64>(dev, rows)?;
         let stream = dev.cuda_stream();
         macro_rules! go {
             ($t:ty) => {
-                with_bias!(bias, $t, |b| {
+                with_bias!(bias, $t, |b, ends| {
                     let mut launch = stream.launch_builder(&f);
-                    launch.arg(&qv).arg(&kv).arg(&vv).arg(b).arg(&mut out).arg(&mut lse);
+                    launch.arg(&qv).arg(&kv).arg(&vv).arg(b).arg(ends).arg(&mut out).arg(&mut lse);
                     launch.arg(&lq).arg(&lk).arg(&lv).arg(&lo).arg(&n).arg(&bs);
-                    // SAFETY: (q, k, v: E; bias: the compute type or null; out: E, `out_len`; lse:
-                    // f64, one a query row; the four layouts, the dims, the bias strides by value),
-                    // the kernel's parameters in order; every address the layouts name lies in its
-                    // operand (the host op checked the shapes).
-                    unsafe { launch.launch(warps(rows)) }.map_err(|e| err(format!("attention: {e}")))?;
+                    // SAFETY: (q, k, v: E; bias: the compute type or null; ends: i32, one a
+                    // distinct bias row, or null; out: E, `out_len`; lse: f64, one a query row; the
+                    // four layouts, the dims, the bias strides by value), the kernel's parameters in
+                    // order; every address the layouts name lies in its operand (the host op checked
+                    // the shapes); the shared memory is what the kernel's tiles take.
+                    unsafe { launch.launch(config) }.map_err(|e| err(format!("attention: {e}")))?;
                 })
             };
         }
@@ -191,7 +320,7 @@ pub(crate) fn backward(
     let n = geometry.dims()?;
     let [lq, lk, lv, lo] = geometry.lays;
     let bs = bias_strides(bias);
-    let (rows_q, rows_k) = (geometry.rows(false), geometry.rows(true));
+    let rows_q = geometry.rows();
     if lse.len() != rows_q {
         return Err(err("attention backward: no forward statistics for these inputs"));
     }
@@ -226,22 +355,26 @@ pub(crate) fn backward(
                     function(dev, MODULE, &format!("wick_attention_dq_{sfx}"))?,
                     function(dev, MODULE, &format!("wick_attention_dkdv_{sfx}"))?,
                 );
+                let (heads, d) = (geometry.heads(), geometry.dims.4);
+                let cdq = tiles(&fdq, dev, Kernel::Dq, E::DTYPE, heads, geometry.dims.2, d)?;
+                let cdkdv = tiles(&fdkdv, dev, Kernel::DkDv, E::DTYPE, heads, geometry.dims.3, d)?;
                 macro_rules! go {
                     ($t:ty) => {
-                        with_bias!(bias, $t, |b| {
+                        with_bias!(bias, $t, |b, ends| {
                             let mut launch = stream.launch_builder(&fdq);
-                            launch.arg(qv).arg(kv).arg(vv).arg(b).arg(ov).arg(gv).arg(lse).arg(&mut dsum).arg(&pdq);
+                            launch.arg(qv).arg(kv).arg(vv).arg(b).arg(ends).arg(ov).arg(gv).arg(lse).arg(&mut dsum).arg(&pdq);
                             launch.arg(&lq).arg(&lk).arg(&lv).arg(&lo).arg(&ldq).arg(&n).arg(&bs);
-                            // SAFETY: (q, k, v: E; bias: compute type or null; out, dout: E; lse: f64;
-                            // dsum: f64, one a query row; dq: a device address of E with room for
-                            // every row `ldq` names; layouts, dims, strides by value), in order.
-                            unsafe { launch.launch(warps(rows_q)) }.map_err(|e| err(format!("attention backward: {e}")))?;
+                            // SAFETY: (q, k, v: E; bias: compute type or null; ends: i32 or null;
+                            // out, dout: E; lse: f64; dsum: f64, one a query row; dq: a device address
+                            // of E with room for every row `ldq` names; layouts, dims, strides by
+                            // value), in order; the shared memory is what the kernel's tiles take.
+                            unsafe { launch.launch(cdq) }.map_err(|e| err(format!("attention backward: {e}")))?;
                             let mut launch = stream.launch_builder(&fdkdv);
-                            launch.arg(qv).arg(kv).arg(vv).arg(b).arg(gv).arg(lse).arg(&dsum).arg(&pdk).arg(&pdv);
+                            launch.arg(qv).arg(kv).arg(vv).arg(b).arg(ends).arg(gv).arg(lse).arg(&dsum).arg(&pdk).arg(&pdv);
                             launch.arg(&lq).arg(&lk).arg(&lv).arg(&lo).arg(&ldk).arg(&ldv).arg(&n).arg(&bs);
                             // SAFETY: as above, dk and dv addresses with room for every row their
                             // layouts name; ordered after the dq kernel (one stream), which wrote dsum.
-                            unsafe { launch.launch(warps(rows_k)) }.map_err(|e| err(format!("attention backward: {e}")))?;
+                            unsafe { launch.launch(cdkdv) }.map_err(|e| err(format!("attention backward: {e}")))?;
                         })
                     };
                 }
