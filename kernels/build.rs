@@ -11,13 +11,14 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 10] = [
+const KERNELS: [&str; 11] = [
     "amp_unscale",
     "amp_update_scale",
     "optim_step",
     "nn_act",
     "nn_norm",
     "nn_attention",
+    "nn_attention_tc",
     "nn_rows",
     "nn_pool",
     "nn_batch_norm",

@@ -3,20 +3,49 @@
 // shared memory it asks for): the row ends of a bias, the forward pass (output and log-sum-exp)
 // and the gradients, against direct sums in f64 over the keys each row weighs. Heads apart and
 // packed; no bias, a padding bias (b, 1, 1, s), a causal one (s, s) at -1e4 and at bf16's -9 984,
-// and sequences that end inside a tile and span several; f32 and f64 (their tiles differ). The
-// masked keys of the padding case hold NaN in K and V: the kernels must never read them.
+// and sequences that end inside a tile and span several; the CUDA-core kernels in f32 and f64
+// (their tiles differ) and bf16, the tensor-core ones (nn_attention_tc.cu, on the emulator's
+// WMMA: mma.h) in bf16 and f16, head dimensions that are and are not multiples of 16. The masked
+// keys of the padding case hold NaN in K and V: the kernels must never read them.
 // Part of target/emu-check (see check.cpp).
 #include "harness.h"
 
 #include "../src/cuda/nn_attention.cu"
+#undef WICK_KERNEL
+#include "../src/cuda/nn_attention_tc.cu"
 
 namespace {
 
+// Storage types to and from f64.
+template <typename E> E to(double x) {
+  if constexpr (std::is_same_v<E, __half>)
+    return __float2half_rn((float)x);
+  else if constexpr (std::is_same_v<E, __nv_bfloat16>)
+    return __float2bfloat16_rn((float)x);
+  else
+    return (E)x;
+}
+inline double wd(float x) { return x; }
+inline double wd(double x) { return x; }
+inline double wd(__half x) { return __half2float(x); }
+inline double wd(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename E> std::vector<double> wds(const std::vector<E>& v) {
+  std::vector<double> r(v.size());
+  for (size_t i = 0; i < v.size(); i++) r[i] = wd(v[i]);
+  return r;
+}
+
 // The launcher's figures (wick-nn's native::cuda::attention): rows a block takes, and the shared
-// memory of each kernel in bytes.
-template <typename E> long long rows_a_block() { return 4 * AttRows<typename WickCompute<E>::T>::R; }
-template <typename E> size_t shared_bytes(int kernel, long long d) {
-  const size_t t = sizeof(typename WickCompute<E>::T), rows = rows_a_block<E>(), kd = d + 1;
+// memory of each kernel (0 forward, 1 dq, 2 dk/dv) in bytes — on CUDA cores or tensor cores.
+template <typename E> long long rows_a_block(bool tc) { return tc ? 64 : 4 * AttRows<typename WickCompute<E>::T>::R; }
+template <typename E> size_t shared_bytes(bool tc, int kernel, long long d) {
+  if (tc) {
+    const size_t d16 = (d + 15) / 16 * 16, ld = d16 + 8, ldo = d16 + 4, e = sizeof(E);
+    if (kernel == 0) return 3 * 64 * ld * e + 4 * 16 * 68 * 4 + 4 * 16 * ldo * 4 + 4 * 16 * 72 * e;
+    if (kernel == 1) return 4 * 64 * ld * e + 4 * 32 * 68 * 4 + 4 * 16 * 72 * e;
+    return 4 * 64 * ld * e + 4 * 32 * 68 * 4 + 2 * 4 * 16 * 72 * e + 64 * 4 * 2 + 64 * 4;
+  }
+  const size_t t = sizeof(typename WickCompute<E>::T), rows = rows_a_block<E>(false), kd = d + 1;
   if (kernel == 0) return (rows * d + 32 * kd + rows * 32) * t;
   if (kernel == 1) return (2 * rows * d + 2 * 32 * kd + rows * 32) * t;
   return (2 * rows * d + 2 * 32 * kd + 2 * rows * 32 + 64) * t + 32 * sizeof(int);
@@ -24,12 +53,42 @@ template <typename E> size_t shared_bytes(int kernel, long long d) {
 dim3 blocks(long long n) { return dim3{(unsigned)std::clamp<long long>(n, 1, 65535), 1, 1}; }
 const dim3 BLOCK{128, 1, 1};
 
+// The three kernels of one kind and storage type.
+template <typename E, bool TC> struct Kernels;
+template <> struct Kernels<float, false> {
+  static constexpr auto forward = wick_attention_f32;
+  static constexpr auto dq = wick_attention_dq_f32;
+  static constexpr auto dkdv = wick_attention_dkdv_f32;
+};
+template <> struct Kernels<double, false> {
+  static constexpr auto forward = wick_attention_f64;
+  static constexpr auto dq = wick_attention_dq_f64;
+  static constexpr auto dkdv = wick_attention_dkdv_f64;
+};
+template <> struct Kernels<__nv_bfloat16, false> {
+  static constexpr auto forward = wick_attention_bf16;
+  static constexpr auto dq = wick_attention_dq_bf16;
+  static constexpr auto dkdv = wick_attention_dkdv_bf16;
+};
+template <> struct Kernels<__nv_bfloat16, true> {
+  static constexpr auto forward = wick_attention_tc_bf16;
+  static constexpr auto dq = wick_attention_tc_dq_bf16;
+  static constexpr auto dkdv = wick_attention_tc_dkdv_bf16;
+};
+template <> struct Kernels<__half, true> {
+  static constexpr auto forward = wick_attention_tc_f16;
+  static constexpr auto dq = wick_attention_tc_dq_f16;
+  static constexpr auto dkdv = wick_attention_tc_dkdv_f16;
+};
+
 enum Bias { NONE, PADDING, CAUSAL, CAUSAL_BF16 };
 
-template <typename E> void attention(long long b, long long h, long long s, long long d, bool packed, Bias kind) {
+template <typename E, bool TC = false>
+void attention(long long b, long long h, long long s, long long d, bool packed, Bias kind, double tol) {
   typedef typename WickCompute<E>::T T;
   const char* names[] = {"", " padding", " causal", " causal (bf16 -9984)"};
-  const std::string what = std::string("attention ") + (sizeof(E) == 8 ? "f64 " : "f32 ") + (packed ? "packed " : "") +
+  const char* type = std::is_same_v<E, double> ? "f64 " : std::is_same_v<E, float> ? "f32 " : std::is_same_v<E, __half> ? "f16 " : "bf16 ";
+  const std::string what = std::string("attention ") + (TC ? "tensor cores " : "") + type + (packed ? "packed " : "") +
                            std::to_string(b) + "x" + std::to_string(h) + "x" + std::to_string(s) + "x" +
                            std::to_string(d) + names[kind];
   // Layouts: element (bh, i, c) of q, k, v, out.
@@ -42,8 +101,13 @@ template <typename E> void attention(long long b, long long h, long long s, long
   auto idx = [&](const Lay& l, long long bh, long long i, long long c) {
     return l.base + (bh / h) * l.batch + (bh % h) * l.head + i * l.row + c;
   };
+  auto from = [](const std::vector<double>& v) {
+    std::vector<E> r(v.size());
+    for (size_t i = 0; i < v.size(); i++) r[i] = to<E>(v[i]);
+    return r;
+  };
   const long long n_in = b * h * s * d, rows = b * h * s;
-  auto qv = narrow<E>(randn(packed ? 3 * n_in : n_in, 20)), kv = narrow<E>(randn(n_in, 21)), vv = narrow<E>(randn(n_in, 22));
+  auto qv = from(randn(packed ? 3 * n_in : n_in, 20)), kv = from(randn(n_in, 21)), vv = from(randn(n_in, 22));
   E *q = qv.data(), *k = packed ? qv.data() : kv.data(), *v = packed ? qv.data() : vv.data();
   std::vector<T> bias;
   BiasStrides bs{0, 0, 0, 0, 0, 0};
@@ -55,8 +119,8 @@ template <typename E> void attention(long long b, long long h, long long s, long
       bias[(b - 1) * s + j] = T(-1e4);
       for (long long hh = 0; hh < h; hh++)
         for (long long c = 0; c < d; c++) {
-          k[idx(lk, (b - 1) * h + hh, j, c)] = NAN;  // never read: after every row's end
-          v[idx(lv, (b - 1) * h + hh, j, c)] = NAN;
+          k[idx(lk, (b - 1) * h + hh, j, c)] = to<E>(NAN);  // never read: after every row's end
+          v[idx(lv, (b - 1) * h + hh, j, c)] = to<E>(NAN);
         }
     }
     bs = BiasStrides{s, 0, 0, 1, s, 0};
@@ -93,39 +157,24 @@ template <typename E> void attention(long long b, long long h, long long s, long
   }
   const int* ep = bp ? ends.data() : nullptr;
   auto end_of = [&](long long bh, long long i) { return ep ? (long long)ep[(bh / h) * bs.eb + (bh % h) * bs.eh + i] : s; };
-  std::vector<E> out(n_in), dout = narrow<E>(randn(n_in, 23));
+  std::vector<E> out(n_in), dout = from(randn(n_in, 23));
   std::vector<double> lse(rows), dsum(rows);
-  const long long tiles = b * h * ((s + rows_a_block<E>() - 1) / rows_a_block<E>());
-  launch(
-      blocks(tiles), BLOCK,
-      [&] {
-        if constexpr (sizeof(E) == 8)
-          wick_attention_f64(q, k, v, bp, ep, out.data(), lse.data(), lq, lk, lv, lo, n, bs);
-        else
-          wick_attention_f32(q, k, v, bp, ep, out.data(), lse.data(), lq, lk, lv, lo, n, bs);
-      },
-      shared_bytes<E>(0, d));
-  std::vector<E> grads(3 * n_in, E(NAN));
+  const long long tiles = b * h * ((s + rows_a_block<E>(TC) - 1) / rows_a_block<E>(TC));
+  typedef Kernels<E, TC> K;
+  launch(blocks(tiles), BLOCK, [&] { K::forward(q, k, v, bp, ep, out.data(), lse.data(), lq, lk, lv, lo, n, bs); },
+         shared_bytes<E>(TC, 0, d));
+  std::vector<E> grads(3 * n_in, to<E>(NAN));
   E *dq = grads.data(), *dk = packed ? grads.data() : grads.data() + n_in, *dv = packed ? grads.data() : grads.data() + 2 * n_in;
   launch(
       blocks(tiles), BLOCK,
-      [&] {
-        if constexpr (sizeof(E) == 8)
-          wick_attention_dq_f64(q, k, v, bp, ep, out.data(), dout.data(), lse.data(), dsum.data(), dq, lq, lk, lv, lo, lq, n, bs);
-        else
-          wick_attention_dq_f32(q, k, v, bp, ep, out.data(), dout.data(), lse.data(), dsum.data(), dq, lq, lk, lv, lo, lq, n, bs);
-      },
-      shared_bytes<E>(1, d));
+      [&] { K::dq(q, k, v, bp, ep, out.data(), dout.data(), lse.data(), dsum.data(), dq, lq, lk, lv, lo, lq, n, bs); },
+      shared_bytes<E>(TC, 1, d));
   launch(
       blocks(tiles), BLOCK,
-      [&] {
-        if constexpr (sizeof(E) == 8)
-          wick_attention_dkdv_f64(q, k, v, bp, ep, dout.data(), lse.data(), dsum.data(), dk, dv, lq, lk, lv, lo, lk, lv, n, bs);
-        else
-          wick_attention_dkdv_f32(q, k, v, bp, ep, dout.data(), lse.data(), dsum.data(), dk, dv, lq, lk, lv, lo, lk, lv, n, bs);
-      },
-      shared_bytes<E>(2, d));
-  // The reference: each row over the keys before its end (the masked ones' exponentials are 0).
+      [&] { K::dkdv(q, k, v, bp, ep, dout.data(), lse.data(), dsum.data(), dk, dv, lq, lk, lv, lo, lk, lv, n, bs); },
+      shared_bytes<E>(TC, 2, d));
+  // The reference, from the inputs as stored: each row over the keys before its end (the masked
+  // ones' exponentials are 0), backward from the kernels' own output as the op's backward is.
   std::vector<double> wout(n_in), wlse(rows), wgrad(3 * n_in, 0.0);
   const double scale = 1 / std::sqrt((double)d);
   for (long long bh = 0; bh < b * h; bh++) {
@@ -135,7 +184,7 @@ template <typename E> void attention(long long b, long long h, long long s, long
       double m = -INFINITY;
       for (long long j = 0; j < e; j++) {
         double dot = 0;
-        for (long long c = 0; c < d; c++) dot += (double)q[idx(lq, bh, i, c)] * (double)k[idx(lk, bh, j, c)];
+        for (long long c = 0; c < d; c++) dot += wd(q[idx(lq, bh, i, c)]) * wd(k[idx(lk, bh, j, c)]);
         p[i * s + j] = scale * dot + (bp ? (double)bp[(bh / h) * bs.b + (bh % h) * bs.h + i * bs.q + j * bs.k] : 0);
         m = std::max(m, p[i * s + j]);
       }
@@ -145,44 +194,50 @@ template <typename E> void attention(long long b, long long h, long long s, long
       for (long long j = 0; j < e; j++) p[i * s + j] = std::exp(p[i * s + j] - wlse[bh * s + i]);
       for (long long c = 0; c < d; c++) {
         double o = 0;
-        for (long long j = 0; j < e; j++) o += p[i * s + j] * (double)v[idx(lv, bh, j, c)];
+        for (long long j = 0; j < e; j++) o += p[i * s + j] * wd(v[idx(lv, bh, j, c)]);
         wout[idx(lo, bh, i, c)] = o;
       }
       double rowdot = 0;
-      std::vector<double> dp(e);
+      for (long long c = 0; c < d; c++) rowdot += wd(dout[idx(lo, bh, i, c)]) * wd(out[idx(lo, bh, i, c)]);
       for (long long j = 0; j < e; j++) {
-        for (long long c = 0; c < d; c++) dp[j] += (double)dout[idx(lo, bh, i, c)] * (double)v[idx(lv, bh, j, c)];
-        rowdot += p[i * s + j] * dp[j];
+        double dpv = 0;
+        for (long long c = 0; c < d; c++) dpv += wd(dout[idx(lo, bh, i, c)]) * wd(v[idx(lv, bh, j, c)]);
+        ds[i * s + j] = p[i * s + j] * (dpv - rowdot);
       }
-      for (long long j = 0; j < e; j++) ds[i * s + j] = p[i * s + j] * (dp[j] - rowdot);
     }
     const long long gq = 0, gk = packed ? 0 : n_in, gv = packed ? 0 : 2 * n_in;
     for (long long i = 0; i < s; i++)
       for (long long j = 0; j < end_of(bh, i); j++)
         for (long long c = 0; c < d; c++) {
-          wgrad[gq + idx(lq, bh, i, c)] += scale * ds[i * s + j] * (double)k[idx(lk, bh, j, c)];
-          wgrad[gk + idx(lk, bh, j, c)] += scale * ds[i * s + j] * (double)q[idx(lq, bh, i, c)];
-          wgrad[gv + idx(lv, bh, j, c)] += p[i * s + j] * (double)dout[idx(lo, bh, i, c)];
+          wgrad[gq + idx(lq, bh, i, c)] += scale * ds[i * s + j] * wd(k[idx(lk, bh, j, c)]);
+          wgrad[gk + idx(lk, bh, j, c)] += scale * ds[i * s + j] * wd(q[idx(lq, bh, i, c)]);
+          wgrad[gv + idx(lv, bh, j, c)] += p[i * s + j] * wd(dout[idx(lo, bh, i, c)]);
         }
   }
-  // The f32 kernels within 2e-5 of f64 (sums over up to 70 keys); f64 to rounding.
-  const double tol = sizeof(E) == 8 ? 1e-12 : 2e-5;
-  check(what + " output", wide(out), wout, tol);
-  check(what + " log-sum-exp", lse, wlse, tol);
-  check(what + " dq, dk, dv", wide(grads), wgrad, tol);
+  check(what + " output", wds(out), wout, tol);
+  check(what + " log-sum-exp", lse, wlse, std::min(tol, 2e-5));
+  check(what + " dq, dk, dv", wds(grads), wgrad, tol);
 }
 
 }  // namespace
 
 void attention_checks() {
-  attention<float>(2, 3, 1, 8, false, NONE);
-  attention<float>(2, 3, 16, 32, false, PADDING);
-  attention<float>(2, 3, 9, 100, false, CAUSAL);
-  attention<float>(1, 2, 33, 64, true, CAUSAL);
-  attention<float>(2, 2, 7, 20, true, PADDING);
-  attention<float>(1, 2, 70, 64, false, CAUSAL_BF16);  // three query tiles, the last partial
-  attention<float>(2, 1, 45, 128, true, PADDING);
-  attention<float>(1, 1, 64, 16, false, NONE);  // whole tiles
-  attention<double>(1, 2, 37, 40, false, CAUSAL);
-  attention<double>(2, 1, 20, 128, true, PADDING);
+  // f32 within 2e-5 of f64 (sums over up to 70 keys); f64 to rounding; bf16 and f16 within 3
+  // spacings at 1 (2^-8, 2^-11: the outputs rounded, and on tensor cores the probabilities and ds).
+  attention<float>(2, 3, 1, 8, false, NONE, 2e-5);
+  attention<float>(2, 3, 16, 32, false, PADDING, 2e-5);
+  attention<float>(2, 3, 9, 100, false, CAUSAL, 2e-5);
+  attention<float>(1, 2, 33, 64, true, CAUSAL, 2e-5);
+  attention<float>(2, 2, 7, 20, true, PADDING, 2e-5);
+  attention<float>(1, 2, 70, 64, false, CAUSAL_BF16, 2e-5);  // three query tiles, the last partial
+  attention<float>(2, 1, 45, 128, true, PADDING, 2e-5);
+  attention<float>(1, 1, 64, 16, false, NONE, 2e-5);  // whole tiles
+  attention<double>(1, 2, 37, 40, false, CAUSAL, 1e-12);
+  attention<double>(2, 1, 20, 128, true, PADDING, 1e-12);
+  attention<__nv_bfloat16>(1, 2, 40, 64, false, CAUSAL_BF16, 1e-2);
+  attention<__nv_bfloat16, true>(1, 2, 70, 64, false, CAUSAL_BF16, 1e-2);  // two tiles each way
+  attention<__nv_bfloat16, true>(2, 2, 33, 32, true, PADDING, 1e-2);
+  attention<__nv_bfloat16, true>(2, 1, 20, 100, false, NONE, 1e-2);  // d padded to 112
+  attention<__half, true>(1, 2, 130, 64, true, CAUSAL, 1.5e-3);  // three tiles each way
+  attention<__half, true>(2, 1, 9, 128, false, PADDING, 1.5e-3);
 }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <thread>
 #include <vector>
 
@@ -33,7 +34,7 @@ struct Block {
   std::barrier<>* all;
   std::vector<std::unique_ptr<std::barrier<>>> warps;
   std::vector<uint64_t> slots;
-  std::vector<double> shared;  // the launch's dynamic shared memory (8-byte aligned)
+  unsigned char* shared;  // the launch's dynamic shared memory (128-byte aligned, exactly its size)
 };
 inline Block* current = nullptr;
 }  // namespace emu
@@ -71,9 +72,10 @@ template <typename F> void launch(dim3 grid, dim3 block, F kernel, size_t shared
   for (unsigned by = 0; by < grid.y; by++) {
     for (unsigned bx = 0; bx < grid.x; bx++) {
       std::barrier<> all(block.x);
-      emu::Block b{&all, {}, std::vector<uint64_t>(block.x), std::vector<double>((shared + 7) / 8)};
+      auto* bytes = static_cast<unsigned char*>(::operator new(shared + 1, std::align_val_t(128)));
+      std::memset(bytes, 0xff, shared);  // NaN until written, as garbage would be
+      emu::Block b{&all, {}, std::vector<uint64_t>(block.x), bytes};
       for (unsigned w = 0; w < block.x / 32; w++) b.warps.push_back(std::make_unique<std::barrier<>>(32));
-      std::memset(b.shared.data(), 0xff, b.shared.size() * sizeof(double));  // NaN until written, as garbage would be
       emu::current = &b;
       std::vector<std::thread> threads;
       for (unsigned t = 0; t < block.x; t++) {
@@ -84,6 +86,7 @@ template <typename F> void launch(dim3 grid, dim3 block, F kernel, size_t shared
         });
       }
       for (auto& t : threads) t.join();
+      ::operator delete(bytes, std::align_val_t(128));
     }
   }
 }

@@ -35,13 +35,14 @@ pub mod cpu;
 pub mod reference;
 
 /// The kernels, by the name of their source file (without `.cu`).
-pub const KERNELS: [&str; 10] = [
+pub const KERNELS: [&str; 11] = [
     "amp_unscale",
     "amp_update_scale",
     "optim_step",
     "nn_act",
     "nn_norm",
     "nn_attention",
+    "nn_attention_tc",
     "nn_rows",
     "nn_pool",
     "nn_batch_norm",
@@ -61,6 +62,7 @@ pub fn fatbin(name: &str) -> Option<&'static [u8]> {
         "nn_act" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_act.fatbin"))),
         "nn_norm" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_norm.fatbin"))),
         "nn_attention" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_attention.fatbin"))),
+        "nn_attention_tc" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_attention_tc.fatbin"))),
         "nn_rows" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_rows.fatbin"))),
         "nn_pool" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_pool.fatbin"))),
         "nn_batch_norm" => Some(include_bytes!(concat!(env!("OUT_DIR"), "/nn_batch_norm.fatbin"))),

@@ -42,10 +42,10 @@ __device__ __forceinline__ double block_sum(double v, double* scratch) {
 
 // `name`: the block's dynamic shared memory (as many bytes as the launch gives) as an array of T.
 #ifdef WICK_EMU
-#define WICK_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(emu::current->shared.data())
+#define WICK_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(emu::current->shared)
 #else
 #define WICK_DYNAMIC_SHARED(T, name)                                  \
-  extern __shared__ __align__(16) unsigned char wick_dynamic_shared[]; \
+  extern __shared__ __align__(128) unsigned char wick_dynamic_shared[]; \
   T* name = reinterpret_cast<T*>(wick_dynamic_shared)
 #endif
 

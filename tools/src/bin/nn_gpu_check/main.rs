@@ -8,7 +8,8 @@
 //! 2. that the CUDA pass went through the op's own node, forward and backward (the per-op call
 //!    counts of `wick_nn::native::profile`, which only wick's ops report), not the composed fallback;
 //! 3. the op beside the composed form of candle's ops it replaces on a GPU, at the zoo's sizes:
-//!    time of forward + backward, and the bytes the output's graph keeps for backward.
+//!    time of forward + backward, and the bytes the output's graph keeps for backward (and bf16
+//!    attention on tensor cores beside its CUDA-core kernels, which are checked in 1. as well).
 //!
 //! The convolutions' CUDA bodies are cuDNN's (checked with TF32 off, timed with it on, PyTorch's
 //! default); `--expect-no-cudnn`, run with `WICK_CUDNN` naming no library, checks that a GPU
@@ -286,6 +287,20 @@ fn main() -> Result<()> {
                 println!("{} {} {shapes:?} {dtype:?}: {detail}", if ok { "PASS" } else { "FAIL" }, case.name);
                 failures += usize::from(!ok);
             }
+            // f16/bf16 attention runs on tensor cores where the device has them; its CUDA-core
+            // kernels (every other device) are checked here too.
+            #[cfg(feature = "cuda")]
+            if !host && case.counted == "attention" {
+                wick_nn::native::cuda::attention::set_tensor_cores(false);
+                for dtype in [DType::BF16, DType::F16] {
+                    let (ok, detail) =
+                        check(case, &shapes, dtype, &dev, host).unwrap_or_else(|e| (false, format!("error: {e:#}")));
+                    let verdict = if ok { "PASS" } else { "FAIL" };
+                    println!("{verdict} {} (CUDA cores) {shapes:?} {dtype:?}: {detail}", case.name);
+                    failures += usize::from(!ok);
+                }
+                wick_nn::native::cuda::attention::set_tensor_cores(true);
+            }
         }
     }
 
@@ -321,6 +336,20 @@ fn main() -> Result<()> {
                         composed_kept as f64 / 1048576.0,
                     ),
                     Err(e) => println!("TIME {} {shapes:?} {dtype:?}: error: {e:#}", case.name),
+                }
+            }
+            #[cfg(feature = "cuda")]
+            if case.counted == "attention" {
+                wick_nn::native::cuda::attention::set_tensor_cores(false);
+                let cores = time(case.op, &shapes, DType::BF16, &dev, 20);
+                wick_nn::native::cuda::attention::set_tensor_cores(true);
+                match (cores, time(case.op, &shapes, DType::BF16, &dev, 20)) {
+                    (Ok((cores_ms, _)), Ok((tensor_ms, _))) => println!(
+                        "TIME {} {shapes:?} BF16 ({what}): tensor cores {tensor_ms:.3} ms, CUDA cores {cores_ms:.3} ms ({:.2}× faster)",
+                        case.name,
+                        cores_ms / tensor_ms
+                    ),
+                    (Err(e), _) | (_, Err(e)) => println!("TIME {} {shapes:?} BF16 tensor vs CUDA cores: error: {e:#}", case.name),
                 }
             }
         }

@@ -9,25 +9,16 @@
 //! split copies.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
-};
-use candle_core::cuda_backend::{CudaDevice, CudaStorage};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::CudaStorage;
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 
-use super::{by_cuda_elem, err, function, output, suffix, tensor, view, with_cuda};
-
-const MODULE: &str = "nn_attention";
+pub use super::attention_plan::set_tensor_cores;
+use super::attention_plan::{Kernel, Plan};
+use super::{by_cuda_elem, err, function, output, tensor, view, with_cuda};
 
 /// The largest head dimension the kernels take (32 lanes × 4 elements).
 pub const MAX_HEAD_DIM: usize = 128;
-
-/// Threads of a block: 4 warps.
-const BLOCK_THREADS: u32 = 128;
-
-/// Shared memory a block may use without the function's opt-in (CUDA's static limit).
-const DEFAULT_SHARED: usize = 48 * 1024;
 
 /// Where an operand's rows lie, in elements: row `i` of head (b, h) starts at
 /// `base + b·batch + h·head + i·row` (the kernels' `Lay`).
@@ -114,7 +105,7 @@ impl DeviceBias {
         let stream = dev.cuda_stream();
         macro_rules! go {
             ($t:ty, $name:literal) => {{
-                let f = function(dev, MODULE, $name)?;
+                let f = function(dev, "nn_attention", $name)?;
                 let slice = cs.as_cuda_slice::<$t>()?;
                 let values = slice.slice(layout.start_offset()..);
                 let mut launch = stream.launch_builder(&f);
@@ -167,72 +158,6 @@ impl Geometry {
     }
 }
 
-/// The kernels' three launches.
-#[derive(Clone, Copy)]
-enum Kernel {
-    Forward,
-    Dq,
-    DkDv,
-}
-
-/// Rows a block takes (4 warps of 8 rows; of 4 in f64, whose values take twice the registers).
-fn block_rows(dtype: DType) -> usize {
-    if dtype == DType::F64 {
-        16
-    } else {
-        32
-    }
-}
-
-/// The shared memory a block of `kernel` uses for head dimension `d`: the kernels' tiles (rows a
-/// block by `d`, 32 rows by `d + 1`, probabilities rows by 32; dk/dv's query tile's log-sum-exps,
-/// D and ends). The emulator's check (`kernels/emu/check_attention.cpp`) gives its launches
-/// exactly these bytes, under AddressSanitizer in `scripts/cuda-ci.sh`.
-fn shared_bytes(kernel: Kernel, dtype: DType, d: usize) -> usize {
-    let size = if dtype == DType::F64 { 8 } else { 4 };
-    let (rows, kd) = (block_rows(dtype), d + 1);
-    match kernel {
-        Kernel::Forward => (rows * d + 32 * kd + rows * 32) * size,
-        Kernel::Dq => (2 * rows * d + 2 * 32 * kd + rows * 32) * size,
-        Kernel::DkDv => (2 * rows * d + 2 * 32 * kd + 2 * rows * 32 + 64) * size + 32 * 4,
-    }
-}
-
-/// A block per tile of `rows` rows (at most 65 535 blocks: the kernels loop over the rest), with
-/// the kernel's shared memory — opted into where it exceeds the default 48 KiB (the backward
-/// kernels above head dimension 78 in f32, 51 in f64), refused where the device has less.
-fn tiles(
-    f: &CudaFunction,
-    dev: &CudaDevice,
-    kernel: Kernel,
-    dtype: DType,
-    heads: usize,
-    rows: usize,
-    d: usize,
-) -> Result<LaunchConfig> {
-    let bytes = shared_bytes(kernel, dtype, d);
-    if bytes > DEFAULT_SHARED {
-        let most = dev
-            .cuda_stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| err(format!("attention: {e}")))?;
-        if bytes > most.max(0) as usize {
-            return Err(err(format!(
-                "attention: head dimension {d} in {dtype:?} needs {bytes} bytes of shared memory a block; this device gives {most}"
-            )));
-        }
-        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
-            .map_err(|e| err(format!("attention: {e}")))?;
-    }
-    let blocks = heads.saturating_mul(rows.div_ceil(block_rows(dtype)));
-    Ok(LaunchConfig {
-        grid_dim: (blocks.clamp(1, 65_535) as u32, 1, 1),
-        block_dim: (BLOCK_THREADS, 1, 1),
-        shared_mem_bytes: bytes as u32,
-    })
-}
-
 /// The bias's strides (zeros without one: the kernels then read none).
 fn bias_strides(bias: Option<&DeviceBias>) -> BiasStrides {
     bias.map_or(BiasStrides::default(), |b| b.strides)
@@ -275,8 +200,9 @@ pub(crate) fn forward(
     let rows = geometry.rows();
     by_cuda_elem!(q.0.dtype(), E => {
         let (qv, kv, vv) = (view::<E>(q.0, q.1)?, view::<E>(k.0, k.1)?, view::<E>(v.0, v.1)?);
-        let f = function(dev, MODULE, &format!("wick_attention_{}", suffix(E::DTYPE)?))?;
-        let config = tiles(&f, dev, Kernel::Forward, E::DTYPE, geometry.heads(), geometry.dims.2, geometry.dims.4)?;
+        let plan = Plan::new(dev, E::DTYPE, geometry.dims.4)?;
+        let f = plan.function(dev, Kernel::Forward)?;
+        let config = plan.launch(&f, dev, Kernel::Forward, geometry.heads(), geometry.dims.2)?;
         let mut out = output::<E>(dev, out_len)?;
         let mut lse = output::<f64>(dev, rows)?;
         let stream = dev.cuda_stream();
@@ -333,7 +259,6 @@ pub(crate) fn backward(
         by_cuda_elem!(q.dtype(), E => {
             let views = cs.iter().map(|(s, l)| view::<E>(s, l)).collect::<Result<Vec<_>>>()?;
             let (qv, kv, vv, ov, gv) = (&views[0], &views[1], &views[2], &views[3], &views[4]);
-            let sfx = suffix(E::DTYPE)?;
             let mut dsum = output::<f64>(dev, rows_q)?;
             // One buffer for the packed form (its three parts interleave row by row), three apart.
             let mut buffers = if packed {
@@ -351,13 +276,10 @@ pub(crate) fn backward(
                 }
                 let (pdq, pdk, pdv) = if packed { (ptrs[0], ptrs[0], ptrs[0]) } else { (ptrs[0], ptrs[1], ptrs[2]) };
                 let (ldq, ldk, ldv) = (lq, lk, lv);
-                let (fdq, fdkdv) = (
-                    function(dev, MODULE, &format!("wick_attention_dq_{sfx}"))?,
-                    function(dev, MODULE, &format!("wick_attention_dkdv_{sfx}"))?,
-                );
-                let (heads, d) = (geometry.heads(), geometry.dims.4);
-                let cdq = tiles(&fdq, dev, Kernel::Dq, E::DTYPE, heads, geometry.dims.2, d)?;
-                let cdkdv = tiles(&fdkdv, dev, Kernel::DkDv, E::DTYPE, heads, geometry.dims.3, d)?;
+                let plan = Plan::new(dev, E::DTYPE, geometry.dims.4)?;
+                let (fdq, fdkdv) = (plan.function(dev, Kernel::Dq)?, plan.function(dev, Kernel::DkDv)?);
+                let cdq = plan.launch(&fdq, dev, Kernel::Dq, geometry.heads(), geometry.dims.2)?;
+                let cdkdv = plan.launch(&fdkdv, dev, Kernel::DkDv, geometry.heads(), geometry.dims.3)?;
                 macro_rules! go {
                     ($t:ty) => {
                         with_bias!(bias, $t, |b, ends| {

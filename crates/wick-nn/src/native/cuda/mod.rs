@@ -13,7 +13,8 @@
 //! - `act`: the element-wise activations (ReLU, ReLU6, GELU, SiLU·mul, packed SiLU·mul, the
 //!   residual `relu(a + b)`) forward and backward;
 //! - [`attention`]: scaled dot-product attention (heads apart or packed, with an additive bias),
-//!   forward keeping one log-sum-exp per query row on the device, never an s × s tensor;
+//!   forward keeping one log-sum-exp per query row on the device, never an s × s tensor, on tensor
+//!   cores for f16/bf16 (`attention_plan`: which kernels, their blocks and shared memory);
 //! - `loss`: cross-entropy over a vocabulary (one log-sum-exp a row kept, no probabilities) and
 //!   embedding lookups (each table row's gradient summed in position order);
 //! - `pool`: max pooling (PyTorch's first-maximum rule, backward as a gather in the host's order)
@@ -33,6 +34,7 @@
 
 pub(crate) mod act;
 pub mod attention;
+mod attention_plan;
 pub(crate) mod batch_norm;
 pub mod conv;
 pub(crate) mod cudnn;

@@ -1,0 +1,90 @@
+// What wick-nn's two kinds of attention kernels share (nn_attention.cu on CUDA cores,
+// nn_attention_tc.cu on tensor cores): the operands' layouts, the bias and its row ends, warp
+// reductions and the loads of a tile of rows into shared memory. See nn_attention.cu for the
+// arithmetic and the contract.
+#pragma once
+#include "common.cuh"
+
+struct Lay {
+  long long base, batch, head, row;
+};
+
+struct Dims {
+  long long b, h, sq, sk, d;
+};
+
+struct BiasStrides {
+  long long b, h, q, k, eb, eh;
+};
+
+#define WICK_ATT_LANES 4      // head_dim <= 32 * WICK_ATT_LANES
+#define WICK_ATT_WARPS 4      // warps (and so 128 threads) a block
+#define WICK_ATT_MASKED -9900.0
+
+// Rows a warp owns in a tile: fewer in f64 (twice the registers a value).
+template <typename T> struct AttRows { static const int R = 8; };
+template <> struct AttRows<double> { static const int R = 4; };
+
+template <typename T> __device__ __forceinline__ T warp_sum(T v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename T> __device__ __forceinline__ T warp_max(T v) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const T u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = u > v ? u : v;
+  }
+  return v;
+}
+
+__device__ __forceinline__ long long at(const Lay& l, long long bh, long long heads, long long i) {
+  return l.base + (bh / heads) * l.batch + (bh % heads) * l.head + i * l.row;
+}
+
+template <typename T>
+__device__ __forceinline__ T bias_at(const T* bias, const BiasStrides& bs, long long bh, long long heads, long long i,
+                                     long long j) {
+  return bias ? bias[(bh / heads) * bs.b + (bh % heads) * bs.h + i * bs.q + j * bs.k] : T(0);
+}
+
+// The keys query row i of head bh weighs (those before the end); 0 past the last row.
+__device__ __forceinline__ long long row_end(const int* ends, const BiasStrides& bs, const Dims& n, long long bh,
+                                             long long i) {
+  if (i >= n.sq) return 0;
+  return ends ? (long long)ends[(bh / n.h) * bs.eb + (bh % n.h) * bs.eh + i] : n.sk;
+}
+
+// The largest end among query rows i0 … i0 + rows - 1 (every thread reads them: a block-uniform value).
+__device__ __forceinline__ long long tile_end(const int* ends, const BiasStrides& bs, const Dims& n, long long bh,
+                                              long long i0, long long rows) {
+  long long e = 0;
+  for (long long r = 0; r < rows; r++) {
+    const long long x = row_end(ends, bs, n, bh, i0 + r);
+    e = x > e ? x : e;
+  }
+  return e;
+}
+
+// Rows r0 … r0 + rows - 1 of an operand into shared memory (row r at dst + r·stride), widened;
+// zero past the operand's last row. Every thread of the block takes part.
+template <typename E, typename T>
+__device__ __forceinline__ void load_tile(const E* p, const Lay& l, long long bh, long long heads, long long r0,
+                                          long long last, int rows, int d, T* dst, int stride) {
+  for (int e = threadIdx.x; e < rows * d; e += blockDim.x) {
+    const int r = e / d, c = e - r * d;
+    dst[r * stride + c] = r0 + r < last ? (T)wick_load(p, at(l, bh, heads, r0 + r) + c) : T(0);
+  }
+}
+
+// As load_tile, in the storage type and with columns d … d16 - 1 zeroed (a head dimension padded
+// to the tensor cores' 16).
+template <typename E>
+__device__ __forceinline__ void load_tile_padded(const E* p, const Lay& l, long long bh, long long heads, long long r0,
+                                                 long long last, int rows, int d, int d16, E* dst, int stride) {
+  for (int e = threadIdx.x; e < rows * d16; e += blockDim.x) {
+    const int r = e / d16, c = e - r * d16;
+    const float x = r0 + r < last && c < d ? wick_load(p, at(l, bh, heads, r0 + r) + c) : 0.f;
+    wick_store(dst, (long long)r * stride + c, x);
+  }
+}
