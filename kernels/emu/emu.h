@@ -17,6 +17,10 @@
 #include <thread>
 #include <vector>
 
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };

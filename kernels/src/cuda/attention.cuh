@@ -88,3 +88,32 @@ __device__ __forceinline__ void load_tile_padded(const E* p, const Lay& l, long 
     wick_store(dst, (long long)r * stride + c, x);
   }
 }
+
+// s[r] += rows[r·d + c] · own[c] summed over c < d in column order, for the R rows at `rows` (shared
+// memory, the same for the whole warp: broadcast reads) and this lane's row `own` (shared memory):
+// in f32 four columns of the rows a load where d is a multiple of 4, one otherwise.
+template <int R, typename T>
+__device__ __forceinline__ void dot_rows(const T* rows, int d, const T* own, T* s) {
+  int c = 0;
+  if constexpr (sizeof(T) == 4) {
+    if ((d & 3) == 0) {
+      for (; c < d; c += 4) {
+        const T o0 = own[c], o1 = own[c + 1], o2 = own[c + 2], o3 = own[c + 3];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+          const float4 x = *reinterpret_cast<const float4*>(rows + r * d + c);
+          s[r] += x.x * o0;
+          s[r] += x.y * o1;
+          s[r] += x.z * o2;
+          s[r] += x.w * o3;
+        }
+      }
+    }
+  }
+  for (; c < d; c++) {
+    const T o = own[c];
+#pragma unroll
+    for (int r = 0; r < R; r++) s[r] += rows[r * d + c] * o;
+  }
+}
+

@@ -64,6 +64,7 @@ __device__ void attention_forward(const E* q, const E* k, const E* v, const type
   const int R = AttRows<T>::R, ROWS = R * WICK_ATT_WARPS;
   WICK_DYNAMIC_SHARED(T, smem);
   const int d = (int)n.d, kd = d + 1;  // at most 128 (the launcher checks)
+  const int lanes = (d + 31) / 32;   // the 32-column chunks of a row that hold columns (uniform)
   T* qs = smem;
   T* kv = qs + ROWS * d;
   T* ps = kv + 32 * kd;
@@ -91,11 +92,7 @@ __device__ void attention_forward(const E* q, const E* k, const E* v, const type
       T s[R];
 #pragma unroll
       for (int r = 0; r < R; r++) s[r] = T(0);
-      for (int c = 0; c < d; c++) {
-        const T kc = kv[lane * kd + c];
-#pragma unroll
-        for (int r = 0; r < R; r++) s[r] += qs[(warp * R + r) * d + c] * kc;
-      }
+      dot_rows<R>(qs + warp * R * d, d, kv + lane * kd, s);
       const long long j = j0 + lane;
 #pragma unroll
       for (int r = 0; r < R; r++) {
@@ -127,7 +124,8 @@ __device__ void attention_forward(const E* q, const E* k, const E* v, const type
         for (int r = 0; r < R; r++) {
           const T p = ps[(warp * R + r) * 32 + jj];
 #pragma unroll
-          for (int t = 0; t < WICK_ATT_LANES; t++) acc[r][t] += p * vr[t];
+          for (int t = 0; t < WICK_ATT_LANES; t++)
+            if (t < lanes) acc[r][t] += p * vr[t];
         }
       }
     }
@@ -158,6 +156,7 @@ __device__ void attention_dq(const E* q, const E* k, const E* v, const typename 
   const int R = AttRows<T>::R, ROWS = R * WICK_ATT_WARPS;
   WICK_DYNAMIC_SHARED(T, smem);
   const int d = (int)n.d, kd = d + 1;  // at most 128 (the launcher checks)
+  const int lanes = (d + 31) / 32;   // the 32-column chunks of a row that hold columns (uniform)
   T* qs = smem;
   T* gs = qs + ROWS * d;
   T* ks = gs + ROWS * d;
@@ -202,14 +201,8 @@ __device__ void attention_dq(const E* q, const E* k, const E* v, const typename 
       T s[R], dp[R];
 #pragma unroll
       for (int r = 0; r < R; r++) s[r] = dp[r] = T(0);
-      for (int c = 0; c < d; c++) {
-        const T kc = ks[lane * kd + c], vc = vs[lane * kd + c];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          s[r] += qs[(warp * R + r) * d + c] * kc;
-          dp[r] += gs[(warp * R + r) * d + c] * vc;
-        }
-      }
+      dot_rows<R>(qs + warp * R * d, d, ks + lane * kd, s);
+      dot_rows<R>(gs + warp * R * d, d, vs + lane * kd, dp);
       const long long j = j0 + lane;
 #pragma unroll
       for (int r = 0; r < R; r++) {
@@ -231,7 +224,8 @@ __device__ void attention_dq(const E* q, const E* k, const E* v, const typename 
         for (int r = 0; r < R; r++) {
           const T ds = dss[(warp * R + r) * 32 + jj];
 #pragma unroll
-          for (int t = 0; t < WICK_ATT_LANES; t++) acc[r][t] += ds * kr[t];
+          for (int t = 0; t < WICK_ATT_LANES; t++)
+            if (t < lanes) acc[r][t] += ds * kr[t];
         }
       }
     }
@@ -261,6 +255,7 @@ __device__ void attention_dkdv(const E* q, const E* k, const E* v, const typenam
   const int R = AttRows<T>::R, ROWS = R * WICK_ATT_WARPS;
   WICK_DYNAMIC_SHARED(T, smem);
   const int d = (int)n.d, kd = d + 1;  // at most 128 (the launcher checks)
+  const int lanes = (d + 31) / 32;   // the 32-column chunks of a row that hold columns (uniform)
   T* ks = smem;
   T* vs = ks + ROWS * d;
   T* qs = vs + ROWS * d;
@@ -298,14 +293,8 @@ __device__ void attention_dkdv(const E* q, const E* k, const E* v, const typenam
       T s[R], dp[R];
 #pragma unroll
       for (int r = 0; r < R; r++) s[r] = dp[r] = T(0);
-      for (int c = 0; c < d; c++) {
-        const T qc = qs[lane * kd + c], gc = gs[lane * kd + c];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          s[r] += ks[(warp * R + r) * d + c] * qc;
-          dp[r] += vs[(warp * R + r) * d + c] * gc;
-        }
-      }
+      dot_rows<R>(ks + warp * R * d, d, qs + lane * kd, s);
+      dot_rows<R>(vs + warp * R * d, d, gs + lane * kd, dp);
       const long long i = i0 + lane;
 #pragma unroll
       for (int r = 0; r < R; r++) {
@@ -330,8 +319,10 @@ __device__ void attention_dkdv(const E* q, const E* k, const E* v, const typenam
           const T p = ps[(warp * R + r) * 32 + ii], ds = dss[(warp * R + r) * 32 + ii];
 #pragma unroll
           for (int t = 0; t < WICK_ATT_LANES; t++) {
-            av[r][t] += p * gr[t];
-            ak[r][t] += ds * qr[t];
+            if (t < lanes) {
+              av[r][t] += p * gr[t];
+              ak[r][t] += ds * qr[t];
+            }
           }
         }
       }
