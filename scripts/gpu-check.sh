@@ -10,7 +10,9 @@
 #   - the fused AMP kernels (kernels/src/cuda/*.cu) against their CPU references;
 #   - wick-nn's CUDA op bodies (activations, norms, batch norm, attention, RoPE, cross-entropy,
 #     embeddings, pooling, and the convolutions through cuDNN) against their host bodies, that a
-#     GPU pass goes through them, and each beside the composed candle ops it replaces;
+#     GPU pass goes through them, and each beside the composed candle ops it replaces; attention
+#     alone beside PyTorch's scaled_dot_product_attention at the zoo's shapes (f32; bf16 on
+#     tensor cores and on the CUDA-core kernels);
 #   - the fused device step with gradient clipping against the host's clipped step;
 #   - the AMP training example on CUDA (f16 with loss scaling, then bf16 clipped), through the fused
 #     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh);
@@ -129,6 +131,10 @@ if [ -x "$bin/nn-gpu-check" ]; then
   WICK_CUDNN=/nonexistent/libcudnn.so.9 timeout 30 "$bin/nn-gpu-check" --expect-no-cudnn 2>&1 | tee -a "$out/gpu-nn-ops.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   timeout 60 "$bin/nn-gpu-check" --capped-oom 2>&1 | tee -a "$out/gpu-nn-ops.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  section "attention alone beside PyTorch's scaled_dot_product_attention (f32, bf16 on tensor and CUDA cores)"
+  (PYTHONUNBUFFERED=1 timeout 150 python3 scripts/torch-reference/attention_speed.py --wick "$bin/nn-gpu-check" \
+    --rounds 2) 2>&1 | tee "$out/gpu-attention-speed.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 else
   echo "!! SKIPPED: $bin/nn-gpu-check not built (scripts/build-gpu-binaries.sh with WICK_CANDLE_NVCC=fake leaves it out)"

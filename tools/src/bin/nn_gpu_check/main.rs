@@ -15,7 +15,9 @@
 //! default); `--expect-no-cudnn`, run with `WICK_CUDNN` naming no library, checks that a GPU
 //! convolution without cuDNN is an error that says how to install it, and that the next op runs.
 //!
-//! `--capped-oom` runs the ops out of memory under a capped pool instead (`oom`).
+//! `--capped-oom` runs the ops out of memory under a capped pool instead (`oom`);
+//! `--time-attention SPEC …` times attention at the shapes given, for PyTorch's side by side
+//! (`speed`).
 //!
 //! Prints one line per check and per timing; exits non-zero if a check fails. Run by
 //! `scripts/gpu-check.sh` (needs candle's CUDA kernels: `scripts/build-gpu-binaries.sh` with the
@@ -26,6 +28,7 @@
 
 mod cases;
 mod oom;
+mod speed;
 
 use std::time::Instant;
 
@@ -236,6 +239,10 @@ fn main() -> Result<()> {
         }
         let capped = std::env::args().any(|a| a == "--capped-oom");
         engine = wick::Engine::cuda(0, capped.then_some(oom::CAP)).context("opening cuda:0")?;
+        let args: Vec<String> = std::env::args().collect();
+        if let Some(at) = args.iter().position(|a| a == "--time-attention") {
+            return speed::run(&args[at + 1..], engine.device());
+        }
         if capped {
             println!("== out of memory inside the ops, under a pool capped at {} MiB", oom::CAP >> 20);
             let failures = oom::run(&engine)?;
