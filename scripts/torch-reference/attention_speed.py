@@ -57,10 +57,15 @@ def wick_round(binary):
     return times
 
 
-def torch_time(b, h, s, d, causal, dtype, passes=20):
-    gen = torch.Generator(device="cuda").manual_seed(70)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
-    g = torch.ones(b, h, s, d, device="cuda", dtype=dtype)
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def torch_time(b, h, s, d, causal, dtype, device, passes=20):
+    gen = torch.Generator(device=device).manual_seed(70)
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
+    g = torch.ones(b, h, s, d, device=device, dtype=dtype)
 
     def one():
         y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -69,19 +74,19 @@ def torch_time(b, h, s, d, causal, dtype, passes=20):
 
     for _ in range(3):
         one()
-    torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     for _ in range(passes):
         one()
-    torch.cuda.synchronize()
+    sync(device)
     return (time.perf_counter() - start) * 1e3 / passes
 
 
-def torch_round():
+def torch_round(device, passes):
     times = {}
     for b, h, s, d, mask, _ in SHAPES:
         for name, dtype in DTYPES.items():
-            times[f"{b},{h},{s},{d},{mask},{name}"] = torch_time(b, h, s, d, mask == "causal", dtype)
+            times[f"{b},{h},{s},{d},{mask},{name}"] = torch_time(b, h, s, d, mask == "causal", dtype, device, passes)
     return times
 
 
@@ -89,13 +94,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--wick", required=True, help="the nn-gpu-check binary")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--device", default="cuda", help="PyTorch's device (cpu only to try the script)")
+    ap.add_argument("--passes", type=int, default=20)
     args = ap.parse_args()
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "the CPU"
+    print(f"torch {torch.__version__}, {name}")
     wick, ours = {}, {}
     for _ in range(args.rounds):
         for spec, ms in wick_round(args.wick).items():
             wick.setdefault(spec, []).append(ms)
-        for spec, ms in torch_round().items():
+        for spec, ms in torch_round(args.device, args.passes).items():
             ours.setdefault(spec, []).append(ms)
     print("| shape (B, H, S, D) | mask | dtype | wick ms | wick ms, CUDA cores | PyTorch ms | PyTorch / wick |")
     print("|---|---|---|---|---|---|---|")
