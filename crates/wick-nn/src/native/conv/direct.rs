@@ -23,12 +23,15 @@ fn candle(e: wick_kernels::cpu::KernelError) -> candle_core::Error {
 const MIN_CHANNELS: usize = 16;
 
 /// True when [`forward`] computes this convolution of `E`s: a CPU with E's AVX-512 features
-/// (AVX512-BF16 for bf16), at least [`MIN_CHANNELS`] input channels, and not 1×1 stride 1.
-/// Those multiply the images themselves (nothing to unfold), and their depth (the input
-/// channels alone) is too short for this kernel's rearranging and transposed stores to pay:
-/// direct, ResNet-50's AMP step took 1.13–1.19× the time and MobileNetV2's 1.28× (BENCHMARKS.md).
+/// (AVX512-BF16 for bf16), at least [`MIN_CHANNELS`] input channels, and a kernel wider than 1×1.
+/// A 1×1 convolution's depth (the input channels alone) is too short for this kernel's
+/// rearranging and transposed stores to pay. At stride 1 the product multiplies the images
+/// themselves: direct, ResNet-50's AMP step took 1.13–1.19× the time and MobileNetV2's 1.28×. At
+/// stride 2 its columns are a quarter of the image, copied once, and the product took 0.50–0.83×
+/// the direct kernel's time on ResNet-50's three projections at batch 32 (f32 and bf16; its eval
+/// pass 0.90–0.96× at batch 1 to 32) (BENCHMARKS.md).
 pub(super) fn applies<E: Element>(g: &Geometry) -> bool {
-    g.c_in >= MIN_CHANNELS && !g.pointwise() && available::<E>()
+    g.c_in >= MIN_CHANNELS && g.k > 1 && available::<E>()
 }
 
 fn dims(g: &Geometry) -> ConvDims {

@@ -9,7 +9,7 @@
 //! ([`plan`]). With bf16 images, weights and gradients on a CPU with AVX512-BF16 the columns stay
 //! bf16 and the products are bf16 with f32 sums (`gemm_bf16`; the `Gather` trait in [`unfold`],
 //! `Operand` and `Out` in `gemm`). Where [`direct`] applies (bf16 or f32 on AVX-512, 16 or more
-//! input channels, not 1×1 stride 1) it convolves the images in place instead: the forward pass,
+//! input channels, kernels wider than 1×1) it convolves the images in place instead: the forward pass,
 //! the input gradient (a strided one phase by phase) and a stride-1 convolution's weight
 //! gradient — no columns.
 //!

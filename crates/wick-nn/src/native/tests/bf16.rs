@@ -313,12 +313,12 @@ fn bf16_products_are_within_a_bf16_spacing_of_f32_products() {
             vec![vec![2, 20, 8, 10], vec![24, 20, 3, 3]],
         ),
         (
-            "conv 1×1 /2 direct",
+            "conv 1×1 /2, 32 channels",
             Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 0, 2)),
             vec![vec![2, 32, 7, 7], vec![40, 32, 1, 1]],
         ),
         (
-            "conv 1×1 /2 direct, input gradient phase by phase",
+            "conv 1×1 /2, 32 channels, input gradient phase by phase",
             Box::new(|t: &[Tensor]| native::conv::conv2d(&t[0], &t[1], 0, 2)),
             vec![vec![2, 32, 8, 6], vec![40, 32, 1, 1]],
         ),

@@ -237,9 +237,10 @@ fn chunked_convolutions_match_candles_and_the_unchunked_kernel() {
 }
 
 /// f32 convolutions wide enough for the direct kernels (`conv::direct`: 16 or more input
-/// channels, not 1×1 stride 1) against the same convolution in f64, which the product computes
+/// channels, wider than 1×1) against the same convolution in f64, which the product computes
 /// (kept as the oracle): values, input and weight gradients within f32 rounding, at strides 1
-/// and 2, kernels 1, 3 and 5, odd widths and output channels that leave a block of 32 ragged.
+/// and 2, kernels 3 and 5, odd widths and output channels that leave a block of 32 ragged; and a
+/// 1×1 stride-2 one of the same width, which the product takes.
 #[test]
 fn direct_f32_convolutions_match_the_f64_product() {
     if !wick_kernels::cpu::conv::available::<f32>() {
