@@ -27,9 +27,9 @@ const MIN_CHANNELS: usize = 16;
 /// A 1×1 convolution's depth (the input channels alone) is too short for this kernel's
 /// rearranging and transposed stores to pay. At stride 1 the product multiplies the images
 /// themselves: direct, ResNet-50's AMP step took 1.13–1.19× the time and MobileNetV2's 1.28×. At
-/// stride 2 its columns are a quarter of the image, copied once, and the product took 0.50–0.83×
-/// the direct kernel's time on ResNet-50's three projections at batch 32 (f32 and bf16; its eval
-/// pass 0.90–0.96× at batch 1 to 32) (BENCHMARKS.md).
+/// stride 2 its columns are a quarter of the image, copied once, and the product took 0.41–0.83×
+/// the direct kernel's time on ResNet-50's three projections at batch 32 (bf16's at 7² outputs
+/// 1.03–1.14×; the three 0.66×), its eval pass 0.91–0.97× at batch 1 to 32 (BENCHMARKS.md).
 pub(super) fn applies<E: Element>(g: &Geometry) -> bool {
     g.c_in >= MIN_CHANNELS && g.k > 1 && available::<E>()
 }
