@@ -81,16 +81,23 @@ fn time(spec: &Spec, dev: &Device, passes: usize) -> Result<f64> {
 pub(crate) fn run(specs: &[String], dev: &Device) -> Result<()> {
     for text in specs {
         let spec = parse(text)?;
-        #[cfg(feature = "cuda")]
-        wick_nn::native::cuda::attention::set_tensor_cores(spec.tensor_cores);
+        use_tensor_cores(spec.tensor_cores);
         match time(&spec, dev, 20) {
             Ok(ms) => println!("{{\"spec\":\"{text}\",\"ms\":{ms:.4}}}"),
             Err(e) => println!("{{\"spec\":\"{text}\",\"error\":\"{}\"}}", format!("{e:#}").replace('"', "'")),
         }
     }
-    #[cfg(feature = "cuda")]
-    wick_nn::native::cuda::attention::set_tensor_cores(true);
+    use_tensor_cores(true);
     Ok(())
+}
+
+/// Lets f16/bf16 attention run on tensor cores or keeps it on the CUDA-core kernels (a build
+/// without CUDA has neither: nothing to set).
+fn use_tensor_cores(on: bool) {
+    #[cfg(feature = "cuda")]
+    wick_nn::native::cuda::attention::set_tensor_cores(on);
+    #[cfg(not(feature = "cuda"))]
+    let _ = on;
 }
 
 #[cfg(test)]
