@@ -55,31 +55,18 @@ const dim3 BLOCK{128, 1, 1};
 
 // The three kernels of one kind and storage type.
 template <typename E, bool TC> struct Kernels;
-template <> struct Kernels<float, false> {
-  static constexpr auto forward = wick_attention_f32;
-  static constexpr auto dq = wick_attention_dq_f32;
-  static constexpr auto dkdv = wick_attention_dkdv_f32;
-};
-template <> struct Kernels<double, false> {
-  static constexpr auto forward = wick_attention_f64;
-  static constexpr auto dq = wick_attention_dq_f64;
-  static constexpr auto dkdv = wick_attention_dkdv_f64;
-};
-template <> struct Kernels<__nv_bfloat16, false> {
-  static constexpr auto forward = wick_attention_bf16;
-  static constexpr auto dq = wick_attention_dq_bf16;
-  static constexpr auto dkdv = wick_attention_dkdv_bf16;
-};
-template <> struct Kernels<__nv_bfloat16, true> {
-  static constexpr auto forward = wick_attention_tc_bf16;
-  static constexpr auto dq = wick_attention_tc_dq_bf16;
-  static constexpr auto dkdv = wick_attention_tc_dkdv_bf16;
-};
-template <> struct Kernels<__half, true> {
-  static constexpr auto forward = wick_attention_tc_f16;
-  static constexpr auto dq = wick_attention_tc_dq_f16;
-  static constexpr auto dkdv = wick_attention_tc_dkdv_f16;
-};
+// KIND: empty for the CUDA-core kernels, tc_ for the tensor-core ones.
+#define WICK_CHECK_KERNELS(E, TC, KIND, SFX)                   \
+  template <> struct Kernels<E, TC> {                          \
+    static constexpr auto forward = wick_attention_##KIND##SFX;   \
+    static constexpr auto dq = wick_attention_##KIND##dq_##SFX;   \
+    static constexpr auto dkdv = wick_attention_##KIND##dkdv_##SFX; \
+  };
+WICK_CHECK_KERNELS(float, false, , f32)
+WICK_CHECK_KERNELS(double, false, , f64)
+WICK_CHECK_KERNELS(__nv_bfloat16, false, , bf16)
+WICK_CHECK_KERNELS(__nv_bfloat16, true, tc_, bf16)
+WICK_CHECK_KERNELS(__half, true, tc_, f16)
 
 enum Bias { NONE, PADDING, CAUSAL, CAUSAL_BF16 };
 

@@ -117,3 +117,29 @@ __device__ __forceinline__ void dot_rows(const T* rows, int d, const T* own, T* 
   }
 }
 
+// acc[r][t] += w[r·32 + jj] · tile[jj·stride + lane + 32t] over the 32 rows jj of a tile, in jj's
+// order: w the warp's R rows of weights (probabilities or ds; shared memory, read as broadcasts),
+// tile 32 rows of values in shared memory; only the chunks t of 32 columns that hold some of the
+// d columns (`lanes` of them) are added to.
+template <int R, typename T>
+__device__ __forceinline__ void add_rows(T (&acc)[R][WICK_ATT_LANES], const T* w, const T* tile, int stride, int d,
+                                         int lanes) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll 4
+  for (int jj = 0; jj < 32; jj++) {
+    T x[WICK_ATT_LANES];
+#pragma unroll
+    for (int t = 0; t < WICK_ATT_LANES; t++) {
+      const int c = lane + 32 * t;
+      x[t] = c < d ? tile[jj * stride + c] : T(0);
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+      const T wr = w[r * 32 + jj];
+#pragma unroll
+      for (int t = 0; t < WICK_ATT_LANES; t++)
+        if (t < lanes) acc[r][t] += wr * x[t];
+    }
+  }
+}
+

@@ -112,22 +112,7 @@ __device__ void attention_forward(const E* q, const E* k, const E* v, const type
       __syncthreads();
       load_tile(v, lv, bh, n.h, j0, kend, 32, d, kv, kd);
       __syncthreads();
-#pragma unroll 4
-      for (int jj = 0; jj < 32; jj++) {
-        T vr[WICK_ATT_LANES];
-#pragma unroll
-        for (int t = 0; t < WICK_ATT_LANES; t++) {
-          const int c = lane + 32 * t;
-          vr[t] = c < d ? kv[jj * kd + c] : T(0);
-        }
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          const T p = ps[(warp * R + r) * 32 + jj];
-#pragma unroll
-          for (int t = 0; t < WICK_ATT_LANES; t++)
-            if (t < lanes) acc[r][t] += p * vr[t];
-        }
-      }
+      add_rows<R>(acc, ps + warp * R * 32, kv, kd, d, lanes);
     }
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -212,22 +197,7 @@ __device__ void attention_dq(const E* q, const E* k, const E* v, const typename 
         dss[(warp * R + r) * 32 + lane] = in ? p * (dp[r] - dsum_r[r]) : T(0);
       }
       __syncwarp();
-#pragma unroll 4
-      for (int jj = 0; jj < 32; jj++) {
-        T kr[WICK_ATT_LANES];
-#pragma unroll
-        for (int t = 0; t < WICK_ATT_LANES; t++) {
-          const int c = lane + 32 * t;
-          kr[t] = c < d ? ks[jj * kd + c] : T(0);
-        }
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          const T ds = dss[(warp * R + r) * 32 + jj];
-#pragma unroll
-          for (int t = 0; t < WICK_ATT_LANES; t++)
-            if (t < lanes) acc[r][t] += ds * kr[t];
-        }
-      }
+      add_rows<R>(acc, dss + warp * R * 32, ks, kd, d, lanes);
     }
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -305,27 +275,8 @@ __device__ void attention_dkdv(const E* q, const E* k, const E* v, const typenam
         dss[(warp * R + r) * 32 + lane] = in ? p * (dp[r] - dsum_s[lane]) : T(0);
       }
       __syncwarp();
-#pragma unroll 4
-      for (int ii = 0; ii < 32; ii++) {
-        T qr[WICK_ATT_LANES], gr[WICK_ATT_LANES];
-#pragma unroll
-        for (int t = 0; t < WICK_ATT_LANES; t++) {
-          const int c = lane + 32 * t;
-          qr[t] = c < d ? qs[ii * kd + c] : T(0);
-          gr[t] = c < d ? gs[ii * kd + c] : T(0);
-        }
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-          const T p = ps[(warp * R + r) * 32 + ii], ds = dss[(warp * R + r) * 32 + ii];
-#pragma unroll
-          for (int t = 0; t < WICK_ATT_LANES; t++) {
-            if (t < lanes) {
-              av[r][t] += p * gr[t];
-              ak[r][t] += ds * qr[t];
-            }
-          }
-        }
-      }
+      add_rows<R>(av, ps + warp * R * 32, gs, kd, d, lanes);
+      add_rows<R>(ak, dss + warp * R * 32, qs, kd, d, lanes);
     }
 #pragma unroll
     for (int r = 0; r < R; r++) {

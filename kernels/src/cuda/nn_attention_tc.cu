@@ -55,20 +55,26 @@ __device__ __forceinline__ void product_nt(const E* a, const E* b, int ld, int d
   }
 }
 
-// acc[nt] += p (16 × 64, E, leading dimension WICK_TC_PLD) · b[:, nt·16 …] (64 rows × d16).
+// acc += p (16 × 64, E, leading dimension WICK_TC_PLD) · b[:, nt·16 … nt·16 + 15] (64 rows).
+template <typename E>
+__device__ __forceinline__ void product_nn_tile(const E* p, const E* b, int ld, int nt, FragC& acc) {
+#pragma unroll
+  for (int kt = 0; kt < WICK_TC_COLS / 16; kt++) {
+    FragA<E> fa;
+    FragB<E> fb;
+    wmma::load_matrix_sync(fa, p + kt * 16, WICK_TC_PLD);
+    wmma::load_matrix_sync(fb, b + kt * 16 * ld + nt * 16, ld);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
+}
+
+// acc[nt] += p · b[:, nt·16 …] for every 16 columns of b's d16 (product_nn_tile).
 template <typename E>
 __device__ __forceinline__ void product_nn(const E* p, const E* b, int ld, int d16, FragC* acc) {
 #pragma unroll
   for (int nt = 0; nt < 8; nt++) {
     if (nt >= d16 / 16) break;
-#pragma unroll
-    for (int kt = 0; kt < WICK_TC_COLS / 16; kt++) {
-      FragA<E> fa;
-      FragB<E> fb;
-      wmma::load_matrix_sync(fa, p + kt * 16, WICK_TC_PLD);
-      wmma::load_matrix_sync(fb, b + kt * 16 * ld + nt * 16, ld);
-      wmma::mma_sync(acc[nt], fa, fb, acc[nt]);
-    }
+    product_nn_tile(p, b, ld, nt, acc[nt]);
   }
 }
 
@@ -140,16 +146,11 @@ __device__ void attention_forward_tc(const E* q, const E* k, const E* v, const f
 #pragma unroll
       for (int nt = 0; nt < 8; nt++) {
         if (nt >= d16 / 16) break;
+        // The output rows live in shared memory (rescaled there by the new maximum): loaded,
+        // added onto, stored back.
         FragC acc;
         wmma::load_matrix_sync(acc, os + nt * 16, ldo, wmma::mem_row_major);
-#pragma unroll
-        for (int kt = 0; kt < WICK_TC_COLS / 16; kt++) {
-          FragA<E> fa;
-          FragB<E> fb;
-          wmma::load_matrix_sync(fa, ps + kt * 16, WICK_TC_PLD);
-          wmma::load_matrix_sync(fb, vs + kt * 16 * ld + nt * 16, ld);
-          wmma::mma_sync(acc, fa, fb, acc);
-        }
+        product_nn_tile(ps, vs, ld, nt, acc);
         wmma::store_matrix_sync(os + nt * 16, acc, ldo, wmma::mem_row_major);
       }
       __syncwarp();
