@@ -16,7 +16,8 @@
 // lane, lane + 32, … (at most 4: head_dim <= 128). Every result row is summed by one thread in a
 // fixed order (tile after tile), so the same inputs give the same bits on every run; dq's kernel
 // writes D for dk/dv's, which runs after it (no atomics). Computes in f32 (f64 for f64 tensors);
-// inputs and outputs in the tensors' own type.
+// inputs and outputs in the tensors' own type. f16 and bf16 run here where the tensor-core kernels
+// (nn_attention_tc.cu) cannot: before sm_80, or without the shared memory those take.
 //
 // Row ends, as the host body: a query row weighs the keys up to its last one whose bias is above
 // WICK_ATT_MASKED (-9 900: a bf16 -1e4 is -9 984), all of them when there is none; the keys after
