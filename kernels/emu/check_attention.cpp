@@ -227,4 +227,6 @@ void attention_checks() {
   attention<__nv_bfloat16, true>(2, 1, 20, 100, false, NONE, 1e-2);  // d padded to 112
   attention<__half, true>(1, 2, 130, 64, true, CAUSAL, 1.5e-3);  // three tiles each way
   attention<__half, true>(2, 1, 9, 128, false, PADDING, 1.5e-3);
+  attention<__nv_bfloat16, true>(1, 1, 65, 16, true, CAUSAL, 1e-2);  // one row past a tile
+  attention<__half, true>(1, 1, 129, 128, false, NONE, 1.5e-3);       // one row past two tiles
 }
