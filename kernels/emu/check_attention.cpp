@@ -208,7 +208,33 @@ void attention(long long b, long long h, long long s, long long d, bool packed, 
 
 }  // namespace
 
+// The launch figures against the table wick-kernels' `launch` module holds its own to (its test
+// `shared_memory_matches_the_emulators_table`): the same bytes for the same kernels, in C++ here.
+static void shared_table() {
+  const struct {
+    const char* what;
+    size_t got, want;
+  } rows[] = {
+      {"CUDA cores f32 forward, d 64", shared_bytes<float>(false, 0, 64), 20608},
+      {"CUDA cores f32 dq, d 100", shared_bytes<float>(false, 1, 100), 55552},
+      {"CUDA cores f32 dk/dv, d 64", shared_bytes<float>(false, 2, 64), 41600},
+      {"CUDA cores f64 dq, d 64", shared_bytes<double>(false, 1, 64), 53760},
+      {"CUDA cores f64 dk/dv, d 128", shared_bytes<double>(false, 2, 128), 107648},
+      {"tensor cores forward, d 64", shared_bytes<__nv_bfloat16>(true, 0, 64), 71680},
+      {"tensor cores dq, d 64", shared_bytes<__nv_bfloat16>(true, 1, 64), 80896},
+      {"tensor cores dk/dv, d 128", shared_bytes<__nv_bfloat16>(true, 2, 128), 123648},
+      {"tensor cores forward, d 100", shared_bytes<__nv_bfloat16>(true, 0, 100), 102400},
+  };
+  std::vector<double> got, want;
+  for (const auto& r : rows) got.push_back((double)r.got), want.push_back((double)r.want);
+  check("attention shared memory = wick-kernels' launch table (9 kernels and sizes)", got, want, 0);
+  check("attention rows a block = wick-kernels' (tensor cores, f32, f64)",
+        {(double)rows_a_block<__half>(true), (double)rows_a_block<float>(false), (double)rows_a_block<double>(false)},
+        {64, 32, 16}, 0);
+}
+
 void attention_checks() {
+  shared_table();
   // f32 within 2e-5 of f64 (sums over up to 70 keys); f64 to rounding; bf16 and f16 within 3
   // spacings at 1 (2^-8, 2^-11: the outputs rounded, and on tensor cores the probabilities and ds).
   attention<float>(2, 3, 1, 8, false, NONE, 2e-5);

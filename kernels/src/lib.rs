@@ -22,7 +22,9 @@
 //!   Loading and launching them on candle's CUDA device is wick-train's `amp::cuda` and wick-nn's
 //!   `native::cuda`. `emu/` (not part of the crate) runs wick-nn's kernels on a host emulator of
 //!   CUDA's threads against direct f64 references (`scripts/cuda-ci.sh`), so their indexing and
-//!   arithmetic are tested without a GPU.
+//!   arithmetic are tested without a GPU;
+//! - [`launch`]: the launch figures of attention's kernels (rows a block, shared memory), which
+//!   wick-nn's launcher uses and the emulator's check holds to the same table.
 //!
 //! This crate depends on no candle or CUDA crate.
 //!
@@ -32,6 +34,7 @@
 //! [`COMPILED`] is false, and callers report that the kernels were not compiled in.
 
 pub mod cpu;
+pub mod launch;
 pub mod reference;
 
 /// The kernels, by the name of their source file (without `.cu`).

@@ -14,8 +14,9 @@ use candle_core::cuda_backend::CudaStorage;
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 
 pub use super::attention_plan::set_tensor_cores;
-use super::attention_plan::{Kernel, Plan};
+use super::attention_plan::Plan;
 use super::{by_cuda_elem, err, function, output, tensor, view, with_cuda};
+use wick_kernels::launch::AttentionKernel;
 
 /// The largest head dimension the kernels take (32 lanes × 4 elements).
 pub const MAX_HEAD_DIM: usize = 128;
@@ -201,8 +202,8 @@ pub(crate) fn forward(
     by_cuda_elem!(q.0.dtype(), E => {
         let (qv, kv, vv) = (view::<E>(q.0, q.1)?, view::<E>(k.0, k.1)?, view::<E>(v.0, v.1)?);
         let plan = Plan::new(dev, E::DTYPE, geometry.dims.4)?;
-        let f = plan.function(dev, Kernel::Forward)?;
-        let config = plan.launch(&f, dev, Kernel::Forward, geometry.heads(), geometry.dims.2)?;
+        let f = plan.function(dev, AttentionKernel::Forward)?;
+        let config = plan.launch(&f, dev, AttentionKernel::Forward, geometry.heads(), geometry.dims.2)?;
         let mut out = output::<E>(dev, out_len)?;
         let mut lse = output::<f64>(dev, rows)?;
         let stream = dev.cuda_stream();
@@ -277,9 +278,9 @@ pub(crate) fn backward(
                 let (pdq, pdk, pdv) = if packed { (ptrs[0], ptrs[0], ptrs[0]) } else { (ptrs[0], ptrs[1], ptrs[2]) };
                 let (ldq, ldk, ldv) = (lq, lk, lv);
                 let plan = Plan::new(dev, E::DTYPE, geometry.dims.4)?;
-                let (fdq, fdkdv) = (plan.function(dev, Kernel::Dq)?, plan.function(dev, Kernel::DkDv)?);
-                let cdq = plan.launch(&fdq, dev, Kernel::Dq, geometry.heads(), geometry.dims.2)?;
-                let cdkdv = plan.launch(&fdkdv, dev, Kernel::DkDv, geometry.heads(), geometry.dims.3)?;
+                let (fdq, fdkdv) = (plan.function(dev, AttentionKernel::Dq)?, plan.function(dev, AttentionKernel::DkDv)?);
+                let cdq = plan.launch(&fdq, dev, AttentionKernel::Dq, geometry.heads(), geometry.dims.2)?;
+                let cdkdv = plan.launch(&fdkdv, dev, AttentionKernel::DkDv, geometry.heads(), geometry.dims.3)?;
                 macro_rules! go {
                     ($t:ty) => {
                         with_bias!(bias, $t, |b, ends| {

@@ -1,9 +1,9 @@
 //! How attention's kernels are launched on a device: on CUDA cores (`nn_attention.cu`, every
 //! dtype) or on tensor cores (`nn_attention_tc.cu`: f16 and bf16 on compute capability 8.0 and
-//! later, where the device gives the shared memory their tiles take), the rows a block takes, and
-//! each kernel's shared memory — the kernels' tile layouts, which the emulator's check
-//! (`kernels/emu/check_attention.cpp`) launches with the same figures, under AddressSanitizer in
-//! `scripts/cuda-ci.sh`.
+//! later, where the device gives the shared memory their tiles take), and their launches: the rows
+//! a block takes and each kernel's shared memory from `wick_kernels::launch` (the kernels' tile
+//! layouts, which the emulator's check launches with too, under AddressSanitizer in
+//! `scripts/cuda-ci.sh`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -11,6 +11,7 @@ use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunct
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, LaunchConfig};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::{DType, Result};
+use wick_kernels::launch::{attention_block_rows, attention_shared_bytes, AttentionCores, AttentionKernel};
 
 use super::{err, function, suffix};
 
@@ -26,14 +27,6 @@ static TENSOR_CORES: AtomicBool = AtomicBool::new(true);
 /// the CUDA-core kernels, which every dtype and device runs — for comparing the two.
 pub fn set_tensor_cores(on: bool) {
     TENSOR_CORES.store(on, Ordering::Relaxed);
-}
-
-/// The three launches of a pass.
-#[derive(Clone, Copy)]
-pub(crate) enum Kernel {
-    Forward,
-    Dq,
-    DkDv,
 }
 
 /// Which kernels run.
@@ -59,7 +52,10 @@ impl Plan {
             return Ok(cuda);
         }
         let tensor = Plan { cores: Cores::Tensor, dtype, d };
-        let need = [Kernel::Forward, Kernel::Dq, Kernel::DkDv].map(|k| tensor.shared_bytes(k)).into_iter().max();
+        let need = [AttentionKernel::Forward, AttentionKernel::Dq, AttentionKernel::DkDv]
+            .map(|k| tensor.shared_bytes(k))
+            .into_iter()
+            .max();
         let ok = attribute(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 8
             && need.unwrap_or(0)
                 <= attribute(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
@@ -67,59 +63,31 @@ impl Plan {
     }
 
     /// The kernel's function on `dev`.
-    pub(crate) fn function(&self, dev: &CudaDevice, kernel: Kernel) -> Result<CudaFunction> {
+    pub(crate) fn function(&self, dev: &CudaDevice, kernel: AttentionKernel) -> Result<CudaFunction> {
         let sfx = suffix(self.dtype)?;
         let (module, kind) = match self.cores {
             Cores::Cuda => ("nn_attention", ""),
             Cores::Tensor => ("nn_attention_tc", "tc_"),
         };
         let pass = match kernel {
-            Kernel::Forward => "",
-            Kernel::Dq => "dq_",
-            Kernel::DkDv => "dkdv_",
+            AttentionKernel::Forward => "",
+            AttentionKernel::Dq => "dq_",
+            AttentionKernel::DkDv => "dkdv_",
         };
         function(dev, module, &format!("wick_attention_{kind}{pass}{sfx}"))
     }
 
-    /// Rows a block takes: tensor cores 4 warps of 16; CUDA cores 4 warps of 8 (of 4 in f64, whose
-    /// values take twice the registers).
-    fn block_rows(&self) -> usize {
+    /// The kernels' kind and compute type, as `wick_kernels::launch` names them.
+    fn cores(&self) -> AttentionCores {
         match (self.cores, self.dtype) {
-            (Cores::Tensor, _) => 64,
-            (Cores::Cuda, DType::F64) => 16,
-            (Cores::Cuda, _) => 32,
+            (Cores::Tensor, _) => AttentionCores::Tensor,
+            (Cores::Cuda, DType::F64) => AttentionCores::CudaF64,
+            (Cores::Cuda, _) => AttentionCores::CudaF32,
         }
     }
 
-    /// The shared memory a block of `kernel` uses. CUDA cores (the compute type's values): rows a
-    /// block by d, 32 rows by d + 1, probabilities rows by 32; dk/dv's query tile's log-sum-exps,
-    /// D and ends. Tensor cores (d padded to d16, a multiple of 16; ld = d16 + 8 and ldo = d16 + 4
-    /// elements, whole 16 bytes): tiles of 64 rows by ld in the storage type (three forward, four
-    /// backward), per warp one f32 score tile 16 × 68 (two backward), one probability tile
-    /// 16 × 72 in the storage type (two in dk/dv) and forward's f32 output rows 16 × ldo; dk/dv's
-    /// query tile's log-sum-exps, D (f32) and ends.
-    fn shared_bytes(&self, kernel: Kernel) -> usize {
-        let d = self.d;
-        match self.cores {
-            Cores::Cuda => {
-                let size = if self.dtype == DType::F64 { 8 } else { 4 };
-                let (rows, kd) = (self.block_rows(), d + 1);
-                match kernel {
-                    Kernel::Forward => (rows * d + 32 * kd + rows * 32) * size,
-                    Kernel::Dq => (2 * rows * d + 2 * 32 * kd + rows * 32) * size,
-                    Kernel::DkDv => (2 * rows * d + 2 * 32 * kd + 2 * rows * 32 + 64) * size + 32 * 4,
-                }
-            }
-            Cores::Tensor => {
-                let (e, d16) = (2, d.div_ceil(16) * 16);
-                let (ld, ldo) = (d16 + 8, d16 + 4);
-                match kernel {
-                    Kernel::Forward => 3 * 64 * ld * e + 4 * 16 * 68 * 4 + 4 * 16 * ldo * 4 + 4 * 16 * 72 * e,
-                    Kernel::Dq => 4 * 64 * ld * e + 4 * 32 * 68 * 4 + 4 * 16 * 72 * e,
-                    Kernel::DkDv => 4 * 64 * ld * e + 4 * 32 * 68 * 4 + 2 * 4 * 16 * 72 * e + 64 * 4 * 2 + 64 * 4,
-                }
-            }
-        }
+    fn shared_bytes(&self, kernel: AttentionKernel) -> usize {
+        attention_shared_bytes(self.cores(), kernel, self.d)
     }
 
     /// A block per tile of rows of `heads` heads of `rows` rows (at most 65 535 blocks: the
@@ -130,7 +98,7 @@ impl Plan {
         &self,
         f: &CudaFunction,
         dev: &CudaDevice,
-        kernel: Kernel,
+        kernel: AttentionKernel,
         heads: usize,
         rows: usize,
     ) -> Result<LaunchConfig> {
@@ -146,7 +114,7 @@ impl Plan {
             f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
                 .map_err(|e| err(format!("attention: {e}")))?;
         }
-        let blocks = heads.saturating_mul(rows.div_ceil(self.block_rows()));
+        let blocks = heads.saturating_mul(rows.div_ceil(attention_block_rows(self.cores())));
         Ok(LaunchConfig {
             grid_dim: (blocks.clamp(1, 65_535) as u32, 1, 1),
             block_dim: (BLOCK_THREADS, 1, 1),

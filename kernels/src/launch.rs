@@ -1,0 +1,106 @@
+//! The launch figures of attention's CUDA kernels (`src/cuda/nn_attention.cu`, on CUDA cores, and
+//! `nn_attention_tc.cu`, on tensor cores): the rows a block takes and each kernel's dynamic shared
+//! memory, computed from the kernels' tile layouts without CUDA. wick-nn's launcher
+//! (`native::cuda::attention_plan`) launches with these; the emulator's check
+//! (`emu/check_attention.cpp`) computes the same figures for its launches, under AddressSanitizer,
+//! and holds them to the same table as this module's test ([`tests`]), so the two cannot drift
+//! apart unnoticed.
+
+/// The three launches of attention's passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKernel {
+    /// Forward: the output and each query row's log-sum-exp.
+    Forward,
+    /// dq, and each query row's D = dO·o.
+    Dq,
+    /// dk and dv.
+    DkDv,
+}
+
+/// Which of the two kernel files runs, and in which compute type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionCores {
+    /// The CUDA-core kernels, computing in f32 (f32, f16 and bf16 tensors).
+    CudaF32,
+    /// The CUDA-core kernels, computing in f64 (f64 tensors).
+    CudaF64,
+    /// The tensor-core kernels (f16 and bf16 tensors, two bytes an element).
+    Tensor,
+}
+
+/// Rows a block takes: tensor cores 4 warps of 16; CUDA cores 4 warps of 8 (of 4 in f64, whose
+/// values take twice the registers).
+pub fn attention_block_rows(cores: AttentionCores) -> usize {
+    match cores {
+        AttentionCores::Tensor => 64,
+        AttentionCores::CudaF64 => 16,
+        AttentionCores::CudaF32 => 32,
+    }
+}
+
+/// The dynamic shared memory, in bytes, a block of `kernel` uses at head dimension `d`.
+///
+/// CUDA cores (the compute type's values): the block's rows by d, 32 rows by d + 1 (padded: 32
+/// lanes, 32 banks), probabilities of the block's rows by 32; dq twice the first two, dk/dv also
+/// twice the probabilities, plus its query tile's log-sum-exps, D (compute type) and ends (i32).
+/// Tensor cores (d padded to d16, a multiple of 16; ld = d16 + 8 and ldo = d16 + 4 elements, whole
+/// 16 bytes): tiles of 64 rows by ld in the storage type (three forward, four backward), per warp
+/// one f32 score tile 16 × 68 (two backward), one probability tile 16 × 72 in the storage type
+/// (two in dk/dv) and forward's f32 output rows 16 × ldo; dk/dv's 64 log-sum-exps, D (f32) and
+/// ends (i32).
+pub fn attention_shared_bytes(cores: AttentionCores, kernel: AttentionKernel, d: usize) -> usize {
+    use AttentionKernel::*;
+    match cores {
+        AttentionCores::Tensor => {
+            let (e, d16) = (2, d.div_ceil(16) * 16);
+            let (ld, ldo) = (d16 + 8, d16 + 4);
+            match kernel {
+                Forward => 3 * 64 * ld * e + 4 * 16 * 68 * 4 + 4 * 16 * ldo * 4 + 4 * 16 * 72 * e,
+                Dq => 4 * 64 * ld * e + 4 * 32 * 68 * 4 + 4 * 16 * 72 * e,
+                DkDv => 4 * 64 * ld * e + 4 * 32 * 68 * 4 + 2 * 4 * 16 * 72 * e + 64 * 4 * 2 + 64 * 4,
+            }
+        }
+        AttentionCores::CudaF32 | AttentionCores::CudaF64 => {
+            let size = if cores == AttentionCores::CudaF64 { 8 } else { 4 };
+            let (rows, kd) = (attention_block_rows(cores), d + 1);
+            match kernel {
+                Forward => (rows * d + 32 * kd + rows * 32) * size,
+                Dq => (2 * rows * d + 2 * 32 * kd + rows * 32) * size,
+                DkDv => (2 * rows * d + 2 * 32 * kd + 2 * rows * 32 + 64) * size + 32 * 4,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table `emu/check_attention.cpp` holds its own figures to (`shared_table`): the same
+    /// bytes for the same kernels, computed twice, in Rust here and in C++ there.
+    pub(super) const TABLE: [(AttentionCores, AttentionKernel, usize, usize); 9] = [
+        (AttentionCores::CudaF32, AttentionKernel::Forward, 64, 20608),
+        (AttentionCores::CudaF32, AttentionKernel::Dq, 100, 55552),
+        (AttentionCores::CudaF32, AttentionKernel::DkDv, 64, 41600),
+        (AttentionCores::CudaF64, AttentionKernel::Dq, 64, 53760),
+        (AttentionCores::CudaF64, AttentionKernel::DkDv, 128, 107648),
+        (AttentionCores::Tensor, AttentionKernel::Forward, 64, 71680),
+        (AttentionCores::Tensor, AttentionKernel::Dq, 64, 80896),
+        (AttentionCores::Tensor, AttentionKernel::DkDv, 128, 123648),
+        (AttentionCores::Tensor, AttentionKernel::Forward, 100, 102400),
+    ];
+
+    #[test]
+    fn shared_memory_matches_the_emulators_table() {
+        for (cores, kernel, d, bytes) in TABLE {
+            assert_eq!(attention_shared_bytes(cores, kernel, d), bytes, "{cores:?} {kernel:?} d {d}");
+        }
+    }
+
+    #[test]
+    fn blocks_take_whole_warps_of_rows() {
+        assert_eq!(attention_block_rows(AttentionCores::Tensor), 4 * 16);
+        assert_eq!(attention_block_rows(AttentionCores::CudaF32), 4 * 8);
+        assert_eq!(attention_block_rows(AttentionCores::CudaF64), 4 * 4);
+    }
+}
