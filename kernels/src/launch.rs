@@ -3,8 +3,8 @@
 //! memory, computed from the kernels' tile layouts without CUDA. wick-nn's launcher
 //! (`native::cuda::attention_plan`) launches with these; the emulator's check
 //! (`emu/check_attention.cpp`) computes the same figures for its launches, under AddressSanitizer,
-//! and holds them to the same table as this module's test ([`tests`]), so the two cannot drift
-//! apart unnoticed.
+//! and holds them to the same table as this module's test
+//! (`shared_memory_matches_the_emulators_table`), so the two cannot drift apart unnoticed.
 
 /// The three launches of attention's passes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
