@@ -66,25 +66,17 @@ __device__ __forceinline__ long long tile_end(const int* ends, const BiasStrides
   return e;
 }
 
-// Rows r0 … r0 + rows - 1 of an operand into shared memory (row r at dst + r·stride), widened;
-// zero past the operand's last row. Every thread of the block takes part.
-template <typename E, typename T>
+// Rows r0 … r0 + rows - 1 of an operand into shared memory (row r at dst + r·stride) in dst's type
+// (the compute type on CUDA cores, the storage type on tensor cores), `width` columns a row of
+// which d … width - 1 are zero (a head dimension padded to the tensor cores' 16); zero past the
+// operand's last row. Every thread of the block takes part.
+template <typename E, typename D>
 __device__ __forceinline__ void load_tile(const E* p, const Lay& l, long long bh, long long heads, long long r0,
-                                          long long last, int rows, int d, T* dst, int stride) {
-  for (int e = threadIdx.x; e < rows * d; e += blockDim.x) {
-    const int r = e / d, c = e - r * d;
-    dst[r * stride + c] = r0 + r < last ? (T)wick_load(p, at(l, bh, heads, r0 + r) + c) : T(0);
-  }
-}
-
-// As load_tile, in the storage type and with columns d … d16 - 1 zeroed (a head dimension padded
-// to the tensor cores' 16).
-template <typename E>
-__device__ __forceinline__ void load_tile_padded(const E* p, const Lay& l, long long bh, long long heads, long long r0,
-                                                 long long last, int rows, int d, int d16, E* dst, int stride) {
-  for (int e = threadIdx.x; e < rows * d16; e += blockDim.x) {
-    const int r = e / d16, c = e - r * d16;
-    const float x = r0 + r < last && c < d ? wick_load(p, at(l, bh, heads, r0 + r) + c) : 0.f;
+                                          long long last, int rows, int d, int width, D* dst, int stride) {
+  typedef typename WickCompute<E>::T T;
+  for (int e = threadIdx.x; e < rows * width; e += blockDim.x) {
+    const int r = e / width, c = e - r * width;
+    const T x = r0 + r < last && c < d ? (T)wick_load(p, at(l, bh, heads, r0 + r) + c) : T(0);
     wick_store(dst, (long long)r * stride + c, x);
   }
 }

@@ -76,7 +76,7 @@ __device__ void attention_forward(const E* q, const E* k, const E* v, const type
     const long long bh = blk / tiles, i0 = (blk % tiles) * ROWS;
     const long long kend = tile_end(ends, bs, n, bh, i0, ROWS);
     __syncthreads();  // the previous tile's readers are done with the shared memory
-    load_tile(q, lq, bh, n.h, i0, n.sq, ROWS, d, qs, d);
+    load_tile(q, lq, bh, n.h, i0, n.sq, ROWS, d, d, qs, d);
     T m[R], l[R], acc[R][WICK_ATT_LANES];
     long long iend[R];
 #pragma unroll
@@ -88,7 +88,7 @@ __device__ void attention_forward(const E* q, const E* k, const E* v, const type
     }
     for (long long j0 = 0; j0 < kend; j0 += 32) {
       __syncthreads();
-      load_tile(k, lk, bh, n.h, j0, kend, 32, d, kv, kd);
+      load_tile(k, lk, bh, n.h, j0, kend, 32, d, d, kv, kd);
       __syncthreads();
       T s[R];
 #pragma unroll
@@ -111,7 +111,7 @@ __device__ void attention_forward(const E* q, const E* k, const E* v, const type
         m[r] = m_new;
       }
       __syncthreads();
-      load_tile(v, lv, bh, n.h, j0, kend, 32, d, kv, kd);
+      load_tile(v, lv, bh, n.h, j0, kend, 32, d, d, kv, kd);
       __syncthreads();
       add_rows<R>(acc, ps + warp * R * 32, kv, kd, d, lanes);
     }
@@ -155,8 +155,8 @@ __device__ void attention_dq(const E* q, const E* k, const E* v, const typename 
     const long long bh = blk / tiles, i0 = (blk % tiles) * ROWS;
     const long long kend = tile_end(ends, bs, n, bh, i0, ROWS);
     __syncthreads();
-    load_tile(q, lq, bh, n.h, i0, n.sq, ROWS, d, qs, d);
-    load_tile(dout, lo, bh, n.h, i0, n.sq, ROWS, d, gs, d);
+    load_tile(q, lq, bh, n.h, i0, n.sq, ROWS, d, d, qs, d);
+    load_tile(dout, lo, bh, n.h, i0, n.sq, ROWS, d, d, gs, d);
     __syncthreads();
     T dsum_r[R], lse_r[R], acc[R][WICK_ATT_LANES];
     long long iend[R];
@@ -181,8 +181,8 @@ __device__ void attention_dq(const E* q, const E* k, const E* v, const typename 
     }
     for (long long j0 = 0; j0 < kend; j0 += 32) {
       __syncthreads();
-      load_tile(k, lk, bh, n.h, j0, kend, 32, d, ks, kd);
-      load_tile(v, lv, bh, n.h, j0, kend, 32, d, vs, kd);
+      load_tile(k, lk, bh, n.h, j0, kend, 32, d, d, ks, kd);
+      load_tile(v, lv, bh, n.h, j0, kend, 32, d, d, vs, kd);
       __syncthreads();
       T s[R], dp[R];
 #pragma unroll
@@ -242,8 +242,8 @@ __device__ void attention_dkdv(const E* q, const E* k, const E* v, const typenam
   for (long long blk = blockIdx.x; blk < n.b * n.h * tiles; blk += gridDim.x) {
     const long long bh = blk / tiles, j0 = (blk % tiles) * ROWS;
     __syncthreads();
-    load_tile(k, lk, bh, n.h, j0, n.sk, ROWS, d, ks, d);
-    load_tile(v, lv, bh, n.h, j0, n.sk, ROWS, d, vs, d);
+    load_tile(k, lk, bh, n.h, j0, n.sk, ROWS, d, d, ks, d);
+    load_tile(v, lv, bh, n.h, j0, n.sk, ROWS, d, d, vs, d);
     T ak[R][WICK_ATT_LANES], av[R][WICK_ATT_LANES];
 #pragma unroll
     for (int r = 0; r < R; r++)
@@ -252,8 +252,8 @@ __device__ void attention_dkdv(const E* q, const E* k, const E* v, const typenam
     for (long long i0 = 0; i0 < n.sq; i0 += 32) {
       if (tile_end(ends, bs, n, bh, i0, 32) <= j0) continue;  // every row ends before these keys
       __syncthreads();
-      load_tile(q, lq, bh, n.h, i0, n.sq, 32, d, qs, kd);
-      load_tile(dout, lo, bh, n.h, i0, n.sq, 32, d, gs, kd);
+      load_tile(q, lq, bh, n.h, i0, n.sq, 32, d, d, qs, kd);
+      load_tile(dout, lo, bh, n.h, i0, n.sq, 32, d, d, gs, kd);
       if (threadIdx.x < 32) {
         const long long i = i0 + threadIdx.x;
         lse_s[threadIdx.x] = i < n.sq ? (T)lse[bh * n.sq + i] : T(0);

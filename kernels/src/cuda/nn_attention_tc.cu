@@ -110,13 +110,13 @@ __device__ void attention_forward_tc(const E* q, const E* k, const E* v, const f
     const long long bh = blk / tiles, i0 = (blk % tiles) * WICK_TC_ROWS, i = i0 + warp * 16 + r;
     const long long kend = tile_end(ends, bs, n, bh, i0, WICK_TC_ROWS), iend = row_end(ends, bs, n, bh, i);
     __syncthreads();
-    load_tile_padded(q, lq, bh, n.h, i0, n.sq, WICK_TC_ROWS, d, d16, qs, ld);
+    load_tile(q, lq, bh, n.h, i0, n.sq, WICK_TC_ROWS, d, d16, qs, ld);
     for (int c = half; c < d16; c += 2) os[r * ldo + c] = 0.f;
     float m = -INFINITY, l = 0.f;
     for (long long j0 = 0; j0 < kend; j0 += WICK_TC_COLS) {
       __syncthreads();
-      load_tile_padded(k, lk, bh, n.h, j0, kend, WICK_TC_COLS, d, d16, ks, ld);
-      load_tile_padded(v, lv, bh, n.h, j0, kend, WICK_TC_COLS, d, d16, vs, ld);
+      load_tile(k, lk, bh, n.h, j0, kend, WICK_TC_COLS, d, d16, ks, ld);
+      load_tile(v, lv, bh, n.h, j0, kend, WICK_TC_COLS, d, d16, vs, ld);
       __syncthreads();
       product_nt(qs + warp * 16 * ld, ks, ld, d16, ss);
       __syncwarp();
@@ -184,8 +184,8 @@ __device__ void attention_dq_tc(const E* q, const E* k, const E* v, const float*
     const long long bh = blk / tiles, i0 = (blk % tiles) * WICK_TC_ROWS, i = i0 + warp * 16 + r;
     const long long kend = tile_end(ends, bs, n, bh, i0, WICK_TC_ROWS), iend = row_end(ends, bs, n, bh, i);
     __syncthreads();
-    load_tile_padded(q, lq, bh, n.h, i0, n.sq, WICK_TC_ROWS, d, d16, qs, ld);
-    load_tile_padded(dout, lo, bh, n.h, i0, n.sq, WICK_TC_ROWS, d, d16, gs, ld);
+    load_tile(q, lq, bh, n.h, i0, n.sq, WICK_TC_ROWS, d, d16, qs, ld);
+    load_tile(dout, lo, bh, n.h, i0, n.sq, WICK_TC_ROWS, d, d16, gs, ld);
     __syncthreads();
     float part = 0.f;
     if (i < n.sq) {
@@ -200,8 +200,8 @@ __device__ void attention_dq_tc(const E* q, const E* k, const E* v, const float*
     for (int nt = 0; nt < 8; nt++) wmma::fill_fragment(acc[nt], 0.f);
     for (long long j0 = 0; j0 < kend; j0 += WICK_TC_COLS) {
       __syncthreads();
-      load_tile_padded(k, lk, bh, n.h, j0, kend, WICK_TC_COLS, d, d16, ks, ld);
-      load_tile_padded(v, lv, bh, n.h, j0, kend, WICK_TC_COLS, d, d16, vs, ld);
+      load_tile(k, lk, bh, n.h, j0, kend, WICK_TC_COLS, d, d16, ks, ld);
+      load_tile(v, lv, bh, n.h, j0, kend, WICK_TC_COLS, d, d16, vs, ld);
       __syncthreads();
       product_nt(qs + warp * 16 * ld, ks, ld, d16, sc);
       product_nt(gs + warp * 16 * ld, vs, ld, d16, dp);
@@ -249,16 +249,16 @@ __device__ void attention_dkdv_tc(const E* q, const E* k, const E* v, const floa
   for (long long blk = blockIdx.x; blk < n.b * n.h * tiles; blk += gridDim.x) {
     const long long bh = blk / tiles, j0 = (blk % tiles) * WICK_TC_ROWS, j = j0 + warp * 16 + r;
     __syncthreads();
-    load_tile_padded(k, lk, bh, n.h, j0, n.sk, WICK_TC_ROWS, d, d16, ks, ld);
-    load_tile_padded(v, lv, bh, n.h, j0, n.sk, WICK_TC_ROWS, d, d16, vs, ld);
+    load_tile(k, lk, bh, n.h, j0, n.sk, WICK_TC_ROWS, d, d16, ks, ld);
+    load_tile(v, lv, bh, n.h, j0, n.sk, WICK_TC_ROWS, d, d16, vs, ld);
     FragC ak[8], av[8];
 #pragma unroll
     for (int nt = 0; nt < 8; nt++) wmma::fill_fragment(ak[nt], 0.f), wmma::fill_fragment(av[nt], 0.f);
     for (long long i0 = 0; i0 < n.sq; i0 += WICK_TC_COLS) {
       if (tile_end(ends, bs, n, bh, i0, WICK_TC_COLS) <= j0) continue;  // every row ends before these keys
       __syncthreads();
-      load_tile_padded(q, lq, bh, n.h, i0, n.sq, WICK_TC_COLS, d, d16, qs, ld);
-      load_tile_padded(dout, lo, bh, n.h, i0, n.sq, WICK_TC_COLS, d, d16, gs, ld);
+      load_tile(q, lq, bh, n.h, i0, n.sq, WICK_TC_COLS, d, d16, qs, ld);
+      load_tile(dout, lo, bh, n.h, i0, n.sq, WICK_TC_COLS, d, d16, gs, ld);
       if (threadIdx.x < WICK_TC_COLS) {
         const long long i = i0 + threadIdx.x;
         lse_s[threadIdx.x] = i < n.sq ? (float)lse[bh * n.sq + i] : 0.f;
