@@ -80,7 +80,7 @@ impl DeviceBias {
     /// `bias` for attention of `dims` (B, H, Sq, Sk) over `input` (its device and dtype); finds
     /// its row ends on the device.
     pub(crate) fn new(bias: &Tensor, dims: [usize; 4], input: &Tensor) -> Result<Self> {
-        let compute = if input.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+        let compute = super::compute(input.dtype());
         let values = bias.to_device(input.device())?.to_dtype(compute)?.broadcast_as(dims.to_vec())?;
         let [b, h, sq, sk] = dims;
         if i32::try_from(sk).is_err() {
@@ -203,7 +203,7 @@ pub(crate) fn forward(
         let (qv, kv, vv) = (view::<E>(q.0, q.1)?, view::<E>(k.0, k.1)?, view::<E>(v.0, v.1)?);
         let plan = Plan::new(dev, E::DTYPE, geometry.dims.4)?;
         let f = plan.function(dev, AttentionKernel::Forward)?;
-        let config = plan.launch(&f, dev, AttentionKernel::Forward, geometry.heads(), geometry.dims.2)?;
+        let config = plan.launch(&f, AttentionKernel::Forward, geometry.heads(), geometry.dims.2)?;
         let mut out = output::<E>(dev, out_len)?;
         let mut lse = output::<f64>(dev, rows)?;
         let stream = dev.cuda_stream();
@@ -279,8 +279,8 @@ pub(crate) fn backward(
                 let (ldq, ldk, ldv) = (lq, lk, lv);
                 let plan = Plan::new(dev, E::DTYPE, geometry.dims.4)?;
                 let (fdq, fdkdv) = (plan.function(dev, AttentionKernel::Dq)?, plan.function(dev, AttentionKernel::DkDv)?);
-                let cdq = plan.launch(&fdq, dev, AttentionKernel::Dq, geometry.heads(), geometry.dims.2)?;
-                let cdkdv = plan.launch(&fdkdv, dev, AttentionKernel::DkDv, geometry.heads(), geometry.dims.3)?;
+                let cdq = plan.launch(&fdq, AttentionKernel::Dq, geometry.heads(), geometry.dims.2)?;
+                let cdkdv = plan.launch(&fdkdv, AttentionKernel::DkDv, geometry.heads(), geometry.dims.3)?;
                 macro_rules! go {
                     ($t:ty) => {
                         with_bias!(bias, $t, |b, ends| {

@@ -37,28 +37,29 @@ enum Cores {
 }
 
 /// The kernels attention of one dtype and head dimension runs on one device.
+#[derive(Clone, Copy)]
 pub(crate) struct Plan {
     cores: Cores,
     dtype: DType,
     d: usize,
+    /// The shared memory a block may opt into on the device, in bytes (read once).
+    most_shared: usize,
 }
 
 impl Plan {
     /// Tensor cores for f16/bf16 where allowed ([`set_tensor_cores`]), the device is sm_80 or later
     /// and gives all three kernels' shared memory; the CUDA-core kernels otherwise.
     pub(crate) fn new(dev: &CudaDevice, dtype: DType, d: usize) -> Result<Plan> {
-        let cuda = Plan { cores: Cores::Cuda, dtype, d };
+        let most_shared = attribute(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let cuda = Plan { cores: Cores::Cuda, dtype, d, most_shared };
         if !TENSOR_CORES.load(Ordering::Relaxed) || !matches!(dtype, DType::F16 | DType::BF16) {
             return Ok(cuda);
         }
-        let tensor = Plan { cores: Cores::Tensor, dtype, d };
-        let need = [AttentionKernel::Forward, AttentionKernel::Dq, AttentionKernel::DkDv]
-            .map(|k| tensor.shared_bytes(k))
-            .into_iter()
-            .max();
-        let ok = attribute(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 8
-            && need.unwrap_or(0)
-                <= attribute(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let tensor = Plan { cores: Cores::Tensor, ..cuda };
+        let fits = [AttentionKernel::Forward, AttentionKernel::Dq, AttentionKernel::DkDv]
+            .iter()
+            .all(|&k| tensor.shared_bytes(k) <= most_shared);
+        let ok = fits && attribute(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)? >= 8;
         Ok(if ok { tensor } else { cuda })
     }
 
@@ -97,14 +98,13 @@ impl Plan {
     pub(crate) fn launch(
         &self,
         f: &CudaFunction,
-        dev: &CudaDevice,
         kernel: AttentionKernel,
         heads: usize,
         rows: usize,
     ) -> Result<LaunchConfig> {
         let bytes = self.shared_bytes(kernel);
         if bytes > DEFAULT_SHARED {
-            let most = attribute(dev, CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+            let most = self.most_shared;
             if bytes > most {
                 return Err(err(format!(
                     "attention: head dimension {} in {:?} needs {bytes} bytes of shared memory a block; this device gives {most}",
