@@ -30,8 +30,6 @@ mod cases;
 mod oom;
 mod speed;
 
-use std::time::Instant;
-
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use cases::{estimates, Case, Op, CASES};
@@ -127,24 +125,14 @@ fn time(op: Op, shapes: &[Vec<usize>], dtype: DType, dev: &Device, passes: usize
         .collect::<candle_core::Result<Vec<_>>>()?;
     let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let g = Tensor::ones(op(&ts)?.dims(), dtype, dev)?;
-    let pass = || -> Result<usize> {
-        let y = op(&ts)?;
-        let kept = wick_nn::graph::graph_bytes(&y).total;
-        let grads = (y * &g)?.sum_all()?.backward()?;
-        drop(grads);
-        Ok(kept)
-    };
-    for _ in 0..3 {
-        pass()?;
-    }
-    dev.synchronize()?;
-    let start = Instant::now();
     let mut kept = 0;
-    for _ in 0..passes {
-        kept = pass()?;
-    }
-    dev.synchronize()?;
-    Ok((start.elapsed().as_secs_f64() * 1e3 / passes as f64, kept))
+    let ms = speed::per_pass_ms(dev, passes, || {
+        let y = op(&ts)?;
+        kept = wick_nn::graph::graph_bytes(&y).total;
+        drop((y * &g)?.sum_all()?.backward()?);
+        Ok(())
+    })?;
+    Ok((ms, kept))
 }
 
 /// One op checked on `dev` against the host body (`host`: its composed form, the real fallback
@@ -296,9 +284,8 @@ fn main() -> Result<()> {
             }
             // f16/bf16 attention runs on tensor cores where the device has them; its CUDA-core
             // kernels (every other device) are checked here too.
-            #[cfg(feature = "cuda")]
             if !host && case.counted == "attention" {
-                wick_nn::native::cuda::attention::set_tensor_cores(false);
+                speed::use_tensor_cores(false);
                 for dtype in [DType::BF16, DType::F16] {
                     let (ok, detail) =
                         check(case, &shapes, dtype, &dev, host).unwrap_or_else(|e| (false, format!("error: {e:#}")));
@@ -306,7 +293,7 @@ fn main() -> Result<()> {
                     println!("{verdict} {} (CUDA cores) {shapes:?} {dtype:?}: {detail}", case.name);
                     failures += usize::from(!ok);
                 }
-                wick_nn::native::cuda::attention::set_tensor_cores(true);
+                speed::use_tensor_cores(true);
             }
         }
     }
@@ -345,11 +332,10 @@ fn main() -> Result<()> {
                     Err(e) => println!("TIME {} {shapes:?} {dtype:?}: error: {e:#}", case.name),
                 }
             }
-            #[cfg(feature = "cuda")]
             if case.counted == "attention" {
-                wick_nn::native::cuda::attention::set_tensor_cores(false);
+                speed::use_tensor_cores(false);
                 let cores = time(case.op, &shapes, DType::BF16, &dev, 20);
-                wick_nn::native::cuda::attention::set_tensor_cores(true);
+                speed::use_tensor_cores(true);
                 match (cores, time(case.op, &shapes, DType::BF16, &dev, 20)) {
                     (Ok((cores_ms, _)), Ok((tensor_ms, _))) => println!(
                         "TIME {} {shapes:?} BF16 ({what}): tensor cores {tensor_ms:.3} ms, CUDA cores {cores_ms:.3} ms ({:.2}× faster)",

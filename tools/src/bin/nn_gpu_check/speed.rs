@@ -60,11 +60,16 @@ fn time(spec: &Spec, dev: &Device, passes: usize) -> Result<f64> {
         .collect::<candle_core::Result<Vec<_>>>()?;
     let bias = if spec.causal { Some(ops::causal_bias(s, spec.dtype, dev)?) } else { None };
     let g = Tensor::ones((b, h, s, d), spec.dtype, dev)?;
-    let pass = || -> Result<()> {
+    per_pass_ms(dev, passes, || {
         let y = ops::attention(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), bias.as_ref())?;
         drop((y * &g)?.sum_all()?.backward()?);
         Ok(())
-    };
+    })
+}
+
+/// Milliseconds a `pass` takes on `dev`, over `passes` of them after three of warm-up, the device
+/// synchronised before the clock starts and before it stops (every timing of this tool).
+pub(crate) fn per_pass_ms(dev: &Device, passes: usize, mut pass: impl FnMut() -> Result<()>) -> Result<f64> {
     for _ in 0..3 {
         pass()?;
     }
@@ -93,7 +98,7 @@ pub(crate) fn run(specs: &[String], dev: &Device) -> Result<()> {
 
 /// Lets f16/bf16 attention run on tensor cores or keeps it on the CUDA-core kernels (a build
 /// without CUDA has neither: nothing to set).
-fn use_tensor_cores(on: bool) {
+pub(crate) fn use_tensor_cores(on: bool) {
     #[cfg(feature = "cuda")]
     wick_nn::native::cuda::attention::set_tensor_cores(on);
     #[cfg(not(feature = "cuda"))]
