@@ -16,25 +16,6 @@
 
 namespace {
 
-// Storage types to and from f64.
-template <typename E> E to(double x) {
-  if constexpr (std::is_same_v<E, __half>)
-    return __float2half_rn((float)x);
-  else if constexpr (std::is_same_v<E, __nv_bfloat16>)
-    return __float2bfloat16_rn((float)x);
-  else
-    return (E)x;
-}
-inline double wd(float x) { return x; }
-inline double wd(double x) { return x; }
-inline double wd(__half x) { return __half2float(x); }
-inline double wd(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename E> std::vector<double> wds(const std::vector<E>& v) {
-  std::vector<double> r(v.size());
-  for (size_t i = 0; i < v.size(); i++) r[i] = wd(v[i]);
-  return r;
-}
-
 // The launcher's figures (wick-nn's native::cuda::attention): rows a block takes, and the shared
 // memory of each kernel (0 forward, 1 dq, 2 dk/dv) in bytes — on CUDA cores or tensor cores.
 template <typename E> long long rows_a_block(bool tc) { return tc ? 64 : 4 * AttRows<typename WickCompute<E>::T>::R; }
@@ -88,13 +69,8 @@ void attention(long long b, long long h, long long s, long long d, bool packed, 
   auto idx = [&](const Lay& l, long long bh, long long i, long long c) {
     return l.base + (bh / h) * l.batch + (bh % h) * l.head + i * l.row + c;
   };
-  auto from = [](const std::vector<double>& v) {
-    std::vector<E> r(v.size());
-    for (size_t i = 0; i < v.size(); i++) r[i] = to<E>(v[i]);
-    return r;
-  };
   const long long n_in = b * h * s * d, rows = b * h * s;
-  auto qv = from(randn(packed ? 3 * n_in : n_in, 20)), kv = from(randn(n_in, 21)), vv = from(randn(n_in, 22));
+  auto qv = narrow<E>(randn(packed ? 3 * n_in : n_in, 20)), kv = narrow<E>(randn(n_in, 21)), vv = narrow<E>(randn(n_in, 22));
   E *q = qv.data(), *k = packed ? qv.data() : kv.data(), *v = packed ? qv.data() : vv.data();
   std::vector<T> bias;
   BiasStrides bs{0, 0, 0, 0, 0, 0};
@@ -144,7 +120,7 @@ void attention(long long b, long long h, long long s, long long d, bool packed, 
   }
   const int* ep = bp ? ends.data() : nullptr;
   auto end_of = [&](long long bh, long long i) { return ep ? (long long)ep[(bh / h) * bs.eb + (bh % h) * bs.eh + i] : s; };
-  std::vector<E> out(n_in), dout = from(randn(n_in, 23));
+  std::vector<E> out(n_in), dout = narrow<E>(randn(n_in, 23));
   std::vector<double> lse(rows), dsum(rows);
   const long long tiles = b * h * ((s + rows_a_block<E>(TC) - 1) / rows_a_block<E>(TC));
   typedef Kernels<E, TC> K;
@@ -201,9 +177,9 @@ void attention(long long b, long long h, long long s, long long d, bool packed, 
           wgrad[gv + idx(lv, bh, j, c)] += p[i * s + j] * wd(dout[idx(lo, bh, i, c)]);
         }
   }
-  check(what + " output", wds(out), wout, tol);
+  check(what + " output", wide(out), wout, tol);
   check(what + " log-sum-exp", lse, wlse, std::min(tol, 2e-5));
-  check(what + " dq, dk, dv", wds(grads), wgrad, tol);
+  check(what + " dq, dk, dv", wide(grads), wgrad, tol);
 }
 
 }  // namespace

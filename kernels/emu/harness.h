@@ -1,6 +1,8 @@
 // The emulator checks' shared harness (kernels/emu/check*.cpp): comparison against f64
 // references, random inputs, and the launch shapes of wick-nn's launchers.
 #pragma once
+#include "cuda_bf16.h"
+#include "cuda_fp16.h"
 #include "emu.h"
 
 #include <algorithm>
@@ -8,6 +10,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 inline int failures = 0;
@@ -30,7 +33,25 @@ inline void check(const std::string& what, const std::vector<double>& got, const
   failures += !ok;
 }
 
-template <typename T> inline std::vector<double> wide(const std::vector<T>& v) { return std::vector<double>(v.begin(), v.end()); }
+// One value of a storage type (f32, f64, f16, bf16) to f64 and back (rounded to nearest even).
+inline double wd(float x) { return x; }
+inline double wd(double x) { return x; }
+inline double wd(__half x) { return __half2float(x); }
+inline double wd(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename E> E to(double x) {
+  if constexpr (std::is_same_v<E, __half>)
+    return __float2half_rn((float)x);
+  else if constexpr (std::is_same_v<E, __nv_bfloat16>)
+    return __float2bfloat16_rn((float)x);
+  else
+    return (E)x;
+}
+
+template <typename T> inline std::vector<double> wide(const std::vector<T>& v) {
+  std::vector<double> r(v.size());
+  for (size_t i = 0; i < v.size(); i++) r[i] = wd(v[i]);
+  return r;
+}
 
 inline std::vector<double> randn(size_t n, unsigned seed, double scale = 1.0) {
   std::mt19937_64 g(seed);
@@ -40,7 +61,11 @@ inline std::vector<double> randn(size_t n, unsigned seed, double scale = 1.0) {
   return v;
 }
 
-template <typename T> inline std::vector<T> narrow(const std::vector<double>& v) { return std::vector<T>(v.begin(), v.end()); }
+template <typename T> inline std::vector<T> narrow(const std::vector<double>& v) {
+  std::vector<T> r(v.size());
+  for (size_t i = 0; i < v.size(); i++) r[i] = to<T>(v[i]);
+  return r;
+}
 
 // The launchers' shapes (wick-nn's native::cuda).
 inline dim3 elementwise(size_t n) { return dim3{(unsigned)std::clamp<size_t>((n + 255) / 256, 1, 65535), 1, 1}; }
