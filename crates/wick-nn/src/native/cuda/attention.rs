@@ -9,13 +9,13 @@
 //! split copies.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtrMut, DeviceRepr, PushKernelArg};
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{DType, Layout, Result, Storage, Tensor, WithDType};
 
 pub use super::attention_plan::set_tensor_cores;
 use super::attention_plan::Plan;
-use super::{by_cuda_elem, err, function, output, tensor, view, with_cuda};
+use super::{by_cuda_elem, err, function, output, tensor, view, warp_per_row, with_cuda};
 use wick_kernels::launch::AttentionKernel;
 
 /// The largest head dimension the kernels take (32 lanes × 4 elements).
@@ -111,11 +111,7 @@ impl DeviceBias {
                 let values = slice.slice(layout.start_offset()..);
                 let mut launch = stream.launch_builder(&f);
                 launch.arg(&values).arg(&mut ends).arg(&n).arg(&strides).arg(&nb).arg(&nh);
-                let config = LaunchConfig {
-                    grid_dim: (rows.div_ceil(8).clamp(1, 65_535) as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                };
+                let config = warp_per_row(rows);
                 // SAFETY: (bias: the compute type, every address its strides name over `dims` in
                 // the storage — `broadcast_as` checked the shape; ends: i32, `rows` of them; the
                 // dims, strides and distinct batches and heads by value), the kernel's parameters.

@@ -12,14 +12,9 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchCon
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{DType, Layout, Result, Shape, Tensor, WithDType};
 
-use super::{by_cuda_elem, elementwise, err, function, output, suffix, tensor, view, with_cuda, THREADS};
+use super::{by_cuda_elem, elementwise, err, function, output, per_row, suffix, tensor, view, with_cuda, THREADS};
 
 const MODULE: &str = "nn_rows";
-
-/// One block a row, at most 65 535 (the kernels loop over the rest).
-fn per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows.clamp(1, 65_535) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
-}
 
 /// Integer ids or targets as a contiguous u32 tensor on `device` (where the table or the logits are).
 pub(crate) fn ids_on_device(t: &Tensor, device: &candle_core::Device) -> Result<Tensor> {

@@ -150,6 +150,21 @@ pub(crate) fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// One block of [`THREADS`] a row, at most 65 535 blocks (the kernels loop over the rest).
+pub(crate) fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows.clamp(1, 65_535) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// One warp a row, 8 warps (a block of [`THREADS`]) a block, at most 65 535 blocks (the kernels
+/// loop over the rest).
+pub(crate) fn warp_per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil((THREADS / 32) as usize).clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The elements of a contiguous CUDA storage under `layout`, as a view for a launch.
 pub(crate) fn view<'a, E: CudaDType>(s: &'a CudaStorage, layout: &Layout) -> Result<CudaView<'a, E>> {
     let (start, end) = layout.contiguous_offsets().ok_or_else(|| err("input is not contiguous"))?;

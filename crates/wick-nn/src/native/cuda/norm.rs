@@ -9,16 +9,11 @@ use candle_core::cuda_backend::CudaStorage;
 use candle_core::{DType, Layout, Result, Shape, Tensor, WithDType};
 
 use super::{
-    by_cuda_elem, compute, elementwise, err, function, in_dtype, output, row_chunks, suffix, tensor, view, with_cuda,
-    THREADS,
+    by_cuda_elem, compute, elementwise, err, function, in_dtype, output, per_row, row_chunks, suffix, tensor, view,
+    with_cuda, THREADS,
 };
 
 const MODULE: &str = "nn_norm";
-
-/// One block per row, at most 65 535 (the kernels loop over the rest).
-fn per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows.clamp(1, 65_535) as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
-}
 
 /// Layer norm (with `b`; RMS norm with `rms`) over the last dimension: the output and the
 /// per-row statistics (mean, inverse deviation), 2 × rows f64 on the device.

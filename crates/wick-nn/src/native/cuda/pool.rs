@@ -3,11 +3,11 @@
 //! (each input sums the gradients of the windows whose first maximum it is, in the host's order).
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{Layout, Result, Shape, Tensor, WithDType};
 
-use super::{by_cuda_elem, elementwise, err, function, output, suffix, tensor, view, with_cuda};
+use super::{by_cuda_elem, elementwise, err, function, output, suffix, tensor, view, warp_per_row, with_cuda};
 
 const MODULE: &str = "nn_pool";
 
@@ -95,11 +95,7 @@ pub(crate) fn global_avg(
         let stream = dev.cuda_stream();
         let mut launch = stream.launch_builder(&f);
         launch.arg(&x).arg(&mut y).arg(&p).arg(&n);
-        let grid = LaunchConfig {
-            grid_dim: (planes.div_ceil(8).clamp(1, 65_535) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let grid = warp_per_row(planes);
         // SAFETY: (x: planes × hw of E; y: planes of E; planes, hw), in order.
         unsafe { launch.launch(grid) }.map_err(|e| err(format!("global_avg_pool: {e}")))?;
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
