@@ -1,9 +1,9 @@
 // wick-nn's CUDA kernels (kernels/src/cuda/nn_*.cu) run on the host emulator (emu.h) with the
 // launch shapes wick-nn's launchers use (crates/wick-nn/src/native/cuda), against direct
 // reference computations in f64 written here: activations, layer/RMS norm, RoPE, cross-entropy,
-// embeddings, the broadcast sum of embeddings, max and global average pooling, and the
-// optimizer's step (to the bit) — forward and backward; attention, batch norm and the linear
-// layer's passes in check_*.cpp. Prints one line per check; exits non-zero if any fails.
+// embeddings, the broadcast sum of embeddings, max and global average pooling — forward and
+// backward; attention, batch norm, the linear layer's passes and the optimizer's step in
+// check_*.cpp. Prints one line per check; exits non-zero if any fails.
 //
 //   g++ -std=c++20 -O1 -g -fsanitize=address -ffp-contract=off -pthread -Wall -Wno-unknown-pragmas -I kernels/emu
 //     kernels/emu/check*.cpp -o target/emu-check
@@ -24,8 +24,6 @@
 #include "../src/cuda/nn_rows.cu"
 #undef WICK_KERNEL
 #include "../src/cuda/nn_pool.cu"
-#undef WICK_KERNEL
-#include "../src/cuda/optim_step.cu"
 
 #include "harness.h"
 
@@ -264,171 +262,6 @@ static void pooling(long long h, long long w, long long k, long long st, long lo
   check("global_avg_pool " + std::to_string(h) + "x" + std::to_string(w) + " backward", wide(davg), wdavg, 1e-6);
 }
 
-// The optimizer's step (optim_step.cu) against the host loops' arithmetic (wick_kernels::cpu::optim,
-// transcribed: the same operations in the same order, each rounded to f32), to the bit: SGD with
-// momentum and AdamW, on an f32 parameter and on an f32 master with a bf16 model copy, the state
-// updated in place as the trainer does.
-static void optimizer() {
-  const long long n = 3001;
-  auto p0 = narrow<float>(randn(n, 70)), g32 = narrow<float>(randn(n, 71, 3.0)), m0 = narrow<float>(randn(n, 72, 0.1));
-  std::vector<float> v0(n);
-  for (long long i = 0; i < n; i++) v0[i] = std::fabs(m0[i]) * 0.5f;
-  std::vector<__nv_bfloat16> gb(n);
-  for (long long i = 0; i < n; i++) gb[i] = __float2bfloat16_rn(g32[i]);
-  const double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps_d = 1e-8, wd = 0.01;
-  const int step = 3;
-  const double bc1 = 1 - std::pow(beta1, step), bc2 = 1 - std::pow(beta2, step);
-  const float step_size = (float)(lr / bc1), inv_bc2_sqrt = (float)(1 / std::sqrt(bc2)), decay = (float)(1 - lr * wd);
-  const float b1 = (float)beta1, b2 = (float)beta2, c1 = (float)(1 - beta1), c2 = (float)(1 - beta2), eps = (float)eps_d;
-  for (bool bf16 : {false, true}) {
-    auto p = p0, m = m0, v = v0;
-    std::vector<__nv_bfloat16> model(n);
-    if (bf16) {
-      launch(elementwise(n), THREADS, [&] {
-        wick_adamw_step_bf16(p.data(), m.data(), v.data(), m.data(), v.data(), gb.data(), model.data(), n, b1, b2, c1, c2, eps, decay,
-                             step_size, inv_bc2_sqrt);
-      });
-    } else {
-      launch(elementwise(n), THREADS, [&] {
-        wick_adamw_step_f32(p.data(), m.data(), v.data(), m.data(), v.data(), g32.data(), nullptr, n, b1, b2, c1, c2, eps, decay,
-                            step_size, inv_bc2_sqrt);
-      });
-    }
-    std::vector<double> wp(n), wm(n), wv(n), gotm(n), gotv(n), wmodel(n), gotmodel(n);
-    for (long long i = 0; i < n; i++) {
-      const float gi = bf16 ? __bfloat162float(gb[i]) : g32[i];
-      const float mi = b1 * m0[i] + c1 * gi;
-      const float vi = b2 * v0[i] + c2 * gi * gi;
-      const float denom = std::sqrt(vi) * inv_bc2_sqrt + eps;
-      const float w = p0[i] * decay - step_size * mi / denom;
-      wp[i] = w, wm[i] = mi, wv[i] = vi, gotm[i] = m[i], gotv[i] = v[i];
-      wmodel[i] = __bfloat162float(__float2bfloat16_rn(w)), gotmodel[i] = __bfloat162float(model[i]);
-    }
-    const std::string what = std::string("AdamW step ") + (bf16 ? "(bf16 gradient, f32 master, bf16 model)" : "(f32)");
-    check(what + " parameter, to the bit", wide(p), wp, 0);
-    check(what + " moments, to the bit", [&] { auto a = gotm; a.insert(a.end(), gotv.begin(), gotv.end()); return a; }(),
-          [&] { auto a = wm; a.insert(a.end(), wv.begin(), wv.end()); return a; }(), 0);
-    if (bf16) check(what + " model copy, to the bit", gotmodel, wmodel, 0);
-  }
-  auto p = p0, b = m0;
-  const float lrf = (float)0.05, mu = (float)0.9;
-  launch(elementwise(n), THREADS, [&] { wick_sgd_momentum_f32(p.data(), b.data(), b.data(), g32.data(), nullptr, n, lrf, mu); });
-  std::vector<double> wp(n), wb(n);
-  for (long long i = 0; i < n; i++) {
-    const float bi = mu * m0[i] + g32[i];
-    wb[i] = bi, wp[i] = p0[i] - lrf * bi;
-  }
-  check("SGD momentum step (f32) parameter, to the bit", wide(p), wp, 0);
-  check("SGD momentum step (f32) buffer, to the bit", wide(b), wb, 0);
-
-  // The multi-tensor forms against the single-tensor kernels, to the bit: three tensors of
-  // different lengths (one, 1 000, 3 001 elements) in one launch, bf16 gradients and model copies.
-  const long long lens[3] = {1, 1000, 3001};
-  std::vector<std::vector<float>> ps, ms, vs, ps1, ms1, vs1;
-  std::vector<std::vector<__nv_bfloat16>> gs, models, models1;
-  for (int t = 0; t < 3; t++) {
-    auto pt = narrow<float>(randn(lens[t], 80 + t)), mt = narrow<float>(randn(lens[t], 90 + t, 0.1));
-    std::vector<float> vt(lens[t]);
-    for (long long i = 0; i < lens[t]; i++) vt[i] = std::fabs(mt[i]);
-    std::vector<__nv_bfloat16> gt(lens[t]);
-    auto gd = randn(lens[t], 100 + t);
-    for (long long i = 0; i < lens[t]; i++) gt[i] = __float2bfloat16_rn((float)gd[i]);
-    ps.push_back(pt), ms.push_back(mt), vs.push_back(vt), gs.push_back(gt), models.emplace_back(lens[t]);
-  }
-  ps1 = ps, ms1 = ms, vs1 = vs, models1 = models;
-  std::vector<long long> ptrs, lens_v(lens, lens + 3);
-  for (int t = 0; t < 3; t++) {
-    for (void* q : {(void*)ps[t].data(), (void*)ms[t].data(), (void*)vs[t].data(), (void*)gs[t].data(), (void*)models[t].data()})
-      ptrs.push_back((long long)(intptr_t)q);
-  }
-  launch(dim3{4, 3, 1}, THREADS, [&] {
-    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt, 1.0f, nullptr);
-  });
-  bool same = true;
-  for (int t = 0; t < 3; t++) {
-    launch(elementwise(lens[t]), THREADS, [&] {
-      wick_adamw_step_bf16(ps1[t].data(), ms1[t].data(), vs1[t].data(), ms1[t].data(), vs1[t].data(), gs[t].data(), models1[t].data(),
-                           lens[t], b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt);
-    });
-    for (long long i = 0; i < lens[t]; i++) {
-      same &= ps[t][i] == ps1[t][i] && ms[t][i] == ms1[t][i] && vs[t][i] == vs1[t][i] && models[t][i].bits == models1[t][i].bits;
-    }
-  }
-  check("AdamW multi-tensor (3 tensors, bf16) = one launch each, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
-  std::vector<long long> sptrs;
-  for (int t = 0; t < 3; t++) {
-    for (void* q : {(void*)ps[t].data(), (void*)ms[t].data(), (void*)gs[t].data(), (void*)models[t].data()})
-      sptrs.push_back((long long)(intptr_t)q);
-  }
-  const float clear = 0.0f;
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu, 1.0f, &clear); });
-  same = true;
-  for (int t = 0; t < 3; t++) {
-    launch(elementwise(lens[t]), THREADS, [&] {
-      wick_sgd_momentum_bf16(ps1[t].data(), ms1[t].data(), ms1[t].data(), gs[t].data(), models1[t].data(), lens[t], lrf, mu);
-    });
-    for (long long i = 0; i < lens[t]; i++) same &= ps[t][i] == ps1[t][i] && ms[t][i] == ms1[t][i] && models[t][i].bits == models1[t][i].bits;
-  }
-  check("SGD momentum multi-tensor (3 tensors, bf16) = one launch each, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
-  // With the loss scaler's flag raised, a multi-tensor launch changes nothing.
-  const float raised = 1.0f;
-  const auto before_p = ps, before_m = ms, before_v = vs;
-  const auto before_models = models;
-  launch(dim3{4, 3, 1}, THREADS, [&] {
-    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt, 1.0f, &raised);
-  });
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu, 1.0f, &raised); });
-  same = ps == before_p && ms == before_m && vs == before_v;
-  for (int t = 0; t < 3; t++)
-    for (long long i = 0; i < lens[t]; i++) same &= models[t][i].bits == before_models[t][i].bits;
-  check("multi-tensor steps with the inf flag raised change nothing", {same ? 0.0 : 1.0}, {0.0}, 0);
-  // Gradient clipping's factor: each bf16 gradient element widened, times the factor (rounded),
-  // then the step — the same as the single f32 kernel given those products as its gradient.
-  const float factor = 0.37f;
-  ps1 = ps, ms1 = ms, vs1 = vs;
-  launch(dim3{4, 3, 1}, THREADS, [&] {
-    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt, factor, nullptr);
-  });
-  same = true;
-  for (int t = 0; t < 3; t++) {
-    std::vector<float> scaled(lens[t]);
-    for (long long i = 0; i < lens[t]; i++) scaled[i] = __bfloat162float(gs[t][i]) * factor;
-    launch(elementwise(lens[t]), THREADS, [&] {
-      wick_adamw_step_f32(ps1[t].data(), ms1[t].data(), vs1[t].data(), ms1[t].data(), vs1[t].data(), scaled.data(), nullptr, lens[t],
-                          b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt);
-    });
-    for (long long i = 0; i < lens[t]; i++) {
-      same &= ps[t][i] == ps1[t][i] && ms[t][i] == ms1[t][i] && vs[t][i] == vs1[t][i] &&
-              models[t][i].bits == __float2bfloat16_rn(ps1[t][i]).bits;
-    }
-  }
-  check("AdamW multi-tensor with a clipping factor = the step on the scaled gradient, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
-  ps1 = ps, ms1 = ms;
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, lrf, mu, factor, &clear); });
-  same = true;
-  for (int t = 0; t < 3; t++) {
-    std::vector<float> scaled(lens[t]);
-    for (long long i = 0; i < lens[t]; i++) scaled[i] = __bfloat162float(gs[t][i]) * factor;
-    launch(elementwise(lens[t]), THREADS, [&] {
-      wick_sgd_momentum_f32(ps1[t].data(), ms1[t].data(), ms1[t].data(), scaled.data(), nullptr, lens[t], lrf, mu);
-    });
-    for (long long i = 0; i < lens[t]; i++) same &= ps[t][i] == ps1[t][i] && ms[t][i] == ms1[t][i];
-  }
-  check("SGD momentum multi-tensor with a clipping factor = the step on the scaled gradient, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
-  // Clipping's squared norm: the partial sums of every (block, tensor), added up in order as the
-  // host does, against the plain f64 sum of the widened squares.
-  std::vector<long long> gptrs;
-  for (int t = 0; t < 3; t++) gptrs.push_back((long long)(intptr_t)gs[t].data());
-  const int gx = 4;
-  std::vector<double> partials(3 * gx, -1.0);
-  launch(dim3{gx, 3, 1}, THREADS, [&] { wick_squares_multi_bf16(gptrs.data(), lens_v.data(), 3, partials.data()); });
-  double got = 0.0, want = 0.0;
-  for (double p : partials) got += p;
-  for (int t = 0; t < 3; t++)
-    for (long long i = 0; i < lens[t]; i++) want += (double)__bfloat162float(gs[t][i]) * (double)__bfloat162float(gs[t][i]);
-  check("squared norm over 3 bf16 tensors (one launch, partials in order)", {got}, {want}, 1e-12);
-}
-
 int main() {
   activations();
   for (bool rms : {false, true}) {
@@ -446,7 +279,7 @@ int main() {
   pooling(9, 7, 3, 2, 1, true);
   pooling(8, 8, 2, 2, 0, false);
   pooling(5, 6, 3, 1, 1, false);
-  optimizer();
+  optimizer_checks();
   batch_norm_checks();
   linear_checks();
   if (failures) {

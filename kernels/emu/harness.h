@@ -82,3 +82,4 @@ inline long long bn_seg(long long count) { return std::max<long long>(8192, (cou
 void attention_checks();
 void batch_norm_checks();
 void linear_checks();
+void optimizer_checks();

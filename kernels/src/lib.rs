@@ -24,7 +24,9 @@
 //!   CUDA's threads against direct f64 references (`scripts/cuda-ci.sh`), so their indexing and
 //!   arithmetic are tested without a GPU;
 //! - [`launch`]: the launch figures of attention's kernels (rows a block, shared memory), which
-//!   wick-nn's launcher uses and the emulator's check holds to the same table.
+//!   wick-nn's launcher uses and the emulator's check holds to the same table;
+//! - [`step_scalars`]: the block of scalars a multi-tensor optimizer step reads on the device
+//!   (its layout, and the host's computation of what the device's `wick_step_scalars` writes).
 //!
 //! This crate depends on no candle or CUDA crate.
 //!
@@ -36,6 +38,7 @@
 pub mod cpu;
 pub mod launch;
 pub mod reference;
+pub mod step_scalars;
 
 /// The kernels, by the name of their source file (without `.cu`).
 pub const KERNELS: [&str; 11] = [

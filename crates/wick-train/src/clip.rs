@@ -103,16 +103,21 @@ pub fn grad_norm(grads: &GradStore, vars: &[&Var]) -> Result<f64> {
 /// norm when it is not finite: the update must not run (see the module's note).
 pub fn checked_coefficient(norm: f64, max_norm: f64) -> std::result::Result<f32, TrainError> {
     if !norm.is_finite() {
-        return Err(TrainError::Invalid {
-            what: "gradient clipping".into(),
-            message: format!(
-                "the gradients' total norm is {norm} (an inf or NaN gradient); the update was not applied and the \
-                 parameters are unchanged. Lower the learning rate, or train in mixed precision with a loss scaler, \
-                 which skips such steps"
-            ),
-        });
+        return Err(non_finite(norm));
     }
     Ok(coefficient(norm, max_norm))
+}
+
+/// The error of a step whose gradients' total norm `norm` is not finite (nothing applied).
+pub(crate) fn non_finite(norm: f64) -> TrainError {
+    TrainError::Invalid {
+        what: "gradient clipping".into(),
+        message: format!(
+            "the gradients' total norm is {norm} (an inf or NaN gradient); the update was not applied and the \
+             parameters are unchanged. Lower the learning rate, or train in mixed precision with a loss scaler, \
+             which skips such steps"
+        ),
+    }
 }
 
 /// Clips the gradients of `vars` in `grads` to a total norm of at most `max_norm`, in place (each

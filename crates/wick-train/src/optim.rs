@@ -52,6 +52,15 @@ impl Optimizer {
             Optimizer::SgdMomentum { lr, .. } | Optimizer::AdamW(AdamW { lr, .. }) => *lr = rate,
         }
     }
+
+    /// The hyper-parameters as the CUDA step's scalars take them (`wick_kernels::step_scalars`).
+    pub fn hyper(&self) -> wick_kernels::step_scalars::Hyper {
+        use wick_kernels::step_scalars::Hyper;
+        match self {
+            Optimizer::SgdMomentum { lr, momentum } => Hyper::sgd(*lr, *momentum),
+            Optimizer::AdamW(a) => Hyper::adamw(a),
+        }
+    }
 }
 
 /// The form training checkpoints record (`SgdMomentum { lr: .., momentum: .. }`, `AdamW { lr:

@@ -5,7 +5,8 @@
 //! and never ask which it is (the choice, and why the fused step was not taken, is in
 //! [`Updater::describe`]). With [`Updater::clip_grad_norm`] both clip the gradients by their
 //! global norm as the trainer does ([`crate::clip`]: the norm of the unscaled gradients, its
-//! coefficient folded into the update; on the device one read of the summed squares a step).
+//! coefficient folded into the update; on the device both computed there, and one read of what
+//! the step did after it).
 //!
 //! Above `amp` and `clip`, which it puts together (clipping's step uses `amp`'s masters).
 
@@ -114,29 +115,31 @@ impl Updater {
                 let grads = amp.scale_loss(loss)?.backward()?;
                 after_backward();
                 let unscaled = amp.unscale(&grads)?;
-                let (factor, norm) = match clip {
-                    None => (1.0, None),
-                    Some(max_norm) => {
-                        // One read: the summed squares of the unscaled gradients. Under a scaler a
-                        // step with an inf or NaN gradient is skipped on the device whatever the
-                        // factor (its norm is not reported); without one a non-finite norm stops
-                        // the step here, before anything is applied.
-                        let norm = amp.squares(&unscaled)?.sqrt();
-                        let factor = if amp.scales() {
-                            crate::clip::coefficient(norm, max_norm)
-                        } else {
-                            crate::clip::checked_coefficient(norm, max_norm)?
-                        };
-                        (factor, Some(norm))
-                    }
-                };
-                let flag = amp.apply(unscaled, factor)?.to_device(&candle_core::Device::Cpu)?.to_vec1::<f32>()?;
-                if flag.first().is_some_and(|f| *f != 0.0) {
+                drop(grads);
+                // Clipping's norm and coefficient are computed on the device with the rest of the
+                // step; the one read is after it. Under a scaler a step with an inf or NaN
+                // gradient is skipped on the device whatever the norm (which is not reported);
+                // without one a norm that is not finite skips it too, and is the error here.
+                amp.apply(unscaled, clip)?;
+                let report = amp.last_step()?;
+                if report.bad_norm {
+                    return Err(crate::clip::non_finite(report.norm.unwrap_or(f64::NAN)));
+                }
+                if report.skipped {
                     return Ok(StepOutcome::Skipped);
                 }
-                self.last_norm = norm;
+                self.last_norm = report.norm;
                 Ok(StepOutcome::Applied)
             }
+        }
+    }
+
+    /// Sets the learning rate of the next steps (a schedule's step).
+    pub fn set_learning_rate(&mut self, rate: f64) {
+        match &mut self.path {
+            Path::Host { masters, .. } => masters.set_learning_rate(rate),
+            #[cfg(feature = "cuda")]
+            Path::Device(amp) => amp.set_learning_rate(rate),
         }
     }
 

@@ -13,7 +13,8 @@
 //   SGD with momentum (PyTorch's form):  b = mu b + g;  p = p - lr b
 //   AdamW:  m = b1 m + c1 g;  v = b2 v + c2 g^2;  p = p decay - step_size m / (sqrt(v) inv_bc2_sqrt + eps)
 //           (c_i = 1 - b_i, decay = 1 - lr wd, step_size = lr / bc1, inv_bc2_sqrt = 1 / sqrt(bc2),
-//           computed on the host in f64 and rounded to f32 as the host's loop does)
+//           computed in f64 and rounded to f32 as the host's loop does: on the host for the
+//           single-tensor kernels, on the device by `wick_step_scalars` for the multi-tensor ones)
 #include "common.cuh"
 
 // No compute copy: the f32 tensor is the parameter itself.
@@ -77,18 +78,124 @@ __device__ void adamw(float* p, const float* m, const float* v, float* m_new, fl
     }
 }
 
+// The scalars one multi-tensor step reads, on the device: written by `wick_step_scalars` (the
+// device's own rule, below) or copied from the host (`wick_kernels::step_scalars::host`), in
+// this order — the order of `wick_kernels::step_scalars::Slot`, which a Rust test reads from
+// this list. SKIP non-zero: the step changes nothing (an inf gradient under the loss scaler, or
+// a clipping norm that is not finite); BAD_NORM: the latter (the host's error after the step).
+enum WickStepSlot {
+    WICK_SLOT_B1,
+    WICK_SLOT_B2,
+    WICK_SLOT_C1,
+    WICK_SLOT_C2,
+    WICK_SLOT_EPS,
+    WICK_SLOT_DECAY,
+    WICK_SLOT_STEP_SIZE,
+    WICK_SLOT_INV_BC2_SQRT,
+    WICK_SLOT_LR,
+    WICK_SLOT_MOMENTUM,
+    WICK_SLOT_FACTOR,
+    WICK_SLOT_SKIP,
+    WICK_SLOT_BAD_NORM,
+    WICK_SLOTS
+};
+
+// The hyper-parameters `wick_step_scalars` reads (f64, written by the host when they change: the
+// learning rate at every step of a schedule), in the order of `wick_kernels::step_scalars::Hyper`.
+// MAX_NORM is clipping's bound (read only when partial sums are given).
+enum WickHyper {
+    WICK_HYPER_LR,
+    WICK_HYPER_BETA1,
+    WICK_HYPER_BETA2,
+    WICK_HYPER_EPS,
+    WICK_HYPER_WEIGHT_DECAY,
+    WICK_HYPER_MOMENTUM,
+    WICK_HYPER_MAX_NORM,
+    WICK_HYPERS
+};
+
+// a^b for an int b by repeated squaring, every product rounded on its own: the algorithm of the
+// host's `f64::powi` (compiler-builtins' `__powidf2`), so AdamW's bias corrections are the host's
+// to the bit (`wick_kernels::step_scalars::powi` states it and a Rust test holds it to `powi`).
+__device__ __forceinline__ double wick_powi(double a, int b) {
+    const bool recip = b < 0;
+    unsigned int n = recip ? 0u - (unsigned int)b : (unsigned int)b;
+    double r = 1.0;
+    for (;;) {
+        if (n & 1u) r = __dmul_rn(r, a);
+        n >>= 1;
+        if (n == 0) break;
+        a = __dmul_rn(a, a);
+    }
+    return recip ? __ddiv_rn(1.0, r) : r;
+}
+
+// One step's scalars from the device's own state, so a step needs no value from the host that
+// changes while it runs (what a captured CUDA graph replays): `step` is the count of applied
+// steps (AdamW's t - 1, advanced here unless the step is skipped, so a skipped step does not
+// move the bias corrections, as PyTorch's fused AdamW); `found_inf` (null: none) the loss
+// scaler's flag; with `partials` (null: no clipping), clipping's per-(block, tensor) sums of
+// squares of up to three dtypes, section k ending at end_k (cumulative), are added in order —
+// each section from zero, then the sections — the host's order, the norm written to `norm` and
+// the coefficient min(1, max_norm / (norm + 1e-6)) rounded to f32 once (`wick_train::clip`'s).
+// Everything in f64 with each operation rounded on its own, as the host computes it, then
+// rounded to f32 once. Launch with one thread.
+extern "C" __global__ void wick_step_scalars(const double* hyper, int* step, const float* found_inf,
+                                             const double* partials, long long end0, long long end1, long long end2,
+                                             float* out, double* norm) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const double lr = hyper[WICK_HYPER_LR], beta1 = hyper[WICK_HYPER_BETA1], beta2 = hyper[WICK_HYPER_BETA2];
+    const bool inf = found_inf && *found_inf != 0.0f;
+    float factor = 1.0f;
+    bool bad = false;
+    if (partials) {
+        const long long ends[3] = {end0, end1, end2};
+        double total = 0.0;
+        long long at = 0;
+        for (int k = 0; k < 3; k++) {
+            double sum = 0.0;
+            for (; at < ends[k]; at++) sum = __dadd_rn(sum, partials[at]);
+            total = __dadd_rn(total, sum);
+        }
+        const double root = __dsqrt_rn(total);
+        const double c = __ddiv_rn(hyper[WICK_HYPER_MAX_NORM], __dadd_rn(root, 1e-6));
+        // f64::min: the other operand where one is NaN.
+        factor = __double2float_rn(isnan(c) ? 1.0 : (c < 1.0 ? c : 1.0));
+        bad = !inf && !isfinite(root);
+        if (norm) *norm = root;
+    }
+    const bool skip = inf || bad;
+    const int t = *step + 1;
+    if (!skip) *step = t;
+    const double bc1 = __dsub_rn(1.0, wick_powi(beta1, t)), bc2 = __dsub_rn(1.0, wick_powi(beta2, t));
+    out[WICK_SLOT_B1] = __double2float_rn(beta1);
+    out[WICK_SLOT_B2] = __double2float_rn(beta2);
+    out[WICK_SLOT_C1] = __double2float_rn(__dsub_rn(1.0, beta1));
+    out[WICK_SLOT_C2] = __double2float_rn(__dsub_rn(1.0, beta2));
+    out[WICK_SLOT_EPS] = __double2float_rn(hyper[WICK_HYPER_EPS]);
+    out[WICK_SLOT_DECAY] = __double2float_rn(__dsub_rn(1.0, __dmul_rn(lr, hyper[WICK_HYPER_WEIGHT_DECAY])));
+    out[WICK_SLOT_STEP_SIZE] = __double2float_rn(__ddiv_rn(lr, bc1));
+    out[WICK_SLOT_INV_BC2_SQRT] = __double2float_rn(__ddiv_rn(1.0, __dsqrt_rn(bc2)));
+    out[WICK_SLOT_LR] = __double2float_rn(lr);
+    out[WICK_SLOT_MOMENTUM] = __double2float_rn(hyper[WICK_HYPER_MOMENTUM]);
+    out[WICK_SLOT_FACTOR] = factor;
+    out[WICK_SLOT_SKIP] = skip ? 1.0f : 0.0f;
+    out[WICK_SLOT_BAD_NORM] = bad ? 1.0f : 0.0f;
+}
+
 // Multi-tensor forms: every parameter of one gradient dtype in one launch, the state in place
 // (the trainer's use). Tensor t's buffers are at ptrs[t·K + j] — SGD (K = 4): parameter or
 // master, momentum buffer, gradient, model copy (0: none); AdamW (K = 5): parameter or master,
 // first moment, second moment, gradient, model copy — and its length at lens[t]. Grid: y over
-// the tensors, x grid-stride within each. `skip` (null: none) is a device flag, the loss
-// scaler's `found_inf`: when it is non-zero the launch changes nothing, so a step with non-finite
-// gradients is skipped without the host reading the flag first. `factor` multiplies every
-// gradient element as it is read (gradient clipping's coefficient; 1 for none).
+// the tensors, x grid-stride within each. The step's constants, clipping's factor (each gradient
+// element multiplied by it as it is read; 1 for none) and its skip flag are read from `s`, a
+// block of WICK_SLOTS floats on the device; `skip` (null: none) is a second device flag, the
+// loss scaler's `found_inf`: when either is non-zero the launch changes nothing, so a step with
+// non-finite gradients is skipped without the host reading a flag first.
 template <typename G, typename M>
-__device__ void sgd_multi(const long long* ptrs, const long long* lens, int count, float lr, float momentum,
-                          float factor, const float* skip) {
-    if (skip && *skip != 0.0f) return;
+__device__ void sgd_multi(const long long* ptrs, const long long* lens, int count, const float* s, const float* skip) {
+    if ((skip && *skip != 0.0f) || s[WICK_SLOT_SKIP] != 0.0f) return;
+    const float lr = s[WICK_SLOT_LR], momentum = s[WICK_SLOT_MOMENTUM], factor = s[WICK_SLOT_FACTOR];
     for (int t = blockIdx.y; t < count; t += gridDim.y) {
         float* p = (float*)ptrs[4 * t];
         float* b = (float*)ptrs[4 * t + 1];
@@ -102,9 +209,11 @@ __device__ void sgd_multi(const long long* ptrs, const long long* lens, int coun
 }
 
 template <typename G, typename M>
-__device__ void adamw_multi(const long long* ptrs, const long long* lens, int count, const AdamWConsts& k,
-                            float factor, const float* skip) {
-    if (skip && *skip != 0.0f) return;
+__device__ void adamw_multi(const long long* ptrs, const long long* lens, int count, const float* s, const float* skip) {
+    if ((skip && *skip != 0.0f) || s[WICK_SLOT_SKIP] != 0.0f) return;
+    const AdamWConsts k{s[WICK_SLOT_B1],  s[WICK_SLOT_B2],    s[WICK_SLOT_C1],        s[WICK_SLOT_C2],
+                        s[WICK_SLOT_EPS], s[WICK_SLOT_DECAY], s[WICK_SLOT_STEP_SIZE], s[WICK_SLOT_INV_BC2_SQRT]};
+    const float factor = s[WICK_SLOT_FACTOR];
     for (int t = blockIdx.y; t < count; t += gridDim.y) {
         float* p = (float*)ptrs[5 * t];
         float* m = (float*)ptrs[5 * t + 1];
@@ -141,17 +250,15 @@ WICK_ADAMW_STEP(wick_adamw_step_f16, __half, __half)
 WICK_ADAMW_STEP(wick_adamw_step_bf16, __nv_bfloat16, __nv_bfloat16)
 
 #define WICK_SGD_MULTI(name, G, M)                                                                               \
-    extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, float lr,          \
-                                    float momentum, float factor, const float* skip) {                          \
-        sgd_multi<G, M>(ptrs, lens, count, lr, momentum, factor, skip);                                          \
+    extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, const float* s,    \
+                                    const float* skip) {                                                        \
+        sgd_multi<G, M>(ptrs, lens, count, s, skip);                                                             \
     }
 
 #define WICK_ADAMW_MULTI(name, G, M)                                                                             \
-    extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, float b1, float b2, \
-                                    float c1, float c2, float eps, float decay, float step_size,                \
-                                    float inv_bc2_sqrt, float factor, const float* skip) {                      \
-        adamw_multi<G, M>(ptrs, lens, count, AdamWConsts{b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt},   \
-                          factor, skip);                                                                        \
+    extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, const float* s,    \
+                                    const float* skip) {                                                        \
+        adamw_multi<G, M>(ptrs, lens, count, s, skip);                                                           \
     }
 
 WICK_SGD_MULTI(wick_sgd_momentum_multi_f32, float, NoCopy)

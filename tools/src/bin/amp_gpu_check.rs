@@ -402,11 +402,13 @@ fn scaler_on_device(dev: &Device, failures: &mut usize) -> Result<()> {
     Ok(())
 }
 
-/// The fused device step with gradient clipping (`DeviceAmp::unscale`, `squares`, `apply` with
-/// the coefficient: what `Updater` runs on a CUDA device) against the host's clipped step
+/// The fused device step with gradient clipping (`DeviceAmp::unscale`, `apply` with the bound,
+/// `last_step`: what `Updater` runs on a CUDA device, the norm, coefficient and AdamW's constants
+/// computed on the device) against the host's clipped step
 /// (`clip::grad_norm`, `MasterWeights::step_clipped`) on the same gradients: an f32 and a bf16
 /// parameter with f32 masters, AdamW, three steps, without a loss scaler and with one (the
-/// gradients uploaded multiplied by its initial scale). The norms and the parameters must agree.
+/// gradients uploaded multiplied by its initial scale). The norms and the parameters must agree;
+/// then a NaN gradient must skip the step (the error's flag without a scaler) and change nothing.
 fn clipped_step_on_device(dev: &Device, failures: &mut usize) -> Result<()> {
     use candle_core::backprop::GradStore;
     use candle_core::Var;
@@ -451,20 +453,42 @@ fn clipped_step_on_device(dev: &Device, failures: &mut usize) -> Result<()> {
                 on_cpu.insert(cpu_vars[k].as_tensor(), upload(g, dtypes[k], &Device::Cpu)?);
             }
             let unscaled = amp.unscale(&on_dev)?;
-            let norm = amp.squares(&unscaled)?.sqrt();
-            let flag = host(&amp.apply(unscaled, clip::coefficient(norm, 1.0))?)?;
+            amp.apply(unscaled, Some(1.0))?;
+            let report = amp.last_step()?;
             let want = clip::grad_norm(&on_cpu, &cpu_refs)?;
             on_host.step_clipped(&on_cpu, clip::coefficient(want, 1.0))?;
-            if flag.first().is_some_and(|f| *f != 0.0) {
-                bail!("the clipped device step was skipped on finite gradients");
+            if report.skipped || report.bad_norm {
+                bail!("the clipped device step was skipped on finite gradients: {report:?}");
             }
+            let norm = report.norm.ok_or_else(|| anyhow::anyhow!("a clipped step reported no norm"))?;
             worst.0 = worst.0.max((norm - want).abs() / want);
         }
+        // A NaN gradient: under the scaler a plain skip, without one the step's error (`bad_norm`);
+        // either way nothing changes and the step count stays at the three applied steps.
+        let before: Vec<Vec<f32>> = dev_vars.iter().map(|v| host(v.as_tensor())).collect::<Result<_>>()?;
+        let mut nan = GradStore::default();
+        for (k, v) in dev_vars.iter().enumerate() {
+            let mut g = vec![0.5f32; 3000 + 101 * k];
+            g[17] = f32::NAN;
+            nan.insert(v.as_tensor(), upload(&g, dtypes[k], dev)?);
+        }
+        let unscaled = amp.unscale(&nan)?;
+        amp.apply(unscaled, Some(1.0))?;
+        let report = amp.last_step()?;
+        let after: Vec<Vec<f32>> = dev_vars.iter().map(|v| host(v.as_tensor())).collect::<Result<_>>()?;
+        let unchanged = before.iter().zip(&after).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        let steps = amp.applied_steps()?;
+        let what = if scaled { "with the loss scaler" } else { "no scaler" };
+        check(
+            &format!("a NaN gradient under clipping on the device ({what}): skipped, nothing changed, 3 steps counted"),
+            report.skipped && report.bad_norm != scaled && unchanged && steps == 3,
+            format!("{report:?}, parameters unchanged: {unchanged}, applied steps {steps}"),
+            failures,
+        );
         for (k, (d, c)) in dev_vars.iter().zip(&cpu_vars).enumerate() {
             let err = max_rel_err(&host(d.as_tensor())?, &host(c.as_tensor())?);
             worst.1 = worst.1.max(err / tolerance(dtypes[k]).max(1e-5));
         }
-        let what = if scaled { "with the loss scaler" } else { "no scaler" };
         check(
             &format!("clipped fused step on the device ({what}; f32 and bf16 parameters, AdamW, 3 steps)"),
             worst.0 <= 1e-6 && worst.1 <= 1.0,

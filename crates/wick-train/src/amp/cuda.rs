@@ -43,6 +43,8 @@ pub struct AmpKernels {
     adamw_multi: [CudaFunction; 3],
     /// Gradient clipping's squared norm, every gradient of one dtype in one launch.
     squares_multi: [CudaFunction; 3],
+    /// A multi-tensor step's scalars from the device's own state (`wick_step_scalars`).
+    step_scalars: CudaFunction,
 }
 
 /// One dtype's tensors for a multi-tensor launch ([`AmpKernels::unscale_`] and
@@ -52,6 +54,16 @@ struct TensorList {
     lens: CudaSlice<i64>,
     count: i32,
     config: LaunchConfig,
+}
+
+/// Clipping's partial sums of squares on the device ([`AmpKernels::squares_partials`]): one f64
+/// per (block, tensor) of each gradient dtype's launch, the f32 section first, then f16's, then
+/// bf16's, each ending at `ends[k]` (cumulative).
+pub struct Partials {
+    /// The sums.
+    pub sums: CudaSlice<f64>,
+    /// Where each dtype's section ends.
+    pub ends: [i64; 3],
 }
 
 /// One parameter's part in [`AmpKernels::optimizer_step_multi_`]: the f32 tensor updated (the
@@ -114,6 +126,7 @@ fn address(t: &Tensor, stream: &CudaStream) -> Result<u64, TrainError> {
         CudaStorageSlice::F16(s) => s.device_ptr(stream).0,
         CudaStorageSlice::BF16(s) => s.device_ptr(stream).0,
         CudaStorageSlice::I32(s) => s.device_ptr(stream).0,
+        CudaStorageSlice::F64(s) => s.device_ptr(stream).0,
         _ => return Err(err(format!("unsupported dtype {:?}", t.dtype()))),
     };
     Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
@@ -253,33 +266,109 @@ impl AmpKernels {
                 f(&optim, "wick_squares_multi_f16")?,
                 f(&optim, "wick_squares_multi_bf16")?,
             ],
+            step_scalars: f(&optim, "wick_step_scalars")?,
             stream,
             device: device.clone(),
         })
     }
 
-    /// `Σ g²` over every element of `grads` (f32, f16 or bf16, on this device), in f64: one
-    /// launch per dtype, each block's sum of each tensor written apart and the sums read back in
-    /// one transfer per dtype and added up in order on the host — gradient clipping's squared
-    /// norm without a per-parameter kernel, allocation or read, and the same bits every run.
+    /// `Σ g²` over every element of `grads` (f32, f16 or bf16, on this device), in f64: the
+    /// partial sums of [`AmpKernels::squares_partials`] read back in one transfer and added up in
+    /// order on the host (each dtype's section from zero, then the sections) — gradient
+    /// clipping's squared norm without a per-parameter kernel, allocation or read, and the same
+    /// bits every run (and the same order as the device's `wick_step_scalars`).
     pub fn squares_multi(&self, grads: &[&Tensor]) -> Result<f64, TrainError> {
+        let Some(Partials { sums, ends }) = self.squares_partials(grads)? else { return Ok(0.0) };
+        let sums = self.stream.clone_dtoh(&sums).map_err(|e| err(e.to_string()))?;
         let mut total = 0.0;
-        for (func, list) in self.squares_multi.iter().zip(self.tensor_lists(grads)?) {
-            let Some(l) = list else { continue };
-            let slots = (l.config.grid_dim.0 as usize)
-                .checked_mul(l.count as usize)
-                .ok_or_else(|| err("too many gradients"))?;
-            let partials = self.stream.alloc_zeros::<f64>(slots).map_err(|e| err(e.to_string()))?;
-            let mut launch = self.stream.launch_builder(func);
-            launch.arg(&l.ptrs).arg(&l.lens).arg(&l.count).arg(&partials);
-            // SAFETY: `wick_squares_multi_*`'s arguments in order; every pointer a live device
-            // buffer of the stated length and dtype, kept alive by the caller's tensors; the
-            // partials buffer holds one double per (block, tensor), x × count of them.
-            unsafe { launch.launch(l.config) }.map_err(|e| err(e.to_string()))?;
-            let sums = self.stream.clone_dtoh(&partials).map_err(|e| err(e.to_string()))?;
-            total += sums.iter().sum::<f64>();
+        let mut at = 0;
+        for end in ends {
+            let end = end as usize;
+            total += sums[at..end].iter().sum::<f64>();
+            at = end;
         }
         Ok(total)
+    }
+
+    /// Clipping's partial sums of squares of `grads`, left on the device: one launch per dtype
+    /// writing each (block, tensor)'s f64 sum into one buffer, the f32 gradients' section first,
+    /// then f16's, then bf16's, and where each section ends (cumulative) — what
+    /// [`AmpKernels::step_scalars_`] adds up on the device. `None` for no gradients. Nothing is
+    /// read back.
+    pub fn squares_partials(&self, grads: &[&Tensor]) -> Result<Option<Partials>, TrainError> {
+        let lists = self.tensor_lists(grads)?;
+        let mut ends = [0i64; 3];
+        let mut total = 0usize;
+        for (end, list) in ends.iter_mut().zip(&lists) {
+            if let Some(l) = list {
+                let slots = (l.config.grid_dim.0 as usize)
+                    .checked_mul(l.count as usize)
+                    .and_then(|n| n.checked_add(total))
+                    .ok_or_else(|| err("too many gradients"))?;
+                total = slots;
+            }
+            *end = i64::try_from(total).map_err(|_| err("too many gradients"))?;
+        }
+        if total == 0 {
+            return Ok(None);
+        }
+        let partials = self.stream.alloc_zeros::<f64>(total).map_err(|e| err(e.to_string()))?;
+        let base = partials.device_ptr(&self.stream).0;
+        let mut start = 0u64;
+        for ((func, list), end) in self.squares_multi.iter().zip(lists).zip(ends) {
+            if let Some(l) = list {
+                let at = base + start * 8;
+                let mut launch = self.stream.launch_builder(func);
+                launch.arg(&l.ptrs).arg(&l.lens).arg(&l.count).arg(&at);
+                // SAFETY: `wick_squares_multi_*`'s arguments in order; every pointer a live device
+                // buffer of the stated length and dtype, kept alive by the caller's tensors; `at`
+                // is this dtype's section of the partials buffer (alive until it is returned),
+                // one double per (block, tensor), x × count of them.
+                unsafe { launch.launch(l.config) }.map_err(|e| err(e.to_string()))?;
+            }
+            start = end as u64;
+        }
+        Ok(Some(Partials { sums: partials, ends }))
+    }
+
+    /// One multi-tensor step's scalars computed on the device (`wick_step_scalars`) into `block`
+    /// ([`wick_kernels::step_scalars::SLOTS`] f32) from `hyper` (the f64 hyper-parameters in
+    /// `wick_kernels::step_scalars::Hyper`'s order), `counter` (the applied steps, advanced
+    /// unless the step is skipped), the loss scaler's `found_inf` (one-element f32) and, for
+    /// clipping, the partial sums of [`AmpKernels::squares_partials`] (the norm written to
+    /// `norm`). One thread, nothing read back: a step that needs no host value while it runs.
+    pub fn step_scalars_(
+        &self,
+        hyper: &CudaSlice<f64>,
+        counter: &mut CudaSlice<i32>,
+        found_inf: Option<&Tensor>,
+        clip: Option<&Partials>,
+        block: &mut CudaSlice<f32>,
+        norm: &mut CudaSlice<f64>,
+    ) -> Result<(), TrainError> {
+        use wick_kernels::step_scalars::{HYPERS, SLOTS};
+        if hyper.len() != HYPERS || counter.len() != 1 || block.len() != SLOTS || norm.len() != 1 {
+            return Err(err(format!("step scalars: {HYPERS} hyper-parameters, one counter, {SLOTS} slots, one norm")));
+        }
+        let inf = match found_inf {
+            Some(flag) => {
+                check_scalar(flag, DType::F32, "found_inf")?;
+                address(flag, &self.stream)?
+            }
+            None => 0,
+        };
+        let (partials, [e0, e1, e2]) = match clip {
+            Some(p) => (p.sums.device_ptr(&self.stream).0, p.ends),
+            None => (0, [0; 3]),
+        };
+        let mut launch = self.stream.launch_builder(&self.step_scalars);
+        launch.arg(hyper).arg(counter).arg(&inf).arg(&partials).arg(&e0).arg(&e1).arg(&e2).arg(block).arg(norm);
+        // SAFETY: `wick_step_scalars`'s arguments in order: the hyper-parameters (HYPERS f64), the
+        // counter (one i32), the flag's address or 0, the partials' address (e2 doubles, alive in
+        // the caller's buffer) or 0 with the three section ends, the block (SLOTS f32) and the
+        // norm (one f64) — lengths checked above.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(1)) }.map_err(|e| err(e.to_string()))?;
+        Ok(())
     }
 
     /// The tensors of `grads` by dtype (f32, f16, bf16) as a multi-tensor launch takes them — each
@@ -319,6 +408,11 @@ impl AmpKernels {
     /// The device the kernels were loaded on (they take its tensors only).
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The stream they launch on (candle's stream of that device).
+    pub fn stream(&self) -> &std::sync::Arc<CudaStream> {
+        &self.stream
     }
 
     /// Multiplies every gradient by `inv_scale` (a one-element f32 tensor on the device) in
@@ -420,7 +514,8 @@ impl AmpKernels {
     /// one-element f32 device flag: the loss scaler's `found_inf`), the launches change nothing
     /// when the flag is non-zero — the step is skipped on the device, without a host read. Every
     /// gradient element is multiplied by `factor` as it is read (gradient clipping's coefficient,
-    /// 1 for none, which changes no bit).
+    /// 1 for none, which changes no bit). The step's scalars are computed here
+    /// (`wick_kernels::step_scalars::host`) and copied to the device with the tensor lists.
     pub fn optimizer_step_multi_(
         &self,
         items: &[StepItem<'_>],
@@ -429,6 +524,24 @@ impl AmpKernels {
         skip: Option<&Tensor>,
         factor: f32,
     ) -> Result<(), TrainError> {
+        let block = wick_kernels::step_scalars::host(&rule.hyper(), step, factor);
+        let block = self.stream.clone_htod(&block).map_err(|e| err(e.to_string()))?;
+        self.optimizer_step_multi_with_(items, rule, &block, skip)
+    }
+
+    /// [`AmpKernels::optimizer_step_multi_`] with the step's scalars already on the device in
+    /// `block` (written by [`AmpKernels::step_scalars_`]: its constants, clipping's factor and its
+    /// skip flag, which skips the step like `skip` does).
+    pub fn optimizer_step_multi_with_(
+        &self,
+        items: &[StepItem<'_>],
+        rule: Optimizer,
+        block: &CudaSlice<f32>,
+        skip: Option<&Tensor>,
+    ) -> Result<(), TrainError> {
+        if block.len() != wick_kernels::step_scalars::SLOTS {
+            return Err(err("the step's scalars must be one block of wick_kernels::step_scalars::SLOTS values"));
+        }
         let skip = match skip {
             Some(flag) => {
                 check_scalar(flag, DType::F32, "skip")?;
@@ -467,29 +580,18 @@ impl AmpKernels {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            match rule {
-                Optimizer::SgdMomentum { lr, momentum } => {
-                    let (lr, momentum) = (lr as f32, momentum as f32);
-                    let mut launch = self.stream.launch_builder(&self.sgd_multi[index]);
-                    launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count).arg(&lr).arg(&momentum).arg(&factor).arg(&skip);
-                    // SAFETY: `wick_sgd_momentum_multi_*`'s arguments in order; four live device
-                    // addresses per item (parameter, buffer, gradient, model copy or 0), each of the
-                    // item's length and stated type, kept alive by the caller's tensors; the factor;
-                    // the skip flag's address (a live one-element f32 buffer) or 0.
-                    unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
-                }
-                Optimizer::AdamW(hyper) => {
-                    let AdamWStep { b1, b2, c1, c2, eps, decay, step_size, inv_bc2_sqrt } = hyper.step_constants(step);
-                    let mut launch = self.stream.launch_builder(&self.adamw_multi[index]);
-                    launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count);
-                    launch.arg(&b1).arg(&b2).arg(&c1).arg(&c2).arg(&eps).arg(&decay).arg(&step_size).arg(&inv_bc2_sqrt);
-                    launch.arg(&factor).arg(&skip);
-                    // SAFETY: `wick_adamw_multi_*`'s arguments in order; five live device addresses
-                    // per item (parameter, two moments, gradient, model copy or 0), the factor, and
-                    // the skip flag's address or 0, as above.
-                    unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
-                }
-            }
+            let func = match rule {
+                Optimizer::SgdMomentum { .. } => &self.sgd_multi[index],
+                Optimizer::AdamW(_) => &self.adamw_multi[index],
+            };
+            let mut launch = self.stream.launch_builder(func);
+            launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count).arg(block).arg(&skip);
+            // SAFETY: `wick_sgd_momentum_multi_*` / `wick_adamw_multi_*`'s arguments in order:
+            // four (SGD) or five (AdamW) live device addresses per item — parameter, state,
+            // gradient, model copy or 0 — each of the item's length and stated type, kept alive by
+            // the caller's tensors; the block of SLOTS f32 (length checked above); the skip flag's
+            // address (a live one-element f32 buffer) or 0.
+            unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
         }
         Ok(())
     }

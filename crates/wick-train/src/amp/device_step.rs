@@ -1,14 +1,19 @@
 //! The AMP step on a CUDA device with the fused kernels (feature `cuda`): the loss scale, the
-//! growth tracker and the inf flag live on the device, so a step needs no host round trip — the
-//! loss is multiplied by the device scale, the gradients are unscaled and checked in one
-//! multi-tensor launch per dtype, the optimizer's update (AdamW, or SGD with momentum) runs on
-//! every parameter in one multi-tensor launch per dtype that does nothing when the flag is set,
-//! and the scale is updated on the device. This is PyTorch's `GradScaler` + fused optimizer
-//! arrangement; the host-side [`super::GradScaler`] and [`super::MasterWeights::step`] compute the
-//! same thing (the update's arithmetic is the same kernels', the host's to the bit).
+//! growth tracker, the inf flag, the optimizer's step count, its hyper-parameters and the step's
+//! scalars live on the device, so a step needs no host round trip and reads no value from the
+//! host while it runs — the loss is multiplied by the device scale, the gradients are unscaled
+//! and checked in one multi-tensor launch per dtype, clipping's norm and coefficient and AdamW's
+//! constants are computed on the device (`wick_step_scalars`), the optimizer's update (AdamW, or
+//! SGD with momentum) runs on every parameter in one multi-tensor launch per dtype that does
+//! nothing when the step is skipped, and the scale is updated on the device. This is PyTorch's
+//! `GradScaler` + fused optimizer arrangement with `capturable=True`; the host-side
+//! [`super::GradScaler`] and [`super::MasterWeights::step`] compute the same thing (the update's
+//! arithmetic is the same kernels', the host's to the bit, and so are the step's scalars).
 
 use candle_core::backprop::GradStore;
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::{DType, Device, Tensor, Var};
+use wick_kernels::step_scalars::{Slot, HYPERS, SLOTS};
 
 use super::cuda::{AmpKernels, StepItem};
 use super::GradScalerConfig;
@@ -17,7 +22,7 @@ use crate::optim::Optimizer;
 
 /// One parameter: the model's compute copy, its f32 master (the parameter itself when it is f32)
 /// and its f32 optimizer state (AdamW's two moments, or SGD's momentum buffer).
-struct Slot {
+struct Param {
     model: Var,
     master: Tensor,
     state: Vec<Tensor>,
@@ -30,16 +35,41 @@ pub struct Unscaled {
     found_inf: Tensor,
 }
 
-/// f32 masters, f32 optimizer state and a device-resident loss scale, stepped by the fused kernels.
+/// A driver call's failure as the step's error.
+fn driver(e: candle_core::cuda_backend::cudarc::driver::DriverError) -> TrainError {
+    TrainError::from(candle_core::Error::wrap(e))
+}
+
+/// What a step did, read back after it ([`DeviceAmp::last_step`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// The update did not run: an inf or NaN gradient under the loss scaler, or a clipping norm
+    /// that is not finite.
+    pub skipped: bool,
+    /// The latter: a clipping norm that is not finite without the loss scaler's flag (an error
+    /// for the caller: nothing was applied).
+    pub bad_norm: bool,
+    /// With clipping, the gradients' total norm before clipping (of a skipped step too).
+    pub norm: Option<f64>,
+}
+
+/// f32 masters, f32 optimizer state, a device-resident loss scale and the step's device-resident
+/// scalars, stepped by the fused kernels.
 pub struct DeviceAmp {
     kernels: std::sync::Arc<AmpKernels>,
-    slots: Vec<Slot>,
+    params: Vec<Param>,
     optimizer: Optimizer,
-    step: i32,
     scaler: Option<(GradScalerConfig, Tensor, Tensor)>,
-    /// The previous step's inf flag, read at the next step: a skipped step must not advance
-    /// AdamW's step count (its bias corrections), as in PyTorch's fused AdamW.
-    last_flag: Option<Tensor>,
+    /// The hyper-parameters on the device (`wick_kernels::step_scalars::Hyper`'s order) and the
+    /// values last written there: rewritten only when one changes (a schedule's learning rate).
+    hyper: (CudaSlice<f64>, [f64; HYPERS]),
+    /// The applied steps (AdamW's t − 1), advanced on the device unless a step is skipped.
+    counter: CudaSlice<i32>,
+    /// The last step's scalars (`wick_kernels::step_scalars::Slot`) and clipping's norm.
+    block: CudaSlice<f32>,
+    norm: CudaSlice<f64>,
+    /// Whether the last step clipped (its norm is then reported).
+    clipped: bool,
 }
 
 impl DeviceAmp {
@@ -57,12 +87,12 @@ impl DeviceAmp {
         let kernels = super::cuda::shared(device)?;
         // The masters are own copies (the kernels write them in place); an f32 parameter is its
         // own master.
-        let slots = vars
+        let params = vars
             .iter()
             .zip(super::master::initial_masters(vars, masters)?)
-            .map(|(v, master)| -> Result<Slot, TrainError> {
+            .map(|(v, master)| -> Result<Param, TrainError> {
                 let state = (0..optimizer.states()).map(|_| master.zeros_like()).collect::<Result<Vec<_>, _>>()?;
-                Ok(Slot { model: v.clone(), master, state })
+                Ok(Param { model: v.clone(), master, state })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let scaler = match scaler {
@@ -71,7 +101,19 @@ impl DeviceAmp {
             }
             None => None,
         };
-        Ok(DeviceAmp { kernels, slots, optimizer, step: 0, scaler, last_flag: None })
+        let stream = kernels.stream().clone();
+        let values = optimizer.hyper().to_array();
+        let hyper = (stream.clone_htod(&values).map_err(driver)?, values);
+        let counter = stream.alloc_zeros::<i32>(1).map_err(driver)?;
+        let block = stream.alloc_zeros::<f32>(SLOTS).map_err(driver)?;
+        let norm = stream.alloc_zeros::<f64>(1).map_err(driver)?;
+        Ok(DeviceAmp { kernels, params, optimizer, scaler, hyper, counter, block, norm, clipped: false })
+    }
+
+    /// Sets the learning rate of the next steps (a schedule's step): written to the device's
+    /// hyper-parameters before the next step, not read by the host during it.
+    pub fn set_learning_rate(&mut self, rate: f64) {
+        self.optimizer.set_lr(rate);
     }
 
     /// The loss to call `backward` on: multiplied by the device scale when scaling.
@@ -95,12 +137,11 @@ impl DeviceAmp {
         self.scaler.is_some()
     }
 
-    /// One step from `grads` (of the scaled loss): [`DeviceAmp::unscale`], then
-    /// [`DeviceAmp::apply`] with the gradients as they are. Returns the device flag (1.0 when the
-    /// step was skipped) without reading it.
-    pub fn step(&mut self, grads: &GradStore) -> Result<Tensor, TrainError> {
+    /// One step from `grads` (of the scaled loss), unclipped: [`DeviceAmp::unscale`], then
+    /// [`DeviceAmp::apply`]. Nothing is read back.
+    pub fn step(&mut self, grads: &GradStore) -> Result<(), TrainError> {
         let unscaled = self.unscale(grads)?;
-        self.apply(unscaled, 1.0)
+        self.apply(unscaled, None)
     }
 
     /// The first half of a step: the gradients of the parameters that have one, unscaled in
@@ -109,7 +150,7 @@ impl DeviceAmp {
     pub fn unscale(&self, grads: &GradStore) -> Result<Unscaled, TrainError> {
         let found_inf = Tensor::zeros(1, DType::F32, self.kernels.device())?;
         let present: Vec<(usize, Tensor)> = self
-            .slots
+            .params
             .iter()
             .enumerate()
             .filter_map(|(i, s)| grads.get(s.model.as_tensor()).map(|g| (i, g.clone())))
@@ -123,36 +164,47 @@ impl DeviceAmp {
         Ok(Unscaled { present, found_inf })
     }
 
-    /// The sum of the squares of the unscaled gradients, every gradient of a dtype in one launch
-    /// and one read for all (gradient clipping's norm, squared; inf or NaN where a gradient is).
-    pub fn squares(&self, unscaled: &Unscaled) -> Result<f64, TrainError> {
-        let refs: Vec<&Tensor> = unscaled.present.iter().map(|(_, g)| g).collect();
-        self.kernels.squares_multi(&refs)
-    }
-
-    /// The second half of a step: the optimizer's update on every parameter with a gradient in
-    /// one launch per dtype, each gradient element multiplied by `factor` as it is read
-    /// (clipping's coefficient; 1 leaves it as it is), skipped on the device when the flag is set;
-    /// then the scale's update. Returns the device flag (1.0 when the step was skipped) without
-    /// reading it.
-    pub fn apply(&mut self, unscaled: Unscaled, factor: f32) -> Result<Tensor, TrainError> {
-        if let Some(flag) = self.last_flag.take() {
-            // One scalar read, of a step that finished while this one's backward ran.
-            if flag.to_device(&Device::Cpu)?.to_vec1::<f32>()?[0] != 0.0 {
-                self.step -= 1;
-            }
+    /// The second half of a step: with `clip` (a positive finite bound), clipping's norm of the
+    /// unscaled gradients and its coefficient on the device; the step's scalars on the device
+    /// (AdamW's constants from the device's step count, which a skipped step does not advance);
+    /// the optimizer's update on every parameter with a gradient in one launch per dtype, each
+    /// gradient element multiplied by the coefficient as it is read, skipped on the device under
+    /// the scaler's flag or a clipping norm that is not finite; then the scale's update. Nothing
+    /// is read back ([`DeviceAmp::last_step`] reads what happened); the only transfer is the
+    /// hyper-parameters' when one changed since the last step.
+    pub fn apply(&mut self, unscaled: Unscaled, clip: Option<f64>) -> Result<(), TrainError> {
+        let mut values = self.optimizer.hyper();
+        values.max_norm = clip.unwrap_or(0.0);
+        let values = values.to_array();
+        if values != self.hyper.1 {
+            self.kernels.stream().memcpy_htod(&values, &mut self.hyper.0).map_err(driver)?;
+            self.hyper.1 = values;
         }
-        self.step += 1;
         let Unscaled { present, found_inf } = unscaled;
+        let refs: Vec<&Tensor> = present.iter().map(|(_, g)| g).collect();
+        let partials = match clip {
+            Some(_) => self.kernels.squares_partials(&refs)?,
+            None => None,
+        };
+        let inf = self.scaler.as_ref().map(|_| &found_inf);
+        self.kernels.step_scalars_(
+            &self.hyper.0,
+            &mut self.counter,
+            inf,
+            partials.as_ref(),
+            &mut self.block,
+            &mut self.norm,
+        )?;
+        self.clipped = partials.is_some();
         let items: Vec<StepItem<'_>> = present
             .iter()
             .map(|(i, g)| {
-                let s = &self.slots[*i];
+                let s = &self.params[*i];
                 let model = (s.model.dtype() != DType::F32).then(|| s.model.as_tensor());
                 StepItem { target: &s.master, grad: g, state: &s.state, model }
             })
             .collect();
-        self.kernels.optimizer_step_multi_(&items, self.optimizer, self.step, Some(&found_inf), factor)?;
+        self.kernels.optimizer_step_multi_with_(&items, self.optimizer, &self.block, None)?;
         if let Some((config, scale, tracker)) = &self.scaler {
             self.kernels.update_scale_(
                 scale,
@@ -163,15 +215,36 @@ impl DeviceAmp {
                 config.growth_interval as i32,
             )?;
         }
-        self.last_flag = Some(found_inf.clone());
-        Ok(found_inf)
+        Ok(())
+    }
+
+    /// What the last step did: one read of its scalars (and of clipping's norm when it clipped),
+    /// after the step — the host's only wait for the device in a step.
+    pub fn last_step(&self) -> Result<StepReport, TrainError> {
+        let stream = self.kernels.stream();
+        let block = stream.clone_dtoh(&self.block).map_err(driver)?;
+        let norm = match self.clipped {
+            true => stream.clone_dtoh(&self.norm).map_err(driver)?.first().copied(),
+            false => None,
+        };
+        Ok(StepReport {
+            skipped: block[Slot::Skip as usize] != 0.0,
+            bad_norm: block[Slot::BadNorm as usize] != 0.0,
+            norm,
+        })
+    }
+
+    /// The steps applied so far (AdamW's step count; a host read).
+    pub fn applied_steps(&self) -> Result<i32, TrainError> {
+        let counter = self.kernels.stream().clone_dtoh(&self.counter).map_err(driver)?;
+        Ok(counter.first().copied().unwrap_or(0))
     }
 
     /// Bytes of the f32 masters of the low-precision parameters and of the f32 optimizer state.
     pub fn memory_bytes(&self) -> (usize, usize) {
-        let bytes = |s: &Slot| s.master.elem_count() * 4;
-        let master = self.slots.iter().filter(|s| s.model.dtype() != DType::F32).map(bytes).sum();
-        let state = self.slots.iter().map(|s| bytes(s) * s.state.len()).sum();
+        let bytes = |s: &Param| s.master.elem_count() * 4;
+        let master = self.params.iter().filter(|s| s.model.dtype() != DType::F32).map(bytes).sum();
+        let state = self.params.iter().map(|s| bytes(s) * s.state.len()).sum();
         (master, state)
     }
 
@@ -179,6 +252,6 @@ impl DeviceAmp {
     /// summary, under the names [`super::MasterWeights::account`] uses.
     pub fn account(&self, engine: &wick::Engine) {
         let (master, state) = self.memory_bytes();
-        super::master::account(engine, self.slots.iter().map(|s| &s.model), master, &self.optimizer, state);
+        super::master::account(engine, self.params.iter().map(|s| &s.model), master, &self.optimizer, state);
     }
 }
