@@ -5,7 +5,20 @@
 // f64 — independent of the kernel's repeated squaring. Part of target/emu-check (see check.cpp).
 #include "harness.h"
 
+#include <numeric>
+
 #include "../src/cuda/optim_step.cu"
+#include "../src/cuda/amp_unscale.cu"
+
+// A table (table.cuh) of the tensors whose K addresses a tensor are `flat` and lengths `lens`.
+template <int K>
+static WickTable<K> table(const std::vector<long long>& flat, const std::vector<long long>& lens) {
+  WickTable<K> t{};
+  t.count = (int)lens.size();
+  for (size_t i = 0; i < flat.size(); i++) t.ptrs[i] = flat[i];
+  for (size_t i = 0; i < lens.size(); i++) t.lens[i] = lens[i];
+  return t;
+}
 
 // The optimizer's step (optim_step.cu) against the host loops' arithmetic (wick_kernels::cpu::optim,
 // transcribed: the same operations in the same order, each rounded to f32), to the bit: SGD with
@@ -95,7 +108,7 @@ static void optimizer() {
       ptrs.push_back((long long)(intptr_t)q);
   }
   launch(dim3{4, 3, 1}, THREADS, [&] {
-    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, plain.data(), nullptr);
+    wick_adamw_multi_bf16(table<5>(ptrs, lens_v), plain.data(), nullptr);
   });
   bool same = true;
   for (int t = 0; t < 3; t++) {
@@ -114,7 +127,7 @@ static void optimizer() {
       sptrs.push_back((long long)(intptr_t)q);
   }
   const float clear = 0.0f;
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, plain.data(), &clear); });
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(table<4>(sptrs, lens_v), plain.data(), &clear); });
   same = true;
   for (int t = 0; t < 3; t++) {
     launch(elementwise(lens[t]), THREADS, [&] {
@@ -128,16 +141,16 @@ static void optimizer() {
   const auto before_p = ps, before_m = ms, before_v = vs;
   const auto before_models = models;
   launch(dim3{4, 3, 1}, THREADS, [&] {
-    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, plain.data(), &raised);
+    wick_adamw_multi_bf16(table<5>(ptrs, lens_v), plain.data(), &raised);
   });
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, plain.data(), &raised); });
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(table<4>(sptrs, lens_v), plain.data(), &raised); });
   same = ps == before_p && ms == before_m && vs == before_v;
   for (int t = 0; t < 3; t++)
     for (long long i = 0; i < lens[t]; i++) same &= models[t][i].bits == before_models[t][i].bits;
   check("multi-tensor steps with the inf flag raised change nothing", {same ? 0.0 : 1.0}, {0.0}, 0);
   const auto skipped = block(1.0f, true);
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, skipped.data(), &clear); });
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, skipped.data(), nullptr); });
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_adamw_multi_bf16(table<5>(ptrs, lens_v), skipped.data(), &clear); });
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(table<4>(sptrs, lens_v), skipped.data(), nullptr); });
   same = ps == before_p && ms == before_m && vs == before_v;
   for (int t = 0; t < 3; t++)
     for (long long i = 0; i < lens[t]; i++) same &= models[t][i].bits == before_models[t][i].bits;
@@ -148,7 +161,7 @@ static void optimizer() {
   const auto clipped = block(factor, false);
   ps1 = ps, ms1 = ms, vs1 = vs;
   launch(dim3{4, 3, 1}, THREADS, [&] {
-    wick_adamw_multi_bf16(ptrs.data(), lens_v.data(), 3, clipped.data(), nullptr);
+    wick_adamw_multi_bf16(table<5>(ptrs, lens_v), clipped.data(), nullptr);
   });
   same = true;
   for (int t = 0; t < 3; t++) {
@@ -165,7 +178,7 @@ static void optimizer() {
   }
   check("AdamW multi-tensor with a clipping factor = the step on the scaled gradient, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
   ps1 = ps, ms1 = ms;
-  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(sptrs.data(), lens_v.data(), 3, clipped.data(), &clear); });
+  launch(dim3{4, 3, 1}, THREADS, [&] { wick_sgd_momentum_multi_bf16(table<4>(sptrs, lens_v), clipped.data(), &clear); });
   same = true;
   for (int t = 0; t < 3; t++) {
     std::vector<float> scaled(lens[t]);
@@ -182,7 +195,7 @@ static void optimizer() {
   for (int t = 0; t < 3; t++) gptrs.push_back((long long)(intptr_t)gs[t].data());
   const int gx = 4;
   std::vector<double> partials(3 * gx, -1.0);
-  launch(dim3{gx, 3, 1}, THREADS, [&] { wick_squares_multi_bf16(gptrs.data(), lens_v.data(), 3, partials.data()); });
+  launch(dim3{gx, 3, 1}, THREADS, [&] { wick_squares_multi_bf16(table<1>(gptrs, lens_v), partials.data()); });
   double got = 0.0, want = 0.0;
   for (double p : partials) got += p;
   for (int t = 0; t < 3; t++)
@@ -191,10 +204,11 @@ static void optimizer() {
 }
 
 // `wick_step_scalars` against the host's rule (wick_kernels::step_scalars::host, transcribed with
-// std::pow): every value of the block to the bit over 3 000 steps for three settings, the counter
-// advanced once a step; a step under the scaler's flag skipped without moving the counter; and
-// clipping from partial sums in three sections — the norm, the coefficient, a bound that does not
-// clip, and a NaN sum (an error without the scaler's flag, a plain skip with it).
+// std::pow): every value of the block to the bit at steps 1-800 (1-60 for the other two
+// settings) and four far ones (to 2·10^7), the counter advanced by each step; a step under the
+// scaler's flag skipped without moving the counter; and clipping from partial sums in three
+// sections — the norm, the coefficient, a bound that does not clip, and a NaN sum (an error
+// without the scaler's flag, a plain skip with it).
 static void step_scalars() {
   struct Setting { double lr, beta1, beta2, eps, wd, momentum; };
   const auto one = [](std::vector<double>& hyper, int& counter, const float* inf, const double* partials, long long e0,
@@ -208,7 +222,12 @@ static void step_scalars() {
                            Setting{0.05, 0.0, 0.0, 0.0, 0.0, 0.9}}) {
     std::vector<double> hyper = {h.lr, h.beta1, h.beta2, h.eps, h.wd, h.momentum, 0.0};
     int counter = 0, mismatches = 0;
-    for (int t = 1; t <= 3000; t++) {
+    // Steps 1 to 800 in turn, then far ones (the counter set just below each).
+    std::vector<int> steps(h.lr == 1e-3 ? 800 : 60);
+    std::iota(steps.begin(), steps.end(), 1);
+    for (int far : {10000, 123457, 1000000, 20000000}) steps.push_back(far);
+    for (int t : steps) {
+      counter = t - 1;
       const auto out = one(hyper, counter, nullptr, nullptr, 0, 0, 0, nullptr);
       const double bc1 = 1 - std::pow(h.beta1, t), bc2 = 1 - std::pow(h.beta2, t);
       const float want[WICK_SLOTS] = {(float)h.beta1, (float)h.beta2, (float)(1 - h.beta1), (float)(1 - h.beta2), (float)h.eps,
@@ -217,7 +236,7 @@ static void step_scalars() {
       for (int k = 0; k < WICK_SLOTS; k++) mismatches += std::memcmp(&out[k], &want[k], sizeof(float)) != 0;
       mismatches += counter != t;
     }
-    check("step scalars on the device, 3 000 steps (lr " + std::to_string(h.lr) + ", betas " + std::to_string(h.beta1) + "/" +
+    check("step scalars on the device, " + std::to_string(steps.size()) + " steps to 2e7 (lr " + std::to_string(h.lr) + ", betas " + std::to_string(h.beta1) + "/" +
               std::to_string(h.beta2) + "), to the bit",
           {(double)mismatches}, {0.0}, 0);
   }
@@ -252,7 +271,94 @@ static void step_scalars() {
         {bad ? 0.0 : 1.0, excused ? 0.0 : 1.0}, {0.0, 0.0}, 0);
 }
 
+// More tensors than a table holds: AdamW over 82 f32 tensors (a table takes 80) in two launches,
+// clipping's squares over 245 bf16 tensors (240 a table) in two with the partials moved on
+// between them, and the unscale over the same 245 — each against one launch per tensor (or the
+// plain sum of squares), to the bit.
+static void tables() {
+  const dim3 WARP{32, 1, 1};  // one warp a block: the tables' walk does not depend on the block's size
+  const int many = 82, cap5 = WICK_TABLE_CAPACITY(5);
+  std::vector<std::vector<float>> p(many), m(many), v(many), g(many);
+  std::vector<long long> lens(many);
+  for (int t = 0; t < many; t++) {
+    lens[t] = 1 + (t * 37) % 300;
+    p[t] = narrow<float>(randn(lens[t], 300 + t)), m[t] = narrow<float>(randn(lens[t], 500 + t, 0.1));
+    g[t] = narrow<float>(randn(lens[t], 700 + t));
+    v[t].resize(lens[t]);
+    for (long long i = 0; i < lens[t]; i++) v[t][i] = std::fabs(m[t][i]);
+  }
+  auto p1 = p, m1 = m, v1 = v;
+  std::vector<float> block(WICK_SLOTS, 0.0f);
+  block[WICK_SLOT_B1] = 0.9f, block[WICK_SLOT_B2] = 0.999f, block[WICK_SLOT_C1] = (float)(1 - 0.9), block[WICK_SLOT_C2] = (float)(1 - 0.999);
+  block[WICK_SLOT_EPS] = 1e-8f, block[WICK_SLOT_DECAY] = 0.99999f, block[WICK_SLOT_STEP_SIZE] = 0.01f;
+  block[WICK_SLOT_INV_BC2_SQRT] = 31.6f, block[WICK_SLOT_FACTOR] = 1.0f;
+  for (int start = 0; start < many; start += cap5) {
+    const int end = std::min(many, start + cap5);
+    std::vector<long long> flat, chunk(lens.begin() + start, lens.begin() + end);
+    for (int t = start; t < end; t++)
+      for (void* q : {(void*)p[t].data(), (void*)m[t].data(), (void*)v[t].data(), (void*)g[t].data(), (void*)nullptr})
+        flat.push_back((long long)(intptr_t)q);
+    launch(dim3{2, (unsigned)(end - start), 1}, WARP, [&] { wick_adamw_multi_f32(table<5>(flat, chunk), block.data(), nullptr); });
+  }
+  bool same = true;
+  for (int t = 0; t < many; t++) {
+    launch(dim3{1, 1, 1}, WARP, [&] {
+      wick_adamw_step_f32(p1[t].data(), m1[t].data(), v1[t].data(), m1[t].data(), v1[t].data(), g[t].data(), nullptr, lens[t], 0.9f,
+                          0.999f, (float)(1 - 0.9), (float)(1 - 0.999), 1e-8f, 0.99999f, 0.01f, 31.6f);
+    });
+    same &= p[t] == p1[t] && m[t] == m1[t] && v[t] == v1[t];
+  }
+  check("AdamW over 82 tensors in two tables = one launch each, to the bit", {same ? 0.0 : 1.0}, {0.0}, 0);
+
+  const int n = 245, cap1 = WICK_TABLE_CAPACITY(1), gx = 2;
+  std::vector<std::vector<__nv_bfloat16>> gb(n);
+  std::vector<long long> blens(n);
+  double want = 0.0;
+  bool seeded_inf = false;
+  for (int t = 0; t < n; t++) {
+    blens[t] = 1 + (t * 53) % 200;
+    auto d = randn(blens[t], 900 + t);
+    gb[t].resize(blens[t]);
+    for (long long i = 0; i < blens[t]; i++) {
+      gb[t][i] = __float2bfloat16_rn((float)d[i]);
+      want += (double)__bfloat162float(gb[t][i]) * (double)__bfloat162float(gb[t][i]);
+    }
+  }
+  std::vector<double> partials(n * gx, -1.0);
+  for (int start = 0; start < n; start += cap1) {
+    const int end = std::min(n, start + cap1);
+    std::vector<long long> flat, chunk(blens.begin() + start, blens.begin() + end);
+    for (int t = start; t < end; t++) flat.push_back((long long)(intptr_t)gb[t].data());
+    double* at = partials.data() + (long long)start * gx;
+    launch(dim3{gx, (unsigned)(end - start), 1}, WARP, [&] { wick_squares_multi_bf16(table<1>(flat, chunk), at); });
+  }
+  double got = 0.0;
+  for (double q : partials) got += q;
+  check("squared norm over 245 bf16 tensors in two tables (partials moved on)", {got}, {want}, 1e-12);
+  // The unscale over the same tables: every element times 1/4 (exact in bf16), the flag raised
+  // only once an inf is put in the second table.
+  for (int pass = 0; pass < 2; pass++) {
+    if (pass == 1) gb[n - 1][0] = __float2bfloat16_rn(INFINITY), seeded_inf = true;
+    auto before = gb;
+    float found = 0.0f;
+    const float inv = 0.25f;
+    for (int start = 0; start < n; start += cap1) {
+      const int end = std::min(n, start + cap1);
+      std::vector<long long> flat, chunk(blens.begin() + start, blens.begin() + end);
+      for (int t = start; t < end; t++) flat.push_back((long long)(intptr_t)gb[t].data());
+      launch(dim3{gx, (unsigned)(end - start), 1}, WARP, [&] { wick_amp_unscale_bf16(table<1>(flat, chunk), &found, &inv); });
+    }
+    bool exact = true;
+    for (int t = 0; t < n; t++)
+      for (long long i = 0; i < blens[t]; i++)
+        exact &= __bfloat162float(gb[t][i]) == __bfloat162float(before[t][i]) * 0.25f || std::isinf(__bfloat162float(before[t][i]));
+    check(std::string("unscale over 245 bf16 tensors in two tables") + (seeded_inf ? ", an inf in the second: flag raised" : ": flag clear"),
+          {exact ? 0.0 : 1.0, (double)found}, {0.0, seeded_inf ? 1.0 : 0.0}, 0);
+  }
+}
+
 void optimizer_checks() {
   optimizer();
   step_scalars();
+  tables();
 }

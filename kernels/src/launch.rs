@@ -1,3 +1,7 @@
+//! The launch figures of wick's CUDA kernels that the host must know: how many tensors a
+//! multi-tensor launch's table holds ([`table_capacity`], `src/cuda/table.cuh`), and, below,
+//! attention's.
+//!
 //! The launch figures of attention's CUDA kernels (`src/cuda/nn_attention.cu`, on CUDA cores, and
 //! `nn_attention_tc.cu`, on tensor cores): the rows a block takes and each kernel's dynamic shared
 //! memory, computed from the kernels' tile layouts without CUDA. wick-nn's launcher
@@ -5,6 +9,18 @@
 //! (`emu/check_attention.cpp`) computes the same figures for its launches, under AddressSanitizer,
 //! and holds them to the same table as this module's test
 //! (`shared_memory_matches_the_emulators_table`), so the two cannot drift apart unnoticed.
+
+/// The bytes a multi-tensor launch's table of tensors takes at most in the kernel's parameters
+/// (`cuda/table.cuh`'s `WICK_TABLE_BUDGET`, which a test reads from there): CUDA's 4 KiB of
+/// parameters less room for the launch's other arguments.
+pub const TABLE_BUDGET: usize = 3840;
+
+/// The tensors a table of `k` device addresses a tensor holds (`WICK_TABLE_CAPACITY(k)`): each
+/// tensor takes its `k` addresses and its length, eight bytes each. More tensors take more
+/// launches.
+pub const fn table_capacity(k: usize) -> usize {
+    TABLE_BUDGET / (8 * (k + 1))
+}
 
 /// The three launches of attention's passes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,6 +91,21 @@ pub fn attention_shared_bytes(cores: AttentionCores, kernel: AttentionKernel, d:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The budget is the kernels' (read from table.cuh), and the capacities are what its macro
+    /// gives: 240 addresses for one a tensor (unscale, squares), 96 tensors for SGD, 80 for AdamW.
+    #[test]
+    fn table_capacity_is_the_kernels() {
+        let header = include_str!("cuda/table.cuh");
+        let budget: usize = header
+            .lines()
+            .find_map(|l| l.strip_prefix("#define WICK_TABLE_BUDGET "))
+            .and_then(|v| v.trim().parse().ok())
+            .expect("table.cuh defines WICK_TABLE_BUDGET");
+        assert_eq!(budget, TABLE_BUDGET);
+        assert!(header.contains("#define WICK_TABLE_CAPACITY(K) (WICK_TABLE_BUDGET / (8 * ((K) + 1)))"));
+        assert_eq!((table_capacity(1), table_capacity(4), table_capacity(5)), (240, 96, 80));
+    }
 
     /// The table `emu/check_attention.cpp` holds its own figures to (`shared_table`): the same
     /// bytes for the same kernels, computed twice, in Rust here and in C++ there.

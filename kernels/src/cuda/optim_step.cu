@@ -16,6 +16,7 @@
 //           computed in f64 and rounded to f32 as the host's loop does: on the host for the
 //           single-tensor kernels, on the device by `wick_step_scalars` for the multi-tensor ones)
 #include "common.cuh"
+#include "table.cuh"
 
 // No compute copy: the f32 tensor is the parameter itself.
 struct NoCopy {};
@@ -183,47 +184,42 @@ extern "C" __global__ void wick_step_scalars(const double* hyper, int* step, con
     out[WICK_SLOT_BAD_NORM] = bad ? 1.0f : 0.0f;
 }
 
-// Multi-tensor forms: every parameter of one gradient dtype in one launch, the state in place
-// (the trainer's use). Tensor t's buffers are at ptrs[t·K + j] — SGD (K = 4): parameter or
-// master, momentum buffer, gradient, model copy (0: none); AdamW (K = 5): parameter or master,
-// first moment, second moment, gradient, model copy — and its length at lens[t]. Grid: y over
-// the tensors, x grid-stride within each. The step's constants, clipping's factor (each gradient
-// element multiplied by it as it is read; 1 for none) and its skip flag are read from `s`, a
-// block of WICK_SLOTS floats on the device; `skip` (null: none) is a second device flag, the
-// loss scaler's `found_inf`: when either is non-zero the launch changes nothing, so a step with
+// Multi-tensor forms: every parameter of one gradient dtype in one launch (or one a table, for
+// more than a table holds), the state in place (the trainer's use). Tensor t's buffers are at
+// table.ptrs[t·K + j] (table.cuh) — SGD (K = 4): parameter or master, momentum buffer,
+// gradient, model copy (0: none); AdamW (K = 5): parameter or master, first moment, second
+// moment, gradient, model copy — and its length at table.lens[t]. Grid: y over the tensors, x
+// grid-stride within each. The step's constants, clipping's factor (each gradient element
+// multiplied by it as it is read; 1 for none) and its skip flag are read from `s`, a block of
+// WICK_SLOTS floats on the device; `skip` (null: none) is a second device flag, the loss
+// scaler's `found_inf`: when either is non-zero the launch changes nothing, so a step with
 // non-finite gradients is skipped without the host reading a flag first.
 template <typename G, typename M>
-__device__ void sgd_multi(const long long* ptrs, const long long* lens, int count, const float* s, const float* skip) {
+__device__ void sgd_multi(const WickTable<4>& table, const float* s, const float* skip) {
     if ((skip && *skip != 0.0f) || s[WICK_SLOT_SKIP] != 0.0f) return;
     const float lr = s[WICK_SLOT_LR], momentum = s[WICK_SLOT_MOMENTUM], factor = s[WICK_SLOT_FACTOR];
-    for (int t = blockIdx.y; t < count; t += gridDim.y) {
-        float* p = (float*)ptrs[4 * t];
-        float* b = (float*)ptrs[4 * t + 1];
-        const G* g = (const G*)ptrs[4 * t + 2];
-        M* model = (M*)ptrs[4 * t + 3];
-        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < lens[t];
-             i += (long long)gridDim.x * blockDim.x) {
-            sgd_at(p, b, b, g, model, i, lr, momentum, factor);
-        }
+    for (int t = blockIdx.y; t < table.count; t += gridDim.y) {
+        float* p = (float*)table.ptrs[4 * t];
+        float* b = (float*)table.ptrs[4 * t + 1];
+        const G* g = (const G*)table.ptrs[4 * t + 2];
+        M* model = (M*)table.ptrs[4 * t + 3];
+        WICK_FOR_EACH(i, table.lens[t]) { sgd_at(p, b, b, g, model, i, lr, momentum, factor); }
     }
 }
 
 template <typename G, typename M>
-__device__ void adamw_multi(const long long* ptrs, const long long* lens, int count, const float* s, const float* skip) {
+__device__ void adamw_multi(const WickTable<5>& table, const float* s, const float* skip) {
     if ((skip && *skip != 0.0f) || s[WICK_SLOT_SKIP] != 0.0f) return;
     const AdamWConsts k{s[WICK_SLOT_B1],  s[WICK_SLOT_B2],    s[WICK_SLOT_C1],        s[WICK_SLOT_C2],
                         s[WICK_SLOT_EPS], s[WICK_SLOT_DECAY], s[WICK_SLOT_STEP_SIZE], s[WICK_SLOT_INV_BC2_SQRT]};
     const float factor = s[WICK_SLOT_FACTOR];
-    for (int t = blockIdx.y; t < count; t += gridDim.y) {
-        float* p = (float*)ptrs[5 * t];
-        float* m = (float*)ptrs[5 * t + 1];
-        float* v = (float*)ptrs[5 * t + 2];
-        const G* g = (const G*)ptrs[5 * t + 3];
-        M* model = (M*)ptrs[5 * t + 4];
-        for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < lens[t];
-             i += (long long)gridDim.x * blockDim.x) {
-            adamw_at(p, m, v, m, v, g, model, i, k, factor);
-        }
+    for (int t = blockIdx.y; t < table.count; t += gridDim.y) {
+        float* p = (float*)table.ptrs[5 * t];
+        float* m = (float*)table.ptrs[5 * t + 1];
+        float* v = (float*)table.ptrs[5 * t + 2];
+        const G* g = (const G*)table.ptrs[5 * t + 3];
+        M* model = (M*)table.ptrs[5 * t + 4];
+        WICK_FOR_EACH(i, table.lens[t]) { adamw_at(p, m, v, m, v, g, model, i, k, factor); }
     }
 }
 
@@ -249,16 +245,14 @@ WICK_ADAMW_STEP(wick_adamw_step_f32, float, NoCopy)
 WICK_ADAMW_STEP(wick_adamw_step_f16, __half, __half)
 WICK_ADAMW_STEP(wick_adamw_step_bf16, __nv_bfloat16, __nv_bfloat16)
 
-#define WICK_SGD_MULTI(name, G, M)                                                                               \
-    extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, const float* s,    \
-                                    const float* skip) {                                                        \
-        sgd_multi<G, M>(ptrs, lens, count, s, skip);                                                             \
+#define WICK_SGD_MULTI(name, G, M)                                                                  \
+    extern "C" __global__ void name(WickTable<4> table, const float* s, const float* skip) {        \
+        sgd_multi<G, M>(table, s, skip);                                                            \
     }
 
-#define WICK_ADAMW_MULTI(name, G, M)                                                                             \
-    extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, const float* s,    \
-                                    const float* skip) {                                                        \
-        adamw_multi<G, M>(ptrs, lens, count, s, skip);                                                           \
+#define WICK_ADAMW_MULTI(name, G, M)                                                                \
+    extern "C" __global__ void name(WickTable<5> table, const float* s, const float* skip) {        \
+        adamw_multi<G, M>(table, s, skip);                                                          \
     }
 
 WICK_SGD_MULTI(wick_sgd_momentum_multi_f32, float, NoCopy)
@@ -268,18 +262,20 @@ WICK_ADAMW_MULTI(wick_adamw_multi_f32, float, NoCopy)
 WICK_ADAMW_MULTI(wick_adamw_multi_f16, __half, __half)
 WICK_ADAMW_MULTI(wick_adamw_multi_bf16, __nv_bfloat16, __nv_bfloat16)
 
-// Gradient clipping's squared norm, sum of g^2 over every gradient of one dtype in one launch:
-// tensor t's gradient at ptrs[t], its length at lens[t]. Block (x, t) sums its grid-stride share
-// in f64 (each element widened to f32, then to f64, as the host's sum reads it) and writes the
-// sum to partials[t * gridDim.x + x]; the host adds the partials up in order. No atomics: the
-// same bits every run.
+// Gradient clipping's squared norm, sum of g^2 over every gradient of one dtype in one launch a
+// table: tensor t's gradient at table.ptrs[t], its length at table.lens[t]. Block (x, t) sums its
+// grid-stride share in f64 (each element widened to f32, then to f64, as the host's sum reads
+// it) and writes the sum to partials[t * gridDim.x + x] (the launcher moves `partials` on by a
+// table's tensors × gridDim.x for the next table, so the sums lie in the order of one launch over
+// every tensor); the sums are added up in order afterwards (`wick_step_scalars`, or the host). No
+// atomics: the same bits every run.
 template <typename G>
-__device__ void squares_multi(const long long* ptrs, const long long* lens, int count, double* partials) {
+__device__ void squares_multi(const WickTable<1>& table, double* partials) {
     __shared__ double scratch[32];
-    for (int t = blockIdx.y; t < count; t += gridDim.y) {
-        const G* g = (const G*)ptrs[t];
+    for (int t = blockIdx.y; t < table.count; t += gridDim.y) {
+        const G* g = (const G*)table.ptrs[t];
         double s = 0.0;
-        WICK_FOR_EACH(i, lens[t]) {
+        WICK_FOR_EACH(i, table.lens[t]) {
             const double v = (double)wick_load(g, i);
             s = __dadd_rn(s, __dmul_rn(v, v));
         }
@@ -288,9 +284,9 @@ __device__ void squares_multi(const long long* ptrs, const long long* lens, int 
     }
 }
 
-#define WICK_SQUARES_MULTI(name, G)                                                                              \
-    extern "C" __global__ void name(const long long* ptrs, const long long* lens, int count, double* partials) { \
-        squares_multi<G>(ptrs, lens, count, partials);                                                           \
+#define WICK_SQUARES_MULTI(name, G)                                                   \
+    extern "C" __global__ void name(WickTable<1> table, double* partials) {          \
+        squares_multi<G>(table, partials);                                            \
     }
 
 WICK_SQUARES_MULTI(wick_squares_multi_f32, float)

@@ -12,7 +12,7 @@
 //! their storage (gradients, masters, moments, parameters), not views into another tensor.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::CudaStorageSlice;
 use candle_core::{DType, Device, Storage, Tensor};
@@ -20,6 +20,7 @@ use candle_core::{DType, Device, Storage, Tensor};
 use crate::error::TrainError;
 use crate::optim::Optimizer;
 use wick_kernels::cpu::optim::AdamWStep;
+use wick_kernels::launch::table_capacity;
 
 fn err(message: impl Into<String>) -> TrainError {
     TrainError::Invalid { what: "amp cuda kernels".into(), message: message.into() }
@@ -47,13 +48,78 @@ pub struct AmpKernels {
     step_scalars: CudaFunction,
 }
 
-/// One dtype's tensors for a multi-tensor launch ([`AmpKernels::unscale_`] and
-/// [`AmpKernels::squares_multi`]): their addresses and lengths on the device, how many, the grid.
-struct TensorList {
-    ptrs: CudaSlice<u64>,
-    lens: CudaSlice<i64>,
+/// A multi-tensor launch's tensors in the kernel's parameters, passed by value
+/// (`kernels/src/cuda/table.cuh`'s `WickTable<K>` with P = K·N): `count` tensors' K addresses
+/// each, then their lengths. No list is uploaded before a launch, so a step makes no transfer for
+/// its lists and a launch captured in a CUDA graph replays as it was made.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Table<const P: usize, const N: usize> {
+    ptrs: [u64; P],
+    lens: [i64; N],
     count: i32,
-    config: LaunchConfig,
+}
+
+// SAFETY: plain data in C's layout — `WickTable<K>`'s two arrays of 8-byte integers and an int
+// (padded to 8 bytes on both sides) — with no pointers the host follows.
+unsafe impl<const P: usize, const N: usize> DeviceRepr for Table<P, N> {}
+
+const N1: usize = table_capacity(1);
+const N4: usize = table_capacity(4);
+const N5: usize = table_capacity(5);
+/// One address a tensor (unscale, squares).
+type Table1 = Table<N1, N1>;
+/// SGD's four.
+type Table4 = Table<{ 4 * N4 }, N4>;
+/// AdamW's five.
+type Table5 = Table<{ 5 * N5 }, N5>;
+
+// The tables' sizes are C's (`table.cuh` asserts the same): K + 1 eight-byte values a tensor, and
+// the count padded to eight bytes — within the budget.
+const _: () = {
+    assert!(std::mem::size_of::<Table1>() == 8 * 2 * N1 + 8);
+    assert!(std::mem::size_of::<Table4>() == 8 * 5 * N4 + 8);
+    assert!(std::mem::size_of::<Table5>() == 8 * 6 * N5 + 8);
+    assert!(std::mem::size_of::<Table5>() <= wick_kernels::launch::TABLE_BUDGET + 8);
+};
+
+/// The tables of `tensors` (each one's addresses, `P / N` of them, and its length), in order, `N`
+/// a table.
+fn tables<const P: usize, const N: usize>(tensors: &[(Vec<u64>, i64)]) -> Result<Vec<Table<P, N>>, TrainError> {
+    let k = P / N;
+    tensors
+        .chunks(N)
+        .map(|chunk| {
+            let mut t = Table { ptrs: [0; P], lens: [0; N], count: chunk.len() as i32 };
+            for (i, (ptrs, len)) in chunk.iter().enumerate() {
+                if ptrs.len() != k {
+                    return Err(err(format!("a table of {k} addresses a tensor was given {}", ptrs.len())));
+                }
+                t.ptrs[i * k..(i + 1) * k].copy_from_slice(ptrs);
+                t.lens[i] = *len;
+            }
+            Ok(t)
+        })
+        .collect()
+}
+
+/// One dtype's tensors for [`AmpKernels::unscale_`] and [`AmpKernels::squares_partials`]: their
+/// tables, and the grid's x (blocks within a tensor, from the longest; y is a table's count).
+struct TensorList {
+    tables: Vec<Table1>,
+    grid_x: u32,
+}
+
+impl TensorList {
+    /// The launch shape of table `t`.
+    fn config(&self, t: &Table1) -> LaunchConfig {
+        LaunchConfig { grid_dim: (self.grid_x, t.count as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    }
+
+    /// The tensors it holds.
+    fn count(&self) -> usize {
+        self.tables.iter().map(|t| t.count as usize).sum()
+    }
 }
 
 /// Clipping's partial sums of squares on the device ([`AmpKernels::squares_partials`]): one f64
@@ -301,11 +367,10 @@ impl AmpKernels {
         let mut total = 0usize;
         for (end, list) in ends.iter_mut().zip(&lists) {
             if let Some(l) = list {
-                let slots = (l.config.grid_dim.0 as usize)
-                    .checked_mul(l.count as usize)
+                total = (l.grid_x as usize)
+                    .checked_mul(l.count())
                     .and_then(|n| n.checked_add(total))
                     .ok_or_else(|| err("too many gradients"))?;
-                total = slots;
             }
             *end = i64::try_from(total).map_err(|_| err("too many gradients"))?;
         }
@@ -317,14 +382,19 @@ impl AmpKernels {
         let mut start = 0u64;
         for ((func, list), end) in self.squares_multi.iter().zip(lists).zip(ends) {
             if let Some(l) = list {
-                let at = base + start * 8;
-                let mut launch = self.stream.launch_builder(func);
-                launch.arg(&l.ptrs).arg(&l.lens).arg(&l.count).arg(&at);
-                // SAFETY: `wick_squares_multi_*`'s arguments in order; every pointer a live device
-                // buffer of the stated length and dtype, kept alive by the caller's tensors; `at`
-                // is this dtype's section of the partials buffer (alive until it is returned),
-                // one double per (block, tensor), x × count of them.
-                unsafe { launch.launch(l.config) }.map_err(|e| err(e.to_string()))?;
+                // Each table's sums follow the previous table's: the order of one launch over all.
+                let mut at = base + start * 8;
+                for table in &l.tables {
+                    let mut launch = self.stream.launch_builder(func);
+                    launch.arg(table).arg(&at);
+                    // SAFETY: `wick_squares_multi_*`'s arguments in order (a `WickTable<1>` by
+                    // value, the partials' address); every address in the table a live device
+                    // buffer of the stated length and dtype, kept alive by the caller's tensors;
+                    // `at` is this table's part of this dtype's section of the partials buffer
+                    // (alive until it is returned), grid_x doubles a tensor.
+                    unsafe { launch.launch(l.config(table)) }.map_err(|e| err(e.to_string()))?;
+                    at += table.count as u64 * l.grid_x as u64 * 8;
+                }
             }
             start = end as u64;
         }
@@ -371,36 +441,23 @@ impl AmpKernels {
         Ok(())
     }
 
-    /// The tensors of `grads` by dtype (f32, f16, bf16) as a multi-tensor launch takes them — each
-    /// list's addresses and lengths on the device, its count, and its grid (x: blocks within a
-    /// tensor, y: the tensors) — or `None` for a dtype none of them has.
+    /// The tensors of `grads` by dtype (f32, f16, bf16) as a multi-tensor launch takes them — in
+    /// tables of their addresses and lengths, with the grid's x — or `None` for a dtype none of
+    /// them has.
     fn tensor_lists(&self, grads: &[&Tensor]) -> Result<[Option<TensorList>; 3], TrainError> {
         let mut lists: [Option<TensorList>; 3] = Default::default();
         for (index, list) in lists.iter_mut().enumerate() {
-            let mut ptrs = Vec::new();
-            let mut lens = Vec::new();
+            let mut tensors = Vec::new();
             for g in grads {
                 if dtype_index(g.dtype())? == index {
-                    ptrs.push(address(g, &self.stream)?);
-                    lens.push(g.elem_count() as i64);
+                    tensors.push((vec![address(g, &self.stream)?], g.elem_count() as i64));
                 }
             }
-            if ptrs.is_empty() {
+            if tensors.is_empty() {
                 continue;
             }
-            let longest = lens.iter().copied().max().unwrap_or(1) as usize;
-            let count = i32::try_from(ptrs.len()).map_err(|_| err("more tensors than one launch takes"))?;
-            let config = LaunchConfig {
-                grid_dim: (blocks(longest).min(64), (ptrs.len() as u32).min(65_535), 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            *list = Some(TensorList {
-                ptrs: self.stream.clone_htod(&ptrs).map_err(|e| err(e.to_string()))?,
-                lens: self.stream.clone_htod(&lens).map_err(|e| err(e.to_string()))?,
-                count,
-                config,
-            });
+            let longest = tensors.iter().map(|(_, n)| *n).max().unwrap_or(1) as usize;
+            *list = Some(TensorList { tables: tables(&tensors)?, grid_x: blocks(longest).min(64) });
         }
         Ok(lists)
     }
@@ -424,11 +481,14 @@ impl AmpKernels {
         let (inv, flag) = (address(inv_scale, &self.stream)?, address(found_inf, &self.stream)?);
         for (func, list) in self.unscale.iter().zip(self.tensor_lists(grads)?) {
             let Some(l) = list else { continue };
-            let mut launch = self.stream.launch_builder(func);
-            launch.arg(&l.ptrs).arg(&l.lens).arg(&l.count).arg(&flag).arg(&inv);
-            // SAFETY: the arguments match the kernel's signature; every pointer is a live
-            // device buffer of the stated length, kept alive by the caller's tensors.
-            unsafe { launch.launch(l.config) }.map_err(|e| err(e.to_string()))?;
+            for table in &l.tables {
+                let mut launch = self.stream.launch_builder(func);
+                launch.arg(table).arg(&flag).arg(&inv);
+                // SAFETY: the arguments match the kernel's signature (a `WickTable<1>` by value,
+                // the flag, the scale); every address in the table is a live device buffer of
+                // the stated length and dtype, kept alive by the caller's tensors.
+                unsafe { launch.launch(l.config(table)) }.map_err(|e| err(e.to_string()))?;
+            }
         }
         Ok(())
     }
@@ -549,48 +609,60 @@ impl AmpKernels {
             }
             None => 0,
         };
-        let mut groups: [Vec<u64>; 3] = Default::default();
-        let mut lens: [Vec<i64>; 3] = Default::default();
+        let mut groups: [Vec<(Vec<u64>, i64)>; 3] = Default::default();
         for item in items {
-            let n = item.grad.elem_count();
             item.check(rule)?;
-            let index = dtype_index(item.grad.dtype())?;
             let p = |t: &Tensor| address(t, &self.stream);
-            let group = &mut groups[index];
-            group.push(p(item.target)?);
+            let mut ptrs = vec![p(item.target)?];
             for s in item.state {
-                group.push(p(s)?);
+                ptrs.push(p(s)?);
             }
-            group.push(p(item.grad)?);
-            group.push(item.model.map(p).transpose()?.unwrap_or(0));
-            lens[index].push(n as i64);
+            ptrs.push(p(item.grad)?);
+            ptrs.push(item.model.map(p).transpose()?.unwrap_or(0));
+            groups[dtype_index(item.grad.dtype())?].push((ptrs, item.grad.elem_count() as i64));
         }
-        for (index, (ptrs, lens)) in groups.iter().zip(&lens).enumerate() {
-            if lens.is_empty() {
+        for (index, group) in groups.iter().enumerate() {
+            if group.is_empty() {
                 continue;
             }
-            let longest = lens.iter().copied().max().unwrap_or(1) as usize;
-            let (ptrs_dev, lens_dev) = (
-                self.stream.clone_htod(ptrs).map_err(|e| err(e.to_string()))?,
-                self.stream.clone_htod(lens).map_err(|e| err(e.to_string()))?,
-            );
-            let count = i32::try_from(lens.len()).map_err(|_| err("more parameters than one launch takes"))?;
-            let config = LaunchConfig {
-                grid_dim: (blocks(longest).min(64), (lens.len() as u32).min(65_535), 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let func = match rule {
-                Optimizer::SgdMomentum { .. } => &self.sgd_multi[index],
-                Optimizer::AdamW(_) => &self.adamw_multi[index],
-            };
+            let longest = group.iter().map(|(_, n)| *n).max().unwrap_or(1) as usize;
+            let grid_x = blocks(longest).min(64);
+            match rule {
+                Optimizer::SgdMomentum { .. } => {
+                    let list: Vec<Table4> = tables(group)?;
+                    self.launch_step(&self.sgd_multi[index], &list, grid_x, block, skip)?;
+                }
+                Optimizer::AdamW(_) => {
+                    let list: Vec<Table5> = tables(group)?;
+                    self.launch_step(&self.adamw_multi[index], &list, grid_x, block, skip)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One multi-tensor update launch a table: `func` (`wick_sgd_momentum_multi_*` with SGD's
+    /// tables, `wick_adamw_multi_*` with AdamW's) with the table by value, the step's block and
+    /// the skip flag's address (or 0).
+    fn launch_step<const P: usize, const N: usize>(
+        &self,
+        func: &CudaFunction,
+        list: &[Table<P, N>],
+        grid_x: u32,
+        block: &CudaSlice<f32>,
+        skip: u64,
+    ) -> Result<(), TrainError> {
+        for table in list {
+            let config =
+                LaunchConfig { grid_dim: (grid_x, table.count as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             let mut launch = self.stream.launch_builder(func);
-            launch.arg(&ptrs_dev).arg(&lens_dev).arg(&count).arg(block).arg(&skip);
-            // SAFETY: `wick_sgd_momentum_multi_*` / `wick_adamw_multi_*`'s arguments in order:
-            // four (SGD) or five (AdamW) live device addresses per item — parameter, state,
-            // gradient, model copy or 0 — each of the item's length and stated type, kept alive by
-            // the caller's tensors; the block of SLOTS f32 (length checked above); the skip flag's
-            // address (a live one-element f32 buffer) or 0.
+            launch.arg(table).arg(block).arg(&skip);
+            // SAFETY: the kernel's arguments in order: a `WickTable<P / N>` by value (the caller
+            // pairs SGD's kernels with 4-address tables, AdamW's with 5) whose addresses —
+            // parameter, state, gradient, model copy or 0 — are live device buffers of the
+            // item's length and stated type, kept alive by the caller's tensors; the block of
+            // SLOTS f32 (length checked by the caller); the skip flag's address (a live
+            // one-element f32) or 0.
             unsafe { launch.launch(config) }.map_err(|e| err(e.to_string()))?;
         }
         Ok(())
