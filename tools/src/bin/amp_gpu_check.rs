@@ -476,7 +476,8 @@ fn clipped_step_on_device(dev: &Device, failures: &mut usize) -> Result<()> {
         amp.apply(unscaled, Some(1.0))?;
         let report = amp.last_step()?;
         let after: Vec<Vec<f32>> = dev_vars.iter().map(|v| host(v.as_tensor())).collect::<Result<_>>()?;
-        let unchanged = before.iter().zip(&after).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        let unchanged =
+            before.iter().zip(&after).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
         let steps = amp.applied_steps()?;
         let what = if scaled { "with the loss scaler" } else { "no scaler" };
         check(
