@@ -1,0 +1,276 @@
+//! A step captured as a CUDA graph and replayed (feature `cuda`): the host launches a whole step —
+//! forward, backward, the optimizer's update — as one graph instead of hundreds of kernels, which
+//! is what a launch-bound step (a small model, a short sequence) waits on.
+//!
+//! How it sits on candle. candle allocates every buffer with `cuMemAllocAsync`; inside a capture
+//! the driver turns each into an allocation node of the graph, and each free into a free node, so
+//! the graph owns the memory of everything the step makes and frees: addresses fixed for the
+//! graph's life and never handed to anyone else (the private pool PyTorch builds in its caching
+//! allocator for `torch.cuda.graph`, here the driver's graph memory), given back when the graph is
+//! dropped (`cuDeviceGraphMemTrim`). That memory is not in wick's pool: [`graph_memory`] reads it
+//! and the memory report shows it on its own line.
+//!
+//! What a step must do to be captured (each is checked, and a step that breaks one is refused
+//! with the reason — nothing of it has run, so the caller runs it eagerly instead):
+//! - read nothing back from the device and upload nothing new while it runs: candle's upload
+//!   cache is on for [`warm_up`] and the capture, so the small parameter arrays candle uploads
+//!   for strided kernels are the warm-up's, and any other copy is an error inside the capture;
+//!   wick's own kernels take their tensor lists in their parameters and their step's scalars from
+//!   the device (`wick_kernels::step_scalars`);
+//! - free everything it makes: its inputs and outputs are tensors made before the capture, which
+//!   it reads and writes in place (the caller copies each new batch into the inputs before a
+//!   replay); an allocation the graph would not free (a tensor kept past the step — state made
+//!   lazily on the first step, say: warm up first) is refused, counted from the graph's nodes;
+//! - run on one stream: the capture turns cudarc's per-buffer events off for its duration
+//!   (cudarc's own graph tests do the same), so no other stream may use the step's tensors then.
+//!
+//! Replays are the captured step exactly: the same kernels on the same addresses, so a replayed
+//! step gives the eager step's bits when the eager step is deterministic.
+
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
+use candle_core::Device;
+
+/// Why a step was not captured or a replay failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GraphError {
+    /// The step cannot be captured as it is; nothing of it ran (run it eagerly).
+    #[error("the step cannot be captured as a CUDA graph: {0}")]
+    Refused(String),
+    /// The device has not the memory the graph needs (at instantiation or its first upload).
+    #[error("out of memory for the CUDA graph: {0}")]
+    OutOfMemory(String),
+    /// The driver failed otherwise.
+    #[error("CUDA graph: {0}")]
+    Driver(String),
+}
+
+/// What a captured graph holds: its nodes by kind and the memory its allocation nodes ask for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphShape {
+    /// Kernel launches.
+    pub kernels: usize,
+    /// Copies and fills.
+    pub copies: usize,
+    /// Allocation nodes (tensors the step makes).
+    pub allocations: usize,
+    /// Free nodes (tensors the step frees).
+    pub frees: usize,
+    /// Bytes the allocation nodes ask for, summed (the driver reuses freed ranges within the
+    /// graph, so what it reserves — [`graph_memory`] — is at most this).
+    pub allocated_bytes: usize,
+    /// Every node.
+    pub nodes: usize,
+}
+
+/// The device's graph memory (`cuDeviceGetGraphMemAttribute`): bytes in use by graphs' allocations
+/// now, and reserved for graphs (in use or cached), now and at their highest.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphMemory {
+    /// In use now.
+    pub used: u64,
+    /// Reserved now.
+    pub reserved: u64,
+    /// Reserved at the highest since the process began (or the driver's last reset).
+    pub reserved_high: u64,
+}
+
+/// A captured step, ready to replay on the stream it was captured on.
+pub struct StepGraph {
+    graph: CudaGraph,
+    stream: Arc<CudaStream>,
+    shape: GraphShape,
+}
+
+fn driver(e: impl std::fmt::Display) -> GraphError {
+    let text = e.to_string();
+    if text.contains("OUT_OF_MEMORY") || text.to_lowercase().contains("out of memory") {
+        GraphError::OutOfMemory(text)
+    } else {
+        GraphError::Driver(text)
+    }
+}
+
+fn cuda_of(device: &Device) -> Result<&candle_core::CudaDevice, GraphError> {
+    match device {
+        Device::Cuda(cuda) => Ok(cuda),
+        other => Err(GraphError::Refused(format!("CUDA graphs need a CUDA device, not {:?}", other.location()))),
+    }
+}
+
+/// Runs `step` eagerly with candle's upload cache on, so the small arrays candle uploads for its
+/// strided kernels are cached by content and a capture of the same step finds them (a step not
+/// warmed up this way is refused at its first such upload). Run the step this way at least once,
+/// with the shapes the capture will have, before [`capture`]. The cache holds each distinct array
+/// for the process's life (a few bytes each).
+pub fn warm_up<T>(device: &Device, step: impl FnOnce() -> T) -> Result<T, GraphError> {
+    let cuda = cuda_of(device)?;
+    let _cache = cuda.enable_cuda_graph_htod_cache();
+    Ok(step())
+}
+
+/// Ends a capture still open when dropped (the step panicked or returned early), and turns the
+/// context's event tracking back on if the capture turned it off.
+struct Capturing {
+    stream: Arc<CudaStream>,
+    tracking: bool,
+    open: bool,
+}
+
+impl Capturing {
+    fn end(&mut self) -> Result<Option<CudaGraph>, candle_core::cuda_backend::cudarc::driver::DriverError> {
+        self.open = false;
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        if self.tracking {
+            // SAFETY: restores the setting the capture found; the capture's buffers are freed.
+            unsafe { self.stream.context().enable_event_tracking() };
+        }
+        graph
+    }
+}
+
+impl Drop for Capturing {
+    fn drop(&mut self) {
+        if self.open {
+            // The graph of an abandoned capture is dropped (destroyed) at once.
+            let _ = self.end();
+        }
+    }
+}
+
+/// Captures `step` on `device`'s stream (candle's, where wick's kernels launch too) as a graph:
+/// `step` runs on the host, its kernels are recorded, none runs. Returns the graph and what it
+/// holds; [`StepGraph::replay`] runs it. Refused, with the reason and with nothing run, when the
+/// step errs while capturing (a read from the device, an upload the warm-up did not cache, an op
+/// the driver cannot capture) or leaves allocations the graph would not free. Run the step once
+/// through [`warm_up`] first.
+pub fn capture(device: &Device, step: impl FnOnce() -> candle_core::Result<()>) -> Result<StepGraph, GraphError> {
+    let cuda = cuda_of(device)?;
+    let stream = cuda.cuda_stream();
+    stream.synchronize().map_err(driver)?;
+    let _cache = cuda.enable_cuda_graph_htod_cache();
+    let ctx = stream.context();
+    let tracking = ctx.is_event_tracking();
+    if tracking {
+        // SAFETY: everything the step does is on this one stream (the module's rule); the
+        // setting is restored when the capture ends, on every path (`Capturing`).
+        unsafe { ctx.disable_event_tracking() };
+    }
+    let mut capturing = Capturing { stream: stream.clone(), tracking, open: false };
+    stream
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(|e| GraphError::Refused(format!("the stream would not start a capture: {e}")))?;
+    capturing.open = true;
+    let ran = step();
+    let graph = capturing.end();
+    let graph = match (ran, graph) {
+        (Err(e), _) => return Err(GraphError::Refused(format!("the step failed while capturing ({e})"))),
+        (Ok(()), Err(e)) => return Err(GraphError::Refused(format!("the driver ended the capture: {e}"))),
+        (Ok(()), Ok(None)) => return Err(GraphError::Refused("the step launched nothing".into())),
+        (Ok(()), Ok(Some(graph))) => graph,
+    };
+    let shape = shape_of(&graph)?;
+    if shape.allocations > shape.frees {
+        return Err(GraphError::Refused(format!(
+            "{} of the step's {} allocations outlive it: a captured step keeps nothing it makes (warm it up eagerly \
+             so its state exists first, and write its results into tensors made before the capture)",
+            shape.allocations - shape.frees,
+            shape.allocations
+        )));
+    }
+    // The graph's memory is mapped now rather than at the first replay, so running out of it is
+    // an error here, before the caller counts on the graph.
+    graph.upload().map_err(driver)?;
+    Ok(StepGraph { graph, stream: stream.clone(), shape })
+}
+
+/// Counts `graph`'s nodes by kind and its allocation nodes' bytes.
+fn shape_of(graph: &CudaGraph) -> Result<GraphShape, GraphError> {
+    use sys::CUgraphNodeType as Kind;
+    let cu_graph = graph.cu_graph();
+    let mut count = 0usize;
+    // SAFETY: a live graph (owned by `graph`); a null array asks for the count only.
+    unsafe { sys::cuGraphGetNodes(cu_graph, std::ptr::null_mut(), &mut count) }.result().map_err(driver)?;
+    let mut nodes = vec![std::ptr::null_mut(); count];
+    // SAFETY: `nodes` holds `count` entries, the count the driver just gave.
+    unsafe { sys::cuGraphGetNodes(cu_graph, nodes.as_mut_ptr(), &mut count) }.result().map_err(driver)?;
+    let mut shape = GraphShape { nodes: count, ..GraphShape::default() };
+    for &node in nodes.iter().take(count) {
+        let mut kind = Kind::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: `node` is one of the live graph's nodes.
+        unsafe { sys::cuGraphNodeGetType(node, &mut kind) }.result().map_err(driver)?;
+        match kind {
+            Kind::CU_GRAPH_NODE_TYPE_KERNEL => shape.kernels += 1,
+            Kind::CU_GRAPH_NODE_TYPE_MEMCPY | Kind::CU_GRAPH_NODE_TYPE_MEMSET => shape.copies += 1,
+            Kind::CU_GRAPH_NODE_TYPE_MEM_ALLOC => {
+                shape.allocations += 1;
+                // SAFETY: the parameters are plain data (integers and pointers), valid when zero.
+                let mut params: sys::CUDA_MEM_ALLOC_NODE_PARAMS = unsafe { std::mem::zeroed() };
+                // SAFETY: an allocation node of the live graph, and a place for its parameters.
+                unsafe { sys::cuGraphMemAllocNodeGetParams(node, &mut params) }.result().map_err(driver)?;
+                shape.allocated_bytes = shape.allocated_bytes.saturating_add(params.bytesize);
+            }
+            Kind::CU_GRAPH_NODE_TYPE_MEM_FREE => shape.frees += 1,
+            _ => {}
+        }
+    }
+    Ok(shape)
+}
+
+impl StepGraph {
+    /// Runs the captured step once more on its stream (asynchronously, like any launch): the same
+    /// kernels on the same addresses. Copy the next inputs into the step's input tensors first.
+    pub fn replay(&self) -> Result<(), GraphError> {
+        self.graph.launch().map_err(driver)
+    }
+
+    /// What the graph holds.
+    pub fn shape(&self) -> GraphShape {
+        self.shape
+    }
+
+    /// The stream it replays on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl Drop for StepGraph {
+    fn drop(&mut self) {
+        // Replays finish first; then the graph (dropped with `self`) gives its memory back to the
+        // driver's graph pool, and the trim below gives the pool's unused memory to the device.
+        let _ = self.stream.synchronize();
+    }
+}
+
+/// Gives the device's cached graph memory back (`cuDeviceGraphMemTrim`): what no live graph uses.
+/// Dropping a [`StepGraph`] and then calling this brings [`graph_memory`]'s `reserved` back to
+/// what the other live graphs hold (none: zero).
+pub fn trim(device: &Device) -> Result<(), GraphError> {
+    let cuda = cuda_of(device)?;
+    let ordinal = cuda.cuda_stream().context().cu_device();
+    cuda.cuda_stream().synchronize().map_err(driver)?;
+    // SAFETY: a device of a live context.
+    unsafe { sys::cuDeviceGraphMemTrim(ordinal) }.result().map_err(driver)
+}
+
+/// The device's graph memory now.
+pub fn graph_memory(device: &Device) -> Result<GraphMemory, GraphError> {
+    use sys::CUgraphMem_attribute as A;
+    let cuda = cuda_of(device)?;
+    let ordinal = cuda.cuda_stream().context().cu_device();
+    let read = |attr: A| -> Result<u64, GraphError> {
+        let mut value = 0u64;
+        // SAFETY: a device of a live context; the attribute is a 64-bit count.
+        unsafe { sys::cuDeviceGetGraphMemAttribute(ordinal, attr, (&mut value as *mut u64).cast()) }
+            .result()
+            .map_err(driver)?;
+        Ok(value)
+    };
+    Ok(GraphMemory {
+        used: read(A::CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT)?,
+        reserved: read(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)?,
+        reserved_high: read(A::CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)?,
+    })
+}
