@@ -26,6 +26,9 @@
 #     against the same on the CPU, every model, f32 and bf16 AMP (zoo-speed --against-cpu);
 #   - which ops of each zoo model's step still run as candle's composition on the GPU (the
 #     per-op counts of WICK_PROFILE_OPS: a composed node reports as `NAME (composed)`);
+#   - training steps captured as CUDA graphs (zoo-speed --cuda-graph --check-graph: replayed steps
+#     against eager ones to the bit, the graph's memory given back), and their time beside the
+#     eager fused step, PyTorch eager and torch.compile(mode="reduce-overhead") (graph_speed.py);
 #   - the zoo's transformers (MiniLM, ViT-S/16, the decoder) at zoo-speed's sizes beside PyTorch,
 #     then, while the time budget lasts, at issue 46's sizes (the 12 x 768 decoder by --set).
 # Nsight Compute's per-kernel profile of ResNet-18 runs only with WICK_GPU_NCU=1 (2-3 minutes).
@@ -209,6 +212,24 @@ if [ -x "$bin/zoo-speed" ]; then
     --models bert,vit,decoder --modes train,eval --rounds 1 --steps 5 --json "$out/gpu-zoo-transformers.json") 2>&1 \
     | tee "$out/gpu-zoo-transformers.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  section "training steps as CUDA graphs (issue 47): replayed vs eager to the bit, graph memory given back"
+  for config in "bert train" "bert amp" "decoder train" "vit amp" "resnet18 train --image 64 --batch 8"; do
+    in_budget || { echo "   $config: skipped, over the time budget" | tee -a "$out/gpu-graph-check.txt"; continue; }
+    set -- $config
+    model=$1 mode=$2
+    shift 2
+    timeout 90 "$bin/zoo-speed" --model "$model" --mode "$mode" "$@" --device cuda --cuda-graph --check-graph \
+      --steps 4 --warmup 2 \
+      2>&1 | tail -3 | tee -a "$out/gpu-graph-check.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+  if in_budget; then
+    (cd scripts/torch-reference && PYTHONUNBUFFERED=1 timeout 150 python3 graph_speed.py --wick "$zoo" \
+      --models bert,decoder --modes train --rounds 1 --steps 10 --warmup 3 --json "$out/gpu-graph-speed.json") 2>&1 \
+      | tee "$out/gpu-graph-speed.txt"
+  else
+    echo "   graph_speed.py: skipped, over the time budget" | tee "$out/gpu-graph-speed.txt"
+  fi
   section "gradient clipping on the GPU: what it adds to a step, beside PyTorch's clip_grad_norm_"
   if in_budget; then
     (cd scripts/torch-reference && PYTHONUNBUFFERED=1 timeout 90 python3 clip_speed.py --wick "$zoo" --device cuda \

@@ -173,13 +173,7 @@ impl DeviceAmp {
     /// is read back ([`DeviceAmp::last_step`] reads what happened); the only transfer is the
     /// hyper-parameters' when one changed since the last step.
     pub fn apply(&mut self, unscaled: Unscaled, clip: Option<f64>) -> Result<(), TrainError> {
-        let mut values = self.optimizer.hyper();
-        values.max_norm = clip.unwrap_or(0.0);
-        let values = values.to_array();
-        if values != self.hyper.1 {
-            self.kernels.stream().memcpy_htod(&values, &mut self.hyper.0).map_err(driver)?;
-            self.hyper.1 = values;
-        }
+        self.write_hyper(clip)?;
         let Unscaled { present, found_inf } = unscaled;
         let refs: Vec<&Tensor> = present.iter().map(|(_, g)| g).collect();
         let partials = match clip {
@@ -214,6 +208,21 @@ impl DeviceAmp {
                 config.backoff_factor as f32,
                 config.growth_interval as i32,
             )?;
+        }
+        Ok(())
+    }
+
+    /// Writes the hyper-parameters of the next step (the learning rate, clipping's bound `clip`)
+    /// to the device when one changed since they were last written. [`DeviceAmp::apply`] does it
+    /// itself; a step replayed from a CUDA graph runs no host code, so its caller does it before
+    /// each replay (`super::graph_step`).
+    pub fn write_hyper(&mut self, clip: Option<f64>) -> Result<(), TrainError> {
+        let mut values = self.optimizer.hyper();
+        values.max_norm = clip.unwrap_or(0.0);
+        let values = values.to_array();
+        if values != self.hyper.1 {
+            self.kernels.stream().memcpy_htod(&values, &mut self.hyper.0).map_err(driver)?;
+            self.hyper.1 = values;
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! Mixed precision: the loss scaler ([`GradScaler`]), fp32 master weights with fp32 optimizer
 //! state ([`MasterWeights`]), and the fused device step (`device_step`: the kernels of the
 //! wick-kernels crate, launched by `cuda`, with the `cuda` feature) that `crate::updater::Updater`
-//! takes on a CUDA device. The autocast switch, the op policy the models
+//! takes on a CUDA device, and the same step captured as a CUDA graph (`graph_step`). The autocast switch, the op policy the models
 //! follow, is the network layer's (`wick_nn::Autocast`). The AMP-vs-f32
 //! trial that checks all of it is a harness, in `tools/` (wick-tools).
 
@@ -10,6 +10,8 @@ pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod device_step;
 mod grad_scaler;
+#[cfg(feature = "cuda")]
+pub mod graph_step;
 mod master;
 
 pub use grad_scaler::{GradScaler, GradScalerConfig, ScalerError, ScalerState, StepOutcome};
