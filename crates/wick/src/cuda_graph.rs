@@ -19,8 +19,10 @@
 //!   the device (`wick_kernels::step_scalars`);
 //! - free everything it makes: its inputs and outputs are tensors made before the capture, which
 //!   it reads and writes in place (the caller copies each new batch into the inputs before a
-//!   replay); an allocation the graph would not free (a tensor kept past the step — state made
-//!   lazily on the first step, say: warm up first) is refused, counted from the graph's nodes;
+//!   replay). An allocation the graph would not free (a tensor kept past the step — state made
+//!   lazily on the first step, say: warm up first) is found from the graph's nodes and is an
+//!   error of its own ([`GraphError::Outlived`]): the tensor points into a graph never run, so
+//!   what keeps it is unusable, and the step cannot simply run eagerly instead;
 //! - run on one stream: the capture turns cudarc's per-buffer events off for its duration
 //!   (cudarc's own graph tests do the same), so no other stream may use the step's tensors then.
 //!
@@ -38,6 +40,11 @@ pub enum GraphError {
     /// The step cannot be captured as it is; nothing of it ran (run it eagerly).
     #[error("the step cannot be captured as a CUDA graph: {0}")]
     Refused(String),
+    /// Tensors the step made outlive it: they point into the memory of a graph that was never
+    /// run (and is now dropped), so whatever keeps them (state made lazily by the step, say) must
+    /// not be used again — rebuild it, warm the step up eagerly first, and capture again.
+    #[error("the step cannot be captured, and what it kept is unusable: {0}")]
+    Outlived(String),
     /// The device has not the memory the graph needs (at instantiation or its first upload).
     #[error("out of memory for the CUDA graph: {0}")]
     OutOfMemory(String),
@@ -118,23 +125,58 @@ struct Capturing {
     open: bool,
 }
 
+/// How a capture ended: an error cudarc recorded while it ran (a free or an event it could not
+/// report then), and the graph or the driver's error.
+struct Ended {
+    recorded: Option<candle_core::cuda_backend::cudarc::driver::DriverError>,
+    graph: Result<Option<CudaGraph>, candle_core::cuda_backend::cudarc::driver::DriverError>,
+}
+
 impl Capturing {
-    fn end(&mut self) -> Result<Option<CudaGraph>, candle_core::cuda_backend::cudarc::driver::DriverError> {
+    fn end(&mut self) -> Ended {
         self.open = false;
-        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        // cudarc keeps an error it could not return (a `Drop`'s) and hands it to the next call
+        // that binds the context — `end_capture` among them, which would then return before
+        // ending the capture. Taken here, it is the capture's.
+        let recorded = self.stream.context().check_err().err();
+        let mut graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        if graph.is_err() && still_capturing(&self.stream) {
+            // The stream must not stay in capture mode whatever happened: end it directly and
+            // drop what it captured.
+            let mut raw: sys::CUgraph = std::ptr::null_mut();
+            // SAFETY: the stream is live and capturing; the graph it returns is ours to destroy.
+            let ended = unsafe { sys::cuStreamEndCapture(self.stream.cu_stream(), &mut raw) }.result();
+            if !raw.is_null() {
+                // SAFETY: the graph just returned, not owned by anything else.
+                let _ = unsafe { sys::cuGraphDestroy(raw) };
+            }
+            if let Err(e) = ended {
+                graph = Err(e);
+            }
+        }
         if self.tracking {
             // SAFETY: restores the setting the capture found; the capture's buffers are freed.
             unsafe { self.stream.context().enable_event_tracking() };
         }
-        graph
+        Ended { recorded, graph }
     }
+}
+
+/// True while `stream` is capturing (asked of the driver directly, past any error cudarc holds).
+fn still_capturing(stream: &CudaStream) -> bool {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: a live stream, and a place for its status.
+    let asked = unsafe { sys::cuStreamIsCapturing(stream.cu_stream(), &mut status) }.result();
+    asked.is_ok() && status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
 }
 
 impl Drop for Capturing {
     fn drop(&mut self) {
         if self.open {
-            // The graph of an abandoned capture is dropped (destroyed) at once.
+            // The graph of an abandoned capture is dropped (destroyed) at once, and any error the
+            // abandoned step left with cudarc is the capture's, not the next call's.
             let _ = self.end();
+            let _ = self.stream.context().check_err();
         }
     }
 }
@@ -151,6 +193,8 @@ pub fn capture(device: &Device, step: impl FnOnce() -> candle_core::Result<()>) 
     stream.synchronize().map_err(driver)?;
     let _cache = cuda.enable_cuda_graph_htod_cache();
     let ctx = stream.context();
+    // An error cudarc holds from before is not the capture's: report it as it is.
+    ctx.check_err().map_err(driver)?;
     let tracking = ctx.is_event_tracking();
     if tracking {
         // SAFETY: everything the step does is on this one stream (the module's rule); the
@@ -163,16 +207,22 @@ pub fn capture(device: &Device, step: impl FnOnce() -> candle_core::Result<()>) 
         .map_err(|e| GraphError::Refused(format!("the stream would not start a capture: {e}")))?;
     capturing.open = true;
     let ran = step();
-    let graph = capturing.end();
-    let graph = match (ran, graph) {
-        (Err(e), _) => return Err(GraphError::Refused(format!("the step failed while capturing ({e})"))),
-        (Ok(()), Err(e)) => return Err(GraphError::Refused(format!("the driver ended the capture: {e}"))),
-        (Ok(()), Ok(None)) => return Err(GraphError::Refused("the step launched nothing".into())),
-        (Ok(()), Ok(Some(graph))) => graph,
+    let Ended { recorded, graph } = capturing.end();
+    // Whatever the step's host code left with cudarc while capturing (its locals' frees) is the
+    // capture's too: taken, so the next eager call does not report it as its own.
+    let left = ctx.check_err().err();
+    let graph = match (ran, recorded.or(left), graph) {
+        (Err(e), _, _) => return Err(GraphError::Refused(format!("the step failed while capturing ({e})"))),
+        (Ok(()), Some(e), _) => {
+            return Err(GraphError::Refused(format!("an operation of the step failed while capturing: {e}")))
+        }
+        (Ok(()), None, Err(e)) => return Err(GraphError::Refused(format!("the driver ended the capture: {e}"))),
+        (Ok(()), None, Ok(None)) => return Err(GraphError::Refused("the step launched nothing".into())),
+        (Ok(()), None, Ok(Some(graph))) => graph,
     };
     let shape = shape_of(&graph)?;
     if shape.allocations > shape.frees {
-        return Err(GraphError::Refused(format!(
+        return Err(GraphError::Outlived(format!(
             "{} of the step's {} allocations outlive it: a captured step keeps nothing it makes (warm it up eagerly \
              so its state exists first, and write its results into tensors made before the capture)",
             shape.allocations - shape.frees,

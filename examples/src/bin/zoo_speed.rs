@@ -311,6 +311,9 @@ fn graph_steps(args: &Args, name: &str, sizes: Sizes, engine: &wick::Engine) -> 
         }
     }
     let memory = cuda_graph::graph_memory(&device)?;
+    graphed.account(engine)?;
+    let report = engine.memory_report();
+    let graph_line = report.holdings.iter().find(|h| h.what == wick_train::amp::graph_step::GRAPH_MEMORY);
     let shape = graphed.graph().map(|g| g.shape());
     let mut line = json!({
         "model": name,
@@ -330,6 +333,7 @@ fn graph_steps(args: &Args, name: &str, sizes: Sizes, engine: &wick::Engine) -> 
         })),
         "graph_memory_reserved": memory.reserved,
         "graph_memory_reserved_high": memory.reserved_high,
+        "report_line": graph_line.map(|h| format!("{}: {} bytes", h.what, h.bytes)),
         "device": engine.name(),
         "peak_allocated": engine.max_memory_allocated(),
     });

@@ -18,6 +18,9 @@ use wick::cuda_graph::{self, GraphError, StepGraph};
 use super::device_step::{DeviceAmp, StepReport};
 use crate::error::TrainError;
 
+/// The memory report's line for the device's graph memory ([`GraphStep::account`]).
+pub const GRAPH_MEMORY: &str = "CUDA graphs (the driver's graph pool)";
+
 /// A training step that runs as a CUDA graph after its warm-up.
 pub struct GraphStep {
     amp: DeviceAmp,
@@ -120,6 +123,16 @@ impl GraphStep {
     /// The fused step it drives.
     pub fn amp(&self) -> &DeviceAmp {
         &self.amp
+    }
+
+    /// Puts the device's graph memory (the driver's graph pool, which holds the captured step's
+    /// tensors outside wick's pool) in `engine`'s memory report as a line of its own, with the
+    /// fused step's masters and state ([`DeviceAmp::account`]).
+    pub fn account(&self, engine: &wick::Engine) -> Result<(), TrainError> {
+        self.amp.account(engine);
+        let memory = cuda_graph::graph_memory(&self.device).map_err(graph_error)?;
+        engine.account(GRAPH_MEMORY, usize::try_from(memory.reserved).unwrap_or(usize::MAX));
+        Ok(())
     }
 }
 
