@@ -4,12 +4,13 @@
 //! optimizer state hold) and an HTML memory report written to a path it prints.
 //!
 //! `cargo run -p wick-examples --bin train-amp` (add `-- --help` for the options; with
-//! `--features cuda`, `--device cuda` trains on GPU 0).
+//! `--features cuda`, `--device cuda` trains on GPU 0, and `--cuda-graph` runs each step after the
+//! first as a CUDA graph).
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use wick_examples::{DECODER, VOCAB};
@@ -47,6 +48,10 @@ struct Args {
     /// its coefficient folded into the update; the last step's norm is printed.
     #[arg(long)]
     clip_grad_norm: Option<f64>,
+    /// Run each step as a CUDA graph after the first (`--device cuda`): forward, backward and the
+    /// fused update captured once and replayed, each new batch copied into the graph's input.
+    #[arg(long)]
+    cuda_graph: bool,
 }
 
 /// A synthetic language: each token is followed by one of four successors (a fixed, seeded
@@ -114,6 +119,9 @@ fn run() -> Result<()> {
         vars.iter().map(|v| v.as_tensor().clone()).collect()
     };
     let optimizer = Optimizer::AdamW(AdamW { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01 });
+    if args.cuda_graph {
+        return graphed(&args, &engine, (&model, &vars, masters), optimizer, autocast);
+    }
     let mut updater = Updater::new(&engine, &vars, &masters, optimizer, autocast)?;
     updater.clip_grad_norm(args.clip_grad_norm)?;
     if engine.device().is_cuda() {
@@ -195,6 +203,88 @@ fn run() -> Result<()> {
     wick::files::write_atomic(&path, engine.memory_report().to_html().as_bytes())
         .with_context(|| format!("writing {}", path.display()))?;
     println!("HTML memory report: {}", path.display());
+    Ok(())
+}
+
+/// `--cuda-graph` without CUDA.
+#[cfg(not(feature = "cuda"))]
+fn graphed(_: &Args, _: &wick::Engine, _: (&Llama, &[Var], Vec<Tensor>), _: Optimizer, _: Autocast) -> Result<()> {
+    bail!("--cuda-graph needs a build with --features cuda and --device cuda")
+}
+
+/// `--cuda-graph`: the same training through the fused device step (`GraphStep`), the first step
+/// eager, the second captured, every later one replayed; each batch is copied into the input the
+/// graph reads. Prints how the graph came out (or why it was refused), the host's time to issue a
+/// step before and after, and the memory summary with the graph's memory as its own line.
+#[cfg(feature = "cuda")]
+fn graphed(
+    args: &Args,
+    engine: &wick::Engine,
+    (model, vars, masters): (&Llama, &[Var], Vec<Tensor>),
+    optimizer: Optimizer,
+    autocast: Autocast,
+) -> Result<()> {
+    use wick_train::amp::device_step::DeviceAmp;
+    use wick_train::amp::graph_step::GraphStep;
+    use wick_train::amp::GradScalerConfig;
+    let device = engine.device().clone();
+    let scaler = autocast.needs_loss_scaling().then(GradScalerConfig::default);
+    let amp = DeviceAmp::new(&device, vars, Some(&masters), optimizer, scaler)?;
+    drop(masters);
+    let mut step = GraphStep::new(amp, &device, args.clip_grad_norm, 1)?;
+    let mut language = Language::new()?;
+    // The input the graph reads: each batch is copied into it before the step.
+    let input = language.batch(args.batch, args.seq, &device)?;
+    let forward = || model.loss(&input).map_err(candle_core::Error::wrap);
+    println!("Training with each step as a CUDA graph after the first, on {}.", engine.name());
+    let (mut first_loss, mut last_loss, mut skipped, mut applied) = (None, 0.0f32, 0, 0);
+    let mut host = [Vec::new(), Vec::new()];
+    while applied < args.steps {
+        let ids = language.batch(args.batch, args.seq, &device)?;
+        input.slice_set(&ids, 0, 0)?;
+        let start = std::time::Instant::now();
+        step.step(&forward)?;
+        host[usize::from(step.graph().is_some())].push(start.elapsed().as_secs_f64() * 1e3);
+        let value = step.last_loss()?;
+        let report = step.last_step()?;
+        if report.bad_norm {
+            bail!("the gradients' total norm is {:?}: the update was not applied", report.norm);
+        }
+        if report.skipped {
+            skipped += 1;
+            if skipped > 100 {
+                bail!("the loss scaler skipped 100 steps: the gradients are not finite at any scale");
+            }
+            continue;
+        }
+        applied += 1;
+        first_loss.get_or_insert(value);
+        last_loss = value;
+    }
+    println!(
+        "loss {:.3} → {last_loss:.3} (the best possible is ln 4 = {:.3}); {skipped} step(s) skipped by the loss scaler.",
+        first_loss.unwrap_or(last_loss),
+        4f32.ln()
+    );
+    match (step.graph(), step.refused()) {
+        (Some(graph), _) => {
+            let s = graph.shape();
+            println!(
+                "CUDA graph: {} nodes ({} kernels, {} copies, {} allocations and their frees, {} asked).",
+                s.nodes,
+                s.kernels,
+                s.copies,
+                s.allocations,
+                mib(s.allocated_bytes)
+            );
+        }
+        (None, Some(why)) => println!("Ran eagerly: {why}"),
+        (None, None) => println!("Ran eagerly (no step after the first)."),
+    }
+    let mean = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
+    println!("Host time to issue a step: eager {:.2} ms, replayed {:.2} ms.", mean(&host[0]), mean(&host[1]));
+    step.account(engine)?;
+    println!("{}", engine.memory_summary());
     Ok(())
 }
 
