@@ -112,7 +112,11 @@ impl Buffer {
     }
 
     /// Replaces the value by `t`, which must have the same shape and dtype (a buffer keeps its
-    /// form; a loaded value of another form is an error and changes nothing).
+    /// form; a loaded value of another form is an error and changes nothing). On a CUDA device
+    /// the values are copied into the buffer's own memory (a value read before with
+    /// [`Buffer::get`] shares it and sees the new values): a training step captured as a CUDA
+    /// graph replays on fixed addresses, so the running statistics must move where the next
+    /// replay reads them, and a capture cannot free memory made before it (`wick::cuda_graph`).
     pub fn set(&self, t: &Tensor) -> Result<()> {
         let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if slot.dims() != t.dims() || slot.dtype() != t.dtype() {
@@ -124,7 +128,15 @@ impl Buffer {
                 t.dtype()
             )));
         }
-        *slot = t.to_device(slot.device())?;
+        let value = t.to_device(slot.device())?;
+        if slot.device().is_cuda() && slot.is_contiguous() {
+            // Refused before anything is copied where the two share their storage (the buffer
+            // set to its own value): then the value itself is kept, as on the host.
+            if slot.flatten_all()?.slice_set(&value.flatten_all()?.contiguous()?, 0, 0).is_ok() {
+                return Ok(());
+            }
+        }
+        *slot = value;
         Ok(())
     }
 }

@@ -23,6 +23,11 @@
 //!   lazily on the first step, say: warm up first) is found from the graph's nodes and is an
 //!   error of its own ([`GraphError::Outlived`]): the tensor points into a graph never run, so
 //!   what keeps it is unusable, and the step cannot simply run eagerly instead;
+//! - update what outlives it in place (a model's buffers do on a CUDA device:
+//!   `wick_nn::params::Buffer::set`; the fused update writes parameters, masters and state in
+//!   place): a capture cannot free memory made before it, and a tensor put in place of another
+//!   during a capture that then fails points into a graph never run — the step's host code must
+//!   not do that, as no check can see it;
 //! - run on one stream: the capture turns cudarc's per-buffer events off for its duration
 //!   (cudarc's own graph tests do the same), so no other stream may use the step's tensors then.
 //!
