@@ -1,6 +1,6 @@
-//! The launch figures of wick's CUDA kernels that the host must know: how many tensors a
-//! multi-tensor launch's table holds ([`table_capacity`], `src/cuda/table.cuh`), and, below,
-//! attention's.
+//! The launch figures of wick's CUDA kernels that the host must know: a multi-tensor launch's
+//! table of tensors passed by value ([`Table`], [`tables`], [`table_capacity`]: `src/cuda/table.cuh`),
+//! and, below, attention's.
 //!
 //! The launch figures of attention's CUDA kernels (`src/cuda/nn_attention.cu`, on CUDA cores, and
 //! `nn_attention_tc.cu`, on tensor cores): the rows a block takes and each kernel's dynamic shared
@@ -20,6 +20,50 @@ pub const TABLE_BUDGET: usize = 3840;
 /// launches.
 pub const fn table_capacity(k: usize) -> usize {
     TABLE_BUDGET / (8 * (k + 1))
+}
+
+/// The one-address tables' capacity (unscale, clipping's squares).
+pub const N1: usize = table_capacity(1);
+/// SGD's: four addresses a tensor.
+pub const N4: usize = table_capacity(4);
+/// AdamW's: five addresses a tensor.
+pub const N5: usize = table_capacity(5);
+
+/// A multi-tensor launch's tensors as the kernel's parameter takes them by value (`table.cuh`'s
+/// `WickTable<K>`, P = K·N): `count` tensors' K device addresses each, then their lengths.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Table<const P: usize, const N: usize> {
+    /// Tensor t's addresses at `ptrs[t·K..(t + 1)·K]`.
+    pub ptrs: [u64; P],
+    /// Tensor t's length.
+    pub lens: [i64; N],
+    /// The tensors in this table.
+    pub count: i32,
+}
+
+/// The tables of `tensors` (each one's K = P / N addresses and its length), in order, N a table
+/// (the last one holds the rest): one launch each. A tensor with another number of addresses is
+/// an error.
+pub fn tables<const P: usize, const N: usize>(tensors: &[(Vec<u64>, i64)]) -> Result<Vec<Table<P, N>>, String> {
+    let k = P / N;
+    if N == 0 || k * N != P {
+        return Err(format!("a table of {P} addresses for {N} tensors"));
+    }
+    tensors
+        .chunks(N)
+        .map(|chunk| {
+            let mut t = Table { ptrs: [0; P], lens: [0; N], count: chunk.len() as i32 };
+            for (i, (ptrs, len)) in chunk.iter().enumerate() {
+                if ptrs.len() != k {
+                    return Err(format!("a table of {k} addresses a tensor was given {}", ptrs.len()));
+                }
+                t.ptrs[i * k..(i + 1) * k].copy_from_slice(ptrs);
+                t.lens[i] = *len;
+            }
+            Ok(t)
+        })
+        .collect()
 }
 
 /// The three launches of attention's passes.
@@ -105,6 +149,26 @@ mod tests {
         assert_eq!(budget, TABLE_BUDGET);
         assert!(header.contains("#define WICK_TABLE_CAPACITY(K) (WICK_TABLE_BUDGET / (8 * ((K) + 1)))"));
         assert_eq!((table_capacity(1), table_capacity(4), table_capacity(5)), (240, 96, 80));
+    }
+
+    /// 82 tensors of five addresses make a full table of 80 and one of 2, every address and
+    /// length where the kernel reads it; a tensor with four addresses is refused; none, no table.
+    #[test]
+    fn tables_hold_each_tensor_where_the_kernel_reads_it() {
+        let tensors: Vec<(Vec<u64>, i64)> =
+            (0..82u64).map(|t| ((0..5).map(|j| 1000 * t + j).collect(), 7 + t as i64)).collect();
+        let list: Vec<Table<{ 5 * N5 }, N5>> = tables(&tensors).unwrap();
+        assert_eq!(list.iter().map(|t| t.count).collect::<Vec<_>>(), vec![80, 2]);
+        for (t, (ptrs, len)) in tensors.iter().enumerate() {
+            let (table, i) = (&list[t / N5], t % N5);
+            assert_eq!(&table.ptrs[5 * i..5 * i + 5], &ptrs[..], "tensor {t}");
+            assert_eq!(table.lens[i], *len, "tensor {t}");
+        }
+        assert!(list[1].ptrs[10..].iter().all(|&p| p == 0) && list[1].lens[2..].iter().all(|&n| n == 0));
+        let bad = vec![(vec![1, 2, 3, 4], 3i64)];
+        assert!(tables::<{ 5 * N5 }, N5>(&bad).unwrap_err().contains("given 4"));
+        assert!(tables::<N1, N1>(&[]).unwrap().is_empty());
+        assert_eq!(std::mem::size_of::<Table<{ 5 * N5 }, N5>>(), 8 * 6 * N5 + 8);
     }
 
     /// The table `emu/check_attention.cpp` holds its own figures to (`shared_table`): the same

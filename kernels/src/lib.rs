@@ -23,8 +23,9 @@
 //!   `native::cuda`. `emu/` (not part of the crate) runs wick-nn's kernels on a host emulator of
 //!   CUDA's threads against direct f64 references (`scripts/cuda-ci.sh`), so their indexing and
 //!   arithmetic are tested without a GPU;
-//! - [`launch`]: the launch figures of attention's kernels (rows a block, shared memory), which
-//!   wick-nn's launcher uses and the emulator's check holds to the same table;
+//! - [`launch`]: the launch figures the host needs — a multi-tensor launch's table of tensors
+//!   passed by value, and attention's rows a block and shared memory, which wick-nn's launcher
+//!   uses and the emulator's check holds to the same table;
 //! - [`step_scalars`]: the block of scalars a multi-tensor optimizer step reads on the device
 //!   (its layout, and the host's computation of what the device's `wick_step_scalars` writes).
 //!

@@ -20,7 +20,7 @@ use candle_core::{DType, Device, Storage, Tensor};
 use crate::error::TrainError;
 use crate::optim::Optimizer;
 use wick_kernels::cpu::optim::AdamWStep;
-use wick_kernels::launch::table_capacity;
+use wick_kernels::launch::{Table, N1, N4, N5};
 
 fn err(message: impl Into<String>) -> TrainError {
     TrainError::Invalid { what: "amp cuda kernels".into(), message: message.into() }
@@ -48,31 +48,23 @@ pub struct AmpKernels {
     step_scalars: CudaFunction,
 }
 
-/// A multi-tensor launch's tensors in the kernel's parameters, passed by value
-/// (`kernels/src/cuda/table.cuh`'s `WickTable<K>` with P = K·N): `count` tensors' K addresses
-/// each, then their lengths. No list is uploaded before a launch, so a step makes no transfer for
-/// its lists and a launch captured in a CUDA graph replays as it was made.
-#[repr(C)]
+/// A multi-tensor launch's table (`wick_kernels::launch::Table`, C's `WickTable<K>`) as a kernel
+/// argument passed by value.
+#[repr(transparent)]
 #[derive(Clone, Copy)]
-struct Table<const P: usize, const N: usize> {
-    ptrs: [u64; P],
-    lens: [i64; N],
-    count: i32,
-}
+struct Arg<T>(T);
 
-// SAFETY: plain data in C's layout — `WickTable<K>`'s two arrays of 8-byte integers and an int
-// (padded to 8 bytes on both sides) — with no pointers the host follows.
-unsafe impl<const P: usize, const N: usize> DeviceRepr for Table<P, N> {}
+// SAFETY: `Table` is plain data in C's layout — `WickTable<K>`'s two arrays of 8-byte integers
+// and an int, padded to 8 bytes on both sides (sizes asserted below and in table.cuh) — with no
+// pointers the host follows; `Arg` is transparent over it.
+unsafe impl<const P: usize, const N: usize> DeviceRepr for Arg<Table<P, N>> {}
 
-const N1: usize = table_capacity(1);
-const N4: usize = table_capacity(4);
-const N5: usize = table_capacity(5);
 /// One address a tensor (unscale, squares).
-type Table1 = Table<N1, N1>;
+type Table1 = Arg<Table<N1, N1>>;
 /// SGD's four.
-type Table4 = Table<{ 4 * N4 }, N4>;
+type Table4 = Arg<Table<{ 4 * N4 }, N4>>;
 /// AdamW's five.
-type Table5 = Table<{ 5 * N5 }, N5>;
+type Table5 = Arg<Table<{ 5 * N5 }, N5>>;
 
 // The tables' sizes are C's (`table.cuh` asserts the same): K + 1 eight-byte values a tensor, and
 // the count padded to eight bytes — within the budget.
@@ -83,24 +75,9 @@ const _: () = {
     assert!(std::mem::size_of::<Table5>() <= wick_kernels::launch::TABLE_BUDGET + 8);
 };
 
-/// The tables of `tensors` (each one's addresses, `P / N` of them, and its length), in order, `N`
-/// a table.
-fn tables<const P: usize, const N: usize>(tensors: &[(Vec<u64>, i64)]) -> Result<Vec<Table<P, N>>, TrainError> {
-    let k = P / N;
-    tensors
-        .chunks(N)
-        .map(|chunk| {
-            let mut t = Table { ptrs: [0; P], lens: [0; N], count: chunk.len() as i32 };
-            for (i, (ptrs, len)) in chunk.iter().enumerate() {
-                if ptrs.len() != k {
-                    return Err(err(format!("a table of {k} addresses a tensor was given {}", ptrs.len())));
-                }
-                t.ptrs[i * k..(i + 1) * k].copy_from_slice(ptrs);
-                t.lens[i] = *len;
-            }
-            Ok(t)
-        })
-        .collect()
+/// [`wick_kernels::launch::tables`] as kernel arguments.
+fn tables<const P: usize, const N: usize>(tensors: &[(Vec<u64>, i64)]) -> Result<Vec<Arg<Table<P, N>>>, TrainError> {
+    Ok(wick_kernels::launch::tables(tensors).map_err(err)?.into_iter().map(Arg).collect())
 }
 
 /// One dtype's tensors for [`AmpKernels::unscale_`] and [`AmpKernels::squares_partials`]: their
@@ -113,12 +90,12 @@ struct TensorList {
 impl TensorList {
     /// The launch shape of table `t`.
     fn config(&self, t: &Table1) -> LaunchConfig {
-        LaunchConfig { grid_dim: (self.grid_x, t.count as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+        LaunchConfig { grid_dim: (self.grid_x, t.0.count as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
     }
 
     /// The tensors it holds.
     fn count(&self) -> usize {
-        self.tables.iter().map(|t| t.count as usize).sum()
+        self.tables.iter().map(|t| t.0.count as usize).sum()
     }
 }
 
@@ -393,7 +370,7 @@ impl AmpKernels {
                     // `at` is this table's part of this dtype's section of the partials buffer
                     // (alive until it is returned), grid_x doubles a tensor.
                     unsafe { launch.launch(l.config(table)) }.map_err(|e| err(e.to_string()))?;
-                    at += table.count as u64 * l.grid_x as u64 * 8;
+                    at += table.0.count as u64 * l.grid_x as u64 * 8;
                 }
             }
             start = end as u64;
@@ -647,14 +624,17 @@ impl AmpKernels {
     fn launch_step<const P: usize, const N: usize>(
         &self,
         func: &CudaFunction,
-        list: &[Table<P, N>],
+        list: &[Arg<Table<P, N>>],
         grid_x: u32,
         block: &CudaSlice<f32>,
         skip: u64,
     ) -> Result<(), TrainError> {
         for table in list {
-            let config =
-                LaunchConfig { grid_dim: (grid_x, table.count as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let config = LaunchConfig {
+                grid_dim: (grid_x, table.0.count as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
             let mut launch = self.stream.launch_builder(func);
             launch.arg(table).arg(block).arg(&skip);
             // SAFETY: the kernel's arguments in order: a `WickTable<P / N>` by value (the caller
