@@ -92,6 +92,45 @@ impl Language {
     }
 }
 
+/// The run's losses and steps: the first and last applied step's loss, the steps applied and
+/// those the loss scaler skipped.
+#[derive(Default)]
+struct Progress {
+    first: Option<f32>,
+    last: f32,
+    applied: usize,
+    skipped: usize,
+}
+
+impl Progress {
+    /// Counts a step with loss `value`, skipped by the scaler or applied; true when applied. A
+    /// hundred skips mean no scale makes the gradients finite: an error.
+    fn record(&mut self, value: f32, skipped: bool) -> Result<bool> {
+        if skipped {
+            self.skipped += 1;
+            if self.skipped > 100 {
+                bail!("the loss scaler skipped 100 steps: the gradients are not finite at any scale");
+            }
+            return Ok(false);
+        }
+        self.applied += 1;
+        self.first.get_or_insert(value);
+        self.last = value;
+        Ok(true)
+    }
+
+    /// The line the run ends with.
+    fn summary(&self) -> String {
+        format!(
+            "loss {:.3} → {:.3} (the best possible is ln 4 = {:.3}); {} step(s) skipped by the loss scaler.",
+            self.first.unwrap_or(self.last),
+            self.last,
+            4f32.ln(),
+            self.skipped
+        )
+    }
+}
+
 fn mib(bytes: usize) -> String {
     format!("{:.2} MiB", bytes as f64 / 1048576.0)
 }
@@ -147,8 +186,9 @@ fn run() -> Result<()> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
             .context("progress bar template")?,
     );
-    let (mut first_loss, mut last_loss, mut kept, mut skipped, mut applied) = (None, 0.0f32, 0, 0, 0);
-    while applied < args.steps {
+    let (mut progress, mut kept) = (Progress::default(), 0);
+    while progress.applied < args.steps {
+        let applied = progress.applied;
         let ids = language.batch(args.batch, args.seq, &device)?;
         let loss = model.loss(&ids)?;
         if kept == 0 {
@@ -158,16 +198,9 @@ fn run() -> Result<()> {
         engine.mark(&format!("step {applied}: forward"));
         let outcome = updater.step(&loss, &vars, || engine.mark(&format!("step {applied}: backward")))?;
         drop(loss);
-        if outcome == StepOutcome::Skipped {
-            skipped += 1;
-            if skipped > 100 {
-                bail!("the loss scaler skipped 100 steps: the gradients are not finite at any scale");
-            }
+        if !progress.record(value, outcome == StepOutcome::Skipped)? {
             continue;
         }
-        applied += 1;
-        first_loss.get_or_insert(value);
-        last_loss = value;
         let scale = updater.scale()?.map(|s| format!(" scale {s}")).unwrap_or_default();
         let norm = updater.last_grad_norm().map(|n| format!(" grad norm {n:.3}")).unwrap_or_default();
         bar.set_message(format!("loss {value:.3}{scale}{norm}"));
@@ -176,11 +209,7 @@ fn run() -> Result<()> {
     bar.finish();
     engine.mark("done");
 
-    println!(
-        "\nloss {:.3} → {last_loss:.3} (the best possible is ln 4 = {:.3}); {skipped} step(s) skipped by the loss scaler.",
-        first_loss.unwrap_or(last_loss),
-        4f32.ln()
-    );
+    println!("\n{}", progress.summary());
     if let (Some(norm), Some(bound)) = (updater.last_grad_norm(), args.clip_grad_norm) {
         println!("The last step's gradient norm before clipping: {norm:.4} (bound {bound}).");
     }
@@ -237,9 +266,9 @@ fn graphed(
     let input = language.batch(args.batch, args.seq, &device)?;
     let forward = || model.loss(&input).map_err(candle_core::Error::wrap);
     println!("Training with each step as a CUDA graph after the first, on {}.", engine.name());
-    let (mut first_loss, mut last_loss, mut skipped, mut applied) = (None, 0.0f32, 0, 0);
+    let mut progress = Progress::default();
     let mut host = [Vec::new(), Vec::new()];
-    while applied < args.steps {
+    while progress.applied < args.steps {
         let ids = language.batch(args.batch, args.seq, &device)?;
         input.slice_set(&ids, 0, 0)?;
         let start = std::time::Instant::now();
@@ -250,22 +279,9 @@ fn graphed(
         if report.bad_norm {
             bail!("the gradients' total norm is {:?}: the update was not applied", report.norm);
         }
-        if report.skipped {
-            skipped += 1;
-            if skipped > 100 {
-                bail!("the loss scaler skipped 100 steps: the gradients are not finite at any scale");
-            }
-            continue;
-        }
-        applied += 1;
-        first_loss.get_or_insert(value);
-        last_loss = value;
+        progress.record(value, report.skipped)?;
     }
-    println!(
-        "loss {:.3} → {last_loss:.3} (the best possible is ln 4 = {:.3}); {skipped} step(s) skipped by the loss scaler.",
-        first_loss.unwrap_or(last_loss),
-        4f32.ln()
-    );
+    println!("{}", progress.summary());
     match (step.graph(), step.refused()) {
         (Some(graph), _) => {
             let s = graph.shape();
