@@ -262,17 +262,15 @@ fn graphed(
     drop(masters);
     let mut step = GraphStep::new(amp, &device, args.clip_grad_norm, 1)?;
     let mut language = Language::new()?;
-    // The input the graph reads: each batch is copied into it before the step.
-    let input = language.batch(args.batch, args.seq, &device)?;
-    let forward = || model.loss(&input).map_err(candle_core::Error::wrap);
+    // Each batch is copied into the step's own input, which the graph reads.
+    let forward = |inputs: &[Tensor]| model.loss(&inputs[0]).map_err(candle_core::Error::wrap);
     println!("Training with each step as a CUDA graph after the first, on {}.", engine.name());
     let mut progress = Progress::default();
     let mut host = [Vec::new(), Vec::new()];
     while progress.applied < args.steps {
         let ids = language.batch(args.batch, args.seq, &device)?;
-        input.slice_set(&ids, 0, 0)?;
         let start = std::time::Instant::now();
-        step.step(&forward)?;
+        step.step(&[ids], &forward)?;
         host[usize::from(step.graph().is_some())].push(start.elapsed().as_secs_f64() * 1e3);
         let value = step.last_loss()?;
         let report = step.last_step()?;

@@ -294,12 +294,13 @@ fn graph_steps(args: &Args, name: &str, sizes: Sizes, engine: &wick::Engine) -> 
     let (bench, amp) = make()?;
     let capture_after = if args.graph_eager { usize::MAX } else { args.warmup };
     let mut graphed = GraphStep::new(amp, &device, args.clip_grad_norm, capture_after)?;
-    let forward = || bench.model.loss(&bench.batch).map_err(candle_core::Error::wrap);
+    // The benchmark's batch is the same every step: the step reads it where it is.
+    let forward = |_: &[Tensor]| bench.model.loss(&bench.batch).map_err(candle_core::Error::wrap);
     let (mut times, mut host, mut losses) = (Vec::new(), Vec::new(), Vec::new());
     engine.reset_peak_memory_stats();
     for step in 0..args.warmup + args.steps {
         let start = Instant::now();
-        graphed.step(&forward)?;
+        graphed.step(&[], &forward)?;
         let issued = start.elapsed();
         device.synchronize()?;
         if step >= args.warmup {

@@ -3,14 +3,17 @@
 //! captured once as one graph (`wick::cuda_graph`) and replayed at every later step — the host
 //! launches one graph instead of every kernel of the step.
 //!
-//! The first `warmup` steps run eagerly with candle's upload cache on (they make the optimizer's
-//! state, choose cuDNN's algorithms and fill the cache the capture needs); the next is captured
-//! and replayed at once (a capture runs nothing), and every later step replays it. A capture the
-//! driver or the step refuses is reported ([`GraphStep::refused`]) and every step then runs
-//! eagerly — the same step, never a wrong one. The loss is written into a tensor made before the
-//! capture ([`GraphStep::last_loss`]); the forward must read its inputs from tensors made before
-//! the capture too (copy each new batch into them before the step: a replay reads them where they
-//! are). A step of another shape needs another graph: [`GraphStep::new`] once per shape.
+//! A step is given its batch ([`GraphStep::step`]). The first batch of a shape is copied into
+//! inputs the step keeps for that shape, and every later batch of the shape into the same
+//! inputs, which is where a replay reads them. The first `warmup` steps of a shape run eagerly
+//! with candle's upload cache on (they make the optimizer's state, choose cuDNN's algorithms and
+//! fill the cache the capture needs); the next is captured and replayed at once (a capture runs
+//! nothing), and every later step of that shape replays it. Refused, not wrong: a capture the
+//! driver or the step refuses is reported ([`GraphStep::refused`]) and that shape's steps run
+//! eagerly; a batch of another shape (a smaller last batch, another sequence length) runs eagerly
+//! with the reason ([`GraphStep::eager_reason`]), or gets a graph of its own with
+//! [`GraphStep::recapture_per_shape`]. The loss is written into a tensor made before any capture
+//! ([`GraphStep::last_loss`]).
 
 use candle_core::{DType, Device, Tensor};
 use wick::cuda_graph::{self, GraphError, StepGraph};
@@ -21,6 +24,22 @@ use crate::error::TrainError;
 /// The memory report's line for the device's graph memory ([`GraphStep::account`]).
 pub const GRAPH_MEMORY: &str = "CUDA graphs (the driver's graph pool)";
 
+/// The forward pass of a step: the loss from the batch's tensors (the step's own inputs).
+pub type Forward<'a> = &'a dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>;
+
+/// A batch's shape: each tensor's dimensions and dtype.
+type Key = Vec<(Vec<usize>, DType)>;
+
+/// One shape's inputs (each batch of the shape copied into them), its eager steps so far, and
+/// its graph once captured (or why the capture was refused).
+struct Shaped {
+    key: Key,
+    inputs: Vec<Tensor>,
+    eager: usize,
+    graph: Option<StepGraph>,
+    refused: Option<String>,
+}
+
 /// A training step that runs as a CUDA graph after its warm-up.
 pub struct GraphStep {
     amp: DeviceAmp,
@@ -28,19 +47,26 @@ pub struct GraphStep {
     clip: Option<f64>,
     /// The last step's loss (one f32), written by the step itself.
     loss: Tensor,
-    graph: Option<StepGraph>,
+    shapes: Vec<Shaped>,
+    recapture: bool,
     warmup: usize,
-    taken: usize,
-    refused: Option<String>,
+    /// Why the last step ran eagerly after its warm-up.
+    eager_reason: Option<String>,
 }
 
 fn graph_error(e: GraphError) -> TrainError {
     TrainError::Invalid { what: "CUDA graph step".into(), message: e.to_string() }
 }
 
+/// Copies `src` into `dst` (same shape and dtype; the step's input) in place.
+fn copy_into(dst: &Tensor, src: &Tensor) -> candle_core::Result<()> {
+    let src = src.to_device(dst.device())?.contiguous()?;
+    dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0)
+}
+
 impl GraphStep {
     /// A step updating `amp`'s parameters on `device` (a CUDA device), clipped to `clip` when
-    /// given, captured after `warmup` eager steps (at least one).
+    /// given, captured after `warmup` eager steps of a shape (at least one).
     pub fn new(amp: DeviceAmp, device: &Device, clip: Option<f64>, warmup: usize) -> Result<Self, TrainError> {
         if !device.is_cuda() {
             return Err(TrainError::Invalid {
@@ -57,41 +83,77 @@ impl GraphStep {
             device: device.clone(),
             clip,
             loss,
-            graph: None,
+            shapes: Vec::new(),
+            recapture: false,
             warmup: warmup.max(1),
-            taken: 0,
-            refused: None,
+            eager_reason: None,
         })
     }
 
-    /// One step: forward (`forward` returns the loss, reading tensors made before the capture),
-    /// backward and the update — eagerly during the warm-up or after a refusal, captured at the
-    /// first step after the warm-up, replayed after that. Nothing is read back
-    /// ([`GraphStep::last_loss`], [`GraphStep::last_step`] read what happened).
-    pub fn step(&mut self, forward: &dyn Fn() -> candle_core::Result<Tensor>) -> Result<(), TrainError> {
-        self.taken += 1;
+    /// With `true`, a batch of a shape not seen before gets inputs and a graph of its own (after
+    /// its own warm-up); each graph keeps its memory while the step lives. Without (the default),
+    /// only the first shape is captured and other shapes run eagerly.
+    pub fn recapture_per_shape(mut self, yes: bool) -> Self {
+        self.recapture = yes;
+        self
+    }
+
+    /// One step on `batch` (tensors on the step's device; `forward` returns the loss from the
+    /// tensors it is given, which are the step's own inputs of the batch's shape): backward and
+    /// the update after it — eagerly during the shape's warm-up, after a refusal or for a shape
+    /// without a graph; captured at the first step after the warm-up; replayed after that.
+    /// Nothing is read back ([`GraphStep::last_loss`], [`GraphStep::last_step`] read what
+    /// happened).
+    pub fn step(&mut self, batch: &[Tensor], forward: Forward<'_>) -> Result<(), TrainError> {
         // Host code does not run in a replay: the learning rate of this step goes to the device
         // now (a copy only when it changed), before the graph reads it there.
         self.amp.write_hyper(self.clip)?;
-        if let Some(graph) = &self.graph {
+        let key: Key = batch.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect();
+        let index = match self.shapes.iter().position(|s| s.key == key) {
+            Some(i) => i,
+            None if self.shapes.is_empty() || self.recapture => {
+                let inputs = batch.iter().map(|t| t.to_device(&self.device)?.copy()).collect::<Result<Vec<_>, _>>()?;
+                self.shapes.push(Shaped { key, inputs, eager: 0, graph: None, refused: None });
+                self.shapes.len() - 1
+            }
+            None => {
+                self.eager_reason = Some(format!(
+                    "the batch's shapes {:?} are not the captured step's {:?} (recapture_per_shape gives each shape a \
+                     graph)",
+                    key, self.shapes[0].key
+                ));
+                let (amp, loss, clip) = (&mut self.amp, &self.loss, self.clip);
+                let run = || one_step(amp, loss, clip, &|| forward(batch));
+                return cuda_graph::warm_up(&self.device, run).map_err(graph_error)?;
+            }
+        };
+        let Self { amp, device, clip, loss, shapes, warmup, eager_reason, .. } = self;
+        let shaped = &mut shapes[index];
+        for (dst, src) in shaped.inputs.iter().zip(batch) {
+            copy_into(dst, src)?;
+        }
+        if let Some(graph) = &shaped.graph {
+            *eager_reason = None;
             return graph.replay().map_err(graph_error);
         }
-        if self.taken > self.warmup && self.refused.is_none() {
-            let (amp, loss, clip) = (&mut self.amp, &self.loss, self.clip);
-            match cuda_graph::capture(&self.device, || {
-                one_step(amp, loss, clip, forward).map_err(candle_core::Error::wrap)
+        let inputs = &shaped.inputs;
+        if shaped.eager >= *warmup && shaped.refused.is_none() {
+            match cuda_graph::capture(device, || {
+                one_step(amp, loss, *clip, &|| forward(inputs)).map_err(candle_core::Error::wrap)
             }) {
                 Ok(graph) => {
                     graph.replay().map_err(graph_error)?;
-                    self.graph = Some(graph);
+                    shaped.graph = Some(graph);
+                    *eager_reason = None;
                     return Ok(());
                 }
-                Err(GraphError::Refused(why)) => self.refused = Some(why),
+                Err(GraphError::Refused(why)) => shaped.refused = Some(why),
                 Err(e) => return Err(graph_error(e)),
             }
         }
-        let (amp, loss, clip) = (&mut self.amp, &self.loss, self.clip);
-        cuda_graph::warm_up(&self.device, || one_step(amp, loss, clip, forward)).map_err(graph_error)?
+        shaped.eager += 1;
+        *eager_reason = shaped.refused.clone();
+        cuda_graph::warm_up(device, || one_step(amp, loss, *clip, &|| forward(inputs))).map_err(graph_error)?
     }
 
     /// Sets the learning rate of the next steps (a schedule's step; replays read it from the
@@ -110,14 +172,25 @@ impl GraphStep {
         self.amp.last_step()
     }
 
-    /// The captured graph, once there is one.
+    /// The first shape's graph, once there is one.
     pub fn graph(&self) -> Option<&StepGraph> {
-        self.graph.as_ref()
+        self.shapes.first().and_then(|s| s.graph.as_ref())
     }
 
-    /// Why the step runs eagerly, when its capture was refused.
+    /// Every graph captured (one a shape).
+    pub fn graphs(&self) -> impl Iterator<Item = &StepGraph> {
+        self.shapes.iter().filter_map(|s| s.graph.as_ref())
+    }
+
+    /// Why the first shape's capture was refused, when it was.
     pub fn refused(&self) -> Option<&str> {
-        self.refused.as_deref()
+        self.shapes.first().and_then(|s| s.refused.as_deref())
+    }
+
+    /// Why the last step ran eagerly after its shape's warm-up (a refused capture, or a shape
+    /// without a graph); `None` after a replay or a warm-up step.
+    pub fn eager_reason(&self) -> Option<&str> {
+        self.eager_reason.as_deref()
     }
 
     /// The fused step it drives.
@@ -125,7 +198,7 @@ impl GraphStep {
         &self.amp
     }
 
-    /// Puts the device's graph memory (the driver's graph pool, which holds the captured step's
+    /// Puts the device's graph memory (the driver's graph pool, which holds the captured steps'
     /// tensors outside wick's pool) in `engine`'s memory report as a line of its own, with the
     /// fused step's masters and state ([`DeviceAmp::account`]).
     pub fn account(&self, engine: &wick::Engine) -> Result<(), TrainError> {
