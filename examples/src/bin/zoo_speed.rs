@@ -179,6 +179,22 @@ fn build(name: &str, sizes: Sizes, sets: &[(String, Value)], dtype: DType, devic
     Ok(Bench { model, batch, eval, optimizer })
 }
 
+/// Under autocast, the values the f32 masters start at: the parameters of the same seeded model
+/// built in f32 (not their bf16 rounding); `None` without autocast (the parameters are their own
+/// masters).
+fn f32_start(
+    name: &str,
+    (sizes, sets): (Sizes, &[(String, Value)]),
+    autocast: Autocast,
+    device: &Device,
+) -> Result<Option<Vec<Tensor>>> {
+    if !autocast.enabled() {
+        return Ok(None);
+    }
+    let model = build(name, sizes, sets, DType::F32, device)?.model;
+    Ok(Some(model.vars().iter().map(|v| v.as_tensor().clone()).collect()))
+}
+
 /// The elements of `t` in f64, on the host.
 fn host_values(t: &Tensor) -> Result<Vec<f64>> {
     Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?)
@@ -208,12 +224,7 @@ fn against_cpu(name: &str, (sizes, sets): (Sizes, &[(String, Value)]), mode: Mod
             let out = wick_nn::no_grad(|| bench.model.forward(&bench.eval))?;
             return Ok((Vec::new(), vec![host_values(&out)?]));
         }
-        let start = if autocast.enabled() {
-            let f32_model = build(name, sizes, sets, DType::F32, dev)?.model;
-            Some(f32_model.vars().iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())
-        } else {
-            None
-        };
+        let start = f32_start(name, (sizes, sets), autocast, dev)?;
         let mut masters = MasterWeights::with_masters(&bench.model.vars(), start.as_deref(), bench.optimizer)?;
         let mut losses = Vec::new();
         for _ in 0..2 {
@@ -274,17 +285,7 @@ fn graph_steps(args: &Args, name: &str, sizes: Sizes, engine: &wick::Engine) -> 
     let autocast = if args.mode == Mode::Amp { Autocast::bf16() } else { Autocast::off() };
     let make = || -> Result<(Bench, DeviceAmp)> {
         let bench = build(name, sizes, &args.set, autocast.model_dtype(), &device)?;
-        let start = match autocast.enabled() {
-            true => Some(
-                build(name, sizes, &args.set, DType::F32, &device)?
-                    .model
-                    .vars()
-                    .iter()
-                    .map(|v| v.as_tensor().clone())
-                    .collect::<Vec<_>>(),
-            ),
-            false => None,
-        };
+        let start = f32_start(name, (sizes, &args.set), autocast, &device)?;
         let scaler = autocast.needs_loss_scaling().then(GradScalerConfig::default);
         let amp = DeviceAmp::new(&device, &bench.model.vars(), start.as_deref(), bench.optimizer, scaler)?;
         Ok((bench, amp))
@@ -427,19 +428,7 @@ fn run() -> Result<()> {
     let mut masters = if args.mode == Mode::Eval {
         None
     } else {
-        // Under autocast the masters start at the f32 values (the same seeded model in f32).
-        let start = if autocast.enabled() {
-            Some(
-                build(&name, sizes, &args.set, DType::F32, &device)?
-                    .model
-                    .vars()
-                    .iter()
-                    .map(|v| v.as_tensor().clone())
-                    .collect::<Vec<_>>(),
-            )
-        } else {
-            None
-        };
+        let start = f32_start(&name, (sizes, &args.set), autocast, &device)?;
         Some(MasterWeights::with_masters(&bench.model.vars(), start.as_deref(), bench.optimizer)?)
     };
     let mut times = Vec::new();
