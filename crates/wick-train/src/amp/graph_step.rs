@@ -109,12 +109,14 @@ impl GraphStep {
         // now (a copy only when it changed), before the graph reads it there.
         self.amp.write_hyper(self.clip)?;
         let key: Key = batch.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect();
-        let index = match self.shapes.iter().position(|s| s.key == key) {
-            Some(i) => i,
+        // The shape's inputs, and whether the batch still has to be copied into them (not when
+        // they were just made from it).
+        let (index, copy) = match self.shapes.iter().position(|s| s.key == key) {
+            Some(i) => (i, true),
             None if self.shapes.is_empty() || self.recapture => {
                 let inputs = batch.iter().map(|t| t.to_device(&self.device)?.copy()).collect::<Result<Vec<_>, _>>()?;
                 self.shapes.push(Shaped { key, inputs, eager: 0, graph: None, refused: None });
-                self.shapes.len() - 1
+                (self.shapes.len() - 1, false)
             }
             None => {
                 self.eager_reason = Some(format!(
@@ -129,8 +131,10 @@ impl GraphStep {
         };
         let Self { amp, device, clip, loss, shapes, warmup, eager_reason, .. } = self;
         let shaped = &mut shapes[index];
-        for (dst, src) in shaped.inputs.iter().zip(batch) {
-            copy_into(dst, src)?;
+        if copy {
+            for (dst, src) in shaped.inputs.iter().zip(batch) {
+                copy_into(dst, src)?;
+            }
         }
         if let Some(graph) = &shaped.graph {
             *eager_reason = None;
