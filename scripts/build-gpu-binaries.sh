@@ -38,18 +38,20 @@ build -p wick-tools --features cuda --bin nn-gpu-check
 build -p wick-examples --features cuda --bin train-amp
 build -p wick-examples --features cuda --bin byo-model
 build -p wick-examples --features cuda --bin zoo-speed
+build -p wick-cli --features cuda --bin wick
 build -p wick-train --features nccl --example nccl_check
 test_bin() { ls -t target/release/deps/conformance_cuda-* | grep -v '\.d$' | head -1; }
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-gpu target/release/gpu-check target/release/amp-gpu-check \
   target/release/nn-gpu-check \
-  target/release/train-amp target/release/byo-model target/release/zoo-speed target/release/examples/nccl_check \
+  target/release/train-amp target/release/byo-model target/release/zoo-speed target/release/wick \
+  target/release/examples/nccl_check \
   "$(test_bin)"
 export LIBRARY_PATH="$PWD/target/cuda-stubs-gpu"
 # Each binary's own source, touched so that pass 2 relinks it (a path that moved would silently
 # leave its binary linked against the empty stubs: refused here).
 for f in tools/src/bin/gpu_check.rs crates/wick-memory/tests/conformance_cuda.rs \
   tools/src/bin/amp_gpu_check.rs tools/src/bin/nn_gpu_check/main.rs examples/src/bin/train_amp.rs examples/src/bin/byo_model.rs \
-  examples/src/bin/zoo_speed.rs crates/wick-train/examples/nccl_check.rs; do
+  examples/src/bin/zoo_speed.rs crates/wick-cli/src/main.rs crates/wick-train/examples/nccl_check.rs; do
   [ -f "$f" ] || { echo "!! $f does not exist: update this list"; exit 1; }
   touch "$f"
 done
@@ -60,15 +62,17 @@ build -p wick-tools --features cuda --bin nn-gpu-check
 build -p wick-examples --features cuda --bin train-amp
 build -p wick-examples --features cuda --bin byo-model
 build -p wick-examples --features cuda --bin zoo-speed
+build -p wick-cli --features cuda --bin wick
 build -p wick-train --features nccl --example nccl_check
 cp target/release/gpu-check target/release/amp-gpu-check target/release/examples/nccl_check .devbuild/
 # train-amp needs candle's kernels: keep it only when they were really compiled.
 # byo-model (a candle-transformers model), zoo-speed (the zoo's models) and nn-gpu-check (candle's
-# casts, products and sums around wick's ops) too.
+# casts, products and sums around wick's ops) too, and `wick` (train --device cuda --cuda-graph).
 if [ "${WICK_CANDLE_NVCC:-real}" = real ]; then
-  cp target/release/train-amp target/release/byo-model target/release/zoo-speed target/release/nn-gpu-check .devbuild/
+  cp target/release/train-amp target/release/byo-model target/release/zoo-speed target/release/nn-gpu-check \
+    target/release/wick .devbuild/
 else
-  rm -f .devbuild/train-amp .devbuild/byo-model .devbuild/zoo-speed .devbuild/nn-gpu-check
+  rm -f .devbuild/train-amp .devbuild/byo-model .devbuild/zoo-speed .devbuild/nn-gpu-check .devbuild/wick
 fi
 cp "$(test_bin)" .devbuild/conformance_cuda
 for b in .devbuild/*; do echo "$b needs: $(readelf -d "$b" | awk '/NEEDED/ {print $5}' | tr -d '[]' | tr '\n' ' ')"; done

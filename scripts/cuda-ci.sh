@@ -27,7 +27,7 @@ export WICK_KERNELS_NVCC="$cuda_home/bin/nvcc"
 "$WICK_KERNELS_NVCC" --version | tail -1
 
 echo "-- cargo check / clippy with --features cuda (fake nvcc for candle, real nvcc for kernels/)"
-features=wick/cuda,wick-train/cuda,wick-examples/cuda,wick-tools/cuda
+features=wick/cuda,wick-train/cuda,wick-examples/cuda,wick-tools/cuda,wick-cli/cuda
 cargo check --workspace --all-targets --features "$features"
 cargo clippy --workspace --all-targets --features "$features" -- -D warnings
 ls target/debug/build/wick-kernels-*/out/*.fatbin >/dev/null || { echo "!! the kernels were not compiled into wick-kernels"; exit 1; }

@@ -27,8 +27,10 @@
 #   - which ops of each zoo model's step still run as candle's composition on the GPU (the
 #     per-op counts of WICK_PROFILE_OPS: a composed node reports as `NAME (composed)`);
 #   - training steps captured as CUDA graphs (zoo-speed --cuda-graph --check-graph: replayed steps
-#     against eager ones to the bit, the graph's memory given back), and their time beside the
-#     eager fused step, PyTorch eager and torch.compile(mode="reduce-overhead") (graph_speed.py);
+#     against eager ones to the bit, the graph's memory given back; `wick train --cuda-graph`:
+#     replayed = eager and exact resume with graphs on, scripts/graph-train-check.sh), and their
+#     time beside the eager fused step, PyTorch eager and torch.compile(mode="reduce-overhead")
+#     (graph_speed.py);
 #   - the zoo's transformers (MiniLM, ViT-S/16, the decoder) at zoo-speed's sizes beside PyTorch,
 #     then, while the time budget lasts, at issue 46's sizes (the 12 x 768 decoder by --set).
 # Nsight Compute's per-kernel profile of ResNet-18 runs only with WICK_GPU_NCU=1 (2-3 minutes).
@@ -228,6 +230,13 @@ if [ -x "$bin/zoo-speed" ]; then
       2>&1 | tail -3 | tee -a "$out/gpu-graph-check.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
+  # The trainer's graph path through `wick train --cuda-graph`: replayed = eager and exact resume.
+  if [ -x "$bin/wick" ] && in_budget; then
+    timeout 240 bash scripts/graph-train-check.sh "$bin/wick" "$out/graph-train" 2>&1 | tee "$out/gpu-graph-train.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  else
+    echo "   wick train --cuda-graph: skipped ($bin/wick missing or over the time budget)" | tee "$out/gpu-graph-train.txt"
+  fi
   if in_budget; then
     (cd scripts/torch-reference && PYTHONUNBUFFERED=1 timeout 150 python3 graph_speed.py --wick "$zoo" \
       --models bert,decoder --modes train --rounds 1 --steps 10 --warmup 3 --json "$out/gpu-graph-speed.json") 2>&1 \

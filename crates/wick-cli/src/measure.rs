@@ -75,6 +75,7 @@ pub fn peak(step: &Step, batch: usize, mode: Mode) -> Result<Option<usize>> {
                 activation_checkpointing: step.checkpointing,
                 // Clipping's norm is taken a gradient at a time in place on the CPU: no memory.
                 clip_grad_norm: None,
+                cuda_graph: None,
             };
             let mut trainer = Trainer::new(model, serde_json::Value::Null, None, options)?;
             trainer.train_step(&[batch()?])?;

@@ -320,6 +320,33 @@ fn a_run_on_a_token_file_resumes_its_data_loader_exactly_and_reports_eval_loss()
 /// MPI (this test binary's `wick` has no `mpi` feature) or under a launcher that started ranks
 /// already, a ZeRO stage that does not exist, an option the stage would ignore, a torchrun-style
 /// world without MPI.
+/// The device options refused before anything starts: a CUDA graph without the CUDA device, the
+/// CUDA device in a build without CUDA (this test binary's), no warm-up, an unknown device.
+#[test]
+fn bad_device_settings_say_what_to_do() {
+    let dir = temp_dir("device-refused");
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_wick"))
+            .args(["train", "--steps", "2", "--dir"])
+            .arg(&dir)
+            .args(args)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, err) = run(&["--cuda-graph"]);
+    assert!(!ok && err.contains("--cuda-graph needs --device cuda"), "{err}");
+    let (ok, err) = run(&["--device", "cuda", "--cuda-graph"]);
+    assert!(!ok && err.contains("--device cuda") && err.contains("built without CUDA"), "{err}");
+    let (ok, err) = run(&["--device", "cuda", "--cuda-graph", "--graph-warmup", "0"]);
+    assert!(!ok && err.contains("--graph-warmup"), "{err}");
+    let (ok, err) = run(&["--device", "tpu"]);
+    assert!(!ok && err.contains("--device"), "{err}");
+    // Nothing was trained or written.
+    assert!(!dir.join("metrics.jsonl").exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn bad_multi_process_settings_say_what_to_do() {
     let dir = temp_dir("ranks-refused");

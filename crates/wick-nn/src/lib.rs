@@ -18,7 +18,7 @@
 //! | [`grad`] | [`no_grad`] and [`grad_enabled`] |
 //! | `gradcheck` | central finite differences against autograd, for gradient tests (feature `testing`) |
 //! | [`graph`] | what an output's autograd graph keeps alive ([`graph::graph_bytes`]) |
-//! | [`model`] | the [`Model`] trait every trainable model implements, and [`Labelled`] batches |
+//! | [`model`] | the [`Model`] trait every trainable model implements, [`Labelled`] batches, and [`TensorBatch`] (a batch of tensors alone, as a CUDA graph's step takes it) |
 //! | [`error`] | [`NnError`] |
 //!
 //! Training checkpoints (files a run resumes from) are `wick-train`'s, not [`checkpoint`]'s.
@@ -48,4 +48,4 @@ pub use autocast::Autocast;
 pub use checkpoint::Checkpointing;
 pub use error::{to_candle, NnError};
 pub use grad::{grad_enabled, no_grad};
-pub use model::{Labelled, Model};
+pub use model::{Labelled, Model, TensorBatch};

@@ -396,6 +396,20 @@ impl Model for Bert {
         let pooled = Bert::mean_pool(&hidden, &batch.mask)?;
         Ok(ops::cross_entropy(&pooled.matmul(&batch.readout)?, &batch.labels)?)
     }
+
+    wick_nn::tensor_batches!();
+}
+
+/// Ids, mask, readout, labels.
+impl wick_nn::TensorBatch for SentenceBatch {
+    fn tensors(&self) -> Vec<Tensor> {
+        vec![self.ids.clone(), self.mask.clone(), self.readout.clone(), self.labels.clone()]
+    }
+
+    fn with_tensors(&self, tensors: &[Tensor]) -> Result<Self, NnError> {
+        let [ids, mask, readout, labels] = wick_nn::model::exactly::<4>(tensors)?;
+        Ok(SentenceBatch { ids: ids.clone(), mask: mask.clone(), readout: readout.clone(), labels: labels.clone() })
+    }
 }
 
 /// The longest padded sequence a tokenizer file may ask for (no model's context is longer).

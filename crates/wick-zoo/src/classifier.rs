@@ -23,6 +23,8 @@ macro_rules! cnn_classifier {
                 let logits = self.forward_with(&batch.inputs, true, checkpoint)?;
                 Ok(wick_nn::ops::cross_entropy(&logits, &batch.labels)?)
             }
+
+            wick_nn::tensor_batches!();
         }
 
         /// Images (N, 3, H, W) to logits (N, classes); `train` is batch norm's mode (batch

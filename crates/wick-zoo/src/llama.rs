@@ -285,6 +285,8 @@ impl Model for Llama {
         let targets = ids.narrow(1, 1, seq - 1)?.flatten_all()?;
         Ok(ops::cross_entropy(&logits.reshape((batch * (seq - 1), self.config.vocab_size))?, &targets)?)
     }
+
+    wick_nn::tensor_batches!();
 }
 
 /// Token ids (batch, seq) to logits (batch, seq, vocab).

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use candle_core::{DType, Device, Tensor};
 use wick_nn::checkpoint::Checkpointing;
 use wick_nn::params::{normal_tensor, Params};
-use wick_nn::{Labelled, Model, NnError};
+use wick_nn::{Labelled, Model, NnError, TensorBatch};
 
 use crate::bert::{Bert, BertConfig, SentenceBatch};
 use crate::error::ZooError;
@@ -552,5 +552,27 @@ impl Model for ZooModel {
             (ZooModel::Llama(m), ZooBatch::Tokens(ids)) => m.loss_with(ids, checkpoint),
             (model, batch) => Err(mismatch(model, batch)),
         }
+    }
+
+    wick_nn::tensor_batches!();
+}
+
+/// The variant's own tensors ([`Labelled`]'s, [`SentenceBatch`]'s, or the ids); the variant is
+/// kept.
+impl TensorBatch for ZooBatch {
+    fn tensors(&self) -> Vec<Tensor> {
+        match self {
+            ZooBatch::Images(b) => b.tensors(),
+            ZooBatch::Sentences(b) => b.tensors(),
+            ZooBatch::Tokens(ids) => ids.tensors(),
+        }
+    }
+
+    fn with_tensors(&self, tensors: &[Tensor]) -> Result<Self, NnError> {
+        Ok(match self {
+            ZooBatch::Images(b) => ZooBatch::Images(b.with_tensors(tensors)?),
+            ZooBatch::Sentences(b) => ZooBatch::Sentences(b.with_tensors(tensors)?),
+            ZooBatch::Tokens(ids) => ZooBatch::Tokens(ids.with_tensors(tensors)?),
+        })
     }
 }

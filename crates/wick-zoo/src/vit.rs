@@ -247,6 +247,8 @@ impl Model for Vit {
     fn loss_with(&self, batch: &Labelled, checkpoint: Option<&Checkpointing>) -> Result<Tensor, NnError> {
         Ok(ops::cross_entropy(&self.forward_with(&batch.inputs, checkpoint)?, &batch.labels)?)
     }
+
+    wick_nn::tensor_batches!();
 }
 
 /// Images (N, 3, image_size, image_size) to logits (N, classes).

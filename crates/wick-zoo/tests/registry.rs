@@ -191,3 +191,39 @@ fn batches_narrow_to_their_examples() {
         assert!(whole.narrow(3, 2).is_err(), "past the batch");
     }
 }
+
+/// Every zoo batch gives its tensors to a step captured as a CUDA graph and is rebuilt from copies
+/// of them (`Model::batch_tensors` / `Model::batch_with`): the rebuilt batch's loss is the
+/// original's to the bit, its tensors are the copies (not the originals), and a wrong number of
+/// tensors is an error.
+#[test]
+fn every_zoo_batch_round_trips_through_its_tensors() {
+    use wick_zoo::registry::ZooModel;
+    let specs = [
+        ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 8, image: 32 },
+        ModelSpec::MobileNetV2 { classes: 10, width_mult: 0.25, image: 32 },
+        ModelSpec::Vit(VitConfig::tiny(10)),
+        ModelSpec::Bert { config: BertConfig::tiny(64), seq: 8 },
+        ModelSpec::Llama { config: LlamaConfig::tiny(64), seq: 8 },
+    ];
+    for spec in specs {
+        let model = spec.build(DType::F32, &Device::Cpu).unwrap();
+        let batch = spec.batch(2, DType::F32, &Device::Cpu).unwrap();
+        let tensors = ZooModel::batch_tensors(&batch).expect("a zoo batch is tensors alone");
+        let expected = match &batch {
+            ZooBatch::Images(_) => 2,
+            ZooBatch::Sentences(_) => 4,
+            ZooBatch::Tokens(_) => 1,
+        };
+        assert_eq!(tensors.len(), expected, "{spec:?}");
+        let copies: Vec<Tensor> = tensors.iter().map(|t| t.copy().unwrap()).collect();
+        let rebuilt = ZooModel::batch_with(&batch, &copies).unwrap();
+        let again = ZooModel::batch_tensors(&rebuilt).unwrap();
+        assert!(again.iter().zip(&copies).all(|(a, c)| a.id() == c.id()), "{spec:?}: the copies are the batch's");
+        let loss = |b: &ZooBatch| model.loss(b).unwrap().to_scalar::<f32>().unwrap().to_bits();
+        assert_eq!(loss(&rebuilt), loss(&batch), "{spec:?}");
+        let short = &copies[..copies.len() - 1];
+        let e = ZooModel::batch_with(&batch, short).expect_err("too few tensors").to_string();
+        assert!(e.contains(&format!("{} tensors for a batch of {expected}", expected - 1)), "{e}");
+    }
+}

@@ -16,7 +16,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use wick_kernels::step_scalars::{Slot, HYPERS, SLOTS};
 
 use super::cuda::{AmpKernels, StepItem};
-use super::GradScalerConfig;
+use super::{GradScalerConfig, MasterState, ScalerState};
 use crate::error::TrainError;
 use crate::optim::Optimizer;
 
@@ -38,6 +38,17 @@ pub struct Unscaled {
 /// A driver call's failure as the step's error.
 fn driver(e: candle_core::cuda_backend::cudarc::driver::DriverError) -> TrainError {
     TrainError::from(candle_core::Error::wrap(e))
+}
+
+/// Copies `src` (same shape; converted to `dst`'s device and dtype) into `dst`'s own memory: what
+/// a captured step reads stays where it reads it.
+pub(crate) fn copy_into(dst: &Tensor, src: &Tensor) -> candle_core::Result<()> {
+    let src = src.to_device(dst.device())?.to_dtype(dst.dtype())?.contiguous()?;
+    dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0)
+}
+
+fn refused(message: String) -> TrainError {
+    TrainError::Invalid { what: "optimizer state".into(), message }
 }
 
 /// What a step did, read back after it ([`DeviceAmp::last_step`]).
@@ -114,6 +125,11 @@ impl DeviceAmp {
     /// hyper-parameters before the next step, not read by the host during it.
     pub fn set_learning_rate(&mut self, rate: f64) {
         self.optimizer.set_lr(rate);
+    }
+
+    /// The parameters (the model's compute copies), in order.
+    pub fn vars(&self) -> impl Iterator<Item = &Var> {
+        self.params.iter().map(|p| &p.model)
     }
 
     /// The loss to call `backward` on: multiplied by the device scale when scaling.
@@ -247,6 +263,83 @@ impl DeviceAmp {
     pub fn applied_steps(&self) -> Result<i32, TrainError> {
         let counter = self.kernels.stream().clone_dtoh(&self.counter).map_err(driver)?;
         Ok(counter.first().copied().unwrap_or(0))
+    }
+
+    /// A copy of the whole state on the host, as [`super::MasterWeights::state`] gives it (the
+    /// applied steps, each f32 master, each f32 optimizer state): a checkpoint's. Waits for the
+    /// device.
+    pub fn state(&self) -> Result<MasterState, TrainError> {
+        let step = u64::try_from(self.applied_steps()?).unwrap_or(0);
+        let host = |t: &Tensor| t.to_device(&Device::Cpu);
+        let masters = self.params.iter().map(|p| host(&p.master)).collect::<Result<Vec<_>, _>>()?;
+        let states = self
+            .params
+            .iter()
+            .map(|p| p.state.iter().map(host).collect::<Result<Vec<_>, _>>())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(MasterState { step, masters, states })
+    }
+
+    /// Continues from `state` (a checkpoint's, of the same parameters and optimizer): every
+    /// master, optimizer state and the step count copied into the memory the step already uses
+    /// (a captured step keeps reading it there), and each low-precision parameter set from its
+    /// master. Everything is checked first: a refused state changes nothing.
+    pub fn load_state(&mut self, state: &MasterState) -> Result<(), TrainError> {
+        let n = self.params.len();
+        if state.masters.len() != n || state.states.len() != n {
+            let (m, s) = (state.masters.len(), state.states.len());
+            return Err(refused(format!("{m} masters and {s} states for {n} parameters")));
+        }
+        for (i, ((p, m), s)) in self.params.iter().zip(&state.masters).zip(&state.states).enumerate() {
+            if m.dims() != p.master.dims() || s.len() != p.state.len() || s.iter().any(|t| t.dims() != p.master.dims())
+            {
+                let shapes: Vec<_> = s.iter().map(|t| t.dims().to_vec()).collect();
+                return Err(refused(format!(
+                    "parameter {i}: a master of {:?} and states {shapes:?}, expected {} of {:?}",
+                    m.dims(),
+                    p.state.len(),
+                    p.master.dims()
+                )));
+            }
+        }
+        let step = i32::try_from(state.step)
+            .map_err(|_| refused(format!("{} optimizer steps: the device counts at most {}", state.step, i32::MAX)))?;
+        for ((p, m), s) in self.params.iter().zip(&state.masters).zip(&state.states) {
+            copy_into(&p.master, m)?;
+            if p.model.dtype() != DType::F32 {
+                p.model.set(&p.master.to_dtype(p.model.dtype())?)?;
+            }
+            for (dst, src) in p.state.iter().zip(s) {
+                copy_into(dst, src)?;
+            }
+        }
+        self.kernels.stream().memcpy_htod(&[step], &mut self.counter).map_err(driver)?;
+        Ok(())
+    }
+
+    /// The loss scaler's state (a host read), when the loss is scaled.
+    pub fn scaler_state(&self) -> Result<Option<ScalerState>, TrainError> {
+        let Some((_, scale, tracker)) = &self.scaler else { return Ok(None) };
+        let scale = scale.to_device(&Device::Cpu)?.to_vec1::<f32>()?.first().copied().unwrap_or(f32::NAN);
+        let tracker = tracker.to_device(&Device::Cpu)?.to_vec1::<i32>()?.first().copied().unwrap_or(0);
+        Ok(Some(ScalerState { scale: f64::from(scale), growth_tracker: u32::try_from(tracker).unwrap_or(0) }))
+    }
+
+    /// Continues the loss scaler from `saved` (a positive finite scale), written where the step
+    /// reads it. An error, changing nothing, without a scaler or for a bad scale.
+    pub fn load_scaler_state(&mut self, saved: ScalerState) -> Result<(), TrainError> {
+        let Some((_, scale, tracker)) = &self.scaler else {
+            return Err(refused("this step does not scale its loss".into()));
+        };
+        let value = saved.scale as f32;
+        if !(value.is_finite() && value > 0.0) {
+            return Err(refused(format!("saved loss scale {}", saved.scale)));
+        }
+        let count = i32::try_from(saved.growth_tracker)
+            .map_err(|_| refused(format!("saved growth tracker {}", saved.growth_tracker)))?;
+        copy_into(scale, &Tensor::new(&[value], &Device::Cpu)?)?;
+        copy_into(tracker, &Tensor::new(&[count], &Device::Cpu)?)?;
+        Ok(())
     }
 
     /// Bytes of the f32 masters of the low-precision parameters and of the f32 optimizer state.

@@ -3,7 +3,9 @@
 //! captured once as one graph (`wick::cuda_graph`) and replayed at every later step — the host
 //! launches one graph instead of every kernel of the step.
 //!
-//! A step is given its batch ([`GraphStep::step`]). The first batch of a shape is copied into
+//! A step is given its batch ([`GraphStep::step`]), or its micro-batches for gradient
+//! accumulation ([`GraphStep::step_accumulated`]: one graph holds every micro-batch's forward
+//! and backward and the one update). The first batch of a shape is copied into
 //! inputs the step keeps for that shape, and every later batch of the shape into the same
 //! inputs, which is where a replay reads them. The first `warmup` steps of a shape run eagerly
 //! with candle's upload cache on (they make the optimizer's state, choose cuDNN's algorithms and
@@ -15,10 +17,11 @@
 //! [`GraphStep::recapture_per_shape`]. The loss is written into a tensor made before any capture
 //! ([`GraphStep::last_loss`]).
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use wick::cuda_graph::{self, GraphError, StepGraph};
 
-use super::device_step::{DeviceAmp, StepReport};
+use super::device_step::{copy_into, DeviceAmp, StepReport};
 use crate::error::TrainError;
 
 /// The memory report's line for the device's graph memory ([`GraphStep::account`]).
@@ -27,14 +30,33 @@ pub const GRAPH_MEMORY: &str = "CUDA graphs (the driver's graph pool)";
 /// The forward pass of a step: the loss from the batch's tensors (the step's own inputs).
 pub type Forward<'a> = &'a dyn Fn(&[Tensor]) -> candle_core::Result<Tensor>;
 
-/// A batch's shape: each tensor's dimensions and dtype.
-type Key = Vec<(Vec<usize>, DType)>;
+/// What a step over micro-batches runs for each ([`GraphStep::step_accumulated`]). A closure
+/// `|k, inputs| loss` is one, with candle's backward.
+pub trait StepBody {
+    /// The loss of micro-batch `k` from its tensors (the step's own inputs of it).
+    fn loss(&self, k: usize, inputs: &[Tensor]) -> candle_core::Result<Tensor>;
+
+    /// The gradients of `loss` (a micro-batch's loss, divided by their number and scaled):
+    /// candle's backward unless the body says otherwise (activation checkpointing's).
+    fn backward(&self, loss: &Tensor) -> candle_core::Result<GradStore> {
+        loss.backward()
+    }
+}
+
+impl<F: Fn(usize, &[Tensor]) -> candle_core::Result<Tensor>> StepBody for F {
+    fn loss(&self, k: usize, inputs: &[Tensor]) -> candle_core::Result<Tensor> {
+        self(k, inputs)
+    }
+}
+
+/// A step's shape: each micro-batch's tensors' dimensions and dtypes.
+type Key = Vec<Vec<(Vec<usize>, DType)>>;
 
 /// One shape's inputs (each batch of the shape copied into them), its eager steps so far, and
 /// its graph once captured (or why the capture was refused).
 struct Shaped {
     key: Key,
-    inputs: Vec<Tensor>,
+    inputs: Vec<Vec<Tensor>>,
     eager: usize,
     graph: Option<StepGraph>,
     refused: Option<String>,
@@ -45,7 +67,7 @@ pub struct GraphStep {
     amp: DeviceAmp,
     device: Device,
     clip: Option<f64>,
-    /// The last step's loss (one f32), written by the step itself.
+    /// The last step's loss (one f32: the mean over its micro-batches), written by the step.
     loss: Tensor,
     shapes: Vec<Shaped>,
     recapture: bool,
@@ -58,10 +80,8 @@ fn graph_error(e: GraphError) -> TrainError {
     TrainError::Invalid { what: "CUDA graph step".into(), message: e.to_string() }
 }
 
-/// Copies `src` into `dst` (same shape and dtype; the step's input) in place.
-fn copy_into(dst: &Tensor, src: &Tensor) -> candle_core::Result<()> {
-    let src = src.to_device(dst.device())?.contiguous()?;
-    dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0)
+fn key_of<T: AsRef<[Tensor]>>(micro: &[T]) -> Key {
+    micro.iter().map(|b| b.as_ref().iter().map(|t| (t.dims().to_vec(), t.dtype())).collect()).collect()
 }
 
 impl GraphStep {
@@ -105,34 +125,49 @@ impl GraphStep {
     /// Nothing is read back ([`GraphStep::last_loss`], [`GraphStep::last_step`] read what
     /// happened).
     pub fn step(&mut self, batch: &[Tensor], forward: Forward<'_>) -> Result<(), TrainError> {
+        self.step_accumulated(&[batch], &|_: usize, inputs: &[Tensor]| forward(inputs))
+    }
+
+    /// One step over micro-batches (gradient accumulation, as the trainer's: each micro-batch's
+    /// loss divided by their number, the gradients summed in order, then one update), as
+    /// [`GraphStep::step`] does it for one: the shape is every micro-batch's, and the graph holds
+    /// them all.
+    pub fn step_accumulated<T: AsRef<[Tensor]>>(
+        &mut self,
+        micro_batches: &[T],
+        body: &dyn StepBody,
+    ) -> Result<(), TrainError> {
+        if micro_batches.is_empty() {
+            return Err(TrainError::Invalid { what: "CUDA graph step".into(), message: "no micro-batches".into() });
+        }
         // Host code does not run in a replay: the learning rate of this step goes to the device
         // now (a copy only when it changed), before the graph reads it there.
         self.amp.write_hyper(self.clip)?;
-        let key: Key = batch.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect();
+        let key = key_of(micro_batches);
         // The shape's inputs, and whether the batch still has to be copied into them (not when
         // they were just made from it).
         let (index, copy) = match self.shapes.iter().position(|s| s.key == key) {
             Some(i) => (i, true),
             None if self.shapes.is_empty() || self.recapture => {
-                let inputs = batch.iter().map(|t| t.to_device(&self.device)?.copy()).collect::<Result<Vec<_>, _>>()?;
+                let own = |b: &T| b.as_ref().iter().map(|t| t.to_device(&self.device)?.copy()).collect();
+                let inputs = micro_batches.iter().map(own).collect::<candle_core::Result<Vec<Vec<_>>>>()?;
                 self.shapes.push(Shaped { key, inputs, eager: 0, graph: None, refused: None });
                 (self.shapes.len() - 1, false)
             }
             None => {
-                self.eager_reason = Some(format!(
+                let reason = format!(
                     "the batch's shapes {:?} are not the captured step's {:?} (recapture_per_shape gives each shape a \
                      graph)",
                     key, self.shapes[0].key
-                ));
-                let (amp, loss, clip) = (&mut self.amp, &self.loss, self.clip);
-                let run = || one_step(amp, loss, clip, &|| forward(batch));
-                return cuda_graph::warm_up(&self.device, run).map_err(graph_error)?;
+                );
+                let given: Vec<&[Tensor]> = micro_batches.iter().map(AsRef::as_ref).collect();
+                return self.run_eager(&given, body, reason);
             }
         };
         let Self { amp, device, clip, loss, shapes, warmup, eager_reason, .. } = self;
         let shaped = &mut shapes[index];
         if copy {
-            for (dst, src) in shaped.inputs.iter().zip(batch) {
+            for (dst, src) in shaped.inputs.iter().flatten().zip(micro_batches.iter().flat_map(AsRef::as_ref)) {
                 copy_into(dst, src)?;
             }
         }
@@ -140,10 +175,10 @@ impl GraphStep {
             *eager_reason = None;
             return graph.replay().map_err(graph_error);
         }
-        let inputs = &shaped.inputs;
+        let inputs: Vec<&[Tensor]> = shaped.inputs.iter().map(Vec::as_slice).collect();
         if shaped.eager >= *warmup && shaped.refused.is_none() {
             match cuda_graph::capture(device, || {
-                one_step(amp, loss, *clip, &|| forward(inputs)).map_err(candle_core::Error::wrap)
+                one_step(amp, loss, *clip, &inputs, body).map_err(candle_core::Error::wrap)
             }) {
                 Ok(graph) => {
                     graph.replay().map_err(graph_error)?;
@@ -157,9 +192,23 @@ impl GraphStep {
         }
         shaped.eager += 1;
         *eager_reason = shaped.refused.clone();
-        cuda_graph::warm_up(device, || one_step(amp, loss, *clip, &|| forward(inputs))).map_err(graph_error)?
+        cuda_graph::warm_up(device, || one_step(amp, loss, *clip, &inputs, body)).map_err(graph_error)?
     }
 
+    /// One step run eagerly on `micro_batches` as given (no inputs of the step's own), for
+    /// `reason` ([`GraphStep::eager_reason`] says it afterwards): a batch the caller cannot give
+    /// as tensors of a fixed shape, or one of a shape without a graph.
+    pub fn run_eager(
+        &mut self,
+        micro_batches: &[&[Tensor]],
+        body: &dyn StepBody,
+        reason: String,
+    ) -> Result<(), TrainError> {
+        self.amp.write_hyper(self.clip)?;
+        self.eager_reason = Some(reason);
+        let (amp, loss, clip) = (&mut self.amp, &self.loss, self.clip);
+        cuda_graph::warm_up(&self.device, || one_step(amp, loss, clip, micro_batches, body)).map_err(graph_error)?
+    }
     /// Sets the learning rate of the next steps (a schedule's step; replays read it from the
     /// device).
     pub fn set_learning_rate(&mut self, rate: f64) {
@@ -202,6 +251,12 @@ impl GraphStep {
         &self.amp
     }
 
+    /// The fused step, to continue from a checkpoint ([`DeviceAmp::load_state`] and
+    /// [`DeviceAmp::load_scaler_state`] write into the memory a captured step reads).
+    pub fn amp_mut(&mut self) -> &mut DeviceAmp {
+        &mut self.amp
+    }
+
     /// Puts the device's graph memory (the driver's graph pool, which holds the captured steps'
     /// tensors outside wick's pool) in `engine`'s memory report as a line of its own, with the
     /// fused step's masters and state ([`DeviceAmp::account`]).
@@ -213,17 +268,35 @@ impl GraphStep {
     }
 }
 
-/// Forward, backward and the fused update, the loss copied into `loss`: what is captured.
+/// Forward and backward over each micro-batch (its loss divided by their number, the gradients
+/// summed in order), the mean loss copied into `loss`, and the fused update: what is captured.
 fn one_step(
     amp: &mut DeviceAmp,
     loss: &Tensor,
     clip: Option<f64>,
-    forward: &dyn Fn() -> candle_core::Result<Tensor>,
+    micro_batches: &[&[Tensor]],
+    body: &dyn StepBody,
 ) -> Result<(), TrainError> {
-    let value = forward()?;
-    loss.slice_set(&value.to_dtype(DType::F32)?.reshape(1)?, 0, 0)?;
-    let grads = amp.scale_loss(&value)?.backward()?;
-    drop(value);
+    let n = micro_batches.len();
+    let (mut total, mut loss_sum) = (None::<GradStore>, None::<Tensor>);
+    for (k, inputs) in micro_batches.iter().enumerate() {
+        let value = body.loss(k, inputs)?;
+        let value32 = value.to_dtype(DType::F32)?.reshape(1)?;
+        loss_sum = Some(match loss_sum {
+            None => value32,
+            Some(sum) => (sum + value32)?,
+        });
+        let scaled = if n > 1 { (value / n as f64)? } else { value };
+        let grads = body.backward(&amp.scale_loss(&scaled)?)?;
+        drop(scaled);
+        total = Some(super::add_grads(total, grads, amp.vars())?);
+    }
+    if let Some(sum) = loss_sum {
+        let mean = if n > 1 { (sum / n as f64)? } else { sum };
+        loss.slice_set(&mean, 0, 0)?;
+    }
+    let grads =
+        total.ok_or_else(|| TrainError::Invalid { what: "CUDA graph step".into(), message: "no gradients".into() })?;
     let unscaled = amp.unscale(&grads)?;
     drop(grads);
     amp.apply(unscaled, clip)

@@ -30,6 +30,26 @@ pub fn scaled_backward(loss: &Tensor, scaler: Option<&GradScaler>) -> Result<Gra
     }
 }
 
+/// Gradient accumulation: `grads` (of one micro-batch) added to the sum of the earlier ones
+/// (`total`, none for the first), parameter by parameter in the order of `vars`.
+pub fn add_grads<'a>(
+    total: Option<GradStore>,
+    grads: GradStore,
+    vars: impl IntoIterator<Item = &'a Var>,
+) -> candle_core::Result<GradStore> {
+    let Some(mut sum) = total else { return Ok(grads) };
+    for v in vars {
+        if let Some(g) = grads.get(v.as_tensor()) {
+            let next = match sum.remove(v.as_tensor()) {
+                Some(s) => (s + g)?,
+                None => g.clone(),
+            };
+            sum.insert(v.as_tensor(), next);
+        }
+    }
+    Ok(sum)
+}
+
 /// One update of `masters` from the gradients of `vars`: through the scaler when there is one
 /// (unscale, skip on inf/NaN, update the scale), directly otherwise.
 pub fn master_step(

@@ -5,7 +5,8 @@
 //! the step and the run's data position — is saved as a
 //! training checkpoint ([`crate::checkpoint`]) and restored exactly: on the CPU a resumed run takes the same
 //! steps, to the bit, as one that was never interrupted (the kernels sum in a fixed order).
-//! Saving is in `save`, reading a checkpoint back in `resume`.
+//! Saving is in `save`, reading a checkpoint back in `resume`; steps run as CUDA graphs
+//! ([`TrainOptions::cuda_graph`]) in `graph`.
 //!
 //! ```
 //! use candle_core::{DType, Device, Tensor};
@@ -42,7 +43,7 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::checkpoint::ParamInfo;
 
-use crate::amp::{GradScaler, MasterWeights, StepOutcome};
+use crate::amp::{GradScaler, MasterWeights, ScalerState, StepOutcome};
 use crate::dist::buckets::ReduceStats;
 use crate::dist::flight::Flight;
 use crate::dist::parallel::{broadcast_buffers, Parallel};
@@ -53,9 +54,12 @@ use wick_nn::checkpoint::Checkpointing;
 use wick_nn::model::Model;
 use wick_nn::Autocast;
 
+mod graph;
 mod resume;
 mod save;
 
+pub use graph::GraphOptions;
+use graph::GraphRun;
 pub use save::PendingSave;
 
 /// What a [`Trainer`] does each step.
@@ -73,11 +77,16 @@ pub struct TrainOptions {
     /// Clip the gradients to this total 2-norm before each update (PyTorch's
     /// `clip_grad_norm_(params, max_norm)` between `backward` and `step`; see [`crate::clip`]).
     pub clip_grad_norm: Option<f64>,
+    /// Run each step as a CUDA graph after a few eager ones (a model on a CUDA device, built
+    /// with the `cuda` feature; refused otherwise, and for data-parallel training): the masters,
+    /// the optimizer state and the loss scaler then live on the device
+    /// (`crate::amp::device_step`), and [`Trainer::masters`] is empty.
+    pub cuda_graph: Option<GraphOptions>,
 }
 
 impl Default for TrainOptions {
     /// AdamW (lr 1e-3, β 0.9/0.999, ε 1e-8, no decay), constant rate, f32, no checkpointing, no
-    /// clipping.
+    /// clipping, eager steps.
     fn default() -> Self {
         TrainOptions {
             optimizer: Optimizer::AdamW(AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }),
@@ -85,6 +94,7 @@ impl Default for TrainOptions {
             autocast: Autocast::off(),
             activation_checkpointing: false,
             clip_grad_norm: None,
+            cuda_graph: None,
         }
     }
 }
@@ -130,6 +140,8 @@ pub struct Trainer<M: Model> {
     base_lr: f64,
     step: u64,
     parallel: Option<Parallel>,
+    /// The steps as CUDA graphs, holding the masters, state and scaler on the device.
+    graph: Option<Box<GraphRun>>,
 }
 
 fn invalid(what: &str, message: String) -> TrainError {
@@ -152,8 +164,17 @@ impl<M: Model> Trainer<M> {
         options: TrainOptions,
     ) -> Result<Self, TrainError> {
         let vars = model.vars();
-        let masters = MasterWeights::with_masters(&vars, start, options.optimizer)?;
-        Ok(Self::assemble(model, description, vars, masters, options))
+        let Some(graph) = options.cuda_graph else {
+            let masters = MasterWeights::with_masters(&vars, start, options.optimizer)?;
+            return Ok(Self::assemble(model, description, vars, masters, options));
+        };
+        // The device step holds the masters, the state and the scale.
+        let run = GraphRun::new(&vars, start, &options, graph)?;
+        let mut trainer =
+            Self::assemble(model, description, vars, MasterWeights::new(&[], options.optimizer)?, options);
+        trainer.scaler = None;
+        trainer.graph = Some(Box::new(run));
+        Ok(trainer)
     }
 
     /// A run at step 0 alone, holding `masters`.
@@ -174,6 +195,7 @@ impl<M: Model> Trainer<M> {
             options,
             step: 0,
             parallel: None,
+            graph: None,
         }
     }
 
@@ -184,8 +206,9 @@ impl<M: Model> Trainer<M> {
         &self.model
     }
 
-    /// The masters and optimizer state (empty when a data-parallel run shards them: see
-    /// [`Trainer::optimizer_bytes`]).
+    /// The masters and optimizer state (empty when a data-parallel run shards them, see
+    /// [`Trainer::optimizer_bytes`], and when steps run as CUDA graphs, see
+    /// [`Trainer::master_state`]).
     pub fn masters(&self) -> &MasterWeights {
         &self.masters
     }
@@ -193,6 +216,36 @@ impl<M: Model> Trainer<M> {
     /// Steps taken.
     pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// A copy of the masters, the optimizer state and its step count, wherever they live (the
+    /// device's, when steps run as CUDA graphs): what a checkpoint saves. Empty when a
+    /// data-parallel run shards them.
+    pub fn master_state(&self) -> Result<crate::amp::MasterState, TrainError> {
+        match &self.graph {
+            Some(g) => g.state(),
+            None => Ok(self.masters.state()?),
+        }
+    }
+
+    /// The captured step, when steps run as CUDA graphs: its graphs, why a step ran eagerly,
+    /// what the last update did.
+    #[cfg(feature = "cuda")]
+    pub fn graph_step(&self) -> Option<&crate::amp::graph_step::GraphStep> {
+        self.graph.as_ref().map(|g| g.step())
+    }
+
+    /// True when the loss is scaled (f16).
+    fn scales(&self) -> bool {
+        self.scaler.is_some() || self.graph.as_ref().is_some_and(|g| g.scales())
+    }
+
+    /// The loss scaler's state, wherever it lives.
+    fn scaler_state(&self) -> Result<Option<ScalerState>, TrainError> {
+        match &self.graph {
+            Some(g) => g.scaler_state(),
+            None => Ok(self.scaler.as_ref().map(GradScaler::state)),
+        }
     }
 
     /// Trains data-parallel in `group` from now on: each rank's micro-batches are its share of
@@ -204,6 +257,9 @@ impl<M: Model> Trainer<M> {
     /// state and buffers become every rank's (resume, if at all, before this). Sharded, each
     /// rank keeps only its shard of masters and state ([`Trainer::masters`] is then empty).
     pub fn data_parallel(mut self, group: ProcessGroup, options: DataParallelOptions) -> Result<Self, TrainError> {
+        if self.options.cuda_graph.is_some() {
+            return Err(invalid("CUDA graph", graph::NOT_DATA_PARALLEL.into()));
+        }
         let setup = self.setup();
         let parallel = Parallel::start(group, options, setup, &self.vars, &mut self.masters, self.model.params())?;
         self.parallel = Some(parallel);
@@ -226,6 +282,9 @@ impl<M: Model> Trainer<M> {
         group: ProcessGroup,
         parallel: DataParallelOptions,
     ) -> Result<Self, TrainError> {
+        if options.cuda_graph.is_some() {
+            return Err(invalid("CUDA graph", graph::NOT_DATA_PARALLEL.into()));
+        }
         if parallel.sharding == Sharding::None {
             return Self::new(model, description, start, options)?.data_parallel(group, parallel);
         }
@@ -258,6 +317,9 @@ impl<M: Model> Trainer<M> {
     /// This rank's bytes of f32 masters and of optimizer state (its shard when sharded): the
     /// shards of all ranks add up to one process's figures exactly (padding holds no state).
     pub fn optimizer_bytes(&self) -> (usize, usize) {
+        if let Some(g) = &self.graph {
+            return g.memory_bytes();
+        }
         self.parallel.as_ref().and_then(Parallel::shard_bytes).unwrap_or_else(|| self.masters.memory_bytes())
     }
 
@@ -267,8 +329,14 @@ impl<M: Model> Trainer<M> {
     ///
     /// Under ZeRO-3, the parameters the model still holds (those read outside the blocks) and
     /// this rank's f32 pieces of the blocks' f32 parameters, in place of the buckets it does not
-    /// use.
+    /// use. With CUDA graphs, the graphs' memory (the driver's graph pool) as a line of its own,
+    /// when the driver reports it.
     pub fn account(&self, engine: &wick::Engine) {
+        if let Some(g) = &self.graph {
+            // Without the driver's figure the line is left out; the rest is already accounted.
+            let _ = g.account(engine);
+            return;
+        }
         let (master, state) = self.optimizer_bytes();
         let shards = self.parallel.as_ref().and_then(Parallel::param_shards);
         let released = |i: usize| shards.is_some_and(|s| s.released(i));
@@ -327,6 +395,13 @@ impl<M: Model> Trainer<M> {
         let n = micro_batches.len() as f64 * world as f64;
         // What is allocated is recorded under the step and its phase (a history names them).
         let _step = push_label("train_step");
+        if let Some(g) = self.graph.as_mut() {
+            let lr = self.base_lr * self.options.schedule.factor(self.step);
+            let done = g.train_step(&self.model, micro_batches, self.options.activation_checkpointing, lr)?;
+            self.step += 1;
+            let (loss, outcome, grad_norm) = (done.loss, done.outcome, done.grad_norm);
+            return Ok(StepRecord { step: self.step, loss, lr, outcome, grad_norm });
+        }
         if let Some(p) = &self.parallel {
             broadcast_buffers(&p.group, self.model.params())?;
             if let Some(shards) = p.param_shards() {
@@ -440,21 +515,7 @@ impl<M: Model> Trainer<M> {
                 Some(c) => c.backward(&loss, self.model.params())?,
                 None => loss.backward()?,
             };
-            total = Some(match total {
-                None => grads,
-                Some(mut sum) => {
-                    for v in &self.vars {
-                        if let Some(g) = grads.get(v.as_tensor()) {
-                            let next = match sum.remove(v.as_tensor()) {
-                                Some(s) => (s + g)?,
-                                None => g.clone(),
-                            };
-                            sum.insert(v.as_tensor(), next);
-                        }
-                    }
-                    sum
-                }
-            });
+            total = Some(crate::amp::add_grads(total, grads, &self.vars)?);
         }
         let grads = total.ok_or_else(|| invalid("train step", "no gradients".into()))?;
         let losses = Tensor::stack(&losses, 0)?.to_dtype(DType::F64)?.to_vec1::<f64>()?;

@@ -131,7 +131,7 @@ impl<M: Model> Trainer<M> {
         if m.optimizer != optimizer {
             return Err(refuse(format!("its optimizer is {}, this run's {optimizer}", m.optimizer)));
         }
-        if m.scaler.is_some() != self.scaler.is_some() {
+        if m.scaler.is_some() != self.scales() {
             return Err(refuse("one scales its loss (f16) and the other does not".into()));
         }
         if let Some(s) = m.scaler.filter(|s| !(s.scale.is_finite() && s.scale > 0.0)) {
@@ -193,7 +193,10 @@ impl<M: Model> Trainer<M> {
         let Loaded { mut reader, state, buffers } = loaded;
         match state {
             // The masters check their own state before taking any of it.
-            State::Whole(whole) => self.masters.load_state(&whole)?,
+            State::Whole(whole) => match self.graph.as_mut() {
+                Some(g) => g.load_state(&whole)?,
+                None => self.masters.load_state(&whole)?,
+            },
             State::Shard(z) => {
                 // Every parameter from its f32 value (files checked when read), one at a time —
                 // but for the blocks' parameters of a ZeRO-3 run, whose model copies are handed
@@ -219,8 +222,10 @@ impl<M: Model> Trainer<M> {
             buffer.set(t)?;
         }
         let m = reader.manifest();
-        if let (Some(s), Some(saved)) = (self.scaler.as_mut(), m.scaler) {
-            s.load_state(saved)?;
+        match (self.scaler.as_mut(), self.graph.as_mut(), m.scaler) {
+            (Some(s), _, Some(saved)) => s.load_state(saved)?,
+            (None, Some(g), Some(saved)) => g.load_scaler_state(saved)?,
+            _ => {}
         }
         self.step = m.step;
         let manifest = reader.manifest_path().to_path_buf();

@@ -9,7 +9,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 
 use super::{invalid, Trainer};
-use crate::amp::GradScaler;
+use crate::amp::ScalerState;
 use crate::checkpoint::{CheckpointDir, Manifest};
 use crate::dist::parallel::Parallel;
 use crate::error::TrainError;
@@ -35,8 +35,8 @@ impl<M: Model> Trainer<M> {
     /// The checkpoint's manifest (file fields empty) and tensors: every master and optimizer
     /// state, copied (later steps do not change them).
     fn snapshot(&self, data: serde_json::Value) -> Result<(Manifest, HashMap<String, Tensor>), TrainError> {
-        let state = self.masters.state()?;
-        let manifest = self.manifest(data, state.step);
+        let state = self.master_state()?;
+        let manifest = self.manifest(data, state.step, self.scaler_state()?);
         let mut tensors = HashMap::new();
         for (((name, _), master), states) in self.model.params().iter().zip(state.masters).zip(state.states) {
             tensors.insert(format!("master/{name}"), master);
@@ -44,16 +44,16 @@ impl<M: Model> Trainer<M> {
                 tensors.insert(format!("state{k}/{name}"), t);
             }
         }
-        // A buffer's tensor is never changed in place (an update replaces it), so holding the
-        // current one is a snapshot.
+        // A copy: on a CUDA device a buffer is updated in place (`wick_nn::params::Buffer::set`),
+        // and a background write reads it while later steps run.
         for (name, buffer) in self.model.params().buffers() {
-            tensors.insert(format!("buffer/{name}"), buffer.get());
+            tensors.insert(format!("buffer/{name}"), buffer.get().copy()?);
         }
         Ok((manifest, tensors))
     }
 
     /// The manifest of a checkpoint at this step (file fields empty).
-    fn manifest(&self, data: serde_json::Value, optimizer_steps: u64) -> Manifest {
+    fn manifest(&self, data: serde_json::Value, optimizer_steps: u64, scaler: Option<ScalerState>) -> Manifest {
         Manifest {
             format: String::new(),
             version: 0,
@@ -63,7 +63,7 @@ impl<M: Model> Trainer<M> {
             params: self.param_infos(),
             buffers: self.buffer_infos(),
             optimizer: format!("{:?}", self.options.optimizer),
-            scaler: self.scaler.as_ref().map(GradScaler::state),
+            scaler,
             data,
             tensors: String::new(),
             bytes: 0,
@@ -98,7 +98,7 @@ impl<M: Model> Trainer<M> {
             .collect::<Result<Vec<_>, _>>()?;
         let committed = if p.group.is_root() {
             let steps = p.sharded_steps().unwrap_or(0);
-            dir.write_sharded(self.manifest(data, steps), shards)
+            dir.write_sharded(self.manifest(data, steps, self.scaler_state()?), shards)
         } else {
             Ok(dir.manifest_path(self.step))
         };

@@ -19,14 +19,16 @@ use sha2::{Digest, Sha256};
 use wick_nn::Autocast;
 use wick_nn::Model;
 use wick_train::amp::masters_by_name;
-use wick_train::data::{Dataset, Epoch, Loader, LoaderConfig, Position, TokenFile};
 use wick_train::dist::{DataParallelOptions, ProcessGroup};
 use wick_train::jobs::{write_status, Progress, RankFigures};
 use wick_train::optim::{AdamW, LrSchedule};
-use wick_train::trainer::{TrainOptions, Trainer};
+use wick_train::trainer::{GraphOptions, TrainOptions, Trainer};
 use wick_train::CheckpointDir;
 use wick_train::Optimizer;
 use wick_zoo::llama::{Llama, LlamaConfig};
+
+mod source;
+use source::Source;
 
 /// Settings of `wick train`.
 #[derive(Args, Debug, Clone)]
@@ -51,6 +53,18 @@ pub struct TrainArgs {
     /// Checkpoints that are there but all damaged are an error, as with --resume.
     #[arg(long)]
     resume_if_any: bool,
+    /// The device to train on: cpu, or cuda (GPU 0; a wick built with the `cuda` feature).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
+    /// Run each step as a CUDA graph after three eager ones (with --device cuda; not with several
+    /// ranks): the host launches one graph a step instead of every kernel. Checkpoints are the
+    /// same and resume either way.
+    #[arg(long)]
+    cuda_graph: bool,
+    /// With --cuda-graph, the eager steps before the capture (each of them through the same
+    /// device step the graph holds; more than --steps: every step eager, the graph's reference).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    graph_warmup: u64,
     /// Mixed precision: off, bf16 or f16.
     #[arg(long, default_value = "off")]
     precision: String,
@@ -148,109 +162,6 @@ fn on_sigterm() -> Result<()> {
     Ok(())
 }
 
-/// The seeded language: each sequence repeats a short motif chosen by the seed, the step and the
-/// sequence, with one token in eight replaced — learnable, and a pure function of (seed, step,
-/// micro-batch), which is the data position a checkpoint records.
-fn batch(args: &TrainArgs, step: u64, micro: usize) -> Result<Tensor> {
-    let mut state =
-        args.seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (micro as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
-    let mut next = || {
-        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (state >> 33) as usize
-    };
-    let mut ids = Vec::with_capacity(args.batch * args.seq);
-    for _ in 0..args.batch {
-        let motif: Vec<usize> = (0..3 + next() % 4).map(|_| next() % VOCAB).collect();
-        for t in 0..args.seq {
-            let noise = next();
-            ids.push(if noise % 8 == 0 { noise / 8 % VOCAB } else { motif[t % motif.len()] } as u32);
-        }
-    }
-    Ok(Tensor::from_vec(ids, (args.batch, args.seq), &Device::Cpu)?)
-}
-
-/// Where batches come from: the seeded synthetic language (a pure function of the step), or a
-/// token file through the data loader (whose position the checkpoints keep).
-enum Source {
-    Synthetic,
-    Tokens { loader: Box<Loader<TokenFile>>, position: Position, epoch: Option<Epoch> },
-}
-
-impl Source {
-    /// The run's data; with several ranks, this rank's share of each epoch (ranks hold the same
-    /// position, so rank 0's, saved with a checkpoint, is every rank's).
-    fn open(args: &TrainArgs, rank: usize, world: usize) -> Result<Source> {
-        let Some(path) = &args.data else { return Ok(Source::Synthetic) };
-        let tokens = TokenFile::open(path, 2, args.seq - 1)?;
-        if let Some((at, t)) = tokens.tokens().iter().enumerate().find(|(_, t)| **t as usize >= VOCAB) {
-            bail!("{}: token {at} is {t}, the model's vocabulary is {VOCAB}", path.display());
-        }
-        let config = LoaderConfig {
-            batch_size: args.batch,
-            shuffle: true,
-            seed: args.seed,
-            drop_last: true,
-            workers: 1,
-            prefetch_bytes: 16 << 20,
-        };
-        let loader = Box::new(Loader::new(tokens, config).sharded(rank, world)?);
-        if loader.batches_per_epoch() == 0 {
-            bail!("{}: fewer than {} windows of {} tokens", path.display(), args.batch, args.seq);
-        }
-        Ok(Source::Tokens { loader, position: Position::start(0), epoch: None })
-    }
-
-    /// The position to save with a checkpoint.
-    fn position(&self) -> serde_json::Value {
-        match self {
-            Source::Synthetic => serde_json::Value::Null,
-            Source::Tokens { position, .. } => serde_json::json!(position),
-        }
-    }
-
-    /// Continues from a saved position.
-    fn seek(&mut self, saved: &serde_json::Value) -> Result<()> {
-        if let Source::Tokens { position, epoch, .. } = self {
-            *position = serde_json::from_value(saved.clone()).context("the checkpoint's data-loader position")?;
-            *epoch = None;
-        }
-        Ok(())
-    }
-
-    /// The next micro-batch (the synthetic one of `step`).
-    fn next(&mut self, args: &TrainArgs, step: u64, micro: usize) -> Result<Tensor> {
-        let Source::Tokens { loader, position, epoch } = self else { return batch(args, step, micro) };
-        loop {
-            let current = epoch.get_or_insert_with(|| loader.epoch(*position));
-            match current.next() {
-                Some(b) => {
-                    let b = b?;
-                    *position = Position { epoch: b.position.epoch, batch: b.position.batch + 1 };
-                    return b.tensors.into_iter().next().context("a batch without its tokens");
-                }
-                None => {
-                    *position = Position::start(position.epoch + 1);
-                    *epoch = None;
-                }
-            }
-        }
-    }
-
-    /// A fixed held-out batch: the synthetic language past any step, or the file's first
-    /// windows in order.
-    fn held_out(&self, args: &TrainArgs) -> Result<Tensor> {
-        match self {
-            Source::Synthetic => batch(args, u64::MAX, 0),
-            Source::Tokens { loader, .. } => {
-                let rows = (0..args.batch.min(loader.dataset().len()))
-                    .map(|i| Ok(loader.dataset().get(i)?.remove(0)))
-                    .collect::<Result<Vec<_>>>()?;
-                Ok(Tensor::stack(&rows, 0)?)
-            }
-        }
-    }
-}
-
 /// Keeps the metrics lines of steps up to `step` (the rest were taken again after a resume).
 fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
@@ -279,13 +190,31 @@ fn f32_digest<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<Strin
     Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// SHA-256 of the f32 masters, in order; `None` when a sharded run holds only its share.
+/// SHA-256 of the f32 masters, in order (wherever they live: the device's under CUDA graphs);
+/// `None` when a sharded run holds only its share.
 fn masters_digest(trainer: &Trainer<Llama>) -> Result<Option<String>> {
-    let masters: Vec<&Tensor> = (0..).map_while(|i| trainer.masters().master(i)).collect();
+    let masters = trainer.master_state()?.masters;
     if masters.is_empty() {
         return Ok(None);
     }
-    f32_digest(masters).map(Some)
+    f32_digest(&masters).map(Some)
+}
+
+/// What the CUDA graph did, for the log: the graph's nodes, or why steps ran eagerly.
+#[cfg(feature = "cuda")]
+fn graph_line(trainer: &Trainer<Llama>) -> Option<String> {
+    let step = trainer.graph_step()?;
+    Some(match (step.graph(), step.refused(), step.eager_reason()) {
+        (Some(g), _, None) => format!("CUDA graph: {} nodes, replayed each step after the warm-up", g.shape().nodes),
+        (_, _, Some(why)) => format!("CUDA graph: the last step ran eagerly: {why}"),
+        (None, Some(why), None) => format!("CUDA graph refused: {why}"),
+        (None, None, None) => "CUDA graph: not captured yet (still warming up)".into(),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn graph_line(_: &Trainer<Llama>) -> Option<String> {
+    None
 }
 
 /// SHA-256 of the model's parameters, widened to f32, in order (for an f32 run they are the
@@ -383,7 +312,13 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
     let mut source = Source::open(args, rank, world)?;
     // The device the run trains on: while it lives, `wick monitor` lists this process among the
     // engines (allocated, peak, reserved, budget), beside its job row.
-    let engine = wick::Engine::cpu();
+    let engine = match args.device.as_str() {
+        "cuda" => wick::Engine::cuda(0, None).context("--device cuda")?,
+        _ => wick::Engine::cpu(),
+    };
+    if args.cuda_graph && !engine.device().is_cuda() {
+        bail!("--cuda-graph needs --device cuda");
+    }
     let model = Llama::new(config, autocast.model_dtype(), engine.device())?;
     let start = if autocast.enabled() {
         let f32_model = Llama::new(config, DType::F32, engine.device())?;
@@ -397,6 +332,10 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         autocast,
         activation_checkpointing: args.checkpointing,
         clip_grad_norm: args.clip_grad_norm,
+        cuda_graph: args.cuda_graph.then(|| GraphOptions {
+            warmup: usize::try_from(args.graph_warmup).unwrap_or(usize::MAX),
+            ..GraphOptions::default()
+        }),
     };
     // Several ranks start in their group: sharded (ZeRO), each rank makes only its shard of the
     // masters and optimizer state, and a resume reads only its share.
@@ -468,7 +407,7 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         let data = serde_json::json!({"next_batch": trainer.step(), "loader": source.position()});
         Ok(trainer.save(&checkpoints, data)?)
     };
-    let held_out = source.held_out(args)?;
+    let held_out = source.held_out(args)?.to_device(engine.device())?;
     let tokens_per_step = (args.batch * args.seq * args.accumulate * world) as f64;
     progress.step = trainer.step();
     progress.last_checkpoint = checkpoints.steps()?.last().map(|s| checkpoints.manifest_path(*s).display().to_string());
@@ -492,8 +431,9 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         let started = Instant::now();
         // Rank r's m-th micro-batch is the step's (m·ranks + r)-th: the ranks together take what
         // one process accumulating ranks × accumulate micro-batches takes.
-        let batches =
-            (0..args.accumulate).map(|m| source.next(args, step, m * world + rank)).collect::<Result<Vec<_>>>()?;
+        let batches = (0..args.accumulate)
+            .map(|m| Ok(source.next(args, step, m * world + rank)?.to_device(engine.device())?))
+            .collect::<Result<Vec<_>>>()?;
         let record = trainer.train_step(&batches)?;
         let ms = started.elapsed().as_secs_f64() * 1e3;
         last_loss = record.loss;
@@ -576,6 +516,9 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         }
     }
     bar.finish();
+    if let Some(line) = graph_line(&trainer).filter(|_| root) {
+        println!("{line}");
+    }
     progress.state = "finished".into();
     progress.exit_reason = Some(format!("completed {} steps", trainer.step()));
     let summary = serde_json::json!({"steps": trainer.step(), "loss": last_loss, "masters_sha256": masters_digest(&trainer)?,
