@@ -220,7 +220,8 @@ if [ -x "$bin/zoo-speed" ]; then
     | tee "$out/gpu-zoo-transformers.txt"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   section "training steps as CUDA graphs (issue 47): replayed vs eager to the bit, graph memory given back"
-  for config in "bert train" "bert amp" "decoder train" "vit amp" "resnet18 train --image 64 --batch 8"; do
+  for config in "bert train" "bert amp" "decoder train" "vit amp" "resnet18 train --image 64 --batch 8" \
+    "bert eval" "resnet18 eval --image 64 --batch 8"; do
     in_budget || { echo "   $config: skipped, over the time budget" | tee -a "$out/gpu-graph-check.txt"; continue; }
     set -- $config
     model=$1 mode=$2
@@ -243,6 +244,12 @@ if [ -x "$bin/zoo-speed" ]; then
       | tee "$out/gpu-graph-speed.txt"
   else
     echo "   graph_speed.py: skipped, over the time budget" | tee "$out/gpu-graph-speed.txt"
+  fi
+  # Inference as a graph (wick::cuda_graph::GraphForward) beside PyTorch's, while the budget lasts.
+  if in_budget; then
+    (cd scripts/torch-reference && PYTHONUNBUFFERED=1 timeout 100 python3 graph_speed.py --wick "$zoo" \
+      --models bert,resnet18 --modes eval --rounds 1 --steps 10 --warmup 3 --json "$out/gpu-graph-speed-eval.json") \
+      2>&1 | tee "$out/gpu-graph-speed-eval.txt"
   fi
   section "gradient clipping on the GPU: what it adds to a step, beside PyTorch's clip_grad_norm_"
   if in_budget; then

@@ -2,7 +2,9 @@
 `torch.compile(mode="reduce-overhead")`, on the same GPU in one run (issue 47's table).
 
 For each model of `zoo-speed --list` named in `--models` and each mode (train: f32; amp:
-bf16 autocast with f32 masters in wick, f32 parameters in PyTorch), in turn for `--rounds` rounds:
+bf16 autocast with f32 masters in wick, f32 parameters in PyTorch; eval: the forward pass, wick's
+through `wick::cuda_graph::GraphForward`, PyTorch's under `inference_mode`), in turn for `--rounds`
+rounds:
 
 - wick eager: `zoo-speed --cuda-graph --graph-eager` (the fused device step, never captured);
 - wick graph: `zoo-speed --cuda-graph` (captured after the warm-up, replayed at every timed step);
@@ -45,12 +47,25 @@ def torch_compiled_times(spec, mode, steps, warmup):
     """Milliseconds of each timed step with the model under torch.compile(mode="reduce-overhead"),
     or the reason it did not run."""
     try:
-        model, loss_fn, _ = zoo_speed.build(spec, "cuda")
+        model, loss_fn, eval_fn = zoo_speed.build(spec, "cuda")
         # In place (nn.Module.compile): the zoo's loss closures call `model(...)`, which now runs
         # the compiled module.
         model.compile(mode="reduce-overhead")
-        opt = zoo_speed.optimizer(spec, model.parameters())
         times = []
+        if mode == "eval":
+            model.eval()
+            with torch.inference_mode():
+                for i in range(warmup + steps):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    start = time.perf_counter()
+                    eval_fn()
+                    torch.cuda.synchronize()
+                    if i >= warmup:
+                        times.append((time.perf_counter() - start) * 1e3)
+            del model, eval_fn
+            torch.cuda.empty_cache()
+            return times, None
+        opt = zoo_speed.optimizer(spec, model.parameters())
         for i in range(warmup + steps):
             torch.compiler.cudagraph_mark_step_begin()
             start = time.perf_counter()

@@ -13,6 +13,7 @@
 use candle_core::backprop::GradStore;
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::{DType, Device, Tensor, Var};
+use wick::cuda_graph::copy_into;
 use wick_kernels::step_scalars::{Slot, HYPERS, SLOTS};
 
 use super::cuda::{AmpKernels, StepItem};
@@ -38,13 +39,6 @@ pub struct Unscaled {
 /// A driver call's failure as the step's error.
 fn driver(e: candle_core::cuda_backend::cudarc::driver::DriverError) -> TrainError {
     TrainError::from(candle_core::Error::wrap(e))
-}
-
-/// Copies `src` (same shape; converted to `dst`'s device and dtype) into `dst`'s own memory: what
-/// a captured step reads stays where it reads it.
-pub(crate) fn copy_into(dst: &Tensor, src: &Tensor) -> candle_core::Result<()> {
-    let src = src.to_device(dst.device())?.to_dtype(dst.dtype())?.contiguous()?;
-    dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0)
 }
 
 fn refused(message: String) -> TrainError {

@@ -19,9 +19,9 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
-use wick::cuda_graph::{self, GraphError, StepGraph};
+use wick::cuda_graph::{self, copy_into, GraphError, StepGraph};
 
-use super::device_step::{copy_into, DeviceAmp, StepReport};
+use super::device_step::{DeviceAmp, StepReport};
 use crate::error::TrainError;
 
 /// The memory report's line for the device's graph memory ([`GraphStep::account`]).

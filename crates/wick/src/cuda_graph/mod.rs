@@ -33,11 +33,17 @@
 //!
 //! Replays are the captured step exactly: the same kernels on the same addresses, so a replayed
 //! step gives the eager step's bits when the eager step is deterministic.
+//!
+//! A training step's capture is wick-train's (`amp::graph_step`); a function of tensors with
+//! outputs — a model's forward pass in evaluation, inference — is [`GraphForward`] (`forward`).
 
 use std::sync::Arc;
 
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
-use candle_core::Device;
+use candle_core::{Device, Tensor};
+
+mod forward;
+pub use forward::{Function, GraphForward};
 
 /// Why a step was not captured or a replay failed.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +62,16 @@ pub enum GraphError {
     /// The driver failed otherwise.
     #[error("CUDA graph: {0}")]
     Driver(String),
+    /// The function itself failed while running eagerly (a warm-up, or a shape without a graph).
+    #[error(transparent)]
+    Failed(candle_core::Error),
+}
+
+/// Copies `src` (same shape; converted to `dst`'s device and dtype) into `dst`'s own memory: what
+/// a captured step reads, or writes for its caller, stays where the graph has it.
+pub fn copy_into(dst: &Tensor, src: &Tensor) -> candle_core::Result<()> {
+    let src = src.to_device(dst.device())?.to_dtype(dst.dtype())?.contiguous()?;
+    dst.flatten_all()?.slice_set(&src.flatten_all()?, 0, 0)
 }
 
 /// What a captured graph holds: its nodes by kind and the memory its allocation nodes ask for.
