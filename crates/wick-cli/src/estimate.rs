@@ -370,6 +370,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             "profile": profile,
             "profile_seconds": profile_s,
             "estimates": estimates,
+            "graph_pools": estimates.iter().map(Estimate::graph_pool).collect::<Vec<_>>(),
             "measured_peaks": measured,
             "warning": warning,
         });
@@ -416,6 +417,14 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             let off = (e.total as f64 / *m as f64 - 1.0) * 100.0;
             println!("measured {:?} at batch {}: {} (the estimate is {off:+.1} %)", e.mode, args.batch, b(*m));
         }
+    }
+    if args.on == Target::Cuda {
+        let pools: Vec<String> = estimates.iter().map(|e| format!("{:?} {}", e.mode, b(e.graph_pool()))).collect();
+        println!(
+            "as a CUDA graph (wick train --cuda-graph) the step's own tensors come from the driver's graph pool: {} \
+             (the rest stays in wick's pool)",
+            pools.join(", ")
+        );
     }
     if let Some((name, bytes)) = &p.largest_block {
         let phases: Vec<String> = estimates

@@ -426,3 +426,32 @@ fn fit_batch_plans_per_rank() {
     assert!(micro * steps * 2 == 96 && micro <= s, "{sharded}");
     assert!(fit("2", "1", "95")["micro_batch"].is_null(), "95 does not split over 2 ranks");
 }
+
+/// The CUDA graph pool's estimate (the step's own tensors: gradients, activations, transients,
+/// with the allowance) against the measured step on the CPU less what outlives it (parameters,
+/// masters, optimizer state): never under, within 5 % — what issue 47 asks of the graph pool, held
+/// here on the CPU's step; the device's own comparison is scripts/gpu-check.sh's. The text form
+/// names the pool under `--on cuda`.
+#[test]
+fn the_graph_pool_estimate_bounds_the_steps_own_tensors() {
+    for args in [
+        &["resnet18", "--image", "64", "--batch", "8", "--mode", "adamw"][..],
+        &["minilm", "--seq", "32", "--batch", "8", "--mode", "sgd-momentum", "--precision", "amp-bf16"][..],
+    ] {
+        let mut with = args.to_vec();
+        with.push("--measure");
+        let out = estimate(&with);
+        let e = &out["estimates"][0];
+        let pool = out["graph_pools"][0].as_u64().unwrap();
+        let parts: u64 = ["gradients", "activations", "workspace", "allowance"].iter().map(|k| field(e, k)).sum();
+        assert_eq!(pool, parts, "{out}");
+        let measured = out["measured_peaks"][0].as_u64().unwrap();
+        let outlives = field(e, "parameters") + field(e, "optimizer_state") + field(e, "master_weights");
+        let own = measured - outlives;
+        let ratio = pool as f64 / own as f64;
+        assert!((1.0..=1.05).contains(&ratio), "{args:?}: pool {pool} for {own} measured ({ratio:.4})");
+    }
+    let (ok, text, _) =
+        wick(&["estimate", "resnet18", "--image", "64", "--batch", "4", "--mode", "adamw", "--on", "cuda"]);
+    assert!(ok && text.contains("as a CUDA graph") && text.contains("TrainAdamW"), "{text}");
+}

@@ -200,12 +200,21 @@ fn masters_digest(trainer: &Trainer<Llama>) -> Result<Option<String>> {
     f32_digest(&masters).map(Some)
 }
 
-/// What the CUDA graph did, for the log: the graph's nodes, or why steps ran eagerly.
+/// What the CUDA graph did, for the log: the graph's nodes and its pool beside the last warm-up
+/// step's own tensors at their peak (`warm`, measured in wick's pool), or why steps ran eagerly.
 #[cfg(feature = "cuda")]
-fn graph_line(trainer: &Trainer<Llama>) -> Option<String> {
+fn graph_line(trainer: &Trainer<Llama>, engine: &wick::Engine, warm: Option<usize>) -> Option<String> {
     let step = trainer.graph_step()?;
+    let b = |n: u64| wick::memory::format_bytes(n);
+    let pool = wick::cuda_graph::graph_memory(engine.device()).map(|m| b(m.reserved)).unwrap_or_else(|e| e.to_string());
+    let warm = warm.map_or_else(|| "not measured".into(), |w| b(w as u64));
     Some(match (step.graph(), step.refused(), step.eager_reason()) {
-        (Some(g), _, None) => format!("CUDA graph: {} nodes, replayed each step after the warm-up", g.shape().nodes),
+        (Some(g), _, None) => format!(
+            "CUDA graph: {} nodes ({} kernels), replayed each step after the warm-up; graph pool {pool} (the last \
+             warm-up step's own tensors peaked at {warm})",
+            g.shape().nodes,
+            g.shape().kernels
+        ),
         (_, _, Some(why)) => format!("CUDA graph: the last step ran eagerly: {why}"),
         (None, Some(why), None) => format!("CUDA graph refused: {why}"),
         (None, None, None) => "CUDA graph: not captured yet (still warming up)".into(),
@@ -213,7 +222,7 @@ fn graph_line(trainer: &Trainer<Llama>) -> Option<String> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn graph_line(_: &Trainer<Llama>) -> Option<String> {
+fn graph_line(_: &Trainer<Llama>, _: &wick::Engine, _: Option<usize>) -> Option<String> {
     None
 }
 
@@ -423,6 +432,9 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
     let record_to = record_from.saturating_add(args.record_history);
     let mut leaks = wick::LeakFinder::new(3, 5);
     let mut leak_reported = false;
+    // With --cuda-graph: the last warm-up step's own tensors at their peak (what the graph's pool
+    // will hold), measured in wick's pool; a resumed run warms up again.
+    let (mut steps_here, mut warm_own) = (0u64, None::<usize>);
     while trainer.step() < args.steps {
         let step = trainer.step();
         if args.record_history > 0 && step == record_from {
@@ -434,7 +446,16 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         let batches = (0..args.accumulate)
             .map(|m| Ok(source.next(args, step, m * world + rank)?.to_device(engine.device())?))
             .collect::<Result<Vec<_>>>()?;
+        let measuring = args.cuda_graph && steps_here + 1 == args.graph_warmup;
+        let before = measuring.then(|| {
+            engine.reset_peak_memory_stats();
+            engine.allocated().bytes
+        });
         let record = trainer.train_step(&batches)?;
+        if let Some(before) = before {
+            warm_own = engine.peak_allocated().map(|p| p.bytes.saturating_sub(before));
+        }
+        steps_here += 1;
         let ms = started.elapsed().as_secs_f64() * 1e3;
         last_loss = record.loss;
         let rss = wick::host_memory::process_rss();
@@ -516,7 +537,7 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
         }
     }
     bar.finish();
-    if let Some(line) = graph_line(&trainer).filter(|_| root) {
+    if let Some(line) = graph_line(&trainer, &engine, warm_own).filter(|_| root) {
         println!("{line}");
     }
     progress.state = "finished".into();

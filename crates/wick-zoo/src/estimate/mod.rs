@@ -249,6 +249,17 @@ pub fn estimate_bytes(
 }
 
 impl Estimate {
+    /// What the step takes from the driver's graph pool when it runs captured as a CUDA graph
+    /// (`wick train --cuda-graph`, `wick::cuda_graph`): every tensor the step makes and frees —
+    /// the gradients, the activations, the transients — with the allowance; the parameters,
+    /// masters and optimizer state stay in wick's pool, as the step's inputs do. The graph's
+    /// allocations are the eager step's, in its order, and the driver reuses the memory of one
+    /// freed earlier in the graph, so the pool follows the step's own transient peak; how the
+    /// driver rounds its reservation is not modelled (scripts/gpu-check.sh compares the two).
+    pub fn graph_pool(&self) -> usize {
+        [self.gradients, self.activations, self.workspace, self.allowance].into_iter().fold(0, usize::saturating_add)
+    }
+
     /// Sets the allowance (see [`Estimate::allowance`]) and the total from the parts.
     pub(crate) fn add_up(&mut self) {
         let parts = [

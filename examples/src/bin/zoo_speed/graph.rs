@@ -53,13 +53,22 @@ pub(super) fn graph_steps(args: &Args, name: &str, sizes: Sizes, engine: &wick::
     let mut graphed = GraphStep::new(amp, &device, args.clip_grad_norm, capture_after)?;
     // The benchmark's batch is the same every step: the step reads it where it is.
     let forward = |_: &[Tensor]| bench.model.loss(&bench.batch).map_err(candle_core::Error::wrap);
-    let (mut times, mut host, mut losses) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut times, mut host, mut losses, mut own) = (Vec::new(), Vec::new(), Vec::new(), None::<usize>);
     engine.reset_peak_memory_stats();
     for step in 0..args.warmup + args.steps {
+        // The last warm-up step's own tensors at their peak in wick's pool: what the graph's
+        // pool will hold.
+        let before = (step + 1 == args.warmup).then(|| {
+            engine.reset_peak_memory_stats();
+            engine.allocated().bytes
+        });
         let start = Instant::now();
         graphed.step(&[], &forward)?;
         let issued = start.elapsed();
         device.synchronize()?;
+        if let Some(before) = before {
+            own = engine.peak_allocated().map(|p| p.bytes.saturating_sub(before));
+        }
         if step >= args.warmup {
             times.push(start.elapsed().as_secs_f64() * 1e3);
             host.push(issued.as_secs_f64() * 1e3);
@@ -90,6 +99,8 @@ pub(super) fn graph_steps(args: &Args, name: &str, sizes: Sizes, engine: &wick::
             "frees": s.frees, "allocated_bytes": s.allocated_bytes,
         })),
         "graph_memory_reserved": memory.reserved,
+        "warmup_own_peak": own,
+        "graph_pool_over_own": own.filter(|o| *o > 0).map(|o| memory.reserved as f64 / o as f64),
         "graph_memory_reserved_high": memory.reserved_high,
         "report_line": graph_line.map(|h| format!("{}: {} bytes", h.what, h.bytes)),
         "device": engine.name(),
@@ -168,13 +179,22 @@ fn graph_eval(args: &Args, name: &str, sizes: Sizes, engine: &wick::Engine) -> R
         true => Some(host_values(&wick_nn::no_grad(|| bench.model.forward(&bench.eval))?)?),
         false => None,
     };
-    let (mut times, mut host, mut same) = (Vec::new(), Vec::new(), true);
+    let (mut times, mut host, mut same, mut own) = (Vec::new(), Vec::new(), true, None::<usize>);
     engine.reset_peak_memory_stats();
     for step in 0..args.warmup + args.steps {
+        // The last warm-up step's own tensors at their peak in wick's pool: what the graph's
+        // pool will hold.
+        let before = (step + 1 == args.warmup).then(|| {
+            engine.reset_peak_memory_stats();
+            engine.allocated().bytes
+        });
         let start = Instant::now();
         let out = graphed.run(&inputs, &forward)?;
         let issued = start.elapsed();
         device.synchronize()?;
+        if let Some(before) = before {
+            own = engine.peak_allocated().map(|p| p.bytes.saturating_sub(before));
+        }
         if step >= args.warmup {
             times.push(start.elapsed().as_secs_f64() * 1e3);
             host.push(issued.as_secs_f64() * 1e3);
@@ -202,6 +222,8 @@ fn graph_eval(args: &Args, name: &str, sizes: Sizes, engine: &wick::Engine) -> R
             "frees": s.frees, "allocated_bytes": s.allocated_bytes,
         })),
         "graph_memory_reserved": memory.reserved,
+        "warmup_own_peak": own,
+        "graph_pool_over_own": own.filter(|o| *o > 0).map(|o| memory.reserved as f64 / o as f64),
         "device": engine.name(),
         "peak_allocated": engine.max_memory_allocated(),
     });
