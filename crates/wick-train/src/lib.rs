@@ -9,7 +9,7 @@
 //! | [`clip`] | gradient clipping by the global norm (PyTorch's `clip_grad_norm_`), its coefficient folded into the update |
 //! | [`amp`] | mixed precision: the loss scaler ([`amp::GradScaler`]), f32 master weights with f32 optimizer state ([`amp::MasterWeights`]), the fused device step (feature `cuda` launches wick-kernels' fused kernels, and [`amp::MasterWeights`]' step is one launch per parameter there), and that step captured as a CUDA graph (`amp::graph_step`, feature `cuda`) |
 //! | [`updater`] | [`updater::Updater`]: backward and the update of a loop of one's own, on the host or fused on a CUDA device, clipped by the global norm where asked |
-//! | [`trainer`] | [`Trainer`]: a training run over any [`wick_nn::Model`] (precision, LR schedule, accumulation, activation checkpointing) that saves and resumes bit-exactly |
+//! | [`trainer`] | [`Trainer`]: a training run over any [`wick_nn::Model`] (precision, LR schedule, accumulation, activation checkpointing, steps as CUDA graphs) that saves and resumes bit-exactly |
 //! | [`checkpoint`] | training checkpoints on disk ([`CheckpointDir`]: tensors and manifest written atomically, checked and fallen back on when damaged) |
 //! | [`data`] | the data loader ([`data::Loader`]: worker threads, pinned order, resumable positions) and its datasets |
 //! | [`dist`] | more than one process: the [`dist::ProcessGroup`] (MPI through rsmpi, feature `mpi`), collectives over tensors, gradient buckets, ZeRO sharding of the optimizer state |

@@ -21,7 +21,7 @@
 //! | [`report`] | text and HTML reports ([`MemoryReport`], [`HistoryReport`]) and evcxr display |
 //! | [`engine_status`] | the status file every live engine keeps for `wick monitor` |
 //! | [`cuda`], [`pool_stack`] | the governed CUDA device and its pools (feature `cuda`; a stand-in without it) |
-//! | `cuda_graph` | a step captured as a CUDA graph and replayed, its graph memory (feature `cuda`) |
+//! | `cuda_graph` | a step captured as a CUDA graph and replayed, a forward pass likewise (`GraphForward`), their graph memory (feature `cuda`) |
 //! | [`machine`], [`gpu`] | what the machine offers: CPU, memory, cgroup, GPUs through NVML |
 //! | [`cpu_threads`] | candle's CPU workers and the kernels' thread pool |
 //! | [`main_macro`] | [`main!`] and [`heap!`]: the program's set-up in one line |
