@@ -7,8 +7,8 @@
 //! reads, so a graph captured before stays valid.
 //!
 //! Refused with the reason: a build without CUDA or a run on the CPU (at [`super::Trainer::new`]),
-//! data-parallel training (the gradients are reduced through MPI on the host, which a graph cannot
-//! hold). A model whose batches are not tensors alone ([`wick_nn::Model::batch_tensors`]) steps
+//! data-parallel training (its step agrees with the other ranks on the host through MPI, and
+//! waits for each NCCL collective on the host against its timeout: neither can be captured). A model whose batches are not tensors alone ([`wick_nn::Model::batch_tensors`]) steps
 //! eagerly on the device path, saying why.
 
 use candle_core::{Tensor, Var};
@@ -37,8 +37,10 @@ impl Default for GraphOptions {
 }
 
 /// The reason a data-parallel run does not take CUDA graphs.
-pub(super) const NOT_DATA_PARALLEL: &str = "CUDA graphs are refused for data-parallel training: the trainer reduces \
-     gradients through MPI on the host, which a captured step cannot hold — train data-parallel without --cuda-graph";
+pub(super) const NOT_DATA_PARALLEL: &str = "CUDA graphs are refused for data-parallel training: a data-parallel step \
+     agrees with the other ranks on the host through MPI (failures, the loss, the buffers) and waits for each NCCL \
+     collective on the host against its timeout, which a captured step cannot hold — train data-parallel without \
+     --cuda-graph";
 
 fn refused(message: impl Into<String>) -> TrainError {
     TrainError::Invalid { what: "CUDA graph".into(), message: message.into() }
