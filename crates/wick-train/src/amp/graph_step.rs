@@ -15,7 +15,8 @@
 //! eagerly; a batch of another shape (a smaller last batch, another sequence length) runs eagerly
 //! with the reason ([`GraphStep::eager_reason`]), or gets a graph of its own with
 //! [`GraphStep::recapture_per_shape`]. The loss is written into a tensor made before any capture
-//! ([`GraphStep::last_loss`]).
+//! ([`GraphStep::last_loss`]). Dropping the step drops its graphs and gives their memory back to
+//! the device.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
@@ -265,6 +266,15 @@ impl GraphStep {
         let memory = cuda_graph::graph_memory(&self.device).map_err(graph_error)?;
         engine.account(GRAPH_MEMORY, usize::try_from(memory.reserved).unwrap_or(usize::MAX));
         Ok(())
+    }
+}
+
+/// The step's graphs go first, then their memory goes back to the device (`cuda_graph::trim`):
+/// the driver's graph pool returns to what other live graphs hold.
+impl Drop for GraphStep {
+    fn drop(&mut self) {
+        drop(std::mem::take(&mut self.shapes));
+        let _ = cuda_graph::trim(&self.device);
     }
 }
 

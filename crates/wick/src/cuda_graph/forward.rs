@@ -9,7 +9,7 @@
 //! than the captured one run eagerly with the reason ([`GraphForward::eager_reason`]), or get a
 //! graph of their own with [`GraphForward::recapture_per_shape`]; outputs whose shapes change from
 //! one call to the next (a function that is not a fixed computation of its inputs' shapes) are a
-//! refused capture too.
+//! refused capture too. Dropping it drops its graphs and gives their memory back to the device.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -166,5 +166,14 @@ impl GraphForward {
     /// without a graph); `None` after a replay or a warm-up call.
     pub fn eager_reason(&self) -> Option<&str> {
         self.eager_reason.as_deref()
+    }
+}
+
+/// The graphs go first, then their memory goes back to the device ([`super::trim`]): the
+/// driver's graph pool returns to what other live graphs hold.
+impl Drop for GraphForward {
+    fn drop(&mut self) {
+        drop(std::mem::take(&mut self.shapes));
+        let _ = super::trim(&self.device);
     }
 }
