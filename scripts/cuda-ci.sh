@@ -33,7 +33,7 @@ cargo clippy --workspace --all-targets --features "$features" -- -D warnings
 ls target/debug/build/wick-kernels-*/out/*.fatbin >/dev/null || { echo "!! the kernels were not compiled into wick-kernels"; exit 1; }
 
 echo "-- the NCCL path (wick-train features nccl + mpi: cudarc's nccl, bootstrapped over MPI) type-checked"
-cargo clippy -p wick-train --all-targets --features wick-train/nccl,wick-train/mpi -- -D warnings
+cargo clippy -p wick-train -p wick-cli --all-targets --features wick-train/nccl,wick-train/mpi,wick-cli/nccl -- -D warnings
 
 echo "-- no-driver path: test binary linked against failing stubs"
 bash scripts/cuda-link-stubs.sh target/cuda-stubs-empty

@@ -4,8 +4,10 @@
 //! bit), and its time beside a device copy of the same bytes. One GPU cannot host two ranks of a
 //! communicator (NCCL refuses a duplicate device), so two-rank correctness is the MPI tests'.
 //! Then the trainer on the GPU: alone and data-parallel in a one-rank group (gradients through
-//! NCCL's buckets), the same parameters to the bit. Prints one JSON line; exits 1 when a check
-//! fails.
+//! NCCL's buckets), the same parameters to the bit; and the same with every step a CUDA graph
+//! after its warm-up (two micro-batches a step; the data-parallel graph holds the gradient
+//! buckets' and the loss's all-reduces): captured, and the same losses and parameters to the bit
+//! as the graph trainer alone. Prints one JSON line; exits 1 when a check fails.
 
 use std::time::Instant;
 
@@ -68,9 +70,11 @@ fn run() -> Result<()> {
         timings.push(serde_json::json!({"mb": mb, "all_reduce_ms": reduce * 1e3, "copy_ms": copy * 1e3}));
     }
     let trainer = trainer_on_nccl(&group, &device)?;
+    let graphs = graph_trainer_on_nccl(&group, &device)?;
     println!(
         "{}",
-        serde_json::json!({"nccl": format!("{nccl:?}"), "checks": checks, "timings": timings, "trainer": trainer})
+        serde_json::json!({"nccl": format!("{nccl:?}"), "checks": checks, "timings": timings, "trainer": trainer,
+            "graph_trainer": graphs})
     );
     Ok(())
 }
@@ -79,21 +83,11 @@ fn run() -> Result<()> {
 /// gradients through NCCL's buckets): the same parameters to the bit (one rank's sum is its
 /// own gradient). ZeRO with GPU parameters is refused.
 fn trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Value> {
-    use wick_nn::Model;
     use wick_train::dist::{DataParallelOptions, Sharding};
     use wick_train::trainer::{TrainOptions, Trainer};
     use wick_zoo::llama::{Llama, LlamaConfig};
     let config = LlamaConfig::tiny(64);
     let ids = Tensor::arange(0u32, 32, device)?.reshape((2, 16))?;
-    let digest = |t: &Trainer<Llama>| -> Result<Vec<u32>> {
-        let mut out = Vec::new();
-        for (_, v) in t.model().params().iter() {
-            out.extend(
-                v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()),
-            );
-        }
-        Ok(out)
-    };
     // The same initial values for both runs (the zoo's initialisation is seeded on the host).
     let build = || -> Result<Llama> { Ok(Llama::new(config, DType::F32, device)?) };
     let mut alone = Trainer::new(build()?, serde_json::json!({}), None, TrainOptions::default())?;
@@ -112,7 +106,7 @@ fn trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::
         let b = grouped.train_step(std::slice::from_ref(&ids))?;
         losses.push((a.loss, b.loss));
     }
-    let same = digest(&alone)? == digest(&grouped)?;
+    let same = parameter_bits(&alone)? == parameter_bits(&grouped)?;
     ensure!(same, "one-rank NCCL data parallel differs from the plain trainer: {losses:?}");
     let zero = DataParallelOptions { sharding: Sharding::Gradients, ..DataParallelOptions::default() };
     let refused =
@@ -122,6 +116,58 @@ fn trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::
     ensure!(refused.is_some(), "ZeRO with GPU parameters must be refused");
     let reduce = grouped.last_reduce().map(|r| serde_json::json!({"buckets": r.buckets, "comm_s": r.comm_s}));
     Ok(serde_json::json!({"same_parameters": same, "losses": losses, "reduce": reduce, "zero_refused": refused}))
+}
+
+/// Every parameter's bits, in order.
+fn parameter_bits(t: &wick_train::Trainer<wick_zoo::llama::Llama>) -> Result<Vec<u32>> {
+    use wick_nn::Model;
+    let mut out = Vec::new();
+    for (_, v) in t.model().params().iter() {
+        out.extend(v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()));
+    }
+    Ok(out)
+}
+
+/// A decoder's steps as CUDA graphs (two warm-up steps, two micro-batches a step), alone and
+/// data-parallel in a one-rank group (the graph holds the NCCL all-reduces of the gradient
+/// buckets and of the loss): both captured, and the same losses and parameters to the bit.
+fn graph_trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Value> {
+    use wick_train::dist::DataParallelOptions;
+    use wick_train::trainer::{GraphOptions, TrainOptions, Trainer};
+    use wick_zoo::llama::{Llama, LlamaConfig};
+    let config = LlamaConfig::tiny(64);
+    let options = TrainOptions {
+        cuda_graph: Some(GraphOptions { warmup: 2, recapture_per_shape: false }),
+        clip_grad_norm: Some(1.0),
+        ..TrainOptions::default()
+    };
+    let build = || -> Result<Llama> { Ok(Llama::new(config, DType::F32, device)?) };
+    let mut alone = Trainer::new(build()?, serde_json::json!({}), None, options)?;
+    let parallel = DataParallelOptions::default();
+    let mut grouped =
+        Trainer::new_data_parallel(build()?, serde_json::json!({}), None, options, group.clone(), parallel)?;
+    let mut losses = Vec::new();
+    for step in 0..6u32 {
+        // Two micro-batches of 2 × 16 token ids below the vocabulary's 64, other ones each step.
+        let ids = |m: u32| -> Result<Tensor> {
+            let values: Vec<u32> = (0..32u32).map(|i| (i * 7 + step * 13 + m * 5) % 64).collect();
+            Ok(Tensor::from_vec(values, (2, 16), device)?)
+        };
+        let micro = [ids(0)?, ids(1)?];
+        let a = alone.train_step(&micro)?;
+        let b = grouped.train_step(&micro)?;
+        losses.push((a.loss, b.loss));
+    }
+    let captured =
+        |t: &Trainer<Llama>| t.graph_step().is_some_and(|g| g.graph().is_some() && g.eager_reason().is_none());
+    let (captured_alone, captured_grouped) = (captured(&alone), captured(&grouped));
+    let same = parameter_bits(&alone)? == parameter_bits(&grouped)?;
+    let same_losses = losses.iter().all(|(a, b)| a.to_bits() == b.to_bits());
+    ensure!(captured_alone && captured_grouped, "a graph trainer was not captured");
+    ensure!(same && same_losses, "the one-rank data-parallel graph step differs from the graph alone: {losses:?}");
+    let nodes = grouped.graph_step().and_then(|g| g.graph()).map(|g| g.shape().nodes);
+    Ok(serde_json::json!({"captured": [captured_alone, captured_grouped], "same_parameters": same,
+        "same_losses": same_losses, "losses": losses, "data_parallel_graph_nodes": nodes}))
 }
 
 wick::main!(run);

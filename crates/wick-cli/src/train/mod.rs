@@ -53,12 +53,13 @@ pub struct TrainArgs {
     /// Checkpoints that are there but all damaged are an error, as with --resume.
     #[arg(long)]
     resume_if_any: bool,
-    /// The device to train on: cpu, or cuda (GPU 0; a wick built with the `cuda` feature).
+    /// The device to train on: cpu, or cuda (GPU 0, or each rank its node-local rank's GPU; a wick
+    /// built with the `cuda` feature, and for several ranks `nccl`).
     #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
     device: String,
-    /// Run each step as a CUDA graph after three eager ones (with --device cuda; not with several
-    /// ranks): the host launches one graph a step instead of every kernel. Checkpoints are the
-    /// same and resume either way.
+    /// Run each step as a CUDA graph after three eager ones (with --device cuda; several ranks
+    /// at ZeRO stage 0 only, the step's NCCL collectives inside the graph): the host launches one
+    /// graph a step instead of every kernel. Checkpoints are the same and resume either way.
     #[arg(long)]
     cuda_graph: bool,
     /// With --cuda-graph, the eager steps before the capture (each of them through the same
@@ -322,7 +323,8 @@ fn train(args: &TrainArgs, progress: &mut Progress, group: &ProcessGroup) -> Res
     // The device the run trains on: while it lives, `wick monitor` lists this process among the
     // engines (allocated, peak, reserved, budget), beside its job row.
     let engine = match args.device.as_str() {
-        "cuda" => wick::Engine::cuda(0, None).context("--device cuda")?,
+        // Each rank of a node on its own GPU (NCCL refuses two ranks on one device).
+        "cuda" => wick::Engine::cuda(group.local_rank(), None).context("--device cuda")?,
         _ => wick::Engine::cpu(),
     };
     if args.cuda_graph && !engine.device().is_cuda() {

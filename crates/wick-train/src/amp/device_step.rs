@@ -311,6 +311,25 @@ impl DeviceAmp {
         Ok(())
     }
 
+    /// Lets `write` replace every f32 master and optimizer state in place (a data-parallel run
+    /// taking rank 0's state: a broadcast into each), then sets each low-precision parameter from
+    /// its master.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn rewrite_state(
+        &mut self,
+        write: &mut dyn FnMut(&Tensor) -> Result<(), TrainError>,
+    ) -> Result<(), TrainError> {
+        for p in &self.params {
+            write(&p.master)?;
+            p.state.iter().try_for_each(&mut *write)?;
+        }
+        // The writes are ordered on the stream before these casts.
+        for p in self.params.iter().filter(|p| p.model.dtype() != DType::F32) {
+            p.model.set(&p.master.to_dtype(p.model.dtype())?)?;
+        }
+        Ok(())
+    }
+
     /// The loss scaler's state (a host read), when the loss is scaled.
     pub fn scaler_state(&self) -> Result<Option<ScalerState>, TrainError> {
         let Some((_, scale, tracker)) = &self.scaler else { return Ok(None) };

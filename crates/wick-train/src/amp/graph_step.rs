@@ -42,6 +42,26 @@ pub trait StepBody {
     fn backward(&self, loss: &Tensor) -> candle_core::Result<GradStore> {
         loss.backward()
     }
+
+    /// What the step does before its first micro-batch (a data-parallel step: rank 0's buffers
+    /// into every rank's). Nothing by default.
+    fn begin(&self) -> candle_core::Result<()> {
+        Ok(())
+    }
+
+    /// The processes that each take as many micro-batches in the step (a data-parallel step's
+    /// ranks): each micro-batch's loss counts `1/(micro-batches × ranks)`, as the trainer's.
+    fn ranks(&self) -> usize {
+        1
+    }
+
+    /// After the last backward, before the update: the summed gradients and the mean loss (one
+    /// f32, this process's share) made what the update and the report should see (a data-parallel
+    /// step: summed over the ranks, in place). Nothing by default.
+    fn reduce(&self, grads: &mut GradStore, loss: &Tensor) -> candle_core::Result<()> {
+        let _ = (grads, loss);
+        Ok(())
+    }
 }
 
 impl<F: Fn(usize, &[Tensor]) -> candle_core::Result<Tensor>> StepBody for F {
@@ -278,8 +298,9 @@ impl Drop for GraphStep {
     }
 }
 
-/// Forward and backward over each micro-batch (its loss divided by their number, the gradients
-/// summed in order), the mean loss copied into `loss`, and the fused update: what is captured.
+/// The body's start, forward and backward over each micro-batch (its loss divided by their
+/// number times the body's ranks, the gradients summed in order), the mean loss copied into
+/// `loss`, the body's reduction, and the fused update: what is captured.
 fn one_step(
     amp: &mut DeviceAmp,
     loss: &Tensor,
@@ -287,7 +308,9 @@ fn one_step(
     micro_batches: &[&[Tensor]],
     body: &dyn StepBody,
 ) -> Result<(), TrainError> {
-    let n = micro_batches.len();
+    body.begin()?;
+    // What each micro-batch's loss counts: 1/(micro-batches × ranks).
+    let n = micro_batches.len().saturating_mul(body.ranks().max(1));
     let (mut total, mut loss_sum) = (None::<GradStore>, None::<Tensor>);
     for (k, inputs) in micro_batches.iter().enumerate() {
         let value = body.loss(k, inputs)?;
@@ -305,8 +328,9 @@ fn one_step(
         let mean = if n > 1 { (sum / n as f64)? } else { sum };
         loss.slice_set(&mean, 0, 0)?;
     }
-    let grads =
+    let mut grads =
         total.ok_or_else(|| TrainError::Invalid { what: "CUDA graph step".into(), message: "no gradients".into() })?;
+    body.reduce(&mut grads, loss)?;
     let unscaled = amp.unscale(&grads)?;
     drop(grads);
     amp.apply(unscaled, clip)

@@ -163,6 +163,18 @@ impl NcclGroup {
     /// Enqueues `kind` on `out` (from `input`, for the collectives with two buffers) and waits
     /// for it with the deadline.
     fn run(&self, kind: Kind, out: &Tensor, input: Option<&Tensor>) -> Result<(), DistError> {
+        let device = self.enqueue(kind, out, input)?;
+        self.wait(kind.name(), device)
+    }
+
+    /// Enqueues `kind` on `out` (from `input`) on `out`'s device's stream, waiting for nothing;
+    /// that device.
+    fn enqueue<'t>(
+        &self,
+        kind: Kind,
+        out: &'t Tensor,
+        input: Option<&Tensor>,
+    ) -> Result<&'t candle_core::CudaDevice, DistError> {
         let what = kind.name();
         let Device::Cuda(device) = out.device() else {
             return Err(DistError::unsupported(what, "a host tensor (the MPI group carries those)"));
@@ -180,7 +192,32 @@ impl NcclGroup {
                 Some(t) => out.inplace_op2(t, &op)?,
             }
         }
-        self.wait(what, device)
+        Ok(device)
+    }
+
+    /// For a step captured as a CUDA graph, whose collectives are graph nodes the host never
+    /// waits on inside the step: the sum over ranks of `t` written into `t` itself (a contiguous
+    /// tensor of its own), enqueued on its device's stream and not waited for
+    /// ([`NcclGroup::wait_for`] waits after the step).
+    pub(crate) fn enqueue_all_reduce(&self, t: &Tensor) -> Result<(), DistError> {
+        self.enqueue(Kind::AllReduce(ReduceOp::Sum), t, None).map(|_| ())
+    }
+
+    /// As [`NcclGroup::enqueue_all_reduce`], rank `root`'s `t` written into every rank's `t`.
+    pub(crate) fn enqueue_broadcast(&self, t: &Tensor, root: usize) -> Result<(), DistError> {
+        if root >= self.world {
+            return Err(DistError::unsupported("NCCL broadcast", format!("root {root} in a group of {}", self.world)));
+        }
+        self.enqueue(Kind::Broadcast(root), t, None).map(|_| ())
+    }
+
+    /// Waits for everything enqueued on `device`'s stream (a replayed step's collectives with
+    /// the rest), polling with the deadline; past it, aborts the communicator.
+    pub(crate) fn wait_for(&self, device: &Device) -> Result<(), DistError> {
+        let Device::Cuda(cuda) = device else {
+            return Err(DistError::unsupported("NCCL wait", "a host device (the MPI group carries those)"));
+        };
+        self.wait("the step's NCCL collectives", cuda)
     }
 
     /// Waits for what is enqueued on `device`'s stream, polling its completion with the
@@ -222,30 +259,11 @@ impl NcclGroup {
         let mut stats = ReduceStats::default();
         for bucket in plan {
             let t0 = Instant::now();
-            let mut parts = Vec::with_capacity(bucket.len());
-            for &i in bucket {
-                let v = &vars[i];
-                parts.push(match grads.remove(v.as_tensor()) {
-                    Some(g) if present[i] => g.detach().flatten_all()?.to_dtype(DType::F32)?,
-                    _ => Tensor::zeros(v.elem_count(), DType::F32, v.device())?,
-                });
-            }
-            // A tensor of its own, reduced in place with no second copy (`cat` of several parts
-            // makes one; of one part it hands back that part, which may share a gradient's
-            // storage).
-            let reduced = match parts.as_slice() {
-                [one] => own_copy(one)?,
-                _ => Tensor::cat(&parts, 0)?,
-            };
-            drop(parts);
+            let reduced = packed(bucket, grads, vars, &present)?;
             let t1 = Instant::now();
             self.run(Kind::AllReduce(ReduceOp::Sum), &reduced, None)?;
             let t2 = Instant::now();
-            for (&i, g) in bucket.iter().zip(gradients_of(&reduced, bucket, vars)?) {
-                if present[i] {
-                    grads.insert(vars[i].as_tensor(), g);
-                }
-            }
+            unpack(&reduced, bucket, grads, vars, &present)?;
             stats.buckets += 1;
             stats.bytes += reduced.elem_count() * 4;
             stats.comm_s += (t2 - t1).as_secs_f64();
@@ -253,6 +271,61 @@ impl NcclGroup {
         }
         Ok(stats)
     }
+
+    /// For a step captured as a CUDA graph: [`NcclGroup::reduce_gradients`]' sums, enqueued and
+    /// not waited for, with nothing agreed on the host — a parameter with a gradient here is taken
+    /// to have one on every rank (the same model and batch shapes everywhere, which the run's
+    /// setup check and the graph's fixed shapes hold).
+    pub(crate) fn enqueue_gradients(
+        &self,
+        plan: &[Vec<usize>],
+        grads: &mut GradStore,
+        vars: &[Var],
+    ) -> Result<(), DistError> {
+        let present: Vec<bool> = vars.iter().map(|v| grads.get(v.as_tensor()).is_some()).collect();
+        for bucket in plan {
+            let reduced = packed(bucket, grads, vars, &present)?;
+            self.enqueue_all_reduce(&reduced)?;
+            unpack(&reduced, bucket, grads, vars, &present)?;
+        }
+        Ok(())
+    }
+}
+
+/// `bucket`'s gradients taken out of `grads`, flattened into one f32 tensor of its own (zeros
+/// for a parameter not `present`).
+fn packed(bucket: &[usize], grads: &mut GradStore, vars: &[Var], present: &[bool]) -> Result<Tensor, DistError> {
+    let mut parts = Vec::with_capacity(bucket.len());
+    for &i in bucket {
+        let v = &vars[i];
+        parts.push(match grads.remove(v.as_tensor()) {
+            Some(g) if present[i] => g.detach().flatten_all()?.to_dtype(DType::F32)?,
+            _ => Tensor::zeros(v.elem_count(), DType::F32, v.device())?,
+        });
+    }
+    // A tensor of its own, reduced in place with no second copy (`cat` of several parts makes
+    // one; of one part it hands back that part, which may share a gradient's storage).
+    Ok(match parts.as_slice() {
+        [one] => own_copy(one)?,
+        _ => Tensor::cat(&parts, 0)?,
+    })
+}
+
+/// Each `present` parameter's gradient put back into `grads` from the reduced bucket (views of
+/// it, rounded to the parameter's dtype when that is not f32, as the host path does).
+fn unpack(
+    reduced: &Tensor,
+    bucket: &[usize],
+    grads: &mut GradStore,
+    vars: &[Var],
+    present: &[bool],
+) -> Result<(), DistError> {
+    for (&i, g) in bucket.iter().zip(gradients_of(reduced, bucket, vars)?) {
+        if present[i] {
+            grads.insert(vars[i].as_tensor(), g);
+        }
+    }
+    Ok(())
 }
 
 /// `t`'s values in a contiguous tensor of its own (the collectives write their result into it):

@@ -64,10 +64,10 @@ impl Default for DataParallelOptions {
 
 /// The communicator for gradients on a GPU.
 #[cfg(feature = "nccl")]
-type GpuComm = super::nccl::NcclGroup;
+pub(crate) type GpuComm = super::nccl::NcclGroup;
 /// Without the `nccl` feature there is none (GPU parameters are refused).
 #[cfg(not(feature = "nccl"))]
-enum GpuComm {}
+pub(crate) enum GpuComm {}
 
 /// A rank's shard of a sharded run: masters and optimizer state (stages 1 and 2), or every
 /// parameter (stage 3).
@@ -226,6 +226,43 @@ impl Parallel {
             prefetch: options.prefetch,
             recompute: options.recompute,
         })
+    }
+
+    /// Joins the group for a run whose masters, optimizer state and loss scale live in a step
+    /// captured as a CUDA graph (replicated, on GPUs over NCCL): the same checks as
+    /// [`Parallel::start`] and rank 0's buffers everywhere; the caller takes rank 0's state into
+    /// the step's own tensors over [`Parallel::gpu`].
+    pub(crate) fn start_graph(
+        group: ProcessGroup,
+        options: DataParallelOptions,
+        setup: serde_json::Value,
+        vars: &[Var],
+        params: &Params,
+    ) -> Result<Self, TrainError> {
+        if options.sharding != Sharding::None {
+            return Err(DistError::internal("a graph's run is replicated").into());
+        }
+        let (buckets, gpu) = Self::prepare(&group, options, setup, vars, params)?;
+        if gpu.is_none() {
+            return Err(DistError::unsupported("data parallel", "a CUDA graph's step needs GPU parameters").into());
+        }
+        broadcast_buffers(&group, params)?;
+        Ok(Parallel {
+            group,
+            buckets,
+            zero: None,
+            gpu,
+            last: ReduceStats::default(),
+            overlap: options.overlap,
+            prefetch: options.prefetch,
+            recompute: options.recompute,
+        })
+    }
+
+    /// NCCL, when the parameters are on GPUs.
+    #[cfg(feature = "nccl")]
+    pub(crate) fn gpu(&self) -> Option<&GpuComm> {
+        self.gpu.as_ref()
     }
 
     /// Starts a sharded run (`options.sharding` is not `None`) without the whole state ever

@@ -6,14 +6,25 @@
 //! eager trainer's and resume either way; a resumed state is written into the memory the graph
 //! reads, so a graph captured before stays valid.
 //!
+//! Data-parallel (replicated, on GPUs over NCCL: wick-train's `nccl` feature), the graph holds
+//! the step's collectives too — rank 0's buffers broadcast at its start, each gradient bucket and
+//! the loss all-reduced after the last backward — and nothing of the step is agreed on the host:
+//! the ranks run the same model on batches of the same shapes (the run's setup check), so a
+//! parameter with a gradient on one rank has one on all, and the summed gradients give every
+//! rank the same skip and clipping decisions. The host waits for the replay's collectives with
+//! NCCL's deadline (the communicator aborted past it) before reading what the step did. Joining
+//! the group takes rank 0's masters, optimizer state and buffers into this rank's own tensors.
+//!
 //! Refused with the reason: a build without CUDA or a run on the CPU (at [`super::Trainer::new`]),
-//! data-parallel training (its step agrees with the other ranks on the host through MPI, and
-//! waits for each NCCL collective on the host against its timeout: neither can be captured). A model whose batches are not tensors alone ([`wick_nn::Model::batch_tensors`]) steps
+//! ZeRO's sharded stages (their state and collectives are the host's). A model whose batches are not tensors alone ([`wick_nn::Model::batch_tensors`]) steps
 //! eagerly on the device path, saying why.
 
 use candle_core::{Tensor, Var};
 
+#[cfg(feature = "cuda")]
+use super::graph_dp::Dp;
 use crate::amp::{MasterState, ScalerState, StepOutcome};
+use crate::dist::parallel::Parallel;
 use crate::error::TrainError;
 use wick_nn::model::Model;
 
@@ -36,13 +47,12 @@ impl Default for GraphOptions {
     }
 }
 
-/// The reason a data-parallel run does not take CUDA graphs.
-pub(super) const NOT_DATA_PARALLEL: &str = "CUDA graphs are refused for data-parallel training: a data-parallel step \
-     agrees with the other ranks on the host through MPI (failures, the loss, the buffers) and waits for each NCCL \
-     collective on the host against its timeout, which a captured step cannot hold — train data-parallel without \
-     --cuda-graph";
+/// The reason a sharded run does not take CUDA graphs.
+pub(super) const NOT_SHARDED: &str = "CUDA graphs are refused for ZeRO's sharded stages: their masters, optimizer \
+     state and collectives are the host's (stages 1-3 shard host memory), which a captured step cannot hold — \
+     train replicated (ZeRO stage 0) with --cuda-graph, or sharded without it";
 
-fn refused(message: impl Into<String>) -> TrainError {
+pub(super) fn refused(message: impl Into<String>) -> TrainError {
     TrainError::Invalid { what: "CUDA graph".into(), message: message.into() }
 }
 
@@ -76,9 +86,13 @@ impl GraphRun {
         &mut self,
         _: &M,
         _: &[M::Batch],
-        _: bool,
-        _: f64,
+        _: (bool, f64),
+        _: Option<(&Parallel, &[Var])>,
     ) -> Result<GraphOutcome, TrainError> {
+        match self.never {}
+    }
+
+    pub(super) fn join(&mut self, _: &Parallel) -> Result<(), TrainError> {
         match self.never {}
     }
 
@@ -142,24 +156,34 @@ impl GraphRun {
         &self.step
     }
 
-    /// One step over `micro_batches` at learning rate `lr` (activation checkpointing when
-    /// `checkpointing`), then one read of what it did.
+    /// One step over `micro_batches` (activation checkpointing when `checkpointing`) at
+    /// learning rate `lr`, data-parallel in `parallel` over `vars` when given, then one read of
+    /// what it did.
     pub(super) fn train_step<M: Model>(
         &mut self,
         model: &M,
         micro_batches: &[M::Batch],
-        checkpointing: bool,
-        lr: f64,
+        (checkpointing, lr): (bool, f64),
+        parallel: Option<(&Parallel, &[Var])>,
     ) -> Result<GraphOutcome, TrainError> {
         self.step.set_learning_rate(lr);
-        let body = Body { model, micro_batches, checkpointing: checkpointing.then(wick_nn::Checkpointing::new) };
+        let dp = match parallel {
+            Some((p, vars)) => Some(Dp::new(p, vars, model.params())?),
+            None => None,
+        };
+        let checkpointing = checkpointing.then(wick_nn::Checkpointing::new);
+        let body = Body { model, micro_batches, checkpointing, dp };
         match micro_batches.iter().map(M::batch_tensors).collect::<Option<Vec<_>>>() {
             Some(tensors) => self.step.step_accumulated(&tensors, &body)?,
             None => {
                 let none: Vec<&[Tensor]> = vec![&[]; micro_batches.len()];
                 let why = "the model's batches are not tensors alone (Model::batch_tensors), so its steps run eagerly";
-                self.step.run_eager(&none, &Given(body), why.into())?
+                self.step.run_eager(&none, &Given(&body), why.into())?
             }
+        }
+        if let Some(dp) = &body.dp {
+            // The replay's collectives, waited for with NCCL's deadline before anything is read.
+            dp.wait()?;
         }
         let report = self.step.last_step()?;
         if report.bad_norm {
@@ -175,6 +199,11 @@ impl GraphRun {
 
     pub(super) fn state(&self) -> Result<MasterState, TrainError> {
         self.step.amp().state()
+    }
+
+    /// Joining `parallel`: rank 0's masters and optimizer state into this rank's, over NCCL.
+    pub(super) fn join(&mut self, parallel: &Parallel) -> Result<(), TrainError> {
+        Dp::take_roots_state(parallel, self.step.amp_mut())
     }
 
     pub(super) fn load_state(&mut self, state: &MasterState) -> Result<(), TrainError> {
@@ -203,12 +232,14 @@ impl GraphRun {
 }
 
 /// A trainer's micro-batches as a captured step's body: each micro-batch's loss on the step's
-/// own inputs, and checkpointing's backward where the run checkpoints.
+/// own inputs, checkpointing's backward where the run checkpoints, and a data-parallel run's
+/// collectives.
 #[cfg(feature = "cuda")]
 struct Body<'a, M: Model> {
     model: &'a M,
     micro_batches: &'a [M::Batch],
     checkpointing: Option<wick_nn::Checkpointing>,
+    dp: Option<Dp<'a>>,
 }
 
 #[cfg(feature = "cuda")]
@@ -225,14 +256,26 @@ impl<M: Model> crate::amp::graph_step::StepBody for Body<'_, M> {
             None => loss.backward(),
         }
     }
+
+    fn begin(&self) -> candle_core::Result<()> {
+        self.dp.as_ref().map_or(Ok(()), Dp::begin)
+    }
+
+    fn ranks(&self) -> usize {
+        self.dp.as_ref().map_or(1, Dp::ranks)
+    }
+
+    fn reduce(&self, grads: &mut candle_core::backprop::GradStore, loss: &Tensor) -> candle_core::Result<()> {
+        self.dp.as_ref().map_or(Ok(()), |dp| dp.reduce(grads, loss))
+    }
 }
 
 /// A body run on the micro-batches as given (not on inputs of the step's own).
 #[cfg(feature = "cuda")]
-struct Given<'a, M: Model>(Body<'a, M>);
+struct Given<'b, 'a, M: Model>(&'b Body<'a, M>);
 
 #[cfg(feature = "cuda")]
-impl<M: Model> crate::amp::graph_step::StepBody for Given<'_, M> {
+impl<M: Model> crate::amp::graph_step::StepBody for Given<'_, '_, M> {
     fn loss(&self, k: usize, _: &[Tensor]) -> candle_core::Result<Tensor> {
         let batch =
             self.0.micro_batches.get(k).ok_or_else(|| candle_core::Error::Msg(format!("no micro-batch {k}")))?;
@@ -241,5 +284,17 @@ impl<M: Model> crate::amp::graph_step::StepBody for Given<'_, M> {
 
     fn backward(&self, loss: &Tensor) -> candle_core::Result<candle_core::backprop::GradStore> {
         self.0.backward(loss)
+    }
+
+    fn begin(&self) -> candle_core::Result<()> {
+        self.0.begin()
+    }
+
+    fn ranks(&self) -> usize {
+        self.0.ranks()
+    }
+
+    fn reduce(&self, grads: &mut candle_core::backprop::GradStore, loss: &Tensor) -> candle_core::Result<()> {
+        self.0.reduce(grads, loss)
     }
 }

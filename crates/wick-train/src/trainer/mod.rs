@@ -55,6 +55,8 @@ use wick_nn::model::Model;
 use wick_nn::Autocast;
 
 mod graph;
+#[cfg(feature = "cuda")]
+mod graph_dp;
 mod resume;
 mod save;
 
@@ -256,11 +258,21 @@ impl<M: Model> Trainer<M> {
     /// parameters, buffers, options, step and scaler state. Then rank 0's masters, optimizer
     /// state and buffers become every rank's (resume, if at all, before this). Sharded, each
     /// rank keeps only its shard of masters and state ([`Trainer::masters`] is then empty).
+    ///
+    /// With CUDA graphs ([`TrainOptions::cuda_graph`]: replicated, on GPUs over NCCL) the
+    /// step's collectives are in its graph and rank 0's state is taken into the step's own
+    /// tensors; ZeRO's sharded stages are refused with the reason.
     pub fn data_parallel(mut self, group: ProcessGroup, options: DataParallelOptions) -> Result<Self, TrainError> {
-        if self.options.cuda_graph.is_some() {
-            return Err(invalid("CUDA graph", graph::NOT_DATA_PARALLEL.into()));
+        let setup = self.setup()?;
+        if let Some(g) = self.graph.as_mut() {
+            if options.sharding != Sharding::None {
+                return Err(invalid("CUDA graph", graph::NOT_SHARDED.into()));
+            }
+            let parallel = Parallel::start_graph(group, options, setup, &self.vars, self.model.params())?;
+            g.join(&parallel)?;
+            self.parallel = Some(parallel);
+            return Ok(self);
         }
-        let setup = self.setup();
         let parallel = Parallel::start(group, options, setup, &self.vars, &mut self.masters, self.model.params())?;
         self.parallel = Some(parallel);
         Ok(self)
@@ -282,8 +294,8 @@ impl<M: Model> Trainer<M> {
         group: ProcessGroup,
         parallel: DataParallelOptions,
     ) -> Result<Self, TrainError> {
-        if options.cuda_graph.is_some() {
-            return Err(invalid("CUDA graph", graph::NOT_DATA_PARALLEL.into()));
+        if options.cuda_graph.is_some() && parallel.sharding != Sharding::None {
+            return Err(invalid("CUDA graph", graph::NOT_SHARDED.into()));
         }
         if parallel.sharding == Sharding::None {
             return Self::new(model, description, start, options)?.data_parallel(group, parallel);
@@ -295,7 +307,7 @@ impl<M: Model> Trainer<M> {
         // The masters and state are the shards `Parallel::start_sharded` makes.
         let masters = MasterWeights::new(&[], options.optimizer)?;
         let mut trainer = Self::assemble(model, description, vars, masters, options);
-        let setup = trainer.setup();
+        let setup = trainer.setup()?;
         let params = trainer.model.params();
         let p = Parallel::start_sharded(group, parallel, setup, &trainer.vars, start, options.optimizer, params)?;
         trainer.parallel = Some(p);
@@ -303,15 +315,15 @@ impl<M: Model> Trainer<M> {
     }
 
     /// What every rank of a process group must agree on to train together.
-    fn setup(&self) -> serde_json::Value {
-        serde_json::json!({
+    fn setup(&self) -> Result<serde_json::Value, TrainError> {
+        Ok(serde_json::json!({
             "model": self.description,
             "params": self.param_infos(),
             "buffers": self.buffer_infos(),
             "options": format!("{:?}", self.options),
             "step": self.step,
-            "scaler": self.scaler.as_ref().map(GradScaler::state),
-        })
+            "scaler": self.scaler_state()?,
+        }))
     }
 
     /// This rank's bytes of f32 masters and of optimizer state (its shard when sharded): the
@@ -397,7 +409,9 @@ impl<M: Model> Trainer<M> {
         let _step = push_label("train_step");
         if let Some(g) = self.graph.as_mut() {
             let lr = self.base_lr * self.options.schedule.factor(self.step);
-            let done = g.train_step(&self.model, micro_batches, self.options.activation_checkpointing, lr)?;
+            let parallel = self.parallel.as_ref().map(|p| (p, self.vars.as_slice()));
+            let done =
+                g.train_step(&self.model, micro_batches, (self.options.activation_checkpointing, lr), parallel)?;
             self.step += 1;
             let (loss, outcome, grad_norm) = (done.loss, done.outcome, done.grad_norm);
             return Ok(StepRecord { step: self.step, loss, lr, outcome, grad_norm });
