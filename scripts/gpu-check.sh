@@ -18,7 +18,9 @@
 #     device step (built with candle's real kernels, the default of scripts/build-gpu-binaries.sh);
 #   - a candle-transformers LLaMA under a CUDA engine: its forward time, and out-of-memory as an
 #     error both at loading (pre-flight) and in the forward pass (the pool's cap);
-#   - a one-rank NCCL communicator: all-reduce of CUDA tensors against the input, and its time;
+#   - a one-rank NCCL communicator: all-reduce of CUDA tensors against the input, and its time; the
+#     trainer data-parallel over it, eagerly and as CUDA graphs (the collectives inside the graph),
+#     against the trainer alone to the bit;
 #   - the zoo's CNNs at 224², batch 32 (f32 train, bf16 AMP train, eval) beside PyTorch on the same
 #     GPU: step time, peak allocated memory, and wick's estimator's figure for the same step
 #     (benchmarks/zoo-estimates-cuda.json, made on the CPU by scripts/zoo_estimates.py);
