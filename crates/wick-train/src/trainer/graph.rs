@@ -15,9 +15,14 @@
 //! NCCL's deadline (the communicator aborted past it) before reading what the step did. Joining
 //! the group takes rank 0's masters, optimizer state and buffers into this rank's own tensors.
 //!
+//! A rank that fails inside a step leaves the others waiting in a collective of the graph until
+//! NCCL's deadline (the eager data-parallel step agrees on failures through MPI first; a graph
+//! cannot), and mpirun ends the job when that rank's process ends.
+//!
 //! Refused with the reason: a build without CUDA or a run on the CPU (at [`super::Trainer::new`]),
-//! ZeRO's sharded stages (their state and collectives are the host's). A model whose batches are not tensors alone ([`wick_nn::Model::batch_tensors`]) steps
-//! eagerly on the device path, saying why.
+//! ZeRO's sharded stages (their state and collectives are the host's). A model whose batches are
+//! not tensors alone ([`wick_nn::Model::batch_tensors`]) steps eagerly on the device path, saying
+//! why.
 
 use candle_core::{Tensor, Var};
 
@@ -52,8 +57,8 @@ pub(super) const NOT_SHARDED: &str = "CUDA graphs are refused for ZeRO's sharded
      state and collectives are the host's (stages 1-3 shard host memory), which a captured step cannot hold — \
      train replicated (ZeRO stage 0) with --cuda-graph, or sharded without it";
 
-pub(super) fn refused(message: impl Into<String>) -> TrainError {
-    TrainError::Invalid { what: "CUDA graph".into(), message: message.into() }
+fn refused(message: impl Into<String>) -> TrainError {
+    super::invalid("CUDA graph", message.into())
 }
 
 /// The graph path of a trainer: the captured step and its device-resident state.

@@ -5,7 +5,6 @@
 
 use candle_core::{Tensor, Var};
 
-use super::graph::refused;
 use crate::amp::device_step::DeviceAmp;
 use crate::dist::parallel::Parallel;
 use crate::error::TrainError;
@@ -25,6 +24,10 @@ pub(super) struct Dp<'a> {
 pub(super) struct Dp<'a>(std::convert::Infallible, std::marker::PhantomData<&'a ()>);
 
 const NO_NCCL: &str = "a data-parallel CUDA graph step needs NCCL for GPU parameters (wick-train's `nccl` feature)";
+
+fn refused(message: &str) -> TrainError {
+    super::invalid("CUDA graph", message.into())
+}
 
 #[cfg(feature = "nccl")]
 fn comm_error(e: crate::dist::DistError) -> candle_core::Error {
