@@ -158,14 +158,15 @@ fn graph_trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_
         let b = grouped.train_step(&micro)?;
         losses.push((a.loss, b.loss));
     }
-    let captured =
-        |t: &Trainer<Llama>| t.graph_step().is_some_and(|g| g.graph().is_some() && g.eager_reason().is_none());
+    let captured = |t: &Trainer<Llama>| {
+        t.graph_step().is_some_and(|g| g.shapes().graph().is_some() && g.shapes().eager_reason().is_none())
+    };
     let (captured_alone, captured_grouped) = (captured(&alone), captured(&grouped));
     let same = parameter_bits(&alone)? == parameter_bits(&grouped)?;
     let same_losses = losses.iter().all(|(a, b)| a.to_bits() == b.to_bits());
     ensure!(captured_alone && captured_grouped, "a graph trainer was not captured");
     ensure!(same && same_losses, "the one-rank data-parallel graph step differs from the graph alone: {losses:?}");
-    let nodes = grouped.graph_step().and_then(|g| g.graph()).map(|g| g.shape().nodes);
+    let nodes = grouped.graph_step().and_then(|g| g.shapes().graph()).map(|g| g.shape().nodes);
     Ok(serde_json::json!({"captured": [captured_alone, captured_grouped], "same_parameters": same,
         "same_losses": same_losses, "losses": losses, "data_parallel_graph_nodes": nodes}))
 }

@@ -271,7 +271,7 @@ fn graphed(
         let ids = language.batch(args.batch, args.seq, &device)?;
         let start = std::time::Instant::now();
         step.step(&[ids], &forward)?;
-        host[usize::from(step.graph().is_some())].push(start.elapsed().as_secs_f64() * 1e3);
+        host[usize::from(step.shapes().graph().is_some())].push(start.elapsed().as_secs_f64() * 1e3);
         let value = step.last_loss()?;
         let report = step.last_step()?;
         if report.bad_norm {
@@ -280,7 +280,7 @@ fn graphed(
         progress.record(value, report.skipped)?;
     }
     println!("{}", progress.summary());
-    match (step.graph(), step.refused()) {
+    match (step.shapes().graph(), step.shapes().refused()) {
         (Some(graph), _) => {
             let s = graph.shape();
             println!(

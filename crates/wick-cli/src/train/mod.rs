@@ -209,7 +209,8 @@ fn graph_line(trainer: &Trainer<Llama>, engine: &wick::Engine, warm: Option<usiz
     let b = |n: u64| wick::memory::format_bytes(n);
     let pool = wick::cuda_graph::graph_memory(engine.device()).map(|m| b(m.reserved)).unwrap_or_else(|e| e.to_string());
     let warm = warm.map_or_else(|| "not measured".into(), |w| b(w as u64));
-    Some(match (step.graph(), step.refused(), step.eager_reason()) {
+    let shapes = step.shapes();
+    Some(match (shapes.graph(), shapes.refused(), shapes.eager_reason()) {
         (Some(g), _, None) => format!(
             "CUDA graph: {} nodes ({} kernels), replayed each step after the warm-up; graph pool {pool} (the last \
              warm-up step's own tensors peaked at {warm})",

@@ -11,16 +11,17 @@
 //! with candle's upload cache on (they make the optimizer's state, choose cuDNN's algorithms and
 //! fill the cache the capture needs); the next is captured and replayed at once (a capture runs
 //! nothing), and every later step of that shape replays it. Refused, not wrong: a capture the
-//! driver or the step refuses is reported ([`GraphStep::refused`]) and that shape's steps run
+//! driver or the step refuses is reported (its [`GraphStep::shapes`] say so) and that shape's steps run
 //! eagerly; a batch of another shape (a smaller last batch, another sequence length) runs eagerly
-//! with the reason ([`GraphStep::eager_reason`]), or gets a graph of its own with
+//! with the reason, or gets a graph of its own with
 //! [`GraphStep::recapture_per_shape`]. The loss is written into a tensor made before any capture
 //! ([`GraphStep::last_loss`]). Dropping the step drops its graphs and gives their memory back to
 //! the device.
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
-use wick::cuda_graph::{self, copy_into, GraphError, StepGraph};
+use wick::cuda_graph::shapes::{Place, Shapes};
+use wick::cuda_graph::{self, copy_into, GraphError};
 
 use super::device_step::{DeviceAmp, StepReport};
 use crate::error::TrainError;
@@ -71,17 +72,7 @@ impl<F: Fn(usize, &[Tensor]) -> candle_core::Result<Tensor>> StepBody for F {
 }
 
 /// A step's shape: each micro-batch's tensors' dimensions and dtypes.
-type Key = Vec<Vec<(Vec<usize>, DType)>>;
-
-/// One shape's inputs (each batch of the shape copied into them), its eager steps so far, and
-/// its graph once captured (or why the capture was refused).
-struct Shaped {
-    key: Key,
-    inputs: Vec<Vec<Tensor>>,
-    eager: usize,
-    graph: Option<StepGraph>,
-    refused: Option<String>,
-}
+pub type Key = Vec<Vec<(Vec<usize>, DType)>>;
 
 /// A training step that runs as a CUDA graph after its warm-up.
 pub struct GraphStep {
@@ -90,11 +81,9 @@ pub struct GraphStep {
     clip: Option<f64>,
     /// The last step's loss (one f32: the mean over its micro-batches), written by the step.
     loss: Tensor,
-    shapes: Vec<Shaped>,
-    recapture: bool,
+    /// Each batch shape's own inputs (every micro-batch's tensors) and graph.
+    shapes: Shapes<Key, Vec<Vec<Tensor>>>,
     warmup: usize,
-    /// Why the last step ran eagerly after its warm-up.
-    eager_reason: Option<String>,
 }
 
 fn graph_error(e: GraphError) -> TrainError {
@@ -119,23 +108,14 @@ impl GraphStep {
             crate::clip::check_max_norm(max_norm)?;
         }
         let loss = Tensor::zeros(1, DType::F32, device)?;
-        Ok(GraphStep {
-            amp,
-            device: device.clone(),
-            clip,
-            loss,
-            shapes: Vec::new(),
-            recapture: false,
-            warmup: warmup.max(1),
-            eager_reason: None,
-        })
+        Ok(GraphStep { amp, device: device.clone(), clip, loss, shapes: Shapes::default(), warmup: warmup.max(1) })
     }
 
     /// With `true`, a batch of a shape not seen before gets inputs and a graph of its own (after
     /// its own warm-up); each graph keeps its memory while the step lives. Without (the default),
     /// only the first shape is captured and other shapes run eagerly.
     pub fn recapture_per_shape(mut self, yes: bool) -> Self {
-        self.recapture = yes;
+        self.shapes.recapture_per_shape(yes);
         self
     }
 
@@ -167,28 +147,24 @@ impl GraphStep {
         let key = key_of(micro_batches);
         // The shape's inputs, and whether the batch still has to be copied into them (not when
         // they were just made from it).
-        let (index, copy) = match self.shapes.iter().position(|s| s.key == key) {
-            Some(i) => (i, true),
-            None if self.shapes.is_empty() || self.recapture => {
+        let (index, copy) = match self.shapes.place(&key) {
+            Place::Known(i) => (i, true),
+            Place::New => {
                 let own = |b: &T| b.as_ref().iter().map(|t| t.to_device(&self.device)?.copy()).collect();
                 let inputs = micro_batches.iter().map(own).collect::<candle_core::Result<Vec<Vec<_>>>>()?;
-                self.shapes.push(Shaped { key, inputs, eager: 0, graph: None, refused: None });
-                (self.shapes.len() - 1, false)
+                (self.shapes.push(key, inputs), false)
             }
-            None => {
-                let reason = format!(
-                    "the batch's shapes {:?} are not the captured step's {:?} (recapture_per_shape gives each shape a \
-                     graph)",
-                    key, self.shapes[0].key
-                );
+            Place::Eager(reason) => {
                 let given: Vec<&[Tensor]> = micro_batches.iter().map(AsRef::as_ref).collect();
                 return self.run_eager(&given, body, reason);
             }
         };
-        let Self { amp, device, clip, loss, shapes, warmup, eager_reason, .. } = self;
-        let shaped = &mut shapes[index];
+        let Self { amp, device, clip, loss, shapes, warmup, .. } = self;
+        let missing =
+            || TrainError::Invalid { what: "CUDA graph step".into(), message: "a shape's entry is missing".into() };
+        let (shaped, eager_reason) = shapes.entry_mut(index).ok_or_else(missing)?;
         if copy {
-            for (dst, src) in shaped.inputs.iter().flatten().zip(micro_batches.iter().flat_map(AsRef::as_ref)) {
+            for (dst, src) in shaped.own.iter().flatten().zip(micro_batches.iter().flat_map(AsRef::as_ref)) {
                 copy_into(dst, src)?;
             }
         }
@@ -196,7 +172,7 @@ impl GraphStep {
             *eager_reason = None;
             return graph.replay().map_err(graph_error);
         }
-        let inputs: Vec<&[Tensor]> = shaped.inputs.iter().map(Vec::as_slice).collect();
+        let inputs: Vec<&[Tensor]> = shaped.own.iter().map(Vec::as_slice).collect();
         if shaped.eager >= *warmup && shaped.refused.is_none() {
             match cuda_graph::capture(device, || {
                 one_step(amp, loss, *clip, &inputs, body).map_err(candle_core::Error::wrap)
@@ -217,7 +193,7 @@ impl GraphStep {
     }
 
     /// One step run eagerly on `micro_batches` as given (no inputs of the step's own), for
-    /// `reason` ([`GraphStep::eager_reason`] says it afterwards): a batch the caller cannot give
+    /// `reason` (its [`GraphStep::shapes`] say it afterwards): a batch the caller cannot give
     /// as tensors of a fixed shape, or one of a shape without a graph.
     pub fn run_eager(
         &mut self,
@@ -226,7 +202,7 @@ impl GraphStep {
         reason: String,
     ) -> Result<(), TrainError> {
         self.amp.write_hyper(self.clip)?;
-        self.eager_reason = Some(reason);
+        self.shapes.set_eager_reason(Some(reason));
         let (amp, loss, clip) = (&mut self.amp, &self.loss, self.clip);
         cuda_graph::warm_up(&self.device, || one_step(amp, loss, clip, micro_batches, body)).map_err(graph_error)?
     }
@@ -246,25 +222,10 @@ impl GraphStep {
         self.amp.last_step()
     }
 
-    /// The first shape's graph, once there is one.
-    pub fn graph(&self) -> Option<&StepGraph> {
-        self.shapes.first().and_then(|s| s.graph.as_ref())
-    }
-
-    /// Every graph captured (one a shape).
-    pub fn graphs(&self) -> impl Iterator<Item = &StepGraph> {
-        self.shapes.iter().filter_map(|s| s.graph.as_ref())
-    }
-
-    /// Why the first shape's capture was refused, when it was.
-    pub fn refused(&self) -> Option<&str> {
-        self.shapes.first().and_then(|s| s.refused.as_deref())
-    }
-
-    /// Why the last step ran eagerly after its shape's warm-up (a refused capture, or a shape
-    /// without a graph); `None` after a replay or a warm-up step.
-    pub fn eager_reason(&self) -> Option<&str> {
-        self.eager_reason.as_deref()
+    /// Its batch shapes: their graphs, why a capture was refused, why the last step ran
+    /// eagerly.
+    pub fn shapes(&self) -> &Shapes<Key, Vec<Vec<Tensor>>> {
+        &self.shapes
     }
 
     /// The fused step it drives.
@@ -293,7 +254,7 @@ impl GraphStep {
 /// the driver's graph pool returns to what other live graphs hold.
 impl Drop for GraphStep {
     fn drop(&mut self) {
-        drop(std::mem::take(&mut self.shapes));
+        self.shapes.clear();
         let _ = cuda_graph::trim(&self.device);
     }
 }

@@ -5,44 +5,41 @@
 //! tensors made before the capture: those of the last warm-up's shapes).
 //!
 //! Refused, not wrong: a capture the driver or the function refuses is reported
-//! ([`GraphForward::refused`]) and that shape runs eagerly from then on; inputs of a shape other
-//! than the captured one run eagerly with the reason ([`GraphForward::eager_reason`]), or get a
-//! graph of their own with [`GraphForward::recapture_per_shape`]; outputs whose shapes change from
+//! (its [`GraphForward::shapes`] say so) and that shape runs eagerly from then on; inputs of a
+//! shape other than the captured one run eagerly with the reason, or get a graph of their own
+//! with [`GraphForward::recapture_per_shape`]; outputs whose shapes change from
 //! one call to the next (a function that is not a fixed computation of its inputs' shapes) are a
 //! refused capture too. Dropping it drops its graphs and gives their memory back to the device.
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{capture, copy_into, cuda_of, warm_up, GraphError, StepGraph};
+use super::shapes::{Place, Shapes};
+use super::{capture, copy_into, cuda_of, warm_up, GraphError};
 
 /// The function captured: its outputs from the inputs it is given (the graph's own inputs).
 pub type Function<'a> = &'a dyn Fn(&[Tensor]) -> candle_core::Result<Vec<Tensor>>;
 
 /// The inputs' dimensions and dtypes.
-type Key = Vec<(Vec<usize>, DType)>;
+pub type InputKey = Vec<(Vec<usize>, DType)>;
 
-/// One input shape: the graph's inputs and outputs for it, its eager calls so far, and its graph
-/// once captured (or why the capture was refused).
-struct Shaped {
-    key: Key,
-    inputs: Vec<Tensor>,
-    outputs: Vec<Tensor>,
-    eager: usize,
-    graph: Option<StepGraph>,
-    refused: Option<String>,
-}
+/// What a shape keeps: the graph's own inputs, and the outputs it writes (made at the last
+/// warm-up, empty before).
+pub type InputsOutputs = (Vec<Tensor>, Vec<Tensor>);
 
 /// A function of tensors run as a CUDA graph after its warm-up.
 pub struct GraphForward {
     device: Device,
     warmup: usize,
-    recapture: bool,
-    shapes: Vec<Shaped>,
-    eager_reason: Option<String>,
+    shapes: Shapes<InputKey, InputsOutputs>,
 }
 
-fn key_of(inputs: &[Tensor]) -> Key {
+fn key_of(inputs: &[Tensor]) -> InputKey {
     inputs.iter().map(|t| (t.dims().to_vec(), t.dtype())).collect()
+}
+
+/// `outputs` copied (the caller keeps them across later replays).
+fn copies(outputs: &[Tensor]) -> Result<Vec<Tensor>, GraphError> {
+    outputs.iter().map(Tensor::copy).collect::<Result<_, _>>().map_err(GraphError::Failed)
 }
 
 impl GraphForward {
@@ -51,20 +48,14 @@ impl GraphForward {
     /// and fills the upload cache the capture needs).
     pub fn new(device: &Device, warmup: usize) -> Result<Self, GraphError> {
         cuda_of(device)?;
-        Ok(GraphForward {
-            device: device.clone(),
-            warmup: warmup.max(1),
-            recapture: false,
-            shapes: Vec::new(),
-            eager_reason: None,
-        })
+        Ok(GraphForward { device: device.clone(), warmup: warmup.max(1), shapes: Shapes::default() })
     }
 
     /// With `true`, inputs of a shape not seen before get a graph of their own (after their own
     /// warm-up; each graph keeps its memory while this lives). Without (the default), only the
     /// first shape is captured and other shapes run eagerly.
     pub fn recapture_per_shape(mut self, yes: bool) -> Self {
-        self.recapture = yes;
+        self.shapes.recapture_per_shape(yes);
         self
     }
 
@@ -75,37 +66,34 @@ impl GraphForward {
     pub fn run(&mut self, inputs: &[Tensor], f: Function<'_>) -> Result<Vec<Tensor>, GraphError> {
         let key = key_of(inputs);
         let failed = GraphError::Failed;
-        let index = match self.shapes.iter().position(|s| s.key == key) {
-            Some(i) => {
-                for (dst, src) in self.shapes[i].inputs.iter().zip(inputs) {
-                    copy_into(dst, src).map_err(failed)?;
-                }
-                i
-            }
-            None if self.shapes.is_empty() || self.recapture => {
+        // The shape's entry, and whether the inputs still have to be copied into its own (not
+        // when they were just made from them).
+        let (index, copy) = match self.shapes.place(&key) {
+            Place::Known(i) => (i, true),
+            Place::New => {
                 let own = inputs.iter().map(|t| t.to_device(&self.device)?.copy()).collect::<Result<Vec<_>, _>>();
-                let inputs = own.map_err(failed)?;
-                self.shapes.push(Shaped { key, inputs, outputs: Vec::new(), eager: 0, graph: None, refused: None });
-                self.shapes.len() - 1
+                (self.shapes.push(key, (own.map_err(failed)?, Vec::new())), false)
             }
-            None => {
-                self.eager_reason = Some(format!(
-                    "the inputs' shapes {:?} are not the captured ones {:?} (recapture_per_shape gives each shape a \
-                     graph)",
-                    key, self.shapes[0].key
-                ));
+            Place::Eager(reason) => {
+                self.shapes.set_eager_reason(Some(reason));
                 return warm_up(&self.device, || f(inputs))?.map_err(failed);
             }
         };
-        let Self { device, warmup, shapes, eager_reason, .. } = self;
-        let shaped = &mut shapes[index];
+        let (device, warmup) = (&self.device, self.warmup);
+        let (shaped, eager_reason) =
+            self.shapes.entry_mut(index).ok_or_else(|| GraphError::Driver("a shape's entry is missing".into()))?;
+        let (given, outputs) = &mut shaped.own;
+        if copy {
+            for (dst, src) in given.iter().zip(inputs) {
+                copy_into(dst, src).map_err(failed)?;
+            }
+        }
         if let Some(graph) = &shaped.graph {
             *eager_reason = None;
             graph.replay()?;
-            return shaped.outputs.iter().map(Tensor::copy).collect::<Result<_, _>>().map_err(failed);
+            return copies(outputs);
         }
-        if shaped.eager >= *warmup && shaped.refused.is_none() {
-            let (given, outputs) = (&shaped.inputs, &shaped.outputs);
+        if shaped.eager >= warmup && shaped.refused.is_none() {
             let captured = capture(device, || {
                 let made = f(given)?;
                 if made.len() != outputs.len() {
@@ -130,7 +118,7 @@ impl GraphForward {
                     graph.replay()?;
                     shaped.graph = Some(graph);
                     *eager_reason = None;
-                    return shaped.outputs.iter().map(Tensor::copy).collect::<Result<_, _>>().map_err(failed);
+                    return copies(outputs);
                 }
                 Err(GraphError::Refused(why)) => shaped.refused = Some(why),
                 Err(e) => return Err(e),
@@ -138,34 +126,18 @@ impl GraphForward {
         }
         shaped.eager += 1;
         *eager_reason = shaped.refused.clone();
-        let made = warm_up(device, || f(&shaped.inputs))?.map_err(failed)?;
-        if shaped.refused.is_none() && shaped.eager >= *warmup {
+        let made = warm_up(device, || f(given))?.map_err(failed)?;
+        if shaped.refused.is_none() && shaped.eager >= warmup {
             // Where the capture (the next call) will write its outputs: made now, outside any
             // graph, in the shapes of this last warm-up's.
-            shaped.outputs = made.iter().map(Tensor::zeros_like).collect::<Result<_, _>>().map_err(failed)?;
+            *outputs = made.iter().map(Tensor::zeros_like).collect::<Result<_, _>>().map_err(failed)?;
         }
         Ok(made)
     }
 
-    /// The first shape's graph, once there is one.
-    pub fn graph(&self) -> Option<&StepGraph> {
-        self.shapes.first().and_then(|s| s.graph.as_ref())
-    }
-
-    /// Every graph captured (one a shape).
-    pub fn graphs(&self) -> impl Iterator<Item = &StepGraph> {
-        self.shapes.iter().filter_map(|s| s.graph.as_ref())
-    }
-
-    /// Why the first shape's capture was refused, when it was.
-    pub fn refused(&self) -> Option<&str> {
-        self.shapes.first().and_then(|s| s.refused.as_deref())
-    }
-
-    /// Why the last call ran eagerly after its shape's warm-up (a refused capture, or a shape
-    /// without a graph); `None` after a replay or a warm-up call.
-    pub fn eager_reason(&self) -> Option<&str> {
-        self.eager_reason.as_deref()
+    /// Its shapes: their graphs, why a capture was refused, why the last call ran eagerly.
+    pub fn shapes(&self) -> &Shapes<InputKey, InputsOutputs> {
+        &self.shapes
     }
 }
 
@@ -173,7 +145,7 @@ impl GraphForward {
 /// driver's graph pool returns to what other live graphs hold.
 impl Drop for GraphForward {
     fn drop(&mut self) {
-        drop(std::mem::take(&mut self.shapes));
+        self.shapes.clear();
         let _ = super::trim(&self.device);
     }
 }

@@ -43,7 +43,8 @@ use candle_core::cuda_backend::cudarc::driver::{sys, CudaGraph, CudaStream};
 use candle_core::{Device, Tensor};
 
 mod forward;
-pub use forward::{Function, GraphForward};
+pub mod shapes;
+pub use forward::{Function, GraphForward, InputKey, InputsOutputs};
 
 /// Why a step was not captured or a replay failed.
 #[derive(Debug, thiserror::Error)]

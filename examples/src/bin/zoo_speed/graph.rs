@@ -15,6 +15,100 @@ use {
     wick_nn::{Autocast, Model},
 };
 
+/// The timed calls' milliseconds, the host's milliseconds to issue each, and the last warm-up
+/// call's own tensors at their peak in wick's pool (what the graph's pool will hold).
+#[cfg(feature = "cuda")]
+#[derive(Default)]
+struct Timing {
+    ms: Vec<f64>,
+    host_ms: Vec<f64>,
+    own: Option<usize>,
+}
+
+#[cfg(feature = "cuda")]
+impl Timing {
+    /// Before call `step`: its start, and before the last warm-up call the pool's figure.
+    fn begin(&self, args: &Args, engine: &wick::Engine, step: usize) -> (Instant, Option<usize>) {
+        let before = (step + 1 == args.warmup).then(|| {
+            engine.reset_peak_memory_stats();
+            engine.allocated().bytes
+        });
+        (Instant::now(), before)
+    }
+
+    /// After call `step` was issued: the device waited for, and the figures taken.
+    fn end(
+        &mut self,
+        (start, before): (Instant, Option<usize>),
+        args: &Args,
+        engine: &wick::Engine,
+        step: usize,
+    ) -> Result<()> {
+        let issued = start.elapsed();
+        engine.device().synchronize()?;
+        if let Some(before) = before {
+            self.own = engine.peak_allocated().map(|p| p.bytes.saturating_sub(before));
+        }
+        if step >= args.warmup {
+            self.ms.push(start.elapsed().as_secs_f64() * 1e3);
+            self.host_ms.push(issued.as_secs_f64() * 1e3);
+        }
+        Ok(())
+    }
+}
+
+/// The JSON line's fields common to a graphed step and a graphed forward pass: what ran (replayed,
+/// eager by `--graph-eager`, or eager after a refusal, and why), the times, the graph's nodes, the
+/// device's graph memory beside the last warm-up call's own peak, the peak allocated.
+#[cfg(feature = "cuda")]
+fn result_line<K: PartialEq + std::fmt::Debug, T>(
+    name: &str,
+    args: &Args,
+    shapes: &wick::cuda_graph::shapes::Shapes<K, T>,
+    timing: &Timing,
+    engine: &wick::Engine,
+) -> Result<serde_json::Value> {
+    let memory = wick::cuda_graph::graph_memory(engine.device())?;
+    let shape = shapes.graph().map(|g| g.shape());
+    Ok(json!({
+        "model": name,
+        "mode": format!("{:?}", args.mode).to_lowercase(),
+        "cuda_graph": match (shape.is_some(), args.graph_eager) {
+            (true, _) => "replayed",
+            (false, true) => "eager (--graph-eager)",
+            (false, false) => "eager (refused)",
+        },
+        "refused": shapes.refused(),
+        "ms": timing.ms,
+        "host_ms": timing.host_ms,
+        "graph": shape.map(|s| json!({
+            "nodes": s.nodes, "kernels": s.kernels, "copies": s.copies, "allocations": s.allocations,
+            "frees": s.frees, "allocated_bytes": s.allocated_bytes,
+        })),
+        "graph_memory_reserved": memory.reserved,
+        "graph_memory_reserved_high": memory.reserved_high,
+        "warmup_own_peak": timing.own,
+        "graph_pool_over_own": timing.own.filter(|o| *o > 0).map(|o| memory.reserved as f64 / o as f64),
+        "device": engine.name(),
+        "peak_allocated": engine.max_memory_allocated(),
+    }))
+}
+
+/// Whether the device's graph memory is back where it was (`before`) once the graphs are
+/// dropped and the pool trimmed; both figures go into `line`.
+#[cfg(feature = "cuda")]
+fn memory_back(
+    device: &candle_core::Device,
+    before: &wick::cuda_graph::GraphMemory,
+    line: &mut serde_json::Value,
+) -> Result<bool> {
+    wick::cuda_graph::trim(device)?;
+    let after = wick::cuda_graph::graph_memory(device)?;
+    line["graph_memory_after_drop"] = json!(after.reserved);
+    line["graph_memory_before"] = json!(before.reserved);
+    Ok(after.reserved <= before.reserved && after.used <= before.used)
+}
+
 /// `--cuda-graph` without CUDA.
 #[cfg(not(feature = "cuda"))]
 pub(super) fn graph_steps(_: &Args, _: &str, _: Sizes, _: &wick::Engine) -> Result<()> {
@@ -53,59 +147,22 @@ pub(super) fn graph_steps(args: &Args, name: &str, sizes: Sizes, engine: &wick::
     let mut graphed = GraphStep::new(amp, &device, args.clip_grad_norm, capture_after)?;
     // The benchmark's batch is the same every step: the step reads it where it is.
     let forward = |_: &[Tensor]| bench.model.loss(&bench.batch).map_err(candle_core::Error::wrap);
-    let (mut times, mut host, mut losses, mut own) = (Vec::new(), Vec::new(), Vec::new(), None::<usize>);
+    let (mut timing, mut losses) = (Timing::default(), Vec::new());
     engine.reset_peak_memory_stats();
     for step in 0..args.warmup + args.steps {
-        // The last warm-up step's own tensors at their peak in wick's pool: what the graph's
-        // pool will hold.
-        let before = (step + 1 == args.warmup).then(|| {
-            engine.reset_peak_memory_stats();
-            engine.allocated().bytes
-        });
-        let start = Instant::now();
+        let mark = timing.begin(args, engine, step);
         graphed.step(&[], &forward)?;
-        let issued = start.elapsed();
-        device.synchronize()?;
-        if let Some(before) = before {
-            own = engine.peak_allocated().map(|p| p.bytes.saturating_sub(before));
-        }
-        if step >= args.warmup {
-            times.push(start.elapsed().as_secs_f64() * 1e3);
-            host.push(issued.as_secs_f64() * 1e3);
-        }
+        timing.end(mark, args, engine, step)?;
         if args.check_graph || step + 1 == args.warmup + args.steps {
             losses.push(graphed.last_loss()?);
         }
     }
-    let memory = cuda_graph::graph_memory(&device)?;
+    let mut line = result_line(name, args, graphed.shapes(), &timing, engine)?;
     graphed.account(engine)?;
     let report = engine.memory_report();
     let graph_line = report.holdings.iter().find(|h| h.what == wick_train::amp::graph_step::GRAPH_MEMORY);
-    let shape = graphed.graph().map(|g| g.shape());
-    let mut line = json!({
-        "model": name,
-        "mode": format!("{:?}", args.mode).to_lowercase(),
-        "cuda_graph": match (graphed.graph().is_some(), args.graph_eager) {
-            (true, _) => "replayed",
-            (false, true) => "eager (--graph-eager)",
-            (false, false) => "eager (refused)",
-        },
-        "refused": graphed.refused(),
-        "ms": times,
-        "host_ms": host,
-        "loss": losses.last(),
-        "graph": shape.map(|s| json!({
-            "nodes": s.nodes, "kernels": s.kernels, "copies": s.copies, "allocations": s.allocations,
-            "frees": s.frees, "allocated_bytes": s.allocated_bytes,
-        })),
-        "graph_memory_reserved": memory.reserved,
-        "warmup_own_peak": own,
-        "graph_pool_over_own": own.filter(|o| *o > 0).map(|o| memory.reserved as f64 / o as f64),
-        "graph_memory_reserved_high": memory.reserved_high,
-        "report_line": graph_line.map(|h| format!("{}: {} bytes", h.what, h.bytes)),
-        "device": engine.name(),
-        "peak_allocated": engine.max_memory_allocated(),
-    });
+    line["loss"] = json!(losses.last());
+    line["report_line"] = json!(graph_line.map(|h| format!("{}: {} bytes", h.what, h.bytes)));
     if args.check_graph {
         let (twin, mut amp) = make()?;
         let mut eager = Vec::new();
@@ -126,20 +183,16 @@ pub(super) fn graph_steps(args: &Args, name: &str, sizes: Sizes, engine: &wick::
             worst = worst.max(max_rel_err(&x, &y));
         }
         // A refused capture ran every step eagerly: the same bits prove nothing then.
-        let captured = graphed.graph().is_some();
+        let captured = graphed.shapes().graph().is_some();
         drop(graphed);
         drop(bench);
-        cuda_graph::trim(&device)?;
-        let after = cuda_graph::graph_memory(&device)?;
-        let back = after.reserved <= memory_before.reserved && after.used <= memory_before.used;
+        let back = memory_back(&device, &memory_before, &mut line)?;
         let ok = captured && same_losses && same_params && back;
         line["check_graph"] = json!(if ok { "pass" } else { "FAIL" });
         line["eager_losses"] = json!(eager);
         line["graph_losses"] = json!(losses);
         line["params_same_bits"] = json!(same_params);
         line["params_max_rel_err"] = json!(worst);
-        line["graph_memory_after_drop"] = json!(after.reserved);
-        line["graph_memory_before"] = json!(memory_before.reserved);
         println!("{line}");
         if !ok {
             bail!(
@@ -179,66 +232,26 @@ fn graph_eval(args: &Args, name: &str, sizes: Sizes, engine: &wick::Engine) -> R
         true => Some(host_values(&wick_nn::no_grad(|| bench.model.forward(&bench.eval))?)?),
         false => None,
     };
-    let (mut times, mut host, mut same, mut own) = (Vec::new(), Vec::new(), true, None::<usize>);
+    let (mut timing, mut same) = (Timing::default(), true);
     engine.reset_peak_memory_stats();
     for step in 0..args.warmup + args.steps {
-        // The last warm-up step's own tensors at their peak in wick's pool: what the graph's
-        // pool will hold.
-        let before = (step + 1 == args.warmup).then(|| {
-            engine.reset_peak_memory_stats();
-            engine.allocated().bytes
-        });
-        let start = Instant::now();
+        let mark = timing.begin(args, engine, step);
         let out = graphed.run(&inputs, &forward)?;
-        let issued = start.elapsed();
-        device.synchronize()?;
-        if let Some(before) = before {
-            own = engine.peak_allocated().map(|p| p.bytes.saturating_sub(before));
-        }
-        if step >= args.warmup {
-            times.push(start.elapsed().as_secs_f64() * 1e3);
-            host.push(issued.as_secs_f64() * 1e3);
-        }
+        timing.end(mark, args, engine, step)?;
         if let (Some(eager), Some(out)) = (&eager, out.first()) {
             let got = host_values(out)?;
             same &= got.len() == eager.len() && got.iter().zip(eager).all(|(a, b)| a.to_bits() == b.to_bits());
         }
     }
-    let shape = graphed.graph().map(|g| g.shape());
-    let memory = cuda_graph::graph_memory(&device)?;
-    let mut line = json!({
-        "model": name,
-        "mode": "eval",
-        "cuda_graph": match (graphed.graph().is_some(), args.graph_eager) {
-            (true, _) => "replayed",
-            (false, true) => "eager (--graph-eager)",
-            (false, false) => "eager (refused)",
-        },
-        "refused": graphed.refused(),
-        "ms": times,
-        "host_ms": host,
-        "graph": shape.map(|s| json!({
-            "nodes": s.nodes, "kernels": s.kernels, "copies": s.copies, "allocations": s.allocations,
-            "frees": s.frees, "allocated_bytes": s.allocated_bytes,
-        })),
-        "graph_memory_reserved": memory.reserved,
-        "warmup_own_peak": own,
-        "graph_pool_over_own": own.filter(|o| *o > 0).map(|o| memory.reserved as f64 / o as f64),
-        "device": engine.name(),
-        "peak_allocated": engine.max_memory_allocated(),
-    });
+    let mut line = result_line(name, args, graphed.shapes(), &timing, engine)?;
     if eager.is_some() {
-        let captured = graphed.graph().is_some();
+        let captured = graphed.shapes().graph().is_some();
         drop(graphed);
         drop(bench);
-        cuda_graph::trim(&device)?;
-        let after = cuda_graph::graph_memory(&device)?;
-        let back = after.reserved <= memory_before.reserved && after.used <= memory_before.used;
+        let back = memory_back(&device, &memory_before, &mut line)?;
         let ok = captured && same && back;
         line["check_graph"] = json!(if ok { "pass" } else { "FAIL" });
         line["outputs_same_bits"] = json!(same);
-        line["graph_memory_after_drop"] = json!(after.reserved);
-        line["graph_memory_before"] = json!(memory_before.reserved);
         println!("{line}");
         if !ok {
             bail!("{name} (eval): not captured, replayed outputs differ from the eager pass, or memory not given back");
