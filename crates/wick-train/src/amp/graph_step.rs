@@ -86,8 +86,12 @@ pub struct GraphStep {
     warmup: usize,
 }
 
-fn graph_error(e: GraphError) -> TrainError {
-    TrainError::Invalid { what: "CUDA graph step".into(), message: e.to_string() }
+/// A graph's error as the step's: out-of-memory as wick's typed one (on `device`), the rest said.
+fn graph_error(device: &Device) -> impl Fn(GraphError) -> TrainError + '_ {
+    move |e| match e.into_memory_error(device) {
+        Some(oom) => TrainError::from(oom),
+        None => TrainError::Invalid { what: "CUDA graph step".into(), message: e.to_string() },
+    }
 }
 
 fn key_of<T: AsRef<[Tensor]>>(micro: &[T]) -> Key {
@@ -170,7 +174,7 @@ impl GraphStep {
         }
         if let Some(graph) = &shaped.graph {
             *eager_reason = None;
-            return graph.replay().map_err(graph_error);
+            return graph.replay().map_err(graph_error(device));
         }
         let inputs: Vec<&[Tensor]> = shaped.own.iter().map(Vec::as_slice).collect();
         if shaped.eager >= *warmup && shaped.refused.is_none() {
@@ -178,18 +182,18 @@ impl GraphStep {
                 one_step(amp, loss, *clip, &inputs, body).map_err(candle_core::Error::wrap)
             }) {
                 Ok(graph) => {
-                    graph.replay().map_err(graph_error)?;
+                    graph.replay().map_err(graph_error(device))?;
                     shaped.graph = Some(graph);
                     *eager_reason = None;
                     return Ok(());
                 }
                 Err(GraphError::Refused(why)) => shaped.refused = Some(why),
-                Err(e) => return Err(graph_error(e)),
+                Err(e) => return Err(graph_error(device)(e)),
             }
         }
         shaped.eager += 1;
         *eager_reason = shaped.refused.clone();
-        cuda_graph::warm_up(device, || one_step(amp, loss, *clip, &inputs, body)).map_err(graph_error)?
+        cuda_graph::warm_up(device, || one_step(amp, loss, *clip, &inputs, body)).map_err(graph_error(device))?
     }
 
     /// One step run eagerly on `micro_batches` as given (no inputs of the step's own), for
@@ -204,7 +208,8 @@ impl GraphStep {
         self.amp.write_hyper(self.clip)?;
         self.shapes.set_eager_reason(Some(reason));
         let (amp, loss, clip) = (&mut self.amp, &self.loss, self.clip);
-        cuda_graph::warm_up(&self.device, || one_step(amp, loss, clip, micro_batches, body)).map_err(graph_error)?
+        cuda_graph::warm_up(&self.device, || one_step(amp, loss, clip, micro_batches, body))
+            .map_err(graph_error(&self.device))?
     }
     /// Sets the learning rate of the next steps (a schedule's step; replays read it from the
     /// device).
@@ -244,7 +249,7 @@ impl GraphStep {
     /// fused step's masters and state ([`DeviceAmp::account`]).
     pub fn account(&self, engine: &wick::Engine) -> Result<(), TrainError> {
         self.amp.account(engine);
-        let memory = cuda_graph::graph_memory(&self.device).map_err(graph_error)?;
+        let memory = cuda_graph::graph_memory(&self.device).map_err(graph_error(&self.device))?;
         engine.account(GRAPH_MEMORY, usize::try_from(memory.reserved).unwrap_or(usize::MAX));
         Ok(())
     }

@@ -58,14 +58,36 @@ pub enum GraphError {
     #[error("the step cannot be captured, and what it kept is unusable: {0}")]
     Outlived(String),
     /// The device has not the memory the graph needs (at instantiation or its first upload).
-    #[error("out of memory for the CUDA graph: {0}")]
-    OutOfMemory(String),
+    /// Nothing of the graph is kept. [`GraphError::into_memory_error`] makes it wick's typed
+    /// out-of-memory.
+    #[error("out of memory for the CUDA graph ({requested} bytes of graph allocations): {message}")]
+    OutOfMemory {
+        /// The driver's words.
+        message: String,
+        /// Bytes the graph's allocation nodes ask for (0 where not known yet).
+        requested: usize,
+    },
     /// The driver failed otherwise.
     #[error("CUDA graph: {0}")]
     Driver(String),
     /// The function itself failed while running eagerly (a warm-up, or a shape without a graph).
     #[error(transparent)]
     Failed(candle_core::Error),
+}
+
+impl GraphError {
+    /// True for [`GraphError::OutOfMemory`].
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, GraphError::OutOfMemory { .. })
+    }
+
+    /// Out-of-memory as wick's typed [`wick_memory::MemoryError::OutOfMemory`] (the device named
+    /// `device`, the request the graph's allocations), anything else as `None`.
+    pub fn into_memory_error(&self, device: &Device) -> Option<wick_memory::MemoryError> {
+        let GraphError::OutOfMemory { message, requested } = self else { return None };
+        let name = format!("{:?} (a CUDA graph's memory: {message})", device.location());
+        Some(wick_memory::MemoryError::OutOfMemory(Box::new(wick_memory::OutOfMemory::refused(name, *requested))))
+    }
 }
 
 /// Copies `src` (same shape; converted to `dst`'s device and dtype) into `dst`'s own memory: what
@@ -115,7 +137,7 @@ pub struct StepGraph {
 fn driver(e: impl std::fmt::Display) -> GraphError {
     let text = e.to_string();
     if text.contains("OUT_OF_MEMORY") || text.to_lowercase().contains("out of memory") {
-        GraphError::OutOfMemory(text)
+        GraphError::OutOfMemory { message: text, requested: 0 }
     } else {
         GraphError::Driver(text)
     }
@@ -253,7 +275,12 @@ pub fn capture(device: &Device, step: impl FnOnce() -> candle_core::Result<()>) 
     }
     // The graph's memory is mapped now rather than at the first replay, so running out of it is
     // an error here, before the caller counts on the graph.
-    graph.upload().map_err(driver)?;
+    graph.upload().map_err(|e| match driver(e) {
+        GraphError::OutOfMemory { message, .. } => {
+            GraphError::OutOfMemory { message, requested: shape.allocated_bytes }
+        }
+        other => other,
+    })?;
     Ok(StepGraph { graph, stream: stream.clone(), shape })
 }
 
