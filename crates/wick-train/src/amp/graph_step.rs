@@ -11,9 +11,9 @@
 //! with candle's upload cache on (they make the optimizer's state, choose cuDNN's algorithms and
 //! fill the cache the capture needs); the next is captured and replayed at once (a capture runs
 //! nothing), and every later step of that shape replays it. Refused, not wrong: a capture the
-//! driver or the step refuses is reported (its [`GraphStep::shapes`] say so) and that shape's steps run
-//! eagerly; a batch of another shape (a smaller last batch, another sequence length) runs eagerly
-//! with the reason, or gets a graph of its own with
+//! driver or the step refuses is reported (its [`GraphStep::shapes`] say so) and that shape's
+//! steps run eagerly; a batch of another shape (a smaller last batch, another sequence length)
+//! runs eagerly with the reason, or gets a graph of its own with
 //! [`GraphStep::recapture_per_shape`]. The loss is written into a tensor made before any capture
 //! ([`GraphStep::last_loss`]). Dropping the step drops its graphs and gives their memory back to
 //! the device.
@@ -38,7 +38,7 @@ pub trait StepBody {
     /// The loss of micro-batch `k` from its tensors (the step's own inputs of it).
     fn loss(&self, k: usize, inputs: &[Tensor]) -> candle_core::Result<Tensor>;
 
-    /// The gradients of `loss` (a micro-batch's loss, divided by their number and scaled):
+    /// The gradients of `loss` (a micro-batch's loss, divided by micro-batches × ranks and scaled):
     /// candle's backward unless the body says otherwise (activation checkpointing's).
     fn backward(&self, loss: &Tensor) -> candle_core::Result<GradStore> {
         loss.backward()
@@ -134,7 +134,8 @@ impl GraphStep {
     }
 
     /// One step over micro-batches (gradient accumulation, as the trainer's: each micro-batch's
-    /// loss divided by their number, the gradients summed in order, then one update), as
+    /// loss divided by their number times the body's ranks, the gradients summed in order, the
+    /// body's reduction, then one update), as
     /// [`GraphStep::step`] does it for one: the shape is every micro-batch's, and the graph holds
     /// them all.
     pub fn step_accumulated<T: AsRef<[Tensor]>>(
