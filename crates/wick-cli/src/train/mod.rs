@@ -179,7 +179,6 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
     wick::files::write_atomic(path, kept.as_bytes()).with_context(|| format!("rewriting {}", path.display()))
 }
 
-/// SHA-256 over every f32 master, in parameter order.
 /// SHA-256 of `tensors`' values widened to f32, in order (little-endian), hex.
 fn f32_digest<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<String> {
     let mut hash = Sha256::new();
@@ -194,11 +193,11 @@ fn f32_digest<'a>(tensors: impl IntoIterator<Item = &'a Tensor>) -> Result<Strin
 /// SHA-256 of the f32 masters, in order (wherever they live: the device's under CUDA graphs);
 /// `None` when a sharded run holds only its share.
 fn masters_digest(trainer: &Trainer<Llama>) -> Result<Option<String>> {
-    let masters = trainer.master_state()?.masters;
+    let masters: Vec<&Tensor> = (0..).map_while(|i| trainer.master(i)).collect();
     if masters.is_empty() {
         return Ok(None);
     }
-    f32_digest(&masters).map(Some)
+    f32_digest(masters).map(Some)
 }
 
 /// What the CUDA graph did, for the log: the graph's nodes and its pool beside the last warm-up

@@ -121,6 +121,11 @@ impl DeviceAmp {
         self.optimizer.set_lr(rate);
     }
 
+    /// The `i`-th parameter's f32 master (the parameter itself when it is f32).
+    pub fn master(&self, i: usize) -> Option<&Tensor> {
+        self.params.get(i).map(|p| &p.master)
+    }
+
     /// The parameters (the model's compute copies), in order.
     pub fn vars(&self) -> impl Iterator<Item = &Var> {
         self.params.iter().map(|p| &p.model)

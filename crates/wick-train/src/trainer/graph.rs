@@ -105,6 +105,10 @@ impl GraphRun {
         match self.never {}
     }
 
+    pub(super) fn master(&self, _: usize) -> Option<&Tensor> {
+        match self.never {}
+    }
+
     pub(super) fn load_state(&mut self, _: &MasterState) -> Result<(), TrainError> {
         match self.never {}
     }
@@ -204,6 +208,10 @@ impl GraphRun {
 
     pub(super) fn state(&self) -> Result<MasterState, TrainError> {
         self.step.amp().state()
+    }
+
+    pub(super) fn master(&self, i: usize) -> Option<&Tensor> {
+        self.step.amp().master(i)
     }
 
     /// Joining `parallel`: rank 0's masters and optimizer state into this rank's, over NCCL.

@@ -209,8 +209,8 @@ impl<M: Model> Trainer<M> {
     }
 
     /// The masters and optimizer state (empty when a data-parallel run shards them, see
-    /// [`Trainer::optimizer_bytes`], and when steps run as CUDA graphs, see
-    /// [`Trainer::master_state`]).
+    /// [`Trainer::optimizer_bytes`], and when steps run as CUDA graphs: [`Trainer::master`] reads
+    /// the masters wherever they live).
     pub fn masters(&self) -> &MasterWeights {
         &self.masters
     }
@@ -218,6 +218,15 @@ impl<M: Model> Trainer<M> {
     /// Steps taken.
     pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// The `i`-th parameter's f32 master, wherever it lives (the device step's, when steps run as
+    /// CUDA graphs); none past the last, or when a data-parallel run shards the masters.
+    pub fn master(&self, i: usize) -> Option<&Tensor> {
+        match &self.graph {
+            Some(g) => g.master(i),
+            None => self.masters.master(i),
+        }
     }
 
     /// A copy of the masters, the optimizer state and its step count, wherever they live (the
