@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import time
 
 import torch
 
@@ -44,46 +43,13 @@ def wick_line(binary, model, mode, steps, warmup, sizes, eager):
 
 
 def torch_compiled_times(spec, mode, steps, warmup):
-    """Milliseconds of each timed step with the model under torch.compile(mode="reduce-overhead"),
-    or the reason it did not run."""
+    """Milliseconds of each timed step with the model under torch.compile(mode="reduce-overhead")
+    (zoo_speed.torch_times with `compile_mode`), or the reason it did not run."""
     try:
-        model, loss_fn, eval_fn = zoo_speed.build(spec, "cuda")
-        # In place (nn.Module.compile): the zoo's loss closures call `model(...)`, which now runs
-        # the compiled module.
-        model.compile(mode="reduce-overhead")
-        times = []
-        if mode == "eval":
-            model.eval()
-            with torch.inference_mode():
-                for i in range(warmup + steps):
-                    torch.compiler.cudagraph_mark_step_begin()
-                    start = time.perf_counter()
-                    eval_fn()
-                    torch.cuda.synchronize()
-                    if i >= warmup:
-                        times.append((time.perf_counter() - start) * 1e3)
-            del model, eval_fn
-            torch.cuda.empty_cache()
-            return times, None
-        opt = zoo_speed.optimizer(spec, model.parameters())
-        for i in range(warmup + steps):
-            torch.compiler.cudagraph_mark_step_begin()
-            start = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            if mode == "amp":
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = loss_fn()
-            else:
-                loss = loss_fn()
-            loss.backward()
-            opt.step()
-            torch.cuda.synchronize()
-            if i >= warmup:
-                times.append((time.perf_counter() - start) * 1e3)
-        del model, opt
-        torch.cuda.empty_cache()
+        times, _ = zoo_speed.torch_times(spec, mode, steps, warmup, "cuda", compile_mode="reduce-overhead")
         return times, None
-    except Exception as e:  # the compiler's failure is a row's result, not the run's end
+    # The compiler's failure (or a loss that is not finite) is a row's result, not the run's end.
+    except (Exception, SystemExit) as e:
         return [], f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 

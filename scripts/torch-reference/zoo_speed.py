@@ -123,10 +123,16 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def torch_times(spec, mode, steps, warmup, device, clip=None):
+def torch_times(spec, mode, steps, warmup, device, clip=None, compile_mode=None):
     """Milliseconds of each timed step, and the peak allocated bytes over them (None on the CPU);
-    with `clip`, training clips the gradients to that total norm between backward and step."""
+    with `clip`, training clips the gradients to that total norm between backward and step; with
+    `compile_mode`, the model is `torch.compile`d in place with that mode (nn.Module.compile: the
+    zoo's loss closures call `model(...)`, which then runs the compiled module) and each step
+    starts with `torch.compiler.cudagraph_mark_step_begin()` (CUDA graph trees), untimed."""
     model, loss_fn, eval_fn = build(spec, device)
+    if compile_mode:
+        model.compile(mode=compile_mode)
+    begin = torch.compiler.cudagraph_mark_step_begin if compile_mode else (lambda: None)
     times = []
     sync(device)
 
@@ -141,6 +147,7 @@ def torch_times(spec, mode, steps, warmup, device, clip=None):
         model.eval()
         with torch.inference_mode():
             for i in range(warmup + steps):
+                begin()
                 start = time.perf_counter()
                 eval_fn()
                 timed(i, start)
@@ -148,6 +155,7 @@ def torch_times(spec, mode, steps, warmup, device, clip=None):
         model.train()
         opt = optimizer(spec, model.parameters())
         for i in range(warmup + steps):
+            begin()
             start = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             if mode == "amp":
