@@ -17,7 +17,7 @@ Each side's figure is the median step time over its timed steps and rounds; wick
 the host's milliseconds to issue a step (`host_ms`: what a graph saves). The ratios are PyTorch's
 time over wick's graphed step (above 1: wick is faster).
 
-    python scripts/torch-reference/graph_speed.py --wick .devbuild/zoo-speed --models minilm,decoder,vit-s16 \\
+    python scripts/torch-reference/graph_speed.py --wick .devbuild/zoo-speed --models bert,decoder,vit \\
         [--modes train,amp] [--rounds 2] [--steps 10] [--warmup 3] [--batches 16] [--seqs 128]
 
 Needs a CUDA GPU, torch and zoo_speed.py beside it; not part of CI.
@@ -56,7 +56,7 @@ def torch_compiled_times(spec, mode, steps, warmup):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--wick", required=True, help="zoo-speed built with --features cuda")
-    ap.add_argument("--models", default="minilm,decoder,vit-s16")
+    ap.add_argument("--models", default="bert,decoder,vit")
     ap.add_argument("--modes", default="train,amp")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
