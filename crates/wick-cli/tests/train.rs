@@ -340,6 +340,10 @@ fn bad_device_settings_say_what_to_do() {
     assert!(!ok && err.contains("--device cuda") && err.contains("built without CUDA"), "{err}");
     let (ok, err) = run(&["--device", "cuda", "--cuda-graph", "--graph-warmup", "0"]);
     assert!(!ok && err.contains("--graph-warmup"), "{err}");
+    let (ok, err) = run(&["--device", "cuda", "--zero", "3"]);
+    assert!(!ok && err.contains("--zero 3") && err.contains("--zero 0, 1 or 2"), "{err}");
+    let (ok, err) = run(&["--device", "cuda", "--cuda-graph", "--zero", "2"]);
+    assert!(!ok && err.contains("--cuda-graph") && err.contains("--zero 0"), "{err}");
     let (ok, err) = run(&["--device", "tpu"]);
     assert!(!ok && err.contains("--device"), "{err}");
     // Nothing was trained or written.

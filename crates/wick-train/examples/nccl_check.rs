@@ -4,7 +4,8 @@
 //! bit), and its time beside a device copy of the same bytes. One GPU cannot host two ranks of a
 //! communicator (NCCL refuses a duplicate device), so two-rank correctness is the MPI tests'.
 //! Then the trainer on the GPU: alone and data-parallel in a one-rank group (gradients through
-//! NCCL's buckets), the same parameters to the bit; and the same with every step a CUDA graph
+//! NCCL's buckets), the same parameters to the bit; ZeRO stages 1 and 2 likewise (f32, bf16 and
+//! f16 with the loss scaler; clipping's norm; a sharded checkpoint resumed); and the same with every step a CUDA graph
 //! after its warm-up (two micro-batches a step; the data-parallel graph holds the gradient
 //! buckets' and the loss's all-reduces): captured, and the same losses and parameters to the bit
 //! as the graph trainer alone. Prints one JSON line; exits 1 when a check fails.
@@ -70,18 +71,19 @@ fn run() -> Result<()> {
         timings.push(serde_json::json!({"mb": mb, "all_reduce_ms": reduce * 1e3, "copy_ms": copy * 1e3}));
     }
     let trainer = trainer_on_nccl(&group, &device)?;
+    let zero = zero_on_nccl(&group, &device)?;
     let graphs = graph_trainer_on_nccl(&group, &device)?;
     println!(
         "{}",
         serde_json::json!({"nccl": format!("{nccl:?}"), "checks": checks, "timings": timings, "trainer": trainer,
-            "graph_trainer": graphs})
+            "zero": zero, "graph_trainer": graphs})
     );
     Ok(())
 }
 
 /// A decoder's AdamW steps on the GPU, alone and data-parallel in a one-rank group (its
 /// gradients through NCCL's buckets): the same parameters to the bit (one rank's sum is its
-/// own gradient). ZeRO with GPU parameters is refused.
+/// own gradient). ZeRO stage 3 with GPU parameters is refused (stages 1 and 2: [`zero_on_nccl`]).
 fn trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Value> {
     use wick_train::dist::{DataParallelOptions, Sharding};
     use wick_train::trainer::{TrainOptions, Trainer};
@@ -108,14 +110,99 @@ fn trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::
     }
     let same = parameter_bits(&alone)? == parameter_bits(&grouped)?;
     ensure!(same, "one-rank NCCL data parallel differs from the plain trainer: {losses:?}");
-    let zero = DataParallelOptions { sharding: Sharding::Gradients, ..DataParallelOptions::default() };
+    let zero = DataParallelOptions { sharding: Sharding::Parameters, ..DataParallelOptions::default() };
     let refused =
         Trainer::new_data_parallel(build()?, serde_json::json!({}), None, TrainOptions::default(), group.clone(), zero)
             .err()
             .map(|e| e.to_string());
-    ensure!(refused.is_some(), "ZeRO with GPU parameters must be refused");
+    ensure!(refused.is_some(), "ZeRO-3 with GPU parameters must be refused");
     let reduce = grouped.last_reduce().map(|r| serde_json::json!({"buckets": r.buckets, "comm_s": r.comm_s}));
-    Ok(serde_json::json!({"same_parameters": same, "losses": losses, "reduce": reduce, "zero_refused": refused}))
+    Ok(serde_json::json!({"same_parameters": same, "losses": losses, "reduce": reduce, "zero3_refused": refused}))
+}
+
+/// ZeRO stages 1 and 2 on the GPU in a one-rank group (each bucket reduced and gathered by NCCL,
+/// the shard's masters and state on the device, the fused kernels' update): the plain trainer's
+/// losses and parameters to the bit, in f32, in bf16 (f32 masters) and in f16 with the loss
+/// scaler; with clipping, the same norms to 1e-6; a ZeRO-2 checkpoint (its shard read back from
+/// the device) resumed by a plain trainer takes the ZeRO run's next steps to the bit.
+fn zero_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Value> {
+    use wick_nn::Autocast;
+    use wick_train::checkpoint::CheckpointDir;
+    use wick_train::dist::{DataParallelOptions, Sharding};
+    use wick_train::trainer::{TrainOptions, Trainer};
+    use wick_zoo::llama::{Llama, LlamaConfig};
+    let config = LlamaConfig::tiny(64);
+    let build = |dtype: DType| -> Result<Llama> { Ok(Llama::new(config, dtype, device)?) };
+    let ids = |step: u32| -> Result<Tensor> {
+        let values: Vec<u32> = (0..32u32).map(|i| (i * 11 + step * 7) % 64).collect();
+        Ok(Tensor::from_vec(values, (2, 16), device)?)
+    };
+    let sharded = |stage: Sharding, dtype: DType, options: TrainOptions| -> Result<Trainer<Llama>> {
+        let parallel = DataParallelOptions { sharding: stage, ..DataParallelOptions::default() };
+        Ok(Trainer::new_data_parallel(build(dtype)?, serde_json::json!({}), None, options, group.clone(), parallel)?)
+    };
+    let mut rows = Vec::new();
+    for (name, dtype, autocast) in [
+        ("f32", DType::F32, Autocast::off()),
+        ("bf16", DType::BF16, Autocast::bf16()),
+        ("f16", DType::F16, Autocast::f16()),
+    ] {
+        let options = TrainOptions { autocast, ..TrainOptions::default() };
+        let mut alone = Trainer::new(build(dtype)?, serde_json::json!({}), None, options)?;
+        let mut stages =
+            [sharded(Sharding::OptimizerState, dtype, options)?, sharded(Sharding::Gradients, dtype, options)?];
+        let mut same_losses = true;
+        for step in 0..4 {
+            let batch = [ids(step)?];
+            let a = alone.train_step(&batch)?;
+            for z in stages.iter_mut() {
+                let b = z.train_step(&batch)?;
+                same_losses &= a.loss.to_bits() == b.loss.to_bits() && a.outcome == b.outcome;
+            }
+        }
+        let reference = parameter_bits(&alone)?;
+        let same: Vec<bool> = stages.iter().map(|z| Ok(parameter_bits(z)? == reference)).collect::<Result<_>>()?;
+        let (masters, state) = stages[1].optimizer_bytes();
+        rows.push(serde_json::json!({"dtype": name, "same_parameters": same, "same_losses": same_losses,
+            "zero2_master_bytes": masters, "zero2_state_bytes": state}));
+        ensure!(
+            same_losses && same.iter().all(|s| *s),
+            "{name}: one-rank ZeRO-1/2 on the GPU differs from the plain trainer"
+        );
+    }
+    // Clipping: the norm over the shard's pieces (in bucket order) against the plain trainer's.
+    let clipped = TrainOptions { clip_grad_norm: Some(0.05), ..TrainOptions::default() };
+    let mut alone = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
+    let mut zero2 = sharded(Sharding::Gradients, DType::F32, clipped)?;
+    let mut norms = Vec::new();
+    for step in 0..3 {
+        let batch = [ids(step)?];
+        let (a, b) = (alone.train_step(&batch)?, zero2.train_step(&batch)?);
+        norms.push((a.grad_norm, b.grad_norm));
+    }
+    let close = norms.iter().all(|(a, b)| match (a, b) {
+        (Some(a), Some(b)) => (a - b).abs() <= 1e-6 * a.abs().max(1e-12),
+        _ => false,
+    });
+    ensure!(close, "clipping's norms differ: {norms:?}");
+    // A ZeRO-2 checkpoint resumed by a plain trainer: the same next steps.
+    let folder = std::env::temp_dir().join(format!("wick-nccl-zero-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&folder);
+    std::fs::create_dir_all(&folder)?;
+    let dir = CheckpointDir::new(&folder, 2)?;
+    zero2.save(&dir, serde_json::json!({}))?;
+    let mut resumed = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
+    resumed.resume(&dir)?;
+    let mut same_resumed = true;
+    for step in 3..5 {
+        let batch = [ids(step)?];
+        let (a, b) = (zero2.train_step(&batch)?, resumed.train_step(&batch)?);
+        same_resumed &= a.loss.to_bits() == b.loss.to_bits();
+    }
+    same_resumed &= parameter_bits(&zero2)? == parameter_bits(&resumed)?;
+    let _ = std::fs::remove_dir_all(&folder);
+    ensure!(same_resumed, "a plain trainer resumed from a GPU ZeRO-2 checkpoint took other steps");
+    Ok(serde_json::json!({"rows": rows, "clipped_norms": norms, "resumed_same": same_resumed}))
 }
 
 /// Every parameter's bits, in order.

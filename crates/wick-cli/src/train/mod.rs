@@ -124,7 +124,7 @@ pub struct TrainArgs {
     /// ranks, 2 also reduce-scatters the gradients, 3 also shards the blocks' parameters (each
     /// block gathered whole only while it runs, forward and recomputed backward); checkpoints are
     /// then written a shard per rank and resume at any number of ranks and any stage. Ignored on
-    /// one rank.
+    /// one rank. With --device cuda, stages 1 and 2 (over NCCL).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     zero: u8,
     /// Reduce the gradients after backward instead of starting each bucket from inside it (a
@@ -258,6 +258,13 @@ fn detach(args: &TrainArgs) -> Result<()> {
 /// Runs `wick train`, reporting the run's state in DIR/status.json (and why it ended).
 pub fn run(args: &TrainArgs) -> Result<()> {
     crate::ranks::check_stage_options(args.zero, args.no_overlap, args.prefetch, args.no_recompute)?;
+    // Refused before any rank starts (each would refuse it at its start).
+    if args.device == "cuda" && args.zero == 3 {
+        bail!("--zero 3 gathers its blocks over MPI in host memory: on GPUs give --zero 0, 1 or 2 (over NCCL)");
+    }
+    if args.cuda_graph && args.zero > 0 {
+        bail!("--cuda-graph steps are replicated (--zero 0): ZeRO's sharded update agrees on the host every step");
+    }
     let launched = wick_train::dist::Launch::from_env()?;
     if args.ranks > 1 && launched.world_size > 1 {
         bail!(

@@ -16,7 +16,7 @@
 //! | [`buckets`] | gradient buckets (PyTorch DDP's sizes and order) and the data-parallel gradient sum |
 //! | [`parallel`] | what a [`crate::Trainer`] holds under a group: the options ([`DataParallelOptions`]), the start-up checks and broadcasts, the step's agreement on failures, the update (replicated, or sharded as [`Sharding`] says) |
 //! | `flight` | one step's reduction in flight: buckets started in order from inside backward (the patched candle's gradient hook) as their gradients complete, the rest after it; one bucket in flight at a time |
-//! | `zero` | ZeRO stages 1 and 2: a rank's shard of masters and optimizer state, the reduce-scatter, the sharded update and the all-gather |
+//! | `zero` | ZeRO stages 1 and 2: a rank's shard of masters and optimizer state, the reduce-scatter, the sharded update and the all-gather — over MPI on the host, or (`zero::nccl`) over NCCL with the fused kernels on GPUs |
 //! | `pieces` | a parameter's pieces under stage 3: packed as bytes in its dtype, placed in a gather's bytes, made whole again (a fresh variable, or written into the model's tensor), its pages handed back |
 //! | `prefetch` | stage 3's prefetch: the next block in the last step's order, and its gather in flight |
 //! | `zero3` | ZeRO stage 3: a rank's shard of every parameter; the blocks' gather before they run (the next one's prefetched, as an option), again for backward (recomputed, or gathered back into the tensors the forward pass released) and reduce-scatter as their backward ends (in flight until the next block's; `zero3::reduce`) |

@@ -203,6 +203,12 @@ impl NcclGroup {
         self.enqueue(Kind::AllReduce(ReduceOp::Sum), t, None).map(|_| ())
     }
 
+    /// The sum over ranks of `t` written into `t` itself (a contiguous tensor of its own), once
+    /// it is complete: no second buffer.
+    pub(crate) fn all_reduce_in_place(&self, t: &Tensor) -> Result<(), DistError> {
+        self.run(Kind::AllReduce(ReduceOp::Sum), t, None)
+    }
+
     /// As [`NcclGroup::enqueue_all_reduce`], rank `root`'s `t` written into every rank's `t`.
     pub(crate) fn enqueue_broadcast(&self, t: &Tensor, root: usize) -> Result<(), DistError> {
         if root >= self.world {
@@ -259,7 +265,7 @@ impl NcclGroup {
         let mut stats = ReduceStats::default();
         for bucket in plan {
             let t0 = Instant::now();
-            let reduced = packed(bucket, grads, vars, &present)?;
+            let reduced = packed(bucket, grads, vars, &present, 0)?;
             let t1 = Instant::now();
             self.run(Kind::AllReduce(ReduceOp::Sum), &reduced, None)?;
             let t2 = Instant::now();
@@ -284,7 +290,7 @@ impl NcclGroup {
     ) -> Result<(), DistError> {
         let present: Vec<bool> = vars.iter().map(|v| grads.get(v.as_tensor()).is_some()).collect();
         for bucket in plan {
-            let reduced = packed(bucket, grads, vars, &present)?;
+            let reduced = packed(bucket, grads, vars, &present, 0)?;
             self.enqueue_all_reduce(&reduced)?;
             unpack(&reduced, bucket, grads, vars, &present)?;
         }
@@ -293,15 +299,26 @@ impl NcclGroup {
 }
 
 /// `bucket`'s gradients taken out of `grads`, flattened into one f32 tensor of its own (zeros
-/// for a parameter not `present`).
-fn packed(bucket: &[usize], grads: &mut GradStore, vars: &[Var], present: &[bool]) -> Result<Tensor, DistError> {
-    let mut parts = Vec::with_capacity(bucket.len());
+/// for a parameter not `present`), followed by `pad` zeros (ZeRO's buckets split evenly over
+/// the ranks).
+pub(super) fn packed(
+    bucket: &[usize],
+    grads: &mut GradStore,
+    vars: &[Var],
+    present: &[bool],
+    pad: usize,
+) -> Result<Tensor, DistError> {
+    let mut parts = Vec::with_capacity(bucket.len() + 1);
     for &i in bucket {
         let v = &vars[i];
         parts.push(match grads.remove(v.as_tensor()) {
             Some(g) if present[i] => g.detach().flatten_all()?.to_dtype(DType::F32)?,
             _ => Tensor::zeros(v.elem_count(), DType::F32, v.device())?,
         });
+    }
+    if pad > 0 {
+        let device = parts.first().map(|p| p.device().clone()).ok_or_else(|| DistError::internal("an empty bucket"))?;
+        parts.push(Tensor::zeros(pad, DType::F32, &device)?);
     }
     // A tensor of its own, reduced in place with no second copy (`cat` of several parts makes
     // one; of one part it hands back that part, which may share a gradient's storage).

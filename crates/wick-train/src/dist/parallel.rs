@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 use wick_nn::params::Params;
 
 use super::buckets::{GradBuckets, ReduceStats, BUCKET_BYTES, FIRST_BUCKET_BYTES};
@@ -119,11 +119,13 @@ pub(crate) struct Parallel {
     recompute: bool,
 }
 
-/// NCCL for `vars` when they are on a GPU (replicated only), `None` for host parameters.
+/// NCCL for `vars` when they are on a GPU (replicated, or ZeRO stages 1 and 2), `None` for host
+/// parameters.
 fn gpu_comm(group: &ProcessGroup, options: &DataParallelOptions, vars: &[Var]) -> Result<Option<GpuComm>, TrainError> {
     let Some(device) = vars.iter().map(|v| v.device()).find(|d| d.is_cuda()) else { return Ok(None) };
-    if options.sharding != Sharding::None {
-        let message = "ZeRO shards host state: GPU parameters train replicated (Sharding::None) over NCCL";
+    if options.sharding == Sharding::Parameters {
+        let message = "ZeRO stage 3 gathers and reduce-scatters its blocks over MPI in host memory; GPU \
+                       parameters train at stages 0, 1 and 2 (over NCCL)";
         return Err(DistError::unsupported("data parallel", message).into());
     }
     #[cfg(feature = "nccl")]
@@ -181,7 +183,7 @@ impl Parallel {
         let from_root = |i: usize| -> Result<(Tensor, Vec<Tensor>), TrainError> {
             let missing = || DistError::internal(format!("no master for parameter {i}"));
             let root = |t: &Tensor| -> Result<Tensor, TrainError> {
-                Ok(group.broadcast(&t.to_device(&candle_core::Device::Cpu)?, 0)?.to_device(t.device())?)
+                Ok(group.broadcast(&t.to_device(&Device::Cpu)?, 0)?.to_device(t.device())?)
             };
             let master = root(masters.master(i).ok_or_else(missing)?)?;
             let state = masters.state_of(i).ok_or_else(missing)?;
@@ -283,15 +285,15 @@ impl Parallel {
         if options.sharding == Sharding::None {
             return Err(DistError::internal("a sharded start without sharding").into());
         }
-        // Sharded runs are on the host (`gpu_comm` refuses GPU parameters with ZeRO).
-        let (buckets, _) = Self::prepare(&group, options, setup, vars, params)?;
+        let (buckets, gpu) = Self::prepare(&group, options, setup, vars, params)?;
         let mut fetch = |request: &PieceRequest| -> Result<PieceInit, TrainError> {
             let v = &vars[request.param];
             let own = match start {
-                Some(s) => s[request.param].to_device(v.device())?.to_dtype(DType::F32)?,
-                None => v.as_tensor().to_dtype(DType::F32)?,
+                Some(s) => s[request.param].to_device(&Device::Cpu)?.to_dtype(DType::F32)?,
+                None => v.as_tensor().to_device(&Device::Cpu)?.to_dtype(DType::F32)?,
             };
-            let value = group.broadcast(&own, 0)?;
+            // Through the host (a GPU's parameter too), once.
+            let value = group.broadcast(&own, 0)?.to_device(v.device())?;
             // Rank 0's parameter is this value already, unless it starts from `start`.
             if !group.is_root() || start.is_some() {
                 v.set(&value.to_dtype(v.dtype())?.copy()?)?;
@@ -305,7 +307,7 @@ impl Parallel {
             group,
             buckets,
             zero: Some(z),
-            gpu: None,
+            gpu,
             last: ReduceStats::default(),
             overlap: options.overlap,
             prefetch: options.prefetch,
@@ -447,9 +449,13 @@ impl Parallel {
         match self.zero.as_mut() {
             Some(Shard::Zero(z)) => {
                 z.set_learning_rate(lr);
-                let (outcome, stats) = match flight {
-                    Some(f) => z.step_from(&self.group, f, vars, (scaler, max_norm))?,
-                    None => z.step(&self.group, grads, vars, (scaler, max_norm))?,
+                let (outcome, stats) = match (&self.gpu, flight) {
+                    (None, Some(f)) => z.step_from(&self.group, f, vars, (scaler, max_norm))?,
+                    (None, None) => z.step(&self.group, grads, vars, (scaler, max_norm))?,
+                    #[cfg(feature = "nccl")]
+                    (Some(nccl), _) => z.step_nccl(&self.group, nccl, grads, vars, (scaler, max_norm))?,
+                    #[cfg(not(feature = "nccl"))]
+                    (Some(never), _) => match *never {},
                 };
                 self.last = stats;
                 return Ok(outcome);

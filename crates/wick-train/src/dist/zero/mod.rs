@@ -14,6 +14,12 @@
 //! bucket). The buckets' collectives start from inside backward (a `flight`) or after it; a
 //! stage-2 bucket reduced during backward leaves only this rank's block beside the rest of
 //! backward, the buckets still to come hold every local gradient in both stages.
+//!
+//! GPU parameters (feature `nccl`) keep the same shard on their GPU and take the step of
+//! [`nccl`]: NCCL's collectives and the fused kernels in place of MPI's and the host's loops.
+
+#[cfg(feature = "nccl")]
+mod nccl;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
