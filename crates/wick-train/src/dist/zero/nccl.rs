@@ -49,16 +49,23 @@ impl ZeroOptimizer {
         let device = vars.first().map(|v| v.device().clone()).ok_or_else(|| DistError::internal("no parameters"))?;
         let present = agreed_presence(group, grads, vars)?;
         let (reduced, stats) = self.reduce_nccl(nccl, grads, vars, &present)?;
-        // Each present piece's gradient: a view of its bucket's reduced values, or those values
-        // rounded to its parameter's dtype (a copy) when that is not f32, as the replicated
-        // path's buckets give them back.
+        // Each present piece's gradient: rounded to its parameter's dtype (a copy) when that is
+        // not f32, as the replicated path's buckets give them back; an f32 one a view of its
+        // bucket's reduced values when every piece of the bucket is f32, else a copy too, so
+        // that no f32 bucket outlives its own loop turn beside low-precision copies of it (a
+        // rank then holds at most its pieces' gradients and one bucket's reduced values).
         let mut pieces: Vec<(At, Tensor)> = Vec::new();
-        for (bi, (b, values)) in self.buckets.iter().zip(&reduced).enumerate() {
+        for (bi, (b, values)) in self.buckets.iter().zip(reduced).enumerate() {
             let at = self.own_block_at(rank, b);
+            let all_f32 = b.pieces.iter().all(|p| vars[p.param].dtype() == DType::F32);
             for (pi, p) in b.pieces.iter().enumerate().filter(|(_, p)| present[p.param]) {
                 let g = values.narrow(0, at + p.at, p.len)?;
-                let dtype = vars[p.param].dtype();
-                pieces.push(((bi, pi), if dtype == DType::F32 { g } else { g.to_dtype(dtype)? }));
+                let g = match vars[p.param].dtype() {
+                    DType::F32 if all_f32 => g,
+                    DType::F32 => g.force_contiguous()?,
+                    dtype => g.to_dtype(dtype)?,
+                };
+                pieces.push(((bi, pi), g));
             }
         }
         let kernels = crate::amp::cuda::shared(&device)?;
