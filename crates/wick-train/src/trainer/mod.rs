@@ -80,7 +80,8 @@ pub struct TrainOptions {
     /// `clip_grad_norm_(params, max_norm)` between `backward` and `step`; see [`crate::clip`]).
     pub clip_grad_norm: Option<f64>,
     /// Run each step as a CUDA graph after a few eager ones (a model on a CUDA device, built
-    /// with the `cuda` feature; refused otherwise, and for data-parallel training): the masters,
+    /// with the `cuda` feature; refused otherwise, and with ZeRO's sharded stages; data-parallel
+    /// replicated on GPUs over NCCL, the collectives inside the graph): the masters,
     /// the optimizer state and the loss scaler then live on the device
     /// (`crate::amp::device_step`), and [`Trainer::masters`] is empty.
     pub cuda_graph: Option<GraphOptions>,
