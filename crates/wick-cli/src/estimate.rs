@@ -279,7 +279,17 @@ impl Profiled {
             Target::Cuda => Update::Fused,
         };
         let amp = self.precision == Precision::AmpBf16;
-        estimate_per_rank(self.param_bytes, &self.profile, batch, mode, amp, update, self.ranks)
+        estimate_per_rank(self.param_bytes, &self.profile, batch, mode, amp, update, self.ranks_on(on))
+    }
+
+    /// The run's layout as it trains on `on`: GPU parameters reduce their buckets over NCCL
+    /// after backward (wick-train starts no bucket from inside a GPU's backward), so nothing is
+    /// in flight beside backward's activations there.
+    pub fn ranks_on(&self, on: Target) -> Ranks {
+        match on {
+            Target::Cpu => self.ranks,
+            Target::Cuda => Ranks { overlap: None, ..self.ranks },
+        }
     }
 
     /// Under ZeRO stage 3, the phase of the step that sets the peak of `mode` at `batch`.
@@ -364,7 +374,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
             "precision": format!("{:?}", args.model.precision),
             "checkpointing": p.checkpointing,
             "batch": args.batch,
-            "ranks": p.ranks,
+            "ranks": p.ranks_on(args.on),
             "largest_block": p.largest_block,
             "parameters": p.numel,
             "profile": profile,

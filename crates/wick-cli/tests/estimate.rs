@@ -375,6 +375,25 @@ fn ranks_and_zero_stages_give_one_ranks_share() {
         assert_eq!(field(k, key), field(e, key), "kept ZeRO-3: {key}");
     }
     assert!(field(k, "activations") > field(e, "activations"), "kept activations {k} against recomputed {e}");
+    // On a GPU (stages 0-2 over NCCL) the buckets are reduced after backward: no bucket in
+    // flight beside its activations, so --no-overlap changes nothing there; on the CPU it takes
+    // the bucket in flight off the workspace.
+    for zero in ["0", "2"] {
+        let mut on_gpu = args.to_vec();
+        on_gpu.extend(["--ranks", "2", "--zero", zero, "--on", "cuda"]);
+        let overlapped = estimate(&on_gpu);
+        on_gpu.push("--no-overlap");
+        let after = estimate(&on_gpu);
+        assert_eq!(overlapped["ranks"]["overlap"], serde_json::Value::Null, "ZeRO-{zero} on cuda");
+        assert_eq!(overlapped["estimates"], after["estimates"], "ZeRO-{zero} on cuda");
+        let host = |extra: &[&'static str]| {
+            let mut a = args.to_vec();
+            a.extend(["--ranks", "2", "--zero", zero]);
+            a.extend(extra);
+            field(&estimate(&a)["estimates"][0], "workspace")
+        };
+        assert!(host(&[]) > host(&["--no-overlap"]), "ZeRO-{zero} on the CPU: a bucket in flight");
+    }
     let mut cuda = a.clone();
     cuda.extend(["--on", "cuda"]);
     cuda.insert(0, "estimate");
