@@ -70,14 +70,24 @@ fn run() -> Result<()> {
         let copy = time(&|| Ok(x.copy()?))?;
         timings.push(serde_json::json!({"mb": mb, "all_reduce_ms": reduce * 1e3, "copy_ms": copy * 1e3}));
     }
-    let trainer = trainer_on_nccl(&group, &device)?;
-    let zero = zero_on_nccl(&group, &device)?;
-    let graphs = graph_trainer_on_nccl(&group, &device)?;
+    // The trainer's checks each on their own: one that fails is reported and the others still
+    // run (a device run is scarce), then the run fails naming them.
+    let mut failed = Vec::new();
+    let mut part = |name: &str, outcome: Result<serde_json::Value>| {
+        outcome.unwrap_or_else(|e| {
+            failed.push(name.to_string());
+            serde_json::json!({"error": format!("{e:#}")})
+        })
+    };
+    let trainer = part("trainer", trainer_on_nccl(&group, &device));
+    let zero = part("zero", zero_on_nccl(&group, &device));
+    let graphs = part("graph_trainer", graph_trainer_on_nccl(&group, &device));
     println!(
         "{}",
         serde_json::json!({"nccl": format!("{nccl:?}"), "checks": checks, "timings": timings, "trainer": trainer,
-            "zero": zero, "graph_trainer": graphs})
+            "zero": zero, "graph_trainer": graphs, "failed": failed})
     );
+    ensure!(failed.is_empty(), "failed: {failed:?}");
     Ok(())
 }
 
