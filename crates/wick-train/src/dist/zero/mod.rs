@@ -44,6 +44,28 @@ struct Piece {
     master: Option<Tensor>,
 }
 
+impl Piece {
+    /// The piece of its parameter: a view into the model's own tensor.
+    fn of_param(&self, vars: &[Var]) -> candle_core::Result<Tensor> {
+        vars[self.param].as_tensor().flatten_all()?.narrow(0, self.offset, self.len)
+    }
+
+    /// Its f32 values, where the update writes them: its own master, or the f32 parameter's
+    /// piece itself (updated in place, as the replicated update does).
+    fn f32_values(&self, vars: &[Var]) -> candle_core::Result<Tensor> {
+        match &self.master {
+            Some(m) => Ok(m.clone()),
+            None => self.of_param(vars),
+        }
+    }
+}
+
+/// A piece's optimizer state made at its first update: `optimizer`'s state tensors, f32 zeros
+/// of `len` elements on `device` (PyTorch's optimizers make theirs zeroed at their first step).
+pub(super) fn zeroed_state(optimizer: Optimizer, len: usize, device: &Device) -> candle_core::Result<Vec<Tensor>> {
+    (0..optimizer.states()).map(|_| Tensor::zeros(len, DType::F32, device)).collect()
+}
+
 struct ShardBucket {
     /// Parameters, in bucket order, with where each starts in the bucket.
     members: Vec<(usize, usize)>,
@@ -367,18 +389,12 @@ impl ZeroOptimizer {
         self.step += 1;
         let t = self.step as i32;
         for (b, (grad, at)) in self.buckets.iter_mut().zip(blocks) {
-            // Each piece's master: its own f32 copy, or the f32 parameter itself (updated in
-            // place, as the replicated update does).
             let mut mine = vec![0f32; b.block];
             for (p, state) in b.pieces.iter().zip(b.states.iter_mut()) {
-                let target = match &p.master {
-                    Some(m) => m.clone(),
-                    None => vars[p.param].as_tensor().flatten_all()?.narrow(0, p.offset, p.len)?,
-                };
+                let target = p.f32_values(vars)?;
                 if present[p.param] {
                     if state.is_empty() {
-                        let zeros = |_| Tensor::zeros(p.len, DType::F32, &Device::Cpu);
-                        *state = (0..self.optimizer.states()).map(zeros).collect::<Result<_, _>>()?;
+                        *state = zeroed_state(self.optimizer, p.len, &Device::Cpu)?;
                     }
                     let g = grad.narrow(0, at + p.at, p.len)?;
                     *state = crate::optim::step(&target, &g, state, (self.optimizer, t), factor)?;

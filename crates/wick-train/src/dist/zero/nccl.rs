@@ -151,22 +151,16 @@ impl ZeroOptimizer {
     ) -> Result<(), TrainError> {
         self.step += 1;
         let t = i32::try_from(self.step).map_err(|_| DistError::internal("the step count overflows"))?;
-        let states = self.optimizer.states();
-        // (target, model copy) of each piece: views of the parameter where it is its own.
+        // (target, model copy) of each piece: the parameter's piece itself where it is f32.
         let mut targets = Vec::with_capacity(pieces.len());
         for &((bi, pi), _) in pieces {
             let b = &mut self.buckets[bi];
             let p = &b.pieces[pi];
-            let var = &vars[p.param];
-            let view = var.as_tensor().flatten_all()?.narrow(0, p.offset, p.len)?;
             if b.states[pi].is_empty() {
-                let zeros = |_| Tensor::zeros(p.len, DType::F32, var.device());
-                b.states[pi] = (0..states).map(zeros).collect::<Result<_, _>>()?;
+                b.states[pi] = super::zeroed_state(self.optimizer, p.len, vars[p.param].device())?;
             }
-            targets.push(match &p.master {
-                Some(m) => (m.clone(), Some(view)),
-                None => (view, None),
-            });
+            let model = p.master.is_some().then(|| p.of_param(vars)).transpose()?;
+            targets.push((p.f32_values(vars)?, model));
         }
         let items: Vec<StepItem<'_>> = pieces
             .iter()
@@ -189,10 +183,7 @@ impl ZeroOptimizer {
             let mut parts = Vec::with_capacity(b.pieces.len() + 1);
             let mut filled = 0usize;
             for p in &b.pieces {
-                parts.push(match &p.master {
-                    Some(m) => m.clone(),
-                    None => vars[p.param].as_tensor().flatten_all()?.narrow(0, p.offset, p.len)?,
-                });
+                parts.push(p.f32_values(vars)?);
                 filled += p.len;
             }
             if filled < b.block {

@@ -53,7 +53,7 @@ use super::error::DistError;
 use super::pending::{Collective, Outgoing, Pending};
 use super::pieces::{clip_over_ranks, push_bytes, rounded, var_from_pieces, with_f32, GatherLayout, WritePieces};
 use super::prefetch::{Gathering, Prefetch};
-use super::zero::{PieceInit, PieceRequest, Stepped};
+use super::zero::{zeroed_state, PieceInit, PieceRequest, Stepped};
 use super::{ProcessGroup, ReduceOp};
 use crate::amp::{GradScaler, StepOutcome};
 use crate::error::TrainError;
@@ -429,8 +429,7 @@ impl ParamShards {
                 None => Tensor::zeros(s.len, DType::F32, &Device::Cpu)?,
             };
             if s.state.is_empty() {
-                let zeros = |_| Tensor::zeros(s.len, DType::F32, &Device::Cpu);
-                s.state = (0..optimizer.states()).map(zeros).collect::<Result<_, _>>()?;
+                s.state = zeroed_state(optimizer, s.len, &Device::Cpu)?;
             }
             s.state = crate::optim::step(&s.master, &g, &s.state, (optimizer, t), factor)?;
         }
