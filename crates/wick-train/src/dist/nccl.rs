@@ -267,7 +267,7 @@ impl NcclGroup {
             let t0 = Instant::now();
             let reduced = packed(bucket, grads, vars, &present, 0)?;
             let t1 = Instant::now();
-            self.run(Kind::AllReduce(ReduceOp::Sum), &reduced, None)?;
+            self.all_reduce_in_place(&reduced)?;
             let t2 = Instant::now();
             unpack(&reduced, bucket, grads, vars, &present)?;
             stats.buckets += 1;

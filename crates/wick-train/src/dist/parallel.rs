@@ -166,6 +166,27 @@ impl Parallel {
         Ok((GradBuckets::new(vars, &registered, options.first_bucket_bytes, options.bucket_bytes), gpu))
     }
 
+    /// The state of a run that joined: the group, its buckets, this rank's shard when sharded,
+    /// NCCL for GPU parameters, and the options' overlap and stage-3 settings.
+    fn assembled(
+        group: ProcessGroup,
+        buckets: GradBuckets,
+        zero: Option<Shard>,
+        gpu: Option<GpuComm>,
+        options: DataParallelOptions,
+    ) -> Self {
+        Parallel {
+            group,
+            buckets,
+            zero,
+            gpu,
+            last: ReduceStats::default(),
+            overlap: options.overlap,
+            prefetch: options.prefetch,
+            recompute: options.recompute,
+        }
+    }
+
     /// Joins the group with the whole state in `masters`: refuses unless `setup` is the same on
     /// every rank, then takes rank 0's masters, optimizer state and buffers everywhere; with
     /// sharding, keeps only this rank's shard of them (`masters` is left empty).
@@ -218,16 +239,7 @@ impl Parallel {
             Some(z)
         };
         broadcast_buffers(&group, params)?;
-        Ok(Parallel {
-            group,
-            buckets,
-            zero,
-            gpu,
-            last: ReduceStats::default(),
-            overlap: options.overlap,
-            prefetch: options.prefetch,
-            recompute: options.recompute,
-        })
+        Ok(Self::assembled(group, buckets, zero, gpu, options))
     }
 
     /// Joins the group for a run whose masters, optimizer state and loss scale live in a step
@@ -249,16 +261,7 @@ impl Parallel {
             return Err(DistError::unsupported("data parallel", "a CUDA graph's step needs GPU parameters").into());
         }
         broadcast_buffers(&group, params)?;
-        Ok(Parallel {
-            group,
-            buckets,
-            zero: None,
-            gpu,
-            last: ReduceStats::default(),
-            overlap: options.overlap,
-            prefetch: options.prefetch,
-            recompute: options.recompute,
-        })
+        Ok(Self::assembled(group, buckets, None, gpu, options))
     }
 
     /// NCCL, when the parameters are on GPUs.
@@ -303,16 +306,7 @@ impl Parallel {
         let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?
             .blocks(options.prefetch, options.recompute);
         broadcast_buffers(&group, params)?;
-        Ok(Parallel {
-            group,
-            buckets,
-            zero: Some(z),
-            gpu,
-            last: ReduceStats::default(),
-            overlap: options.overlap,
-            prefetch: options.prefetch,
-            recompute: options.recompute,
-        })
+        Ok(Self::assembled(group, buckets, Some(z), gpu, options))
     }
 
     /// This rank's shard of a sharded run as the checkpoint `reader` holds it (saved at any
