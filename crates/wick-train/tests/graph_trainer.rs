@@ -1,6 +1,6 @@
 //! A trainer asked for CUDA graphs where it cannot have them says why before anything is made:
-//! a model on the CPU (or a build without CUDA), ZeRO's sharded stages (their state and
-//! collectives are the host's). The device runs of the graph path are
+//! a model on the CPU (or a build without CUDA), ZeRO's sharded stages (their step agrees on
+//! the host). The device runs of the graph path are
 //! scripts/graph-train-check.sh's (through `wick train --cuda-graph`, in scripts/gpu-check.sh) and
 //! the one-rank NCCL check's (`examples/nccl_check.rs`: a data-parallel graph step).
 

@@ -128,8 +128,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     zero: u8,
     /// Reduce the gradients after backward instead of starting each bucket from inside it (a
-    /// multi-rank run at ZeRO stages 0–2 overlaps by default; this gives back the bucket in
-    /// flight that overlap adds to backward's peak).
+    /// multi-rank run on the CPU at ZeRO stages 0–2 overlaps by default, GPU parameters reduce
+    /// after backward; this gives back the bucket in flight that overlap adds to backward's peak).
     #[arg(long)]
     no_overlap: bool,
     /// At ZeRO stage 3, start the next block's gather while the current block runs (FSDP's
