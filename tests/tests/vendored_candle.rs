@@ -1,7 +1,8 @@
 //! The vendored candle-core's bf16 addition (`vendor/candle-core.patch`: an AVX-512 path with
 //! the conversions inline) against `half`'s own addition, element by element and bit for bit:
 //! widen both to f32, add, round to nearest even — NaN, infinities, subnormals and ties included.
-//! And its backward hook (`Tensor::backward_with_hook`) against the plain backward.
+//! And its backward hook (`Tensor::backward_with_hook`) against the plain backward, and its
+//! exchange of two tensors' storages (`Tensor::swap_storage`) with what it refuses.
 
 use candle_core::{Device, Tensor};
 use half::bf16;
@@ -80,4 +81,31 @@ fn the_backward_hook_sees_each_gradient_complete_once() {
         assert_eq!(g, &want, "the hook's gradient is the complete one");
     }
     assert!(rest.get(a.as_tensor()).is_none() && rest.get(b.as_tensor()).is_none(), "the hook took them");
+}
+
+#[test]
+fn swapped_storages_move_with_every_view_and_mismatches_are_refused() {
+    let a = candle_core::Var::from_vec((0..12).map(|v| v as f32).collect::<Vec<_>>(), (3, 4), &Device::Cpu).unwrap();
+    let view = a.as_tensor().narrow(1, 1, 2).unwrap();
+    let b = Tensor::from_vec((100..112).map(|v| v as f32).collect::<Vec<_>>(), 12, &Device::Cpu).unwrap();
+    a.swap_storage(&b).unwrap();
+    // Each tensor reads the other's former values through its own layout; the view follows.
+    assert_eq!(a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(), (100..112).map(|v| v as f32).collect::<Vec<_>>());
+    assert_eq!(b.to_vec1::<f32>().unwrap(), (0..12).map(|v| v as f32).collect::<Vec<_>>());
+    assert_eq!(view.to_vec2::<f32>().unwrap(), vec![vec![101.0, 102.0], vec![105.0, 106.0], vec![109.0, 110.0]]);
+    // And back: the exchange is its own inverse.
+    b.swap_storage(a.as_tensor()).unwrap();
+    assert_eq!(view.to_vec2::<f32>().unwrap(), vec![vec![1.0, 2.0], vec![5.0, 6.0], vec![9.0, 10.0]]);
+
+    let shorter = Tensor::zeros(11, candle_core::DType::F32, &Device::Cpu).unwrap();
+    let other_dtype = Tensor::zeros(12, candle_core::DType::BF16, &Device::Cpu).unwrap();
+    // A narrowed tensor of 12 elements over a longer storage: the storages' lengths decide.
+    let longer = Tensor::zeros(13, candle_core::DType::F32, &Device::Cpu).unwrap().narrow(0, 0, 12).unwrap();
+    for (bad, why) in [(&shorter, "length"), (&other_dtype, "dtype"), (&longer, "stored length"), (&view, "shared storage")] {
+        let e = a.swap_storage(bad).expect_err(why).to_string();
+        assert!(e.contains("swap_storage"), "{why}: {e}");
+    }
+    // Nothing changed on a refusal.
+    assert_eq!(a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(), (0..12).map(|v| v as f32).collect::<Vec<_>>());
+    assert_eq!(shorter.to_vec1::<f32>().unwrap(), vec![0.0; 11]);
 }

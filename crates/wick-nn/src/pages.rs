@@ -1,19 +1,81 @@
-//! A CPU tensor's memory handed back to the operating system while the tensor lives, and
-//! counted again before it is written: how a sharded block's gathered parameters
-//! ([`crate::checkpoint`]) and ZeRO-3's released model copies (wick-train) give their memory
-//! back while the graph or the model still holds the tensor.
+//! A tensor's memory handed back while the tensor lives, and given back to it: how a sharded
+//! block's gathered parameters ([`crate::checkpoint`]) and ZeRO-3's released model copies
+//! (wick-train) give their memory back while the graph or the model still holds the tensor.
 //!
-//! Why pages and not a smaller buffer: a tensor's storage cannot shrink under the shapes that
-//! refer to it, and one that reads as zeros is never undefined behaviour for any kernel that
-//! trusts its shape ([`wick::memory::release_pages`]).
+//! On the CPU, the storage's whole pages go back to the operating system and are counted again
+//! before they are written. Why pages and not a smaller buffer: a tensor's storage cannot
+//! shrink under the shapes that refer to it, and one that reads as zeros is never undefined
+//! behaviour for any kernel that trusts its shape ([`wick::memory::release_pages`]).
+//!
+//! On a GPU there are no pages to hand back inside a buffer candle allocated, so the storage
+//! itself is exchanged (`Tensor::swap_storage`, this repository's patch of candle): a released
+//! CUDA tensor's storage becomes host memory of the same dtype and length whose pages are
+//! handed back at once — it reads as zeros, holds no device memory, and a GPU op that reads it
+//! is a device-mismatch error rather than a read past a buffer — and [`refill`] gives it device
+//! memory holding new values by exchanging storages with a fresh tensor of them (no copy).
 
-use candle_core::{CpuStorage, InplaceOp1, Layout, Result, Tensor};
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Storage, Tensor};
 
-/// Hands the whole pages of a CPU tensor's storage back: it reads as zeros until written
-/// again, and the caching heap no longer counts them. Other devices and dtypes are left as
-/// they are.
+/// Hands a tensor's memory back while it lives: it reads as zeros until written again
+/// ([`refill`] on a GPU). A CPU tensor's whole pages go back (the caching heap no longer counts
+/// them); a CUDA tensor's device memory goes back at once (see the module's documentation), and
+/// one released before is left as it is. Integer dtypes on the CPU are left as they are.
 pub fn release(t: &Tensor) -> Result<()> {
+    if t.device().is_cuda() {
+        return release_device(t);
+    }
     t.inplace_op1(&Pages { release: true })
+}
+
+/// A CUDA tensor's storage exchanged for zeros in host memory whose pages are handed back.
+fn release_device(t: &Tensor) -> Result<()> {
+    let len = {
+        let (storage, _) = t.storage_and_layout();
+        match &*storage {
+            Storage::Cuda(_) => storage.stored_len(),
+            // Released already (or never on the device): nothing to give back.
+            _ => return Ok(()),
+        }
+    };
+    let len = len.ok_or_else(|| candle_core::Error::Msg("a CUDA storage of unknown length".into()))?;
+    let host = host_zeros(t.dtype(), len)?;
+    t.swap_storage(&host)?;
+    // `host` now holds the device memory, given back to the pool as it drops.
+    Ok(())
+}
+
+/// `len` zeros of `dtype` on the host with their pages handed back (read as zeros, not counted).
+fn host_zeros(dtype: DType, len: usize) -> Result<Tensor> {
+    let t = Tensor::zeros(len, dtype, &Device::Cpu)?;
+    t.inplace_op1(&Pages { release: true })?;
+    Ok(t)
+}
+
+/// Gives `t` — a CUDA tensor released by [`release`] — device memory holding `values`, by
+/// exchanging storages with `values`: a fresh contiguous tensor of `t`'s dtype, element count
+/// and device whose storage is its own and holds exactly its values (made for this; it reads
+/// as zeros afterwards). No copy is made. A CUDA tensor that was not released is refused.
+pub fn refill(t: &Tensor, values: &Tensor) -> Result<()> {
+    let fits = values.dtype() == t.dtype()
+        && values.elem_count() == t.elem_count()
+        && values.device().same_device(t.device())
+        && values.is_contiguous()
+        && values.layout().start_offset() == 0;
+    if !fits {
+        return Err(candle_core::Error::Msg(format!(
+            "refill: {:?} {:?} values on {:?} cannot fill a {:?} {:?} tensor on {:?}",
+            values.dims(),
+            values.dtype(),
+            values.device(),
+            t.dims(),
+            t.dtype(),
+            t.device()
+        )));
+    }
+    if matches!(&*t.storage_and_layout().0, Storage::Cuda(_)) {
+        return Err(candle_core::Error::Msg("refill: the tensor holds device memory (release it first)".into()));
+    }
+    t.swap_storage(values)
 }
 
 /// Counts the pages [`release`] handed back from a tensor's storage as live again (before it

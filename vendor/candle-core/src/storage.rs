@@ -49,6 +49,44 @@ impl Storage {
         }
     }
 
+    /// wick's patch: how many values the storage holds (`None` for Metal storage).
+    pub fn stored_len(&self) -> Option<usize> {
+        match self {
+            Self::Cpu(s) => Some(match s {
+                CpuStorage::U8(v) | CpuStorage::F6E2M3(v) | CpuStorage::F6E3M2(v) => v.len(),
+                CpuStorage::F4(v) | CpuStorage::F8E8M0(v) => v.len(),
+                CpuStorage::U32(v) => v.len(),
+                CpuStorage::I16(v) => v.len(),
+                CpuStorage::I32(v) => v.len(),
+                CpuStorage::I64(v) => v.len(),
+                CpuStorage::BF16(v) => v.len(),
+                CpuStorage::F16(v) => v.len(),
+                CpuStorage::F32(v) => v.len(),
+                CpuStorage::F64(v) => v.len(),
+                CpuStorage::F8E4M3(v) => v.len(),
+            }),
+            #[cfg(feature = "cuda")]
+            Self::Cuda(s) => {
+                use crate::cuda_backend::CudaStorageSlice as S;
+                Some(match &s.slice {
+                    S::U8(v) | S::F6E2M3(v) | S::F6E3M2(v) | S::F4(v) | S::F8E8M0(v) => v.len(),
+                    S::U32(v) => v.len(),
+                    S::I16(v) => v.len(),
+                    S::I32(v) => v.len(),
+                    S::I64(v) => v.len(),
+                    S::BF16(v) => v.len(),
+                    S::F16(v) => v.len(),
+                    S::F32(v) => v.len(),
+                    S::F64(v) => v.len(),
+                    S::F8E4M3(v) => v.len(),
+                })
+            }
+            #[cfg(not(feature = "cuda"))]
+            Self::Cuda(_) => None,
+            Self::Metal(_) => None,
+        }
+    }
+
     pub(crate) fn same_device(&self, rhs: &Self, op: &'static str) -> Result<()> {
         let lhs_device = self.device();
         let rhs_device = rhs.device();

@@ -2781,6 +2781,41 @@ impl Tensor {
         (storage, &self.layout)
     }
 
+    /// wick's patch: exchanges the storages behind this tensor and `other` (each with every
+    /// tensor sharing it: its views, the variable it came from). Both must hold the same dtype
+    /// and exactly as many values, so every layout that refers to either stays within it; one
+    /// may be host memory and the other a GPU's (how wick hands a CUDA tensor's memory back
+    /// while the tensor lives, and gives it memory again: a tensor then reads as its storage's
+    /// values, and an op mixing it with tensors of its device is a device-mismatch error).
+    /// Storage whose length cannot be read (Metal) and a storage exchanged with itself are
+    /// refused.
+    pub fn swap_storage(&self, other: &Tensor) -> Result<()> {
+        if self.same_storage(other) {
+            crate::bail!("swap_storage: the two tensors share their storage")
+        }
+        // Locked in the order of their addresses, so two exchanges of the same pair in
+        // opposite directions cannot wait on each other.
+        let (mut a, mut b) = if self.storage_key() < other.storage_key() {
+            let a = self.storage_mut();
+            (a, other.storage_mut())
+        } else {
+            let b = other.storage_mut();
+            (self.storage_mut(), b)
+        };
+        let (la, lb) = (a.stored_len(), b.stored_len());
+        if a.dtype() != b.dtype() || la.is_none() || la != lb {
+            crate::bail!(
+                "swap_storage: storages of {:?} × {:?} and {:?} × {:?} values cannot be exchanged",
+                a.dtype(),
+                la,
+                b.dtype(),
+                lb
+            )
+        }
+        std::mem::swap(&mut *a, &mut *b);
+        Ok(())
+    }
+
     /// Unique key for this tensor's storage. Equal keys mean the tensors share the same allocation.
     #[inline]
     pub(crate) fn storage_key(&self) -> usize {
