@@ -90,7 +90,10 @@ fn swapped_storages_move_with_every_view_and_mismatches_are_refused() {
     let b = Tensor::from_vec((100..112).map(|v| v as f32).collect::<Vec<_>>(), 12, &Device::Cpu).unwrap();
     a.swap_storage(&b).unwrap();
     // Each tensor reads the other's former values through its own layout; the view follows.
-    assert_eq!(a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(), (100..112).map(|v| v as f32).collect::<Vec<_>>());
+    assert_eq!(
+        a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        (100..112).map(|v| v as f32).collect::<Vec<_>>()
+    );
     assert_eq!(b.to_vec1::<f32>().unwrap(), (0..12).map(|v| v as f32).collect::<Vec<_>>());
     assert_eq!(view.to_vec2::<f32>().unwrap(), vec![vec![101.0, 102.0], vec![105.0, 106.0], vec![109.0, 110.0]]);
     // And back: the exchange is its own inverse.
@@ -101,11 +104,16 @@ fn swapped_storages_move_with_every_view_and_mismatches_are_refused() {
     let other_dtype = Tensor::zeros(12, candle_core::DType::BF16, &Device::Cpu).unwrap();
     // A narrowed tensor of 12 elements over a longer storage: the storages' lengths decide.
     let longer = Tensor::zeros(13, candle_core::DType::F32, &Device::Cpu).unwrap().narrow(0, 0, 12).unwrap();
-    for (bad, why) in [(&shorter, "length"), (&other_dtype, "dtype"), (&longer, "stored length"), (&view, "shared storage")] {
+    for (bad, why) in
+        [(&shorter, "length"), (&other_dtype, "dtype"), (&longer, "stored length"), (&view, "shared storage")]
+    {
         let e = a.swap_storage(bad).expect_err(why).to_string();
         assert!(e.contains("swap_storage"), "{why}: {e}");
     }
     // Nothing changed on a refusal.
-    assert_eq!(a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(), (0..12).map(|v| v as f32).collect::<Vec<_>>());
+    assert_eq!(
+        a.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        (0..12).map(|v| v as f32).collect::<Vec<_>>()
+    );
     assert_eq!(shorter.to_vec1::<f32>().unwrap(), vec![0.0; 11]);
 }

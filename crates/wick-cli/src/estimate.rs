@@ -333,7 +333,7 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
         bail!("--measure runs the step on the CPU: estimate --on cpu");
     }
     if args.model.zero == 3 && args.on != Target::Cpu {
-        bail!("--zero 3 shards host memory only (wick-train refuses GPU parameters at stage 3): estimate --on cpu");
+        bail!("--zero 3 is planned for host ranks only (GPU ranks gather over NCCL, which the estimator does not model yet): estimate --on cpu");
     }
     if args.measure && (args.model.ranks > 1 || args.model.zero > 0) {
         bail!(

@@ -191,7 +191,7 @@ pub fn run(args: &FitArgs) -> Result<()> {
     let on = if args.budget.is_some() { Target::Cpu } else { Target::Cuda };
     let margin = fit_margin(on == Target::Cuda);
     if on == Target::Cuda && args.model.zero == 3 {
-        bail!("--zero 3 shards host memory only (wick-train refuses GPU parameters at stage 3): give a --budget");
+        bail!("--zero 3 is planned for host ranks only (GPU ranks gather over NCCL, which the estimator does not model yet): give a --budget");
     }
     if on == Target::Cuda {
         eprintln!("{}", crate::estimate::GPU_CAVEAT);

@@ -398,7 +398,7 @@ fn ranks_and_zero_stages_give_one_ranks_share() {
     cuda.extend(["--on", "cuda"]);
     cuda.insert(0, "estimate");
     let (ok, _, err) = wick(&cuda);
-    assert!(!ok && err.contains("--zero 3 shards host memory only"), "{err}");
+    assert!(!ok && err.contains("--zero 3 is planned for host ranks only"), "{err}");
     for bad in [["--ranks", "0"], ["--zero", "4"]] {
         let mut a = args.to_vec();
         a.extend(bad);

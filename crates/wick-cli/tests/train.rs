@@ -340,8 +340,11 @@ fn bad_device_settings_say_what_to_do() {
     assert!(!ok && err.contains("--device cuda") && err.contains("built without CUDA"), "{err}");
     let (ok, err) = run(&["--device", "cuda", "--cuda-graph", "--graph-warmup", "0"]);
     assert!(!ok && err.contains("--graph-warmup"), "{err}");
+    // Stage 3 trains on GPUs (over NCCL); this build has no CUDA, and says so.
     let (ok, err) = run(&["--device", "cuda", "--zero", "3"]);
-    assert!(!ok && err.contains("--zero 3") && err.contains("--zero 0, 1 or 2"), "{err}");
+    assert!(!ok && err.contains("built without CUDA"), "{err}");
+    let (ok, err) = run(&["--device", "cuda", "--zero", "3", "--prefetch"]);
+    assert!(!ok && err.contains("--prefetch") && err.contains("GPU"), "{err}");
     let (ok, err) = run(&["--device", "cuda", "--cuda-graph", "--zero", "2"]);
     assert!(!ok && err.contains("--cuda-graph") && err.contains("--zero 0"), "{err}");
     let (ok, err) = run(&["--device", "tpu"]);

@@ -124,7 +124,7 @@ pub struct TrainArgs {
     /// ranks, 2 also reduce-scatters the gradients, 3 also shards the blocks' parameters (each
     /// block gathered whole only while it runs, forward and recomputed backward); checkpoints are
     /// then written a shard per rank and resume at any number of ranks and any stage. Ignored on
-    /// one rank. With --device cuda, stages 1 and 2 (over NCCL).
+    /// one rank. With --device cuda, every stage over NCCL (stage 3 without --prefetch).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     zero: u8,
     /// Reduce the gradients after backward instead of starting each bucket from inside it (a
@@ -133,7 +133,8 @@ pub struct TrainArgs {
     #[arg(long)]
     no_overlap: bool,
     /// At ZeRO stage 3, start the next block's gather while the current block runs (FSDP's
-    /// prefetch; one more block whole beside it).
+    /// prefetch; one more block whole beside it). Host ranks only: GPU ranks gather on the
+    /// compute stream.
     #[arg(long)]
     prefetch: bool,
     /// At ZeRO stage 3, keep each block's activations instead of recomputing the block in
@@ -259,8 +260,8 @@ fn detach(args: &TrainArgs) -> Result<()> {
 pub fn run(args: &TrainArgs) -> Result<()> {
     crate::ranks::check_stage_options(args.zero, args.no_overlap, args.prefetch, args.no_recompute)?;
     // Refused before any rank starts (each would refuse it at its start).
-    if args.device == "cuda" && args.zero == 3 {
-        bail!("--zero 3 gathers its blocks over MPI in host memory: on GPUs give --zero 0, 1 or 2 (over NCCL)");
+    if args.device == "cuda" && args.prefetch {
+        bail!("--prefetch overlaps stage 3's MPI gathers on the host: GPU ranks gather on the compute stream (leave it out)");
     }
     if args.cuda_graph && args.zero > 0 {
         bail!("--cuda-graph steps are replicated (--zero 0): ZeRO's sharded update agrees on the host every step");

@@ -19,7 +19,7 @@
 //! | `zero` | ZeRO stages 1 and 2: a rank's shard of masters and optimizer state, the reduce-scatter, the sharded update and the all-gather — over MPI on the host, or (`zero::nccl`) over NCCL with the fused kernels on GPUs |
 //! | `pieces` | a parameter's pieces under stage 3: packed as bytes in its dtype, placed in a gather's bytes, made whole again (a fresh variable, or written into the model's tensor), its pages handed back |
 //! | `prefetch` | stage 3's prefetch: the next block in the last step's order, and its gather in flight |
-//! | `zero3` | ZeRO stage 3: a rank's shard of every parameter; the blocks' gather before they run (the next one's prefetched, as an option), again for backward (recomputed, or gathered back into the tensors the forward pass released) and reduce-scatter as their backward ends (in flight until the next block's; `zero3::reduce`) |
+//! | `zero3` | ZeRO stage 3: a rank's shard of every parameter; the blocks' gather before they run (the next one's prefetched, as an option), again for backward (recomputed, or gathered back into the tensors the forward pass released) and reduce-scatter as their backward ends (in flight until the next block's; `zero3::reduce`); on GPU ranks (`zero3::nccl`) the same over NCCL, the model's GPU copies of the blocks' parameters handed back by `wick_nn::pages::release` |
 //! | `nccl` | (feature `nccl`) `NcclGroup`: an NCCL communicator per rank on its GPU, its id broadcast through the group (MPI for several ranks); `all_reduce`, `broadcast`, `all_gather`, `reduce_scatter` of CUDA tensors, each with a deadline; the trainer's GPU gradient buckets |
 //! | [`error`] | [`DistError`] |
 //!
@@ -47,6 +47,13 @@ pub use error::DistError;
 pub use group::ProcessGroup;
 pub use launch::Launch;
 pub use parallel::DataParallelOptions;
+
+/// The communicator for tensors on a GPU.
+#[cfg(feature = "nccl")]
+pub(crate) type GpuComm = nccl::NcclGroup;
+/// Without the `nccl` feature there is none (GPU parameters are refused).
+#[cfg(not(feature = "nccl"))]
+pub(crate) enum GpuComm {}
 
 /// How a collective combines the ranks' values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -38,6 +38,15 @@ pub struct NcclGroup {
     timeout: Duration,
 }
 
+// SAFETY: the communicator (a raw `ncclComm_t` inside cudarc's `Comm`, which is why `Comm` is
+// neither `Send` nor `Sync`) is reached only through the mutex, so one thread at a time calls
+// NCCL on it; NCCL allows a communicator to be used from any host thread as long as calls on it
+// do not overlap. Stage 3's shards hand it to the blocks' hooks, which wick-nn requires to be
+// `Send + Sync`; they run on the thread of the step.
+unsafe impl Send for NcclGroup {}
+// SAFETY: as above: every use of the communicator takes the mutex.
+unsafe impl Sync for NcclGroup {}
+
 impl std::fmt::Debug for NcclGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "NcclGroup(rank {} of {}, timeout {:?})", self.rank, self.world, self.timeout)

@@ -16,7 +16,7 @@ use super::flight::Flight;
 use super::group::to_bytes;
 use super::zero::{PieceInit, PieceRequest, Stepped, ZeroOptimizer};
 use super::zero3::ParamShards;
-use super::{ProcessGroup, Sharding};
+use super::{GpuComm, ProcessGroup, Sharding};
 use crate::amp::{GradScaler, MasterState, MasterWeights};
 use crate::checkpoint::CheckpointReader;
 use crate::error::TrainError;
@@ -38,7 +38,8 @@ pub struct DataParallelOptions {
     /// ZeRO stage 3: start the next block's gather (in the last step's order) as soon as the
     /// current block's is done, so that it moves on while the block computes — FSDP's forward
     /// and backward prefetch. Holds one more block's parameters whole; off by default (see
-    /// BENCHMARKS.md "Prefetch": on two host ranks it measured no faster).
+    /// BENCHMARKS.md "Prefetch": on two host ranks it measured no faster). Host ranks only: GPU
+    /// ranks refuse it (their gathers run on the compute stream).
     pub prefetch: bool,
     /// ZeRO stage 3: recompute each block in backward (activation checkpointing, the default:
     /// only a block's input is kept, and its gathered parameters are dropped after its forward
@@ -62,14 +63,8 @@ impl Default for DataParallelOptions {
     }
 }
 
-/// The communicator for gradients on a GPU.
-#[cfg(feature = "nccl")]
-pub(crate) type GpuComm = super::nccl::NcclGroup;
-/// Without the `nccl` feature there is none (GPU parameters are refused).
-#[cfg(not(feature = "nccl"))]
-pub(crate) enum GpuComm {}
-
-/// A rank's shard of a sharded run: masters and optimizer state (stages 1 and 2), or every
+/// A rank's shard of a sharded run (on the host, or on GPU ranks over NCCL): masters and
+/// optimizer state (stages 1 and 2), or every
 /// parameter (stage 3).
 pub(crate) enum Shard {
     Zero(ZeroOptimizer),
@@ -78,8 +73,10 @@ pub(crate) enum Shard {
 
 impl Shard {
     /// This rank's shard for `stage` from what `fetch` gives per parameter piece.
+    #[allow(clippy::too_many_arguments)]
     fn new(
         group: &ProcessGroup,
+        gpu: Option<&Arc<GpuComm>>,
         vars: &[Var],
         plan: &[Vec<usize>],
         stage: Sharding,
@@ -88,7 +85,9 @@ impl Shard {
         fetch: &mut dyn FnMut(&PieceRequest) -> Result<PieceInit, TrainError>,
     ) -> Result<Self, TrainError> {
         Ok(match stage {
-            Sharding::Parameters => Shard::Params(Arc::new(ParamShards::new(group, vars, optimizer, steps, fetch)?)),
+            Sharding::Parameters => {
+                Shard::Params(Arc::new(ParamShards::new(group, gpu.cloned(), vars, optimizer, steps, fetch)?))
+            }
             _ => Shard::Zero(ZeroOptimizer::new(group, vars, plan, stage, optimizer, steps, fetch)?),
         })
     }
@@ -109,8 +108,8 @@ pub(crate) struct Parallel {
     pub(crate) group: ProcessGroup,
     pub(crate) buckets: GradBuckets,
     zero: Option<Shard>,
-    /// NCCL, when the parameters are on a GPU.
-    gpu: Option<GpuComm>,
+    /// NCCL, when the parameters are on a GPU (shared with stage 3's shards).
+    gpu: Option<Arc<GpuComm>>,
     pub(crate) last: ReduceStats,
     overlap: bool,
     /// Stage 3's prefetch ([`DataParallelOptions::prefetch`]).
@@ -119,17 +118,11 @@ pub(crate) struct Parallel {
     recompute: bool,
 }
 
-/// NCCL for `vars` when they are on a GPU (replicated, or ZeRO stages 1 and 2), `None` for host
-/// parameters.
-fn gpu_comm(group: &ProcessGroup, options: &DataParallelOptions, vars: &[Var]) -> Result<Option<GpuComm>, TrainError> {
+/// NCCL for `vars` when they are on a GPU (every stage), `None` for host parameters.
+fn gpu_comm(group: &ProcessGroup, vars: &[Var]) -> Result<Option<Arc<GpuComm>>, TrainError> {
     let Some(device) = vars.iter().map(|v| v.device()).find(|d| d.is_cuda()) else { return Ok(None) };
-    if options.sharding == Sharding::Parameters {
-        let message = "ZeRO stage 3 gathers and reduce-scatters its blocks over MPI in host memory; GPU \
-                       parameters train at stages 0, 1 and 2 (over NCCL)";
-        return Err(DistError::unsupported("data parallel", message).into());
-    }
     #[cfg(feature = "nccl")]
-    return Ok(Some(super::nccl::NcclGroup::new(group, device)?));
+    return Ok(Some(Arc::new(super::nccl::NcclGroup::new(group, device)?)));
     #[cfg(not(feature = "nccl"))]
     {
         let _ = (group, device);
@@ -147,7 +140,7 @@ impl Parallel {
         setup: serde_json::Value,
         vars: &[Var],
         params: &Params,
-    ) -> Result<(GradBuckets, Option<GpuComm>), TrainError> {
+    ) -> Result<(GradBuckets, Option<Arc<GpuComm>>), TrainError> {
         if options.bucket_bytes == 0 || options.first_bucket_bytes == 0 {
             return Err(DistError::unsupported("data parallel", "bucket caps must be positive").into());
         }
@@ -161,7 +154,12 @@ impl Parallel {
             "recompute": options.recompute,
         });
         group.check_same("training setup", &setup)?;
-        let gpu = gpu_comm(group, &options, vars)?;
+        let gpu = gpu_comm(group, vars)?;
+        if gpu.is_some() && options.sharding == Sharding::Parameters && options.prefetch {
+            let message = "stage 3's prefetch overlaps MPI gathers on the host; GPU ranks gather over NCCL on the \
+                           compute stream (turn prefetch off)";
+            return Err(DistError::unsupported("data parallel", message).into());
+        }
         let registered = params.registration_order();
         Ok((GradBuckets::new(vars, &registered, options.first_bucket_bytes, options.bucket_bytes), gpu))
     }
@@ -172,7 +170,7 @@ impl Parallel {
         group: ProcessGroup,
         buckets: GradBuckets,
         zero: Option<Shard>,
-        gpu: Option<GpuComm>,
+        gpu: Option<Arc<GpuComm>>,
         options: DataParallelOptions,
     ) -> Self {
         Parallel {
@@ -233,8 +231,9 @@ impl Parallel {
                 }
                 PieceInit::narrowed(request, &master, Some(&state))
             };
-            let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, steps, &mut fetch)?
-                .blocks(options.prefetch, options.recompute);
+            let z =
+                Shard::new(&group, gpu.as_ref(), vars, buckets.plan(), options.sharding, optimizer, steps, &mut fetch)?
+                    .blocks(options.prefetch, options.recompute);
             *masters = MasterWeights::new(&[], optimizer)?;
             Some(z)
         };
@@ -267,7 +266,7 @@ impl Parallel {
     /// NCCL, when the parameters are on GPUs.
     #[cfg(feature = "nccl")]
     pub(crate) fn gpu(&self) -> Option<&GpuComm> {
-        self.gpu.as_ref()
+        self.gpu.as_deref()
     }
 
     /// Starts a sharded run (`options.sharding` is not `None`) without the whole state ever
@@ -303,7 +302,7 @@ impl Parallel {
             }
             PieceInit::narrowed(request, &value, None)
         };
-        let z = Shard::new(&group, vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?
+        let z = Shard::new(&group, gpu.as_ref(), vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?
             .blocks(options.prefetch, options.recompute);
         broadcast_buffers(&group, params)?;
         Ok(Self::assembled(group, buckets, Some(z), gpu, options))
@@ -336,7 +335,7 @@ impl Parallel {
             Ok(PieceInit { master, state })
         };
         let plan = self.buckets.plan();
-        let shard = Shard::new(&self.group, vars, plan, stage, optimizer, steps, &mut fetch)?
+        let shard = Shard::new(&self.group, self.gpu.as_ref(), vars, plan, stage, optimizer, steps, &mut fetch)?
             .blocks(self.prefetch, self.recompute);
         if let (Shard::Params(new), Shard::Params(old)) = (&shard, z) {
             new.inherit(old);
@@ -449,7 +448,7 @@ impl Parallel {
                     #[cfg(feature = "nccl")]
                     (Some(nccl), _) => z.step_nccl(&self.group, nccl, grads, vars, (scaler, max_norm))?,
                     #[cfg(not(feature = "nccl"))]
-                    (Some(never), _) => match *never {},
+                    (Some(never), _) => match **never {},
                 };
                 self.last = stats;
                 return Ok(outcome);
@@ -468,7 +467,7 @@ impl Parallel {
             #[cfg(feature = "nccl")]
             (Some(nccl), _) => nccl.reduce_gradients(&self.group, self.buckets.plan(), grads, vars)?,
             #[cfg(not(feature = "nccl"))]
-            (Some(never), _) => match *never {},
+            (Some(never), _) => match **never {},
         };
         masters.set_learning_rate(lr);
         let refs: Vec<&Var> = vars.iter().collect();

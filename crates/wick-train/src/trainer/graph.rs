@@ -20,7 +20,7 @@
 //! cannot), and mpirun ends the job when that rank's process ends.
 //!
 //! Refused with the reason: a build without CUDA or a run on the CPU (at [`super::Trainer::new`]),
-//! ZeRO's sharded stages (their step agrees on the host; stage 3's collectives are the host's). A model whose batches are
+//! ZeRO's sharded stages (their step agrees on the host; stage 3's gathers make fresh tensors each step). A model whose batches are
 //! not tensors alone ([`wick_nn::Model::batch_tensors`]) steps eagerly on the device path, saying
 //! why.
 
@@ -55,7 +55,7 @@ impl Default for GraphOptions {
 /// The reason a sharded run does not take CUDA graphs.
 pub(super) const NOT_SHARDED: &str = "CUDA graphs are refused for ZeRO's sharded stages: their step agrees on \
      the host every time (which parameters have gradients, an inf/NaN finding, clipping's norm; stage 3 gathers \
-     its blocks over MPI in host memory), which a captured step cannot hold — train replicated (ZeRO stage 0) \
+     its blocks into fresh tensors every step), which a captured step cannot hold — train replicated (ZeRO stage 0) \
      with --cuda-graph, or sharded without it";
 
 fn refused(message: impl Into<String>) -> TrainError {

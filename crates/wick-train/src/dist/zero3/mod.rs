@@ -54,11 +54,12 @@ use super::pending::{Collective, Outgoing, Pending};
 use super::pieces::{clip_over_ranks, push_bytes, rounded, var_from_pieces, with_f32, GatherLayout, WritePieces};
 use super::prefetch::{Gathering, Prefetch};
 use super::zero::{zeroed_state, PieceInit, PieceRequest, Stepped};
-use super::{ProcessGroup, ReduceOp};
+use super::{GpuComm, ProcessGroup, ReduceOp};
 use crate::amp::{GradScaler, StepOutcome};
 use crate::error::TrainError;
 use crate::optim::Optimizer;
 
+mod nccl;
 mod reduce;
 
 /// One parameter's shard on this rank.
@@ -76,6 +77,8 @@ struct Shard {
     state: Vec<Tensor>,
     /// The step's reduced gradient of the piece (f32), when any rank computed one.
     grad: Option<Vec<f32>>,
+    /// On GPU ranks, the same on the device, in the parameter's dtype ([`nccl`]).
+    device_grad: Option<Tensor>,
     /// Whether a block takes it (then the model's own tensor is never read).
     in_block: bool,
     /// Whether the model's own tensor's pages were handed back.
@@ -99,6 +102,9 @@ struct State {
 /// A rank's shard of every parameter, and the blocks' gather and reduce.
 pub(crate) struct ParamShards {
     group: ProcessGroup,
+    /// NCCL, when the parameters are on a GPU: the pieces, their state and the gathered blocks
+    /// live there ([`nccl`]).
+    gpu: Option<Arc<GpuComm>>,
     by_id: HashMap<TensorId, usize>,
     state: Mutex<State>,
 }
@@ -113,6 +119,7 @@ impl ParamShards {
     /// run collectives) — after `steps` optimizer steps.
     pub(crate) fn new(
         group: &ProcessGroup,
+        gpu: Option<Arc<GpuComm>>,
         vars: &[Var],
         optimizer: Optimizer,
         steps: u64,
@@ -121,8 +128,8 @@ impl ParamShards {
         let (rank, world) = (group.rank(), group.world_size());
         let mut shards = Vec::with_capacity(vars.len());
         for (i, v) in vars.iter().enumerate() {
-            if !v.device().is_cpu() {
-                return Err(DistError::unsupported("ZeRO-3", "parameters on a GPU (stage 3 shards host memory)").into());
+            if v.device().is_cpu() == gpu.is_some() {
+                return Err(DistError::internal("ZeRO-3: GPU parameters go with NCCL, host ones without").into());
             }
             let elems = v.elem_count();
             let chunk = elems.div_ceil(world).max(1);
@@ -133,7 +140,7 @@ impl ParamShards {
             let fits = |t: &Tensor| t.dtype() == DType::F32 && t.elem_count() == len;
             let master = match init.master {
                 Some(m) if fits(&m) => m,
-                None if len == 0 => Tensor::zeros(0, DType::F32, &Device::Cpu)?,
+                None if len == 0 => Tensor::zeros(0, DType::F32, v.device())?,
                 _ => return Err(DistError::internal(format!("ZeRO-3: a wrong piece of parameter {i}")).into()),
             };
             if !(init.state.is_empty() || init.state.len() == optimizer.states()) || !init.state.iter().all(fits) {
@@ -148,6 +155,7 @@ impl ParamShards {
                 master,
                 state: init.state,
                 grad: None,
+                device_grad: None,
                 in_block: false,
                 released: false,
                 viewed: false,
@@ -163,7 +171,7 @@ impl ParamShards {
             prefetch: Prefetch::default(),
             keep_activations: false,
         };
-        Ok(ParamShards { group: group.clone(), by_id, state: Mutex::new(state) })
+        Ok(ParamShards { group: group.clone(), gpu, by_id, state: Mutex::new(state) })
     }
 
     fn indices(&self, weights: &[Tensor]) -> candle_core::Result<Vec<usize>> {
@@ -278,12 +286,18 @@ impl ParamShards {
     /// then, with prefetching on and this step following the last one's order so far, the
     /// next block's gather started.
     fn gather_block(&self, which: Vec<usize>) -> Result<Vec<Tensor>, DistError> {
+        if let Some(nccl) = &self.gpu {
+            return self.gather_block_nccl(nccl, &which);
+        }
         self.gather_block_with(which, |recv, layout| self.made_whole(recv, layout))
     }
 
     /// Block `which`'s parameters whole again, written into `into` (what an earlier
     /// [`ParamShards::gather_block`] of them returned), as [`ParamShards::gather_block`] gathers.
     fn regather_block(&self, which: Vec<usize>, into: &[Tensor]) -> Result<(), DistError> {
+        if let Some(nccl) = &self.gpu {
+            return self.regather_block_nccl(nccl, &which, into);
+        }
         self.gather_block_with(which, |recv, layout| self.write_whole(recv, layout, into))
     }
 
@@ -359,6 +373,9 @@ impl ParamShards {
         (mut scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
         lr: f64,
     ) -> Result<(Stepped, ReduceStats), TrainError> {
+        if let Some(nccl) = &self.gpu {
+            return self.step_nccl(nccl, vars, (scaler, max_norm), lr);
+        }
         self.finish_pending()?;
         let mut st = lock(&self.state);
         st.optimizer.set_lr(lr);
@@ -480,6 +497,9 @@ impl ParamShards {
 
     /// Every parameter whole, as fresh tensors (a collective: every rank calls it).
     pub(crate) fn gather_all(&self) -> Result<Vec<Tensor>, TrainError> {
+        if let Some(nccl) = &self.gpu {
+            return self.gather_all_nccl(nccl);
+        }
         let n = lock(&self.state).shards.len();
         let mut out = Vec::with_capacity(n);
         // One parameter at a time: never more than one whole beside the shards.

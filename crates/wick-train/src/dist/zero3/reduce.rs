@@ -20,6 +20,9 @@ impl ParamShards {
     /// (the previous one completed first): it runs on during the next block's gather and
     /// backward, and [`ParamShards::finish_pending`] completes it.
     pub(super) fn reduce_into(&self, which: &[usize], grads: &[Option<Tensor>]) -> Result<(), DistError> {
+        if let Some(nccl) = &self.gpu {
+            return self.reduce_into_nccl(nccl, which, grads);
+        }
         self.finish_pending()?;
         let t0 = Instant::now();
         let world = self.group.world_size();
@@ -82,7 +85,7 @@ impl ParamShards {
         self.finish_pending()?;
         let stale = {
             let mut st = lock(&self.state);
-            st.shards.iter_mut().for_each(|s| s.grad = None);
+            st.shards.iter_mut().for_each(|s| (s.grad, s.device_grad) = (None, None));
             st.stats = Default::default();
             st.prefetch.abandon()
         };
