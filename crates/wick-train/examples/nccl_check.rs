@@ -5,7 +5,10 @@
 //! communicator (NCCL refuses a duplicate device), so two-rank correctness is the MPI tests'.
 //! Then the trainer on the GPU: alone and data-parallel in a one-rank group (gradients through
 //! NCCL's buckets), the same parameters to the bit; ZeRO stages 1 and 2 likewise (f32, bf16 and
-//! f16 with the loss scaler; clipping's norm; a sharded checkpoint resumed); and the same with every step a CUDA graph
+//! f16 with the loss scaler; clipping's norm; a sharded checkpoint resumed); a CUDA tensor's
+//! memory handed back and given back (`wick_nn::pages`); ZeRO stage 3 likewise, recomputing its
+//! blocks or keeping their graphs, with gradient accumulation, and the model's GPU copies of the
+//! blocks' parameters holding no device memory after the first step; and the same with every step a CUDA graph
 //! after its warm-up (two micro-batches a step; the data-parallel graph holds the gradient
 //! buckets' and the loss's all-reduces): captured, and the same losses and parameters to the bit
 //! as the graph trainer alone. Prints one JSON line; exits 1 when a check fails.
@@ -81,11 +84,13 @@ fn run() -> Result<()> {
     };
     let trainer = part("trainer", trainer_on_nccl(&group, &device));
     let zero = part("zero", zero_on_nccl(&group, &device));
+    let pages = part("pages", pages_on_gpu(&device));
+    let zero3 = part("zero3", zero3_on_nccl(&group, &device));
     let graphs = part("graph_trainer", graph_trainer_on_nccl(&group, &device));
     println!(
         "{}",
         serde_json::json!({"nccl": format!("{nccl:?}"), "checks": checks, "timings": timings, "trainer": trainer,
-            "zero": zero, "graph_trainer": graphs, "failed": failed})
+            "zero": zero, "pages": pages, "zero3": zero3, "graph_trainer": graphs, "failed": failed})
     );
     ensure!(failed.is_empty(), "failed: {failed:?}");
     Ok(())
@@ -93,9 +98,9 @@ fn run() -> Result<()> {
 
 /// A decoder's AdamW steps on the GPU, alone and data-parallel in a one-rank group (its
 /// gradients through NCCL's buckets): the same parameters to the bit (one rank's sum is its
-/// own gradient). ZeRO stage 3 with GPU parameters is refused (stages 1 and 2: [`zero_on_nccl`]).
+/// own gradient). The sharded stages: [`zero_on_nccl`], [`zero3_on_nccl`].
 fn trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Value> {
-    use wick_train::dist::{DataParallelOptions, Sharding};
+    use wick_train::dist::DataParallelOptions;
     use wick_train::trainer::{TrainOptions, Trainer};
     use wick_zoo::llama::{Llama, LlamaConfig};
     let config = LlamaConfig::tiny(64);
@@ -120,14 +125,8 @@ fn trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::
     }
     let same = parameter_bits(&alone)? == parameter_bits(&grouped)?;
     ensure!(same, "one-rank NCCL data parallel differs from the plain trainer: {losses:?}");
-    let zero = DataParallelOptions { sharding: Sharding::Parameters, ..DataParallelOptions::default() };
-    let refused =
-        Trainer::new_data_parallel(build()?, serde_json::json!({}), None, TrainOptions::default(), group.clone(), zero)
-            .err()
-            .map(|e| e.to_string());
-    ensure!(refused.is_some(), "ZeRO-3 with GPU parameters must be refused");
     let reduce = grouped.last_reduce().map(|r| serde_json::json!({"buckets": r.buckets, "comm_s": r.comm_s}));
-    Ok(serde_json::json!({"same_parameters": same, "losses": losses, "reduce": reduce, "zero3_refused": refused}))
+    Ok(serde_json::json!({"same_parameters": same, "losses": losses, "reduce": reduce}))
 }
 
 /// ZeRO stages 1 and 2 on the GPU in a one-rank group (each bucket reduced and gathered by NCCL,
@@ -212,6 +211,154 @@ fn zero_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Val
     same_resumed &= parameter_bits(&zero2)? == parameter_bits(&resumed)?;
     let _ = std::fs::remove_dir_all(&folder);
     ensure!(same_resumed, "a plain trainer resumed from a GPU ZeRO-2 checkpoint took other steps");
+    Ok(serde_json::json!({"rows": rows, "clipped_norms": norms, "resumed_same": same_resumed}))
+}
+
+/// `wick_nn::pages` on the GPU: a released CUDA tensor (and its view) holds host zeros and no
+/// device memory, a GPU op on it is an error, not a crash; refilled, it holds the new values on
+/// the device (no copy: the values' tensor reads as zeros after); a tensor holding device memory
+/// cannot be refilled.
+fn pages_on_gpu(device: &Device) -> Result<serde_json::Value> {
+    use candle_core::Storage;
+    let on_device = |t: &Tensor| matches!(&*t.storage_and_layout().0, Storage::Cuda(_));
+    let v = candle_core::Var::from_tensor(&Tensor::arange(0f32, 4096.0, device)?.reshape((64, 64))?)?;
+    let view = v.as_tensor().narrow(0, 3, 2)?;
+    wick_nn::pages::release(v.as_tensor())?;
+    let zeros = v.as_tensor().flatten_all()?.to_vec1::<f32>()?.iter().all(|x| *x == 0.0)
+        && view.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| *x == 0.0);
+    let released = !on_device(v.as_tensor()) && !on_device(&view);
+    let other = Tensor::ones((64, 64), DType::F32, device)?;
+    let mixed_refused = (v.as_tensor() + &other).is_err();
+    wick_nn::pages::release(v.as_tensor())?;
+    let values = Tensor::randn(0f32, 1.0, (64, 64), device)?;
+    let expected = values.flatten_all()?.to_vec1::<f32>()?;
+    wick_nn::pages::refill(v.as_tensor(), &values)?;
+    let refilled = on_device(v.as_tensor())
+        && v.as_tensor().flatten_all()?.to_vec1::<f32>()? == expected
+        && view.flatten_all()?.to_vec1::<f32>()? == expected[3 * 64..5 * 64]
+        && !on_device(&values);
+    let twice_refused = wick_nn::pages::refill(v.as_tensor(), &Tensor::zeros((64, 64), DType::F32, device)?).is_err();
+    ensure!(zeros && released && mixed_refused && refilled && twice_refused, "pages on the GPU: zeros {zeros}, released \
+         {released}, mixed op refused {mixed_refused}, refilled {refilled}, refill of a live tensor refused {twice_refused}");
+    Ok(serde_json::json!({"zeros": zeros, "released": released, "mixed_refused": mixed_refused, "refilled": refilled}))
+}
+
+/// ZeRO stage 3 on the GPU in a one-rank group (blocks gathered and their gradients
+/// reduce-scattered by NCCL, the pieces updated by the fused kernels): the plain trainer's losses
+/// and parameters to the bit, in f32, bf16 (f32 masters) and f16 (loss scaler), recomputing the
+/// blocks and keeping their graphs, two micro-batches a step; clipping's norms to 1e-6; the
+/// model's copies of the blocks' parameters without device memory after the first step; a
+/// ZeRO-3 checkpoint resumed by a plain trainer taking the same next steps.
+fn zero3_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Value> {
+    use candle_core::Storage;
+    use wick_nn::{Autocast, Model};
+    use wick_train::checkpoint::CheckpointDir;
+    use wick_train::dist::{DataParallelOptions, Sharding};
+    use wick_train::trainer::{TrainOptions, Trainer};
+    use wick_zoo::llama::{Llama, LlamaConfig};
+    let config = LlamaConfig::tiny(64);
+    let build = |dtype: DType| -> Result<Llama> { Ok(Llama::new(config, dtype, device)?) };
+    let micro = |step: u32| -> Result<[Tensor; 2]> {
+        let ids = |m: u32| -> Result<Tensor> {
+            let values: Vec<u32> = (0..32u32).map(|i| (i * 11 + step * 7 + m * 3) % 64).collect();
+            Ok(Tensor::from_vec(values, (2, 16), device)?)
+        };
+        Ok([ids(0)?, ids(1)?])
+    };
+    let zero3 = |dtype: DType, options: TrainOptions, recompute: bool| -> Result<Trainer<Llama>> {
+        let parallel =
+            DataParallelOptions { sharding: Sharding::Parameters, recompute, ..DataParallelOptions::default() };
+        Ok(Trainer::new_data_parallel(build(dtype)?, serde_json::json!({}), None, options, group.clone(), parallel)?)
+    };
+    // The sharded trainer's parameters whole (its model's block copies read as zeros).
+    let gathered_bits = |t: &Trainer<Llama>| -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        for (_, v) in t.gathered_parameters()? {
+            out.extend(v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()));
+        }
+        Ok(out)
+    };
+    let mut rows = Vec::new();
+    for (name, dtype, autocast) in [
+        ("f32", DType::F32, Autocast::off()),
+        ("bf16", DType::BF16, Autocast::bf16()),
+        ("f16", DType::F16, Autocast::f16()),
+    ] {
+        let options = TrainOptions { autocast, ..TrainOptions::default() };
+        let mut alone = Trainer::new(build(dtype)?, serde_json::json!({}), None, options)?;
+        let mut runs = [zero3(dtype, options, true)?, zero3(dtype, options, false)?];
+        let mut same_losses = true;
+        for step in 0..4 {
+            let batch = micro(step)?;
+            let a = alone.train_step(&batch)?;
+            for z in runs.iter_mut() {
+                let b = z.train_step(&batch)?;
+                same_losses &= a.loss.to_bits() == b.loss.to_bits() && a.outcome == b.outcome;
+            }
+        }
+        let reference = parameter_bits(&alone)?;
+        let same: Vec<bool> = runs.iter().map(|z| Ok(gathered_bits(z)? == reference)).collect::<Result<_>>()?;
+        // The model's copies of the blocks' parameters: host zeros, no device memory.
+        let (mut released, mut released_bytes) = (0usize, 0usize);
+        for (_, v) in runs[0].model().params().iter() {
+            if !matches!(&*v.as_tensor().storage_and_layout().0, Storage::Cuda(_)) {
+                ensure!(v.as_tensor().flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().all(|x| *x == 0.0));
+                released += 1;
+                released_bytes += v.elem_count() * dtype.size_in_bytes();
+            }
+        }
+        let reduce = runs[0].last_reduce().map(|r| serde_json::json!({"buckets": r.buckets, "bytes": r.bytes}));
+        rows.push(serde_json::json!({"dtype": name, "same_parameters [recompute, kept]": same,
+            "same_losses": same_losses, "released_parameters": released, "released_bytes": released_bytes,
+            "reduce": reduce}));
+        ensure!(
+            same_losses && same.iter().all(|s| *s) && released > 0,
+            "{name}: one-rank ZeRO-3 on the GPU differs from the plain trainer (losses {same_losses}, parameters \
+             {same:?}) or released no block parameter ({released})"
+        );
+    }
+    let clipped = TrainOptions { clip_grad_norm: Some(0.05), ..TrainOptions::default() };
+    let mut alone = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
+    let mut sharded = zero3(DType::F32, clipped, true)?;
+    let mut norms = Vec::new();
+    for step in 0..3 {
+        let batch = micro(step)?;
+        let (a, b) = (alone.train_step(&batch)?, sharded.train_step(&batch)?);
+        norms.push((a.grad_norm, b.grad_norm));
+    }
+    let close = norms.iter().all(|(a, b)| match (a, b) {
+        (Some(a), Some(b)) => (a - b).abs() <= 1e-6 * a.abs().max(1e-12),
+        _ => false,
+    });
+    ensure!(close, "ZeRO-3 clipping's norms differ: {norms:?}");
+    let folder = std::env::temp_dir().join(format!("wick-nccl-zero3-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&folder);
+    std::fs::create_dir_all(&folder)?;
+    let dir = CheckpointDir::new(&folder, 2)?;
+    sharded.save(&dir, serde_json::json!({}))?;
+    let mut resumed = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
+    resumed.resume(&dir)?;
+    let mut same_resumed = true;
+    for step in 3..5 {
+        let batch = micro(step)?;
+        let (a, b) = (sharded.train_step(&batch)?, resumed.train_step(&batch)?);
+        same_resumed &= a.loss.to_bits() == b.loss.to_bits();
+    }
+    same_resumed &= gathered_bits(&sharded)? == parameter_bits(&resumed)?;
+    let _ = std::fs::remove_dir_all(&folder);
+    ensure!(same_resumed, "a plain trainer resumed from a GPU ZeRO-3 checkpoint took other steps");
+    let prefetch =
+        DataParallelOptions { sharding: Sharding::Parameters, prefetch: true, ..DataParallelOptions::default() };
+    let prefetch_refused = Trainer::new_data_parallel(
+        build(DType::F32)?,
+        serde_json::json!({}),
+        None,
+        TrainOptions::default(),
+        group.clone(),
+        prefetch,
+    )
+    .is_err();
+    ensure!(prefetch_refused, "stage 3's prefetch must be refused on GPU ranks");
     Ok(serde_json::json!({"rows": rows, "clipped_norms": norms, "resumed_same": same_resumed}))
 }
 
