@@ -9,7 +9,8 @@
 //! - `WICK_DIST_MODEL` `decoder`|`cnn`, `WICK_DIST_PRECISION` `f32`|`bf16`|`f16`,
 //!   `WICK_DIST_ZERO` `0`|`1`|`2`|`3`, `WICK_DIST_STEPS`, `WICK_DIST_OVERLAP` (`0`: every bucket
 //!   reduced after backward), `WICK_DIST_PREFETCH` (`1`: stage 3 prefetches the next block),
-//!   `WICK_DIST_RECOMPUTE` (`0`: stage 3's blocks keep their activations);
+//!   `WICK_DIST_RECOMPUTE` (`0`: stage 3's blocks keep their activations),
+//!   `WICK_DIST_TENSOR_PATH` (`1`: stage 3 takes the tensor path of GPU ranks on the host);
 //! - `WICK_DIST_CKPT`: a checkpoint folder; with `WICK_DIST_SAVE_AT=k` the run saves after step
 //!   k and stops there, with `WICK_DIST_RESUME=1` it resumes from the folder first (and with
 //!   `WICK_DIST_SAVE_NOW=1` saves again at once, at its own world size, and stops);
@@ -133,6 +134,8 @@ fn train(group: &ProcessGroup, scenario: &str) -> Result<serde_json::Value> {
         prefetch: env("WICK_DIST_PREFETCH", "0") == "1",
         // `WICK_DIST_RECOMPUTE=0`: stage 3's blocks keep their activations.
         recompute: env("WICK_DIST_RECOMPUTE", "1") == "1",
+        // `WICK_DIST_TENSOR_PATH=1`: stage 3 takes GPU ranks' tensor path on the host.
+        tensor_path: env("WICK_DIST_TENSOR_PATH", "0") == "1",
     };
     let distributed = world > 1 || zero > 0;
     // `WICK_DIST_JOIN=1`: the whole state first (and the resume into it), then joining the group;

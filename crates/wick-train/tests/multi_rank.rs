@@ -134,8 +134,10 @@ fn clipping_over_two_ranks_takes_one_process_norm() {
     assert!(want.len() == 3 && want.iter().all(|n| *n > 0.05), "every step is clipped: {want:?}");
     let unclipped = run(1, &base).unwrap();
     assert_ne!(unclipped["hashes"], alone["hashes"], "clipping changed the steps");
-    for zero in ["0", "1", "2", "3"] {
-        let two = run(2, &[clip.as_slice(), &[("WICK_DIST_ZERO", zero)]].concat()).unwrap();
+    // "3t": stage 3 on the tensor path (GPU ranks' squares and clipping, on the host).
+    for zero in ["0", "1", "2", "3", "3t"] {
+        let stage = [("WICK_DIST_ZERO", &zero[..1]), ("WICK_DIST_TENSOR_PATH", if zero == "3t" { "1" } else { "0" })];
+        let two = run(2, &[clip.as_slice(), &stage].concat()).unwrap();
         if zero == "0" {
             assert_eq!((&two["norms"], &two["hashes"]), (&alone["norms"], &alone["hashes"]), "replicated");
             continue;
@@ -151,16 +153,26 @@ fn clipping_over_two_ranks_takes_one_process_norm() {
 
 /// ZeRO-3 on two ranks, recomputing the blocks and keeping their activations (each block's
 /// parameters gathered again in backward into the tensors its forward pass released), with and
-/// without prefetch: one process's accumulated steps, to the bit.
+/// without prefetch, and on the tensor path GPU ranks take (over the group's tensor
+/// collectives): one process's accumulated steps, to the bit.
 #[test]
 fn zero3_two_ranks_equal_one_process_accumulating() {
     for (model, precision) in [("decoder", "f32"), ("decoder", "bf16"), ("cnn", "f32")] {
         let base = [("WICK_DIST_MODEL", model), ("WICK_DIST_PRECISION", precision), ("WICK_DIST_STEPS", "3")];
         let Some(alone) = run(1, &base) else { return };
-        for (recompute, prefetch) in [("1", "0"), ("0", "0"), ("0", "1")] {
-            let vars = [("WICK_DIST_ZERO", "3"), ("WICK_DIST_RECOMPUTE", recompute), ("WICK_DIST_PREFETCH", prefetch)];
+        for (recompute, prefetch, tensors) in
+            [("1", "0", "0"), ("0", "0", "0"), ("0", "1", "0"), ("1", "0", "1"), ("0", "0", "1")]
+        {
+            let vars = [
+                ("WICK_DIST_ZERO", "3"),
+                ("WICK_DIST_RECOMPUTE", recompute),
+                ("WICK_DIST_PREFETCH", prefetch),
+                ("WICK_DIST_TENSOR_PATH", tensors),
+            ];
             let two = run(2, &[base.as_slice(), &vars].concat()).unwrap();
-            let what = format!("{model} {precision} ZeRO-3, recompute {recompute}, prefetch {prefetch}");
+            let what = format!(
+                "{model} {precision} ZeRO-3, recompute {recompute}, prefetch {prefetch}, tensor path {tensors}"
+            );
             assert_eq!(two["losses"], alone["losses"], "{what}: losses");
             assert_eq!(two["hashes"], alone["hashes"], "{what}: parameters");
         }
@@ -188,11 +200,17 @@ fn cnn_bf16_two_ranks_equal_one_process_accumulating() {
 }
 
 /// An inf loss on rank 1 only (f16, the loss scaler): both ranks skip that step and stay equal
-/// (the program checks every rank's parameters after every step).
+/// (the program checks every rank's parameters after every step) — replicated, at stage 2 and
+/// on stage 3's tensor path (GPU ranks' unscale and agreement, on the host).
 #[test]
 fn an_inf_on_one_rank_skips_the_step_on_both() {
-    for zero in ["0", "2"] {
-        let vars = [("WICK_DIST_SCENARIO", "inf"), ("WICK_DIST_PRECISION", "f16"), ("WICK_DIST_ZERO", zero)];
+    for (zero, tensors) in [("0", "0"), ("2", "0"), ("3", "1")] {
+        let vars = [
+            ("WICK_DIST_SCENARIO", "inf"),
+            ("WICK_DIST_PRECISION", "f16"),
+            ("WICK_DIST_ZERO", zero),
+            ("WICK_DIST_TENSOR_PATH", tensors),
+        ];
         let Some(v) = run(2, &vars) else { return };
         assert_eq!(v["outcomes"], serde_json::json!(["Applied", "Skipped", "Applied", "Applied"]), "ZeRO-{zero}");
         let h = v["hashes"].as_array().unwrap();
@@ -304,7 +322,7 @@ fn per_rank_peaks_are_within_5_percent_of_the_estimate() {
 /// A sharded (ZeRO-2) run saved after step 2 of 4 by both ranks (each its own shard, rank 0 the
 /// manifest last) continues on 2 ranks (started sharded and reading their shares, or joining
 /// from the whole state), on 2 ranks at ZeRO-1 and on 1 process accumulating, and after being
-/// re-saved by 3 ranks as 3 shards, each ending with the uninterrupted run's parameters; the shards split the state. A damaged shard of the newest checkpoint is passed
+/// re-saved by 3 ranks as 3 shards, and on 2 ranks at stage 3's tensor path, each ending with the uninterrupted run's parameters; the shards split the state. A damaged shard of the newest checkpoint is passed
 /// over by every rank.
 #[test]
 fn sharded_checkpoints_resume_at_any_world_size() {
@@ -360,7 +378,10 @@ fn sharded_checkpoints_resume_at_any_world_size() {
         assert_eq!(resumed["hashes"][1], last, "3 shards resumed on {ranks} rank(s)");
     }
     let _ = std::fs::remove_dir_all(&dir3);
-    for (ranks, zero, join) in [(2, "2", "0"), (2, "2", "1"), (2, "1", "0"), (1, "0", "0")] {
+    // The last row: stage 3 on the tensor path of GPU ranks (its shard read from a stage-2 one).
+    for (ranks, zero, join, tensors) in
+        [(2, "2", "0", "0"), (2, "2", "1", "0"), (2, "1", "0", "0"), (1, "0", "0", "0"), (2, "3", "0", "1")]
+    {
         let resumed = call(
             ranks,
             with(&[
@@ -368,10 +389,11 @@ fn sharded_checkpoints_resume_at_any_world_size() {
                 ("WICK_DIST_CKPT", ckpt.clone()),
                 ("WICK_DIST_RESUME", "1".into()),
                 ("WICK_DIST_JOIN", join.into()),
+                ("WICK_DIST_TENSOR_PATH", tensors.into()),
             ]),
         )
         .unwrap();
-        let what = format!("resumed on {ranks} rank(s) at ZeRO-{zero} (join {join})");
+        let what = format!("resumed on {ranks} rank(s) at ZeRO-{zero} (join {join}, tensor path {tensors})");
         let h = resumed["hashes"].as_array().unwrap();
         assert_eq!(h.len(), 2, "{what}: steps 3 and 4 only");
         assert_eq!(h[1], last, "{what}: the uninterrupted run's parameters");

@@ -15,7 +15,7 @@ use super::error::DistError;
 use super::flight::Flight;
 use super::group::to_bytes;
 use super::zero::{PieceInit, PieceRequest, Stepped, ZeroOptimizer};
-use super::zero3::ParamShards;
+use super::zero3::{ParamShards, TensorCollectives};
 use super::{GpuComm, ProcessGroup, Sharding};
 use crate::amp::{GradScaler, MasterState, MasterWeights};
 use crate::checkpoint::CheckpointReader;
@@ -48,6 +48,12 @@ pub struct DataParallelOptions {
     /// gathered parameters still give their memory back after its forward pass and are gathered
     /// again, into the same tensors, when backward reaches it.
     pub recompute: bool,
+    /// ZeRO stage 3 on host ranks: take the tensor path GPU ranks take (the shard's pieces and
+    /// gradients as tensors, the process group's tensor collectives, nothing in flight) instead
+    /// of the host path (byte buffers, MPI's non-blocking collectives). Slower; it is there so
+    /// that the GPU ranks' layouts and arithmetic run at two ranks where there are no GPUs
+    /// (`tests/multi_rank.rs`). GPU ranks always take it. Off by default.
+    pub tensor_path: bool,
 }
 
 impl Default for DataParallelOptions {
@@ -59,6 +65,7 @@ impl Default for DataParallelOptions {
             overlap: true,
             prefetch: false,
             recompute: true,
+            tensor_path: false,
         }
     }
 }
@@ -76,7 +83,7 @@ impl Shard {
     #[allow(clippy::too_many_arguments)]
     fn new(
         group: &ProcessGroup,
-        gpu: Option<&Arc<GpuComm>>,
+        (gpu, tensor_path): (Option<&Arc<GpuComm>>, bool),
         vars: &[Var],
         plan: &[Vec<usize>],
         stage: Sharding,
@@ -86,7 +93,13 @@ impl Shard {
     ) -> Result<Self, TrainError> {
         Ok(match stage {
             Sharding::Parameters => {
-                Shard::Params(Arc::new(ParamShards::new(group, gpu.cloned(), vars, optimizer, steps, fetch)?))
+                // GPU ranks over NCCL; host ranks over the group's tensor collectives on request.
+                let tensors: Option<Arc<dyn TensorCollectives>> = match gpu {
+                    Some(g) => Some(g.clone()),
+                    None if tensor_path => Some(Arc::new(group.clone())),
+                    None => None,
+                };
+                Shard::Params(Arc::new(ParamShards::new(group, tensors, vars, optimizer, steps, fetch)?))
             }
             _ => Shard::Zero(ZeroOptimizer::new(group, vars, plan, stage, optimizer, steps, fetch)?),
         })
@@ -116,6 +129,8 @@ pub(crate) struct Parallel {
     prefetch: bool,
     /// Stage 3's recomputation ([`DataParallelOptions::recompute`]).
     recompute: bool,
+    /// Stage 3's tensor path on host ranks ([`DataParallelOptions::tensor_path`]).
+    tensor_path: bool,
 }
 
 /// NCCL for `vars` when they are on a GPU (every stage), `None` for host parameters.
@@ -152,12 +167,13 @@ impl Parallel {
             "overlap": options.overlap,
             "prefetch": options.prefetch,
             "recompute": options.recompute,
+            "tensor_path": options.tensor_path,
         });
         group.check_same("training setup", &setup)?;
         let gpu = gpu_comm(group, vars)?;
-        if gpu.is_some() && options.sharding == Sharding::Parameters && options.prefetch {
-            let message = "stage 3's prefetch overlaps MPI gathers on the host; GPU ranks gather over NCCL on the \
-                           compute stream (turn prefetch off)";
+        if (gpu.is_some() || options.tensor_path) && options.sharding == Sharding::Parameters && options.prefetch {
+            let message = "stage 3's prefetch overlaps MPI gathers on the host path; GPU ranks (and the tensor \
+                           path) gather on the compute stream (turn prefetch off)";
             return Err(DistError::unsupported("data parallel", message).into());
         }
         let registered = params.registration_order();
@@ -182,6 +198,7 @@ impl Parallel {
             overlap: options.overlap,
             prefetch: options.prefetch,
             recompute: options.recompute,
+            tensor_path: options.tensor_path,
         }
     }
 
@@ -231,9 +248,17 @@ impl Parallel {
                 }
                 PieceInit::narrowed(request, &master, Some(&state))
             };
-            let z =
-                Shard::new(&group, gpu.as_ref(), vars, buckets.plan(), options.sharding, optimizer, steps, &mut fetch)?
-                    .blocks(options.prefetch, options.recompute);
+            let z = Shard::new(
+                &group,
+                (gpu.as_ref(), options.tensor_path),
+                vars,
+                buckets.plan(),
+                options.sharding,
+                optimizer,
+                steps,
+                &mut fetch,
+            )?
+            .blocks(options.prefetch, options.recompute);
             *masters = MasterWeights::new(&[], optimizer)?;
             Some(z)
         };
@@ -302,8 +327,17 @@ impl Parallel {
             }
             PieceInit::narrowed(request, &value, None)
         };
-        let z = Shard::new(&group, gpu.as_ref(), vars, buckets.plan(), options.sharding, optimizer, 0, &mut fetch)?
-            .blocks(options.prefetch, options.recompute);
+        let z = Shard::new(
+            &group,
+            (gpu.as_ref(), options.tensor_path),
+            vars,
+            buckets.plan(),
+            options.sharding,
+            optimizer,
+            0,
+            &mut fetch,
+        )?
+        .blocks(options.prefetch, options.recompute);
         broadcast_buffers(&group, params)?;
         Ok(Self::assembled(group, buckets, Some(z), gpu, options))
     }
@@ -335,8 +369,17 @@ impl Parallel {
             Ok(PieceInit { master, state })
         };
         let plan = self.buckets.plan();
-        let shard = Shard::new(&self.group, self.gpu.as_ref(), vars, plan, stage, optimizer, steps, &mut fetch)?
-            .blocks(self.prefetch, self.recompute);
+        let shard = Shard::new(
+            &self.group,
+            (self.gpu.as_ref(), self.tensor_path),
+            vars,
+            plan,
+            stage,
+            optimizer,
+            steps,
+            &mut fetch,
+        )?
+        .blocks(self.prefetch, self.recompute);
         if let (Shard::Params(new), Shard::Params(old)) = (&shard, z) {
             new.inherit(old);
         }

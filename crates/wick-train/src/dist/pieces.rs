@@ -10,7 +10,7 @@ use super::error::DistError;
 use super::flight::append_f32;
 
 /// `values` rounded to `dtype` (kept in f32).
-pub(super) fn rounded(values: &mut [f32], dtype: DType) {
+pub(in crate::dist) fn rounded(values: &mut [f32], dtype: DType) {
     match dtype {
         DType::BF16 => values.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32()),
         DType::F16 => values.iter_mut().for_each(|v| *v = half::f16::from_f32(*v).to_f32()),
@@ -82,7 +82,7 @@ pub(super) fn vec_f32(t: &Tensor) -> Result<Vec<f32>, DistError> {
 
 /// Runs `f` on `t`'s values as f32: read where they lie for a contiguous f32 host tensor (a
 /// master, a gradient), widened into a copy otherwise.
-pub(super) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, DistError> {
+pub(in crate::dist) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, DistError> {
     {
         let (storage, layout) = t.storage_and_layout();
         if let (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) = (&*storage, layout.contiguous_offsets())
@@ -160,7 +160,7 @@ impl GatherLayout {
 /// `max_norm`, which the trainer checked before the step): `squares` (this rank's share of the
 /// gradients' squares) summed over the ranks, so that every rank takes the same coefficient
 /// ([`crate::clip`]).
-pub(super) fn clip_over_ranks(
+pub(in crate::dist) fn clip_over_ranks(
     group: &super::ProcessGroup,
     max_norm: Option<f64>,
     squares: impl FnOnce() -> Result<f64, DistError>,

@@ -54,13 +54,15 @@ use super::pending::{Collective, Outgoing, Pending};
 use super::pieces::{clip_over_ranks, push_bytes, rounded, var_from_pieces, with_f32, GatherLayout, WritePieces};
 use super::prefetch::{Gathering, Prefetch};
 use super::zero::{zeroed_state, PieceInit, PieceRequest, Stepped};
-use super::{GpuComm, ProcessGroup, ReduceOp};
+use super::{ProcessGroup, ReduceOp};
 use crate::amp::{GradScaler, StepOutcome};
 use crate::error::TrainError;
 use crate::optim::Optimizer;
 
-mod nccl;
 mod reduce;
+mod tensors;
+
+pub(crate) use tensors::TensorCollectives;
 
 /// One parameter's shard on this rank.
 struct Shard {
@@ -77,7 +79,8 @@ struct Shard {
     state: Vec<Tensor>,
     /// The step's reduced gradient of the piece (f32), when any rank computed one.
     grad: Option<Vec<f32>>,
-    /// On GPU ranks, the same on the device, in the parameter's dtype ([`nccl`]).
+    /// On the tensor path, the same as a tensor on the parameters' device, in the parameter's
+    /// dtype ([`tensors`]).
     device_grad: Option<Tensor>,
     /// Whether a block takes it (then the model's own tensor is never read).
     in_block: bool,
@@ -102,9 +105,9 @@ struct State {
 /// A rank's shard of every parameter, and the blocks' gather and reduce.
 pub(crate) struct ParamShards {
     group: ProcessGroup,
-    /// NCCL, when the parameters are on a GPU: the pieces, their state and the gathered blocks
-    /// live there ([`nccl`]).
-    gpu: Option<Arc<GpuComm>>,
+    /// The collectives of the tensor path ([`tensors`]: NCCL on GPU ranks, the group's tensor
+    /// collectives on host ranks that ask for it); `None`: the host path.
+    tensors: Option<Arc<dyn TensorCollectives>>,
     by_id: HashMap<TensorId, usize>,
     state: Mutex<State>,
 }
@@ -119,7 +122,7 @@ impl ParamShards {
     /// run collectives) — after `steps` optimizer steps.
     pub(crate) fn new(
         group: &ProcessGroup,
-        gpu: Option<Arc<GpuComm>>,
+        tensors: Option<Arc<dyn TensorCollectives>>,
         vars: &[Var],
         optimizer: Optimizer,
         steps: u64,
@@ -128,8 +131,8 @@ impl ParamShards {
         let (rank, world) = (group.rank(), group.world_size());
         let mut shards = Vec::with_capacity(vars.len());
         for (i, v) in vars.iter().enumerate() {
-            if v.device().is_cpu() == gpu.is_some() {
-                return Err(DistError::internal("ZeRO-3: GPU parameters go with NCCL, host ones without").into());
+            if !v.device().is_cpu() && tensors.is_none() {
+                return Err(DistError::internal("ZeRO-3: GPU parameters take the tensor path (NCCL)").into());
             }
             let elems = v.elem_count();
             let chunk = elems.div_ceil(world).max(1);
@@ -171,7 +174,7 @@ impl ParamShards {
             prefetch: Prefetch::default(),
             keep_activations: false,
         };
-        Ok(ParamShards { group: group.clone(), gpu, by_id, state: Mutex::new(state) })
+        Ok(ParamShards { group: group.clone(), tensors, by_id, state: Mutex::new(state) })
     }
 
     fn indices(&self, weights: &[Tensor]) -> candle_core::Result<Vec<usize>> {
@@ -286,8 +289,8 @@ impl ParamShards {
     /// then, with prefetching on and this step following the last one's order so far, the
     /// next block's gather started.
     fn gather_block(&self, which: Vec<usize>) -> Result<Vec<Tensor>, DistError> {
-        if let Some(nccl) = &self.gpu {
-            return self.gather_block_nccl(nccl, &which);
+        if let Some(comm) = &self.tensors {
+            return self.gather_block_tensors(comm.as_ref(), &which);
         }
         self.gather_block_with(which, |recv, layout| self.made_whole(recv, layout))
     }
@@ -295,8 +298,8 @@ impl ParamShards {
     /// Block `which`'s parameters whole again, written into `into` (what an earlier
     /// [`ParamShards::gather_block`] of them returned), as [`ParamShards::gather_block`] gathers.
     fn regather_block(&self, which: Vec<usize>, into: &[Tensor]) -> Result<(), DistError> {
-        if let Some(nccl) = &self.gpu {
-            return self.regather_block_nccl(nccl, &which, into);
+        if let Some(comm) = &self.tensors {
+            return self.regather_block_tensors(comm.as_ref(), &which, into);
         }
         self.gather_block_with(which, |recv, layout| self.write_whole(recv, layout, into))
     }
@@ -373,8 +376,8 @@ impl ParamShards {
         (mut scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
         lr: f64,
     ) -> Result<(Stepped, ReduceStats), TrainError> {
-        if let Some(nccl) = &self.gpu {
-            return self.step_nccl(nccl, vars, (scaler, max_norm), lr);
+        if let Some(comm) = &self.tensors {
+            return self.step_tensors(comm.as_ref(), vars, (scaler, max_norm), lr);
         }
         self.finish_pending()?;
         let mut st = lock(&self.state);
@@ -497,8 +500,8 @@ impl ParamShards {
 
     /// Every parameter whole, as fresh tensors (a collective: every rank calls it).
     pub(crate) fn gather_all(&self) -> Result<Vec<Tensor>, TrainError> {
-        if let Some(nccl) = &self.gpu {
-            return self.gather_all_nccl(nccl);
+        if let Some(comm) = &self.tensors {
+            return self.gather_all_tensors(comm.as_ref());
         }
         let n = lock(&self.state).shards.len();
         let mut out = Vec::with_capacity(n);

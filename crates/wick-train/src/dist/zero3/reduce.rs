@@ -20,8 +20,8 @@ impl ParamShards {
     /// (the previous one completed first): it runs on during the next block's gather and
     /// backward, and [`ParamShards::finish_pending`] completes it.
     pub(super) fn reduce_into(&self, which: &[usize], grads: &[Option<Tensor>]) -> Result<(), DistError> {
-        if let Some(nccl) = &self.gpu {
-            return self.reduce_into_nccl(nccl, which, grads);
+        if let Some(comm) = &self.tensors {
+            return self.reduce_into_tensors(comm.as_ref(), which, grads);
         }
         self.finish_pending()?;
         let t0 = Instant::now();

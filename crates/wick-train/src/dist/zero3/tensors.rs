@@ -1,0 +1,433 @@
+//! ZeRO-3's tensor path: the host path's shards ([`super`]) — the same pieces, the same blocks,
+//! the same order of collectives — with every piece's f32 master, optimizer state and gradient
+//! a tensor on the parameters' device and the collectives on tensors ([`TensorCollectives`]).
+//! GPU ranks take it over NCCL (feature `nccl`); host ranks can take it over the process
+//! group's tensor collectives ([`super::super::DataParallelOptions::tensor_path`]), which is how
+//! its layouts are checked at two ranks where there are no GPUs (the host path, byte buffers
+//! with MPI's non-blocking collectives, is the faster one there).
+//!
+//! - A block's gather: this rank's pieces rounded to their parameters' dtypes and padded to their
+//!   chunks, end to end (one all-gather per dtype the block holds); each parameter's values cut
+//!   from every rank's section into a fresh variable. Kept graphs
+//!   ([`super::super::DataParallelOptions::recompute`] off) get their tensors' memory back by
+//!   [`wick_nn::pages::refill`] on a GPU (no copy beside the gather's), written in place on the
+//!   host.
+//! - A block's reduction: its gradients widened to f32, each padded to the world size times its
+//!   chunk and laid out rank by rank, reduce-scattered at once (NCCL runs on the compute stream:
+//!   nothing is left in flight as on the host path); each piece's sum rounded to the parameter's
+//!   dtype, as the replicated paths give gradients back, and added to the step's.
+//! - The step: the ranks agree on presence, the inf finding and the norm on the host (one small
+//!   collective each, as on the host path); on a GPU the unscale, clipping's squares and the
+//!   update run on the fused multi-tensor kernels (one launch per gradient dtype), on the host on
+//!   the host path's update; the parameters read outside the blocks are gathered back one at a
+//!   time into the model's tensors; after the first update the model's own tensors of the
+//!   blocks' parameters give their memory back ([`wick_nn::pages::release`]: they read as
+//!   zeros; a CUDA tensor's storage becomes host zeros).
+//!
+//! One rank's arithmetic is the replicated step's: the same rounding of each gradient, the same
+//! update on the same values. A single GPU runs one rank (NCCL refuses two ranks on one device),
+//! so the GPU check is one-rank against the plain trainer to the bit (`scripts/gpu-check.sh`'s
+//! `nccl_check`); two ranks run this path on the host in CI (`tests/multi_rank.rs`).
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::{lock, ParamShards, State};
+use crate::amp::{GradScaler, StepOutcome};
+use crate::dist::buckets::ReduceStats;
+use crate::dist::error::DistError;
+use crate::dist::pieces::{clip_over_ranks, rounded, with_f32};
+use crate::dist::zero::{zeroed_state, Stepped};
+use crate::dist::{ProcessGroup, ReduceOp};
+use crate::error::TrainError;
+
+/// The collectives over tensors the tensor path needs: NCCL's on GPU ranks, the process group's
+/// on host ranks. Both concatenate (all-gather) and cut (reduce-scatter) along the first axis in
+/// rank order.
+pub(crate) trait TensorCollectives: Send + Sync {
+    /// Every rank's `t` end to end along the first axis.
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor, DistError>;
+    /// This rank's block of the reduction of `t`, cut along the first axis.
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor, DistError>;
+}
+
+impl TensorCollectives for ProcessGroup {
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor, DistError> {
+        ProcessGroup::all_gather(self, t)
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor, DistError> {
+        ProcessGroup::reduce_scatter(self, t, op)
+    }
+}
+
+#[cfg(feature = "nccl")]
+impl TensorCollectives for crate::dist::nccl::NcclGroup {
+    fn all_gather(&self, t: &Tensor) -> Result<Tensor, DistError> {
+        crate::dist::nccl::NcclGroup::all_gather(self, t)
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor, DistError> {
+        crate::dist::nccl::NcclGroup::reduce_scatter(self, t, op)
+    }
+}
+
+#[cfg(not(feature = "nccl"))]
+impl TensorCollectives for crate::dist::GpuComm {
+    fn all_gather(&self, _: &Tensor) -> Result<Tensor, DistError> {
+        match *self {}
+    }
+
+    fn reduce_scatter(&self, _: &Tensor, _: ReduceOp) -> Result<Tensor, DistError> {
+        match *self {}
+    }
+}
+
+/// Parameter `i`'s piece of a dtype's section: where it starts and its chunk.
+struct Placed {
+    i: usize,
+    start: usize,
+    chunk: usize,
+}
+
+impl ParamShards {
+    /// Every rank's pieces of parameters `which`, whole, as fresh variables on the GPU (in
+    /// `which`'s order): one all-gather per dtype.
+    fn gathered_tensors(&self, comm: &dyn TensorCollectives, which: &[usize]) -> Result<Vec<Tensor>, DistError> {
+        let world = self.group.world_size();
+        let t0 = Instant::now();
+        // The parameters by dtype, each dtype's pieces end to end.
+        let mut sections: BTreeMap<u8, (DType, Vec<Placed>, Vec<Tensor>, usize)> = BTreeMap::new();
+        {
+            let st = lock(&self.state);
+            for &i in which {
+                let s = &st.shards[i];
+                let entry = sections.entry(dtype_key(s.dtype)).or_insert_with(|| (s.dtype, vec![], vec![], 0));
+                entry.1.push(Placed { i, start: entry.3, chunk: s.chunk });
+                entry.2.push(s.master.to_dtype(s.dtype)?);
+                if s.chunk > s.len {
+                    entry.2.push(Tensor::zeros(s.chunk - s.len, s.dtype, s.master.device())?);
+                }
+                entry.3 += s.chunk;
+            }
+        }
+        let mut out: Vec<Option<Tensor>> = vec![None; which.len()];
+        let (mut comm_s, mut bytes) = (0.0, 0usize);
+        for (_, (dtype, placed, parts, section)) in sections {
+            let send = Tensor::cat(&parts, 0)?;
+            drop(parts);
+            let t1 = Instant::now();
+            let full = comm.all_gather(&send)?;
+            comm_s += t1.elapsed().as_secs_f64();
+            bytes += section * dtype.size_in_bytes();
+            drop(send);
+            let by_rank = full.reshape((world, section))?;
+            for p in placed {
+                let dims = lock(&self.state).shards[p.i].dims.clone();
+                let elems: usize = dims.iter().product();
+                let values = by_rank.narrow(1, p.start, p.chunk)?.contiguous()?.flatten_all()?;
+                let values = values.narrow(0, 0, elems)?.reshape(dims)?;
+                let k = which.iter().position(|&w| w == p.i).ok_or_else(|| DistError::internal("gather order"))?;
+                out[k] = Some(Var::from_tensor(&values)?.as_tensor().clone());
+            }
+        }
+        let mut st = lock(&self.state);
+        st.stats.comm_s += comm_s;
+        st.stats.pack_s += t0.elapsed().as_secs_f64() - comm_s;
+        st.stats.bytes += bytes;
+        out.into_iter().map(|t| t.ok_or_else(|| DistError::internal("a parameter left out of a gather"))).collect()
+    }
+
+    /// Block `which`'s parameters whole (marked as the blocks' own).
+    pub(in crate::dist::zero3) fn gather_block_tensors(
+        &self,
+        comm: &dyn TensorCollectives,
+        which: &[usize],
+    ) -> Result<Vec<Tensor>, DistError> {
+        {
+            let mut st = lock(&self.state);
+            which.iter().for_each(|&i| st.shards[i].in_block = true);
+        }
+        self.gathered_tensors(comm, which)
+    }
+
+    /// Block `which`'s parameters whole again in `into` (tensors an earlier gather of them
+    /// returned, released since): each gets the fresh values' device memory.
+    pub(in crate::dist::zero3) fn regather_block_tensors(
+        &self,
+        comm: &dyn TensorCollectives,
+        which: &[usize],
+        into: &[Tensor],
+    ) -> Result<(), DistError> {
+        if into.len() != which.len() {
+            return Err(DistError::internal("ZeRO-3: parameters gathered into another number of tensors"));
+        }
+        for (fresh, target) in self.gathered_tensors(comm, which)?.iter().zip(into) {
+            if target.device().is_cuda() {
+                wick_nn::pages::refill(target, fresh)?;
+            } else {
+                // Host pages come back by being written (counted again first).
+                wick_nn::pages::reclaim(target)?;
+                target.flatten_all()?.slice_set(&fresh.flatten_all()?, 0, 0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every parameter whole, as fresh tensors, one at a time (a collective).
+    pub(in crate::dist::zero3) fn gather_all_tensors(
+        &self,
+        comm: &dyn TensorCollectives,
+    ) -> Result<Vec<Tensor>, TrainError> {
+        let n = lock(&self.state).shards.len();
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            out.extend(self.gathered_tensors(comm, &[i])?.into_iter().map(|t| t.detach()));
+        }
+        Ok(out)
+    }
+
+    /// Sums the gradients `grads` of parameters `which` over ranks into each rank's pieces
+    /// (one reduce-scatter; a missing gradient counts zeros), rounded to the parameters'
+    /// dtypes, and adds them to the step's.
+    pub(in crate::dist::zero3) fn reduce_into_tensors(
+        &self,
+        comm: &dyn TensorCollectives,
+        which: &[usize],
+        grads: &[Option<Tensor>],
+    ) -> Result<(), DistError> {
+        let t0 = Instant::now();
+        let world = self.group.world_size();
+        let mut rows = Vec::with_capacity(which.len());
+        let mut placed = Vec::with_capacity(which.len());
+        let mut section = 0usize;
+        {
+            let st = lock(&self.state);
+            for (&i, g) in which.iter().zip(grads) {
+                let s = &st.shards[i];
+                let elems: usize = s.dims.iter().product();
+                let padded = s.chunk.checked_mul(world).ok_or_else(|| DistError::internal("gradient size"))?;
+                let device = s.master.device();
+                let mut flat = match g {
+                    Some(g) => g.to_dtype(DType::F32)?.flatten_all()?,
+                    None => Tensor::zeros(elems, DType::F32, device)?,
+                };
+                if padded > elems {
+                    flat = Tensor::cat(&[flat, Tensor::zeros(padded - elems, DType::F32, device)?], 0)?;
+                }
+                rows.push(flat.reshape((world, s.chunk))?);
+                placed.push((i, section));
+                section += s.chunk;
+            }
+        }
+        // Rank r's section: its piece of every parameter, end to end.
+        let send = Tensor::cat(&rows, 1)?.flatten_all()?;
+        drop(rows);
+        let t1 = Instant::now();
+        let mine = comm.reduce_scatter(&send, ReduceOp::Sum)?;
+        let t2 = Instant::now();
+        drop(send);
+        let mut st = lock(&self.state);
+        for (i, start) in placed {
+            let s = &mut st.shards[i];
+            if s.len == 0 {
+                continue;
+            }
+            // The sum rounded to the parameter's dtype; an f32 piece of a block is a copy, so
+            // that no block's whole reduction outlives its turn beside the pieces.
+            let view = mine.narrow(0, start, s.len)?;
+            let piece = match s.dtype {
+                DType::F32 if which.len() == 1 => view,
+                DType::F32 => view.copy()?,
+                dtype => view.to_dtype(dtype)?,
+            };
+            s.device_grad = Some(match s.device_grad.take() {
+                Some(sum) => (sum + piece)?,
+                None => piece,
+            });
+        }
+        st.stats.buckets += 1;
+        st.stats.bytes += section * world * 4;
+        st.stats.comm_s += (t2 - t1).as_secs_f64();
+        st.stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// The step (see the module's documentation).
+    pub(in crate::dist::zero3) fn step_tensors(
+        &self,
+        comm: &dyn TensorCollectives,
+        vars: &[Var],
+        (mut scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
+        lr: f64,
+    ) -> Result<(Stepped, ReduceStats), TrainError> {
+        let device = vars.first().map(|v| v.device().clone()).ok_or_else(|| DistError::internal("no parameters"))?;
+        let arith = Arith::on(&device)?;
+        let mut st = lock(&self.state);
+        st.optimizer.set_lr(lr);
+        let local: Vec<u8> = st.shards.iter().map(|s| s.device_grad.is_some() as u8).collect();
+        let mut present = vec![0u8; local.len()];
+        self.group.comm().all_reduce(&local, &mut present, ReduceOp::Max)?;
+        let mut skipped = false;
+        if let Some(s) = scaler.as_deref_mut() {
+            let local = arith.unscale(&mut st, (1.0 / s.scale()) as f32, &device)?;
+            skipped = self.group.any(local)?;
+            s.set_found_inf(skipped);
+        }
+        let outcome = if skipped {
+            (StepOutcome::Skipped, None)
+        } else {
+            let squares = match max_norm {
+                Some(_) => arith.squares(&st)?,
+                None => 0.0,
+            };
+            let (factor, norm) = clip_over_ranks(&self.group, max_norm, || Ok(squares))?;
+            arith.update(&mut st, &present, factor)?;
+            (StepOutcome::Applied, norm)
+        };
+        if let Some(s) = scaler {
+            s.update()?;
+        }
+        st.shards.iter_mut().for_each(|s| s.device_grad = None);
+        let rest: Vec<usize> = (0..st.shards.len()).filter(|&i| !st.shards[i].in_block).collect();
+        drop(st);
+        // The parameters read outside the blocks, one at a time, into the model's tensors.
+        for &i in &rest {
+            let whole = self.gathered_tensors(comm, &[i])?;
+            if let Some(values) = whole.first() {
+                vars[i].set(values)?;
+            }
+        }
+        let mut st = lock(&self.state);
+        for (s, v) in st.shards.iter_mut().zip(vars) {
+            if s.in_block && !s.released {
+                wick_nn::pages::release(v.as_tensor())?;
+                s.released = true;
+            } else if !s.in_block && s.dtype == DType::F32 && !s.viewed && s.len > 0 {
+                // A whole f32 parameter is its own master, as in the other stages.
+                s.master = v.as_tensor().flatten_all()?.narrow(0, s.offset, s.len)?;
+                s.viewed = true;
+            }
+        }
+        let stats = std::mem::take(&mut st.stats);
+        Ok((outcome, stats))
+    }
+}
+
+/// Where the step's arithmetic runs: the fused multi-tensor kernels on a GPU, the host path's
+/// element-wise rules on the host.
+enum Arith {
+    #[cfg(feature = "cuda")]
+    Gpu(std::sync::Arc<crate::amp::cuda::AmpKernels>),
+    Host,
+}
+
+impl Arith {
+    fn on(device: &Device) -> Result<Self, TrainError> {
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            return Ok(Arith::Gpu(crate::amp::cuda::shared(device)?));
+        }
+        let _ = device;
+        Ok(Arith::Host)
+    }
+
+    /// Every gradient multiplied by `inv` (rounded to its dtype): whether any is inf or NaN.
+    fn unscale(&self, st: &mut State, inv: f32, device: &Device) -> Result<bool, TrainError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Arith::Gpu(kernels) => {
+                let grads: Vec<&Tensor> = st.shards.iter().filter_map(|s| s.device_grad.as_ref()).collect();
+                let found = Tensor::zeros(1, DType::F32, device)?;
+                if !grads.is_empty() {
+                    kernels.unscale_(&grads, &Tensor::new(&[inv], device)?, &found)?;
+                }
+                Ok(found.to_vec1::<f32>()?.first().is_some_and(|f| *f != 0.0))
+            }
+            Arith::Host => {
+                let _ = device;
+                let mut found = false;
+                for s in st.shards.iter_mut() {
+                    if let Some(g) = &s.device_grad {
+                        let mut values = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                        values.iter_mut().for_each(|v| *v *= inv);
+                        rounded(&mut values, s.dtype);
+                        found |= values.iter().any(|v| !v.is_finite());
+                        s.device_grad = Some(Tensor::from_vec(values, s.len, &Device::Cpu)?.to_dtype(s.dtype)?);
+                    }
+                }
+                Ok(found)
+            }
+        }
+    }
+
+    /// The sum of the gradients' squares (this rank's pieces).
+    fn squares(&self, st: &State) -> Result<f64, TrainError> {
+        let grads: Vec<&Tensor> = st.shards.iter().filter_map(|s| s.device_grad.as_ref()).collect();
+        match self {
+            #[cfg(feature = "cuda")]
+            Arith::Gpu(kernels) if !grads.is_empty() => kernels.squares_multi(&grads),
+            #[cfg(feature = "cuda")]
+            Arith::Gpu(_) => Ok(0.0),
+            Arith::Host => {
+                let mut total = 0.0;
+                for g in grads {
+                    total += with_f32(g, wick_kernels::cpu::optim::sum_of_squares)?;
+                }
+                Ok(total)
+            }
+        }
+    }
+
+    /// This rank's pieces of the present parameters updated, every gradient multiplied by
+    /// `factor` (a piece's optimizer state made, zeroed, at its first update): one launch per
+    /// gradient dtype on a GPU.
+    fn update(&self, st: &mut State, present: &[u8], factor: f32) -> Result<(), TrainError> {
+        st.step += 1;
+        let t = i32::try_from(st.step).map_err(|_| DistError::internal("the step count overflows"))?;
+        let optimizer = st.optimizer;
+        let mut grads = Vec::new();
+        for (s, _) in st.shards.iter_mut().zip(present).filter(|(s, p)| **p != 0 && s.len > 0) {
+            if s.state.is_empty() {
+                s.state = zeroed_state(optimizer, s.len, s.master.device())?;
+            }
+            // Another rank's gradient only: this rank's share of it is zeros.
+            grads.push(match &s.device_grad {
+                Some(g) => g.clone(),
+                None => Tensor::zeros(s.len, s.dtype, s.master.device())?,
+            });
+        }
+        let updated = st.shards.iter_mut().zip(present).filter(|(s, p)| **p != 0 && s.len > 0).map(|(s, _)| s);
+        match self {
+            #[cfg(feature = "cuda")]
+            Arith::Gpu(kernels) => {
+                use crate::amp::cuda::StepItem;
+                let items: Vec<StepItem<'_>> = updated
+                    .zip(&grads)
+                    .map(|(s, grad)| StepItem { target: &s.master, grad, state: &s.state, model: None })
+                    .collect();
+                kernels.optimizer_step_multi_(&items, optimizer, t, None, factor)
+            }
+            Arith::Host => {
+                for (s, g) in updated.zip(&grads) {
+                    let g = g.to_dtype(DType::F32)?;
+                    s.state = crate::optim::step(&s.master, &g, &s.state, (optimizer, t), factor)?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// An order of dtypes for a block's sections (the same on every rank).
+fn dtype_key(dtype: DType) -> u8 {
+    match dtype {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        DType::F16 => 2,
+        DType::F64 => 3,
+        _ => 4,
+    }
+}
