@@ -93,8 +93,8 @@ struct Placed {
 }
 
 impl ParamShards {
-    /// Every rank's pieces of parameters `which`, whole, as fresh variables on the GPU (in
-    /// `which`'s order): one all-gather per dtype.
+    /// Every rank's pieces of parameters `which`, whole, as fresh variables on the parameters'
+    /// device (in `which`'s order): one all-gather per dtype.
     fn gathered_tensors(&self, comm: &dyn TensorCollectives, which: &[usize]) -> Result<Vec<Tensor>, DistError> {
         let world = self.group.world_size();
         let t0 = Instant::now();
@@ -154,7 +154,8 @@ impl ParamShards {
     }
 
     /// Block `which`'s parameters whole again in `into` (tensors an earlier gather of them
-    /// returned, released since): each gets the fresh values' device memory.
+    /// returned, released since): on a GPU each gets the fresh values' device memory, on the
+    /// host the values are written into its pages.
     pub(in crate::dist::zero3) fn regather_block_tensors(
         &self,
         comm: &dyn TensorCollectives,
