@@ -86,11 +86,12 @@ fn run() -> Result<()> {
     let zero = part("zero", zero_on_nccl(&group, &device));
     let pages = part("pages", pages_on_gpu(&device));
     let zero3 = part("zero3", zero3_on_nccl(&group, &device));
+    let zero3_cnn = part("zero3_cnn", zero3_cnn_on_nccl(&group, &device));
     let graphs = part("graph_trainer", graph_trainer_on_nccl(&group, &device));
     println!(
         "{}",
         serde_json::json!({"nccl": format!("{nccl:?}"), "checks": checks, "timings": timings, "trainer": trainer,
-            "zero": zero, "pages": pages, "zero3": zero3, "graph_trainer": graphs, "failed": failed})
+            "zero": zero, "pages": pages, "zero3": zero3, "zero3_cnn": zero3_cnn, "graph_trainer": graphs, "failed": failed})
     );
     ensure!(failed.is_empty(), "failed: {failed:?}");
     Ok(())
@@ -360,6 +361,72 @@ fn zero3_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Va
     .is_err();
     ensure!(prefetch_refused, "stage 3's prefetch must be refused on GPU ranks");
     Ok(serde_json::json!({"rows": rows, "clipped_norms": norms, "resumed_same": same_resumed}))
+}
+
+/// ZeRO stage 3 on the GPU with a CNN (ResNet-18 at width 8 on 32² images: batch norm's
+/// running statistics as buffers, its blocks through `run_stateful`), f32 and bf16, blocks
+/// recomputed and kept, two micro-batches a step: the plain trainer's losses and parameters to
+/// the bit.
+fn zero3_cnn_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Value> {
+    use wick_nn::{Autocast, Model};
+    use wick_train::dist::{DataParallelOptions, Sharding};
+    use wick_train::trainer::{TrainOptions, Trainer};
+    use wick_zoo::registry::ModelSpec;
+    use wick_zoo::resnet::ResNetDepth;
+    let spec = ModelSpec::ResNet { depth: ResNetDepth::R18, classes: 10, width: 8, image: 32 };
+    let mut rows = Vec::new();
+    for (name, dtype, autocast) in [("f32", DType::F32, Autocast::off()), ("bf16", DType::BF16, Autocast::bf16())] {
+        let options = TrainOptions { autocast, ..TrainOptions::default() };
+        let all = spec.batch(3 * 2 * 4, dtype, device)?;
+        let mut alone = Trainer::new(spec.build(dtype, device)?, serde_json::json!({}), None, options)?;
+        let mut runs = Vec::new();
+        for recompute in [true, false] {
+            let parallel =
+                DataParallelOptions { sharding: Sharding::Parameters, recompute, ..DataParallelOptions::default() };
+            let model = spec.build(dtype, device)?;
+            runs.push(Trainer::new_data_parallel(
+                model,
+                serde_json::json!({}),
+                None,
+                options,
+                group.clone(),
+                parallel,
+            )?);
+        }
+        let mut same_losses = true;
+        for step in 0..3 {
+            let micro = [all.narrow(2 * step * 4, 4)?, all.narrow((2 * step + 1) * 4, 4)?];
+            let a = alone.train_step(&micro)?;
+            for z in runs.iter_mut() {
+                let b = z.train_step(&micro)?;
+                same_losses &= a.loss.to_bits() == b.loss.to_bits() && a.outcome == b.outcome;
+            }
+        }
+        let bits = |values: Vec<Tensor>| -> Result<Vec<u32>> {
+            let mut out = Vec::new();
+            for v in values {
+                out.extend(v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()));
+            }
+            Ok(out)
+        };
+        let reference = bits(alone.model().params().iter().map(|(_, v)| v.as_tensor().clone()).collect())?;
+        let mut same = Vec::new();
+        for z in &runs {
+            same.push(bits(z.gathered_parameters()?.into_iter().map(|(_, v)| v).collect())? == reference);
+        }
+        // Batch norm's running statistics (buffers, whole on every rank) too.
+        let buffers = |t: &Trainer<wick_zoo::registry::ZooModel>| -> Result<Vec<u32>> {
+            bits(t.model().params().buffers().map(|(_, b)| b.get()).collect())
+        };
+        let same_buffers = runs.iter().map(|z| Ok(buffers(z)? == buffers(&alone)?)).collect::<Result<Vec<bool>>>()?;
+        rows.push(serde_json::json!({"dtype": name, "same_losses": same_losses,
+            "same_parameters [recompute, kept]": same, "same_buffers": same_buffers}));
+        ensure!(
+            same_losses && same.iter().all(|s| *s) && same_buffers.iter().all(|s| *s),
+            "{name}: one-rank ZeRO-3 of a CNN on the GPU differs from the plain trainer"
+        );
+    }
+    Ok(serde_json::json!({"rows": rows}))
 }
 
 /// Every parameter's bits, in order.
