@@ -98,26 +98,34 @@ impl ParamShards {
     fn gathered_tensors(&self, comm: &dyn TensorCollectives, which: &[usize]) -> Result<Vec<Tensor>, DistError> {
         let world = self.group.world_size();
         let t0 = Instant::now();
-        // The parameters by dtype, each dtype's pieces end to end.
-        let mut sections: BTreeMap<u8, (DType, Vec<Placed>, Vec<Tensor>, usize)> = BTreeMap::new();
-        {
+        // The parameters by dtype: where each one's piece lies in its dtype's section.
+        let mut sections: BTreeMap<u8, (DType, Vec<Placed>, usize)> = BTreeMap::new();
+        let device = {
             let st = lock(&self.state);
             for &i in which {
                 let s = &st.shards[i];
-                let entry = sections.entry(dtype_key(s.dtype)).or_insert_with(|| (s.dtype, vec![], vec![], 0));
-                entry.1.push(Placed { i, start: entry.3, chunk: s.chunk });
-                entry.2.push(s.master.to_dtype(s.dtype)?);
-                if s.chunk > s.len {
-                    entry.2.push(Tensor::zeros(s.chunk - s.len, s.dtype, s.master.device())?);
-                }
-                entry.3 += s.chunk;
+                let entry = sections.entry(dtype_key(s.dtype)).or_insert_with(|| (s.dtype, vec![], 0));
+                entry.1.push(Placed { i, start: entry.2, chunk: s.chunk });
+                entry.2 += s.chunk;
             }
-        }
+            match which.first() {
+                Some(&i) => st.shards[i].master.device().clone(),
+                None => return Ok(Vec::new()),
+            }
+        };
         let mut out: Vec<Option<Tensor>> = vec![None; which.len()];
         let (mut comm_s, mut bytes) = (0.0, 0usize);
-        for (_, (dtype, placed, parts, section)) in sections {
-            let send = Tensor::cat(&parts, 0)?;
-            drop(parts);
+        for (_, (dtype, placed, section)) in sections {
+            // This rank's pieces written into the section where they lie (the padding zeros),
+            // each rounded to its dtype on the way: no copy of the whole section beside it.
+            let send = Tensor::zeros(section, dtype, &device)?;
+            for p in &placed {
+                let st = lock(&self.state);
+                let s = &st.shards[p.i];
+                if s.len > 0 {
+                    send.slice_set(&s.master.to_dtype(dtype)?.contiguous()?, 0, p.start)?;
+                }
+            }
             let t1 = Instant::now();
             let full = comm.all_gather(&send)?;
             comm_s += t1.elapsed().as_secs_f64();
@@ -127,10 +135,18 @@ impl ParamShards {
             for p in placed {
                 let dims = lock(&self.state).shards[p.i].dims.clone();
                 let elems: usize = dims.iter().product();
-                let values = by_rank.narrow(1, p.start, p.chunk)?.contiguous()?.flatten_all()?;
-                let values = values.narrow(0, 0, elems)?.reshape(dims)?;
+                // The parameter as a fresh variable, every rank's piece copied straight in.
+                let var = Var::zeros(dims, dtype, &device)?;
+                let flat = var.as_tensor().flatten_all()?;
+                for r in 0..world {
+                    let (from, to) = ((r * p.chunk).min(elems), ((r + 1) * p.chunk).min(elems));
+                    if to > from {
+                        let piece = by_rank.narrow(0, r, 1)?.narrow(1, p.start, to - from)?.reshape(to - from)?;
+                        flat.slice_set(&piece, 0, from)?;
+                    }
+                }
                 let k = which.iter().position(|&w| w == p.i).ok_or_else(|| DistError::internal("gather order"))?;
-                out[k] = Some(Var::from_tensor(&values)?.as_tensor().clone());
+                out[k] = Some(var.as_tensor().clone());
             }
         }
         let mut st = lock(&self.state);
@@ -201,31 +217,39 @@ impl ParamShards {
     ) -> Result<(), DistError> {
         let t0 = Instant::now();
         let world = self.group.world_size();
-        let mut rows = Vec::with_capacity(which.len());
         let mut placed = Vec::with_capacity(which.len());
         let mut section = 0usize;
-        {
+        let device = {
             let st = lock(&self.state);
-            for (&i, g) in which.iter().zip(grads) {
-                let s = &st.shards[i];
-                let elems: usize = s.dims.iter().product();
-                let padded = s.chunk.checked_mul(world).ok_or_else(|| DistError::internal("gradient size"))?;
-                let device = s.master.device();
-                let mut flat = match g {
-                    Some(g) => g.to_dtype(DType::F32)?.flatten_all()?,
-                    None => Tensor::zeros(elems, DType::F32, device)?,
-                };
-                if padded > elems {
-                    flat = Tensor::cat(&[flat, Tensor::zeros(padded - elems, DType::F32, device)?], 0)?;
-                }
-                rows.push(flat.reshape((world, s.chunk))?);
+            for &i in which {
                 placed.push((i, section));
-                section += s.chunk;
+                section += st.shards[i].chunk;
+            }
+            match which.first() {
+                Some(&i) => st.shards[i].master.device().clone(),
+                None => return Ok(()),
+            }
+        };
+        // Rank r's section (row r): its piece of every parameter, end to end. Each gradient is
+        // written in where its pieces lie, widened to f32 a part at a time (a missing one and the
+        // padding stay zeros): nothing beside the send buffer but one part's widened copy.
+        let send = Tensor::zeros((world, section), DType::F32, &device)?;
+        for (&(i, start), g) in placed.iter().zip(grads) {
+            let Some(g) = g else { continue };
+            let chunk = lock(&self.state).shards[i].chunk;
+            let g = g.flatten_all()?;
+            let elems = g.elem_count();
+            let (rows, rest) = (elems / chunk, elems % chunk);
+            if rows > 0 {
+                let part = g.narrow(0, 0, rows * chunk)?.to_dtype(DType::F32)?.contiguous()?;
+                send.narrow(0, 0, rows)?.slice_set(&part.reshape((rows, chunk))?, 1, start)?;
+            }
+            if rest > 0 {
+                let part = g.narrow(0, rows * chunk, rest)?.to_dtype(DType::F32)?.contiguous()?;
+                send.narrow(0, rows, 1)?.slice_set(&part.reshape((1, rest))?, 1, start)?;
             }
         }
-        // Rank r's section: its piece of every parameter, end to end.
-        let send = Tensor::cat(&rows, 1)?.flatten_all()?;
-        drop(rows);
+        let send = send.flatten_all()?;
         let t1 = Instant::now();
         let mine = comm.reduce_scatter(&send, ReduceOp::Sum)?;
         let t2 = Instant::now();
