@@ -284,11 +284,12 @@ impl Profiled {
 
     /// The run's layout as it trains on `on`: GPU parameters reduce their buckets over NCCL
     /// after backward (wick-train starts no bucket from inside a GPU's backward), so nothing is
-    /// in flight beside backward's activations there.
+    /// in flight beside backward's activations there; at stage 3 GPU ranks gather on the compute
+    /// stream, with no prefetch (refused there).
     pub fn ranks_on(&self, on: Target) -> Ranks {
         match on {
             Target::Cpu => self.ranks,
-            Target::Cuda => Ranks { overlap: None, ..self.ranks },
+            Target::Cuda => Ranks { overlap: None, prefetch: false, ..self.ranks },
         }
     }
 
@@ -332,8 +333,8 @@ pub fn run(args: &EstimateArgs) -> Result<()> {
     if args.measure && args.on != Target::Cpu {
         bail!("--measure runs the step on the CPU: estimate --on cpu");
     }
-    if args.model.zero == 3 && args.on != Target::Cpu {
-        bail!("--zero 3 is planned for host ranks only (GPU ranks gather over NCCL, which the estimator does not model yet): estimate --on cpu");
+    if args.model.prefetch && args.on != Target::Cpu {
+        bail!("--prefetch is stage 3's on host ranks: GPU ranks gather on the compute stream (wick train refuses it there)");
     }
     if args.measure && (args.model.ranks > 1 || args.model.zero > 0) {
         bail!(

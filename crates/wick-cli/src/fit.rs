@@ -190,8 +190,8 @@ pub fn run(args: &FitArgs) -> Result<()> {
     // CPU's.
     let on = if args.budget.is_some() { Target::Cpu } else { Target::Cuda };
     let margin = fit_margin(on == Target::Cuda);
-    if on == Target::Cuda && args.model.zero == 3 {
-        bail!("--zero 3 is planned for host ranks only (GPU ranks gather over NCCL, which the estimator does not model yet): give a --budget");
+    if on == Target::Cuda && args.model.prefetch {
+        bail!("--prefetch is stage 3's on host ranks: GPU ranks gather on the compute stream (wick train refuses it there)");
     }
     if on == Target::Cuda {
         eprintln!("{}", crate::estimate::GPU_CAVEAT);

@@ -394,11 +394,20 @@ fn ranks_and_zero_stages_give_one_ranks_share() {
         };
         assert!(host(&[]) > host(&["--no-overlap"]), "ZeRO-{zero} on the CPU: a bucket in flight");
     }
+    // Stage 3 on GPU ranks: the same shards (parameters, masters, state) as on the host, no
+    // reduction in flight and no prefetch (refused there).
     let mut cuda = a.clone();
     cuda.extend(["--on", "cuda"]);
+    let on_gpu = estimate(&cuda);
+    assert_eq!(on_gpu["ranks"]["overlap"], serde_json::Value::Null);
+    assert_eq!(on_gpu["ranks"]["prefetch"], false);
+    for key in ["optimizer_state", "master_weights", "parameters"] {
+        assert_eq!(field(&on_gpu["estimates"][0], key), field(e, key), "ZeRO-3 on cuda: {key}");
+    }
+    cuda.push("--prefetch");
     cuda.insert(0, "estimate");
     let (ok, _, err) = wick(&cuda);
-    assert!(!ok && err.contains("--zero 3 is planned for host ranks only"), "{err}");
+    assert!(!ok && err.contains("--prefetch") && err.contains("GPU"), "{err}");
     for bad in [["--ranks", "0"], ["--zero", "4"]] {
         let mut a = args.to_vec();
         a.extend(bad);
