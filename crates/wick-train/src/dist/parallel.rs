@@ -71,24 +71,23 @@ impl Default for DataParallelOptions {
 }
 
 /// A rank's shard of a sharded run (on the host, or on GPU ranks over NCCL): masters and
-/// optimizer state (stages 1 and 2), or every
-/// parameter (stage 3).
+/// optimizer state (stages 1 and 2), or every parameter (stage 3).
 pub(crate) enum Shard {
     Zero(ZeroOptimizer),
     Params(Arc<ParamShards>),
 }
 
 impl Shard {
-    /// This rank's shard for `stage` from what `fetch` gives per parameter piece.
-    #[allow(clippy::too_many_arguments)]
+    /// This rank's shard for `stage` from what `fetch` gives per parameter piece, with
+    /// `optimizer` after `steps` steps; stage 3 over NCCL when the parameters are on GPUs (`gpu`),
+    /// or over the group's tensor collectives on host ranks asking for the tensor path.
     fn new(
         group: &ProcessGroup,
         (gpu, tensor_path): (Option<&Arc<GpuComm>>, bool),
         vars: &[Var],
         plan: &[Vec<usize>],
         stage: Sharding,
-        optimizer: Optimizer,
-        steps: u64,
+        (optimizer, steps): (Optimizer, u64),
         fetch: &mut dyn FnMut(&PieceRequest) -> Result<PieceInit, TrainError>,
     ) -> Result<Self, TrainError> {
         Ok(match stage {
@@ -254,8 +253,7 @@ impl Parallel {
                 vars,
                 buckets.plan(),
                 options.sharding,
-                optimizer,
-                steps,
+                (optimizer, steps),
                 &mut fetch,
             )?
             .blocks(options.prefetch, options.recompute);
@@ -333,8 +331,7 @@ impl Parallel {
             vars,
             buckets.plan(),
             options.sharding,
-            optimizer,
-            0,
+            (optimizer, 0),
             &mut fetch,
         )?
         .blocks(options.prefetch, options.recompute);
@@ -375,8 +372,7 @@ impl Parallel {
             vars,
             plan,
             stage,
-            optimizer,
-            steps,
+            (optimizer, steps),
             &mut fetch,
         )?
         .blocks(self.prefetch, self.recompute);

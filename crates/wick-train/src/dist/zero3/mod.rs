@@ -41,6 +41,12 @@
 //!
 //! The update is the element-wise rule on each rank's pieces — the same rule on the same values
 //! as the replicated update, so stage 3 takes the same step as one process, to the bit.
+//!
+//! What is said above of pages and MPI is the host path. GPU ranks (and host ranks that ask for
+//! it) take the tensor path ([`tensors`]): the same shard, pieces and order of collectives, as
+//! tensors on the parameters' device over NCCL (or the group's tensor collectives), with
+//! nothing left in flight and no prefetch; a CUDA tensor gives its memory back by exchanging its
+//! storage for host zeros ([`wick_nn::pages::release`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
