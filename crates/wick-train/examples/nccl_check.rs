@@ -137,7 +137,6 @@ fn trainer_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::
 /// the device) resumed by a plain trainer takes the ZeRO run's next steps to the bit.
 fn zero_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Value> {
     use wick_nn::Autocast;
-    use wick_train::checkpoint::CheckpointDir;
     use wick_train::dist::{DataParallelOptions, Sharding};
     use wick_train::trainer::{TrainOptions, Trainer};
     use wick_zoo::llama::{Llama, LlamaConfig};
@@ -180,37 +179,13 @@ fn zero_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Val
             "{name}: one-rank ZeRO-1/2 on the GPU differs from the plain trainer"
         );
     }
-    // Clipping: the norm over the shard's pieces (in bucket order) against the plain trainer's.
+    // Clipping: the norm over the shard's pieces (in bucket order) against the plain trainer's;
+    // then a ZeRO-2 checkpoint resumed by a plain trainer: the same next steps.
     let clipped = TrainOptions { clip_grad_norm: Some(0.05), ..TrainOptions::default() };
-    let mut alone = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
-    let mut zero2 = sharded(Sharding::Gradients, DType::F32, clipped)?;
-    let mut norms = Vec::new();
-    for step in 0..3 {
-        let batch = [ids(step)?];
-        let (a, b) = (alone.train_step(&batch)?, zero2.train_step(&batch)?);
-        norms.push((a.grad_norm, b.grad_norm));
-    }
-    let close = norms.iter().all(|(a, b)| match (a, b) {
-        (Some(a), Some(b)) => (a - b).abs() <= 1e-6 * a.abs().max(1e-12),
-        _ => false,
-    });
-    ensure!(close, "clipping's norms differ: {norms:?}");
-    // A ZeRO-2 checkpoint resumed by a plain trainer: the same next steps.
-    let folder = std::env::temp_dir().join(format!("wick-nccl-zero-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&folder);
-    std::fs::create_dir_all(&folder)?;
-    let dir = CheckpointDir::new(&folder, 2)?;
-    zero2.save(&dir, serde_json::json!({}))?;
-    let mut resumed = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
-    resumed.resume(&dir)?;
-    let mut same_resumed = true;
-    for step in 3..5 {
-        let batch = [ids(step)?];
-        let (a, b) = (zero2.train_step(&batch)?, resumed.train_step(&batch)?);
-        same_resumed &= a.loss.to_bits() == b.loss.to_bits();
-    }
-    same_resumed &= parameter_bits(&zero2)? == parameter_bits(&resumed)?;
-    let _ = std::fs::remove_dir_all(&folder);
+    let alone = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
+    let zero2 = sharded(Sharding::Gradients, DType::F32, clipped)?;
+    let fresh = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
+    let (norms, same_resumed) = clipped_then_resumed(alone, zero2, fresh, &|step| Ok(vec![ids(step)?]), "zero2")?;
     ensure!(same_resumed, "a plain trainer resumed from a GPU ZeRO-2 checkpoint took other steps");
     Ok(serde_json::json!({"rows": rows, "clipped_norms": norms, "resumed_same": same_resumed}))
 }
@@ -253,7 +228,6 @@ fn pages_on_gpu(device: &Device) -> Result<serde_json::Value> {
 fn zero3_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Value> {
     use candle_core::Storage;
     use wick_nn::{Autocast, Model};
-    use wick_train::checkpoint::CheckpointDir;
     use wick_train::dist::{DataParallelOptions, Sharding};
     use wick_train::trainer::{TrainOptions, Trainer};
     use wick_zoo::llama::{Llama, LlamaConfig};
@@ -270,14 +244,6 @@ fn zero3_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Va
         let parallel =
             DataParallelOptions { sharding: Sharding::Parameters, recompute, ..DataParallelOptions::default() };
         Ok(Trainer::new_data_parallel(build(dtype)?, serde_json::json!({}), None, options, group.clone(), parallel)?)
-    };
-    // The sharded trainer's parameters whole (its model's block copies read as zeros).
-    let gathered_bits = |t: &Trainer<Llama>| -> Result<Vec<u32>> {
-        let mut out = Vec::new();
-        for (_, v) in t.gathered_parameters()? {
-            out.extend(v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()));
-        }
-        Ok(out)
     };
     let mut rows = Vec::new();
     for (name, dtype, autocast) in [
@@ -319,34 +285,11 @@ fn zero3_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json::Va
         );
     }
     let clipped = TrainOptions { clip_grad_norm: Some(0.05), ..TrainOptions::default() };
-    let mut alone = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
-    let mut sharded = zero3(DType::F32, clipped, true)?;
-    let mut norms = Vec::new();
-    for step in 0..3 {
-        let batch = micro(step)?;
-        let (a, b) = (alone.train_step(&batch)?, sharded.train_step(&batch)?);
-        norms.push((a.grad_norm, b.grad_norm));
-    }
-    let close = norms.iter().all(|(a, b)| match (a, b) {
-        (Some(a), Some(b)) => (a - b).abs() <= 1e-6 * a.abs().max(1e-12),
-        _ => false,
-    });
-    ensure!(close, "ZeRO-3 clipping's norms differ: {norms:?}");
-    let folder = std::env::temp_dir().join(format!("wick-nccl-zero3-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&folder);
-    std::fs::create_dir_all(&folder)?;
-    let dir = CheckpointDir::new(&folder, 2)?;
-    sharded.save(&dir, serde_json::json!({}))?;
-    let mut resumed = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
-    resumed.resume(&dir)?;
-    let mut same_resumed = true;
-    for step in 3..5 {
-        let batch = micro(step)?;
-        let (a, b) = (sharded.train_step(&batch)?, resumed.train_step(&batch)?);
-        same_resumed &= a.loss.to_bits() == b.loss.to_bits();
-    }
-    same_resumed &= gathered_bits(&sharded)? == parameter_bits(&resumed)?;
-    let _ = std::fs::remove_dir_all(&folder);
+    let alone = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
+    let sharded = zero3(DType::F32, clipped, true)?;
+    let fresh = Trainer::new(build(DType::F32)?, serde_json::json!({}), None, clipped)?;
+    let (norms, same_resumed) =
+        clipped_then_resumed(alone, sharded, fresh, &|step| Ok(micro(step)?.to_vec()), "zero3")?;
     ensure!(same_resumed, "a plain trainer resumed from a GPU ZeRO-3 checkpoint took other steps");
     let prefetch =
         DataParallelOptions { sharding: Sharding::Parameters, prefetch: true, ..DataParallelOptions::default() };
@@ -427,6 +370,58 @@ fn zero3_cnn_on_nccl(group: &ProcessGroup, device: &Device) -> Result<serde_json
         );
     }
     Ok(serde_json::json!({"rows": rows}))
+}
+
+/// One step's clipped norm, alone and sharded.
+type NormPair = (Option<f64>, Option<f64>);
+
+/// Clipping's norms of `sharded` against `alone` over three steps (equal to 1e-6 required);
+/// then `sharded` saved and resumed by `fresh` (a plain trainer), both taking the next two
+/// steps: the norms, and whether the resumed run took the same steps (losses and parameters,
+/// gathered, to the bit).
+fn clipped_then_resumed(
+    mut alone: wick_train::Trainer<wick_zoo::llama::Llama>,
+    mut sharded: wick_train::Trainer<wick_zoo::llama::Llama>,
+    mut fresh: wick_train::Trainer<wick_zoo::llama::Llama>,
+    batch: &dyn Fn(u32) -> Result<Vec<Tensor>>,
+    tag: &str,
+) -> Result<(Vec<NormPair>, bool)> {
+    use wick_train::checkpoint::CheckpointDir;
+    let mut norms = Vec::new();
+    for step in 0..3 {
+        let b = batch(step)?;
+        let (x, y) = (alone.train_step(&b)?, sharded.train_step(&b)?);
+        norms.push((x.grad_norm, y.grad_norm));
+    }
+    let close = norms.iter().all(|(a, b)| match (a, b) {
+        (Some(a), Some(b)) => (a - b).abs() <= 1e-6 * a.abs().max(1e-12),
+        _ => false,
+    });
+    ensure!(close, "{tag}: clipping's norms differ: {norms:?}");
+    let folder = std::env::temp_dir().join(format!("wick-nccl-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&folder);
+    std::fs::create_dir_all(&folder)?;
+    let dir = CheckpointDir::new(&folder, 2)?;
+    sharded.save(&dir, serde_json::json!({}))?;
+    fresh.resume(&dir)?;
+    let mut same = true;
+    for step in 3..5 {
+        let b = batch(step)?;
+        let (x, y) = (sharded.train_step(&b)?, fresh.train_step(&b)?);
+        same &= x.loss.to_bits() == y.loss.to_bits();
+    }
+    same &= gathered_bits(&sharded)? == gathered_bits(&fresh)?;
+    let _ = std::fs::remove_dir_all(&folder);
+    Ok((norms, same))
+}
+
+/// Every parameter's bits, whole (gathered from the shards under ZeRO-3), in order.
+fn gathered_bits(t: &wick_train::Trainer<wick_zoo::llama::Llama>) -> Result<Vec<u32>> {
+    let mut out = Vec::new();
+    for (_, v) in t.gathered_parameters()? {
+        out.extend(v.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()));
+    }
+    Ok(out)
 }
 
 /// Every parameter's bits, in order.

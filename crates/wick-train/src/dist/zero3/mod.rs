@@ -423,6 +423,13 @@ impl ParamShards {
         for &i in &rest {
             self.gather_into(i, vars[i].as_tensor())?;
         }
+        Ok((outcome, self.settle(vars)?))
+    }
+
+    /// The end of a step, once the parameters outside the blocks are back in the model: the
+    /// model's copies of the blocks' parameters handed back (once; they read as zeros), each
+    /// whole f32 parameter outside them made its own piece's master, and the step's figures.
+    fn settle(&self, vars: &[Var]) -> Result<ReduceStats, TrainError> {
         let mut st = lock(&self.state);
         for (s, v) in st.shards.iter_mut().zip(vars) {
             if s.in_block && !s.released {
@@ -435,8 +442,7 @@ impl ParamShards {
                 s.viewed = true;
             }
         }
-        let stats = std::mem::take(&mut st.stats);
-        Ok((outcome, stats))
+        Ok(std::mem::take(&mut st.stats))
     }
 
     /// Gradient clipping's coefficient and the norm, over this rank's shards and the others'.

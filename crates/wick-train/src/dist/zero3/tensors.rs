@@ -325,19 +325,7 @@ impl ParamShards {
                 vars[i].set(values)?;
             }
         }
-        let mut st = lock(&self.state);
-        for (s, v) in st.shards.iter_mut().zip(vars) {
-            if s.in_block && !s.released {
-                wick_nn::pages::release(v.as_tensor())?;
-                s.released = true;
-            } else if !s.in_block && s.dtype == DType::F32 && !s.viewed && s.len > 0 {
-                // A whole f32 parameter is its own master, as in the other stages.
-                s.master = v.as_tensor().flatten_all()?.narrow(0, s.offset, s.len)?;
-                s.viewed = true;
-            }
-        }
-        let stats = std::mem::take(&mut st.stats);
-        Ok((outcome, stats))
+        Ok((outcome, self.settle(vars)?))
     }
 }
 
