@@ -8,10 +8,11 @@
 //! f16 with the loss scaler; clipping's norm; a sharded checkpoint resumed); a CUDA tensor's
 //! memory handed back and given back (`wick_nn::pages`); ZeRO stage 3 likewise, recomputing its
 //! blocks or keeping their graphs, with gradient accumulation, and the model's GPU copies of the
-//! blocks' parameters holding no device memory after the first step; and the same with every step a CUDA graph
-//! after its warm-up (two micro-batches a step; the data-parallel graph holds the gradient
-//! buckets' and the loss's all-reduces): captured, and the same losses and parameters to the bit
-//! as the graph trainer alone. Prints one JSON line; exits 1 when a check fails.
+//! blocks' parameters holding no device memory after the first step (the decoder; a ResNet-18
+//! with its batch-norm buffers too); and the same with every step a CUDA graph after its warm-up
+//! (two micro-batches a step; the data-parallel graph holds the gradient buckets' and the loss's
+//! all-reduces): captured, and the same losses and parameters to the bit as the graph trainer
+//! alone. Prints one JSON line; exits 1 when a check fails.
 
 use std::time::Instant;
 
