@@ -130,3 +130,31 @@ fn pages(storage: &mut CpuStorage, release: bool) {
         _ => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `refill`'s refusals (checked before anything is exchanged, so both tensors keep their
+    /// values): another dtype, another element count, a view that is not its storage's start or
+    /// not contiguous. The CUDA cases run in `scripts/gpu-check.sh` (`nccl_check`'s `pages`).
+    #[test]
+    fn refill_refuses_values_that_do_not_fit_and_changes_nothing() -> Result<()> {
+        let t = Tensor::arange(0f32, 12.0, &Device::Cpu)?.reshape((3, 4))?;
+        let wide = Tensor::arange(0f32, 24.0, &Device::Cpu)?.reshape((4, 6))?;
+        let bad = [
+            Tensor::zeros((3, 4), DType::BF16, &Device::Cpu)?,
+            Tensor::zeros((3, 5), DType::F32, &Device::Cpu)?,
+            wide.narrow(0, 1, 2)?.reshape((3, 4))?,
+            Tensor::arange(0f32, 12.0, &Device::Cpu)?.reshape((4, 3))?.t()?,
+        ];
+        for values in &bad {
+            let before = values.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            let e = refill(&t, values).expect_err("refused");
+            assert!(e.to_string().contains("refill"), "{e}");
+            assert_eq!(t.flatten_all()?.to_vec1::<f32>()?, (0..12).map(|v| v as f32).collect::<Vec<_>>());
+            assert_eq!(values.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?, before);
+        }
+        Ok(())
+    }
+}
