@@ -6,6 +6,7 @@
 //! dist_bench train --model decoder|decoder-512|decoder-1024|minilm|bert-base|vit|resnet18|mobilenet_v2 --batch 8
 //!                  [--image 224] [--steps 5] [--warmup 2]
 //!                  [--zero 0..3] [--checkpointing] [--no-overlap] [--prefetch] [--no-recompute]
+//!                  [--tensor-path]
 //! dist_bench allreduce --mb 1,4,25,100 [--reps 5]
 //! ```
 //! (`scripts/torch-reference/ddp_bench.py` runs it next to PyTorch DDP.)
@@ -99,11 +100,14 @@ fn train(group: &ProcessGroup, args: &[String]) -> Result<serde_json::Value> {
     let prefetch = args.iter().any(|a| a == "--prefetch");
     // `--no-recompute`: stage 3's blocks keep their activations (FSDP without checkpointing).
     let recompute = !args.iter().any(|a| a == "--no-recompute");
+    // `--tensor-path`: stage 3 takes GPU ranks' tensor path on the host.
+    let tensor_path = args.iter().any(|a| a == "--tensor-path");
     let parallel = DataParallelOptions {
         sharding: Sharding::from_stage(zero)?,
         overlap,
         prefetch,
         recompute,
+        tensor_path,
         ..DataParallelOptions::default()
     };
     let mut trainer = if world > 1 || zero > 0 {

@@ -366,6 +366,15 @@ fn collectives(group: &ProcessGroup) -> Result<serde_json::Value> {
     ensure!(b == vec![(world as u32 - 1) * 10, 7], "broadcast {b:?}");
     let g = group.all_gather(&Tensor::new(&[r, r + 0.5], &dev)?)?.to_vec1::<f32>()?;
     ensure!(g == ranks.iter().flat_map(|k| [*k, k + 0.5]).collect::<Vec<_>>(), "all_gather {g:?}");
+    // Half floats (sent as their bits) and a view that is not contiguous (sent from a copy).
+    for dtype in [DType::BF16, DType::F16] {
+        let h = group.all_gather(&Tensor::new(&[r, r + 0.5], &dev)?.to_dtype(dtype)?)?;
+        let h = h.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        ensure!(h == g && group.all_gather(&Tensor::new(&[r], &dev)?.to_dtype(dtype)?)?.dtype() == dtype, "{dtype:?}");
+    }
+    let strided = Tensor::new(&[[r, 1.0], [r + 0.5, 2.0]], &dev)?.t()?.narrow(0, 0, 1)?;
+    let s = group.all_gather(&strided)?.flatten_all()?.to_vec1::<f32>()?;
+    ensure!(s == g, "all_gather of a strided view {s:?}");
     let long = Tensor::arange(0f32, (4 * world) as f32, &dev)?.reshape((2 * world, 2))?;
     let rs = group.reduce_scatter(&(&long + r as f64)?, ReduceOp::Sum)?.flatten_all()?.to_vec1::<f32>()?;
     let expect: Vec<f32> =

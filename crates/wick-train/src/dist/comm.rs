@@ -23,6 +23,7 @@ pub trait Element: Copy + Default + Send + Sync + 'static {}
 impl Element for f32 {}
 impl Element for f64 {}
 impl Element for u8 {}
+impl Element for u16 {}
 impl Element for u32 {}
 impl Element for u64 {}
 impl Element for i64 {}

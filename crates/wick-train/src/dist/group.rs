@@ -10,6 +10,8 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
+use half::slice::HalfFloatSliceExt;
+use half::vec::HalfBitsVecExt;
 
 use super::comm::{Comm, Element};
 use super::error::DistError;
@@ -293,10 +295,34 @@ impl ProcessGroup {
         dims[0] = dims[0]
             .checked_mul(self.world_size())
             .ok_or_else(|| DistError::unsupported(what, "the gathered size overflows"))?;
-        let bytes = to_bytes(&t)?;
-        let mut out = vec![0u8; bytes.len() * self.world_size()];
-        self.inner.comm.all_gather(&bytes, &mut out)?;
-        Ok(Tensor::from_raw_buffer(&out, t.dtype(), &dims, &Device::Cpu)?)
+        let n = t.elem_count() * self.world_size();
+        // Floats are sent from where they lie and received straight into the result's buffer
+        // (half floats as their bits); other dtypes as bytes.
+        match t.dtype() {
+            DType::F32 => {
+                let mut recv = vec![0f32; n];
+                with_slice::<f32, _>(&t, |send| self.inner.comm.all_gather(send, &mut recv))??;
+                Ok(Tensor::from_vec(recv, dims, &Device::Cpu)?)
+            }
+            DType::BF16 => {
+                let mut recv = vec![0u16; n];
+                let send = |s: &[half::bf16]| self.inner.comm.all_gather(s.reinterpret_cast(), &mut recv);
+                with_slice::<half::bf16, _>(&t, send)??;
+                Ok(Tensor::from_vec(recv.reinterpret_into::<half::bf16>(), dims, &Device::Cpu)?)
+            }
+            DType::F16 => {
+                let mut recv = vec![0u16; n];
+                let send = |s: &[half::f16]| self.inner.comm.all_gather(s.reinterpret_cast(), &mut recv);
+                with_slice::<half::f16, _>(&t, send)??;
+                Ok(Tensor::from_vec(recv.reinterpret_into::<half::f16>(), dims, &Device::Cpu)?)
+            }
+            _ => {
+                let bytes = to_bytes(&t)?;
+                let mut out = vec![0u8; bytes.len() * self.world_size()];
+                self.inner.comm.all_gather(&bytes, &mut out)?;
+                Ok(Tensor::from_raw_buffer(&out, t.dtype(), &dims, &Device::Cpu)?)
+            }
+        }
     }
 
     /// The reduction over ranks of `t`, split along its first axis: rank `r` gets block `r`.
@@ -319,10 +345,9 @@ impl ProcessGroup {
             return Ok(self.all_reduce(t, op)?.narrow(0, self.rank() * block, block)?.contiguous()?);
         }
         self.check_layout(what, t)?;
-        let send = t.flatten_all()?.to_vec1::<f32>()?;
-        let mut recv = vec![0f32; send.len() / world];
-        self.inner.comm.reduce_scatter(&send, &mut recv, op)?;
-        drop(send);
+        // Sent from where the values lie (a contiguous host tensor), received into the result.
+        let mut recv = vec![0f32; t.elem_count() / world];
+        with_slice::<f32, _>(t, |send| self.inner.comm.reduce_scatter(send, &mut recv, op))??;
         let mut dims = t.dims().to_vec();
         dims[0] = block;
         let mine = Tensor::from_vec(recv, dims, &Device::Cpu)?;
@@ -370,6 +395,21 @@ fn host(what: &str, t: &Tensor) -> Result<(), DistError> {
         what,
         "a device tensor: the MPI group carries host tensors (NCCL for CUDA tensors is not built yet; copy to the host)",
     ))
+}
+
+/// Runs `f` on a host tensor's values of type `T`: read where they lie when the tensor is
+/// contiguous, from a copy otherwise.
+pub(in crate::dist) fn with_slice<T: candle_core::WithDType, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> R,
+) -> Result<R, DistError> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            return Ok(f(&cpu.as_slice::<T>()?[a..b]));
+        }
+    }
+    Ok(f(&t.flatten_all()?.to_vec1::<T>()?))
 }
 
 /// A host tensor's bytes, in element order.

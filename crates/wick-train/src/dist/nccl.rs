@@ -355,9 +355,10 @@ fn unpack(
 }
 
 /// `t`'s values in a contiguous tensor of its own (the collectives write their result into it):
-/// one copy, whether `t` is contiguous or not.
+/// one copy of exactly its elements, whether `t` is contiguous or not (`copy` of a view would
+/// clone the whole buffer behind it).
 fn own_copy(t: &Tensor) -> Result<Tensor, DistError> {
-    Ok(if t.is_contiguous() { t.copy()? } else { t.contiguous()? })
+    Ok(t.force_contiguous()?)
 }
 
 fn aborted(what: &str) -> DistError {

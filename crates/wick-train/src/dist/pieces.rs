@@ -83,12 +83,8 @@ pub(super) fn vec_f32(t: &Tensor) -> Result<Vec<f32>, DistError> {
 /// Runs `f` on `t`'s values as f32: read where they lie for a contiguous f32 host tensor (a
 /// master, a gradient), widened into a copy otherwise.
 pub(in crate::dist) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, DistError> {
-    {
-        let (storage, layout) = t.storage_and_layout();
-        if let (candle_core::Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) = (&*storage, layout.contiguous_offsets())
-        {
-            return Ok(f(&v[a..b]));
-        }
+    if t.dtype() == DType::F32 {
+        return super::group::with_slice::<f32, R>(t, f);
     }
     Ok(f(&vec_f32(t)?))
 }

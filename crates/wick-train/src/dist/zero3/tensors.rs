@@ -230,10 +230,61 @@ impl ParamShards {
                 None => return Ok(()),
             }
         };
-        // Rank r's section (row r): its piece of every parameter, end to end. Each gradient is
-        // written in where its pieces lie, widened to f32 a part at a time (a missing one and the
-        // padding stay zeros): nothing beside the send buffer but one part's widened copy.
-        let send = Tensor::zeros((world, section), DType::F32, &device)?;
+        // One f32 gradient that splits evenly over the ranks (no padding) is sent from where it
+        // lies, as on the host path.
+        let direct = match grads {
+            [Some(g)] if g.dtype() == DType::F32 && g.is_contiguous() && g.elem_count() == section * world => {
+                Some(g.flatten_all()?)
+            }
+            _ => None,
+        };
+        let send = match direct {
+            Some(g) => g,
+            None => self.packed_gradients(&placed, grads, (world, section), &device)?,
+        };
+        let t1 = Instant::now();
+        let mine = comm.reduce_scatter(&send, ReduceOp::Sum)?;
+        let t2 = Instant::now();
+        drop(send);
+        let mut st = lock(&self.state);
+        for (i, start) in placed {
+            let s = &mut st.shards[i];
+            if s.len == 0 {
+                continue;
+            }
+            // The sum rounded to the parameter's dtype; an f32 piece of a block is a copy of its
+            // own size (`copy` of a view would clone the whole buffer behind it), so that no
+            // block's whole reduction outlives its turn beside the pieces.
+            let view = mine.narrow(0, start, s.len)?;
+            let piece = match s.dtype {
+                DType::F32 if which.len() == 1 => view,
+                DType::F32 => view.force_contiguous()?,
+                dtype => view.to_dtype(dtype)?,
+            };
+            s.device_grad = Some(match s.device_grad.take() {
+                Some(sum) => (sum + piece)?,
+                None => piece,
+            });
+        }
+        st.stats.buckets += 1;
+        st.stats.bytes += section * world * 4;
+        st.stats.comm_s += (t2 - t1).as_secs_f64();
+        st.stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Rank r's section (row r of a `(world, section)` f32 buffer, flattened): its piece of every
+    /// parameter, end to end. Each gradient is written in where its pieces lie, widened to f32 a
+    /// part at a time (a missing one and the padding stay zeros): nothing beside the buffer but
+    /// one part's widened copy.
+    fn packed_gradients(
+        &self,
+        placed: &[(usize, usize)],
+        grads: &[Option<Tensor>],
+        (world, section): (usize, usize),
+        device: &Device,
+    ) -> Result<Tensor, DistError> {
+        let send = Tensor::zeros((world, section), DType::F32, device)?;
         for (&(i, start), g) in placed.iter().zip(grads) {
             let Some(g) = g else { continue };
             let chunk = lock(&self.state).shards[i].chunk;
@@ -249,34 +300,38 @@ impl ParamShards {
                 send.narrow(0, rows, 1)?.slice_set(&part.reshape((1, rest))?, 1, start)?;
             }
         }
-        let send = send.flatten_all()?;
-        let t1 = Instant::now();
-        let mine = comm.reduce_scatter(&send, ReduceOp::Sum)?;
-        let t2 = Instant::now();
-        drop(send);
-        let mut st = lock(&self.state);
-        for (i, start) in placed {
-            let s = &mut st.shards[i];
-            if s.len == 0 {
-                continue;
-            }
-            // The sum rounded to the parameter's dtype; an f32 piece of a block is a copy, so
-            // that no block's whole reduction outlives its turn beside the pieces.
-            let view = mine.narrow(0, start, s.len)?;
-            let piece = match s.dtype {
-                DType::F32 if which.len() == 1 => view,
-                DType::F32 => view.copy()?,
-                dtype => view.to_dtype(dtype)?,
+        Ok(send.flatten_all()?)
+    }
+
+    /// Every rank's piece of parameter `i` (outside the blocks) written into `var`, the model's
+    /// own tensor of it: no whole copy beside the gather's buffer.
+    fn gather_into_tensors(&self, comm: &dyn TensorCollectives, i: usize, var: &Var) -> Result<(), TrainError> {
+        let t0 = Instant::now();
+        let (send, dims, dtype) = {
+            let st = lock(&self.state);
+            let s = &st.shards[i];
+            let piece = s.master.to_dtype(s.dtype)?.contiguous()?;
+            let send = if s.len == s.chunk {
+                piece
+            } else {
+                let send = Tensor::zeros(s.chunk, s.dtype, s.master.device())?;
+                if s.len > 0 {
+                    send.slice_set(&piece, 0, 0)?;
+                }
+                send
             };
-            s.device_grad = Some(match s.device_grad.take() {
-                Some(sum) => (sum + piece)?,
-                None => piece,
-            });
-        }
-        st.stats.buckets += 1;
-        st.stats.bytes += section * world * 4;
-        st.stats.comm_s += (t2 - t1).as_secs_f64();
-        st.stats.pack_s += (t1 - t0).as_secs_f64() + t2.elapsed().as_secs_f64();
+            (send, s.dims.clone(), s.dtype)
+        };
+        let t1 = Instant::now();
+        let full = comm.all_gather(&send)?;
+        let comm_s = t1.elapsed().as_secs_f64();
+        drop(send);
+        let elems: usize = dims.iter().product();
+        var.set(&full.narrow(0, 0, elems)?.reshape(dims)?)?;
+        let mut st = lock(&self.state);
+        st.stats.comm_s += comm_s;
+        st.stats.pack_s += t0.elapsed().as_secs_f64() - comm_s;
+        st.stats.bytes += full.elem_count() / self.group.world_size().max(1) * dtype.size_in_bytes();
         Ok(())
     }
 
@@ -320,10 +375,7 @@ impl ParamShards {
         drop(st);
         // The parameters read outside the blocks, one at a time, into the model's tensors.
         for &i in &rest {
-            let whole = self.gathered_tensors(comm, &[i])?;
-            if let Some(values) = whole.first() {
-                vars[i].set(values)?;
-            }
+            self.gather_into_tensors(comm, i, &vars[i])?;
         }
         Ok((outcome, self.settle(vars)?))
     }
