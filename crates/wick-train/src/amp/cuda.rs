@@ -173,7 +173,8 @@ pub(crate) fn unscale_grads(
         return Ok(None);
     }
     let Ok(kernels) = shared(&device) else { return Ok(None) };
-    // Each storage once: a gradient sharing another's storage, or a view, gets its own copy.
+    // Each storage once: a gradient sharing another's storage, or a view, gets its own copy of
+    // exactly its elements (`copy` of a view would clone the whole buffer behind it).
     let mut seen = std::collections::HashSet::new();
     let mut owned = Vec::with_capacity(present.len());
     for (var, g) in present {
@@ -182,7 +183,7 @@ pub(crate) fn unscale_grads(
             &*storage as *const Storage as usize
         };
         let whole = g.is_contiguous() && g.layout().start_offset() == 0;
-        let g = if whole && seen.insert(storage) { g } else { g.copy().map_err(|e| err(e.to_string()))? };
+        let g = if whole && seen.insert(storage) { g } else { g.force_contiguous().map_err(|e| err(e.to_string()))? };
         owned.push((var, g));
     }
     let refs: Vec<&Tensor> = owned.iter().map(|(_, g)| g).collect();

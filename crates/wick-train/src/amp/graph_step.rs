@@ -155,7 +155,9 @@ impl GraphStep {
         let (index, copy) = match self.shapes.place(&key) {
             Place::Known(i) => (i, true),
             Place::New => {
-                let own = |b: &T| b.as_ref().iter().map(|t| t.to_device(&self.device)?.copy()).collect();
+                // Exactly each tensor's elements (`copy` of a view would keep the whole buffer
+                // behind it for the graph's life).
+                let own = |b: &T| b.as_ref().iter().map(|t| t.to_device(&self.device)?.force_contiguous()).collect();
                 let inputs = micro_batches.iter().map(own).collect::<candle_core::Result<Vec<Vec<_>>>>()?;
                 (self.shapes.push(key, inputs), false)
             }

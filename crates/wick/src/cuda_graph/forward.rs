@@ -71,7 +71,10 @@ impl GraphForward {
         let (index, copy) = match self.shapes.place(&key) {
             Place::Known(i) => (i, true),
             Place::New => {
-                let own = inputs.iter().map(|t| t.to_device(&self.device)?.copy()).collect::<Result<Vec<_>, _>>();
+                // Exactly each input's elements (`copy` of a view — a micro-batch narrowed out of
+                // a larger batch — would keep the whole buffer behind it for the graph's life).
+                let own =
+                    inputs.iter().map(|t| t.to_device(&self.device)?.force_contiguous()).collect::<Result<Vec<_>, _>>();
                 (self.shapes.push(key, (own.map_err(failed)?, Vec::new())), false)
             }
             Place::Eager(reason) => {
