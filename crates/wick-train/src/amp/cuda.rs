@@ -187,14 +187,11 @@ pub(crate) fn unscale_grads(
         owned.push((var, g));
     }
     let refs: Vec<&Tensor> = owned.iter().map(|(_, g)| g).collect();
-    let inv_scale = Tensor::new(&[inv as f32], &device).map_err(|e| err(e.to_string()))?;
-    let found = Tensor::zeros(1, DType::F32, &device).map_err(|e| err(e.to_string()))?;
-    kernels.unscale_(&refs, &inv_scale, &found)?;
-    let flag = found.to_vec1::<f32>().map_err(|e| err(e.to_string()))?;
+    let found = kernels.unscale_checked(&refs, inv as f32)?;
     for (var, g) in owned {
         grads.insert(var.as_tensor(), g);
     }
-    Ok(Some(flag.first().is_some_and(|f| *f != 0.0)))
+    Ok(Some(found))
 }
 
 impl AmpKernels {

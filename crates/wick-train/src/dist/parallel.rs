@@ -53,7 +53,8 @@ pub struct DataParallelOptions {
     /// of the host path (byte buffers, MPI's non-blocking collectives). It is there so that the
     /// GPU ranks' layouts and arithmetic run at two ranks where there are no GPUs
     /// (`tests/multi_rank.rs`); on two host ranks it measured 0.95–1.07× the host path's step
-    /// time with 2–10 % less heap (BENCHMARKS.md). GPU ranks always take it. Off by default.
+    /// time with a heap peak within −10…+2 % of its (BENCHMARKS.md). GPU ranks always take it.
+    /// Off by default.
     pub tensor_path: bool,
 }
 

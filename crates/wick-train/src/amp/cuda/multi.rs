@@ -219,6 +219,20 @@ impl AmpKernels {
         Ok(())
     }
 
+    /// [`AmpKernels::unscale_`] with a flag of its own, read back: whether any gradient is inf or
+    /// NaN once multiplied by `inv_scale` (`false`, with nothing launched, for no gradients). The
+    /// one host read of a step that decides on the host.
+    pub fn unscale_checked(&self, grads: &[&Tensor], inv_scale: f32) -> Result<bool, TrainError> {
+        if grads.is_empty() {
+            return Ok(false);
+        }
+        let inv = Tensor::new(&[inv_scale], self.device()).map_err(|e| err(e.to_string()))?;
+        let found = Tensor::zeros(1, DType::F32, self.device()).map_err(|e| err(e.to_string()))?;
+        self.unscale_(grads, &inv, &found)?;
+        let flag = found.to_vec1::<f32>().map_err(|e| err(e.to_string()))?;
+        Ok(flag.first().is_some_and(|f| *f != 0.0))
+    }
+
     /// The optimizer's step for many parameters at once, in place (the trainer's use): one launch
     /// per gradient dtype over every item of that dtype, the same arithmetic as
     /// [`AmpKernels::optimizer_step_`] element for element (the host's to the bit). Every item is

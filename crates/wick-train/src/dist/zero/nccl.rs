@@ -74,12 +74,7 @@ impl ZeroOptimizer {
         // rank takes the same decision from the all-reduced finding before anything changes.
         let mut skipped = false;
         if let Some(s) = scaler.as_deref_mut() {
-            let found = Tensor::zeros(1, DType::F32, &device)?;
-            if !grad_refs.is_empty() {
-                let inv_scale = Tensor::new(&[(1.0 / s.scale()) as f32], &device)?;
-                kernels.unscale_(&grad_refs, &inv_scale, &found)?;
-            }
-            let local = found.to_vec1::<f32>()?.first().is_some_and(|f| *f != 0.0);
+            let local = kernels.unscale_checked(&grad_refs, (1.0 / s.scale()) as f32)?;
             skipped = group.any(local)?;
             s.set_found_inf(skipped);
         }

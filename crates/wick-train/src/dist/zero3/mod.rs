@@ -85,8 +85,7 @@ struct Shard {
     state: Vec<Tensor>,
     /// The step's reduced gradient of the piece (f32), when any rank computed one.
     grad: Option<Vec<f32>>,
-    /// On the tensor path, the same as a tensor on the parameters' device, in the parameter's
-    /// dtype ([`tensors`]).
+    /// On GPU ranks, the same as a tensor on the device, in the parameter's dtype ([`tensors`]).
     device_grad: Option<Tensor>,
     /// Whether a block takes it (then the model's own tensor is never read).
     in_block: bool,
@@ -379,13 +378,38 @@ impl ParamShards {
     pub(crate) fn step(
         &self,
         vars: &[Var],
-        (mut scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
+        (scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
         lr: f64,
     ) -> Result<(Stepped, ReduceStats), TrainError> {
-        if let Some(comm) = &self.tensors {
-            return self.step_tensors(comm.as_ref(), vars, (scaler, max_norm), lr);
-        }
         self.finish_pending()?;
+        let outcome = match vars.first() {
+            Some(v) if v.device().is_cuda() => self.update_on_gpu(v.device(), (scaler, max_norm), lr)?,
+            _ => self.update_pieces((scaler, max_norm), lr)?,
+        };
+        // Every rank's updated pieces of the parameters read outside blocks, into the model.
+        let rest: Vec<usize> = {
+            let st = lock(&self.state);
+            (0..st.shards.len()).filter(|&i| !st.shards[i].in_block).collect()
+        };
+        // One parameter at a time, written into the model's tensor from the receive buffer:
+        // never more than one whole beside the model.
+        for &i in &rest {
+            match &self.tensors {
+                Some(comm) => self.gather_into_tensors(comm.as_ref(), i, &vars[i])?,
+                None => self.gather_into(i, vars[i].as_tensor())?,
+            }
+        }
+        Ok((outcome, self.settle(vars)?))
+    }
+
+    /// The step's arithmetic on the host: the reduced gradients' presence agreed, unscaled and
+    /// checked through the scaler, clipped by the norm over every rank's shards, each present
+    /// piece updated; the gradients dropped.
+    fn update_pieces(
+        &self,
+        (mut scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
+        lr: f64,
+    ) -> Result<Stepped, TrainError> {
         let mut st = lock(&self.state);
         st.optimizer.set_lr(lr);
         let local: Vec<u8> = st.shards.iter().map(|s| s.grad.is_some() as u8).collect();
@@ -415,15 +439,7 @@ impl ParamShards {
             s.update()?;
         }
         st.shards.iter_mut().for_each(|s| s.grad = None);
-        // Every rank's updated pieces of the parameters read outside blocks, into the model.
-        let rest: Vec<usize> = (0..st.shards.len()).filter(|&i| !st.shards[i].in_block).collect();
-        drop(st);
-        // One parameter at a time, written into the model's tensor from the receive buffer:
-        // never more than one whole beside the model.
-        for &i in &rest {
-            self.gather_into(i, vars[i].as_tensor())?;
-        }
-        Ok((outcome, self.settle(vars)?))
+        Ok(outcome)
     }
 
     /// The end of a step, once the parameters outside the blocks are back in the model: the

@@ -7,7 +7,7 @@ use std::time::Instant;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 
-use super::{lock, ParamShards};
+use super::{lock, ParamShards, Shard};
 use crate::dist::error::DistError;
 use crate::dist::pending::{Collective, Outgoing, Pending};
 use crate::dist::pieces::{rounded, with_f32};
@@ -108,21 +108,14 @@ impl ParamShards {
         for (&i, &chunk) in which.iter().zip(&chunks) {
             let s = &mut st.shards[i];
             // One parameter's piece is the receive buffer itself (no copy beside it).
-            let mut piece = if single {
+            let piece = if single {
                 recv.truncate(s.len);
                 std::mem::take(&mut recv)
             } else {
                 recv[at..at + s.len].to_vec()
             };
             at += chunk;
-            rounded(&mut piece, s.dtype);
-            match &mut s.grad {
-                Some(sum) => {
-                    sum.iter_mut().zip(&piece).for_each(|(a, b)| *a += b);
-                    rounded(sum, s.dtype);
-                }
-                None => s.grad = Some(piece),
-            }
+            s.add_piece(piece);
         }
         st.stats.comm_s += (t1 - t0).as_secs_f64();
         st.stats.pack_s += t1.elapsed().as_secs_f64();
@@ -156,5 +149,20 @@ impl ParamShards {
         }
         lock(&self.state).stats.exposed_s += t0.elapsed().as_secs_f64();
         Ok(())
+    }
+}
+
+impl Shard {
+    /// Adds this rank's piece of a reduction (f32, the sum over ranks) to the step's gradient of
+    /// the piece, rounded to the parameter's dtype as the replicated path's gradients are.
+    pub(super) fn add_piece(&mut self, mut piece: Vec<f32>) {
+        rounded(&mut piece, self.dtype);
+        match &mut self.grad {
+            Some(sum) => {
+                sum.iter_mut().zip(&piece).for_each(|(a, b)| *a += b);
+                rounded(sum, self.dtype);
+            }
+            None => self.grad = Some(piece),
+        }
     }
 }

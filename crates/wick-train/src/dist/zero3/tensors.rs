@@ -15,12 +15,13 @@
 //! - A block's reduction: its gradients widened to f32, each padded to the world size times its
 //!   chunk and laid out rank by rank, reduce-scattered at once (NCCL runs on the compute stream:
 //!   nothing is left in flight as on the host path); each piece's sum rounded to the parameter's
-//!   dtype, as the replicated paths give gradients back, and added to the step's.
-//! - The step: the ranks agree on presence, the inf finding and the norm on the host (one small
-//!   collective each, as on the host path); on a GPU the unscale, clipping's squares and the
-//!   update run on the fused multi-tensor kernels (one launch per gradient dtype), on the host on
-//!   the host path's update; the parameters read outside the blocks are gathered back one at a
-//!   time into the model's tensors; after the first update the model's own tensors of the
+//!   dtype, as the replicated paths give gradients back, and added to the step's (on the host,
+//!   to the host path's own gradients of the pieces).
+//! - The step ([`ParamShards::step`], shared with the host path): the ranks agree on presence,
+//!   the inf finding and the norm on the host (one small collective each); on a GPU the unscale,
+//!   clipping's squares and the update run on the fused multi-tensor kernels (one launch per
+//!   gradient dtype), on the host the host path's arithmetic runs; the parameters read outside
+//!   the blocks are gathered back one at a time into the model's tensors; after the first update the model's own tensors of the
 //!   blocks' parameters give their memory back ([`wick_nn::pages::release`]: they read as
 //!   zeros; a CUDA tensor's storage becomes host zeros).
 //!
@@ -34,12 +35,10 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::{lock, ParamShards, State};
-use crate::amp::{GradScaler, StepOutcome};
-use crate::dist::buckets::ReduceStats;
+use super::{lock, ParamShards};
+use crate::amp::GradScaler;
 use crate::dist::error::DistError;
-use crate::dist::pieces::{clip_over_ranks, rounded, with_f32};
-use crate::dist::zero::{zeroed_state, Stepped};
+use crate::dist::zero::Stepped;
 use crate::dist::{ProcessGroup, ReduceOp};
 use crate::error::TrainError;
 
@@ -249,6 +248,11 @@ impl ParamShards {
         let mut st = lock(&self.state);
         for (i, start) in placed {
             let s = &mut st.shards[i];
+            if !mine.device().is_cuda() {
+                // On the host the piece joins the host path's gradients, summed and rounded there.
+                s.add_piece(mine.narrow(0, start, s.len)?.to_vec1::<f32>()?);
+                continue;
+            }
             if s.len == 0 {
                 continue;
             }
@@ -305,7 +309,12 @@ impl ParamShards {
 
     /// Every rank's piece of parameter `i` (outside the blocks) written into `var`, the model's
     /// own tensor of it: no whole copy beside the gather's buffer.
-    fn gather_into_tensors(&self, comm: &dyn TensorCollectives, i: usize, var: &Var) -> Result<(), TrainError> {
+    pub(in crate::dist::zero3) fn gather_into_tensors(
+        &self,
+        comm: &dyn TensorCollectives,
+        i: usize,
+        var: &Var,
+    ) -> Result<(), TrainError> {
         let t0 = Instant::now();
         let (send, dims, dtype) = {
             let st = lock(&self.state);
@@ -335,154 +344,83 @@ impl ParamShards {
         Ok(())
     }
 
-    /// The step (see the module's documentation).
-    pub(in crate::dist::zero3) fn step_tensors(
+    /// The step's arithmetic on GPU ranks, on the fused multi-tensor kernels: the presence of
+    /// each piece's gradient, the inf finding and clipping's norm agreed on the host as the host
+    /// path agrees them; the unscale in place, the squares, and each present piece updated in one
+    /// launch per gradient dtype (a piece's optimizer state made, zeroed, at its first update);
+    /// the gradients dropped.
+    #[cfg(feature = "cuda")]
+    pub(in crate::dist::zero3) fn update_on_gpu(
         &self,
-        comm: &dyn TensorCollectives,
-        vars: &[Var],
+        device: &Device,
         (mut scaler, max_norm): (Option<&mut GradScaler>, Option<f64>),
         lr: f64,
-    ) -> Result<(Stepped, ReduceStats), TrainError> {
-        let device = vars.first().map(|v| v.device().clone()).ok_or_else(|| DistError::internal("no parameters"))?;
-        let arith = Arith::on(&device)?;
+    ) -> Result<Stepped, TrainError> {
+        use crate::amp::cuda::StepItem;
+        use crate::amp::StepOutcome;
+        use crate::dist::pieces::clip_over_ranks;
+        use crate::dist::zero::zeroed_state;
+        let kernels = crate::amp::cuda::shared(device)?;
         let mut st = lock(&self.state);
         st.optimizer.set_lr(lr);
         let local: Vec<u8> = st.shards.iter().map(|s| s.device_grad.is_some() as u8).collect();
         let mut present = vec![0u8; local.len()];
         self.group.comm().all_reduce(&local, &mut present, ReduceOp::Max)?;
+        let grads: Vec<&Tensor> = st.shards.iter().filter_map(|s| s.device_grad.as_ref()).collect();
         let mut skipped = false;
         if let Some(s) = scaler.as_deref_mut() {
-            let local = arith.unscale(&mut st, (1.0 / s.scale()) as f32, &device)?;
-            skipped = self.group.any(local)?;
+            skipped = self.group.any(kernels.unscale_checked(&grads, (1.0 / s.scale()) as f32)?)?;
             s.set_found_inf(skipped);
         }
         let outcome = if skipped {
             (StepOutcome::Skipped, None)
         } else {
-            let squares = match max_norm {
-                Some(_) => arith.squares(&st)?,
-                None => 0.0,
-            };
+            let squares = if max_norm.is_some() && !grads.is_empty() { kernels.squares_multi(&grads)? } else { 0.0 };
             let (factor, norm) = clip_over_ranks(&self.group, max_norm, || Ok(squares))?;
-            arith.update(&mut st, &present, factor)?;
+            st.step += 1;
+            let t = i32::try_from(st.step).map_err(|_| DistError::internal("the step count overflows"))?;
+            let optimizer = st.optimizer;
+            let mut zeros = Vec::new();
+            for (s, _) in st.shards.iter_mut().zip(&present).filter(|(s, p)| **p != 0 && s.len > 0) {
+                if s.state.is_empty() {
+                    s.state = zeroed_state(optimizer, s.len, device)?;
+                }
+                // Another rank's gradient only: this rank's share of it is zeros.
+                zeros.push(match s.device_grad {
+                    Some(_) => None,
+                    None => Some(Tensor::zeros(s.len, s.dtype, device)?),
+                });
+            }
+            let items: Vec<StepItem<'_>> = st
+                .shards
+                .iter()
+                .zip(&present)
+                .filter(|(s, p)| **p != 0 && s.len > 0)
+                .zip(&zeros)
+                .filter_map(|((s, _), zero)| {
+                    let grad = s.device_grad.as_ref().or(zero.as_ref())?;
+                    Some(StepItem { target: &s.master, grad, state: &s.state, model: None })
+                })
+                .collect();
+            kernels.optimizer_step_multi_(&items, optimizer, t, None, factor)?;
             (StepOutcome::Applied, norm)
         };
         if let Some(s) = scaler {
             s.update()?;
         }
         st.shards.iter_mut().for_each(|s| s.device_grad = None);
-        let rest: Vec<usize> = (0..st.shards.len()).filter(|&i| !st.shards[i].in_block).collect();
-        drop(st);
-        // The parameters read outside the blocks, one at a time, into the model's tensors.
-        for &i in &rest {
-            self.gather_into_tensors(comm, i, &vars[i])?;
-        }
-        Ok((outcome, self.settle(vars)?))
-    }
-}
-
-/// Where the step's arithmetic runs: the fused multi-tensor kernels on a GPU, the host path's
-/// element-wise rules on the host.
-enum Arith {
-    #[cfg(feature = "cuda")]
-    Gpu(std::sync::Arc<crate::amp::cuda::AmpKernels>),
-    Host,
-}
-
-impl Arith {
-    fn on(device: &Device) -> Result<Self, TrainError> {
-        #[cfg(feature = "cuda")]
-        if device.is_cuda() {
-            return Ok(Arith::Gpu(crate::amp::cuda::shared(device)?));
-        }
-        let _ = device;
-        Ok(Arith::Host)
+        Ok(outcome)
     }
 
-    /// Every gradient multiplied by `inv` (rounded to its dtype): whether any is inf or NaN.
-    fn unscale(&self, st: &mut State, inv: f32, device: &Device) -> Result<bool, TrainError> {
-        match self {
-            #[cfg(feature = "cuda")]
-            Arith::Gpu(kernels) => {
-                let grads: Vec<&Tensor> = st.shards.iter().filter_map(|s| s.device_grad.as_ref()).collect();
-                let found = Tensor::zeros(1, DType::F32, device)?;
-                if !grads.is_empty() {
-                    kernels.unscale_(&grads, &Tensor::new(&[inv], device)?, &found)?;
-                }
-                Ok(found.to_vec1::<f32>()?.first().is_some_and(|f| *f != 0.0))
-            }
-            Arith::Host => {
-                let _ = device;
-                let mut found = false;
-                for s in st.shards.iter_mut() {
-                    if let Some(g) = &s.device_grad {
-                        let mut values = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                        values.iter_mut().for_each(|v| *v *= inv);
-                        rounded(&mut values, s.dtype);
-                        found |= values.iter().any(|v| !v.is_finite());
-                        s.device_grad = Some(Tensor::from_vec(values, s.len, &Device::Cpu)?.to_dtype(s.dtype)?);
-                    }
-                }
-                Ok(found)
-            }
-        }
-    }
-
-    /// The sum of the gradients' squares (this rank's pieces).
-    fn squares(&self, st: &State) -> Result<f64, TrainError> {
-        let grads: Vec<&Tensor> = st.shards.iter().filter_map(|s| s.device_grad.as_ref()).collect();
-        match self {
-            #[cfg(feature = "cuda")]
-            Arith::Gpu(kernels) if !grads.is_empty() => kernels.squares_multi(&grads),
-            #[cfg(feature = "cuda")]
-            Arith::Gpu(_) => Ok(0.0),
-            Arith::Host => {
-                let mut total = 0.0;
-                for g in grads {
-                    total += with_f32(g, wick_kernels::cpu::optim::sum_of_squares)?;
-                }
-                Ok(total)
-            }
-        }
-    }
-
-    /// This rank's pieces of the present parameters updated, every gradient multiplied by
-    /// `factor` (a piece's optimizer state made, zeroed, at its first update): one launch per
-    /// gradient dtype on a GPU.
-    fn update(&self, st: &mut State, present: &[u8], factor: f32) -> Result<(), TrainError> {
-        st.step += 1;
-        let t = i32::try_from(st.step).map_err(|_| DistError::internal("the step count overflows"))?;
-        let optimizer = st.optimizer;
-        let mut grads = Vec::new();
-        for (s, _) in st.shards.iter_mut().zip(present).filter(|(s, p)| **p != 0 && s.len > 0) {
-            if s.state.is_empty() {
-                s.state = zeroed_state(optimizer, s.len, s.master.device())?;
-            }
-            // Another rank's gradient only: this rank's share of it is zeros.
-            grads.push(match &s.device_grad {
-                Some(g) => g.clone(),
-                None => Tensor::zeros(s.len, s.dtype, s.master.device())?,
-            });
-        }
-        let updated = st.shards.iter_mut().zip(present).filter(|(s, p)| **p != 0 && s.len > 0).map(|(s, _)| s);
-        match self {
-            #[cfg(feature = "cuda")]
-            Arith::Gpu(kernels) => {
-                use crate::amp::cuda::StepItem;
-                let items: Vec<StepItem<'_>> = updated
-                    .zip(&grads)
-                    .map(|(s, grad)| StepItem { target: &s.master, grad, state: &s.state, model: None })
-                    .collect();
-                kernels.optimizer_step_multi_(&items, optimizer, t, None, factor)
-            }
-            Arith::Host => {
-                for (s, g) in updated.zip(&grads) {
-                    let g = g.to_dtype(DType::F32)?;
-                    s.state = crate::optim::step(&s.master, &g, &s.state, (optimizer, t), factor)?;
-                }
-                Ok(())
-            }
-        }
+    /// Without CUDA no parameter is on a GPU.
+    #[cfg(not(feature = "cuda"))]
+    pub(in crate::dist::zero3) fn update_on_gpu(
+        &self,
+        _: &Device,
+        _: (Option<&mut GradScaler>, Option<f64>),
+        _: f64,
+    ) -> Result<Stepped, TrainError> {
+        Err(DistError::internal("ZeRO-3: a GPU parameter in a build without CUDA").into())
     }
 }
 
